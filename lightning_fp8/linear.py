@@ -1,0 +1,168 @@
+"""FP8Linear: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 with per-tensor scaling.
+
+::
+
+    forward   y  = x_fp8  @ w_fp8^T        E4M3 x E4M3, fp32 accumulate, out in the activation dtype
+    dgrad     dx = dy_fp8 @ w_fp8          E5M2 x E4M3 (hybrid) or E4M3 x E4M3
+    wgrad     dw = dy_fp8^T @ x_fp8        E5M2 x E4M3
+
+``torch._scaled_mm`` wants its first operand row-major and its second column-major, so the casts also
+write transposed FP8 copies (one read of the input, see kernels/cast.py). The backward keeps the FP8
+copies, not the high-precision input: activation memory for linear inputs halves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fp8 import ops
+from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.scaling import ScalingState
+
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _FP8Matmul(torch.autograd.Function):
+    """``y = x @ w^T`` with FP8 operands; ``x`` is 2-D (tokens, in_features)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fp8: nn.ModuleDict, out_dtype: torch.dtype, first: bool
+    ):
+        # `first`: no amax history yet, so delayed roles use their tensor's own amax this step.
+        need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
+        x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(x, need_wgrad, first or not fp8["input"].delayed)
+        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True)
+        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype)  # forward
+        ctx.save_for_backward(x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv)
+        ctx.grad_state = fp8["grad_output"]
+        ctx.grad_current = first or not fp8["grad_output"].delayed
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
+        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_state.quantize(dy.contiguous(), need_wgrad, ctx.grad_current)
+        dx = dw = None
+        if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
+            dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
+        if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
+            dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
+        return dx, dw, None, None, None
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` with FP8 GEMMs; same parameters and state_dict keys.
+
+    The FP8 scaling state (scales, amax histories, statistics) lives in ``self.fp8_scaling``, a
+    ``ModuleDict`` of :class:`~lightning_fp8.scaling.ScalingState` per role (``input``, ``weight``,
+    ``grad_output``) with non-persistent buffers: save it with :func:`lightning_fp8.fp8_state_dict`.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``. Both feature sizes must be
+            multiples of 16 (an FP8 GEMM requirement).
+        recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name (default ``"fp8-lm"``).
+
+    The output dtype is the autocast dtype when autocast is on, else the input's dtype (bf16, fp16, fp32).
+
+    Example:
+        >>> layer = FP8Linear(64, 32)
+        >>> layer(torch.randn(4, 10, 64)).shape
+        torch.Size([4, 10, 32])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: FP8Recipe | str | None = None,
+    ) -> None:
+        for name, size in (("in_features", in_features), ("out_features", out_features)):
+            if size % 16:
+                raise ValueError(
+                    f"FP8Linear({name}={size}): FP8 GEMMs need feature sizes that are multiples of 16; "
+                    "keep this layer as nn.Linear (convert_to_fp8 does so automatically)"
+                )
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = resolve_recipe(recipe)
+        self._init_scaling(self.weight.device)
+
+    def _init_scaling(self, device: torch.device) -> None:
+        r = self.recipe
+        delayed = r.scaling == "delayed"
+        common = {"margin": r.margin, "algo": r.amax_compute_algo, "device": device}
+        self.fp8_scaling = nn.ModuleDict(
+            {
+                "input": ScalingState(r.forward_dtype, r.amax_history_len, delayed=delayed, **common),
+                # Weights know their amax exactly (the optimizer just wrote them): always current scaling.
+                "weight": ScalingState(r.forward_dtype, 1, delayed=False, **common),
+                "grad_output": ScalingState(r.backward_dtype, r.amax_history_len, delayed=delayed, **common),
+            }
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str | None = None) -> FP8Linear:
+        """Wrap an existing ``nn.Linear``, sharing its parameter objects (optimizers that hold them keep working)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        if new.in_features % 16 or new.out_features % 16:
+            raise ValueError(
+                f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16"
+            )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.recipe = resolve_recipe(recipe)
+        new.train(linear.training)
+        new._init_scaling(linear.weight.device)
+        return new
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return f"{super().extra_repr()}, fp8_format={r.fp8_format}, scaling={r.scaling}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        x_2d = x.reshape(-1, self.in_features)
+        first = not self.fp8_scaling["input"].initialized
+        y = _FP8Matmul.apply(x_2d, self.weight, self.fp8_scaling, out_dtype, first)
+        if first:  # outside the autograd.Function, where torch.compile allows Python state to change
+            for state in self.fp8_scaling.values():
+                state.initialized = True
+        if self.bias is not None:
+            y = y + self.bias.to(out_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"FP8Linear expects a tensor input, got {type(x).__name__}")
+        if x.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(
+                f"FP8Linear received an input of dtype {x.dtype}: FP8 layers take floating-point activations "
+                f"in {[str(d) for d in _ACTIVATION_DTYPES]}; cast the input first (e.g. x.float() or x.bfloat16())"
+            )
+        if self.weight.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(
+                f"FP8Linear weight has dtype {self.weight.dtype}: use float32, bfloat16 or float16 parameters"
+            )
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"FP8Linear(in_features={self.in_features}) received an input of shape {tuple(x.shape)}: "
+                f"its last dimension must be {self.in_features}"
+            )
+        if x.device != self.weight.device:
+            raise ValueError(
+                f"FP8Linear input is on {x.device} but the layer's weight is on {self.weight.device}: "
+                "move the input or the model to the same device"
+            )

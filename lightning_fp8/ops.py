@@ -1,0 +1,114 @@
+"""The one dispatch point between Triton kernels and their PyTorch references, and the FP8 GEMM.
+
+On a CUDA device with Triton, casts run the fused Triton kernels; elsewhere (CPU in CI, a laptop) the
+references in :mod:`lightning_fp8.kernels.reference` run the same numerics. GEMMs use
+``torch._scaled_mm`` on GPUs with FP8 tensor cores (sm89+) and an emulation (dequantize, fp32 matmul)
+elsewhere. ``LIGHTNING_FP8_KERNELS=reference`` forces the references (debugging); ``=triton`` forces
+Triton even on CPU tensors (tests under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from lightning_fp8.kernels import reference
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernel_mode() -> str:
+    mode = os.environ.get("LIGHTNING_FP8_KERNELS", "auto")
+    if mode not in ("auto", "triton", "reference"):
+        raise ValueError(f"LIGHTNING_FP8_KERNELS={mode!r} is not supported: use 'auto', 'triton' or 'reference'")
+    return mode
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether kernels on tensor ``t`` run in Triton (CUDA + Triton, unless overridden by the environment)."""
+    mode = _kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        return True
+    return t.is_cuda and triton_available()
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` as 0-dim fp32 (NaN counts as inf)."""
+    if use_triton(x):
+        from lightning_fp8.kernels import cast
+
+        return cast.amax(x)
+    return reference.amax_ref(x)
+
+
+def cast_to_fp8(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Saturating scaled FP8 cast; see :func:`lightning_fp8.kernels.reference.cast_to_fp8_ref`."""
+    if use_triton(x):
+        from lightning_fp8.kernels import cast
+
+        return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
+    return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
+
+
+@functools.cache
+def _device_has_fp8_gemm(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def has_fp8_gemm(device: torch.device) -> bool:
+    """True where ``torch._scaled_mm`` runs real FP8 GEMMs (CUDA devices of compute capability 8.9+)."""
+    if device.type != "cuda" or os.environ.get("LIGHTNING_FP8_EMULATE_GEMM") == "1":
+        return False
+    return _device_has_fp8_gemm(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def scaled_mm(
+    a_fp8: torch.Tensor,
+    b_fp8: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a_fp8 * a_scale_inv) @ (b_fp8 * b_scale_inv)`` with fp32 accumulation, returned in ``out_dtype``.
+
+    ``a_fp8`` (M, K) must be row-major and ``b_fp8`` (K, N) column-major (``w_fp8.t()`` of a row-major
+    ``w_fp8``), as ``torch._scaled_mm`` wants. N must be a multiple of 16 on the real path; M and K that
+    are not are zero-padded here.
+    """
+    if has_fp8_gemm(a_fp8.device):
+        return _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype)
+    # Emulation: FP8 values and power-of-two scales are exact in fp32, so this is the exact product
+    # up to fp32 accumulation order. Autocast must not downcast the fp32 matmul.
+    with torch.autocast(a_fp8.device.type, enabled=False):
+        out = (a_fp8.float() * a_scale_inv) @ (b_fp8.float() * b_scale_inv)
+    return out.to(out_dtype)
+
+
+def _pad_last(t_fp8: torch.Tensor, pad: int) -> torch.Tensor:
+    # F.pad has no FP8 kernels; pad the bytes (a zero byte is +0.0 in both formats).
+    return torch.nn.functional.pad(t_fp8.view(torch.uint8), (0, pad)).view(t_fp8.dtype)
+
+
+def _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype):
+    # torch._scaled_mm needs M and the inner dimension K to be multiples of 16 (and N, which the layer
+    # shapes guarantee). Zero padding is exact: padded rows are dropped, padded K terms add zero.
+    m, k = a_fp8.shape
+    pad_k = (-k) % 16
+    if pad_k:
+        a_fp8 = _pad_last(a_fp8, pad_k)
+        b_fp8 = _pad_last(b_fp8.t(), pad_k).t()
+    pad_m = (-m) % 16
+    if pad_m:
+        a_fp8 = _pad_last(a_fp8.t().contiguous(), pad_m).t().contiguous()
+    out = torch._scaled_mm(a_fp8, b_fp8, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype)
+    return out[:m] if pad_m else out

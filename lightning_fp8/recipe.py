@@ -1,0 +1,132 @@
+"""FP8Recipe: the frozen configuration of FP8-LM training.
+
+A recipe answers: which FP8 formats (hybrid E4M3/E5M2 or all-E4M3), how scales are chosen (delayed
+from an amax history, or current from the tensor itself), and how much of the optimizer runs in low
+precision (opt level O1 or O2, see DESIGN.md "Optimization levels").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+import torch
+
+from lightning_fp8.formats import E4M3, E5M2
+
+FP8Format = Literal["hybrid", "e4m3"]
+Scaling = Literal["delayed", "current"]
+AmaxComputeAlgo = Literal["max", "most_recent"]
+OptLevel = Literal["O1", "O2"]
+
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    "fp8_format": ("hybrid", "e4m3"),
+    "scaling": ("delayed", "current"),
+    "amax_compute_algo": ("max", "most_recent"),
+    "opt_level": ("O1", "O2"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Recipe:
+    """How FP8 training casts, scales and stores tensors.
+
+    Args:
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients; the default) or ``"e4m3"`` (E4M3 everywhere).
+        scaling: ``"delayed"`` (scale from the amax history of earlier steps; one pass per cast) or
+            ``"current"`` (scale from this tensor's own amax; two passes). Weights always use their
+            current amax, which is exact and cheap.
+        amax_history_len: length of the amax history window for delayed scaling (>= 1).
+        amax_compute_algo: ``"max"`` over the history window, or ``"most_recent"`` entry.
+        margin: the scale is ``2 ** (floor(log2(fp8_max / amax)) - margin)``; a margin of 1 leaves one
+            binade of headroom.
+        opt_level: ``"O1"`` (FP8 GEMMs and gradients, fp32 optimizer states) or ``"O2"`` (also FP8 first
+            moment, fp16 second moment and fp16 master weights: 6 bytes per parameter).
+
+    Example:
+        >>> FP8Recipe.from_name("fp8-lm").scaling
+        'delayed'
+        >>> FP8Recipe(scaling="current", margin=1).margin
+        1
+    """
+
+    fp8_format: FP8Format = "hybrid"
+    scaling: Scaling = "delayed"
+    amax_history_len: int = 16
+    amax_compute_algo: AmaxComputeAlgo = "max"
+    margin: int = 0
+    opt_level: OptLevel = "O2"
+
+    def __post_init__(self) -> None:
+        for name, allowed in _ALLOWED.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"FP8Recipe({name}={value!r}) is not supported: choose one of {list(allowed)}")
+        for name, low in (("amax_history_len", 1), ("margin", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"FP8Recipe({name}={value!r}) must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"FP8Recipe({name}={value!r}) must be >= {low}")
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """FP8 dtype of activations and weights."""
+        return E4M3
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        """FP8 dtype of gradients (E5M2 for ``"hybrid"``, E4M3 for ``"e4m3"``)."""
+        return E5M2 if self.fp8_format == "hybrid" else E4M3
+
+    @classmethod
+    def from_name(cls, name: str) -> FP8Recipe:
+        """A named recipe: one of :meth:`names`.
+
+        Raises:
+            ValueError: if ``name`` is not a known recipe.
+        """
+        if name not in _NAMED:
+            raise ValueError(f"unknown FP8 recipe name {name!r}: choose one of {sorted(_NAMED)}")
+        return cls(**_NAMED[name])
+
+    @staticmethod
+    def names() -> list[str]:
+        return sorted(_NAMED)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> FP8Recipe:
+        """Build a recipe from a mapping (e.g. a YAML config), rejecting unknown keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown FP8Recipe field(s) {sorted(unknown)}: allowed fields are {sorted(known)}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> FP8Recipe:
+        return replace(self, **changes)
+
+
+_NAMED: dict[str, dict[str, Any]] = {
+    # FP8-LM as in the paper: hybrid formats, delayed scaling, O2 optimizer.
+    "fp8-lm": {},
+    "fp8-lm-o1": {"opt_level": "O1"},
+    # Just-in-time scaling: every cast uses the tensor's own amax (robust, two passes).
+    "fp8-lm-current": {"scaling": "current"},
+    # All-E4M3: gradients in E4M3 too (more precision, less range).
+    "fp8-lm-e4m3": {"fp8_format": "e4m3"},
+}
+
+
+def resolve_recipe(recipe: FP8Recipe | str | None) -> FP8Recipe:
+    """Accept a recipe, a recipe name, or ``None`` (the ``"fp8-lm"`` default)."""
+    if recipe is None:
+        return FP8Recipe()
+    if isinstance(recipe, str):
+        return FP8Recipe.from_name(recipe)
+    if not isinstance(recipe, FP8Recipe):
+        raise TypeError(f"recipe must be an FP8Recipe, a recipe name or None, got {type(recipe).__name__}")
+    return recipe
