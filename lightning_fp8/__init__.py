@@ -1,8 +1,16 @@
 """lightning_fp8: FP8-LM mixed-precision training for PyTorch, Lightning and Accelerate.
 
-The core (this package) imports only torch. ``import lightning_fp8`` also registers
-``Trainer(precision="fp8-lm")`` and ``strategy="fsdp_fp8"`` when Lightning is installed.
+The core (this package's top-level modules) imports only torch. When Lightning is installed,
+``import lightning_fp8`` also registers ``Trainer(precision="fp8-lm")`` and ``strategy="fsdp_fp8"``.
+Public names are resolved lazily so that importing the core never imports Lightning or Accelerate
+unless a name from them is used.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
 
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.formats import E4M3, E5M2, fp8_max
@@ -12,6 +20,17 @@ from lightning_fp8.scaling import ScalingState, compute_scale
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 
 __version__ = "0.1.0"
+
+# name -> module that defines it; imported on first attribute access.
+_LAZY = {
+    "FP8AdamW": "lightning_fp8.optim",
+    "FP8GradScaler": "lightning_fp8.grad_scaler",
+    "fp8_stats": "lightning_fp8.stats",
+    "HealthMonitor": "lightning_fp8.health",
+    "FP8LMPrecision": "lightning_fp8.integrations.lightning",
+    "FP8FSDPStrategy": "lightning_fp8.integrations.lightning",
+}
+_LAZY_MODULES = ("distributed", "callbacks", "accelerate", "kernels", "stats", "health", "optim")
 
 __all__ = [
     "E4M3",
@@ -25,4 +44,26 @@ __all__ = [
     "fp8_modules",
     "fp8_state_dict",
     "load_fp8_state_dict",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"lightning_fp8.{name}")
+    raise AttributeError(f"module 'lightning_fp8' has no attribute {name!r}")
+
+
+def _register_with_lightning() -> None:
+    # The one registration with Lightning's internals (precision "fp8-lm", strategy "fsdp_fp8"); it lives
+    # in integrations/lightning/registry.py, is idempotent, and is skipped when Lightning is absent.
+    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
+        return
+    if importlib.util.find_spec("lightning_fp8.integrations.lightning.registry") is None:
+        return
+    importlib.import_module("lightning_fp8.integrations.lightning.registry").register()
+
+
+_register_with_lightning()
