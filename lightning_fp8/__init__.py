@@ -59,9 +59,15 @@ def __getattr__(name: str) -> Any:
 def _register_with_lightning() -> None:
     # The one registration with Lightning's internals (precision "fp8-lm", strategy "fsdp_fp8"); it lives
     # in integrations/lightning/registry.py, is idempotent, and is skipped when Lightning is absent.
-    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:  # a broken or blocked install counts as absent
+            return False
+
+    if not (installed("lightning") or installed("pytorch_lightning")):
         return
-    if importlib.util.find_spec("lightning_fp8.integrations.lightning.registry") is None:
+    if not installed("lightning_fp8.integrations.lightning.registry"):
         return
     importlib.import_module("lightning_fp8.integrations.lightning.registry").register()
 

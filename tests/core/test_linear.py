@@ -1,0 +1,183 @@
+import pytest
+import torch
+from lightning_fp8.kernels.reference import cast_to_fp8_ref
+from torch import nn
+
+from lightning_fp8 import FP8Linear, FP8Recipe, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.scaling import compute_scale
+from tests.numerics import BACKWARD_E4M3_SQNR_DB, BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
+
+
+def _pair(in_f, out_f, bias=True, recipe=None, dtype=torch.float32):
+    ref = nn.Linear(in_f, out_f, bias=bias, dtype=dtype)
+    fp8 = FP8Linear(in_f, out_f, bias=bias, dtype=dtype, recipe=recipe)
+    fp8.load_state_dict(ref.state_dict())
+    return fp8, ref
+
+
+def _run(layer, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    return y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
+
+
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-current"])
+@pytest.mark.parametrize(("tokens", "in_f", "out_f"), [(37, 48, 80), (128, 64, 32), (5, 16, 112)])
+def test_sqnr_against_fp32(recipe, tokens, in_f, out_f):
+    fp8, ref = _pair(in_f, out_f, recipe=recipe)
+    for _ in range(3):  # several steps: delayed scaling uses the history from step 2 on
+        x, dy = torch.randn(tokens, in_f), torch.randn(tokens, out_f)
+        got, want = _run(fp8, x, dy), _run(ref, x, dy)
+        assert sqnr(got[0], want[0]) > FORWARD_SQNR_DB
+        assert sqnr(got[1], want[1]) > BACKWARD_SQNR_DB
+        assert sqnr(got[2], want[2]) > BACKWARD_SQNR_DB
+        torch.testing.assert_close(got[3], want[3])  # bias grad is a plain sum in high precision
+        fp8.zero_grad()
+        ref.zero_grad()
+
+
+def test_e4m3_gradients_are_more_precise_than_e5m2():
+    x, dy = torch.randn(64, 32), torch.randn(64, 48)
+    results = {}
+    for name in ("fp8-lm", "fp8-lm-e4m3"):
+        fp8, ref = _pair(32, 48, recipe=name)
+        results[name] = sqnr(_run(fp8, x, dy)[1], _run(ref, x, dy)[1])
+    assert results["fp8-lm-e4m3"] > BACKWARD_E4M3_SQNR_DB
+    assert results["fp8-lm-e4m3"] > results["fp8-lm"] + 3
+
+
+def test_forward_equals_dequantized_product():
+    # Independent of the GEMM path: the output is exactly (x_fp8 * s_x^-1) @ (w_fp8 * s_w^-1)^T in fp32.
+    fp8 = FP8Linear(32, 48, bias=False, recipe="fp8-lm-current")
+    x = torch.randn(19, 32)
+    sx = compute_scale(x.abs().amax(), torch.float8_e4m3fn)
+    sw = compute_scale(fp8.weight.abs().amax(), torch.float8_e4m3fn)
+    xq = cast_to_fp8_ref(x, sx, torch.float8_e4m3fn)[0].double() / sx.double()
+    wq = cast_to_fp8_ref(fp8.weight, sw, torch.float8_e4m3fn)[0].double() / sw.double()
+    torch.testing.assert_close(fp8(x).double(), xq @ wq.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_nd_inputs_and_no_bias():
+    fp8, ref = _pair(48, 32, bias=False)
+    x, dy = torch.randn(3, 5, 7, 48), torch.randn(3, 5, 7, 32)
+    got, want = _run(fp8, x, dy), _run(ref, x, dy)
+    assert got[0].shape == (3, 5, 7, 32) and got[1].shape == x.shape
+    assert sqnr(got[0], want[0]) > FORWARD_SQNR_DB and sqnr(got[1], want[1]) > BACKWARD_SQNR_DB
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_activations(act_dtype):
+    fp8, ref = _pair(64, 48)
+    x, dy = torch.randn(33, 64), torch.randn(33, 48)
+    got = _run(fp8, x.to(act_dtype), dy.to(act_dtype))
+    want = _run(ref, x, dy)
+    assert got[0].dtype == act_dtype and got[1].dtype == act_dtype
+    assert fp8.weight.grad.dtype == torch.float32
+    assert sqnr(got[0], want[0]) > FORWARD_SQNR_DB - 1  # plus one bf16/fp16 rounding of the output
+    assert sqnr(got[1], want[1]) > BACKWARD_SQNR_DB
+
+
+def test_autocast_output_dtype_and_fp32_weight_grad():
+    fp8, ref = _pair(32, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8(x)
+        y_ref = ref(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and fp8.weight.grad.dtype == torch.float32
+    assert sqnr(y, y_ref) > FORWARD_SQNR_DB - 3
+
+
+def test_saves_fp8_copies_not_the_input():
+    fp8 = FP8Linear(64, 32)
+    x = torch.randn(16, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8(x)
+    assert not any(t.data_ptr() == x.data_ptr() for t in saved)
+    assert {t.dtype for t in saved if t.dim() == 2} == {torch.float8_e4m3fn}
+
+
+def test_no_input_grad_skips_dgrad_and_frozen_weight_skips_wgrad():
+    fp8 = FP8Linear(32, 16)
+    fp8(torch.randn(4, 32)).sum().backward()
+    assert fp8.weight.grad is not None
+    fp8.weight.requires_grad_(False)
+    x = torch.randn(4, 32, requires_grad=True)
+    fp8(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_state_dict_keys_match_nn_linear_and_fp8_state_round_trips(tmp_path):
+    fp8 = FP8Linear(32, 48)
+    assert fp8.state_dict().keys() == nn.Linear(32, 48).state_dict().keys()
+    for _ in range(3):
+        fp8(torch.randn(10, 32)).sum().backward()
+    path = tmp_path / "fp8.pt"
+    torch.save({"model": fp8.state_dict(), "fp8": fp8_state_dict(fp8)}, path)
+    ckpt = torch.load(path, weights_only=True)
+    clone = FP8Linear(32, 48)
+    clone.load_state_dict(ckpt["model"])
+    load_fp8_state_dict(clone, ckpt["fp8"])
+    x = torch.randn(7, 32)
+    assert torch.equal(clone(x), fp8(x))
+    assert clone.fp8_scaling["input"].initialized
+
+
+def test_load_fp8_state_rejects_other_model():
+    fp8 = FP8Linear(32, 48)
+    with pytest.raises(KeyError, match="missing"):
+        load_fp8_state_dict(fp8, {})
+    other = FP8Linear(32, 48, recipe=FP8Recipe(amax_history_len=4))
+    with pytest.raises(ValueError, match="amax_history_len"):
+        load_fp8_state_dict(fp8, fp8_state_dict(other))
+
+
+def test_torch_compile_matches_eager():
+    eager = FP8Linear(32, 48)
+    compiled_src = FP8Linear(32, 48)
+    compiled_src.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_src, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        x = torch.randn(24, 32)
+        y1, y2 = eager(x), compiled(x)
+        y1.square().sum().backward()
+        y2.square().sum().backward()
+        assert torch.equal(y1, y2)
+        assert torch.equal(eager.weight.grad, compiled_src.weight.grad)
+        eager.zero_grad()
+        compiled_src.zero_grad()
+    assert torch.equal(eager.fp8_scaling["grad_output"].scale, compiled_src.fp8_scaling["grad_output"].scale)
+
+
+@pytest.mark.parametrize(
+    ("x", "exc", "match"),
+    [
+        (torch.randint(0, 5, (4, 32)), TypeError, "dtype torch.int64.*cast the input"),
+        (torch.randn(4, 32, dtype=torch.complex64), TypeError, "complex64"),
+        (torch.randn(4, 32, dtype=torch.float64), TypeError, "float64"),
+        (torch.randn(4, 31), ValueError, r"shape \(4, 31\).*last dimension must be 32"),
+        (torch.tensor(1.0), ValueError, "shape"),
+    ],
+)
+def test_bad_inputs_have_clear_errors(x, exc, match):
+    with pytest.raises(exc, match=match):
+        FP8Linear(32, 16)(x)
+
+
+def test_feature_sizes_must_be_multiples_of_16():
+    with pytest.raises(ValueError, match="in_features=20.*multiples of 16"):
+        FP8Linear(20, 16)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        FP8Linear.from_linear(nn.Linear(16, 10))
+
+
+def test_nonfinite_input_propagates_not_saturates():
+    fp8 = FP8Linear(16, 16, recipe="fp8-lm-current")
+    x = torch.randn(4, 16)
+    x[1, 2] = float("inf")
+    y = fp8(x)
+    assert not torch.isfinite(y[1]).any() and torch.isfinite(y[[0, 2, 3]]).all()
+    assert fp8.fp8_scaling["input"].nonfinite_count.item() == 1

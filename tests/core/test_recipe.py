@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from lightning_fp8 import FP8Recipe
+from lightning_fp8.recipe import resolve_recipe
+
+
+def test_defaults_are_fp8_lm():
+    r = FP8Recipe()
+    assert (r.fp8_format, r.scaling, r.amax_history_len, r.amax_compute_algo, r.margin, r.opt_level) == (
+        "hybrid",
+        "delayed",
+        16,
+        "max",
+        0,
+        "O2",
+    )
+    assert r.forward_dtype == torch.float8_e4m3fn and r.backward_dtype == torch.float8_e5m2
+    assert FP8Recipe(fp8_format="e4m3").backward_dtype == torch.float8_e4m3fn
+
+
+def test_named_recipes():
+    assert FP8Recipe.from_name("fp8-lm") == FP8Recipe()
+    assert FP8Recipe.from_name("fp8-lm-o1").opt_level == "O1"
+    assert FP8Recipe.from_name("fp8-lm-current").scaling == "current"
+    assert set(FP8Recipe.names()) >= {"fp8-lm", "fp8-lm-o1", "fp8-lm-current", "fp8-lm-e4m3"}
+    with pytest.raises(ValueError, match="unknown FP8 recipe name 'fp8-xx'.*fp8-lm"):
+        FP8Recipe.from_name("fp8-xx")
+
+
+def test_frozen_and_keyword_only():
+    r = FP8Recipe()
+    with pytest.raises(AttributeError):
+        r.margin = 2
+    with pytest.raises(TypeError):
+        FP8Recipe("hybrid")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("fp8_format", "e5m2", "fp8_format='e5m2'.*hybrid"),
+        ("scaling", "dynamic", "scaling='dynamic'.*delayed"),
+        ("amax_compute_algo", "mean", "amax_compute_algo='mean'"),
+        ("opt_level", "O3", "opt_level='O3'.*O1"),
+        ("opt_level", 2, "opt_level=2"),
+        ("amax_history_len", 0, "amax_history_len=0.*>= 1"),
+        ("amax_history_len", 4.0, "amax_history_len=4.0.*must be an int"),
+        ("margin", -1, "margin=-1"),
+        ("margin", True, "margin=True.*must be an int"),
+    ],
+)
+def test_bad_values_name_field_value_and_allowed(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        FP8Recipe(**{field: value})
+
+
+def test_dict_round_trip_and_unknown_keys():
+    r = FP8Recipe(scaling="current", margin=1)
+    assert FP8Recipe.from_dict(r.to_dict()) == r
+    with pytest.raises(ValueError, match="unknown FP8Recipe field.*'histroy'"):
+        FP8Recipe.from_dict({"histroy": 3})
+
+
+def test_resolve_recipe():
+    assert resolve_recipe(None) == FP8Recipe()
+    assert resolve_recipe("fp8-lm-o1").opt_level == "O1"
+    with pytest.raises(TypeError, match="recipe must be"):
+        resolve_recipe(3)

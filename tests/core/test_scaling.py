@@ -1,0 +1,115 @@
+import math
+
+import pytest
+import torch
+from lightning_fp8.kernels.reference import cast_to_fp8_ref
+
+from lightning_fp8.formats import E4M3, E5M2, fp8_max
+from lightning_fp8.scaling import ScalingState, compute_scale
+
+
+def _scale_by_definition(amax: float, fmax: float, margin: int) -> float:
+    # Independent reference: the largest power of two 2**k with amax * 2**k <= fmax, found in float64.
+    k = math.floor(math.log2(fmax / amax))
+    while amax * 2.0 ** (k + 1) <= fmax:
+        k += 1
+    while amax * 2.0**k > fmax:
+        k -= 1
+    return 2.0 ** (k - margin)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_compute_scale_matches_definition(dtype, margin):
+    fmax = fp8_max(dtype)
+    amaxes = torch.cat(
+        [
+            torch.rand(200).mul(40).sub(20).exp2(),  # 2**-20 .. 2**20
+            torch.tensor([fmax, fmax / 2, fmax / 4 * 1.0000001, 1.0, 3.0, 1e-30]),
+        ]
+    )
+    for a in amaxes.tolist():
+        got = compute_scale(torch.tensor(a), dtype, margin).item()
+        assert got == _scale_by_definition(a, fmax, margin), a
+        assert a * got <= fmax / 2**margin
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
+def test_compute_scale_keeps_previous_for_zero_and_nonfinite(bad):
+    prev = torch.tensor(64.0)
+    assert compute_scale(torch.tensor(bad), E4M3, 0, prev).item() == 64.0
+    assert compute_scale(torch.tensor(bad), E4M3).item() == 1.0
+
+
+def test_compute_scale_is_elementwise():
+    a = torch.tensor([1.0, 448.0, 0.0])
+    assert compute_scale(a, E4M3, 0, torch.full((3,), 8.0)).tolist() == [256.0, 1.0, 8.0]
+
+
+def test_delayed_scaling_uses_history_of_earlier_casts():
+    s = ScalingState(E4M3, history_len=3, margin=0, algo="max", delayed=True)
+    xs = [torch.randn(32, 48) * m for m in (1.0, 10.0, 0.1, 0.1, 0.1)]
+    used = []
+    for i, x in enumerate(xs):
+        expected_scale = s.scale.clone()
+        x_fp8, _, scale_inv = s.quantize(x)
+        used.append(1 / scale_inv.item())
+        if i == 0:  # empty history: the first cast uses its own amax
+            expected_scale = compute_scale(x.abs().amax(), E4M3)
+        assert used[-1] == expected_scale.item()
+        ref, _, _, _ = cast_to_fp8_ref(x, expected_scale, E4M3)
+        assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
+    amaxes = [x.abs().amax() for x in xs]
+    # After cast 5 the window holds casts 3..5: max over it, not the large amax of cast 2.
+    assert s.scale.item() == compute_scale(torch.stack(amaxes[2:]).amax(), E4M3).item()
+    assert s.casts.item() == 5 and s.nonfinite_count.item() == 0
+
+
+def test_most_recent_algo():
+    s = ScalingState(E5M2, history_len=4, margin=0, algo="most_recent", delayed=True)
+    s.quantize(torch.randn(16, 16) * 100)
+    small = torch.randn(16, 16) * 0.01
+    s.quantize(small)
+    assert s.scale.item() == compute_scale(small.abs().amax(), E5M2).item()
+
+
+def test_current_scaling_uses_own_amax():
+    s = ScalingState(E4M3, history_len=4, margin=1, algo="max", delayed=False)
+    for m in (1.0, 1000.0, 0.001):
+        x = torch.randn(20, 24) * m
+        _, _, scale_inv = s.quantize(x)
+        assert 1 / scale_inv.item() == compute_scale(x.abs().amax(), E4M3, 1).item()
+
+
+def test_nonfinite_amax_keeps_scale_and_is_counted():
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    s.quantize(torch.randn(8, 16))
+    scale_before = s.scale.clone()
+    x = torch.randn(8, 16)
+    x[3, 5] = float("nan")
+    x_fp8, _, _ = s.quantize(x)
+    assert torch.isnan(x_fp8.float()[3, 5])
+    assert s.nonfinite_count.item() == 1
+    assert s.amax_history[0].item() == 0.0  # not recorded as information
+    assert s.scale.item() == scale_before.item()
+    x[3, 5] = float("inf")
+    s.quantize(x)
+    assert s.nonfinite_count.item() == 2 and torch.isfinite(s.scale)
+
+
+def test_saturation_fraction_recorded():
+    s = ScalingState(E4M3, history_len=2, margin=0, algo="max", delayed=True)
+    s.quantize(torch.randn(10, 10) * 0.01)  # scale adapts to tiny values
+    x = torch.randn(10, 10) * 0.01
+    x[0, :4] = 1000.0  # far above what the delayed scale can represent
+    x_fp8, _, _ = s.quantize(x)
+    assert s.saturation.item() == pytest.approx(0.04)
+    assert x_fp8.float()[0, :4].eq(448.0).all()
+
+
+def test_zero_tensor_keeps_scale():
+    s = ScalingState(E4M3, history_len=2, margin=0, algo="max", delayed=False)
+    s.quantize(torch.randn(4, 16))
+    before = s.scale.item()
+    x_fp8, _, _ = s.quantize(torch.zeros(4, 16))
+    assert s.scale.item() == before and x_fp8.float().eq(0).all()
