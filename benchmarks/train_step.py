@@ -1,0 +1,188 @@
+"""End-to-end GPT training step: BF16 autocast vs torchao float8 vs FP8-LM O1/O2 (issue 8).
+
+Each (size, variant, compile) runs in its own subprocess so peak memory is clean; the parent prints a
+table of tokens/s, step time and peak memory with ratios against BF16 of the same compile setting.
+
+    python benchmarks/train_step.py                         # the three sizes on a GPU
+    python benchmarks/train_step.py --sizes 2048x16 --compile both
+    python benchmarks/train_step.py --toy                   # CPU smoke run (tests use it)
+
+Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise,
+when installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for
+the rest). The output head stays in high precision in every FP8 variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+VARIANTS = ("bf16", "torchao", "o1", "o2")
+
+
+def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
+    from gpt import GPT, GPTConfig, fp8_module_filter
+
+    heads = max(1, width // 128)
+    cfg = GPTConfig(vocab_size=vocab, seq_len=seq, depth=depth, width=width, heads=heads, bias=False)
+    model = GPT(cfg).to(device)
+    lr, wd = 3e-4, 0.1
+    if variant == "bf16":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=device == "cuda")
+    elif variant == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=fp8_module_filter)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=device == "cuda")
+    else:
+        import lightning_fp8 as lf
+
+        recipe = lf.FP8Recipe(opt_level=variant.upper())
+        lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
+        opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level)
+    return model, opt
+
+
+def run_one(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    width, depth = (int(v) for v in args.size.split("x"))
+    torch.manual_seed(0)
+    model, opt = build(args.variant, width, depth, args.seq, args.vocab, device)
+    step_fn = model
+    if args.compiled:
+        step_fn = torch.compile(model)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            _, loss = step_fn(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses = [step().item() for _ in range(args.warmup)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    losses.append(loss.item())
+    times.sort()
+    step_s = times[len(times) // 2]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return {
+        "size": args.size,
+        "variant": args.variant,
+        "compiled": args.compiled,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "step_ms": step_s * 1e3,
+        "tok_s": args.batch * args.seq / step_s,
+        "peak_gib": peak,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    base = {(r["size"], r["compiled"]): r for r in rows if r["variant"] == "bf16" and "error" not in r}
+    lines = [
+        f"{'size':>9} {'variant':>8} {'compile':>7} {'params':>7} {'step ms':>8} {'tok/s':>9} {'x bf16':>6} "
+        f"{'peak GiB':>8} {'x bf16':>6} {'loss':>6}"
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>7}  ERROR {r['error'][:80]}")
+            continue
+        b = base.get((r["size"], r["compiled"]))
+        tok_ratio = r["tok_s"] / b["tok_s"] if b else float("nan")
+        mem_ratio = r["peak_gib"] / b["peak_gib"] if b else float("nan")
+        lines.append(
+            f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>7} {r['params_m']:>6.0f}M {r['step_ms']:>8.1f} "
+            f"{r['tok_s']:>9.0f} {tok_ratio:>6.2f} {r['peak_gib']:>8.2f} {mem_ratio:>6.2f} {r['last_loss']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1024x12,2048x16,4096x8", help="comma list of WIDTHxDEPTH")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--compile", choices=("no", "yes", "both"), default="both")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test)")
+    # internal: run a single configuration and print its JSON row
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--size", help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.toy:
+        args.sizes, args.seq, args.batch, args.vocab, args.steps, args.warmup = "64x2", 64, 2, 256, 2, 1
+        args.compile = "no" if args.compile == "both" else args.compile
+    if args.one:
+        print("ROW " + json.dumps(run_one(args)))
+        return
+    compiled = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+    rows = []
+    for size in args.sizes.split(","):
+        for c in compiled:
+            for variant in args.variants.split(","):
+                if variant == "torchao" and not _has_torchao():
+                    continue
+                cmd = [sys.executable, __file__, "--one", "--size", size, "--variant", variant]
+                cmd += ["--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab)]
+                cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--compiled"] if c else [])
+                row = _run_child(cmd, args.timeout) | {"size": size, "variant": variant, "compiled": c}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+def _run_child(cmd: list[str], timeout: int) -> dict:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout}s"}
+    for line in out.stdout.splitlines():
+        if line.startswith("ROW "):
+            return json.loads(line[4:])
+    tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+    return {"error": " | ".join(tail)}
+
+
+def _has_torchao() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
