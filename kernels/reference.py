@@ -8,6 +8,8 @@ The scale convention (DESIGN.md): ``x_fp8 = saturate(x * scale)``, ``x ~= x_fp8.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -55,3 +57,190 @@ def cast_to_fp8_ref(
     else:
         x_fp8_t = torch.empty(0, dtype=fp8_dtype, device=x.device)
     return x_fp8, x_fp8_t, amax_ref(x), n_saturated
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# AdamW step of the precision-decoupled optimizer (kernels/adamw.py). Numerics, per element, in fp32, one rounding per
+# operation (no fused multiply-add), in this order:
+#
+#     g = grad * grad_scale_inv                    grad_scale_inv = (FP8 grad's scale_inv or 1) * grad_unscale (1/mu)
+#     w, m, v = state / state_scale                for scaled storage (fp16, FP8); fp32/bf16 states are unscaled
+#     m = m * beta1 + g * (1 - beta1)
+#     v = v * beta2 + (g * g) * (1 - beta2)
+#     w = w * (1 - lr * wd) - (m / (sqrt(v) / sqrt(1 - beta2**t) + eps)) * (lr / (1 - beta1**t))
+#     state = RNE(saturate(x * new_scale))         new_scale = pow2_scale(amax) from the fresh amax (two_pass) or from
+#                                                  the stored amax of the previous step (delayed, saturation possible)
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Storage formats that carry a per-tensor scale, with their largest finite value.
+SCALED_STATE_MAX = {torch.float16: 65504.0, **_FP8_MAX}
+
+
+class AdamWConstants:
+    """The step's scalars, each rounded once to fp32 so that the kernel and the reference use identical values."""
+
+    def __init__(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+        def f32(x: float) -> float:
+            return torch.tensor(x, dtype=torch.float32).item()
+
+        self.beta1, self.one_minus_beta1 = f32(beta1), f32(1.0 - beta1)
+        self.beta2, self.one_minus_beta2 = f32(beta2), f32(1.0 - beta2)
+        self.eps = f32(eps)
+        self.decay = f32(1.0 - lr * weight_decay)
+        self.step_size = f32(lr / (1.0 - beta1**step))
+        self.bc2_sqrt = f32((1.0 - beta2**step) ** 0.5)
+
+
+def float32_exponent_mantissa(value: float) -> tuple[int, int]:
+    """Biased exponent and mantissa fields of ``value`` rounded to fp32 (pure Python: no tensor, no graph break)."""
+    (bits,) = struct.unpack("<i", struct.pack("<f", value))
+    return (bits >> 23) & 0xFF, bits & 0x7FFFFF
+
+
+def pow2_scale_ref(amax: torch.Tensor, fmax: float, margin: int, prev: torch.Tensor) -> torch.Tensor:
+    """``2 ** (floor(log2(fmax / amax)) - margin)`` from the fp32 bit patterns; ``prev`` where amax is 0 or non-finite.
+
+    The same function as ``lightning_fp8.scaling.compute_scale`` (kernels import no core module), for any format max.
+    """
+    max_exp, max_mant = float32_exponent_mantissa(fmax)
+    a = amax.float()
+    bits = a.view(torch.int32)
+    k = (max_exp - ((bits >> 23) & 0xFF)) - ((bits & 0x7FFFFF) > max_mant).to(torch.int32) - margin
+    scale = ((k.clamp(-126, 127) + 127) << 23).view(torch.float32)
+    return torch.where(torch.isfinite(a) & (a > 0), scale, prev)
+
+
+def _is_scaled(t: torch.Tensor, scales: object) -> bool:
+    return scales is not None and t.dtype in SCALED_STATE_MAX
+
+
+def _store_scaled_ref(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor) -> None:
+    # Finite values saturate at the format max; a non-finite value stays NaN so an overflow is never hidden.
+    fmax = SCALED_STATE_MAX[dst.dtype]
+    y = torch.where(torch.isfinite(x), (x * scale).clamp(-fmax, fmax), torch.nan)
+    dst.copy_(y.to(dst.dtype))
+
+
+def adamw_update_ref(g, w, m, v, c: AdamWConstants):
+    """One AdamW update of fp32 tensors in the operation order of the kernel; returns the new ``(w, m, v)``."""
+    m = m * c.beta1 + g * c.one_minus_beta1
+    v = v * c.beta2 + (g * g) * c.one_minus_beta2
+    # torch.sqrt of fp32 on CPU is not always correctly rounded; through fp64 it is (53 >= 2 * 24 + 2 bits).
+    denom = torch.sqrt(v.double()).float() / c.bc2_sqrt + c.eps
+    w = w * c.decay - (m / denom) * c.step_size
+    return w, m, v
+
+
+def adamw_step_ref(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    scales: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None,
+    amaxes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None,
+    grad_scale_invs: list[torch.Tensor] | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_unscale: float = 1.0,
+    two_pass: bool = True,
+    margin: int = 0,
+    param_copies: list[torch.Tensor] | None = None,
+) -> None:
+    """A multi-tensor AdamW step on (possibly scaled, low-precision) states, in place.
+
+    Args:
+        params: master weights (fp32, or fp16 scaled), updated in place.
+        grads: gradients (fp32/bf16/fp16, or FP8 with ``grad_scale_invs``), same shapes; read only.
+        exp_avgs, exp_avg_sqs: first and second moments (fp32/bf16 unscaled, or fp16/FP8 scaled), in place.
+        scales: per tensor the 0-dim fp32 storage scales ``(param, exp_avg, exp_avg_sq)``, replaced by the new
+            scales (only entries of scaled formats are used); ``None`` when no state is scaled.
+        amaxes: per tensor 0-dim fp32 ``max|x|`` of the stored ``(param, exp_avg, exp_avg_sq)``, replaced by the
+            new values (the delayed mode derives its write scale from them); ``None`` with ``scales=None``.
+        grad_scale_invs: per tensor 0-dim fp32 ``scale_inv`` of an FP8 gradient, or ``None`` (all 1).
+        lr, beta1, beta2, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        step: the step number t >= 1 (bias correction).
+        grad_unscale: a factor applied to every gradient (1/mu of the gradient scaler); a power of two keeps it exact.
+        two_pass: fresh scales from the new amax (True) or delayed scales from the stored amax (False).
+        margin: binades of headroom in the new scales.
+        param_copies: optional high-precision tensors that receive the new unscaled weights (a model parameter that
+            is not the master's storage), in their own dtype.
+    """
+    c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+        states = (p, m, v)
+        ginv = torch.tensor(grad_unscale, dtype=torch.float32, device=g.device)
+        if grad_scale_invs is not None:
+            ginv = grad_scale_invs[i].float() * grad_unscale
+        state_scales = scales[i] if scales is not None else (None, None, None)
+        old = [t.float() / s if _is_scaled(t, s) else t.float() for t, s in zip(states, state_scales, strict=True)]
+        new = adamw_update_ref(g.float() * ginv, *old, c)
+        fresh = [amax_ref(x) for x in new]
+        for j, (x, dst) in enumerate(zip(new, states, strict=True)):
+            if _is_scaled(dst, state_scales[j]):
+                source = fresh[j] if two_pass else amaxes[i][j]
+                write_scale = pow2_scale_ref(source, SCALED_STATE_MAX[dst.dtype], margin, state_scales[j].float())
+                _store_scaled_ref(x, dst, write_scale)
+                state_scales[j].copy_(write_scale)
+            else:
+                dst.copy_(x)
+            if amaxes is not None:
+                amaxes[i][j].copy_(fresh[j])
+        if param_copies is not None:
+            param_copies[i].copy_(new[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scale bookkeeping of one scaling state (kernels/scaling.py): one launch per cast instead of dozens of small ops.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def current_scale_ref(amax: torch.Tensor, scale: torch.Tensor, fmax: float, margin: int) -> None:
+    """In place: ``scale <- pow2_scale(amax)`` (current scaling), keeping ``scale`` where amax is 0 or non-finite."""
+    scale.copy_(pow2_scale_ref(amax, fmax, margin, scale))
+
+
+def record_cast_ref(
+    amax: torch.Tensor,
+    n_saturated: torch.Tensor,
+    numel: int,
+    used_scale: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fmax: float,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+) -> torch.Tensor:
+    """Record one cast's statistics and, for delayed scaling, the scale of the next cast.
+
+    In place: ``last_amax <- amax``, ``saturation <- n_saturated / numel``, ``nonfinite_count += amax is inf``,
+    ``casts += 1``; ``amax_history`` rolls by one with ``amax`` (0 if non-finite: no information) in front; with
+    ``delayed``, ``scale <- pow2_scale(max(history) if algo_max else history[0])`` (kept where that is 0).
+
+    ``used_scale`` is the scale the cast used: a copy of ``scale``, never ``scale`` itself, because under
+    ``torch.compile`` the backward may recompute the FP8 copy from it after ``scale`` was updated here.
+
+    Returns:
+        ``1 / used_scale``, 0-dim fp32.
+    """
+    scale_inv = used_scale.reciprocal()
+    finite = torch.isfinite(amax)
+    nonfinite_count.add_((~finite).to(nonfinite_count.dtype))
+    casts.add_(1)
+    last_amax.copy_(amax)
+    saturation.copy_(n_saturated.float() / max(numel, 1))
+    amax_history.copy_(torch.roll(amax_history, 1))
+    amax_history[0] = torch.where(finite, amax, 0.0)
+    if delayed:
+        ref = amax_history.amax() if algo_max else amax_history[0]
+        scale.copy_(pow2_scale_ref(ref, fmax, margin, scale))
+    return scale_inv

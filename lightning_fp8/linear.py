@@ -13,12 +13,14 @@ copies, not the high-precision input: activation memory for linear inputs halves
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_fp8 import ops
+from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.scaling import ScalingState
 
@@ -30,12 +32,21 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fp8: nn.ModuleDict, out_dtype: torch.dtype, first: bool
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fp8: nn.ModuleDict,
+        out_dtype: torch.dtype,
+        first: bool,
+        master_scale: torch.Tensor | None = None,
     ):
         # `first`: no amax history yet, so delayed roles use their tensor's own amax this step.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
         x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(x, need_wgrad, first or not fp8["input"].delayed)
         w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True)
+        if master_scale is not None:  # the storage holds weight * master_scale (FP8AdamW at O2); both powers of two
+            w_scale_inv = w_scale_inv / master_scale
+            _unscale_weight_stats(fp8["weight"], master_scale)
         y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype)  # forward
         ctx.save_for_backward(x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv)
         ctx.grad_state = fp8["grad_output"]
@@ -53,7 +64,20 @@ class _FP8Matmul(torch.autograd.Function):
             dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
         if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
             dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
+
+
+def _unscale_weight_stats(state: ScalingState, master_scale: torch.Tensor) -> None:
+    # The weight role's statistics describe the weight, not its scaled storage.
+    state.amax.div_(master_scale)
+    state.amax_history.div_(master_scale)
+    state.scale.mul_(master_scale)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # Costs nothing without tensor parallelism: a DTensor exists only once torch.distributed.tensor is imported.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 class FP8Linear(nn.Linear):
@@ -100,6 +124,11 @@ class FP8Linear(nn.Linear):
         r = self.recipe
         delayed = r.scaling == "delayed"
         common = {"margin": r.margin, "algo": r.amax_compute_algo, "device": device}
+        # FP8AdamW (O2) recognises the weight by this marker and may keep its fp16 master in the weight's storage,
+        # scaled: the hooks export and import the unscaled weight (lightning_fp8/optim/master.py).
+        setattr(self.weight, master.MARKER, True)
+        self.register_state_dict_post_hook(master.state_dict_hook)
+        self.register_load_state_dict_pre_hook(master.load_state_dict_pre_hook)
         self.fp8_scaling = nn.ModuleDict(
             {
                 "input": ScalingState(r.forward_dtype, r.amax_history_len, delayed=delayed, **common),
@@ -131,12 +160,17 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8_format={r.fp8_format}, scaling={r.scaling}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(self.weight):  # tensor parallel: FP8 GEMMs on the local shards
+            from lightning_fp8.distributed.tensor_parallel import dtensor_forward
+
+            return dtensor_forward(self, x)
         self._check_input(x)
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         x_2d = x.reshape(-1, self.in_features)
         first = not self.fp8_scaling["input"].initialized
-        y = _FP8Matmul.apply(x_2d, self.weight, self.fp8_scaling, out_dtype, first)
+        master_scale = getattr(self.weight, master.SCALE_ATTR, None)
+        y = _FP8Matmul.apply(x_2d, self.weight, self.fp8_scaling, out_dtype, first, master_scale)
         if first:  # outside the autograd.Function, where torch.compile allows Python state to change
             for state in self.fp8_scaling.values():
                 state.initialized = True

@@ -60,6 +60,24 @@ def cast_to_fp8(
     return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
 
 
+def current_scale_(amax: torch.Tensor, scale: torch.Tensor, fmax: float, margin: int) -> None:
+    """In place ``scale <- pow2_scale(amax)``; see :func:`lightning_fp8.kernels.reference.current_scale_ref`."""
+    if use_triton(scale):
+        from lightning_fp8.kernels import scaling
+
+        return scaling.current_scale_(amax, scale, fmax, margin)
+    return reference.current_scale_ref(amax, scale, fmax, margin)
+
+
+def record_cast_(*args, **kwargs) -> torch.Tensor:
+    """Record a cast and update a delayed scale; see :func:`lightning_fp8.kernels.reference.record_cast_ref`."""
+    if use_triton(args[0]):
+        from lightning_fp8.kernels import scaling
+
+        return scaling.record_cast_(*args, **kwargs)
+    return reference.record_cast_ref(*args, **kwargs)
+
+
 @functools.cache
 def _device_has_fp8_gemm(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
@@ -78,19 +96,32 @@ def scaled_mm(
     a_scale_inv: torch.Tensor,
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a_fp8 * a_scale_inv) @ (b_fp8 * b_scale_inv)`` with fp32 accumulation, returned in ``out_dtype``.
 
     ``a_fp8`` (M, K) must be row-major and ``b_fp8`` (K, N) column-major (``w_fp8.t()`` of a row-major
     ``w_fp8``), as ``torch._scaled_mm`` wants. N must be a multiple of 16 on the real path; M and K that
     are not are zero-padded here.
+
+    ``bias`` (N,), rounded to ``out_dtype`` as autocast does, is added to the fp32 result before its one
+    rounding to ``out_dtype``; on the real path with a bf16/fp16 output it is fused into the GEMM (no extra
+    pass over the output).
+
+    ``use_fast_accum=True`` lets Hopper's FP8 tensor cores accumulate in their faster, less precise
+    mode (Transformer Engine does so for the forward GEMM only; gradients keep full fp32 accumulation).
+    The emulation ignores it.
     """
     if has_fp8_gemm(a_fp8.device):
-        return _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype)
+        return _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum)
     # Emulation: FP8 values and power-of-two scales are exact in fp32, so this is the exact product
     # up to fp32 accumulation order. Autocast must not downcast the fp32 matmul.
     with torch.autocast(a_fp8.device.type, enabled=False):
         out = (a_fp8.float() * a_scale_inv) @ (b_fp8.float() * b_scale_inv)
+        if bias is not None:
+            out = out + bias.to(out_dtype).float()
     return out.to(out_dtype)
 
 
@@ -99,7 +130,7 @@ def _pad_last(t_fp8: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.nn.functional.pad(t_fp8.view(torch.uint8), (0, pad)).view(t_fp8.dtype)
 
 
-def _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype):
+def _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias=None, use_fast_accum=False):
     # torch._scaled_mm needs M and the inner dimension K to be multiples of 16 (and N, which the layer
     # shapes guarantee). Zero padding is exact: padded rows are dropped, padded K terms add zero.
     m, k = a_fp8.shape
@@ -110,5 +141,17 @@ def _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype):
     pad_m = (-m) % 16
     if pad_m:
         a_fp8 = _pad_last(a_fp8.t().contiguous(), pad_m).t().contiguous()
-    out = torch._scaled_mm(a_fp8, b_fp8, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype)
+    # cuBLASLt fuses a bias of the output's dtype for bf16/fp16 outputs only; an fp32 output adds it after.
+    fuse_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    out = torch._scaled_mm(
+        a_fp8,
+        b_fp8,
+        scale_a=a_scale_inv,
+        scale_b=b_scale_inv,
+        bias=bias.to(out_dtype) if fuse_bias else None,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    if bias is not None and not fuse_bias:
+        out = (out.float() + bias.to(out_dtype).float()).to(out_dtype)
     return out[:m] if pad_m else out

@@ -15,16 +15,15 @@ import torch
 from torch import nn
 
 from lightning_fp8 import ops
+from lightning_fp8.kernels import reference
 from lightning_fp8.formats import fp8_max
 
 ROLES = ("input", "weight", "grad_output")
 
-_MANTISSA_MASK = 0x7FFFFF
 
-
-def _exponent_and_mantissa(value: float) -> tuple[int, int]:
-    bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item()
-    return (bits >> 23) & 0xFF, bits & _MANTISSA_MASK
+def _format_max(dtype: torch.dtype) -> float:
+    # fp16 is accepted too: the optimizer stores fp16 states with a power-of-two scale (max 65504).
+    return 65504.0 if dtype == torch.float16 else fp8_max(dtype)
 
 
 def compute_scale(
@@ -38,22 +37,13 @@ def compute_scale(
 
     Args:
         amax: a 0-dim (or any-shape, elementwise) tensor of absolute maxima.
-        fp8_dtype: the FP8 format the scale targets.
+        fp8_dtype: the format the scale targets (an FP8 dtype, or ``torch.float16`` for scaled fp16 storage).
         margin: binades of headroom (>= 0).
         prev_scale: the scale to keep when ``amax`` carries no information.
     """
-    max_exp, max_mant = _exponent_and_mantissa(fp8_max(fp8_dtype))
-    amax32 = amax.float()
-    bits = amax32.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    # Largest k with amax * 2**k <= fp8_max: compare exponents, then mantissas (both in [1, 2)).
-    k = (max_exp - exp) - ((bits & _MANTISSA_MASK) > max_mant).to(torch.int32) - margin
-    k = k.clamp(-126, 127)
-    scale = ((k + 127) << 23).view(torch.float32)
-    valid = torch.isfinite(amax32) & (amax32 > 0)
     if prev_scale is None:
-        prev_scale = torch.ones_like(scale)
-    return torch.where(valid, scale, prev_scale)
+        prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
+    return reference.pow2_scale_ref(amax, _format_max(fp8_dtype), margin, prev_scale)
 
 
 class ScalingState(nn.Module):
@@ -128,30 +118,54 @@ class ScalingState(nn.Module):
         if current is None:
             current = self.needs_current_scale()
             self.initialized = True
-        with torch.no_grad():
-            if current:
-                self.scale.copy_(compute_scale(ops.amax(x), self.fp8_dtype, self.margin, self.scale))
-            scale = self.scale.clone()
-            x_fp8, x_fp8_t, amax, n_saturated = ops.cast_to_fp8(x, scale, self.fp8_dtype, transpose)
-            self._record(amax, n_saturated, x.numel())
-        return x_fp8, x_fp8_t, scale.reciprocal()
-
-    def _record(self, amax: torch.Tensor, n_saturated: torch.Tensor, numel: int) -> None:
-        finite = torch.isfinite(amax)
-        self.nonfinite_count.add_((~finite).to(torch.int64))
-        self.casts.add_(1)
-        self.amax.copy_(amax)
-        self.saturation.copy_(n_saturated.float() / max(numel, 1))
-        # A non-finite amax enters the history as 0 (no information), so it cannot pin the scale for a
-        # whole window; with algo "most_recent" that keeps the previous scale.
-        self.amax_history.copy_(torch.roll(self.amax_history, 1))
-        self.amax_history[0] = torch.where(finite, amax, 0.0)
-        if self.delayed:
-            ref = self.amax_history.amax() if self.algo == "max" else self.amax_history[0]
-            self.scale.copy_(compute_scale(ref, self.fp8_dtype, self.margin, self.scale))
+        return _quantize_op(
+            x.detach(), self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts,
+            self.fp8_dtype, self.margin, self.algo == "max", self.delayed, current, transpose,
+        )  # fmt: skip
 
     def reset(self) -> None:
         for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
             getattr(self, name).zero_()
         self.scale.fill_(1.0)
         self.initialized = False
+
+
+# One opaque op per cast: torch.compile saves its outputs for the backward instead of recomputing them from the scale
+# buffer, which this op updates (AOT autograd recomputes cheap ops from graph inputs after their mutation otherwise).
+@torch.library.custom_op(
+    "lightning_fp8::quantize", mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts")
+)
+def _quantize_op(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmax = _format_max(fp8_dtype)
+    if current:
+        ops.current_scale_(ops.amax(x), scale, fmax, margin)
+    used_scale = scale.clone()  # record_cast_ updates `scale`; the cast and scale_inv use this one
+    x_fp8, x_fp8_t, amax, n_saturated = ops.cast_to_fp8(x, used_scale, fp8_dtype, transpose)
+    # One launch: statistics, history, the next delayed scale, and 1 / used_scale.
+    scale_inv = ops.record_cast_(
+        amax, n_saturated, x.numel(), used_scale, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
+        fmax, margin, algo_max, delayed,
+    )  # fmt: skip
+    return x_fp8, x_fp8_t, scale_inv
+
+
+@_quantize_op.register_fake
+def _(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
+      current, transpose):  # fmt: skip
+    x_fp8 = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
+    t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
+    return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(())

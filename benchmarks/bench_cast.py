@@ -1,0 +1,162 @@
+"""Bandwidth of the fused FP8 casts (kernels/cast.py) against a device copy, on one tensor.
+
+    python benchmarks/bench_cast.py                 # 8192 x 8192 bf16 -> E4M3 on the GPU
+    python benchmarks/bench_cast.py --sweep         # also sweep the launch configs, then time the best
+    python benchmarks/bench_cast.py --toy           # tiny, on CPU under the Triton interpreter (a smoke test)
+
+Each row counts the fewest bytes its work must move (input read once, each output written once) and
+divides by the median time: a copy moves 2 x 2 bytes per bf16 element, a cast 2 + 1, a cast with the
+transposed copy 2 + 1 + 1, an amax 2. "% copy" is that rate over the copy's rate in the same run.
+Every kernel's result is checked against the reference (bit for bit) before it is timed.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from lightning_fp8.kernels import cast, reference  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# The sweep is greedy: stage 1 picks the tile shape (and transpose path), stage 2 the grid and pipelining for it.
+SWEEP_STAGE1 = {
+    "transpose": [
+        {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "TRANSPOSE_FP32": False}
+        for bm, bn, w in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8),
+                          (128, 128, 8)]
+    ]
+    + [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8, "TRANSPOSE_FP32": True} for bm, bn in [(64, 64), (128, 64)]],
+    "flat": [{"BLOCK": b, "num_warps": w} for b, w in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]],
+    "amax": [{"BLOCK": b, "num_warps": w} for b, w in [(4096, 8), (8192, 8), (16384, 16)]],
+}  # fmt: skip
+SWEEP_STAGE2 = {
+    "transpose": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": s} for p in (1, 2, 4, 8, 1 << 20) for s in (1, 2)],
+    "flat": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": s} for p in (2, 4, 8, 1 << 20) for s in (1, 2)],
+    "amax": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": s} for p in (4, 8, 1 << 20) for s in (1, 3)],
+}
+
+
+def median_ms(fn, device, rep=200):
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def check_cast(x, scale, fp8_dtype, transpose):
+    got = cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
+    ref = reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
+    for g, r in zip(got[:2], ref[:2], strict=True):
+        nan = torch.isnan(r.float())
+        if not torch.equal(torch.isnan(g.float()), nan) or ((g.view(torch.uint8) != r.view(torch.uint8)) & ~nan).any():
+            sys.exit(f"cast_to_fp8(transpose={transpose}) differs from the reference")
+    if not (torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[3])):
+        sys.exit("cast_to_fp8: amax or saturation count differs from the reference")
+
+
+def sweep(name, fn, nbytes, device, copy_gbs):
+    """Time the configs of SWEEP_STAGE1, then SWEEP_STAGE2 on the best; leave the best in cast.CONFIGS."""
+    best = (float("inf"), dict(cast.CONFIGS[name]))
+    for stage in (SWEEP_STAGE1[name], SWEEP_STAGE2[name]):
+        base = dict(best[1])
+        for change in stage:
+            cfg = {**base, **change}
+            cast.CONFIGS[name] = cfg
+            try:
+                ms = median_ms(fn, device, rep=100)
+            except Exception as err:  # a config the compiler rejects (e.g. out of shared memory) is skipped
+                print(f"  sweep {name:9s} {change} failed: {type(err).__name__}: {str(err)[:120]}")
+                continue
+            gbs = nbytes / ms / 1e6
+            print(f"  sweep {name:9s} {change}  {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s  {100 * gbs / copy_gbs:5.1f} %")
+            if ms < best[0]:
+                best = (ms, cfg)
+    cast.CONFIGS[name] = best[1]
+    print(f"  best {name}: {best[1]}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=int, nargs=2, default=(8192, 8192))
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--fp8", choices=FP8, default="e4m3")
+    p.add_argument("--sweep", action="store_true", help="sweep launch configs, then time the best")
+    p.add_argument("--save-configs", help="with --sweep: write the best launch configs to this JSON file")
+    p.add_argument("--toy", action="store_true", help="tiny shape (CPU smoke test)")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = (48, 80) if args.toy else tuple(args.shape)
+    dtype, fp8_dtype = DTYPES[args.dtype], FP8[args.fp8]
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"# bench_cast  {datetime.datetime.now():%Y-%m-%d %H:%M}  {name}  torch {torch.__version__}")
+    print(f"# x: {shape[0]} x {shape[1]} {args.dtype} -> {args.fp8}")
+
+    torch.manual_seed(0)
+    x = (torch.randn(shape, device=device) * torch.rand(shape, device=device).mul(8).exp2()).to(dtype)
+    scale = torch.tensor(2.0**-3, device=device)
+    check_cast(x, scale, fp8_dtype, False)
+    check_cast(x, scale, fp8_dtype, True)
+    if not torch.equal(cast.amax(x), reference.amax_ref(x)):
+        sys.exit("amax differs from the reference")
+
+    n, e = x.numel(), x.element_size()
+    out = torch.empty_like(x)
+    rows = [
+        ("device copy (baseline)", lambda: out.copy_(x), 2 * n * e),
+        ("eager (x * scale).to(fp8)", lambda: (x * scale).to(fp8_dtype), n * (e + 1)),
+        ("reference cast + transpose", lambda: reference.cast_to_fp8_ref(x, scale, fp8_dtype, True), n * (e + 2)),
+        ("triton cast", lambda: cast.cast_to_fp8(x, scale, fp8_dtype, False), n * (e + 1)),
+        ("triton cast + transpose", lambda: cast.cast_to_fp8(x, scale, fp8_dtype, True), n * (e + 2)),
+        ("eager x.abs().amax()", lambda: x.abs().amax(), n * e),
+        ("triton amax", lambda: cast.amax(x), n * e),
+    ]
+    results = [(label, median_ms(fn, device), nbytes) for label, fn, nbytes in rows]
+    copy_gbs = results[0][2] / results[0][1] / 1e6
+    if device.type == "cuda" and args.sweep:
+        print(f"defaults: {cast.CONFIGS}")
+        sweep("transpose", lambda: cast.cast_to_fp8(x, scale, fp8_dtype, True), n * (e + 2), device, copy_gbs)
+        sweep("flat", lambda: cast.cast_to_fp8(x, scale, fp8_dtype, False), n * (e + 1), device, copy_gbs)
+        sweep("amax", lambda: cast.amax(x), n * e, device, copy_gbs)
+        # The best configs, checked again, then the table's Triton rows again with them.
+        check_cast(x, scale, fp8_dtype, False)
+        check_cast(x, scale, fp8_dtype, True)
+        if not torch.equal(cast.amax(x), reference.amax_ref(x)):
+            sys.exit("amax differs from the reference")
+        tuned = [
+            (f"{label}, swept config", median_ms(fn, device), nbytes) for label, fn, nbytes in rows if "triton" in label
+        ]
+        results += tuned
+        if args.save_configs:
+            with open(args.save_configs, "w") as f:
+                json.dump(cast.CONFIGS, f, indent=1)
+    if device.type == "cuda":
+        cast.EXACT_ROUND_ON_GPU = True  # what the interpreter's pre-rounding would cost on the GPU
+        check_cast(x, scale, fp8_dtype, True)
+        fn = lambda: cast.cast_to_fp8(x, scale, fp8_dtype, True)  # noqa: E731
+        results.append(("triton cast + transpose, pre-rounded", median_ms(fn, device), n * (e + 2)))
+        cast.EXACT_ROUND_ON_GPU = False
+        results.append(("device copy (baseline, again)", median_ms(rows[0][1], device), rows[0][2]))
+
+    print(f"\n{'kernel':40s} {'time (us)':>10s} {'GB/s':>8s} {'% copy':>7s}")
+    for label, ms, nbytes in results:
+        gbs = nbytes / ms / 1e6
+        print(f"{label:40s} {ms * 1e3:10.1f} {gbs:8.0f} {100 * gbs / copy_gbs:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""FP8 gradient communication against NCCL all-reduce / reduce-scatter in bf16 and fp32.
+
+Run on one host with several GPUs (NVLink multicast off, as the GPU README asks; the script sets both variables
+unless they are set already)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_comm.py              # 1B elements, plus a ~1B GPT step
+    torchrun --nproc-per-node 4 benchmarks/bench_comm.py --no-gpt
+    torchrun --nproc-per-node 2 benchmarks/bench_comm.py --toy        # CPU, gloo, small sizes (a smoke test)
+
+What it measures, in one run, after checking every FP8 variant against the fp32 mean (SQNR) on the same data:
+
+- the gradient reduction of ``--numel`` elements (bf16 gradients cut into ``--tensors`` tensors of uneven sizes):
+  NCCL all-reduce in fp32 and bf16; the portable FP8 path (FP8 all-to-all, fp32 sum, FP8 all-gather) in E5M2 and
+  E4M3; the native FP8 path (NCCL's float8 all-reduce); the raw FP8 collectives alone (their lower bound);
+  reduce-scatter bf16 against the FP8 reduce-scatter (FSDP's collective);
+- with ``--gpt`` (default on GPU): a forward+backward step of a ~1B-parameter GPT under DDP (fp32 all-reduce,
+  bf16 compression hook, FP8 hook) and FSDP2 (bf16 reduce-scatter, FP8 reduce-scatter [+ FP8 weight all-gather
+  with ``--fp8-linear``]).
+
+Times are medians of CUDA-event timings after warm-up. Bus bandwidth follows nccl-tests: an all-reduce moves
+``2 (N-1)/N`` of its bytes per rank, a reduce-scatter ``(N-1)/N``; FP8 variants count 1 byte per element. The
+table comes last; the full log goes to ``--log``.
+"""
+
+# No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.distributed import (
+    SegmentLayout,
+    all_reduce_fp8,
+    all_reduce_fp8_native,
+    reduce_scatter_fp8,
+)
+from lightning_fp8.formats import E4M3, E5M2
+
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    LOG.append(msg)
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def timed(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (all ranks in step)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms = torch.tensor(statistics.median(times), dtype=torch.float64, device=device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank is the collective's time
+    return ms.item()
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 26) -> float:
+    """SQNR in dB over all ranks, chunk by chunk (a 1B-element float64 copy would not fit comfortably)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=ref.device)
+    for o, r in zip(out.split(chunk), ref.split(chunk), strict=True):
+        r32 = r.float()
+        sums[0] += r32.square().sum().double()
+        sums[1] += (o.float() - r32).square().sum().double()
+    dist.all_reduce(sums)
+    return float("inf") if sums[1] == 0 else 10 * torch.log10(sums[0] / sums[1]).item()
+
+
+def tensor_sizes(numel: int, count: int, world: int) -> list[int]:
+    """``count`` uneven tensor sizes summing to ``numel`` (sizes like a model's: a few large, many small)."""
+    g = torch.Generator().manual_seed(0)
+    weights = torch.rand(count, generator=g) ** 3 + 0.01
+    sizes = (weights / weights.sum() * numel).long()
+    sizes[0] += numel - sizes.sum()
+    return sizes.tolist()
+
+
+def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
+    world = dist.get_world_size()
+    nccl = dist.get_backend() == "nccl"
+    sizes = tensor_sizes(args.numel, args.tensors, world)
+    layout = SegmentLayout.per_tensor(sizes)
+    g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    # Gradients of many magnitudes: each tensor its own scale over 8 orders of magnitude.
+    grads = torch.randn(args.numel, generator=g, device=device, dtype=torch.bfloat16)
+    mags = torch.logspace(-6, 2, len(sizes), device=device, dtype=torch.float32)
+    grads.mul_(torch.repeat_interleave(mags, torch.tensor(sizes, device=device)).bfloat16())
+    log(f"reduction: {args.numel:,} bf16 gradient elements in {len(sizes)} tensors, {world} ranks, {device.type}")
+
+    ref = grads.float()
+    dist.all_reduce(ref)
+    ref.div_(world)
+    avg = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM  # gloo has no AVG; values stay bounded either way
+
+    x32, x16 = grads.float(), grads.clone()
+    # (kind, name, fn, wire bytes per element, check): a kind's "bf16" row is its baseline in the table.
+    variants = [
+        ("all_reduce", "all_reduce fp32", lambda: dist.all_reduce(x32, op=avg), 4, None),
+        ("all_reduce", "all_reduce bf16", lambda: dist.all_reduce(x16, op=avg), 2, None),
+    ]
+    kw = {"compiled": device.type == "cuda" and not args.eager}
+    for name, dtype, slices in (("e5m2", E5M2, 1), ("e4m3", E4M3, 1), ("e5m2", E5M2, args.slices)):
+        fn = lambda dtype=dtype, slices=slices: all_reduce_fp8(  # noqa: E731
+            grads, layout, None, dtype, slices=slices, **kw
+        )[0]
+        label = f"FP8 portable {name}" + (f", {slices} slices pipelined" if slices > 1 else "")
+        variants.append(("all_reduce", label, fn, 1, fn))
+    for slices in (1, args.slices) if nccl else ():
+        fn = lambda slices=slices: all_reduce_fp8_native(  # noqa: E731
+            grads, layout, None, E5M2, slices=slices, **kw
+        )[0]
+        label = "FP8 native e5m2 (NCCL fp8 sum)" + (f", {slices} slices" if slices > 1 else "")
+        variants.append(("all_reduce", label, fn, 1, fn))
+    if nccl:
+        q8 = grads.to(E5M2)
+        variants.append(("all_reduce", "comm only: all_reduce float8", lambda: dist.all_reduce(q8), 1, None))
+    u8 = torch.randint(0, 120, (args.numel - args.numel % world,), device=device, dtype=torch.uint8)
+    recv, shard = torch.empty_like(u8), u8[: u8.numel() // world]
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def raw_portable():
+        dist.all_to_all_single(recv, u8)
+        gather(recv, shard)
+
+    variants.append(("all_reduce", "comm only: all_to_all + all_gather u8", raw_portable, 1, None))
+    rs_in = grads[: u8.numel()]
+    rs_out = torch.empty(rs_in.numel() // world, dtype=torch.bfloat16, device=device)
+    rs_layout = SegmentLayout.blocks(rs_in.numel(), rs_in.numel() // world // 8 or 1)
+    rs = getattr(dist, "reduce_scatter_single", None)
+    if nccl:
+        rs_fn = (lambda: rs(output=rs_out, input=rs_in)) if rs else (lambda: dist.reduce_scatter_tensor(rs_out, rs_in))
+        variants.append(("reduce_scatter", "reduce_scatter bf16", rs_fn, 2, None))
+    fn = lambda: reduce_scatter_fp8(rs_in, rs_layout, None, E5M2, **kw)[0]  # noqa: E731
+    variants.append(("reduce_scatter", "FP8 reduce_scatter e5m2", fn, 1, None))
+
+    for kind, name, fn, wire_bytes, check in variants:
+        quality = ""
+        if check is not None:  # accuracy on the same data before timing
+            quality = f"{sqnr_db(check(), ref):.1f} dB vs fp32 mean"
+        ms = timed(fn, args.iters, args.warmup, device)
+        factor = (2 if kind == "all_reduce" else 1) * (world - 1) / world
+        busbw = args.numel * wire_bytes * factor / (ms * 1e-3) / 1e9
+        rows.append((kind, name, ms, busbw, quality))
+        log(f"  {name:<42} {ms:9.3f} ms  busbw {busbw:8.1f} GB/s  {quality}")
+
+
+# ----------------------------------------------------------------------------------------------------------- GPT step
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def gpt_step_fn(model: nn.Module, args, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g, device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(idx)
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def new_gpt(args, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq).to(device)
+    if args.fp8_linear:
+        from lightning_fp8 import convert_to_fp8
+
+        convert_to_fp8(model)
+    return model
+
+
+def _bf16_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    half = buffer.bfloat16()
+    dist.all_reduce(half, group=group)
+    buffer.copy_(half.float() / dist.get_world_size(group))
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def bench_gpt(args, device: torch.device, rows: list[tuple]) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp2, fp8_allreduce_hook
+
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in GPT(args.vocab, args.d, args.layers, args.heads, args.seq).parameters())
+    log(
+        f"GPT: d={args.d} layers={args.layers} vocab={args.vocab} seq={args.seq} batch={args.batch} "
+        f"({n_params / 1e9:.2f}B parameters, fp8_linear={args.fp8_linear})"
+    )
+    for name in ("fp32 all_reduce", "bf16 compress hook", "FP8 hook"):
+        model = DDP(new_gpt(args, device), device_ids=[device.index] if device.type == "cuda" else None)
+        if name == "bf16 compress hook":  # torch's hook is NCCL-only; the same thing by hand elsewhere
+            hook = bf16_compress_hook if dist.get_backend() == "nccl" else _bf16_hook
+            model.register_comm_hook(dist.group.WORLD, hook)
+        elif name == "FP8 hook":
+            model.register_comm_hook(FP8CommState(), fp8_allreduce_hook)
+        ms = timed(gpt_step_fn(model, args, device), args.gpt_iters, args.warmup, device)
+        rows.append(("DDP step", name, ms, float("nan"), ""))
+        log(f"  DDP {name:<38} {ms:9.1f} ms")
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for name in ("bf16 reduce_scatter", "FP8 reduce_scatter"):
+        model = new_gpt(args, device)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        if name.startswith("FP8"):
+            enable_fp8_fsdp2(model, weight_all_gather=args.fp8_linear)
+        ms = timed(gpt_step_fn(model, args, device), args.gpt_iters, args.warmup, device)
+        label = name + (" + FP8 weight all_gather" if name.startswith("FP8") and args.fp8_linear else "")
+        rows.append(("FSDP2 step", label, ms, float("nan"), ""))
+        log(f"  FSDP2 {label:<36} {ms:9.1f} ms")
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def print_table(rows: list[tuple]) -> None:
+    lines = ["", f"{'what':<14} {'variant':<48} {'time ms':>10} {'busbw GB/s':>11} {'vs bf16':>8}  accuracy"]
+    base = {kind: ms for kind, name, ms, _, _ in rows if "bf16" in name}  # each kind's bf16 row
+    for kind, name, ms, busbw, quality in rows:
+        speed = f"{base[kind] / ms:6.2f}x" if kind in base else ""
+        bw = f"{busbw:11.1f}" if busbw == busbw else f"{'':>11}"
+        lines.append(f"{kind:<14} {name:<48} {ms:10.3f} {bw} {speed:>8}  {quality}")
+    for line in lines:
+        log(line)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--toy", action="store_true", help="CPU + gloo, small sizes")
+    p.add_argument("--numel", type=float, default=1e9, help="gradient elements of the reduction benchmark")
+    p.add_argument("--tensors", type=int, default=64, help="tensors (scale groups) the gradient is cut into")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--slices", type=int, default=8, help="slices of the pipelined FP8 variants")
+    p.add_argument("--eager", action="store_true", help="do not torch.compile the FP8 kernels")
+    p.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=None, help="GPT steps (default: on GPU)")
+    p.add_argument("--fp8-linear", action="store_true", help="GPT with FP8Linear layers (FP8 weight all-gather)")
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--gpt-iters", type=int, default=5)
+    p.add_argument("--log", default=None, help="log file (default: bench_comm_<backend>_<N>.log)")
+    args = p.parse_args(argv)
+    if args.toy:
+        args.numel, args.tensors, args.iters, args.warmup = min(args.numel, 1 << 20), 8, 3, 1
+        args.d, args.layers, args.heads, args.vocab, args.seq, args.batch, args.gpt_iters = 64, 2, 4, 256, 32, 2, 2
+        args.gpt = True if args.gpt is None else args.gpt
+    args.numel = int(args.numel)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    use_cuda = torch.cuda.is_available() and not args.toy
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    if args.gpt is None:
+        args.gpt = use_cuda
+    log(
+        f"torch {torch.__version__}, {dist.get_backend()}, world {dist.get_world_size()}, "
+        f"{torch.cuda.get_device_name() if use_cuda else 'cpu'}, NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}, "
+        f"argv={' '.join(sys.argv[1:])}"
+    )
+    rows: list[tuple] = []
+    bench_reduction(args, device, rows)
+    if args.gpt:
+        bench_gpt(args, device, rows)
+    print_table(rows)
+    if dist.get_rank() == 0:
+        path = args.log or f"bench_comm_{dist.get_backend()}_{dist.get_world_size()}.log"
+        with open(path, "w") as f:
+            f.write("\n".join(LOG) + "\n")
+        print(f"log written to {path}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Train the GPT of examples/gpt.py with a plain Hugging Face Accelerate loop; FP8-LM comes from the launch.
+
+The one line that differs from an ordinary Accelerate script is the import of ``Accelerator``. Whether FP8-LM is
+on, and with which recipe, is decided by how the script is launched (see docs/accelerate.md):
+
+    # one process (CPU here: FP8 GEMMs emulated; on an FP8 GPU they are real)
+    lightning-fp8 launch --config_file examples/accelerate/single_process.yaml examples/accelerate/train_gpt.py
+    # two CPU processes, DDP with FP8 gradient all-reduce
+    lightning-fp8 launch --config_file examples/accelerate/ddp_cpu.yaml examples/accelerate/train_gpt.py
+    # FSDP2 on GPUs, FP8 weight all-gather
+    lightning-fp8 launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train_gpt.py
+    # plain accelerate launch, recipe from the environment
+    LIGHTNING_FP8_RECIPE=fp8-lm LIGHTNING_FP8_EXCLUDE=lm_head accelerate launch --cpu examples/accelerate/train_gpt.py
+
+Outputs under ``--out``: ``metrics.jsonl`` (every ``accelerator.log`` call: the loss, and with FP8-LM the scales,
+mu and health statistics the accelerator adds) and checkpoints from ``accelerator.save_state`` (``--save-every``);
+``--resume DIR`` continues from one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py
+from gpt import GPT, ByteWindows, GPTConfig, load_corpus  # noqa: E402
+
+from lightning_fp8.accelerate import Accelerator  # noqa: E402  (was: from accelerate import Accelerator)
+
+
+class JsonlTracker(GeneralTracker):
+    """An Accelerate tracker that appends each ``accelerator.log`` call to a JSON-lines file."""
+
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    @property
+    def tracker(self) -> Path:
+        return self.path
+
+    def store_init_configuration(self, values: dict) -> None:
+        self.log({"config": values})
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+class TrainState:
+    """The loop's position (optimizer steps, micro-batches read), saved by ``accelerator.save_state``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.batches = int(state["step"]), int(state["batches"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="toy", help="GPTConfig preset: toy, small, gpt125m")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16, help="per process")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to read (stdlib source)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=0, help="save_state every N steps (0: only at the end)")
+    p.add_argument("--out", type=Path, default=Path("runs/accelerate_gpt"))
+    p.add_argument("--resume", type=Path, default=None, help="a checkpoint folder written by save_state")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, DataLoader, Any, torch.Generator]:
+    cfg = GPTConfig.preset(args.preset, depth=args.depth, width=args.width, heads=args.heads, seq_len=args.seq_len)
+    model = GPT(cfg)
+    # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine decay to 10%
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    corpus = load_corpus(max_bytes=args.max_bytes)
+    # The shuffle generator is re-seeded every epoch (seed + epoch): an epoch's order is the same whether the
+    # run was resumed or not.
+    generator = torch.Generator()
+    loader = DataLoader(
+        ByteWindows(corpus.train, cfg.seq_len),
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=generator,
+    )
+    return model, optimizer, loader, scheduler, generator
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    set_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.grad_accum,
+        log_with=[JsonlTracker(args.out / "metrics.jsonl")],
+        step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the process count
+    )
+    accelerator.init_trackers("train_gpt", config={k: str(v) for k, v in vars(args).items()})
+    model, optimizer, loader, scheduler, generator = build(args)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+    if args.resume is not None:
+        accelerator.load_state(str(args.resume))
+        accelerator.print(f"resumed from {args.resume} at step {state.step}")
+    accelerator.print(f"optimizer: {type(optimizer.optimizer).__name__}, processes: {accelerator.num_processes}")
+
+    model.train()
+    loss_sum, micro, mean_loss = torch.zeros((), device=accelerator.device), 0, float("nan")
+    while state.step < args.steps:
+        epoch, skip = divmod(state.batches, len(loader))
+        generator.manual_seed(args.seed + epoch)
+        for x, y in accelerator.skip_first_batches(loader, skip) if skip else loader:
+            state.batches += 1
+            with accelerator.accumulate(model):
+                _, loss = model(x, y)
+                accelerator.backward(loss)
+                loss_sum, micro = loss_sum + loss.detach(), micro + 1
+                grad_norm = None
+                if accelerator.sync_gradients and args.clip > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.clip)
+                optimizer.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            if not accelerator.optimizer_step_was_skipped:
+                scheduler.step()
+            state.step += 1
+            if state.step % args.log_every == 0 or state.step == args.steps:
+                mean_loss = accelerator.reduce(loss_sum / micro, reduction="mean").item()
+                values = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0]}
+                if grad_norm is not None:
+                    values["train/grad_norm"] = float(grad_norm)
+                accelerator.log(values, step=state.step)
+                accelerator.print(f"step {state.step} loss {mean_loss:.4f} lr {values['train/lr']:.2e}")
+            loss_sum, micro = torch.zeros((), device=accelerator.device), 0
+            if args.save_every and state.step % args.save_every == 0:
+                accelerator.save_state(str(args.out / f"checkpoint_{state.step}"))
+            if state.step >= args.steps:
+                break
+    accelerator.save_state(str(args.out / "checkpoint_final"))
+    accelerator.print(f"done: {state.step} steps, final loss {mean_loss:.4f}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

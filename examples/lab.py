@@ -1,0 +1,296 @@
+"""The lab: train the same GPT in BF16 and in FP8 and compare (loss, speed, memory, scales, health).
+
+    python examples/lab.py                                        # CPU: toy size, a few minutes
+    python examples/lab.py --preset gpt125m --max-steps 2000 --out docs/lab/gpt125m    # an FP8 GPU
+
+Every variant starts from the same initial weights and sees the same batches in the same order:
+
+    bf16        precision="bf16-mixed" (the baseline)
+    fp8-lm      FP8-LM O2: FP8 GEMMs, FP8 gradients, FP8AdamW with FP8 m / fp16 v / fp16 master weights
+    fp8-lm-o1   FP8-LM O1: FP8 GEMMs and gradients, fp32 optimizer states
+    torchao     torchao float8 training (tensorwise), when torchao is installed
+
+Results go to ``--out``: ``runs/<variant>.json`` (raw series) and, from all runs found there, the report
+(``summary.md`` and PNG plots; see lab_report.py). Variants can be run one per call with the same ``--out``
+(``--variants bf16``, then ``--variants fp8-lm`` ...); the report always covers every run in the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from gpt import fp8_module_filter
+from lab_report import write_report
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from train_gpt import LitGPT, build_trainer, gpt_config, make_loaders
+from typing_extensions import override
+
+from lightning_fp8 import fp8_modules, fp8_stats
+from lightning_fp8.callbacks import TrainingHealthMonitor
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {"precision": "bf16-mixed", "label": "BF16 mixed"},
+    "fp8-lm": {"precision": "fp8-lm", "label": "FP8-LM O2"},
+    "fp8-lm-o1": {"precision": "fp8-lm-o1", "label": "FP8-LM O1"},
+    "torchao": {"precision": "bf16-mixed", "label": "torchao float8", "torchao": True},
+}
+# CPU: small enough that BF16 (slow matmuls on most CPUs) and emulated FP8 each take well under a minute.
+CPU_DEFAULTS = {
+    "preset": "toy",
+    "width": 64,
+    "depth": 2,
+    "seq_len": 64,
+    "batch_size": 16,
+    "max_steps": 200,
+    "lr": 2e-3,
+    "val_every": 50,
+}
+# Settings recorded with each run (the report warns when runs in one directory differ in them).
+_CONFIG_KEYS = "batch_size max_steps lr warmup_steps val_every val_batches seed compile data max_bytes".split()
+GPU_DEFAULTS = {"preset": "small", "batch_size": 32, "max_steps": 1000, "lr": 1e-3, "val_every": 100}
+
+
+def _grad_scaler(trainer: L.Trainer) -> Any | None:
+    """The FP8 gradient scaler (mu) of an FP8-LM run; None for BF16 and torchao."""
+    return getattr(trainer.precision_plugin, "grad_scaler", None)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer, linear_only: bool) -> float:
+    """Bytes that persist across steps per parameter: the parameter's storage and its optimizer states.
+
+    Measured from the tensors, not modelled. Gradients are left out: they are transient, and where they live
+    between backward and step differs (``p.grad``, or FP8AdamW's FP8 copy). ``linear_only``: only the weights
+    of the transformer blocks' linear layers (those FP8 converts), as in DESIGN.md's bytes-per-parameter table.
+    """
+    total, count = 0, 0
+    for name, p in model.named_parameters():
+        if linear_only and not (name.startswith("blocks.") and p.dim() == 2):
+            continue
+        states = [t for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        total += sum(t.numel() * t.element_size() for t in [p, *states])
+        count += p.numel()
+    return total / count
+
+
+class LabRecorder(Callback):
+    """Records per-step loss and time, validation losses, per-layer FP8 scales, and the gradient scaler."""
+
+    def __init__(self, tokens_per_step: int, scale_every: int) -> None:
+        self.tokens_per_step, self.scale_every = tokens_per_step, scale_every
+        self.steps: list[int] = []
+        self.train_loss: list[float] = []
+        self.step_seconds: list[float] = []
+        self.val: list[tuple[int, float]] = []
+        self.scale_steps: list[int] = []
+        self.scales: dict[str, dict[str, list[float]]] = {}  # layer -> role -> log2(scale) per scale step
+        self.grad_scale: list[tuple[int, float]] = []
+        self.bytes_per_param = {"all": math.nan, "linear": math.nan}
+        self._t0 = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
+        _sync()
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = float(outputs["loss"])  # waits for the step on a GPU
+        _sync()
+        step = trainer.global_step
+        self.steps.append(step)
+        self.step_seconds.append(time.perf_counter() - self._t0)
+        self.train_loss.append(loss)
+        if step == 2:  # optimizer states exist after the first step
+            optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+            for key, linear_only in (("all", False), ("linear", True)):
+                self.bytes_per_param[key] = _bytes_per_param(pl_module.model, optimizer, linear_only)
+        if step % self.scale_every == 0 or step == 1:
+            self._record_scales(trainer, pl_module, step)
+
+    def _record_scales(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        scaler = _grad_scaler(trainer)
+        if scaler is not None:
+            self.grad_scale.append((step, float(scaler.scale)))
+        if not fp8_modules(pl_module):
+            return
+        layers = fp8_stats(pl_module.model)["layers"]
+        self.scale_steps.append(step)
+        for layer, roles in layers.items():
+            for role, values in roles.items():
+                self.scales.setdefault(layer, {}).setdefault(role, []).append(math.log2(values["scale"]))
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # During fit only: the final trainer.validate() after fit is reported separately.
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.val.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+    def tokens_per_second(self) -> float:
+        """Median over steps after a warm-up (compilation, allocator, first scales) of 10% of the run."""
+        skip = max(3, len(self.step_seconds) // 10)
+        times = self.step_seconds[skip:] or self.step_seconds
+        return self.tokens_per_step / statistics.median(times) if times else math.nan
+
+
+def _convert_torchao(model: torch.nn.Module) -> None:
+    from torchao.float8 import convert_to_float8_training  # optional dependency, checked by the caller
+
+    convert_to_float8_training(model, module_filter_fn=fp8_module_filter)
+
+
+def run_variant(name: str, args: argparse.Namespace, loaders: tuple[Any, Any]) -> dict[str, Any]:
+    """Train one variant from the common seed; returns its results (raw series included)."""
+    spec = VARIANTS[name]
+    L.seed_everything(args.seed, verbose=False)  # same initial weights and batch order for every variant
+    cfg = gpt_config(args)
+    lit = LitGPT(asdict(cfg), lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
+    if spec.get("torchao"):
+        _convert_torchao(lit.model)
+    if args.compile:
+        lit.model.compile()
+    recorder = LabRecorder(args.batch_size * cfg.seq_len, scale_every=max(1, args.max_steps // 100))
+    health = TrainingHealthMonitor(plot_path=str(args.out / f"health_{name}.png"))
+    run_args = argparse.Namespace(**{**vars(args), "precision": spec["precision"], "out": str(args.out / "lightning")})
+    # The CSV logs hold what the callbacks log (health/*, fp8/*) beside the report's own series.
+    trainer = build_trainer(run_args, [recorder, health], loggers=[CSVLogger(args.out / "logs", name=name)])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.fit(lit, *loaders)
+    wall = time.perf_counter() - start
+    final_val = trainer.validate(lit, loaders[1], verbose=False)[0]["val_loss"]
+    scaler = _grad_scaler(trainer)
+    return {
+        "variant": name,
+        "label": spec["label"],
+        "status": "ok",
+        "precision": spec["precision"],
+        "parameters": lit.model.num_params(),
+        "final_val_loss": float(final_val),
+        "final_train_loss": statistics.fmean(recorder.train_loss[-20:]),
+        "tokens_per_sec": recorder.tokens_per_second(),
+        "wall_seconds": wall,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "bytes_per_param": recorder.bytes_per_param["all"],
+        "linear_bytes_per_param": recorder.bytes_per_param["linear"],
+        "nonfinite_losses": sum(not math.isfinite(v) for v in recorder.train_loss),
+        "skipped_steps": int(getattr(scaler, "skipped_steps", 0)) if scaler is not None else 0,
+        "health_events": [e.to_dict() for e in health.monitor.events],
+        "series": {
+            "steps": recorder.steps,
+            "train_loss": recorder.train_loss,
+            "step_seconds": recorder.step_seconds,
+            "val": recorder.val,
+            "grad_scale": recorder.grad_scale,
+            "scale_steps": recorder.scale_steps,
+            "log2_scales": recorder.scales,
+        },
+    }
+
+
+def environment(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    """What a reader needs to reproduce a figure: command, device, versions, date, configuration."""
+    cpu = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    return {
+        "command": "python " + " ".join(sys.argv),
+        "device": device,
+        "fp8_gemms": "real (torch._scaled_mm)"
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        else "emulated (fp32 matmul on dequantized FP8)",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": asdict(cfg),
+        "config": {k: getattr(args, k) for k in _CONFIG_KEYS},
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--variants",
+        default="bf16,fp8-lm,fp8-lm-o1,torchao",
+        help=f"comma-separated subset of {','.join(VARIANTS)} (torchao is skipped when not installed)",
+    )
+    p.add_argument("--preset", choices=["toy", "small", "gpt125m"], help="model size (default: by device)")
+    for flag in "--width --depth --heads --seq-len --batch-size --max-steps --warmup-steps --val-every".split():
+        p.add_argument(flag, type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of the corpus")
+    p.add_argument("--val-batches", type=int, default=20, help="batches per validation (the final one too)")
+    p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every variant's model")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=Path, default=Path("runs/lab"))
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from --out/runs/*.json")
+    p.add_argument("--progress-bar", action="store_true")
+    args = p.parse_args(argv)
+    preset_given = args.preset is not None
+    defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if key in ("width", "depth", "seq_len") and preset_given:
+            continue  # an explicit --preset means its own shape
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.max_steps // 20)
+    args.no_progress_bar = not args.progress_bar
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    runs_dir = args.out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        cfg = gpt_config(args)
+        env = environment(args, cfg)
+        loaders = make_loaders(args, cfg.seq_len)
+        for name in args.variants.split(","):
+            print(f"=== {name}: {VARIANTS[name]['label']} ===", flush=True)
+            if VARIANTS[name].get("torchao") and importlib.util.find_spec("torchao") is None:
+                result = {"variant": name, "label": VARIANTS[name]["label"], "status": "skipped: torchao not installed"}
+            else:
+                try:
+                    result = run_variant(name, args, loaders)
+                except Exception as err:  # one failing variant must not lose the others' results
+                    traceback.print_exc()
+                    result = {
+                        "variant": name,
+                        "label": VARIANTS[name]["label"],
+                        "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
+                    }
+            (runs_dir / f"{name}.json").write_text(json.dumps({**env, **result}, indent=1))
+    summary = write_report(args.out)
+    print(summary.read_text())
+    return summary
+
+
+if __name__ == "__main__":
+    main()

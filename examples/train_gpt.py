@@ -1,0 +1,247 @@
+"""Train a GPT on bytes with Lightning and FP8-LM: ``Trainer(precision="fp8-lm")``.
+
+    python examples/train_gpt.py                       # FP8-LM; toy size on CPU, "small" on a GPU
+    python examples/train_gpt.py --precision bf16-mixed
+    python examples/train_gpt.py --preset gpt125m --max-steps 2000 --data my_texts/
+
+The default data is the source of Python's standard library read as bytes (no download, see gpt.py);
+``--data`` takes your own text file or directory. On a CPU the FP8 GEMMs are emulated (same scaling
+logic, fp32 matmuls); on an FP8 GPU (sm89+) they are real. Outputs under ``--out``: CSV (and TensorBoard)
+logs, checkpoints, and ``summary.json`` with the final train and validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from gpt import GPT, ByteWindows, GPTConfig, fp8_module_filter, load_corpus
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+import lightning_fp8  # noqa: F401  (registers precision="fp8-lm" with Lightning)
+from lightning_fp8 import FP8LMPrecision
+from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
+
+# --precision values that mean FP8-LM, and the recipe each names (see FP8Recipe.from_name).
+FP8_PRECISIONS = ("fp8-lm", "fp8-lm-o1", "fp8-lm-current", "fp8-lm-e4m3")
+
+# Sizes chosen by device: a CPU (FP8 emulated) gets a toy run of a few minutes, a GPU a real one.
+CPU_DEFAULTS = {"preset": "toy", "batch_size": 16, "max_steps": 200, "lr": 2e-3, "val_every": 100}
+GPU_DEFAULTS = {"preset": "small", "batch_size": 32, "max_steps": 2000, "lr": 1e-3, "val_every": 250}
+
+
+# --8<-- [start:lit_module]
+class LitGPT(L.LightningModule):
+    """The GPT of gpt.py as a LightningModule: AdamW, linear warm-up then cosine decay to 10%."""
+
+    def __init__(
+        self,
+        gpt: dict[str, Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 50,
+        max_steps: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # plain dicts and numbers: the checkpoint loads with weights_only=True
+        self.model = GPT(GPTConfig(**gpt))
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("val_loss", loss, prog_bar=True)
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        # A plain AdamW: with precision="fp8-lm" it becomes FP8AdamW with the same hyper-parameters.
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=(0.9, 0.95),
+        )
+
+        def lr_factor(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# --8<-- [end:lit_module]
+
+
+class LossHistory(Callback):
+    """Keeps every training loss (as floats) so the script can report a smoothed final value."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def make_loaders(args: argparse.Namespace, seq_len: int) -> tuple[DataLoader, DataLoader]:
+    """Shuffled training windows and fixed validation windows of the corpus chosen by ``--data``."""
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    pin = torch.cuda.is_available()
+    train = DataLoader(
+        ByteWindows(corpus.train, seq_len), args.batch_size, shuffle=True, drop_last=True, pin_memory=pin
+    )
+    val = DataLoader(ByteWindows(corpus.val, seq_len), args.batch_size, shuffle=False, drop_last=True, pin_memory=pin)
+    print(
+        f"data: {corpus.source} ({corpus.files} files, {corpus.train.numel() / 1e6:.1f} MB train, "
+        f"{corpus.val.numel() / 1e6:.2f} MB validation)"
+    )
+    return train, val
+
+
+# --8<-- [start:precision]
+def precision_kwargs(precision: str) -> dict[str, Any]:
+    """Trainer arguments for ``--precision``.
+
+    FP8-LM is ``Trainer(precision="fp8-lm")``; the plugin form used here is the same thing with one more
+    choice made: keep the output head out of FP8 (``fp8_module_filter``).
+    """
+    if precision in FP8_PRECISIONS:
+        return {"plugins": [FP8LMPrecision(recipe=precision, module_filter_fn=fp8_module_filter)]}
+    return {"precision": precision}
+
+
+# --8<-- [end:precision]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--precision",
+        default="fp8-lm",
+        help=f"{', '.join(FP8_PRECISIONS)} or any Lightning precision (bf16-mixed, 16-mixed, 32-true)",
+    )
+    p.add_argument("--preset", choices=["toy", "small", "gpt125m"], help="model size (default: by device)")
+    p.add_argument("--toy", action="store_true", help="the CPU toy settings on any device (quick check)")
+    p.add_argument("--width", type=int)
+    p.add_argument("--depth", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-steps", type=int, help="default: 5%% of --max-steps")
+    p.add_argument("--val-every", type=int, help="validate every N training steps")
+    p.add_argument("--val-batches", type=int, default=20, help="validation batches per validation")
+    p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
+    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of the corpus")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default="runs/train_gpt", help="directory for logs, checkpoints, summary.json")
+    p.add_argument("--no-progress-bar", action="store_true")
+    args = p.parse_args(argv)
+    defaults = GPU_DEFAULTS if torch.cuda.is_available() and not args.toy else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.max_steps // 20)
+    return args
+
+
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
+
+
+def build_trainer(args: argparse.Namespace, callbacks: list[Callback], loggers: list[Any] | bool) -> L.Trainer:
+    """The Trainer both this script and lab.py use (lab passes its own callbacks and no loggers)."""
+    return L.Trainer(
+        max_steps=args.max_steps,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None,  # validate by step count, across epochs
+        limit_val_batches=args.val_batches,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        log_every_n_steps=10,
+        callbacks=callbacks,
+        logger=loggers,
+        enable_progress_bar=not args.no_progress_bar,
+        enable_model_summary=False,
+        default_root_dir=args.out,
+        **precision_kwargs(args.precision),
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    L.seed_everything(args.seed, verbose=False)
+    cfg = gpt_config(args)
+    train_loader, val_loader = make_loaders(args, cfg.seq_len)
+    lit = LitGPT(asdict(cfg), lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
+    if args.compile:
+        lit.model.compile()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (FP8 GEMMs emulated)"
+    print(f"model: {cfg} | {lit.model.num_params() / 1e6:.1f}M parameters | precision {args.precision} | {device}")
+
+    out = Path(args.out)
+    loggers: list[Any] = [CSVLogger(out, name="csv")]
+    if importlib.util.find_spec("tensorboard") is not None:
+        loggers.append(TensorBoardLogger(out, name="tensorboard"))
+    history = LossHistory()
+    callbacks: list[Callback] = [
+        history,
+        ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", save_last=True),
+    ]
+    # --8<-- [start:callbacks]
+    if args.precision in FP8_PRECISIONS:
+        callbacks += [FP8ScaleMonitor(), TrainingHealthMonitor()]  # fp8/* and health/* metrics, health.png
+    # --8<-- [end:callbacks]
+    trainer = build_trainer(args, callbacks, loggers)
+    trainer.fit(lit, train_loader, val_loader)
+
+    val_loss = trainer.validate(lit, val_loader, verbose=False)[0]["val_loss"]
+    tail = history.losses[-20:]
+    summary = {
+        "precision": args.precision,
+        "model": asdict(cfg),
+        "parameters": lit.model.num_params(),
+        "steps": trainer.global_step,
+        "final_train_loss": sum(tail) / len(tail),  # mean of the last 20 steps: one batch is noisy
+        "final_val_loss": float(val_loss),
+        "train_losses": history.losses,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(
+        f"final train loss {summary['final_train_loss']:.4f} | final val loss {summary['final_val_loss']:.4f} "
+        f"| uniform baseline ln(256) = {math.log(256):.4f} | logs and checkpoints in {out}"
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main()

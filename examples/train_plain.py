@@ -1,0 +1,139 @@
+"""Train the GPT with plain PyTorch and FP8-LM: no trainer, every FP8 piece in sight.
+
+    python examples/train_plain.py                     # toy size on CPU, "small" on a GPU
+    python examples/train_plain.py --max-steps 100 --out runs/plain
+
+The four FP8-LM pieces, in the order they appear below: ``convert_to_fp8`` (FP8 GEMMs), ``FP8GradScaler``
+(the automatic gradient scale mu), ``FP8AdamW`` (FP8/fp16 optimizer states), and ``fp8_state_dict`` (the
+scaling state in the checkpoint). ``fp8_stats`` reads the scales for the log line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+from gpt import GPT, ByteWindows, GPTConfig, fp8_module_filter, load_corpus
+from torch.utils.data import DataLoader
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
+
+
+def batches(loader: DataLoader, device: torch.device):
+    """Endless (x, y) batches on ``device``, reshuffled every pass over the data."""
+    while True:
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, loader: DataLoader, device: torch.device, n_batches: int) -> float:
+    model.eval()
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        if i == n_batches:
+            break
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            losses.append(model(x.to(device), y.to(device))[1].item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small" if gpu else "toy", choices=["toy", "small", "gpt125m"])
+    p.add_argument("--width", type=int)
+    p.add_argument("--depth", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch-size", type=int, default=32 if gpu else 16)
+    p.add_argument("--max-steps", type=int, default=1000 if gpu else 200)
+    p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
+    p.add_argument("--recipe", default="fp8-lm", help="an FP8 recipe name (fp8-lm, fp8-lm-o1, ...)")
+    p.add_argument("--val-batches", type=int, default=20)
+    p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
+    p.add_argument("--out", type=Path, default=Path("runs/train_plain"))
+    args = p.parse_args(argv)
+    torch.manual_seed(1234)
+    device = torch.device("cuda" if gpu else "cpu")
+
+    cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, seq_len=args.seq_len)
+    corpus = load_corpus(args.data)
+    train_loader = DataLoader(ByteWindows(corpus.train, cfg.seq_len), args.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(ByteWindows(corpus.val, cfg.seq_len), args.batch_size, drop_last=True)
+
+    # --8<-- [start:setup]
+    model = GPT(cfg).to(device)
+    convert_to_fp8(model, args.recipe, module_filter_fn=fp8_module_filter)  # nn.Linear -> FP8Linear, in place
+    scaler = FP8GradScaler(model=model)  # mu; with the model it keeps delayed grad scales exact when mu changes
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = FP8AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        recipe=args.recipe,
+        grad_scaler=scaler,
+    )
+    # --8<-- [end:setup]
+    warmup = max(1, args.max_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    print(f"{model.num_params() / 1e6:.1f}M parameters, recipe {args.recipe}, {device}")
+
+    data = batches(train_loader, device)
+    tokens_per_step = args.batch_size * cfg.seq_len
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(1, args.max_steps + 1):
+        x, y = next(data)
+        # --8<-- [start:step]
+        with torch.autocast(device.type, dtype=torch.bfloat16):  # the ops that are not FP8 GEMMs run in bf16
+            _, loss = model(x, y)
+        scaler.scale_loss(loss).backward()  # loss * mu: small gradients stay representable in FP8
+        # With its grad_scaler, FP8AdamW.step() is scaler.step(optimizer) + scaler.update(): it unscales by mu,
+        # skips the step (on every rank) if a gradient was non-finite, and halves or doubles mu.
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # --8<-- [end:step]
+        schedule.step()
+        losses.append(loss.item())
+        if step % max(1, args.max_steps // 10) == 0 or step == args.max_steps:
+            s = fp8_stats(model, grad_scaler=scaler)
+            rate = step * tokens_per_step / (time.perf_counter() - start)
+            print(
+                f"step {step:5d} | loss {sum(losses[-10:]) / len(losses[-10:]):.4f} | {rate:,.0f} tok/s "
+                f"| mu {s['grad_scaler']['scale']:g} | skipped {s['grad_scaler']['skipped_steps']} "
+                f"| grad_output scales 2^{math.log2(s['summary']['grad_output']['scale_min']):.0f}.."
+                f"2^{math.log2(s['summary']['grad_output']['scale_max']):.0f}"
+            )
+
+    # --8<-- [start:checkpoint]
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "checkpoint.pt"
+    torch.save(
+        {
+            "model": model.state_dict(),  # the same keys as the unconverted GPT
+            "fp8": fp8_state_dict(model),  # scales and amax histories, for resuming
+            "optimizer": optimizer.state_dict(),
+            "grad_scaler": scaler.state_dict(),
+        },
+        path,
+    )
+    ckpt = torch.load(path, weights_only=True)  # plain tensors and numbers: no pickled classes
+    model.load_state_dict(ckpt["model"])
+    load_fp8_state_dict(model, ckpt["fp8"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scaler.load_state_dict(ckpt["grad_scaler"])
+    # --8<-- [end:checkpoint]
+
+    val_loss = evaluate(model, val_loader, device, args.val_batches)
+    final = {"final_train_loss": sum(losses[-20:]) / len(losses[-20:]), "final_val_loss": val_loss}
+    print(f"final train loss {final['final_train_loss']:.4f} | final val loss {val_loss:.4f} | checkpoint {path}")
+    return final
+
+
+if __name__ == "__main__":
+    main()

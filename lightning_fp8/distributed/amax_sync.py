@@ -1,0 +1,170 @@
+"""Amax synchronization: every rank casts activations and activation gradients with the same scales.
+
+With delayed scaling a cast uses the scale computed from the amax history of earlier casts, and each rank records
+the amax of *its* data. Left alone, ranks drift apart: different scales on different ranks (results depend on the
+rank layout, and one rank can saturate alone), and in tensor/sequence parallelism an FP8 tensor gathered from
+several ranks would mix scales. So once per step the latest amaxes of every delayed scaling state (the
+``input`` and ``grad_output`` roles of each :class:`~lightning_fp8.FP8Linear`) are reduced with MAX across the
+data- and tensor-parallel ranks, in ONE collective (all of them stacked into one fp32 vector), and the scales
+are recomputed from the reduced histories (:func:`lightning_fp8.scaling.compute_scale`)::
+
+    amax_history[0] <- max over ranks of amax_history[0]         # one all-reduce for the whole model
+    scale           <- compute_scale(max(amax_history) or amax_history[0], fp8_dtype, margin, prev=scale)
+
+After the reduction every rank holds the same history, hence the same scale, which is also the scale a single
+process would compute on the concatenated data. Weights are not included: their scale is always computed from
+the weight itself (current scaling).
+
+:func:`enable_fp8_amax_sync` runs this automatically in a forward pre-hook of the root module, so the amaxes
+recorded by step ``t``'s forward and backward are reduced before step ``t + 1`` casts anything.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_fp8.scaling import ScalingState, compute_scale
+from lightning_fp8.warnings import warn_once
+
+# Scaling states whose scale is known to be identical on every rank: synchronized since their last cast.
+# Tensor-parallel layers that gather FP8 data from several ranks consume this token (see claim_shared_scale).
+_synced: weakref.WeakSet[ScalingState] = weakref.WeakSet()
+_HOOK_ATTR = "_lightning_fp8_amax_sync_hook"
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if hasattr(torch, "_foreach_copy_"):  # one launch per group of tensors instead of one per tensor
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+
+def localize_buffers(state: ScalingState) -> None:
+    """Turn DTensor buffers of ``state`` back into plain tensors (this rank's values).
+
+    torch's parallel styles (``distribute_module``) replicate every buffer of a module they shard as a DTensor; a
+    scaling state is per rank (each rank records the amax of its own data), so it must stay plain.
+    """
+    if isinstance(state.scale, DTensor):  # distribute_module converts all of them or none
+        for name, buf in state._buffers.items():
+            if isinstance(buf, DTensor):
+                state._buffers[name] = buf.to_local()
+
+
+class AmaxSync:
+    """The delayed scaling states of a module, grouped for batched scale updates; built once, synced each step.
+
+    Args:
+        module: the model (its structure must not change afterwards; build a new ``AmaxSync`` if it does).
+        process_group: the ranks that must agree (default: the whole world, i.e. data x tensor parallel).
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"AmaxSync expects an nn.Module, got {type(module).__name__}")
+        self.process_group = process_group
+        # modules() visits in registration order, identical on every rank of an identically built model.
+        self.states = [m for m in module.modules() if isinstance(m, ScalingState) and m.delayed]
+        groups: dict[tuple, list[ScalingState]] = defaultdict(list)
+        for state in self.states:
+            groups[(state.fp8_dtype, state.margin, state.algo, state.amax_history.numel())].append(state)
+        self._groups = list(groups.items())
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """MAX-reduce the latest amax of every state in one collective and recompute the scales."""
+        if not self.states or not dist.is_available() or not dist.is_initialized():
+            return
+        if dist.get_world_size(self.process_group) == 1:
+            return
+        for state in self.states:
+            localize_buffers(state)
+        # Per group: stack the histories (one op), reduce their newest column across ranks, recompute the scales
+        # and write both back with one multi-tensor copy each: a few launches per group, whatever its size.
+        histories = [torch.stack([s.amax_history for s in states]) for _, states in self._groups]
+        latest = torch.cat([h[:, 0] for h in histories])
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.process_group)
+        for ((fp8_dtype, margin, algo, _), states), history, reduced in zip(
+            self._groups, histories, latest.split([h.shape[0] for h in histories]), strict=True
+        ):
+            history[:, 0] = reduced
+            ref = history.amax(dim=1) if algo == "max" else history[:, 0]
+            prev = torch.stack([s.scale for s in states])
+            _copy_all([s.amax_history for s in states], list(history.unbind(0)))
+            _copy_all([s.scale for s in states], list(compute_scale(ref, fp8_dtype, margin, prev).unbind(0)))
+        _synced.update(self.states)
+
+
+def sync_fp8_amax(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+    """Reduce (MAX) the latest amaxes of all delayed FP8 scaling states of ``module`` across ranks, in one collective.
+
+    Afterwards every rank of ``process_group`` holds identical amax histories and scales. A no-op without an
+    initialized process group or with one rank. Call it at the same point on every rank (it is a collective).
+
+    Args:
+        module: the model whose :class:`~lightning_fp8.FP8Linear` layers (any :class:`ScalingState`) to sync.
+        process_group: the ranks that must agree; default: the whole world (data x tensor parallel).
+
+    Example:
+        >>> loss = model(batch).sum(); loss.backward(); optimizer.step()
+        >>> sync_fp8_amax(model)   # or let enable_fp8_amax_sync(model) do it before every forward
+    """
+    AmaxSync(module, process_group).sync()
+
+
+def enable_fp8_amax_sync(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> RemovableHandle:
+    """Sync the FP8 amaxes of ``module`` automatically, before each of its forwards (see :func:`sync_fp8_amax`).
+
+    The hook reduces what the previous forward and backward recorded, so every cast of the coming step uses scales
+    identical on all ranks. With gradient accumulation it runs once per micro-batch. Register it on the root module
+    after the model is converted to FP8 and parallelized; calling it again replaces the previous hook.
+
+    Returns:
+        The hook's handle (``handle.remove()`` turns the synchronization off).
+    """
+    previous = getattr(module, _HOOK_ATTR, None)
+    if previous is not None:  # one sync per step, whoever enables it (a strategy and apply_fp8_tensor_parallel)
+        previous.remove()
+    sync = AmaxSync(module, process_group)
+
+    def hook(_module: nn.Module, _args: tuple) -> None:
+        sync.sync()
+
+    handle = module.register_forward_pre_hook(hook)
+    setattr(module, _HOOK_ATTR, handle)
+    return handle
+
+
+def claim_shared_scale(state: ScalingState, process_group: dist.ProcessGroup | None) -> None:
+    """Make sure ``state.scale`` is identical on every rank of ``process_group`` before a cast whose FP8 bytes
+    other ranks will read (a tensor-parallel all-gather), then consume that guarantee: the cast records a local
+    amax, after which the scale may differ again until the next sync.
+
+    Normally the root's amax sync (:func:`enable_fp8_amax_sync`) already made it so, and this costs nothing.
+    Otherwise (no sync enabled, or the layer runs twice between syncs, e.g. under activation recomputation) the
+    state's whole amax history is MAX-reduced over ``process_group`` here: correct, but one small collective per
+    layer.
+    """
+    if state in _synced:
+        _synced.discard(state)
+        return
+    warn_once(
+        "lightning_fp8: a tensor-parallel FP8 layer had to synchronize its amax on its own (one small collective per "
+        "layer): call lightning_fp8.distributed.amax_sync.enable_fp8_amax_sync(model) on the root module (done by "
+        "apply_fp8_tensor_parallel) so that one batched collective per step does it"
+    )
+    with torch.no_grad():
+        dist.all_reduce(state.amax_history, op=dist.ReduceOp.MAX, group=process_group)
+        ref = state.amax_history.amax() if state.algo == "max" else state.amax_history[0]
+        state.scale.copy_(compute_scale(ref, state.fp8_dtype, state.margin, state.scale))

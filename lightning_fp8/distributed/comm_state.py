@@ -1,0 +1,189 @@
+"""FP8CommState: the configuration and per-step state shared by the FP8 communication hooks.
+
+One state serves a DDP hook, the FSDP1 hook or the FSDP2 collectives. It chooses the algorithm, reports
+every gradient cast to the gradient scaler, and keeps the step's non-finite flag.
+
+Skipping a step without a gradient scaler::
+
+    state = FP8CommState()
+    ddp.register_comm_hook(state, fp8_allreduce_hook)
+    for batch in loader:
+        ddp(batch).sum().backward()
+        if state.check_step():        # False when any rank had a non-finite gradient (same answer everywhere)
+            optimizer.step()
+        optimizer.zero_grad()
+
+With ``FP8CommState(grad_scaler=scaler)`` the scaler decides instead (``scaler.step(optimizer)`` skips on every
+rank); :meth:`FP8CommState.check_step` then only needs to be called to read or clear the flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.distributed.comm import CastStats
+from lightning_fp8.distributed.layout import SegmentLayout
+from lightning_fp8.formats import E5M2, check_fp8_dtype
+
+Algorithm = Literal["auto", "portable", "native"]
+_ALGORITHMS = ("auto", "portable", "native")
+
+# What "auto" runs per backend. The native FP8 all-reduce is chosen only where it was measured faster than the
+# portable path and accurate (benchmarks/bench_comm.py, figures in docs/benchmarks.md); gloo has no FP8 reduction.
+_AUTO_ALGORITHM = {"nccl": "portable", "gloo": "portable"}
+
+# Binades the native path may add to its pre-scale headroom after overflows (each overflow adds one).
+MAX_EXTRA_HEADROOM = 8
+
+
+class FP8CommState:
+    """State of the FP8 gradient communication hooks (DDP, FSDP1, FSDP2).
+
+    Args:
+        process_group: the data-parallel group (default: the world).
+        fp8_dtype: the wire format of gradients. E5M2 (the default, the gradient format of the ``"hybrid"``
+            recipe) keeps 32 binades of range inside each tensor; E4M3 has one more mantissa bit (about 6 dB
+            more SQNR) but flushes values below ``amax / 2**17`` to zero.
+        algorithm: ``"portable"`` (FP8 all-to-all, fp32 sum, FP8 all-gather; any backend), ``"native"``
+            (NCCL's float8 all-reduce, the sum in FP8) or ``"auto"`` (per backend; see ``_AUTO_ALGORITHM``).
+            FSDP reduce-scatters are always portable.
+        grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`; every gradient cast is reported to it
+            (``record_gradient_cast``) and so is every non-finite check (``record_nonfinite``).
+        fp8_params: the parameters whose gradients travel in FP8; the others are reduced in their own dtype.
+            ``None`` (the default): every gradient.
+        margin: binades of headroom in the cast scales (0: the amax maps into the top binade).
+        compile: fuse the elementwise quantization kernels with ``torch.compile``. ``None``: on CUDA only.
+
+    Raises:
+        ValueError: for an unknown algorithm, a non-FP8 dtype or a negative margin.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        fp8_dtype: torch.dtype = E5M2,
+        algorithm: Algorithm = "auto",
+        grad_scaler: Any = None,
+        fp8_params: Iterable[nn.Parameter] | None = None,
+        margin: int = 0,
+        compile: bool | None = None,
+    ) -> None:
+        check_fp8_dtype(fp8_dtype)
+        if algorithm not in _ALGORITHMS:
+            raise ValueError(f"FP8CommState(algorithm={algorithm!r}) is not supported: choose one of {_ALGORITHMS}")
+        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"FP8CommState(margin={margin!r}): must be an int >= 0 (binades of headroom)")
+        if grad_scaler is not None and not hasattr(grad_scaler, "record_gradient_cast"):
+            raise TypeError(
+                f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
+                "(it needs record_gradient_cast and record_nonfinite)"
+            )
+        self.process_group = process_group
+        self.fp8_dtype = fp8_dtype
+        self.algorithm = algorithm
+        self.grad_scaler = grad_scaler
+        self.margin = margin
+        self.compile = compile
+        self._fp8_param_ids = None if fp8_params is None else {id(p) for p in fp8_params}
+        self._found: torch.Tensor | None = None  # 0-dim bool on the gradients' device
+        self._extra_headroom: torch.Tensor | None = None  # native path only
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # FSDP1: parameter boundaries of each unit's flat gradient, by its size (see fsdp.enable_fp8_fsdp1).
+        self._fsdp1_layouts: dict[int, SegmentLayout] = {}
+        self.reductions = 0  # collectives run through this state (a Python counter: no sync)
+
+    def __repr__(self) -> str:
+        return (
+            f"FP8CommState(fp8_dtype={self.fp8_dtype}, algorithm={self.algorithm!r}, "
+            f"grad_scaler={type(self.grad_scaler).__name__ if self.grad_scaler is not None else None})"
+        )
+
+    # ------------------------------------------------------------------------------------------------- decisions
+    def is_fp8(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient travels in FP8."""
+        return self._fp8_param_ids is None or id(param) in self._fp8_param_ids
+
+    def resolved_algorithm(self) -> str:
+        """``"portable"`` or ``"native"`` for this state's process group.
+
+        Raises:
+            ValueError: when ``"native"`` is forced on a backend other than NCCL.
+        """
+        backend = dist.get_backend(self.process_group)
+        if self.algorithm == "auto":
+            return _AUTO_ALGORITHM.get(backend, "portable")
+        if self.algorithm == "native" and backend != "nccl":
+            raise ValueError(
+                f"FP8CommState(algorithm='native') needs the NCCL backend (a float8 all-reduce), but the process "
+                f"group uses {backend!r}: use algorithm='portable' or 'auto'"
+            )
+        return self.algorithm
+
+    def compiled(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile is None else self.compile
+
+    def extra_headroom(self, device: torch.device) -> torch.Tensor:
+        """Extra pre-scale binades of the native FP8 sum (0-dim int64 on ``device``), raised after overflows."""
+        if self._extra_headroom is None:
+            self._extra_headroom = torch.zeros((), dtype=torch.int64, device=device)
+        return self._extra_headroom
+
+    # ----------------------------------------------------------------------------------------------- step state
+    @property
+    def found_nonfinite(self) -> torch.Tensor:
+        """0-dim bool: a non-finite gradient was seen on some rank since the last :meth:`check_step`."""
+        if self._found is None:
+            return torch.zeros((), dtype=torch.bool)
+        return self._found
+
+    def record(self, stats: CastStats, native_overflow: bool = False) -> None:
+        """Fold one collective's statistics into the step flag and report them to the gradient scaler."""
+        self.reductions += 1
+        found = stats.found_nonfinite
+        self._found = found.clone() if self._found is None else self._found | found
+        if native_overflow and self._extra_headroom is not None:
+            grow = found & torch.isfinite(stats.amax)  # the sum overflowed, not the gradient
+            self._extra_headroom.add_(grow.to(torch.int64)).clamp_(max=MAX_EXTRA_HEADROOM)
+        if self.grad_scaler is not None and stats.numel:
+            self.grad_scaler.record_gradient_cast(stats.amax, stats.n_saturated, stats.numel, self.fp8_dtype)
+        if self.grad_scaler is not None:
+            self.grad_scaler.record_nonfinite(found)
+
+    def check_step(self) -> bool:
+        """True when every gradient reduced since the last call was finite on every rank; clears the flag.
+
+        The answer is the same on every rank (the non-finite check rides on the shared-amax all-reduce), so
+        ranks that skip, skip together. Reads one device value (a host synchronization).
+        """
+        found = self._found
+        self._found = None
+        return found is None or not bool(found)
+
+    def reset(self) -> None:
+        """Clear the step flag without reading it."""
+        self._found = None
+
+    # ---------------------------------------------------------------------------------------------------- streams
+    @contextlib.contextmanager
+    def side_stream(self, device: torch.device) -> Iterator[None]:
+        """On CUDA, run the enclosed collectives on a side stream that first waits for the current one.
+
+        The hook's chain of kernels and collectives then overlaps with the rest of the backward instead of
+        holding the compute stream. Elsewhere this does nothing.
+        """
+        if device.type != "cuda":
+            yield
+            return
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield

@@ -1,0 +1,287 @@
+"""FSDP2 (``fully_shard``): FP8 gradient reduce-scatter and FP8 weight all-gather through FSDP2's comm hooks.
+
+::
+
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = enable_fp8_fsdp2(model)      # before the first forward
+
+- **Gradients**: :class:`FP8ReduceScatter` replaces each FSDP module's reduce-scatter
+  (``FSDPModule.set_custom_reduce_scatter``): one MAX all-reduce of the per-parameter amaxes, the FP8 bytes of
+  every shard to its owner by an all-to-all, and an fp32 sum there (:func:`~.comm.reduce_scatter_fp8`). FSDP
+  itself divides by the world size (``set_force_sum_reduction_for_comms``).
+- **Weights**: :class:`FP8WeightAllGather` replaces the all-gather (``set_custom_all_gather``). The weight of
+  every :class:`~lightning_fp8.FP8Linear` travels as E4M3 bytes with a whole-tensor scale from its global amax
+  (one MAX all-reduce for all weights of the module, so every rank uses the same scale and no per-rank scale
+  needs to travel); other parameters (biases, norms, embeddings) travel in their own dtype in the same
+  collective. Each rank decodes the gathered bytes into the unsharded weight, whose values then lie on the FP8
+  grid of that scale: the forward's own weight cast (FP8Linear, current scaling) reproduces the same FP8 values
+  without any further communication.
+
+Both hooks work on the module's flat buffers and need each parameter's place in them; they read it from
+FSDP2's parameter group (``FSDPParam.padded_sharded_param_size``). Where that does not match the buffer (e.g.
+a parameter left without a gradient), the reduce-scatter falls back to one scale per block and the
+all-gather to FSDP's default, with a warning.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.distributed.comm import reduce_scatter_fp8
+from lightning_fp8.distributed.comm_state import FP8CommState
+from lightning_fp8.distributed.layout import SegmentLayout
+from lightning_fp8.distributed.quantize import segment_amax
+from lightning_fp8.formats import E4M3
+from lightning_fp8.linear import FP8Linear
+from lightning_fp8.scaling import compute_scale
+from lightning_fp8.warnings import warn_once
+
+try:  # the Comm interfaces are importable from here in torch 2.8+ (not re-exported publicly)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - older torch: duck-typed
+    AllGather = ReduceScatter = object  # type: ignore[misc,assignment]
+
+_FALLBACK_BLOCK = 1 << 16
+
+
+def _param_groups(module: nn.Module) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.12: at most one group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _shard_numel(fsdp_param) -> int:
+    return fsdp_param.padded_sharded_param_size.numel()
+
+
+class FP8ReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter of gradients through FP8 (sum; FSDP divides by the world size).
+
+    Args:
+        state: the communication state (dtype, margin, grad scaler, ``fp8_params``, step flag).
+        param_group: the FSDP parameter group whose gradients this comm reduces.
+    """
+
+    def __init__(self, state: FP8CommState, param_group) -> None:
+        self.state = state
+        self.param_group = param_group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        world = group.size()
+        if op == dist.ReduceOp.AVG:
+            divide = float(world)
+        elif op == dist.ReduceOp.SUM:
+            divide = 1.0
+        else:
+            raise NotImplementedError(
+                f"FP8ReduceScatter got reduce op {op}; it implements SUM and AVG. Keep "
+                "set_force_sum_reduction_for_comms(True) (enable_fp8_fsdp2 sets it) so FSDP divides itself"
+            )
+        chunk = output_tensor.numel()
+        params = [p for p in self.param_group.fsdp_params if p.sharded_param.requires_grad]
+        columns = [_shard_numel(p) for p in params]
+        if sum(columns) != chunk:
+            warn_once(
+                f"FP8ReduceScatter: the gradients of {len(columns)} parameters do not fill the buffer of {chunk} "
+                f"elements per rank (some parameter without a gradient?); using one FP8 scale per block of "
+                f"{_FALLBACK_BLOCK} elements for it"
+            )
+            params, columns = [], []
+        fp8 = [self.state.is_fp8(p.sharded_param) for p in params]
+        out = output_tensor.view(-1)
+        if not params or all(fp8):
+            layout = SegmentLayout.rows(world, columns) if params else SegmentLayout.blocks(world * chunk,
+                                                                                             _FALLBACK_BLOCK)
+            out.copy_(self._fp8(input_tensor.view(-1), layout, group) / divide)
+            return None
+        self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
+        return None
+
+    def _fp8(self, flat: torch.Tensor, layout: SegmentLayout, group) -> torch.Tensor:
+        state = self.state
+        chunk_sum, stats = reduce_scatter_fp8(
+            flat, layout, group, state.fp8_dtype, margin=state.margin, compiled=state.compiled(flat.device)
+        )
+        state.record(stats)
+        return chunk_sum
+
+    def _mixed(self, out, rows, columns, fp8, group, divide) -> None:
+        # FP8 columns go through FP8; the others through one reduce-scatter in their own dtype.
+        world = rows.shape[0]
+        starts = [sum(columns[:i]) for i in range(len(columns))]
+        blocks = [rows[:, s : s + n] for s, n in zip(starts, columns, strict=True)]
+        fp8_blocks = [b for b, m in zip(blocks, fp8, strict=True) if m]
+        other_blocks = [b for b, m in zip(blocks, fp8, strict=True) if not m]
+        fp8_cols = [b.shape[1] for b in fp8_blocks]
+        other_cols = [b.shape[1] for b in other_blocks]
+        fp8_out = self._fp8(torch.cat(fp8_blocks, dim=1).reshape(-1), SegmentLayout.rows(world, fp8_cols), group)
+        other_in = torch.cat(other_blocks, dim=1).reshape(-1)
+        other_out = other_in.new_empty(sum(other_cols))
+        _reduce_scatter(other_out, other_in, group)
+        fp8_parts = iter(fp8_out.split(fp8_cols))
+        other_parts = iter(other_out.split(other_cols))
+        for s, n, m in zip(starts, columns, fp8, strict=True):
+            out[s : s + n].copy_((next(fp8_parts) if m else next(other_parts)) / divide)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None)
+    if fn is not None:
+        fn(output=output, input=input, group=group)
+    else:
+        dist.reduce_scatter_tensor(output, input, group=group)
+
+
+class FP8WeightAllGather(AllGather):
+    """FSDP2 all-gather that sends FP8Linear weights as E4M3 bytes with a whole-tensor scale.
+
+    Args:
+        param_group: the FSDP parameter group this comm gathers.
+        fp8_weight_ids: ``id()`` of the sharded parameters that are FP8Linear weights; and for each, its
+            scaling margin (the layer's weight role), so the gathered weight's scale equals the one the
+            layer's own weight cast computes.
+    """
+
+    def __init__(self, param_group, fp8_weights: dict[int, int]) -> None:
+        self.param_group = param_group
+        self.fp8_weights = fp8_weights
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        params = self.param_group.fsdp_params
+        numels = [_shard_numel(p) for p in params]
+        if input_tensor.dtype == torch.uint8 or sum(numels) != input_tensor.numel():
+            warn_once(
+                "FP8WeightAllGather: the all-gather buffer does not hold one padded shard per parameter in one "
+                "floating-point dtype; gathering this module in its own dtype instead"
+            )
+            return _all_gather(output_tensor, input_tensor, group)
+        margins = [self.fp8_weights.get(id(p.sharded_param)) for p in params]
+        with torch.no_grad():
+            self._gather(output_tensor, input_tensor, group, numels, margins)
+        return None
+
+    def _gather(self, output, shard, group, numels, margins) -> None:
+        world = group.size()
+        starts = [sum(numels[:i]) for i in range(len(numels))]
+        pieces = [shard[s : s + n] for s, n in zip(starts, numels, strict=True)]
+        fp8_idx = [i for i, m in enumerate(margins) if m is not None]
+        amax = segment_amax(shard, tuple(numels))[fp8_idx] if fp8_idx else shard.new_zeros(0, dtype=torch.float32)
+        if amax.numel():
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the global amax of every FP8 weight
+        margin = torch.tensor([margins[i] for i in fp8_idx], dtype=torch.float32, device=shard.device)
+        scale = compute_scale(amax, E4M3) * torch.exp2(-margin)
+        send, widths, j = [], [], 0
+        for i, piece in enumerate(pieces):
+            if i in fp8_idx:
+                q = _cast_e4m3(piece, scale[j])
+                j += 1
+                send.append(q.view(torch.uint8))
+            else:
+                send.append(piece.reshape(-1).view(torch.uint8))
+            widths.append(send[-1].numel())
+        send_bytes = torch.cat(send)
+        gathered = torch.empty(world * send_bytes.numel(), dtype=torch.uint8, device=shard.device)
+        _all_gather(gathered, send_bytes, group)
+        rows_in = gathered.view(world, -1)
+        rows_out = output.view(world, -1)
+        offset, j = 0, 0
+        for i, (start, n, width) in enumerate(zip(starts, numels, widths, strict=True)):
+            src = rows_in[:, offset : offset + width]
+            dst = rows_out[:, start : start + n]
+            if i in fp8_idx:
+                dst.copy_(src.view(E4M3).float() * scale[j].reciprocal())
+                j += 1
+            else:
+                dst.view(torch.uint8).copy_(src)
+            offset += width
+
+
+def _cast_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # The reference cast (saturating, NaN for non-finite); the scale comes from the global amax, so nothing
+    # saturates unless the weight itself is non-finite.
+    y = x.float() * scale
+    y = torch.where(torch.isfinite(y), y.clamp(-448.0, 448.0), torch.nan)
+    return y.to(E4M3)
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def fp8_linear_weights(model: nn.Module) -> dict[int, int]:
+    """``{id(weight): margin}`` of every :class:`~lightning_fp8.FP8Linear` weight in ``model``."""
+    return {id(m.weight): int(m.fp8_scaling["weight"].margin) for m in model.modules() if isinstance(m, FP8Linear)}
+
+
+def enable_fp8_fsdp2(
+    model: nn.Module,
+    state: FP8CommState | None = None,
+    *,
+    reduce_scatter: bool = True,
+    weight_all_gather: bool = True,
+) -> FP8CommState:
+    """Turn on FP8 gradient reduce-scatter and FP8 weight all-gather for every FSDP2 module of ``model``.
+
+    Call after ``fully_shard`` has been applied (to ``model`` and any submodules) and before the first forward.
+
+    Args:
+        model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
+        state: the communication state (default: a new :class:`FP8CommState`). Its ``process_group`` is not
+            used here: FSDP passes its own.
+        reduce_scatter: replace the gradient reduce-scatter.
+        weight_all_gather: replace the parameter all-gather (FP8Linear weights in E4M3).
+
+    Returns:
+        The state: per step, read ``state.check_step()`` or let its grad scaler decide.
+
+    Raises:
+        TypeError: if no module of ``model`` was wrapped by ``fully_shard``.
+        RuntimeError: if this torch's FSDP2 has no custom-collective hooks (torch < 2.8).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        raise TypeError(
+            f"enable_fp8_fsdp2: no module of {type(model).__name__} was wrapped by fully_shard; call "
+            "fully_shard(...) first (for FullyShardedDataParallel, use enable_fp8_fsdp1)"
+        )
+    if not hasattr(fsdp_modules[0], "set_custom_reduce_scatter"):
+        raise RuntimeError(
+            f"enable_fp8_fsdp2 needs FSDPModule.set_custom_reduce_scatter / set_custom_all_gather (torch >= 2.8); "
+            f"this is torch {torch.__version__}"
+        )
+    state = state if state is not None else FP8CommState()
+    weights = fp8_linear_weights(model)
+    for module in fsdp_modules:
+        groups = _param_groups(module)
+        if not groups:
+            continue
+        if len(groups) > 1:
+            raise ValueError(
+                f"enable_fp8_fsdp2: {type(module).__name__} has {len(groups)} FSDP parameter groups (a per-parameter "
+                "mesh); FSDP's custom collectives need one group per module"
+            )
+        if reduce_scatter:
+            module.set_custom_reduce_scatter(FP8ReduceScatter(state, groups[0]))
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+        if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
+            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights))
+    return state

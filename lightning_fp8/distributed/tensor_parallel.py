@@ -1,0 +1,438 @@
+"""Tensor and sequence parallelism for FP8Linear: parallel styles, the DTensor forward and a Megatron-style plan.
+
+:class:`~lightning_fp8.FP8Linear` works under ``torch.distributed.tensor.parallel``: when its weight is a DTensor
+shard, its forward runs the FP8 GEMMs on local shards (:func:`dtensor_forward`, with the collectives of
+:mod:`~lightning_fp8.distributed.tensor_parallel_linear`). :class:`FP8ColwiseParallel` and
+:class:`FP8RowwiseParallel` are the ``ColwiseParallel`` / ``RowwiseParallel`` of FP8 layers; with sequence
+parallelism their activation all-gathers and gradient reduce-scatters carry FP8 (1 byte per element).
+:func:`apply_fp8_tensor_parallel` applies the Megatron plan to every transformer block of a model::
+
+    convert_to_fp8(model)
+    apply_fp8_tensor_parallel(model, mesh["tp"], plan="gpt", sequence_parallel=True)
+    fully_shard(...)  # optional: data parallel on mesh["dp"] (2-D)
+
+or, with Lightning's ``ModelParallelStrategy``, call it in the ``parallelize_fn`` / ``configure_model``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync, localize_buffers
+from lightning_fp8.distributed.tensor_parallel_linear import Comm, TPLinearFn
+from lightning_fp8.linear import FP8Linear
+from lightning_fp8.optim import master
+
+
+@dataclass(frozen=True)
+class _LayerSettings:
+    """What a parallel style tells the layer's forward; stored as ``layer._fp8_tensor_parallel``."""
+
+    fp8_comm: bool = True
+    output_layout: Placement = Replicate()  # rowwise layers reduce their output into this layout themselves
+
+
+_DEFAULT_SETTINGS = _LayerSettings()
+
+
+def _shard_dim(placement: Placement, ndim: int) -> int | None:
+    return placement.dim % ndim if isinstance(placement, Shard) else None
+
+
+def _check_even(size: int, world: int, what: str) -> None:
+    if size % world:
+        raise ValueError(
+            f"tensor parallelism over {world} ranks splits {what} of size {size} into equal shards; "
+            f"make it a multiple of {world}"
+        )
+
+
+def _kind(weight: DTensor) -> str:
+    mesh, placement = weight.device_mesh, weight.placements[0]
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"FP8Linear's weight is a DTensor on the {mesh.ndim}-D mesh {mesh}: tensor parallelism runs on a 1-D mesh; "
+            "parallelize with the tensor-parallel sub-mesh (e.g. mesh['tp'])"
+        )
+    if placement.is_shard(0):
+        return "colwise"
+    if placement.is_shard(1):
+        return "rowwise"
+    raise NotImplementedError(
+        f"FP8Linear weight placement {placement} is not supported: shard it with FP8ColwiseParallel (Shard(0)) or "
+        "FP8RowwiseParallel (Shard(1)) from lightning_fp8.distributed.tensor_parallel"
+    )
+
+
+def _layouts(layer: FP8Linear, x: DTensor, kind: str) -> tuple[DTensor, int | None, Placement]:
+    """The input in a layout the GEMM can take, the dimension the layer's collectives split, the output layout."""
+    mesh, ndim = x.device_mesh, x.ndim
+    if kind == "colwise":
+        dim = _shard_dim(x.placements[0], ndim)
+        if dim == ndim - 1:  # a feature-sharded input cannot feed a column-parallel GEMM
+            dim = None
+        if dim is None and not x.placements[0].is_replicate():
+            x = x.redistribute(mesh, [Replicate()])
+        out_placement: Placement = Shard(ndim - 1)
+    else:
+        if _shard_dim(x.placements[0], ndim) != ndim - 1:
+            x = x.redistribute(mesh, [Shard(ndim - 1)])
+        out_placement = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).output_layout
+        if not (out_placement.is_replicate() or isinstance(out_placement, Shard)):
+            raise ValueError(f"FP8RowwiseParallel output_layouts={out_placement}: use Replicate() or Shard(dim)")
+        dim = _shard_dim(out_placement, ndim)
+    if dim is not None:
+        size = x.shape[dim] if dim != ndim - 1 else layer.out_features
+        _check_even(size, mesh.size(), f"dimension {dim} of the {'input' if kind == 'colwise' else 'output'}")
+    return x, dim, out_placement
+
+
+def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
+    """``FP8Linear.forward`` when its weight is a DTensor shard (tensor parallelism): FP8 GEMMs on local shards.
+
+    Column-parallel weight (``Shard(0)``): the input is replicated, or sharded on a dimension other than the
+    features (sequence parallel: gathered here, in FP8); the output is sharded on its last dimension. Row-parallel
+    weight (``Shard(1)``): the input is sharded on its last dimension; the output is reduced into the layout the
+    style asked for (replicated by default). A plain-tensor input is taken as this rank's part of that default
+    input layout.
+
+    Returns:
+        A DTensor; the parallel style's output hook turns it into the layout (and local tensor) the user asked for.
+    """
+    weight = layer.weight
+    kind, mesh = _kind(weight), weight.device_mesh
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate() if kind == "colwise" else Shard(-1)], run_check=False)
+    layer._check_input(x)  # global shape, dtype and device
+    for state in layer.fp8_scaling.values():  # torch's own styles (distribute_module) made them DTensors
+        localize_buffers(state)
+    x, dim, out_placement = _layouts(layer, x, kind)
+    fp8 = layer.fp8_scaling
+    current = (fp8["input"].needs_current_scale(), fp8["grad_output"].needs_current_scale())
+    fp8_comm = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).fp8_comm
+    comm = Comm(kind, mesh.get_group(), dim, fp8_comm, layer.recipe.backward_dtype)
+    device_type = x.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    master_scale = getattr(weight, master.SCALE_ATTR, None)
+    y = TPLinearFn.apply(x.to_local(), weight.to_local(), fp8, comm, out_dtype, current, master_scale)
+    for state in fp8.values():  # outside the autograd.Function, as in FP8Linear.forward
+        state.initialized = True
+    if layer.bias is not None:
+        # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
+        partial_grad = kind == "rowwise" and dim is not None
+        y = y + layer.bias.to_local(grad_placements=[Partial()] if partial_grad else None).to(out_dtype)
+    return DTensor.from_local(y, mesh, [out_placement], run_check=False)
+
+
+# -------------------------------------------------------------------------------------------- parallel styles
+def _parallelize(
+    module: FP8Linear,
+    mesh: DeviceMesh,
+    weight: Placement,
+    bias: Placement,
+    input_layout: Placement,
+    output_layout: Placement,
+    use_local_output: bool,
+) -> None:
+    # Not distribute_module: it would turn the scaling buffers into replicated DTensors, but they are per rank.
+    for name, placement in (("weight", weight), ("bias", bias)):
+        param = getattr(module, name)
+        if param is not None and not isinstance(param, DTensor):
+            dist_param = nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad)
+            if master.is_fp8_weight(param):  # FP8AdamW recognises FP8 weights by this marker
+                setattr(dist_param, master.MARKER, True)
+            module.register_parameter(name, dist_param)
+    module.register_forward_pre_hook(lambda mod, inputs: _annotate_input(input_layout, inputs, mesh))
+    module.register_forward_hook(lambda mod, inputs, y: _to_output_layout(output_layout, use_local_output, y, mesh))
+
+
+def _annotate_input(layout: Placement, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    x, *rest = inputs
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [layout], run_check=False)
+    return (x, *rest)  # the layer's forward gathers or redistributes what it must
+
+
+def _to_output_layout(layout: Placement, use_local_output: bool, y: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    ndim = y.ndim
+    if y.placements[0] != layout and not (
+        isinstance(layout, Shard) and _shard_dim(y.placements[0], ndim) == _shard_dim(layout, ndim)
+    ):
+        y = y.redistribute(mesh, [layout])
+    return y.to_local() if use_local_output else y
+
+
+class FP8ColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for :class:`~lightning_fp8.FP8Linear`: weight ``Shard(0)``, FP8 GEMMs on the shard.
+
+    With ``input_layouts=Shard(seq_dim)`` (sequence parallel) the input shard is cast to FP8 and all-gathered as
+    1 byte per element; the gathered copy is the GEMM operand, and the input gradient is reduce-scattered in FP8.
+    A plain ``nn.Linear`` or ``nn.Embedding`` (e.g. a layer that stayed in high precision) is parallelized exactly
+    as ``ColwiseParallel`` does.
+
+    Args:
+        input_layouts, output_layouts, use_local_output: as ``ColwiseParallel``.
+        fp8_comm: move FP8 (True) or the activation dtype (False, the baseline) in the sequence-parallel
+            all-gather and reduce-scatter.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        fp8_comm: bool = True,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self.fp8_comm = fp8_comm
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, FP8Linear):
+            return super()._apply(module, device_mesh)
+        world = device_mesh.size()
+        _check_even(module.out_features, world, f"out_features of {module}")
+        if (module.out_features // world) % 16:
+            raise ValueError(
+                f"FP8ColwiseParallel over {world} ranks gives {module} {module.out_features // world} output features "
+                "per rank; FP8 GEMMs need a multiple of 16: use fewer ranks or keep this layer in high precision"
+            )
+        module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm)
+        _parallelize(
+            module,
+            device_mesh,
+            Shard(0),
+            Shard(0),
+            self.input_layouts[0],
+            self.output_layouts[0],
+            self.use_local_output,
+        )
+        return module
+
+
+class FP8RowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for :class:`~lightning_fp8.FP8Linear`: weight ``Shard(1)``, bias replicated.
+
+    The layer reduces its partial sums itself: all-reduce for a replicated output, reduce-scatter (activation
+    dtype) for ``output_layouts=Shard(seq_dim)``, whose backward all-gathers the output gradient as FP8 that the
+    dgrad and wgrad GEMMs consume directly. A plain ``nn.Linear`` or ``nn.Embedding`` is parallelized exactly as
+    ``RowwiseParallel`` does.
+
+    Args:
+        input_layouts, output_layouts, use_local_output: as ``RowwiseParallel``.
+        fp8_comm: move FP8 (True) or the activation dtype (False) in the backward all-gather.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        fp8_comm: bool = True,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self.fp8_comm = fp8_comm
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, FP8Linear):
+            return super()._apply(module, device_mesh)
+        _check_even(module.in_features, device_mesh.size(), f"in_features of {module}")
+        module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm, output_layout=self.output_layouts[0])
+        _parallelize(
+            module,
+            device_mesh,
+            Shard(1),
+            Replicate(),
+            self.input_layouts[0],
+            self.output_layouts[0],
+            self.use_local_output,
+        )
+        return module
+
+
+# -------------------------------------------------------------------------------------------- the Megatron plan
+Role = Literal["colwise", "rowwise", "norm"]
+
+# Submodule names inside one transformer block -> role. "gpt": a fused QKV projection whose output is laid out per
+# head ([q_h k_h v_h] for each head h, so a column shard holds whole heads), as in Megatron-LM.
+GPT_PLAN: dict[str, Role] = {
+    "ln_1": "norm",
+    "attn.qkv": "colwise",
+    "attn.proj": "rowwise",
+    "ln_2": "norm",
+    "mlp.fc": "colwise",
+    "mlp.proj": "rowwise",
+}
+# Hugging Face Llama/Mistral names. Separate q/k/v (and gate/up) projections each gather their input.
+LLAMA_PLAN: dict[str, Role] = {
+    "input_layernorm": "norm",
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "post_attention_layernorm": "norm",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+PLANS: dict[str, dict[str, Role]] = {"gpt": GPT_PLAN, "llama": LLAMA_PLAN}
+
+
+def _resolve_plan(plan: str | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(plan, str):
+        if plan not in PLANS:
+            raise ValueError(
+                f"apply_fp8_tensor_parallel(plan={plan!r}): unknown plan; use one of {sorted(PLANS)} "
+                "or a mapping from submodule name (inside a block) to 'colwise', 'rowwise' or 'norm'"
+            )
+        return dict(PLANS[plan])
+    bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise", "norm")}
+    if bad or not plan:
+        raise ValueError(
+            f"apply_fp8_tensor_parallel(plan={dict(plan)}): roles must be 'colwise', 'rowwise' or 'norm' "
+            f"(got {bad or 'an empty plan'})"
+        )
+    return dict(plan)
+
+
+def _find_blocks(module: nn.Module, roles: Mapping[str, str]) -> list[str]:
+    """Qualified names of the submodules (``module`` included) that contain every submodule the plan names."""
+
+    def has_all(m: nn.Module) -> bool:
+        try:
+            targets = [m.get_submodule(name) for name in roles]
+        except AttributeError:
+            return False
+        for name, target in zip(roles, targets, strict=True):
+            if roles[name] != "norm" and not isinstance(target, (nn.Linear, nn.Embedding)):
+                raise TypeError(
+                    f"apply_fp8_tensor_parallel: plan entry {name!r} ({roles[name]}) is a "
+                    f"{type(target).__name__}; only nn.Linear (FP8Linear) and nn.Embedding can be sharded"
+                )
+        return True
+
+    blocks = [fqn for fqn, m in module.named_modules() if has_all(m)]
+    if not blocks:
+        raise ValueError(
+            f"apply_fp8_tensor_parallel: no submodule of {type(module).__name__} contains all of "
+            f"{sorted(roles)}; pass plan= with the names your blocks use"
+        )
+    return blocks
+
+
+def _style(role: str, sequence_parallel: bool, seq_dim: int, fp8_comm: bool) -> ParallelStyle | None:
+    seq = Shard(seq_dim)
+    if role == "norm":  # without sequence parallelism norms run replicated: nothing to do
+        return SequenceParallel(sequence_dim=seq_dim) if sequence_parallel else None
+    if role == "colwise":
+        return FP8ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), fp8_comm=fp8_comm)
+    return FP8RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate(), fp8_comm=fp8_comm)
+
+
+def _split_sequence_before(block: nn.Module, mesh: DeviceMesh, seq_dim: int) -> None:
+    # The model outside the blocks runs replicated; the first block takes this rank's slice of the sequence
+    # (backward: all-gather of the gradient).
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise TypeError(
+                f"{type(block).__name__} must receive the hidden states as its first positional argument "
+                "for sequence parallelism (apply_fp8_tensor_parallel)"
+            )
+        x = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
+        return (x.redistribute(mesh, [Shard(seq_dim)]).to_local(), *args[1:])
+
+    block.register_forward_pre_hook(hook)
+
+
+def _gather_sequence_after(block: nn.Module, mesh: DeviceMesh, seq_dim: int) -> None:
+    def hook(_module: nn.Module, _args: tuple, out):
+        first = out[0] if isinstance(out, tuple) else out
+        full = DTensor.from_local(first, mesh, [Shard(seq_dim)], run_check=False).redistribute(mesh, [Replicate()])
+        # to_local() returns a view, which FSDP2 warns about (an in-place op on it would skip its backward hook).
+        full = full.to_local().clone()
+        return (full, *out[1:]) if isinstance(out, tuple) else full
+
+    block.register_forward_hook(hook)
+
+
+def apply_fp8_tensor_parallel(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    plan: str | Mapping[str, str] = "gpt",
+    sequence_parallel: bool = True,
+    seq_dim: int = 1,
+    fp8_comm: bool = True,
+    amax_sync: bool = True,
+    amax_sync_group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Shard every transformer block of ``module`` Megatron-style over ``tp_mesh``, with FP8 activation comm.
+
+    In each block (any submodule that contains every name of ``plan``, ``module`` itself included) the attention
+    and MLP input projections become column-parallel and their output projections row-parallel; with
+    ``sequence_parallel`` the norms run on sequence shards and activations between blocks stay sharded, the
+    first block splitting the sequence and the last gathering it, so ``module``'s inputs and outputs keep their
+    layout and the layers outside the blocks (embeddings, head) run replicated. Call it after
+    :func:`~lightning_fp8.convert_to_fp8` and before building the optimizer (parameters become DTensors).
+
+    The attention code must use the local number of heads (``qkv.shape[-1] // (3 * head_dim)``), as with any
+    tensor parallelism.
+
+    Args:
+        module: a model or a single block, on the device of ``tp_mesh``, initialized identically on every rank.
+        tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]`` of a 2-D data x tensor mesh).
+        plan: ``"gpt"`` (:data:`GPT_PLAN`), ``"llama"`` (:data:`LLAMA_PLAN`) or a mapping from submodule name
+            inside a block to ``"colwise"``, ``"rowwise"`` or ``"norm"``.
+        sequence_parallel: shard activations between the projections on ``seq_dim`` (Megatron-SP).
+        seq_dim: the sequence dimension of the hidden states (1 for ``(batch, seq, features)``).
+        fp8_comm: FP8 in the sequence-parallel all-gathers and reduce-scatters (False: activation dtype).
+        amax_sync: sync the delayed-scaling amaxes of ``module`` once per forward in one collective
+            (:func:`~lightning_fp8.distributed.amax_sync.enable_fp8_amax_sync`); skipped on a single rank.
+        amax_sync_group: the ranks that must agree on scales; default: the whole world (data x tensor parallel).
+
+    Returns:
+        ``module``, parallelized in place.
+
+    Raises:
+        ValueError: a mesh that is not 1-D, an unknown plan, or no block matching it.
+    """
+    if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
+        raise ValueError(f"apply_fp8_tensor_parallel(tp_mesh={tp_mesh}): pass a 1-D DeviceMesh (e.g. mesh['tp'])")
+    roles = _resolve_plan(plan)
+    blocks = _find_blocks(module, roles)
+    styles = {}
+    for block in blocks:
+        for name, role in roles.items():
+            style = _style(role, sequence_parallel, seq_dim, fp8_comm)
+            if style is not None:
+                styles[f"{block}.{name}" if block else name] = style
+    parallelize_module(module, tp_mesh, styles)
+    if sequence_parallel:
+        _split_sequence_before(module.get_submodule(blocks[0]), tp_mesh, seq_dim)
+        _gather_sequence_after(module.get_submodule(blocks[-1]), tp_mesh, seq_dim)
+    if amax_sync and dist.get_world_size() > 1:
+        enable_fp8_amax_sync(module, amax_sync_group)
+    return module

@@ -1,0 +1,206 @@
+"""The FP8 GEMMs of a tensor-parallel linear layer, with the collectives around them.
+
+A column-parallel layer holds a slice of the output features (weight ``Shard(0)``), the row-parallel layer after
+it a slice of the input features (weight ``Shard(1)``). Both run the three FP8 GEMMs of
+:class:`~lightning_fp8.FP8Linear` (forward, dgrad, wgrad) on local shards; the collectives between them are
+explicit so that the FP8 copies are what travels. With sequence parallelism (activations between blocks sharded on
+the sequence dimension)::
+
+    colwise forward   x shard --cast E4M3 (shared scale)--> all-gather, 1 B/elt --> x_fp8 (full sequence) --> GEMM
+                      the gathered FP8 copy is the GEMM operand (no second cast) and is kept for wgrad
+    colwise backward  dx partial sums --cast (scale from the MAX-reduced amax)--> all-to-all of the FP8 chunks,
+                      1 B/elt --> fp32 sum of the world-size chunks --> dx shard    (no FP8 sum: no overflow)
+    rowwise forward   y partial sums --reduce-scatter in the activation dtype--> y shard (the residual stream)
+    rowwise backward  dy shard --cast E5M2 (shared scale)--> all-gather, 1 B/elt --> dy_fp8 --> dgrad, wgrad
+
+Without sequence parallelism the colwise input is replicated (its gradient all-reduced) and the rowwise output is
+all-reduced, in the activation dtype. With ``fp8=False`` the sequence-parallel collectives move the activation
+dtype and the full tensor is cast after the gather (the baseline the benchmark compares against).
+
+Shared scales: a rank dequantizes gathered bytes with its own ``scale_inv``, so every rank must cast with the same
+scale. With delayed scaling the root's amax sync (:mod:`~lightning_fp8.distributed.amax_sync`) makes histories
+identical once per step; with current scaling (and on the first step) the amax is MAX-reduced over the group before
+the cast. Either way the scale is the one a single process computes on the whole tensor. Weight scales are per
+shard: a rank's GEMMs read only its shard, so the shard's own amax is exact and needs no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8 import ops
+from lightning_fp8.distributed.amax_sync import claim_shared_scale
+from lightning_fp8.linear import _unscale_weight_stats
+from lightning_fp8.scaling import ScalingState, compute_scale
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# How a cast operand is spread over the group: identical everywhere, a different slice per rank, or a slice whose
+# FP8 bytes are gathered (its scale MUST be identical on every rank).
+Layout = Literal["replicated", "sharded", "gathered"]
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    # Collectives know nothing of FP8 dtypes (gloo refuses them): FP8 travels as its bytes.
+    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+
+
+def _all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate the equal-sized shards ``t`` of every rank along ``dim``."""
+    world = dist.get_world_size(group)
+    wire = _wire(t).contiguous()
+    out = wire.new_empty(world * wire.numel())
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, wire.view(-1), group=group)
+    full = out.view(world, *t.shape).movedim(0, dim).flatten(dim, dim + 1)  # a copy unless dim == 0
+    return full.view(t.dtype)
+
+
+def _scatter_chunks(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """``(world, *shard)`` contiguous: chunk ``r`` is the slice of ``t`` along ``dim`` that rank ``r`` receives."""
+    if t.shape[dim] % world:
+        raise ValueError(f"cannot split dimension {dim} of size {t.shape[dim]} evenly over {world} ranks")
+    return t.unflatten(dim, (world, t.shape[dim] // world)).movedim(dim, 0).contiguous()
+
+
+def _reduce_scatter(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``t`` over the ranks and keep this rank's slice along ``dim``, in ``t``'s dtype."""
+    chunks = _scatter_chunks(t, dim, dist.get_world_size(group))
+    out = chunks.new_empty(chunks[0].numel())
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, chunks.view(-1), group=group)
+    return out.view(chunks.shape[1:])
+
+
+def _reduce_scatter_fp8(
+    t: torch.Tensor, dim: int, group: dist.ProcessGroup, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`_reduce_scatter` with FP8 on the wire: one shared scale, all-to-all of the FP8 chunks, fp32 sum.
+
+    The scale comes from the MAX-reduced amax of all ranks' ``t``, so no rank's chunk saturates; summing the
+    ``world`` dequantized chunks in fp32 cannot overflow either (DESIGN.md, FP8 gradient communication).
+    """
+    world = dist.get_world_size(group)
+    with torch.no_grad():
+        amax = ops.amax(t)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scale = compute_scale(amax, fp8_dtype)
+        t_fp8 = ops.cast_to_fp8(t, scale, fp8_dtype)[0]
+        chunks = _scatter_chunks(t_fp8.view(torch.uint8), dim, world)
+        received = torch.empty_like(chunks)
+        dist.all_to_all_single(received, chunks, group=group)
+        received = received.view(fp8_dtype)
+        total = received[0].float()
+        for r in range(1, world):
+            total += received[r].float()
+        return (total * scale.reciprocal()).to(out_dtype)
+
+
+def _cast(
+    state: ScalingState, t: torch.Tensor, transpose: bool, group: dist.ProcessGroup, current: bool, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``state.quantize(t)`` with a scale identical on every rank of ``group`` wherever ``layout`` needs one."""
+    if current:  # the amax of the whole (distributed) tensor, as a single process would compute it
+        with torch.no_grad():
+            amax = ops.amax(t)
+            if layout != "replicated":
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            state.scale.copy_(compute_scale(amax, state.fp8_dtype, state.margin, state.scale))
+    elif layout == "gathered":
+        claim_shared_scale(state, group)
+    return state.quantize(t, transpose, current=False)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The collectives around one call of a tensor-parallel FP8 linear."""
+
+    kind: Literal["colwise", "rowwise"]
+    group: dist.ProcessGroup
+    # colwise: the input arrives sharded on `dim` and is gathered; rowwise: the output is reduce-scattered on
+    # `dim`. None: replicated (colwise input / rowwise output).
+    dim: int | None
+    fp8: bool  # FP8 on the wire for the gathers and the colwise input-gradient reduce-scatter
+    grad_dtype: torch.dtype  # FP8 format of gradients (the recipe's backward dtype)
+
+
+class TPLinearFn(torch.autograd.Function):
+    """``y = x @ w^T`` on local shards with FP8 operands and the tensor-parallel collectives of ``comm``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fp8: nn.ModuleDict,
+        comm: Comm,
+        out_dtype: torch.dtype,
+        current: tuple[bool, bool],
+        master_scale: torch.Tensor | None,
+    ):
+        # current: (input, grad_output) compute their own amax this call; master_scale: see FP8Linear.forward
+        need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
+        state, group, k = fp8["input"], comm.group, x.shape[-1]
+        x_fp8_t = None  # transposed copy for wgrad; made in backward from a gathered FP8 copy
+        if comm.kind == "colwise" and comm.dim is not None and comm.fp8:
+            x_fp8, _, x_scale_inv = _cast(state, x, False, group, current[0], "gathered")
+            x_fp8 = _all_gather(x_fp8, comm.dim, group)  # the GEMM operand itself: no second cast
+            lead_shape, x_fp8 = x_fp8.shape[:-1], x_fp8.reshape(-1, k)
+        else:
+            if comm.kind == "colwise" and comm.dim is not None:
+                x = _all_gather(x, comm.dim, group)
+            layout = "sharded" if comm.kind == "rowwise" else "replicated"
+            lead_shape = x.shape[:-1]
+            x_fp8, x_fp8_t, x_scale_inv = _cast(state, x.reshape(-1, k), need_wgrad, group, current[0], layout)
+        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True)  # per shard
+        if master_scale is not None:  # the storage holds weight * master_scale (FP8AdamW at O2)
+            w_scale_inv = w_scale_inv / master_scale
+            _unscale_weight_stats(fp8["weight"], master_scale)
+        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype).reshape(*lead_shape, -1)  # forward
+        if comm.kind == "rowwise":  # partial sums over the input-feature shards
+            if comm.dim is None:
+                dist.all_reduce(y, group=group)
+            else:
+                y = _reduce_scatter(y, comm.dim, group)
+        x_saved = x_fp8_t if x_fp8_t is not None else x_fp8
+        ctx.save_for_backward(x_saved if need_wgrad else None, w_fp8_t, x_scale_inv, w_scale_inv)
+        ctx.x_is_transposed = x_fp8_t is not None
+        ctx.comm, ctx.grad_state, ctx.grad_current = comm, fp8["grad_output"], current[1]
+        ctx.lead_shape, ctx.dtypes = lead_shape, (x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x_saved, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
+        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        comm, group, state = ctx.comm, ctx.comm.group, ctx.grad_state
+        dy_fp8_t = None
+        if comm.kind == "rowwise" and comm.dim is not None and comm.fp8:
+            dy_fp8, _, dy_scale_inv = _cast(state, dy.contiguous(), False, group, ctx.grad_current, "gathered")
+            dy_fp8 = _all_gather(dy_fp8, comm.dim, group)
+            dy_fp8 = dy_fp8.reshape(-1, dy_fp8.shape[-1])
+        else:
+            if comm.kind == "rowwise" and comm.dim is not None:
+                dy = _all_gather(dy.contiguous(), comm.dim, group)
+            layout = "sharded" if comm.kind == "colwise" else "replicated"
+            dy_2d = dy.reshape(-1, dy.shape[-1]).contiguous()
+            dy_fp8, dy_fp8_t, dy_scale_inv = _cast(state, dy_2d, need_wgrad, group, ctx.grad_current, layout)
+        dx = dw = None
+        if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
+            dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
+            dx = dx.reshape(*ctx.lead_shape, -1)
+            if comm.kind == "colwise":  # partial sums over the output-feature shards
+                if comm.dim is None:
+                    dist.all_reduce(dx, group=group)
+                elif comm.fp8:
+                    dx = _reduce_scatter_fp8(dx, comm.dim, group, comm.grad_dtype, ctx.dtypes[0])
+                else:
+                    dx = _reduce_scatter(dx, comm.dim, group)
+        if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
+            x_fp8_t = x_saved if ctx.x_is_transposed else x_saved.t().contiguous()
+            if dy_fp8_t is None:
+                dy_fp8_t = dy_fp8.t().contiguous()
+            dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
+        return dx, dw, None, None, None, None, None

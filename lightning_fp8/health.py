@@ -1,0 +1,308 @@
+"""HealthMonitor: training-health statistics and alerts, independent of any trainer.
+
+FP8 training fails in a few recognisable ways (DESIGN.md "Monitoring and health"):
+
+- a *gradient-norm spike*: one step's gradient norm far above its recent level (instability, a bad batch, an
+  overflowing scale);
+- a *plateau*: the loss stops falling while the gradient norm does not fall either (learning has saturated,
+  often because updates underflow); a loss that flattens while the gradient norm falls is convergence, not
+  a plateau;
+- *non-finite* losses or gradients, and the recovery action taken (skip the step, lower mu, lower the learning
+  rate, put a module back to bf16).
+
+The monitor keeps the series it is given (loss, gradient norm, parameter norm, throughput, memory) and returns
+:class:`HealthEvent` objects as they happen. It never changes training: integrations decide what to do.
+
+Example:
+    >>> monitor = HealthMonitor(HealthConfig(window=8, warmup_steps=4))
+    >>> for step in range(10):
+    ...     events = monitor.observe(step, loss=2.0 - 0.1 * step, grad_norm=1.0 + 0.01 * step)
+    >>> monitor.observe(10, loss=1.0, grad_norm=50.0)[0].kind
+    'grad_norm_spike'
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+EVENT_KINDS = ("grad_norm_spike", "loss_plateau", "nonfinite_loss", "nonfinite_grad")
+ACTIONS = ("none", "skip_step", "lower_mu", "lower_lr", "fallback_bf16")
+SERIES = ("loss", "grad_norm", "param_norm", "samples_per_sec", "tokens_per_sec", "memory_gib")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    """Thresholds of :class:`HealthMonitor`.
+
+    Args:
+        window: steps of recent history the spike test compares against.
+        warmup_steps: observations before any spike or plateau alert (early training is noisy by nature).
+        spike_zscore: a gradient norm is a spike when it exceeds the window's mean by this many standard
+            deviations ...
+        spike_ratio: ... and is also this many times the window's mean (a z-score alone fires when the norm
+            is nearly constant).
+        plateau_window: steps over which the loss must improve; the halves of the window are compared.
+        plateau_min_improvement: relative loss improvement between the halves below which the loss has plateaued.
+        plateau_grad_norm_drop: a plateau is only reported if the gradient norm fell by less than this fraction
+            between the halves (a falling gradient norm means convergence).
+    """
+
+    window: int = 50
+    warmup_steps: int = 20
+    spike_zscore: float = 6.0
+    spike_ratio: float = 3.0
+    plateau_window: int = 200
+    plateau_min_improvement: float = 0.01
+    plateau_grad_norm_drop: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("window", "warmup_steps", "plateau_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 2):
+                raise ValueError(
+                    f"HealthConfig({name}={value!r}) must be an int >= {0 if name == 'warmup_steps' else 2}"
+                )
+        for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"HealthConfig({name}={value!r}) must be a non-negative number")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthEvent:
+    """One alert: what happened at which step, the value that triggered it, and the recovery action taken."""
+
+    step: int
+    kind: str
+    value: float
+    message: str
+    action: str = "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mean_std(values: Iterable[float]) -> tuple[float, float]:
+    vals = list(values)
+    mean = sum(vals) / len(vals)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+
+
+class HealthMonitor:
+    """Tracks training-health series and reports spikes, plateaus and non-finite events.
+
+    Call :meth:`observe` once per optimizer step with whatever is known; call :meth:`record_nonfinite` when a
+    non-finite loss or gradient was seen and something was done about it.
+
+    Attributes:
+        series: ``{name: [(step, value), ...]}`` for ``loss``, ``grad_norm``, ``param_norm``,
+            ``samples_per_sec``, ``tokens_per_sec``, ``memory_gib``: what a plot of the run needs.
+        events: every :class:`HealthEvent` so far, in order.
+    """
+
+    def __init__(self, config: HealthConfig | None = None) -> None:
+        if config is not None and not isinstance(config, HealthConfig):
+            raise TypeError(f"HealthMonitor(config=...) expects a HealthConfig, got {type(config).__name__}")
+        self.config = config or HealthConfig()
+        self.series: dict[str, list[tuple[int, float]]] = {name: [] for name in SERIES}
+        self.events: list[HealthEvent] = []
+        self._grad_norms: deque[float] = deque(maxlen=self.config.window)
+        self._plateau_loss: deque[float] = deque(maxlen=self.config.plateau_window)
+        self._plateau_grad: deque[float] = deque(maxlen=self.config.plateau_window)
+        self._observations = 0
+
+    def observe(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        grad_norm: float | None = None,
+        param_norm: float | None = None,
+        samples: int | None = None,
+        tokens: int | None = None,
+        seconds: float | None = None,
+        memory_gib: float | None = None,
+    ) -> list[HealthEvent]:
+        """Record one step's values; returns the events this step raised (also appended to :attr:`events`).
+
+        Args:
+            step: the global step.
+            loss, grad_norm, param_norm: this step's values (Python numbers or 0-dim tensors).
+            samples, tokens, seconds: work done and wall time since the previous observation; give ``seconds``
+                with either count to record throughput.
+            memory_gib: memory in use (GiB), e.g. from :func:`memory_gib`.
+        """
+        self._observations += 1
+        events: list[HealthEvent] = []
+        values = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "memory_gib": memory_gib}
+        if seconds is not None and seconds > 0:
+            values["samples_per_sec"] = None if samples is None else samples / seconds
+            values["tokens_per_sec"] = None if tokens is None else tokens / seconds
+        values = {k: float(v) for k, v in values.items() if v is not None}
+        for name, value in values.items():
+            self.series[name].append((step, value))
+        for name in ("loss", "grad_norm"):
+            if name in values and not math.isfinite(values[name]):
+                events.append(self._nonfinite_event(step, name, values[name], "none"))
+        grad_ok = "grad_norm" in values and math.isfinite(values["grad_norm"])
+        loss_ok = "loss" in values and math.isfinite(values["loss"])
+        if grad_ok:
+            spike = self._check_spike(step, values["grad_norm"])
+            if spike is not None:
+                events.append(spike)
+            else:  # a spike does not enter the baseline it is judged against
+                self._grad_norms.append(values["grad_norm"])
+        if grad_ok and loss_ok:
+            self._plateau_loss.append(values["loss"])
+            self._plateau_grad.append(values["grad_norm"])
+            plateau = self._check_plateau(step)
+            if plateau is not None:
+                events.append(plateau)
+        self.events.extend(events)
+        return events
+
+    def record_nonfinite(self, step: int, source: str, action: str, value: float = math.nan) -> HealthEvent:
+        """Record a non-finite ``source`` (``"loss"`` or ``"grad_norm"``/``"grad"``) and the recovery ``action``.
+
+        Raises:
+            ValueError: for an unknown ``action`` (one of ``none``, ``skip_step``, ``lower_mu``, ``lower_lr``,
+                ``fallback_bf16``, or several joined by ``+``).
+        """
+        for part in action.split("+"):
+            if part not in ACTIONS:
+                raise ValueError(f"record_nonfinite(action={action!r}): each part must be one of {list(ACTIONS)}")
+        event = self._nonfinite_event(step, source, value, action)
+        self.events.append(event)
+        return event
+
+    def _nonfinite_event(self, step: int, source: str, value: float, action: str) -> HealthEvent:
+        kind = "nonfinite_loss" if source == "loss" else "nonfinite_grad"
+        return HealthEvent(
+            step=step, kind=kind, value=value, action=action, message=f"step {step}: non-finite {source} ({value})"
+        )
+
+    def _check_spike(self, step: int, value: float) -> HealthEvent | None:
+        cfg = self.config
+        if self._observations <= cfg.warmup_steps or len(self._grad_norms) < 2:
+            return None
+        mean, std = _mean_std(self._grad_norms)
+        if value > mean + cfg.spike_zscore * std and value > cfg.spike_ratio * mean:
+            return HealthEvent(
+                step=step,
+                kind="grad_norm_spike",
+                value=value,
+                message=(
+                    f"step {step}: gradient norm {value:.4g} is {value / max(mean, 1e-30):.1f}x its recent mean "
+                    f"{mean:.4g} (std {std:.3g}): instability or a bad batch"
+                ),
+            )
+        return None
+
+    def _check_plateau(self, step: int) -> HealthEvent | None:
+        cfg = self.config
+        n = len(self._plateau_loss)
+        if self._observations <= cfg.warmup_steps or n < cfg.plateau_window:
+            return None
+        half = n // 2
+        losses, grads = list(self._plateau_loss), list(self._plateau_grad)
+        loss_before, loss_after = sum(losses[:half]) / half, sum(losses[half:]) / (n - half)
+        grad_before, grad_after = sum(grads[:half]) / half, sum(grads[half:]) / (n - half)
+        improvement = (loss_before - loss_after) / max(abs(loss_before), 1e-12)
+        grad_drop = (grad_before - grad_after) / max(abs(grad_before), 1e-12)
+        if improvement >= cfg.plateau_min_improvement or grad_drop >= cfg.plateau_grad_norm_drop:
+            return None
+        # One alert per window: start collecting afresh.
+        self._plateau_loss.clear()
+        self._plateau_grad.clear()
+        return HealthEvent(
+            step=step,
+            kind="loss_plateau",
+            value=loss_after,
+            message=(
+                f"step {step}: loss improved {improvement:.2%} over the last {n} steps while the gradient norm "
+                f"changed {-grad_drop:+.2%}: learning may have saturated (updates underflowing?)"
+            ),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Event counts by kind, the last value of each series, and the recovery actions taken."""
+        counts = {kind: sum(e.kind == kind for e in self.events) for kind in EVENT_KINDS}
+        last = {name: points[-1][1] for name, points in self.series.items() if points}
+        actions = [e.action for e in self.events if e.action != "none"]
+        return {"events": counts, "last": last, "actions": actions}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain lists and dicts (loads with ``torch.load(weights_only=True)``)."""
+        return {
+            "series": {k: [list(p) for p in v] for k, v in self.series.items()},
+            "events": [e.to_dict() for e in self.events],
+            "grad_norms": list(self._grad_norms),
+            "plateau_loss": list(self._plateau_loss),
+            "plateau_grad": list(self._plateau_grad),
+            "observations": self._observations,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.series = {name: [] for name in SERIES}
+        self.series.update({k: [(int(s), float(v)) for s, v in pts] for k, pts in state["series"].items()})
+        self.events = [HealthEvent(**e) for e in state["events"]]
+        self._grad_norms.clear()
+        self._grad_norms.extend(state["grad_norms"])
+        self._plateau_loss.clear()
+        self._plateau_loss.extend(state["plateau_loss"])
+        self._plateau_grad.clear()
+        self._plateau_grad.extend(state["plateau_grad"])
+        self._observations = int(state["observations"])
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def global_norm(tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False) -> torch.Tensor:
+    """L2 norm over all ``tensors`` as a 0-dim fp32 tensor (inf/NaN if any value is).
+
+    Args:
+        tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]``. DTensors (FSDP2, tensor
+            parallel) are reduced over their mesh by the DTensor norm itself.
+        group: the process group plain-tensor shards live in (default: the world), used when ``sharded``.
+        sharded: each rank holds a different shard of the plain tensors (FSDP1's flat parameters): sum the squares
+            across ranks. Replicated tensors (DDP, single device) must not be reduced.
+    """
+    plain, distributed = [], []
+    for t in tensors:
+        (distributed if _is_dtensor(t) else plain).append(t.detach())
+    device = (plain or distributed)[0].device if (plain or distributed) else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for t in plain:
+        sq = sq + t.float().square().sum().to(device)
+    if sharded and plain and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sq, group=group)
+    for t in distributed:
+        sq = sq + torch.linalg.vector_norm(t.float()).full_tensor().square().to(device)
+    return sq.sqrt()
+
+
+def memory_gib(device: torch.device | str) -> dict[str, float]:
+    """Memory in GiB: allocated, reserved and peak on a CUDA device; the process's peak RSS on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        gib = 2.0**30
+        return {
+            "allocated": torch.cuda.memory_allocated(device) / gib,
+            "reserved": torch.cuda.memory_reserved(device) / gib,
+            "peak": torch.cuda.max_memory_allocated(device) / gib,
+        }
+    import resource  # POSIX only; imported here so the core imports everywhere
+
+    # ru_maxrss is in KiB on Linux and bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"peak": peak / 2.0**30}

@@ -1,0 +1,9 @@
+"""FP8-LM for Hugging Face Accelerate: a drop-in ``Accelerator`` and the ``lightning-fp8 launch`` command.
+
+Users import it as ``from lightning_fp8.accelerate import Accelerator``. See docs/accelerate.md.
+"""
+
+from lightning_fp8.integrations.accelerate.accelerator import Accelerator
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, FP8LaunchConfig
+
+__all__ = ["ENV_EXCLUDE", "ENV_RECIPE", "Accelerator", "FP8LaunchConfig"]

@@ -1,0 +1,402 @@
+"""``Accelerator``: ``accelerate.Accelerator`` with FP8-LM training, switched on by the launch.
+
+A plain Accelerate script changes one line (``from lightning_fp8.accelerate import Accelerator``); the recipe
+comes from the launch (``lightning-fp8 launch``, or ``LIGHTNING_FP8_RECIPE``, see :mod:`.config`). Then:
+
+- ``prepare(model, ...)`` converts the model's linear layers to FP8 (:func:`~lightning_fp8.convert_to_fp8`),
+  replaces ``AdamW``/``Adam`` by :class:`~lightning_fp8.FP8AdamW` (hyper-parameters and param groups kept,
+  LR schedulers rebound), installs the FP8 gradient all-reduce hook on DDP models and the FP8 all-gather /
+  reduce-scatter on FSDP2 models;
+- ``backward`` multiplies the loss by the gradient scale mu (:class:`~lightning_fp8.FP8GradScaler`); the
+  prepared optimizer's ``step`` skips the update on every rank when a gradient was non-finite, and Accelerate's
+  scheduler wrapper then does not advance; ``accumulate`` works as in Accelerate;
+- ``clip_grad_norm_`` clips and returns the norm of the *unscaled* gradients;
+- ``save_state``/``load_state`` also save/restore the FP8 scaling state, mu and the health history;
+- ``log`` adds the FP8 and health statistics (:mod:`.metrics`) to what the script logs; ``log_fp8_stats`` logs
+  them on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.utils import DDPCommunicationHookType, DistributedType
+from torch import nn
+from typing_extensions import override
+
+from lightning_fp8.convert import fp8_modules
+from lightning_fp8.health import HealthMonitor
+from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel
+from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
+from lightning_fp8.integrations.accelerate.metrics import fp8_log_values
+from lightning_fp8.integrations.accelerate.optimizer import (
+    FP8AcceleratedOptimizer,
+    is_swappable,
+    rebind_scheduler,
+    to_fp8_optimizer,
+)
+from lightning_fp8.optim import FP8AdamW
+from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.warnings import warn_once
+
+logger = logging.getLogger("lightning_fp8.accelerate")
+
+
+def _fresh_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer) and not getattr(obj, "_is_accelerate_prepared", False)
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` that trains with FP8-LM when the launch asks for it.
+
+    All of Accelerate's arguments are accepted and mean the same. Without an FP8 recipe from the launch (or
+    ``fp8_lm_recipe``), this is Accelerate's Accelerator, plus one warning saying FP8-LM is off.
+
+    Args:
+        fp8_lm_recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name overriding the launch's
+            ``LIGHTNING_FP8_RECIPE`` (``"none"`` turns FP8-LM off); ``None``: the launch decides.
+        fp8_module_filter: ``fn(module, fqn) -> bool``; only linear layers where it returns True become FP8
+            (combined with the launch's ``LIGHTNING_FP8_EXCLUDE`` patterns).
+        fp8_stats_in_log: add the FP8 and health statistics to every ``accelerator.log`` call.
+
+    Raises:
+        ValueError: for a bad recipe name in the launch, ``mixed_precision`` ``"fp16"``/``"fp8"`` (FP8-LM brings
+            its own loss scale and FP8 path: use ``"bf16"`` or ``"no"``), or DeepSpeed, Megatron-LM, XLA or FSDP1.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        fp8_lm_recipe: FP8Recipe | str | None = None,
+        fp8_module_filter: conversion.ModuleFilter | None = None,
+        fp8_stats_in_log: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        # Validate the launch first: a bad recipe name should fail before any process group is created.
+        self.fp8_lm_config = resolve_launch_config(fp8_lm_recipe)
+        super().__init__(*args, **kwargs)
+        self.fp8_stats_in_log = fp8_stats_in_log
+        self.fp8_grad_scaler: Any | None = None
+        self.fp8_health: HealthMonitor | None = None
+        self.fp8_report: dict[str, Any] = {}
+        self._fp8_user_filter = fp8_module_filter
+        self._fp8_models: list[nn.Module] = []
+        self._fp8_optimizer: FP8AcceleratedOptimizer | None = None
+        self._fp8_swapped: dict[int, torch.optim.Optimizer] = {}
+        self._fp8_wrapped: set[int] = set()
+        self._fp8_steps = 0
+        self._fp8_loss: list[torch.Tensor] = []
+        self._fp8_grad_norm: torch.Tensor | None = None
+        if self.fp8_lm_config is None:
+            if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
+                warn_once(
+                    "lightning_fp8.accelerate.Accelerator: FP8-LM is off because the launch chose no recipe. Turn it "
+                    f"on with `lightning-fp8 launch ...` or {ENV_RECIPE}=fp8-lm (set {ENV_RECIPE}=none to silence this)"
+                )
+            return
+        self._fp8_check_supported()
+        self.fp8_health = HealthMonitor()
+        self.fp8_report["recipe"] = self.fp8_lm_config.recipe.to_dict()
+        self.register_save_state_pre_hook(self._fp8_save_hook)
+        self.register_load_state_pre_hook(self._fp8_load_hook)
+
+    @property
+    def fp8_lm_enabled(self) -> bool:
+        """Whether this accelerator trains with FP8-LM."""
+        return self.fp8_lm_config is not None
+
+    @property
+    def fp8_lm_recipe(self) -> FP8Recipe | None:
+        return self.fp8_lm_config.recipe if self.fp8_lm_config is not None else None
+
+    def _fp8_check_supported(self) -> None:
+        if self.mixed_precision in ("fp16", "fp8"):
+            raise ValueError(
+                f"mixed_precision={self.mixed_precision!r} cannot be combined with FP8-LM: 'fp16' brings a second loss "
+                "scaler and 'fp8' selects Accelerate's own FP8 backends. Use mixed_precision 'bf16' (the usual FP8-LM "
+                f"setting) or 'no', with the recipe from {ENV_RECIPE} / `lightning-fp8 launch`"
+            )
+        unsupported = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+        if self.distributed_type in unsupported:
+            raise ValueError(
+                f"FP8-LM under Accelerate supports single process, DDP and FSDP2, not {self.distributed_type.value}: "
+                f"launch without it, or set {ENV_RECIPE}=none"
+            )
+        if self.distributed_type == DistributedType.FSDP and not self.is_fsdp2:
+            raise ValueError("FP8-LM under Accelerate supports FSDP2 only: set `fsdp_version: 2` in the fsdp_config")
+
+    # ------------------------------------------------------------------------------------------------ prepare
+    @override
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        if self.fp8_lm_config is None:
+            return super().prepare(*args, device_placement=device_placement)
+        # Convert before Accelerate wraps (DDP) or shards (FSDP2) the model; FP8Linear shares nn.Linear's
+        # parameters, so the optimizer built on them stays valid.
+        args = tuple(self._fp8_convert(obj) if isinstance(obj, nn.Module) else obj for obj in args)
+        if not self.is_fsdp2:
+            # FP8AdamW (O2) takes over the FP8 weights' storage as its fp16 master: that has to happen before
+            # DDP builds its gradient buckets. Under FSDP2 it happens after sharding (_fp8_swap_after_sharding).
+            args = tuple(self._fp8_swap(obj) if _fresh_optimizer(obj) else obj for obj in args)
+        result = super().prepare(*args, device_placement=device_placement)
+        if self.is_fsdp2:
+            self._fp8_swap_after_sharding()
+        for obj in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(obj, nn.Module):
+                self._fp8_after_wrap(obj)
+        return result
+
+    @override
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        if self.fp8_lm_config is None:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        model = self._fp8_convert(model)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if not evaluation_mode:
+            self._fp8_after_wrap(prepared)
+        return prepared
+
+    @override
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        if self.fp8_lm_config is None or getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if self._fp8_optimizer is not None:
+            raise ValueError(
+                "FP8-LM under Accelerate trains with one optimizer (one gradient scale mu): put all parameters in "
+                "param groups of a single AdamW"
+            )
+        if not self.is_fsdp2:
+            optimizer = self._fp8_swap(optimizer)  # a no-op when prepare() swapped it already
+        elif isinstance(optimizer, FP8AdamW):
+            raise ValueError(
+                "under FSDP2, pass a torch.optim.AdamW to accelerator.prepare: the Accelerator builds FP8AdamW after "
+                "fully_shard, on the sharded parameters (an FP8AdamW built before sharding holds the unsharded ones)"
+            )
+        device_placement = self.device_placement if device_placement is None else device_placement
+        prepared = FP8AcceleratedOptimizer(optimizer, device_placement, self._fp8_scaler(), self._fp8_on_step)
+        self._optimizers.append(prepared)
+        self._fp8_optimizer = prepared
+        return prepared
+
+    @override
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        if self._fp8_swapped:
+            rebind_scheduler(scheduler, self._fp8_swapped)
+        return super().prepare_scheduler(scheduler)
+
+    def _fp8_convert(self, model: nn.Module) -> nn.Module:
+        if any(model is m for m in self._fp8_models):
+            return model
+        model, report = conversion.convert(model, self.fp8_lm_config, self._fp8_user_filter, self.device)
+        self._fp8_models.append(model)
+        self.fp8_report.update(report)
+        self._fp8_info(
+            f"lightning_fp8: converted {report['converted_layers']} linear layer(s) of {type(model).__name__} to FP8 "
+            f"(recipe {self.fp8_lm_config.recipe.to_dict()}); kept {len(report['high_precision_linears'])} in high "
+            f"precision {report['high_precision_linears']}"
+        )
+        return model
+
+    def _fp8_scaler(self) -> Any:
+        if self.fp8_grad_scaler is None:  # created at the first prepare that needs it, after the model's conversion
+            from lightning_fp8.grad_scaler import FP8GradScaler
+
+            # With one FP8 model, the scaler keeps its grad_output scales exact when mu changes.
+            model = self._fp8_models[0] if len(self._fp8_models) == 1 else None
+            self.fp8_grad_scaler = FP8GradScaler(model=model)
+        return self.fp8_grad_scaler
+
+    def _fp8_swap(self, optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer`` as FP8AdamW (AdamW/Adam), or unchanged (with a warning for other types)."""
+        if any(new is optimizer for new in self._fp8_swapped.values()):
+            return optimizer
+        name = type(optimizer).__name__
+        if is_swappable(optimizer):
+            if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in self._models):
+                raise ValueError(
+                    f"accelerator.prepare_optimizer({name}) after the model was prepared: FP8AdamW takes over the FP8 "
+                    "weights' storage, which must happen before DDP wraps the model. Pass the model and the optimizer "
+                    "to the same accelerator.prepare(model, optimizer, ...) call"
+                )
+            self._fp8_sync_initial_weights()
+            new = to_fp8_optimizer(
+                optimizer,
+                grad_scaler=self._fp8_scaler(),
+                recipe=self.fp8_lm_config.recipe,
+                # Gradients stay in p.grad until the step, where accelerator.clip_grad_norm_ and user code see them.
+                fp8_grads=False,
+                **fp8_kwargs,
+            )
+            self._fp8_swapped[id(optimizer)] = new
+        elif isinstance(optimizer, FP8AdamW):
+            new = optimizer
+            if new.grad_scaler is None:  # its gradient casts report to the accelerator's mu
+                new.grad_scaler = self._fp8_scaler()
+        else:
+            new = optimizer
+            warn_once(
+                f"lightning_fp8: {name} is not AdamW/Adam, so it is kept: FP8 GEMMs and the gradient scale mu "
+                "apply (its gradients are unscaled in place before each step); its states stay in full precision"
+            )
+        self.fp8_report["optimizer"] = f"{name} -> {type(new).__name__}" if new is not optimizer else name
+        self._fp8_info(f"lightning_fp8: optimizer {self.fp8_report['optimizer']}")
+        return new
+
+    def _fp8_swap_after_sharding(self) -> None:
+        # FSDP2: FP8AdamW is built on the sharded (DTensor) parameters; fully_shard made new parameter objects,
+        # so the FP8 weights are named explicitly.
+        prepared = self._fp8_optimizer
+        if prepared is None or not is_swappable(prepared.optimizer):
+            return
+        old = prepared.optimizer
+        fp8_weights = [layer.weight for model in self._fp8_models for layer in fp8_modules(model).values()]
+        prepared.optimizer = self._fp8_swap(old, fp8_params=fp8_weights)
+        for scheduler in self._schedulers:
+            rebind_scheduler(getattr(scheduler, "scheduler", scheduler), self._fp8_swapped)
+
+    def _fp8_sync_initial_weights(self) -> None:
+        # FP8AdamW derives each FP8 weight's master scale from the weight itself. DDP would broadcast rank 0's
+        # weights only later, so a rank initialized differently would keep a scale that does not match them.
+        # Under FSDP2 the optimizer is built on the shards, after fully_shard; it keeps its masters apart.
+        if self.num_processes > 1 and torch.distributed.is_initialized() and not self.is_fsdp2:
+            for model in self._fp8_models:
+                parallel.broadcast_parameters(model)
+
+    def _fp8_after_wrap(self, model: nn.Module) -> None:
+        if id(model) in self._fp8_wrapped:
+            return
+        self._fp8_wrapped.add(id(model))
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            comm_hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
+            if comm_hook != DDPCommunicationHookType.NO:
+                warn_once(
+                    f"lightning_fp8: DistributedDataParallelKwargs(comm_hook={comm_hook}) is in use, so gradients are "
+                    "not communicated in FP8; drop that comm_hook to get the FP8 all-reduce"
+                )
+                self.fp8_report["ddp_comm_hook"] = str(comm_hook)
+            else:
+                self.fp8_report["ddp_comm_hook"] = parallel.install_ddp_hook(
+                    model, self.fp8_lm_config.recipe, self._fp8_scaler()
+                )
+            self._fp8_info(f"lightning_fp8: DDP gradient communication: {self.fp8_report['ddp_comm_hook']}")
+        elif self.is_fsdp2:
+            recipe = self.fp8_lm_config.recipe
+            self.fp8_report["fsdp2_collectives"] = parallel.install_fsdp2_collectives(model, recipe, self._fp8_scaler())
+            self._fp8_info(f"lightning_fp8: {self.fp8_report['fsdp2_collectives']}")
+
+    def _fp8_info(self, message: str) -> None:
+        if self.is_main_process:
+            logger.info(message)
+
+    @override
+    def free_memory(self, *objects: Any) -> Any:
+        result = super().free_memory(*objects)
+        # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
+        self.fp8_grad_scaler, self._fp8_optimizer = None, None
+        self._fp8_models, self._fp8_swapped, self._fp8_wrapped = [], {}, set()
+        self._fp8_loss, self._fp8_grad_norm, self._fp8_steps = [], None, 0
+        if self.fp8_lm_config is not None:
+            self.fp8_health = HealthMonitor()
+        return result
+
+    # ----------------------------------------------------------------------------------- backward and step
+    @override
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.fp8_grad_scaler is not None:
+            self._fp8_loss.append(loss.detach())
+            loss = self.fp8_grad_scaler.scale_loss(loss)
+        super().backward(loss, **kwargs)
+
+    @override
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
+        """Clip the gradients as if they were unscaled; returns the norm of the unscaled gradients.
+
+        The gradients carry the factor mu until the optimizer step (which unscales inside its fused kernel), so
+        they are scaled by ``min(1, max_norm / (norm / mu))``: the true gradients' clipping, exact in the scale
+        since mu is a power of two. The norm is accumulated in fp32 (FP8 weights' gradients are fp16 at O2, whose
+        range a norm over many values can exceed).
+        """
+        if self.fp8_grad_scaler is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        mu = float(self.fp8_grad_scaler.scale)
+        if self.is_fsdp2:  # sharded DTensor gradients: Accelerate's mesh-aware clipping, on the scaled gradients
+            total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+            total = total / mu
+        else:
+            total = parallel.clip_grad_norm_fp32(parameters, max_norm, norm_type, grad_scale=mu)
+        self._fp8_grad_norm = total.detach()
+        return total
+
+    @override
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        if self.fp8_grad_scaler is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        return super().clip_grad_value_(parameters, clip_value * float(self.fp8_grad_scaler.scale))
+
+    def _fp8_on_step(self, stepped: bool) -> None:
+        # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.
+        step = self._fp8_steps
+        self._fp8_steps += 1
+        loss = torch.stack(self._fp8_loss).float().mean() if self._fp8_loss else None
+        if not stepped:
+            self.fp8_health.record_nonfinite(step, "grad", "skip_step+lower_mu")
+        grad_norm = self._fp8_grad_norm
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        events = self.fp8_health.observe(step, loss=loss, grad_norm=grad_norm if stepped else None)
+        for event in events:
+            if self.is_main_process:
+                logger.warning(f"lightning_fp8 health: {event.message}")
+        self._fp8_loss, self._fp8_grad_norm = [], None
+
+    # ---------------------------------------------------------------------------------------------- logging
+    def fp8_log_values(self, layers: bool = False) -> dict[str, float | int]:
+        """The FP8 and health statistics as flat ``{name: number}`` (names in :mod:`.metrics`); ``{}`` when off."""
+        if self.fp8_lm_config is None or not self._fp8_models:
+            return {}
+        inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
+        return fp8_log_values(self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers)
+
+    def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:
+        """Log the FP8 and health statistics to the trackers (main process) and return them.
+
+        Args:
+            step: the step to log at (as ``accelerator.log``).
+            layers: also log per-layer scales, amaxes and saturation (many values for a large model).
+        """
+        values = self.fp8_log_values(layers=layers)
+        if values:
+            super().log(values, step=step)
+        return values
+
+    @override
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        if self.fp8_stats_in_log and self.is_main_process:
+            values = {**values, **self.fp8_log_values()}
+        super().log(values, step=step, log_kwargs=log_kwargs)
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def _fp8_save_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
+        state = checkpoint.build_state(
+            self.fp8_lm_config.recipe,
+            self._fp8_models,
+            self.num_processes,
+            self.fp8_grad_scaler,
+            self.fp8_health,
+            self._fp8_steps,
+        )
+        checkpoint.save(output_dir, self.process_index, state)
+
+    def _fp8_load_hook(self, models: list[nn.Module], input_dir: str) -> None:
+        state = checkpoint.load(input_dir, self.process_index, self.num_processes)
+        if state is None:
+            return
+        recipe = self.fp8_lm_config.recipe
+        checkpoint.restore(state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
+        self._fp8_steps = int(state["optimizer_steps"])

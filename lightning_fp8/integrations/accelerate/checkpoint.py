@@ -1,0 +1,113 @@
+"""FP8 training state in ``accelerator.save_state`` / ``load_state``: scaling states, mu, health history.
+
+Accelerate saves the model weights, the optimizer (FP8AdamW's low-precision states and their scales are
+ordinary optimizer state), schedulers, RNG and data samplers. What it does not know about is saved here, by
+save/load hooks, one file per rank in ``<checkpoint>/lightning_fp8/rank<R>.pt``:
+
+- the FP8 scaling state of every prepared model (scales, amax histories, counters: non-persistent buffers, so
+  they are not in the model's ``state_dict``); per rank, because delayed-scaling histories of activations and
+  activation gradients are per rank;
+- the gradient scaler mu and its counters, and the health monitor's history.
+
+Every file holds plain tensors, numbers, lists and dicts: it loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.warnings import warn_once
+
+FORMAT_VERSION = 1
+SUBDIR = "lightning_fp8"
+
+
+def rank_file(directory: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` keeps its FP8 state inside the checkpoint folder ``directory``."""
+    return Path(directory) / SUBDIR / f"rank{rank}.pt"
+
+
+def build_state(
+    recipe: FP8Recipe, models: list[nn.Module], world_size: int, grad_scaler: Any | None, health: Any | None, steps: int
+) -> dict[str, Any]:
+    """This rank's FP8 state; ``models`` are unwrapped (no DDP ``module.`` prefix)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "recipe": recipe.to_dict(),
+        "world_size": world_size,
+        "models": [fp8_state_dict(m) for m in models],
+        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+        "health": health.state_dict() if health is not None else None,
+        "optimizer_steps": steps,
+    }
+
+
+def save(directory: str | os.PathLike, rank: int, state: dict[str, Any]) -> Path:
+    path = rank_file(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return path
+
+
+def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any] | None:
+    """This rank's saved FP8 state, or ``None`` (with a warning) when the checkpoint has none.
+
+    A checkpoint written with another number of processes has no file for some ranks: those ranks take rank 0's
+    (weights and mu are the same on every rank; only activation statistics differ, and they re-adapt in
+    ``amax_history_len`` steps).
+    """
+    path = rank_file(directory, rank)
+    if not path.is_file():
+        fallback = rank_file(directory, 0)
+        if not fallback.is_file():
+            warn_once(
+                f"accelerator.load_state({str(directory)!r}): the checkpoint has no FP8 state ({SUBDIR}/ is missing; "
+                "was it saved without FP8-LM?). FP8 scales and mu start fresh."
+            )
+            return None
+        path = fallback
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has FP8 state format {state.get('format_version')!r}; this lightning_fp8 reads format "
+            f"{FORMAT_VERSION}: load it with the lightning_fp8 version that wrote it"
+        )
+    if state["world_size"] != world_size:
+        warn_once(
+            f"accelerator.load_state: the FP8 state was saved by {state['world_size']} process(es) and is loaded "
+            f"by {world_size}; ranks without their own file use rank 0's activation scaling statistics"
+        )
+    return state
+
+
+def restore(
+    state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
+) -> None:
+    """Load ``state`` (from :func:`load`) into the unwrapped ``models``, the scaler and the health monitor.
+
+    Raises:
+        ValueError: when the checkpoint holds FP8 state for a different number of models.
+    """
+    if FP8Recipe.from_dict(state["recipe"]) != recipe:
+        warn_once(
+            f"accelerator.load_state: the checkpoint was trained with FP8 recipe {state['recipe']}, this run uses "
+            f"{recipe.to_dict()}; the saved scaling state is loaded into the new recipe's layers"
+        )
+    if len(state["models"]) != len(models):
+        raise ValueError(
+            f"accelerator.load_state: the checkpoint has FP8 state for {len(state['models'])} model(s) but "
+            f"{len(models)} FP8 model(s) were prepared: prepare the same models as the run that saved it"
+        )
+    for model, model_state in zip(models, state["models"], strict=True):
+        load_fp8_state_dict(model, model_state)
+    if grad_scaler is not None and state["grad_scaler"] is not None:
+        grad_scaler.load_state_dict(state["grad_scaler"])
+    if health is not None and state["health"] is not None:
+        health.load_state_dict(state["health"])

@@ -1,0 +1,205 @@
+"""``lightning-fp8``: a thin wrapper around ``accelerate launch`` that turns FP8-LM on.
+
+::
+
+    lightning-fp8 launch [--fp8-recipe NAME] [--fp8-exclude PATTERNS] [accelerate launch options] train.py [args]
+    lightning-fp8 recipes
+
+``launch`` parses its arguments with Accelerate's own ``accelerate launch`` parser (so every Accelerate option
+works and means what it means there) plus two options of ours, then:
+
+1. takes the ``lightning_fp8:`` section out of the Accelerate config file (Accelerate rejects unknown keys) and
+   hands Accelerate a copy without it;
+2. resolves the FP8 settings: flags, else the config section, else ``LIGHTNING_FP8_RECIPE`` already in the
+   environment, else the ``fp8-lm`` recipe; a bad recipe name stops here with the list of valid names;
+3. exports them as ``LIGHTNING_FP8_RECIPE`` / ``LIGHTNING_FP8_EXCLUDE`` and runs ``accelerate launch``.
+
+One deliberate difference: on CPU with more than one process and no ``mpirun`` hostfile, ``accelerate launch``
+runs a single process (its CPU multi-process path needs MPI). ``lightning-fp8 launch`` starts the processes with
+torchrun instead, with ``ACCELERATE_USE_CPU=true`` so each one joins a gloo process group, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_fp8.integrations.accelerate.config import (
+    CONFIG_KEY,
+    ENV_EXCLUDE,
+    ENV_RECIPE,
+    OFF,
+    FP8LaunchConfig,
+    check_recipe_name,
+)
+from lightning_fp8.recipe import FP8Recipe
+
+USAGE = """usage: lightning-fp8 launch [--fp8-recipe NAME] [--fp8-exclude PATTERNS] [accelerate launch options]
+                            training_script [script args]
+       lightning-fp8 recipes
+
+  launch   `accelerate launch` with FP8-LM on (see `lightning-fp8 launch --help`)
+  recipes  list the FP8 recipe names and their fields
+"""
+
+
+FP8_OPTIONS = f"""lightning-fp8 launch options (FP8-LM; docs/accelerate.md):
+  --fp8-recipe NAME        one of {FP8Recipe.names()}, or '{OFF}'; overrides `{CONFIG_KEY}.recipe`
+                           of the config file (default: the config section, else ${ENV_RECIPE}, else fp8-lm)
+  --fp8-exclude PATTERNS   comma-separated module name patterns kept in high precision (e.g. lm_head);
+                           overrides `{CONFIG_KEY}.exclude_modules`
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lightning-fp8`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "launch":
+        return launch(rest)
+    if command == "recipes":
+        for name in FP8Recipe.names():
+            print(f"{name}: {json.dumps(FP8Recipe.from_name(name).to_dict())}")
+        return 0
+    print(f"lightning-fp8: unknown command {command!r}: use 'launch' or 'recipes'\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    parser.prog = "lightning-fp8 launch"
+    group = parser.add_argument_group("lightning_fp8", "FP8-LM training (lightning_fp8.accelerate.Accelerator)")
+    group.add_argument(
+        "--fp8-recipe",
+        "--fp8_recipe",
+        dest="lightning_fp8_recipe",
+        default=None,
+        help=f"FP8 recipe name: one of {FP8Recipe.names()}, or '{OFF}' to turn FP8-LM off. Overrides the "
+        f"config file's `{CONFIG_KEY}.recipe`.",
+    )
+    group.add_argument(
+        "--fp8-exclude",
+        "--fp8_exclude",
+        dest="lightning_fp8_exclude",
+        default=None,
+        help="Comma-separated module name patterns kept in high precision (e.g. 'lm_head'). Overrides the config "
+        f"file's `{CONFIG_KEY}.exclude_modules`.",
+    )
+    return parser
+
+
+def launch(argv: list[str]) -> int:
+    """``lightning-fp8 launch``: resolve the FP8 settings, then run ``accelerate launch`` in this process."""
+    from accelerate.commands.config.config_args import default_config_file
+    from accelerate.commands.launch import launch_command
+
+    if any(arg in ("-h", "--help") for arg in argv[:1]):
+        # Accelerate's help formatter only lists its own argument groups: say ours first.
+        print(f"{FP8_OPTIONS}\nAll other options are those of `accelerate launch`:\n")
+    args = _parser().parse_args(argv)
+    recipe_flag = vars(args).pop("lightning_fp8_recipe")
+    exclude_flag = vars(args).pop("lightning_fp8_exclude")
+    # Accelerate reads its default config file unless --cpu is given; mirror that to find our section.
+    config_path = args.config_file
+    if config_path is None and os.path.isfile(default_config_file) and not args.cpu:
+        config_path = default_config_file
+    # A missing file is left to Accelerate, which says what to do about it.
+    config = _read_config(config_path) if config_path and os.path.isfile(config_path) else {}
+    section = config.pop(CONFIG_KEY, None)
+    try:
+        settings = _resolve(section, recipe_flag, exclude_flag, config_path)
+    except ValueError as err:
+        print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="lightning_fp8_") as tmp:
+        if section is not None:  # Accelerate rejects unknown keys: it gets the file without our section
+            args.config_file = _write_config(config, Path(tmp) / Path(config_path).name)
+        os.environ.update(settings)
+        _launch_cpu_processes_with_torchrun(args, config)
+        try:
+            launch_command(args)
+        except subprocess.CalledProcessError as err:
+            return err.returncode or 1
+    return 0
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise SystemExit(f"lightning-fp8 launch: error: config file {path} does not hold a mapping")
+    return data
+
+
+def _write_config(config: dict[str, Any], path: Path) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        if path.suffix == ".json":
+            json.dump(config, f)
+        else:
+            yaml.safe_dump(config, f)
+    return str(path)
+
+
+def _resolve(section: object, recipe_flag: str | None, exclude_flag: str | None, path: str | None) -> dict[str, str]:
+    """The environment for the training processes: flags > config section > environment > ``fp8-lm``.
+
+    Raises:
+        ValueError: on a bad recipe name or section, naming where it came from and what is allowed.
+    """
+    if recipe_flag is not None:
+        check_recipe_name(recipe_flag, "--fp8-recipe")
+    if section is None and recipe_flag is None and os.environ.get(ENV_RECIPE):
+        # Set in the shell: validate it as the training processes will, then pass it on.
+        exclude = exclude_flag if exclude_flag is not None else os.environ.get(ENV_EXCLUDE, "")
+        settings = FP8LaunchConfig.from_env({ENV_RECIPE: os.environ[ENV_RECIPE], ENV_EXCLUDE: exclude})
+    else:
+        source = f"{CONFIG_KEY} (in {path})" if section is not None else CONFIG_KEY
+        if section is None:
+            section = {}
+        elif isinstance(section, str):
+            section = {"recipe": section}
+        if isinstance(section, dict):
+            section = dict(section)
+            if recipe_flag is not None:
+                section["recipe"] = recipe_flag
+            if exclude_flag is not None:
+                section["exclude_modules"] = exclude_flag
+        settings = FP8LaunchConfig.from_section(section, source)
+    return settings.to_env() if settings is not None else {ENV_RECIPE: OFF, ENV_EXCLUDE: ""}
+
+
+def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    # accelerate launch on CPU starts N processes only through mpirun (--mpirun_hostfile); without it, it starts
+    # one. torchrun (Accelerate's multi-GPU launcher) starts N, and ACCELERATE_USE_CPU makes each a gloo rank.
+    cpu = args.cpu or config.get("use_cpu", False) or config.get("distributed_type") == "MULTI_CPU"
+    num_processes = args.num_processes if args.num_processes is not None else config.get("num_processes", 1)
+    num_machines = args.num_machines if args.num_machines is not None else config.get("num_machines", 1)
+    hostfile = args.mpirun_hostfile or (config.get("mpirun_config") or {}).get("mpirun_hostfile")
+    if not cpu or hostfile or (num_processes or 1) <= 1 or (num_machines or 1) > 1:
+        return
+    print(
+        f"lightning-fp8 launch: {num_processes} CPU processes without an mpirun hostfile: starting them with "
+        "torchrun (ACCELERATE_USE_CPU=true, gloo backend)",
+        file=sys.stderr,
+    )
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    args.cpu = False
+    args.multi_gpu = True
+    args.num_processes = num_processes
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""How a launch turns FP8-LM on: the ``lightning_fp8`` config section, launcher flags and environment variables.
+
+Accelerate validates its own config file (unknown top-level keys are an error) and its own ``mixed_precision``
+and FP8 backend values, so FP8-LM never travels through them. Instead:
+
+- ``lightning-fp8 launch`` reads a top-level ``lightning_fp8:`` section from the Accelerate config file (and its
+  ``--fp8-recipe`` / ``--fp8-exclude`` flags), removes the section before Accelerate sees the file, and passes
+  the result to every training process in two environment variables;
+- :class:`~lightning_fp8.accelerate.Accelerator` reads those variables. Setting them by hand works with plain
+  ``accelerate launch`` (or ``torchrun``, or ``python``) too.
+
+=========================  =================================================================================
+``LIGHTNING_FP8_RECIPE``   a recipe name (``fp8-lm``, ``fp8-lm-o1``, ...), ``none`` (FP8-LM off), or a JSON
+                           object of :class:`~lightning_fp8.FP8Recipe` fields, optionally with ``"name"`` as
+                           the base recipe: ``{"name": "fp8-lm", "margin": 1}``
+``LIGHTNING_FP8_EXCLUDE``  comma-separated module name patterns (``fnmatch``) kept in high precision, matched
+                           against each linear layer's qualified name and its last component: ``lm_head``
+=========================  =================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.warnings import warn_once
+
+CONFIG_KEY = "lightning_fp8"
+ENV_RECIPE = "LIGHTNING_FP8_RECIPE"
+ENV_EXCLUDE = "LIGHTNING_FP8_EXCLUDE"
+OFF = "none"
+
+_RECIPE_FIELDS = tuple(f.name for f in fields(FP8Recipe))
+_SECTION_KEYS = ("recipe", "exclude_modules", *_RECIPE_FIELDS)
+
+
+def check_recipe_name(name: object, source: str) -> None:
+    """Raise a ``ValueError`` naming ``source`` and the valid names unless ``name`` is a recipe name or ``none``."""
+    if name != OFF and (not isinstance(name, str) or name not in FP8Recipe.names()):
+        raise ValueError(
+            f"{source}={name!r} is not a known FP8 recipe: choose one of {FP8Recipe.names()} "
+            f"(or {OFF!r} to turn FP8-LM off)"
+        )
+
+
+def _named_recipe(name: object, source: str) -> FP8Recipe:
+    check_recipe_name(name, source)
+    return FP8Recipe.from_name(name)
+
+
+def _exclude_tuple(value: object, source: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [p for p in value.split(",")]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        raise ValueError(
+            f"{source}={value!r} must be a list of module name patterns (or a comma-separated string), e.g. ['lm_head']"
+        )
+    return tuple(p.strip() for p in value if p.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8LaunchConfig:
+    """What the launch asked for: the recipe and the linear layers kept in high precision.
+
+    Args:
+        recipe: the :class:`~lightning_fp8.FP8Recipe` every process converts its model with.
+        exclude_modules: ``fnmatch`` patterns; a linear layer whose qualified name (``blocks.0.mlp.fc``) or last
+            name component (``fc``) matches one stays ``nn.Linear``.
+    """
+
+    recipe: FP8Recipe
+    exclude_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recipe, FP8Recipe):
+            raise TypeError(f"FP8LaunchConfig(recipe=...) must be an FP8Recipe, got {type(self.recipe).__name__}")
+        object.__setattr__(self, "exclude_modules", _exclude_tuple(self.exclude_modules, "exclude_modules"))
+
+    def module_filter(self, module: nn.Module, fqn: str) -> bool:
+        """``convert_to_fp8``'s ``module_filter_fn``: False for layers matched by :attr:`exclude_modules`."""
+        last = fqn.rpartition(".")[2]
+        return not any(fnmatchcase(fqn, p) or fnmatchcase(last, p) for p in self.exclude_modules)
+
+    # --- the config-file section -------------------------------------------------------------------------
+
+    @classmethod
+    def from_section(cls, section: object, source: str = CONFIG_KEY) -> FP8LaunchConfig | None:
+        """Parse the ``lightning_fp8`` section of an Accelerate config file; ``None`` when it turns FP8-LM off.
+
+        The section is either a recipe name (``lightning_fp8: fp8-lm``) or a mapping with ``recipe`` (a name,
+        default ``fp8-lm``; ``none`` turns FP8-LM off), ``exclude_modules`` (a list of patterns) and any
+        :class:`~lightning_fp8.FP8Recipe` field overriding the named recipe (``margin: 1``).
+
+        Raises:
+            ValueError: on an unknown key, recipe name or field value; the message names ``source``.
+        """
+        if isinstance(section, str):
+            section = {"recipe": section}
+        if not isinstance(section, Mapping):
+            raise ValueError(
+                f"{source} must be a recipe name or a mapping with keys {list(_SECTION_KEYS)}, got {section!r}"
+            )
+        unknown = sorted(set(section) - set(_SECTION_KEYS))
+        if unknown:
+            raise ValueError(f"{source} has unknown key(s) {unknown}: allowed keys are {list(_SECTION_KEYS)}")
+        name = section.get("recipe", "fp8-lm")
+        if name is None or name == OFF:
+            return None
+        recipe = _named_recipe(name, f"{source}.recipe")
+        overrides = {k: v for k, v in section.items() if k in _RECIPE_FIELDS}
+        try:
+            recipe = recipe.replace(**overrides)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+        exclude = _exclude_tuple(section.get("exclude_modules", ()), f"{source}.exclude_modules")
+        return cls(recipe=recipe, exclude_modules=exclude)
+
+    # --- environment variables ---------------------------------------------------------------------------
+
+    def to_env(self) -> dict[str, str]:
+        """The environment variables that carry this config to the training processes."""
+        named = {n: FP8Recipe.from_name(n) for n in FP8Recipe.names()}
+        name = next((n for n, r in named.items() if r == self.recipe), None)
+        recipe = name if name is not None else json.dumps(self.recipe.to_dict(), sort_keys=True)
+        return {ENV_RECIPE: recipe, ENV_EXCLUDE: ",".join(self.exclude_modules)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FP8LaunchConfig | None:
+        """Read :data:`ENV_RECIPE` and :data:`ENV_EXCLUDE`; ``None`` when the recipe is unset or ``none``.
+
+        Raises:
+            ValueError: on an unknown recipe name, malformed JSON or a bad recipe field.
+        """
+        environ = os.environ if environ is None else environ
+        value = environ.get(ENV_RECIPE, "").strip()
+        if not value or value == OFF:
+            return None
+        if value.startswith("{"):
+            recipe = _recipe_from_json(value)
+        else:
+            recipe = _named_recipe(value, ENV_RECIPE)
+        return cls(recipe=recipe, exclude_modules=_exclude_tuple(environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE))
+
+
+def _recipe_from_json(value: str) -> FP8Recipe:
+    try:
+        data: Any = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{ENV_RECIPE}={value!r} is not valid JSON ({err}): give a recipe name or an object") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{ENV_RECIPE}={value!r} must be a JSON object of FP8Recipe fields")
+    name = data.pop("name", "fp8-lm")
+    base = _named_recipe(name, f"{ENV_RECIPE} name")
+    unknown = sorted(set(data) - set(_RECIPE_FIELDS))
+    if unknown:
+        raise ValueError(f"{ENV_RECIPE} has unknown FP8Recipe field(s) {unknown}: allowed are {list(_RECIPE_FIELDS)}")
+    try:
+        return base.replace(**data)
+    except ValueError as err:
+        raise ValueError(f"{ENV_RECIPE}: {err}") from None
+
+
+def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | None:
+    """This process's FP8 settings: ``recipe`` (from code) if given, else the launch's environment variables.
+
+    ``"none"`` turns FP8-LM off. A recipe from code keeps the launch's ``LIGHTNING_FP8_EXCLUDE`` patterns.
+
+    Raises:
+        ValueError: for an unknown recipe name (in ``recipe`` or the environment).
+    """
+    launched = FP8LaunchConfig.from_env()
+    if recipe is None:
+        return launched
+    if recipe == OFF:
+        return None
+    recipe = resolve_recipe(recipe)
+    if launched is not None and launched.recipe != recipe:
+        warn_once(f"Accelerator(fp8_lm_recipe=...) overrides the launch's {ENV_RECIPE}={os.environ[ENV_RECIPE]!r}")
+    return FP8LaunchConfig(recipe=recipe, exclude_modules=launched.exclude_modules if launched else ())

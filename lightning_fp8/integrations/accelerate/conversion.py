@@ -1,0 +1,86 @@
+"""Which linear layers of a prepared model become FP8, and whether their GEMMs run in FP8 or in emulation."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fp8 import ops
+from lightning_fp8.convert import convert_to_fp8, fp8_modules
+from lightning_fp8.integrations.accelerate.config import FP8LaunchConfig
+from lightning_fp8.warnings import warn_once
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def linears_with_shared_weights(model: nn.Module) -> set[str]:
+    """Names of the ``nn.Linear`` layers whose weight another module also holds (a tied output head)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return {
+        name
+        for name, m in model.named_modules(remove_duplicate=False)
+        if type(m) is nn.Linear and owners.get(id(m.weight), 0) > 1
+    }
+
+
+def module_filter(config: FP8LaunchConfig, user_filter: ModuleFilter | None, tied: set[str]) -> ModuleFilter:
+    """``convert_to_fp8``'s filter: the launch's exclusions, the user's filter, and no tied weights."""
+
+    def keep_fp8(module: nn.Module, fqn: str) -> bool:
+        if not config.module_filter(module, fqn) or (user_filter is not None and not user_filter(module, fqn)):
+            return False
+        if fqn in tied:
+            warn_once(
+                f"lightning_fp8: {fqn} stays in high precision because its weight is shared with another module "
+                "(tied embeddings): FP8AdamW stores FP8 weights scaled, which the other module would read. "
+                "Exclude it (LIGHTNING_FP8_EXCLUDE / exclude_modules) to silence this"
+            )
+            return False
+        return True
+
+    return keep_fp8
+
+
+def emulation_reason(device: torch.device) -> str | None:
+    """Why FP8 GEMMs are emulated on ``device``, or ``None`` where they are real."""
+    if ops.has_fp8_gemm(device):
+        return None
+    if device.type != "cuda":
+        return f"the device is {device.type}, not a CUDA GPU"
+    if os.environ.get("LIGHTNING_FP8_EMULATE_GEMM") == "1":
+        return "LIGHTNING_FP8_EMULATE_GEMM=1"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 GEMMs need 8.9+"
+
+
+def convert(
+    model: nn.Module, config: FP8LaunchConfig, user_filter: ModuleFilter | None, device: torch.device
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Convert ``model`` in place; return it and a report (converted count, high-precision layers, emulation).
+
+    Warns once when nothing was converted and once when the GEMMs are emulated on ``device``.
+    """
+    keep_fp8 = module_filter(config, user_filter, linears_with_shared_weights(model))
+    model = convert_to_fp8(model, config.recipe, module_filter_fn=keep_fp8)
+    converted = sorted(fp8_modules(model))
+    kept = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear)
+    if not converted:
+        warn_once(
+            f"lightning_fp8: no linear layer of {type(model).__name__} was converted to FP8 (feature sizes must be "
+            "multiples of 16, and LIGHTNING_FP8_EXCLUDE / fp8_module_filter must not exclude them)"
+        )
+    reason = emulation_reason(device)
+    if reason is not None:
+        warn_once(
+            f"lightning_fp8: FP8 GEMMs are not available ({reason}). FP8-LM runs in emulation: the FP8 casts, "
+            "scales, FP8 optimizer states and FP8 communication are real, but each FP8 GEMM is computed by "
+            "dequantizing to fp32 (same numerics, no speed-up)"
+        )
+    return model, {"converted_layers": len(converted), "high_precision_linears": kept, "emulated_gemm": bool(reason)}

@@ -1,0 +1,68 @@
+"""Flat ``{name: number}`` FP8 and health statistics for ``accelerator.log``.
+
+The names are those the Lightning callbacks (``FP8ScaleMonitor``, ``TrainingHealthMonitor``) log. The values come
+from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optimizer-state scales; mu) and
+:class:`lightning_fp8.health.HealthMonitor` (last loss and gradient norm, event counts):
+
+=====================================  ==========================================================================
+``fp8/<role>/<stat>``                  role ``input``/``weight``/``grad_output``; stat ``scale_min``,
+                                       ``scale_max``, ``amax_max``, ``saturation_max``, ``saturation_mean``,
+                                       ``nonfinite_count`` (over all FP8 layers)
+``fp8/layers/<layer>/<role>/<stat>``   per layer (``scale``, ``amax``, ``saturation``), only with ``layers=True``
+``fp8/optimizer/<key>/min|max``        scales of the FP8AdamW states (``exp_avg_scale``...) over all parameters
+``fp8/grad_scaler/<stat>``             ``scale`` (mu), ``skipped_steps``, ``last_saturation``,
+                                       ``nonfinite_events``
+``health/<series>``                    last ``loss``, ``grad_norm`` (unscaled) seen by the accelerator
+``health/events/<kind>``               counts of ``grad_norm_spike``, ``loss_plateau``, ``nonfinite_loss``,
+                                       ``nonfinite_grad``
+=====================================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fp8.stats import fp8_stats
+
+_LAYER_STATS = ("scale", "amax", "saturation")
+
+
+def _number(value: Any) -> float | int | None:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    return None
+
+
+def fp8_log_values(
+    models: list[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_scaler: Any | None = None,
+    health: Any | None = None,
+    layers: bool = False,
+) -> dict[str, float | int]:
+    """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``)."""
+    values: dict[str, float | int] = {}
+    for i, model in enumerate(models):
+        prefix = "fp8" if len(models) == 1 else f"fp8/model{i}"
+        stats = fp8_stats(model, optimizer if i == 0 else None, grad_scaler if i == 0 else None)
+        for role, summary in stats["summary"].items():
+            values.update({f"{prefix}/{role}/{k}": v for k, v in summary.items()})
+        if layers:
+            for layer, roles in stats["layers"].items():
+                for role, entry in roles.items():
+                    values.update({f"{prefix}/layers/{layer}/{role}/{k}": entry[k] for k in _LAYER_STATS})
+        for key, minmax in stats.get("optimizer", {}).get("summary", {}).items():
+            values.update({f"{prefix}/optimizer/{key}/{k}": v for k, v in minmax.items()})
+        for key, value in stats.get("grad_scaler", {}).items():
+            if _number(value) is not None:
+                values[f"{prefix}/grad_scaler/{key}"] = _number(value)
+    if health is not None:
+        summary = health.summary()
+        values.update({f"health/{k}": v for k, v in summary["last"].items()})
+        values.update({f"health/events/{k}": v for k, v in summary["events"].items()})
+    return values

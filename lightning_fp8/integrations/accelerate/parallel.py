@@ -1,0 +1,67 @@
+"""FP8 communication for the models Accelerate wraps: the DDP gradient hook and the FSDP2 FP8 collectives.
+
+Thin calls into :mod:`lightning_fp8.distributed`; each returns what it set up, for the accelerator's report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.convert import fp8_modules
+from lightning_fp8.recipe import FP8Recipe
+
+
+def install_ddp_hook(model: nn.parallel.DistributedDataParallel, recipe: FP8Recipe, grad_scaler: Any) -> str:
+    """Register the FP8 all-reduce comm hook on a DDP model.
+
+    The gradients of the FP8 layers' weights travel in the recipe's gradient format (as in FP8-LM, whose FP8
+    gradients are those of its FP8 weights); the other gradients (embeddings, norms, biases) in their own dtype.
+    Every FP8 cast and non-finite check reports to ``grad_scaler`` (mu).
+    """
+    from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
+
+    fp8_weights = [layer.weight for layer in fp8_modules(model.module).values()]
+    state = FP8CommState(
+        model.process_group, fp8_dtype=recipe.backward_dtype, grad_scaler=grad_scaler, fp8_params=fp8_weights
+    )
+    model.register_comm_hook(state, fp8_allreduce_hook)
+    return f"fp8_allreduce_hook ({len(fp8_weights)} FP8 weight gradients in {recipe.backward_dtype})"
+
+
+def install_fsdp2_collectives(model: nn.Module, recipe: FP8Recipe, grad_scaler: Any) -> str:
+    """FP8 gradient reduce-scatter and FP8 weight all-gather on every ``fully_shard`` module of ``model``."""
+    from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp2
+
+    fp8_weights = [layer.weight for layer in fp8_modules(model).values()]
+    state = FP8CommState(None, fp8_dtype=recipe.backward_dtype, grad_scaler=grad_scaler, fp8_params=fp8_weights)
+    enable_fp8_fsdp2(model, state)
+    return f"FSDP2 FP8 reduce-scatter ({recipe.backward_dtype}) and FP8 weight all-gather ({len(fp8_weights)} weights)"
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameter values to every rank (what DDP does when it wraps a model)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            dist.broadcast(param.data, src)
+
+
+def clip_grad_norm_fp32(parameters: Any, max_norm: float, norm_type: float, grad_scale: float) -> torch.Tensor:
+    """Clip gradients that carry a factor ``grad_scale`` as if they did not; return the unscaled norm.
+
+    Replicated gradients (one process, DDP). Norms are computed in fp32 whatever the gradients' dtype; a
+    non-finite norm leaves non-finite gradients behind, which the gradient scaler then skips.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+    total = torch.linalg.vector_norm(norms, norm_type) / grad_scale
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total

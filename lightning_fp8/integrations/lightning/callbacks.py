@@ -1,0 +1,169 @@
+"""Callbacks that log FP8 scaling and training health through the Trainer's loggers.
+
+Both only *read* what the core exposes (:func:`lightning_fp8.fp8_stats`, :class:`lightning_fp8.HealthMonitor`)
+and work with any logger (TensorBoard, CSV, W&B...); without a logger they warn once and keep their values
+in memory (``.last_metrics``, ``.alerts`` / ``.monitor``).
+
+Logged keys (``fp8/`` and ``health/`` prefixes), see the class docstrings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_fp8.scaling import ROLES
+from lightning_fp8.stats import fp8_stats
+from lightning_fp8.warnings import warn_once
+
+SUMMARY_FIELDS = ("scale_min", "scale_max", "amax_max", "saturation_max", "saturation_mean", "nonfinite_count")
+LAYER_FIELDS = ("scale", "amax", "saturation")
+SCALER_FIELDS = ("scale", "skipped_steps", "last_saturation", "nonfinite_events")
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
+
+
+def grad_scaler_of(trainer: Trainer) -> Any | None:
+    """The FP8GradScaler of the run: the precision plugin's, else the first optimizer's (``grad_scaler``)."""
+    scaler = getattr(trainer.precision_plugin, "grad_scaler", None)
+    if scaler is None:
+        for optimizer in trainer.optimizers:
+            scaler = getattr(_unwrap_optimizer(optimizer), "grad_scaler", None)
+            if scaler is not None:
+                break
+    return scaler if hasattr(scaler, "scale_loss") else None
+
+
+class _LoggingCallback(Callback):
+    """Shared: when to log (every ``log_every_n_steps`` optimizer steps), and logging with or without loggers."""
+
+    def __init__(self, log_every_n_steps: int | None) -> None:
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ValueError(f"{type(self).__name__}(log_every_n_steps={log_every_n_steps!r}) must be an int >= 1")
+        self.log_every_n_steps = log_every_n_steps
+        self.last_metrics: dict[str, float] = {}
+        self._last_step = -1
+
+    def _stepped(self, trainer: Trainer) -> bool:
+        """True once per optimizer step (not per accumulated micro-batch)."""
+        if trainer.global_step == self._last_step:
+            return False
+        self._last_step = trainer.global_step
+        return True
+
+    def _due(self, trainer: Trainer) -> bool:
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        return trainer.global_step % every == 0 or trainer.should_stop
+
+    def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.last_metrics = metrics
+        if not trainer.loggers:
+            warn_once(
+                f"{type(self).__name__}: the Trainer has no logger, so its metrics are only kept in "
+                "`.last_metrics`; pass Trainer(logger=...) (TensorBoard, CSV...) to record them"
+            )
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class FP8ScaleMonitor(_LoggingCallback):
+    """Logs FP8 scales, amaxes and saturation per role, mu, skipped steps and optimizer-state scales.
+
+    Every ``log_every_n_steps`` optimizer steps (default: the Trainer's), on global rank zero, it logs:
+
+    - ``fp8/{role}/{field}`` for role in ``input``, ``weight``, ``grad_output`` and field in ``scale_min``,
+      ``scale_max``, ``amax_max``, ``saturation_max``, ``saturation_mean``, ``nonfinite_count``: the compact
+      summary over all FP8 layers;
+    - ``fp8/layers/{layer}/{role}/{scale,amax,saturation}`` for every layer, with ``all_layers=True``;
+    - ``fp8/grad_scaler/{scale,skipped_steps,last_saturation,nonfinite_events}``: mu and its bookkeeping;
+    - ``fp8/optimizer/{state}_scale_{min,max}``-style keys ``fp8/optimizer/{key}/{min,max}`` for the scales of
+      the low-precision optimizer states;
+    - ``fp8/alerts/scale_drops`` and ``fp8/alerts/scale_rises``: layers whose scale moved by at least
+      ``jump_factor`` since the previous log. A drop means the amax jumped (overflow is near); a rise means it
+      collapsed (values underflow). Each alert is also warned once per layer and role, and kept in ``.alerts``.
+
+    Args:
+        log_every_n_steps: log period in optimizer steps (default: ``Trainer(log_every_n_steps=...)``).
+        all_layers: also log every layer, not only the summary.
+        jump_factor: scale ratio between two logs that counts as sudden (a power of two; default 2**4).
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, all_layers: bool = False, jump_factor: float = 16.0):
+        super().__init__(log_every_n_steps)
+        if not jump_factor > 1:
+            raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be > 1")
+        self.all_layers = all_layers
+        self.jump_factor = float(jump_factor)
+        self.alerts: list[dict[str, Any]] = []
+        self._previous_scales: dict[tuple[str, str], float] = {}
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._stepped(trainer) or not self._due(trainer) or not trainer.is_global_zero:
+            return
+        optimizer = _unwrap_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+        stats = fp8_stats(pl_module, optimizer=optimizer, grad_scaler=grad_scaler_of(trainer))
+        if not stats["layers"]:
+            warn_once("FP8ScaleMonitor: the model has no FP8 layers; use Trainer(precision='fp8-lm')")
+        self._log(trainer, self._metrics(stats, trainer.global_step))
+
+    def _metrics(self, stats: dict[str, Any], step: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for role, summary in stats["summary"].items():
+            metrics.update({f"fp8/{role}/{field}": float(summary[field]) for field in SUMMARY_FIELDS})
+        if self.all_layers:
+            for layer, roles in stats["layers"].items():
+                for role, values in roles.items():
+                    metrics.update({f"fp8/layers/{layer}/{role}/{f}": float(values[f]) for f in LAYER_FIELDS})
+        for field, value in stats.get("grad_scaler", {}).items():
+            if field in SCALER_FIELDS:
+                metrics[f"fp8/grad_scaler/{field}"] = float(value)
+        for key, bounds in stats.get("optimizer", {}).get("summary", {}).items():
+            metrics[f"fp8/optimizer/{key}/min"] = float(bounds["min"])
+            metrics[f"fp8/optimizer/{key}/max"] = float(bounds["max"])
+        drops, rises = self._flag_jumps(stats["layers"], step)
+        metrics["fp8/alerts/scale_drops"] = float(drops)
+        metrics["fp8/alerts/scale_rises"] = float(rises)
+        return metrics
+
+    def _flag_jumps(self, layers: dict[str, dict[str, dict[str, Any]]], step: int) -> tuple[int, int]:
+        drops = rises = 0
+        for layer, roles in layers.items():
+            for role in ROLES:
+                if role not in roles:
+                    continue
+                scale = roles[role]["scale"]
+                previous = self._previous_scales.get((layer, role))
+                self._previous_scales[(layer, role)] = scale
+                if previous is None or not math.isfinite(scale) or scale <= 0:
+                    continue
+                ratio = scale / previous
+                if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
+                    kind = "drop" if ratio < 1 else "rise"
+                    drops, rises = drops + (kind == "drop"), rises + (kind == "rise")
+                    self._alert(step, layer, role, kind, previous, scale)
+        return drops, rises
+
+    def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
+        meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"
+        self.alerts.append({"step": step, "layer": layer, "role": role, "kind": kind, "from": previous, "to": scale})
+        warn_once(
+            f"FP8ScaleMonitor: sudden scale {kind} in {layer} ({role}) at step {step}, {previous:g} -> "
+            f"{scale:g}; {meaning}"
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"alerts": [dict(a) for a in self.alerts]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.alerts = [dict(a) for a in state_dict.get("alerts", [])]

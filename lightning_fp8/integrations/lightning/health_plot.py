@@ -1,0 +1,39 @@
+"""A PNG of a :class:`~lightning_fp8.HealthMonitor`'s series, one panel per series, events marked."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never open a window (headless training nodes, CI)
+
+import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
+
+from lightning_fp8.health import HealthMonitor  # noqa: E402
+
+_EVENT_COLORS = {
+    "grad_norm_spike": "tab:red",
+    "loss_plateau": "tab:orange",
+    "nonfinite_loss": "black",
+    "nonfinite_grad": "black",
+}
+
+
+def plot_health(monitor: HealthMonitor, path: str) -> str:
+    """Write the plot to ``path`` (directories are created); returns ``path``."""
+    series = {name: points for name, points in monitor.series.items() if points}
+    fig, axes = plt.subplots(max(len(series), 1), 1, figsize=(8, 2.2 * max(len(series), 1)), sharex=True, squeeze=False)
+    for ax, (name, points) in zip(axes[:, 0], series.items(), strict=True):
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, linewidth=1)
+        ax.set_ylabel(name, fontsize=8)
+        for event in monitor.events:
+            ax.axvline(event.step, color=_EVENT_COLORS.get(event.kind, "gray"), alpha=0.4, linewidth=1)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle("training health (lines: alerts)", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -1,0 +1,364 @@
+"""FP8LMPrecision: the Lightning precision plugin behind ``Trainer(precision="fp8-lm")``.
+
+What it does, hook by hook (Lightning calls them in this order):
+
+- ``convert_module``: ``nn.Linear`` layers become :class:`~lightning_fp8.FP8Linear` (or Transformer Engine
+  layers with ``backend="te"``), in place.
+- ``connect``: the AdamW/Adam optimizers from ``configure_optimizers`` become :class:`~lightning_fp8.FP8AdamW`
+  (same hyper-parameters and param groups; LR schedulers are rebound), and the FP8 gradient communication
+  hooks are installed when the model is wrapped by DDP or FSDP.
+- ``forward_context``: ops that are not FP8 GEMMs (attention, norms, softmax) run under bf16 autocast, as with
+  ``precision="bf16-mixed"``, on GPU and on CPU alike (so CPU runs test the same numerics).
+- ``pre_backward``: the loss is multiplied by the gradient scale mu (:class:`~lightning_fp8.FP8GradScaler`).
+- ``optimizer_step``: runs the closure, unscales the gradients (so ``on_before_optimizer_step``, gradient
+  clipping and ``grad_norm`` see true gradients), then lets the scaler skip the step (non-finite gradients,
+  agreed on all ranks) or take it, and updates mu.
+- ``state_dict``/``load_state_dict``: mu and the FP8 scaling state (scales, amax histories) travel in the
+  Lightning checkpoint, so a resumed run continues with the same scales.
+
+Gradient accumulation needs nothing special: mu only changes after an optimizer step, so every micro-batch of
+an accumulation window is scaled alike. Manual optimization works the same way (``manual_backward`` scales,
+``optimizer.step()`` unscales and steps; ``self.clip_gradients`` unscales first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Generator
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_fp8.convert import convert_to_fp8
+from lightning_fp8.integrations.lightning import comm
+from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
+from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.warnings import warn_once
+
+Backend = Literal["native", "te"]
+_BACKENDS = ("native", "te")
+
+
+class _FP8LMPrecisionLogic:
+    """The plugin's behaviour, shared by the ``lightning`` and ``pytorch_lightning`` flavours of the class."""
+
+    precision = "fp8-lm"
+
+    def __init__(
+        self,
+        recipe: FP8Recipe | str | None = None,
+        *,
+        backend: Backend = "native",
+        autocast: bool = True,
+        replace_optimizers: bool = True,
+        fp8_communication: bool = True,
+        fp8_grads: bool = False,
+        grad_scaler: Any = None,
+        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    ) -> None:
+        super().__init__()
+        if backend not in _BACKENDS:
+            raise ValueError(f"FP8LMPrecision(backend={backend!r}) is not supported: choose one of {list(_BACKENDS)}")
+        self.recipe = resolve_recipe(recipe)
+        self.backend = backend
+        self.autocast = autocast
+        self.replace_optimizers = replace_optimizers
+        self.fp8_communication = fp8_communication
+        self.fp8_grads = fp8_grads
+        self.module_filter_fn = module_filter_fn
+        self.grad_scaler = _make_grad_scaler(grad_scaler)
+        if backend == "te":
+            from lightning_fp8.integrations.lightning import te
+
+            te.require_transformer_engine()
+        self._module: nn.Module | None = None  # the LightningModule whose layers were converted
+        self._wrapped_model: nn.Module | None = None  # the same, as wrapped by the strategy (DDP, FSDP)
+        self._device_type: str | None = None
+        self._in_unscaled_region = False
+        self._early_masters: list[nn.Parameter] = []  # FP8 weights turned into fp16 masters before DDP wrapped
+        self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
+        self.comm_state: Any = None  # the hooks' FP8CommState
+
+    def __repr__(self) -> str:
+        return f"FP8LMPrecision(recipe={self.recipe!r}, backend={self.backend!r})"
+
+    # -- model and optimizers ---------------------------------------------------------------------------------
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Swap the linear layers for FP8 layers, in place (strategies may ignore the return value)."""
+        if self.backend == "te":
+            from lightning_fp8.integrations.lightning import te
+
+            te.convert_to_te(module, self.recipe, self.module_filter_fn)
+        elif comm.fsdp2_modules(module):  # ModelParallelStrategy: configure_model already ran fully_shard
+            comm.check_converted_before_sharding(module)
+        else:
+            convert_to_fp8(module, self.recipe, self.module_filter_fn)
+            if self._will_adopt_masters() and _is_ddp(module):
+                strategy = module.trainer.strategy
+                self._early_masters = optimizer_swap.adopt_masters_early(module, strategy.root_device)
+        self._module = module
+        if self.grad_scaler.model is None:  # lets mu changes rescale the FP8 layers' grad_output scales exactly
+            self.grad_scaler.model = module
+        return module
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        self._wrapped_model = model
+        self._device_type = _first_device_type(model)
+        if self.replace_optimizers:
+            optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
+        if self.fp8_communication:
+            self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
+        return model, optimizers, lr_schedulers
+
+    def _will_adopt_masters(self) -> bool:
+        return self.backend == "native" and self.replace_optimizers and self.recipe.opt_level == "O2"
+
+    def _replace_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler_configs: list[Any]) -> Any:
+        fp8_kwargs: dict[str, Any] = {
+            "recipe": self.recipe,
+            "grad_scaler": self.grad_scaler,
+            "fp8_grads": self.fp8_grads,
+        }
+        if comm.is_fsdp1_root(self._wrapped_model):
+            fp8_kwargs["fp8_params"] = optimizer_swap.keep_masters_apart(self._wrapped_model)
+        new = optimizer_swap.to_fp8_optimizer(optimizer, **fp8_kwargs)
+        if self._early_masters and getattr(new, "master_dtype", None) != torch.float16:
+            raise ValueError(
+                f"the FP8AdamW from configure_optimizers keeps {new.master_dtype} masters, but under DDP "
+                f"FP8LMPrecision(recipe={self.recipe.opt_level!r} level) prepared fp16 ones before wrapping the model: "
+                "use FP8LMPrecision(recipe='fp8-lm-o1') for an O1 optimizer, or the default FP8AdamW arguments"
+            )
+        if new is not optimizer:
+            schedulers = [getattr(config, "scheduler", config) for config in lr_scheduler_configs]
+            optimizer_swap.rebind_schedulers(schedulers, optimizer, new)
+        elif getattr(new, "grad_scaler", None) is None:
+            new.grad_scaler = self.grad_scaler  # the user's FP8AdamW: unscale by our mu, report its casts to it
+        else:
+            self.grad_scaler = new.grad_scaler  # the user's FP8AdamW brought its own scaler: scale by that mu
+            if self.grad_scaler.model is None:
+                self.grad_scaler.model = self._module
+        return new
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """bf16 autocast for the ops that are not FP8 GEMMs (FP8 layers pick their output dtype from it)."""
+        if not self.autocast:
+            with self._fp8_region():
+                yield
+            return
+        device_type = self._device_type or _first_device_type(self._module)
+        with torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False), self._fp8_region():
+            yield
+
+    def _fp8_region(self) -> contextlib.AbstractContextManager:
+        if self.backend == "te":  # Transformer Engine layers run FP8 only inside its own autocast region
+            from lightning_fp8.integrations.lightning import te
+
+            return te.te_autocast(self.recipe)
+        return contextlib.nullcontext()
+
+    # -- backward and step ------------------------------------------------------------------------------------
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        return super().pre_backward(self.grad_scaler.scale_loss(tensor), module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("precision='fp8-lm' cannot step LBFGS (its closure re-evaluates the loss): use AdamW")
+        closure_result = closure()
+        # training_step returned None in automatic optimization: no backward ran, nothing to step.
+        skipped_backward = closure_result is None and model.automatic_optimization
+        with self.unscaled_gradients(optimizer, enabled=not skipped_backward):
+            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + gradient clipping
+        if kwargs:
+            raise TypeError(f"precision='fp8-lm' steps through FP8GradScaler.step(optimizer); got extra {list(kwargs)}")
+        if skipped_backward:
+            return closure_result
+        if getattr(optimizer, "grad_scaler", None) is self.grad_scaler:
+            optimizer.step()  # FP8AdamW routes through the scaler: skip or step (unscaling in its kernel), update mu
+        else:
+            self.grad_scaler.step(optimizer)  # skips on a non-finite gradient (agreed on all ranks)
+            self.grad_scaler.update()
+        return closure_result
+
+    @contextlib.contextmanager
+    def unscaled_gradients(self, optimizer: Any, enabled: bool = True) -> Generator[None, None, None]:
+        """Inside, ``optimizer``'s gradients are the true gradients (divided by mu); outside, scaled by mu again.
+
+        mu is a power of two, so both multiplications are exact: the scaler's own unscaling in ``step`` (fused
+        into FP8AdamW's kernel) then sees exactly what the hooks and gradient clipping left. With mu == 1 (the
+        common case) this costs nothing.
+        """
+        mu = float(self.grad_scaler.scale)
+        if not enabled or self._in_unscaled_region:
+            yield
+            return
+        if mu != 1.0:
+            torch._foreach_mul_(_grads(optimizer), 1.0 / mu)
+        self._in_unscaled_region = True
+        try:
+            yield
+        finally:
+            self._in_unscaled_region = False
+            if mu != 1.0:
+                torch._foreach_mul_(_grads(optimizer), mu)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        # Reached from inside optimizer_step's unscaled region (automatic optimization) or directly from
+        # LightningModule.clip_gradients (manual optimization); the flag keeps the first from unscaling twice.
+        if clip_val > 0 and self.fp8_grads:
+            raise ValueError(
+                f"gradient clipping (clip_val={clip_val}) with FP8LMPrecision(fp8_grads=True) would miss the FP8 "
+                "weights' gradients, which leave param.grad as soon as they are computed: use fp8_grads=False "
+                "(the default) or no clipping"
+            )
+        with self.unscaled_gradients(optimizer, enabled=clip_val > 0):
+            super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        # FSDP1 shards gradients: only the root module can compute the global norm.
+        clip = getattr(self._wrapped_model, "clip_grad_norm_", None)
+        if clip is not None and comm.is_fsdp1_root(self._wrapped_model):
+            clip(clip_val)
+            return
+        super().clip_grad_by_norm(optimizer, clip_val)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """mu and the FP8 scaling state; plain tensors and numbers (``torch.load(weights_only=True)`` reads it)."""
+        state: dict[str, Any] = {"recipe": self.recipe.to_dict(), "grad_scaler": self.grad_scaler.state_dict()}
+        if self._module is not None:
+            state["fp8"] = fp8_state_dict(self._module)
+            if _world_size() > 1:  # each rank's activation amaxes differ: keep them all for an exact resume
+                state["fp8_per_rank"] = comm.all_gather_state(state["fp8"])
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = FP8Recipe.from_dict(state_dict["recipe"])
+        if saved != self.recipe:
+            warn_once(f"resuming with FP8 recipe {self.recipe} from a checkpoint written with {saved}")
+        self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if "fp8" in state_dict:
+            if self._module is None:
+                raise RuntimeError("FP8LMPrecision.load_state_dict: no converted model yet (call convert_module)")
+            fp8_state = state_dict["fp8"]
+            per_rank = state_dict.get("fp8_per_rank")
+            if per_rank is not None and len(per_rank) == _world_size():
+                fp8_state = per_rank[torch.distributed.get_rank()]
+            load_fp8_state_dict(self._module, fp8_state)
+
+
+def _make_grad_scaler(grad_scaler: Any) -> Any:
+    from lightning_fp8.grad_scaler import FP8GradScaler
+
+    if grad_scaler is None:
+        return FP8GradScaler()
+    if isinstance(grad_scaler, dict):
+        return FP8GradScaler(**grad_scaler)
+    if isinstance(grad_scaler, FP8GradScaler):
+        return grad_scaler
+    raise TypeError(
+        f"FP8LMPrecision(grad_scaler=...) expects an FP8GradScaler, a dict of its arguments or None, "
+        f"got {type(grad_scaler).__name__}"
+    )
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _is_ddp(module: nn.Module) -> bool:
+    # The DDP family of either namespace (ddp, ddp_spawn, ddp_fork...): it wraps the model before connect().
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    return any(cls.__name__ == "DDPStrategy" for cls in type(strategy).__mro__)
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+
+
+def _first_device_type(module: nn.Module | None) -> str:
+    if module is not None:
+        for tensor in module.parameters():
+            return tensor.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class FP8LMPrecision(_FP8LMPrecisionLogic, Precision):
+    """FP8-LM mixed precision for the Lightning ``Trainer``: ``Trainer(precision="fp8-lm")`` or
+    ``Trainer(plugins=[FP8LMPrecision(recipe=...)])``.
+
+    Args:
+        recipe: an :class:`~lightning_fp8.FP8Recipe`, a recipe name (``"fp8-lm"``, ``"fp8-lm-o1"``,
+            ``"fp8-lm-current"``, ``"fp8-lm-e4m3"``) or ``None`` for ``"fp8-lm"``.
+        backend: ``"native"`` (this project's FP8 layers) or ``"te"`` (Transformer Engine layers do the GEMMs;
+            this project's optimizer and communication stay). ``"te"`` needs ``pip install lightning-fp8[te]``.
+        autocast: run the non-FP8 ops under bf16 autocast (default). ``False`` keeps them in the parameters' dtype.
+        replace_optimizers: replace AdamW/Adam from ``configure_optimizers`` by ``FP8AdamW`` (default). With
+            ``False`` the optimizers are kept as returned (any optimizer; fp32 states).
+        fp8_communication: install the FP8 gradient communication hooks under DDP and FSDP (default).
+        fp8_grads: let FP8AdamW turn each FP8 weight's gradient into FP8 as soon as backward produces it (saves
+            a byte or more per parameter). Off by default: those gradients then leave ``param.grad``, so gradient
+            clipping, ``on_before_optimizer_step`` hooks and gradient-norm logging would not see them.
+        grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`, a dict of its arguments, or ``None`` for defaults.
+        module_filter_fn: ``fn(module, fqn) -> bool``; only linear layers where it returns True become FP8
+            (e.g. ``lambda m, fqn: "lm_head" not in fqn``).
+
+    Raises:
+        ValueError: for an unknown backend or recipe; at fit time, for an optimizer FP8AdamW cannot replace.
+        ImportError: for ``backend="te"`` when Transformer Engine is not installed.
+
+    Example::
+
+        trainer = L.Trainer(plugins=[FP8LMPrecision(recipe="fp8-lm-current")])
+    """
+
+
+@functools.cache
+def precision_class(namespace: str) -> type:
+    """:class:`FP8LMPrecision` for ``"lightning"``, or the same plugin built on ``pytorch_lightning``'s base."""
+    if namespace == "lightning":
+        return FP8LMPrecision
+    base = importlib.import_module(f"{namespace}.plugins.precision").Precision
+    name = "FP8LMPrecisionPL"
+    return type(
+        name,
+        (_FP8LMPrecisionLogic, base),
+        {"__module__": __name__, "__qualname__": name, "__doc__": FP8LMPrecision.__doc__},
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # Makes the pytorch_lightning flavour importable by name, so spawned processes can unpickle it.
+    if name == "FP8LMPrecisionPL":
+        return precision_class("pytorch_lightning")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,180 @@
+"""The one registration with Lightning's internals: ``precision="fp8-lm"`` and ``strategy="fsdp_fp8"``.
+
+Lightning validates ``Trainer(precision=...)`` against a closed ``Literal`` of strings and builds the precision
+plugin from it in ``_AcceleratorConnector``; there is no registry for precision plugins. The least invasive way
+in is to translate our strings into a plugin before Lightning looks at them: :func:`register` wraps
+``_AcceleratorConnector._check_config_and_set_final_flags`` (the method that reads the ``precision``,
+``plugins`` and ``strategy`` flags) so that ``precision="fp8-lm"`` becomes ``plugins=[FP8LMPrecision("fp8-lm")]``.
+Everything else is passed through untouched. The same wrapper rejects strategies FP8 cannot run under, with
+a message saying what to use instead, and lets ``strategy="fsdp_fp8"`` imply ``precision="fp8-lm"``.
+
+For ``LightningCLI`` (jsonargparse validates ``--trainer.precision`` against ``Trainer.__init__``'s annotation),
+the recipe names are added to that annotation; ``--trainer.plugins lightning_fp8.FP8LMPrecision`` works too.
+
+:func:`register` is idempotent and runs for both the ``lightning`` and ``pytorch_lightning`` namespaces that are
+installed. If Lightning's internals move, it warns once (``Trainer(plugins=[FP8LMPrecision()])`` keeps working)
+and ``tests/integrations/lightning/test_registry.py`` fails loudly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Iterable
+from typing import Any, Literal, Union
+
+from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.warnings import warn_once
+
+NAMESPACES = ("lightning", "pytorch_lightning")
+STRATEGY_NAME = "fsdp_fp8"
+_MARK = "_lightning_fp8_wrapped"
+_CONNECTOR = "{ns}.pytorch.trainer.connectors.accelerator_connector"
+_PL_CONNECTOR = "pytorch_lightning.trainer.connectors.accelerator_connector"
+_CHECKED_ARGS = ("strategy", "precision", "plugins")
+
+
+def precision_names() -> tuple[str, ...]:
+    """The strings ``Trainer(precision=...)`` accepts once registered: the FP8 recipe names."""
+    return tuple(FP8Recipe.names())
+
+
+def _connector_module(namespace: str) -> Any:
+    return importlib.import_module(
+        _PL_CONNECTOR if namespace == "pytorch_lightning" else _CONNECTOR.format(ns=namespace)
+    )
+
+
+def _is_installed(namespace: str) -> bool:
+    return importlib.util.find_spec(namespace) is not None
+
+
+def register() -> None:
+    """Register ``precision="fp8-lm"`` (and the other recipe names) and ``strategy="fsdp_fp8"`` with Lightning.
+
+    Idempotent; a namespace that is not installed is skipped. Never raises: if Lightning's internals are not
+    what this function expects, it warns once and leaves Lightning untouched.
+    """
+    for namespace in NAMESPACES:
+        if not _is_installed(namespace):
+            continue
+        try:
+            _register_namespace(namespace)
+        except (ImportError, AttributeError, TypeError) as err:
+            warn_once(
+                f"lightning_fp8 could not register precision='fp8-lm' with {namespace} ({err}); "
+                f"use Trainer(plugins=[lightning_fp8.FP8LMPrecision()]) instead, and please report this "
+                f"{namespace} version"
+            )
+
+
+def is_registered(namespace: str = "lightning") -> bool:
+    """Whether :func:`register` has hooked into ``namespace``'s accelerator connector and strategy registry."""
+    connector = _connector_module(namespace)._AcceleratorConnector
+    registry = importlib.import_module(_strategies_module(namespace)).StrategyRegistry
+    return getattr(connector._check_config_and_set_final_flags, _MARK, False) and STRATEGY_NAME in registry
+
+
+def _strategies_module(namespace: str) -> str:
+    return "pytorch_lightning.strategies" if namespace == "pytorch_lightning" else f"{namespace}.pytorch.strategies"
+
+
+def _register_namespace(namespace: str) -> None:
+    connector = _connector_module(namespace)._AcceleratorConnector
+    original = connector._check_config_and_set_final_flags
+    if not getattr(original, _MARK, False):
+        params = inspect.signature(original).parameters
+        missing = [name for name in _CHECKED_ARGS if name not in params]
+        if missing:
+            raise TypeError(f"_AcceleratorConnector._check_config_and_set_final_flags has no argument(s) {missing}")
+        connector._check_config_and_set_final_flags = _wrap_check_config(original, namespace)
+    _register_strategy(namespace)
+    _extend_trainer_annotation(namespace)
+
+
+def _wrap_check_config(original: Any, namespace: str) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _check_config_and_set_final_flags(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        flags = bound.arguments
+        flags["precision"], flags["plugins"] = _translate_flags(
+            namespace, flags.get("strategy", "auto"), flags.get("precision"), flags.get("plugins")
+        )
+        return original(*bound.args, **bound.kwargs)
+
+    setattr(_check_config_and_set_final_flags, _MARK, True)
+    return _check_config_and_set_final_flags
+
+
+def _as_list(plugins: Any) -> list[Any]:
+    if plugins is None:
+        return []
+    return list(plugins) if isinstance(plugins, Iterable) and not isinstance(plugins, (str, bytes)) else [plugins]
+
+
+def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any) -> tuple[Any, Any]:
+    """``(precision, plugins)`` as Lightning should see them: our precision strings become a plugin instance."""
+    from lightning_fp8.integrations.lightning import precision as precision_mod
+    from lightning_fp8.integrations.lightning import strategy as strategy_mod
+
+    precision_cls = precision_mod.precision_class(namespace)
+    plugin_list = _as_list(plugins)
+    base_precision = importlib.import_module(_plugins_module(namespace)).Precision
+    user_precision = [p for p in plugin_list if isinstance(p, base_precision)]
+    wants_fp8_strategy = strategy == STRATEGY_NAME or isinstance(strategy, strategy_mod.strategy_class(namespace))
+    if getattr(strategy, "_precision_plugin", None) is not None:  # a strategy instance that brings its own plugin
+        user_precision.append(strategy._precision_plugin)
+
+    if isinstance(precision, str) and precision in precision_names():
+        if user_precision:
+            raise ValueError(
+                f"Received both `precision={precision!r}` and a precision plugin in `plugins={user_precision}`: "
+                f"choose one (e.g. `plugins=[FP8LMPrecision(recipe={precision!r})]` alone)"
+            )
+        plugin_list.append(precision_cls(recipe=precision))
+        precision = None
+    elif wants_fp8_strategy and not user_precision:
+        if precision is not None:
+            raise ValueError(
+                f"`strategy={STRATEGY_NAME!r}` trains in FP8 but got `precision={precision!r}`: pass "
+                f"`precision='fp8-lm'` (or another of {list(precision_names())}) or leave `precision` unset"
+            )
+        plugin_list.append(precision_cls())
+    fp8 = [p for p in plugin_list if isinstance(p, precision_cls)]
+    if fp8:
+        strategy_mod.check_supported_strategy(strategy, namespace)
+    return precision, (plugin_list or plugins)
+
+
+def _plugins_module(namespace: str) -> str:
+    return "pytorch_lightning.plugins" if namespace == "pytorch_lightning" else f"{namespace}.pytorch.plugins"
+
+
+def _register_strategy(namespace: str) -> None:
+    from lightning_fp8.integrations.lightning import strategy as strategy_mod
+
+    registry = importlib.import_module(_strategies_module(namespace)).StrategyRegistry
+    if STRATEGY_NAME not in registry:
+        registry.register(
+            STRATEGY_NAME,
+            strategy_mod.strategy_class(namespace),
+            description="FSDP with FP8 scaling state, FP8 gradient reduce-scatter and FP8 checkpoints (lightning_fp8)",
+        )
+
+
+def _extend_trainer_annotation(namespace: str) -> None:
+    # LightningCLI (jsonargparse) validates --trainer.precision against this annotation; add our names to it.
+    trainer_cls = importlib.import_module(
+        "pytorch_lightning" if namespace == "pytorch_lightning" else "lightning"
+    ).Trainer
+    init = inspect.unwrap(trainer_cls.__init__)
+    annotation = init.__annotations__.get("precision")
+    if annotation is None or isinstance(annotation, str) or getattr(init, _MARK, False):
+        return
+    names = Literal[precision_names()]  # type: ignore[valid-type]
+    init.__annotations__["precision"] = Union[annotation, names]  # noqa: UP007 (a runtime typing object)
+    setattr(init, _MARK, True)

@@ -1,0 +1,218 @@
+"""FP8FSDPStrategy (``strategy="fsdp_fp8"``): Lightning's FSDP strategy with FP8-LM precision.
+
+Lightning's ``FSDPStrategy`` only accepts its own ``FSDPPrecision`` plugin. This subclass accepts
+:class:`~lightning_fp8.FP8LMPrecision` instead and keeps everything else: sharding, wrapping policies,
+activation checkpointing, full and sharded checkpoints. The plugin does the FP8 work under it: FP8 layers
+(converted before wrapping, so FSDP shards them like ``nn.Linear``), FP8AdamW over the sharded parameters, the
+FP8 gradient reduce-scatter hook, and its scaling state in the checkpoint.
+
+``use_orig_params=True`` is the default here: the optimizer then holds the original parameters (its states keep
+their names and FP8AdamW can tell FP8 weights from the rest), which is also what ``torch.compile`` wants.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from typing_extensions import override
+
+from lightning_fp8.integrations.lightning.comm import all_gather_state
+from lightning_fp8.integrations.lightning.precision import _FP8LMPrecisionLogic
+
+STRATEGY_NAME = "fsdp_fp8"
+
+
+class _FP8FSDPStrategyLogic:
+    """What FP8 changes in FSDPStrategy, shared by the ``lightning`` and ``pytorch_lightning`` flavours."""
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("use_orig_params", True)
+        if kwargs.get("mixed_precision") is not None:
+            raise ValueError(
+                f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
+                "and the other ops run under bf16 autocast; drop the argument"
+            )
+        super().__init__(*args, **kwargs)
+
+    @property
+    @override
+    def precision_plugin(self) -> Any:
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Any) -> None:
+        if precision_plugin is not None and not isinstance(precision_plugin, _FP8LMPrecisionLogic):
+            raise TypeError(
+                f"strategy='{STRATEGY_NAME}' trains in FP8 and needs the FP8LMPrecision plugin, got "
+                f"{precision_plugin}: use precision='fp8-lm' (or leave precision unset), or strategy='fsdp' for other "
+                "precisions"
+            )
+        self._precision_plugin = precision_plugin
+
+    @property
+    @override
+    def mixed_precision_config(self) -> None:
+        return None  # parameters stay in their dtype; FP8 GEMMs and bf16 autocast do the low-precision work
+
+    @override
+    def _setup_model(self, model: Any) -> Any:
+        if self.root_device.type != "cpu":
+            return super()._setup_model(model)
+        # FSDP1 only runs on CPU (gloo: tests, CI) when told device_id=cpu, which Lightning derives from
+        # root_device.index (None on CPU); the rest is what FSDPStrategy._setup_model does.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        fsdp_module = importlib.import_module(_fsdp_base(type(self)).__module__)
+        if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            model = FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
+            )
+        fsdp_module._setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
+
+    # -- checkpoints: full (single-file) checkpoints with FP8 optimizer states ---------------------------------
+
+    def _full_state_dict(self, rank0_only: bool = True) -> Any:
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        if self._state_dict_type != "full":
+            raise ValueError(
+                f"strategy='{STRATEGY_NAME}' writes full (single-file) checkpoints; got state_dict_type="
+                f"{self._state_dict_type!r}: use state_dict_type='full'"
+            )
+        # offload_to_cpu crashes FSDP1 (segfault) when the parameters already live on the CPU (gloo runs).
+        config = FullStateDictConfig(offload_to_cpu=self.root_device.type != "cpu", rank0_only=rank0_only)
+        return FullyShardedDataParallel.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, config)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._full_state_dict():
+            return self.model.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Every rank's own optimizer state, gathered: ``{"per_rank": [state_0, state_1, ...]}``.
+
+        FSDP's ``optim_state_dict`` re-flattens states assuming ``torch.optim.Adam``'s layout (one dtype per key);
+        FP8AdamW keeps E4M3/fp16 states with a power-of-two scale per shard, so the shards are saved as they are.
+        Resuming needs the same number of processes and the same wrapping.
+        """
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return {"per_rank": all_gather_state(optimizer.state_dict())}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            raise ValueError(
+                f"strategy='{STRATEGY_NAME}' loads full (single-file) checkpoints; {str(path)!r} is not one"
+            )
+        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        with self._full_state_dict(rank0_only=False):
+            self.model.load_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
+        states = checkpoint.get("optimizer_states")
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        if states is None or not fitting:
+            return checkpoint
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            if len(state["per_rank"]) != self.world_size:
+                raise ValueError(
+                    f"the checkpoint {str(path)!r} holds optimizer shards of {len(state['per_rank'])} processes, but "
+                    f"this run has {self.world_size}: resume strategy='{STRATEGY_NAME}' with the same number of "
+                    "processes"
+                )
+            optimizer.load_state_dict(state["per_rank"][self.global_rank])
+        return checkpoint
+
+
+class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
+    """FSDP with FP8-LM: ``Trainer(strategy="fsdp_fp8")`` (implies ``precision="fp8-lm"``).
+
+    Takes the arguments of ``lightning.pytorch.strategies.FSDPStrategy`` (``auto_wrap_policy``,
+    ``sharding_strategy``, ``state_dict_type``, ``activation_checkpointing_policy``...), except
+    ``mixed_precision``; ``use_orig_params`` defaults to True.
+
+    Example::
+
+        trainer = L.Trainer(strategy=FP8FSDPStrategy(auto_wrap_policy={Block}), devices=8)
+    """
+
+
+def _fsdp_base(cls: type) -> type:
+    return next(base for base in cls.__mro__ if base.__name__ == "FSDPStrategy")
+
+
+@functools.cache
+def strategy_class(namespace: str) -> type:
+    """:class:`FP8FSDPStrategy` for ``"lightning"``, or the same strategy on ``pytorch_lightning``'s FSDP."""
+    if namespace == "lightning":
+        return FP8FSDPStrategy
+    base = importlib.import_module(f"{namespace}.strategies").FSDPStrategy
+    name = "FP8FSDPStrategyPL"
+    return type(
+        name,
+        (_FP8FSDPStrategyLogic, base),
+        {"__module__": __name__, "__qualname__": name, "__doc__": FP8FSDPStrategy.__doc__},
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # Makes the pytorch_lightning flavour importable by name (pickling for spawned processes).
+    if name == "FP8FSDPStrategyPL":
+        return strategy_class("pytorch_lightning")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _strategy_types(namespace: str) -> dict[str, tuple[type, ...]]:
+    root = "lightning.pytorch" if namespace == "lightning" else namespace
+    strategies = importlib.import_module(f"{root}.strategies")
+    return {
+        "fsdp": (strategies.FSDPStrategy,),
+        "deepspeed": (strategies.DeepSpeedStrategy,),
+        "xla": (strategies.XLAStrategy, strategies.SingleDeviceXLAStrategy),
+    }
+
+
+_UNSUPPORTED = {
+    "fsdp": (
+        "Lightning's FSDPStrategy only runs its own FSDPPrecision plugin: use strategy='fsdp_fp8' "
+        "(lightning_fp8.FP8FSDPStrategy, same arguments) for FSDP, or ModelParallelStrategy for FSDP2"
+    ),
+    "deepspeed": (
+        "DeepSpeed owns precision and optimizer itself: use strategy='ddp', 'fsdp_fp8' or ModelParallelStrategy"
+    ),
+    "xla": "FP8 GEMMs need CUDA (sm89+) or the CPU emulation, not XLA: use strategy='ddp', 'fsdp_fp8' or 'auto'",
+}
+
+
+def check_supported_strategy(strategy: Any, namespace: str = "lightning") -> None:
+    """Raise a ``ValueError`` naming the alternative if FP8-LM cannot run under ``strategy`` (a name or instance).
+
+    Supported: ``"auto"``, single device, the DDP family, ``"fsdp_fp8"`` and ``ModelParallelStrategy``.
+    """
+    if isinstance(strategy, str):
+        name = strategy.lower()
+        for family, message in _UNSUPPORTED.items():
+            if family in name and name != STRATEGY_NAME:
+                raise ValueError(f"precision='fp8-lm' does not support strategy={strategy!r}: {message}")
+        return
+    if isinstance(strategy, strategy_class(namespace)):
+        return
+    for family, types in _strategy_types(namespace).items():
+        if isinstance(strategy, types):
+            raise ValueError(
+                f"precision='fp8-lm' does not support strategy={type(strategy).__name__}(...): {_UNSUPPORTED[family]}"
+            )

@@ -1,0 +1,12 @@
+"""The precision-decoupled optimizer of FP8-LM (DESIGN.md "The precision-decoupled optimizer").
+
+- :class:`FP8AdamW`: AdamW whose FP8-linear-weight states are low precision at O2 (fp16 master, E4M3 first
+  moment, fp16 second moment, each with a power-of-two per-tensor scale) and whose step is one fused Triton
+  kernel per group of tensors.
+- :mod:`lightning_fp8.optim.master`: the O2 master weight kept in the parameter's own storage.
+- :mod:`lightning_fp8.optim.checkpoint`: state-dict conversion to and from ``torch.optim.AdamW``.
+"""
+
+from lightning_fp8.optim.adamw import FP8AdamW
+
+__all__ = ["FP8AdamW"]

@@ -1,0 +1,408 @@
+"""FP8AdamW: AdamW with precision-decoupled states (FP8-LM, DESIGN.md "The precision-decoupled optimizer").
+
+Bytes per FP8 linear weight at O2: fp16 master (2, kept in the parameter's own storage, see
+:mod:`~lightning_fp8.optim.master`), E4M3 first moment (1), fp16 second moment (2), FP8 gradient (1):
+6, against 16 for fp32 AdamW with an fp32 gradient. Each low-precision tensor carries a 0-dim fp32
+power-of-two scale (``x_stored = x * scale``) renewed every step from the tensor's new amax. Every other
+parameter (norms, biases, embeddings, excluded layers) keeps fp32 states, under the keys of
+``torch.optim.AdamW``.
+
+Gradients of adopted weights reach the optimizer in fp16 (the parameter's dtype), multiplied by mu of the
+gradient scaler; a post-accumulate-grad hook turns each into FP8 (E5M2, per-tensor scale) right away and
+frees the fp16 copy. The step runs in fp32 registers: one fused multi-tensor Triton kernel per group of
+tensors on CUDA (kernels/adamw.py), its PyTorch reference elsewhere; both give the same bits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_fp8 import ops
+from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
+from lightning_fp8.kernels import reference
+from lightning_fp8.optim import checkpoint, master
+from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.scaling import compute_scale
+
+ScaleUpdate = Literal["two_pass", "delayed"]
+
+_FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+# (master, exp_avg, exp_avg_sq) of FP8 linear weights per optimization level.
+_LEVEL_DTYPES = {"O1": (_FP32, _FP32, _FP32), "O2": (_FP16, E4M3, _FP16)}
+_ALLOWED = {
+    "master_dtype": (_FP32, _FP16, _BF16),
+    "exp_avg_dtype": (_FP32, _BF16, _FP16, E4M3, E5M2),
+    # FP8-LM: an FP8 second moment diverged, so it is not offered.
+    "exp_avg_sq_dtype": (_FP32, _BF16, _FP16),
+}
+# Headroom of delayed state scales: the new amax may grow 2x over the stored one before values saturate.
+_DELAYED_MARGIN = 1
+_OWNER_ATTR = "_lightning_fp8_grad_owner"
+
+
+class _FP8Grad:
+    """A gradient in FP8 waiting for the step: ``grad ~= data * scale_inv`` (still multiplied by mu)."""
+
+    __slots__ = ("data", "scale_inv", "amax")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
+        self.data, self.scale_inv, self.amax = data, scale_inv, amax
+
+
+class FP8AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with FP8-LM's low-precision states.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (param groups, schedulers work as usual).
+        recipe: an :class:`~lightning_fp8.FP8Recipe` or name; gives the default ``opt_level`` and the FP8 gradient
+            format (``recipe.backward_dtype``). Default ``"fp8-lm"`` (O2).
+        opt_level: ``"O1"`` (fp32 master and moments everywhere) or ``"O2"`` (low-precision states for FP8 linear
+            weights); overrides the recipe's.
+        master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
+            (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale.
+        grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`. Gradients are unscaled by its mu, the FP8 gradient
+            casts report to it, and :meth:`step` routes through it (skip on non-finite, then ``update()``).
+        fp8_params: more parameters to treat as FP8 linear weights (besides the weights FP8Linear marks); their
+            master is kept apart from the parameter.
+        fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy.
+            Default: on unless ``torch.distributed`` is initialized (DDP reduces ``param.grad`` after the hook).
+        scale_update: ``"two_pass"`` (fresh scales from the new amax, the inputs are read twice) or ``"delayed"``
+            (one pass, scales from the previous step's amax with one binade of headroom, saturating beyond it).
+        maximize: maximize the objective, as in ``torch.optim.AdamW``.
+
+    Raises:
+        ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype.
+        TypeError: for complex parameters.
+
+    Example:
+        >>> model = convert_to_fp8(nn.Sequential(nn.Linear(64, 64)))
+        >>> opt = FP8AdamW(model.parameters(), lr=1e-3)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        recipe: FP8Recipe | str | None = None,
+        opt_level: str | None = None,
+        master_dtype: torch.dtype | None = None,
+        exp_avg_dtype: torch.dtype | None = None,
+        exp_avg_sq_dtype: torch.dtype | None = None,
+        grad_scaler: Any = None,
+        fp8_params: Iterable[torch.Tensor] | None = None,
+        fp8_grads: bool | None = None,
+        scale_update: ScaleUpdate = "two_pass",
+        maximize: bool = False,
+    ) -> None:
+        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        self.recipe = resolve_recipe(recipe)
+        self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
+        if self.opt_level not in _LEVEL_DTYPES:
+            raise ValueError(f"FP8AdamW(opt_level={self.opt_level!r}) is not supported: choose 'O1' or 'O2'")
+        chosen = dict(zip(_ALLOWED, (master_dtype, exp_avg_dtype, exp_avg_sq_dtype), strict=True))
+        for (name, dtype), default in zip(chosen.items(), _LEVEL_DTYPES[self.opt_level], strict=True):
+            chosen[name] = default if dtype is None else dtype
+            if chosen[name] not in _ALLOWED[name]:
+                raise ValueError(f"FP8AdamW({name}={dtype}) is not supported: choose one of {list(_ALLOWED[name])}")
+        self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype = chosen.values()
+        if scale_update not in ("two_pass", "delayed"):
+            raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'two_pass' or 'delayed'")
+        self.scale_update = scale_update
+        self.grad_scaler = grad_scaler
+        self.grad_dtype = self.recipe.backward_dtype
+        self.fp8_grads = fp8_grads if fp8_grads is not None else not (dist.is_available() and dist.is_initialized())
+        self._extra_fp8_params = {id(p) for p in fp8_params} if fp8_params is not None else set()
+        self._low_precision: set[torch.Tensor] = set()  # params with O2 states
+        self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
+        self._hooks: dict[torch.Tensor, Any] = {}
+        self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
+        super().__init__(params, defaults)
+
+    # -------------------------------------------------------------------------------------------- param handling
+    @override
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError(
+                    f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
+                    "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
+                )
+            if self._wants_low_precision(p):
+                self._adopt(p)
+
+    def _wants_low_precision(self, p: torch.Tensor) -> bool:
+        is_weight = master.is_fp8_weight(p) or id(p) in self._extra_fp8_params
+        return is_weight and (self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 3
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master."""
+        self._low_precision.add(p)
+        state = self.state[p]
+        shareable = master.is_fp8_weight(p) and not _is_dtensor(p)
+        if shareable and master.master_scale(p) is None and p.dtype != self.master_dtype:
+            master.adopt(p, self.master_dtype)
+        if master.master_scale(p) is not None:  # adopted, now or by an earlier optimizer
+            state["master_scale"] = master.master_scale(p)
+            state["master_amax"] = getattr(p, master.AMAX_ATTR)
+            if self.fp8_grads:
+                self._register_grad_hook(p)
+
+    def _register_grad_hook(self, p: torch.Tensor) -> None:
+        owner = weakref.ref(self)
+        setattr(p, _OWNER_ATTR, owner)  # a later FP8AdamW over the same weight takes the gradients over
+
+        def hook(param: torch.Tensor) -> None:
+            optimizer = owner()
+            if optimizer is not None and getattr(param, _OWNER_ATTR, None) is owner and param.grad is not None:
+                grad, param.grad = param.grad, None
+                optimizer.accumulate_fp8_grad(param, grad)
+
+        self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
+
+    def release(self, p: torch.Tensor) -> None:
+        """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision")."""
+        if p not in self._low_precision:
+            return
+        state = self.state[p]
+        moments = {key: checkpoint.dequantize(state, key) for key in ("exp_avg", "exp_avg_sq") if key in state}
+        if "master" in state:
+            with torch.no_grad():
+                p.copy_(checkpoint.dequantize(state, "master"))
+        handle = self._hooks.pop(p, None)
+        if handle is not None:
+            handle.remove()
+        self._pending.pop(p, None)
+        master.release(p)
+        setattr(p, master.MARKER, False)
+        self._low_precision.discard(p)
+        self.state[p] = {**({"step": state["step"]} if "step" in state else {}), **moments}
+
+    # ------------------------------------------------------------------------------------------------ gradients
+    def accumulate_fp8_grad(self, p: torch.Tensor, grad: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:
+        """Add ``grad`` (high precision, or FP8 with ``scale_inv``) to ``p``'s pending FP8 gradient.
+
+        The result is stored in ``recipe.backward_dtype`` with a fresh per-tensor scale and reported to the
+        gradient scaler. FP8 communication hooks can hand their reduced FP8 gradient over this way.
+
+        Raises:
+            RuntimeError: for a sparse gradient.
+            ValueError: for an FP8 gradient without ``scale_inv``, or a shape that is not ``p``'s.
+        """
+        if grad.is_sparse:
+            raise RuntimeError("FP8AdamW does not support sparse gradients")
+        if grad.shape != p.shape:
+            raise ValueError(f"accumulate_fp8_grad: gradient of shape {tuple(grad.shape)} for a {tuple(p.shape)} param")
+        if is_fp8(grad) and scale_inv is None:
+            raise ValueError("accumulate_fp8_grad: an FP8 gradient needs its scale_inv")
+        with torch.no_grad():
+            entry = self._pending.get(p)
+            if is_fp8(grad) and entry is None:  # already FP8 (the caller reported its cast): keep it as it is
+                amax = ops.amax(grad.float()) * scale_inv
+                self._pending[p] = _FP8Grad(grad, scale_inv.float().reshape(()), amax)
+                return
+            g = grad.float() * scale_inv if is_fp8(grad) else grad
+            if entry is not None:
+                g = entry.data.float() * entry.scale_inv + g.float()
+            amax = ops.amax(g)
+            if self.grad_scaler is not None:
+                n_saturated = (g.abs() >= fp8_max(self.grad_dtype)).sum()
+                self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype)
+            scale = compute_scale(amax, self.grad_dtype)
+            data = ops.cast_to_fp8(g.contiguous(), scale, self.grad_dtype)[0]
+            self._pending[p] = _FP8Grad(data, scale.reciprocal(), amax)
+
+    def _grad_of(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(grad, grad_scale_inv)`` of ``p`` for this step: its pending FP8 gradient, or ``p.grad``."""
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError("FP8AdamW does not support sparse gradients")
+        if p in self._pending and p.grad is not None:  # both: fold the high-precision one in
+            grad, p.grad = p.grad, None
+            self.accumulate_fp8_grad(p, grad)
+        entry = self._pending.get(p)
+        if entry is not None:
+            return entry.data, entry.scale_inv
+        if p.grad is None:
+            return None, None
+        return (p.grad if p.grad.is_contiguous() else p.grad.contiguous()), None
+
+    def _nonfinite_grads(self) -> torch.Tensor:
+        """0-dim: > 0 when a gradient of this step holds inf or NaN (for the gradient scaler; no host sync)."""
+        flags: list[torch.Tensor] = [(~torch.isfinite(e.amax)).float().reshape(1) for e in self._pending.values()]
+        dense = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for grad in dense:
+            by_device[grad.device].append(grad)
+        for grads in by_device.values():
+            norms = torch._foreach_norm(grads, float("inf"))
+            flags.append((~torch.isfinite(torch.stack([n.float() for n in norms]))).float())
+        if not flags:
+            return torch.zeros(())
+        device = flags[0].device
+        return torch.cat([f.to(device) for f in flags]).sum()
+
+    def _fp8_skip(self) -> None:
+        """The scaler skipped this step: drop the pending FP8 gradients (as the user will zero ``param.grad``)."""
+        # Kept (0-dim, on device) so that a recovery action can tell which weights had non-finite gradients.
+        self.skipped_grad_amax = {p: entry.amax for p, entry in self._pending.items()}
+        self._pending.clear()
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._pending.clear()
+
+    # ------------------------------------------------------------------------------------------------------ step
+    @override
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step. With a ``grad_scaler``: agree across ranks, skip on non-finite gradients, update mu.
+
+        Returns:
+            The closure's loss, when a closure is given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self)
+            self.grad_scaler.update()
+        else:
+            self._fp8_step(1.0)
+        return loss
+
+    @torch.no_grad()
+    def _fp8_step(self, grad_unscale: float) -> None:
+        """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
+        for group in self.param_groups:
+            batches: dict[tuple, list[tuple]] = defaultdict(list)
+            for p in group["params"]:
+                grad, grad_scale_inv = self._grad_of(p)
+                if grad is None:
+                    continue
+                state = self.state[p]
+                if "step" not in state:
+                    self._init_state(p, state)
+                state["step"] += 1
+                item = self._launch_item(p, state, grad, grad_scale_inv)
+                key = (p.device, int(state["step"].item()), *(t.dtype if t is not None else None for t in item[:6]))
+                batches[key].append(item)
+            for key, items in batches.items():
+                self._launch(group, key[1], items, grad_unscale)
+        self._pending.clear()
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        if p not in self._low_precision:
+            state["exp_avg"] = torch.zeros_like(p, dtype=_FP32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=_FP32, memory_format=torch.preserve_format)
+            if p.dtype != _FP32:
+                state["master"] = p.detach().float()
+            return
+        for key, dtype in (("exp_avg", self.exp_avg_dtype), ("exp_avg_sq", self.exp_avg_sq_dtype)):
+            state[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            state[f"{key}_scale"] = torch.ones((), dtype=_FP32, device=p.device)
+            state[f"{key}_amax"] = torch.zeros((), dtype=_FP32, device=p.device)
+        if "master_scale" not in state:  # the master is kept apart from the parameter
+            checkpoint.store(state, "master", p.detach().float(), self.master_dtype, p.shape, p.device)
+
+    def _launch_item(self, p, state, grad, grad_scale_inv) -> tuple:
+        target = state.get("master", p.detach())
+        copy = p.detach() if "master" in state else None
+        scaled = p in self._low_precision
+        scales = tuple(state[f"{k}_scale"] for k in ("master", "exp_avg", "exp_avg_sq")) if scaled else None
+        amaxes = tuple(state[f"{k}_amax"] for k in ("master", "exp_avg", "exp_avg_sq")) if scaled else None
+        return (_local(target), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                grad_scale_inv, _local(copy) if copy is not None else None, scales, amaxes)  # fmt: skip
+
+    def _launch(self, group: dict[str, Any], step: int, items: list[tuple], grad_unscale: float) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes = (list(x) for x in zip(*items, strict=True))
+        two_pass = self.scale_update == "two_pass" or step == 1  # no stored amax yet at the first step
+        beta1, beta2 = group["betas"]
+        kwargs = {
+            "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": group["eps"],
+            "weight_decay": group["weight_decay"], "step": step,
+            "grad_unscale": -grad_unscale if group["maximize"] else grad_unscale,
+            "two_pass": two_pass, "margin": 0 if two_pass else _DELAYED_MARGIN,
+            "param_copies": copies if copies[0] is not None else None,
+        }  # fmt: skip
+        args = (params, grads, exp_avgs, exp_avg_sqs, scales if scales[0] is not None else None,
+                amaxes if amaxes[0] is not None else None, gsis if gsis[0] is not None else None)  # fmt: skip
+        if ops.use_triton(params[0]) and all(t.is_contiguous() for t in params + exp_avgs + exp_avg_sqs):
+            from lightning_fp8.kernels import adamw as adamw_kernels
+
+            adamw_kernels.adamw_step(*args, **kwargs)
+        else:
+            reference.adamw_step_ref(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ state and stats
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Like ``torch.optim.AdamW``'s, plus per FP8 weight the scaled states, their 0-dim scales and amaxes.
+
+        An adopted weight's master (its parameter's storage) is included as ``"master"``, so the optimizer state
+        alone restores it. Loads with ``torch.load(weights_only=True)``.
+        """
+        return checkpoint.with_masters(self, super().state_dict())
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of FP8AdamW (any level) or of ``torch.optim.AdamW`` (converted: the master stays the
+        parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales).
+
+        Raises:
+            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``).
+        """
+        checkpoint.load(self, state_dict)
+
+    def to_adamw_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as a ``torch.optim.AdamW`` state dict with fp32 moments (no lock-in).
+
+        The weights themselves come from ``model.state_dict()``, which exports adopted weights unscaled.
+        """
+        return checkpoint.to_adamw(self)
+
+    def fp8_state_stats(self) -> dict[str, Any]:
+        """Read-only snapshot (Python numbers, one host transfer): per low-precision parameter (by index in the
+        param groups) its state scales and amaxes, their min/max, and the gradient scaler's statistics."""
+        return checkpoint.stats(self)
+
+
+def _check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"FP8AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs lr >= 0)")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps} (FP8AdamW needs eps >= 0)")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r} (FP8AdamW needs a pair (beta1, beta2))")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)} (FP8AdamW needs 0 <= beta < 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs weight_decay >= 0)")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 parameters and their states are DTensors: the kernel works on this rank's shard.
+    return t.to_local() if _is_dtensor(t) else t

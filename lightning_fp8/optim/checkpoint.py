@@ -1,0 +1,191 @@
+"""FP8AdamW state dicts: saving with masters, loading any AdamW-like state, exporting to ``torch.optim.AdamW``.
+
+Layout per parameter (DESIGN.md "State layout"): every state tensor has the parameter's shape, every scale
+is a 0-dim fp32 tensor. Low-precision states are ``key`` (fp16/FP8 storage, ``x * scale``), ``key_scale``
+and ``key_amax`` for ``key`` in ``master``, ``exp_avg``, ``exp_avg_sq``; other parameters have exactly the
+keys of ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq`` in fp32).
+
+Loading is by value: each saved state is dequantized to fp32 and stored in this optimizer's dtypes with a
+fresh scale, except where dtype and scale already match, which copies the bits (a resumed run continues
+bit-identically). So a ``torch.optim.AdamW`` state dict, an O1 one and an O2 one all load anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_fp8 import ops
+from lightning_fp8.kernels.reference import SCALED_STATE_MAX
+from lightning_fp8.optim import master
+from lightning_fp8.scaling import compute_scale
+
+if TYPE_CHECKING:
+    from lightning_fp8.optim.adamw import FP8AdamW
+
+_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def dequantize(state: dict[str, Any], key: str) -> torch.Tensor:
+    """``state[key]`` as fp32, unscaled."""
+    x = state[key].detach().float()
+    scale = state.get(f"{key}_scale")
+    if scale is not None and state[key].dtype in SCALED_STATE_MAX:
+        x = x / scale.to(x.device)
+    return x
+
+
+def quantize(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(stored, scale, amax)`` of the fp32 ``value`` in ``dtype``: scaled for fp16/FP8, else scale 1."""
+    amax = ops.amax(value)
+    if dtype not in SCALED_STATE_MAX:
+        return value.to(dtype), torch.ones((), dtype=torch.float32, device=value.device), amax
+    scale = compute_scale(amax, dtype)
+    fmax = SCALED_STATE_MAX[dtype]
+    return (value * scale).clamp(-fmax, fmax).to(dtype), scale, amax
+
+
+def store(state: dict[str, Any], key: str, value: torch.Tensor, dtype: torch.dtype, shape, device) -> None:
+    """Put the fp32 ``value`` into ``state`` as ``key``, ``key_scale``, ``key_amax`` in ``dtype``."""
+    stored, scale, amax = quantize(value.detach().float().reshape(shape).to(device), dtype)
+    state[key], state[f"{key}_scale"], state[f"{key}_amax"] = stored, scale, amax
+
+
+def _param_order(opt: FP8AdamW) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Add ``"master"`` (the parameter's own storage) for adopted weights, without touching ``opt.state``."""
+    packed = dict(state_dict["state"])
+    for index, p in enumerate(_param_order(opt)):
+        if index in packed and master.master_scale(p) is not None and p in opt._low_precision:
+            packed[index] = {**packed[index], "master": p.detach()}
+    return {**state_dict, "state": packed}
+
+
+def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
+    """Body of :meth:`FP8AdamW.load_state_dict` (see the module docstring)."""
+    saved_groups = state_dict["param_groups"]
+    # The base class validates the groups and restores their hyper-parameters; the states are loaded here,
+    # because the base class would cast every state to the parameter's dtype.
+    torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": saved_groups})
+    for group in opt.param_groups:
+        group.setdefault("maximize", False)
+    params = _param_order(opt)
+    for p in params:  # the adopted masters' scales live on the parameters
+        if p in opt._low_precision and master.master_scale(p) is not None:
+            opt.state[p]["master_scale"] = master.master_scale(p)
+            opt.state[p]["master_amax"] = getattr(p, master.AMAX_ATTR)
+    saved_ids = [i for group in saved_groups for i in group["params"]]
+    for index, p in zip(saved_ids, params, strict=True):
+        saved = state_dict["state"].get(index)
+        if saved is not None:
+            _load_one(opt, p, saved)
+
+
+def _copy_or_convert(state: dict[str, Any], saved: dict[str, Any], key: str, dtype, p: torch.Tensor) -> None:
+    scaled = dtype in SCALED_STATE_MAX
+    exact = saved[key].dtype == dtype and (not scaled or f"{key}_scale" in saved)
+    if not exact:
+        store(state, key, dequantize(saved, key), dtype, p.shape, p.device)
+        return
+    state[key] = saved[key].detach().to(p.device).clone()
+    state[f"{key}_scale"] = saved.get(f"{key}_scale", torch.ones(())).detach().to(p.device, torch.float32).clone()
+    amax = saved.get(f"{key}_amax")
+    state[f"{key}_amax"] = amax.detach().to(p.device).clone() if amax is not None else ops.amax(dequantize(state, key))
+
+
+def _load_one(opt: FP8AdamW, p: torch.Tensor, saved: dict[str, Any]) -> None:
+    state = opt.state[p]
+    if "step" in saved:
+        state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().cpu().clone().reshape(())
+    with torch.no_grad():
+        if p not in opt._low_precision:
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    state[key] = dequantize(saved, key).to(p.device).reshape(p.shape)
+            if p.dtype != torch.float32:
+                source = dequantize(saved, "master") if "master" in saved else p.detach().float()
+                state["master"] = source.to(p.device).reshape(p.shape)
+            elif "master" in saved:
+                p.copy_(dequantize(saved, "master").reshape(p.shape))
+            return
+        if "master_scale" in state and master.master_scale(p) is not None:
+            _load_adopted_master(p, saved)
+        elif "master" in saved:
+            _copy_or_convert(state, saved, "master", opt.master_dtype, p)
+        elif "step" in state:  # a torch.optim.AdamW state: the parameter is the master
+            store(state, "master", p.detach().float(), opt.master_dtype, p.shape, p.device)
+        for key, dtype in (("exp_avg", opt.exp_avg_dtype), ("exp_avg_sq", opt.exp_avg_sq_dtype)):
+            if key in saved:
+                _copy_or_convert(state, saved, key, dtype, p)
+
+
+def _load_adopted_master(p: torch.Tensor, saved: dict[str, Any]) -> None:
+    if "master" not in saved:
+        return  # a torch.optim.AdamW state: the weight is the parameter's current value
+    scale, amax = master.master_scale(p), getattr(p, master.AMAX_ATTR)
+    if saved["master"].dtype == p.dtype and "master_scale" in saved:
+        p.copy_(saved["master"].reshape(p.shape))
+        scale.copy_(saved["master_scale"])
+        amax.copy_(saved["master_amax"] if "master_amax" in saved else ops.amax(dequantize(saved, "master")))
+        return
+    stored, new_scale, new_amax = quantize(dequantize(saved, "master").to(p.device).reshape(p.shape), p.dtype)
+    p.copy_(stored)
+    scale.copy_(new_scale)
+    amax.copy_(new_amax)
+
+
+def to_adamw(opt: FP8AdamW) -> dict[str, Any]:
+    """The state as ``torch.optim.AdamW`` keeps it: fp32 moments, ``step``; groups with AdamW's keys."""
+    state_dict = opt.state_dict()
+    state = {
+        index: {
+            key: (saved[key].detach().cpu().clone() if key == "step" else dequantize(saved, key))
+            for key in ("step", "exp_avg", "exp_avg_sq")
+            if key in saved
+        }
+        for index, saved in state_dict["state"].items()
+    }
+    adamw_defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
+    groups = [
+        {**adamw_defaults, **{k: v for k, v in group.items() if k in adamw_defaults or k == "params"}}
+        for group in state_dict["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def stats(opt: FP8AdamW) -> dict[str, Any]:
+    """Body of :meth:`FP8AdamW.fp8_state_stats`."""
+    names = [f"{k}_{suffix}" for k in _KEYS for suffix in ("scale", "amax")]
+    rows: dict[int, list[torch.Tensor]] = {}
+    for index, p in enumerate(_param_order(opt)):
+        state = opt.state.get(p, {})
+        if p in opt._low_precision and all(name in state for name in names):
+            rows[index] = [state[name].float().reshape(1).to(p.device) for name in names]
+    values: dict[int, list[float]] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for index, row in rows.items():
+        by_device.setdefault(row[0].device, []).append(index)
+    for indices in by_device.values():  # one host transfer per device
+        table = torch.cat([torch.cat(rows[i]) for i in indices]).reshape(len(indices), len(names)).tolist()
+        values.update(zip(indices, table, strict=True))
+    params = {f"param_{i}": dict(zip(names, values[i], strict=True)) for i in sorted(values)}
+    summary: dict[str, dict[str, float]] = {}
+    for entry in params.values():
+        for name, value in entry.items():
+            s = summary.setdefault(name, {"min": value, "max": value})
+            s["min"], s["max"] = min(s["min"], value), max(s["max"], value)
+    out: dict[str, Any] = {"params": params, "summary": summary}
+    scaler = opt.grad_scaler
+    if scaler is not None:
+        out["grad_scaler"] = {
+            "scale": float(scaler.scale),
+            "skipped_steps": scaler.skipped_steps,
+            "last_saturation": scaler.last_saturation,
+            "nonfinite_events": scaler.nonfinite_events,
+            "growth_tracker": scaler.growth_tracker,
+        }
+    return out

@@ -1,0 +1,119 @@
+"""Master weights of FP8 linear layers kept in the parameter's own storage (O2: fp16 with a power-of-two scale).
+
+At O2 the optimizer owns the master weight, and the model's parameter would otherwise keep a second
+(fp32) copy. Instead the parameter's storage *becomes* the master: ``param.data`` holds ``w * scale`` in
+fp16, and the 0-dim fp32 ``scale`` hangs on the parameter (attribute :data:`SCALE_ATTR`). FP8Linear folds
+``1 / scale`` into its weight cast (exact: a power of two), and its state_dict hooks (below) export and
+import the unscaled weight in the dtype the model had, so checkpoints and ``model.state_dict()`` never see
+the scaled storage.
+
+A parameter is an FP8 linear weight when :class:`~lightning_fp8.FP8Linear` marked it (:data:`MARKER`).
+Such a weight must be used only by its FP8 layer: a weight tied to another module (an embedding) would
+read the scaled storage; :func:`~lightning_fp8.convert_to_fp8` keeps tied heads out with a filter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fp8 import ops
+from lightning_fp8.scaling import compute_scale
+
+MARKER = "_lightning_fp8_weight"  # set by FP8Linear on its weight
+SCALE_ATTR = "_lightning_fp8_master_scale"  # 0-dim fp32: the parameter's storage holds weight * scale
+AMAX_ATTR = "_lightning_fp8_master_amax"  # 0-dim fp32: max |weight| of the stored value
+DTYPE_ATTR = "_lightning_fp8_dtype"  # the dtype the weight had before the optimizer took its storage
+
+FP16_MAX = 65504.0
+
+
+def is_fp8_weight(param: torch.Tensor) -> bool:
+    """Whether ``param`` is the weight of an FP8Linear (marked by the layer)."""
+    return bool(getattr(param, MARKER, False))
+
+
+def master_scale(param: torch.Tensor) -> torch.Tensor | None:
+    """The scale of a parameter whose storage is an fp16 master, else ``None``."""
+    return getattr(param, SCALE_ATTR, None)
+
+
+def quantize_fp16(w: torch.Tensor, prev_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``(w * scale)`` in fp16 with the power-of-two scale of ``max|w|``: returns ``(w_fp16, scale, amax)``."""
+    w32 = w.detach().float()
+    amax = ops.amax(w32)
+    scale = compute_scale(amax, torch.float16, prev_scale=prev_scale)
+    return (w32 * scale).clamp(-FP16_MAX, FP16_MAX).to(torch.float16), scale, amax
+
+
+def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make ``param``'s storage the master weight in ``master_dtype``; return its ``(scale, amax)`` (shared).
+
+    fp16 storage is scaled; other dtypes (bf16) are stored unscaled with scale 1. Any existing gradient is
+    dropped (it has the old dtype).
+    """
+    with torch.no_grad():
+        original = param.dtype
+        if master_dtype == torch.float16:
+            data, scale, amax = quantize_fp16(param)
+        else:
+            data = param.detach().to(master_dtype)
+            scale = torch.ones((), dtype=torch.float32, device=param.device)
+            amax = ops.amax(data.float())
+        param.grad = None
+        param.data = data
+    setattr(param, SCALE_ATTR, scale)
+    setattr(param, AMAX_ATTR, amax)
+    setattr(param, DTYPE_ATTR, original)
+    return scale, amax
+
+
+def release(param: nn.Parameter) -> None:
+    """Give ``param`` back its own storage, unscaled, in the dtype it had before :func:`adopt`."""
+    with torch.no_grad():
+        param.grad = None
+        param.data = export(param)
+    for attr in (SCALE_ATTR, AMAX_ATTR, DTYPE_ATTR):
+        if hasattr(param, attr):
+            delattr(param, attr)
+
+
+def export(param: torch.Tensor) -> torch.Tensor:
+    """The unscaled weight of ``param`` in the dtype the model had (a copy; ``param`` itself if not adopted)."""
+    scale = master_scale(param)
+    if scale is None:
+        return param.detach()
+    return (param.detach().float() / scale).to(getattr(param, DTYPE_ATTR, torch.float32))
+
+
+# --------------------------------------------------------------------------------- FP8Linear state_dict hooks
+def state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``module.state_dict()`` gives the unscaled weight, in the model's dtype, of an adopted weight."""
+    key = prefix + "weight"
+    weight = getattr(module, "weight", None)
+    if weight is not None and key in state_dict and master_scale(weight) is not None:
+        state_dict[key] = export(weight)
+
+
+def load_state_dict_pre_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
+    """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale."""
+    key = prefix + "weight"
+    weight = getattr(module, "weight", None)
+    if weight is None or key not in state_dict or master_scale(weight) is None:
+        return
+    incoming = state_dict[key]
+    if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape:
+        return  # the default loader reports the mismatch
+    with torch.no_grad():
+        incoming = incoming.to(weight.device)
+        if weight.dtype == torch.float16:
+            scaled, scale, amax = quantize_fp16(incoming)
+        else:
+            scaled, scale, amax = incoming.to(weight.dtype), torch.ones_like(master_scale(weight)), ops.amax(incoming)
+        master_scale(weight).copy_(scale)
+        getattr(weight, AMAX_ATTR).copy_(amax)
+    state_dict[key] = scaled

@@ -1,0 +1,201 @@
+"""fp8_stats: a read-only snapshot of the FP8 scaling state of a model, its optimizer and its gradient scaler.
+
+What the core keeps (DESIGN.md "Monitoring and health"), gathered in one place so that callbacks, loggers and
+notebooks never reach into buffers themselves:
+
+- per FP8 layer and role (``input``, ``weight``, ``grad_output``): ``scale``, ``amax``, ``amax_history``,
+  ``saturation`` (fraction of the last cast at the FP8 maximum), ``nonfinite_count`` and ``casts``;
+- a per-role ``summary`` over all layers (smallest and largest scale, largest amax and saturation, total
+  non-finite casts), the compact view a logger wants every few steps;
+- per optimizer (when given): the scales of the low-precision optimizer states (``exp_avg``, ``exp_avg_sq``,
+  master weight, whatever 0-dim ``*scale*`` entries the optimizer keeps per parameter) and their min/max;
+- per gradient scaler (when given): ``mu``, skipped steps, the last gradient saturation, non-finite events.
+
+Every value is a Python number (or list of numbers): the tensors are copied to the host in one transfer per
+dtype, so calling this every ``log_every_n_steps`` costs one synchronization, not one per buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fp8.scaling import ROLES, ScalingState
+
+# Name fragments that wrappers (DDP, FSDP1, activation checkpointing, torch.compile) insert into module and
+# parameter names; stripped so the names in the stats are the user's own.
+_WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+# Scaling-state buffers reported per role, by dtype: floats and integer counters are copied in separate batches.
+_FLOAT_FIELDS = ("scale", "amax", "saturation")
+_INT_FIELDS = ("nonfinite_count", "casts")
+
+_SCALER_FIELDS = ("skipped_steps", "last_saturation", "nonfinite_events")
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the fragments that DDP/FSDP/compile wrappers add (``module.``, ``_fsdp_wrapped_module.``)."""
+    for fragment in _WRAPPER_FRAGMENTS:
+        name = name.replace(fragment, "")
+    return name.removeprefix("module.")
+
+
+class _HostBatch:
+    """Collects 0-dim and 1-dim tensors and copies them to the host in one transfer per dtype family."""
+
+    def __init__(self) -> None:
+        self._floats: list[torch.Tensor] = []
+        self._ints: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor) -> tuple[str, int, int, bool]:
+        """Queue ``t``; returns a handle ``(kind, start, stop, is_scalar)`` that :func:`_resolve` turns into values."""
+        bucket = self._floats if t.is_floating_point() else self._ints
+        start = sum(x.numel() for x in bucket)
+        bucket.append(t.detach().reshape(-1))
+        return ("f" if bucket is self._floats else "i", start, start + t.numel(), t.dim() == 0)
+
+    def fetch(self) -> dict[str, list[float] | list[int]]:
+        out: dict[str, Any] = {"f": [], "i": []}
+        for key, bucket, dtype in (("f", self._floats, torch.float32), ("i", self._ints, torch.int64)):
+            if bucket:
+                device = bucket[0].device
+                out[key] = torch.cat([t.to(device=device, dtype=dtype) for t in bucket]).cpu().tolist()
+        return out
+
+
+def _resolve(handles: Any, host: dict[str, list]) -> Any:
+    # Replace every (kind, start, stop, is_scalar) handle in a nested dict by its host value(s).
+    if isinstance(handles, dict):
+        return {k: _resolve(v, host) for k, v in handles.items()}
+    kind, start, stop, is_scalar = handles
+    values = host[kind][start:stop]
+    return values[0] if is_scalar else values
+
+
+def _scaling_states(model: nn.Module) -> Iterable[tuple[str, str, ScalingState]]:
+    # (layer name, role, state) for every ScalingState; layers keep them under "<layer>.fp8_scaling.<role>".
+    for name, module in model.named_modules():
+        if isinstance(module, ScalingState):
+            parent, _, role = name.rpartition(".")
+            layer = clean_name(parent.removesuffix(".fp8_scaling").removesuffix("fp8_scaling"))
+            yield layer or "root", role, module
+
+
+def _layer_handles(model: nn.Module, batch: _HostBatch) -> dict[str, dict[str, dict[str, Any]]]:
+    layers: dict[str, dict[str, dict[str, Any]]] = {}
+    for layer, role, state in _scaling_states(model):
+        entry = {f: batch.add(getattr(state, f)) for f in (*_FLOAT_FIELDS, *_INT_FIELDS)}
+        entry["amax_history"] = batch.add(state.amax_history)
+        layers.setdefault(layer, {})[role] = entry
+    return layers
+
+
+def _summarize_layers(layers: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    summary: dict[str, dict[str, float]] = {}
+    for role in ROLES:
+        entries = [roles[role] for roles in layers.values() if role in roles]
+        if not entries:
+            continue
+        summary[role] = {
+            "scale_min": min(e["scale"] for e in entries),
+            "scale_max": max(e["scale"] for e in entries),
+            "amax_max": max(e["amax"] for e in entries),
+            "saturation_max": max(e["saturation"] for e in entries),
+            "saturation_mean": sum(e["saturation"] for e in entries) / len(entries),
+            "nonfinite_count": sum(e["nonfinite_count"] for e in entries),
+        }
+    return summary
+
+
+def _optimizer_handles(
+    optimizer: torch.optim.Optimizer, model: nn.Module, batch: _HostBatch
+) -> dict[str, dict[str, Any]]:
+    # Low-precision optimizer states carry one 0-dim fp32 scale per tensor (DESIGN.md "FP8AdamW": state layout);
+    # they are recognised by name (a key containing "scale"), so any optimizer following that layout is covered.
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    states: dict[str, dict[str, Any]] = {}
+    for index, (param, state) in enumerate(optimizer.state.items()):
+        scales = {
+            key: batch.add(value)
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and "scale" in key
+        }
+        if scales:
+            states[names.get(id(param), f"param_{index}")] = scales
+    return states
+
+
+def _summarize_optimizer(states: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    summary: dict[str, dict[str, float]] = {}
+    for scales in states.values():
+        for key, value in scales.items():
+            entry = summary.setdefault(key, {"min": value, "max": value})
+            entry["min"], entry["max"] = min(entry["min"], value), max(entry["max"], value)
+    return summary
+
+
+def _scaler_handles(grad_scaler: Any, batch: _HostBatch) -> tuple[dict[str, Any], dict[str, Any]]:
+    handles: dict[str, Any] = {"scale": batch.add(torch.as_tensor(grad_scaler.scale))}
+    plain: dict[str, Any] = {}
+    for field in _SCALER_FIELDS:
+        value = getattr(grad_scaler, field, None)
+        if isinstance(value, torch.Tensor):
+            handles[field] = batch.add(value)
+        elif value is not None:
+            plain[field] = value
+    return handles, plain
+
+
+def fp8_stats(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, grad_scaler: Any | None = None
+) -> dict[str, Any]:
+    """A snapshot of the FP8 statistics of ``model`` (and of ``optimizer`` and ``grad_scaler`` when given).
+
+    Read-only: nothing is modified, and the values are copies (Python numbers).
+
+    Args:
+        model: a model converted with :func:`~lightning_fp8.convert_to_fp8` (wrapped by DDP/FSDP or not).
+        optimizer: an optimizer over ``model``'s parameters, e.g. :class:`~lightning_fp8.FP8AdamW`; its per-
+            parameter 0-dim state entries whose key contains ``"scale"`` are reported.
+        grad_scaler: a :class:`~lightning_fp8.FP8GradScaler` (anything with a ``scale`` attribute).
+
+    Returns:
+        ``{"layers": {layer: {role: {"scale", "amax", "amax_history", "saturation", "nonfinite_count",
+        "casts"}}}, "summary": {role: {"scale_min", "scale_max", "amax_max", "saturation_max",
+        "saturation_mean", "nonfinite_count"}}}``, plus ``"optimizer": {"states": {param: {key: scale}},
+        "summary": {key: {"min", "max"}}}`` and ``"grad_scaler": {"scale", "skipped_steps",
+        "last_saturation", "nonfinite_events"}`` when those are given.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module`` or ``grad_scaler`` has no ``scale``.
+
+    Example:
+        >>> model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+        >>> _ = model(torch.randn(4, 32))
+        >>> sorted(fp8_stats(model)["layers"]["0"])
+        ['grad_output', 'input', 'weight']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fp8_stats(model=...) expects an nn.Module, got {type(model).__name__}")
+    if grad_scaler is not None and not hasattr(grad_scaler, "scale"):
+        raise TypeError(
+            f"fp8_stats(grad_scaler=...) expects an FP8GradScaler (with a `scale`), got {type(grad_scaler).__name__}"
+        )
+    batch = _HostBatch()
+    handles: dict[str, Any] = {"layers": _layer_handles(model, batch)}
+    if optimizer is not None:
+        handles["optimizer"] = _optimizer_handles(optimizer, model, batch)
+    plain_scaler: dict[str, Any] = {}
+    if grad_scaler is not None:
+        handles["grad_scaler"], plain_scaler = _scaler_handles(grad_scaler, batch)
+    values = _resolve(handles, batch.fetch())
+
+    out: dict[str, Any] = {"layers": values["layers"], "summary": _summarize_layers(values["layers"])}
+    if optimizer is not None:
+        out["optimizer"] = {"states": values["optimizer"], "summary": _summarize_optimizer(values["optimizer"])}
+    if grad_scaler is not None:
+        out["grad_scaler"] = {**values["grad_scaler"], **plain_scaler}
+    return out

@@ -1,0 +1,334 @@
+"""FP8AdamW against torch.optim.AdamW in fp32, its O2 state layout, checkpoints and bad input."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.formats import E4M3, E5M2
+from lightning_fp8.optim import checkpoint, master
+from tests.core.gpt_tiny import TinyGPT, batches
+
+# Tolerances on loss curves against torch.optim.AdamW (fp32), as mean |loss - loss_ref| over all steps.
+# O1 keeps fp32 states: only the operation order differs from torch's (a few ulp per step); measured ~6e-6 on the
+# GPT over 300 steps.
+O1_LOSS_TOL = 1e-4
+# O2 rounds the master to fp16 (2**-11 relative), m to E4M3 (2**-4 relative) and v to fp16 every step; the
+# trajectories drift apart like two seeds of the same run: measured ~0.02 (GPT, 300 steps) and ~1e-3 relative
+# (regression). The bounds leave about 2.5x margin.
+O2_LOSS_TOL_GPT = 0.05
+O2_LOSS_TOL_REGRESSION_REL = 5e-3
+# Full FP8 training (FP8 GEMMs + O2 + gradient scaler) on the GPT adds the GEMMs' quantization noise: measured mean
+# |loss - loss_ref| ~0.02 over 60 steps (0.024 over 300).
+FP8_LOSS_TOL = 0.06
+
+
+def _train(model, opt, data, scaler=None):
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+class _Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(48, 16)
+
+    def forward(self, x, y):
+        return ((self.lin(x) - y) ** 2).mean()
+
+
+def _regression_data(steps):
+    gen = torch.Generator().manual_seed(1)
+    w_true = torch.randn(16, 48, generator=gen) * 0.3
+    for _ in range(steps):
+        x = torch.randn(64, 48, generator=gen)
+        yield x, x @ w_true.t() + 0.01 * torch.randn(64, 16, generator=gen)
+
+
+def _levels_against_adamw(base, data_fn, weights_fn, lr, weight_decay):
+    ref = copy.deepcopy(base)
+    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=weight_decay), data_fn())
+    deviation = {}
+    for level in ("O1", "O2"):
+        model = copy.deepcopy(base)
+        opt = FP8AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, opt_level=level,
+                       fp8_params=weights_fn(model))  # fmt: skip
+        deviation[level] = (_train(model, opt, data_fn()) - expected).abs()
+    return expected, deviation
+
+
+def test_regression_300_steps_matches_adamw():
+    # The linear weight gets FP8-weight states (O2: fp16 master, E4M3 m, fp16 v) without FP8 GEMMs, so the
+    # difference to torch.optim.AdamW is the optimizer's alone.
+    expected, dev = _levels_against_adamw(_Regression(), lambda: _regression_data(300), lambda m: [m.lin.weight],
+                                          lr=1e-2, weight_decay=0.01)  # fmt: skip
+    assert expected[-1] < 0.1 * expected[0]  # it learned
+    assert dev["O1"].mean() < O1_LOSS_TOL
+    assert (dev["O2"] / expected).mean() < O2_LOSS_TOL_REGRESSION_REL
+    assert dev["O1"].mean() < dev["O2"].mean() / 10
+
+
+def test_gpt_300_steps_o1_tighter_than_o2():
+    base = TinyGPT(n_layer=1)
+    expected, dev = _levels_against_adamw(
+        base, lambda: batches(300), lambda m: [p for n, p in m.named_parameters() if "blocks" in n and p.dim() == 2],
+        lr=3e-3, weight_decay=0.1,
+    )  # fmt: skip
+    assert expected[-20:].mean() < expected[:20].mean() - 0.3  # it learned
+    assert dev["O1"].mean() < O1_LOSS_TOL
+    assert dev["O2"].mean() < O2_LOSS_TOL_GPT
+    assert dev["O1"].mean() < dev["O2"].mean() / 10
+
+
+def test_gpt_fp8_training_with_scaler_tracks_fp32():
+    base = TinyGPT(n_layer=1)
+    ref = copy.deepcopy(base)
+    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), batches(60))
+    model = convert_to_fp8(copy.deepcopy(base), module_filter_fn=lambda m, fqn: "head" not in fqn)
+    scaler = FP8GradScaler(model=model)
+    opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, grad_scaler=scaler)
+    losses = _train(model, opt, batches(60), scaler)
+    assert model.blocks[0].fc.weight.dtype == torch.float16  # the master lives in the parameter
+    assert scaler.skipped_steps == 0
+    assert (losses - expected).abs().mean() < FP8_LOSS_TOL
+    assert losses[-10:].mean() < losses[:10].mean()  # it learned
+
+
+def _fp8_mlp(seed=0):
+    torch.manual_seed(seed)
+    return convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
+
+
+def _mlp_step(model, opt, scaler, x, y):
+    opt.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    scaler.scale_loss(loss).backward()
+    opt.step()
+
+
+def test_o2_state_layout_and_bytes():
+    model = _fp8_mlp()
+    w32 = model[0].weight.detach().clone()
+    opt = FP8AdamW(model.parameters(), lr=1e-3)
+    weight = model[0].weight
+    # The parameter's storage is the fp16 master, scaled by a power of two; the unscaled value is the weight.
+    assert weight.dtype == torch.float16 and weight.element_size() == 2
+    scale = master.master_scale(weight)
+    assert scale.dim() == 0 and torch.frexp(scale).mantissa.item() == 0.5
+    torch.testing.assert_close(master.export(weight), w32, rtol=2**-11, atol=0)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    (model(x) - y).square().mean().backward()
+    # The hook turned the gradient into FP8 (E5M2 + scale) and freed the fp16 one.
+    assert weight.grad is None and opt._pending[weight].data.dtype == E5M2
+    assert model[0].bias.grad is not None and model[0].bias.grad.dtype == torch.float32
+    opt.step()
+    state = opt.state[weight]
+    dtypes = {"exp_avg": E4M3, "exp_avg_sq": torch.float16}
+    for key, dtype in dtypes.items():
+        assert state[key].dtype == dtype and state[key].shape == weight.shape
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        for suffix in ("scale", "amax"):
+            assert state[f"{key}_{suffix}"].dim() == 0 and state[f"{key}_{suffix}"].dtype == torch.float32
+    # O2 bytes of this weight: master 2 + m 1 + v 2 (+ FP8 gradient 1 during backward) = 6.
+    n = weight.numel()
+    stored = weight.element_size() * n + state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes
+    assert stored == 5 * n
+    bias_state = opt.state[model[0].bias]
+    assert set(bias_state) == {"step", "exp_avg", "exp_avg_sq"} and bias_state["exp_avg"].dtype == torch.float32
+
+
+def test_model_state_dict_is_unscaled_and_loads_back():
+    model = _fp8_mlp()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    scaler = FP8GradScaler()
+    opt.grad_scaler = scaler
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    for _ in range(3):
+        _mlp_step(model, opt, scaler, x, y)
+    sd = model.state_dict()
+    assert sd["0.weight"].dtype == torch.float32
+    torch.testing.assert_close(sd["0.weight"], checkpoint.dequantize(opt.state_dict()["state"][0], "master"))
+    # An fp32 copy of the model computes the same function from that state dict.
+    plain = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+    plain.load_state_dict(sd)
+    fresh = _fp8_mlp(seed=5)
+    FP8AdamW(fresh.parameters())
+    fresh.load_state_dict(sd)  # into an adopted model: stored scaled, with a fresh scale
+    assert fresh[0].weight.dtype == torch.float16
+    assert torch.equal(fresh.state_dict()["0.weight"], sd["0.weight"])
+
+
+def _resume_bundle(model, opt, scaler):
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "fp8": fp8_state_dict(model), "opt": opt.state_dict(),
+                "scaler": scaler.state_dict()}, buf)  # fmt: skip
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("scale_update", ["two_pass", "delayed"])
+def test_checkpoint_resume_is_bit_identical(scale_update):
+    data = [(torch.randn(24, 32), torch.randn(24, 16)) for _ in range(8)]
+
+    def build(seed):
+        model = _fp8_mlp(seed)
+        scaler = FP8GradScaler(model=model, growth_interval=2)
+        return model, FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, scale_update=scale_update), scaler
+
+    model, opt, scaler = build(0)
+    for x, y in data[:4]:
+        _mlp_step(model, opt, scaler, x, y)
+    saved = _resume_bundle(model, opt, scaler)
+    resumed, ropt, rscaler = build(7)
+    resumed.load_state_dict(saved["model"])
+    load_fp8_state_dict(resumed, saved["fp8"])
+    ropt.load_state_dict(saved["opt"])
+    rscaler.load_state_dict(saved["scaler"])
+    for x, y in data[4:]:
+        _mlp_step(model, opt, scaler, x, y)
+        _mlp_step(resumed, ropt, rscaler, x, y)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opt.state_dict()["state"].values(), ropt.state_dict()["state"].values(), strict=True):
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]) if sa[key].element_size() > 1 else torch.equal(
+                sa[key].view(torch.uint8), sb[key].view(torch.uint8)
+            ), key
+    assert scaler.state_dict() == rscaler.state_dict()
+
+
+def test_loads_torch_adamw_state_and_exports_it_back():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ((plain(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+    model = convert_to_fp8(copy.deepcopy(plain))
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(ref_opt.state_dict())
+    w_state, ref_state = opt.state[model[0].weight], ref_opt.state[plain[0].weight]
+    assert w_state["exp_avg"].dtype == E4M3 and float(w_state["step"]) == 3.0
+    for key, rel in (("exp_avg", 2**-4), ("exp_avg_sq", 2**-11)):  # E4M3 and fp16 rounding (+ subnormals)
+        got, want = checkpoint.dequantize(w_state, key), ref_state[key]
+        assert ((got - want).abs() <= rel * want.abs() + 1e-3 * want.abs().max()).all(), key
+    assert torch.equal(opt.state[model[0].bias]["exp_avg"], ref_opt.state[plain[0].bias]["exp_avg"])
+    # Export: torch.optim.AdamW loads it and continues like the original within O2's precision.
+    exported = opt.to_adamw_state_dict()
+    again = copy.deepcopy(plain)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    again_opt.load_state_dict(exported)
+    assert again_opt.state[again[0].weight]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(again_opt.state[again[0].weight]["exp_avg_sq"], ref_state["exp_avg_sq"],
+                               rtol=2**-10, atol=1e-12)  # fmt: skip
+
+
+def test_param_groups_and_lr_scheduler_match_adamw_at_o1():
+    torch.manual_seed(0)
+    base = _Regression()
+    data = list(_regression_data(30))
+    runs = []
+    for cls in (torch.optim.AdamW, FP8AdamW):
+        model = copy.deepcopy(base)
+        groups = [{"params": [model.lin.weight]}, {"params": [model.lin.bias], "lr": 3e-2, "weight_decay": 0.0}]
+        kwargs = {"opt_level": "O1"} if cls is FP8AdamW else {}
+        opt = cls(groups, lr=1e-2, **kwargs)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        runs.append((torch.tensor(losses), [g["lr"] for g in opt.param_groups]))
+    (ref, ref_lrs), (got, lrs) = runs
+    assert lrs == pytest.approx(ref_lrs)
+    assert (got - ref).abs().mean() < O1_LOSS_TOL
+
+
+def test_add_param_group_and_param_without_grad():
+    a, b = nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))
+    opt = FP8AdamW([a], lr=0.1)
+    opt.add_param_group({"params": [b], "lr": 0.5})
+    before = b.detach().clone()
+    a.grad = torch.randn_like(a)
+    opt.step()
+    assert torch.equal(b, before) and b not in opt.state  # no grad: skipped, no state
+    assert opt.param_groups[1]["lr"] == 0.5
+
+
+def test_maximize_ascends():
+    p = nn.Parameter(torch.zeros(3))
+    opt = FP8AdamW([p], lr=0.1, maximize=True, weight_decay=0.0)
+    p.grad = torch.tensor([1.0, -2.0, 3.0])
+    opt.step()
+    assert torch.equal(torch.sign(p.detach()), torch.tensor([1.0, -1.0, 1.0]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": -1e-3}, "Invalid learning rate"),
+        ({"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0"),
+        ({"betas": (0.9, -0.1)}, "Invalid beta parameter at index 1"),
+        ({"eps": -1.0}, "Invalid epsilon"),
+        ({"weight_decay": -0.1}, "Invalid weight_decay"),
+        ({"opt_level": "O3"}, "opt_level='O3'"),
+        ({"exp_avg_sq_dtype": E4M3}, "exp_avg_sq_dtype"),
+        ({"scale_update": "sometimes"}, "scale_update"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8AdamW([nn.Parameter(torch.randn(4))], **kwargs)
+
+
+def test_complex_param_and_sparse_grad_raise():
+    with pytest.raises(TypeError, match="complex"):
+        FP8AdamW([nn.Parameter(torch.randn(4, dtype=torch.complex64))])
+    emb = nn.Embedding(10, 16, sparse=True)
+    opt = FP8AdamW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+
+def test_release_returns_weight_to_fp32_states():
+    model = _fp8_mlp()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    _mlp_step(model, opt, FP8GradScaler(), x, y)
+    weight = model[0].weight
+    expected = master.export(weight)
+    opt.release(weight)
+    assert weight.dtype == torch.float32 and torch.equal(weight.detach(), expected)
+    assert opt.state[weight]["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in opt.state[weight]
+    (model(x) - y).square().mean().backward()
+    assert weight.grad.dtype == torch.float32
+    opt.step()  # plain fp32 AdamW from here on
+
+
+def test_fp8_state_stats_are_plain_numbers():
+    model = _fp8_mlp()
+    scaler = FP8GradScaler()
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    _mlp_step(model, opt, scaler, torch.randn(24, 32), torch.randn(24, 16))
+    stats = opt.fp8_state_stats()
+    assert set(stats["params"]) == {"param_0", "param_2"}  # the two FP8 weights
+    entry = stats["params"]["param_0"]
+    assert all(isinstance(v, float) for v in entry.values())
+    assert entry["exp_avg_amax"] * entry["exp_avg_scale"] <= 448.0
+    assert stats["grad_scaler"]["scale"] == 1.0 and stats["grad_scaler"]["skipped_steps"] == 0

@@ -1,0 +1,117 @@
+"""fp8_stats reads exactly what the scaling states, the optimizer and the gradient scaler hold."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8Linear, convert_to_fp8, fp8_stats
+from lightning_fp8.scaling import ROLES
+from lightning_fp8.stats import clean_name
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+
+
+def _trained(steps: int = 3) -> nn.Module:
+    model = convert_to_fp8(_model())  # the last layer (32 -> 10) stays nn.Linear
+    for _ in range(steps):
+        model(torch.randn(7, 48) * 3).square().mean().backward()
+    return model
+
+
+def test_layers_mirror_the_scaling_buffers():
+    model = _trained()
+    stats = fp8_stats(model)
+    assert set(stats["layers"]) == {"0", "2"}
+    for name, layer in (("0", model[0]), ("2", model[2])):
+        assert set(stats["layers"][name]) == set(ROLES)
+        for role in ROLES:
+            state, got = layer.fp8_scaling[role], stats["layers"][name][role]
+            assert got["scale"] == state.scale.item()
+            assert got["amax"] == state.amax.item()
+            assert got["saturation"] == state.saturation.item()
+            assert got["amax_history"] == state.amax_history.tolist()
+            assert got["nonfinite_count"] == state.nonfinite_count.item()
+            assert got["casts"] == state.casts.item() == 3
+    # history of the weight role has length 1 and stays a list
+    assert isinstance(stats["layers"]["0"]["weight"]["amax_history"], list)
+
+
+def test_summary_is_min_max_over_layers():
+    model = _trained()
+    stats = fp8_stats(model)
+    for role in ROLES:
+        scales = [model[i].fp8_scaling[role].scale.item() for i in (0, 2)]
+        amaxes = [model[i].fp8_scaling[role].amax.item() for i in (0, 2)]
+        summary = stats["summary"][role]
+        assert summary["scale_min"] == min(scales) and summary["scale_max"] == max(scales)
+        assert summary["amax_max"] == max(amaxes)
+        assert summary["nonfinite_count"] == 0
+
+
+def test_saturation_and_nonfinite_are_reported():
+    layer = FP8Linear(32, 16, recipe="fp8-lm")
+    layer(torch.randn(5, 32))  # first cast: scale from this amax, nothing saturates
+    x = torch.randn(5, 32) * 1e4  # delayed scale from the small history: this cast saturates
+    layer(x)
+    bad = torch.randn(5, 32)
+    bad[0, 0] = float("inf")
+    layer(bad)
+    stats = fp8_stats(layer)["layers"]["root"]["input"]
+    assert stats["nonfinite_count"] == 1
+    assert fp8_stats(layer)["summary"]["input"]["nonfinite_count"] == 1
+    layer.fp8_scaling["input"].reset()
+    layer(torch.randn(5, 32))
+    layer(x)
+    assert fp8_stats(layer)["layers"]["root"]["input"]["saturation"] > 0.5
+
+
+def test_optimizer_scales_are_collected_by_name():
+    model = _trained(1)
+    opt = torch.optim.AdamW(model.parameters())
+    # An optimizer following DESIGN.md's state layout: one 0-dim fp32 scale per low-precision state tensor.
+    w = model[0].weight
+    opt.state[w] = {
+        "exp_avg_scale": torch.tensor(0.25),
+        "exp_avg_sq_scale": torch.tensor(8.0),
+        "step": torch.tensor(3.0),
+    }
+    opt.state[model[2].weight] = {"exp_avg_scale": torch.tensor(4.0)}
+    stats = fp8_stats(model, optimizer=opt)["optimizer"]
+    assert stats["states"]["0.weight"] == {"exp_avg_scale": 0.25, "exp_avg_sq_scale": 8.0}  # "step" is no scale
+    assert stats["summary"]["exp_avg_scale"] == {"min": 0.25, "max": 4.0}
+
+
+def test_grad_scaler_stats():
+    class Scaler:  # the read-only part of the FP8GradScaler contract
+        scale = torch.tensor(1024.0)
+        skipped_steps = 3
+        last_saturation = 2e-6
+        nonfinite_events = 1
+
+    stats = fp8_stats(_trained(1), grad_scaler=Scaler())["grad_scaler"]
+    assert stats == {"scale": 1024.0, "skipped_steps": 3, "last_saturation": 2e-6, "nonfinite_events": 1}
+
+
+def test_wrapper_names_are_cleaned_and_bad_input_is_rejected():
+    assert clean_name("module._fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn") == "blocks.0.attn"
+    assert set(fp8_stats(nn.ModuleDict({"module": _trained(1)}))["layers"]) == {"0", "2"}
+    with pytest.raises(TypeError, match="nn.Module"):
+        fp8_stats("model")
+    with pytest.raises(TypeError, match="FP8GradScaler"):
+        fp8_stats(_trained(1), grad_scaler=object())
+
+
+def test_stats_do_not_modify_the_model():
+    model = _trained()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    from lightning_fp8 import fp8_state_dict
+
+    fp8_before = fp8_state_dict(model)
+    stats = fp8_stats(model)
+    stats["layers"]["0"]["input"]["amax_history"].clear()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    for k, v in fp8_state_dict(model).items():
+        assert torch.equal(v, fp8_before[k])

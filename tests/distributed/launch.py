@@ -1,0 +1,67 @@
+"""Run a function on N CPU processes with a gloo process group, and collect what each rank returns.
+
+The tests spawn their own processes (no torchrun): each worker gets a fresh free TCP port, the whole run a
+deadline after which every worker is killed. A worker returns a picklable value (tensors, dicts, lists); the
+parent receives one per rank. Workers are module-level functions so that ``spawn`` can import them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)  # N processes on a 2-core machine: no oversubscription
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result: Any = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # report the worker's traceback to the test instead of a bare exit code
+        result = ("error", traceback.format_exc())
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return each rank's result.
+
+    Raises:
+        RuntimeError: with the worker's traceback when one fails, or when the deadline passes.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{fn.__name__} on {world_size} processes did not finish in {timeout:.0f}s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            status, value = torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False)
+            if status == "error":
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            results.append(value)
+        return results

@@ -1,0 +1,143 @@
+"""DDP with the FP8 communication hook: training tracks fp32 communication, non-finite steps skip together."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.distributed import tolerances as tol
+
+STEPS = 50
+NAN_STEP = 7
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 8))
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(10 + rank))
+    return x, torch.tanh(x @ teacher)
+
+
+def _train(rank: int, comm: str, nan_step: int | None = None, scaler: bool = False, steps: int = STEPS) -> dict:
+    from lightning_fp8 import FP8GradScaler
+    from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
+
+    # A tiny bucket cap gives several buckets, one of them holding a single tensor.
+    ddp = DDP(_model(), bucket_cap_mb=0.005)
+    grad_scaler = FP8GradScaler(init_scale=2.0**4) if scaler else None
+    state = FP8CommState(grad_scaler=grad_scaler)
+    if comm == "fp8":
+        ddp.register_comm_hook(state, fp8_allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    x, y = _data(rank)
+    losses, skipped = [], []
+    for step in range(steps):
+        inp = x.clone()
+        if step == nan_step and rank == 1:
+            inp[3, 5] = math.nan  # poisons this rank's gradients only
+        loss = nn.functional.mse_loss(ddp(inp), y)
+        if grad_scaler is not None:
+            grad_scaler.scale_loss(loss).backward()
+            if not grad_scaler.step(opt):
+                skipped.append(step)
+            grad_scaler.update()
+            state.reset()
+        else:
+            loss.backward()
+            if state.check_step():
+                opt.step()
+            else:
+                skipped.append(step)
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, params)
+    return {
+        "losses": losses,
+        "skipped": skipped,
+        "finite": bool(torch.isfinite(params).all()),
+        "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "scaler_skipped": grad_scaler.skipped_steps if grad_scaler is not None else None,
+        "scaler_scale": float(grad_scaler.scale) if grad_scaler is not None else None,
+    }
+
+
+def _mixed_bucket(rank: int) -> dict:
+    """Weights in FP8, biases in fp32, in the same buckets: the biases' mean is exact."""
+    from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=25)  # one bucket for everything
+    weights = [p for n, p in ddp.named_parameters() if n.endswith("weight")]
+    ddp.register_comm_hook(FP8CommState(fp8_params=weights), fp8_allreduce_hook)
+    x, y = _data(rank)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    ref = _model()
+    nn.functional.mse_loss(ref(x), y).backward()
+    out = {}
+    for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
+        mean = q.grad.clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        out[name] = (torch.allclose(p.grad, mean, rtol=1e-6, atol=0), (p.grad - mean).norm() / mean.norm())
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {
+        "fp32": _train(rank, "fp32"),
+        "fp8": _train(rank, "fp8"),
+        "fp8_nan": _train(rank, "fp8", nan_step=NAN_STEP, steps=NAN_STEP + 3),
+        "fp8_nan_scaler": _train(rank, "fp8", nan_step=NAN_STEP, scaler=True, steps=NAN_STEP + 3),
+        "mixed": _mixed_bucket(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    return spawned(2, "test_ddp", "_worker")
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_fp8_training_tracks_fp32_communication(results):
+    for r in results:
+        fp32, fp8 = r["fp32"]["losses"], r["fp8"]["losses"]
+        assert fp8[-1] < 0.5 * fp8[0]  # it trains
+        assert abs(fp8[-1] - fp32[-1]) <= tol.TRAINING_FINAL_LOSS_RTOL * fp32[-1], (fp8[-1], fp32[-1])
+        assert r["fp8"]["replicas_identical"] and r["fp8"]["skipped"] == []
+
+
+def test_nan_on_one_rank_skips_the_same_step_everywhere(results):
+    for r in results:
+        run = r["fp8_nan"]
+        assert run["skipped"] == [NAN_STEP]
+        assert run["finite"] and run["replicas_identical"]
+
+
+def test_nan_with_grad_scaler_skips_and_halves_mu(results):
+    for r in results:
+        run = r["fp8_nan_scaler"]
+        assert run["skipped"] == [NAN_STEP] and run["scaler_skipped"] == 1
+        assert run["scaler_scale"] == 2.0**3
+        assert run["finite"] and run["replicas_identical"]
+
+
+def test_mixed_bucket_reduces_non_fp8_params_exactly(results):
+    for r in results:
+        for name, (exact, rel_err) in r["mixed"].items():
+            if name.endswith("bias"):
+                assert exact, name
+            else:  # FP8: within two E5M2 roundings
+                assert 0 < rel_err < 0.15, (name, rel_err)

@@ -1,0 +1,232 @@
+"""FP8AdamW on sharded parameters: FSDP2 DTensor shards and FSDP1 flat parameters, with DCP checkpoints.
+
+Each scenario runs in one 2-process spawn and reports its outcome; a scenario that raises reports the error, so
+the others still run. What is known not to work yet is marked ``xfail(strict=True)``: fixing it flips the test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytest.importorskip("lightning_fp8.optim", reason="FP8AdamW (lightning_fp8/optim) is not in this tree")
+
+
+def _model() -> nn.Module:
+    from lightning_fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 16)
+    )
+    return convert_to_fp8(model)
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(10 + rank))
+    return x, torch.tanh(x @ teacher)
+
+
+def _fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])
+    fully_shard(model[3])
+    return fully_shard(model)
+
+
+def _fsdp1(model: nn.Module, use_orig_params: bool) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(model, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, n: int) -> list[float]:
+    x, y = _data(rank)
+    losses = []
+    for _ in range(n):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _fp8_weights(model: nn.Module) -> list[torch.Tensor]:
+    from lightning_fp8 import FP8Linear
+
+    return [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
+
+
+def _fsdp2_o1_against_adamw(rank: int) -> dict:
+    """O1 (fp32 states) on DTensor shards equals torch.optim.AdamW on the same shards; states are sharded."""
+    from lightning_fp8 import FP8AdamW
+
+    model = _fsdp2(_model())
+    opt = FP8AdamW(model.parameters(), lr=3e-3, opt_level="O1", weight_decay=0.01)
+    ref_model = _fsdp2(_model())
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
+    losses, ref_losses = _steps(model, opt, rank, 5), _steps(ref_model, ref_opt, rank, 5)
+    params_close = all(
+        torch.allclose(p.full_tensor(), q.full_tensor(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True)
+    )
+    sharded_like_params = all(
+        type(v).__name__ == "DTensor" and v.placements == p.placements and v.shape == p.shape
+        for p in model.parameters()
+        for k, v in opt.state[p].items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    return {"losses": losses, "ref_losses": ref_losses, "params_close": params_close, "sharded": sharded_like_params}
+
+
+def _fsdp2_dcp_round_trip(rank: int, directory: str) -> dict:
+    """Sharded (DCP) and full (torch.save, weights_only load) checkpoints resume the same training exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from lightning_fp8 import FP8AdamW
+
+    def build():
+        model = _fsdp2(_model())
+        return model, FP8AdamW(model.parameters(), lr=3e-3, opt_level="O1")
+
+    model, opt = build()
+    _steps(model, opt, rank, 3)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(directory, "sharded"))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    fmsd, fosd = get_state_dict(model, opt, options=full)
+    if rank == 0:
+        torch.save({"model": fmsd, "optim": fosd}, os.path.join(directory, "full.pt"))
+    dist.barrier()
+    continued = _steps(model, opt, rank, 2)
+
+    model, opt = build()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(directory, "sharded"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    from_sharded = _steps(model, opt, rank, 2)
+
+    model, opt = build()
+    loaded = torch.load(os.path.join(directory, "full.pt"), weights_only=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options)
+    from_full = _steps(model, opt, rank, 2)
+    return {"continued": continued, "from_sharded": from_sharded, "from_full": from_full}
+
+
+def _low_precision_run(rank: int, wrap: str) -> dict:
+    """O2 (E4M3 first moment, fp16 second moment and master) under FSDP: trains like O1, states sharded."""
+    from lightning_fp8 import FP8AdamW
+
+    out = {}
+    for level in ("O1", "O2"):
+        model = _fsdp2(_model()) if wrap == "fsdp2" else _fsdp1(_model(), use_orig_params=(wrap == "fsdp1_orig"))
+        # FSDP1 without orig params: the flat parameter is what the optimizer sees; FSDP2: the sharded weights.
+        extra = list(model.parameters()) if wrap == "fsdp1_flat" else _fp8_weights(model)
+        opt = FP8AdamW(model.parameters(), lr=3e-3, opt_level=level, fp8_params=extra)
+        out[level] = _steps(model, opt, rank, 5)
+        if level == "O2":
+            states = [opt.state[p] for p in extra]
+            out["exp_avg_dtypes"] = sorted({str(s["exp_avg"].dtype) for s in states if "exp_avg" in s})
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in extra]
+            out["state_numels_match"] = all(
+                (s["exp_avg"].to_local() if hasattr(s["exp_avg"], "to_local") else s["exp_avg"]).numel() == q.numel()
+                for s, q in zip(states, local, strict=True)
+                if "exp_avg" in s
+            )
+    return out
+
+
+def _guarded(fn, *args) -> dict:
+    try:
+        return {"ok": True, **fn(*args)}
+    except Exception:
+        return {"ok": False, "error": traceback.format_exc()[-2000:]}
+
+
+def _worker(rank: int, world: int) -> dict:
+    box = [tempfile.mkdtemp(prefix="fp8_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(box)  # one checkpoint directory for all ranks
+    try:
+        return {
+            "fsdp2_o1": _guarded(_fsdp2_o1_against_adamw, rank),
+            "fsdp2_dcp": _guarded(_fsdp2_dcp_round_trip, rank, box[0]),
+            "fsdp1_flat_o2": _guarded(_low_precision_run, rank, "fsdp1_flat"),
+            "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
+            "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
+        }
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    return spawned(2, "test_fsdp_optim", "_worker")
+
+
+pytestmark = pytest.mark.slow
+
+
+def _ok(r: dict, key: str) -> dict:
+    assert r[key]["ok"], r[key].get("error")
+    return r[key]
+
+
+def test_fp8_adamw_o1_on_fsdp2_shards_matches_adamw(results):
+    for r in results:
+        run = _ok(r, "fsdp2_o1")
+        assert run["params_close"] and run["sharded"]
+        assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-5)
+
+
+def test_fp8_adamw_fsdp2_sharded_and_full_checkpoints_resume_exactly(results):
+    for r in results:
+        run = _ok(r, "fsdp2_dcp")
+        assert run["from_sharded"] == run["continued"]
+        assert run["from_full"] == run["continued"]
+
+
+def _o2_trains_like_o1(run: dict) -> None:
+    assert run["exp_avg_dtypes"] == ["torch.float8_e4m3fn"] and run["state_numels_match"]
+    o1, o2 = run["O1"], run["O2"]
+    assert o2[-1] < o2[0] and abs(o2[-1] - o1[-1]) <= 0.05 * o1[-1], (o1, o2)
+
+
+def test_fp8_adamw_o2_on_fsdp1_flat_parameters(results):
+    for r in results:
+        _o2_trains_like_o1(_ok(r, "fsdp1_flat_o2"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FP8AdamW O2 on FSDP2: FP8Linear's weight marker does not survive fully_shard, and with "
+    "fp8_params=<sharded weights> _init_state calls compute_scale on a DTensor (Partial(max)) and raises",
+)
+def test_fp8_adamw_o2_on_fsdp2_dtensor_shards(results):
+    for r in results:
+        _o2_trains_like_o1(_ok(r, "fsdp2_o2"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FP8AdamW O2 adopts FP8Linear weights by replacing param.data with the scaled fp16 master; under FSDP1 "
+    "use_orig_params=True those parameters are views into the flat parameter, and the layers then compute with "
+    "wrong weights (loss ~1e20 from the first step)",
+)
+def test_fp8_adamw_o2_on_fsdp1_original_parameters(results):
+    for r in results:
+        _o2_trains_like_o1(_ok(r, "fsdp1_orig_o2"))

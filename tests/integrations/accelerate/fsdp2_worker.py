@@ -1,0 +1,73 @@
+"""Run by test_fsdp2.py under torchrun with two CPU processes: lightning_fp8's Accelerator on an FSDP2 model.
+
+Accelerate 1.15 only sets up FSDP on GPUs (``DistributedType.FSDP`` is chosen for multi-GPU runs only), so on
+CPU this script declares the FSDP2 plugin and then marks the process state as FSDP, the one thing Accelerate
+would have done on GPUs. Everything after that is Accelerate's own FSDP2 path (``fully_shard`` per Block).
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from lightning_fp8 import E4M3, FP8Linear, compute_scale, convert_to_fp8  # noqa: E402
+from lightning_fp8.accelerate import Accelerator  # noqa: E402
+from lightning_fp8.optim import FP8AdamW  # noqa: E402
+
+
+def main() -> None:
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
+    )
+    accelerator = Accelerator(fsdp_plugin=plugin, fp8_lm_recipe="fp8-lm")
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(depth=2, width=64, heads=2, seq_len=32))
+    reference = convert_to_fp8(copy.deepcopy(model), "fp8-lm", lambda m, fqn: not fqn.endswith("lm_head"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    report = accelerator.fp8_report
+    assert report["converted_layers"] == 8 and report["high_precision_linears"] == ["lm_head"], report
+    assert "FP8 weight all-gather (8 weights)" in report["fsdp2_collectives"], report
+    inner = optimizer.optimizer
+    assert isinstance(inner, FP8AdamW) and scheduler.scheduler.optimizer is inner
+    assert inner.param_groups[0]["weight_decay"] == 0.05
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 8 and all(type(m.weight).__name__ == "DTensor" for m in layers)
+    # FP8AdamW was built on the shards: the FP8 weights are the DTensor parameters it got told about.
+    assert {id(m.weight) for m in layers} <= inner._extra_fp8_params
+
+    # The weights come through the FP8 all-gather on the E4M3 grid of their global scale, which the layers' own
+    # weight cast (current scaling) reproduces: the sharded forward equals the unsharded one.
+    on_grid = []
+
+    def check_gathered_weight(layer: FP8Linear, args: tuple) -> None:
+        w = layer.weight.detach().float()  # unsharded inside forward
+        scale = compute_scale(w.abs().max(), E4M3)
+        on_grid.append(torch.equal((w * scale).to(E4M3).float() / scale, w))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(check_gathered_weight)
+    x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(accelerator.process_index))
+    with torch.no_grad():
+        logits, _ = model(x)
+        expected, _ = reference(x)
+    assert on_grid == [True] * 8, on_grid  # the weights arrived as E4M3 values (fp32 weights are not on that grid)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    print(f"rank {accelerator.process_index}: fsdp2 ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""lightning_fp8.accelerate.Accelerator in one process: what prepare, backward, step, clipping, logging and
+checkpoints do with FP8-LM on, checked against plain torch computations."""
+
+import copy
+import math
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from torch import nn
+
+from lightning_fp8 import FP8Linear, FP8Recipe, fp8_state_dict
+from lightning_fp8.accelerate import Accelerator
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
+from lightning_fp8.optim import FP8AdamW
+
+# Multiplying the loss by a power of two multiplies every fp32 gradient by it exactly (no overflow here).
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(48, 80)
+        self.norm = nn.LayerNorm(80)
+        self.fc2 = nn.Linear(80, 48)
+        self.head = nn.Linear(48, 10)  # 10 outputs: not a multiple of 16, stays nn.Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(self.norm(torch.relu(self.fc1(x))))))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state(monkeypatch):
+    monkeypatch.delenv(ENV_RECIPE, raising=False)
+    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _setup(grad_accum: int = 1, lr: float = 1e-2, **kwargs):
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", gradient_accumulation_steps=grad_accum, **kwargs)
+    model = Net()
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1, "name": "matrices"},
+            {"params": [p for n, p in model.named_parameters() if not n.endswith(("fc1.weight", "fc2.weight"))]},
+        ],
+        lr=lr,
+        betas=(0.8, 0.95),
+        eps=1e-7,
+        weight_decay=0.0,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def _batch(n: int = 12):
+    return torch.randn(n, 48), torch.randint(0, 10, (n,))
+
+
+def _loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def test_prepare_converts_swaps_optimizer_and_rebinds_scheduler():
+    accelerator, model, optimizer, scheduler = _setup()
+    assert isinstance(model.fc1, FP8Linear) and isinstance(model.fc2, FP8Linear)
+    assert type(model.head) is nn.Linear
+    assert accelerator.fp8_report["converted_layers"] == 2
+    assert accelerator.fp8_report["high_precision_linears"] == ["head"]
+    inner = optimizer.optimizer
+    assert isinstance(inner, FP8AdamW) and accelerator.fp8_report["optimizer"] == "AdamW -> FP8AdamW"
+    assert [g["weight_decay"] for g in inner.param_groups] == [0.1, 0.0]
+    assert inner.param_groups[0]["name"] == "matrices"
+    assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-7 and g["lr"] == 1e-2 for g in inner.param_groups)
+    assert scheduler.scheduler.optimizer is inner
+    accelerator.backward(_loss(model, _batch()))
+    optimizer.step()
+    scheduler.step()
+    # The rebound schedule drives FP8AdamW's learning rate.
+    assert [g["lr"] for g in inner.param_groups] == [5e-3, 5e-3]
+
+
+def test_backward_scales_gradients_by_mu_exactly():
+    accelerator, model, optimizer, _ = _setup()
+    batch = _batch()
+    saved = fp8_state_dict(model)
+
+    def grads(mu: float) -> dict[str, torch.Tensor]:
+        from lightning_fp8 import load_fp8_state_dict
+
+        load_fp8_state_dict(model, saved)  # same starting scales for both backward passes
+        accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": mu})
+        optimizer.zero_grad()
+        accelerator.backward(_loss(model, batch))
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    g1, g8 = grads(1.0), grads(8.0)
+    assert set(g1) == {n for n, _ in model.named_parameters()}
+    for name, grad in g1.items():
+        if grad.dtype == torch.float32:
+            torch.testing.assert_close(g8[name], grad * 8, **EXACT, msg=name)
+        else:  # O2: FP8 weights are fp16 masters; fp16 gradients round where mu moves them across subnormals
+            torch.testing.assert_close(g8[name].float(), grad.float() * 8, rtol=2e-3, atol=1e-6, msg=name)
+
+
+def test_clip_grad_norm_acts_on_unscaled_gradients():
+    accelerator, model, optimizer, _ = _setup()
+    accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 4.0})
+    accelerator.backward(_loss(model, _batch()))
+    true = [p.grad.float() / 4.0 for p in model.parameters()]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in true]))
+    max_norm = float(expected) / 3
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0.0)
+    after = [torch.linalg.vector_norm(p.grad.float() / 4.0) for p in model.parameters()]
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(torch.stack(after)), torch.tensor(max_norm), rtol=1e-3, atol=0.0
+    )
+    assert "health/grad_norm" not in accelerator.fp8_log_values()
+    optimizer.step()  # the health monitor sees the unscaled norm once the step is taken
+    assert math.isclose(accelerator.fp8_log_values()["health/grad_norm"], float(expected), rel_tol=1e-6)
+
+
+def test_nonfinite_gradient_skips_step_halves_mu_and_holds_the_scheduler():
+    accelerator, model, optimizer, scheduler = _setup()
+    accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 2.0**10})
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    accelerator.backward(_loss(model, _batch()) * float("inf"))
+    optimizer.step()
+    scheduler.step()
+    assert accelerator.optimizer_step_was_skipped
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], **EXACT, msg=name)
+    assert float(accelerator.fp8_grad_scaler.scale) == 2.0**9
+    assert scheduler.scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1e-2
+    stats = accelerator.fp8_log_values()
+    assert stats["fp8/grad_scaler/skipped_steps"] == 1 and stats["health/events/nonfinite_grad"] == 1
+    optimizer.zero_grad()
+    accelerator.backward(_loss(model, _batch()))
+    optimizer.step()
+    assert not accelerator.optimizer_step_was_skipped
+    assert not torch.equal(model.state_dict()["fc1.weight"], before["fc1.weight"])
+
+
+def test_gradient_accumulation_steps_once_per_window():
+    accelerator, model, optimizer, _ = _setup(grad_accum=2)
+    weights = []
+    for _ in range(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(_loss(model, _batch()))
+            optimizer.step()
+            optimizer.zero_grad()
+        weights.append(model.state_dict()["fc2.weight"].clone())
+    initial_changed = [not torch.equal(a, b) for a, b in zip(weights, weights[1:], strict=False)]
+    assert initial_changed == [True, False, True]  # steps after micro-batches 2 and 4 only
+    assert accelerator.fp8_grad_scaler.state_dict()["steps"] == 2
+
+
+def test_save_and_load_state_restore_scaling_state_and_mu(tmp_path):
+    accelerator, model, optimizer, scheduler = _setup()
+    for _ in range(3):
+        accelerator.backward(_loss(model, _batch()))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 32.0})
+    saved_fp8, saved_scaler = fp8_state_dict(model), accelerator.fp8_grad_scaler.state_dict()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    state = torch.load(tmp_path / "ckpt" / "lightning_fp8" / "rank0.pt", weights_only=True)
+    assert state["recipe"] == FP8Recipe().to_dict() and state["optimizer_steps"] == 3
+
+    for _ in range(2):  # move everything on, then come back
+        accelerator.backward(_loss(model, _batch()))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert fp8_state_dict(model)["fc1.fp8_scaling.input.casts"] != saved_fp8["fc1.fp8_scaling.input.casts"]
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    for key, value in fp8_state_dict(model).items():
+        torch.testing.assert_close(value, saved_fp8[key], **EXACT, msg=key)
+    assert accelerator.fp8_grad_scaler.state_dict() == saved_scaler
+    assert accelerator.fp8_health.summary()["last"]["loss"] == state["health"]["series"]["loss"][-1][1]
+
+
+def _is_power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+def test_log_adds_fp8_and_health_statistics_to_the_trackers():
+    from accelerate.tracking import GeneralTracker
+
+    class Memory(GeneralTracker):
+        name, requires_logging_directory = "memory", False
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        @property
+        def tracker(self):
+            return self.rows
+
+        def log(self, values, step=None, **kwargs):
+            self.rows.append((step, dict(values)))
+
+    tracker = Memory()
+    accelerator, model, optimizer, _ = _setup(log_with=[tracker])
+    accelerator.init_trackers("t")
+    accelerator.backward(_loss(model, _batch()))
+    optimizer.step()
+    accelerator.log({"loss": 1.5}, step=1)
+    logged = accelerator.log_fp8_stats(step=2, layers=True)
+    (step1, row1), (step2, row2) = tracker.rows
+    assert (step1, step2, row1["loss"]) == (1, 2, 1.5)
+    assert row2 == logged
+    assert {k for k in logged if "/layers/" not in k} <= set(row1)  # log() carries the same statistics
+    for role in ("input", "weight", "grad_output"):
+        assert _is_power_of_two(row1[f"fp8/{role}/scale_min"]) and _is_power_of_two(row1[f"fp8/{role}/scale_max"])
+    assert row1["fp8/grad_scaler/scale"] == 1.0 and row1["fp8/grad_scaler/skipped_steps"] == 0
+    assert _is_power_of_two(row1["fp8/optimizer/exp_avg_scale/min"])
+    assert "fp8/layers/fc1/input/scale" in logged and "health/events/grad_norm_spike" in row1
+
+
+def test_tied_output_head_stays_high_precision(recwarn):
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    model = nn.Sequential(nn.Embedding(32, 48), nn.Linear(48, 48), nn.Linear(48, 32, bias=False))
+    model[2].weight = model[0].weight  # a tied head (32 x 48)
+    model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert isinstance(model[1], FP8Linear) and type(model[2]) is nn.Linear
+    assert any("2 stays in high precision because its weight is shared" in str(w.message) for w in recwarn)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mixed_precision": "fp16"}, r"mixed_precision='fp16' cannot be combined with FP8-LM.*'bf16'"),
+        ({"fp8_lm_recipe": "fp8-lm-o3"}, r"unknown FP8 recipe name 'fp8-lm-o3': choose one of"),
+    ],
+)
+def test_bad_configurations_are_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Accelerator(cpu=True, **{"fp8_lm_recipe": "fp8-lm", **kwargs})
+
+
+def test_bad_recipe_in_the_environment_fails_before_accelerate_starts(monkeypatch):
+    monkeypatch.setenv(ENV_RECIPE, "fp8_lm")
+    with pytest.raises(ValueError, match=r"LIGHTNING_FP8_RECIPE='fp8_lm' is not a known FP8 recipe: choose one of"):
+        Accelerator(cpu=True)
+    assert not AcceleratorState._shared_state  # nothing was initialized
+
+
+def test_without_a_recipe_it_is_accelerates_accelerator_and_says_so():
+    with pytest.warns(UserWarning, match="FP8-LM is off because the launch chose no recipe"):
+        accelerator = Accelerator(cpu=True)
+    model = Net()
+    reference = copy.deepcopy(model)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert not accelerator.fp8_lm_enabled and type(model.fc1) is nn.Linear
+    assert type(optimizer.optimizer) is torch.optim.AdamW
+    batch = _batch()
+    torch.testing.assert_close(model(batch[0]), reference(batch[0]), **EXACT)
+
+
+def test_bf16_mixed_precision_runs_the_other_ops_in_bf16():
+    accelerator, model, optimizer, _ = _setup(mixed_precision="bf16")
+    outputs = {}
+    model.fc2.register_forward_hook(lambda m, i, o: outputs.update(fc2=o.dtype))
+    before = model.state_dict()["fc2.weight"].clone()
+    loss = _loss(model, _batch())
+    accelerator.backward(loss)
+    optimizer.step()
+    assert outputs["fc2"] == torch.bfloat16 and math.isfinite(loss.item())
+    assert not accelerator.optimizer_step_was_skipped
+    assert not torch.equal(model.state_dict()["fc2.weight"], before)
+
+
+def test_free_memory_lets_a_new_training_prepare_again():
+    accelerator, *_ = _setup()
+    accelerator.free_memory()
+    net = Net()
+    _, optimizer2 = accelerator.prepare(net, torch.optim.AdamW(net.parameters()))
+    assert isinstance(optimizer2.optimizer, FP8AdamW) and accelerator.fp8_grad_scaler is not None
+    with pytest.raises(ValueError, match="trains with one optimizer"):
+        accelerator.prepare(torch.optim.AdamW(Net().parameters()))
+
+
+def test_other_optimizers_are_kept_and_stepped_with_unscaled_gradients():
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    net = Net()
+    with pytest.warns(UserWarning, match="SGD is not AdamW/Adam, so it is kept"):
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert type(optimizer.optimizer) is torch.optim.SGD
+    accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 4.0})
+    accelerator.backward(_loss(model, _batch()))
+    bias, scaled_grad = model.head.bias.detach().clone(), model.head.bias.grad.clone()
+    optimizer.step()
+    # SGD's fused multiply-add rounds once; the reference rounds twice (an update that kept mu would be 4x off).
+    torch.testing.assert_close(model.head.bias.detach(), bias - 0.1 * (scaled_grad / 4.0), rtol=1e-6, atol=1e-9)
+
+
+def test_adam_with_coupled_weight_decay_is_an_error():
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    net = Net()
+    with pytest.raises(ValueError, match=r"Adam\(weight_decay=0.1\) adds an L2 term.*use torch.optim.AdamW"):
+        accelerator.prepare(net, torch.optim.Adam(net.parameters(), weight_decay=0.1))

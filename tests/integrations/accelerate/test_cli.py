@@ -1,0 +1,85 @@
+"""`lightning-fp8`: recipe listing, the resolution of the FP8 settings, and errors before anything is launched."""
+
+import json
+import re
+
+import pytest
+import yaml
+
+from lightning_fp8 import FP8Recipe
+from lightning_fp8.integrations.accelerate import cli
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(ENV_RECIPE, raising=False)
+    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
+
+
+def test_recipes_lists_every_name_with_its_fields(capsys):
+    assert cli.main(["recipes"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert sorted(lines) == FP8Recipe.names()
+    assert FP8Recipe.from_dict(json.loads(lines["fp8-lm-o1"])) == FP8Recipe.from_name("fp8-lm-o1")
+
+
+def test_unknown_command_and_usage(capsys):
+    assert cli.main(["lanch"]) == 2
+    assert "unknown command 'lanch'" in capsys.readouterr().err
+    assert cli.main([]) == 2
+
+
+def test_precedence_flags_then_section_then_environment_then_default(monkeypatch):
+    section = {"recipe": "fp8-lm-o1", "exclude_modules": ["lm_head"]}
+    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: ""}
+    monkeypatch.setenv(ENV_RECIPE, "fp8-lm-current")
+    assert cli._resolve(None, None, None, None)[ENV_RECIPE] == "fp8-lm-current"
+    assert cli._resolve(section, None, None, "c.yaml") == {ENV_RECIPE: "fp8-lm-o1", ENV_EXCLUDE: "lm_head"}
+    assert cli._resolve(section, "fp8-lm-e4m3", "a,b", "c.yaml") == {ENV_RECIPE: "fp8-lm-e4m3", ENV_EXCLUDE: "a,b"}
+    assert cli._resolve(section, "none", None, "c.yaml")[ENV_RECIPE] == "none"
+    custom = cli._resolve({"recipe": "fp8-lm", "margin": 2}, None, None, "c.yaml")[ENV_RECIPE]
+    assert FP8Recipe.from_dict(json.loads(custom)) == FP8Recipe(margin=2)
+
+
+def _write(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("section", "flags", "expected"),
+    [
+        (
+            {"recipe": "fp8-lmm"},
+            [],
+            r"lightning-fp8 launch: error: lightning_fp8 \(in .*bad\.yaml\)\.recipe='fp8-lmm' is not a known FP8 "
+            r"recipe: choose one of \['fp8-lm', 'fp8-lm-current', 'fp8-lm-e4m3', 'fp8-lm-o1'\]",
+        ),
+        ({"recipe": "fp8-lm", "recipie": "x"}, [], r"unknown key\(s\) \['recipie'\]: allowed keys are"),
+        (None, ["--fp8-recipe", "e4m3"], r"--fp8-recipe='e4m3' is not a known FP8 recipe: choose one of"),
+    ],
+)
+def test_bad_settings_fail_before_launching(tmp_path, capsys, section, flags, expected):
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1}
+    if section is not None:
+        config["lightning_fp8"] = section
+    path = _write(tmp_path / "bad.yaml", config)
+    # The training script does not exist: the error must come first, and nothing may be launched.
+    assert cli.main(["launch", "--config_file", path, *flags, str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(expected, err), err
+
+
+def test_accelerate_rejects_our_section_so_launch_hands_it_a_copy_without_it(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "num_processes": 3}
+    path = _write(tmp_path / "c.yaml", {**config, "lightning_fp8": {"recipe": "fp8-lm-o1"}})
+    # Why the section has to go (if Accelerate starts accepting unknown keys, this documents a change).
+    with pytest.raises(ValueError, match=r"unknown keys \(\['lightning_fp8'\]\)"):
+        load_config_from_file(path)
+    data = cli._read_config(path)
+    assert data.pop("lightning_fp8") == {"recipe": "fp8-lm-o1"}
+    loaded = load_config_from_file(cli._write_config(data, tmp_path / "clean.yaml"))
+    assert (loaded.distributed_type.value, loaded.num_processes) == ("MULTI_CPU", 3)

@@ -1,0 +1,77 @@
+"""The launch settings: the `lightning_fp8` config section, the environment variables, and their errors."""
+
+import json
+
+import pytest
+from torch import nn
+
+from lightning_fp8 import FP8Recipe
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, FP8LaunchConfig
+
+
+def test_section_with_name_overrides_and_excludes_round_trips_through_env():
+    cfg = FP8LaunchConfig.from_section({"recipe": "fp8-lm-o1", "margin": 1, "exclude_modules": ["lm_head", "*.proj"]})
+    assert cfg.recipe == FP8Recipe(opt_level="O1", margin=1)
+    env = cfg.to_env()
+    # Not a named recipe any more: the environment carries every field as JSON.
+    assert json.loads(env[ENV_RECIPE]) == cfg.recipe.to_dict()
+    assert env[ENV_EXCLUDE] == "lm_head,*.proj"
+    assert FP8LaunchConfig.from_env(env) == cfg
+
+
+def test_named_recipe_travels_by_name_and_string_shorthand():
+    cfg = FP8LaunchConfig.from_section("fp8-lm-current")
+    assert cfg.recipe == FP8Recipe.from_name("fp8-lm-current")
+    assert cfg.to_env() == {ENV_RECIPE: "fp8-lm-current", ENV_EXCLUDE: ""}
+    assert FP8LaunchConfig.from_section({}).recipe == FP8Recipe()  # the default recipe is fp8-lm
+
+
+@pytest.mark.parametrize("off", [{"recipe": "none"}, "none", {"recipe": None}])
+def test_none_turns_fp8_off(off):
+    assert FP8LaunchConfig.from_section(off) is None
+    assert FP8LaunchConfig.from_env({ENV_RECIPE: "none"}) is None
+    assert FP8LaunchConfig.from_env({}) is None
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"recipe": "fp8-lmm"}, r"lightning_fp8\.recipe='fp8-lmm' is not a known FP8 recipe: choose one of \['fp8-lm'"),
+        ({"recipe": "fp8-lm", "histroy": 3}, r"unknown key\(s\) \['histroy'\]: allowed keys are \['recipe'"),
+        ({"recipe": "fp8-lm", "scaling": "dynamic"}, r"FP8Recipe\(scaling='dynamic'\) is not supported.*delayed"),
+        ({"exclude_modules": 3}, r"exclude_modules=3 must be a list of module name patterns"),
+        ([1, 2], r"must be a recipe name or a mapping"),
+    ],
+)
+def test_bad_sections_say_what_is_allowed(section, match):
+    with pytest.raises(ValueError, match=match):
+        FP8LaunchConfig.from_section(section)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("fp8_lm", r"LIGHTNING_FP8_RECIPE='fp8_lm' is not a known FP8 recipe: choose one of \['fp8-lm', "),
+        ("{bad json", r"is not valid JSON"),
+        ('{"name": "fp8-lm", "marign": 1}', r"unknown FP8Recipe field\(s\) \['marign'\]"),
+        ('{"margin": -1}', r"margin=-1"),
+    ],
+)
+def test_bad_environment_values(value, match):
+    with pytest.raises(ValueError, match=match):
+        FP8LaunchConfig.from_env({ENV_RECIPE: value})
+
+
+def test_json_environment_recipe_starts_from_its_named_base():
+    cfg = FP8LaunchConfig.from_env({ENV_RECIPE: '{"name": "fp8-lm-e4m3", "amax_history_len": 4}'})
+    assert cfg.recipe == FP8Recipe(fp8_format="e4m3", amax_history_len=4)
+
+
+def test_module_filter_matches_qualified_name_or_last_component():
+    cfg = FP8LaunchConfig(recipe=FP8Recipe(), exclude_modules=("lm_head", "blocks.1.*"))
+    layer = nn.Linear(16, 16)
+    assert not cfg.module_filter(layer, "lm_head")
+    assert not cfg.module_filter(layer, "model.lm_head")
+    assert not cfg.module_filter(layer, "blocks.1.mlp.fc")
+    assert cfg.module_filter(layer, "blocks.0.mlp.fc")
+    assert cfg.module_filter(layer, "lm_head_extra")

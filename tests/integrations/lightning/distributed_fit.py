@@ -1,0 +1,137 @@
+"""Fit the tiny GPT with precision="fp8-lm" on 2 CPU processes (gloo); run by test_distributed.py.
+
+Lightning launches the second process itself by re-running this script (``accelerator="cpu", devices=2``).
+Every rank writes ``<out>/rank<r>.json``: its losses, a checksum of its parameters (full, gathered under FSDP),
+what the FP8 plugin installed, and the gradient scaler's bookkeeping.
+
+    python tests/integrations/lightning/distributed_fit.py --strategy ddp --out /tmp/run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import lightning_fp8  # noqa: E402,F401  (registers precision="fp8-lm", strategy="fsdp_fp8")
+from lightning_fp8 import FP8Linear, convert_to_fp8  # noqa: E402
+from tests.integrations.lightning.gpt_tiny import Block, CountingTokens, GPTModule  # noqa: E402
+
+
+class DataParallelGPT(GPTModule):
+    """Rank r trains on samples r, r + 2, r + 4...: together the ranks see the single-process batches of 12.
+
+    Step ``s`` always trains on batch ``s`` of this rank (whatever the loader yields), so a resumed run sees the
+    same data as an uninterrupted one (Lightning restarts a plain DataLoader's epoch when resuming mid-epoch).
+    """
+
+    def train_dataloader(self) -> DataLoader:
+        data = CountingTokens(48, self.cfg)
+        sampler = DistributedSampler(data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False)
+        loader = DataLoader(data, batch_size=6, sampler=sampler)
+        self.batches = list(loader)
+        return loader
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(self.batches[self.global_step % len(self.batches)], batch_idx)
+
+
+class ShardedGPT(DataParallelGPT):
+    """For ModelParallelStrategy: FSDP2 (fully_shard) per block and at the root, FP8 layers converted first."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        convert_to_fp8(self.model)  # before sharding: FSDP2 keeps references to the modules it shards
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _strategy(name: str):
+    if name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if name == "fsdp_fp8":
+        from lightning_fp8 import FP8FSDPStrategy
+
+        return FP8FSDPStrategy(auto_wrap_policy={Block})
+    return name
+
+
+def _full_params(module: torch.nn.Module, strategy: str) -> list[torch.Tensor]:
+    if strategy == "fsdp_fp8":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(module.trainer.strategy.model, writeback=False):
+            return [p.detach().clone() for p in module.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
+
+
+def _fit(strategy: str, steps: int, seed: int = 0, ckpt_path: str | None = None) -> tuple[GPTModule, L.Trainer]:
+    torch.manual_seed(seed)
+    module = ShardedGPT() if strategy == "model_parallel" else DataParallelGPT()
+    trainer = L.Trainer(
+        precision="fp8-lm",
+        accelerator="cpu",
+        devices=2,
+        strategy=_strategy(strategy),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0 if strategy != "model_parallel" else None,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True, choices=["ddp", "ddp_spawn", "fsdp_fp8", "model_parallel"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--resume", action="store_true", help="also: half the steps, save, resume in a new Trainer")
+    args = parser.parse_args()
+
+    module, trainer = _fit(args.strategy, args.steps)
+    resumed_losses = None
+    if args.resume:
+        half, first = _fit(args.strategy, args.steps // 2)
+        path = os.path.join(args.out, "half.ckpt")
+        first.save_checkpoint(path)
+        resumed, _ = _fit(args.strategy, args.steps, seed=123, ckpt_path=path)
+        resumed_losses = resumed.losses
+    plugin = trainer.precision_plugin
+    params = _full_params(module, args.strategy)
+    result = {
+        "rank": trainer.global_rank,
+        "losses": module.losses,
+        "checksum": float(sum(p.detach().double().sum() for p in params)),
+        "fp8_layers": sum(isinstance(m, FP8Linear) for m in module.modules()),
+        "optimizer": type(trainer.optimizers[0]).__name__,
+        "comm": plugin.comm_hooks,
+        "reductions": getattr(plugin.comm_state, "reductions", 0),
+        "skipped_steps": plugin.grad_scaler.skipped_steps,
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+        "resumed_losses": resumed_losses,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

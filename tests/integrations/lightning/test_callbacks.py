@@ -1,0 +1,194 @@
+"""FP8ScaleMonitor and TrainingHealthMonitor: the documented keys reach CSV and TensorBoard loggers with the
+values the core reports; alerts fire on injected spikes, NaNs and scale jumps; no logger warns once."""
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+import lightning_fp8.warnings
+from lightning_fp8 import fp8_stats
+from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
+from lightning_fp8.health import HealthConfig
+from lightning_fp8.scaling import ROLES
+from tests.integrations.lightning.gpt_tiny import GPTModule, loader
+
+SUMMARY_KEYS = [
+    f"fp8/{role}/{f}"
+    for role in ROLES
+    for f in ("scale_min", "scale_max", "amax_max", "saturation_max", "saturation_mean", "nonfinite_count")
+]
+SCALER_KEYS = [f"fp8/grad_scaler/{f}" for f in ("scale", "skipped_steps", "last_saturation", "nonfinite_events")]
+ALERT_KEYS = ["fp8/alerts/scale_drops", "fp8/alerts/scale_rises"]
+HEALTH_KEYS = [
+    "health/loss",
+    "health/loss_smooth",
+    "health/grad_norm",
+    "health/param_norm",
+    "health/memory_gib",
+    "health/samples_per_sec",
+    "health/tokens_per_sec",
+] + [f"health/events/{k}" for k in ("grad_norm_spike", "loss_plateau", "nonfinite_loss", "nonfinite_grad")]
+
+
+def _fit(module, tmp_path, callbacks, logger=None, max_steps=6, **kwargs):
+    trainer = L.Trainer(
+        precision="fp8-lm",
+        accelerator="cpu",
+        max_steps=max_steps,
+        log_every_n_steps=2,
+        callbacks=callbacks,
+        logger=logger if logger is not None else CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+    trainer.fit(module, loader())
+    return trainer
+
+
+def _rows(trainer) -> list[dict[str, str]]:
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _column(rows, key) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key) not in (None, "")}
+
+
+def test_scale_monitor_logs_the_documented_keys_and_the_core_values(tmp_path):
+    module = GPTModule()
+    trainer = _fit(module, tmp_path, [FP8ScaleMonitor(all_layers=True)])
+    rows = _rows(trainer)
+    keys = set(rows[0])
+    layer_keys = [
+        f"fp8/layers/model.blocks.1.mlp.0/{role}/{f}" for role in ROLES for f in ("scale", "amax", "saturation")
+    ]
+    missing = [k for k in SUMMARY_KEYS + SCALER_KEYS + ALERT_KEYS + layer_keys if k not in keys]
+    assert not missing
+    assert any(k.startswith("fp8/optimizer/") for k in keys), "FP8AdamW's state scales are not logged"
+    assert sorted(_column(rows, "fp8/input/scale_min")) == [2, 4, 6]  # every log_every_n_steps optimizer steps
+    # The last row is the state the model ends in: it must equal what the core reports now.
+    stats = fp8_stats(module, optimizer=trainer.optimizers[0], grad_scaler=trainer.precision_plugin.grad_scaler)
+    for role in ROLES:
+        for field in ("scale_min", "scale_max", "amax_max", "saturation_max"):
+            assert _column(rows, f"fp8/{role}/{field}")[6] == pytest.approx(stats["summary"][role][field], rel=1e-6)
+    assert _column(rows, "fp8/grad_scaler/scale")[6] == stats["grad_scaler"]["scale"]
+    qkv = stats["layers"]["model.blocks.0.attn.qkv"]["grad_output"]
+    assert _column(rows, "fp8/layers/model.blocks.0.attn.qkv/grad_output/amax")[6] == pytest.approx(qkv["amax"])
+
+
+def test_health_monitor_logs_keys_values_and_plots(tmp_path):
+    class Recorded(GPTModule):
+        def on_before_optimizer_step(self, optimizer):
+            # The values the callback must report for the step about to be taken (numbered after it).
+            def norm(tensors):  # in fp64: the FP8 weights and their gradients are fp16
+                return torch.linalg.vector_norm(torch.stack([t.double().norm() for t in tensors])).item()
+
+            self.norms[self.global_step + 1] = norm([p.grad for p in self.parameters() if p.grad is not None])
+            self.param_norms[self.global_step + 1] = norm(list(self.parameters()))
+
+    module = Recorded()
+    module.norms, module.param_norms = {}, {}
+    health = TrainingHealthMonitor(smoothing_window=3)
+    trainer = _fit(module, tmp_path, [health])
+    rows = _rows(trainer)
+    assert not [k for k in HEALTH_KEYS if k not in rows[0]]
+    for step, value in _column(rows, "health/grad_norm").items():
+        assert value == pytest.approx(module.norms[step], rel=1e-5)
+    loss = _column(rows, "health/loss")
+    assert loss[6] == pytest.approx(module.losses[5], rel=1e-6)
+    assert _column(rows, "health/tokens_per_sec")[6] == pytest.approx(
+        _column(rows, "health/samples_per_sec")[6] * 24, rel=1e-6
+    )  # 24 tokens per sample
+    for step, value in _column(rows, "health/param_norm").items():
+        assert value == pytest.approx(module.param_norms[step], rel=1e-6)
+    assert (tmp_path / "lightning_logs" / "version_0" / "health.png").stat().st_size > 1000
+
+
+def test_tensorboard_logger_receives_the_keys(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = _fit(
+        GPTModule(),
+        tmp_path,
+        [FP8ScaleMonitor(), TrainingHealthMonitor(plot=False)],
+        logger=TensorBoardLogger(tmp_path),
+        max_steps=4,
+    )
+    events = EventAccumulator(trainer.logger.log_dir)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(SUMMARY_KEYS + SCALER_KEYS + ["health/loss", "health/grad_norm"]) <= tags
+
+
+def test_no_logger_warns_once_and_keeps_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    scale, health = FP8ScaleMonitor(log_every_n_steps=1), TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    with pytest.warns(UserWarning, match="has no logger") as record:
+        _fit(GPTModule(), tmp_path, [scale, health], logger=False, max_steps=3)
+    assert len([w for w in record if "FP8ScaleMonitor: the Trainer has no logger" in str(w.message)]) == 1
+    assert len([w for w in record if "TrainingHealthMonitor: the Trainer has no logger" in str(w.message)]) == 1
+    assert set(SUMMARY_KEYS) <= set(scale.last_metrics) and "health/loss" in health.last_metrics
+
+
+class Faulty(GPTModule):
+    """Injects a 300x loss (a gradient-norm spike) and a NaN loss at the given steps."""
+
+    def __init__(self, spike_step: int, nan_step: int) -> None:
+        super().__init__()
+        self.spike_step, self.nan_step = spike_step, nan_step
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.spike_step:
+            return loss * 300
+        if self.global_step == self.nan_step:
+            return loss * float("nan")
+        return loss
+
+
+def test_spike_and_nan_are_recorded_with_the_recovery_action(tmp_path):
+    health = TrainingHealthMonitor(HealthConfig(window=8, warmup_steps=4), log_every_n_steps=1, plot=False)
+    module = Faulty(spike_step=9, nan_step=12)
+    with pytest.warns(UserWarning, match="gradient norm"):
+        trainer = _fit(module, tmp_path, [health, FP8ScaleMonitor(log_every_n_steps=1)], max_steps=14)
+    kinds = {(e.kind, e.step, e.action) for e in health.monitor.events}
+    assert ("grad_norm_spike", 10, "none") in kinds
+    assert ("nonfinite_loss", 13, "none") in kinds and ("nonfinite_grad", 13, "skip_step+lower_mu") in kinds
+    rows = _rows(trainer)
+    assert (
+        _column(rows, "fp8/grad_scaler/skipped_steps")[13] == 1
+        and _column(rows, "fp8/grad_scaler/skipped_steps")[12] == 0
+    )
+    assert _column(rows, "health/events/nonfinite_grad")[14] == 1
+    assert _column(rows, "fp8/grad_scaler/scale")[13] == _column(rows, "fp8/grad_scaler/scale")[12] / 2
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # the NaN step was skipped
+
+
+def test_scale_jumps_are_flagged_both_ways():
+    monitor = FP8ScaleMonitor(jump_factor=16)
+
+    def stats(scale_in, scale_grad):
+        layer = {
+            "input": {"scale": scale_in, "amax": 1.0, "saturation": 0.0},
+            "grad_output": {"scale": scale_grad, "amax": 1.0, "saturation": 0.0},
+        }
+        return {"layers": {"fc": layer}, "summary": {}}
+
+    assert monitor._metrics(stats(64.0, 2.0**10), 1)["fp8/alerts/scale_drops"] == 0
+    metrics = monitor._metrics(stats(2.0, 2.0**15), 2)  # input scale / 32: drop; grad scale * 32: rise
+    assert metrics["fp8/alerts/scale_drops"] == 1 and metrics["fp8/alerts/scale_rises"] == 1
+    assert [(a["layer"], a["role"], a["kind"]) for a in monitor.alerts] == [
+        ("fc", "input", "drop"),
+        ("fc", "grad_output", "rise"),
+    ]
+    assert monitor._metrics(stats(4.0, 2.0**16), 3)["fp8/alerts/scale_drops"] == 0  # 2x moves are ordinary
+    with pytest.raises(ValueError, match="jump_factor"):
+        FP8ScaleMonitor(jump_factor=1)
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        TrainingHealthMonitor(log_every_n_steps=0)

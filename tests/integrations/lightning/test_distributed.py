@@ -1,0 +1,91 @@
+"""precision="fp8-lm" under DDP, strategy="fsdp_fp8" (FSDP1) and ModelParallelStrategy (FSDP2): 2 CPU processes
+with gloo, each run as a script that Lightning relaunches for rank 1 (distributed_fit.py). Losses against one
+process on the same data; checkpoint save + resume against the uninterrupted run (DDP, FSDP)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_fp8  # noqa: F401  (registers precision="fp8-lm")
+from tests.integrations.lightning.gpt_tiny import GPTModule, loader
+
+SCRIPT = Path(__file__).with_name("distributed_fit.py")
+ROOT = SCRIPT.parents[3]
+TIMEOUT_S = 240
+STEPS = 4
+# Two ranks with 6 samples each against one process with the same 12 samples per step: the FP8 scales are chosen
+# per rank and the gradients travel in FP8 (E5M2), so the losses agree closely, not bit for bit (5.5e-4 relative
+# at most over 4 steps, measured for DDP and FSDP); 5e-3 leaves margin and still catches a wrong mean (2x).
+DATA_PARALLEL_LOSS_RTOL = 5e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(strategy: str, tmp_path: Path, resume: bool) -> list[dict]:
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(tmp_path), "--steps", str(STEPS)]
+    cmd += ["--resume"] if resume else []
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses() -> list[float]:
+    torch.manual_seed(0)
+    module = GPTModule()
+    trainer = L.Trainer(
+        precision="fp8-lm",
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+    )
+    trainer.fit(module, loader(n=48, batch_size=12))
+    return module.losses
+
+
+# FSDP2 gradients are DTensors; FP8AdamW._nonfinite_grads returns a DTensor for them, which FP8GradScaler cannot add
+# to its plain flag (AssertionError in DTensor dispatch). Reported to the optimizer's owner; with `.to_local()` on
+# that result the run passes (checked by hand). strict: this test fails as soon as the fix lands, to drop the mark.
+_FSDP2_OPTIMIZER_BUG = pytest.mark.xfail(strict=True, reason="FP8AdamW._nonfinite_grads returns a DTensor under FSDP2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "comm"),
+    [("ddp", "ddp"), ("fsdp_fp8", "fsdp1"), pytest.param("model_parallel", "fsdp2", marks=_FSDP2_OPTIMIZER_BUG)],
+)
+def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
+    ranks = _run(strategy, tmp_path, resume=strategy != "model_parallel")
+    for r in ranks:
+        assert r["fp8_layers"] == 9 and r["optimizer"] == "FP8AdamW"
+        assert r["comm"] == comm and r["reductions"] > 0  # gradients went through the FP8 collectives
+        assert r["finite"] and r["skipped_steps"] == 0 and len(r["losses"]) == STEPS
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the replicas (or the gathered shards) agree exactly
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    assert mean_losses == pytest.approx(single_process_losses, rel=DATA_PARALLEL_LOSS_RTOL)
+    if strategy != "model_parallel":  # saved after half the steps, resumed in a new Trainer: the same trajectory
+        for r in ranks:
+            assert r["resumed_losses"] == r["losses"][STEPS // 2 :]

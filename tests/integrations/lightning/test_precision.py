@@ -1,0 +1,330 @@
+"""Trainer(precision="fp8-lm") on a tiny GPT, single device: conversion, optimizer swap, scaling, accumulation,
+clipping, manual optimization, checkpoint resume, autocast, the mocked Transformer Engine backend, errors."""
+
+import contextlib
+import sys
+import types
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
+from lightning_fp8.integrations.lightning import FP8LMPrecision
+from tests.integrations.lightning.gpt_tiny import GPTModule, loader
+
+# FP8 GEMMs (E4M3 forward, E5M2 gradients) and an FP8/fp16-state optimizer against fp32 AdamW on the same task:
+# the quantization noise is ~25 dB below the signal, and over a dozen steps the losses stay within 0.2% of each
+# other (measured); 1% bounds that with margin while still catching a broken scale or unscale (10%+ off).
+FP32_LOSS_RTOL = 0.01
+# Runs that differ only in mu (a power of two): the fp16 weight gradients round differently where mu = 1 leaves
+# them subnormal; the runs drift apart slowly (5e-4 relative after 5 steps, measured), while hooks that saw
+# scaled gradients would be off by 1024x.
+MU_INVARIANCE_RTOL = 1e-2
+
+
+def _trainer(tmp_path=None, **kwargs) -> L.Trainer:
+    defaults = {
+        "precision": "fp8-lm",
+        "accelerator": "cpu",
+        "max_steps": 6,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    if tmp_path is not None:
+        defaults["default_root_dir"] = tmp_path
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def _module(cls=GPTModule, **kwargs) -> GPTModule:
+    torch.manual_seed(0)  # every run starts from the same weights
+    return cls(**kwargs)
+
+
+def _fit(module=None, train_data: int = 96, **kwargs) -> tuple[GPTModule, L.Trainer]:
+    module = module or _module()
+    trainer = _trainer(**kwargs)
+    trainer.fit(module, loader(n=train_data))
+    return module, trainer
+
+
+def test_fit_converts_layers_and_replaces_adamw_keeping_hyperparameters_and_groups():
+    module, trainer = _fit(_module(scheduler=True))
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 9 and all(isinstance(m, FP8Linear) for m in linears)
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, FP8AdamW)
+    expected = module.param_groups()
+    assert [g["name"] for g in optimizer.param_groups[:1]] == ["decay"]
+    for group, want in zip(optimizer.param_groups, expected, strict=True):
+        assert [id(p) for p in group["params"]] == [id(p) for p in want["params"]]
+        assert group["weight_decay"] == want["weight_decay"] and group["betas"] == (0.9, 0.95)
+        assert group["eps"] == 1e-8 and group["initial_lr"] == 1e-2
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.optimizer is optimizer
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * min(1.0, 7 / 4))  # the schedule advanced
+    assert module.losses[-1] < module.losses[0]
+
+
+def test_losses_track_fp32_adamw():
+    fp8, _ = _fit(max_steps=12)
+    fp32, _ = _fit(max_steps=12, precision="32-true")
+    assert fp8.losses == pytest.approx(fp32.losses, rel=FP32_LOSS_RTOL)
+    assert fp8.losses[-1] < fp8.losses[0] - 0.5
+
+
+def _reference_run(steps: int, accumulate: int, clip: float | None, init_scale: float) -> list[float]:
+    """The plugin's documented semantics written out by hand: convert, FP8AdamW, mu, bf16 autocast, clipping
+    on unscaled gradients, one optimizer step per `accumulate` micro-batches."""
+    torch.manual_seed(0)
+    module = GPTModule()
+    model = convert_to_fp8(module.model)
+    scaler = FP8GradScaler(init_scale=init_scale, model=module)
+    groups = module.param_groups()
+    optimizer = FP8AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, grad_scaler=scaler, fp8_grads=False)
+    losses, batches = [], iter(loader())
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = next(batches)
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.float().reshape(-1, 64), y.reshape(-1))
+            losses.append(loss.item())
+            scaler.scale_loss(loss / accumulate).backward()
+        if clip is not None:
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            mu = scaler.scale.item()
+            torch._foreach_mul_(grads, 1 / mu)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            torch._foreach_mul_(grads, mu)
+        optimizer.step()  # through the scaler: skip on non-finite, unscale by mu, update mu
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize(("accumulate", "clip", "init_scale"), [(1, None, 1.0), (2, 0.5, 2.0**6)])
+def test_plugin_matches_the_hand_written_loop(accumulate, clip, init_scale):
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": init_scale})
+    module, _ = _fit(
+        max_steps=4, precision=None, plugins=[plugin], accumulate_grad_batches=accumulate, gradient_clip_val=clip
+    )
+    assert module.losses == _reference_run(4, accumulate, clip, init_scale)
+
+
+def test_clipping_and_hooks_see_unscaled_gradients():
+    class Recorded(GPTModule):
+        def on_before_optimizer_step(self, optimizer):
+            self.norms.append(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()]).item())
+
+    runs = []
+    for init_scale in (1.0, 2.0**10):
+        module = _module(Recorded)
+        module.norms = []
+        _fit(
+            module,
+            max_steps=5,
+            precision=None,
+            plugins=[FP8LMPrecision(grad_scaler={"init_scale": init_scale})],
+            gradient_clip_val=0.3,
+        )
+        runs.append(module)
+    assert min(runs[0].norms) > 0.3  # clipping was active on every step
+    # The hooks and the clipping see the true gradients: the same with mu = 1 and mu = 1024 (not 1024x apart).
+    # Not bit for bit: the FP8 weights' gradients are fp16 (their master's dtype), where mu = 1 leaves the
+    # smallest ones subnormal; that is what mu is for.
+    assert runs[1].norms == pytest.approx(runs[0].norms, rel=MU_INVARIANCE_RTOL)
+    assert runs[1].losses == pytest.approx(runs[0].losses, rel=MU_INVARIANCE_RTOL)
+
+
+def test_manual_optimization_matches_automatic():
+    auto, _ = _fit(max_steps=4, gradient_clip_val=0.5)
+    manual, trainer = _fit(_module(manual=True, clip=0.5), max_steps=4)
+    assert isinstance(trainer.optimizers[0], FP8AdamW)
+    assert manual.losses == auto.losses
+
+
+class StepIndexed(GPTModule):
+    """Trains on batch number ``global_step``, whatever the loader yields: the data then depends only on state the
+    checkpoint restores (Lightning re-runs part of an epoch when resuming from a plain DataLoader)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(self.batches[self.global_step], batch_idx)
+
+
+def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
+    # mu moves during the run (it grows every 2 steps with FP8 gradients reporting their casts): restore it too.
+    def plugin():
+        return FP8LMPrecision(grad_scaler={"init_scale": 2.0**4, "growth_interval": 2}, fp8_grads=True)
+
+    batches = list(loader())
+    full = _module(StepIndexed)
+    full.batches = batches
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    _, first = _fit(
+        full,
+        max_steps=8,
+        precision=None,
+        plugins=[plugin()],
+        callbacks=[every],
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    ckpt = tmp_path / "epoch=0-step=4.ckpt"
+    state = torch.load(ckpt, weights_only=True)["FP8LMPrecision"]  # plain tensors and numbers only
+    assert state["grad_scaler"]["scale"] > 2.0**4 and any(k.endswith("amax_history") for k in state["fp8"])
+    torch.manual_seed(123)  # the resumed run must not depend on the RNG for its initial weights
+    resumed = StepIndexed()
+    resumed.batches = batches
+    trainer = _trainer(max_steps=8, precision=None, plugins=[plugin()], default_root_dir=tmp_path)
+    trainer.fit(resumed, loader(), ckpt_path=ckpt)
+    assert resumed.losses == full.losses[4:]
+    assert trainer.precision_plugin.grad_scaler.scale == first.precision_plugin.grad_scaler.scale
+
+
+def test_non_fp8_ops_run_under_bf16_autocast_unless_disabled():
+    class Probe(GPTModule):
+        def training_step(self, batch, batch_idx):
+            self.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            return super().training_step(batch, batch_idx)
+
+    on, _ = _fit(_module(Probe), max_steps=1)
+    off, _ = _fit(_module(Probe), max_steps=1, precision=None, plugins=[FP8LMPrecision(autocast=False)])
+    assert on.autocast == (True, torch.bfloat16) and off.autocast[0] is False
+
+
+def test_a_user_fp8adamw_is_kept_and_other_optimizers_are_errors():
+    class Own(GPTModule):
+        def configure_optimizers(self):
+            self.own = FP8AdamW(self.parameters(), lr=1e-3)
+            return self.own
+
+    module, trainer = _fit(_module(Own), max_steps=1)
+    assert trainer.optimizers[0] is module.own and module.own.grad_scaler is trainer.precision_plugin.grad_scaler
+    adam, trainer = _fit(_module(optimizer="adam"), max_steps=1)
+    assert isinstance(trainer.optimizers[0], FP8AdamW) and trainer.optimizers[0].param_groups[0]["weight_decay"] == 0
+    for name, match in (
+        ("sgd", "returned SGD: return torch.optim.AdamW"),
+        ("adam_wd", "use torch.optim.AdamW"),
+        ("amsgrad", r"amsgrad=True\) has no FP8AdamW equivalent"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _fit(_module(optimizer=name), max_steps=1)
+    sgd, trainer = _fit(
+        _module(optimizer="sgd", lr=0.05),
+        max_steps=4,
+        precision=None,
+        plugins=[FP8LMPrecision(replace_optimizers=False)],
+    )
+    assert isinstance(trainer.optimizers[0], torch.optim.SGD)
+    sgd32, _ = _fit(_module(optimizer="sgd", lr=0.05), max_steps=4, precision="32-true")
+    assert sgd.losses == pytest.approx(sgd32.losses, rel=FP32_LOSS_RTOL)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="backend='tensorrt'"):
+        FP8LMPrecision(backend="tensorrt")
+    with pytest.raises(ValueError, match="unknown FP8 recipe name"):
+        FP8LMPrecision(recipe="fp8-xl")
+    with pytest.raises(TypeError, match="grad_scaler"):
+        FP8LMPrecision(grad_scaler=2.0)
+
+
+# -- Transformer Engine backend, mocked --------------------------------------------------------------------------
+
+
+def _fake_transformer_engine(calls: list) -> dict[str, types.ModuleType]:
+    te, te_pytorch, common, recipe = (
+        types.ModuleType(n)
+        for n in (
+            "transformer_engine",
+            "transformer_engine.pytorch",
+            "transformer_engine.common",
+            "transformer_engine.common.recipe",
+        )
+    )
+
+    class Format:
+        HYBRID, E4M3 = "HYBRID", "E4M3"
+
+    class DelayedScaling:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    active = []
+
+    class Linear(nn.Linear):  # TE's Linear takes params_dtype and device keywords
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
+
+        def forward(self, x):
+            calls.append(("forward", bool(active)))
+            return super().forward(x)
+
+    @contextlib.contextmanager
+    def fp8_autocast(enabled, fp8_recipe):
+        calls.append(("fp8_autocast", fp8_recipe.kwargs))
+        active.append(True)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    recipe.Format, recipe.DelayedScaling = Format, DelayedScaling
+    te_pytorch.Linear, te_pytorch.fp8_autocast = Linear, fp8_autocast
+    te.pytorch, te.common, common.recipe = te_pytorch, common, recipe
+    return {m.__name__: m for m in (te, te_pytorch, common, recipe)}
+
+
+def test_transformer_engine_backend_with_te_mocked(monkeypatch):
+    calls: list = []
+    for name, module in _fake_transformer_engine(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    torch.manual_seed(0)
+    reference = {k: v.clone() for k, v in GPTModule().model.state_dict().items()}
+    plugin = FP8LMPrecision(recipe="fp8-lm-e4m3", backend="te")
+    module, trainer = _fit(max_steps=2, precision=None, plugins=[plugin])
+    te_linear = sys.modules["transformer_engine.pytorch"].Linear
+    assert all(type(m) is te_linear for m in module.modules() if isinstance(m, nn.Linear))
+    assert isinstance(trainer.optimizers[0], FP8AdamW)  # this project's optimizer stays
+    assert (
+        "fp8_autocast",
+        {"margin": 0, "fp8_format": "E4M3", "amax_history_len": 16, "amax_compute_algo": "max"},
+    ) in calls
+    assert {active for kind, active in calls if kind == "forward"} == {True}  # every GEMM inside TE's region
+    torch.manual_seed(0)
+    fresh = GPTModule()
+    FP8LMPrecision(backend="te").convert_module(fresh)
+    for key, value in fresh.model.state_dict().items():  # same keys, weights copied over
+        assert torch.equal(value, reference[key])
+
+
+def test_transformer_engine_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    with pytest.raises(ImportError, match=r"pip install lightning-fp8\[te\]"):
+        FP8LMPrecision(backend="te")
+
+
+def test_fully_sharded_model_without_fp8_layers_says_convert_first(tmp_path):
+    # ModelParallelStrategy runs configure_model (fully_shard) before the plugin sees the model; swapping sharded
+    # layers then would detach them from FSDP2, so the plugin asks for conversion inside configure_model.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = _module()
+        fully_shard(module.model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match="convert_to_fp8.*before fully_shard"):
+            FP8LMPrecision().convert_module(module)
+        converted = _module()
+        convert_to_fp8(converted.model)
+        fully_shard(converted.model, mesh=init_device_mesh("cpu", (1,)))
+        assert FP8LMPrecision().convert_module(converted) is converted  # already FP8: accepted as it is
+    finally:
+        dist.destroy_process_group()

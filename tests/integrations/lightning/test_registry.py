@@ -1,0 +1,162 @@
+"""The "fp8-lm" / "fsdp_fp8" registration: it works in both namespaces, is idempotent, rejects what FP8 cannot
+run under, and fails loudly here if Lightning's internals move."""
+
+import importlib
+import inspect
+import pickle
+import sys
+import typing
+
+import lightning as L
+import pytest
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
+
+import lightning_fp8
+import lightning_fp8.warnings
+from lightning_fp8 import FP8Recipe
+from lightning_fp8.integrations.lightning import FP8FSDPStrategy, FP8LMPrecision, registry
+from lightning_fp8.integrations.lightning.precision import precision_class
+from lightning_fp8.integrations.lightning.strategy import strategy_class
+
+NAMESPACES = [ns for ns in registry.NAMESPACES if importlib.util.find_spec(ns) is not None]
+TRAINER = {"enable_progress_bar": False, "logger": False, "enable_checkpointing": False, "accelerator": "cpu"}
+
+
+def _trainer_cls(namespace: str):
+    return importlib.import_module("pytorch_lightning" if namespace == "pytorch_lightning" else "lightning").Trainer
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_internals_are_where_the_registry_expects_them(namespace):
+    # If this fails, Lightning moved the code registry.py hooks into: update registry.py for the new version.
+    module = registry._connector_module(namespace)
+    method = inspect.unwrap(module._AcceleratorConnector._check_config_and_set_final_flags)
+    assert {"strategy", "precision", "plugins"} <= set(inspect.signature(method).parameters)
+    precision_literal = typing.get_args(module._PRECISION_INPUT_STR)
+    assert "bf16-mixed" in precision_literal and "fp8-lm" not in precision_literal  # still a closed Literal
+    assert hasattr(module._AcceleratorConnector, "_check_and_init_precision")
+    assert registry.is_registered(namespace), f"lightning_fp8 did not register with {namespace}"
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("name", FP8Recipe.names())
+def test_precision_string_builds_the_plugin(namespace, name):
+    trainer = _trainer_cls(namespace)(precision=name, **TRAINER)
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, precision_class(namespace)) and plugin.recipe == FP8Recipe.from_name(name)
+    assert trainer.precision == "fp8-lm"
+    base = importlib.import_module(registry._plugins_module(namespace)).Precision
+    assert isinstance(plugin, base)
+
+
+def test_plugin_instance_works_without_the_string():
+    plugin = FP8LMPrecision(recipe=FP8Recipe(scaling="current", margin=1))
+    assert L.Trainer(plugins=[plugin], **TRAINER).precision_plugin is plugin
+
+
+def test_register_is_idempotent_and_leaves_other_precisions_alone():
+    connector = registry._connector_module("lightning")._AcceleratorConnector
+    before = connector._check_config_and_set_final_flags
+    registry.register()
+    lightning_fp8._register_with_lightning()
+    assert connector._check_config_and_set_final_flags is before
+    assert not getattr(before.__wrapped__, registry._MARK, False)  # wrapped exactly once
+    assert isinstance(L.Trainer(precision="bf16-mixed", **TRAINER).precision_plugin, MixedPrecision)
+    with pytest.raises(ValueError, match="Precision 'fp9' is invalid"):
+        L.Trainer(precision="fp9", **TRAINER)
+    assert StrategyRegistry["fsdp_fp8"]["strategy"] is FP8FSDPStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "fp8-lm", "strategy": "fsdp"}, "use strategy='fsdp_fp8'"),
+        ({"precision": "fp8-lm", "strategy": "deepspeed"}, "DeepSpeed owns precision"),
+        ({"precision": "fp8-lm", "strategy": FSDPStrategy()}, "use strategy='fsdp_fp8'"),
+        ({"plugins": [FP8LMPrecision()], "strategy": "fsdp_cpu_offload"}, "use strategy='fsdp_fp8'"),
+        ({"precision": "fp8-lm", "plugins": [FP8LMPrecision()]}, "choose one"),
+        ({"precision": "bf16-mixed", "strategy": "fsdp_fp8"}, "pass `precision='fp8-lm'`"),
+    ],
+)
+def test_unsupported_combinations_say_what_to_do(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(**kwargs, **TRAINER)
+
+
+def test_fsdp_fp8_strategy_implies_fp8_precision():
+    for strategy in ("fsdp_fp8", FP8FSDPStrategy()):
+        trainer = L.Trainer(strategy=strategy, devices=1, **TRAINER)
+        assert isinstance(trainer.strategy, FP8FSDPStrategy)
+        assert isinstance(trainer.precision_plugin, FP8LMPrecision)
+    with pytest.raises(TypeError, match="needs the FP8LMPrecision plugin"):
+        FP8FSDPStrategy().precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_classes_pickle_for_spawned_processes(namespace):
+    plugin = pickle.loads(pickle.dumps(precision_class(namespace)(recipe="fp8-lm-e4m3")))
+    assert type(plugin) is precision_class(namespace) and plugin.recipe.fp8_format == "e4m3"
+    assert pickle.loads(pickle.dumps(strategy_class(namespace))) is strategy_class(namespace)
+
+
+def test_lightning_cli_accepts_the_precision_string_and_the_plugin(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the test extra)")
+    from lightning.pytorch.cli import LightningCLI
+
+    from tests.integrations.lightning.gpt_tiny import GPTModule
+
+    common = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+    cli = LightningCLI(GPTModule, run=False, args=["--trainer.precision=fp8-lm-current", *common])
+    assert isinstance(cli.trainer.precision_plugin, FP8LMPrecision)
+    assert cli.trainer.precision_plugin.recipe.scaling == "current"
+    args = ["--trainer.plugins=lightning_fp8.FP8LMPrecision", "--trainer.plugins.recipe=fp8-lm-o1", *common]
+    cli = LightningCLI(GPTModule, run=False, args=args)
+    assert cli.trainer.precision_plugin.recipe.opt_level == "O1"
+
+
+@pytest.mark.skipif("pytorch_lightning" not in NAMESPACES, reason="pytorch_lightning is not installed")
+def test_pytorch_lightning_trainer_fits_in_fp8(monkeypatch):
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    import pytorch_lightning as pl
+    import torch
+
+    from lightning_fp8 import FP8AdamW, FP8Linear
+    from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
+    from tests.integrations.lightning.gpt_tiny import GPTConfig, TinyGPT, loader
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = TinyGPT(GPTConfig())
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.model(x).float().flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    module = Module()
+    scale, health = FP8ScaleMonitor(log_every_n_steps=1), TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    trainer = pl.Trainer(precision="fp8-lm", max_steps=2, callbacks=[scale, health], **TRAINER)
+    with pytest.warns(UserWarning, match="no logger"):
+        trainer.fit(module, loader())
+    assert all(isinstance(m, FP8Linear) for m in module.modules() if isinstance(m, torch.nn.Linear))
+    assert isinstance(trainer.optimizers[0], FP8AdamW)
+    assert "fp8/input/scale_min" in scale.last_metrics and "health/grad_norm" in health.last_metrics  # callbacks too
+
+
+def test_moved_internals_warn_instead_of_breaking_the_import(monkeypatch):
+    class Connector:  # a future Lightning whose connector no longer takes `precision` here
+        def _check_config_and_set_final_flags(self, strategy, accelerator, plugins):
+            pass
+
+    fake = type(sys)("fake_connector")
+    fake._AcceleratorConnector = Connector
+    monkeypatch.setattr(registry, "_connector_module", lambda namespace: fake)
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    with pytest.warns(UserWarning, match=r"could not register precision='fp8-lm'.*plugins=\[lightning_fp8"):
+        registry.register()
+    assert not getattr(Connector._check_config_and_set_final_flags, registry._MARK, False)

@@ -1,0 +1,138 @@
+"""The multi-tensor AdamW Triton kernel against its PyTorch reference: bit for bit (TRITON_INTERPRET=1 on CPU)."""
+
+import pytest
+import torch
+from lightning_fp8.kernels import adamw, reference
+
+from lightning_fp8.formats import E4M3, E5M2
+from lightning_fp8.scaling import compute_scale
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+SHAPES = [(37, 19), (130,), (3, 5, 7)]  # not powers of two; one spans several interpreter chunks
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "step": 3}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _make(device, shapes, dtypes, *, scaled, fp8_grads, copies):
+    """Random states of a few steps into training, stored as the optimizer stores them."""
+    p_dt, m_dt, v_dt, g_dt = dtypes
+    tensors = []
+    for shape in shapes:
+        w, m = torch.randn(shape) * 0.05, torch.randn(shape) * 1e-3
+        v, g = torch.rand(shape) * 1e-5 + 1e-9, torch.randn(shape) * 1e-2
+        scales = [torch.tensor(2.0**k) for k in (16, 10, 20)]
+        amaxes = [x.abs().max() for x in (w, m, v)]
+
+        def stored(x, dt, s):
+            return (x * s).to(dt) if scaled and dt in reference.SCALED_STATE_MAX else x.to(dt)
+
+        tensors.append(
+            {
+                "p": stored(w, p_dt, scales[0]),
+                "m": stored(m, m_dt, scales[1]),
+                "v": stored(v, v_dt, scales[2]),
+                "g": (g * 2**10).to(g_dt) if fp8_grads else g.to(g_dt),
+                "scales": scales,
+                "amaxes": amaxes,
+                "gsi": torch.tensor(2.0**-10),
+                "copy": torch.zeros(shape, dtype=BF16),
+            }
+        )
+    return [{k: (v.to(device) if torch.is_tensor(v) else [x.to(device) for x in v]) for k, v in t.items()}
+            for t in tensors]  # fmt: skip
+
+
+def _run(fn, tensors, *, scaled, fp8_grads, copies, two_pass, grad_unscale=0.5):
+    t = [{k: (v.clone() if torch.is_tensor(v) else [x.clone() for x in v]) for k, v in d.items()} for d in tensors]
+    fn(
+        [d["p"] for d in t], [d["g"] for d in t], [d["m"] for d in t], [d["v"] for d in t],
+        [tuple(d["scales"]) for d in t] if scaled else None,
+        [tuple(d["amaxes"]) for d in t] if scaled else None,
+        [d["gsi"] for d in t] if fp8_grads else None,
+        **HYPER, grad_unscale=grad_unscale, two_pass=two_pass, margin=0 if two_pass else 1,
+        param_copies=[d["copy"] for d in t] if copies else None,
+    )  # fmt: skip
+    return t
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            xs, ys = (x[key], y[key]) if isinstance(x[key], list) else ([x[key]], [y[key]])
+            for u, w in zip(xs, ys, strict=True):
+                assert torch.equal(_bits(u), _bits(w)), (key, (u.float() - w.float()).abs().max())
+
+
+CASES = {
+    # (param, exp_avg, exp_avg_sq, grad), scaled, fp8 grads, bf16 copies
+    "o2_fp8_grad": ((F16, E4M3, F16, E5M2), True, True, False),
+    "o2_fp16_grad": ((F16, E4M3, F16, F16), True, False, False),
+    "o2_e5m2_moment_fp32_grad": ((F16, E5M2, F16, F32), True, False, False),
+    "fp32": ((F32, F32, F32, F32), False, False, False),
+    "fp32_master_bf16_param": ((F32, F32, F32, BF16), False, False, True),
+}
+
+
+@pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "delayed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference_bit_for_bit(case, two_pass):
+    dtypes, scaled, fp8_grads, copies = CASES[case]
+    tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
+    kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
+    expected = _run(reference.adamw_step_ref, tensors, **kw)
+    actual = _run(adamw.adamw_step, tensors, **kw)
+    _assert_same(expected, actual)
+    # The step did something: weights moved and (scaled) scales are powers of two.
+    assert not torch.equal(_bits(expected[0]["p"]), _bits(tensors[0]["p"]))
+    for d in expected:
+        for s in d["scales"]:
+            assert torch.frexp(s).mantissa.item() == 0.5
+
+
+@pytest.mark.parametrize("dtype", [F16, E4M3, E5M2])
+def test_reference_scale_equals_compute_scale(dtype):
+    fmax = reference.SCALED_STATE_MAX[dtype]
+    amax = torch.cat([torch.rand(50) * 10.0 ** torch.randint(-30, 5, (50,)), torch.tensor([0.0, 1e-42, fmax, 1.0])])
+    amax = torch.cat([amax, torch.tensor([float("inf"), float("nan")])])
+    prev = torch.full_like(amax, 0.25)
+    for margin in (0, 1):
+        expected = compute_scale(amax, dtype, margin=margin, prev_scale=prev)
+        assert torch.equal(reference.pow2_scale_ref(amax, fmax, margin, prev), expected)
+
+
+def test_two_pass_scales_are_fresh_and_delayed_ones_saturate():
+    # Plant a stored amax far below the new values: the delayed write saturates at the format max, the two-pass
+    # write does not, and both leave the fresh amax behind for the next step.
+    dtypes = (F16, E4M3, F16, F32)
+    tensors = _make("cpu", [(40, 24)], dtypes, scaled=True, fp8_grads=False, copies=False)
+    tensors[0]["amaxes"][1] = torch.tensor(1e-6)  # exp_avg's stored amax: 1000x too small
+    kw = {"scaled": True, "fp8_grads": False, "copies": False}
+    fresh = _run(adamw.adamw_step, tensors, two_pass=True, **kw)[0]
+    delayed = _run(adamw.adamw_step, tensors, two_pass=False, **kw)[0]
+    fmax = reference.SCALED_STATE_MAX[E4M3]
+    assert (delayed["m"].float().abs() == fmax).sum() > 10
+    assert (fresh["m"].float().abs() == fmax).sum() <= 1
+    assert torch.equal(fresh["amaxes"][1], delayed["amaxes"][1])
+    assert fresh["amaxes"][1] * fresh["scales"][1] <= fmax < delayed["amaxes"][1] * delayed["scales"][1]
+
+
+def test_kernel_rejects_mismatched_lists():
+    p = [torch.zeros(4, dtype=F32)]
+    with pytest.raises(ValueError, match="exp_avgs has 0 tensors"):
+        adamw.adamw_step(p, p, [], p, None, None, None, **HYPER)
+    with pytest.raises(ValueError, match="share one dtype"):
+        adamw.adamw_step(p * 2, [p[0], p[0].half()], p * 2, p * 2, None, None, None, **HYPER)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "delayed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference_on_gpu(case, two_pass):
+    dtypes, scaled, fp8_grads, copies = CASES[case]
+    shapes = [*SHAPES, (1000, 333)]
+    tensors = _make("cuda", shapes, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
+    kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
+    _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))

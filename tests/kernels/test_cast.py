@@ -1,0 +1,255 @@
+"""The Triton casts (kernels/cast.py) against their references (kernels/reference.py), bit for bit.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py); on a GPU the same tests run the
+compiled kernels, and the ``gpu`` tests add sizes, torch.compile and the custom-op checks.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lightning_fp8.kernels import cast  # noqa: E402
+from lightning_fp8.kernels.reference import amax_ref, cast_to_fp8_ref  # noqa: E402
+
+from lightning_fp8 import FP8Linear, ops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def assert_cast_equal(got, ref):
+    """Casts are bit-exact: compare bytes; NaN positions separately (any NaN encoding is a NaN)."""
+    for name, g, r in zip(("x_fp8", "x_fp8_t"), got[:2], ref[:2], strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape, (name, g.dtype, g.shape, r.shape)
+        g_nan, r_nan = torch.isnan(g.float()), torch.isnan(r.float())
+        assert torch.equal(g_nan, r_nan), f"{name}: NaN positions differ"
+        diff = (g.view(torch.uint8) != r.view(torch.uint8)) & ~r_nan
+        assert not diff.any(), f"{name}: {int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}"
+    amax, n_sat = got[2], got[3]
+    assert amax.dtype == torch.float32 and amax.dim() == 0
+    assert n_sat.dtype == torch.int64 and n_sat.dim() == 0
+    assert torch.equal(amax, ref[2]), (amax, ref[2])
+    assert torch.equal(n_sat, ref[3]), (n_sat, ref[3])
+
+
+def fp8_grid(fp8_dtype):
+    """Every finite FP8 value, as fp32."""
+    v = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).float()
+    return v[torch.isfinite(v)]
+
+
+def planted_values(fp8_dtype, scale):
+    """Hard cases as x values (x * scale lands on them): FP8 rounding ties and their neighbours, the
+    subnormal range, saturation, inf, NaN, signed zeros."""
+    grid = fp8_grid(fp8_dtype).double().unique()
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly between two FP8 values: round to the even one
+    ties = torch.cat([ties, -ties]).float()
+    near = torch.cat([torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    smallest_normal = grid[grid > 0].min().item() * 2 ** {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fp8_dtype]
+    subnormal = (torch.rand(200, dtype=torch.float64) * 2 - 1) * smallest_normal
+    fmax = grid.max().item()
+    special = torch.tensor(
+        [fmax, -fmax, fmax * 1.01, -fmax * 3, fmax * 1e6, float("inf"), -float("inf"), float("nan"), 0.0, -0.0,
+         1e-30, -1e-30, 7.77, -3.9, 1e38]
+    )  # fmt: skip
+    y = torch.cat([ties, near, subnormal.float(), special])
+    return y / scale
+
+
+def inputs(shape, dtype, fp8_dtype, scale, planted=True):
+    """Random values over many binades, with planted hard cases at random positions."""
+    n = torch.Size(shape).numel()
+    fmax = fp8_grid(fp8_dtype).max().item()
+    # |x * scale| from far below the smallest subnormal to beyond fp8_max (saturation)
+    x = torch.randn(n) * torch.exp2(torch.empty(n).uniform_(-20, 8)) * fmax / 64 / scale
+    if planted:
+        p = planted_values(fp8_dtype, scale)
+        x[torch.randperm(n)[: n // 3]] = p[torch.randint(len(p), (n // 3,))]
+    return x.reshape(shape).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("shape", [(37, 53), (1, 16), (129, 7)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_cast_matches_reference_odd_shapes(fp8_dtype, dtype, shape, transpose):
+    scale = torch.tensor(2.0**3, device=DEVICE)
+    x = inputs(shape, dtype, fp8_dtype, scale.item())
+    assert_cast_equal(cast.cast_to_fp8(x, scale, fp8_dtype, transpose), cast_to_fp8_ref(x, scale, fp8_dtype, transpose))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("scale", [2.0**-5, 2.0**4])
+def test_cast_rounding_ties_subnormals_saturation(fp8_dtype, dtype, scale):
+    # Every planted value once (ties of the whole FP8 grid, both signs), padded with random values.
+    if dtype == torch.float16 and fp8_dtype == torch.float8_e5m2:
+        scale = max(scale, 1.0)  # fp16 (max 65504) reaches E5M2's saturation (57344) only with scale >= 1
+    scale_t = torch.tensor(scale, device=DEVICE)
+    p = planted_values(fp8_dtype, scale)
+    x = inputs((61, 47), torch.float32, fp8_dtype, scale, planted=False).flatten()
+    x[: len(p)] = p.to(DEVICE)
+    x = x[torch.randperm(x.numel(), device=DEVICE)].reshape(61, 47).to(dtype)
+    ref = cast_to_fp8_ref(x, scale_t, fp8_dtype, transpose=True)
+    assert ref[3] > 0 and torch.isnan(ref[0].float()).any()  # the planted cases are there
+    assert_cast_equal(cast.cast_to_fp8(x, scale_t, fp8_dtype, transpose=True), ref)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_every_fp8_value_casts_to_itself(fp8_dtype):
+    # The interpreter converts values on the FP8 grid exactly (the kernel's rounding relies on it).
+    grid = fp8_grid(fp8_dtype).to(DEVICE)
+    x_fp8, _, amax, n_sat = cast.cast_to_fp8(grid, torch.tensor(1.0, device=DEVICE), fp8_dtype)
+    assert torch.equal(x_fp8.view(torch.uint8), grid.to(fp8_dtype).view(torch.uint8))
+    assert amax.item() == grid.abs().max().item() and n_sat.item() == 2  # +-fp8_max
+
+
+def test_cast_any_shape_and_non_contiguous():
+    scale = torch.tensor(0.5, device=DEVICE)
+    for x in (
+        inputs((3, 5, 7), torch.bfloat16, torch.float8_e4m3fn, 0.5),
+        inputs((40, 24), torch.float32, torch.float8_e4m3fn, 0.5).t(),  # non-contiguous
+        inputs((5000,), torch.float16, torch.float8_e4m3fn, 0.5),
+    ):
+        assert_cast_equal(
+            cast.cast_to_fp8(x, scale, torch.float8_e4m3fn), cast_to_fp8_ref(x, scale, torch.float8_e4m3fn)
+        )
+    x = inputs((40, 24), torch.float32, torch.float8_e5m2, 0.5).t()
+    assert_cast_equal(
+        cast.cast_to_fp8(x, scale, torch.float8_e5m2, True), cast_to_fp8_ref(x, scale, torch.float8_e5m2, True)
+    )
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+def test_amax_matches_reference(dtype):
+    x = inputs((97, 131), dtype, torch.float8_e4m3fn, 1.0, planted=False)
+    assert torch.equal(cast.amax(x), amax_ref(x))
+    x.view(-1)[1234] = float("nan")
+    assert torch.equal(cast.amax(x), amax_ref(x)) and cast.amax(x).item() == float("inf")
+    x.view(-1)[1234] = -float("inf")
+    assert cast.amax(x).item() == float("inf")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_cast_whole_tiles_and_64_bit_offsets(monkeypatch, fp8_dtype):
+    # Shapes the tiles divide take the unmasked path; a lowered limit forces the 64-bit offset path.
+    scale = torch.tensor(2.0, device=DEVICE)
+    t = cast.CONFIGS["transpose"]
+    x = inputs((2 * t["BLOCK_M"], 3 * t["BLOCK_N"]), torch.bfloat16, fp8_dtype, 2.0)
+    for limit in (cast.INT32_INDEX_LIMIT, 0):
+        monkeypatch.setattr(cast, "INT32_INDEX_LIMIT", limit)
+        for transpose in (False, True):
+            ref = cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
+            assert_cast_equal(cast.cast_to_fp8(x, scale, fp8_dtype, transpose), ref)
+        assert torch.equal(cast.amax(x), amax_ref(x))
+
+
+def test_empty_tensors():
+    scale = torch.tensor(1.0, device=DEVICE)
+    e = torch.empty(0, 16, device=DEVICE)
+    assert cast.amax(e).item() == 0.0
+    assert_cast_equal(
+        cast.cast_to_fp8(e, scale, torch.float8_e4m3fn, True), cast_to_fp8_ref(e, scale, torch.float8_e4m3fn, True)
+    )
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(4, 16, device=DEVICE)
+    one = torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(TypeError, match="int64"):
+        cast.cast_to_fp8(x.long(), one, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        cast.cast_to_fp8(x, one, torch.bfloat16)
+    with pytest.raises(TypeError, match="scale"):
+        cast.cast_to_fp8(x, torch.ones(2, device=DEVICE), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="2-D"):
+        cast.cast_to_fp8(x.reshape(2, 2, 16), one, torch.float8_e4m3fn, transpose=True)
+    with pytest.raises(TypeError, match="int32"):
+        cast.amax(x.int())
+
+
+def _linear_step(seed, monkeypatch, kernels):
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
+    torch.manual_seed(seed)
+    layer = FP8Linear(48, 32, device=DEVICE)
+    outs = []
+    for _ in range(2):  # the second step uses the delayed scales recorded by the first
+        x = torch.randn(3, 13, 48, device=DEVICE, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn_like(y) * 1e-3)
+        outs += [y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()]
+    outs += [s.amax.clone() for s in layer.fp8_scaling.values()] + [s.scale.clone() for s in layer.fp8_scaling.values()]
+    return outs
+
+
+def test_fp8_linear_triton_equals_reference(monkeypatch):
+    got = _linear_step(7, monkeypatch, "triton")
+    ref = _linear_step(7, monkeypatch, "reference")
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact_round", [False, True])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("transpose_fp32", [False, True])
+def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_fp32):
+    # Every compiled variant the benchmark sweep may pick: with/without pre-rounding, each transpose path.
+    monkeypatch.setattr(cast, "EXACT_ROUND_ON_GPU", exact_round)
+    monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], "TRANSPOSE_FP32": transpose_fp32})
+    for dtype in INPUT_DTYPES:
+        scale = torch.tensor(2.0**-2, device=DEVICE)
+        x = inputs((1031, 2053), dtype, fp8_dtype, scale.item())
+        for transpose in (False, True):
+            assert_cast_equal(
+                cast.cast_to_fp8(x, scale, fp8_dtype, transpose), cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
+            )
+        assert torch.equal(cast.amax(x), amax_ref(x))
+
+
+@pytest.mark.gpu
+def test_gpu_custom_ops_and_torch_compile():
+    x = inputs((272, 336), torch.bfloat16, torch.float8_e4m3fn, 1.0)
+    scale = torch.tensor(4.0, device=DEVICE)
+    # The fake (meta) implementations and schemas; opcheck's output comparison cannot take FP8 NaNs, so the
+    # compiled run below checks the outputs bit for bit instead.
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(
+        torch.ops.lightning_fp8.cast_to_fp8.default, (x, scale, torch.float8_e4m3fn, True), test_utils=checks
+    )
+    torch.library.opcheck(torch.ops.lightning_fp8.amax.default, (x,), test_utils=checks)
+
+    def f(x, scale):
+        return cast.cast_to_fp8(x * 2, scale, torch.float8_e4m3fn, True), cast.amax(x)
+
+    got, got_amax = torch.compile(f, fullgraph=True)(x, scale)
+    assert_cast_equal(got, cast_to_fp8_ref(x * 2, scale, torch.float8_e4m3fn, True))
+    assert torch.equal(got_amax, amax_ref(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_scaled_mm_bias_and_fast_accum(out_dtype):
+    a = torch.randn(272, 160, device=DEVICE).to(torch.float8_e4m3fn)
+    b = torch.randn(96, 160, device=DEVICE).to(torch.float8_e4m3fn).t()
+    bias = torch.randn(96, device=DEVICE)
+    s_a, s_b = torch.tensor(0.5, device=DEVICE), torch.tensor(4.0, device=DEVICE)
+    exact = (a.double() * 0.5) @ (b.double() * 4.0) + bias.to(out_dtype).double()
+    for fast in (False, True):
+        got = ops.scaled_mm(a, b, s_a, s_b, out_dtype, bias=bias, use_fast_accum=fast)
+        assert got.dtype == out_dtype
+        # One rounding to out_dtype (bf16: 2**-8 relative) of an fp32 or, with fast accumulation, a ~14-bit
+        # accumulation of 160 products (outputs have std ~25: an absolute error of 0.1 is 0.4% of that).
+        torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=0.1)
+
+
+def test_scaled_mm_emulation_bias():
+    a = torch.randn(33, 48).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 48).to(torch.float8_e5m2).t()
+    bias = torch.randn(16)
+    one = torch.tensor(1.0)
+    with_bias = ops.scaled_mm(a, b, one, one, torch.bfloat16, bias=bias)
+    exact = (a.float() @ b.float() + bias.bfloat16().float()).bfloat16()
+    assert torch.equal(with_bias, exact)

@@ -1,0 +1,167 @@
+"""The examples run, at toy size, and learn: train_gpt.py (Lightning, FP8-LM), lab.py (BF16 vs FP8), gpt.py's data.
+
+The scripts run in subprocesses exactly as a user runs them; each test then checks what they wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from gpt import GPT, ByteWindows, GPTConfig, fp8_module_filter, load_corpus  # noqa: E402
+
+UNIFORM_LOSS = math.log(256)  # cross-entropy of a model that learned nothing about bytes
+# After a few dozen steps a byte-level GPT has learned at least the character frequencies of Python source
+# (unigram entropy ~3.4 nats/byte is far below ln 256 = 5.5): require a clear drop, not a tuned value.
+LEARNED_LOSS = UNIFORM_LOSS - 1.5
+# FP8 rounding (E4M3 ~6% per value, averaged over a GEMM) moves a toy model's loss by well under 1% in our
+# runs; 5% still catches broken scaling (which costs tens of percent or diverges).
+FP8_VS_BF16_REL = 0.05
+# A bf16 model loaded from the FP8 run's checkpoint sees the same weights; the FP8 rounding of activations
+# that it no longer does moves the loss by about as much as FP8 vs BF16 training.
+BF16_INFERENCE_REL = 0.05
+TOY = ["--width", "64", "--depth", "2", "--heads", "4", "--seq-len", "64", "--batch-size", "8"]
+
+
+def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run an example; ``timeout`` only guards against a hang (the runs take well under a minute on 2 cores)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _assert_learned(losses: list[float]) -> None:
+    assert all(math.isfinite(v) for v in losses), "non-finite training loss"
+    k = max(3, len(losses) // 8)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    assert last < first - 0.5, f"training loss did not decrease: first {first:.3f}, last {last:.3f}"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=3_000_000)
+
+
+def test_corpus_split_is_deterministic_and_disjoint(corpus):
+    again = load_corpus(max_bytes=3_000_000)
+    assert torch.equal(corpus.train, again.train) and torch.equal(corpus.val, again.val)
+    assert corpus.train.dtype == torch.uint8 and corpus.val.numel() > 10_000
+    # Whole files are held out: a 64-byte window of validation text essentially never occurs in training.
+    train_bytes = bytes(corpus.train.tolist())
+    val_bytes = bytes(corpus.val.tolist())
+    probes = [val_bytes[i : i + 64] for i in range(1000, len(val_bytes) - 64, len(val_bytes) // 20)]
+    assert sum(p in train_bytes for p in probes) <= len(probes) // 4
+
+
+def test_user_data_file(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(2000)).encode()
+    (tmp_path / "notes.txt").write_bytes(text)
+    c = load_corpus(tmp_path / "notes.txt")
+    assert c.files == 1 and c.train.numel() + c.val.numel() == len(text)
+    assert bytes(c.val.tolist()) == text[c.train.numel() :]  # one file: its tail is the validation split
+    with pytest.raises(FileNotFoundError, match="neither a file nor a directory"):
+        load_corpus(tmp_path / "missing")
+
+
+def test_windows_and_model_shapes(corpus):
+    ds = ByteWindows(corpus.train, 48)
+    x, y = ds[5]
+    assert x.shape == y.shape == (48,) and torch.equal(x[1:], y[:-1])
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    cfg = GPTConfig(seq_len=48, depth=2, width=48, heads=3)
+    logits, loss = GPT(cfg)(x[None], y[None])
+    assert logits.shape == (1, 48, 256) and abs(loss.item() - UNIFORM_LOSS) < 0.5
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="width must be a multiple of heads"):
+        GPTConfig(width=100, heads=3)
+    with pytest.raises(ValueError, match="depth=0"):
+        GPTConfig(depth=0)
+    with pytest.raises(ValueError, match="unknown GPT preset 'huge'"):
+        GPTConfig.preset("huge")
+
+
+def test_module_filter_keeps_head_out_of_fp8():
+    from lightning_fp8 import convert_to_fp8, fp8_modules
+
+    model = convert_to_fp8(GPT(GPTConfig(depth=2, width=64)), module_filter_fn=fp8_module_filter)
+    names = set(fp8_modules(model))
+    assert names == {f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert model.lm_head.weight is model.wte.weight  # still tied
+
+
+def test_train_gpt_toy(tmp_path):
+    out = tmp_path / "run"
+    steps, val_batches = 60, 4
+    args = [*TOY, "--max-steps", str(steps), "--val-every", "30", "--val-batches", str(val_batches), "--lr", "3e-3"]
+    proc = _run("train_gpt.py", [*args, "--out", str(out), "--no-progress-bar"], timeout=900)
+    assert "final train loss" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["precision"] == "fp8-lm" and summary["steps"] == steps
+    _assert_learned(summary["train_losses"])
+    assert summary["final_val_loss"] < LEARNED_LOSS
+    assert (out / "checkpoints" / "last.ckpt").is_file()
+    assert list((out / "csv").glob("version_*/metrics.csv"))
+
+    # The checkpoint loads with weights_only=True into a plain (never converted) GPT run in bf16, and that
+    # model scores the validation windows the script validated on about as the FP8 run did.
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    model = GPT(GPTConfig(**ckpt["hyper_parameters"]["gpt"]))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()})
+    model = model.to(torch.bfloat16).eval()
+    val = ByteWindows(load_corpus().val, model.cfg.seq_len)
+    batch = [val[i] for i in range(val_batches * 8)]
+    with torch.no_grad():
+        _, loss = model(torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]))
+    assert loss.item() == pytest.approx(summary["final_val_loss"], rel=BF16_INFERENCE_REL)
+
+
+def test_lab_toy(tmp_path):
+    out = tmp_path / "lab"
+    args = [*TOY, "--seq-len", "32", "--max-steps", "40", "--val-every", "20", "--val-batches", "3", "--lr", "3e-3"]
+    _run("lab.py", [*args, "--out", str(out)], timeout=900)
+    runs = {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
+    assert set(runs) == {"bf16", "fp8-lm", "fp8-lm-o1", "torchao"}
+    for name in ("bf16", "fp8-lm", "fp8-lm-o1"):
+        r = runs[name]
+        assert r["status"] == "ok", r["status"]
+        _assert_learned(r["series"]["train_loss"])
+        assert r["final_val_loss"] < LEARNED_LOSS and r["nonfinite_losses"] == 0
+        assert [step for step, _ in r["series"]["val"]] == [20, 40]
+    for name in ("fp8-lm", "fp8-lm-o1"):
+        assert runs[name]["final_val_loss"] == pytest.approx(runs["bf16"]["final_val_loss"], rel=FP8_VS_BF16_REL)
+        scales = runs[name]["series"]["log2_scales"]
+        assert len(scales) == 8 and all(set(roles) == {"input", "weight", "grad_output"} for roles in scales.values())
+        assert runs[name]["series"]["grad_scale"], "the gradient scale mu was not recorded"
+    # Parameter + optimizer states of the FP8 linear weights (DESIGN.md's table without the gradient): fp32
+    # weight, m, v = 12 bytes for BF16 and O1; fp16 master + E4M3 m + fp16 v = 5 bytes (+ 0-dim scales) at O2.
+    assert runs["bf16"]["linear_bytes_per_param"] == pytest.approx(12.0)
+    assert runs["fp8-lm-o1"]["linear_bytes_per_param"] == pytest.approx(12.0)
+    assert runs["fp8-lm"]["linear_bytes_per_param"] == pytest.approx(5.0, abs=0.01)
+    if runs["torchao"]["status"].startswith("skipped"):
+        assert "not installed" in runs["torchao"]["status"]
+    for name in ("summary.md", "loss.png", "throughput.png", "memory.png", "scales_fp8-lm.png", "health_fp8-lm.png"):
+        assert (out / name).stat().st_size > 0, name
+    summary = (out / "summary.md").read_text()
+    assert "| FP8-LM O2 | ok |" in summary and "relative to BF16" in summary
