@@ -24,8 +24,9 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` by an :class:`FP8Linear` that shares its parameters.
 
-    Idempotent (FP8 layers are left as they are). Layers whose feature sizes are not multiples of 16 stay
-    in high precision and are named in one warning. State dict keys do not change, so checkpoints load into
+    Idempotent (FP8 layers are left as they are). Layers whose feature sizes are not multiples of 16, and
+    layers whose weight is shared with another module (tied weights), stay in high precision and are named in
+    one warning. State dict keys do not change, so checkpoints load into
     the model before or after conversion.
 
     Args:
@@ -41,12 +42,19 @@ def convert_to_fp8(
         raise TypeError(f"convert_to_fp8 expects an nn.Module, got {type(module).__name__}")
     recipe = resolve_recipe(recipe)
     skipped: list[str] = []
+    tied: list[str] = []
+    shared = _shared_parameter_ids(module)
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if not _is_convertible_type(child) or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
             return child
         if child.in_features % 16 or child.out_features % 16:
             skipped.append(f"{fqn or '<root>'} ({child.in_features}->{child.out_features})")
+            return child
+        if id(child.weight) in shared:
+            # A tied weight (e.g. an output head sharing the token embedding) is read by another module too; the
+            # FP8 optimizer's O2 storage of FP8 weights would change what that module sees.
+            tied.append(fqn or "<root>")
             return child
         return FP8Linear.from_linear(child, recipe)
 
@@ -61,12 +69,25 @@ def convert_to_fp8(
             new = convert(child, fqn)
             if new is not child:
                 setattr(parent, name, new)
+    if tied:
+        warn_once(
+            f"convert_to_fp8 left {len(tied)} linear layer(s) in high precision because their weight is shared with "
+            f"another module (tied weights): {', '.join(tied)}"
+        )
     if skipped:
         warn_once(
             f"convert_to_fp8 left {len(skipped)} linear layer(s) in high precision because their feature sizes "
             f"are not multiples of 16: {', '.join(skipped)}"
         )
     return module
+
+
+def _shared_parameter_ids(module: nn.Module) -> set[int]:
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {pid for pid, count in owners.items() if count > 1}
 
 
 def fp8_modules(module: nn.Module) -> dict[str, FP8Linear]:

@@ -35,6 +35,7 @@ class _FP8Matmul(torch.autograd.Function):
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         fp8: nn.ModuleDict,
         out_dtype: torch.dtype,
         first: bool,
@@ -47,7 +48,11 @@ class _FP8Matmul(torch.autograd.Function):
         if master_scale is not None:  # the storage holds weight * master_scale (FP8AdamW at O2); both powers of two
             w_scale_inv = w_scale_inv / master_scale
             _unscale_weight_stats(fp8["weight"], master_scale)
-        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype)  # forward
+        # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
+        # as Transformer Engine does.
+        b = None if bias is None else bias.to(out_dtype)
+        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv)
         ctx.grad_state = fp8["grad_output"]
         ctx.grad_current = first or not fp8["grad_output"].delayed
@@ -57,14 +62,15 @@ class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
-        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_state.quantize(dy.contiguous(), need_wgrad, ctx.grad_current)
         dx = dw = None
         if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
             dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
         if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
             dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
-        return dx, dw, None, None, None, None
+        db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
+        return dx, dw, db, None, None, None, None
 
 
 def _unscale_weight_stats(state: ScalingState, master_scale: torch.Tensor) -> None:
@@ -170,12 +176,10 @@ class FP8Linear(nn.Linear):
         x_2d = x.reshape(-1, self.in_features)
         first = not self.fp8_scaling["input"].initialized
         master_scale = getattr(self.weight, master.SCALE_ATTR, None)
-        y = _FP8Matmul.apply(x_2d, self.weight, self.fp8_scaling, out_dtype, first, master_scale)
+        y = _FP8Matmul.apply(x_2d, self.weight, self.bias, self.fp8_scaling, out_dtype, first, master_scale)
         if first:  # outside the autograd.Function, where torch.compile allows Python state to change
             for state in self.fp8_scaling.values():
                 state.initialized = True
-        if self.bias is not None:
-            y = y + self.bias.to(out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _check_input(self, x: torch.Tensor) -> None:

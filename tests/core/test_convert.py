@@ -82,3 +82,13 @@ def test_checkpoint_before_and_after_conversion():
 def test_rejects_non_module():
     with pytest.raises(TypeError, match="expects an nn.Module"):
         convert_to_fp8(torch.randn(3))
+
+
+def test_tied_weight_stays_high_precision():
+    emb = nn.Embedding(64, 32)
+    head = nn.Linear(32, 64, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head, "mlp": nn.Linear(32, 32)})
+    with pytest.warns(UserWarning, match=r"shared with another module.*head"):
+        convert_to_fp8(model)
+    assert type(model["head"]) is nn.Linear and isinstance(model["mlp"], FP8Linear)
