@@ -33,13 +33,10 @@ from lightning_fp8.health import HealthMonitor
 from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import fp8_log_values
-from lightning_fp8.integrations.accelerate.optimizer import (
-    FP8AcceleratedOptimizer,
-    is_swappable,
-    rebind_scheduler,
-    to_fp8_optimizer,
-)
+from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
 from lightning_fp8.optim import FP8AdamW
+from lightning_fp8.optim.swap import is_replaceable as is_swappable
+from lightning_fp8.optim.swap import rebind_scheduler
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 

@@ -10,8 +10,6 @@ non-finite gradient, and ``step_was_skipped`` tells Accelerate's scheduler wrapp
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,91 +17,14 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from typing_extensions import override
 
-from lightning_fp8.optim import FP8AdamW
+from lightning_fp8.optim import swap
 
-# torch.optim.Adam(W) group keys that select an implementation, not the update rule: FP8AdamW has its own.
-_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-_SWAPPABLE = (torch.optim.AdamW, torch.optim.Adam)
-
-
-def is_swappable(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether :func:`to_fp8_optimizer` replaces ``optimizer`` (exactly ``torch.optim.AdamW`` or ``Adam``)."""
-    return type(optimizer) in _SWAPPABLE
-
-
-def _check_swappable(optimizer: torch.optim.Optimizer) -> None:
-    name = type(optimizer).__name__
-    if optimizer.state:
-        raise ValueError(
-            f"the {name} passed to accelerator.prepare already has state for {len(optimizer.state)} parameter(s); "
-            "FP8-LM replaces it with FP8AdamW and can only replace a fresh optimizer: prepare it before training "
-            "(accelerator.load_state restores its state afterwards)"
-        )
-    for i, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(
-                    f"{name}(param_groups[{i}] {flag}=True) has no FP8AdamW equivalent: set {flag}=False, or launch "
-                    "with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
-                )
-        coupled_l2 = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
-        if coupled_l2 and group.get("weight_decay", 0) != 0:
-            raise ValueError(
-                f"Adam(weight_decay={group['weight_decay']}) adds an L2 term to the gradient, but FP8AdamW decays "
-                "weights decoupled (AdamW): use torch.optim.AdamW(weight_decay=...) or Adam(weight_decay=0)"
-            )
+_OPT_OUT = "launch with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
 
 
 def to_fp8_optimizer(optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
-    """An :class:`~lightning_fp8.FP8AdamW` equivalent to a fresh ``torch.optim.AdamW``/``Adam``.
-
-    Args:
-        optimizer: the user's optimizer (no state yet).
-        fp8_kwargs: ``FP8AdamW`` constructor arguments (``grad_scaler``, ``opt_level``...), passed where its
-            signature accepts them.
-
-    Raises:
-        ValueError: for an optimizer with state, AMSGrad, ``maximize``, or Adam with coupled (L2) weight decay.
-    """
-    _check_swappable(optimizer)
-    accepted = inspect.signature(FP8AdamW.__init__).parameters
-    kwargs = {k: v for k, v in {**optimizer.defaults, **fp8_kwargs}.items() if k in accepted and k != "params"}
-    dropped = (*_IMPLEMENTATION_KEYS, "amsgrad", "maximize")
-    groups = [{k: v for k, v in group.items() if k not in dropped} for group in optimizer.param_groups]
-    return FP8AdamW(groups, **kwargs)
-
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    # torch's LRScheduler wraps optimizer.step to notice a scheduler stepping first; give the new optimizer the
-    # same wrapper so a rebound scheduler behaves as if it had been built on it.
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
-
-
-def rebind_scheduler(scheduler: Any, swapped: dict[int, torch.optim.Optimizer]) -> None:
-    """Point ``scheduler`` (and those nested in ``SequentialLR``/``ChainedScheduler``) at the new optimizers.
-
-    Args:
-        scheduler: an LR scheduler.
-        swapped: ``{id(old optimizer): new optimizer}``. The param groups were copied, so ``initial_lr`` and the
-            current learning rate carry over.
-    """
-    new = swapped.get(id(getattr(scheduler, "optimizer", None)))
-    if new is not None:
-        scheduler.optimizer = new
-        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            _track_step_called(new)
-    for inner in getattr(scheduler, "_schedulers", ()):
-        rebind_scheduler(inner, swapped)
+    """An :class:`~lightning_fp8.FP8AdamW` equivalent to a fresh ``torch.optim.AdamW``/``Adam`` passed to prepare."""
+    return swap.to_fp8_adamw(optimizer, source="accelerator.prepare", opt_out=_OPT_OUT, **fp8_kwargs)
 
 
 class FP8AcceleratedOptimizer(AcceleratedOptimizer):

@@ -9,102 +9,40 @@ silently (AMSGrad, ``maximize``, Adam's coupled L2 weight decay) is an error tha
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-# torch.optim.Adam(W) group keys that select an implementation, not the update rule: FP8AdamW has its own.
-_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+from lightning_fp8.optim import swap
 
-
-def fp8_adamw_class() -> type[torch.optim.Optimizer]:
-    from lightning_fp8.optim import FP8AdamW
-
-    return FP8AdamW
-
-
-def _check_convertible(optimizer: torch.optim.Optimizer) -> None:
-    name = type(optimizer).__name__
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-        raise ValueError(
-            f"precision='fp8-lm' replaces AdamW/Adam with the FP8 optimizer FP8AdamW, but configure_optimizers "
-            f"returned {name}: return torch.optim.AdamW (or lightning_fp8.FP8AdamW) instead, or pass "
-            f"FP8LMPrecision(replace_optimizers=False) to keep {name} with FP8 GEMMs and fp32 optimizer states"
-        )
-    if optimizer.state:
-        raise ValueError(
-            f"the {name} returned by configure_optimizers already has state for {len(optimizer.state)} "
-            "parameter(s); precision='fp8-lm' can only replace a fresh optimizer: create it in configure_optimizers"
-        )
-    for i, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(
-                    f"{name}(param_groups[{i}] {flag}=True) has no FP8AdamW equivalent: set {flag}=False or keep "
-                    f"this optimizer with FP8LMPrecision(replace_optimizers=False)"
-                )
-        coupled_l2 = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
-        if coupled_l2 and group.get("weight_decay", 0) != 0:
-            raise ValueError(
-                f"Adam(weight_decay={group['weight_decay']}) adds an L2 term to the gradient, but FP8AdamW decays "
-                "weights decoupled (AdamW): use torch.optim.AdamW(weight_decay=...) or Adam(weight_decay=0)"
-            )
+_OPT_OUT = "keep this optimizer with FP8LMPrecision(replace_optimizers=False)"
 
 
 def to_fp8_optimizer(optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
     """An ``FP8AdamW`` equivalent to ``optimizer`` (returned unchanged if it already is one).
 
-    Args:
-        optimizer: a fresh ``torch.optim.AdamW`` or ``Adam`` (no state yet).
-        fp8_kwargs: extra ``FP8AdamW`` constructor arguments (e.g. the recipe), passed where it accepts them.
-
     Raises:
-        ValueError: for another optimizer type, an optimizer that has state, AMSGrad, ``maximize``, or Adam
-            with coupled weight decay.
+        ValueError: for an optimizer other than AdamW/Adam, or one FP8AdamW cannot replace exactly
+            (:func:`lightning_fp8.optim.swap.check_replaceable`).
     """
-    fp8_cls = fp8_adamw_class()
-    if isinstance(optimizer, fp8_cls):
-        return optimizer
-    _check_convertible(optimizer)
-    accepted = inspect.signature(fp8_cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    defaults.update({k: v for k, v in fp8_kwargs.items() if k in accepted})
-    groups = [
-        {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS and k not in ("amsgrad", "maximize")}
-        for group in optimizer.param_groups
-    ]
-    return fp8_cls(groups, **defaults)
+    from lightning_fp8.optim import FP8AdamW
 
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    # torch's LRScheduler wraps optimizer.step to warn when the scheduler steps first; a rebound scheduler must
-    # find the same wrapper on the new optimizer or it warns that `optimizer.step()` was overridden.
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
+    if not isinstance(optimizer, FP8AdamW) and not swap.is_replaceable(optimizer):
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"precision='fp8-lm' replaces AdamW/Adam with the FP8 optimizer FP8AdamW, but configure_optimizers "
+            f"returned {name}: return torch.optim.AdamW (or lightning_fp8.FP8AdamW) instead, or pass "
+            f"FP8LMPrecision(replace_optimizers=False) to keep {name} with FP8 GEMMs and fp32 optimizer states"
+        )
+    return swap.to_fp8_adamw(optimizer, source="configure_optimizers", opt_out=_OPT_OUT, **fp8_kwargs)
 
 
 def rebind_schedulers(schedulers: Iterable[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Point every scheduler (and the schedulers nested in ``SequentialLR``/``ChainedScheduler``) that references
-    ``old`` at ``new``. The param groups were copied, so ``initial_lr`` and the current LR carry over."""
+    """Point every scheduler that references ``old`` (nested ones too) at ``new``."""
     for scheduler in schedulers:
-        if getattr(scheduler, "optimizer", None) is old:
-            scheduler.optimizer = new
-            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-                _track_step_called(new)
-        rebind_schedulers(getattr(scheduler, "_schedulers", ()), old, new)
+        swap.rebind_scheduler(scheduler, {id(old): new})
 
 
 def adopt_masters_early(module: nn.Module, device: torch.device) -> list[nn.Parameter]:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device session on an H100: install, GPU tests, then the single-GPU benchmarks. Logs under $OUT.
+# Usage (device tool, carry .whl for torchao): bash benchmarks/run_h100.sh [linear|train|optim|lab ...]
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u; } > "$OUT/env.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt"
+for what in "$@"; do
+  case $what in
+    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/core/test_linear.py tests/core/test_scaling.py > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
+    linear) timeout 240 python3 benchmarks/bench_linear.py --compile > "$OUT/linear.log" 2>&1; tail -8 "$OUT/linear.log";;
+    cast) timeout 60 python3 benchmarks/bench_cast.py > "$OUT/cast.log" 2>&1; tail -9 "$OUT/cast.log";;
+    optim) timeout 200 python3 benchmarks/bench_optim.py > "$OUT/optim.log" 2>&1; tail -15 "$OUT/optim.log";;
+    train) timeout 420 python3 benchmarks/train_step.py --compile no --steps 10 --warmup 3 --json "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; tail -14 "$OUT/train_step.log";;
+    train_compile) timeout 540 python3 benchmarks/train_step.py --compile yes --steps 10 --warmup 3 --json "$OUT/train_step_compile.json" > "$OUT/train_step_compile.log" 2>&1; tail -14 "$OUT/train_step_compile.log";;
+  esac
+done

@@ -1,0 +1,111 @@
+"""Replacing a fresh ``torch.optim.AdamW``/``Adam`` by an equivalent :class:`~lightning_fp8.FP8AdamW`.
+
+The Lightning precision plugin and the Accelerate integration both receive ordinary AdamW optimizers and hand
+FP8AdamW to the training loop. :func:`to_fp8_adamw` builds it with the same hyper-parameters and param groups
+(extra keys such as ``initial_lr`` or a group ``name`` are kept); :func:`rebind_scheduler` points an LR scheduler
+built on the old optimizer at the new one. Anything that would silently change the update rule (AMSGrad,
+``maximize``, Adam's coupled L2 weight decay, existing state) is an error that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+# torch.optim.Adam(W) group keys that select an implementation, not the update rule: FP8AdamW has its own.
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+_DROPPED_KEYS = (*_IMPLEMENTATION_KEYS, "amsgrad", "maximize")
+
+
+def is_replaceable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is exactly ``torch.optim.AdamW`` or ``torch.optim.Adam`` (what FP8AdamW replaces)."""
+    return type(optimizer) in (torch.optim.AdamW, torch.optim.Adam)
+
+
+def check_replaceable(optimizer: torch.optim.Optimizer, *, source: str, opt_out: str) -> None:
+    """Raise a ``ValueError`` if replacing ``optimizer`` by FP8AdamW would change training.
+
+    Args:
+        optimizer: an AdamW/Adam.
+        source: where the optimizer came from, for the message (e.g. ``"configure_optimizers"``).
+        opt_out: how the user keeps their optimizer instead, for the message.
+    """
+    name = type(optimizer).__name__
+    if optimizer.state:
+        raise ValueError(
+            f"the {name} from {source} already has state for {len(optimizer.state)} parameter(s); FP8-LM can only "
+            f"replace a fresh optimizer: create it before training starts (its state is restored afterwards)"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(
+                    f"{name}(param_groups[{i}] {flag}=True) has no FP8AdamW equivalent: set {flag}=False, or {opt_out}"
+                )
+        coupled_l2 = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
+        if coupled_l2 and group.get("weight_decay", 0) != 0:
+            raise ValueError(
+                f"Adam(weight_decay={group['weight_decay']}) adds an L2 term to the gradient, but FP8AdamW decays "
+                "weights decoupled (AdamW): use torch.optim.AdamW(weight_decay=...) or Adam(weight_decay=0)"
+            )
+
+
+def to_fp8_adamw(
+    optimizer: torch.optim.Optimizer, *, source: str = "the caller", opt_out: str = "keep it", **fp8_kwargs: Any
+) -> torch.optim.Optimizer:
+    """An ``FP8AdamW`` equivalent to a fresh AdamW/Adam (returned unchanged if it already is an FP8AdamW).
+
+    Args:
+        optimizer: a fresh ``torch.optim.AdamW`` or ``Adam``.
+        source, opt_out: wording of the errors (see :func:`check_replaceable`).
+        fp8_kwargs: ``FP8AdamW`` constructor arguments (``grad_scaler``, ``opt_level``...), passed where its
+            signature accepts them.
+
+    Raises:
+        ValueError: see :func:`check_replaceable`.
+    """
+    from lightning_fp8.optim import FP8AdamW
+
+    if isinstance(optimizer, FP8AdamW):
+        return optimizer
+    check_replaceable(optimizer, source=source, opt_out=opt_out)
+    accepted = inspect.signature(FP8AdamW.__init__).parameters
+    kwargs = {k: v for k, v in {**optimizer.defaults, **fp8_kwargs}.items() if k in accepted and k != "params"}
+    groups = [{k: v for k, v in group.items() if k not in _DROPPED_KEYS} for group in optimizer.param_groups]
+    return FP8AdamW(groups, **kwargs)
+
+
+def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    # torch's LRScheduler wraps optimizer.step to notice a scheduler stepping first; give the new optimizer the
+    # same wrapper so a rebound scheduler behaves as if it had been built on it (and does not warn).
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def rebind_scheduler(scheduler: Any, swapped: dict[int, torch.optim.Optimizer]) -> None:
+    """Point ``scheduler`` (and those nested in ``SequentialLR``/``ChainedScheduler``) at the new optimizers.
+
+    Args:
+        scheduler: an LR scheduler.
+        swapped: ``{id(old optimizer): new optimizer}``. The param groups were copied, so ``initial_lr`` and the
+            current learning rate carry over.
+    """
+    new = swapped.get(id(getattr(scheduler, "optimizer", None)))
+    if new is not None:
+        scheduler.optimizer = new
+        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            _track_step_called(new)
+    for inner in getattr(scheduler, "_schedulers", ()):
+        rebind_scheduler(inner, swapped)
