@@ -19,7 +19,7 @@ What it measures, in one run, after checking every FP8 variant against the fp32 
 
 Times are medians of CUDA-event timings after warm-up. Bus bandwidth follows nccl-tests: an all-reduce moves
 ``2 (N-1)/N`` of its bytes per rank, a reduce-scatter ``(N-1)/N``; FP8 variants count 1 byte per element. The
-table comes last; the full log goes to ``--log``.
+table comes last; the full log goes to ``--log-file``.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
@@ -143,7 +143,7 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     variants.append(("all_reduce", "comm only: all_to_all + all_gather u8", raw_portable, 1, None))
     rs_in = grads[: u8.numel()]
     rs_out = torch.empty(rs_in.numel() // world, dtype=torch.bfloat16, device=device)
-    rs_layout = SegmentLayout.blocks(rs_in.numel(), rs_in.numel() // world // 8 or 1)
+    rs_layout = layout.slice(0, rs_in.numel())  # the same tensors (cut to a multiple of the world size)
     rs = getattr(dist, "reduce_scatter_single", None)
     if nccl:
         rs_fn = (lambda: rs(output=rs_out, input=rs_in)) if rs else (lambda: dist.reduce_scatter_tensor(rs_out, rs_in))
@@ -302,7 +302,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--gpt-iters", type=int, default=5)
-    p.add_argument("--log", default=None, help="log file (default: bench_comm_<backend>_<N>.log)")
+    p.add_argument("--log-file", default=None, help="log file (default: bench_comm_<backend>_<N>.log)")
     args = p.parse_args(argv)
     if args.toy:
         args.numel, args.tensors, args.iters, args.warmup = min(args.numel, 1 << 20), 8, 3, 1
@@ -337,7 +337,7 @@ def main(argv=None) -> None:
         bench_gpt(args, device, rows)
     print_table(rows)
     if dist.get_rank() == 0:
-        path = args.log or f"bench_comm_{dist.get_backend()}_{dist.get_world_size()}.log"
+        path = args.log_file or f"bench_comm_{dist.get_backend()}_{dist.get_world_size()}.log"
         with open(path, "w") as f:
             f.write("\n".join(LOG) + "\n")
         print(f"log written to {path}")

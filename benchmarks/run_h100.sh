@@ -13,11 +13,13 @@ python3 -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/pip.log" 2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt"
 for what in "$@"; do
   case $what in
+    check) timeout 200 python3 benchmarks/check_compile.py > "$OUT/check_compile.log" 2>&1; tail -4 "$OUT/check_compile.log";;
+    gputests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gputests.log" 2>&1; tail -4 "$OUT/gputests.log";;
     tests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/core/test_linear.py tests/core/test_scaling.py > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
     linear) timeout 240 python3 benchmarks/bench_linear.py --compile > "$OUT/linear.log" 2>&1; tail -8 "$OUT/linear.log";;
     cast) timeout 60 python3 benchmarks/bench_cast.py > "$OUT/cast.log" 2>&1; tail -9 "$OUT/cast.log";;
-    optim) timeout 200 python3 benchmarks/bench_optim.py > "$OUT/optim.log" 2>&1; tail -15 "$OUT/optim.log";;
-    train) timeout 420 python3 benchmarks/train_step.py --compile no --steps 10 --warmup 3 --json "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; tail -14 "$OUT/train_step.log";;
+    optim) timeout 200 python3 benchmarks/bench_optim.py --iters 10 --out "$OUT/optim_h100.txt" > "$OUT/optim.log" 2>&1; tail -16 "$OUT/optim.log";;
+    train) timeout 420 python3 benchmarks/train_step.py --compile no --variants ${VARIANTS:-bf16,torchao,o1,o2} --steps 10 --warmup 3 --json "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; tail -14 "$OUT/train_step.log";;
     train_compile) timeout 540 python3 benchmarks/train_step.py --compile yes --steps 10 --warmup 3 --json "$OUT/train_step_compile.json" > "$OUT/train_step_compile.log" 2>&1; tail -14 "$OUT/train_step_compile.log";;
   esac
 done

@@ -32,7 +32,7 @@ __all__ = ["GPT", "ByteWindows", "Corpus", "GPTConfig", "fp8_module_filter", "lo
 
 _PRESETS: dict[str, dict[str, int]] = {
     # Runs in a couple of minutes on a laptop CPU (FP8 emulated).
-    "toy": {"seq_len": 128, "depth": 4, "width": 128, "heads": 4},
+    "toy": {"seq_len": 128, "depth": 2, "width": 128, "heads": 4},
     # Minutes on one GPU.
     "small": {"seq_len": 512, "depth": 8, "width": 512, "heads": 8},
     # ~128M parameters: GPT-2 small's width and heads, 18 layers because a byte vocabulary has almost no
@@ -58,7 +58,7 @@ class GPTConfig:
 
     vocab_size: int = 256
     seq_len: int = 128
-    depth: int = 4
+    depth: int = 2
     width: int = 128
     heads: int = 4
     dropout: float = 0.0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import math
@@ -177,6 +178,8 @@ def run_variant(name: str, args: argparse.Namespace, loaders: tuple[Any, Any]) -
     # The CSV logs hold what the callbacks log (health/*, fp8/*) beside the report's own series.
     trainer = build_trainer(run_args, [recorder, health], loggers=[CSVLogger(args.out / "logs", name=name)])
     if torch.cuda.is_available():
+        gc.collect()  # the previous variant's model and optimizer must not count towards this one's peak
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.fit(lit, *loaders)
@@ -249,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-bar", action="store_true")
     args = p.parse_args(argv)
     preset_given = args.preset is not None
+    if args.lr is None and args.preset == "gpt125m":
+        args.lr = 6e-4  # GPT-2 small's learning rate
     defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
     for key, value in defaults.items():
         if key in ("width", "depth", "seq_len") and preset_given:

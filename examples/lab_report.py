@@ -91,6 +91,7 @@ def plot_scales(run: dict[str, Any], path: Path) -> None:
                 scales[layer][role],
                 color=cmap(i / max(1, len(layers) - 1)),
                 linewidth=0.9,
+                drawstyle="steps-post",  # a scale holds until the next recorded step
                 label=layer if len(layers) <= 8 else None,
             )
         ax.set(title=f"{role}: log2(scale) per layer", xlabel="step")
@@ -182,7 +183,7 @@ def write_report(out: Path) -> Path:
     lines += [
         "- bytes/param: the parameter's storage plus its optimizer states, measured after the first steps, per"
         " parameter of the blocks' linear layers (the FP8 ones) and of the whole model; gradients are transient"
-        " and not included (DESIGN.md's table adds 4 bytes for an fp32 gradient, 1 for an FP8 one).",
+        " and not included (the optimization-level table of the docs adds 4 bytes for an fp32 gradient, 1 for FP8).",
         "",
         *summary_table(runs),
         "",

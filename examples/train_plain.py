@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--preset", default="small" if gpu else "toy", choices=["toy", "small", "gpt125m"])
     p.add_argument("--width", type=int)
     p.add_argument("--depth", type=int)
+    p.add_argument("--heads", type=int)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--batch-size", type=int, default=32 if gpu else 16)
     p.add_argument("--max-steps", type=int, default=1000 if gpu else 200)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(1234)
     device = torch.device("cuda" if gpu else "cpu")
 
-    cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, seq_len=args.seq_len)
+    cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
     corpus = load_corpus(args.data)
     train_loader = DataLoader(ByteWindows(corpus.train, cfg.seq_len), args.batch_size, shuffle=True, drop_last=True)
     val_loader = DataLoader(ByteWindows(corpus.val, cfg.seq_len), args.batch_size, drop_last=True)

@@ -64,16 +64,20 @@ def cast_to_fp8_ref(
 # operation (no fused multiply-add), in this order:
 #
 #     g = grad * grad_scale_inv                    grad_scale_inv = (FP8 grad's scale_inv or 1) * grad_unscale (1/mu)
-#     w, m, v = state / state_scale                for scaled storage (fp16, FP8); fp32/bf16 states are unscaled
+#     w, m, v = state / state_scale                for scaled storage (fp16, FP8; exact: powers of two); fp32/bf16
+#                                                  states are unscaled
 #     m = m * beta1 + g * (1 - beta1)
 #     v = v * beta2 + (g * g) * (1 - beta2)
-#     w = w * (1 - lr * wd) - (m / (sqrt(v) / sqrt(1 - beta2**t) + eps)) * (lr / (1 - beta1**t))
-#     state = RNE(saturate(x * new_scale))         new_scale = pow2_scale(amax) from the fresh amax (two_pass) or from
-#                                                  the stored amax of the previous step (delayed, saturation possible)
+#     w = w * (1 - lr * wd) - (m / (sqrt(v) * (1 / sqrt(1 - beta2**t)) + eps)) * (lr / (1 - beta1**t))
+#     state = RNE(saturate(x * new_scale))         new_scale = pow2_scale(a), a = the fresh amax (two_pass) or an upper
+#                                                  bound of it known before the update (one pass; see adamw_bound_ref)
 # ---------------------------------------------------------------------------------------------------------------------
 
 # Storage formats that carry a per-tensor scale, with their largest finite value.
 SCALED_STATE_MAX = {torch.float16: 65504.0, **_FP8_MAX}
+# The one-pass bounds start from amaxes of values before their last rounding (to the storage format, or to the FP8
+# gradient): a stored value exceeds its amax by at most 2**-3 relative (E5M2), covered with margin by this factor.
+BOUND_SLACK = 1.25
 
 
 class AdamWConstants:
@@ -81,14 +85,19 @@ class AdamWConstants:
 
     def __init__(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
         def f32(x: float) -> float:
-            return torch.tensor(x, dtype=torch.float32).item()
+            return struct.unpack("<f", struct.pack("<f", x))[0]
 
         self.beta1, self.one_minus_beta1 = f32(beta1), f32(1.0 - beta1)
         self.beta2, self.one_minus_beta2 = f32(beta2), f32(1.0 - beta2)
         self.eps = f32(eps)
         self.decay = f32(1.0 - lr * weight_decay)
-        self.step_size = f32(lr / (1.0 - beta1**step))
-        self.bc2_sqrt = f32((1.0 - beta2**step) ** 0.5)
+        step_size = lr / (1.0 - beta1**step)
+        self.step_size = f32(step_size)
+        self.inv_bc2_sqrt = f32(1.0 / (1.0 - beta2**step) ** 0.5)
+        # |m| <= K sqrt(v) for Adam's moments (Cauchy-Schwarz over the exponential sums) when beta1**2 < beta2, so
+        # |update| <= K * step_size; the factor 2 absorbs the moments' storage rounding. None: no bound.
+        k = (1.0 - beta1) / ((1.0 - beta2) * (1.0 - beta1**2 / beta2)) ** 0.5 if beta1**2 < beta2 else None
+        self.max_update = f32(2.0 * k * step_size) if k is not None else None
 
 
 def float32_exponent_mantissa(value: float) -> tuple[int, int]:
@@ -110,6 +119,21 @@ def pow2_scale_ref(amax: torch.Tensor, fmax: float, margin: int, prev: torch.Ten
     return torch.where(torch.isfinite(a) & (a > 0), scale, prev)
 
 
+def adamw_bound_ref(j: int, amax: torch.Tensor, grad_amax: torch.Tensor, c: AdamWConstants) -> torch.Tensor:
+    """Upper bound of the new ``max|x|`` of state ``j`` (0 master, 1 exp_avg, 2 exp_avg_sq), known before the update.
+
+    From the stored amax of the state and ``grad_amax``, an amax of ``grad * grad_scale_inv`` (in fp32, in this order):
+    exp_avg ``<= A*S*b1 + G*(1-b1)``, exp_avg_sq ``<= A*S*b2 + G*G*(1-b2)``, master ``<= A*S*decay + max_update``,
+    with ``S = BOUND_SLACK`` and ``G = grad_amax * S``.
+    """
+    a = amax.float() * BOUND_SLACK
+    if j == 0:
+        return a * c.decay + c.max_update
+    if j == 1:
+        return a * c.beta1 + grad_amax * c.one_minus_beta1
+    return a * c.beta2 + (grad_amax * grad_amax) * c.one_minus_beta2
+
+
 def _is_scaled(t: torch.Tensor, scales: object) -> bool:
     return scales is not None and t.dtype in SCALED_STATE_MAX
 
@@ -126,7 +150,7 @@ def adamw_update_ref(g, w, m, v, c: AdamWConstants):
     m = m * c.beta1 + g * c.one_minus_beta1
     v = v * c.beta2 + (g * g) * c.one_minus_beta2
     # torch.sqrt of fp32 on CPU is not always correctly rounded; through fp64 it is (53 >= 2 * 24 + 2 bits).
-    denom = torch.sqrt(v.double()).float() / c.bc2_sqrt + c.eps
+    denom = torch.sqrt(v.double()).float() * c.inv_bc2_sqrt + c.eps
     w = w * c.decay - (m / denom) * c.step_size
     return w, m, v
 
@@ -148,7 +172,7 @@ def adamw_step_ref(
     step: int,
     grad_unscale: float = 1.0,
     two_pass: bool = True,
-    margin: int = 0,
+    grad_amaxes: list[torch.Tensor] | None = None,
     param_copies: list[torch.Tensor] | None = None,
 ) -> None:
     """A multi-tensor AdamW step on (possibly scaled, low-precision) states, in place.
@@ -159,18 +183,25 @@ def adamw_step_ref(
         exp_avgs, exp_avg_sqs: first and second moments (fp32/bf16 unscaled, or fp16/FP8 scaled), in place.
         scales: per tensor the 0-dim fp32 storage scales ``(param, exp_avg, exp_avg_sq)``, replaced by the new
             scales (only entries of scaled formats are used); ``None`` when no state is scaled.
-        amaxes: per tensor 0-dim fp32 ``max|x|`` of the stored ``(param, exp_avg, exp_avg_sq)``, replaced by the
-            new values (the delayed mode derives its write scale from them); ``None`` with ``scales=None``.
+        amaxes: per tensor 0-dim fp32 ``max|x|`` of the new ``(param, exp_avg, exp_avg_sq)`` before storage
+            rounding, replaced by the new values; ``None`` with ``scales=None``.
         grad_scale_invs: per tensor 0-dim fp32 ``scale_inv`` of an FP8 gradient, or ``None`` (all 1).
         lr, beta1, beta2, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
         step: the step number t >= 1 (bias correction).
         grad_unscale: a factor applied to every gradient (1/mu of the gradient scaler); a power of two keeps it exact.
-        two_pass: fresh scales from the new amax (True) or delayed scales from the stored amax (False).
-        margin: binades of headroom in the new scales.
+        two_pass: new scales from the fresh amax (True; the kernel reads the inputs twice), or from an upper bound
+            of it known before the update (False: one pass, never saturates, at most a binade or so conservative).
+        grad_amaxes: with ``two_pass=False`` and ``scales``: per tensor 0-dim fp32 ``max|grad * grad_scale_inv|``
+            (before any FP8 rounding of the gradient); needs ``beta1**2 < beta2``.
         param_copies: optional high-precision tensors that receive the new unscaled weights (a model parameter that
             is not the master's storage), in their own dtype.
+
+    Raises:
+        ValueError: for a one-pass step with scales but no ``grad_amaxes``, or with ``beta1**2 >= beta2``.
     """
     c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
+    if not two_pass and scales is not None and (grad_amaxes is None or c.max_update is None):
+        raise ValueError("adamw_step(two_pass=False) needs grad_amaxes and beta1**2 < beta2 for its scale bounds")
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         states = (p, m, v)
         ginv = torch.tensor(grad_unscale, dtype=torch.float32, device=g.device)
@@ -182,8 +213,12 @@ def adamw_step_ref(
         fresh = [amax_ref(x) for x in new]
         for j, (x, dst) in enumerate(zip(new, states, strict=True)):
             if _is_scaled(dst, state_scales[j]):
-                source = fresh[j] if two_pass else amaxes[i][j]
-                write_scale = pow2_scale_ref(source, SCALED_STATE_MAX[dst.dtype], margin, state_scales[j].float())
+                if two_pass:
+                    source = fresh[j]
+                else:
+                    g_amax = grad_amaxes[i].float() * abs(grad_unscale) * BOUND_SLACK
+                    source = adamw_bound_ref(j, amaxes[i][j], g_amax, c)
+                write_scale = pow2_scale_ref(source, SCALED_STATE_MAX[dst.dtype], 0, state_scales[j].float())
                 _store_scaled_ref(x, dst, write_scale)
                 state_scales[j].copy_(write_scale)
             else:

@@ -172,7 +172,7 @@ def fp8_stats(
     Raises:
         TypeError: if ``model`` is not an ``nn.Module`` or ``grad_scaler`` has no ``scale``.
 
-    Example:
+    Examples:
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
         >>> _ = model(torch.randn(4, 32))
         >>> sorted(fp8_stats(model)["layers"]["0"])

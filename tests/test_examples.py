@@ -35,7 +35,7 @@ TOY = ["--width", "64", "--depth", "2", "--heads", "4", "--seq-len", "64", "--ba
 
 
 def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run an example; ``timeout`` only guards against a hang (the runs take well under a minute on 2 cores)."""
+    """Run an example as a user does; ``timeout`` only guards against a hang."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
@@ -156,8 +156,9 @@ def test_lab_toy(tmp_path):
         assert runs[name]["series"]["grad_scale"], "the gradient scale mu was not recorded"
     # Parameter + optimizer states of the FP8 linear weights (DESIGN.md's table without the gradient): fp32
     # weight, m, v = 12 bytes for BF16 and O1; fp16 master + E4M3 m + fp16 v = 5 bytes (+ 0-dim scales) at O2.
-    assert runs["bf16"]["linear_bytes_per_param"] == pytest.approx(12.0)
-    assert runs["fp8-lm-o1"]["linear_bytes_per_param"] == pytest.approx(12.0)
+    # The 0-dim scalars (step counts, scales) add a few bytes per tensor: under 0.01 bytes per parameter here.
+    assert runs["bf16"]["linear_bytes_per_param"] == pytest.approx(12.0, abs=0.01)
+    assert runs["fp8-lm-o1"]["linear_bytes_per_param"] == pytest.approx(12.0, abs=0.01)
     assert runs["fp8-lm"]["linear_bytes_per_param"] == pytest.approx(5.0, abs=0.01)
     if runs["torchao"]["status"].startswith("skipped"):
         assert "not installed" in runs["torchao"]["status"]
@@ -165,3 +166,16 @@ def test_lab_toy(tmp_path):
         assert (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     assert "| FP8-LM O2 | ok |" in summary and "relative to BF16" in summary
+
+
+def test_train_plain_toy(tmp_path):
+    args = [*TOY, "--max-steps", "60", "--val-batches", "4", "--lr", "3e-3", "--out", str(tmp_path)]
+    proc = _run("train_plain.py", args, timeout=900)
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "| loss " in line]
+    final = next(line for line in proc.stdout.splitlines() if line.startswith("final train loss"))
+    val_loss = float(final.split("final val loss ")[1].split()[0])
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] - 0.5 and val_loss < LEARNED_LOSS
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert set(ckpt) == {"model", "fp8", "optimizer", "grad_scaler"}
+    assert any(key.endswith("grad_output.amax_history") for key in ckpt["fp8"])

@@ -15,9 +15,9 @@
   itself divides by the world size (``set_force_sum_reduction_for_comms``).
 - **Weights**: :class:`FP8WeightAllGather` replaces the all-gather (``set_custom_all_gather``). The weight of
   every :class:`~lightning_fp8.FP8Linear` travels as E4M3 bytes with a whole-tensor scale from its global amax
-  (one MAX all-reduce for all weights of the module, so every rank uses the same scale and no per-rank scale
-  needs to travel); other parameters (biases, norms, embeddings) travel in their own dtype in the same
-  collective. Each rank decodes the gathered bytes into the unsharded weight, whose values then lie on the FP8
+  (one MAX all-reduce for all weights of the module, so every rank uses the same scale), sent beside the bytes
+  (4 bytes per weight and rank); other parameters (biases, norms, embeddings) travel in their own dtype in the
+  same collective. Each rank decodes the gathered bytes into the unsharded weight, whose values then lie on the FP8
   grid of that scale: the forward's own weight cast (FP8Linear, current scaling) reproduces the same FP8 values
   without any further communication.
 
@@ -36,7 +36,7 @@ from torch import nn
 from lightning_fp8.distributed.comm import reduce_scatter_fp8
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
-from lightning_fp8.distributed.quantize import segment_amax
+from lightning_fp8.distributed.quantize import kernel, segment_amax
 from lightning_fp8.formats import E4M3
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.scaling import compute_scale
@@ -145,18 +145,19 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
 
 
 class FP8WeightAllGather(AllGather):
-    """FSDP2 all-gather that sends FP8Linear weights as E4M3 bytes with a whole-tensor scale.
+    """FSDP2 all-gather that sends FP8Linear weights as E4M3 bytes with a whole-tensor scale beside them.
 
     Args:
         param_group: the FSDP parameter group this comm gathers.
-        fp8_weight_ids: ``id()`` of the sharded parameters that are FP8Linear weights; and for each, its
-            scaling margin (the layer's weight role), so the gathered weight's scale equals the one the
-            layer's own weight cast computes.
+        fp8_weights: ``{id(sharded weight): margin}`` of the FP8Linear weights (the margin of the layer's weight
+            role, so the gathered weight's scale is the one the layer's own weight cast computes).
+        compiled: run the cast and decode kernels under ``torch.compile``.
     """
 
-    def __init__(self, param_group, fp8_weights: dict[int, int]) -> None:
+    def __init__(self, param_group, fp8_weights: dict[int, int], compiled: bool = False) -> None:
         self.param_group = param_group
         self.fp8_weights = fp8_weights
+        self.compiled = compiled
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -176,47 +177,45 @@ class FP8WeightAllGather(AllGather):
         return None
 
     def _gather(self, output, shard, group, numels, margins) -> None:
+        # Sent by each rank: every parameter's shard (E4M3 bytes for FP8 weights, its own bytes otherwise), then
+        # one fp32 scale_inv per FP8 weight. The scales come from the global amax (one MAX all-reduce of the
+        # shards' amaxes), so they are the same on every rank, and each rank's bytes travel with theirs.
         world = group.size()
         starts = [sum(numels[:i]) for i in range(len(numels))]
-        pieces = [shard[s : s + n] for s, n in zip(starts, numels, strict=True)]
         fp8_idx = [i for i, m in enumerate(margins) if m is not None]
-        amax = segment_amax(shard, tuple(numels))[fp8_idx] if fp8_idx else shard.new_zeros(0, dtype=torch.float32)
+        amax = segment_amax(shard, tuple(numels))[fp8_idx]
         if amax.numel():
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the global amax of every FP8 weight
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         margin = torch.tensor([margins[i] for i in fp8_idx], dtype=torch.float32, device=shard.device)
         scale = compute_scale(amax, E4M3) * torch.exp2(-margin)
-        send, widths, j = [], [], 0
-        for i, piece in enumerate(pieces):
+        quantize = kernel("quantize", self.compiled)
+        send = []
+        for i, (start, n) in enumerate(zip(starts, numels, strict=True)):
+            piece = shard[start : start + n]
             if i in fp8_idx:
-                q = _cast_e4m3(piece, scale[j])
-                j += 1
-                send.append(q.view(torch.uint8))
+                ends = torch.tensor([n], device=shard.device)
+                send.append(quantize(piece, ends, scale[fp8_idx.index(i)].view(1), E4M3)[0].view(torch.uint8))
             else:
-                send.append(piece.reshape(-1).view(torch.uint8))
-            widths.append(send[-1].numel())
-        send_bytes = torch.cat(send)
-        gathered = torch.empty(world * send_bytes.numel(), dtype=torch.uint8, device=shard.device)
-        _all_gather(gathered, send_bytes, group)
-        rows_in = gathered.view(world, -1)
-        rows_out = output.view(world, -1)
-        offset, j = 0, 0
+                send.append(piece.view(torch.uint8))
+        widths = [t.numel() for t in send]
+        send.append(scale.reciprocal().view(torch.uint8))
+        gathered = torch.empty(world * sum(t.numel() for t in send), dtype=torch.uint8, device=shard.device)
+        _all_gather(gathered, torch.cat(send), group)
+        self._decode(gathered.view(world, -1), output.view(world, -1), starts, numels, widths, fp8_idx)
+
+    def _decode(self, rows_in, rows_out, starts, numels, widths, fp8_idx) -> None:
+        world = rows_in.shape[0]
+        scale_inv = rows_in[:, sum(widths) :].contiguous().view(torch.float32)  # (world, FP8 weights)
+        dequantize = kernel("dequantize", self.compiled)
+        offset = 0
         for i, (start, n, width) in enumerate(zip(starts, numels, widths, strict=True)):
-            src = rows_in[:, offset : offset + width]
-            dst = rows_out[:, start : start + n]
-            if i in fp8_idx:
-                dst.copy_(src.view(E4M3).float() * scale[j].reciprocal())
-                j += 1
+            src, dst = rows_in[:, offset : offset + width], rows_out[:, start : start + n]
+            if i in fp8_idx:  # each rank's bytes decoded with the scale that travelled with them
+                ends = torch.arange(1, world + 1, device=src.device) * n
+                dst.copy_(dequantize(src.view(E4M3), ends, scale_inv[:, fp8_idx.index(i)], dst.dtype).view(world, n))
             else:
                 dst.view(torch.uint8).copy_(src)
             offset += width
-
-
-def _cast_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # The reference cast (saturating, NaN for non-finite); the scale comes from the global amax, so nothing
-    # saturates unless the weight itself is non-finite.
-    y = x.float() * scale
-    y = torch.where(torch.isfinite(y), y.clamp(-448.0, 448.0), torch.nan)
-    return y.to(E4M3)
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
@@ -283,5 +282,6 @@ def enable_fp8_fsdp2(
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
-            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights))
+            compiled = state.compiled(groups[0].fsdp_params[0].sharded_param.device)
+            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, compiled))
     return state

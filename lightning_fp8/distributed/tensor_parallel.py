@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import Placement
+from typing_extensions import override
 
 from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync, localize_buffers
 from lightning_fp8.distributed.tensor_parallel_linear import Comm, TPLinearFn
@@ -136,13 +137,13 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     master_scale = getattr(weight, master.SCALE_ATTR, None)
-    y = TPLinearFn.apply(x.to_local(), weight.to_local(), fp8, comm, out_dtype, current, master_scale)
+    bias = layer.bias
+    if bias is not None:
+        # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
+        bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
+    y = TPLinearFn.apply(x.to_local(), weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
     for state in fp8.values():  # outside the autograd.Function, as in FP8Linear.forward
         state.initialized = True
-    if layer.bias is not None:
-        # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
-        partial_grad = kind == "rowwise" and dim is not None
-        y = y + layer.bias.to_local(grad_placements=[Partial()] if partial_grad else None).to(out_dtype)
     return DTensor.from_local(y, mesh, [out_placement], run_check=False)
 
 
@@ -150,6 +151,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
 def _parallelize(
     module: FP8Linear,
     mesh: DeviceMesh,
+    *,
     weight: Placement,
     bias: Placement,
     input_layout: Placement,
@@ -209,6 +211,7 @@ class FP8ColwiseParallel(ColwiseParallel):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self.fp8_comm = fp8_comm
 
+    @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
@@ -223,11 +226,11 @@ class FP8ColwiseParallel(ColwiseParallel):
         _parallelize(
             module,
             device_mesh,
-            Shard(0),
-            Shard(0),
-            self.input_layouts[0],
-            self.output_layouts[0],
-            self.use_local_output,
+            weight=Shard(0),
+            bias=Shard(0),
+            input_layout=self.input_layouts[0],
+            output_layout=self.output_layouts[0],
+            use_local_output=self.use_local_output,
         )
         return module
 
@@ -256,6 +259,7 @@ class FP8RowwiseParallel(RowwiseParallel):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self.fp8_comm = fp8_comm
 
+    @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
@@ -264,11 +268,11 @@ class FP8RowwiseParallel(RowwiseParallel):
         _parallelize(
             module,
             device_mesh,
-            Shard(1),
-            Replicate(),
-            self.input_layouts[0],
-            self.output_layouts[0],
-            self.use_local_output,
+            weight=Shard(1),
+            bias=Replicate(),
+            input_layout=self.input_layouts[0],
+            output_layout=self.output_layouts[0],
+            use_local_output=self.use_local_output,
         )
         return module
 

@@ -134,6 +134,7 @@ class TPLinearFn(torch.autograd.Function):
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         fp8: nn.ModuleDict,
         comm: Comm,
         out_dtype: torch.dtype,
@@ -158,12 +159,19 @@ class TPLinearFn(torch.autograd.Function):
         if master_scale is not None:  # the storage holds weight * master_scale (FP8AdamW at O2)
             w_scale_inv = w_scale_inv / master_scale
             _unscale_weight_stats(fp8["weight"], master_scale)
-        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype).reshape(*lead_shape, -1)  # forward
-        if comm.kind == "rowwise":  # partial sums over the input-feature shards
+        # forward GEMM, fast accumulation (forward only) as in FP8Linear; a column shard's bias is fused into it
+        b = None if bias is None else bias.to(out_dtype)
+        fused = b if comm.kind == "colwise" else None
+        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=fused, use_fast_accum=True)
+        y = y.reshape(*lead_shape, -1)
+        if comm.kind == "rowwise":  # partial sums over the input-feature shards; the bias is added once, after
             if comm.dim is None:
                 dist.all_reduce(y, group=group)
             else:
                 y = _reduce_scatter(y, comm.dim, group)
+            if b is not None:
+                y = y + b
+        ctx.bias_dtype = None if bias is None else bias.dtype
         x_saved = x_fp8_t if x_fp8_t is not None else x_fp8
         ctx.save_for_backward(x_saved if need_wgrad else None, w_fp8_t, x_scale_inv, w_scale_inv)
         ctx.x_is_transposed = x_fp8_t is not None
@@ -174,8 +182,11 @@ class TPLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         x_saved, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
-        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         comm, group, state = ctx.comm, ctx.comm.group, ctx.grad_state
+        # Bias gradient in fp32 from this rank's dy: its column shard (colwise), or its rows (rowwise, sequence
+        # parallel: a partial sum that the caller marks as such), or all rows (rowwise, replicated output).
+        db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
         dy_fp8_t = None
         if comm.kind == "rowwise" and comm.dim is not None and comm.fp8:
             dy_fp8, _, dy_scale_inv = _cast(state, dy.contiguous(), False, group, ctx.grad_current, "gathered")
@@ -203,4 +214,4 @@ class TPLinearFn(torch.autograd.Function):
             if dy_fp8_t is None:
                 dy_fp8_t = dy_fp8.t().contiguous()
             dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
-        return dx, dw, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None

@@ -31,7 +31,7 @@ from lightning_fp8.optim import checkpoint, master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.scaling import compute_scale
 
-ScaleUpdate = Literal["two_pass", "delayed"]
+ScaleUpdate = Literal["one_pass", "two_pass"]
 
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 # (master, exp_avg, exp_avg_sq) of FP8 linear weights per optimization level.
@@ -42,8 +42,6 @@ _ALLOWED = {
     # FP8-LM: an FP8 second moment diverged, so it is not offered.
     "exp_avg_sq_dtype": (_FP32, _BF16, _FP16),
 }
-# Headroom of delayed state scales: the new amax may grow 2x over the stored one before values saturate.
-_DELAYED_MARGIN = 1
 _OWNER_ATTR = "_lightning_fp8_grad_owner"
 
 
@@ -73,8 +71,11 @@ class FP8AdamW(torch.optim.Optimizer):
             master is kept apart from the parameter.
         fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy.
             Default: on unless ``torch.distributed`` is initialized (DDP reduces ``param.grad`` after the hook).
-        scale_update: ``"two_pass"`` (fresh scales from the new amax, the inputs are read twice) or ``"delayed"``
-            (one pass, scales from the previous step's amax with one binade of headroom, saturating beyond it).
+        scale_update: how the kernel picks the new power-of-two scales of low-precision states. ``"one_pass"``
+            (default): from an upper bound of the new amax known before the update (stored amaxes, gradient amax,
+            Adam's step bound), so the states are read once and never saturate; a scale may be a binade or two
+            lower than the fresh one. ``"two_pass"``: from the new amax itself, reading the inputs twice (1.5x the
+            memory traffic). One pass needs ``beta1**2 < beta2`` (true for usual betas), else two passes run.
         maximize: maximize the objective, as in ``torch.optim.AdamW``.
 
     Raises:
@@ -102,7 +103,7 @@ class FP8AdamW(torch.optim.Optimizer):
         grad_scaler: Any = None,
         fp8_params: Iterable[torch.Tensor] | None = None,
         fp8_grads: bool | None = None,
-        scale_update: ScaleUpdate = "two_pass",
+        scale_update: ScaleUpdate = "one_pass",
         maximize: bool = False,
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay)
@@ -116,8 +117,8 @@ class FP8AdamW(torch.optim.Optimizer):
             if chosen[name] not in _ALLOWED[name]:
                 raise ValueError(f"FP8AdamW({name}={dtype}) is not supported: choose one of {list(_ALLOWED[name])}")
         self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype = chosen.values()
-        if scale_update not in ("two_pass", "delayed"):
-            raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'two_pass' or 'delayed'")
+        if scale_update not in ("one_pass", "two_pass"):
+            raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'one_pass' or 'two_pass'")
         self.scale_update = scale_update
         self.grad_scaler = grad_scaler
         self.grad_dtype = self.recipe.backward_dtype
@@ -226,8 +227,12 @@ class FP8AdamW(torch.optim.Optimizer):
             data = ops.cast_to_fp8(g.contiguous(), scale, self.grad_dtype)[0]
             self._pending[p] = _FP8Grad(data, scale.reciprocal(), amax)
 
-    def _grad_of(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(grad, grad_scale_inv)`` of ``p`` for this step: its pending FP8 gradient, or ``p.grad``."""
+    def _grad_of(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(grad, grad_scale_inv, grad_amax)`` of ``p`` for this step: its pending FP8 gradient, or ``p.grad``.
+
+        The amax (of ``grad * grad_scale_inv``) is known for FP8 gradients, measured for the high-precision
+        gradient of a low-precision weight (the one-pass scale bounds need it), else ``None``.
+        """
         if p.grad is not None and p.grad.is_sparse:
             raise RuntimeError("FP8AdamW does not support sparse gradients")
         if p in self._pending and p.grad is not None:  # both: fold the high-precision one in
@@ -235,15 +240,17 @@ class FP8AdamW(torch.optim.Optimizer):
             self.accumulate_fp8_grad(p, grad)
         entry = self._pending.get(p)
         if entry is not None:
-            return entry.data, entry.scale_inv
+            return entry.data, entry.scale_inv, entry.amax
         if p.grad is None:
-            return None, None
-        return (p.grad if p.grad.is_contiguous() else p.grad.contiguous()), None
+            return None, None, None
+        grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+        return grad, None, (ops.amax(_local(grad)) if p in self._low_precision else None)
 
     def _nonfinite_grads(self) -> torch.Tensor:
         """0-dim: > 0 when a gradient of this step holds inf or NaN (for the gradient scaler; no host sync)."""
         flags: list[torch.Tensor] = [(~torch.isfinite(e.amax)).float().reshape(1) for e in self._pending.values()]
-        dense = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+        dense = [_local(p.grad) for g in self.param_groups for p in g["params"]
+                 if p.grad is not None and not p.grad.is_sparse]  # fmt: skip
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for grad in dense:
             by_device[grad.device].append(grad)
@@ -292,14 +299,14 @@ class FP8AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             batches: dict[tuple, list[tuple]] = defaultdict(list)
             for p in group["params"]:
-                grad, grad_scale_inv = self._grad_of(p)
+                grad, grad_scale_inv, grad_amax = self._grad_of(p)
                 if grad is None:
                     continue
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p, state)
                 state["step"] += 1
-                item = self._launch_item(p, state, grad, grad_scale_inv)
+                item = self._launch_item(p, state, grad, grad_scale_inv, grad_amax)
                 key = (p.device, int(state["step"].item()), *(t.dtype if t is not None else None for t in item[:6]))
                 batches[key].append(item)
             for key, items in batches.items():
@@ -315,30 +322,36 @@ class FP8AdamW(torch.optim.Optimizer):
                 state["master"] = p.detach().float()
             return
         for key, dtype in (("exp_avg", self.exp_avg_dtype), ("exp_avg_sq", self.exp_avg_sq_dtype)):
-            state[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            # zeros_like: a sharded (DTensor) parameter gets states sharded the same way
+            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state[f"{key}_scale"] = torch.ones((), dtype=_FP32, device=p.device)
             state[f"{key}_amax"] = torch.zeros((), dtype=_FP32, device=p.device)
-        if "master_scale" not in state:  # the master is kept apart from the parameter
-            checkpoint.store(state, "master", p.detach().float(), self.master_dtype, p.shape, p.device)
+        if "master_scale" not in state:  # the master is kept apart from the parameter (this rank's shard of it)
+            local = _local(p).detach().float()
+            checkpoint.store(state, "master", local, self.master_dtype, local.shape, local.device)
+            state["master"] = _like(p, state["master"])
 
-    def _launch_item(self, p, state, grad, grad_scale_inv) -> tuple:
+    def _launch_item(self, p, state, grad, grad_scale_inv, grad_amax) -> tuple:
         target = state.get("master", p.detach())
         copy = p.detach() if "master" in state else None
         scaled = p in self._low_precision
         scales = tuple(state[f"{k}_scale"] for k in ("master", "exp_avg", "exp_avg_sq")) if scaled else None
         amaxes = tuple(state[f"{k}_amax"] for k in ("master", "exp_avg", "exp_avg_sq")) if scaled else None
         return (_local(target), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                grad_scale_inv, _local(copy) if copy is not None else None, scales, amaxes)  # fmt: skip
+                grad_scale_inv, _local(copy) if copy is not None else None, scales, amaxes, grad_amax)  # fmt: skip
 
     def _launch(self, group: dict[str, Any], step: int, items: list[tuple], grad_unscale: float) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes = (list(x) for x in zip(*items, strict=True))
-        two_pass = self.scale_update == "two_pass" or step == 1  # no stored amax yet at the first step
+        params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes, grad_amaxes = (
+            list(x) for x in zip(*items, strict=True)
+        )
         beta1, beta2 = group["betas"]
+        # One pass bounds the new amaxes with Adam's step bound (needs beta1**2 < beta2) and the gradient amaxes.
+        two_pass = self.scale_update == "two_pass" or beta1**2 >= beta2 or scales[0] is None
         kwargs = {
             "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": group["eps"],
             "weight_decay": group["weight_decay"], "step": step,
-            "grad_unscale": -grad_unscale if group["maximize"] else grad_unscale,
-            "two_pass": two_pass, "margin": 0 if two_pass else _DELAYED_MARGIN,
+            "grad_unscale": -grad_unscale if group.get("maximize", False) else grad_unscale,
+            "two_pass": two_pass, "grad_amaxes": None if two_pass else grad_amaxes,
             "param_copies": copies if copies[0] is not None else None,
         }  # fmt: skip
         args = (params, grads, exp_avgs, exp_avg_sqs, scales if scales[0] is not None else None,
@@ -406,3 +419,12 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     # FSDP2 parameters and their states are DTensors: the kernel works on this rank's shard.
     return t.to_local() if _is_dtensor(t) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's shard) as a tensor sharded like ``p``."""
+    if not _is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -13,17 +13,28 @@ from lightning_fp8.optim import checkpoint, master
 from tests.core.gpt_tiny import TinyGPT, batches
 
 # Tolerances on loss curves against torch.optim.AdamW (fp32), as mean |loss - loss_ref| over all steps.
-# O1 keeps fp32 states: only the operation order differs from torch's (a few ulp per step); measured ~6e-6 on the
-# GPT over 300 steps.
-O1_LOSS_TOL = 1e-4
+# O1 keeps fp32 states: only the operation order differs from torch's (a few ulp per step); measured ~1e-7 on the
+# one-block GPT and ~5e-8 on the regression over 300 steps.
+O1_LOSS_TOL = 1e-5
 # O2 rounds the master to fp16 (2**-11 relative), m to E4M3 (2**-4 relative) and v to fp16 every step; the
-# trajectories drift apart like two seeds of the same run: measured ~0.02 (GPT, 300 steps) and ~1e-3 relative
-# (regression). The bounds leave about 2.5x margin.
-O2_LOSS_TOL_GPT = 0.05
-O2_LOSS_TOL_REGRESSION_REL = 5e-3
-# Full FP8 training (FP8 GEMMs + O2 + gradient scaler) on the GPT adds the GEMMs' quantization noise: measured mean
-# |loss - loss_ref| ~0.02 over 60 steps (0.024 over 300).
-FP8_LOSS_TOL = 0.06
+# trajectories drift apart like two seeds of the same run: measured ~0.0015 on the one-block GPT (300 steps) and
+# ~7e-4 of the initial loss on the regression (whose converged loss, ~1e-4, sits at the fp16 master's resolution, so
+# it is not compared relatively). The bounds leave about 3x margin.
+O2_LOSS_TOL_GPT = 0.005
+O2_LOSS_TOL_REGRESSION = 2e-3  # mean |loss - loss_ref| / initial loss
+# Full FP8 training (FP8 GEMMs + O2 + gradient scaler) on the one-block GPT adds the GEMMs' quantization noise:
+# measured mean |loss - loss_ref| ~0.008 over 300 steps (either scale update).
+FP8_LOSS_TOL = 0.02
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These tests run thousands of tiny ops; an intra-op thread pool only adds contention (10-40x slower measured on
+    # a loaded 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _train(model, opt, data, scaler=None):
@@ -73,7 +84,7 @@ def test_regression_300_steps_matches_adamw():
                                           lr=1e-2, weight_decay=0.01)  # fmt: skip
     assert expected[-1] < 0.1 * expected[0]  # it learned
     assert dev["O1"].mean() < O1_LOSS_TOL
-    assert (dev["O2"] / expected).mean() < O2_LOSS_TOL_REGRESSION_REL
+    assert dev["O2"].mean() / expected[0] < O2_LOSS_TOL_REGRESSION
     assert dev["O1"].mean() < dev["O2"].mean() / 10
 
 
@@ -92,11 +103,11 @@ def test_gpt_300_steps_o1_tighter_than_o2():
 def test_gpt_fp8_training_with_scaler_tracks_fp32():
     base = TinyGPT(n_layer=1)
     ref = copy.deepcopy(base)
-    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), batches(60))
+    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), batches(300))
     model = convert_to_fp8(copy.deepcopy(base), module_filter_fn=lambda m, fqn: "head" not in fqn)
     scaler = FP8GradScaler(model=model)
     opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, grad_scaler=scaler)
-    losses = _train(model, opt, batches(60), scaler)
+    losses = _train(model, opt, batches(300), scaler)
     assert model.blocks[0].fc.weight.dtype == torch.float16  # the master lives in the parameter
     assert scaler.skipped_steps == 0
     assert (losses - expected).abs().mean() < FP8_LOSS_TOL
@@ -175,7 +186,7 @@ def _resume_bundle(model, opt, scaler):
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.parametrize("scale_update", ["two_pass", "delayed"])
+@pytest.mark.parametrize("scale_update", ["one_pass", "two_pass"])
 def test_checkpoint_resume_is_bit_identical(scale_update):
     data = [(torch.randn(24, 32), torch.randn(24, 16)) for _ in range(8)]
 
@@ -288,7 +299,7 @@ def test_maximize_ascends():
         ({"weight_decay": -0.1}, "Invalid weight_decay"),
         ({"opt_level": "O3"}, "opt_level='O3'"),
         ({"exp_avg_sq_dtype": E4M3}, "exp_avg_sq_dtype"),
-        ({"scale_update": "sometimes"}, "scale_update"),
+        ({"scale_update": "delayed"}, "scale_update"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -332,3 +343,19 @@ def test_fp8_state_stats_are_plain_numbers():
     assert all(isinstance(v, float) for v in entry.values())
     assert entry["exp_avg_amax"] * entry["exp_avg_scale"] <= 448.0
     assert stats["grad_scaler"]["scale"] == 1.0 and stats["grad_scaler"]["skipped_steps"] == 0
+
+
+def test_compiled_model_trains_like_eager_with_adopted_weights():
+    # FP8Linear folds the master's storage scale into its weight cast, also under torch.compile(fullgraph=True).
+    eager, compiled_src = _fp8_mlp(), _fp8_mlp()
+    opts = [FP8AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled_src)]
+    compiled = torch.compile(compiled_src, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        x, y = torch.randn(24, 32), torch.randn(24, 16)
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    assert eager[0].weight.dtype == torch.float16
+    for a, b in zip(eager.parameters(), compiled_src.parameters(), strict=True):
+        assert torch.equal(a, b)

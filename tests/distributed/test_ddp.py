@@ -1,7 +1,6 @@
 """DDP with the FP8 communication hook: training tracks fp32 communication, non-finite steps skip together."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
 import math
 
 import pytest
@@ -18,7 +17,8 @@ NAN_STEP = 7
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 8))
+    # The head has no bias, so with a small bucket cap its weight fills a bucket alone.
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 8, bias=False))
 
 
 def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,12 +31,18 @@ def _train(rank: int, comm: str, nan_step: int | None = None, scaler: bool = Fal
     from lightning_fp8 import FP8GradScaler
     from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
 
-    # A tiny bucket cap gives several buckets, one of them holding a single tensor.
-    ddp = DDP(_model(), bucket_cap_mb=0.005)
+    # A tiny bucket cap (256 fp32 values) gives several buckets, one of them holding a single tensor.
+    ddp = DDP(_model(), bucket_cap_mb=0.001)
     grad_scaler = FP8GradScaler(init_scale=2.0**4) if scaler else None
     state = FP8CommState(grad_scaler=grad_scaler)
+    bucket_sizes: list[int] = []
+
+    def hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        bucket_sizes.append(len(bucket.parameters()))
+        return fp8_allreduce_hook(state, bucket)
+
     if comm == "fp8":
-        ddp.register_comm_hook(state, fp8_allreduce_hook)
+        ddp.register_comm_hook(state, hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     x, y = _data(rank)
     losses, skipped = [], []
@@ -67,6 +73,7 @@ def _train(rank: int, comm: str, nan_step: int | None = None, scaler: bool = Fal
         "skipped": skipped,
         "finite": bool(torch.isfinite(params).all()),
         "replicas_identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "single_tensor_bucket": 1 in bucket_sizes and max(bucket_sizes, default=0) > 1,
         "scaler_skipped": grad_scaler.skipped_steps if grad_scaler is not None else None,
         "scaler_scale": float(grad_scaler.scale) if grad_scaler is not None else None,
     }
@@ -117,6 +124,7 @@ def test_fp8_training_tracks_fp32_communication(results):
         assert fp8[-1] < 0.5 * fp8[0]  # it trains
         assert abs(fp8[-1] - fp32[-1]) <= tol.TRAINING_FINAL_LOSS_RTOL * fp32[-1], (fp8[-1], fp32[-1])
         assert r["fp8"]["replicas_identical"] and r["fp8"]["skipped"] == []
+        assert r["fp8"]["single_tensor_bucket"]  # buckets of one tensor and of several
 
 
 def test_nan_on_one_rank_skips_the_same_step_everywhere(results):

@@ -211,11 +211,6 @@ def test_fp8_adamw_o2_on_fsdp1_flat_parameters(results):
         _o2_trains_like_o1(_ok(r, "fsdp1_flat_o2"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FP8AdamW O2 on FSDP2: FP8Linear's weight marker does not survive fully_shard, and with "
-    "fp8_params=<sharded weights> _init_state calls compute_scale on a DTensor (Partial(max)) and raises",
-)
 def test_fp8_adamw_o2_on_fsdp2_dtensor_shards(results):
     for r in results:
         _o2_trains_like_o1(_ok(r, "fsdp2_o2"))

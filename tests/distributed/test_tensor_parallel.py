@@ -33,16 +33,17 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 # Where TP only changes the fp32 summation order (the K dimension of the row-parallel GEMM split over ranks, then
-# all-reduced), outputs agree to fp32 rounding, except that now and then an FP8 rounding of a later cast flips by
-# one step (2**-3 relative for E4M3) on a few elements: ~60 dB and more observed; 45 dB is far above any bug.
+# all-reduced), results agree to fp32 rounding: > 130 dB observed. A rounding that lands on the other side of an FP8
+# rounding boundary moves one element by one FP8 step (2**-3 relative), ~53 dB for one element here; 45 dB allows a
+# few such flips and catches any real error (a scale off by 1% costs ~40 dB, a wrong one ~0 dB).
 TP_PARITY_SQNR_DB = 45.0
 # With the FP8 reduce-scatter of input gradients, each rank's partial sum is rounded to E5M2 once before the fp32
 # sum, where the single process keeps it exact: gradients upstream of it carry one more E5M2 rounding, noise of the
-# size the FP8 backward already has. Against the fp32 model, their SQNR may therefore drop by up to 3 dB (noise
-# power doubled) below the single-process FP8 model's (0.2-2 dB observed).
-FP8_COMM_EXTRA_NOISE_DB = 3.0
+# size the FP8 backward already has (3 dB if equal; more where the partial sums partly cancel). Against the fp32
+# model their SQNR may drop by up to 4 dB below the single-process FP8 model's (at most 2.2 dB observed).
+FP8_COMM_EXTRA_NOISE_DB = 4.0
 # 30 training steps: TP and the single-process FP8 model see the same data and init; their loss curves differ only
-# by summation order and FP8 rounding flips, which AdamW does not amplify in 30 steps (<1% observed).
+# by summation order and FP8 rounding flips, which AdamW does not amplify in 30 steps (< 0.5% observed).
 TRAINING_LOSS_RTOL = 0.03
 
 D, HEADS, SEQ, BATCH, VOCAB = 96, 4, 10, 3, 50  # not powers of two; SEQ / WORLD = 5 tokens per rank
@@ -526,3 +527,19 @@ def test_checkpoint_roundtrip(two_ranks):
         loss, restored_loss = report["losses"]
         assert loss == restored_loss, report["losses"]
         assert report["params_equal"] and report["optim_equal"]
+
+
+# ------------------------------------------------------------------------------------ plan errors (in process)
+def test_plan_finds_blocks_and_rejects_bad_plans():
+    from lightning_fp8.distributed.tensor_parallel import GPT_PLAN, _find_blocks, _resolve_plan
+
+    assert _find_blocks(GPT(layers=3), _resolve_plan("gpt")) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert _find_blocks(Block(), GPT_PLAN) == [""]  # a single block is its own block
+    with pytest.raises(ValueError, match="unknown plan"):
+        _resolve_plan("megatron")
+    with pytest.raises(ValueError, match="roles must be"):
+        _resolve_plan({"attn.qkv": "columnwise"})
+    with pytest.raises(ValueError, match="no submodule of GPT contains"):
+        _find_blocks(GPT(), _resolve_plan("llama"))
+    with pytest.raises(TypeError, match="only nn.Linear"):
+        _find_blocks(Block(), {"ln_1": "colwise"})

@@ -82,11 +82,11 @@ class FP8ScaleMonitor(_LoggingCallback):
       summary over all FP8 layers;
     - ``fp8/layers/{layer}/{role}/{scale,amax,saturation}`` for every layer, with ``all_layers=True``;
     - ``fp8/grad_scaler/{scale,skipped_steps,last_saturation,nonfinite_events}``: mu and its bookkeeping;
-    - ``fp8/optimizer/{state}_scale_{min,max}``-style keys ``fp8/optimizer/{key}/{min,max}`` for the scales of
-      the low-precision optimizer states;
+    - ``fp8/optimizer/{key}/{min,max}`` over the parameters, for each scale the first optimizer keeps per
+      parameter (FP8AdamW at O2: ``exp_avg_scale``, ``exp_avg_sq_scale``, ``master_scale``);
     - ``fp8/alerts/scale_drops`` and ``fp8/alerts/scale_rises``: layers whose scale moved by at least
       ``jump_factor`` since the previous log. A drop means the amax jumped (overflow is near); a rise means it
-      collapsed (values underflow). Each alert is also warned once per layer and role, and kept in ``.alerts``.
+      collapsed (values underflow). Each alert is also warned (on rank zero) and kept in ``.alerts``.
 
     Args:
         log_every_n_steps: log period in optimizer steps (default: ``Trainer(log_every_n_steps=...)``).

@@ -66,16 +66,10 @@ def single_process_losses() -> list[float]:
     return module.losses
 
 
-# FSDP2 gradients are DTensors; FP8AdamW._nonfinite_grads returns a DTensor for them, which FP8GradScaler cannot add
-# to its plain flag (AssertionError in DTensor dispatch). Reported to the optimizer's owner; with `.to_local()` on
-# that result the run passes (checked by hand). strict: this test fails as soon as the fix lands, to drop the mark.
-_FSDP2_OPTIMIZER_BUG = pytest.mark.xfail(strict=True, reason="FP8AdamW._nonfinite_grads returns a DTensor under FSDP2")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "comm"),
-    [("ddp", "ddp"), ("fsdp_fp8", "fsdp1"), pytest.param("model_parallel", "fsdp2", marks=_FSDP2_OPTIMIZER_BUG)],
+    [("ddp", "ddp"), ("fsdp_fp8", "fsdp1"), ("model_parallel", "fsdp2")],
 )
 def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
     ranks = _run(strategy, tmp_path, resume=strategy != "model_parallel")

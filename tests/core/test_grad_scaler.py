@@ -1,0 +1,241 @@
+"""FP8GradScaler: mu halves on planted saturation and non-finite gradients, doubles with headroom, agrees across ranks,
+and falls back after repeated non-finite steps."""
+
+import copy
+import io
+import os
+import socket
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
+from lightning_fp8.formats import E4M3, E5M2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These tests run thousands of tiny ops; an intra-op thread pool only adds contention (10-40x slower measured on
+    # a loaded 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _record(scaler, amax, n_saturated=0, numel=1000, dtype=E5M2):
+    scaler.record_gradient_cast(torch.tensor(float(amax)), torch.tensor(n_saturated), numel, dtype)
+
+
+def test_planted_saturation_halves_mu():
+    scaler = FP8GradScaler(init_scale=2.0**8, saturation_threshold=1e-3)
+    _record(scaler, 57344.0, n_saturated=5, numel=1000)  # 0.5% of values at the E5M2 max > 0.1%
+    scaler.update()
+    assert float(scaler.scale) == 2.0**7
+    assert scaler.last_saturation == pytest.approx(5e-3)
+    assert scaler.history[-1]["action"] == "halve"
+    _record(scaler, 40000.0, n_saturated=1, numel=10_000)  # 0.01%: under the threshold, no change
+    scaler.update()
+    assert float(scaler.scale) == 2.0**7
+
+
+def test_headroom_for_growth_interval_doubles_mu():
+    scaler = FP8GradScaler(init_scale=1.0, growth_interval=3, headroom=2.0)
+    for _ in range(2):
+        _record(scaler, 448.0 / 2, dtype=E4M3)  # exactly 2x under the max: headroom
+        scaler.update()
+    _record(scaler, 300.0, dtype=E4M3)  # less than 2x under: the window restarts
+    scaler.update()
+    assert scaler.growth_tracker == 0 and float(scaler.scale) == 1.0
+    for _ in range(3):
+        _record(scaler, 100.0, dtype=E4M3)
+        scaler.update()
+    assert float(scaler.scale) == 2.0 and scaler.history[-1]["action"] == "double"
+
+
+def test_scale_is_clamped_to_its_bounds():
+    scaler = FP8GradScaler(init_scale=2.0**-2, min_scale=2.0**-2, max_scale=1.0, growth_interval=1)
+    _record(scaler, float("inf"))
+    scaler.update()
+    assert float(scaler.scale) == 2.0**-2
+    for _ in range(5):
+        _record(scaler, 1.0)
+        scaler.update()
+    assert float(scaler.scale) == 1.0
+
+
+def _fp8_model(seed=0):
+    torch.manual_seed(seed)
+    return convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
+
+
+@pytest.mark.parametrize("plant", [float("inf"), float("nan")])
+def test_planted_nonfinite_gradient_skips_the_step_and_halves_mu(plant):
+    model = _fp8_model()
+    scaler = FP8GradScaler(init_scale=2.0**4, model=model)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    opt.zero_grad()
+    scaler.scale_loss(((model(x) - y) ** 2).mean()).backward()
+    opt.step()  # a clean step creates the states
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    states = copy.deepcopy(opt.state_dict()["state"])
+    opt.zero_grad()
+    x_bad = x.clone()
+    x_bad[3, 7] = plant  # one poisoned input: its gradients are non-finite
+    scaler.scale_loss(((model(x_bad) - y) ** 2).mean()).backward()
+    opt.step()
+    assert scaler.skipped_steps == 1 and scaler.nonfinite_events == 1
+    assert float(scaler.scale) == 2.0**3
+    assert scaler.history[-1]["action"] == "skip"
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for index, saved in opt.state_dict()["state"].items():
+        assert float(saved["step"]) == float(states[index]["step"])  # no step was taken
+    # The next clean step goes through.
+    opt.zero_grad()
+    scaler.scale_loss(((model(x) - y) ** 2).mean()).backward()
+    opt.step()
+    assert scaler.skipped_steps == 1 and not torch.equal(before["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_plain_optimizer_is_unscaled_and_skipped():
+    lin = nn.Linear(8, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = FP8GradScaler(init_scale=2.0**10)
+    x = torch.randn(5, 8)
+    ref = copy.deepcopy(lin)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).sum().backward()
+    ref_opt.step()
+    scaler.scale_loss(lin(x).sum()).backward()
+    assert scaler.step(opt) is True
+    scaler.update()
+    torch.testing.assert_close(lin.weight, ref.weight)  # gradients were divided by mu = 1024 exactly
+    opt.zero_grad()
+    lin.weight.grad = torch.full_like(lin.weight, float("nan"))
+    lin.bias.grad = torch.zeros_like(lin.bias)
+    weight = lin.weight.detach().clone()
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert torch.equal(lin.weight.detach(), weight) and float(scaler.scale) == 2.0**9
+
+
+def test_mu_change_rescales_grad_output_states_exactly():
+    model = _fp8_model()
+    scaler = FP8GradScaler(init_scale=2.0**4, model=model, saturation_threshold=0.0)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    scaler.scale_loss(((model(x) - y) ** 2).mean()).backward()
+    opt.step()
+    state = model[0].fp8_scaling["grad_output"]
+    history, scale = state.amax_history.clone(), state.scale.clone()
+    _record(scaler, 57344.0, n_saturated=1, numel=10)  # saturation: mu halves
+    scaler.update()
+    assert float(scaler.scale) == 2.0**3
+    assert torch.equal(state.amax_history, history / 2) and torch.equal(state.scale, scale * 2)
+
+
+def test_lower_lr_fallback_after_repeated_nonfinite_steps():
+    p = nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = FP8GradScaler(nonfinite_fallback="lower_lr", fallback_after=3, lr_factor=0.5)
+    for i in range(3):
+        p.grad = torch.full_like(p, float("inf"))
+        assert scaler.step(opt) is False
+        scaler.update()
+        assert opt.param_groups[0]["lr"] == (0.05 if i == 2 else 0.1)
+    assert scaler.history[-1]["action"] == "fallback" and "learning rate" in scaler.history[-1]["reason"]
+    assert scaler.skipped_steps == 3
+
+
+def test_bf16_fallback_puts_offending_layer_back_to_high_precision():
+    model = _fp8_model()
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    for _ in range(2):
+        opt.zero_grad()
+        hidden = model[1](model[0](x)).detach()  # only the last layer gets (non-finite) gradients
+        scaler.scale_loss(((model[2](hidden) - y) ** 2).mean() * float("inf")).backward()
+        opt.step()
+    assert isinstance(model[0], FP8Linear) and type(model[2]) is nn.Linear
+    assert model[2].weight.dtype == torch.float32
+    assert "2" in scaler.history[-1]["reason"]
+    opt.zero_grad()
+    scaler.scale_loss(((model(x) - y) ** 2).mean()).backward()
+    opt.step()  # trains on, the released weight with fp32 states
+    assert opt.state[model[2].weight]["exp_avg"].dtype == torch.float32
+
+
+def test_state_dict_round_trip_with_weights_only():
+    scaler = FP8GradScaler(init_scale=2.0**6, growth_interval=2)
+    _record(scaler, float("nan"))
+    scaler.update()
+    _record(scaler, 10.0)
+    scaler.update()
+    buf = io.BytesIO()
+    torch.save(scaler.state_dict(), buf)
+    buf.seek(0)
+    other = FP8GradScaler()
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert other.state_dict() == scaler.state_dict()
+    assert float(other.scale) == 2.0**5 and other.skipped_steps == 1 and other.growth_tracker == 1
+    with pytest.raises(KeyError, match="missing entries"):
+        other.load_state_dict({"scale": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init_scale": 3.0}, "power of two"),
+        ({"min_scale": 4.0}, "min_scale <= init_scale"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"saturation_threshold": 1.5}, "saturation_threshold"),
+        ({"headroom": 0.5}, "headroom"),
+        ({"nonfinite_fallback": "restart"}, "nonfinite_fallback"),
+        ({"nonfinite_fallback": "bf16"}, "needs the model"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8GradScaler(**kwargs)
+
+
+_DIST_WORKER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from lightning_fp8 import FP8GradScaler
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = FP8GradScaler(init_scale=4.0)
+    p.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)  # only rank 1 overflows
+    stepped = scaler.step(opt)
+    scaler.update()
+    print(f"rank{rank} stepped={stepped} scale={float(scaler.scale)} p0={p[0].item()}")
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_ranks_agree_to_skip(tmp_path):
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(_DIST_WORKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    for rank, (out, _) in enumerate(outs):
+        assert f"rank{rank} stepped=False scale=2.0 p0=1.0" in out
