@@ -17,9 +17,8 @@ layer (benchmarks/bench_linear.py measured ~0.6-1.1 ms per cast on an H100 again
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
-
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
+from triton.runtime.jit import JITFunction
 
 
 @triton.jit
@@ -128,8 +127,8 @@ def _record_cast_op(
     h = amax_history.numel()
     _launch(
         _record_cast_kernel,
-        amax, n_saturated, max(numel, 1), used_scale, amax_history, scale, scale_inv, last_amax, saturation, nonfinite_count,
-        casts, h,
+        amax, n_saturated, max(numel, 1), used_scale, amax_history, scale, scale_inv, last_amax, saturation,
+        nonfinite_count, casts, h,
         BLOCK_H=triton.next_power_of_2(h), ALGO_MAX=algo_max, DELAYED=delayed, **_format(fmax, margin),
     )  # fmt: skip
     return scale_inv

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_fp8.optim.master import master_scale
+
 EVENT_KINDS = ("grad_norm_spike", "loss_plateau", "nonfinite_loss", "nonfinite_grad")
 ACTIONS = ("none", "skip_step", "lower_mu", "lower_lr", "fallback_bf16")
 SERIES = ("loss", "grad_norm", "param_norm", "samples_per_sec", "tokens_per_sec", "memory_gib")
@@ -267,27 +269,43 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "full_tensor") and hasattr(t, "placements")
 
 
+def _unscale_factor(t: torch.Tensor) -> torch.Tensor | None:
+    """The scale an O2 master weight's storage carries (FP8AdamW keeps ``weight * scale`` in fp16), else None."""
+    scale = master_scale(t)
+    if scale is None:
+        return None
+    return scale.full_tensor() if _is_dtensor(scale) else scale
+
+
 def global_norm(tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False) -> torch.Tensor:
     """L2 norm over all ``tensors`` as a 0-dim fp32 tensor (inf/NaN if any value is).
 
+    A parameter whose storage is an O2 master of :class:`~lightning_fp8.FP8AdamW` (it holds ``weight * scale``,
+    the power-of-two scale attached to the parameter, see :mod:`lightning_fp8.optim.master`) counts with its
+    unscaled value ``weight``, so a parameter norm neither reads ~``scale`` times too large nor jumps when the
+    scale changes. Gradients carry no such scale and are taken as they are.
+
     Args:
-        tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]``. DTensors (FSDP2, tensor
-            parallel) are reduced over their mesh by the DTensor norm itself.
+        tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]`` or ``model.parameters()``.
+            DTensors (FSDP2, tensor parallel) are reduced over their mesh by the DTensor norm itself.
         group: the process group plain-tensor shards live in (default: the world), used when ``sharded``.
         sharded: each rank holds a different shard of the plain tensors (FSDP1's flat parameters): sum the squares
             across ranks. Replicated tensors (DDP, single device) must not be reduced.
     """
     plain, distributed = [], []
     for t in tensors:
-        (distributed if _is_dtensor(t) else plain).append(t.detach())
-    device = (plain or distributed)[0].device if (plain or distributed) else torch.device("cpu")
+        # The scale hangs on the parameter itself: look it up before detach() drops the attribute.
+        (distributed if _is_dtensor(t) else plain).append((t.detach(), _unscale_factor(t)))
+    device = (plain or distributed)[0][0].device if (plain or distributed) else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for t in plain:
-        sq = sq + t.float().square().sum().to(device)
+    for t, scale in plain:
+        t_sq = t.float().square().sum()
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(device)
     if sharded and plain and dist.is_available() and dist.is_initialized():
         dist.all_reduce(sq, group=group)
-    for t in distributed:
-        sq = sq + torch.linalg.vector_norm(t.float()).full_tensor().square().to(device)
+    for t, scale in distributed:
+        t_sq = torch.linalg.vector_norm(t.float()).full_tensor().square()
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(device)
     return sq.sqrt()
 
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lightning_fp8 import ops
-from lightning_fp8.kernels import reference
 from lightning_fp8.formats import fp8_max
+from lightning_fp8.kernels import reference
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -133,7 +133,8 @@ class ScalingState(nn.Module):
 # One opaque op per cast: torch.compile saves its outputs for the backward instead of recomputing them from the scale
 # buffer, which this op updates (AOT autograd recomputes cheap ops from graph inputs after their mutation otherwise).
 @torch.library.custom_op(
-    "lightning_fp8::quantize", mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts")
+    "lightning_fp8::quantize",
+    mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts"),
 )
 def _quantize_op(
     x: torch.Tensor,

@@ -106,6 +106,10 @@ class FP8ReduceScatter(ReduceScatter):
                                                                                              _FALLBACK_BLOCK)
             out.copy_(self._fp8(input_tensor.view(-1), layout, group) / divide)
             return None
+        if not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head): no FP8 weight
+            _reduce_scatter(out, input_tensor.view(-1), group)
+            out.div_(divide)
+            return None
         self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
         return None
 

@@ -20,6 +20,8 @@ from lightning_fp8 import E4M3, FP8Linear, compute_scale, convert_to_fp8  # noqa
 from lightning_fp8.accelerate import Accelerator  # noqa: E402
 from lightning_fp8.optim import FP8AdamW  # noqa: E402
 
+LR, WEIGHT_DECAY, STEPS = 1e-3, 0.05, 4
+
 
 def main() -> None:
     plugin = FullyShardedDataParallelPlugin(
@@ -34,7 +36,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(depth=2, width=64, heads=2, seq_len=32))
     reference = convert_to_fp8(copy.deepcopy(model), "fp8-lm", lambda m, fqn: not fqn.endswith("lm_head"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    reference_model = copy.deepcopy(reference)  # trained unsharded in this process, for train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
@@ -66,7 +69,46 @@ def main() -> None:
         expected, _ = reference(x)
     assert on_grid == [True] * 8, on_grid  # the weights arrived as E4M3 values (fp32 weights are not on that grid)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    print(f"rank {accelerator.process_index}: fsdp2 forward ok", flush=True)
+    train(accelerator, model, optimizer, scheduler, reference_model)
     print(f"rank {accelerator.process_index}: fsdp2 ok", flush=True)
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s fixed batch (3 windows of 31 tokens): the same on every step, so the loss must fall."""
+    tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(100 + rank))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(accelerator, model, optimizer, scheduler, reference_model) -> None:
+    """STEPS full steps on the shards, beside the same steps of an unsharded model on both ranks' batches."""
+    world = accelerator.num_processes
+    ref_optimizer = FP8AdamW(reference_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    x, y = batch(accelerator.process_index)
+    all_x = torch.cat([batch(r)[0] for r in range(world)])
+    all_y = torch.cat([batch(r)[1] for r in range(world)])
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        _, loss = model(x, y)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+
+        _, ref_loss = reference_model(all_x, all_y)
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ref_losses.append(ref_loss.detach())
+    # Equal local batch sizes: the mean of the ranks' losses is the loss of the global batch.
+    mean = torch.stack(losses)
+    torch.distributed.all_reduce(mean)
+    mean /= world
+    gathered = [torch.empty_like(mean) for _ in range(world)]
+    torch.distributed.all_gather(gathered, mean)
+    ref = torch.stack(ref_losses)
+    print(f"rank {accelerator.process_index}: losses {mean.tolist()} reference {ref.tolist()}", flush=True)
 
 
 if __name__ == "__main__":
