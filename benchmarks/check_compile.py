@@ -1,4 +1,4 @@
-"""Check that torch.compile'd FP8Linear matches eager: bit for bit (output, dgrad, wgrad, scales), bias grad to fp32 order.
+"""Check that torch.compile'd FP8Linear matches eager: bit for bit, bias grad up to fp32 summation order.
 
     python benchmarks/check_compile.py            # cpu, and cuda when present; aot_eager and inductor
 

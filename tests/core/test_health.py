@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, convert_to_fp8
 from lightning_fp8.health import HealthConfig, HealthMonitor, global_norm, memory_gib
+from lightning_fp8.optim.master import master_scale
 
 
 def _noisy(n: int, base: float, rel: float, seed: int = 0) -> list[float]:
@@ -97,6 +101,35 @@ def test_global_norm_matches_torch():
     tensors[0][2, 3] = float("nan")
     assert math.isnan(global_norm(tensors).item())
     assert global_norm([]).item() == 0.0
+
+
+# The O2 master is fp16 (11-bit mantissa) and the reference is the same values exported to fp32: only the fp32
+# accumulation order differs, far below this.
+PARAM_NORM_RTOL = 1e-3
+
+
+def test_param_norm_of_o2_masters_is_the_unscaled_weights_norm():
+    torch.manual_seed(3)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(40, 24), nn.GELU(), nn.Linear(24, 12)))  # default recipe: O2
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(20, 40), torch.randn(20, 12)
+    for _ in range(3):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    weight = model[0].weight
+    assert weight.dtype == torch.float16 and master_scale(weight).item() > 1e3  # the storage is scaled
+    # model.state_dict()'s hooks export the unscaled weights: the independent reference.
+    expected = torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in model.state_dict().values()]))
+    raw = torch.linalg.vector_norm(torch.cat([p.detach().double().flatten() for p in model.parameters()]))
+    assert raw > 100 * expected  # what a naive norm reads
+    got = global_norm(model.parameters())
+    assert got.item() == pytest.approx(expected.item(), rel=PARAM_NORM_RTOL)
+    # A change of the master scale (the storage rescaled with it, exactly: powers of two) leaves the norm alone.
+    with torch.no_grad():
+        weight.mul_(0.25)
+        master_scale(weight).mul_(0.25)
+    assert global_norm(model.parameters()).item() == pytest.approx(got.item(), rel=1e-6)
 
 
 def test_memory_and_config_validation():
