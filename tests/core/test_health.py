@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from torch import nn
 
 from lightning_fp8 import FP8AdamW, convert_to_fp8
@@ -110,9 +109,9 @@ PARAM_NORM_RTOL = 1e-3
 
 def test_param_norm_of_o2_masters_is_the_unscaled_weights_norm():
     torch.manual_seed(3)
-    model = convert_to_fp8(nn.Sequential(nn.Linear(40, 24), nn.GELU(), nn.Linear(24, 12)))  # default recipe: O2
+    model = convert_to_fp8(nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 48)))  # default recipe: O2
     opt = FP8AdamW(model.parameters(), lr=1e-2)
-    x, y = torch.randn(20, 40), torch.randn(20, 12)
+    x, y = torch.randn(20, 48), torch.randn(20, 48)
     for _ in range(3):
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()

@@ -86,20 +86,40 @@ class FP8ScaleMonitor(_LoggingCallback):
       parameter (FP8AdamW at O2: ``exp_avg_scale``, ``exp_avg_sq_scale``, ``master_scale``);
     - ``fp8/alerts/scale_drops`` and ``fp8/alerts/scale_rises``: layers whose scale moved by at least
       ``jump_factor`` since the previous log. A drop means the amax jumped (overflow is near); a rise means it
-      collapsed (values underflow). Each alert is also warned (on rank zero) and kept in ``.alerts``.
+      collapsed (values underflow). Every alert is kept in ``.alerts``; the first drop and the first rise are
+      also warned, once, on rank zero (later ones only counted, so a long run does not warn every log).
+
+    Scales normally move a lot while training starts (activations and gradients find their range, the delayed
+    amax history fills), so no alert is raised before global step ``alert_after_steps``; the scales are still
+    logged and tracked meanwhile.
 
     Args:
         log_every_n_steps: log period in optimizer steps (default: ``Trainer(log_every_n_steps=...)``).
         all_layers: also log every layer, not only the summary.
         jump_factor: scale ratio between two logs that counts as sudden (a power of two; default 2**4).
+        alert_after_steps: warm-up, in optimizer steps, before scale drops and rises are alerted (default 100;
+            0 alerts from the first comparison).
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, all_layers: bool = False, jump_factor: float = 16.0):
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        all_layers: bool = False,
+        jump_factor: float = 16.0,
+        alert_after_steps: int = 100,
+    ) -> None:
         super().__init__(log_every_n_steps)
         if not jump_factor > 1:
             raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be > 1")
+        if isinstance(alert_after_steps, bool) or not isinstance(alert_after_steps, int) or alert_after_steps < 0:
+            raise ValueError(
+                f"FP8ScaleMonitor(alert_after_steps={alert_after_steps!r}) must be an int >= 0 (the warm-up in "
+                "optimizer steps before scale jumps are alerted)"
+            )
         self.all_layers = all_layers
         self.jump_factor = float(jump_factor)
+        self.alert_after_steps = alert_after_steps
+        self._warned_kinds: set[str] = set()
         self.alerts: list[dict[str, Any]] = []
         self._previous_scales: dict[tuple[str, str], float] = {}
 
@@ -143,7 +163,7 @@ class FP8ScaleMonitor(_LoggingCallback):
                 scale = roles[role]["scale"]
                 previous = self._previous_scales.get((layer, role))
                 self._previous_scales[(layer, role)] = scale
-                if previous is None or not math.isfinite(scale) or scale <= 0:
+                if previous is None or step < self.alert_after_steps or not math.isfinite(scale) or scale <= 0:
                     continue
                 ratio = scale / previous
                 if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
@@ -155,9 +175,13 @@ class FP8ScaleMonitor(_LoggingCallback):
     def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
         meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"
         self.alerts.append({"step": step, "layer": layer, "role": role, "kind": kind, "from": previous, "to": scale})
+        if kind in self._warned_kinds:  # warn_once keys on the text, which names the step: dedupe by kind here
+            return
+        self._warned_kinds.add(kind)
         warn_once(
             f"FP8ScaleMonitor: sudden scale {kind} in {layer} ({role}) at step {step}, {previous:g} -> "
-            f"{scale:g}; {meaning}"
+            f"{scale:g}; {meaning}. Later scale {kind}s are not warned: they are counted in "
+            f"fp8/alerts/scale_{kind}s and kept in FP8ScaleMonitor.alerts"
         )
 
     @override
