@@ -152,16 +152,15 @@ class FP8AdamW(torch.optim.Optimizer):
 
     def _adopt(self, p: torch.Tensor) -> None:
         """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master."""
+        # No entry in self.state before the first step: torch.distributed.checkpoint creates the states of an
+        # optimizer whose ``state`` is empty (a zero-gradient step); a non-empty one is taken as initialized, and
+        # its state dict then lacks every other parameter (the load of a sharded checkpoint fails).
         self._low_precision.add(p)
-        state = self.state[p]
         shareable = master.is_fp8_weight(p) and not _is_dtensor(p)
         if shareable and master.master_scale(p) is None and p.dtype != self.master_dtype:
             master.adopt(p, self.master_dtype)
-        if master.master_scale(p) is not None:  # adopted, now or by an earlier optimizer
-            state["master_scale"] = master.master_scale(p)
-            state["master_amax"] = getattr(p, master.AMAX_ATTR)
-            if self.fp8_grads:
-                self._register_grad_hook(p)
+        if master.master_scale(p) is not None and self.fp8_grads:  # adopted, now or by an earlier optimizer
+            self._register_grad_hook(p)
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
         owner = weakref.ref(self)
@@ -326,7 +325,10 @@ class FP8AdamW(torch.optim.Optimizer):
             state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state[f"{key}_scale"] = torch.ones((), dtype=_FP32, device=p.device)
             state[f"{key}_amax"] = torch.zeros((), dtype=_FP32, device=p.device)
-        if "master_scale" not in state:  # the master is kept apart from the parameter (this rank's shard of it)
+        if master.master_scale(p) is not None:  # the parameter's storage is the master (see _adopt)
+            state["master_scale"] = master.master_scale(p)
+            state["master_amax"] = getattr(p, master.AMAX_ATTR)
+        else:  # the master is kept apart from the parameter (this rank's shard of it)
             local = _local(p).detach().float()
             checkpoint.store(state, "master", local, self.master_dtype, local.shape, local.device)
             state["master"] = _like(p, state["master"])
@@ -352,7 +354,9 @@ class FP8AdamW(torch.optim.Optimizer):
             "weight_decay": group["weight_decay"], "step": step,
             "grad_unscale": -grad_unscale if group.get("maximize", False) else grad_unscale,
             "two_pass": two_pass, "grad_amaxes": None if two_pass else grad_amaxes,
-            "param_copies": copies if copies[0] is not None else None,
+            # lr 0 leaves the weights as they are, as in torch.optim.AdamW (the copy would be the rounded master;
+            # torch.distributed.checkpoint creates the states of a resumed run with such a step).
+            "param_copies": copies if copies[0] is not None and float(group["lr"]) != 0.0 else None,
         }  # fmt: skip
         args = (params, grads, exp_avgs, exp_avg_sqs, scales if scales[0] is not None else None,
                 amaxes if amaxes[0] is not None else None, gsis if gsis[0] is not None else None)  # fmt: skip
@@ -369,9 +373,11 @@ class FP8AdamW(torch.optim.Optimizer):
         """Like ``torch.optim.AdamW``'s, plus per FP8 weight the scaled states, their 0-dim scales and amaxes.
 
         An adopted weight's master (its parameter's storage) is included as ``"master"``, so the optimizer state
-        alone restores it. Loads with ``torch.load(weights_only=True)``.
+        alone restores it. For a sharded (DTensor) parameter, each 0-dim scale and amax (of this rank's shard) is
+        exported as a DTensor with one element per shard, so that torch.distributed.checkpoint keeps every rank's.
+        Loads with ``torch.load(weights_only=True)``.
         """
-        return checkpoint.with_masters(self, super().state_dict())
+        return checkpoint.shard_scalars(self, checkpoint.with_masters(self, super().state_dict()))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -65,6 +65,45 @@ def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": packed}
 
 
+def shard_scalars(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Export the 0-dim scales and amaxes of sharded (DTensor) parameters as DTensors of one element per shard.
+
+    They belong to this rank's shard; as plain tensors, torch.distributed.checkpoint would take them for
+    replicated values and save (and load on every rank) one rank's only.
+    """
+    packed = dict(state_dict["state"])
+    for index, p in enumerate(_param_order(opt)):
+        if index in packed and _is_dtensor(p):
+            packed[index] = {
+                key: _per_shard(value, p) if _is_shard_scalar(key, value) else value
+                for key, value in packed[index].items()
+            }
+    return {**state_dict, "state": packed}
+
+
+def _is_shard_scalar(key: str, value: Any) -> bool:
+    return key.endswith(("_scale", "_amax")) and isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _per_shard(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = [Shard(0) if placement.is_shard() else Replicate() for placement in p.placements]
+    return DTensor.from_local(value.detach().reshape(1), p.device_mesh, placements, run_check=False)
+
+
+def _local_scalars(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with per-shard scalars (see :func:`shard_scalars`) back as this rank's 0-dim tensors."""
+    return {
+        key: value.to_local().reshape(()) if key.endswith(("_scale", "_amax")) and _is_dtensor(value) else value
+        for key, value in saved.items()
+    }
+
+
 def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
     """Body of :meth:`FP8AdamW.load_state_dict` (see the module docstring)."""
     saved_groups = state_dict["param_groups"]
@@ -74,10 +113,6 @@ def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
     for group in opt.param_groups:
         group.setdefault("maximize", False)
     params = _param_order(opt)
-    for p in params:  # the adopted masters' scales live on the parameters
-        if p in opt._low_precision and master.master_scale(p) is not None:
-            opt.state[p]["master_scale"] = master.master_scale(p)
-            opt.state[p]["master_amax"] = getattr(p, master.AMAX_ATTR)
     saved_ids = [i for group in saved_groups for i in group["params"]]
     for index, p in zip(saved_ids, params, strict=True):
         saved = state_dict["state"].get(index)
@@ -98,7 +133,11 @@ def _copy_or_convert(state: dict[str, Any], saved: dict[str, Any], key: str, dty
 
 
 def _load_one(opt: FP8AdamW, p: torch.Tensor, saved: dict[str, Any]) -> None:
+    saved = _local_scalars(saved)
     state = opt.state[p]
+    if p in opt._low_precision and master.master_scale(p) is not None:  # the adopted master's scale is p's
+        state["master_scale"] = master.master_scale(p)
+        state["master_amax"] = getattr(p, master.AMAX_ATTR)
     if "step" in saved:
         state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().cpu().clone().reshape(())
     with torch.no_grad():
@@ -147,7 +186,7 @@ def to_adamw(opt: FP8AdamW) -> dict[str, Any]:
             for key in ("step", "exp_avg", "exp_avg_sq")
             if key in saved
         }
-        for index, saved in state_dict["state"].items()
+        for index, saved in ((i, _local_scalars(s)) for i, s in state_dict["state"].items())
     }
     adamw_defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
     groups = [

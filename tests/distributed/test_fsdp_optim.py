@@ -126,6 +126,84 @@ def _fsdp2_dcp_round_trip(rank: int, directory: str) -> dict:
     return {"continued": continued, "from_sharded": from_sharded, "from_full": from_full}
 
 
+class _TiedLM(nn.Module):
+    """A tiny language model: token embedding tied to the (high-precision) head, an MLP block of FP8 layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(40, 48)
+        self.block = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 48))  # FP8 needs multiples of 16
+        self.norm = nn.LayerNorm(48)
+        self.lm_head = nn.Linear(48, 40, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens)
+        return self.lm_head(self.norm(h + self.block(h)))
+
+
+def _tied_lm_steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, n: int) -> list[float]:
+    tokens = torch.randint(0, 40, (6, 9), generator=torch.Generator().manual_seed(20 + rank))
+    losses = []
+    for _ in range(n):
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 40), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _local_states(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    return {
+        (i, key): (value.to_local() if hasattr(value, "to_local") else value).detach().float().clone()
+        for i, p in enumerate(params)
+        for key, value in opt.state[p].items()
+        if key != "step"
+    }
+
+
+def _fsdp2_o2_tied_dcp_round_trip(rank: int, directory: str) -> dict:
+    """O2 with a tied embedding/head (Accelerate's FSDP2 SHARDED_STATE_DICT path): get_optimizer_state_dict on a
+    fresh optimizer is the template DCP loads into, so it must hold every parameter's states."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8 import FP8AdamW, convert_to_fp8
+
+    def build():
+        torch.manual_seed(0)
+        model = convert_to_fp8(_TiedLM())
+        fully_shard(model.block)
+        fully_shard(model)
+        return model, FP8AdamW(model.parameters(), lr=3e-3, fp8_params=_fp8_weights(model))
+
+    model, opt = build()
+    _tied_lm_steps(model, opt, rank, 3)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # sharded, with the FP8 scaling state
+    saved = _local_states(opt, _fp8_weights(model))
+    continued = _tied_lm_steps(model, opt, rank, 2)
+
+    resumed, opt = build()
+    resumed.load_state_dict(weights)  # real runs load the model checkpoint the same way
+    template = {"optim": get_optimizer_state_dict(resumed, opt)}
+    dcp.load(template, checkpoint_id=directory)
+    set_optimizer_state_dict(resumed, opt, optim_state_dict=template["optim"])
+    # The scales and amaxes are those of this rank's shard: every rank must get its own back.
+    loaded = _local_states(opt, _fp8_weights(resumed))
+    return {
+        "states_equal": loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved),
+        "continued": continued,
+        "resumed": _tied_lm_steps(resumed, opt, rank, 2),
+        "fp8_states": [str(opt.state[p]["exp_avg"].dtype) for p in _fp8_weights(resumed)],
+        "template_keys": sorted(template["optim"]["state"]),
+        "param_names": sorted(name for name, _ in resumed.named_parameters()),
+    }
+
+
 def _low_precision_run(rank: int, wrap: str) -> dict:
     """O2 (E4M3 first moment, fp16 second moment and master) under FSDP: trains like O1, states sharded."""
     from lightning_fp8 import FP8AdamW
@@ -163,6 +241,7 @@ def _worker(rank: int, world: int) -> dict:
         return {
             "fsdp2_o1": _guarded(_fsdp2_o1_against_adamw, rank),
             "fsdp2_dcp": _guarded(_fsdp2_dcp_round_trip, rank, box[0]),
+            "fsdp2_o2_tied_dcp": _guarded(_fsdp2_o2_tied_dcp_round_trip, rank, os.path.join(box[0], "tied")),
             "fsdp1_flat_o2": _guarded(_low_precision_run, rank, "fsdp1_flat"),
             "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
@@ -198,6 +277,15 @@ def test_fp8_adamw_fsdp2_sharded_and_full_checkpoints_resume_exactly(results):
         run = _ok(r, "fsdp2_dcp")
         assert run["from_sharded"] == run["continued"]
         assert run["from_full"] == run["continued"]
+
+
+def test_fp8_adamw_o2_fsdp2_tied_embedding_dcp_resumes_exactly(results):
+    for r in results:
+        run = _ok(r, "fsdp2_o2_tied_dcp")
+        # The template DCP loads into (a fresh optimizer's) names every parameter, the tied embedding included.
+        assert "wte.weight" in run["template_keys"] and run["template_keys"] == run["param_names"]
+        assert run["fp8_states"] == ["torch.float8_e4m3fn"] * 2 and run["states_equal"]
+        assert run["resumed"] == run["continued"]
 
 
 def _o2_trains_like_o1(run: dict) -> None:
