@@ -186,7 +186,22 @@ def _to_output_layout(layout: Placement, use_local_output: bool, y: DTensor, mes
     return y.to_local() if use_local_output else y
 
 
-class FP8ColwiseParallel(ColwiseParallel):
+class _FP8Style:
+    """The constructor both FP8 styles share: torch's style arguments plus ``fp8_comm``."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        fp8_comm: bool = True,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self.fp8_comm = fp8_comm
+
+
+class FP8ColwiseParallel(_FP8Style, ColwiseParallel):
     """``ColwiseParallel`` for :class:`~lightning_fp8.FP8Linear`: weight ``Shard(0)``, FP8 GEMMs on the shard.
 
     With ``input_layouts=Shard(seq_dim)`` (sequence parallel) the input shard is cast to FP8 and all-gathered as
@@ -199,17 +214,6 @@ class FP8ColwiseParallel(ColwiseParallel):
         fp8_comm: move FP8 (True) or the activation dtype (False, the baseline) in the sequence-parallel
             all-gather and reduce-scatter.
     """
-
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-        fp8_comm: bool = True,
-    ) -> None:
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
-        self.fp8_comm = fp8_comm
 
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -235,7 +239,7 @@ class FP8ColwiseParallel(ColwiseParallel):
         return module
 
 
-class FP8RowwiseParallel(RowwiseParallel):
+class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
     """``RowwiseParallel`` for :class:`~lightning_fp8.FP8Linear`: weight ``Shard(1)``, bias replicated.
 
     The layer reduces its partial sums itself: all-reduce for a replicated output, reduce-scatter (activation
@@ -247,17 +251,6 @@ class FP8RowwiseParallel(RowwiseParallel):
         input_layouts, output_layouts, use_local_output: as ``RowwiseParallel``.
         fp8_comm: move FP8 (True) or the activation dtype (False) in the backward all-gather.
     """
-
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-        fp8_comm: bool = True,
-    ) -> None:
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
-        self.fp8_comm = fp8_comm
 
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

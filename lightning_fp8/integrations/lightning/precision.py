@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from collections.abc import Callable, Generator
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from typing_extensions import override
 from lightning_fp8.convert import convert_to_fp8
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
+from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
@@ -348,13 +348,10 @@ def precision_class(namespace: str) -> type:
     """:class:`FP8LMPrecision` for ``"lightning"``, or the same plugin built on ``pytorch_lightning``'s base."""
     if namespace == "lightning":
         return FP8LMPrecision
-    base = importlib.import_module(f"{namespace}.plugins.precision").Precision
-    name = "FP8LMPrecisionPL"
-    return type(
-        name,
-        (_FP8LMPrecisionLogic, base),
-        {"__module__": __name__, "__qualname__": name, "__doc__": FP8LMPrecision.__doc__},
-    )
+    return build_flavour(
+        _FP8LMPrecisionLogic, f"{namespace}.plugins.precision", "Precision", "FP8LMPrecisionPL", __name__,
+        FP8LMPrecision.__doc__,
+    )  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from typing_extensions import override
 
 from lightning_fp8.integrations.lightning.comm import all_gather_state
+from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.integrations.lightning.precision import _FP8LMPrecisionLogic
 
 STRATEGY_NAME = "fsdp_fp8"
@@ -160,13 +161,10 @@ def strategy_class(namespace: str) -> type:
     """:class:`FP8FSDPStrategy` for ``"lightning"``, or the same strategy on ``pytorch_lightning``'s FSDP."""
     if namespace == "lightning":
         return FP8FSDPStrategy
-    base = importlib.import_module(f"{namespace}.strategies").FSDPStrategy
-    name = "FP8FSDPStrategyPL"
-    return type(
-        name,
-        (_FP8FSDPStrategyLogic, base),
-        {"__module__": __name__, "__qualname__": name, "__doc__": FP8FSDPStrategy.__doc__},
-    )
+    return build_flavour(
+        _FP8FSDPStrategyLogic, f"{namespace}.strategies", "FSDPStrategy", "FP8FSDPStrategyPL", __name__,
+        FP8FSDPStrategy.__doc__,
+    )  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
