@@ -41,6 +41,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from lightning_fp8.kernels.reference import float32_exponent_mantissa
+from lightning_fp8.kernels.scaling import _pow2_scale, _record
 from triton.runtime.jit import JITFunction
 
 _FP8 = {
@@ -116,13 +118,61 @@ def _publish(amax_ptr, nsat_ptr, amax, nsat):
 
 
 @triton.jit
+def _arrive(ws_ptr, amax, nsat, COUNT: tl.constexpr):
+    # Fold a program's statistics into the workspace (int64: amax as its fp32 bits, which order like the non-negative
+    # floats they encode; saturated count; arrival ticket) and take a ticket. Returns (last, amax, nsat): `last` is
+    # true in the one program that arrives last, which then holds the totals and leaves the workspace zeroed for the
+    # next launch on this stream. The ticket is acquire-release: every program's statistics are folded before it.
+    bits = amax.to(tl.int32, bitcast=True).to(tl.int64)
+    tl.atomic_max(ws_ptr, bits, mask=bits > tl.load(ws_ptr), sem="relaxed")
+    if COUNT:
+        tl.atomic_add(ws_ptr + 1, nsat.to(tl.int64), mask=nsat > 0, sem="relaxed")
+    last = tl.atomic_add(ws_ptr + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1
+    total_bits = tl.atomic_xchg(ws_ptr, 0, mask=last, sem="acq_rel")
+    total_nsat = tl.atomic_xchg(ws_ptr + 1, 0, mask=last, sem="acq_rel")
+    tl.atomic_xchg(ws_ptr + 2, 0, mask=last, sem="acq_rel")
+    return last, total_bits.to(tl.int32).to(tl.float32, bitcast=True), total_nsat
+
+
+@triton.jit
+def _finish(
+    amax_ptr, nsat_ptr, amax, nsat, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
+    nonfinite_ptr, casts_ptr, unscale_ptr, numel, H,
+    BLOCK_H: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr, DELAYED: tl.constexpr, RECORD: tl.constexpr, UNSCALE: tl.constexpr,
+):  # fmt: skip
+    # RECORD: the last program to finish does the scaling state's bookkeeping (kernels/scaling.py) with the totals;
+    # otherwise the statistics go to the zeroed output accumulators.
+    if RECORD:
+        last, total_amax, total_nsat = _arrive(ws_ptr, amax, nsat, True)
+        if last:
+            unscale = tl.load(unscale_ptr) if UNSCALE else 1.0
+            _record(
+                total_amax, total_nsat, numel, scale, hist_ptr, scale_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
+                nonfinite_ptr, casts_ptr, H, unscale, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX, DELAYED, UNSCALE,
+            )  # fmt: skip
+    else:
+        _publish(amax_ptr, nsat_ptr, amax, nsat)
+
+
+@triton.jit
 def _cast_transpose_kernel(
     x_ptr,  # (M, N) input, row-major, fp32/bf16/fp16
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output
     out_t_ptr,  # (N, M) FP8 output, the transposed copy
-    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x|
-    nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements
+    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
+    nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
+    ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
+    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record_cast_kernel)
+    scale_inv_ptr,
+    last_amax_ptr,
+    saturation_ptr,
+    nonfinite_ptr,
+    casts_ptr,
+    unscale_ptr,  # RECORD and UNSCALE: 0-dim fp32, x = t * unscale; statistics and scales are recorded for t
+    H,  # RECORD: amax history length
+    numel,  # RECORD: elements of x (for the saturated fraction)
     M,  # rows of x
     N,  # columns of x
     IS_E4M3: tl.constexpr,  # E4M3 (True) or E5M2 output
@@ -137,6 +187,14 @@ def _cast_transpose_kernel(
     BLOCK_N: tl.constexpr,  # tile columns
     TRANSPOSE_FP32: tl.constexpr,  # transpose the fp32 values and convert again (else the FP8 bytes); GPU only
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop
+    RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
+    BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
+    MAX_EXP: tl.constexpr,  # RECORD: fp32 exponent and mantissa fields of the format max, margin, history algorithm
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr,
+    DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
+    UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -178,7 +236,11 @@ def _cast_transpose_kernel(
         else:
             tl.store(out_ptr + offs, q, mask=mask)
             tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
-    _publish(amax_ptr, nsat_ptr, amax_acc, nsat_acc)
+    _finish(
+        amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
+        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
+        DELAYED, RECORD, UNSCALE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -186,8 +248,18 @@ def _cast_flat_kernel(
     x_ptr,  # (n,) input, contiguous, fp32/bf16/fp16
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (n,) FP8 output
-    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x|
-    nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements
+    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
+    nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
+    ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
+    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record_cast_kernel)
+    scale_inv_ptr,
+    last_amax_ptr,
+    saturation_ptr,
+    nonfinite_ptr,
+    casts_ptr,
+    unscale_ptr,  # RECORD and UNSCALE: 0-dim fp32, x = t * unscale; statistics and scales are recorded for t
+    H,  # RECORD: amax history length
+    numel,  # RECORD: elements of x (for the saturated fraction)
     n,  # number of elements
     IS_E4M3: tl.constexpr,  # E4M3 (True) or E5M2 output
     FP8_MAX: tl.constexpr,  # largest finite value of the format
@@ -199,6 +271,14 @@ def _cast_flat_kernel(
     INDEX_64: tl.constexpr,  # n >= 2**31: 64-bit offsets
     BLOCK: tl.constexpr,  # elements per loop step of a program
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the block loop
+    RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
+    BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
+    MAX_EXP: tl.constexpr,  # RECORD: fp32 exponent and mantissa fields of the format max, margin, history algorithm
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr,
+    DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
+    UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
 ):
     pid = tl.program_id(0)
     scale = tl.load(scale_ptr)
@@ -224,18 +304,28 @@ def _cast_flat_kernel(
             tl.store(out_ptr + offs, q)
         else:
             tl.store(out_ptr + offs, q, mask=offs < n)
-    _publish(amax_ptr, nsat_ptr, amax_acc, nsat_acc)
+    _finish(
+        amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
+        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
+        DELAYED, RECORD, UNSCALE,
+    )  # fmt: skip
 
 
 @triton.jit
 def _amax_kernel(
     x_ptr,  # (n,) input, contiguous, floating point
-    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (NaN -> inf)
+    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (NaN -> inf); unused with CURRENT_SCALE
+    ws_ptr,  # CURRENT_SCALE: int64[3] workspace, zero (left zero); see _arrive
+    scale_ptr,  # CURRENT_SCALE: 0-dim fp32 scale, in/out
     n,  # number of elements
     EVEN: tl.constexpr,  # BLOCK divides n: no masks
     INDEX_64: tl.constexpr,  # n >= 2**31: 64-bit offsets
     BLOCK: tl.constexpr,  # elements per loop step of a program
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the block loop
+    CURRENT_SCALE: tl.constexpr,  # the last program writes scale <- pow2_scale(amax) (current scaling), not amax
+    MAX_EXP: tl.constexpr,  # CURRENT_SCALE: fp32 exponent and mantissa fields of the format max, and the margin
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -250,7 +340,12 @@ def _amax_kernel(
             ax = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
         acc = tl.maximum(acc, tl.where(ax == ax, ax, float("inf")))
     amax = tl.max(acc, axis=0)
-    tl.atomic_max(amax_ptr, amax, mask=amax > tl.load(amax_ptr), sem="relaxed")  # see _publish
+    if CURRENT_SCALE:
+        last, total, _ = _arrive(ws_ptr, amax, 0, False)
+        if last:
+            tl.store(scale_ptr, _pow2_scale(total, tl.load(scale_ptr), MAX_EXP, MAX_MANT, MARGIN))
+    else:
+        tl.atomic_max(amax_ptr, amax, mask=amax > tl.load(amax_ptr), sem="relaxed")  # see _publish
 
 
 def _interpreted(kernel) -> bool:
@@ -292,25 +387,52 @@ def _format_args(fp8_dtype: torch.dtype, exact_round: bool) -> dict:
     }
 
 
-def _launch(kernel, x: torch.Tensor, work_items: int, cfg: dict, *args, **constexprs) -> None:
+def _launch(kernel, x: torch.Tensor, work_items: int, cfg: dict, *args, eager: bool = False, **constexprs) -> None:
     # A persistent grid of at most PROGRAMS_PER_SM programs per multiprocessor; the rest of cfg is launch metadata.
+    # `eager`: launch the kernel as is (outside a triton_op, wrap_triton would route it through a slower traced path).
     meta = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
     grid = (_grid_size(x, work_items, cfg["PROGRAMS_PER_SM"]),)
-    _launchable(kernel)[grid](*args, **constexprs, **meta)
+    (kernel if eager else _launchable(kernel))[grid](*args, **constexprs, **meta)
 
 
-@torch.library.triton_op("lightning_fp8::cast_to_fp8", mutates_args=())
-def _cast_to_fp8_op(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x: contiguous (2-D when transpose); scale: fp32 with one element on x's device (checked by cast_to_fp8).
+# Without RECORD the bookkeeping arguments are not read: any pointer will do.
+_NO_RECORD = {
+    "RECORD": False,
+    "BLOCK_H": 1,
+    "MAX_EXP": 0,
+    "MAX_MANT": 0,
+    "MARGIN": 0,
+    "ALGO_MAX": False,
+    "DELAYED": False,
+    "UNSCALE": False,
+}
+# Per (device, stream): the zeroed workspace of the fused bookkeeping. A launch leaves it zeroed, and launches on one
+# stream run one after another, so one workspace serves every cast on that stream.
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    ws = _WORKSPACES.get((device, stream))
+    if ws is None:
+        ws = _WORKSPACES[(device, stream)] = torch.zeros(3, dtype=torch.int64, device=device)
+    return ws
+
+
+def _cast_impl(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    stats: tuple[torch.Tensor, ...],
+    record: dict,
+    eager: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
+    ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t)``."""
     x_fp8 = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
     x_fp8_t = torch.empty(t_shape, dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    n_saturated = torch.zeros((), dtype=torch.int64, device=x.device)
-    if x.numel() == 0:
-        return x_fp8, x_fp8_t, amax, n_saturated
     interpreted = _interpreted(_cast_flat_kernel)
     fmt = _format_args(fp8_dtype, interpreted or EXACT_ROUND_ON_GPU)
     if transpose:
@@ -321,28 +443,105 @@ def _cast_to_fp8_op(
         tiles_m, tiles_n = triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
-        args = (x, scale, x_fp8, x_fp8_t, amax, n_saturated, m, n)
-        _launch(_cast_transpose_kernel, x, tiles_m * tiles_n, cfg, *args, **fmt, EVEN=even, INDEX_64=_index_64(padded))
+        args = (x, scale, x_fp8, x_fp8_t, *stats, m, n)
+        kernel, work, index_64 = _cast_transpose_kernel, tiles_m * tiles_n, _index_64(padded)
     else:
         cfg = CONFIGS["flat"]
         blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
         even = x.numel() % cfg["BLOCK"] == 0
-        args = (x, scale, x_fp8, amax, n_saturated, x.numel())
-        _launch(_cast_flat_kernel, x, blocks, cfg, *args, **fmt, EVEN=even, INDEX_64=_index_64(blocks * cfg["BLOCK"]))
-    return x_fp8, x_fp8_t, amax, n_saturated
+        args = (x, scale, x_fp8, *stats, x.numel())
+        kernel, work, index_64 = _cast_flat_kernel, blocks, _index_64(blocks * cfg["BLOCK"])
+    _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **record, EVEN=even, INDEX_64=index_64)
+    return x_fp8, x_fp8_t
 
 
-@torch.library.triton_op("lightning_fp8::amax", mutates_args=())
-def _amax_op(x: torch.Tensor) -> torch.Tensor:
+def _cast_with_stats(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, eager: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # x: contiguous (2-D when transpose); scale: fp32 with one element on x's device (checked by cast_to_fp8).
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    n_saturated = torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
+        x_fp8_t = torch.empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=fp8_dtype, device=x.device)
+        return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x_fp8_t, amax, n_saturated
+    stats = (amax, n_saturated, *(amax,) * 8, 1, x.numel())  # accumulators; the rest unread without RECORD
+    return (*_cast_impl(x, scale, fp8_dtype, transpose, stats, _NO_RECORD, eager), amax, n_saturated)
+
+
+@torch.library.triton_op("lightning_fp8::cast_to_fp8", mutates_args=())
+def _cast_to_fp8_op(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _cast_with_stats(x, scale, fp8_dtype, transpose, eager=False)
+
+
+def _amax_impl(x: torch.Tensor, eager: bool) -> torch.Tensor:
     # x: contiguous (checked by amax).
     amax_out = torch.zeros((), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return amax_out
     cfg = CONFIGS["amax"]
     blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
-    even = x.numel() % cfg["BLOCK"] == 0
-    _launch(_amax_kernel, x, blocks, cfg, x, amax_out, x.numel(), EVEN=even, INDEX_64=_index_64(blocks * cfg["BLOCK"]))
+    flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
+    args = (x, amax_out, amax_out, amax_out, x.numel())  # workspace and scale: unread without CURRENT_SCALE
+    _launch(
+        _amax_kernel, x, blocks, cfg, *args, eager=eager, **flags, CURRENT_SCALE=False, MAX_EXP=0, MAX_MANT=0, MARGIN=0
+    )
     return amax_out
+
+
+@torch.library.triton_op("lightning_fp8::amax", mutates_args=())
+def _amax_op(x: torch.Tensor) -> torch.Tensor:
+    return _amax_impl(x, eager=False)
+
+
+def quantize_(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+    unscale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One cast of a scaling state in one launch (two with ``current``): cast, statistics, history and next scale.
+
+    Same signature and bit-exact results as :func:`lightning_fp8.kernels.reference.quantize_ref`. ``x`` must be
+    contiguous and of a supported dtype (the caller, ``ScalingState.quantize``, guarantees it). The last program
+    of the cast does the bookkeeping of ``kernels/scaling.py`` (no separate launch, no zeroed accumulators); with
+    ``current`` the amax launch before it writes the scale. Eager only: ``torch.compile`` sees the whole cast as the
+    opaque custom op ``lightning_fp8::quantize``.
+    """
+    if x.numel() == 0:
+        from lightning_fp8.kernels.reference import quantize_ref
+
+        return quantize_ref(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin,
+                            algo_max, delayed, current, transpose, unscale)  # fmt: skip
+    fmax = _FP8[fp8_dtype][0]
+    max_exp, max_mant = float32_exponent_mantissa(fmax)
+    fields = {"MAX_EXP": max_exp, "MAX_MANT": max_mant, "MARGIN": margin}
+    ws = _workspace(x.device)
+    if current:
+        cfg = CONFIGS["amax"]
+        blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
+        flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
+        _launch(_amax_kernel, x, blocks, cfg, x, scale, ws, scale, x.numel(), eager=True, CURRENT_SCALE=True,
+                **flags, **fields)  # fmt: skip
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    h = amax_history.numel()
+    stats = (ws, ws, ws, amax_history, scale_inv, last_amax, saturation, nonfinite_count, casts,
+             scale if unscale is None else unscale, h, x.numel())  # fmt: skip
+    record = {"RECORD": True, "BLOCK_H": triton.next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
+              "UNSCALE": unscale is not None, **fields}  # fmt: skip
+    x_fp8, x_fp8_t = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager=True)
+    return x_fp8, x_fp8_t, scale_inv
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -355,7 +554,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """
     if not x.is_floating_point() or x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"amax expects a float32, bfloat16 or float16 tensor, got {x.dtype}; cast it first")
-    return _amax_op(x.detach().contiguous())
+    x = x.detach().contiguous()
+    return _amax_op(x) if torch.compiler.is_compiling() else _amax_impl(x, eager=True)
 
 
 def cast_to_fp8(
@@ -392,4 +592,7 @@ def cast_to_fp8(
         raise ValueError(f"cast_to_fp8: scale is on {scale.device} but x is on {x.device}; move the scale to x's")
     if transpose and x.dim() != 2:
         raise ValueError(f"cast_to_fp8(transpose=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
-    return _cast_to_fp8_op(x.detach().contiguous(), scale.reshape(()), fp8_dtype, transpose)
+    x, scale = x.detach().contiguous(), scale.reshape(())
+    if torch.compiler.is_compiling():
+        return _cast_to_fp8_op(x, scale, fp8_dtype, transpose)
+    return _cast_with_stats(x, scale, fp8_dtype, transpose, eager=True)

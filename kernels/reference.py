@@ -279,3 +279,47 @@ def record_cast_ref(
         ref = amax_history.amax() if algo_max else amax_history[0]
         scale.copy_(pow2_scale_ref(ref, fmax, margin, scale))
     return scale_inv
+
+
+def quantize_ref(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+    unscale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One cast of a scaling state: the composition of the kernels above (kernels/cast.py fuses it).
+
+    With ``current``, ``scale <- pow2_scale(amax(x))`` first; then the cast with ``scale`` and
+    :func:`record_cast_ref` of its amax and saturation count (which, with ``delayed``, writes the next scale).
+    ``unscale`` (0-dim, a power of two): ``x`` holds ``t * unscale`` (FP8AdamW's scaled master in the weight's
+    storage); the state then describes ``t``: amaxes divided, scale multiplied and ``scale_inv`` divided by it.
+
+    Returns:
+        ``(x_fp8, x_fp8_t, scale_inv)``: ``scale_inv`` is ``1 / scale`` of this cast; ``x_fp8_t`` is empty unless
+        ``transpose``.
+    """
+    fmax = _FP8_MAX[fp8_dtype]
+    if current:
+        current_scale_ref(amax_ref(x), scale, fmax, margin)
+    used_scale = scale.clone()
+    x_fp8, x_fp8_t, amax, n_saturated = cast_to_fp8_ref(x, used_scale, fp8_dtype, transpose)
+    scale_inv = record_cast_ref(
+        amax, n_saturated, x.numel(), used_scale, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
+        fmax, margin, algo_max, delayed,
+    )  # fmt: skip
+    if unscale is not None:
+        scale_inv = scale_inv / unscale
+        last_amax.div_(unscale)
+        amax_history.div_(unscale)
+        scale.mul_(unscale)
+    return x_fp8, x_fp8_t, scale_inv

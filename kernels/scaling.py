@@ -45,6 +45,44 @@ def _current_scale_kernel(
 
 
 @triton.jit
+def _record(
+    a, n_sat, numel, used_scale, hist_ptr, scale_ptr, scale_inv_out_ptr, last_amax_ptr, saturation_ptr, nonfinite_ptr,
+    casts_ptr, H, unscale, BLOCK_H: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr, ALGO_MAX: tl.constexpr, DELAYED: tl.constexpr, UNSCALE: tl.constexpr,
+):  # fmt: skip
+    # The bookkeeping of one cast from its amax `a` (inf if it saw inf/NaN), its saturated count and the scale it
+    # used (also the previous scale: an invalid amax keeps it). Shared by the record launch and the fused cast.
+    # UNSCALE: the cast input was t * unscale (a power of two; FP8AdamW's scaled fp16 master): the statistics, the
+    # scale and 1 / scale are recorded for t itself.
+    if UNSCALE:
+        tl.store(scale_inv_out_ptr, (1.0 / used_scale) / unscale)
+    else:
+        tl.store(scale_inv_out_ptr, 1.0 / used_scale)
+    finite = a < float("inf")
+    tl.store(nonfinite_ptr, tl.load(nonfinite_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+    tl.store(casts_ptr, tl.load(casts_ptr) + 1)
+    tl.store(last_amax_ptr, a / unscale if UNSCALE else a)
+    tl.store(saturation_ptr, n_sat.to(tl.float32) / numel)  # numel: a python int (may be specialized)
+    # Roll: every load of the old history is issued before any store (one program, data dependency).
+    offs = tl.arange(0, BLOCK_H)
+    shifted = tl.load(hist_ptr + offs - 1, mask=(offs > 0) & (offs < H), other=0.0)
+    a_info = tl.where(finite, a, 0.0)
+    hist = tl.where(offs == 0, a_info, shifted)
+    tl.store(hist_ptr + offs, hist / unscale if UNSCALE else hist, mask=offs < H)
+    new_scale = used_scale
+    if DELAYED:
+        if ALGO_MAX:
+            ref = tl.max(tl.where(offs < H, hist, 0.0), axis=0)
+        else:
+            ref = a_info
+        new_scale = _pow2_scale(ref, used_scale, MAX_EXP, MAX_MANT, MARGIN)
+    if UNSCALE:
+        tl.store(scale_ptr, new_scale * unscale)
+    elif DELAYED:
+        tl.store(scale_ptr, new_scale)
+
+
+@triton.jit
 def _record_cast_kernel(
     amax_ptr,  # fp32[1]: amax of the cast (inf if it saw inf/NaN)
     n_sat_ptr,  # int64[1]: saturated elements of the cast
@@ -65,26 +103,12 @@ def _record_cast_kernel(
     ALGO_MAX: tl.constexpr,  # max over the history (else most recent)
     DELAYED: tl.constexpr,  # update the scale from the history
 ):
-    a = tl.load(amax_ptr)
-    old_scale = tl.load(scale_ptr)
-    tl.store(scale_inv_out_ptr, 1.0 / tl.load(used_scale_ptr))
-    finite = a < float("inf")
-    tl.store(nonfinite_ptr, tl.load(nonfinite_ptr) + tl.where(finite, 0, 1).to(tl.int64))
-    tl.store(casts_ptr, tl.load(casts_ptr) + 1)
-    tl.store(last_amax_ptr, a)
-    tl.store(saturation_ptr, tl.load(n_sat_ptr).to(tl.float32) / numel)  # numel: a python int (may be specialized)
-    # Roll: every load of the old history is issued before any store (one program, data dependency).
-    offs = tl.arange(0, BLOCK_H)
-    shifted = tl.load(hist_ptr + offs - 1, mask=(offs > 0) & (offs < H), other=0.0)
-    a_info = tl.where(finite, a, 0.0)
-    hist = tl.where(offs == 0, a_info, shifted)
-    tl.store(hist_ptr + offs, hist, mask=offs < H)
-    if DELAYED:
-        if ALGO_MAX:
-            ref = tl.max(tl.where(offs < H, hist, 0.0), axis=0)
-        else:
-            ref = a_info
-        tl.store(scale_ptr, _pow2_scale(ref, old_scale, MAX_EXP, MAX_MANT, MARGIN))
+    # The previous scale (kept when the history holds no information) is `scale` as it is now, equal to the used one.
+    _record(
+        tl.load(amax_ptr), tl.load(n_sat_ptr), numel, tl.load(used_scale_ptr), hist_ptr, scale_ptr, scale_inv_out_ptr,
+        last_amax_ptr, saturation_ptr, nonfinite_ptr, casts_ptr, H, 1.0, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
+        DELAYED, False,
+    )  # fmt: skip
 
 
 def _launch(kernel, *args, **constexprs) -> None:

@@ -44,10 +44,8 @@ class _FP8Matmul(torch.autograd.Function):
         # `first`: no amax history yet, so delayed roles use their tensor's own amax this step.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
         x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(x, need_wgrad, first or not fp8["input"].delayed)
-        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True)
-        if master_scale is not None:  # the storage holds weight * master_scale (FP8AdamW at O2); both powers of two
-            w_scale_inv = w_scale_inv / master_scale
-            _unscale_weight_stats(fp8["weight"], master_scale)
+        # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
+        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True, master_scale)
         # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
         # as Transformer Engine does.
         b = None if bias is None else bias.to(out_dtype)
@@ -71,13 +69,6 @@ class _FP8Matmul(torch.autograd.Function):
             dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
         db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
         return dx, dw, db, None, None, None, None
-
-
-def _unscale_weight_stats(state: ScalingState, master_scale: torch.Tensor) -> None:
-    # The weight role's statistics describe the weight, not its scaled storage.
-    state.amax.div_(master_scale)
-    state.amax_history.div_(master_scale)
-    state.scale.mul_(master_scale)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -151,9 +142,7 @@ class FP8Linear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         if new.in_features % 16 or new.out_features % 16:
-            raise ValueError(
-                f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16"
-            )
+            raise ValueError(f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16")
         new.weight = linear.weight
         new.bias = linear.bias
         new.recipe = resolve_recipe(recipe)

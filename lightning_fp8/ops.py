@@ -78,6 +78,18 @@ def record_cast_(*args, **kwargs) -> torch.Tensor:
     return reference.record_cast_ref(*args, **kwargs)
 
 
+def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One cast of a scaling state (cast, statistics, next scale); see ``reference.quantize_ref``.
+
+    Triton fuses it into one launch (two with current scaling); the reference composes the kernels above.
+    """
+    if use_triton(args[0]):
+        from lightning_fp8.kernels import cast
+
+        return cast.quantize_(*args, **kwargs)
+    return reference.quantize_ref(*args, **kwargs)
+
+
 @functools.cache
 def _device_has_fp8_gemm(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)

@@ -97,7 +97,11 @@ class ScalingState(nn.Module):
         return not self.delayed or not self.initialized
 
     def quantize(
-        self, x: torch.Tensor, transpose: bool = False, current: bool | None = None
+        self,
+        x: torch.Tensor,
+        transpose: bool = False,
+        current: bool | None = None,
+        unscale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cast ``x`` to FP8 with this role's scale and record the cast's statistics.
 
@@ -111,6 +115,9 @@ class ScalingState(nn.Module):
                 from :meth:`needs_current_scale` and marks the state initialized; code traced by
                 ``torch.compile`` inside an autograd.Function passes it explicitly and sets
                 ``initialized`` outside.
+            unscale: a 0-dim power of two when ``x`` holds ``t * unscale`` (FP8AdamW's scaled fp16 master in a
+                weight's storage): the cast reads ``x`` as it is, and the statistics, the scale and the returned
+                ``scale_inv`` describe ``t``.
 
         Returns:
             ``(x_fp8, x_fp8_t, scale_inv)``: ``x_fp8_t`` is empty unless ``transpose``.
@@ -118,9 +125,11 @@ class ScalingState(nn.Module):
         if current is None:
             current = self.needs_current_scale()
             self.initialized = True
-        return _quantize_op(
-            x.detach(), self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts,
-            self.fp8_dtype, self.margin, self.algo == "max", self.delayed, current, transpose,
+        # Eagerly the cast runs as it is; torch.compile sees it as one opaque custom op (see _quantize_op).
+        fn = _quantize_op if torch.compiler.is_compiling() else ops.quantize
+        return fn(
+            x.detach().contiguous(), self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count,
+            self.casts, self.fp8_dtype, self.margin, self.algo == "max", self.delayed, current, transpose, unscale,
         )  # fmt: skip
 
     def reset(self) -> None:
@@ -150,23 +159,17 @@ def _quantize_op(
     delayed: bool,
     current: bool,
     transpose: bool,
+    unscale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fmax = _format_max(fp8_dtype)
-    if current:
-        ops.current_scale_(ops.amax(x), scale, fmax, margin)
-    used_scale = scale.clone()  # record_cast_ updates `scale`; the cast and scale_inv use this one
-    x_fp8, x_fp8_t, amax, n_saturated = ops.cast_to_fp8(x, used_scale, fp8_dtype, transpose)
-    # One launch: statistics, history, the next delayed scale, and 1 / used_scale.
-    scale_inv = ops.record_cast_(
-        amax, n_saturated, x.numel(), used_scale, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
-        fmax, margin, algo_max, delayed,
+    return ops.quantize(
+        x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
+        current, transpose, unscale,
     )  # fmt: skip
-    return x_fp8, x_fp8_t, scale_inv
 
 
 @_quantize_op.register_fake
 def _(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-      current, transpose):  # fmt: skip
+      current, transpose, unscale):  # fmt: skip
     x_fp8 = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
     t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
     return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(())

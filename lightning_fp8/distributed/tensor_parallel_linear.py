@@ -35,7 +35,6 @@ from torch import nn
 
 from lightning_fp8 import ops
 from lightning_fp8.distributed.amax_sync import claim_shared_scale
-from lightning_fp8.linear import _unscale_weight_stats
 from lightning_fp8.scaling import ScalingState, compute_scale
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -155,10 +154,8 @@ class TPLinearFn(torch.autograd.Function):
             layout = "sharded" if comm.kind == "rowwise" else "replicated"
             lead_shape = x.shape[:-1]
             x_fp8, x_fp8_t, x_scale_inv = _cast(state, x.reshape(-1, k), need_wgrad, group, current[0], layout)
-        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True)  # per shard
-        if master_scale is not None:  # the storage holds weight * master_scale (FP8AdamW at O2)
-            w_scale_inv = w_scale_inv / master_scale
-            _unscale_weight_stats(fp8["weight"], master_scale)
+        # per shard; at O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales
+        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True, master_scale)
         # forward GEMM, fast accumulation (forward only) as in FP8Linear; a column shard's bias is fused into it
         b = None if bias is None else bias.to(out_dtype)
         fused = b if comm.kind == "colwise" else None

@@ -29,7 +29,6 @@ from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
 from lightning_fp8.kernels import reference
 from lightning_fp8.optim import checkpoint, master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
-from lightning_fp8.scaling import compute_scale
 
 ScaleUpdate = Literal["one_pass", "two_pass"]
 
@@ -127,6 +126,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._low_precision: set[torch.Tensor] = set()  # params with O2 states
         self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
         self._hooks: dict[torch.Tensor, Any] = {}
+        self._grad_cast_states: dict[torch.Tensor, list[torch.Tensor]] = {}  # see _grad_cast_state
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults)
@@ -218,13 +218,27 @@ class FP8AdamW(torch.optim.Optimizer):
             g = grad.float() * scale_inv if is_fp8(grad) else grad
             if entry is not None:
                 g = entry.data.float() * entry.scale_inv + g.float()
-            amax = ops.amax(g)
+            # Current scaling with a small per-parameter state: amax, scale, cast and 1 / scale in two launches.
+            cast_state = self._grad_cast_state(p)
+            data, _, scale_inv = ops.quantize(
+                g.contiguous(), *cast_state, self.grad_dtype, 0, True, False, True, False
+            )  # fmt: skip
+            amax = cast_state[2]  # the state's last amax: this gradient's, until its next cast
             if self.grad_scaler is not None:
                 n_saturated = (g.abs() >= fp8_max(self.grad_dtype)).sum()
                 self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype)
-            scale = compute_scale(amax, self.grad_dtype)
-            data = ops.cast_to_fp8(g.contiguous(), scale, self.grad_dtype)[0]
-            self._pending[p] = _FP8Grad(data, scale.reciprocal(), amax)
+            self._pending[p] = _FP8Grad(data, scale_inv, amax)
+
+    def _grad_cast_state(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """The buffers of the FP8 gradient cast of ``p`` (as a ``ScalingState``'s, history of one): created once."""
+        state = self._grad_cast_states.get(p)
+        if state is None or state[0].device != p.device:
+            f32 = {"dtype": torch.float32, "device": p.device}
+            i64 = {"dtype": torch.int64, "device": p.device}
+            state = [torch.zeros(1, **f32), torch.ones((), **f32), torch.zeros((), **f32), torch.zeros((), **f32),
+                     torch.zeros((), **i64), torch.zeros((), **i64)]  # fmt: skip
+            self._grad_cast_states[p] = state
+        return state
 
     def _grad_of(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(grad, grad_scale_inv, grad_amax)`` of ``p`` for this step: its pending FP8 gradient, or ``p.grad``.
@@ -264,7 +278,7 @@ class FP8AdamW(torch.optim.Optimizer):
     def _fp8_skip(self) -> None:
         """The scaler skipped this step: drop the pending FP8 gradients (as the user will zero ``param.grad``)."""
         # Kept (0-dim, on device) so that a recovery action can tell which weights had non-finite gradients.
-        self.skipped_grad_amax = {p: entry.amax for p, entry in self._pending.items()}
+        self.skipped_grad_amax = {p: entry.amax.clone() for p, entry in self._pending.items()}
         self._pending.clear()
 
     @override

@@ -357,20 +357,25 @@ def _bytes() -> dict:
 
 @contextlib.contextmanager
 def _recording_casts(numels: list[int]):
-    """Record the size of every FP8 cast (lightning_fp8.ops.cast_to_fp8, the one dispatch point)."""
+    """Record the size of every FP8 cast: ops.quantize (a scaling state's cast) and ops.cast_to_fp8 (the others)."""
     from lightning_fp8 import ops
 
-    real = ops.cast_to_fp8
+    real = {name: getattr(ops, name) for name in ("quantize", "cast_to_fp8")}
 
-    def recording(x, *args, **kwargs):
-        numels.append(x.numel())
-        return real(x, *args, **kwargs)
+    def recording(name):
+        def fn(x, *args, **kwargs):
+            numels.append(x.numel())
+            return real[name](x, *args, **kwargs)
 
-    ops.cast_to_fp8 = recording
+        return fn
+
+    for name in real:
+        setattr(ops, name, recording(name))
     try:
         yield
     finally:
-        ops.cast_to_fp8 = real
+        for name, fn in real.items():
+            setattr(ops, name, fn)
 
 
 def test_sequence_parallel_fp8_halves_activation_bytes(two_ranks):

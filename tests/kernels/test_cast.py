@@ -191,6 +191,49 @@ def test_fp8_linear_triton_equals_reference(monkeypatch):
         assert torch.equal(g, r)
 
 
+def _state(history_len, scale):
+    """The buffers of a ScalingState: history, scale, last amax, saturation, non-finite count, casts."""
+    f32 = {"dtype": torch.float32, "device": DEVICE}
+    return [torch.zeros(history_len, **f32), torch.tensor(scale, **f32), torch.zeros((), **f32),
+            torch.zeros((), **f32), torch.zeros((), dtype=torch.int64, device=DEVICE),
+            torch.zeros((), dtype=torch.int64, device=DEVICE)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize(("delayed", "algo_max", "history_len"), [(True, True, 5), (True, False, 3), (False, True, 1)])
+@pytest.mark.parametrize(("shape", "transpose"), [((67, 45), True), ((3, 5, 29), False), ((130, 64), True)])
+@pytest.mark.parametrize("unscale", [None, 2.0**-7])
+def test_fused_quantize_matches_reference_over_steps(
+    fp8_dtype, delayed, algo_max, history_len, shape, transpose, unscale
+):
+    """The one-launch cast + bookkeeping (kernels/cast.py: quantize_) against the composition of the references, over
+    successive casts of changing magnitude, with a non-finite tensor and an all-zero one among them (the workspace
+    must come back zeroed after every launch, the history roll and the next scale must match bit for bit)."""
+    from lightning_fp8.kernels.reference import quantize_ref
+
+    got_state, ref_state = _state(history_len, 4.0), _state(history_len, 4.0)
+    gen = torch.Generator().manual_seed(3)
+    for step, magnitude in enumerate([1.0, 300.0, 0.01, float("nan"), 5.0, 0.0, 2e4]):
+        x = torch.randn(shape, generator=gen) * magnitude
+        if magnitude != magnitude:  # plant a NaN in an otherwise finite tensor
+            x = torch.randn(shape, generator=gen)
+            x.view(-1)[7] = float("nan")
+        x = x.to(DEVICE)
+        current = step == 0 or not delayed
+        ms = None if unscale is None else torch.tensor(unscale, device=DEVICE)  # a scaled master in the storage
+        args = (fp8_dtype, 1, algo_max, delayed, current, transpose, ms)
+        got = cast.quantize_(x, *got_state, *args)
+        ref = quantize_ref(x, *ref_state, *args)
+        no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))  # compared through the state below
+        assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
+        assert torch.equal(got[2], ref[2]), (step, got[2], ref[2])  # scale_inv
+        for name, g, r in zip(
+            ("history", "scale", "amax", "saturation", "nonfinite", "casts"), got_state, ref_state, strict=True
+        ):
+            assert torch.equal(g, r), (step, name, g, r)
+    assert int(got_state[4]) == 1 and int(got_state[5]) == 7
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("exact_round", [False, True])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)

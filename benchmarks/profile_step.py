@@ -1,0 +1,108 @@
+"""Where the time goes: torch.profiler tables of FP8Linear forward+backward and of one GPT training step.
+
+    python benchmarks/profile_step.py                    # GPU: 16384 x 4096 -> 4096 layer, GPT d=1024 O2 step
+    python benchmarks/profile_step.py --what gpt --width 2048 --depth 16
+
+Prints, per case: the wall time of one iteration, the CPU time to enqueue it (no synchronisation), the GPU
+busy time (sum of kernel times), the number of kernel launches, and the top operators by self CPU time and by
+device time. A wall time well above the GPU busy time means the host (Python, launches) is the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _timed(fn, iters: int) -> tuple[float, float]:
+    """(wall ms per iteration with a sync at the end, host ms per iteration to enqueue)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    enqueue = (time.perf_counter() - t0) / iters * 1e3
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e3
+    return wall, enqueue
+
+
+def report(name: str, fn, iters: int = 10, rows: int = 18) -> None:
+    wall, enqueue = _timed(fn, iters)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / iters / 1e3
+    print(f"\n=== {name}: wall {wall:.3f} ms/iter, host enqueue {enqueue:.3f} ms/iter, GPU busy {busy:.3f} ms/iter, "
+          f"{len(kernels) / iters:.0f} kernels/iter")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def linear_case(tokens: int, k: int, n: int):
+    import lightning_fp8 as lf
+
+    layer = lf.FP8Linear(k, n, device="cuda")
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(dy)
+
+    return step
+
+
+def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int):
+    from train_step import build
+
+    model, opt = build(variant, width, depth, seq, 50304, "cuda")
+    idx = torch.randint(0, 50304, (batch, seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx, idx)
+            loss = loss[1] if isinstance(loss, tuple) else loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--what", default="linear,gpt", help="comma list: linear, gpt")
+    p.add_argument("--shape", type=int, nargs=3, default=(16384, 4096, 4096), metavar=("TOKENS", "IN", "OUT"))
+    p.add_argument("--variants", default="bf16,o2")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rows", type=int, default=18)
+    args = p.parse_args()
+    what = args.what.split(",")
+    if "linear" in what:
+        report(f"FP8Linear {args.shape}", linear_case(*args.shape), rows=args.rows)
+    if "gpt" in what:
+        for variant in args.variants.split(","):
+            fn = gpt_case(variant, args.width, args.depth, args.seq, args.batch)
+            report(f"GPT {variant} d={args.width} x {args.depth}", fn, iters=5, rows=args.rows)
+            del fn
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
