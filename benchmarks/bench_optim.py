@@ -7,43 +7,66 @@ linear layers trained with
 - FP8-LM O2: ``convert_to_fp8`` + ``FP8AdamW`` + ``FP8GradScaler`` (fp16 master in the parameter's storage,
   E4M3 m, fp16 v, FP8 gradients).
 
-Speed: one optimizer step over the same parameters, CUDA events, median of ``--iters``; effective bandwidth
-from the bytes the step must move, against a device-to-device copy.
+Speed: one optimizer step over the same parameters, CUDA events, median of ``--iters``: "step" is
+``FP8AdamW`` as a user calls it (its host bookkeeping included), "kernel" the multi-tensor launches alone,
+back to back (GPU time). Effective bandwidth from the bytes the step must move, against a device-to-device copy.
+Host: the Python time of one ``step`` for a model of 100 small FP8Linear layers (200 parameters).
 
     python benchmarks/bench_optim.py                   # GPU: 16 x (8192 x 8192) = 1.07B parameters
     python benchmarks/bench_optim.py --toy             # CPU, tiny sizes: the script runs
-    python benchmarks/bench_optim.py --sweep           # also try kernel launch configs
+    python benchmarks/bench_optim.py --sweep           # also try kernel launch configs and diagnostic variants
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
+import inspect
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
 import torch
-from lightning_fp8.kernels import adamw as adamw_kernels
-from torch import nn
 
-import lightning_fp8
-from lightning_fp8.formats import E5M2
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the exactness check runs on CPU
+from lightning_fp8.kernels import adamw as adamw_kernels  # noqa: E402
+from lightning_fp8.kernels import reference  # noqa: E402
+from torch import nn  # noqa: E402
+
+import lightning_fp8  # noqa: E402
+from lightning_fp8.formats import E4M3, E5M2  # noqa: E402
 
 # Bytes one step reads and writes per parameter (DESIGN.md "Optimization levels").
 BYTES_FP32_ADAMW = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v
 BYTES_O2_TWO_PASS = 2 * (1 + 1 + 2 + 2) + (2 + 1 + 2)  # read g(FP8), m(E4M3), v, w(fp16) twice; write w, m, v
 BYTES_O2_ONE_PASS = (1 + 1 + 2 + 2) + (2 + 1 + 2)
 
+# Around the default (first). Elements per thread = BLOCK / (32 NUM_WARPS): 4 or 8; 16 (the last) goes through shared
+# memory for layout conversions.
 SWEEP = [
+    dict(adamw_kernels.CONFIG),
     {"BLOCK": 1024, "ITERS": 8, "NUM_WARPS": 4},
-    {"BLOCK": 2048, "ITERS": 4, "NUM_WARPS": 8},
-    {"BLOCK": 4096, "ITERS": 2, "NUM_WARPS": 8},
+    {"BLOCK": 1024, "ITERS": 32, "NUM_WARPS": 4},
+    {"BLOCK": 512, "ITERS": 32, "NUM_WARPS": 4},
     {"BLOCK": 2048, "ITERS": 8, "NUM_WARPS": 8},
-    {"BLOCK": 512, "ITERS": 16, "NUM_WARPS": 4},
+    {"BLOCK": 256, "ITERS": 32, "NUM_WARPS": 2},
+    {"BLOCK": 4096, "ITERS": 4, "NUM_WARPS": 8},
 ]
+# Diagnostic kernels (--sweep; NOT bit-exact): the update's IEEE square root and division replaced, to see what the
+# exact math costs (measured: about 2%; without any of it the kernel is no faster still, so it is memory-bound).
+# Made by editing the kernel's source text.
+VARIANTS = {
+    "approx sqrt/div (sqrt.approx, div.full; not exact)": [
+        ("tl.div_rn(m, tl.sqrt_rn(v) + eps)", "m / (tl.sqrt(v) + eps)")
+    ],
+    "no sqrt/div (update = m * step_size; not AdamW)": [("tl.div_rn(m, tl.sqrt_rn(v) + eps)", "m")],
+}
 
 
 def log(lines: list[str], text: str) -> None:
@@ -158,6 +181,50 @@ def copy_bandwidth(device: torch.device, numel: int, iters: int) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
+def variant_module(name: str, edits: list[tuple[str, str]]):
+    """kernels/adamw.py with source edits, imported from a temporary file (Triton reads a kernel's source)."""
+    source = inspect.getsource(adamw_kernels)
+    for old, new in edits:
+        if old not in source:
+            raise ValueError(f"variant {name!r}: {old!r} is not in kernels/adamw.py any more")
+        source = source.replace(old, new)
+    path = os.path.join(tempfile.mkdtemp(), "adamw_variant.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"adamw_variant_{abs(hash(name))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def captured_launches(opt, restore) -> list[tuple[tuple, dict]]:
+    """The ``adamw_step`` calls one optimizer step makes (to time the kernels without the optimizer)."""
+    calls, real = [], adamw_kernels.adamw_step
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        real(*args, **kwargs)
+
+    adamw_kernels.adamw_step = record
+    try:
+        restore()
+        opt._fp8_step(1.0)
+    finally:
+        adamw_kernels.adamw_step = real
+    return calls
+
+
+def kernel_ms(launch, calls, iters: int, device: torch.device, repeat: int = 5) -> float:
+    """GPU milliseconds per step of the launches alone: ``repeat`` steps back to back per timing (host hidden)."""
+
+    def steps():
+        for _ in range(repeat):
+            for args, kwargs in calls:
+                launch(*args, **kwargs)
+
+    return timed(steps, max(2, iters // 2), device) / repeat
+
+
 def speed(layers: int, hidden: int, device: torch.device, iters: int, sweep: bool, lines: list[str]) -> None:
     n = layers * hidden * hidden
     copy_bw = copy_bandwidth(device, min(n, 2**30), iters)
@@ -172,7 +239,13 @@ def speed(layers: int, hidden: int, device: torch.device, iters: int, sweep: boo
     del baseline, ref
     torch.cuda.empty_cache() if device.type == "cuda" else None
 
+    def report(label: str, ms: float, nbytes: int) -> None:
+        bw = nbytes * n / (ms * 1e-3)
+        log(lines, f"  {label}: {ms:.2f} ms, {ms_ref / ms:.2f}x fused AdamW, {nbytes} B/param at {bw / 1e9:.0f} GB/s "
+                   f"= {bw / copy_bw:.0%} of copy")  # fmt: skip
+
     model = lightning_fp8.convert_to_fp8(make_stack(layers, hidden, device))
+    default = dict(adamw_kernels.CONFIG)
     for mode, nbytes in (("one_pass", BYTES_O2_ONE_PASS), ("two_pass", BYTES_O2_TWO_PASS)):
         opt = lightning_fp8.FP8AdamW(model.parameters(), lr=1e-4, scale_update=mode, fp8_grads=False)
         for p in model.parameters():
@@ -183,47 +256,106 @@ def speed(layers: int, hidden: int, device: torch.device, iters: int, sweep: boo
         def restore(opt=opt, grads=grads):
             opt._pending.update(grads)
 
-        configs = SWEEP if sweep and device.type == "cuda" else [dict(adamw_kernels.CONFIG)]
-        default = dict(adamw_kernels.CONFIG)
+        calls = captured_launches(opt, restore)  # compiles
+        configs = SWEEP if sweep and device.type == "cuda" and mode == "one_pass" else [default]
         for cfg in configs:
             adamw_kernels.CONFIG.update(cfg)
+            exact = check_exact(device, lines=None)
             restore()
             opt._fp8_step(1.0)  # compiles
-            ms = timed(lambda opt=opt: opt._fp8_step(1.0), iters, device, setup=restore)
-            bw = nbytes * n / (ms * 1e-3)
-            log(lines, f"FP8AdamW O2 {mode} {cfg}: {ms:.2f} ms, {ms_ref / ms:.2f}x faster than fused AdamW, "
-                       f"{nbytes} B/param moved at {bw / 1e9:.0f} GB/s = {bw / copy_bw:.0%} of copy")  # fmt: skip
+            ms_step = timed(lambda opt=opt: opt._fp8_step(1.0), iters, device, setup=restore)
+            log(lines, f"FP8AdamW O2 {mode} {cfg} (bit-exact on {device.type}: {exact})")
+            report("step", ms_step, nbytes)
+            if calls:  # none on CPU: the optimizer runs the reference there
+                report("kernel", kernel_ms(adamw_kernels.adamw_step, calls, iters, device), nbytes)
         adamw_kernels.CONFIG.update(default)
-        del opt, grads
+        if sweep and device.type == "cuda" and mode == "one_pass":
+            for name, edits in VARIANTS.items():
+                variant = variant_module(name, edits)
+                kernel_ms(variant.adamw_step, calls, 1, device)  # compiles
+                report(f"diagnostic {name}, kernel", kernel_ms(variant.adamw_step, calls, iters, device), nbytes)
+        del opt, grads, calls
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def check_exact(device: torch.device, lines: list[str]) -> None:
-    """The kernel against its reference on this device, bit for bit (O2 dtypes, both scale updates)."""
-    from lightning_fp8.kernels import reference
+def host_overhead(device: torch.device, lines: list[str], layers: int = 100, hidden: int = 64) -> None:
+    """Host milliseconds of ``FP8AdamW._fp8_step`` for many small parameters (perf_counter, no synchronization).
 
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    "bookkeeping": the optimizer's Python alone, with the kernel call (the reference on CPU, the Triton launcher on a
+    GPU) replaced by a no-op; on a GPU also "total", the Triton launches included (not their GPU time: the host does
+    not wait for it).
+    """
+    model = lightning_fp8.convert_to_fp8(nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)]))
+    model.to(device)
+    opt = lightning_fp8.FP8AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(16, hidden, device=device)).square().mean().backward()
+    pending, dense = dict(opt._pending), {p: p.grad for p in model.parameters() if p.grad is not None}
+
+    def median_ms() -> float:
+        times = []
+        for _ in range(50):
+            opt._pending.update(pending)
+            for p, g in dense.items():
+                p.grad = g
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt._fp8_step(1.0)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[10:])
+
+    what = f"host time of one FP8AdamW step, {layers} FP8Linear({hidden}, {hidden}) = {2 * layers} params"
+    if device.type == "cuda":
+        log(lines, f"{what}, total (Triton launches included): {median_ms():.3f} ms")
+    real = (reference.adamw_step_ref, adamw_kernels.adamw_step)
+    reference.adamw_step_ref = adamw_kernels.adamw_step = lambda *args, **kwargs: None
+    try:
+        log(lines, f"{what}, bookkeeping (kernel call a no-op): {median_ms():.3f} ms")
+    finally:
+        reference.adamw_step_ref, adamw_kernels.adamw_step = real
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bit for bit, except that any NaN equals any NaN (the payload of a NaN carries no information).
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = a.float().isnan()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(nan, b.float().isnan()) and torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
+
+
+def check_exact(device: torch.device, lines: list[str] | None) -> bool:
+    """The kernel against its reference on this device, bit for bit (O2 dtypes, both scale updates), also where the
+    states saturate (stored amaxes far too small for the one-pass bound) and where gradients are inf or NaN."""
     shapes = [(37, 19), (1000, 333), (4096,)] if device.type == "cuda" else [(37, 19), (130,)]
-    for two_pass in (True, False):
+    results = []
+    for case in ("two_pass", "one_pass", "saturating", "non_finite"):
         runs = []
         for fn in (reference.adamw_step_ref, adamw_kernels.adamw_step):
-            torch.manual_seed(0)
+            gen = torch.Generator(device="cpu").manual_seed(0)
             p = [(torch.randn(s, generator=gen) * 2**11).half().to(device) for s in shapes]
-            g = [(torch.randn(s, generator=gen) * 2**10).to(device, E5M2) for s in shapes]
-            m = [(torch.randn(s, generator=gen) * 10).to(device, torch.float8_e4m3fn) for s in shapes]
+            # The interpreter decodes E5M2 inf and NaN as finite numbers: non-finite FP8 gradients only on a GPU.
+            g_dtype = torch.float16 if case == "non_finite" and device.type == "cpu" else E5M2
+            g = [(torch.randn(s, generator=gen) * 2**10).to(device, g_dtype) for s in shapes]
+            m = [(torch.randn(s, generator=gen) * 10).to(device, E4M3) for s in shapes]
             v = [(torch.rand(s, generator=gen) * 2**10).half().to(device) for s in shapes]
+            if case == "non_finite":
+                for t, bad in zip(g, (float("inf"), float("nan"), -float("inf")), strict=False):
+                    t.view(-1)[3] = bad
             scales = [tuple(torch.tensor(2.0**k, device=device) for k in (16, 10, 20)) for _ in shapes]
-            amaxes = [tuple(torch.tensor(a, device=device) for a in (0.3, 0.02, 2e-3)) for _ in shapes]
+            a = (1e-6, 1e-7, 1e-9) if case == "saturating" else (0.3, 0.02, 2e-3)
+            amaxes = [tuple(torch.tensor(x, device=device) for x in a) for _ in shapes]
             gsi = [torch.tensor(2.0**-20, device=device) for _ in shapes]
-            g_amax = [t.float().abs().max() * 2.0**-20 for t in g]
+            g_amax = [t.float().abs().amax() * 2.0**-20 for t in g]
             fn(p, g, m, v, scales, amaxes, gsi, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-               step=3, grad_unscale=0.5, two_pass=two_pass, grad_amaxes=g_amax)  # fmt: skip
-            gen.manual_seed(0)
-            runs.append([t.view(torch.uint8) if t.element_size() == 1 else t for t in p + m + v] +
-                        [x for s in scales + amaxes for x in s])  # fmt: skip
-        same = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-        log(lines, f"kernel == reference bit for bit on {device} (two_pass={two_pass}): {same}")
+               step=3, grad_unscale=0.5, two_pass=case == "two_pass", grad_amaxes=g_amax)  # fmt: skip
+            runs.append(p + m + v + [x for s in scales + amaxes for x in s])
+        same = all(_same(a, b) for a, b in zip(*runs, strict=True))
+        results.append(same)
+        if lines is not None:
+            log(lines, f"kernel == reference bit for bit on {device} ({case}): {same}")
+    return all(results)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,8 +365,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per forward in the memory runs")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's other launch configs")
+    parser.add_argument("--sweep", action="store_true", help="also time other launch configs and diagnostic kernels")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--out", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.toy:
@@ -249,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_memory:
         sections += [lambda fn=fn: fn(args.layers, args.hidden, args.tokens, device, lines)
                      for fn in (memory_baseline, memory_fp8)]  # fmt: skip
-    sections.append(lambda: speed(args.layers, args.hidden, device, args.iters, args.sweep, lines))
+    if not args.skip_speed:
+        sections.append(lambda: speed(args.layers, args.hidden, device, args.iters, args.sweep, lines))
+    sections.append(lambda: host_overhead(device, lines))
     failed = False
     for section in sections:
         try:  # one failing section still leaves the others' figures

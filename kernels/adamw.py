@@ -3,11 +3,14 @@
 Math (per element, fp32 in registers, one IEEE rounding per operation; numerics defined by
 :func:`lightning_fp8.kernels.reference.adamw_step_ref`)::
 
-    g = grad * grad_scale_inv                        FP8 gradient scale and 1/mu, powers of two (exact)
-    w, m, v = state * (1 / state_scale)              fp16 master, E4M3 m, fp16 v (or unscaled fp32/bf16); exact
-    m = m * b1 + g * (1 - b1);  v = v * b2 + g * g * (1 - b2)
-    w = w * (1 - lr wd) - m / (sqrt(v) * (1 / sqrt(1 - b2^t)) + eps) * lr / (1 - b1^t)
+    g = grad * grad_scale_inv                          FP8 gradient scale and 1/mu, powers of two
+    m = m_stored * ((1 / m_scale) * b1) + g * (1 - b1)   dequantization folded into per-tensor factors
+    v = v_stored * ((1 / v_scale) * b2) + (g * g) * (1 - b2)
+    w = w_stored * ((1 / w_scale) * (1 - lr wd)) - (m / (sqrt(v) + eps_hat)) * step_size_hat
     state = RNE(saturate(x * new_scale)),  new_scale = 2 ** floor(log2(fmax / a))
+
+``step_size_hat = lr sqrt(1 - b2^t) / (1 - b1^t)`` and ``eps_hat = eps sqrt(1 - b2^t)``: Adam's bias
+corrections folded into two per-step constants (Kingma & Ba, end of section 2), one multiply fewer per element.
 
 The new amax is known only after the update. Two schedules, selected by ``two_pass``:
 
@@ -21,20 +24,38 @@ The new amax is known only after the update. Two schedules, selected by ``two_pa
 Either way a small finalize launch writes the new scales and amaxes into the 0-dim state tensors (the
 main passes read the old scales, so they cannot be overwritten while those run).
 
-Many tensors per launch: a table holds each tensor's addresses (param, grad, m, v, scales, amaxes, grad
-scale_inv, an optional high-precision copy, grad amax) and element count; a block table maps each program
-to one chunk of one tensor. Tensors are grouped by dtypes, so a launch has one set of element types,
-taken from the first tensor of each list.
+Many tensors per launch: a table holds each tensor's element count, the element offsets of its param, grad,
+m, v and optional high-precision copy from the first tensor of each list (a kernel argument), and the
+addresses of its scales, amaxes, grad scale_inv and grad amax; a block table maps each program to one chunk
+(``BLOCK * ITERS`` elements) of one tensor. Tensors are grouped by dtypes, so a launch has one set of element
+types, taken from the first tensor of each list.
+
+Speed (H100, 16 x 8192 x 8192 parameters, benchmarks/results/optim_h100.txt): the one-pass kernel moves the
+11 bytes per parameter in 4.2 ms, 94% of a device copy's bandwidth and 2.8x ``torch.optim.AdamW(fused=True)``
+(``FP8AdamW.step`` with its host bookkeeping: 4.5 ms). It is memory-bound: replacing the IEEE square root and
+division by approximations gains 1%, dropping them altogether no more. The first version took 7.9 ms (50%);
+its SASS showed why: an address loaded from a table carries no alignment, so every load and store was one
+element wide (``LDG.E.U8``), with a 64-bit bounds check per element. Now each
+data pointer is a pointer argument (whose 16-byte alignment Triton specializes on) plus an offset that the
+launcher has checked to be a multiple of 16 bytes (``ALIGNED``, a ``tl.multiple_of`` hint); chunks that lie
+wholly inside their tensor run without masks (only a tensor's last chunk is masked); offsets are 32-bit unless
+a tensor needs more; each thread owns ``BLOCK / (32 num_warps)`` consecutive elements, 8 by default: 16-byte
+fp16 and 8-byte FP8 accesses. The running amaxes fold within each thread (one register per state, not one
+per element), NaN propagating through ``max.NaN`` instead of a compare and select per element, and the
+dequantization and bias corrections are folded into per-tensor and per-step factors (see the math above).
 
 Exactness: the GPU build disables fp contraction (``enable_fp_fusion=False``) and uses IEEE division and
 square root (``div_rn``, ``sqrt_rn``), so results equal the reference bit for bit. Dividing by a
-power-of-two scale is a multiplication by its exact reciprocal. Under the interpreter fp32 -> FP8 and
-fp32 -> bf16 conversions are pre-rounded in fp32 (see kernels/cast.py).
+power-of-two scale is a multiplication by its exact reciprocal. On the GPU the FP8 conversion
+(``cvt.rn.satfinite``) saturates by itself and turns NaN into 0x7F; under the interpreter fp32 -> FP8 and
+fp32 -> bf16 conversions are pre-rounded in fp32 and saturated explicitly (see kernels/cast.py).
 """
 
 from __future__ import annotations
 
+import array
 import functools
+import operator
 
 import torch
 import triton
@@ -42,15 +63,19 @@ import triton.language as tl
 from lightning_fp8.kernels.cast import _interpreted, _round_to_fp8_grid
 from lightning_fp8.kernels.reference import BOUND_SLACK, SCALED_STATE_MAX, AdamWConstants, float32_exponent_mantissa
 
-# Launch config (measured on an H100 with benchmarks/bench_optim.py --sweep): BLOCK elements per loop step,
-# ITERS loop steps per program (one chunk), NUM_WARPS per program.
-CONFIG = {"BLOCK": 512, "ITERS": 16, "NUM_WARPS": 4}
+# Launch config, the best of benchmarks/bench_optim.py --sweep on an H100 (benchmarks/results/optim_h100.txt: 4.2 to
+# 4.4 ms from 256 to 2048 elements per step, 7.7 ms with 16 elements per thread, whose layout conversions go through
+# shared memory): BLOCK elements per loop step (BLOCK / (32 NUM_WARPS) consecutive elements per thread: 8 gives
+# 16-byte fp16 accesses), ITERS loop steps per program (one chunk), NUM_WARPS per program.
+CONFIG = {"BLOCK": 1024, "ITERS": 16, "NUM_WARPS": 4}
 _INTERPRETER_CONFIG = {"BLOCK": 64, "ITERS": 2, "NUM_WARPS": 1}
 
-# Table columns: addresses of param, grad, exp_avg, exp_avg_sq, their 3 scales, their 3 amaxes, the grad's
-# scale_inv, the high-precision copy, then the element count and the address of the grad's amax.
+# Table columns: element offsets of param, grad, exp_avg, exp_avg_sq (from the first tensor of each list), addresses
+# of their 3 scales, their 3 amaxes and the grad's scale_inv, the element offset of the high-precision copy, then the
+# element count and the address of the grad's amax.
 _NCOL = 14
 _FP8_FORMAT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, min normal exponent
+_ALIGN = 16  # bytes: one vector access
 
 
 @triton.jit
@@ -79,32 +104,88 @@ def _addr(table_ptr, t, col: tl.constexpr, like):
 
 
 @triton.jit
-def _load_state(ptr, offs, mask, scale_inv, SCALED: tl.constexpr):
-    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SCALED:
-        x = x * scale_inv
-    return x
+def _data_ptr(table_ptr, t, col: tl.constexpr, base, ALIGNED: tl.constexpr):
+    # A tensor's pointer: `base` (the list's first tensor, a kernel argument) plus the element offset in column `col`.
+    # Triton knows a pointer argument's alignment; with ALIGNED (every offset a multiple of 16 bytes, checked by the
+    # launcher) it knows the sum's, and emits 16-byte accesses. An address loaded from the table carries none.
+    offset = tl.load(table_ptr + t * 14 + col)
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 128 // base.dtype.element_ty.primitive_bitwidth)
+    return base + offset
+
+
+@triton.jit
+def _store(ptr, offs, x, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, x, mask=mask)
+    else:
+        tl.store(ptr + offs, x)
 
 
 @triton.jit
 def _store_state(
     ptr, offs, mask, x, scale,
-    SCALED: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr,
+    MASKED: tl.constexpr, SCALED: tl.constexpr, FMAX: tl.constexpr, IS_FP8: tl.constexpr,
     MBITS: tl.constexpr, MIN_EXP: tl.constexpr, EXACT_ROUND: tl.constexpr,
 ):  # fmt: skip
     if SCALED:
         finite = tl.abs(x) < float("inf")
-        y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-        if IS_FP8:
-            if EXACT_ROUND:
-                y = _round_to_fp8_grid(y, MBITS, MIN_EXP, 2.0 ** (MIN_EXP - MBITS + 23))
-            q = y.to(ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
-            q = tl.where(finite, q, 0x7F).to(tl.uint8)  # NaN, as PyTorch writes it
-            tl.store(ptr + offs, q.to(ptr.dtype.element_ty, bitcast=True), mask=mask)
+        y = x * scale
+        if IS_FP8 and not EXACT_ROUND:  # cvt.rn.satfinite saturates and writes NaN as 0x7F
+            q = tl.where(finite, y, float("nan")).to(ptr.dtype.element_ty)
+        elif IS_FP8:
+            y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+            y = _round_to_fp8_grid(y, MBITS, MIN_EXP, 2.0 ** (MIN_EXP - MBITS + 23))
+            q = tl.where(finite, y.to(ptr.dtype.element_ty).to(tl.uint8, bitcast=True), 0x7F).to(tl.uint8)
+            q = q.to(ptr.dtype.element_ty, bitcast=True)  # NaN as PyTorch writes it
         else:
-            tl.store(ptr + offs, tl.where(finite, y, float("nan")).to(ptr.dtype.element_ty), mask=mask)
+            q = tl.where(finite, tl.minimum(tl.maximum(y, -FMAX), FMAX), float("nan")).to(ptr.dtype.element_ty)
+        _store(ptr, offs, q, mask, MASKED)
     else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+        _store(ptr, offs, x.to(ptr.dtype.element_ty), mask, MASKED)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fold_amax(acc, x, mask, MASKED: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    # acc [BLOCK // VEC]: each thread folds its VEC consecutive |x| into one register; NaN propagates.
+    a = tl.abs(x)
+    if MASKED:  # masked lanes are computed from zeros, which need not give 0 (eps = 0: 0 / 0)
+        a = tl.where(mask, a, 0.0)
+    return _max_nan(acc, tl.reduce(tl.reshape(a, [BLOCK // VEC, VEC]), 1, _max_nan))
+
+
+@triton.jit
+def _update(
+    gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, offs, mask, acc_p, acc_m, acc_v,
+    ginv, w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+    MASKED: tl.constexpr, SCALED_P: tl.constexpr, SCALED_M: tl.constexpr, SCALED_V: tl.constexpr,
+    P_MAX: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
+    M_FP8: tl.constexpr, M_MBITS: tl.constexpr, M_MIN_EXP: tl.constexpr, HAS_COPY: tl.constexpr,
+    WRITE: tl.constexpr, ACCUM_AMAX: tl.constexpr, EXACT_ROUND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    # One block: the AdamW update of loaded values (stored dtypes), the amaxes, the scaled stores.
+    g = gq.to(tl.float32) * ginv
+    m = mq.to(tl.float32) * m_mul + g * one_minus_beta1
+    v = vq.to(tl.float32) * v_mul + (g * g) * one_minus_beta2
+    w = wq.to(tl.float32) * w_mul - tl.div_rn(m, tl.sqrt_rn(v) + eps) * step_size
+    if ACCUM_AMAX:
+        acc_p = _fold_amax(acc_p, w, mask, MASKED, BLOCK, VEC)
+        acc_m = _fold_amax(acc_m, m, mask, MASKED, BLOCK, VEC)
+        acc_v = _fold_amax(acc_v, v, mask, MASKED, BLOCK, VEC)
+    if WRITE:
+        _store_state(p_ptr, offs, mask, w, wp_s, MASKED, SCALED_P, P_MAX, False, 0, 0, EXACT_ROUND)
+        _store_state(m_ptr, offs, mask, m, wm_s, MASKED, SCALED_M, M_MAX, M_FP8, M_MBITS, M_MIN_EXP, EXACT_ROUND)
+        _store_state(v_ptr, offs, mask, v, wv_s, MASKED, SCALED_V, V_MAX, False, 0, 0, EXACT_ROUND)
+        if HAS_COPY:
+            if EXACT_ROUND and c_ptr.dtype.element_ty == tl.bfloat16:
+                w = _round_to_bf16(w)
+            _store(c_ptr, offs, w.to(c_ptr.dtype.element_ty), mask, MASKED)
+    return acc_p, acc_m, acc_v
 
 
 @triton.jit
@@ -130,12 +211,21 @@ def _write_scale(
 
 
 @triton.jit
+def _state_factors(table_ptr, t, col: tl.constexpr, like, factor, SCALED: tl.constexpr):
+    # (old scale, (1 / old scale) * factor): the dequantization folded into the state's per-tensor factor.
+    if SCALED:
+        scale = tl.load(_addr(table_ptr, t, col, like))
+        return scale, tl.div_rn(1.0, scale) * factor
+    return 1.0, factor
+
+
+@triton.jit
 def _adamw_kernel(
-    table_ptr,  # int64 [T, 14]: addresses (see _NCOL) and element count per tensor
+    table_ptr,  # int64 [T, 14]: offsets, addresses (see _NCOL) and element count per tensor
     blocks_ptr,  # int32 [n_programs, 2]: (tensor index, chunk index) of each program
     amax_out_ptr,  # fp32 [T, 3]: new amax of (param, exp_avg, exp_avg_sq); atomic max (pass A, one pass) or read (B)
-    p0, g0, m0, v0, c0,  # first tensor of each list: their pointer types type the table's addresses
-    grad_unscale, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_bc2_sqrt,
+    p0, g0, m0, v0, c0,  # first tensor of each list: the bases of the table's offsets; their types type the others
+    grad_unscale, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size,
     max_update,  # fp32 scalars (reference.AdamWConstants)
     SCALED_P: tl.constexpr, SCALED_M: tl.constexpr, SCALED_V: tl.constexpr,  # storage carries a scale
     P_EXP: tl.constexpr, P_MANT: tl.constexpr, M_EXP: tl.constexpr,  # exponent/mantissa bits of each format max
@@ -149,34 +239,32 @@ def _adamw_kernel(
     ACCUM_AMAX: tl.constexpr,  # fold this pass's amax into amax_out
     SLACK: tl.constexpr,  # reference.BOUND_SLACK
     EXACT_ROUND: tl.constexpr,  # pre-round FP8/bf16 in fp32 (interpreter)
+    ALIGNED: tl.constexpr,  # every data address is a multiple of 16 bytes
+    OFFS_64: tl.constexpr,  # a tensor is too large for 32-bit element offsets
     BLOCK: tl.constexpr,  # elements per loop step
     ITERS: tl.constexpr,  # loop steps per program
+    VEC: tl.constexpr,  # consecutive elements per thread: BLOCK / (32 num_warps)
 ):  # fmt: skip
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + pid * 2).to(tl.int64)
-    chunk = tl.load(blocks_ptr + pid * 2 + 1).to(tl.int64)
+    chunk = tl.load(blocks_ptr + pid * 2 + 1)
     n = tl.load(table_ptr + t * 14 + 12)
-    p_ptr, g_ptr = _addr(table_ptr, t, 0, p0), _addr(table_ptr, t, 1, g0)
-    m_ptr, v_ptr = _addr(table_ptr, t, 2, m0), _addr(table_ptr, t, 3, v0)
+    if OFFS_64:
+        chunk = chunk.to(tl.int64)
+    else:
+        n = n.to(tl.int32)
+    p_ptr, g_ptr = _data_ptr(table_ptr, t, 0, p0, ALIGNED), _data_ptr(table_ptr, t, 1, g0, ALIGNED)
+    m_ptr, v_ptr = _data_ptr(table_ptr, t, 2, m0, ALIGNED), _data_ptr(table_ptr, t, 3, v0, ALIGNED)
+    c_ptr = _data_ptr(table_ptr, t, 11, c0, ALIGNED)
+    start = chunk * (BLOCK * ITERS)
+    lanes = tl.arange(0, BLOCK)
     ginv = grad_unscale
     if HAS_GSI:
         ginv = tl.load(_addr(table_ptr, t, 10, amax_out_ptr)) * grad_unscale
-    # Old scales (and their exact reciprocals, powers of two) and the scales of this write.
-    p_s = 1.0
-    m_s = 1.0
-    v_s = 1.0
-    p_inv = 1.0
-    m_inv = 1.0
-    v_inv = 1.0
-    if SCALED_P:
-        p_s = tl.load(_addr(table_ptr, t, 4, amax_out_ptr))
-        p_inv = tl.div_rn(1.0, p_s)
-    if SCALED_M:
-        m_s = tl.load(_addr(table_ptr, t, 5, amax_out_ptr))
-        m_inv = tl.div_rn(1.0, m_s)
-    if SCALED_V:
-        v_s = tl.load(_addr(table_ptr, t, 6, amax_out_ptr))
-        v_inv = tl.div_rn(1.0, v_s)
+    # Old scales, the per-tensor factors of the update and the scales of this write.
+    p_s, w_mul = _state_factors(table_ptr, t, 4, amax_out_ptr, decay, SCALED_P)
+    m_s, m_mul = _state_factors(table_ptr, t, 5, amax_out_ptr, beta1, SCALED_M)
+    v_s, v_mul = _state_factors(table_ptr, t, 6, amax_out_ptr, beta2, SCALED_V)
     wp_s, wm_s, wv_s = p_s, m_s, v_s
     if WRITE:
         if SCALED_P:
@@ -188,34 +276,36 @@ def _adamw_kernel(
         if SCALED_V:
             wv_s = _write_scale(table_ptr, amax_out_ptr, t, 2, v_s, grad_unscale, beta1, one_minus_beta1, beta2,
                                 one_minus_beta2, decay, max_update, V_EXP, V_MANT, FRESH, SLACK)  # fmt: skip
-    acc_p = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_m = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_v = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ITERS):
-        offs = (chunk * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * ginv
-        w = _load_state(p_ptr, offs, mask, p_inv, SCALED_P)
-        m = _load_state(m_ptr, offs, mask, m_inv, SCALED_M)
-        v = _load_state(v_ptr, offs, mask, v_inv, SCALED_V)
-        m = m * beta1 + g * one_minus_beta1
-        v = v * beta2 + (g * g) * one_minus_beta2
-        denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
-        w = w * decay - tl.div_rn(m, denom) * step_size
-        if ACCUM_AMAX:  # masked lanes computed from zeros stay 0 (w = 0, m = 0, v = 0): neutral for the max
-            acc_p = tl.maximum(acc_p, tl.where(w == w, tl.abs(w), float("inf")))
-            acc_m = tl.maximum(acc_m, tl.where(m == m, tl.abs(m), float("inf")))
-            acc_v = tl.maximum(acc_v, tl.where(v == v, tl.abs(v), float("inf")))
-        if WRITE:
-            _store_state(p_ptr, offs, mask, w, wp_s, SCALED_P, P_MAX, False, 0, 0, EXACT_ROUND)
-            _store_state(m_ptr, offs, mask, m, wm_s, SCALED_M, M_MAX, M_FP8, M_MBITS, M_MIN_EXP, EXACT_ROUND)
-            _store_state(v_ptr, offs, mask, v, wv_s, SCALED_V, V_MAX, False, 0, 0, EXACT_ROUND)
-            if HAS_COPY:
-                c_ptr = _addr(table_ptr, t, 11, c0)
-                if EXACT_ROUND and c0.dtype.element_ty == tl.bfloat16:
-                    w = _round_to_bf16(w)
-                tl.store(c_ptr + offs, w.to(c0.dtype.element_ty), mask=mask)
-    if ACCUM_AMAX:
+    acc_p = tl.zeros([BLOCK // VEC], dtype=tl.float32)
+    acc_m = tl.zeros([BLOCK // VEC], dtype=tl.float32)
+    acc_v = tl.zeros([BLOCK // VEC], dtype=tl.float32)
+    if start + BLOCK * ITERS <= n:  # inside the tensor: no masks, so the accesses stay vectorized
+        for i in range(ITERS):
+            offs = start + i * BLOCK + lanes
+            gq, wq = tl.load(g_ptr + offs), tl.load(p_ptr + offs)
+            mq, vq = tl.load(m_ptr + offs), tl.load(v_ptr + offs)
+            acc_p, acc_m, acc_v = _update(
+                gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, offs, None, acc_p, acc_m, acc_v, ginv, w_mul, m_mul,
+                v_mul, wp_s, wm_s, wv_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+                False, SCALED_P, SCALED_M, SCALED_V, P_MAX, M_MAX, V_MAX, M_FP8, M_MBITS, M_MIN_EXP, HAS_COPY,
+                WRITE, ACCUM_AMAX, EXACT_ROUND, BLOCK, VEC,
+            )  # fmt: skip
+    else:  # the tensor's last chunk
+        for i in range(ITERS):
+            offs = start + i * BLOCK + lanes
+            mask = offs < n
+            gq, wq = tl.load(g_ptr + offs, mask=mask, other=0.0), tl.load(p_ptr + offs, mask=mask, other=0.0)
+            mq, vq = tl.load(m_ptr + offs, mask=mask, other=0.0), tl.load(v_ptr + offs, mask=mask, other=0.0)
+            acc_p, acc_m, acc_v = _update(
+                gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, offs, mask, acc_p, acc_m, acc_v, ginv, w_mul, m_mul,
+                v_mul, wp_s, wm_s, wv_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+                True, SCALED_P, SCALED_M, SCALED_V, P_MAX, M_MAX, V_MAX, M_FP8, M_MBITS, M_MIN_EXP, HAS_COPY,
+                WRITE, ACCUM_AMAX, EXACT_ROUND, BLOCK, VEC,
+            )  # fmt: skip
+    if ACCUM_AMAX:  # NaN counts as inf (reference.amax_ref)
+        acc_p = tl.where(acc_p == acc_p, acc_p, float("inf"))
+        acc_m = tl.where(acc_m == acc_m, acc_m, float("inf"))
+        acc_v = tl.where(acc_v == acc_v, acc_v, float("inf"))
         tl.atomic_max(amax_out_ptr + t * 3, tl.max(acc_p, axis=0))
         tl.atomic_max(amax_out_ptr + t * 3 + 1, tl.max(acc_m, axis=0))
         tl.atomic_max(amax_out_ptr + t * 3 + 2, tl.max(acc_v, axis=0))
@@ -264,34 +354,60 @@ def _block_table(numels: tuple[int, ...], chunk: int, device: torch.device) -> t
     return torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32).to(device)
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies) -> None:
+def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies) -> list[int]:
+    """Validate the lists (one pass each: this runs every step, per tensor); returns the element counts."""
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     for name, tensors in lists.items():
         if len(tensors) != len(params):
             raise ValueError(f"adamw_step: {name} has {len(tensors)} tensors but params has {len(params)}")
     for name, tensors in {"params": params, **lists, "param_copies": param_copies or []}.items():
-        if any(not t.is_contiguous() for t in tensors) or len({t.dtype for t in tensors}) > 1:
+        dtype = tensors[0].dtype if tensors else None
+        if not all([t.dtype == dtype and t.is_contiguous() for t in tensors]):
             raise ValueError(f"adamw_step: the tensors of {name} must be contiguous and share one dtype")
-    for i, p in enumerate(params):
-        if any(t[i].numel() != p.numel() for t in lists.values()):
-            raise ValueError(f"adamw_step: tensor {i} has states whose sizes differ from its param ({p.numel()})")
+    numels = [p.numel() for p in params]
+    for tensors in lists.values():
+        sizes = [t.numel() for t in tensors]
+        if sizes != numels:
+            i = next(i for i, (a, b) in enumerate(zip(sizes, numels, strict=True)) if a != b)
+            raise ValueError(f"adamw_step: tensor {i} has states whose sizes differ from its param ({numels[i]})")
     if (scales is None) != (amaxes is None):
         raise ValueError("adamw_step: pass scales and amaxes together (both or neither)")
+    return numels
 
 
-def _table(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, grad_scale_invs, grad_amaxes, param_copies):
-    rows = []
-    for i, p in enumerate(params):
-        row = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]]
-        row += list(scales[i]) if scales is not None else [None] * 3
-        row += list(amaxes[i]) if amaxes is not None else [None] * 3
-        row.append(grad_scale_invs[i] if grad_scale_invs is not None else None)
-        row.append(param_copies[i] if param_copies is not None else None)
-        addresses = [t.data_ptr() if t is not None else 0 for t in row]
-        addresses.append(p.numel())
-        addresses.append(grad_amaxes[i].data_ptr() if grad_amaxes is not None else 0)
-        rows.append(addresses)
-    return torch.tensor(rows, dtype=torch.int64).to(params[0].device, non_blocking=True)
+def _table(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, grad_scale_invs, grad_amaxes, param_copies, numels):
+    """The int64 [T, 14] table and a zeroed fp32 [T, 3] amax buffer on the device, and whether every data address
+    is a multiple of 16 bytes."""
+    zeros = [0] * len(params)
+    data = [[t.data_ptr() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs, param_copies or ()) if ts]
+    aligned = functools.reduce(operator.or_, (functools.reduce(operator.or_, c, 0) for c in data), 0) % _ALIGN == 0
+    sizes = [ts[0].element_size() for ts in (params, grads, exp_avgs, exp_avg_sqs, param_copies or ()) if ts]
+    offsets = [[(a - c[0]) // size for a in c] for c, size in zip(data, sizes, strict=True)]
+    if not aligned and any((a - c[0]) % size for c, size in zip(data, sizes, strict=True) for a in c):
+        raise ValueError("adamw_step: a tensor's address is not a multiple of its element size")
+    columns = offsets[:4]
+    for states in (scales, amaxes):  # [T] tuples of 3 -> 3 columns
+        columns += [[t.data_ptr() for t in ts] for ts in zip(*states, strict=True)] if states else [zeros] * 3
+    columns.append([t.data_ptr() for t in grad_scale_invs] if grad_scale_invs is not None else zeros)
+    columns.append(offsets[4] if param_copies is not None else zeros)
+    columns.append(numels)
+    columns.append([t.data_ptr() for t in grad_amaxes] if grad_amaxes is not None else zeros)
+    # Through array: 2x faster than torch.tensor(nested lists), which matters for models with many small tensors. The
+    # zeroed fp32 [T, 3] amax buffer travels in the same copy (one transfer instead of a transfer and a fill).
+    n = len(params)
+    flat = array.array("q", [x for row in zip(*columns, strict=True) for x in row])
+    flat.extend([0] * ((3 * n + 1) // 2))
+    flat = torch.frombuffer(flat, dtype=torch.int64).to(params[0].device, non_blocking=True)
+    amax_out = flat[n * _NCOL :].view(torch.float32)[: 3 * n].view(n, 3)
+    return flat[: n * _NCOL].view(n, _NCOL), amax_out, aligned
+
+
+def _launch_config(interpreted: bool) -> dict:
+    cfg = dict(_INTERPRETER_CONFIG if interpreted else CONFIG)
+    cfg["VEC"] = max(1, cfg["BLOCK"] // (32 * cfg["NUM_WARPS"]))
+    if cfg["BLOCK"] % cfg["VEC"] or cfg["VEC"] & (cfg["VEC"] - 1):
+        raise ValueError(f"adamw CONFIG {cfg}: BLOCK must be a power of two times 32 * NUM_WARPS")
+    return cfg
 
 
 def adamw_step(
@@ -322,18 +438,19 @@ def adamw_step(
         ValueError: for lists of different lengths, sizes or mixed dtypes, ``scales`` without ``amaxes``, or a
             one-pass step without its bounds (see the reference).
     """
-    _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies)
+    numels = _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies)
     c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
     if not two_pass and scales is not None and (grad_amaxes is None or c.max_update is None):
         raise ValueError("adamw_step(two_pass=False) needs grad_amaxes and beta1**2 < beta2 for its scale bounds")
     if not params:
         return
     device = params[0].device
-    table = _table(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, grad_scale_invs, grad_amaxes, param_copies)
+    table, amax_out, aligned = _table(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, grad_scale_invs,
+                                      grad_amaxes, param_copies, numels)  # fmt: skip
     interpreted = _interpreted(_adamw_kernel)
-    cfg = _INTERPRETER_CONFIG if interpreted else CONFIG
-    blocks = _block_table(tuple(p.numel() for p in params), cfg["BLOCK"] * cfg["ITERS"], device)
-    amax_out = torch.zeros(len(params), 3, dtype=torch.float32, device=device)
+    cfg = _launch_config(interpreted)
+    chunk = cfg["BLOCK"] * cfg["ITERS"]
+    blocks = _block_table(tuple(numels), chunk, device)
     formats = {}
     dtypes = (params[0].dtype, exp_avgs[0].dtype, exp_avg_sqs[0].dtype)
     for key, dtype in zip("PMV", dtypes, strict=True):
@@ -350,12 +467,14 @@ def adamw_step(
         "V_MAX": SCALED_STATE_MAX.get(dtypes[2], 1.0),
         "M_FP8": dtypes[1] in _FP8_FORMAT, "M_MBITS": m_fmt[0], "M_MIN_EXP": m_fmt[1],
         "HAS_GSI": grad_scale_invs is not None, "HAS_COPY": param_copies is not None,
-        "SLACK": BOUND_SLACK, "EXACT_ROUND": interpreted, "BLOCK": cfg["BLOCK"], "ITERS": cfg["ITERS"],
+        "SLACK": BOUND_SLACK, "EXACT_ROUND": interpreted, "ALIGNED": aligned,
+        "OFFS_64": max(numels) + chunk >= 2**31,
+        "BLOCK": cfg["BLOCK"], "ITERS": cfg["ITERS"], "VEC": cfg["VEC"],
     }  # fmt: skip
     launch = {} if interpreted else {"num_warps": cfg["NUM_WARPS"], "enable_fp_fusion": False}
     copy0 = param_copies[0] if param_copies is not None else params[0]
     args = (table, blocks, amax_out, params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copy0,
-            *hyper, c.eps, c.decay, c.step_size, c.inv_bc2_sqrt, max_update)  # fmt: skip
+            *hyper, c.eps, c.decay, c.step_size, max_update)  # fmt: skip
     grid = (blocks.shape[0],)
     if two_pass:
         _adamw_kernel[grid](*args, **common, WRITE=False, FRESH=True, ACCUM_AMAX=True, **launch)

@@ -64,13 +64,17 @@ def cast_to_fp8_ref(
 # operation (no fused multiply-add), in this order:
 #
 #     g = grad * grad_scale_inv                    grad_scale_inv = (FP8 grad's scale_inv or 1) * grad_unscale (1/mu)
-#     w, m, v = state / state_scale                for scaled storage (fp16, FP8; exact: powers of two); fp32/bf16
-#                                                  states are unscaled
-#     m = m * beta1 + g * (1 - beta1)
-#     v = v * beta2 + (g * g) * (1 - beta2)
-#     w = w * (1 - lr * wd) - (m / (sqrt(v) * (1 / sqrt(1 - beta2**t)) + eps)) * (lr / (1 - beta1**t))
+#     m = m_stored * ((1 / m_scale) * beta1) + g * (1 - beta1)
+#     v = v_stored * ((1 / v_scale) * beta2) + (g * g) * (1 - beta2)
+#     w = w_stored * ((1 / w_scale) * (1 - lr * wd)) - (m / (sqrt(v) + eps_hat)) * step_size_hat
 #     state = RNE(saturate(x * new_scale))         new_scale = pow2_scale(a), a = the fresh amax (two_pass) or an upper
 #                                                  bound of it known before the update (one pass; see adamw_bound_ref)
+#
+# The per-tensor factors in parentheses are fp32 (1 / scale is exact: scales are powers of two); fp32/bf16 states are
+# unscaled (factor beta1, beta2, 1 - lr * wd). Bias correction is folded into two per-step constants, Adam's efficient
+# form (Kingma & Ba 2015, end of section 2): step_size_hat = lr * sqrt(1 - beta2**t) / (1 - beta1**t) and
+# eps_hat = eps * sqrt(1 - beta2**t), the same update as torch.optim.AdamW's
+# lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps) up to rounding.
 # ---------------------------------------------------------------------------------------------------------------------
 
 # Storage formats that carry a per-tensor scale, with their largest finite value.
@@ -81,7 +85,10 @@ BOUND_SLACK = 1.25
 
 
 class AdamWConstants:
-    """The step's scalars, each rounded once to fp32 so that the kernel and the reference use identical values."""
+    """The step's scalars, each rounded once to fp32 so that the kernel and the reference use identical values.
+
+    ``step_size`` and ``eps`` are Adam's bias-corrected ``step_size_hat`` and ``eps_hat`` (see above).
+    """
 
     def __init__(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
         def f32(x: float) -> float:
@@ -89,15 +96,14 @@ class AdamWConstants:
 
         self.beta1, self.one_minus_beta1 = f32(beta1), f32(1.0 - beta1)
         self.beta2, self.one_minus_beta2 = f32(beta2), f32(1.0 - beta2)
-        self.eps = f32(eps)
         self.decay = f32(1.0 - lr * weight_decay)
-        step_size = lr / (1.0 - beta1**step)
-        self.step_size = f32(step_size)
-        self.inv_bc2_sqrt = f32(1.0 / (1.0 - beta2**step) ** 0.5)
+        bc2_sqrt = (1.0 - beta2**step) ** 0.5
+        self.eps = f32(eps * bc2_sqrt)
+        self.step_size = f32(lr * bc2_sqrt / (1.0 - beta1**step))
         # |m| <= K sqrt(v) for Adam's moments (Cauchy-Schwarz over the exponential sums) when beta1**2 < beta2, so
         # |update| <= K * step_size; the factor 2 absorbs the moments' storage rounding. None: no bound.
         k = (1.0 - beta1) / ((1.0 - beta2) * (1.0 - beta1**2 / beta2)) ** 0.5 if beta1**2 < beta2 else None
-        self.max_update = f32(2.0 * k * step_size) if k is not None else None
+        self.max_update = f32(2.0 * k * self.step_size) if k is not None else None
 
 
 def float32_exponent_mantissa(value: float) -> tuple[int, int]:
@@ -145,14 +151,26 @@ def _store_scaled_ref(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor) -
     dst.copy_(y.to(dst.dtype))
 
 
-def adamw_update_ref(g, w, m, v, c: AdamWConstants):
-    """One AdamW update of fp32 tensors in the operation order of the kernel; returns the new ``(w, m, v)``."""
-    m = m * c.beta1 + g * c.one_minus_beta1
-    v = v * c.beta2 + (g * g) * c.one_minus_beta2
+def adamw_update_ref(g, w, m, v, factors, c: AdamWConstants):
+    """One AdamW update in the operation order of the kernel; returns the new fp32 ``(w, m, v)``.
+
+    ``g``: the unscaled fp32 gradient; ``w, m, v``: the stored states as fp32; ``factors``: their per-tensor fp32
+    factors ``(1 / scale) * (1 - lr * wd, beta1, beta2)`` (0-dim tensors or Python floats).
+    """
+    w_mul, m_mul, v_mul = factors
+    m = m * m_mul + g * c.one_minus_beta1
+    v = v * v_mul + (g * g) * c.one_minus_beta2
     # torch.sqrt of fp32 on CPU is not always correctly rounded; through fp64 it is (53 >= 2 * 24 + 2 bits).
-    denom = torch.sqrt(v.double()).float() * c.inv_bc2_sqrt + c.eps
-    w = w * c.decay - (m / denom) * c.step_size
+    denom = torch.sqrt(v.double()).float() + c.eps
+    w = w * w_mul - (m / denom) * c.step_size
     return w, m, v
+
+
+def _state_factor(t: torch.Tensor, scale: torch.Tensor | None, factor: float) -> torch.Tensor | float:
+    # The kernel's fp32 (1 / scale) * factor; 1 / scale is exact for a power of two.
+    if scale is None or t.dtype not in SCALED_STATE_MAX:
+        return factor
+    return (1.0 / scale.float()) * factor
 
 
 def adamw_step_ref(
@@ -208,8 +226,9 @@ def adamw_step_ref(
         if grad_scale_invs is not None:
             ginv = grad_scale_invs[i].float() * grad_unscale
         state_scales = scales[i] if scales is not None else (None, None, None)
-        old = [t.float() / s if _is_scaled(t, s) else t.float() for t, s in zip(states, state_scales, strict=True)]
-        new = adamw_update_ref(g.float() * ginv, *old, c)
+        factors = [_state_factor(t, s, f) for t, s, f in zip(states, state_scales, (c.decay, c.beta1, c.beta2),
+                                                                 strict=True)]  # fmt: skip
+        new = adamw_update_ref(g.float() * ginv, *(t.float() for t in states), factors, c)
         fresh = [amax_ref(x) for x in new]
         for j, (x, dst) in enumerate(zip(new, states, strict=True)):
             if _is_scaled(dst, state_scales[j]):

@@ -246,17 +246,19 @@ class FP8AdamW(torch.optim.Optimizer):
         The amax (of ``grad * grad_scale_inv``) is known for FP8 gradients, measured for the high-precision
         gradient of a low-precision weight (the one-pass scale bounds need it), else ``None``.
         """
-        if p.grad is not None and p.grad.is_sparse:
+        grad = p.grad  # a Python property: read once (this runs per parameter and step)
+        if grad is not None and grad.is_sparse:
             raise RuntimeError("FP8AdamW does not support sparse gradients")
-        if p in self._pending and p.grad is not None:  # both: fold the high-precision one in
-            grad, p.grad = p.grad, None
-            self.accumulate_fp8_grad(p, grad)
         entry = self._pending.get(p)
+        if entry is not None and grad is not None:  # both: fold the high-precision one in
+            p.grad = None
+            self.accumulate_fp8_grad(p, grad)
+            entry = self._pending[p]
         if entry is not None:
             return entry.data, entry.scale_inv, entry.amax
-        if p.grad is None:
+        if grad is None:
             return None, None, None
-        grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+        grad = grad if grad.is_contiguous() else grad.contiguous()
         return grad, None, (ops.amax(_local(grad)) if p in self._low_precision else None)
 
     def _nonfinite_grads(self) -> torch.Tensor:
@@ -310,7 +312,7 @@ class FP8AdamW(torch.optim.Optimizer):
     def _fp8_step(self, grad_unscale: float) -> None:
         """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
         for group in self.param_groups:
-            batches: dict[tuple, list[tuple]] = defaultdict(list)
+            live = []
             for p in group["params"]:
                 grad, grad_scale_inv, grad_amax = self._grad_of(p)
                 if grad is None:
@@ -318,10 +320,12 @@ class FP8AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p, state)
-                state["step"] += 1
-                item = self._launch_item(p, state, grad, grad_scale_inv, grad_amax)
-                key = (p.device, int(state["step"].item()), *(t.dtype if t is not None else None for t in item[:6]))
-                batches[key].append(item)
+                live.append((p, state, grad, grad_scale_inv, grad_amax))
+            # Params at different step counts (some had no gradient at times) need their own bias correction.
+            batches: dict[tuple, list[tuple]] = defaultdict(list)
+            for (p, state, *grads), step in zip(live, _advance_steps([e[1]["step"] for e in live]), strict=True):
+                item = self._launch_item(p, state, *grads)
+                batches[(p.device, step, *item[-1])].append(item[:-1])
             for key, items in batches.items():
                 self._launch(group, key[1], items, grad_unscale)
         self._pending.clear()
@@ -348,13 +352,23 @@ class FP8AdamW(torch.optim.Optimizer):
             state["master"] = _like(p, state["master"])
 
     def _launch_item(self, p, state, grad, grad_scale_inv, grad_amax) -> tuple:
-        target = state.get("master", p.detach())
-        copy = p.detach() if "master" in state else None
-        scaled = p in self._low_precision
-        scales = tuple(state[f"{k}_scale"] for k in ("master", "exp_avg", "exp_avg_sq")) if scaled else None
-        amaxes = tuple(state[f"{k}_amax"] for k in ("master", "exp_avg", "exp_avg_sq")) if scaled else None
-        return (_local(target), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                grad_scale_inv, _local(copy) if copy is not None else None, scales, amaxes, grad_amax)  # fmt: skip
+        """The kernel's tensors for ``p``, then the dtypes that decide which launch takes them."""
+        # The parameter itself, not a detached alias: the step runs under no_grad (like torch.optim's in-place
+        # updates), and detach() costs about a microsecond per parameter.
+        target, copy = (state["master"], p) if "master" in state else (p, None)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if p in self._low_precision:
+            scales = (state["master_scale"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
+            amaxes = (state["master_amax"], state["exp_avg_amax"], state["exp_avg_sq_amax"])
+        else:
+            scales = amaxes = None
+        if _is_dtensor(p):  # FSDP2: the kernel works on this rank's shards
+            target = _local(target.detach())
+            grad, exp_avg, exp_avg_sq = _local(grad), _local(exp_avg), _local(exp_avg_sq)
+            copy = _local(copy.detach()) if copy is not None else None
+        dtypes = (target.dtype, grad.dtype, exp_avg.dtype, exp_avg_sq.dtype,
+                  grad_scale_inv is not None, copy.dtype if copy is not None else None)  # fmt: skip
+        return target, grad, exp_avg, exp_avg_sq, grad_scale_inv, copy, scales, amaxes, grad_amax, dtypes
 
     def _launch(self, group: dict[str, Any], step: int, items: list[tuple], grad_unscale: float) -> None:
         params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes, grad_amaxes = (
@@ -432,13 +446,34 @@ def _check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) ->
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs weight_decay >= 0)")
 
 
+def _advance_steps(steps: list[torch.Tensor]) -> list[int]:
+    """``step += 1`` for each 0-dim step tensor (one foreach call for CPU steps); returns the new counts."""
+    if not steps:
+        return []
+    if all(s.is_cpu for s in steps):  # as torch.optim.AdamW: a tensor scalar and alpha take foreach's fast path
+        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
+    else:
+        for s in steps:
+            s += 1
+    return [int(s.item()) for s in steps]
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # FSDP2 parameters and their states are DTensors: the kernel works on this rank's shard.
-    return t.to_local() if _is_dtensor(t) else t
+    # FSDP2 and tensor-parallel parameters and their states are DTensors: the kernel works on this rank's shard.
+    if not _is_dtensor(t):
+        return t
+    if any(placement.is_partial() for placement in t.placements):
+        # The gradient of a replicated parameter fed by sharded activations (a norm or row-parallel bias under
+        # sequence parallelism) arrives as per-rank partial sums: reduce it (one all-reduce), as torch's optimizers
+        # do through DTensor, or each rank would step with its own part and the replicas would drift apart.
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    return t.to_local()
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

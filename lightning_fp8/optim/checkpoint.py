@@ -92,7 +92,9 @@ def _is_dtensor(t: Any) -> bool:
 def _per_shard(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    placements = [Shard(0) if placement.is_shard() else Replicate() for placement in p.placements]
+    # Sharded on a mesh dimension means one scalar per rank there; not Placement.is_shard(): FSDP2 on top of
+    # tensor parallelism shards with _StridedShard, which is no Shard in recent torch (and would lose ranks' values).
+    placements = [Replicate() if placement.is_replicate() else Shard(0) for placement in p.placements]
     return DTensor.from_local(value.detach().reshape(1), p.device_mesh, placements, run_check=False)
 
 

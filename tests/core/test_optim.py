@@ -211,8 +211,10 @@ def test_checkpoint_resume_is_bit_identical(scale_update):
         assert torch.equal(a, b)
     for sa, sb in zip(opt.state_dict()["state"].values(), ropt.state_dict()["state"].values(), strict=True):
         for key in sa:
-            assert torch.equal(sa[key], sb[key]) if sa[key].element_size() > 1 else torch.equal(
-                sa[key].view(torch.uint8), sb[key].view(torch.uint8)
+            assert (
+                torch.equal(sa[key], sb[key])
+                if sa[key].element_size() > 1
+                else torch.equal(sa[key].view(torch.uint8), sb[key].view(torch.uint8))
             ), key
     assert scaler.state_dict() == rscaler.state_dict()
 
@@ -279,6 +281,28 @@ def test_add_param_group_and_param_without_grad():
     opt.step()
     assert torch.equal(b, before) and b not in opt.state  # no grad: skipped, no state
     assert opt.param_groups[1]["lr"] == 0.5
+
+
+def test_params_at_different_step_counts_match_adamw():
+    # A parameter that misses steps (no gradient) has its own step count and bias correction, in one param group
+    # with parameters that did not: the step batches parameters by step count. O1 keeps fp32 states, so only the
+    # operation order differs from torch.optim.AdamW (a few ulp).
+    torch.manual_seed(0)
+    init = [torch.randn(6, 5), torch.randn(9), torch.randn(4, 4)]
+    grads = [[torch.randn_like(w) if (step + i) % 3 else None for i, w in enumerate(init)] for step in range(7)]
+    runs = []
+    for cls, kwargs in ((torch.optim.AdamW, {}), (FP8AdamW, {"opt_level": "O1"})):
+        params = [nn.Parameter(w.clone()) for w in init]
+        opt = cls(params, lr=0.05, weight_decay=0.1, **kwargs)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g
+            opt.step()
+        runs.append((params, [float(opt.state[p]["step"]) for p in params]))
+    (ref, ref_steps), (got, steps) = runs
+    assert steps == ref_steps and len(set(steps)) > 1
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_maximize_ascends():

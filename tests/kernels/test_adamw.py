@@ -70,11 +70,14 @@ def _run(fn, tensors, *, scaled, fp8_grads, copies, two_pass, grad_unscale=0.5):
 
 
 def _assert_same(a, b):
+    # Bit for bit; any NaN equals any NaN (a NaN's payload carries no information).
     for x, y in zip(a, b, strict=True):
         for key in x:
             xs, ys = (x[key], y[key]) if isinstance(x[key], list) else ([x[key]], [y[key]])
             for u, w in zip(xs, ys, strict=True):
-                assert torch.equal(_bits(u), _bits(w)), (key, (u.float() - w.float()).abs().max())
+                nan = u.float().isnan()
+                assert torch.equal(nan, w.float().isnan()), key
+                assert torch.equal(_bits(u)[~nan], _bits(w)[~nan]), (key, (u.float() - w.float()).abs().max())
 
 
 CASES = {
@@ -101,6 +104,61 @@ def test_kernel_matches_reference_bit_for_bit(case, two_pass):
     for d in expected:
         for s in d["scales"]:
             assert torch.frexp(s).mantissa.item() == 0.5
+
+
+def _spoil(tensors, case):
+    """Edge cases on top of _make's states: "saturating" (stored amaxes far too small, so the one-pass scales
+    overflow every state) or "non_finite" (inf, -inf and NaN gradients)."""
+    for d in tensors:
+        if case == "saturating":
+            d["amaxes"] = [a * 1e-6 for a in d["amaxes"]]
+        else:
+            d["g"].view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=d["g"].dtype)
+            d["gamax"] = d["g"].float().abs().amax()
+    return tensors
+
+
+# The interpreter decodes E5M2 inf and NaN as finite numbers, so non-finite FP8 gradients are tested on a GPU only.
+EDGE_CASES = {"saturating": "o2_fp8_grad", "non_finite": "o2_fp16_grad"}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy under the interpreter: 0 / 0
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_kernel_matches_reference_when_saturating_or_non_finite(case):
+    dtypes, scaled, fp8_grads, copies = CASES[EDGE_CASES[case]]
+    tensors = _spoil(_make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies), case)
+    kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": False}
+    expected = _run(reference.adamw_step_ref, tensors, **kw)
+    _assert_same(expected, _run(adamw.adamw_step, tensors, **kw))
+    if case == "saturating":  # the case does what it says
+        assert (expected[0]["m"].float().abs() == 448.0).any() and (expected[0]["v"].float() == 65504.0).any()
+    else:
+        assert expected[0]["p"].float().isnan().any() and expected[0]["amaxes"][0].isinf()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"BLOCK": 32, "ITERS": 3, "NUM_WARPS": 1}, {"BLOCK": 128, "ITERS": 1, "NUM_WARPS": 1}],
+    ids=["one_per_thread", "four_per_thread_single_step"],
+)
+def test_kernel_launch_configs_and_unaligned_tensors(config, monkeypatch):
+    # Other loop shapes than the default interpreter config; tensors that are views 2 bytes off their storage's
+    # start, so the launcher must drop the 16-byte alignment hint.
+    monkeypatch.setattr(adamw, "_INTERPRETER_CONFIG", config)
+    dtypes, scaled, fp8_grads, copies = CASES["o2_fp16_grad"]
+    tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
+    for d in tensors[:1]:
+        for key in ("p", "v", "g"):
+            shifted = torch.empty(d[key].numel() + 1, dtype=d[key].dtype)[1:].view(d[key].shape)
+            d[key] = shifted.copy_(d[key])
+    assert not adamw._table(*(_lists(tensors)), None, None, [t.numel() for t in _lists(tensors)[0]])[2]
+    kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": False}
+    _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
+
+
+def _lists(tensors):
+    return ([d["p"] for d in tensors], [d["g"] for d in tensors], [d["m"] for d in tensors], [d["v"] for d in tensors],
+            [tuple(d["scales"]) for d in tensors], [tuple(d["amaxes"]) for d in tensors], None)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [F16, E4M3, E5M2])
@@ -155,4 +213,15 @@ def test_kernel_matches_reference_on_gpu(case, two_pass):
     shapes = [*SHAPES, (1000, 333)]
     tensors = _make("cuda", shapes, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
+    _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["saturating", "non_finite"])
+def test_kernel_matches_reference_on_gpu_when_saturating_or_non_finite(case):
+    # The GPU path differs from the interpreter's here: cvt.rn.satfinite saturates FP8 and writes NaN itself.
+    dtypes, scaled, fp8_grads, copies = CASES["o2_fp8_grad"]
+    tensors = _make("cuda", [*SHAPES, (1000, 333)], dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
+    kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": False}
+    tensors = _spoil(tensors, case)
     _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
