@@ -3,23 +3,27 @@
 Run on one host with several GPUs (NVLink multicast off, as the GPU README asks; the script sets both variables
 unless they are set already)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_comm.py              # 1B elements, plus a ~1B GPT step
+    torchrun --nproc-per-node 2 benchmarks/bench_comm.py              # 1B elements, plus ~1B GPT training steps
     torchrun --nproc-per-node 4 benchmarks/bench_comm.py --no-gpt
     torchrun --nproc-per-node 2 benchmarks/bench_comm.py --toy        # CPU, gloo, small sizes (a smoke test)
 
-What it measures, in one run, after checking every FP8 variant against the fp32 mean (SQNR) on the same data:
+What it measures, in one run:
 
-- the gradient reduction of ``--numel`` elements (bf16 gradients cut into ``--tensors`` tensors of uneven sizes):
-  NCCL all-reduce in fp32 and bf16; the portable FP8 path (FP8 all-to-all, fp32 sum, FP8 all-gather) in E5M2 and
-  E4M3; the native FP8 path (NCCL's float8 all-reduce); the raw FP8 collectives alone (their lower bound);
-  reduce-scatter bf16 against the FP8 reduce-scatter (FSDP's collective);
-- with ``--gpt`` (default on GPU): a forward+backward step of a ~1B-parameter GPT under DDP (fp32 all-reduce,
-  bf16 compression hook, FP8 hook) and FSDP2 (bf16 reduce-scatter, FP8 reduce-scatter [+ FP8 weight all-gather
-  with ``--fp8-linear``]).
+- first, on GPU, the Triton kernels (kernels/comm.py) against their PyTorch references through every FP8
+  collective, bit for bit, and whether every rank holds the same result;
+- the gradient reduction of ``--numel`` elements (bf16 gradients cut into ``--tensors`` tensors of uneven sizes),
+  each FP8 variant checked against the fp32 mean (SQNR) on the same data before it is timed: NCCL all-reduce in
+  fp32 and bf16; the portable FP8 path (FP8 all-to-all, fp32 sum, FP8 all-gather) in E5M2 and E4M3, pipelined in
+  ``--slices``; the native FP8 path (NCCL's float8 all-reduce); the raw FP8 collectives alone (their lower bound);
+  reduce-scatter bf16 against the FP8 reduce-scatter (FSDP's collective); each elementwise pass alone (amax,
+  cast, decode) against a device copy, as HBM bandwidth;
+- with ``--gpt`` (default on GPU): a training step (forward, backward, AdamW) of a ~1B-parameter GPT under DDP
+  (fp32 all-reduce, bf16 compression hook, FP8 hook portable and native; for each ``--bucket-mb``) and FSDP2 (bf16
+  reduce-scatter, FP8 reduce-scatter [+ FP8 weight all-gather with ``--fp8-linear``]).
 
-Times are medians of CUDA-event timings after warm-up. Bus bandwidth follows nccl-tests: an all-reduce moves
-``2 (N-1)/N`` of its bytes per rank, a reduce-scatter ``(N-1)/N``; FP8 variants count 1 byte per element. The
-table comes last; the full log goes to ``--log-file``.
+Times are medians of CUDA-event timings after warm-up, the slowest rank's. Bus bandwidth follows nccl-tests: an
+all-reduce moves ``2 (N-1)/N`` of its bytes per rank, a reduce-scatter ``(N-1)/N``; FP8 variants count 1 byte per
+element. The table comes last; the full log goes to ``--log-file``.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
@@ -93,6 +97,68 @@ def tensor_sizes(numel: int, count: int, world: int) -> list[int]:
     return sizes.tolist()
 
 
+def same_on_every_rank(t: torch.Tensor) -> bool:
+    """Whether every rank holds the same bytes (compared through two checksums of the raw bits)."""
+    sums = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for part in t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32).split(1 << 26):
+        bits = part.to(torch.int64)
+        sums += torch.stack([bits.sum(), (bits * bits).sum()])
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))
+
+
+def check_kernels(device: torch.device, world: int) -> None:
+    """The Triton kernels against their PyTorch references through every FP8 collective, bit for bit (16M elements)."""
+    sizes = tensor_sizes(1 << 24, 16, world)
+    layout = SegmentLayout.per_tensor(sizes)
+    g = torch.Generator(device=device).manual_seed(99 + dist.get_rank())
+    x = torch.randn(1 << 24, generator=g, device=device, dtype=torch.bfloat16)
+    x.mul_(torch.repeat_interleave(torch.logspace(-9, 3, len(sizes), device=device), torch.tensor(sizes, device=device))
+           .bfloat16())  # fmt: skip
+    results = []
+    for name, fn in (
+        ("portable e5m2", lambda f: all_reduce_fp8(x, layout, None, E5M2, fused=f, slices=3)),
+        ("portable e4m3", lambda f: all_reduce_fp8(x, layout, None, E4M3, fused=f)),
+        ("native e5m2", lambda f: all_reduce_fp8_native(x, layout, None, E5M2, fused=f, slices=3)),
+        ("reduce_scatter", lambda f: reduce_scatter_fp8(x, layout, None, E5M2, fused=f, slices=2)),
+    ):
+        (ref, ref_stats), (got, got_stats) = fn(False), fn(True)
+        exact = torch.equal(ref.view(torch.int16 if ref.element_size() == 2 else torch.int32),
+                            got.view(torch.int16 if got.element_size() == 2 else torch.int32))  # fmt: skip
+        exact = exact and torch.equal(ref_stats.n_saturated, got_stats.n_saturated)
+        results.append(f"{name}: {'bit-exact' if exact else 'MISMATCH'}")
+        if name != "reduce_scatter":
+            results[-1] += f", identical on every rank: {same_on_every_rank(got)}"
+    log("Triton kernels vs PyTorch references (16M elements, 16 tensors): " + "; ".join(results))
+
+
+def bench_passes(grads: torch.Tensor, layout: SegmentLayout, args, device, rows: list[tuple]) -> None:
+    """Each elementwise pass of the FP8 all-reduce alone over the whole buffer, as achieved memory bandwidth."""
+    from lightning_fp8.distributed.layout import all_reduce_plan
+    from lightning_fp8.distributed.quantize import segment_kernels
+
+    kernels = segment_kernels(True)
+    (plan,) = all_reduce_plan(layout, 1, 0, 1, True, device)  # one slice, no chunking: the whole buffer
+    amax = torch.zeros(layout.num_groups, device=device)
+    kernels.segment_amax(grads, plan.cast, amax)
+    q = torch.empty(grads.numel(), dtype=torch.uint8, device=device)
+    out = torch.empty_like(grads)
+    n = torch.zeros((), dtype=torch.int64, device=device)
+    size = grads.element_size()
+    for name, fn, nbytes in (
+        ("pass: segment amax (read bf16)", lambda: kernels.segment_amax(grads, plan.cast, amax), size),
+        ("pass: quantize (bf16 -> fp8)", lambda: kernels.quantize(grads, plan.cast, amax, E5M2, q, n), size + 1),
+        ("pass: dequantize (fp8 -> bf16)", lambda: kernels.dequantize(q, plan.decode, amax, E5M2, out), size + 1),
+        ("pass: device copy (bf16)", lambda: out.copy_(grads), 2 * size),
+    ):
+        ms = timed(fn, args.iters, args.warmup, device)
+        gbps = grads.numel() * nbytes / (ms * 1e-3) / 1e9
+        rows.append(("memory pass", name, ms, gbps, "GB/s of HBM traffic"))
+        log(f"  {name:<42} {ms:9.3f} ms  {gbps:8.1f} GB/s HBM")
+
+
 def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     world = dist.get_world_size()
     nccl = dist.get_backend() == "nccl"
@@ -104,6 +170,9 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     mags = torch.logspace(-6, 2, len(sizes), device=device, dtype=torch.float32)
     grads.mul_(torch.repeat_interleave(mags, torch.tensor(sizes, device=device)).bfloat16())
     log(f"reduction: {args.numel:,} bf16 gradient elements in {len(sizes)} tensors, {world} ranks, {device.type}")
+    fused = device.type == "cuda" and not args.eager
+    if fused:
+        check_kernels(device, world)
 
     ref = grads.float()
     dist.all_reduce(ref)
@@ -116,19 +185,14 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
         ("all_reduce", "all_reduce fp32", lambda: dist.all_reduce(x32, op=avg), 4, None),
         ("all_reduce", "all_reduce bf16", lambda: dist.all_reduce(x16, op=avg), 2, None),
     ]
-    kw = {"compiled": device.type == "cuda" and not args.eager}
-    for name, dtype, slices in (("e5m2", E5M2, 1), ("e4m3", E4M3, 1), ("e5m2", E5M2, args.slices)):
-        fn = lambda dtype=dtype, slices=slices: all_reduce_fp8(  # noqa: E731
-            grads, layout, None, dtype, slices=slices, **kw
-        )[0]
-        label = f"FP8 portable {name}" + (f", {slices} slices pipelined" if slices > 1 else "")
-        variants.append(("all_reduce", label, fn, 1, fn))
-    for slices in (1, args.slices) if nccl else ():
-        fn = lambda slices=slices: all_reduce_fp8_native(  # noqa: E731
-            grads, layout, None, E5M2, slices=slices, **kw
-        )[0]
-        label = "FP8 native e5m2 (NCCL fp8 sum)" + (f", {slices} slices" if slices > 1 else "")
-        variants.append(("all_reduce", label, fn, 1, fn))
+    kw = {"fused": fused}
+    portable = [("e5m2", E5M2, 1), ("e4m3", E4M3, 1)] + [("e5m2", E5M2, s) for s in args.slices]
+    for name, dtype, slices in portable:
+        fn = lambda dtype=dtype, slices=slices: all_reduce_fp8(grads, layout, None, dtype, slices=slices, **kw)[0]  # noqa: E731
+        variants.append(("all_reduce", f"FP8 portable {name}, {slices} slice(s)", fn, 1, fn))
+    for slices in [1, *args.slices] if nccl else ():
+        fn = lambda slices=slices: all_reduce_fp8_native(grads, layout, None, E5M2, slices=slices, **kw)[0]  # noqa: E731
+        variants.append(("all_reduce", f"FP8 native e5m2 (NCCL fp8 sum), {slices} slice(s)", fn, 1, fn))
     if nccl:
         q8 = grads.to(E5M2)
         variants.append(("all_reduce", "comm only: all_reduce float8", lambda: dist.all_reduce(q8), 1, None))
@@ -148,18 +212,23 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     if nccl:
         rs_fn = (lambda: rs(output=rs_out, input=rs_in)) if rs else (lambda: dist.reduce_scatter_tensor(rs_out, rs_in))
         variants.append(("reduce_scatter", "reduce_scatter bf16", rs_fn, 2, None))
-    fn = lambda: reduce_scatter_fp8(rs_in, rs_layout, None, E5M2, **kw)[0]  # noqa: E731
-    variants.append(("reduce_scatter", "FP8 reduce_scatter e5m2", fn, 1, None))
+    for slices in (1, max(args.slices)):
+        fn = lambda slices=slices: reduce_scatter_fp8(rs_in, rs_layout, None, E5M2, slices=slices, out=rs_out, **kw)  # noqa: E731
+        variants.append(("reduce_scatter", f"FP8 reduce_scatter e5m2, {slices} slice(s)", fn, 1, None))
 
     for kind, name, fn, wire_bytes, check in variants:
         quality = ""
-        if check is not None:  # accuracy on the same data before timing
-            quality = f"{sqnr_db(check(), ref):.1f} dB vs fp32 mean"
+        if check is not None:  # accuracy (and agreement between ranks) on the same data before timing
+            out = check()
+            quality = f"{sqnr_db(out, ref):.1f} dB vs fp32 mean, same on all ranks: {same_on_every_rank(out)}"
+            del out
         ms = timed(fn, args.iters, args.warmup, device)
         factor = (2 if kind == "all_reduce" else 1) * (world - 1) / world
         busbw = args.numel * wire_bytes * factor / (ms * 1e-3) / 1e9
         rows.append((kind, name, ms, busbw, quality))
-        log(f"  {name:<42} {ms:9.3f} ms  busbw {busbw:8.1f} GB/s  {quality}")
+        log(f"  {name:<48} {ms:9.3f} ms  busbw {busbw:8.1f} GB/s  {quality}")
+    if fused:
+        bench_passes(grads, layout, args, device, rows)
 
 
 # ----------------------------------------------------------------------------------------------------------- GPT step
@@ -196,23 +265,26 @@ class GPT(nn.Module):
 
 
 def gpt_step_fn(model: nn.Module, args, device: torch.device):
+    """One training step: forward, backward (where the gradient communication runs), AdamW step."""
     g = torch.Generator(device=device).manual_seed(dist.get_rank())
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(idx)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
         loss.backward()
-        for p in model.parameters():
-            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
     return step
 
 
 def new_gpt(args, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq).to(device)
+    with torch.device(device):  # initialized on the GPU: a 1B-parameter init on the CPU takes many seconds
+        model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq)
     if args.fp8_linear:
         from lightning_fp8 import convert_to_fp8
 
@@ -230,6 +302,19 @@ def _bf16_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Ten
     return future
 
 
+def _gpt_variant(kind: str, name: str, build, args, device, rows: list[tuple]) -> None:
+    try:
+        model = build()
+        ms = timed(gpt_step_fn(model, args, device), args.gpt_iters, args.warmup, device)
+        rows.append((kind, name, ms, float("nan"), ""))
+        log(f"  {kind} {name:<44} {ms:9.1f} ms")
+        del model
+    except Exception as e:  # report and go on: the other variants still run
+        log(f"  {kind} {name}: FAILED {type(e).__name__}: {e}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_gpt(args, device: torch.device, rows: list[tuple]) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -240,46 +325,65 @@ def bench_gpt(args, device: torch.device, rows: list[tuple]) -> None:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(args.vocab, args.d, args.layers, args.heads, args.seq).parameters())
     log(
-        f"GPT: d={args.d} layers={args.layers} vocab={args.vocab} seq={args.seq} batch={args.batch} "
-        f"({n_params / 1e9:.2f}B parameters, fp8_linear={args.fp8_linear})"
+        f"GPT training step (forward, backward, AdamW): d={args.d} layers={args.layers} vocab={args.vocab} "
+        f"seq={args.seq} batch={args.batch} per rank ({n_params / 1e9:.2f}B parameters, fp8_linear={args.fp8_linear})"
     )
-    for name in ("fp32 all_reduce", "bf16 compress hook", "FP8 hook"):
-        model = DDP(new_gpt(args, device), device_ids=[device.index] if device.type == "cuda" else None)
-        if name == "bf16 compress hook":  # torch's hook is NCCL-only; the same thing by hand elsewhere
-            hook = bf16_compress_hook if dist.get_backend() == "nccl" else _bf16_hook
-            model.register_comm_hook(dist.group.WORLD, hook)
-        elif name == "FP8 hook":
-            model.register_comm_hook(FP8CommState(), fp8_allreduce_hook)
-        ms = timed(gpt_step_fn(model, args, device), args.gpt_iters, args.warmup, device)
-        rows.append(("DDP step", name, ms, float("nan"), ""))
-        log(f"  DDP {name:<38} {ms:9.1f} ms")
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    for name in ("bf16 reduce_scatter", "FP8 reduce_scatter"):
-        model = new_gpt(args, device)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        if name.startswith("FP8"):
-            enable_fp8_fsdp2(model, weight_all_gather=args.fp8_linear)
-        ms = timed(gpt_step_fn(model, args, device), args.gpt_iters, args.warmup, device)
-        label = name + (" + FP8 weight all_gather" if name.startswith("FP8") and args.fp8_linear else "")
-        rows.append(("FSDP2 step", label, ms, float("nan"), ""))
-        log(f"  FSDP2 {label:<36} {ms:9.1f} ms")
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    bf16_hook = bf16_compress_hook if dist.get_backend() == "nccl" else _bf16_hook  # torch's hook is NCCL-only
+
+    def ddp(hook, state, bucket_mb):
+        def build():
+            model = DDP(new_gpt(args, device), device_ids=[device.index] if device.type == "cuda" else None,
+                        bucket_cap_mb=bucket_mb)  # fmt: skip
+            if hook is not None:
+                model.register_comm_hook(state, hook)
+            return model
+
+        return build
+
+    for bucket_mb in args.bucket_mb:
+        for name, hook, state in (
+            ("fp32 all_reduce", None, None),
+            ("bf16 compress hook", bf16_hook, dist.group.WORLD),
+            ("FP8 hook (portable)", fp8_allreduce_hook, FP8CommState()),
+            ("FP8 hook (native)", fp8_allreduce_hook, FP8CommState(algorithm="native")),
+        ):
+            if "native" in name and dist.get_backend() != "nccl":
+                continue
+            label = f"{name}, buckets {bucket_mb} MB"
+            _gpt_variant("DDP step", label, ddp(hook, state, bucket_mb), args, device, rows)
+
+    def fsdp(fp8: bool):
+        def build():
+            model = new_gpt(args, device)
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            for block in model.blocks:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            if fp8:
+                enable_fp8_fsdp2(model, weight_all_gather=args.fp8_linear)
+            return model
+
+        return build
+
+    _gpt_variant("FSDP2 step", "bf16 reduce_scatter", fsdp(False), args, device, rows)
+    label = "FP8 reduce_scatter" + (" + FP8 weight all_gather" if args.fp8_linear else "")
+    _gpt_variant("FSDP2 step", label, fsdp(True), args, device, rows)
+
+
+BASELINES = ("all_reduce bf16", "reduce_scatter bf16", "bf16 reduce_scatter", "bf16 compress hook")
 
 
 def print_table(rows: list[tuple]) -> None:
-    lines = ["", f"{'what':<14} {'variant':<48} {'time ms':>10} {'busbw GB/s':>11} {'vs bf16':>8}  accuracy"]
-    base = {kind: ms for kind, name, ms, _, _ in rows if "bf16" in name}  # each kind's bf16 row
+    lines = ["", f"{'what':<14} {'variant':<52} {'time ms':>10} {'busbw GB/s':>11} {'vs bf16':>8}  accuracy"]
+    def group(kind: str, name: str) -> tuple[str, str]:  # DDP rows compare within one bucket size
+        return kind, name.split("buckets")[-1] if "buckets" in name else ""
+
+    base = {group(kind, name): ms for kind, name, ms, _, _ in rows if name.startswith(BASELINES)}
     for kind, name, ms, busbw, quality in rows:
-        speed = f"{base[kind] / ms:6.2f}x" if kind in base else ""
+        key = group(kind, name)
+        speed = f"{base[key] / ms:6.2f}x" if key in base else ""
         bw = f"{busbw:11.1f}" if busbw == busbw else f"{'':>11}"
-        lines.append(f"{kind:<14} {name:<48} {ms:10.3f} {bw} {speed:>8}  {quality}")
+        lines.append(f"{kind:<14} {name:<52} {ms:10.3f} {bw} {speed:>8}  {quality}")
     for line in lines:
         log(line)
 
@@ -291,8 +395,8 @@ def parse_args(argv=None):
     p.add_argument("--tensors", type=int, default=64, help="tensors (scale groups) the gradient is cut into")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--slices", type=int, default=8, help="slices of the pipelined FP8 variants")
-    p.add_argument("--eager", action="store_true", help="do not torch.compile the FP8 kernels")
+    p.add_argument("--slices", type=int, nargs="+", default=[4, 8, 16], help="slices of the pipelined FP8 variants")
+    p.add_argument("--eager", action="store_true", help="the PyTorch reference kernels instead of Triton")
     p.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=None, help="GPT steps (default: on GPU)")
     p.add_argument("--fp8-linear", action="store_true", help="GPT with FP8Linear layers (FP8 weight all-gather)")
     p.add_argument("--d", type=int, default=2048)
@@ -302,6 +406,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--gpt-iters", type=int, default=5)
+    p.add_argument("--bucket-mb", type=int, nargs="+", default=[25, 100], help="DDP bucket caps to run")
     p.add_argument("--log-file", default=None, help="log file (default: bench_comm_<backend>_<N>.log)")
     args = p.parse_args(argv)
     if args.toy:

@@ -36,6 +36,8 @@ _ALGORITHMS = ("auto", "portable", "native")
 
 # What "auto" runs per backend. The native FP8 all-reduce is chosen only where it was measured faster than the
 # portable path and accurate (benchmarks/bench_comm.py, figures in docs/benchmarks.md); gloo has no FP8 reduction.
+# On H200s (benchmarks/results/comm_fp8_h200x{2,4}.txt) native was faster (5.70 vs 6.44 ms for 1B elements on 2
+# GPUs, 7.12 vs 7.83 on 4) but less accurate on 4 ranks (20.0 vs 22.5 dB: NCCL rounds each partial sum to FP8).
 _AUTO_ALGORITHM = {"nccl": "portable", "gloo": "portable"}
 
 # Binades the native path may add to its pre-scale headroom after overflows (each overflow adds one).
@@ -58,7 +60,12 @@ class FP8CommState:
         fp8_params: the parameters whose gradients travel in FP8; the others are reduced in their own dtype.
             ``None`` (the default): every gradient.
         margin: binades of headroom in the cast scales (0: the amax maps into the top binade).
-        compile: fuse the elementwise quantization kernels with ``torch.compile``. ``None``: on CUDA only.
+        fused: run the segmented Triton kernels (``kernels/comm.py``) instead of their PyTorch references.
+            ``None`` (the default): on CUDA.
+        slice_numel: a buffer is pipelined in slices of about this many elements (its cast and decode overlap
+            the collectives of other slices); DDP buckets and FSDP units of usual sizes fit in one slice. The
+            default, 2**28, cuts 1B elements into 4 slices: the fastest of 1, 4, 8 and 16 on 2 and 4 H200s
+            (benchmarks/results/comm_fp8_h200x2.txt; more slices cost more in launches than they hide).
 
     Raises:
         ValueError: for an unknown algorithm, a non-FP8 dtype or a negative margin.
@@ -73,13 +80,16 @@ class FP8CommState:
         grad_scaler: Any = None,
         fp8_params: Iterable[nn.Parameter] | None = None,
         margin: int = 0,
-        compile: bool | None = None,
+        fused: bool | None = None,
+        slice_numel: int = 1 << 28,
     ) -> None:
         check_fp8_dtype(fp8_dtype)
         if algorithm not in _ALGORITHMS:
             raise ValueError(f"FP8CommState(algorithm={algorithm!r}) is not supported: choose one of {_ALGORITHMS}")
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"FP8CommState(margin={margin!r}): must be an int >= 0 (binades of headroom)")
+        if isinstance(slice_numel, bool) or not isinstance(slice_numel, int) or slice_numel < 1:
+            raise ValueError(f"FP8CommState(slice_numel={slice_numel!r}): must be an int >= 1 (elements per slice)")
         if grad_scaler is not None and not hasattr(grad_scaler, "record_gradient_cast"):
             raise TypeError(
                 f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
@@ -90,7 +100,8 @@ class FP8CommState:
         self.algorithm = algorithm
         self.grad_scaler = grad_scaler
         self.margin = margin
-        self.compile = compile
+        self.fused = fused
+        self.slice_numel = slice_numel
         self._fp8_param_ids = None if fp8_params is None else {id(p) for p in fp8_params}
         self._found: torch.Tensor | None = None  # 0-dim bool on the gradients' device
         self._extra_headroom: torch.Tensor | None = None  # native path only
@@ -126,8 +137,13 @@ class FP8CommState:
             )
         return self.algorithm
 
-    def compiled(self, device: torch.device) -> bool:
-        return device.type == "cuda" if self.compile is None else self.compile
+    def use_fused(self, device: torch.device) -> bool:
+        """Whether the collectives on ``device`` run the Triton kernels."""
+        return device.type == "cuda" if self.fused is None else self.fused
+
+    def slices(self, numel: int) -> int:
+        """Pipeline slices for a buffer of ``numel`` elements."""
+        return max(1, round(numel / self.slice_numel))
 
     def extra_headroom(self, device: torch.device) -> torch.Tensor:
         """Extra pre-scale binades of the native FP8 sum (0-dim int64 on ``device``), raised after overflows."""

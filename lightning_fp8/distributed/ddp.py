@@ -23,7 +23,6 @@ from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_n
 from lightning_fp8.distributed.comm import CastStats
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
-from lightning_fp8.distributed.quantize import segment_amax
 from lightning_fp8.warnings import warn_once
 
 # Scale block when a bucket's parameter boundaries cannot be read (elements per scale).
@@ -64,7 +63,8 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
 
 def _record_local(state: FP8CommState, buffer: torch.Tensor) -> None:
     # One rank: nothing to send, but the step must still know about a non-finite gradient.
-    amax = segment_amax(buffer, (buffer.numel(),))[0]
+    amax = torch.linalg.vector_norm(buffer, float("inf")).float()
+    amax = torch.where(torch.isnan(amax), torch.inf, amax)
     state.record(CastStats(amax, torch.zeros((), dtype=torch.int64, device=buffer.device), 0, ~torch.isfinite(amax)))
 
 
@@ -102,8 +102,7 @@ def _reduce_bucket(state: FP8CommState, buffer: torch.Tensor, params: list) -> N
 
 def _reduce_fp8(state: FP8CommState, flat: torch.Tensor, layout: SegmentLayout) -> None:
     """Replace ``flat`` (a contiguous 1-D buffer) by its mean over ranks, through FP8."""
-    compiled = state.compiled(flat.device)
-    common = {"margin": state.margin, "compiled": compiled}
+    common = {"margin": state.margin, "fused": state.use_fused(flat.device), "slices": state.slices(flat.numel())}
     if state.resolved_algorithm() == "native":
         headroom = state.extra_headroom(flat.device)
         _, stats = all_reduce_fp8_native(

@@ -47,14 +47,17 @@ def fp8_reduce_scatter_hook(state: FP8CommState, grad: torch.Tensor, output: tor
             "use enable_fp8_fsdp1(model) or model.register_comm_hook(FP8CommState(), fp8_reduce_scatter_hook)"
         )
     layout = _layout_for(state, grad.numel())
-    common = {"margin": state.margin, "compiled": state.compiled(grad.device)}
+    slices = state.slices(grad.numel())
+    common = {"margin": state.margin, "fused": state.use_fused(grad.device), "slices": slices}
     group = state.process_group
     world = torch.distributed.get_world_size(group)
     if output is None:
         _, stats = all_reduce_fp8(grad.view(-1), layout, group, state.fp8_dtype, out=grad.view(-1), **common)
     else:
-        chunk_sum, stats = reduce_scatter_fp8(grad.reshape(-1), layout, group, state.fp8_dtype, **common)
-        output.view(-1).copy_(chunk_sum / world)
+        # The mean written straight into FSDP's shard (the 1/N folded into the decode's scale).
+        _, stats = reduce_scatter_fp8(
+            grad.reshape(-1), layout, group, state.fp8_dtype, out=output.view(-1), divisor=world, **common
+        )
     state.record(stats)
 
 

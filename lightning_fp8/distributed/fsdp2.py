@@ -15,8 +15,8 @@
   itself divides by the world size (``set_force_sum_reduction_for_comms``).
 - **Weights**: :class:`FP8WeightAllGather` replaces the all-gather (``set_custom_all_gather``). The weight of
   every :class:`~lightning_fp8.FP8Linear` travels as E4M3 bytes with a whole-tensor scale from its global amax
-  (one MAX all-reduce for all weights of the module, so every rank uses the same scale), sent beside the bytes
-  (4 bytes per weight and rank); other parameters (biases, norms, embeddings) travel in their own dtype in the
+  (one MAX all-reduce for all weights of the module, so every rank already holds the scale of every rank's
+  bytes: no scale travels); other parameters (biases, norms, embeddings) travel in their own dtype in the
   same collective. Each rank decodes the gathered bytes into the unsharded weight, whose values then lie on the FP8
   grid of that scale: the forward's own weight cast (FP8Linear, current scaling) reproduces the same FP8 values
   without any further communication.
@@ -29,17 +29,19 @@ all-gather to FSDP's default, with a warning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fp8.distributed.comm import reduce_scatter_fp8
+from lightning_fp8.distributed.comm import all_reduce_max, reduce_scatter_fp8
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
-from lightning_fp8.distributed.quantize import kernel, segment_amax
+from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
+from lightning_fp8.kernels.comm import BlockTable, block_table
 from lightning_fp8.linear import FP8Linear
-from lightning_fp8.scaling import compute_scale
 from lightning_fp8.warnings import warn_once
 
 try:  # the Comm interfaces are importable from here in torch 2.8+ (not re-exported publicly)
@@ -104,7 +106,7 @@ class FP8ReduceScatter(ReduceScatter):
         if not params or all(fp8):
             layout = SegmentLayout.rows(world, columns) if params else SegmentLayout.blocks(world * chunk,
                                                                                              _FALLBACK_BLOCK)
-            out.copy_(self._fp8(input_tensor.view(-1), layout, group) / divide)
+            self._fp8(input_tensor.view(-1), layout, group, out, divide)
             return None
         if not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head): no FP8 weight
             _reduce_scatter(out, input_tensor.view(-1), group)
@@ -113,13 +115,14 @@ class FP8ReduceScatter(ReduceScatter):
         self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
         return None
 
-    def _fp8(self, flat: torch.Tensor, layout: SegmentLayout, group) -> torch.Tensor:
+    def _fp8(self, flat: torch.Tensor, layout: SegmentLayout, group, out, divide: float) -> torch.Tensor:
         state = self.state
-        chunk_sum, stats = reduce_scatter_fp8(
-            flat, layout, group, state.fp8_dtype, margin=state.margin, compiled=state.compiled(flat.device)
-        )
+        result, stats = reduce_scatter_fp8(
+            flat, layout, group, state.fp8_dtype, margin=state.margin, fused=state.use_fused(flat.device),
+            slices=state.slices(flat.numel()), out=out, divisor=divide,
+        )  # fmt: skip
         state.record(stats)
-        return chunk_sum
+        return result
 
     def _mixed(self, out, rows, columns, fp8, group, divide) -> None:
         # FP8 columns go through FP8; the others through one reduce-scatter in their own dtype.
@@ -130,14 +133,16 @@ class FP8ReduceScatter(ReduceScatter):
         other_blocks = [b for b, m in zip(blocks, fp8, strict=True) if not m]
         fp8_cols = [b.shape[1] for b in fp8_blocks]
         other_cols = [b.shape[1] for b in other_blocks]
-        fp8_out = self._fp8(torch.cat(fp8_blocks, dim=1).reshape(-1), SegmentLayout.rows(world, fp8_cols), group)
+        fp8_in = torch.cat(fp8_blocks, dim=1).reshape(-1)
+        fp8_out = self._fp8(fp8_in, SegmentLayout.rows(world, fp8_cols), group, None, divide)
         other_in = torch.cat(other_blocks, dim=1).reshape(-1)
         other_out = other_in.new_empty(sum(other_cols))
         _reduce_scatter(other_out, other_in, group)
+        other_out.div_(divide)
         fp8_parts = iter(fp8_out.split(fp8_cols))
         other_parts = iter(other_out.split(other_cols))
         for s, n, m in zip(starts, columns, fp8, strict=True):
-            out[s : s + n].copy_((next(fp8_parts) if m else next(other_parts)) / divide)
+            out[s : s + n].copy_(next(fp8_parts) if m else next(other_parts))
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
@@ -155,13 +160,14 @@ class FP8WeightAllGather(AllGather):
         param_group: the FSDP parameter group this comm gathers.
         fp8_weights: ``{id(sharded weight): margin}`` of the FP8Linear weights (the margin of the layer's weight
             role, so the gathered weight's scale is the one the layer's own weight cast computes).
-        compiled: run the cast and decode kernels under ``torch.compile``.
+        fused: run the Triton cast and decode kernels (``kernels/comm.py``) instead of their references.
     """
 
-    def __init__(self, param_group, fp8_weights: dict[int, int], compiled: bool = False) -> None:
+    def __init__(self, param_group, fp8_weights: dict[int, int], fused: bool = False) -> None:
         self.param_group = param_group
         self.fp8_weights = fp8_weights
-        self.compiled = compiled
+        self.fused = fused
+        self._plans: dict = {}
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -181,45 +187,74 @@ class FP8WeightAllGather(AllGather):
         return None
 
     def _gather(self, output, shard, group, numels, margins) -> None:
-        # Sent by each rank: every parameter's shard (E4M3 bytes for FP8 weights, its own bytes otherwise), then
-        # one fp32 scale_inv per FP8 weight. The scales come from the global amax (one MAX all-reduce of the
-        # shards' amaxes), so they are the same on every rank, and each rank's bytes travel with theirs.
+        # Sent by each rank: every parameter's shard, E4M3 bytes for FP8 weights and its own bytes otherwise. The
+        # scales come from the global amax (one MAX all-reduce of the shards' amaxes), so every rank already holds
+        # the scale of every rank's bytes: one launch casts all FP8 weights, one decodes all of them.
         world = group.size()
-        starts = [sum(numels[:i]) for i in range(len(numels))]
-        fp8_idx = [i for i, m in enumerate(margins) if m is not None]
-        amax = segment_amax(shard, tuple(numels))[fp8_idx]
-        if amax.numel():
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        margin = torch.tensor([margins[i] for i in fp8_idx], dtype=torch.float32, device=shard.device)
-        scale = compute_scale(amax, E4M3) * torch.exp2(-margin)
-        quantize = kernel("quantize", self.compiled)
-        send = []
-        for i, (start, n) in enumerate(zip(starts, numels, strict=True)):
-            piece = shard[start : start + n]
-            if i in fp8_idx:
-                ends = torch.tensor([n], device=shard.device)
-                send.append(quantize(piece, ends, scale[fp8_idx.index(i)].view(1), E4M3)[0].view(torch.uint8))
-            else:
-                send.append(piece.view(torch.uint8))
-        widths = [t.numel() for t in send]
-        send.append(scale.reciprocal().view(torch.uint8))
-        gathered = torch.empty(world * sum(t.numel() for t in send), dtype=torch.uint8, device=shard.device)
-        _all_gather(gathered, torch.cat(send), group)
-        self._decode(gathered.view(world, -1), output.view(world, -1), starts, numels, widths, fp8_idx)
+        plan = self._plan(numels, margins, world, shard)
+        kernels = segment_kernels(self.fused)
+        amax = torch.zeros(plan.num_fp8, dtype=torch.float32, device=shard.device)
+        kernels.segment_amax(shard, plan.amax, amax)
+        all_reduce_max(amax, group)
+        send = torch.empty(plan.send_bytes, dtype=torch.uint8, device=shard.device)
+        n_sat = torch.zeros((), dtype=torch.int64, device=shard.device)  # weights: rounding only, nothing to report
+        for margin, table in plan.quantize:
+            kernels.quantize(shard, table, amax, E4M3, send, n_sat, margin=margin)
+        for start, n, offset in plan.copies:
+            send[offset : offset + n * shard.element_size()].copy_(shard[start : start + n].view(torch.uint8))
+        gathered = torch.empty(world * plan.send_bytes, dtype=torch.uint8, device=shard.device)
+        _all_gather(gathered, send, group)
+        for margin, table in plan.decode:
+            kernels.dequantize(gathered, table, amax, E4M3, output.view(-1), margin=margin)
+        rows_in, rows_out = gathered.view(world, -1), output.view(world, -1)
+        for start, n, offset in plan.copies:
+            width = n * shard.element_size()
+            rows_out[:, start : start + n].view(torch.uint8).copy_(rows_in[:, offset : offset + width])
 
-    def _decode(self, rows_in, rows_out, starts, numels, widths, fp8_idx) -> None:
-        world = rows_in.shape[0]
-        scale_inv = rows_in[:, sum(widths) :].contiguous().view(torch.float32)  # (world, FP8 weights)
-        dequantize = kernel("dequantize", self.compiled)
-        offset = 0
-        for i, (start, n, width) in enumerate(zip(starts, numels, widths, strict=True)):
-            src, dst = rows_in[:, offset : offset + width], rows_out[:, start : start + n]
-            if i in fp8_idx:  # each rank's bytes decoded with the scale that travelled with them
-                ends = torch.arange(1, world + 1, device=src.device) * n
-                dst.copy_(dequantize(src.view(E4M3), ends, scale_inv[:, fp8_idx.index(i)], dst.dtype).view(world, n))
-            else:
-                dst.view(torch.uint8).copy_(src)
-            offset += width
+    def _plan(self, numels, margins, world, shard) -> _GatherPlan:
+        key = (tuple(numels), tuple(margins), world, shard.device, shard.dtype)
+        if self._plans.get("key") != key:
+            self._plans = {"key": key, "plan": _gather_plan(numels, margins, world, shard)}
+        return self._plans["plan"]
+
+
+@dataclass(frozen=True)
+class _GatherPlan:
+    num_fp8: int
+    send_bytes: int
+    amax: BlockTable  # each FP8 weight's shard -> its amax slot
+    quantize: list[tuple[int, BlockTable]]  # per margin: shard -> send bytes
+    decode: list[tuple[int, BlockTable]]  # per margin: every rank's bytes -> the unsharded output
+    copies: list[tuple[int, int, int]]  # other parameters: (start in the shard, elements, byte offset in send)
+
+
+def _gather_plan(numels, margins, world, shard) -> _GatherPlan:
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    total = sum(numels)
+    offsets, offset, copies, fp8 = [], 0, [], []
+    for i, (start, n) in enumerate(zip(starts, numels, strict=True)):
+        offsets.append(offset)
+        if margins[i] is None:
+            copies.append((start, n, offset))
+            offset += n * shard.element_size()
+        else:
+            fp8.append(i)
+            offset += n
+    slot = {i: k for k, i in enumerate(fp8)}
+    dev = shard.device
+
+    def table(entries):
+        columns = list(zip(*entries, strict=True)) if entries else [(), (), (), ()]
+        return block_table(*columns, device=dev)
+
+    quantize, decode = [], []
+    for margin in sorted({margins[i] for i in fp8}):
+        mine = [i for i in fp8 if margins[i] == margin]
+        quantize.append((margin, table([(starts[i], offsets[i], numels[i], slot[i]) for i in mine])))
+        decode.append((margin, table([(r * offset + offsets[i], r * total + starts[i], numels[i], slot[i])
+                                      for r in range(world) for i in mine])))  # fmt: skip
+    amax = table([(starts[i], starts[i], numels[i], slot[i]) for i in fp8])
+    return _GatherPlan(len(fp8), offset, amax, quantize, decode, copies)
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
@@ -286,6 +321,6 @@ def enable_fp8_fsdp2(
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
-            compiled = state.compiled(groups[0].fsdp_params[0].sharded_param.device)
-            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, compiled))
+            fused = state.use_fused(groups[0].fsdp_params[0].sharded_param.device)
+            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, fused))
     return state

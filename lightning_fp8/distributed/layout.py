@@ -18,11 +18,15 @@ carries one fresh scale per piece of its chunk (see :mod:`lightning_fp8.distribu
 
 from __future__ import annotations
 
+import bisect
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from lightning_fp8.kernels.comm import ALIGN, BLOCK, BlockTable, block_table
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,31 @@ class SegmentLayout:
     def numel(self) -> int:
         return sum(self.lengths)
 
+    @functools.cached_property
+    def _ends(self) -> tuple[int, ...]:
+        ends, pos = [], 0
+        for length in self.lengths:
+            pos += length
+            ends.append(pos)
+        return tuple(ends)
+
+    def parts(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The non-empty segments cut to elements ``[start, end)``, as ``(offset, length, group)`` in order."""
+        out = []
+        i = bisect.bisect_right(self._ends, start)
+        while i < len(self.lengths) and start < end:
+            cut = min(self._ends[i], end)
+            if cut > start:
+                out.append((start, cut - start, self.groups[i]))
+            start = max(start, cut)
+            i += 1
+        return out
+
+    def ordered(self) -> bool:
+        """Whether the groups of the non-empty segments never decrease along the buffer (one tensor after another)."""
+        groups = [g for n, g in zip(self.lengths, self.groups, strict=True) if n]
+        return all(a <= b for a, b in zip(groups, groups[1:], strict=False))
+
     def padded(self, numel: int) -> SegmentLayout:
         """This layout followed by a padding segment (its own group, amax 0) up to ``numel`` elements."""
         pad = numel - self.numel
@@ -121,57 +150,140 @@ class SegmentLayout:
         return pieces
 
 
+# ------------------------------------------------------------------------------------------------------------- plans
 @dataclass(frozen=True)
-class DeviceLayout:
-    """The device tensors a layout needs at run time (cached: built once per layout, world size and device)."""
+class SlicePlan:
+    """One slice of a pipelined collective: the block tables of its kernels, built once per layout.
 
-    seg_ends: torch.Tensor  # (segments,) int64: exclusive end offset of each segment
-    seg_groups: torch.Tensor  # (segments,) int64
-    # Of this rank's chunk: its pieces' lengths (host), ends (relative to the chunk) and groups.
-    chunk_lengths: tuple[int, ...]
-    chunk_ends: torch.Tensor
-    chunk_groups: torch.Tensor
-    # All chunks' pieces, chunk after chunk, for decoding an all-gather whose chunks carry per-piece scales:
-    # the ends (over the whole buffer) and each piece's index into the gathered (world_size, max_pieces) table.
-    all_piece_ends: torch.Tensor
-    all_piece_index: torch.Tensor
-    max_pieces: int
-    chunk_numel: int
+    ``row`` elements per rank travel in the first collective (a slice's chunk); ``cast`` reads the flat input and
+    writes the send buffer (its ``pad`` byte ranges are zeroed instead); ``sum`` reads the received rows; ``decode``
+    writes the output. ``groups`` are the scale groups whose amax all-reduce must come before this slice's cast, after
+    the amax of slices ``0 .. amax_through`` (see :func:`_amax_stages`).
+    """
+
+    start: int
+    end: int
+    row: int
+    cast: BlockTable
+    pad: tuple[tuple[int, int], ...] = ()
+    sum: BlockTable | None = None
+    decode: BlockTable | None = None
+    chunk: BlockTable | None = None  # portable all-reduce: this rank's chunk, value = out = piece (all_gather_fp8)
+    gather_row_bytes: int = 0  # portable all-reduce: bytes of one gathered row (FP8 chunk, then piece amaxes)
+    amax_offset: int = 0  # ... the byte offset of the piece amaxes in it (4-aligned)
+    groups: tuple[int, int] = (0, 0)
+    amax_through: int = -1
+
+
+def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
+    """``slices`` near-equal consecutive ranges of ``range(numel)``, cut at multiples of ALIGN (vector tiles)."""
+    cuts = [numel * i // max(1, slices) // ALIGN * ALIGN for i in range(max(1, slices))] + [numel]
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a] or [(0, numel)]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _entries(entries: list[tuple[int, ...]], device, block) -> BlockTable:
+    # entries: (src, dst, length, value[, out]) per segment.
+    columns = list(zip(*entries, strict=True)) if entries else [(), (), (), ()]
+    return block_table(*columns, device=device, block=block)
+
+
+def _table(parts: list[tuple[int, int, int]], src_base: int, dst_base: int, device, block, out=None) -> BlockTable:
+    # parts: (offset, length, group); src = offset - src_base, dst = offset - dst_base, value = group.
+    out = out if out is not None else [g for _, _, g in parts]
+    entries = [(o - src_base, o - dst_base, n, g, j) for (o, n, g), j in zip(parts, out, strict=True)]
+    return _entries(entries, device, block)
+
+
+def _amax_stages(layout: SegmentLayout, bounds: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
+    """Per slice: the groups ``[lo, hi)`` to all-reduce before its cast, and the last slice their amax needs.
+
+    In an ordered layout (one tensor after another) the scales of slice ``k`` need only the tensors that reach into
+    it, so the amax pass and its all-reduce run stage by stage, overlapping the data collectives of earlier slices.
+    Otherwise (e.g. FSDP2's rows, where every row holds every tensor) one stage reduces all groups first.
+    """
+    if not layout.ordered():
+        return [((0, layout.num_groups), len(bounds) - 1)] + [((layout.num_groups,) * 2, -1)] * (len(bounds) - 1)
+    last_slice: dict[int, int] = {}
+    top = []
+    for k, (a, b) in enumerate(bounds):
+        groups = [g for _, _, g in layout.parts(a, b)]
+        top.append(max(groups) + 1 if groups else 0)
+        for g in groups:
+            last_slice[g] = k
+    stages, lo = [], 0
+    for k in range(len(bounds)):
+        hi = layout.num_groups if k == len(bounds) - 1 else max(lo, top[k])
+        through = max((last_slice[g] for g in range(lo, hi) if g in last_slice), default=-1)
+        stages.append(((lo, hi), through))
+        lo = hi
+    return stages
 
 
 @functools.lru_cache(maxsize=256)
-def device_layout(layout: SegmentLayout, world_size: int, rank: int, device: torch.device) -> DeviceLayout:
-    """Build (once) the run-time tensors of ``layout`` chunked over ``world_size`` ranks, for ``rank``."""
-    ends, pos = [], 0
-    for length in layout.lengths:
-        pos += length
-        ends.append(pos)
-    pieces = layout.chunk_pieces(world_size)
-    max_pieces = max(1, max(len(p) for p in pieces))
-    chunk_numel = layout.numel // world_size
-    all_ends, all_index, pos = [], [], 0
-    for r, chunk in enumerate(pieces):
-        for j, (length, _group) in enumerate(chunk):
-            pos += length
-            all_ends.append(pos)
-            all_index.append(r * max_pieces + j)
-    mine = pieces[rank]
-    mine_ends, pos = [], 0
-    for length, _group in mine:
-        pos += length
-        mine_ends.append(pos)
+def all_reduce_plan(
+    layout: SegmentLayout, world: int, rank: int, slices: int, native: bool, device: torch.device, block: int = BLOCK
+) -> tuple[SlicePlan, ...]:
+    """The slices of an FP8 all-reduce of a buffer with ``layout``: native (one FP8 sum) or portable.
 
-    def as_long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+    Portable: slice ``[a, b)`` is padded to ``world`` chunks of ``row`` elements; rank ``r`` sums chunk ``r`` and
+    requantizes it with one scale per *piece* (the segments cut at the chunk's bounds), and sends the pieces' amaxes
+    after its FP8 bytes in the all-gather (``gather_row_bytes`` per rank).
+    """
+    bounds = slice_bounds(layout.numel, slices)
+    plans = []
+    for (a, b), (groups, through) in zip(bounds, _amax_stages(layout, bounds), strict=True):
+        parts = layout.parts(a, b)
+        common = {"start": a, "end": b, "groups": groups, "amax_through": through}
+        if native:
+            cast, decode = _table(parts, 0, a, device, block), _table(parts, a, 0, device, block)
+            plans.append(SlicePlan(row=b - a, cast=cast, decode=decode, **common))
+            continue
+        row = _round_up(math.ceil((b - a) / world), ALIGN)  # rows, chunks and gathered rows stay vector-aligned
+        chunks = [layout.parts(min(a + r * row, b), min(a + (r + 1) * row, b)) for r in range(world)]
+        pieces = max(1, max(len(c) for c in chunks))
+        amax_offset = row
+        row_bytes = row + _round_up(4 * pieces, ALIGN)
+        base = a + rank * row
+        mine, numbered = chunks[rank], list(range(len(chunks[rank])))
+        decode = [
+            (r * row_bytes + o - (a + r * row), o, n, (r * row_bytes + amax_offset) // 4 + j)
+            for r, chunk in enumerate(chunks) for j, (o, n, _) in enumerate(chunk)
+        ]  # fmt: skip
+        pad = row * world - (b - a)
+        plans.append(SlicePlan(
+            row=row, cast=_table(parts, 0, a, device, block), pad=((b - a, pad),) if pad else (),
+            sum=_table(mine, base, base, device, block, out=numbered),
+            decode=_entries(decode, device, block),
+            chunk=_table([(o, n, j) for (o, n, _), j in zip(mine, numbered, strict=True)], base, base, device, block),
+            gather_row_bytes=row_bytes, amax_offset=amax_offset, **common,
+        ))  # fmt: skip
+    return tuple(plans)
 
-    return DeviceLayout(
-        seg_ends=as_long(ends),
-        seg_groups=as_long(list(layout.groups)),
-        chunk_lengths=tuple(length for length, _ in mine),
-        chunk_ends=as_long(mine_ends),
-        chunk_groups=as_long([g for _, g in mine]),
-        all_piece_ends=as_long(all_ends),
-        all_piece_index=as_long(all_index),
-        max_pieces=max_pieces,
-        chunk_numel=chunk_numel,
-    )
+
+@functools.lru_cache(maxsize=256)
+def reduce_scatter_plan(
+    layout: SegmentLayout, world: int, rank: int, slices: int, device: torch.device, block: int = BLOCK
+) -> tuple[BlockTable, tuple[SlicePlan, ...]]:
+    """The amax table of the whole buffer and the slices of an FP8 reduce-scatter of it.
+
+    Chunk ``r`` (``layout.numel // world`` elements) goes to rank ``r``; slice ``k`` is the same sub-range
+    ``[start, end)`` of every chunk, so each slice is a reduce-scatter of its own and the output is unchanged.
+    """
+    chunk = layout.numel // world
+    amax = _table(layout.parts(0, layout.numel), 0, 0, device, block)
+    plans = []
+    for c0, c1 in slice_bounds(chunk, slices):
+        row = c1 - c0
+        cast = []
+        for r in range(world):  # row r of the send buffer: slice k of chunk r
+            src = r * chunk + c0
+            cast += [(o, o - src + r * row, n, g) for o, n, g in layout.parts(src, src + row)]
+        base = rank * chunk + c0
+        mine = layout.parts(base, base + row)
+        plans.append(SlicePlan(start=c0, end=c1, row=row, cast=_entries(cast, device, block),
+                               sum=_table(mine, base, base - c0, device, block)))
+    return amax, tuple(plans)

@@ -1,98 +1,128 @@
-"""The elementwise kernels of FP8 communication: per-segment amax, cast, decode, decode-and-sum.
+"""The elementwise kernels of FP8 communication: the pure-PyTorch references and the dispatch to Triton.
 
-Each kernel takes per-segment values (scales) and the segments' end offsets, and expands the values to
-elements. Eagerly (CPU, tests) the expansion is a ``repeat_interleave`` and a single segment broadcasts; under
-``torch.compile`` (CUDA) it is a ``bucketize`` of the element index, which fuses into the kernel's one pass, so a
-cast reads its input once and writes one byte per element.
-
-The cast is the reference cast (``kernels/reference.py: cast_to_fp8_ref``) with a per-element scale.
+Every function takes a block table (:class:`lightning_fp8.kernels.comm.BlockTable`: rows ``(src, dst, length,
+value, out)``) and per-segment amaxes, and has the signature and the results, bit for bit, of its Triton kernel in
+``kernels/comm.py`` (its docstring has the math). These references expand the table to one index per element, so
+they are for CPU runs and tests; on CUDA the collectives use the Triton kernels (:func:`segment_kernels`).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from types import SimpleNamespace
 
 import torch
 
 from lightning_fp8.formats import fp8_max
+from lightning_fp8.kernels.comm import BlockTable
+from lightning_fp8.scaling import compute_scale
+
+_NAMES = ("segment_amax", "quantize", "dequantize", "rows_amax", "rows_quantize", "rows_sum")
 
 
-def _expand(values: torch.Tensor, ends: torch.Tensor, numel: int) -> torch.Tensor:
-    if values.numel() == 1:
-        return values
-    if torch.compiler.is_compiling():
-        index = torch.bucketize(torch.arange(numel, device=values.device), ends, right=True)
-        return values[index.clamp_(max=max(values.numel() - 1, 0))]
-    lengths = torch.diff(ends, prepend=ends.new_zeros(1))
-    return torch.repeat_interleave(values, lengths, output_size=numel)
-
-
-def _quantize(
-    x: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Saturate finite values, turn non-finite ones into NaN. Saturated means clipped (|y| > max): these scales
-    # come from the exact amax, so the amax lands on the maximum whenever its mantissa equals the maximum's
-    # (common for a mean of FP8 values), and that loses nothing.
-    fmax = fp8_max(fp8_dtype)
-    x32 = x.reshape(-1).float()
-    y = x32 * _expand(scale, ends, x32.numel())
-    finite = torch.isfinite(x32)
-    n_saturated = ((y.abs() > fmax) & finite).sum()
-    y = torch.where(finite, y.clamp(-fmax, fmax), torch.nan)
-    return y.to(fp8_dtype), n_saturated
-
-
-def _dequantize(q: torch.Tensor, ends: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    # `q` may be a strided view (rows of a gathered buffer): under torch.compile the flattening fuses in.
-    q32 = q.reshape(-1).float()
-    return (q32 * _expand(scale_inv, ends, q32.numel())).to(out_dtype)
-
-
-def _dequantize_checked(
-    q: torch.Tensor, ends: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype, fmax: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The decode of an FP8 sum: also counts sums that overflowed (non-finite) or reached the maximum.
-    q32 = q.reshape(-1).float()
-    nonfinite = ~torch.isfinite(q32)
-    n_overflow = (nonfinite | (q32.abs() >= fmax)).sum()
-    return (q32 * _expand(scale_inv, ends, q32.numel())).to(out_dtype), n_overflow, nonfinite.any()
-
-
-def _dequant_sum(rows: torch.Tensor, ends: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    # rows: (world, chunk) FP8 values sharing one scale per column: sum them in fp32, then scale once.
-    return rows.float().sum(0) * _expand(scale_inv, ends, rows.shape[1])
-
-
-_KERNELS = {
-    "quantize": _quantize,
-    "dequantize": _dequantize,
-    "dequantize_checked": _dequantize_checked,
-    "dequant_sum": _dequant_sum,
-}
+def segment_kernels(fused: bool) -> SimpleNamespace:
+    """The kernels of this module (``fused=False``) or their Triton versions (``lightning_fp8.kernels.comm``)."""
+    return _triton_kernels() if fused else _REFERENCE
 
 
 @functools.cache
-def _compiled(name: str):
-    return torch.compile(_KERNELS[name], dynamic=True)
+def _triton_kernels() -> SimpleNamespace:
+    from lightning_fp8.kernels import comm
+
+    return SimpleNamespace(**{name: getattr(comm, name) for name in _NAMES})
 
 
-def kernel(name: str, compiled: bool):
-    """The elementwise kernel ``name`` (a key of ``_KERNELS``), eager or compiled with ``torch.compile``."""
-    return _compiled(name) if compiled else _KERNELS[name]
+def _expand(table: BlockTable) -> tuple[torch.Tensor, ...]:
+    """Per element of the table's tiles: (src index, dst index, value index, out index)."""
+    src, dst, length, value, out = table.rows.unbind(1)
+    start = torch.cumsum(length, 0) - length
+
+    def per_element(col: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(col, length, output_size=table.numel)
+
+    within = torch.arange(table.numel, device=length.device) - per_element(start)
+    return per_element(src) + within, per_element(dst) + within, per_element(value), per_element(out)
 
 
-def segment_amax(x: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-    """``max|x|`` of each consecutive segment of flat ``x`` as fp32 (0 for an empty one, inf where NaN).
+def _scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int, headroom: torch.Tensor | None) -> torch.Tensor:
+    scale = compute_scale(amax.float(), fp8_dtype, margin)
+    if headroom is not None:  # times 2**-headroom, built from the exponent bits like the kernel (exact)
+        scale = scale * ((127 - headroom.to(torch.int32)) << 23).view(torch.float32)
+    return scale
 
-    NaN becomes inf because a MAX all-reduce need not propagate NaN; inf it does.
-    """
-    amaxes, start = [], 0
-    zero = torch.zeros((), dtype=torch.float32, device=x.device)
-    for length in lengths:
-        seg = x[start : start + length]
-        amaxes.append(torch.linalg.vector_norm(seg, float("inf")).float() if length else zero)
-        start += length
-    if not amaxes:
-        return torch.zeros(0, dtype=torch.float32, device=x.device)
-    amax = torch.stack(amaxes)
-    return torch.where(torch.isnan(amax), torch.inf, amax)
+
+def _inverse(scale: torch.Tensor, inv_divisor: float) -> torch.Tensor:
+    # inv_divisor / scale for a power-of-two scale: exact reciprocal, one rounding (the kernel's _inverse_pow2).
+    return scale.reciprocal() * torch.tensor(inv_divisor, dtype=torch.float32, device=scale.device)
+
+
+def _fold_amax(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    a = values.abs()
+    target.scatter_reduce_(0, index, torch.where(torch.isnan(a), torch.inf, a), "amax")
+
+
+def _cast(y: torch.Tensor, finite: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Saturate finite values, turn non-finite ones into NaN. Saturated means clipped (|y| > max): the scales come from
+    # the exact amax, so the amax lands on the maximum whenever its mantissa equals the maximum's (common for a mean of
+    # FP8 values), and that loses nothing.
+    fmax = fp8_max(fp8_dtype)
+    n_saturated = ((y.abs() > fmax) & finite).sum()
+    return torch.where(finite, y.clamp(-fmax, fmax), torch.nan).to(fp8_dtype).view(torch.uint8), n_saturated
+
+
+def _decode(q: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    return q.view(torch.uint8).view(fp8_dtype).float()
+
+
+def segment_amax(x: torch.Tensor, table: BlockTable, amax: torch.Tensor) -> None:
+    src, _, value, _ = _expand(table)
+    _fold_amax(amax, value, x.reshape(-1)[src].float())
+
+
+def quantize(x, table, amax, fp8_dtype, out, n_sat, *, margin=0, headroom=None) -> None:
+    src, dst, value, _ = _expand(table)
+    x32 = x.reshape(-1)[src].float()
+    q, n = _cast(x32 * _scale(amax, fp8_dtype, margin, headroom)[value], torch.isfinite(x32), fp8_dtype)
+    out.view(torch.uint8).reshape(-1)[dst] = q
+    n_sat += n
+
+
+def dequantize(q, table, amax, fp8_dtype, out, *, margin=0, headroom=None, inv_divisor=1.0, counts=None) -> None:
+    src, dst, value, _ = _expand(table)
+    q32 = _decode(q.view(torch.uint8).reshape(-1)[src], fp8_dtype)
+    if counts is not None:  # the decode of an FP8 sum: sums that overflowed (non-finite) or reached the maximum
+        nonfinite = ~torch.isfinite(q32)
+        counts[0] += (nonfinite | (q32.abs() >= fp8_max(fp8_dtype))).sum()
+        counts[1] += nonfinite.sum()
+    scale_inv = _inverse(_scale(amax, fp8_dtype, margin, headroom), inv_divisor)
+    out.reshape(-1)[dst] = (q32 * scale_inv[value]).to(out.dtype)
+
+
+def _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor):
+    src, dst, value, out = _expand(table)
+    picked = rows.view(torch.uint8)[:, src]
+    acc = _decode(picked[0], fp8_dtype)
+    for r in range(1, picked.shape[0]):  # in rank order, as the kernel sums (fp32 addition is not associative)
+        acc = acc + _decode(picked[r], fp8_dtype)
+    return acc * _inverse(_scale(amax, fp8_dtype, margin, None), inv_divisor)[value], dst, out
+
+
+def rows_amax(rows, table, amax, piece_amax, fp8_dtype, *, margin=0, inv_divisor=1.0) -> None:
+    mean, _, piece = _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor)
+    _fold_amax(piece_amax, piece, mean)
+
+
+def rows_quantize(rows, table, amax, piece_amax, fp8_dtype, out, n_sat, *, margin=0, inv_divisor=1.0) -> None:
+    mean, dst, piece = _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor)
+    q, n = _cast(mean * compute_scale(piece_amax, fp8_dtype, margin)[piece], torch.isfinite(mean), fp8_dtype)
+    out.view(torch.uint8).reshape(-1)[dst] = q
+    n_sat += n
+
+
+def rows_sum(rows, table, amax, fp8_dtype, out, *, margin=0, inv_divisor=1.0) -> None:
+    mean, dst, _ = _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor)
+    out.reshape(-1)[dst] = mean.to(out.dtype)
+
+
+_REFERENCE = SimpleNamespace(**{name: getattr(sys.modules[__name__], name) for name in _NAMES})

@@ -143,6 +143,19 @@ def _worker(rank: int, world: int) -> dict:
     dist.all_reduce(full)
     res["reduce_scatter_sqnr"] = sqnr(chunk_sum, full.view(world, -1)[rank])
 
+    want, _ = reduce_scatter_fp8(rows, SegmentLayout.rows(world, columns), None, E5M2, slices=2, divisor=world)
+    res["reduce_scatter_sliced_mean_sqnr"] = sqnr(want, full.view(world, -1)[rank] / world)
+    # The Triton kernels (interpreted: slow, so on 2 ranks only) through the whole pipeline: the reference bytes.
+    for name, dtype, slices in (("e5m2", E5M2, 1), ("e4m3", E4M3, 3)) if world == 2 else ():
+        expected, expected_stats = all_reduce_fp8(x, layout, None, dtype, slices=slices)
+        got, got_stats = all_reduce_fp8(x, layout, None, dtype, slices=slices, fused=True)
+        same_sat = torch.equal(got_stats.n_saturated, expected_stats.n_saturated)
+        res[f"fused_{name}_equal"] = torch.equal(got, expected) and same_sat
+    if world == 2:
+        got, _ = reduce_scatter_fp8(rows, SegmentLayout.rows(world, columns), None, E5M2, slices=2, divisor=world,
+                                    fused=True, out=torch.empty(sum(columns), dtype=torch.bfloat16))  # fmt: skip
+        res["fused_reduce_scatter_equal"] = torch.equal(got, want.bfloat16())
+
     res.update(_naive_failure_modes(rank, world))
     res.update(_nonfinite(rank, world))
     res.update(_wire_bytes(rank, world))
@@ -161,6 +174,10 @@ def _worker(rank: int, world: int) -> dict:
         res["native_sqnr"] = _per_tensor_sqnr(out, ref)
         res["native_found"] = bool(stats.found_nonfinite)
         res["native_sliced_equal"] = torch.equal(all_reduce_fp8_native(x, layout, None, E5M2, slices=4)[0], out)
+        if world == 2:
+            fused, fused_stats = all_reduce_fp8_native(x, layout, None, E5M2, slices=2, fused=True)
+            same_sat = int(fused_stats.n_saturated) == int(stats.n_saturated)
+            res["native_fused_equal"] = torch.equal(fused, out) and same_sat
         # Fully correlated gradients: every rank holds the same values, so the FP8 sum is N times each input;
         # with N = 4 the 1/sqrt(N) pre-scale leaves max/2 * 4 = 2 max: the sum overflows and must be caught.
         same = _bucket(0)[2].abs() + 1.0
@@ -202,23 +219,26 @@ def _naive_failure_modes(rank: int, world: int) -> dict:
 
 
 class _SendSpy:
-    """Records, at each all-to-all (the gradient bytes leaving), whether the shared amax was already non-finite."""
+    """Records, at each all-to-all (gradient bytes leaving), whether a shared amax this rank reduced is non-finite.
+
+    The MAX all-reduces may be asynchronous: their tensors are read when the data is sent, so a rank that sent
+    before waiting for its amax all-reduce would be caught reading its own (finite) amaxes.
+    """
 
     def __init__(self) -> None:
-        self.amax_nonfinite = False
+        self.reduced: list[torch.Tensor] = []
         self.known_at_send: list[bool] = []
 
     def __enter__(self) -> _SendSpy:
         self._reduce, self._a2a = dist.all_reduce, dist.all_to_all_single
 
         def all_reduce(tensor, *args, **kwargs):
-            work = self._reduce(tensor, *args, **kwargs)
             if kwargs.get("op") == dist.ReduceOp.MAX:  # the shared-amax all-reduce
-                self.amax_nonfinite |= not bool(torch.isfinite(tensor).all())
-            return work
+                self.reduced.append(tensor)
+            return self._reduce(tensor, *args, **kwargs)
 
         def all_to_all_single(*args, **kwargs):
-            self.known_at_send.append(self.amax_nonfinite)
+            self.known_at_send.append(any(not bool(torch.isfinite(t).all()) for t in self.reduced))
             return self._a2a(*args, **kwargs)
 
         dist.all_reduce, dist.all_to_all_single = all_reduce, all_to_all_single
@@ -229,7 +249,7 @@ class _SendSpy:
 
 
 def _nonfinite(rank: int, world: int) -> dict:
-    """A NaN or inf on one rank: every rank learns it from the shared-amax all-reduce, before any data moves."""
+    """A NaN or inf on one rank: every rank learns it from the shared-amax all-reduce before the tensor's bytes move."""
     from lightning_fp8.distributed import SegmentLayout, all_reduce_fp8, reduce_scatter_fp8
 
     res = {}
@@ -243,8 +263,20 @@ def _nonfinite(rank: int, world: int) -> dict:
         res[f"{name}_found"] = bool(stats.found_nonfinite)
         res[f"{name}_known_before_send"] = bool(spy.known_at_send) and all(spy.known_at_send)
         padded = torch.nn.functional.pad(x, (0, (-x.numel()) % world))
-        _, stats = reduce_scatter_fp8(padded, SegmentLayout.per_tensor(SIZES).padded(padded.numel()), None, E5M2)
+        with _SendSpy() as spy:
+            _, stats = reduce_scatter_fp8(padded, SegmentLayout.per_tensor(SIZES).padded(padded.numel()), None, E5M2,
+                                          slices=2)  # fmt: skip
         res[f"{name}_reduce_scatter_found"] = bool(stats.found_nonfinite)
+        res[f"{name}_reduce_scatter_known_before_send"] = len(spy.known_at_send) == 2 and all(spy.known_at_send)
+    # Pipelined: the amaxes are reduced stage by stage; the last tensor (in the last slice) is poisoned. Its amax is
+    # known before the slice holding it leaves, and the step's flag is set everywhere.
+    xs = _bucket(rank, magnitudes=False)
+    if rank == 0:
+        xs[-1][0] = math.nan
+    with _SendSpy() as spy:
+        _, stats = all_reduce_fp8(torch.cat(xs), SegmentLayout.per_tensor(SIZES), None, E5M2, slices=3)
+    res["sliced_nan_found"] = bool(stats.found_nonfinite)
+    res["sliced_known_at_send"] = spy.known_at_send
     return res
 
 
@@ -300,6 +332,17 @@ def test_reduce_scatter_uneven_rows_matches_fp32_sum(results):
     _, per_rank = results
     for r in per_rank:
         assert r["reduce_scatter_sqnr"] >= tol.REDUCE_SCATTER_E5M2_SQNR_DB
+        assert r["reduce_scatter_sliced_mean_sqnr"] >= tol.REDUCE_SCATTER_E5M2_SQNR_DB
+
+
+def test_triton_kernels_give_the_reference_bytes_through_every_collective(results):
+    world, per_rank = results
+    if world != 2:
+        pytest.skip("the interpreted kernels run on 2 ranks only (their 4-rank sums: test_comm_kernels.py)")
+    for r in per_rank:
+        assert r["fused_e5m2_equal"] and r["fused_e4m3_equal"]  # portable all-reduce, one and three slices
+        assert r["fused_reduce_scatter_equal"]  # two slices, the mean written in bf16
+        assert r["native_fused_equal"]  # the FP8-sum path (NCCL's sum emulated)
 
 
 def test_naive_fp8_mean_overflows_or_underflows_and_shared_scale_does_not(results):
@@ -316,7 +359,9 @@ def test_nonfinite_on_one_rank_is_known_everywhere_before_data_is_sent(results):
     for r in per_rank:
         for name in ("nan", "inf"):
             assert r[f"{name}_found"] and r[f"{name}_reduce_scatter_found"]
-            assert r[f"{name}_known_before_send"]
+            assert r[f"{name}_known_before_send"] and r[f"{name}_reduce_scatter_known_before_send"]
+        assert r["sliced_nan_found"]
+        assert len(r["sliced_known_at_send"]) == 3 and r["sliced_known_at_send"][-1]
 
 
 def test_bytes_on_the_wire(results):

@@ -222,9 +222,10 @@ def test_fsdp2_fp8_linear_weights_travel_as_one_byte_per_element(world, results2
         w0, w1 = one["weight_numels"][:2]  # the two FP8Linear weights, each its own FSDP module (+ fp32 bias)
         bias0, bias1 = 64, 48
         per_rank = [n for dtype, n in one["gathered"] if dtype == torch.uint8]
-        # per rank: its rows of the weight, 1 byte each; its fp32 bias shard; the weight's 4-byte scale_inv
-        expected = [math.ceil(w0 / 32 / world) * 32 + math.ceil(bias0 / world) * 4 + 4,
-                    math.ceil(w1 / 64 / world) * 64 + math.ceil(bias1 / world) * 4 + 4]
+        # per rank: its rows of the weight, 1 byte each; its fp32 bias shard. No scale travels: every rank holds
+        # the global amax of each weight (one MAX all-reduce), hence every rank's scale.
+        expected = [math.ceil(w0 / 32 / world) * 32 + math.ceil(bias0 / world) * 4,
+                    math.ceil(w1 / 64 / world) * 64 + math.ceil(bias1 / world) * 4]
         assert per_rank[:2] == expected, (per_rank, expected)
 
 

@@ -1,16 +1,12 @@
-"""Single-process tests: segment layouts, the elementwise kernels against the reference cast, state validation."""
+"""Single-process tests: segment layouts, the block tables of the pipelined collectives, state validation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lightning_fp8.kernels.reference import cast_to_fp8_ref
 
-from lightning_fp8.distributed import FP8CommState, SegmentLayout, quantize
-from lightning_fp8.distributed.layout import device_layout
-from lightning_fp8.scaling import compute_scale
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+from lightning_fp8.distributed import FP8CommState, SegmentLayout
+from lightning_fp8.distributed.layout import all_reduce_plan, reduce_scatter_plan
 
 
 def test_chunk_pieces_cut_segments_at_chunk_boundaries():
@@ -36,35 +32,65 @@ def test_blocks_layout_and_validation():
         SegmentLayout.blocks(10, 0)
 
 
-def test_device_layout_indexes_every_piece_of_every_chunk():
-    layout = SegmentLayout.per_tensor([5, 0, 4, 3]).padded(14)
-    dl = device_layout(layout, 2, 1, torch.device("cpu"))
-    assert dl.chunk_lengths == (2, 3, 2) and dl.max_pieces == 3 and dl.chunk_numel == 7
-    assert dl.chunk_groups.tolist() == [2, 3, 4]
-    assert dl.all_piece_ends.tolist() == [5, 7, 9, 12, 14]
-    assert dl.all_piece_index.tolist() == [0, 1, 3, 4, 5]  # row-major into the (2, max_pieces) scale table
+def test_parts_cut_segments_at_a_range_and_skip_empty_ones():
+    layout = SegmentLayout.per_tensor([5, 0, 4, 3])
+    assert layout.parts(3, 11) == [(3, 2, 0), (5, 4, 2), (9, 2, 3)]
+    assert layout.parts(5, 5) == [] and layout.parts(0, 12)[-1] == (9, 3, 3)
+    assert layout.ordered() and not SegmentLayout.rows(2, [3, 4]).ordered()
 
 
-@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
-def test_quantize_kernel_matches_reference_cast_per_segment(fp8_dtype):
-    sizes = [33, 0, 257, 1, 90]
-    xs = [torch.randn(n) * 10.0 ** (3 * i - 6) for i, n in enumerate(sizes)]
-    xs[2][5] = float("nan")
-    xs[4][3] = 1e30  # saturates with a scale made for the rest
-    x = torch.cat(xs)
-    scale = torch.stack([compute_scale(t.abs().amax() if t.numel() else torch.zeros(()), fp8_dtype) for t in xs])
-    scale[4] = compute_scale(torch.cat([xs[4][:3], xs[4][4:]]).abs().amax(), fp8_dtype)
-    ends = torch.tensor(sizes).cumsum(0)
-    q, n_sat = quantize.kernel("quantize", False)(x, ends, scale, fp8_dtype)
-    for t, s, part in zip(xs, scale, q.split(sizes), strict=True):
-        ref, _, _, _ = cast_to_fp8_ref(t, s, fp8_dtype)
-        assert torch.equal(part.view(torch.uint8), ref.view(torch.uint8))
-    assert int(n_sat) == 1
+def test_portable_all_reduce_plan_tables():
+    # 192 elements, 2 ranks, rank 1: chunks [0, 96) and [96, 192); pieces of chunk 0: g0 x80, g2 x16; chunk 1: g2 x48,
+    # g3 x48. Tiles of at most 64 elements; everything lies on multiples of 16 (aligned tiles only).
+    (plan,) = all_reduce_plan(SegmentLayout.per_tensor([80, 0, 64, 48]), 2, 1, 1, False, torch.device("cpu"), 64)
+    assert plan.row == 96 and plan.pad == () and plan.amax_offset == 96 and plan.gather_row_bytes == 112
+    assert plan.cast.rows.tolist() == [[0, 0, 64, 0, 0], [64, 64, 16, 0, 0], [80, 80, 64, 2, 2], [144, 144, 48, 3, 3]]
+    assert plan.cast.aligned == 4
+    # this rank's chunk: src = dst = offset in the chunk, value = group, out = piece
+    assert plan.sum.rows.tolist() == [[0, 0, 48, 2, 0], [48, 48, 48, 3, 1]]
+    # every chunk into the output: src in the gathered rows (112 bytes each), value = float index of the piece amax
+    assert plan.decode.rows.tolist() == [
+        [0, 0, 64, 24, 24], [64, 64, 16, 24, 24], [80, 80, 16, 25, 25], [112, 96, 48, 52, 52], [160, 144, 48, 53, 53],
+    ]  # fmt: skip
 
 
-def test_segment_amax_turns_nan_into_inf_and_empty_into_zero():
-    x = torch.tensor([1.0, -3.0, float("nan"), 2.0])
-    assert quantize.segment_amax(x, (2, 0, 2)).tolist() == [3.0, 0.0, float("inf")]
+def test_block_table_splits_ragged_edges_from_aligned_tiles():
+    from lightning_fp8.kernels.comm import block_table
+
+    # segment 0: head 3 (to 16), body 32, tail 5; segment 1: src and dst disagree modulo 16: unaligned tiles only
+    table = block_table([13, 100], [29, 7], [40, 20], [0, 1], block=16)
+    assert table.aligned == 2 and table.edge_block == 16 and table.numel == 60
+    assert table.rows.tolist() == [
+        [16, 32, 16, 0, 0], [32, 48, 16, 0, 0],  # aligned
+        [13, 29, 3, 0, 0], [48, 64, 5, 0, 0], [100, 7, 16, 1, 1], [116, 23, 4, 1, 1],  # edges
+    ]  # fmt: skip
+
+
+def test_portable_plan_pads_the_last_chunk():
+    plans = all_reduce_plan(SegmentLayout.per_tensor([100, 60]), 4, 0, 2, False, torch.device("cpu"))
+    assert [(p.start, p.end, p.row, p.pad) for p in plans] == [(0, 80, 32, ((80, 48),)), (80, 160, 32, ((80, 48),))]
+
+
+def test_amax_stages_follow_the_tensors_of_an_ordered_layout():
+    layout = SegmentLayout.per_tensor([160, 48, 480, 0, 112])  # slices of 160: [g0] [g1 g2] [g2] [g2] [g2 g4]
+    plans = all_reduce_plan(layout, 2, 0, 5, True, torch.device("cpu"))
+    # slice k's cast needs the groups that reach into it; a tensor's amax needs every slice it spans
+    assert [(p.groups, p.amax_through) for p in plans] == [
+        ((0, 1), 0), ((1, 3), 4), ((3, 3), -1), ((3, 3), -1), ((3, 5), 4),
+    ]  # fmt: skip
+    rows = all_reduce_plan(SegmentLayout.rows(2, [80, 80]), 2, 0, 2, True, torch.device("cpu"))
+    assert [(p.groups, p.amax_through) for p in rows] == [((0, 2), 1), ((2, 2), -1)]  # every group first
+
+
+def test_reduce_scatter_plan_slices_every_chunk_alike():
+    layout = SegmentLayout.rows(2, [48, 80])  # 256 elements, chunks of 128: [g0 x48, g1 x80] twice
+    amax, plans = reduce_scatter_plan(layout, 2, 1, 2, torch.device("cpu"))
+    assert amax.numel == 256
+    first, second = plans
+    assert (first.start, first.end, first.row) == (0, 64, 64) and (second.start, second.end) == (64, 128)
+    # send rows: slice [0, 64) of chunk 0, then of chunk 1
+    assert first.cast.rows.tolist() == [[0, 0, 48, 0, 0], [48, 48, 16, 1, 1], [128, 64, 48, 0, 0], [176, 112, 16, 1, 1]]
+    assert second.sum.rows.tolist() == [[0, 64, 64, 1, 1]]  # rank 1's row of slice 1 -> output [64, 128)
 
 
 def test_comm_state_rejects_bad_arguments():
@@ -76,6 +102,8 @@ def test_comm_state_rejects_bad_arguments():
         FP8CommState(margin=-1)
     with pytest.raises(TypeError, match="FP8GradScaler"):
         FP8CommState(grad_scaler=object())
+    with pytest.raises(ValueError, match="slice_numel"):
+        FP8CommState(slice_numel=0)
 
 
 def test_check_step_reads_and_clears_the_flag():
@@ -89,31 +117,3 @@ def test_check_step_reads_and_clears_the_flag():
     assert bool(state.found_nonfinite)
     assert not state.check_step()
     assert state.check_step()
-
-
-@pytest.mark.parametrize(
-    "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
-)
-def test_compiled_kernels_match_eager(device):
-    """torch.compile (the CUDA default) expands scales with bucketize instead of repeat_interleave: same bits."""
-    torch._dynamo.reset()
-    sizes = [300, 0, 700, 777]
-    ends = torch.tensor(sizes, device=device).cumsum(0)
-    scale = torch.tensor([2.0**3, 2.0**-4, 2.0**10, 0.5], device=device)
-    x = torch.randn(sum(sizes), device=device) * 10
-    x[5] = float("inf")
-    rows = x[:1776].view(2, 888).to(E5M2)
-    for name, args in (
-        ("quantize", (x, ends, scale, E5M2)),
-        ("dequantize", (x.to(E4M3), ends, scale, torch.bfloat16)),
-        ("dequantize_checked", (x.to(E5M2), ends, scale, torch.float32, 57344.0)),
-        ("dequant_sum", (rows, torch.tensor([100, 100, 888], device=device), scale[:3])),
-        ("dequantize", (rows[:, :500], torch.tensor([600, 1000], device=device), scale[:2], torch.float32)),
-    ):
-        eager = quantize.kernel(name, False)(*args)
-        compiled = quantize.kernel(name, True)(*args)
-        for e, c in zip(eager if isinstance(eager, tuple) else (eager,),
-                        compiled if isinstance(compiled, tuple) else (compiled,), strict=True):
-            e, c = (e.view(torch.uint8), c.view(torch.uint8)) if e.dtype in (E4M3, E5M2) else (e, c)
-            # Exact, NaN equal to NaN (the inf input becomes NaN in E4M3 on some torch versions).
-            torch.testing.assert_close(c, e, rtol=0, atol=0, equal_nan=True, msg=name)

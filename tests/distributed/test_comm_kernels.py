@@ -1,0 +1,177 @@
+"""The Triton kernels of FP8 communication (kernels/comm.py) against their PyTorch references, bit for bit.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py); shapes are small and tiles tiny (16 or 64
+elements), so segments span several tiles, tiles end mid-segment, and some segments are empty.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning_fp8.kernels.comm import block_table
+from lightning_fp8.kernels.reference import cast_to_fp8_ref
+
+from lightning_fp8.distributed.quantize import segment_kernels
+from lightning_fp8.scaling import compute_scale
+
+# NaN and inf inputs make the interpreter's numpy warn; the results are what is checked.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+REF, TRITON = segment_kernels(False), segment_kernels(True)
+LENGTHS = [37, 0, 200, 5, 64, 1, 90]  # uneven, an empty segment, one single element, one of exactly 4 tiles of 16
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (FP8 bytes included); any NaN equals any NaN (payloads differ between conversions)."""
+    if a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(view)[~nan], b.view(view)[~nan])
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """CPU: the kernels interpreted; CUDA (GPU runs only): compiled, against the references on the same device."""
+    return request.param
+
+
+def _gradients(dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """Segments 12 orders of magnitude apart, each spanning 6 more; a NaN, an inf, and FP8 rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=g) * 10.0 ** (6 * torch.rand(n, generator=g) - 3 + 2 * i - 6)
+             for i, n in enumerate(LENGTHS)]  # fmt: skip
+    parts[2][[3, 17]] = torch.tensor([1.0625, -1.1875]) * 2.0**5  # E4M3 ties (3 mantissa bits): to even
+    parts[2][40] = float("nan")
+    parts[6][7] = float("-inf")
+    return torch.cat(parts).to(dtype).to(device)
+
+
+def _table(device: str, block: int = 16, gap: int = 0):
+    """One tile row per segment piece; ``gap`` spreads the segments out in the destination."""
+    starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+    dst = [s + i * gap for i, s in enumerate(starts)]
+    table = block_table(starts, dst, LENGTHS, [0, 1, 2, 3, 4, 2, 5], device=device, block=block)
+    return table, sum(LENGTHS) + gap * len(LENGTHS)
+
+
+def test_block_table_cuts_segments_into_tiles_that_never_straddle():
+    table = block_table([0, 5, 5], [100, 0, 7], [5, 0, 40], [3, 4, 5], [9, 8, 7], block=16)
+    assert table.rows.tolist() == [
+        [0, 100, 5, 3, 9], [5, 7, 16, 5, 7], [21, 23, 16, 5, 7], [37, 39, 8, 5, 7],
+    ]  # fmt: skip  (src and dst disagree modulo 16: unaligned tiles only)
+    assert table.numel == 45 and len(table) == 4 and table.aligned == 0
+    table = _table("cpu", block=64)[0]  # src == dst: aligned bodies, ragged heads and tails
+    assert table.aligned > 0 and table.rows[: table.aligned, :3].remainder(16).eq(0).all()
+    assert table.rows[:, 2].sum() == sum(LENGTHS) and table.rows[:, 2].max() <= 64
+    with pytest.raises(ValueError, match="power of two"):
+        block_table([0], [0], [4], [0], block=12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_segment_amax_matches_reference(dtype, device):
+    x = _gradients(dtype, device)
+    table, _ = _table(device)
+    amaxes = []
+    for kernels in (REF, TRITON):
+        amax = torch.full((6,), 1e-30, device=device)  # accumulates into what is there
+        kernels.segment_amax(x, table, amax)
+        amaxes.append(amax)
+    assert _same(*amaxes)
+    assert amaxes[0][2] == float("inf") and amaxes[0][5] == float("inf")  # NaN counts as inf; -inf too
+    assert amaxes[0][1] == 1e-30  # the empty segment leaves its slot alone
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("gap", [3, 32], ids=["unaligned", "aligned"])  # dst - src: 32 keeps aligned (vector) tiles
+def test_quantize_matches_reference_and_the_reference_cast(fp8_dtype, dtype, gap, device):
+    x = _gradients(dtype, device)
+    table, numel = _table(device, gap=gap)
+    amax = torch.zeros(6, device=device)
+    REF.segment_amax(x, table, amax)
+    amax[3] /= 3  # a scale too large for segment 3: its values saturate
+    amax[2] = amax[4]  # segment 2's NaN: use a finite amax so its other values cast normally
+    for headroom, margin in ((None, 0), (torch.tensor(2, device=device), 1)):
+        outs = []
+        for kernels in (REF, TRITON):
+            q, n_sat = torch.full((numel,), 0xAA, dtype=torch.uint8, device=device), torch.tensor(5, device=device)
+            kernels.quantize(x, table, amax, fp8_dtype, q, n_sat, margin=margin, headroom=headroom)
+            outs.append((q, n_sat))
+        assert _same(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
+        assert outs[0][1] > 5 or dtype == torch.float16  # (fp16: segment 3 overflows to inf, nothing saturates)
+        assert (outs[0][0] == 0xAA).sum() >= gap * len(LENGTHS)  # the gaps are untouched
+    # The reference against the core's reference cast, segment by segment (no headroom, margin 0).
+    q = torch.zeros(numel, dtype=torch.uint8, device=device)
+    REF.quantize(x, table, amax, fp8_dtype, q, torch.tensor(0, device=device))
+    for src, dst, n, value, _ in table.rows.tolist():
+        want, _, _, _ = cast_to_fp8_ref(x[src : src + n], compute_scale(amax[value], fp8_dtype), fp8_dtype)
+        assert torch.equal(q[dst : dst + n], want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gap", [2, 16], ids=["unaligned", "aligned"])
+def test_dequantize_matches_reference_with_checks(fp8_dtype, out_dtype, gap, device):
+    table, numel = _table(device, gap=gap)
+    q = torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))  # NaN, inf too
+    q, amax = q.to(device), torch.tensor([3.0, 0.0, 7e-20, float("inf"), 5e5, 1e-3], device=device)
+    for headroom, inv_divisor in ((None, 1.0), (torch.tensor(1, device=device), 1 / 3)):
+        outs = []
+        for kernels in (REF, TRITON):
+            out = torch.full((numel,), 0.5, dtype=out_dtype, device=device)
+            counts = torch.tensor([1, 2], device=device)
+            kernels.dequantize(q, table, amax, fp8_dtype, out, margin=1, headroom=headroom, inv_divisor=inv_divisor,
+                               counts=counts)  # fmt: skip
+            outs.append((out, counts))
+        assert _same(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert outs[0][1][1] > 2  # random bytes include NaN (and inf) patterns
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_rows_kernels_match_reference(fp8_dtype, world, device):
+    """The sum of the received rows (rank order, fp32): its piece amax, its requantization, its decode."""
+    g = torch.Generator().manual_seed(world)
+    row = 256 if world == 4 else 250  # 256: every row starts aligned (vector loads on a GPU)
+    received = torch.randint(0, 256, (world, row), dtype=torch.uint8, generator=g)
+    finite = received.view(fp8_dtype).float().isfinite()
+    received[~finite] = received[~finite] & 0x80  # finite rows, except the NaN planted next
+    received[world - 1, 33] = 0x7F
+    received = received.to(device)
+    # pieces of the chunk: (offset, length, group); dst leaves gaps of 16 (aligned bodies); out = piece index
+    pieces = [(0, 20, 2), (20, 100, 0), (120, 1, 1), (121, 129, 3)]
+    table = block_table([o for o, _, _ in pieces], [o + 16 * j for j, (o, _, _) in enumerate(pieces)],
+                        [n for _, n, _ in pieces], [gr for _, _, gr in pieces], list(range(4)), device=device,
+                        block=64)  # fmt: skip
+    amax = torch.tensor([2.0**-3, 5e4, 1e-2, 300.0], device=device)
+    piece_amax = []
+    for kernels in (REF, TRITON):
+        out = torch.zeros(4, device=device)
+        kernels.rows_amax(received, table, amax, out, fp8_dtype, margin=0, inv_divisor=1 / world)
+        piece_amax.append(out)
+    assert _same(*piece_amax) and piece_amax[0][1] == float("inf")  # the NaN lands in piece 1
+    qs, sums = [], []
+    for kernels in (REF, TRITON):
+        q, n_sat = torch.full((row + 64,), 0xAA, dtype=torch.uint8, device=device), torch.tensor(0, device=device)
+        kernels.rows_quantize(received, table, amax, piece_amax[0], fp8_dtype, q, n_sat, inv_divisor=1 / world)
+        qs.append((q, n_sat))
+        out = torch.full((row + 64,), 3.0, dtype=torch.bfloat16, device=device)
+        kernels.rows_sum(received, table, amax, fp8_dtype, out, inv_divisor=1 / world)
+        sums.append(out)
+    assert _same(qs[0][0], qs[1][0]) and qs[0][1] == qs[1][1]
+    assert _same(*sums)
+    # The reference sum against an independent one: float64 sum of the decoded rows times 1 / (scale * world).
+    scale = compute_scale(amax, fp8_dtype)
+    decoded, sums = received.cpu().view(fp8_dtype).double(), [t.cpu() for t in sums]
+    scale = scale.cpu()
+    for j, (o, n, gr) in enumerate(pieces):
+        rows = decoded[:, o : o + n] / (scale[gr].double() * world)
+        got = sums[0][o + 16 * j : o + 16 * j + n].double()
+        # bf16 rounding of the result, plus fp32 rounding of the partial sums (cancellation: relative to the rows)
+        bound = 2.0**-8 * rows.sum(0).abs() + 2.0**-22 * rows.abs().sum(0)
+        ok = ((got - rows.sum(0)).abs() <= bound) | (got.isnan() & rows.sum(0).isnan())
+        assert ok.all(), (j, got[~ok], rows.sum(0)[~ok])
