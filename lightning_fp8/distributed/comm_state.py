@@ -38,7 +38,9 @@ _ALGORITHMS = ("auto", "portable", "native")
 # portable path and accurate (benchmarks/bench_comm.py, figures in docs/benchmarks.md); gloo has no FP8 reduction.
 # On H200s (benchmarks/results/comm_fp8_h200x{2,4}.txt) native was faster (5.70 vs 6.44 ms for 1B elements on 2
 # GPUs, 7.12 vs 7.83 on 4) but less accurate on 4 ranks (20.0 vs 22.5 dB: NCCL rounds each partial sum to FP8).
+# With two ranks the FP8 sum is one addition, rounded once, as accurate as the portable path (22.1 dB both): native.
 _AUTO_ALGORITHM = {"nccl": "portable", "gloo": "portable"}
+_AUTO_NATIVE_MAX_RANKS = {"nccl": 2}
 
 # Binades the native path may add to its pre-scale headroom after overflows (each overflow adds one).
 MAX_EXTRA_HEADROOM = 8
@@ -129,6 +131,8 @@ class FP8CommState:
         """
         backend = dist.get_backend(self.process_group)
         if self.algorithm == "auto":
+            if dist.get_world_size(self.process_group) <= _AUTO_NATIVE_MAX_RANKS.get(backend, 0):
+                return "native"
             return _AUTO_ALGORITHM.get(backend, "portable")
         if self.algorithm == "native" and backend != "nccl":
             raise ValueError(

@@ -383,3 +383,17 @@ def test_native_fp8_sum_path(results):
         else:
             assert not r["native_correlated_found"]
         assert r["native_correlated_headroom_sqnr"] >= tol.ALLREDUCE_E5M2_SQNR_DB
+
+
+@pytest.mark.parametrize(
+    ("backend", "world", "expected"),
+    [("nccl", 2, "native"), ("nccl", 4, "portable"), ("nccl", 8, "portable"), ("gloo", 2, "portable")],
+)
+def test_auto_algorithm_per_backend_and_world_size(monkeypatch, backend, world, expected):
+    """"auto": NCCL's FP8 sum only where it is as accurate as the portable path (two ranks: one rounding)."""
+    from lightning_fp8.distributed import FP8CommState
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    assert FP8CommState().resolved_algorithm() == expected
+    assert FP8CommState(algorithm="portable").resolved_algorithm() == "portable"
