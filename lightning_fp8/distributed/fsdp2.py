@@ -42,6 +42,7 @@ from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
 from lightning_fp8.kernels.comm import BlockTable, block_table
 from lightning_fp8.linear import FP8Linear
+from lightning_fp8.optim import master
 from lightning_fp8.warnings import warn_once
 
 try:  # the Comm interfaces are importable from here in torch 2.8+ (not re-exported publicly)
@@ -276,7 +277,10 @@ def enable_fp8_fsdp2(
 ) -> FP8CommState:
     """Turn on FP8 gradient reduce-scatter and FP8 weight all-gather for every FSDP2 module of ``model``.
 
-    Call after ``fully_shard`` has been applied (to ``model`` and any submodules) and before the first forward.
+    Call after ``fully_shard`` has been applied (to ``model`` and any submodules) and before the first forward
+    and before creating :class:`~lightning_fp8.FP8AdamW`: ``fully_shard`` replaces every parameter with a sharded
+    one, and this marks the new FP8Linear weights again, so that ``FP8AdamW(model.parameters())`` gives them their
+    low-precision states without ``fp8_params``.
 
     Args:
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
@@ -306,6 +310,9 @@ def enable_fp8_fsdp2(
             f"this is torch {torch.__version__}"
         )
     state = state if state is not None else FP8CommState()
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            setattr(module.weight, master.MARKER, True)
     weights = fp8_linear_weights(model)
     for module in fsdp_modules:
         groups = _param_groups(module)

@@ -6,6 +6,7 @@ the others still run. What is known not to work yet is marked ``xfail(strict=Tru
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -227,6 +228,25 @@ def _low_precision_run(rank: int, wrap: str) -> dict:
     return out
 
 
+def _fsdp2_marked_without_fp8_params(rank: int) -> dict:
+    """fully_shard replaces the parameters; enable_fp8_fsdp2 marks the FP8 weights again: no fp8_params needed."""
+    from lightning_fp8 import FP8AdamW
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    model = _fsdp2(_model())
+    unmarked = FP8AdamW(model.parameters(), lr=3e-3, opt_level="O2")  # before: the sharded weights carry no marker
+    enable_fp8_fsdp2(model)
+    opt = FP8AdamW(model.parameters(), lr=3e-3, opt_level="O2")
+    losses = _steps(model, opt, rank, 3)
+    weights = _fp8_weights(model)
+    return {
+        "unmarked_low_precision": len(unmarked._low_precision),
+        "low_precision": sorted(i for i, p in enumerate(weights) if p in opt._low_precision),
+        "exp_avg_dtypes": sorted({str(opt.state[p]["exp_avg"].dtype) for p in weights}),
+        "losses": losses,
+    }
+
+
 def _guarded(fn, *args) -> dict:
     try:
         return {"ok": True, **fn(*args)}
@@ -245,6 +265,7 @@ def _worker(rank: int, world: int) -> dict:
             "fsdp1_flat_o2": _guarded(_low_precision_run, rank, "fsdp1_flat"),
             "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
+            "fsdp2_marked": _guarded(_fsdp2_marked_without_fp8_params, rank),
         }
     finally:
         dist.barrier()
@@ -297,6 +318,14 @@ def _o2_trains_like_o1(run: dict) -> None:
 def test_fp8_adamw_o2_on_fsdp1_flat_parameters(results):
     for r in results:
         _o2_trains_like_o1(_ok(r, "fsdp1_flat_o2"))
+
+
+def test_enable_fp8_fsdp2_marks_sharded_fp8_weights_for_fp8_adamw(results):
+    for r in results:
+        run = _ok(r, "fsdp2_marked")
+        assert run["unmarked_low_precision"] == 0  # what fully_shard alone leaves (the failure this guards against)
+        assert run["low_precision"] == [0, 1, 2] and run["exp_avg_dtypes"] == ["torch.float8_e4m3fn"], run
+        assert all(math.isfinite(v) for v in run["losses"]) and run["losses"][-1] < run["losses"][0], run
 
 
 def test_fp8_adamw_o2_on_fsdp2_dtensor_shards(results):
