@@ -151,6 +151,19 @@ def _neg_pow2(e):
 
 
 @triton.jit
+def _segment_scale(
+    amax_ptr, value, headroom_ptr, HAS_HEADROOM: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    # The shared power-of-two scale of segment value `value` from its amax, lowered by the native path's extra
+    # headroom binades when HAS_HEADROOM.
+    scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
+    if HAS_HEADROOM:
+        scale = scale * _neg_pow2(tl.load(headroom_ptr))
+    return scale
+
+
+@triton.jit
 def _decode_fp8(q, IS_E4M3: tl.constexpr, EXACT: tl.constexpr):
     # q: uint8 FP8 bytes -> fp32, exact. E5M2 is the high byte of an fp16.
     if IS_E4M3:
@@ -239,9 +252,7 @@ def _quantize_tile(
     BLOCK: tl.constexpr,
 ):
     src, dst, length, value, _out = _row(table_ptr, ALIGNED)
-    scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
-    if HAS_HEADROOM:
-        scale = scale * _neg_pow2(tl.load(headroom_ptr))
+    scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
     offs = tl.arange(0, BLOCK)
     mask = offs < length
     x = tl.load(x_ptr + src + offs, mask=mask, other=0.0).to(tl.float32)
@@ -274,9 +285,7 @@ def _dequantize_tile(
     BLOCK: tl.constexpr,
 ):
     src, dst, length, value, _out = _row(table_ptr, ALIGNED)
-    scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
-    if HAS_HEADROOM:
-        scale = scale * _neg_pow2(tl.load(headroom_ptr))
+    scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
     scale_inv = inv_divisor * _inverse_pow2(scale)
     offs = tl.arange(0, BLOCK)
     mask = offs < length
