@@ -141,3 +141,7 @@ def train(accelerator, model, optimizer, scheduler, reference_model) -> None:
 
 if __name__ == "__main__":
     main()
+    # Tear the process group down before the interpreter exits: gloo's threads being torn down by the exit instead
+    # can abort a rank after its work is done ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
