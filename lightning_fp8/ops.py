@@ -60,24 +60,6 @@ def cast_to_fp8(
     return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
 
 
-def current_scale_(amax: torch.Tensor, scale: torch.Tensor, fmax: float, margin: int) -> None:
-    """In place ``scale <- pow2_scale(amax)``; see :func:`lightning_fp8.kernels.reference.current_scale_ref`."""
-    if use_triton(scale):
-        from lightning_fp8.kernels import scaling
-
-        return scaling.current_scale_(amax, scale, fmax, margin)
-    return reference.current_scale_ref(amax, scale, fmax, margin)
-
-
-def record_cast_(*args, **kwargs) -> torch.Tensor:
-    """Record a cast and update a delayed scale; see :func:`lightning_fp8.kernels.reference.record_cast_ref`."""
-    if use_triton(args[0]):
-        from lightning_fp8.kernels import scaling
-
-        return scaling.record_cast_(*args, **kwargs)
-    return reference.record_cast_ref(*args, **kwargs)
-
-
 def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One cast of a scaling state (cast, statistics, next scale); see ``reference.quantize_ref``.
 
