@@ -15,6 +15,12 @@ global accumulators (at most one atomic max and one atomic add per program, skip
 change anything). Programs are persistent (a grid-stride loop over tiles) and keep scalar running
 statistics, so neither atomics nor registers grow with the tensor.
 
+A scaling state's cast (``quantize_``, what ``ScalingState.quantize`` runs on a GPU) is the same kernel with
+``RECORD``: each program folds its statistics into a per-stream int64 workspace with atomics and takes an
+arrival ticket; the last program to arrive reads the totals, leaves the workspace zeroed, and does the state's
+bookkeeping (kernels/scaling.py: history, next scale, 1 / scale, counters). A delayed cast is one launch; a
+current-scaled one adds the amax launch before it, whose last program writes the scale.
+
 Rounding (found while testing under ``TRITON_INTERPRET=1``): the Triton interpreter converts fp32 to
 FP8 with a wrong "round to nearest": it adds the rounding bit to the mantissa without carrying into the
 exponent (7.77 -> 4.0 instead of 8.0 in E4M3, 3.9 -> 2.0 in E5M2), rounds ties away from zero, and
@@ -164,7 +170,7 @@ def _cast_transpose_kernel(
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
     ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
-    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record_cast_kernel)
+    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record)
     scale_inv_ptr,
     last_amax_ptr,
     saturation_ptr,
@@ -251,7 +257,7 @@ def _cast_flat_kernel(
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
     ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
-    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record_cast_kernel)
+    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record)
     scale_inv_ptr,
     last_amax_ptr,
     saturation_ptr,

@@ -249,7 +249,7 @@ def adamw_step_ref(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Scale bookkeeping of one scaling state (kernels/scaling.py): one launch per cast instead of dozens of small ops.
+# Scale bookkeeping of one scaling state (kernels/scaling.py, run inside the fused casts of kernels/cast.py).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
