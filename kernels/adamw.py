@@ -60,7 +60,8 @@ import operator
 import torch
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.cast import _interpreted, _round_to_fp8_grid
+from lightning_fp8.kernels.cast import _interpreted
+from lightning_fp8.kernels.cast_kernels import _round_to_fp8_grid
 from lightning_fp8.kernels.reference import BOUND_SLACK, SCALED_STATE_MAX, AdamWConstants, float32_exponent_mantissa
 
 # Launch config, the best of benchmarks/bench_optim.py --sweep on an H100 (benchmarks/results/optim_h100.txt: 4.2 to

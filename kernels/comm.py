@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.cast import _FP8, _fp8_bytes, _interpreted, _round_to_fp8_grid
+from lightning_fp8.kernels.cast import _FP8, _interpreted
+from lightning_fp8.kernels.cast_kernels import _fp8_bytes, _round_to_fp8_grid
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
 from lightning_fp8.kernels.scaling import _pow2_scale
 

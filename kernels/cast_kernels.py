@@ -1,0 +1,311 @@
+"""The Triton kernels of the FP8 casts (launched by :mod:`lightning_fp8.kernels.cast`, which states their math).
+
+One pass: ``cast_to_fp8`` reads each element of ``x`` once (2-D tiles), writes ``x_fp8`` and, with
+``transpose``, the transposed tile to ``x_fp8_t`` (``tl.trans``; the compiler moves it through shared
+memory so that both stores are coalesced), and folds each program's amax and saturation count into two
+global accumulators (at most one atomic max and one atomic add per program, skipped when they cannot
+change anything). Programs are persistent (a grid-stride loop over tiles) and keep scalar running
+statistics, so neither atomics nor registers grow with the tensor.
+
+A scaling state's cast (``quantize_``, what ``ScalingState.quantize`` runs on a GPU) is the same kernel with
+``RECORD``: each program folds its statistics into a per-stream int64 workspace with atomics and takes an
+arrival ticket; the last program to arrive reads the totals, leaves the workspace zeroed, and does the state's
+bookkeeping (kernels/scaling.py: history, next scale, 1 / scale, counters). A delayed cast is one launch; a
+current-scaled one adds the amax launch before it, whose last program writes the scale.
+
+Rounding (found while testing under ``TRITON_INTERPRET=1``): the Triton interpreter converts fp32 to
+FP8 with a wrong "round to nearest": it adds the rounding bit to the mantissa without carrying into the
+exponent (7.77 -> 4.0 instead of 8.0 in E4M3, 3.9 -> 2.0 in E5M2), rounds ties away from zero, and
+turns NaN into 384 in E4M3. It converts values that are already on the FP8 grid exactly. So under the
+interpreter (``EXACT_ROUND``) the kernel first rounds to the FP8 grid in fp32 with integer arithmetic:
+
+    normal   |y| >= 2**e_min : drop the low 23 - m mantissa bits with round-to-nearest-even
+    subnormal|y| <  2**e_min : (|y| + C) - C with C = 2**(e_min - m + 23): the fp32 add rounds to
+                               the subnormal spacing 2**(e_min - m) (RNE), the subtraction is exact
+
+(m = 3, e_min = -6 for E4M3; m = 2, e_min = -14 for E5M2), and writes NaN as the byte 0x7F, the
+pattern PyTorch uses for both formats. On a GPU the hardware conversion (``cvt.rn.satfinite``) already
+rounds to nearest even (bit-exact against the reference on an H100), and the pre-rounding is off: it made
+the cast with transpose 2.2x slower there (``EXACT_ROUND_ON_GPU``; benchmarks/README.md).
+"""
+
+import triton
+import triton.language as tl
+from lightning_fp8.kernels.scaling import _pow2_scale, _record
+
+
+@triton.jit
+def _round_to_fp8_grid(y, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr):
+    # y: fp32, |y| <= fp8_max. Returns the nearest FP8 value (ties to even), still in fp32; a non-finite lane
+    # comes out as anything (an int32 overflow), so callers overwrite those lanes.
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) << 31
+    mag = bits & 0x7FFFFFFF
+    SHIFT: tl.constexpr = 23 - MBITS
+    lsb = (mag >> SHIFT) & 1
+    normal = ((mag + ((1 << (SHIFT - 1)) - 1) + lsb) >> SHIFT) << SHIFT
+    a = mag.to(tl.float32, bitcast=True)
+    subnormal = ((a + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC).to(tl.int32, bitcast=True)
+    is_small = mag < ((MIN_NORMAL_EXP + 127) << 23)
+    return (tl.where(is_small, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_saturate(x, scale, FP8_MAX: tl.constexpr):
+    # x: fp32 tile. Returns (y clamped to +-fp8_max, finite(x), |x| with NaN -> inf, saturated as int32 0/1).
+    ax = tl.abs(x)
+    finite = ax < float("inf")  # False for inf and NaN
+    y = x * scale
+    sat = ((tl.abs(y) >= FP8_MAX) & finite).to(tl.int32)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    ax = tl.where(ax == ax, ax, float("inf"))
+    return y, finite, ax, sat
+
+
+@triton.jit
+def _fp8_bytes(y, IS_E4M3: tl.constexpr):
+    # The FP8 encoding of the fp32 tile y as uint8 (stored through a bitcast: no second conversion).
+    if IS_E4M3:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _publish(amax_ptr, nsat_ptr, amax, nsat):
+    # Fold a program's statistics into the global ones. Atomics on one address serialize, so skip those that
+    # cannot change anything: a zero count, an amax not above the current one (a stale read only costs an atomic).
+    # Relaxed: nothing in the kernel orders other memory against these; the launch boundary publishes them.
+    tl.atomic_max(amax_ptr, amax, mask=amax > tl.load(amax_ptr), sem="relaxed")
+    tl.atomic_add(nsat_ptr, nsat.to(tl.int64), mask=nsat > 0, sem="relaxed")
+
+
+@triton.jit
+def _arrive(ws_ptr, amax, nsat, COUNT: tl.constexpr):
+    # Fold a program's statistics into the workspace (int64: amax as its fp32 bits, which order like the non-negative
+    # floats they encode; saturated count; arrival ticket) and take a ticket. Returns (last, amax, nsat): `last` is
+    # true in the one program that arrives last, which then holds the totals and leaves the workspace zeroed for the
+    # next launch on this stream. The ticket is acquire-release: every program's statistics are folded before it.
+    bits = amax.to(tl.int32, bitcast=True).to(tl.int64)
+    tl.atomic_max(ws_ptr, bits, mask=bits > tl.load(ws_ptr), sem="relaxed")
+    if COUNT:
+        tl.atomic_add(ws_ptr + 1, nsat.to(tl.int64), mask=nsat > 0, sem="relaxed")
+    last = tl.atomic_add(ws_ptr + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1
+    total_bits = tl.atomic_xchg(ws_ptr, 0, mask=last, sem="acq_rel")
+    total_nsat = tl.atomic_xchg(ws_ptr + 1, 0, mask=last, sem="acq_rel")
+    tl.atomic_xchg(ws_ptr + 2, 0, mask=last, sem="acq_rel")
+    return last, total_bits.to(tl.int32).to(tl.float32, bitcast=True), total_nsat
+
+
+@triton.jit
+def _finish(
+    amax_ptr, nsat_ptr, amax, nsat, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
+    nonfinite_ptr, casts_ptr, unscale_ptr, numel, H,
+    BLOCK_H: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr, DELAYED: tl.constexpr, RECORD: tl.constexpr, UNSCALE: tl.constexpr,
+):  # fmt: skip
+    # RECORD: the last program to finish does the scaling state's bookkeeping (kernels/scaling.py) with the totals;
+    # otherwise the statistics go to the zeroed output accumulators.
+    if RECORD:
+        last, total_amax, total_nsat = _arrive(ws_ptr, amax, nsat, True)
+        if last:
+            unscale = tl.load(unscale_ptr) if UNSCALE else 1.0
+            _record(
+                total_amax, total_nsat, numel, scale, hist_ptr, scale_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
+                nonfinite_ptr, casts_ptr, H, unscale, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX, DELAYED, UNSCALE,
+            )  # fmt: skip
+    else:
+        _publish(amax_ptr, nsat_ptr, amax, nsat)
+
+
+@triton.jit
+def _cast_transpose_kernel(
+    x_ptr,  # (M, N) input, row-major, fp32/bf16/fp16
+    scale_ptr,  # 0-dim fp32 scale
+    out_ptr,  # (M, N) FP8 output
+    out_t_ptr,  # (N, M) FP8 output, the transposed copy
+    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
+    nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
+    ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
+    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record)
+    scale_inv_ptr,
+    last_amax_ptr,
+    saturation_ptr,
+    nonfinite_ptr,
+    casts_ptr,
+    unscale_ptr,  # RECORD and UNSCALE: 0-dim fp32, x = t * unscale; statistics and scales are recorded for t
+    H,  # RECORD: amax history length
+    numel,  # RECORD: elements of x (for the saturated fraction)
+    M,  # rows of x
+    N,  # columns of x
+    IS_E4M3: tl.constexpr,  # E4M3 (True) or E5M2 output
+    FP8_MAX: tl.constexpr,  # largest finite value of the format
+    MBITS: tl.constexpr,  # mantissa bits of the format
+    MIN_NORMAL_EXP: tl.constexpr,  # exponent of its smallest normal
+    SUBNORMAL_MAGIC: tl.constexpr,  # 2**(MIN_NORMAL_EXP - MBITS + 23), see the module docstring
+    EXACT_ROUND: tl.constexpr,  # round to the FP8 grid in fp32 before converting (interpreter)
+    EVEN: tl.constexpr,  # tiles divide M and N: no masks
+    INDEX_64: tl.constexpr,  # M * N >= 2**31: 64-bit offsets
+    BLOCK_M: tl.constexpr,  # tile rows
+    BLOCK_N: tl.constexpr,  # tile columns
+    TRANSPOSE_FP32: tl.constexpr,  # transpose the fp32 values and convert again (else the FP8 bytes); GPU only
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop
+    RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
+    BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
+    MAX_EXP: tl.constexpr,  # RECORD: fp32 exponent and mantissa fields of the format max, margin, history algorithm
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr,
+    DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
+    UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    scale = tl.load(scale_ptr)
+    # Running amax and saturation count of this program: scalars, so the loop holds no tile-sized accumulators.
+    amax_acc = 0.0
+    nsat_acc = 0
+    for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rm = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if INDEX_64:
+            rm = rm.to(tl.int64)
+            rn = rn.to(tl.int64)
+        offs = rm[:, None] * N + rn[None, :]
+        offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
+        if EVEN:
+            x = tl.load(x_ptr + offs).to(tl.float32)
+        else:
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
+        amax_acc = tl.maximum(amax_acc, tl.max(ax))  # masked lanes hold 0: neutral
+        nsat_acc += tl.sum(sat)
+        if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
+            y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
+        q = _fp8_bytes(y, IS_E4M3)
+        q = tl.where(finite, q, 0x7F).to(tl.uint8)  # NaN, as PyTorch writes it in both formats
+        # The transposed tile goes through shared memory; which form the compiler moves best is measured.
+        if TRANSPOSE_FP32:
+            q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
+        else:
+            q_t = tl.trans(q)
+        q = q.to(out_ptr.dtype.element_ty, bitcast=True)
+        q_t = q_t.to(out_ptr.dtype.element_ty, bitcast=True)
+        if EVEN:
+            tl.store(out_ptr + offs, q)
+            tl.store(out_t_ptr + offs_t, q_t)
+        else:
+            tl.store(out_ptr + offs, q, mask=mask)
+            tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
+    _finish(
+        amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
+        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
+        DELAYED, RECORD, UNSCALE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _cast_flat_kernel(
+    x_ptr,  # (n,) input, contiguous, fp32/bf16/fp16
+    scale_ptr,  # 0-dim fp32 scale
+    out_ptr,  # (n,) FP8 output
+    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
+    nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
+    ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
+    hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record)
+    scale_inv_ptr,
+    last_amax_ptr,
+    saturation_ptr,
+    nonfinite_ptr,
+    casts_ptr,
+    unscale_ptr,  # RECORD and UNSCALE: 0-dim fp32, x = t * unscale; statistics and scales are recorded for t
+    H,  # RECORD: amax history length
+    numel,  # RECORD: elements of x (for the saturated fraction)
+    n,  # number of elements
+    IS_E4M3: tl.constexpr,  # E4M3 (True) or E5M2 output
+    FP8_MAX: tl.constexpr,  # largest finite value of the format
+    MBITS: tl.constexpr,  # mantissa bits of the format
+    MIN_NORMAL_EXP: tl.constexpr,  # exponent of its smallest normal
+    SUBNORMAL_MAGIC: tl.constexpr,  # 2**(MIN_NORMAL_EXP - MBITS + 23)
+    EXACT_ROUND: tl.constexpr,  # round to the FP8 grid in fp32 before converting (interpreter)
+    EVEN: tl.constexpr,  # BLOCK divides n: no masks
+    INDEX_64: tl.constexpr,  # n >= 2**31: 64-bit offsets
+    BLOCK: tl.constexpr,  # elements per loop step of a program
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the block loop
+    RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
+    BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
+    MAX_EXP: tl.constexpr,  # RECORD: fp32 exponent and mantissa fields of the format max, margin, history algorithm
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr,
+    DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
+    UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
+):
+    pid = tl.program_id(0)
+    scale = tl.load(scale_ptr)
+    amax_acc = 0.0
+    nsat_acc = 0
+    for block in tl.range(pid, tl.cdiv(n, BLOCK), tl.num_programs(0), num_stages=NUM_STAGES):
+        if INDEX_64:
+            offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        else:
+            offs = block * BLOCK + tl.arange(0, BLOCK)
+        if EVEN:
+            x = tl.load(x_ptr + offs).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
+        amax_acc = tl.maximum(amax_acc, tl.max(ax))
+        nsat_acc += tl.sum(sat)
+        if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
+            y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
+        q = _fp8_bytes(y, IS_E4M3)
+        q = tl.where(finite, q, 0x7F).to(tl.uint8).to(out_ptr.dtype.element_ty, bitcast=True)
+        if EVEN:
+            tl.store(out_ptr + offs, q)
+        else:
+            tl.store(out_ptr + offs, q, mask=offs < n)
+    _finish(
+        amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
+        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
+        DELAYED, RECORD, UNSCALE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr,  # (n,) input, contiguous, floating point
+    amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (NaN -> inf); unused with CURRENT_SCALE
+    ws_ptr,  # CURRENT_SCALE: int64[3] workspace, zero (left zero); see _arrive
+    scale_ptr,  # CURRENT_SCALE: 0-dim fp32 scale, in/out
+    n,  # number of elements
+    EVEN: tl.constexpr,  # BLOCK divides n: no masks
+    INDEX_64: tl.constexpr,  # n >= 2**31: 64-bit offsets
+    BLOCK: tl.constexpr,  # elements per loop step of a program
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the block loop
+    CURRENT_SCALE: tl.constexpr,  # the last program writes scale <- pow2_scale(amax) (current scaling), not amax
+    MAX_EXP: tl.constexpr,  # CURRENT_SCALE: fp32 exponent and mantissa fields of the format max, and the margin
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for block in tl.range(pid, tl.cdiv(n, BLOCK), tl.num_programs(0), num_stages=NUM_STAGES):
+        if INDEX_64:
+            offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        else:
+            offs = block * BLOCK + tl.arange(0, BLOCK)
+        if EVEN:
+            ax = tl.abs(tl.load(x_ptr + offs).to(tl.float32))
+        else:
+            ax = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(ax == ax, ax, float("inf")))
+    amax = tl.max(acc, axis=0)
+    if CURRENT_SCALE:
+        last, total, _ = _arrive(ws_ptr, amax, 0, False)
+        if last:
+            tl.store(scale_ptr, _pow2_scale(total, tl.load(scale_ptr), MAX_EXP, MAX_MANT, MARGIN))
+    else:
+        tl.atomic_max(amax_ptr, amax, mask=amax > tl.load(amax_ptr), sem="relaxed")  # see _publish
