@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
 from lightning_fp8.kernels import reference
-from lightning_fp8.optim import checkpoint, master
+from lightning_fp8.optim import checkpoint, master, shards
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 
 ScaleUpdate = Literal["one_pass", "two_pass"]
@@ -156,7 +156,7 @@ class FP8AdamW(torch.optim.Optimizer):
         # optimizer whose ``state`` is empty (a zero-gradient step); a non-empty one is taken as initialized, and
         # its state dict then lacks every other parameter (the load of a sharded checkpoint fails).
         self._low_precision.add(p)
-        shareable = master.is_fp8_weight(p) and not _is_dtensor(p)
+        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p)
         if shareable and master.master_scale(p) is None and p.dtype != self.master_dtype:
             master.adopt(p, self.master_dtype)
         if master.master_scale(p) is not None and self.fp8_grads:  # adopted, now or by an earlier optimizer
@@ -246,6 +246,7 @@ class FP8AdamW(torch.optim.Optimizer):
         The amax (of ``grad * grad_scale_inv``) is known for FP8 gradients, measured for the high-precision
         gradient of a low-precision weight (the one-pass scale bounds need it), else ``None``.
         """
+        shards.reduce_partial_grad_(p)  # no-op unless a tensor-parallel gradient is a partial sum
         grad = p.grad  # a Python property: read once (this runs per parameter and step)
         if grad is not None and grad.is_sparse:
             raise RuntimeError("FP8AdamW does not support sparse gradients")
@@ -259,13 +260,15 @@ class FP8AdamW(torch.optim.Optimizer):
         if grad is None:
             return None, None, None
         grad = grad if grad.is_contiguous() else grad.contiguous()
-        return grad, None, (ops.amax(_local(grad)) if p in self._low_precision else None)
+        return grad, None, (ops.amax(shards.local(grad)) if p in self._low_precision else None)
 
     def _nonfinite_grads(self) -> torch.Tensor:
         """0-dim: > 0 when a gradient of this step holds inf or NaN (for the gradient scaler; no host sync)."""
         flags: list[torch.Tensor] = [(~torch.isfinite(e.amax)).float().reshape(1) for e in self._pending.values()]
-        dense = [_local(p.grad) for g in self.param_groups for p in g["params"]
-                 if p.grad is not None and not p.grad.is_sparse]  # fmt: skip
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+        for p in params:
+            shards.reduce_partial_grad_(p)
+        dense = [shards.local(p.grad) for p in params]
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for grad in dense:
             by_device[grad.device].append(grad)
@@ -347,9 +350,9 @@ class FP8AdamW(torch.optim.Optimizer):
             state["master_scale"] = master.master_scale(p)
             state["master_amax"] = getattr(p, master.AMAX_ATTR)
         else:  # the master is kept apart from the parameter (this rank's shard of it)
-            local = _local(p).detach().float()
+            local = shards.local(p).detach().float()
             checkpoint.store(state, "master", local, self.master_dtype, local.shape, local.device)
-            state["master"] = _like(p, state["master"])
+            state["master"] = shards.like(p, state["master"])
 
     def _launch_item(self, p, state, grad, grad_scale_inv, grad_amax) -> tuple:
         """The kernel's tensors for ``p``, then the dtypes that decide which launch takes them."""
@@ -362,10 +365,10 @@ class FP8AdamW(torch.optim.Optimizer):
             amaxes = (state["master_amax"], state["exp_avg_amax"], state["exp_avg_sq_amax"])
         else:
             scales = amaxes = None
-        if _is_dtensor(p):  # FSDP2: the kernel works on this rank's shards
-            target = _local(target.detach())
-            grad, exp_avg, exp_avg_sq = _local(grad), _local(exp_avg), _local(exp_avg_sq)
-            copy = _local(copy.detach()) if copy is not None else None
+        if shards.is_dtensor(p):  # FSDP2: the kernel works on this rank's shards
+            target = shards.local(target.detach())
+            grad, exp_avg, exp_avg_sq = shards.local(grad), shards.local(exp_avg), shards.local(exp_avg_sq)
+            copy = shards.local(copy.detach()) if copy is not None else None
         dtypes = (target.dtype, grad.dtype, exp_avg.dtype, exp_avg_sq.dtype,
                   grad_scale_inv is not None, copy.dtype if copy is not None else None)  # fmt: skip
         return target, grad, exp_avg, exp_avg_sq, grad_scale_inv, copy, scales, amaxes, grad_amax, dtypes
@@ -456,30 +459,3 @@ def _advance_steps(steps: list[torch.Tensor]) -> list[int]:
         for s in steps:
             s += 1
     return [int(s.item()) for s in steps]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # FSDP2 and tensor-parallel parameters and their states are DTensors: the kernel works on this rank's shard.
-    if not _is_dtensor(t):
-        return t
-    if any(placement.is_partial() for placement in t.placements):
-        # The gradient of a replicated parameter fed by sharded activations (a norm or row-parallel bias under
-        # sequence parallelism) arrives as per-rank partial sums: reduce it (one all-reduce), as torch's optimizers
-        # do through DTensor, or each rank would step with its own part and the replicas would drift apart.
-        from torch.distributed.tensor import Replicate
-
-        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
-    return t.to_local()
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's shard) as a tensor sharded like ``p``."""
-    if not _is_dtensor(p):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

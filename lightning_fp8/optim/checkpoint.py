@@ -18,7 +18,7 @@ import torch
 
 from lightning_fp8 import ops
 from lightning_fp8.kernels.reference import SCALED_STATE_MAX
-from lightning_fp8.optim import master
+from lightning_fp8.optim import master, shards
 from lightning_fp8.scaling import compute_scale
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def shard_scalars(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
     """
     packed = dict(state_dict["state"])
     for index, p in enumerate(_param_order(opt)):
-        if index in packed and _is_dtensor(p):
+        if index in packed and shards.is_dtensor(p):
             packed[index] = {
                 key: _per_shard(value, p) if _is_shard_scalar(key, value) else value
                 for key, value in packed[index].items()
@@ -83,10 +83,6 @@ def shard_scalars(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _is_shard_scalar(key: str, value: Any) -> bool:
     return key.endswith(("_scale", "_amax")) and isinstance(value, torch.Tensor) and value.dim() == 0
-
-
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
 def _per_shard(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -101,7 +97,7 @@ def _per_shard(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def _local_scalars(saved: dict[str, Any]) -> dict[str, Any]:
     """``saved`` with per-shard scalars (see :func:`shard_scalars`) back as this rank's 0-dim tensors."""
     return {
-        key: value.to_local().reshape(()) if key.endswith(("_scale", "_amax")) and _is_dtensor(value) else value
+        key: value.to_local().reshape(()) if key.endswith(("_scale", "_amax")) and shards.is_dtensor(value) else value
         for key, value in saved.items()
     }
 
