@@ -40,7 +40,7 @@ from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
-from lightning_fp8.kernels.comm import BlockTable, block_table
+from lightning_fp8.kernels.comm_table import BlockTable, block_table
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
 from lightning_fp8.warnings import warn_once

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_fp8.kernels.comm import ALIGN, BLOCK, BlockTable, block_table
+from lightning_fp8.kernels.comm_table import ALIGN, BLOCK, BlockTable, block_table
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The elementwise kernels of FP8 communication: the pure-PyTorch references and the dispatch to Triton.
 
-Every function takes a block table (:class:`lightning_fp8.kernels.comm.BlockTable`: rows ``(src, dst, length,
+Every function takes a block table (:class:`lightning_fp8.kernels.comm_table.BlockTable`: rows ``(src, dst, length,
 value, out)``) and per-segment amaxes, and has the signature and the results, bit for bit, of its Triton kernel in
 ``kernels/comm.py`` (its docstring has the math). These references expand the table to one index per element, so
 they are for CPU runs and tests; on CUDA the collectives use the Triton kernels (:func:`segment_kernels`).
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from lightning_fp8.formats import fp8_max
-from lightning_fp8.kernels.comm import BlockTable
+from lightning_fp8.kernels.comm_table import BlockTable
 from lightning_fp8.scaling import compute_scale
 
 _NAMES = ("segment_amax", "quantize", "dequantize", "rows_amax", "rows_quantize", "rows_sum")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning_fp8.kernels.comm import block_table
+from lightning_fp8.kernels.comm_table import block_table
 from lightning_fp8.kernels.reference import cast_to_fp8_ref
 
 from lightning_fp8.distributed.quantize import segment_kernels

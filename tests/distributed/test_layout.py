@@ -55,7 +55,7 @@ def test_portable_all_reduce_plan_tables():
 
 
 def test_block_table_splits_ragged_edges_from_aligned_tiles():
-    from lightning_fp8.kernels.comm import block_table
+    from lightning_fp8.kernels.comm_table import block_table
 
     # segment 0: head 3 (to 16), body 32, tail 5; segment 1: src and dst disagree modulo 16: unaligned tiles only
     table = block_table([13, 100], [29, 7], [40, 20], [0, 1], block=16)
