@@ -93,11 +93,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        # (B, T, 3C) -> three (B, heads, T, C/heads)
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        # (B, T, 3C) -> three (B, heads, T, C/heads). The heads are the outer part of qkv's output features (each
+        # head's q, k, v side by side, as in Megatron), so a tensor-parallel shard of qkv holds whole heads: the
+        # number of heads here is the local one, from the width of qkv's output.
+        q, k, v = self.qkv(x).view(B, T, -1, 3, C // self.heads).permute(3, 0, 2, 1, 4)
         # Attention itself stays in high precision: only the linear layers run in FP8 (as in FP8-LM).
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

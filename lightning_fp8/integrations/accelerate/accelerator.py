@@ -6,7 +6,8 @@ comes from the launch (``lightning-fp8 launch``, or ``LIGHTNING_FP8_RECIPE``, se
 - ``prepare(model, ...)`` converts the model's linear layers to FP8 (:func:`~lightning_fp8.convert_to_fp8`),
   replaces ``AdamW``/``Adam`` by :class:`~lightning_fp8.FP8AdamW` (hyper-parameters and param groups kept,
   LR schedulers rebound), installs the FP8 gradient all-reduce hook on DDP models and the FP8 all-gather /
-  reduce-scatter on FSDP2 models;
+  reduce-scatter on FSDP2 models; with Accelerate's tensor parallelism (``ParallelismConfig(tp_size=N)``) it
+  shards the model with lightning_fp8's Megatron-style plan first (:mod:`.tensor_parallel`);
 - ``backward`` multiplies the loss by the gradient scale mu (:class:`~lightning_fp8.FP8GradScaler`); the
   prepared optimizer's ``step`` skips the update on every rank when a gradient was non-finite, and Accelerate's
   scheduler wrapper then does not advance; ``accumulate`` works as in Accelerate;
@@ -30,7 +31,7 @@ from typing_extensions import override
 
 from lightning_fp8.convert import fp8_modules
 from lightning_fp8.health import HealthMonitor
-from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel
+from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel, tensor_parallel
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import fp8_log_values
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
@@ -75,6 +76,7 @@ class Accelerator(accelerate.Accelerator):
     ) -> None:
         # Validate the launch first: a bad recipe name should fail before any process group is created.
         self.fp8_lm_config = resolve_launch_config(fp8_lm_recipe)
+        tensor_parallel.check_launch(kwargs.get("parallelism_config"))
         super().__init__(*args, **kwargs)
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None
@@ -86,6 +88,7 @@ class Accelerator(accelerate.Accelerator):
         self._fp8_swapped: dict[int, torch.optim.Optimizer] = {}
         self._fp8_wrapped: set[int] = set()
         self._fp8_steps = 0
+        self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
         if self.fp8_lm_config is None:
@@ -125,6 +128,12 @@ class Accelerator(accelerate.Accelerator):
             )
         if self.distributed_type == DistributedType.FSDP and not self.is_fsdp2:
             raise ValueError("FP8-LM under Accelerate supports FSDP2 only: set `fsdp_version: 2` in the fsdp_config")
+        if self._fp8_tp_enabled:
+            tensor_parallel.check_fsdp2_combination(self.is_fsdp2)
+
+    @property
+    def _fp8_tp_enabled(self) -> bool:
+        return bool(self.parallelism_config and self.parallelism_config.tp_enabled)
 
     # ------------------------------------------------------------------------------------------------ prepare
     @override
@@ -134,6 +143,13 @@ class Accelerator(accelerate.Accelerator):
         # Convert before Accelerate wraps (DDP) or shards (FSDP2) the model; FP8Linear shares nn.Linear's
         # parameters, so the optimizer built on them stays valid.
         args = tuple(self._fp8_convert(obj) if isinstance(obj, nn.Module) else obj for obj in args)
+        if self._fp8_tp_enabled:
+            for obj in args:
+                if isinstance(obj, nn.Module):
+                    self._fp8_shard(obj)
+            for obj in args:
+                if _fresh_optimizer(obj):
+                    tensor_parallel.remap_optimizer(obj, self._fp8_tp_mapping)
         if not self.is_fsdp2:
             # FP8AdamW (O2) takes over the FP8 weights' storage as its fp16 master: that has to happen before
             # DDP builds its gradient buckets. Under FSDP2 it happens after sharding (_fp8_swap_after_sharding).
@@ -153,6 +169,8 @@ class Accelerator(accelerate.Accelerator):
         if self.fp8_lm_config is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         model = self._fp8_convert(model)
+        if self._fp8_tp_enabled:
+            self._fp8_shard(model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if not evaluation_mode:
             self._fp8_after_wrap(prepared)
@@ -168,6 +186,8 @@ class Accelerator(accelerate.Accelerator):
                 "param groups of a single AdamW"
             )
         if not self.is_fsdp2:
+            if self._fp8_tp_enabled:  # built on the unsharded parameters of a model prepared on its own before
+                tensor_parallel.remap_optimizer(optimizer, self._fp8_tp_mapping)
             optimizer = self._fp8_swap(optimizer)  # a no-op when prepare() swapped it already
         elif isinstance(optimizer, FP8AdamW):
             raise ValueError(
@@ -176,6 +196,7 @@ class Accelerator(accelerate.Accelerator):
             )
         device_placement = self.device_placement if device_placement is None else device_placement
         prepared = FP8AcceleratedOptimizer(optimizer, device_placement, self._fp8_scaler(), self._fp8_on_step)
+        prepared.sharded_states = self._fp8_tp_enabled
         self._optimizers.append(prepared)
         self._fp8_optimizer = prepared
         return prepared
@@ -198,6 +219,27 @@ class Accelerator(accelerate.Accelerator):
             f"precision {report['high_precision_linears']}"
         )
         return model
+
+    def _fp8_shard(self, model: nn.Module) -> None:
+        """Accelerate's tensor parallelism: shard ``model`` with the launch's plan (unless the script did)."""
+        # Checkpoints hold full weights: loading one cuts each rank's shards out of it.
+        model.register_load_state_dict_pre_hook(tensor_parallel.load_full_state_dict)
+        if tensor_parallel.is_sharded(model):
+            model.tp_size = getattr(model, "tp_size", None) or self.parallelism_config.tp_size
+            return
+        settings = self.fp8_lm_config.tensor_parallel
+        if settings is None:
+            raise ValueError(
+                "tensor parallelism is on (tp_size > 1) and the tensor-parallel plan is 'none', but the model passed "
+                "to prepare() is not sharded: shard it in the script (lightning_fp8.distributed.tensor_parallel."
+                "apply_fp8_tensor_parallel on accelerator.torch_device_mesh['tp']) or choose a plan ('gpt', 'llama')"
+            )
+        plan, sequence_parallel = settings
+        self._fp8_tp_mapping.update(
+            tensor_parallel.shard_model(model, self.torch_device_mesh["tp"], plan, sequence_parallel)
+        )
+        self.fp8_report["tensor_parallel"] = tensor_parallel.report(model, plan, sequence_parallel)
+        self._fp8_info(f"lightning_fp8: tensor parallelism: {self.fp8_report['tensor_parallel']}")
 
     def _fp8_scaler(self) -> Any:
         if self.fp8_grad_scaler is None:  # created at the first prepare that needs it, after the model's conversion
@@ -260,7 +302,9 @@ class Accelerator(accelerate.Accelerator):
         # FP8AdamW derives each FP8 weight's master scale from the weight itself. DDP would broadcast rank 0's
         # weights only later, so a rank initialized differently would keep a scale that does not match them.
         # Under FSDP2 the optimizer is built on the shards, after fully_shard; it keeps its masters apart.
-        if self.num_processes > 1 and torch.distributed.is_initialized() and not self.is_fsdp2:
+        # Under tensor parallelism they were made equal before sharding (tensor_parallel.shard_model).
+        distributed = self.num_processes > 1 and torch.distributed.is_initialized()
+        if distributed and not self.is_fsdp2 and not self._fp8_tp_enabled:
             for model in self._fp8_models:
                 parallel.broadcast_parameters(model)
 
@@ -295,7 +339,7 @@ class Accelerator(accelerate.Accelerator):
         result = super().free_memory(*objects)
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
-        self._fp8_models, self._fp8_swapped, self._fp8_wrapped = [], {}, set()
+        self._fp8_models, self._fp8_swapped, self._fp8_wrapped, self._fp8_tp_mapping = [], {}, set(), {}
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps = [], None, 0
         if self.fp8_lm_config is not None:
             self.fp8_health = HealthMonitor()
@@ -321,7 +365,7 @@ class Accelerator(accelerate.Accelerator):
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         mu = float(self.fp8_grad_scaler.scale)
-        if self.is_fsdp2:  # sharded DTensor gradients: Accelerate's mesh-aware clipping, on the scaled gradients
+        if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
             total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
             total = total / mu
@@ -379,6 +423,31 @@ class Accelerator(accelerate.Accelerator):
         super().log(values, step=step, log_kwargs=log_kwargs)
 
     # ----------------------------------------------------------------------------------------- checkpoints
+    @override
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """Accelerate's, with tensor-parallel (DTensor) weights gathered: the full model, as ``save_model`` and
+        ``save_state`` write it (a collective under tensor parallelism: call it on every rank)."""
+        state_dict = super().get_state_dict(model, unwrap=unwrap)
+        if self.fp8_lm_config is not None and self._fp8_tp_enabled:
+            state_dict = tensor_parallel.full_state_dict(state_dict)
+        return state_dict
+
+    @override
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        if self.fp8_lm_config is not None and self._fp8_tp_enabled:
+            # Under tensor parallelism the model file holds the full weights; safetensors' loader inspects the
+            # storage of every parameter of the model, which a DTensor has none of: torch.save them instead.
+            safe_serialization = False
+        return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+
+    def _fp8_sharded_checkpoint(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        if len(self._fp8_models) != 1:
+            raise ValueError(
+                f"accelerator.save_state/load_state under tensor parallelism: {len(self._fp8_models)} models were "
+                "prepared; lightning_fp8 checkpoints one tensor-parallel model (with its optimizer)"
+            )
+        return self._fp8_models[0], self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
+
     def _fp8_save_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
         state = checkpoint.build_state(
             self.fp8_lm_config.recipe,
@@ -389,8 +458,12 @@ class Accelerator(accelerate.Accelerator):
             self._fp8_steps,
         )
         checkpoint.save(output_dir, self.process_index, state)
+        if self._fp8_tp_enabled:
+            tensor_parallel.save_sharded(checkpoint.rank_file(output_dir, 0).parent, *self._fp8_sharded_checkpoint())
 
     def _fp8_load_hook(self, models: list[nn.Module], input_dir: str) -> None:
+        if self._fp8_tp_enabled:
+            tensor_parallel.load_sharded(checkpoint.rank_file(input_dir, 0).parent, *self._fp8_sharded_checkpoint())
         state = checkpoint.load(input_dir, self.process_index, self.num_processes)
         if state is None:
             return

@@ -2,7 +2,8 @@
 
 ::
 
-    lightning-fp8 launch [--fp8-recipe NAME] [--fp8-exclude PATTERNS] [accelerate launch options] train.py [args]
+    lightning-fp8 launch [--fp8-recipe NAME] [--fp8-exclude PATTERNS] [--fp8-tp-plan PLAN] [accelerate launch options]
+                         train.py [args]
     lightning-fp8 recipes
 
 ``launch`` parses its arguments with Accelerate's own ``accelerate launch`` parser (so every Accelerate option
@@ -12,7 +13,8 @@ works and means what it means there) plus two options of ours, then:
    hands Accelerate a copy without it;
 2. resolves the FP8 settings: flags, else the config section, else ``LIGHTNING_FP8_RECIPE`` already in the
    environment, else the ``fp8-lm`` recipe; a bad recipe name stops here with the list of valid names;
-3. exports them as ``LIGHTNING_FP8_RECIPE`` / ``LIGHTNING_FP8_EXCLUDE`` and runs ``accelerate launch``.
+3. exports them as ``LIGHTNING_FP8_RECIPE`` / ``LIGHTNING_FP8_EXCLUDE`` / ``LIGHTNING_FP8_TP_PLAN`` and runs
+   ``accelerate launch``.
 
 One deliberate difference: on CPU with more than one process and no ``mpirun`` hostfile, ``accelerate launch``
 runs a single process (its CPU multi-process path needs MPI). ``lightning-fp8 launch`` starts the processes with
@@ -36,14 +38,17 @@ from lightning_fp8.integrations.accelerate.config import (
     CONFIG_KEY,
     ENV_EXCLUDE,
     ENV_RECIPE,
+    ENV_TP_PLAN,
     OFF,
+    TP_PLANS,
     FP8LaunchConfig,
     check_recipe_name,
+    check_tp_plan,
 )
 from lightning_fp8.recipe import FP8Recipe
 
-USAGE = """usage: lightning-fp8 launch [--fp8-recipe NAME] [--fp8-exclude PATTERNS] [accelerate launch options]
-                            training_script [script args]
+USAGE = """usage: lightning-fp8 launch [--fp8-recipe NAME] [--fp8-exclude PATTERNS] [--fp8-tp-plan PLAN]
+                            [accelerate launch options] training_script [script args]
        lightning-fp8 recipes
 
   launch   `accelerate launch` with FP8-LM on (see `lightning-fp8 launch --help`)
@@ -56,6 +61,8 @@ FP8_OPTIONS = f"""lightning-fp8 launch options (FP8-LM; docs/accelerate.md):
                            of the config file (default: the config section, else ${ENV_RECIPE}, else fp8-lm)
   --fp8-exclude PATTERNS   comma-separated module name patterns kept in high precision (e.g. lm_head);
                            overrides `{CONFIG_KEY}.exclude_modules`
+  --fp8-tp-plan PLAN       with --parallelism_config_tp_size N > 1: one of {list(TP_PLANS)} (default gpt;
+                           'none': the script shards the model); overrides `{CONFIG_KEY}.tp_plan`
 """
 
 
@@ -98,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
         help="Comma-separated module name patterns kept in high precision (e.g. 'lm_head'). Overrides the config "
         f"file's `{CONFIG_KEY}.exclude_modules`.",
     )
+    group.add_argument(
+        "--fp8-tp-plan",
+        "--fp8_tp_plan",
+        dest="lightning_fp8_tp_plan",
+        default=None,
+        help=f"Tensor-parallel plan applied with --parallelism_config_tp_size > 1: one of {list(TP_PLANS)}. "
+        f"Overrides the config file's `{CONFIG_KEY}.tp_plan`.",
+    )
     return parser
 
 
@@ -112,6 +127,7 @@ def launch(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     recipe_flag = vars(args).pop("lightning_fp8_recipe")
     exclude_flag = vars(args).pop("lightning_fp8_exclude")
+    tp_plan_flag = vars(args).pop("lightning_fp8_tp_plan")
     # Accelerate reads its default config file unless --cpu is given; mirror that to find our section.
     config_path = args.config_file
     if config_path is None and os.path.isfile(default_config_file) and not args.cpu:
@@ -120,7 +136,7 @@ def launch(argv: list[str]) -> int:
     config = _read_config(config_path) if config_path and os.path.isfile(config_path) else {}
     section = config.pop(CONFIG_KEY, None)
     try:
-        settings = _resolve(section, recipe_flag, exclude_flag, config_path)
+        settings = _resolve(section, recipe_flag, exclude_flag, config_path, tp_plan_flag)
     except ValueError as err:
         print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
         return 2
@@ -153,7 +169,13 @@ def _write_config(config: dict[str, Any], path: Path) -> str:
     return str(path)
 
 
-def _resolve(section: object, recipe_flag: str | None, exclude_flag: str | None, path: str | None) -> dict[str, str]:
+def _resolve(
+    section: object,
+    recipe_flag: str | None,
+    exclude_flag: str | None,
+    path: str | None,
+    tp_plan_flag: str | None = None,
+) -> dict[str, str]:
     """The environment for the training processes: flags > config section > environment > ``fp8-lm``.
 
     Raises:
@@ -161,10 +183,14 @@ def _resolve(section: object, recipe_flag: str | None, exclude_flag: str | None,
     """
     if recipe_flag is not None:
         check_recipe_name(recipe_flag, "--fp8-recipe")
+    if tp_plan_flag is not None:
+        check_tp_plan(tp_plan_flag, "--fp8-tp-plan")
     if section is None and recipe_flag is None and os.environ.get(ENV_RECIPE):
         # Set in the shell: validate it as the training processes will, then pass it on.
         exclude = exclude_flag if exclude_flag is not None else os.environ.get(ENV_EXCLUDE, "")
-        settings = FP8LaunchConfig.from_env({ENV_RECIPE: os.environ[ENV_RECIPE], ENV_EXCLUDE: exclude})
+        tp_plan = tp_plan_flag if tp_plan_flag is not None else os.environ.get(ENV_TP_PLAN, "")
+        env = {ENV_RECIPE: os.environ[ENV_RECIPE], ENV_EXCLUDE: exclude, ENV_TP_PLAN: tp_plan}
+        settings = FP8LaunchConfig.from_env(env)
     else:
         source = f"{CONFIG_KEY} (in {path})" if section is not None else CONFIG_KEY
         if section is None:
@@ -177,6 +203,8 @@ def _resolve(section: object, recipe_flag: str | None, exclude_flag: str | None,
                 section["recipe"] = recipe_flag
             if exclude_flag is not None:
                 section["exclude_modules"] = exclude_flag
+            if tp_plan_flag is not None:
+                section["tp_plan"] = tp_plan_flag
         settings = FP8LaunchConfig.from_section(section, source)
     return settings.to_env() if settings is not None else {ENV_RECIPE: OFF, ENV_EXCLUDE: ""}
 

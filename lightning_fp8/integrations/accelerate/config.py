@@ -15,6 +15,9 @@ and FP8 backend values, so FP8-LM never travels through them. Instead:
                            the base recipe: ``{"name": "fp8-lm", "margin": 1}``
 ``LIGHTNING_FP8_EXCLUDE``  comma-separated module name patterns (``fnmatch``) kept in high precision, matched
                            against each linear layer's qualified name and its last component: ``lm_head``
+``LIGHTNING_FP8_TP_PLAN``  with Accelerate's tensor parallelism (``ParallelismConfig(tp_size=N)``): the plan the
+                           Accelerator applies (``gpt``, the default; ``llama``; ``gpt-no-sp`` / ``llama-no-sp``
+                           without sequence parallelism), or ``none`` when the script parallelizes the model itself
 =========================  =================================================================================
 """
 
@@ -35,10 +38,12 @@ from lightning_fp8.warnings import warn_once
 CONFIG_KEY = "lightning_fp8"
 ENV_RECIPE = "LIGHTNING_FP8_RECIPE"
 ENV_EXCLUDE = "LIGHTNING_FP8_EXCLUDE"
+ENV_TP_PLAN = "LIGHTNING_FP8_TP_PLAN"
 OFF = "none"
+TP_PLANS = ("gpt", "llama", "gpt-no-sp", "llama-no-sp", OFF)
 
 _RECIPE_FIELDS = tuple(f.name for f in fields(FP8Recipe))
-_SECTION_KEYS = ("recipe", "exclude_modules", *_RECIPE_FIELDS)
+_SECTION_KEYS = ("recipe", "exclude_modules", "tp_plan", *_RECIPE_FIELDS)
 
 
 def check_recipe_name(name: object, source: str) -> None:
@@ -48,6 +53,19 @@ def check_recipe_name(name: object, source: str) -> None:
             f"{source}={name!r} is not a known FP8 recipe: choose one of {FP8Recipe.names()} "
             f"(or {OFF!r} to turn FP8-LM off)"
         )
+
+
+def check_tp_plan(plan: object, source: str) -> None:
+    """Raise a ``ValueError`` naming ``source`` unless ``plan`` is one of :data:`TP_PLANS`."""
+    if plan not in TP_PLANS:
+        raise ValueError(f"{source}={plan!r} is not a tensor-parallel plan: choose one of {list(TP_PLANS)}")
+
+
+def tp_plan_from_env(environ: Mapping[str, str]) -> str:
+    """:data:`ENV_TP_PLAN` from ``environ`` (default ``gpt``), validated."""
+    plan = environ.get(ENV_TP_PLAN, "").strip() or "gpt"
+    check_tp_plan(plan, ENV_TP_PLAN)
+    return plan
 
 
 def _named_recipe(name: object, source: str) -> FP8Recipe:
@@ -67,21 +85,35 @@ def _exclude_tuple(value: object, source: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class FP8LaunchConfig:
-    """What the launch asked for: the recipe and the linear layers kept in high precision.
+    """What the launch asked for: the recipe, the linear layers kept in high precision, the tensor-parallel plan.
 
     Args:
         recipe: the :class:`~lightning_fp8.FP8Recipe` every process converts its model with.
         exclude_modules: ``fnmatch`` patterns; a linear layer whose qualified name (``blocks.0.mlp.fc``) or last
             name component (``fc``) matches one stays ``nn.Linear``.
+        tp_plan: used only with Accelerate's tensor parallelism (``tp_size > 1``): one of :data:`TP_PLANS`, the
+            Megatron-style plan that :func:`~lightning_fp8.distributed.tensor_parallel.apply_fp8_tensor_parallel`
+            applies (``gpt``, ``llama``; ``-no-sp``: without sequence parallelism), or ``none`` (the script shards
+            the model itself).
     """
 
     recipe: FP8Recipe
     exclude_modules: tuple[str, ...] = ()
+    tp_plan: str = "gpt"
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, FP8Recipe):
             raise TypeError(f"FP8LaunchConfig(recipe=...) must be an FP8Recipe, got {type(self.recipe).__name__}")
         object.__setattr__(self, "exclude_modules", _exclude_tuple(self.exclude_modules, "exclude_modules"))
+        check_tp_plan(self.tp_plan, "tp_plan")
+
+    @property
+    def tensor_parallel(self) -> tuple[str, bool] | None:
+        """``(plan, sequence_parallel)`` for ``apply_fp8_tensor_parallel``; ``None``: the script shards the model."""
+        if self.tp_plan == OFF:
+            return None
+        plan, _, no_sp = self.tp_plan.partition("-")
+        return plan, not no_sp
 
     def module_filter(self, module: nn.Module, fqn: str) -> bool:
         """``convert_to_fp8``'s ``module_filter_fn``: False for layers matched by :attr:`exclude_modules`."""
@@ -120,7 +152,9 @@ class FP8LaunchConfig:
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
         exclude = _exclude_tuple(section.get("exclude_modules", ()), f"{source}.exclude_modules")
-        return cls(recipe=recipe, exclude_modules=exclude)
+        tp_plan = section.get("tp_plan", "gpt")
+        check_tp_plan(tp_plan, f"{source}.tp_plan")
+        return cls(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan)
 
     # --- environment variables ---------------------------------------------------------------------------
 
@@ -129,11 +163,12 @@ class FP8LaunchConfig:
         named = {n: FP8Recipe.from_name(n) for n in FP8Recipe.names()}
         name = next((n for n, r in named.items() if r == self.recipe), None)
         recipe = name if name is not None else json.dumps(self.recipe.to_dict(), sort_keys=True)
-        return {ENV_RECIPE: recipe, ENV_EXCLUDE: ",".join(self.exclude_modules)}
+        return {ENV_RECIPE: recipe, ENV_EXCLUDE: ",".join(self.exclude_modules), ENV_TP_PLAN: self.tp_plan}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FP8LaunchConfig | None:
-        """Read :data:`ENV_RECIPE` and :data:`ENV_EXCLUDE`; ``None`` when the recipe is unset or ``none``.
+        """Read :data:`ENV_RECIPE`, :data:`ENV_EXCLUDE` and :data:`ENV_TP_PLAN`; ``None`` when the recipe is unset
+        or ``none``.
 
         Raises:
             ValueError: on an unknown recipe name, malformed JSON or a bad recipe field.
@@ -146,7 +181,8 @@ class FP8LaunchConfig:
             recipe = _recipe_from_json(value)
         else:
             recipe = _named_recipe(value, ENV_RECIPE)
-        return cls(recipe=recipe, exclude_modules=_exclude_tuple(environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE))
+        exclude = _exclude_tuple(environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
+        return cls(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(environ))
 
 
 def _recipe_from_json(value: str) -> FP8Recipe:
@@ -170,7 +206,8 @@ def _recipe_from_json(value: str) -> FP8Recipe:
 def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | None:
     """This process's FP8 settings: ``recipe`` (from code) if given, else the launch's environment variables.
 
-    ``"none"`` turns FP8-LM off. A recipe from code keeps the launch's ``LIGHTNING_FP8_EXCLUDE`` patterns.
+    ``"none"`` turns FP8-LM off. A recipe from code keeps the launch's ``LIGHTNING_FP8_EXCLUDE`` patterns and
+    ``LIGHTNING_FP8_TP_PLAN``.
 
     Raises:
         ValueError: for an unknown recipe name (in ``recipe`` or the environment).
@@ -183,4 +220,5 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
     recipe = resolve_recipe(recipe)
     if launched is not None and launched.recipe != recipe:
         warn_once(f"Accelerator(fp8_lm_recipe=...) overrides the launch's {ENV_RECIPE}={os.environ[ENV_RECIPE]!r}")
-    return FP8LaunchConfig(recipe=recipe, exclude_modules=launched.exclude_modules if launched else ())
+    exclude = launched.exclude_modules if launched is not None else ()
+    return FP8LaunchConfig(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(os.environ))

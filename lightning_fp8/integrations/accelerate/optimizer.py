@@ -51,6 +51,30 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         super().__init__(optimizer, device_placement=device_placement, scaler=None)
         self.grad_scaler = grad_scaler
         self._on_step = on_step
+        # Tensor parallelism: the states are DTensor shards, saved by the accelerator's checkpoint hooks with
+        # torch.distributed.checkpoint; Accelerate's own optimizer file then holds a placeholder.
+        self.sharded_states = False
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.sharded_states:
+            from lightning_fp8.integrations.accelerate.tensor_parallel import sharded_optimizer_placeholder
+
+            return sharded_optimizer_placeholder(self.optimizer)
+        return super().state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from lightning_fp8.integrations.accelerate.tensor_parallel import is_placeholder
+
+        if is_placeholder(state_dict):
+            if not self.sharded_states:
+                raise ValueError(
+                    "this optimizer checkpoint was saved by a tensor-parallel run (its states are sharded in "
+                    "<checkpoint>/lightning_fp8/tensor_parallel): load it with the same tensor-parallel launch"
+                )
+            return  # the accelerator's load hook restored the states already
+        super().load_state_dict(state_dict)
 
     @override
     def step(self, closure: Callable[[], Any] | None = None) -> None:

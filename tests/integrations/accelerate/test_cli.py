@@ -8,13 +8,13 @@ import yaml
 
 from lightning_fp8 import FP8Recipe
 from lightning_fp8.integrations.accelerate import cli
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
+    for name in (ENV_RECIPE, ENV_EXCLUDE, ENV_TP_PLAN):
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_recipes_lists_every_name_with_its_fields(capsys):
@@ -31,12 +31,20 @@ def test_unknown_command_and_usage(capsys):
 
 
 def test_precedence_flags_then_section_then_environment_then_default(monkeypatch):
-    section = {"recipe": "fp8-lm-o1", "exclude_modules": ["lm_head"]}
-    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: ""}
+    section = {"recipe": "fp8-lm-o1", "exclude_modules": ["lm_head"], "tp_plan": "llama"}
+    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "", ENV_TP_PLAN: "gpt"}
     monkeypatch.setenv(ENV_RECIPE, "fp8-lm-current")
-    assert cli._resolve(None, None, None, None)[ENV_RECIPE] == "fp8-lm-current"
-    assert cli._resolve(section, None, None, "c.yaml") == {ENV_RECIPE: "fp8-lm-o1", ENV_EXCLUDE: "lm_head"}
-    assert cli._resolve(section, "fp8-lm-e4m3", "a,b", "c.yaml") == {ENV_RECIPE: "fp8-lm-e4m3", ENV_EXCLUDE: "a,b"}
+    monkeypatch.setenv(ENV_TP_PLAN, "gpt-no-sp")
+    assert cli._resolve(None, None, None, None) == {
+        ENV_RECIPE: "fp8-lm-current",
+        ENV_EXCLUDE: "",
+        ENV_TP_PLAN: "gpt-no-sp",
+    }
+    assert cli._resolve(None, None, None, None, "none")[ENV_TP_PLAN] == "none"
+    expected = {ENV_RECIPE: "fp8-lm-o1", ENV_EXCLUDE: "lm_head", ENV_TP_PLAN: "llama"}
+    assert cli._resolve(section, None, None, "c.yaml") == expected
+    expected = {ENV_RECIPE: "fp8-lm-e4m3", ENV_EXCLUDE: "a,b", ENV_TP_PLAN: "gpt"}
+    assert cli._resolve(section, "fp8-lm-e4m3", "a,b", "c.yaml", "gpt") == expected
     assert cli._resolve(section, "none", None, "c.yaml")[ENV_RECIPE] == "none"
     custom = cli._resolve({"recipe": "fp8-lm", "margin": 2}, None, None, "c.yaml")[ENV_RECIPE]
     assert FP8Recipe.from_dict(json.loads(custom)) == FP8Recipe(margin=2)
@@ -58,6 +66,8 @@ def _write(path, data):
         ),
         ({"recipe": "fp8-lm", "recipie": "x"}, [], r"unknown key\(s\) \['recipie'\]: allowed keys are"),
         (None, ["--fp8-recipe", "e4m3"], r"--fp8-recipe='e4m3' is not a known FP8 recipe: choose one of"),
+        ({"tp_plan": "megatron"}, [], r"tp_plan='megatron' is not a tensor-parallel plan: choose one of \['gpt'"),
+        (None, ["--fp8-tp-plan", "row"], r"--fp8-tp-plan='row' is not a tensor-parallel plan: choose one of"),
     ],
 )
 def test_bad_settings_fail_before_launching(tmp_path, capsys, section, flags, expected):

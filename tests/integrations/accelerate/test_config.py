@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from lightning_fp8 import FP8Recipe
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, FP8LaunchConfig
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN, FP8LaunchConfig
 
 
 def test_section_with_name_overrides_and_excludes_round_trips_through_env():
@@ -22,7 +22,7 @@ def test_section_with_name_overrides_and_excludes_round_trips_through_env():
 def test_named_recipe_travels_by_name_and_string_shorthand():
     cfg = FP8LaunchConfig.from_section("fp8-lm-current")
     assert cfg.recipe == FP8Recipe.from_name("fp8-lm-current")
-    assert cfg.to_env() == {ENV_RECIPE: "fp8-lm-current", ENV_EXCLUDE: ""}
+    assert cfg.to_env() == {ENV_RECIPE: "fp8-lm-current", ENV_EXCLUDE: "", ENV_TP_PLAN: "gpt"}
     assert FP8LaunchConfig.from_section({}).recipe == FP8Recipe()  # the default recipe is fp8-lm
 
 
@@ -41,6 +41,7 @@ def test_none_turns_fp8_off(off):
         ({"recipe": "fp8-lm", "scaling": "dynamic"}, r"FP8Recipe\(scaling='dynamic'\) is not supported.*delayed"),
         ({"exclude_modules": 3}, r"exclude_modules=3 must be a list of module name patterns"),
         ([1, 2], r"must be a recipe name or a mapping"),
+        ({"tp_plan": "megatron"}, r"lightning_fp8\.tp_plan='megatron' is not a tensor-parallel plan: choose one"),
     ],
 )
 def test_bad_sections_say_what_is_allowed(section, match):
@@ -60,6 +61,18 @@ def test_bad_sections_say_what_is_allowed(section, match):
 def test_bad_environment_values(value, match):
     with pytest.raises(ValueError, match=match):
         FP8LaunchConfig.from_env({ENV_RECIPE: value})
+
+
+@pytest.mark.parametrize(
+    ("plan", "expected"),
+    [("", ("gpt", True)), ("llama", ("llama", True)), ("gpt-no-sp", ("gpt", False)), ("none", None)],
+)
+def test_tensor_parallel_plan_from_the_launch(plan, expected):
+    cfg = FP8LaunchConfig.from_env({ENV_RECIPE: "fp8-lm", ENV_TP_PLAN: plan})
+    assert cfg.tensor_parallel == expected
+    assert FP8LaunchConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ValueError, match=r"LIGHTNING_FP8_TP_PLAN='rows' is not a tensor-parallel plan"):
+        FP8LaunchConfig.from_env({ENV_RECIPE: "fp8-lm", ENV_TP_PLAN: "rows"})
 
 
 def test_json_environment_recipe_starts_from_its_named_base():
