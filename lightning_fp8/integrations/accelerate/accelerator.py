@@ -31,9 +31,10 @@ from typing_extensions import override
 
 from lightning_fp8.convert import fp8_modules
 from lightning_fp8.health import HealthMonitor
-from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel, tensor_parallel
+from lightning_fp8.integrations.accelerate import conversion, parallel, tensor_parallel
+from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
-from lightning_fp8.integrations.accelerate.metrics import fp8_log_values
+from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
 from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
@@ -48,7 +49,7 @@ def _fresh_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) and not getattr(obj, "_is_accelerate_prepared", False)
 
 
-class Accelerator(accelerate.Accelerator):
+class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     """``accelerate.Accelerator`` that trains with FP8-LM when the launch asks for it.
 
     All of Accelerate's arguments are accepted and mean the same. Without an FP8 recipe from the launch (or
@@ -395,78 +396,3 @@ class Accelerator(accelerate.Accelerator):
             if self.is_main_process:
                 logger.warning(f"lightning_fp8 health: {event.message}")
         self._fp8_loss, self._fp8_grad_norm = [], None
-
-    # ---------------------------------------------------------------------------------------------- logging
-    def fp8_log_values(self, layers: bool = False) -> dict[str, float | int]:
-        """The FP8 and health statistics as flat ``{name: number}`` (names in :mod:`.metrics`); ``{}`` when off."""
-        if self.fp8_lm_config is None or not self._fp8_models:
-            return {}
-        inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
-        return fp8_log_values(self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers)
-
-    def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:
-        """Log the FP8 and health statistics to the trackers (main process) and return them.
-
-        Args:
-            step: the step to log at (as ``accelerator.log``).
-            layers: also log per-layer scales, amaxes and saturation (many values for a large model).
-        """
-        values = self.fp8_log_values(layers=layers)
-        if values:
-            super().log(values, step=step)
-        return values
-
-    @override
-    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        if self.fp8_stats_in_log and self.is_main_process:
-            values = {**values, **self.fp8_log_values()}
-        super().log(values, step=step, log_kwargs=log_kwargs)
-
-    # ----------------------------------------------------------------------------------------- checkpoints
-    @override
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        """Accelerate's, with tensor-parallel (DTensor) weights gathered: the full model, as ``save_model`` and
-        ``save_state`` write it (a collective under tensor parallelism: call it on every rank)."""
-        state_dict = super().get_state_dict(model, unwrap=unwrap)
-        if self.fp8_lm_config is not None and self._fp8_tp_enabled:
-            state_dict = tensor_parallel.full_state_dict(state_dict)
-        return state_dict
-
-    @override
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        if self.fp8_lm_config is not None and self._fp8_tp_enabled:
-            # Under tensor parallelism the model file holds the full weights; safetensors' loader inspects the
-            # storage of every parameter of the model, which a DTensor has none of: torch.save them instead.
-            safe_serialization = False
-        return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-
-    def _fp8_sharded_checkpoint(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        if len(self._fp8_models) != 1:
-            raise ValueError(
-                f"accelerator.save_state/load_state under tensor parallelism: {len(self._fp8_models)} models were "
-                "prepared; lightning_fp8 checkpoints one tensor-parallel model (with its optimizer)"
-            )
-        return self._fp8_models[0], self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
-
-    def _fp8_save_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
-        state = checkpoint.build_state(
-            self.fp8_lm_config.recipe,
-            self._fp8_models,
-            self.num_processes,
-            self.fp8_grad_scaler,
-            self.fp8_health,
-            self._fp8_steps,
-        )
-        checkpoint.save(output_dir, self.process_index, state)
-        if self._fp8_tp_enabled:
-            tensor_parallel.save_sharded(checkpoint.rank_file(output_dir, 0).parent, *self._fp8_sharded_checkpoint())
-
-    def _fp8_load_hook(self, models: list[nn.Module], input_dir: str) -> None:
-        if self._fp8_tp_enabled:
-            tensor_parallel.load_sharded(checkpoint.rank_file(input_dir, 0).parent, *self._fp8_sharded_checkpoint())
-        state = checkpoint.load(input_dir, self.process_index, self.num_processes)
-        if state is None:
-            return
-        recipe = self.fp8_lm_config.recipe
-        checkpoint.restore(state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
-        self._fp8_steps = int(state["optimizer_steps"])

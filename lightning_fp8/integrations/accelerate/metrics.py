@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_fp8.stats import fp8_stats
 
@@ -66,3 +67,33 @@ def fp8_log_values(
         values.update({f"health/{k}": v for k, v in summary["last"].items()})
         values.update({f"health/events/{k}": v for k, v in summary["events"].items()})
     return values
+
+
+class LoggingMixin:
+    """``accelerator.log`` with the FP8 statistics: a base class of :class:`~lightning_fp8.accelerate.Accelerator`
+    (it uses the accelerator's FP8 attributes); not usable on its own."""
+
+    def fp8_log_values(self, layers: bool = False) -> dict[str, float | int]:
+        """The FP8 and health statistics as flat ``{name: number}`` (names in :mod:`.metrics`); ``{}`` when off."""
+        if self.fp8_lm_config is None or not self._fp8_models:
+            return {}
+        inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
+        return fp8_log_values(self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers)
+
+    def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:
+        """Log the FP8 and health statistics to the trackers (main process) and return them.
+
+        Args:
+            step: the step to log at (as ``accelerator.log``).
+            layers: also log per-layer scales, amaxes and saturation (many values for a large model).
+        """
+        values = self.fp8_log_values(layers=layers)
+        if values:
+            super().log(values, step=step)
+        return values
+
+    @override
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        if self.fp8_stats_in_log and self.is_main_process:
+            values = {**values, **self.fp8_log_values()}
+        super().log(values, step=step, log_kwargs=log_kwargs)
