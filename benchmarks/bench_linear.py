@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, ops
+from lightning_fp8 import linear as fp8_linear
 
 SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]
 TOY_SHAPES = [(64, 64), (64, 128), (128, 64)]
@@ -82,6 +83,13 @@ def bench_shape(tokens, k, n, args, device):
             print(f"  {name} failed for {row['shape']}: {type(err).__name__}: {str(err)[:300]}")
             continue
         row[name] = (t_bf16, t_fp8, flops / t_bf16 / 1e9, flops / t_fp8 / 1e9)
+        if name == "eager":  # the bias gradient the other way (fused into the grad cast, or a separate dy.sum(0))
+            default = fp8_linear.FUSED_BIAS_GRAD
+            fp8_linear.FUSED_BIAS_GRAD = not default
+            t_alt = median_ms(make_step(fp8, x, dy, device), device, grads)
+            fp8_linear.FUSED_BIAS_GRAD = default
+            row["eager, db " + ("unfused" if default else "fused")] = (t_bf16, t_alt, flops / t_bf16 / 1e9,
+                                                                       flops / t_alt / 1e9)  # fmt: skip
     if args.breakdown and device.type == "cuda" and not args.breakdown_done:
         args.breakdown_done = True  # the first shape only: the pieces scale as their sizes do
         breakdown(fp8, x, dy, device)
@@ -106,6 +114,7 @@ def breakdown(fp8, x, dy, device):
         ("weight: ScalingState.quantize (amax, scale, cast+T, record)", lambda: s["weight"].quantize(w, True, True)),
         ("input: ScalingState.quantize (delayed: cast+T, record)", lambda: s["input"].quantize(x, True, False)),
         ("grad: ScalingState.quantize (delayed: cast+T, record)", lambda: s["grad_output"].quantize(dy, True, False)),
+        ("grad: ... + bias grad (fused column sum)", lambda: s["grad_output"].quantize(dy, True, False, None, True)),
         ("  kernel: weight amax", lambda: cast.amax(w)),
         ("  kernel: weight cast+T", lambda: cast.cast_to_fp8(w, one, e4m3, True)),
         ("  kernel: input cast+T", lambda: cast.cast_to_fp8(x, one, e4m3, True)),
@@ -160,15 +169,20 @@ def main():
     for k, n in shapes:
         print(f"  {tokens}x{k}->{n} ...", flush=True)
         rows.append(bench_shape(tokens, k, n, args, device))
-    print(f"\n{'shape':18s} {'mode':8s} {'nn.Linear ms':>12s} {'FP8Linear ms':>12s} {'speed-up':>8s} "
-          f"{'bf16 TFLOP/s':>12s} {'fp8 TFLOP/s':>11s} {'SQNR dB':>8s}")  # fmt: skip
-    for row in rows:
-        for mode in ("eager", "compile"):
-            if mode in row:
-                t_bf16, t_fp8, f_bf16, f_fp8 = row[mode]
-                print(f"{row['shape']:18s} {mode:8s} {t_bf16:12.3f} {t_fp8:12.3f} {t_bf16 / t_fp8:7.2f}x "
-                      f"{f_bf16:12.0f} {f_fp8:11.0f} {row['sqnr']:8.1f}")  # fmt: skip
+        print_table(rows[-1:], partial=True)  # each shape as soon as it is measured: a time limit keeps them
+    print(f"# FP8Linear bias gradient: {'fused into the grad cast' if fp8_linear.FUSED_BIAS_GRAD else 'dy.sum(0)'}")
+    print_table(rows)
 
+
+def print_table(rows, partial=False):
+    if not partial:
+        print(f"\n{'shape':18s} {'mode':16s} {'nn.Linear ms':>12s} {'FP8Linear ms':>12s} {'speed-up':>8s} "
+              f"{'bf16 TFLOP/s':>12s} {'fp8 TFLOP/s':>11s} {'SQNR dB':>8s}")  # fmt: skip
+    for row in rows:
+        for mode in [k for k in row if k.startswith(("eager", "compile"))]:
+            t_bf16, t_fp8, f_bf16, f_fp8 = row[mode]
+            print(f"{'  (so far) ' if partial else ''}{row['shape']:18s} {mode:16s} {t_bf16:12.3f} {t_fp8:12.3f} "
+                  f"{t_bf16 / t_fp8:7.2f}x {f_bf16:12.0f} {f_fp8:11.0f} {row['sqnr']:8.1f}", flush=True)  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -15,11 +15,14 @@ Host: the Python time of one ``step`` for a model of 100 small FP8Linear layers 
     python benchmarks/bench_optim.py                   # GPU: 16 x (8192 x 8192) = 1.07B parameters
     python benchmarks/bench_optim.py --toy             # CPU, tiny sizes: the script runs
     python benchmarks/bench_optim.py --sweep           # also try kernel launch configs and diagnostic variants
+    python benchmarks/bench_optim.py --emit            # only the FP8 weight copy: the step with and without it,
+                                                       # and fwd+bwd of 4 FP8Linear(4096, 4096), 16384 tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import importlib.util
 import inspect
@@ -36,16 +39,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the exactness check runs on CPU
 from lightning_fp8.kernels import adamw as adamw_kernels  # noqa: E402
+from lightning_fp8.kernels import adamw_kernels as adamw_jit  # noqa: E402
 from lightning_fp8.kernels import reference  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_fp8  # noqa: E402
+from lightning_fp8 import weight_cache  # noqa: E402
 from lightning_fp8.formats import E4M3, E5M2  # noqa: E402
+from lightning_fp8.optim import master  # noqa: E402
 
 # Bytes one step reads and writes per parameter (DESIGN.md "Optimization levels").
 BYTES_FP32_ADAMW = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v
 BYTES_O2_TWO_PASS = 2 * (1 + 1 + 2 + 2) + (2 + 1 + 2)  # read g(FP8), m(E4M3), v, w(fp16) twice; write w, m, v
 BYTES_O2_ONE_PASS = (1 + 1 + 2 + 2) + (2 + 1 + 2)
+BYTES_EMIT = 1  # the FP8 weight copy the step writes (emit_fp8_weights=True)
 
 # Around the default (first). Elements per thread = BLOCK / (32 NUM_WARPS): 4 or 8; 16 (the last) goes through shared
 # memory for layout conversions.
@@ -182,15 +189,20 @@ def copy_bandwidth(device: torch.device, numel: int, iters: int) -> float:
 
 
 def variant_module(name: str, edits: list[tuple[str, str]]):
-    """kernels/adamw.py with source edits, imported from a temporary file (Triton reads a kernel's source)."""
-    source = inspect.getsource(adamw_kernels)
+    """kernels/adamw.py with source edits of its kernels (kernels/adamw_kernels.py), one module imported from a
+    temporary file (Triton reads a kernel's source)."""
+    kernels = inspect.getsource(adamw_jit)
     for old, new in edits:
-        if old not in source:
-            raise ValueError(f"variant {name!r}: {old!r} is not in kernels/adamw.py any more")
-        source = source.replace(old, new)
+        if old not in kernels:
+            raise ValueError(f"variant {name!r}: {old!r} is not in kernels/adamw_kernels.py any more")
+        kernels = kernels.replace(old, new)
+    launcher = inspect.getsource(adamw_kernels)
+    for line in ("from __future__ import annotations\n", "from lightning_fp8.kernels.adamw_kernels import NCOL, "
+                 "_adamw_kernel, _finalize_kernel\n"):  # fmt: skip
+        launcher = launcher.replace(line, "")
     path = os.path.join(tempfile.mkdtemp(), "adamw_variant.py")
     with open(path, "w") as f:
-        f.write(source)
+        f.write(kernels + "\n" + launcher)
     spec = importlib.util.spec_from_file_location(f"adamw_variant_{abs(hash(name))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -279,6 +291,91 @@ def speed(layers: int, hidden: int, device: torch.device, iters: int, sweep: boo
         torch.cuda.empty_cache()
 
 
+def speed_emit(layers: int, hidden: int, device: torch.device, iters: int, lines: list[str]) -> None:
+    """The optimizer step with and without the FP8 weight copy (emit_fp8_weights), both scale updates."""
+    n = layers * hidden * hidden
+    copy_bw = copy_bandwidth(device, min(n, 2**30), iters)
+    model = lightning_fp8.convert_to_fp8(make_stack(layers, hidden, device))
+    for mode, nbytes in (("one_pass", BYTES_O2_ONE_PASS), ("two_pass", BYTES_O2_TWO_PASS)):
+        for emit in (False, True):
+            opt = lightning_fp8.FP8AdamW(model.parameters(), lr=1e-4, scale_update=mode, fp8_grads=False,
+                                         emit_fp8_weights=emit)  # fmt: skip
+            for p in model.parameters():
+                opt.accumulate_fp8_grad(p, torch.randn(p.shape, device=device, dtype=torch.float16) * 1e-3)
+            grads = dict(opt._pending)
+
+            def restore(opt=opt, grads=grads):
+                opt._pending.update(grads)
+
+            calls = captured_launches(opt, restore)  # compiles
+            ms_step = timed(lambda opt=opt: opt._fp8_step(1.0), iters, device, setup=restore)
+            total = nbytes + (BYTES_EMIT if emit else 0)
+            for label, ms in (("step", ms_step), ("kernel", kernel_ms(adamw_kernels.adamw_step, calls, iters, device)
+                                                               if calls else float("nan"))):  # fmt: skip
+                bw = total * n / (ms * 1e-3)
+                log(lines, f"FP8AdamW O2 {mode} emit_fp8_weights={emit} {label}: {ms:.2f} ms, {total} B/param at "
+                           f"{bw / 1e9:.0f} GB/s = {bw / copy_bw:.0%} of copy ({n / 1e9:.3f}B params)")  # fmt: skip
+            del opt, grads, calls
+            for p in model.parameters():
+                weight_cache.drop(p)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def forward_emit(layers: int, hidden: int, tokens: int, device: torch.device, iters: int, lines: list[str]) -> None:
+    """Forward + backward of FP8Linear layers with the step's FP8 weight copies against casting the weights."""
+    model = lightning_fp8.convert_to_fp8(make_stack(layers, hidden, device))
+    opt = lightning_fp8.FP8AdamW(model.parameters(), lr=1e-4, scale_update="two_pass", fp8_grads=False,
+                                 emit_fp8_weights=True)  # fmt: skip
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        model(x).backward(dy)
+
+    fwd_bwd()
+    opt.step()
+    caches = [getattr(m.weight, weight_cache.ATTR) for m in model]
+    exact = True
+    for c, m in zip(caches, model, strict=True):
+        cast = copy.deepcopy(m.fp8_scaling["weight"]).quantize(m.weight, False, True, master.master_scale(m.weight))[0]
+        exact = exact and torch.equal(c.data.view(torch.uint8), cast.view(torch.uint8))
+    log(lines, f"two-pass FP8 weight copy == the forward's weight cast bit for bit on {device.type}: {exact}")
+
+    def clear():
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+
+    def cast_all():  # as without copies
+        clear()
+        for m in model:
+            weight_cache.drop(m.weight)
+
+    def first_after_step():  # the copies are there, their transposes not yet
+        clear()
+        for m, c in zip(model, caches, strict=True):
+            c.data_t = None
+            setattr(m.weight, weight_cache.ATTR, c)
+
+    ms_cast = timed(fwd_bwd, iters, device, setup=cast_all)
+    ms_first = timed(fwd_bwd, iters, device, setup=first_after_step)
+    ms_kept = timed(fwd_bwd, iters, device, setup=clear)  # transposes kept (micro-batches 2.. of a step)
+    what = f"fwd+bwd of {layers} FP8Linear({hidden}, {hidden}), {tokens} tokens bf16"
+    log(lines, f"{what}: casting the weights {ms_cast:.3f} ms; with the copies, first forward after the step "
+               f"(transposes made) {ms_first:.3f} ms ({ms_cast - ms_first:+.3f} saved), "
+               f"later forwards {ms_kept:.3f} ms ({ms_cast - ms_kept:+.3f} saved)")  # fmt: skip
+    w = model[0].weight
+    state = copy.deepcopy(model[0].fp8_scaling["weight"])
+    scale = master.master_scale(w)
+    ms_w = timed(lambda: state.quantize(w, True, True, scale), iters, device)
+    ms_t = timed(lambda: caches[0].data.t().contiguous(), iters, device)
+    ms_rec = timed(lambda: weight_cache.quantize_weight(state, w, False, scale), iters, device)
+    log(lines, f"one {hidden}x{hidden} weight: cast + transposed cast (current scaling) {ms_w * 1e3:.1f} us, "
+               f"FP8 byte transpose (torch) {ms_t * 1e3:.1f} us, the copy's statistics recorded {ms_rec * 1e3:.1f} us")
+
+
 def host_overhead(device: torch.device, lines: list[str], layers: int = 100, hidden: int = 64) -> None:
     """Host milliseconds of ``FP8AdamW._fp8_step`` for many small parameters (perf_counter, no synchronization).
 
@@ -321,7 +418,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     nan = a.float().isnan()
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(nan, b.float().isnan()) and torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
 
 
@@ -330,7 +427,7 @@ def check_exact(device: torch.device, lines: list[str] | None) -> bool:
     states saturate (stored amaxes far too small for the one-pass bound) and where gradients are inf or NaN."""
     shapes = [(37, 19), (1000, 333), (4096,)] if device.type == "cuda" else [(37, 19), (130,)]
     results = []
-    for case in ("two_pass", "one_pass", "saturating", "non_finite"):
+    for case in ("two_pass", "one_pass", "saturating", "non_finite", "emit_two_pass", "emit_one_pass"):
         runs = []
         for fn in (reference.adamw_step_ref, adamw_kernels.adamw_step):
             gen = torch.Generator(device="cpu").manual_seed(0)
@@ -348,9 +445,13 @@ def check_exact(device: torch.device, lines: list[str] | None) -> bool:
             amaxes = [tuple(torch.tensor(x, device=device) for x in a) for _ in shapes]
             gsi = [torch.tensor(2.0**-20, device=device) for _ in shapes]
             g_amax = [t.float().abs().amax() * 2.0**-20 for t in g]
+            emit = case.startswith("emit")  # FP8 weight copies (emit_fp8_weights) and their records, margin 1
+            fp8 = [torch.empty(s, device=device, dtype=E4M3) for s in shapes] if emit else None
+            records = [torch.zeros(5, device=device, dtype=torch.int64) for _ in shapes] if emit else None
             fn(p, g, m, v, scales, amaxes, gsi, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-               step=3, grad_unscale=0.5, two_pass=case == "two_pass", grad_amaxes=g_amax)  # fmt: skip
-            runs.append(p + m + v + [x for s in scales + amaxes for x in s])
+               step=3, grad_unscale=0.5, two_pass=case.endswith("two_pass"), grad_amaxes=g_amax, fp8_weights=fp8,
+               fp8_weight_stats=records, fp8_margin=1 if emit else 0)  # fmt: skip
+            runs.append(p + m + v + [x for s in scales + amaxes for x in s] + (fp8 + records if emit else []))
         same = all(_same(a, b) for a, b in zip(*runs, strict=True))
         results.append(same)
         if lines is not None:
@@ -369,9 +470,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--out", help="also write the results to this file")
+    parser.add_argument("--emit", action="store_true", help="only the FP8 weight copy (emit_fp8_weights) figures")
+    parser.add_argument("--emit-layers", type=int, default=4, help="FP8Linear layers of the --emit fwd+bwd")
+    parser.add_argument("--emit-hidden", type=int, default=4096)
+    parser.add_argument("--emit-tokens", type=int, default=16384)
     args = parser.parse_args(argv)
     if args.toy:
         args.layers, args.hidden, args.tokens, args.iters = 2, 64, 16, 2
+        args.emit_layers, args.emit_hidden, args.emit_tokens = 2, 64, 48
     device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
     lines: list[str] = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -379,12 +485,18 @@ def main(argv: list[str] | None = None) -> None:
     date = datetime.datetime.now().isoformat(timespec="seconds")
     log(lines, f"device: {name}; torch {torch.__version__}; date {date}")
     sections = [lambda: check_exact(device, lines)]
+    if args.emit:
+        args.skip_memory = args.skip_speed = True
+        sections.append(lambda: speed_emit(args.layers, args.hidden, device, args.iters, lines))
+        sections.append(lambda: forward_emit(args.emit_layers, args.emit_hidden, args.emit_tokens, device, args.iters,
+                                             lines))  # fmt: skip
     if not args.skip_memory:
         sections += [lambda fn=fn: fn(args.layers, args.hidden, args.tokens, device, lines)
                      for fn in (memory_baseline, memory_fp8)]  # fmt: skip
     if not args.skip_speed:
         sections.append(lambda: speed(args.layers, args.hidden, device, args.iters, args.sweep, lines))
-    sections.append(lambda: host_overhead(device, lines))
+    if not args.emit:
+        sections.append(lambda: host_overhead(device, lines))
     failed = False
     for section in sections:
         try:  # one failing section still leaves the others' figures

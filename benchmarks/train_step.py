@@ -5,11 +5,14 @@ table of tokens/s, step time and peak memory with ratios against BF16 of the sam
 
     python benchmarks/train_step.py                         # the three sizes on a GPU
     python benchmarks/train_step.py --sizes 2048x16 --compile both
+    python benchmarks/train_step.py --sizes 1024x12 --compile yes --compile-mode reduce-overhead   # CUDA graphs
     python benchmarks/train_step.py --toy                   # CPU smoke run (tests use it)
 
 Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise,
 when installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for
-the rest). The output head stays in high precision in every FP8 variant.
+the rest), ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next
+forward uses instead of casting; eager only, torch.compile bypasses the copy). The output head stays in high
+precision in every FP8 variant.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -46,9 +49,10 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
     else:
         import lightning_fp8 as lf
 
-        recipe = lf.FP8Recipe(opt_level=variant.upper())
+        recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
-        opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level)
+        emit = variant == "o2w"
+        opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level, emit_fp8_weights=emit)
     return model, opt
 
 
@@ -59,7 +63,7 @@ def run_one(args) -> dict:
     model, opt = build(args.variant, width, depth, args.seq, args.vocab, device)
     step_fn = model
     if args.compiled:
-        step_fn = torch.compile(model)
+        step_fn = torch.compile(model, mode=args.compile_mode)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
@@ -89,7 +93,7 @@ def run_one(args) -> dict:
     return {
         "size": args.size,
         "variant": args.variant,
-        "compiled": args.compiled,
+        "compiled": _compiled_label(args.compiled, args.compile_mode),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "step_ms": step_s * 1e3,
         "tok_s": args.batch * args.seq / step_s,
@@ -102,18 +106,18 @@ def run_one(args) -> dict:
 def table(rows: list[dict]) -> str:
     base = {(r["size"], r["compiled"]): r for r in rows if r["variant"] == "bf16" and "error" not in r}
     lines = [
-        f"{'size':>9} {'variant':>8} {'compile':>7} {'params':>7} {'step ms':>8} {'tok/s':>9} {'x bf16':>6} "
+        f"{'size':>9} {'variant':>8} {'compile':>15} {'params':>7} {'step ms':>8} {'tok/s':>9} {'x bf16':>6} "
         f"{'peak GiB':>8} {'x bf16':>6} {'loss':>6}"
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>7}  ERROR {r['error'][:80]}")
+            lines.append(f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>15}  ERROR {r['error'][:80]}")
             continue
         b = base.get((r["size"], r["compiled"]))
         tok_ratio = r["tok_s"] / b["tok_s"] if b else float("nan")
         mem_ratio = r["peak_gib"] / b["peak_gib"] if b else float("nan")
         lines.append(
-            f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>7} {r['params_m']:>6.0f}M {r['step_ms']:>8.1f} "
+            f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>15} {r['params_m']:>6.0f}M {r['step_ms']:>8.1f} "
             f"{r['tok_s']:>9.0f} {tok_ratio:>6.2f} {r['peak_gib']:>8.2f} {mem_ratio:>6.2f} {r['last_loss']:>6.2f}"
         )
     return "\n".join(lines)
@@ -124,6 +128,12 @@ def main() -> None:
     p.add_argument("--sizes", default="1024x12,2048x16,4096x8", help="comma list of WIDTHxDEPTH")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--compile", choices=("no", "yes", "both"), default="both")
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode (reduce-overhead: CUDA graphs)",
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
@@ -154,7 +164,9 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--one", "--size", size, "--variant", variant]
                 cmd += ["--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab)]
                 cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--compiled"] if c else [])
-                row = _run_child(cmd, args.timeout) | {"size": size, "variant": variant, "compiled": c}
+                cmd += ["--compile-mode", args.compile_mode] if args.compile_mode else []
+                label = _compiled_label(c, args.compile_mode)
+                row = _run_child(cmd, args.timeout) | {"size": size, "variant": variant, "compiled": label}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:
@@ -162,6 +174,11 @@ def main() -> None:
     print(table(rows))
     if any("error" in r for r in rows):
         sys.exit(1)
+
+
+def _compiled_label(compiled: bool, mode: str | None) -> bool | str:
+    """The table's compile column: False, True (default mode) or the mode's name."""
+    return mode if compiled and mode not in (None, "default") else compiled
 
 
 def _run_child(cmd: list[str], timeout: int) -> dict:

@@ -12,9 +12,10 @@ The kernels themselves (one pass over the input, the fused bookkeeping of a scal
 under the Triton interpreter) are in :mod:`lightning_fp8.kernels.cast_kernels`; this module launches them.
 
 Speed (H100, 8192 x 8192 bf16 -> E4M3, bytes read + written over the time, against a device copy at
-2.85 TB/s): cast with transpose 73%, cast 74%, amax 80%; eager ``(x * scale).to(fp8)`` reaches 23%.
-Not profiled further; the likely limit of the transposed cast is its shared-memory traffic (the PTX of
-the byte path shows one byte-wide shared store per element).
+2.86 TB/s in the same run; benchmarks/results/cast_linear_h100_v2.txt): cast with transpose 78% (121 us), cast 80%,
+amax 80%; eager ``(x * scale).to(fp8)`` reaches 23%. The transposed cast holds 128 registers per thread in 8-warp
+128 x 64 tiles (one or two programs per SM); 64 x 64 tiles with 4 warps did best. The fused column sums
+(``column_sum``) cost the transposed cast 65-95 us more there, more than a separate ``dy.sum(0)`` (71 us).
 """
 
 import functools
@@ -33,14 +34,19 @@ _FP8 = {
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch configs: the best of benchmarks/bench_cast.py --sweep on an H100 (8192 x 8192 bf16 -> E4M3; see
-# benchmarks/results/cast_linear_h100.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item
-# per program); NUM_STAGES pipelines the tile loop; TRANSPOSE_FP32: see _cast_transpose_kernel.
+# benchmarks/results/cast_linear_h100_v2.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item
+# per program); NUM_STAGES pipelines the tile loop; TRANSPOSE_FP32: the transpose path (see _cast_transpose_kernel);
+# STATS_TILE: per-element running statistics; LOAD_POLICY: the loads' eviction policy; MAXNREG: registers per
+# thread (None: the compiler's choice; 96 and 128 were slower). The transposed cast's BLOCK_M also fixes the summation
+# order of its column sums (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS).
 CONFIGS = {
     "transpose": {
-        "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "PROGRAMS_PER_SM": 8, "NUM_STAGES": 1, "TRANSPOSE_FP32": True
+        "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "TRANSPOSE_FP32": True,
+        "STATS_TILE": False, "LOAD_POLICY": "", "MAXNREG": None,
     },
-    "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 8, "NUM_STAGES": 1},
-    "amax": {"BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1},
+    "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "STATS_TILE": True,
+             "LOAD_POLICY": "evict_first"},
+    "amax": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1},
 }  # fmt: skip
 # Tensors whose (tile-padded) size reaches this use 64-bit offsets.
 INT32_INDEX_LIMIT = 2**31
@@ -93,7 +99,11 @@ def _format_args(fp8_dtype: torch.dtype, exact_round: bool) -> dict:
 def _launch(kernel, x: torch.Tensor, work_items: int, cfg: dict, *args, eager: bool = False, **constexprs) -> None:
     # A persistent grid of at most PROGRAMS_PER_SM programs per multiprocessor; the rest of cfg is launch metadata.
     # `eager`: launch the kernel as is (outside a triton_op, wrap_triton would route it through a slower traced path).
-    meta = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
+    meta = {k: v for k, v in cfg.items() if k not in ("PROGRAMS_PER_SM", "MAXNREG")}
+    # MAXNREG caps the registers per thread (occupancy); eager launches only (the interpreter has no registers, and
+    # wrap_triton's tracing is left to the defaults).
+    if cfg.get("MAXNREG") and eager and not _interpreted(kernel):
+        meta["maxnreg"] = cfg["MAXNREG"]
     grid = (_grid_size(x, work_items, cfg["PROGRAMS_PER_SM"]),)
     (kernel if eager else _launchable(kernel))[grid](*args, **constexprs, **meta)
 
@@ -130,15 +140,17 @@ def _cast_impl(
     stats: tuple[torch.Tensor, ...],
     record: dict,
     eager: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    column_sum: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
-    ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t)``."""
+    ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, column sums of 2-D x or None)``."""
     x_fp8 = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
     x_fp8_t = torch.empty(t_shape, dtype=fp8_dtype, device=x.device)
     interpreted = _interpreted(_cast_flat_kernel)
     fmt = _format_args(fp8_dtype, interpreted or EXACT_ROUND_ON_GPU)
-    if transpose:
+    sums = None
+    if transpose or column_sum:
         cfg = dict(CONFIGS["transpose"])
         if interpreted:  # the interpreter cannot convert NaN to E4M3: keep the byte path
             cfg["TRANSPOSE_FP32"] = False
@@ -146,16 +158,20 @@ def _cast_impl(
         tiles_m, tiles_n = triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
-        args = (x, scale, x_fp8, x_fp8_t, *stats, m, n)
+        sums = torch.empty((tiles_m, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
+        args = (x, scale, x_fp8, x_fp8_t, sums, *stats, m, n)
+        flags = {"WRITE_T": transpose, "COLUMN_SUM": column_sum}
         kernel, work, index_64 = _cast_transpose_kernel, tiles_m * tiles_n, _index_64(padded)
     else:
         cfg = CONFIGS["flat"]
         blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
         even = x.numel() % cfg["BLOCK"] == 0
         args = (x, scale, x_fp8, *stats, x.numel())
+        flags = {}
         kernel, work, index_64 = _cast_flat_kernel, blocks, _index_64(blocks * cfg["BLOCK"])
-    _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **record, EVEN=even, INDEX_64=index_64)
-    return x_fp8, x_fp8_t
+    _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **record, **flags, EVEN=even, INDEX_64=index_64)
+    # The row blocks' partial sums, added in a fixed order: deterministic, as the reference defines it.
+    return x_fp8, x_fp8_t, (sums.sum(0) if column_sum else None)
 
 
 def _cast_with_stats(
@@ -168,7 +184,7 @@ def _cast_with_stats(
         x_fp8_t = torch.empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=fp8_dtype, device=x.device)
         return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x_fp8_t, amax, n_saturated
     stats = (amax, n_saturated, *(amax,) * 8, 1, x.numel())  # accumulators; the rest unread without RECORD
-    return (*_cast_impl(x, scale, fp8_dtype, transpose, stats, _NO_RECORD, eager), amax, n_saturated)
+    return (*_cast_impl(x, scale, fp8_dtype, transpose, stats, _NO_RECORD, eager)[:2], amax, n_saturated)
 
 
 @torch.library.triton_op("lightning_fp8::cast_to_fp8", mutates_args=())
@@ -213,20 +229,22 @@ def quantize_(
     current: bool,
     transpose: bool,
     unscale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    column_sum: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """One cast of a scaling state in one launch (two with ``current``): cast, statistics, history and next scale.
 
     Same signature and bit-exact results as :func:`lightning_fp8.kernels.reference.quantize_ref`. ``x`` must be
     contiguous and of a supported dtype (the caller, ``ScalingState.quantize``, guarantees it). The last program
     of the cast does the bookkeeping of ``kernels/scaling.py`` (no separate launch, no zeroed accumulators); with
-    ``current`` the amax launch before it writes the scale. Eager only: ``torch.compile`` sees the whole cast as the
-    opaque custom op ``lightning_fp8::quantize``.
+    ``current`` the amax launch before it writes the scale. ``column_sum`` (2-D ``x``): the cast also sums the
+    columns of each row block as it reads them (the bias gradient of a linear layer), and a fourth output adds the
+    blocks. Eager only: ``torch.compile`` sees the whole cast as the opaque custom op ``lightning_fp8::quantize``.
     """
     if x.numel() == 0:
         from lightning_fp8.kernels.reference import quantize_ref
 
         return quantize_ref(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin,
-                            algo_max, delayed, current, transpose, unscale)  # fmt: skip
+                            algo_max, delayed, current, transpose, unscale, column_sum)  # fmt: skip
     fmax = _FP8[fp8_dtype][0]
     max_exp, max_mant = float32_exponent_mantissa(fmax)
     fields = {"MAX_EXP": max_exp, "MAX_MANT": max_mant, "MARGIN": margin}
@@ -243,8 +261,8 @@ def quantize_(
              scale if unscale is None else unscale, h, x.numel())  # fmt: skip
     record = {"RECORD": True, "BLOCK_H": triton.next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
               "UNSCALE": unscale is not None, **fields}  # fmt: skip
-    x_fp8, x_fp8_t = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager=True)
-    return x_fp8, x_fp8_t, scale_inv
+    x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, True, column_sum)
+    return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ One pass: ``cast_to_fp8`` reads each element of ``x`` once (2-D tiles), writes `
 ``transpose``, the transposed tile to ``x_fp8_t`` (``tl.trans``; the compiler moves it through shared
 memory so that both stores are coalesced), and folds each program's amax and saturation count into two
 global accumulators (at most one atomic max and one atomic add per program, skipped when they cannot
-change anything). Programs are persistent (a grid-stride loop over tiles) and keep scalar running
-statistics, so neither atomics nor registers grow with the tensor.
+change anything). Programs are persistent (a grid-stride loop over tiles) and keep running statistics (scalars, or
+per element with ``STATS_TILE``), so neither atomics nor registers grow with the tensor. With ``COLUMN_SUM`` the
+transposed cast also writes the column sums of each row block it reads (a linear layer's bias gradient, summed
+over the blocks by the launcher in a fixed order: deterministic, no float atomics).
 
 A scaling state's cast (``quantize_``, what ``ScalingState.quantize`` runs on a GPU) is the same kernel with
 ``RECORD``: each program folds its statistics into a per-stream int64 workspace with atomics and takes an
@@ -124,6 +126,7 @@ def _cast_transpose_kernel(
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output
     out_t_ptr,  # (N, M) FP8 output, the transposed copy
+    colsum_ptr,  # COLUMN_SUM: (cdiv(M, BLOCK_M), N) fp32 output, the column sums of each row block of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
     ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
@@ -149,6 +152,10 @@ def _cast_transpose_kernel(
     BLOCK_M: tl.constexpr,  # tile rows
     BLOCK_N: tl.constexpr,  # tile columns
     TRANSPOSE_FP32: tl.constexpr,  # transpose the fp32 values and convert again (else the FP8 bytes); GPU only
+    WRITE_T: tl.constexpr,  # write x_fp8_t
+    COLUMN_SUM: tl.constexpr,  # write the column sums of each row block (the bias gradient's partial sums)
+    STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per tile)
+    LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop
     RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
     BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
@@ -163,42 +170,61 @@ def _cast_transpose_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     scale = tl.load(scale_ptr)
-    # Running amax and saturation count of this program: scalars, so the loop holds no tile-sized accumulators.
-    amax_acc = 0.0
-    nsat_acc = 0
+    # Running amax and saturation count of this program: per element (STATS_TILE, no reduction in the loop, but
+    # registers: it cost occupancy here on an H100) or scalars (a reduction per tile).
+    if STATS_TILE:
+        amax_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        nsat_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        amax_acc = 0.0
+        nsat_acc = 0
     for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-        rm = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tm = tile // tiles_n
+        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         if INDEX_64:
             rm = rm.to(tl.int64)
             rn = rn.to(tl.int64)
         offs = rm[:, None] * N + rn[None, :]
-        offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
         if EVEN:
-            x = tl.load(x_ptr + offs).to(tl.float32)
+            x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
         else:
             mask = (rm[:, None] < M) & (rn[None, :] < N)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
+        if COLUMN_SUM:  # right after the load, so that x need not stay live (kernels/reference.py: column_sum_ref)
+            if EVEN:
+                tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0))
+            else:
+                tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0), mask=rn < N)
         y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
-        amax_acc = tl.maximum(amax_acc, tl.max(ax))  # masked lanes hold 0: neutral
-        nsat_acc += tl.sum(sat)
+        if STATS_TILE:
+            amax_acc = tl.maximum(amax_acc, ax)  # masked lanes hold 0: neutral
+            nsat_acc += sat
+        else:
+            amax_acc = tl.maximum(amax_acc, tl.max(ax))
+            nsat_acc += tl.sum(sat)
         if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
             y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
-        q = _fp8_bytes(y, IS_E4M3)
-        q = tl.where(finite, q, 0x7F).to(tl.uint8)  # NaN, as PyTorch writes it in both formats
-        # The transposed tile goes through shared memory; which form the compiler moves best is measured.
-        if TRANSPOSE_FP32:
-            q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
-        else:
-            q_t = tl.trans(q)
-        q = q.to(out_ptr.dtype.element_ty, bitcast=True)
-        q_t = q_t.to(out_ptr.dtype.element_ty, bitcast=True)
+        q = tl.where(finite, _fp8_bytes(y, IS_E4M3), 0x7F).to(tl.uint8)  # NaN, as PyTorch writes it in both formats
         if EVEN:
-            tl.store(out_ptr + offs, q)
-            tl.store(out_t_ptr + offs_t, q_t)
+            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True))
         else:
-            tl.store(out_ptr + offs, q, mask=mask)
-            tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
+            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
+        if WRITE_T:
+            # The transposed tile goes through shared memory; which form the compiler moves best is measured.
+            if TRANSPOSE_FP32:
+                q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
+            else:
+                q_t = tl.trans(q)
+            q_t = q_t.to(out_t_ptr.dtype.element_ty, bitcast=True)
+            offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
+            if EVEN:
+                tl.store(out_t_ptr + offs_t, q_t)
+            else:
+                tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
+    if STATS_TILE:
+        amax_acc = tl.max(tl.max(amax_acc, axis=1), axis=0)
+        nsat_acc = tl.sum(tl.sum(nsat_acc, axis=1), axis=0)
     _finish(
         amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
         saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
@@ -233,6 +259,8 @@ def _cast_flat_kernel(
     EVEN: tl.constexpr,  # BLOCK divides n: no masks
     INDEX_64: tl.constexpr,  # n >= 2**31: 64-bit offsets
     BLOCK: tl.constexpr,  # elements per loop step of a program
+    STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per block)
+    LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the block loop
     RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
     BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
@@ -245,20 +273,28 @@ def _cast_flat_kernel(
 ):
     pid = tl.program_id(0)
     scale = tl.load(scale_ptr)
-    amax_acc = 0.0
-    nsat_acc = 0
+    if STATS_TILE:
+        amax_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        nsat_acc = tl.zeros([BLOCK], dtype=tl.int32)
+    else:
+        amax_acc = 0.0
+        nsat_acc = 0
     for block in tl.range(pid, tl.cdiv(n, BLOCK), tl.num_programs(0), num_stages=NUM_STAGES):
         if INDEX_64:
             offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         else:
             offs = block * BLOCK + tl.arange(0, BLOCK)
         if EVEN:
-            x = tl.load(x_ptr + offs).to(tl.float32)
+            x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
         else:
-            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
         y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
-        amax_acc = tl.maximum(amax_acc, tl.max(ax))
-        nsat_acc += tl.sum(sat)
+        if STATS_TILE:
+            amax_acc = tl.maximum(amax_acc, ax)
+            nsat_acc += sat
+        else:
+            amax_acc = tl.maximum(amax_acc, tl.max(ax))
+            nsat_acc += tl.sum(sat)
         if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
             y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
         q = _fp8_bytes(y, IS_E4M3)
@@ -267,6 +303,9 @@ def _cast_flat_kernel(
             tl.store(out_ptr + offs, q)
         else:
             tl.store(out_ptr + offs, q, mask=offs < n)
+    if STATS_TILE:
+        amax_acc = tl.max(amax_acc, axis=0)
+        nsat_acc = tl.sum(nsat_acc, axis=0)
     _finish(
         amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
         saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,

@@ -192,6 +192,9 @@ def adamw_step_ref(
     two_pass: bool = True,
     grad_amaxes: list[torch.Tensor] | None = None,
     param_copies: list[torch.Tensor] | None = None,
+    fp8_weights: list[torch.Tensor] | None = None,
+    fp8_weight_stats: list[torch.Tensor] | None = None,
+    fp8_margin: int = 0,
 ) -> None:
     """A multi-tensor AdamW step on (possibly scaled, low-precision) states, in place.
 
@@ -213,13 +216,22 @@ def adamw_step_ref(
             (before any FP8 rounding of the gradient); needs ``beta1**2 < beta2``.
         param_copies: optional high-precision tensors that receive the new unscaled weights (a model parameter that
             is not the master's storage), in their own dtype.
+        fp8_weights: optional FP8 tensors (one format), the params' shapes: receive the FP8 cast of the weight the
+            model reads (``param_copies`` if given, else ``params``' storage, unscaled by its scale) exactly as an
+            FP8Linear forward casts it (current scaling, see :func:`emit_fp8_weight_ref`).
+        fp8_weight_stats: with ``fp8_weights``: per tensor an int64 [5] record, see :func:`fp8_weight_record_views`.
+        fp8_margin: the margin (binades) of the FP8 weight copies' scales.
 
     Raises:
-        ValueError: for a one-pass step with scales but no ``grad_amaxes``, or with ``beta1**2 >= beta2``.
+        ValueError: for a one-pass step with scales but no ``grad_amaxes``, or with ``beta1**2 >= beta2``, and for
+            ``fp8_weights`` that do not match the params (see :func:`check_fp8_weights`).
     """
     c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
     if not two_pass and scales is not None and (grad_amaxes is None or c.max_update is None):
         raise ValueError("adamw_step(two_pass=False) needs grad_amaxes and beta1**2 < beta2 for its scale bounds")
+    check_fp8_weights(params, fp8_weights, fp8_weight_stats)
+    if fp8_weights is not None and not two_pass and amaxes is None:
+        raise ValueError("adamw_step(two_pass=False) with fp8_weights needs the amaxes for the copies' scale bounds")
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         states = (p, m, v)
         ginv = torch.tensor(grad_unscale, dtype=torch.float32, device=g.device)
@@ -230,6 +242,9 @@ def adamw_step_ref(
                                                                  strict=True)]  # fmt: skip
         new = adamw_update_ref(g.float() * ginv, *(t.float() for t in states), factors, c)
         fresh = [amax_ref(x) for x in new]
+        if fp8_weights is not None and not two_pass:  # the one-pass bound of the master, before its amax is replaced
+            g_amax = grad_amaxes[i].float() * abs(grad_unscale) * BOUND_SLACK if scales is not None else None
+            emit_bound = adamw_bound_ref(0, amaxes[i][0], g_amax, c)
         for j, (x, dst) in enumerate(zip(new, states, strict=True)):
             if _is_scaled(dst, state_scales[j]):
                 if two_pass:
@@ -246,6 +261,77 @@ def adamw_step_ref(
                 amaxes[i][j].copy_(fresh[j])
         if param_copies is not None:
             param_copies[i].copy_(new[0])
+        if fp8_weights is not None:
+            src, unscale = (param_copies[i], None) if param_copies is not None else (p, None)
+            if param_copies is None and _is_scaled(p, state_scales[0]):
+                unscale = state_scales[0]
+            emit_fp8_weight_ref(src, unscale, None if two_pass else emit_bound, fp8_weights[i], fp8_weight_stats[i],
+                                fp8_margin)  # fmt: skip
+
+
+def fp8_weight_record_views(record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two views of an FP8 weight copy's int64 [5] record: fp32 [5] ``(scale_inv, amax, scale, saturation,
+    history)`` (bytes 0-19) and int64 [2] ``(nonfinite, 1)`` (bytes 24-39), what the forward's cast of the weight
+    records into its scaling state (:func:`record_cast_ref` with ``unscale``): one buffer, one table column.
+    ``scale_inv`` comes first: the GEMM reads it, and cuBLASLt wants its scale pointers 16-byte aligned."""
+    return record[:3].view(torch.float32)[:5], record[3:5]
+
+
+def check_fp8_weights(params: list[torch.Tensor], fp8_weights: list | None, fp8_weight_stats: list | None) -> None:
+    """Validate the FP8 weight copies of an AdamW step (one format, contiguous, the params' sizes; int64 [5] records).
+
+    Raises:
+        ValueError: naming the first list or tensor that does not fit.
+    """
+    if fp8_weights is None and fp8_weight_stats is None:
+        return
+    if fp8_weights is None or fp8_weight_stats is None:
+        raise ValueError("adamw_step: pass fp8_weights and fp8_weight_stats together (both or neither)")
+    if len(fp8_weights) != len(params) or len(fp8_weight_stats) != len(params):
+        raise ValueError(f"adamw_step: {len(fp8_weights)} fp8_weights and {len(fp8_weight_stats)} records for "
+                         f"{len(params)} params")  # fmt: skip
+    for i, (p, w, r) in enumerate(zip(params, fp8_weights, fp8_weight_stats, strict=True)):
+        same_format = w.dtype in _FP8_MAX and w.dtype == fp8_weights[0].dtype
+        if not same_format or not w.is_contiguous() or w.numel() != p.numel():
+            raise ValueError(f"adamw_step: fp8_weights[{i}] ({w.dtype}, {tuple(w.shape)}) must be contiguous, of one "
+                             f"FP8 format for all, with the {p.numel()} elements of its param")  # fmt: skip
+        if r.dtype != torch.int64 or r.numel() != 5 or not r.is_contiguous():
+            raise ValueError(f"adamw_step: fp8_weight_stats[{i}] must be a contiguous int64 tensor of 5 elements")
+
+
+def emit_fp8_weight_ref(
+    src: torch.Tensor,
+    unscale: torch.Tensor | None,
+    bound: torch.Tensor | None,
+    out: torch.Tensor,
+    record: torch.Tensor,
+    margin: int,
+) -> None:
+    """The FP8 copy of a weight as the FP8Linear forward casts it, and the statistics that cast records.
+
+    ``src`` holds the stored weight (times ``unscale``, a power of two, for a scaled master). The scale is
+    ``pow2_scale(a)`` for the FP8 maximum and ``margin``, with ``a = amax(src)`` (``bound=None``: the forward's
+    own current scaling, so the copy equals its cast bit for bit) or the stored image of ``bound``, an upper bound
+    of the weight's amax (one pass: the same rounding the storage applies, so ``a >= amax(src)``).
+    An amax of 0 or a non-finite one gives scale 1 (the forward would keep its previous scale).
+    """
+    fmax = _FP8_MAX[out.dtype]
+    if bound is None:
+        a = amax_ref(src)
+    else:
+        y = bound.float() * unscale if unscale is not None else bound.float()
+        if unscale is not None:  # as the scaled store: saturate at the format max, NaN for a non-finite value
+            y = torch.where(torch.isfinite(y), y.clamp(max=SCALED_STATE_MAX[src.dtype]), torch.nan)
+        a = amax_ref(y.to(src.dtype))
+    scale = pow2_scale_ref(a, fmax, margin, torch.ones((), dtype=torch.float32, device=src.device))
+    x_fp8, _, amax, n_saturated = cast_to_fp8_ref(src, scale, out.dtype)
+    out.copy_(x_fp8.view(out.shape))
+    u = unscale.float() if unscale is not None else torch.ones((), dtype=torch.float32, device=src.device)
+    floats, counts = fp8_weight_record_views(record)
+    finite = torch.isfinite(amax)
+    floats.copy_(torch.stack([scale.reciprocal() / u, amax / u, scale * u, n_saturated.float() / max(src.numel(), 1),
+                              torch.where(finite, amax, 0.0) / u]))  # fmt: skip
+    counts.copy_(torch.stack([(~finite).long(), torch.ones((), dtype=torch.int64, device=src.device)]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -315,7 +401,8 @@ def quantize_ref(
     current: bool,
     transpose: bool,
     unscale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    column_sum: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """One cast of a scaling state: the composition of the kernels above (kernels/cast.py fuses it).
 
     With ``current``, ``scale <- pow2_scale(amax(x))`` first; then the cast with ``scale`` and
@@ -323,9 +410,12 @@ def quantize_ref(
     ``unscale`` (0-dim, a power of two): ``x`` holds ``t * unscale`` (FP8AdamW's scaled master in the weight's
     storage); the state then describes ``t``: amaxes divided, scale multiplied and ``scale_inv`` divided by it.
 
+    ``column_sum`` (2-D ``x``): also return :func:`column_sum_ref` of ``x`` (the bias gradient, when ``x`` is a
+    linear layer's output gradient), which the fused cast computes from the values it reads anyway.
+
     Returns:
         ``(x_fp8, x_fp8_t, scale_inv)``: ``scale_inv`` is ``1 / scale`` of this cast; ``x_fp8_t`` is empty unless
-        ``transpose``.
+        ``transpose``. With ``column_sum``, ``(x_fp8, x_fp8_t, scale_inv, column sums)``.
     """
     fmax = _FP8_MAX[fp8_dtype]
     if current:
@@ -341,4 +431,32 @@ def quantize_ref(
         last_amax.div_(unscale)
         amax_history.div_(unscale)
         scale.mul_(unscale)
+    if column_sum:
+        return x_fp8, x_fp8_t, scale_inv, column_sum_ref(x)
     return x_fp8, x_fp8_t, scale_inv
+
+
+# The summation order of column_sum_ref. The fused cast (kernels/cast.py) sums in the same order when its transposed
+# tiles have COLUMN_SUM_BLOCK_ROWS rows (CONFIGS["transpose"]["BLOCK_M"]) and its in-tile sums run in row order (the
+# Triton interpreter's do; a GPU's reduction tree differs, so there the sums agree to fp32 rounding, deterministically).
+COLUMN_SUM_BLOCK_ROWS = 64
+
+
+def column_sum_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sums of the columns of 2-D ``x``, in a fixed order (deterministic; no atomics in the kernel).
+
+    Rows are taken in blocks of ``COLUMN_SUM_BLOCK_ROWS`` (the last one padded with zeros) and added in row order
+    within each block; the blocks' partial sums are added by ``torch.sum`` over the blocks.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"column_sum_ref needs a 2-D tensor, got shape {tuple(x.shape)}")
+    m, n = x.shape
+    rows = COLUMN_SUM_BLOCK_ROWS
+    blocks = -(-m // rows)
+    x32 = torch.zeros(blocks * rows, n, dtype=torch.float32, device=x.device)
+    x32[:m] = x.detach().float()
+    b = x32.view(blocks, rows, n)
+    partial = b[:, 0]
+    for i in range(1, rows):
+        partial = partial + b[:, i]
+    return partial.sum(0)

@@ -19,12 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fp8 import ops
+from lightning_fp8 import ops, weight_cache
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.scaling import ScalingState
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
+# instead of a separate dy.sum(0) pass over dy. Off: on an H100 the fused sums slowed the cast by more than dy.sum(0)
+# takes (16384 x 4096 bf16: +66 us against 71 us; benchmarks/results/cast_linear_h100_v2.txt). bench_linear.py times
+# both.
+FUSED_BIAS_GRAD = False
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -45,7 +50,8 @@ class _FP8Matmul(torch.autograd.Function):
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
         x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(x, need_wgrad, first or not fp8["input"].delayed)
         # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
-        w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True, master_scale)
+        # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
+        w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(fp8["weight"], weight, need_dgrad, master_scale)
         # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
         # as Transformer Engine does.
         b = None if bias is None else bias.to(out_dtype)
@@ -61,13 +67,20 @@ class _FP8Matmul(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor):
         x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-        dy_fp8, dy_fp8_t, dy_scale_inv = ctx.grad_state.quantize(dy.contiguous(), need_wgrad, ctx.grad_current)
+        # With FUSED_BIAS_GRAD the bias gradient (fp32 column sums of dy) comes from the cast, which reads dy anyway.
+        fused = FUSED_BIAS_GRAD and need_bgrad
+        dy_fp8, dy_fp8_t, dy_scale_inv, *db = ctx.grad_state.quantize(
+            dy.contiguous(), need_wgrad, ctx.grad_current, column_sum=fused
+        )
         dx = dw = None
         if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
             dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
         if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
             dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
-        db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
+        if need_bgrad:
+            db = (db[0] if fused else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
+        else:
+            db = None
         return dx, dw, db, None, None, None, None
 
 

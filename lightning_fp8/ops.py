@@ -61,7 +61,8 @@ def cast_to_fp8(
 
 
 def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One cast of a scaling state (cast, statistics, next scale); see ``reference.quantize_ref``.
+    """One cast of a scaling state (cast, statistics, next scale, optionally the column sums of ``x``); see
+    ``reference.quantize_ref``.
 
     Triton fuses it into one launch (two with current scaling); the reference composes the kernels above.
     """

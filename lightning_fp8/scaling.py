@@ -102,7 +102,8 @@ class ScalingState(nn.Module):
         transpose: bool = False,
         current: bool | None = None,
         unscale: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        column_sum: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Cast ``x`` to FP8 with this role's scale and record the cast's statistics.
 
         Delayed scaling uses the scale from earlier casts (the very first cast, with an empty history,
@@ -118,19 +119,30 @@ class ScalingState(nn.Module):
             unscale: a 0-dim power of two when ``x`` holds ``t * unscale`` (FP8AdamW's scaled fp16 master in a
                 weight's storage): the cast reads ``x`` as it is, and the statistics, the scale and the returned
                 ``scale_inv`` describe ``t``.
+            column_sum: also return the fp32 column sums of 2-D ``x`` (a linear layer's bias gradient), computed by
+                the cast from the values it reads (``kernels/reference.py: column_sum_ref`` fixes the order).
 
         Returns:
-            ``(x_fp8, x_fp8_t, scale_inv)``: ``x_fp8_t`` is empty unless ``transpose``.
+            ``(x_fp8, x_fp8_t, scale_inv)``: ``x_fp8_t`` is empty unless ``transpose``; with ``column_sum``,
+            ``(x_fp8, x_fp8_t, scale_inv, column_sums)``.
+
+        Raises:
+            ValueError: for ``column_sum`` of a tensor that is not 2-D.
         """
+        if column_sum and x.dim() != 2:
+            raise ValueError(f"ScalingState.quantize(column_sum=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
         if current is None:
             current = self.needs_current_scale()
             self.initialized = True
         # Eagerly the cast runs as it is; torch.compile sees it as one opaque custom op (see _quantize_op).
-        fn = _quantize_op if torch.compiler.is_compiling() else ops.quantize
-        return fn(
+        args = (
             x.detach().contiguous(), self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count,
             self.casts, self.fp8_dtype, self.margin, self.algo == "max", self.delayed, current, transpose, unscale,
         )  # fmt: skip
+        if torch.compiler.is_compiling():
+            out = _quantize_op(*args, column_sum)
+            return out if column_sum else out[:3]
+        return ops.quantize(*args, column_sum=column_sum)
 
     def reset(self) -> None:
         for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
@@ -160,16 +172,20 @@ def _quantize_op(
     current: bool,
     transpose: bool,
     unscale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ops.quantize(
+    column_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # A fixed schema: the fourth output is empty without column_sum.
+    out = ops.quantize(
         x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-        current, transpose, unscale,
+        current, transpose, unscale, column_sum,
     )  # fmt: skip
+    return out if column_sum else (*out, scale.new_empty((0,)))
 
 
 @_quantize_op.register_fake
 def _(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-      current, transpose, unscale):  # fmt: skip
+      current, transpose, unscale, column_sum):  # fmt: skip
     x_fp8 = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
     t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
-    return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(())
+    sums = scale.new_empty((x.shape[1],) if column_sum else (0,))
+    return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(()), sums

@@ -26,8 +26,8 @@ from typing_extensions import override
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
-from lightning_fp8.kernels import reference
 from lightning_fp8.optim import checkpoint, master, shards
+from lightning_fp8.optim import step as step_
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 
 ScaleUpdate = Literal["one_pass", "two_pass"]
@@ -76,6 +76,15 @@ class FP8AdamW(torch.optim.Optimizer):
             lower than the fresh one. ``"two_pass"``: from the new amax itself, reading the inputs twice (1.5x the
             memory traffic). One pass needs ``beta1**2 < beta2`` (true for usual betas), else two passes run.
         maximize: maximize the objective, as in ``torch.optim.AdamW``.
+        emit_fp8_weights: the step also writes, for each FP8Linear weight, the FP8 copy (E4M3) the next forwards use
+            instead of casting the weight (:mod:`lightning_fp8.weight_cache`). Costs up to 2 bytes per FP8 weight
+            parameter between steps (the copy, and its transpose made by the first forward that needs it), saves
+            the forward's weight cast (its amax pass and its cast). With ``scale_update="two_pass"`` the copy is
+            the forward's own cast bit for bit; with one pass its scale comes from the same upper bound as the
+            states' (a binade or so lower at times). The copy is never saved: after a resume, the next step makes
+            it (until then the forward casts). Any change of the weight outside the step (``load_state_dict``,
+            ``copy_``, ``param.data = ...``) invalidates it; a skipped step keeps it. Works at O1 and O2; not for
+            sharded (DTensor) weights, which keep casting.
 
     Raises:
         ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype.
@@ -104,8 +113,9 @@ class FP8AdamW(torch.optim.Optimizer):
         fp8_grads: bool | None = None,
         scale_update: ScaleUpdate = "one_pass",
         maximize: bool = False,
+        emit_fp8_weights: bool = False,
     ) -> None:
-        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
         if self.opt_level not in _LEVEL_DTYPES:
@@ -119,6 +129,7 @@ class FP8AdamW(torch.optim.Optimizer):
         if scale_update not in ("one_pass", "two_pass"):
             raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'one_pass' or 'two_pass'")
         self.scale_update = scale_update
+        self.emit_fp8_weights = bool(emit_fp8_weights)
         self.grad_scaler = grad_scaler
         self.grad_dtype = self.recipe.backward_dtype
         self.fp8_grads = fp8_grads if fp8_grads is not None else not (dist.is_available() and dist.is_initialized())
@@ -136,7 +147,7 @@ class FP8AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(
@@ -326,11 +337,11 @@ class FP8AdamW(torch.optim.Optimizer):
                 live.append((p, state, grad, grad_scale_inv, grad_amax))
             # Params at different step counts (some had no gradient at times) need their own bias correction.
             batches: dict[tuple, list[tuple]] = defaultdict(list)
-            for (p, state, *grads), step in zip(live, _advance_steps([e[1]["step"] for e in live]), strict=True):
-                item = self._launch_item(p, state, *grads)
+            for (p, state, *grads), step in zip(live, step_.advance_steps([e[1]["step"] for e in live]), strict=True):
+                item = step_.launch_item(self, p, state, *grads)
                 batches[(p.device, step, *item[-1])].append(item[:-1])
             for key, items in batches.items():
-                self._launch(group, key[1], items, grad_unscale)
+                step_.launch(self, group, key[1], items, grad_unscale, emit=key[-1])
         self._pending.clear()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
@@ -353,50 +364,6 @@ class FP8AdamW(torch.optim.Optimizer):
             local = shards.local(p).detach().float()
             checkpoint.store(state, "master", local, self.master_dtype, local.shape, local.device)
             state["master"] = shards.like(p, state["master"])
-
-    def _launch_item(self, p, state, grad, grad_scale_inv, grad_amax) -> tuple:
-        """The kernel's tensors for ``p``, then the dtypes that decide which launch takes them."""
-        # The parameter itself, not a detached alias: the step runs under no_grad (like torch.optim's in-place
-        # updates), and detach() costs about a microsecond per parameter.
-        target, copy = (state["master"], p) if "master" in state else (p, None)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if p in self._low_precision:
-            scales = (state["master_scale"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
-            amaxes = (state["master_amax"], state["exp_avg_amax"], state["exp_avg_sq_amax"])
-        else:
-            scales = amaxes = None
-        if shards.is_dtensor(p):  # FSDP2: the kernel works on this rank's shards
-            target = shards.local(target.detach())
-            grad, exp_avg, exp_avg_sq = shards.local(grad), shards.local(exp_avg), shards.local(exp_avg_sq)
-            copy = shards.local(copy.detach()) if copy is not None else None
-        dtypes = (target.dtype, grad.dtype, exp_avg.dtype, exp_avg_sq.dtype,
-                  grad_scale_inv is not None, copy.dtype if copy is not None else None)  # fmt: skip
-        return target, grad, exp_avg, exp_avg_sq, grad_scale_inv, copy, scales, amaxes, grad_amax, dtypes
-
-    def _launch(self, group: dict[str, Any], step: int, items: list[tuple], grad_unscale: float) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes, grad_amaxes = (
-            list(x) for x in zip(*items, strict=True)
-        )
-        beta1, beta2 = group["betas"]
-        # One pass bounds the new amaxes with Adam's step bound (needs beta1**2 < beta2) and the gradient amaxes.
-        two_pass = self.scale_update == "two_pass" or beta1**2 >= beta2 or scales[0] is None
-        kwargs = {
-            "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": group["eps"],
-            "weight_decay": group["weight_decay"], "step": step,
-            "grad_unscale": -grad_unscale if group.get("maximize", False) else grad_unscale,
-            "two_pass": two_pass, "grad_amaxes": None if two_pass else grad_amaxes,
-            # lr 0 leaves the weights as they are, as in torch.optim.AdamW (the copy would be the rounded master;
-            # torch.distributed.checkpoint creates the states of a resumed run with such a step).
-            "param_copies": copies if copies[0] is not None and float(group["lr"]) != 0.0 else None,
-        }  # fmt: skip
-        args = (params, grads, exp_avgs, exp_avg_sqs, scales if scales[0] is not None else None,
-                amaxes if amaxes[0] is not None else None, gsis if gsis[0] is not None else None)  # fmt: skip
-        if ops.use_triton(params[0]) and all(t.is_contiguous() for t in params + exp_avgs + exp_avg_sqs):
-            from lightning_fp8.kernels import adamw as adamw_kernels
-
-            adamw_kernels.adamw_step(*args, **kwargs)
-        else:
-            reference.adamw_step_ref(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ state and stats
     @override
@@ -431,31 +398,3 @@ class FP8AdamW(torch.optim.Optimizer):
         """Read-only snapshot (Python numbers, one host transfer): per low-precision parameter (by index in the
         param groups) its state scales and amaxes, their min/max, and the gradient scaler's statistics."""
         return checkpoint.stats(self)
-
-
-def _check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"FP8AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs lr >= 0)")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps} (FP8AdamW needs eps >= 0)")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"Invalid betas: {betas!r} (FP8AdamW needs a pair (beta1, beta2))")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= float(beta) < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)} (FP8AdamW needs 0 <= beta < 1)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs weight_decay >= 0)")
-
-
-def _advance_steps(steps: list[torch.Tensor]) -> list[int]:
-    """``step += 1`` for each 0-dim step tensor (one foreach call for CPU steps); returns the new counts."""
-    if not steps:
-        return []
-    if all(s.is_cpu for s in steps):  # as torch.optim.AdamW: a tensor scalar and alpha take foreach's fast path
-        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
-    else:
-        for s in steps:
-            s += 1
-    return [int(s.item()) for s in steps]

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from lightning_fp8.kernels.reference import cast_to_fp8_ref
+from lightning_fp8.kernels.reference import cast_to_fp8_ref, column_sum_ref
 from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe, fp8_state_dict, load_fp8_state_dict
@@ -110,6 +110,22 @@ def test_no_input_grad_skips_dgrad_and_frozen_weight_skips_wgrad():
     assert x.grad is not None and x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_bias_grad_comes_from_the_grad_cast(monkeypatch, frozen_weight):
+    # With FUSED_BIAS_GRAD the backward takes the bias gradient from the grad_output cast (in column_sum_ref's order),
+    # with or without the transposed copy of dy (a frozen weight needs no wgrad); it is the fp32 column sum of dy.
+    from lightning_fp8 import linear
+
+    monkeypatch.setattr(linear, "FUSED_BIAS_GRAD", True)
+    fp8 = FP8Linear(48, 32)
+    fp8.weight.requires_grad_(not frozen_weight)
+    x, dy = torch.randn(150, 48), torch.randn(150, 32)
+    fp8(x).backward(dy)
+    assert torch.equal(fp8.bias.grad, column_sum_ref(dy))
+    torch.testing.assert_close(fp8.bias.grad, dy.double().sum(0).float())
+    assert (fp8.weight.grad is None) == frozen_weight
+
+
 def test_state_dict_keys_match_nn_linear_and_fp8_state_round_trips(tmp_path):
     fp8 = FP8Linear(32, 48)
     assert fp8.state_dict().keys() == nn.Linear(32, 48).state_dict().keys()
@@ -141,7 +157,11 @@ def test_load_fp8_state_rejects_other_model():
     "the CUDA path is exact there (benchmarks/check_compile.py), and torch >= 2.12 is exact on both",
     strict=False,
 )
-def test_torch_compile_matches_eager():
+@pytest.mark.parametrize("fused_bias_grad", [False, True])
+def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
+    from lightning_fp8 import linear
+
+    monkeypatch.setattr(linear, "FUSED_BIAS_GRAD", fused_bias_grad)
     eager = FP8Linear(32, 48)
     compiled_src = FP8Linear(32, 48)
     compiled_src.load_state_dict(eager.state_dict())
@@ -153,6 +173,7 @@ def test_torch_compile_matches_eager():
         y2.square().sum().backward()
         assert torch.equal(y1, y2)
         assert torch.equal(eager.weight.grad, compiled_src.weight.grad)
+        assert torch.equal(eager.bias.grad, compiled_src.bias.grad)  # the fused column sum, through the custom op
         eager.zero_grad()
         compiled_src.zero_grad()
     assert torch.equal(eager.fp8_scaling["grad_output"].scale, compiled_src.fp8_scaling["grad_output"].scale)

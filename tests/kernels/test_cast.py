@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from lightning_fp8.kernels import cast  # noqa: E402
-from lightning_fp8.kernels.reference import amax_ref, cast_to_fp8_ref  # noqa: E402
+from lightning_fp8.kernels import cast, reference  # noqa: E402
+from lightning_fp8.kernels.reference import amax_ref, cast_to_fp8_ref, column_sum_ref  # noqa: E402
 
 from lightning_fp8 import FP8Linear, ops  # noqa: E402
 
@@ -72,7 +72,7 @@ def inputs(shape, dtype, fp8_dtype, scale, planted=True):
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
-@pytest.mark.parametrize("shape", [(37, 53), (1, 16), (129, 7)])
+@pytest.mark.parametrize("shape", [(37, 53), (1, 16), (129, 7), (132, 52)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_cast_matches_reference_odd_shapes(fp8_dtype, dtype, shape, transpose):
     scale = torch.tensor(2.0**3, device=DEVICE)
@@ -184,11 +184,18 @@ def _linear_step(seed, monkeypatch, kernels):
     return outs
 
 
-def test_fp8_linear_triton_equals_reference(monkeypatch):
+@pytest.mark.parametrize("fused_bias_grad", [False, True])
+def test_fp8_linear_triton_equals_reference(monkeypatch, fused_bias_grad):
+    from lightning_fp8 import linear
+
+    monkeypatch.setattr(linear, "FUSED_BIAS_GRAD", fused_bias_grad)
     got = _linear_step(7, monkeypatch, "triton")
     ref = _linear_step(7, monkeypatch, "reference")
-    for g, r in zip(got, ref, strict=True):
-        assert torch.equal(g, r)
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        if fused_bias_grad and DEVICE == "cuda" and i % 4 == 3:  # a GPU's column sums: its own reduction tree
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(g, r)
 
 
 def _state(history_len, scale):
@@ -234,17 +241,62 @@ def test_fused_quantize_matches_reference_over_steps(
     assert int(got_state[4]) == 1 and int(got_state[5]) == 7
 
 
+# The bias gradient's tolerance against the exact (fp64) column sum: every fp32 addition of a sum of n terms rounds by
+# at most 2**-24 relative, so |error| <= n * 2**-24 * sum|x| (a loose bound; the test data land far inside it).
+def column_sum_bound(x):
+    return x.shape[0] * 2.0**-24 * x.double().abs().sum(0)
+
+
+def _column_sum_cast(x, fp8_dtype, transpose):
+    """quantize_ with column_sum on a fresh state and its reference: (got, ref) output tuples."""
+    args = (fp8_dtype, 0, True, True, True, transpose, None, True)
+    got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
+    return cast.quantize_(x, *got_state, *args), reference.quantize_ref(x, *ref_state, *args)
+
+
+@pytest.mark.parametrize(("shape", "transpose"), [((300, 52), True), ((132, 48), True), ((67, 45), True),
+                                                  ((300, 52), False), ((1, 16), True)])  # fmt: skip
+def test_fused_column_sum_matches_reference(shape, transpose):
+    """The bias gradient the grad cast sums as it reads: bit for bit the reference's order (several row blocks, a
+    partial last one, no transposed copy at all), close to the exact column sum."""
+    x = (torch.randn(shape) * torch.exp2(torch.randint(-6, 6, shape).float())).to(torch.bfloat16).to(DEVICE)
+    got, ref = _column_sum_cast(x, torch.float8_e5m2, transpose)
+    assert len(got) == 4 and got[3].dtype == torch.float32 and got[3].shape == (shape[1],)
+    no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))
+    assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
+    exact = x.double().sum(0)
+    assert ((ref[3].double() - exact).abs() <= column_sum_bound(x)).all()
+    if DEVICE == "cpu":  # the interpreter sums a tile's rows in order, as the reference does
+        assert torch.equal(got[3], ref[3])
+    else:  # a GPU reduction tree: fp32 rounding of the same sum, and deterministic
+        assert ((got[3].double() - exact).abs() <= column_sum_bound(x)).all()
+        assert torch.equal(got[3], _column_sum_cast(x, torch.float8_e5m2, transpose)[0][3])
+
+
+def test_column_sum_order_matches_the_kernel_config():
+    # The reference's order is the kernel's only with its tile rows and row grouping.
+    cfg = cast.CONFIGS["transpose"]
+    assert cfg["BLOCK_M"] == reference.COLUMN_SUM_BLOCK_ROWS
+    x = torch.randn(300, 20, dtype=torch.float64).float()
+    torch.testing.assert_close(column_sum_ref(x), x.sum(0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="2-D"):
+        column_sum_ref(x.reshape(2, 150, 20))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("exact_round", [False, True])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("transpose_fp32", [False, True])
-def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_fp32):
+@pytest.mark.parametrize("stats_tile", [False, True])
+def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_fp32, stats_tile):
     # Every compiled variant the benchmark sweep may pick: with/without pre-rounding, each transpose path.
     monkeypatch.setattr(cast, "EXACT_ROUND_ON_GPU", exact_round)
-    monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], "TRANSPOSE_FP32": transpose_fp32})
+    monkeypatch.setitem(cast.CONFIGS, "flat", {**cast.CONFIGS["flat"], "STATS_TILE": stats_tile})
+    variant = {"TRANSPOSE_FP32": transpose_fp32, "STATS_TILE": stats_tile}
+    monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], **variant})
     for dtype in INPUT_DTYPES:
         scale = torch.tensor(2.0**-2, device=DEVICE)
-        x = inputs((1031, 2053), dtype, fp8_dtype, scale.item())
+        x = inputs((1032, 2053), dtype, fp8_dtype, scale.item())
         for transpose in (False, True):
             assert_cast_equal(
                 cast.cast_to_fp8(x, scale, fp8_dtype, transpose), cast_to_fp8_ref(x, scale, fp8_dtype, transpose)

@@ -1,0 +1,108 @@
+"""FP8AdamW's step launches: the kernel's tensor lists per group of tensors, one multi-tensor launch each, and the
+FP8 weight copies the step emits (:mod:`lightning_fp8.weight_cache`).
+
+A launch takes tensors of one set of dtypes at one step count (bias correction); tensors that emit an FP8 copy
+and those that do not go to separate launches (one ``EMIT`` constexpr per launch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_fp8 import ops, weight_cache
+from lightning_fp8.kernels import reference
+from lightning_fp8.optim import master, shards
+
+
+def launch_item(opt: Any, p: torch.Tensor, state: dict[str, Any], grad, grad_scale_inv, grad_amax) -> tuple:
+    """The kernel's tensors for ``p``, ``p`` itself, then the key (dtypes, emission) that decides its launch."""
+    # The parameter itself, not a detached alias: the step runs under no_grad (like torch.optim's in-place
+    # updates), and detach() costs about a microsecond per parameter.
+    target, copy = (state["master"], p) if "master" in state else (p, None)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    if p in opt._low_precision:
+        scales = (state["master_scale"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
+        amaxes = (state["master_amax"], state["exp_avg_amax"], state["exp_avg_sq_amax"])
+    else:
+        scales = amaxes = None
+    dtensor = shards.is_dtensor(p)
+    if dtensor:  # FSDP2: the kernel works on this rank's shards
+        target = shards.local(target.detach())
+        grad, exp_avg, exp_avg_sq = shards.local(grad), shards.local(exp_avg), shards.local(exp_avg_sq)
+        copy = shards.local(copy.detach()) if copy is not None else None
+    # The FP8 copy is for FP8Linear weights the forward reads as they are (not DTensors: see weight_cache).
+    emit = opt.emit_fp8_weights and master.is_fp8_weight(p) and not dtensor
+    key = (target.dtype, grad.dtype, exp_avg.dtype, exp_avg_sq.dtype, grad_scale_inv is not None,
+           copy.dtype if copy is not None else None, emit)  # fmt: skip
+    return target, grad, exp_avg, exp_avg_sq, grad_scale_inv, copy, scales, amaxes, grad_amax, p, key
+
+
+def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_unscale: float, emit: bool) -> None:
+    """One multi-tensor step over ``items`` (from :func:`launch_item`, without the key), emitting FP8 copies when
+    ``emit``; FP8 weights written without emitting lose their old copy (a Triton write bumps no version)."""
+    params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes, grad_amaxes, owners = (
+        list(x) for x in zip(*items, strict=True)
+    )
+    beta1, beta2 = group["betas"]
+    # One pass bounds the new amaxes with Adam's step bound (needs beta1**2 < beta2) and the gradient amaxes.
+    two_pass = opt.scale_update == "two_pass" or beta1**2 >= beta2 or scales[0] is None
+    # lr 0 leaves the weights as they are, as in torch.optim.AdamW (the copy would be the rounded master;
+    # torch.distributed.checkpoint creates the states of a resumed run with such a step).
+    write_copies = copies[0] is not None and float(group["lr"]) != 0.0
+    kwargs = {
+        "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": group["eps"],
+        "weight_decay": group["weight_decay"], "step": step,
+        "grad_unscale": -grad_unscale if group.get("maximize", False) else grad_unscale,
+        "two_pass": two_pass, "grad_amaxes": None if two_pass else grad_amaxes,
+        "param_copies": copies if write_copies else None,
+    }  # fmt: skip
+    caches = None
+    if emit and (write_copies or copies[0] is None):  # an unwritten copy keeps its valid FP8 copy
+        caches = [weight_cache.allocate(p, opt.recipe.forward_dtype, opt.recipe.margin) for p in owners]
+        kwargs.update(fp8_weights=[c.data for c in caches], fp8_weight_stats=[c.record for c in caches],
+                      fp8_margin=opt.recipe.margin)  # fmt: skip
+    elif copies[0] is None or write_copies:
+        for p in owners:
+            weight_cache.drop(p)
+    args = (params, grads, exp_avgs, exp_avg_sqs, scales if scales[0] is not None else None,
+            amaxes if amaxes[0] is not None else None, gsis if gsis[0] is not None else None)  # fmt: skip
+    if ops.use_triton(params[0]) and all(t.is_contiguous() for t in params + exp_avgs + exp_avg_sqs):
+        from lightning_fp8.kernels import adamw as adamw_kernels
+
+        adamw_kernels.adamw_step(*args, **kwargs)
+    else:
+        reference.adamw_step_ref(*args, **kwargs)
+    if caches is not None:
+        for p, cache in zip(owners, caches, strict=True):
+            weight_cache.seal(p, cache)
+
+
+def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"FP8AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs lr >= 0)")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps} (FP8AdamW needs eps >= 0)")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r} (FP8AdamW needs a pair (beta1, beta2))")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)} (FP8AdamW needs 0 <= beta < 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs weight_decay >= 0)")
+
+
+def advance_steps(steps: list[torch.Tensor]) -> list[int]:
+    """``step += 1`` for each 0-dim step tensor (one foreach call for CPU steps); returns the new counts."""
+    if not steps:
+        return []
+    if all(s.is_cpu for s in steps):  # as torch.optim.AdamW: a tensor scalar and alpha take foreach's fast path
+        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
+    else:
+        for s in steps:
+            s += 1
+    return [int(s.item()) for s in steps]

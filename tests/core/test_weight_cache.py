@@ -1,0 +1,236 @@
+"""The FP8 weight copy FP8AdamW(emit_fp8_weights=True) writes in its step: the forward uses it instead of casting,
+training is unchanged (two passes: bit for bit), and any other change of the weight invalidates it."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import (
+    FP8AdamW,
+    FP8GradScaler,
+    convert_to_fp8,
+    fp8_modules,
+    fp8_state_dict,
+    load_fp8_state_dict,
+    weight_cache,
+)
+from lightning_fp8.optim import master
+from lightning_fp8.scaling import ScalingState
+from tests.core.gpt_tiny import TinyGPT, batches
+from tests.core.test_optim import _one_thread
+
+__all__ = ["_one_thread"]  # the module-scoped fixture, re-used
+
+# One pass: the copy's scale comes from an upper bound of the weight's amax, at times a binade below the forward's
+# current scale, so those copies carry one bit less precision; the tiny GPT's losses over 30 steps measured within
+# 9e-5 of the casting run (both start equal). The bound leaves about 10x margin.
+ONE_PASS_LOSS_TOL = 1e-3
+STATS = ("amax", "scale", "saturation", "amax_history", "nonfinite_count", "casts")
+
+
+@pytest.fixture
+def weight_casts(monkeypatch):
+    """Counts the weight casts the forwards run (ScalingState.quantize on a weight role)."""
+    calls = []
+    original = ScalingState.quantize
+
+    def quantize(self, x, *args, **kwargs):
+        if self.amax_history.numel() == 1 and not self.delayed:  # the weight role: history 1, current scaling
+            calls.append(self)
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(ScalingState, "quantize", quantize)
+    return calls
+
+
+def _gpt(base):
+    # Converted after the copy: deepcopy does not copy the attributes FP8Linear and FP8AdamW set on parameters.
+    return convert_to_fp8(copy.deepcopy(base), module_filter_fn=lambda m, fqn: "head" not in fqn)
+
+
+def _drop_all(model):
+    for p in model.parameters():
+        weight_cache.drop(p)
+
+
+def _train(model, opt, data, scaler=None):
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+def _weights(model):
+    return [m.weight for m in fp8_modules(model).values()]
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O1"])
+def test_two_pass_training_with_the_copy_is_bit_identical(opt_level, weight_casts):
+    base = TinyGPT(n_layer=1, n_embd=48)
+    runs = {}
+    for emit in (False, True):
+        model = _gpt(base)
+        scaler = FP8GradScaler(model=model)
+        opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, grad_scaler=scaler, opt_level=opt_level,
+                       scale_update="two_pass", emit_fp8_weights=emit)  # fmt: skip
+        weight_casts.clear()
+        runs[emit] = (_train(model, opt, batches(12), scaler), model, len(weight_casts))
+    (losses, model, casts), (losses_e, model_e, casts_e) = runs[False], runs[True]
+    n = len(_weights(model))
+    assert casts == 12 * n and casts_e == n  # with the copy, only the first forward casts
+    assert torch.equal(losses, losses_e)
+    for a, b in zip(model.parameters(), model_e.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for (name, m), m_e in zip(fp8_modules(model).items(), fp8_modules(model_e).values(), strict=True):
+        for key in STATS:  # the statistics monitoring sees are the same numbers
+            assert torch.equal(getattr(m.fp8_scaling["weight"], key), getattr(m_e.fp8_scaling["weight"], key)), name
+    assert losses[-3:].mean() < losses[:3].mean()
+
+
+def test_one_pass_training_with_the_copy_stays_close(weight_casts):
+    base = TinyGPT(n_layer=1, n_embd=48)
+    losses = {}
+    for emit in (False, True):
+        model = _gpt(base)
+        opt = FP8AdamW(model.parameters(), lr=3e-3, emit_fp8_weights=emit)
+        losses[emit] = _train(model, opt, batches(30))
+    assert (losses[True] - losses[False]).abs().max() < ONE_PASS_LOSS_TOL
+    assert losses[True][0] == losses[False][0]
+
+
+def _emitted(seed=0, **kwargs):
+    """A small FP8 MLP after one emitting step: (model, optimizer, data)."""
+    torch.manual_seed(seed)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
+    opt = FP8AdamW(model.parameters(), lr=1e-2, scale_update="two_pass", emit_fp8_weights=True, **kwargs)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    return model, opt, x
+
+
+def _valid(model):
+    return [weight_cache.lookup(m.weight, m.fp8_scaling["weight"]) is not None for m in fp8_modules(model).values()]
+
+
+def _change_by_load_state_dict(model, opt):
+    sd = model.state_dict()
+    sd["0.weight"] = sd["0.weight"] * 1.5
+    model.load_state_dict(sd)
+
+
+def _change_by_copy(model, opt):
+    with torch.no_grad():
+        model[0].weight.copy_(model[0].weight * 2)
+
+
+def _change_by_data(model, opt):
+    model[0].weight.data = model[0].weight.data.clone()
+
+
+def _change_by_optimizer_load(model, opt):
+    sd = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(sd)
+
+
+def _change_by_step_without_emit(model, opt):
+    opt.emit_fp8_weights = False
+    ((model(torch.randn(8, 32)) - 1) ** 2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])  # Triton writes bump no version counter
+@pytest.mark.parametrize(
+    "change",
+    [_change_by_load_state_dict, _change_by_copy, _change_by_data, _change_by_optimizer_load,
+     _change_by_step_without_emit],
+    ids=["load_state_dict", "copy_", "data", "optimizer_load_state_dict", "step_without_emit"],
+)  # fmt: skip
+def test_any_other_change_of_the_weight_invalidates_the_copy(change, kernels, monkeypatch, weight_casts):
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
+    model, opt, x = _emitted()
+    assert _valid(model) == [True, True]
+    change(model, opt)
+    valid = _valid(model)
+    assert not valid[0]
+    if change in (_change_by_copy, _change_by_data):  # the other layer's weight did not change: its copy is valid
+        assert valid[1]
+    weight_casts.clear()
+    model(x)  # the forward casts the changed weight
+    assert model[0].fp8_scaling["weight"] in weight_casts
+
+
+def test_skipped_step_keeps_the_weight_and_a_valid_copy(weight_casts):
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
+    scaler = FP8GradScaler(model=model)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, scale_update="two_pass", emit_fp8_weights=True)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    for bad in (False, True):
+        opt.zero_grad()
+        loss = ((model(x * (float("inf") if bad else 1.0)) - y) ** 2).mean()
+        scaler.scale_loss(loss).backward()
+        before = [m.weight.clone() for m in fp8_modules(model).values()]
+        opt.step()
+    assert scaler.skipped_steps == 1
+    assert all(torch.equal(b, m.weight) for b, m in zip(before, fp8_modules(model).values(), strict=True))
+    assert _valid(model) == [True, True]
+    for m in fp8_modules(model).values():  # the copy is the cast of the weight as it is
+        state = copy.deepcopy(m.fp8_scaling["weight"])
+        cast = state.quantize(m.weight, False, True, master.master_scale(m.weight))[0]
+        assert torch.equal(weight_cache.lookup(m.weight, state).data.view(torch.uint8), cast.view(torch.uint8))
+    weight_casts.clear()
+    model(x)
+    assert weight_casts == []  # served by the copies
+
+
+def test_copy_is_not_used_when_the_recipe_differs_or_compiling(monkeypatch, weight_casts):
+    model, _, x = _emitted()
+    model[0].fp8_scaling["weight"].margin = 1  # as a layer whose recipe has another margin
+    weight_casts.clear()
+    model(x)
+    assert weight_casts == [model[0].fp8_scaling["weight"]]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert weight_cache.lookup(model[2].weight, model[2].fp8_scaling["weight"]) is None
+
+
+def test_copy_is_not_saved_and_a_resumed_run_rebuilds_it(weight_casts):
+    model, opt, x = _emitted()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "fp8": fp8_state_dict(model), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert not any("cache" in key for key in saved["model"])
+    resumed, ropt, _ = _emitted(seed=3)
+    resumed.load_state_dict(saved["model"])
+    load_fp8_state_dict(resumed, saved["fp8"])
+    ropt.load_state_dict(saved["opt"])
+    assert _valid(resumed) == [False, False]  # the forward casts until the next step
+    opt.zero_grad()
+    ropt.zero_grad()
+    for m in (model, resumed):
+        ((m(x) - 1) ** 2).mean().backward()
+    opt.step()
+    ropt.step()
+    assert _valid(resumed) == [True, True]
+    weight_casts.clear()
+    assert torch.equal(model(x), resumed(x)) and weight_casts == []
+
+
+def test_param_groups_emit_with_their_own_hyper_parameters():
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
+    groups = [{"params": [model[0].weight], "lr": 1e-2}, {"params": [model[2].weight], "lr": 0.0},
+              {"params": [model[0].bias, model[2].bias]}]  # fmt: skip
+    opt = FP8AdamW(groups, lr=1e-3, scale_update="two_pass", emit_fp8_weights=True)
+    ((model(torch.randn(8, 32)) - 1) ** 2).mean().backward()
+    opt.step()
+    assert _valid(model) == [True, True]
+    assert weight_cache.lookup(model[0].bias, model[0].fp8_scaling["weight"]) is None  # only FP8 weights
