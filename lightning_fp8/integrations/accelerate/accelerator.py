@@ -49,6 +49,11 @@ def _fresh_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) and not getattr(obj, "_is_accelerate_prepared", False)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # Accelerate's CPU device is "cpu:0", a CPU tensor's "cpu".
+    return a.type == b.type and (a.type == "cpu" or a.index == b.index)
+
+
 class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     """``accelerate.Accelerator`` that trains with FP8-LM when the launch asks for it.
 
@@ -143,7 +148,11 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         # Convert before Accelerate wraps (DDP) or shards (FSDP2) the model; FP8Linear shares nn.Linear's
         # parameters, so the optimizer built on them stays valid.
-        args = tuple(self._fp8_convert(obj) if isinstance(obj, nn.Module) else obj for obj in args)
+        placements = device_placement if device_placement is not None else [None] * len(args)
+        args = tuple(
+            self._fp8_convert(obj, placed) if isinstance(obj, nn.Module) else obj
+            for obj, placed in zip(args, placements, strict=True)
+        )
         if self._fp8_tp_enabled:
             for obj in args:
                 if isinstance(obj, nn.Module):
@@ -169,7 +178,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     ) -> nn.Module:
         if self.fp8_lm_config is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        model = self._fp8_convert(model)
+        model = self._fp8_convert(model, device_placement)
         if self._fp8_tp_enabled:
             self._fp8_shard(model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -208,9 +217,16 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             rebind_scheduler(scheduler, self._fp8_swapped)
         return super().prepare_scheduler(scheduler)
 
-    def _fp8_convert(self, model: nn.Module) -> nn.Module:
+    def _fp8_convert(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
         if any(model is m for m in self._fp8_models):
             return model
+        # On the device before FP8AdamW adopts the FP8 weights' storage (DDP), the ranks' weights are broadcast,
+        # or the model is sharded (tensor parallelism): Accelerate would move it later, in prepare_model.
+        placed = self.device_placement if device_placement is None else device_placement
+        # Only when needed: Module.to replaces DTensor parameters (of a model the script sharded) by new objects.
+        elsewhere = any(not _same_device(p.device, self.device) for p in model.parameters())
+        if placed and elsewhere and not self.is_fsdp2 and not self.verify_device_map(model):
+            model = model.to(self.device)
         model, report = conversion.convert(model, self.fp8_lm_config, self._fp8_user_filter, self.device)
         self._fp8_models.append(model)
         self.fp8_report.update(report)
