@@ -140,6 +140,7 @@ def launch(argv: list[str]) -> int:
     except ValueError as err:
         print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
         return 2
+    _use_parallelism_config_if_sized(args)
     with tempfile.TemporaryDirectory(prefix="lightning_fp8_") as tmp:
         if section is not None:  # Accelerate rejects unknown keys: it gets the file without our section
             args.config_file = _write_config(config, Path(tmp) / Path(config_path).name)
@@ -150,6 +151,26 @@ def launch(argv: list[str]) -> int:
         except subprocess.CalledProcessError as err:
             return err.returncode or 1
     return 0
+
+
+_PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def _use_parallelism_config_if_sized(args: argparse.Namespace) -> None:
+    # accelerate launch ignores --parallelism_config_<dim>_size without --use_parallelism_config: a tensor-parallel
+    # launch would silently train data-parallel instead.
+    sized = [
+        f"--parallelism_config_{d}_size"
+        for d in _PARALLEL_SIZES
+        if (getattr(args, f"parallelism_config_{d}_size", 1) or 1) > 1
+    ]
+    if sized and not getattr(args, "use_parallelism_config", False):
+        print(
+            f"lightning-fp8 launch: {', '.join(sized)} given: adding --use_parallelism_config (accelerate launch "
+            "ignores the sizes without it)",
+            file=sys.stderr,
+        )
+        args.use_parallelism_config = True
 
 
 def _read_config(path: str) -> dict[str, Any]:

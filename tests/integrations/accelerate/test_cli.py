@@ -93,3 +93,16 @@ def test_accelerate_rejects_our_section_so_launch_hands_it_a_copy_without_it(tmp
     assert data.pop("lightning_fp8") == {"recipe": "fp8-lm-o1"}
     loaded = load_config_from_file(cli._write_config(data, tmp_path / "clean.yaml"))
     assert (loaded.distributed_type.value, loaded.num_processes) == ("MULTI_CPU", 3)
+
+
+def test_parallelism_sizes_turn_the_parallelism_config_on(capsys):
+    # accelerate launch ignores --parallelism_config_tp_size without --use_parallelism_config (it would train
+    # data-parallel); lightning-fp8 launch adds the switch and says so.
+    args = cli._parser().parse_args(["--multi_gpu", "--parallelism_config_tp_size", "2", "train.py"])
+    assert not args.use_parallelism_config
+    cli._use_parallelism_config_if_sized(args)
+    assert args.use_parallelism_config
+    assert "--parallelism_config_tp_size given: adding --use_parallelism_config" in capsys.readouterr().err
+    plain = cli._parser().parse_args(["--multi_gpu", "train.py"])
+    cli._use_parallelism_config_if_sized(plain)
+    assert not plain.use_parallelism_config and capsys.readouterr().err == ""
