@@ -2,7 +2,8 @@
 
     python benchmarks/host_overhead.py [--cprofile]
 
-Prints microseconds per forward+backward against nn.Linear's, and with --cprofile the functions that take it.
+Prints microseconds per forward+backward against nn.Linear's, for FP8Linear with the fast launch path of the cast
+kernels (kernels/launch.py) off and on, and with --cprofile the functions that take the time (fast path on).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pstats
 import time
 
 import torch
+from lightning_fp8.kernels import launch
 
 import lightning_fp8 as lf
 
@@ -24,7 +26,14 @@ def main() -> None:
     args = p.parse_args()
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     rows = []
-    for name, layer in (("nn.Linear", torch.nn.Linear(256, 256).cuda()), ("FP8Linear", lf.FP8Linear(256, 256).cuda())):
+    variants = (
+        ("nn.Linear", torch.nn.Linear(256, 256).cuda(), True),
+        ("FP8Linear (fast launch off)", lf.FP8Linear(256, 256).cuda(), False),
+        ("FP8Linear", lf.FP8Linear(256, 256).cuda(), True),
+    )
+    for name, layer, fast in variants:
+        launch.ENABLED = fast
+        launch.clear()
 
         def step(layer=layer):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -39,7 +48,7 @@ def main() -> None:
             step()
         host = (time.perf_counter() - t0) / args.iters * 1e6
         torch.cuda.synchronize()
-        rows.append((name, host))
+        rows.append((name, host, dict(launch.COUNTS)))
         if args.cprofile and name == "FP8Linear":
             prof = cProfile.Profile()
             prof.enable()
@@ -48,8 +57,8 @@ def main() -> None:
             prof.disable()
             torch.cuda.synchronize()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    for name, host in rows:
-        print(f"{name:10s} host {host:8.1f} us per forward+backward")
+    for name, host, counts in rows:
+        print(f"{name:28s} host {host:8.1f} us per forward+backward  (cast launches: {counts})")
 
 
 if __name__ == "__main__":

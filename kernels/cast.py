@@ -21,7 +21,7 @@ amax 80%; eager ``(x * scale).to(fp8)`` reaches 23%. The transposed cast holds 1
 import functools
 
 import torch
-import triton
+from lightning_fp8.kernels import launch
 from lightning_fp8.kernels.cast_kernels import _amax_kernel, _cast_flat_kernel, _cast_transpose_kernel
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
 from triton.runtime.jit import JITFunction
@@ -67,6 +67,16 @@ def _launchable(kernel):
     return kernel if _interpreted(kernel) else torch.library.wrap_triton(kernel)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a ConstexprFunction in triton 3.6 and 3.9: ~4 us a call on the host, more than this whole helper.
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    # As triton.next_power_of_2 (n >= 1), without its ConstexprFunction call overhead.
+    return 1 << (n - 1).bit_length()
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -84,6 +94,7 @@ def _index_64(padded_numel: int) -> bool:
     return padded_numel >= INT32_INDEX_LIMIT
 
 
+@functools.cache
 def _format_args(fp8_dtype: torch.dtype, exact_round: bool) -> dict:
     fp8_max, mbits, min_exp = _FP8[fp8_dtype]
     return {
@@ -96,16 +107,33 @@ def _format_args(fp8_dtype: torch.dtype, exact_round: bool) -> dict:
     }
 
 
+@functools.cache
+def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
+    # The bookkeeping's constexprs: the exponent and mantissa of the format's maximum as an fp32, and the margin.
+    max_exp, max_mant = float32_exponent_mantissa(_FP8[fp8_dtype][0])
+    return {"MAX_EXP": max_exp, "MAX_MANT": max_mant, "MARGIN": margin}
+
+
+def _launch_meta(cfg: dict, eager: bool, interpreted: bool) -> dict:
+    # The launch metadata of cfg (the rest of it sizes the grid). MAXNREG caps the registers per thread (occupancy);
+    # eager launches only (the interpreter has no registers, and wrap_triton's tracing is left to the defaults).
+    meta = {k: v for k, v in cfg.items() if k not in ("PROGRAMS_PER_SM", "MAXNREG")}
+    if cfg.get("MAXNREG") and eager and not interpreted:
+        meta["maxnreg"] = cfg["MAXNREG"]
+    return meta
+
+
 def _launch(kernel, x: torch.Tensor, work_items: int, cfg: dict, *args, eager: bool = False, **constexprs) -> None:
     # A persistent grid of at most PROGRAMS_PER_SM programs per multiprocessor; the rest of cfg is launch metadata.
-    # `eager`: launch the kernel as is (outside a triton_op, wrap_triton would route it through a slower traced path).
-    meta = {k: v for k, v in cfg.items() if k not in ("PROGRAMS_PER_SM", "MAXNREG")}
-    # MAXNREG caps the registers per thread (occupancy); eager launches only (the interpreter has no registers, and
-    # wrap_triton's tracing is left to the defaults).
-    if cfg.get("MAXNREG") and eager and not _interpreted(kernel):
-        meta["maxnreg"] = cfg["MAXNREG"]
+    # `eager`: launch the kernel as is, through kernels/launch.py's fast path (outside a triton_op, wrap_triton would
+    # route it through a slower traced path).
     grid = (_grid_size(x, work_items, cfg["PROGRAMS_PER_SM"]),)
-    (kernel if eager else _launchable(kernel))[grid](*args, **constexprs, **meta)
+    interpreted = _interpreted(kernel)
+    meta = _launch_meta(cfg, eager, interpreted)
+    if eager and not interpreted:
+        launch.launch(kernel, grid, *args, **constexprs, **meta)
+    else:
+        (kernel if eager else _launchable(kernel))[grid](*args, **constexprs, **meta)
 
 
 # Without RECORD the bookkeeping arguments are not read: any pointer will do.
@@ -155,7 +183,7 @@ def _cast_impl(
         if interpreted:  # the interpreter cannot convert NaN to E4M3: keep the byte path
             cfg["TRANSPOSE_FP32"] = False
         m, n = x.shape
-        tiles_m, tiles_n = triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
+        tiles_m, tiles_n = _cdiv(m, cfg["BLOCK_M"]), _cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
         sums = torch.empty((tiles_m, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
@@ -164,7 +192,7 @@ def _cast_impl(
         kernel, work, index_64 = _cast_transpose_kernel, tiles_m * tiles_n, _index_64(padded)
     else:
         cfg = CONFIGS["flat"]
-        blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
+        blocks = _cdiv(x.numel(), cfg["BLOCK"])
         even = x.numel() % cfg["BLOCK"] == 0
         args = (x, scale, x_fp8, *stats, x.numel())
         flags = {}
@@ -200,7 +228,7 @@ def _amax_impl(x: torch.Tensor, eager: bool) -> torch.Tensor:
     if x.numel() == 0:
         return amax_out
     cfg = CONFIGS["amax"]
-    blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
+    blocks = _cdiv(x.numel(), cfg["BLOCK"])
     flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
     args = (x, amax_out, amax_out, amax_out, x.numel())  # workspace and scale: unread without CURRENT_SCALE
     _launch(
@@ -245,13 +273,11 @@ def quantize_(
 
         return quantize_ref(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin,
                             algo_max, delayed, current, transpose, unscale, column_sum)  # fmt: skip
-    fmax = _FP8[fp8_dtype][0]
-    max_exp, max_mant = float32_exponent_mantissa(fmax)
-    fields = {"MAX_EXP": max_exp, "MAX_MANT": max_mant, "MARGIN": margin}
+    fields = _record_fields(fp8_dtype, margin)
     ws = _workspace(x.device)
     if current:
         cfg = CONFIGS["amax"]
-        blocks = triton.cdiv(x.numel(), cfg["BLOCK"])
+        blocks = _cdiv(x.numel(), cfg["BLOCK"])
         flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
         _launch(_amax_kernel, x, blocks, cfg, x, scale, ws, scale, x.numel(), eager=True, CURRENT_SCALE=True,
                 **flags, **fields)  # fmt: skip
@@ -259,7 +285,7 @@ def quantize_(
     h = amax_history.numel()
     stats = (ws, ws, ws, amax_history, scale_inv, last_amax, saturation, nonfinite_count, casts,
              scale if unscale is None else unscale, h, x.numel())  # fmt: skip
-    record = {"RECORD": True, "BLOCK_H": triton.next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
+    record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
               "UNSCALE": unscale is not None, **fields}  # fmt: skip
     x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, True, column_sum)
     return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)

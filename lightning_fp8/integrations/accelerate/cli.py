@@ -157,20 +157,16 @@ _PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
 def _use_parallelism_config_if_sized(args: argparse.Namespace) -> None:
-    # accelerate launch ignores --parallelism_config_<dim>_size without --use_parallelism_config: a tensor-parallel
-    # launch would silently train data-parallel instead.
-    sized = [
-        f"--parallelism_config_{d}_size"
-        for d in _PARALLEL_SIZES
-        if (getattr(args, f"parallelism_config_{d}_size", 1) or 1) > 1
-    ]
-    if sized and not getattr(args, "use_parallelism_config", False):
-        print(
-            f"lightning-fp8 launch: {', '.join(sized)} given: adding --use_parallelism_config (accelerate launch "
-            "ignores the sizes without it)",
-            file=sys.stderr,
-        )
-        args.use_parallelism_config = True
+    # accelerate launch ignores --parallelism_config_<dim>_size without --use_parallelism_config (a tensor-parallel
+    # launch would silently train data-parallel), and accepts that switch only with FSDP2 in its flags, although its
+    # Accelerator runs pure tensor parallelism. The switch only exports these variables: export them here.
+    sizes = {d: getattr(args, f"parallelism_config_{d}_size", 1) or 1 for d in _PARALLEL_SIZES}
+    if getattr(args, "use_parallelism_config", False) or all(size == 1 for size in sizes.values()):
+        return
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    env.update({f"PARALLELISM_CONFIG_{d.upper()}_SIZE": str(size) for d, size in sizes.items()})
+    print(f"lightning-fp8 launch: parallelism sizes given: exporting {env}", file=sys.stderr)
+    os.environ.update(env)
 
 
 def _read_config(path: str) -> dict[str, Any]:

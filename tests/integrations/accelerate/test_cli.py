@@ -1,6 +1,7 @@
 """`lightning-fp8`: recipe listing, the resolution of the FP8 settings, and errors before anything is launched."""
 
 import json
+import os
 import re
 
 import pytest
@@ -95,14 +96,16 @@ def test_accelerate_rejects_our_section_so_launch_hands_it_a_copy_without_it(tmp
     assert (loaded.distributed_type.value, loaded.num_processes) == ("MULTI_CPU", 3)
 
 
-def test_parallelism_sizes_turn_the_parallelism_config_on(capsys):
+def test_parallelism_sizes_turn_the_parallelism_config_on(capsys, monkeypatch):
     # accelerate launch ignores --parallelism_config_tp_size without --use_parallelism_config (it would train
-    # data-parallel); lightning-fp8 launch adds the switch and says so.
-    args = cli._parser().parse_args(["--multi_gpu", "--parallelism_config_tp_size", "2", "train.py"])
-    assert not args.use_parallelism_config
-    cli._use_parallelism_config_if_sized(args)
-    assert args.use_parallelism_config
-    assert "--parallelism_config_tp_size given: adding --use_parallelism_config" in capsys.readouterr().err
+    # data-parallel) and refuses that switch without FSDP2; lightning-fp8 launch exports what the switch would.
+    for name in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     plain = cli._parser().parse_args(["--multi_gpu", "train.py"])
     cli._use_parallelism_config_if_sized(plain)
-    assert not plain.use_parallelism_config and capsys.readouterr().err == ""
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ and capsys.readouterr().err == ""
+    args = cli._parser().parse_args(["--multi_gpu", "--parallelism_config_tp_size", "2", "train.py"])
+    cli._use_parallelism_config_if_sized(args)
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert (os.environ["PARALLELISM_CONFIG_TP_SIZE"], os.environ["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "1")
+    assert "parallelism sizes given: exporting" in capsys.readouterr().err

@@ -1,0 +1,167 @@
+"""Fast launches of compiled Triton kernels: after the first launch of a specialization, skip the JIT dispatcher.
+
+``kernel[grid](*args, **kwargs)`` binds the arguments, specializes each one (type, 16-byte alignment of pointers,
+divisibility of integers), turns the specialization and the options into a cache key, looks the compiled kernel up,
+checks the kernel's globals, and only then calls ``CompiledKernel.run``. For the casts of a small training step
+that is most of their host time (benchmarks/results/host_overhead_h100.txt). :func:`launch` makes the same launch
+(Triton's own last lines of ``JITFunction.run`` in triton 3.6 to 3.9: the same compiled kernel, arguments, grid,
+stream, launch metadata and hooks) and finds the compiled kernel with a cheaper key of its own:
+
+- per tensor argument its dtype and whether its address is a multiple of 16; per integer whether it is 1, a multiple
+  of 16, and which of int32/int64 holds it; per other positional argument its type and value; the type and value of
+  every keyword (constexprs and options); the current device; Triton's option knobs (debug, instrumentation);
+- this key says at least as much as Triton's specialization, so two launches with equal keys get the same compiled
+  kernel from Triton. A key is learned from a normal launch (which compiles or finds the kernel and returns it) only
+  after checking Triton's own specialization of those arguments: its attributes must be ``""`` or ``"D"``, and ``"D"``
+  must mean divisibility by 16. A Triton that specializes on anything else gets a warning and normal launches.
+
+Normal launches remain where the fast path is unknown: the interpreter (``TRITON_INTERPRET=1``), a kernel with
+pre-run hooks or a stage-inspection hook, an argument of another type, a new key, ``LIGHTNING_FP8_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+try:  # triton >= 3.4 (knobs); older versions launch normally
+    from triton import knobs
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+except ImportError:
+    knobs = driver = JITFunction = None
+
+# key -> (compiled kernel, the argument values after the positional ones, in the kernel's parameter order)
+_LEARNED: dict[tuple, tuple[object, tuple]] = {}
+# Kernels whose specialization :func:`_check_specialization` could not explain: normal launches only.
+_REFUSED: set[int] = set()
+_NOT_PRESENT = object()
+# Launches by path since the last clear(): "fast" skipped the dispatcher, "normal" went through it.
+COUNTS = {"fast": 0, "normal": 0}
+
+
+# LIGHTNING_FP8_FAST_LAUNCH=0 turns the fast path off (read at import; tests set this flag).
+ENABLED = os.environ.get("LIGHTNING_FP8_FAST_LAUNCH", "1") != "0" and knobs is not None
+_INT32 = (-(2**31), 2**31)
+
+
+def _knobs_key() -> tuple:
+    # The knobs JITFunction.run folds into the options (so into its cache key); getattr: not all exist in 3.6.
+    return (
+        knobs.runtime.debug,
+        getattr(knobs.compilation, "instrumentation_mode", None),
+        getattr(knobs.compilation, "fpsan_homomorphic_casts", None),
+    )
+
+
+def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
+    """What Triton's specialization and options can depend on (native_specialize_impl, JITFunction.run), or None for
+    an argument of another type. Inlined: this runs for every launch."""
+    arg_keys = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            arg_keys.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif a.__class__ is int:
+            arg_keys.append((a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1], a < 2**63))
+        elif a is None or a.__class__ is bool or a.__class__ is float:
+            arg_keys.append((a.__class__, a))
+        else:
+            return None
+    # The keywords' values with their types (16, 16.0 and True are equal, but different constexprs for Triton).
+    kw_key = (tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+    return id(kernel), device, tuple(arg_keys), kw_key, _knobs_key()
+
+
+def _current_device_stream() -> tuple[int, int]:
+    # The device and stream JITFunction.run launches on.
+    active = driver.active
+    device = active.get_current_device()
+    return device, active.get_current_stream(device)
+
+
+def _check_specialization(kernel, device: int, args: tuple, kwargs: dict) -> bool:
+    """True when Triton's specialization of these arguments is a function of :func:`_key`'s."""
+    caches = kernel.device_caches[device]
+    backend, binder = caches[3], caches[4]
+    if backend.parse_attr("D") != [["tt.divisibility", 16]]:
+        return False
+    _, specialization, _ = binder(*args, **kwargs)
+    for spec in specialization:
+        if not isinstance(spec, tuple) or len(spec) != 2:
+            return False
+        kind, attr = spec
+        if kind != "constexpr" and attr not in ("", "D", None):
+            return False
+    return True
+
+
+def _learn(kernel, key: tuple, compiled, device: int, args: tuple, kwargs: dict) -> None:
+    names = list(kernel.signature.parameters)
+    if not hasattr(compiled, "packed_metadata") or not hasattr(compiled, "launch_metadata"):
+        return  # not a CompiledKernel (an asynchronous compile's future): keep launching normally
+    if not _check_specialization(kernel, device, args, kwargs):
+        _REFUSED.add(id(kernel))
+        warnings.warn(
+            f"lightning_fp8: Triton specializes {kernel.fn.__name__}'s arguments in a way the fast launch path does "
+            "not know (kernels/launch.py); it launches through Triton's dispatcher instead (slower, correct)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    params = kernel.signature.parameters
+    tail = tuple(kwargs[n] if n in kwargs else params[n].default for n in names[len(args) :])
+    _LEARNED[key] = (compiled, tail)
+
+
+def _globals_unchanged(kernel) -> bool:
+    for (name, _), (val, globals_dict) in kernel.used_global_vals.items():
+        if globals_dict.get(name, _NOT_PRESENT) != val:
+            return False  # the normal launch raises Triton's error
+    return True
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, without the JIT dispatcher once this specialization was launched before.
+
+    ``kernel`` is a ``triton.jit`` function; anything else (an interpreted kernel) is launched normally.
+    """
+    if (
+        not ENABLED
+        or not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or id(kernel) in _REFUSED
+        or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
+    ):
+        COUNTS["normal"] += 1
+        kernel[grid](*args, **kwargs)
+        return
+    device, stream = _current_device_stream()
+    key = _key(kernel, device, args, kwargs)
+    try:
+        learned = None if key is None else _LEARNED.get(key)
+    except TypeError:  # an unhashable keyword value
+        key = learned = None
+    if learned is None or not _globals_unchanged(kernel):
+        COUNTS["normal"] += 1
+        compiled = kernel[grid](*args, **kwargs)
+        if key is not None and compiled is not None:
+            _learn(kernel, key, compiled, device, args, kwargs)
+        return
+    compiled, tail = learned
+    COUNTS["fast"] += 1
+    full = args + tail
+    # From here on exactly JITFunction.run's launch.
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    launch_metadata = compiled.launch_metadata(grid, stream, *full)
+    compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, launch_metadata,
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)  # fmt: skip
+
+
+def clear() -> None:
+    """Forget every learned key (the next launch of each specialization goes through Triton again)."""
+    _LEARNED.clear()
+    _REFUSED.clear()
+    COUNTS.update(fast=0, normal=0)
