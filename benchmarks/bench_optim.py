@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the exactness check runs on CPU
 from lightning_fp8.kernels import adamw as adamw_kernels  # noqa: E402
 from lightning_fp8.kernels import adamw_kernels as adamw_jit  # noqa: E402
-from lightning_fp8.kernels import reference  # noqa: E402
+from lightning_fp8.kernels import reference_adamw  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_fp8  # noqa: E402
@@ -405,12 +405,12 @@ def host_overhead(device: torch.device, lines: list[str], layers: int = 100, hid
     what = f"host time of one FP8AdamW step, {layers} FP8Linear({hidden}, {hidden}) = {2 * layers} params"
     if device.type == "cuda":
         log(lines, f"{what}, total (Triton launches included): {median_ms():.3f} ms")
-    real = (reference.adamw_step_ref, adamw_kernels.adamw_step)
-    reference.adamw_step_ref = adamw_kernels.adamw_step = lambda *args, **kwargs: None
+    real = (reference_adamw.adamw_step_ref, adamw_kernels.adamw_step)
+    reference_adamw.adamw_step_ref = adamw_kernels.adamw_step = lambda *args, **kwargs: None
     try:
         log(lines, f"{what}, bookkeeping (kernel call a no-op): {median_ms():.3f} ms")
     finally:
-        reference.adamw_step_ref, adamw_kernels.adamw_step = real
+        reference_adamw.adamw_step_ref, adamw_kernels.adamw_step = real
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -429,7 +429,7 @@ def check_exact(device: torch.device, lines: list[str] | None) -> bool:
     results = []
     for case in ("two_pass", "one_pass", "saturating", "non_finite", "emit_two_pass", "emit_one_pass"):
         runs = []
-        for fn in (reference.adamw_step_ref, adamw_kernels.adamw_step):
+        for fn in (reference_adamw.adamw_step_ref, adamw_kernels.adamw_step):
             gen = torch.Generator(device="cpu").manual_seed(0)
             p = [(torch.randn(s, generator=gen) * 2**11).half().to(device) for s in shapes]
             # The interpreter decodes E5M2 inf and NaN as finite numbers: non-finite FP8 gradients only on a GPU.

@@ -1,7 +1,7 @@
 """Multi-tensor AdamW step on scaled low-precision states, in Triton (the FP8-LM optimizer, O2).
 
 Math (per element, fp32 in registers, one IEEE rounding per operation; numerics defined by
-:func:`lightning_fp8.kernels.reference.adamw_step_ref`)::
+:func:`lightning_fp8.kernels.reference_adamw.adamw_step_ref`)::
 
     g = grad * grad_scale_inv                          FP8 gradient scale and 1/mu, powers of two
     m = m_stored * ((1 / m_scale) * b1) + g * (1 - b1)   dequantization folded into per-tensor factors
@@ -18,7 +18,7 @@ The new amax is known only after the update. Two schedules, selected by ``two_pa
   atomic max per program and state); pass B recomputes the update and writes with the scale of that
   amax (``a`` = the fresh amax). Reads the inputs twice: 6 + 6 + 5 bytes per parameter at O2.
 - one pass: ``a`` is an upper bound of the new amax known before the update, from the stored amaxes and
-  the gradient's amax (``reference.adamw_bound_ref``): the write never saturates and the fresh amax is
+  the gradient's amax (``reference_adamw.adamw_bound_ref``): the write never saturates and the fresh amax is
   folded for the next step. 6 + 5 bytes per parameter; the scale is at most a binade or so conservative.
 
 Either way a small finalize launch writes the new scales and amaxes into the 0-dim state tensors (the
@@ -28,7 +28,7 @@ FP8 weight copy (``fp8_weights``, FP8AdamW's ``emit_fp8_weights``): the write pa
 (what the FP8Linear forward reads) to FP8 with the forward's current scaling, computed from the stored image of the
 fresh amax (two passes: bit for bit the forward's cast) or of the one-pass bound (a valid copy whose scale may be
 lower), and counts its saturated elements; the finalize launch writes the statistics the forward's cast would
-record (reference.emit_fp8_weight_ref). +1 byte per parameter. The transposed copy is not written here: the 1-D
+record (reference_adamw.emit_fp8_weight_ref). +1 byte per parameter. The transposed copy is not written here: the 1-D
 chunks cannot store it coalesced; the first forward that needs it makes it with one byte transpose
 (lightning_fp8/weight_cache.py).
 
@@ -70,14 +70,8 @@ import torch
 import triton
 from lightning_fp8.kernels.adamw_kernels import NCOL, _adamw_kernel, _finalize_kernel
 from lightning_fp8.kernels.cast import _interpreted
-from lightning_fp8.kernels.reference import (
-    _FP8_MAX,
-    BOUND_SLACK,
-    SCALED_STATE_MAX,
-    AdamWConstants,
-    check_fp8_weights,
-    float32_exponent_mantissa,
-)
+from lightning_fp8.kernels.reference import _FP8_MAX, float32_exponent_mantissa
+from lightning_fp8.kernels.reference_adamw import BOUND_SLACK, SCALED_STATE_MAX, AdamWConstants, check_fp8_weights
 
 # Launch config, the best of benchmarks/bench_optim.py --sweep on an H100 (benchmarks/results/optim_h100.txt: 4.2 to
 # 4.4 ms from 256 to 2048 elements per step, 7.7 ms with 16 elements per thread, whose layout conversions go through
@@ -182,7 +176,7 @@ def adamw_step(
     fp8_weight_stats: list[torch.Tensor] | None = None,
     fp8_margin: int = 0,
 ) -> None:
-    """Multi-tensor AdamW step; same signature and bit-exact results as ``reference.adamw_step_ref``.
+    """Multi-tensor AdamW step; same signature and bit-exact results as ``reference_adamw.adamw_step_ref``.
 
     Each list holds tensors of one dtype, contiguous and on one device; see the reference for the arguments.
 

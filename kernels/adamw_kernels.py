@@ -166,7 +166,7 @@ def _scale_source(
     # The amax state j's new scale comes from: this step's (two-pass), or a bound known before the update.
     if FRESH:
         source = tl.load(amax_out_ptr + t * 4 + j)
-    else:  # reference.adamw_bound_ref, operation for operation
+    else:  # reference_adamw.adamw_bound_ref, operation for operation
         a = tl.load(_addr(table_ptr, t, 7 + j, amax_out_ptr)) * SLACK
         if j == 0:
             source = a * decay + max_update
@@ -215,7 +215,7 @@ def _adamw_kernel(
     # (pass B); then the saturated count of the FP8 weight copy (atomic add in the write pass)
     p0, g0, m0, v0, c0, e0,  # first tensor of each list: the bases of the table's offsets; their types type the others
     grad_unscale, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size,
-    max_update,  # fp32 scalars (reference.AdamWConstants)
+    max_update,  # fp32 scalars (reference_adamw.AdamWConstants)
     SCALED_P: tl.constexpr, SCALED_M: tl.constexpr, SCALED_V: tl.constexpr,  # storage carries a scale
     P_EXP: tl.constexpr, P_MANT: tl.constexpr, M_EXP: tl.constexpr,  # exponent/mantissa bits of each format max
     M_MANT: tl.constexpr, V_EXP: tl.constexpr, V_MANT: tl.constexpr,
@@ -230,7 +230,7 @@ def _adamw_kernel(
     WRITE: tl.constexpr,  # False: pass A (amax only)
     FRESH: tl.constexpr,  # write scales from amax_out (two-pass B) or from the bounds (one pass)
     ACCUM_AMAX: tl.constexpr,  # fold this pass's amax into amax_out
-    SLACK: tl.constexpr,  # reference.BOUND_SLACK
+    SLACK: tl.constexpr,  # reference_adamw.BOUND_SLACK
     EXACT_ROUND: tl.constexpr,  # pre-round FP8/bf16 in fp32 (interpreter)
     ALIGNED: tl.constexpr,  # every data address is a multiple of 16 bytes
     OFFS_64: tl.constexpr,  # a tensor is too large for 32-bit element offsets

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from lightning_fp8 import ops
-from lightning_fp8.kernels import reference
+from lightning_fp8.kernels import reference_adamw
 from lightning_fp8.optim import master
 
 ATTR = "_lightning_fp8_weight_cache"  # the WeightCache of a parameter
@@ -42,7 +42,7 @@ class WeightCache:
     Attributes:
         data: the FP8 weight, the parameter's shape (row-major: the forward GEMM's column-major ``data.t()``).
         data_t: its transpose (the dgrad GEMM's operand), made lazily; ``None`` until then.
-        record: int64 [5], written by the step: see ``reference.fp8_weight_record_views``.
+        record: int64 [5], written by the step: see ``reference_adamw.fp8_weight_record_views``.
         margin: the margin of the copy's scale.
     """
 
@@ -53,7 +53,7 @@ class WeightCache:
         self.data_t: torch.Tensor | None = None
         self.record = torch.empty(5, dtype=torch.int64, device=param.device)
         self.margin = margin
-        self.floats, self.counts = reference.fp8_weight_record_views(self.record)
+        self.floats, self.counts = reference_adamw.fp8_weight_record_views(self.record)
         self.scale_inv = self.floats[0]
         self._state: tuple = ()
         self._storage = self._scale = None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_fp8 import ops
-from lightning_fp8.kernels.reference import SCALED_STATE_MAX
+from lightning_fp8.kernels.reference_adamw import SCALED_STATE_MAX
 from lightning_fp8.optim import master, shards
 from lightning_fp8.scaling import compute_scale
 

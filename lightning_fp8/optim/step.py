@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lightning_fp8 import ops, weight_cache
-from lightning_fp8.kernels import reference
+from lightning_fp8.kernels import reference_adamw
 from lightning_fp8.optim import master, shards
 
 
@@ -73,7 +73,7 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
 
         adamw_kernels.adamw_step(*args, **kwargs)
     else:
-        reference.adamw_step_ref(*args, **kwargs)
+        reference_adamw.adamw_step_ref(*args, **kwargs)
     if caches is not None:
         for p, cache in zip(owners, caches, strict=True):
             weight_cache.seal(p, cache)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from lightning_fp8.kernels import adamw, reference
+from lightning_fp8.kernels import adamw, reference, reference_adamw
 
 from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.scaling import compute_scale
@@ -37,7 +37,7 @@ def _make(device, shapes, dtypes, *, scaled, fp8_grads, copies):
         amaxes = [x.abs().max() for x in (w, m, v)]
 
         def stored(x, dt, s):
-            return (x * s).to(dt) if scaled and dt in reference.SCALED_STATE_MAX else x.to(dt)
+            return (x * s).to(dt) if scaled and dt in reference_adamw.SCALED_STATE_MAX else x.to(dt)
 
         tensors.append(
             {
@@ -96,7 +96,7 @@ def test_kernel_matches_reference_bit_for_bit(case, two_pass):
     dtypes, scaled, fp8_grads, copies = CASES[case]
     tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
-    expected = _run(reference.adamw_step_ref, tensors, **kw)
+    expected = _run(reference_adamw.adamw_step_ref, tensors, **kw)
     actual = _run(adamw.adamw_step, tensors, **kw)
     _assert_same(expected, actual)
     # The step did something: weights moved and (scaled) scales are powers of two.
@@ -128,7 +128,7 @@ def test_kernel_matches_reference_when_saturating_or_non_finite(case):
     dtypes, scaled, fp8_grads, copies = CASES[EDGE_CASES[case]]
     tensors = _spoil(_make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies), case)
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": False}
-    expected = _run(reference.adamw_step_ref, tensors, **kw)
+    expected = _run(reference_adamw.adamw_step_ref, tensors, **kw)
     _assert_same(expected, _run(adamw.adamw_step, tensors, **kw))
     if case == "saturating":  # the case does what it says
         assert (expected[0]["m"].float().abs() == 448.0).any() and (expected[0]["v"].float() == 65504.0).any()
@@ -153,7 +153,7 @@ def test_kernel_launch_configs_and_unaligned_tensors(config, monkeypatch):
             d[key] = shifted.copy_(d[key])
     assert not adamw._table(*(_lists(tensors)), None, None, [t.numel() for t in _lists(tensors)[0]])[2]
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": False}
-    _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
+    _assert_same(_run(reference_adamw.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
 
 
 def _lists(tensors):
@@ -163,7 +163,7 @@ def _lists(tensors):
 
 @pytest.mark.parametrize("dtype", [F16, E4M3, E5M2])
 def test_reference_scale_equals_compute_scale(dtype):
-    fmax = reference.SCALED_STATE_MAX[dtype]
+    fmax = reference_adamw.SCALED_STATE_MAX[dtype]
     amax = torch.cat([torch.rand(50) * 10.0 ** torch.randint(-30, 5, (50,)), torch.tensor([0.0, 1e-42, fmax, 1.0])])
     amax = torch.cat([amax, torch.tensor([float("inf"), float("nan")])])
     prev = torch.full_like(amax, 0.25)
@@ -184,7 +184,7 @@ def test_one_pass_scales_bound_the_new_amax():
     bound = _run(adamw.adamw_step, tensors, two_pass=False, **kw)[0]
     for j, dtype in enumerate((F16, E4M3, F16)):
         assert torch.equal(fresh["amaxes"][j], bound["amaxes"][j])  # both leave the fresh amax behind
-        fmax = reference.SCALED_STATE_MAX[dtype]
+        fmax = reference_adamw.SCALED_STATE_MAX[dtype]
         assert bound["amaxes"][j] * bound["scales"][j] <= fmax  # never saturates
         assert fresh["scales"][j] / 4 <= bound["scales"][j] <= fresh["scales"][j]  # at most two binades lower
     assert (bound["m"].float().abs() == 448.0).sum() == 0
@@ -213,7 +213,7 @@ def test_kernel_matches_reference_on_gpu(case, two_pass):
     shapes = [*SHAPES, (1000, 333)]
     tensors = _make("cuda", shapes, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
-    _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
+    _assert_same(_run(reference_adamw.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
 
 
 @pytest.mark.gpu
@@ -224,4 +224,4 @@ def test_kernel_matches_reference_on_gpu_when_saturating_or_non_finite(case):
     tensors = _make("cuda", [*SHAPES, (1000, 333)], dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": False}
     tensors = _spoil(tensors, case)
-    _assert_same(_run(reference.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
+    _assert_same(_run(reference_adamw.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))

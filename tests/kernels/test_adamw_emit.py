@@ -3,7 +3,7 @@ against the FP8Linear forward's own weight cast (two passes: bit for bit; one pa
 
 import pytest
 import torch
-from lightning_fp8.kernels import adamw, reference
+from lightning_fp8.kernels import adamw, reference, reference_adamw
 
 from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.scaling import ScalingState
@@ -52,13 +52,13 @@ def test_emitting_kernel_matches_reference_bit_for_bit(case, two_pass):
     if not scaled and not two_pass:
         pytest.skip("one pass bounds need the stored amaxes (the optimizer runs two passes without them)")
     tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
-    expected = _run(reference.adamw_step_ref, tensors, case, two_pass=two_pass)
+    expected = _run(reference_adamw.adamw_step_ref, tensors, case, two_pass=two_pass)
     _assert_same(expected, _run(adamw.adamw_step, tensors, case, two_pass=two_pass))
     # The states are those of a step without emission.
     plain = [{k: v for k, v in d.items() if k not in ("fp8", "record")} for d in expected]
     from tests.kernels.test_adamw import _run as run_plain
 
-    _assert_same(plain, run_plain(reference.adamw_step_ref, tensors, scaled=scaled, fp8_grads=fp8_grads,
+    _assert_same(plain, run_plain(reference_adamw.adamw_step_ref, tensors, scaled=scaled, fp8_grads=fp8_grads,
                                   copies=copies, two_pass=two_pass))  # fmt: skip
 
 
@@ -70,7 +70,7 @@ def test_two_pass_copy_is_the_forward_cast_bit_for_bit(case, margin):
     for d in _run(adamw.adamw_step, tensors, case, two_pass=True, margin=margin):
         x_fp8, scale_inv, state = _forward_cast(d, case, margin)
         assert torch.equal(_bits(d["fp8"]).view(x_fp8.shape), _bits(x_fp8))
-        floats, counts = reference.fp8_weight_record_views(d["record"])
+        floats, counts = reference_adamw.fp8_weight_record_views(d["record"])
         rec_scale_inv, amax, scale, saturation, history = floats
         # The statistics the forward records are those of the emitted record.
         assert torch.equal(rec_scale_inv, scale_inv) and torch.equal(scale, state.scale)
@@ -87,7 +87,7 @@ def test_one_pass_copy_is_valid_and_no_bolder_than_the_forward_cast(fp8_dtype):
     dtypes, scaled, fp8_grads, copies = CASES[case]
     tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     for d in _run(adamw.adamw_step, tensors, case, two_pass=False, fp8_dtype=fp8_dtype):
-        floats, _ = reference.fp8_weight_record_views(d["record"])
+        floats, _ = reference_adamw.fp8_weight_record_views(d["record"])
         scale_inv, amax, scale = floats[:3]
         _, _, state = _forward_cast(d, case, fp8_dtype=fp8_dtype)
         # The bound is an upper bound: a scale at most the forward's, the amax exact, nothing saturates.
@@ -106,9 +106,9 @@ def test_non_finite_weight_is_recorded_and_nan_in_the_copy():
     dtypes, scaled, fp8_grads, copies = CASES[case]
     tensors = _make("cpu", SHAPES[:1], dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     tensors[0]["g"].view(-1)[5] = float("nan")
-    expected = _run(reference.adamw_step_ref, tensors, case, two_pass=True)
+    expected = _run(reference_adamw.adamw_step_ref, tensors, case, two_pass=True)
     _assert_same(expected, _run(adamw.adamw_step, tensors, case, two_pass=True))
-    floats, counts = reference.fp8_weight_record_views(expected[0]["record"])
+    floats, counts = reference_adamw.fp8_weight_record_views(expected[0]["record"])
     assert floats[1].isinf() and floats[4] == 0 and counts.tolist() == [1, 1]
     assert expected[0]["fp8"].float().view(-1)[5].isnan()
 
@@ -124,7 +124,7 @@ def test_bad_fp8_weight_lists_raise():
         "int64 tensor of 5": {"fp8_weights": [torch.empty(d["p"].shape, dtype=E4M3)],
                               "fp8_weight_stats": [torch.zeros(5, dtype=F32)]},
     }  # fmt: skip
-    for fn in (reference.adamw_step_ref, adamw.adamw_step):
+    for fn in (reference_adamw.adamw_step_ref, adamw.adamw_step):
         for match, kwargs in bad.items():
             with pytest.raises(ValueError, match=match):
                 fn(*base, **HYPER, **kwargs)
