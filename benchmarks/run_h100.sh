@@ -21,6 +21,9 @@ for what in "$@"; do
     optim) timeout 200 python3 benchmarks/bench_optim.py --iters 10 --out "$OUT/optim_h100.txt" > "$OUT/optim.log" 2>&1; tail -16 "$OUT/optim.log";;
     train) timeout 420 python3 benchmarks/train_step.py --compile no --variants ${VARIANTS:-bf16,torchao,o1,o2} --steps 10 --warmup 3 --json "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; tail -14 "$OUT/train_step.log";;
     train_compile) timeout 540 python3 benchmarks/train_step.py --compile yes --steps 10 --warmup 3 --json "$OUT/train_step_compile.json" > "$OUT/train_step_compile.log" 2>&1; tail -14 "$OUT/train_step_compile.log";;
+    linear_eager) for i in 1 2; do timeout 150 python3 benchmarks/bench_linear.py > "$OUT/linear_eager_$i.log" 2>&1; tail -4 "$OUT/linear_eager_$i.log"; done;;
+    host) timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host.log" 2>&1; tail -6 "$OUT/host.log";;
+    gputests_core) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/core > "$OUT/gputests.log" 2>&1; tail -3 "$OUT/gputests.log";;
     transpose) timeout 60 python3 benchmarks/bench_transpose.py > "$OUT/transpose.log" 2>&1; tail -4 "$OUT/transpose.log";;
     train_emit) timeout 200 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile no --variants bf16,o2,o2w --steps 10 --warmup 3 > "$OUT/train_emit.log" 2>&1; tail -5 "$OUT/train_emit.log";;
     train_graphs) timeout 400 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --compile-mode reduce-overhead --variants bf16,o2 --steps 10 --warmup 3 --timeout 190 > "$OUT/train_graphs.log" 2>&1; tail -4 "$OUT/train_graphs.log";;
