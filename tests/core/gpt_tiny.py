@@ -62,3 +62,15 @@ def batches(steps: int, batch: int = 8, block_size: int = 16, vocab: int = 64, s
             noise = torch.rand(batch, generator=gen) < 0.1
             seq[:, i] = torch.where(noise, torch.randint(0, vocab, (batch,), generator=gen), nxt)
         yield seq[:, :-1], seq[:, 1:]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data, scaler=None) -> torch.Tensor:
+    """One optimizer step per ``(x, y)`` of ``data`` (the loss scaled by ``scaler`` when given); the losses."""
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses)

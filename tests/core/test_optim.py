@@ -10,7 +10,7 @@ from torch import nn
 from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.optim import checkpoint, master
-from tests.core.gpt_tiny import TinyGPT, batches
+from tests.core.gpt_tiny import TinyGPT, batches, train
 
 # Tolerances on loss curves against torch.optim.AdamW (fp32), as mean |loss - loss_ref| over all steps.
 # O1 keeps fp32 states: only the operation order differs from torch's (a few ulp per step); measured ~1e-7 on the
@@ -37,17 +37,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _train(model, opt, data, scaler=None):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = model(x, y)
-        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
-        opt.step()
-        losses.append(loss.item())
-    return torch.tensor(losses)
-
-
 class _Regression(nn.Module):
     def __init__(self):
         super().__init__()
@@ -67,13 +56,13 @@ def _regression_data(steps):
 
 def _levels_against_adamw(base, data_fn, weights_fn, lr, weight_decay):
     ref = copy.deepcopy(base)
-    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=weight_decay), data_fn())
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=weight_decay), data_fn())
     deviation = {}
     for level in ("O1", "O2"):
         model = copy.deepcopy(base)
         opt = FP8AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, opt_level=level,
                        fp8_params=weights_fn(model))  # fmt: skip
-        deviation[level] = (_train(model, opt, data_fn()) - expected).abs()
+        deviation[level] = (train(model, opt, data_fn()) - expected).abs()
     return expected, deviation
 
 
@@ -103,11 +92,11 @@ def test_gpt_300_steps_o1_tighter_than_o2():
 def test_gpt_fp8_training_with_scaler_tracks_fp32():
     base = TinyGPT(n_layer=1)
     ref = copy.deepcopy(base)
-    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), batches(300))
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), batches(300))
     model = convert_to_fp8(copy.deepcopy(base), module_filter_fn=lambda m, fqn: "head" not in fqn)
     scaler = FP8GradScaler(model=model)
     opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, grad_scaler=scaler)
-    losses = _train(model, opt, batches(300), scaler)
+    losses = train(model, opt, batches(300), scaler)
     assert model.blocks[0].fc.weight.dtype == torch.float16  # the master lives in the parameter
     assert scaler.skipped_steps == 0
     assert (losses - expected).abs().mean() < FP8_LOSS_TOL

@@ -19,7 +19,7 @@ from lightning_fp8 import (
 )
 from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState
-from tests.core.gpt_tiny import TinyGPT, batches
+from tests.core.gpt_tiny import TinyGPT, batches, train
 from tests.core.test_optim import _one_thread
 
 __all__ = ["_one_thread"]  # the module-scoped fixture, re-used
@@ -56,17 +56,6 @@ def _drop_all(model):
         weight_cache.drop(p)
 
 
-def _train(model, opt, data, scaler=None):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = model(x, y)
-        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
-        opt.step()
-        losses.append(loss.item())
-    return torch.tensor(losses)
-
-
 def _weights(model):
     return [m.weight for m in fp8_modules(model).values()]
 
@@ -81,7 +70,7 @@ def test_two_pass_training_with_the_copy_is_bit_identical(opt_level, weight_cast
         opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, grad_scaler=scaler, opt_level=opt_level,
                        scale_update="two_pass", emit_fp8_weights=emit)  # fmt: skip
         weight_casts.clear()
-        runs[emit] = (_train(model, opt, batches(12), scaler), model, len(weight_casts))
+        runs[emit] = (train(model, opt, batches(12), scaler), model, len(weight_casts))
     (losses, model, casts), (losses_e, model_e, casts_e) = runs[False], runs[True]
     n = len(_weights(model))
     assert casts == 12 * n and casts_e == n  # with the copy, only the first forward casts
@@ -100,7 +89,7 @@ def test_one_pass_training_with_the_copy_stays_close(weight_casts):
     for emit in (False, True):
         model = _gpt(base)
         opt = FP8AdamW(model.parameters(), lr=3e-3, emit_fp8_weights=emit)
-        losses[emit] = _train(model, opt, batches(30))
+        losses[emit] = train(model, opt, batches(30))
     assert (losses[True] - losses[False]).abs().max() < ONE_PASS_LOSS_TOL
     assert losses[True][0] == losses[False][0]
 

@@ -56,15 +56,18 @@ def _make(device, shapes, dtypes, *, scaled, fp8_grads, copies):
             for t in tensors]  # fmt: skip
 
 
-def _run(fn, tensors, *, scaled, fp8_grads, copies, two_pass, grad_unscale=0.5):
+def _run(fn, tensors, *, scaled, fp8_grads, copies, two_pass, grad_unscale=0.5, prepare=None, **extra):
+    """One step of ``fn`` (kernel or reference) on copies of ``tensors``; ``prepare(t)`` adds per-tensor outputs and
+    returns the extra keyword arguments that take them."""
     t = [{k: (v.clone() if torch.is_tensor(v) else [x.clone() for x in v]) for k, v in d.items()} for d in tensors]
+    outputs = prepare(t) if prepare is not None else {}
     fn(
         [d["p"] for d in t], [d["g"] for d in t], [d["m"] for d in t], [d["v"] for d in t],
         [tuple(d["scales"]) for d in t] if scaled else None,
         [tuple(d["amaxes"]) for d in t] if scaled else None,
         [d["gsi"] for d in t] if fp8_grads else None,
         **HYPER, grad_unscale=grad_unscale, two_pass=two_pass, grad_amaxes=[d["gamax"] for d in t],
-        param_copies=[d["copy"] for d in t] if copies else None,
+        param_copies=[d["copy"] for d in t] if copies else None, **outputs, **extra,
     )  # fmt: skip
     return t
 

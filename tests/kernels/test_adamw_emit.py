@@ -8,6 +8,7 @@ from lightning_fp8.kernels import adamw, reference, reference_adamw
 from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.scaling import ScalingState
 from tests.kernels.test_adamw import BF16, CASES, F16, F32, HYPER, SHAPES, _assert_same, _bits, _make, _one_thread
+from tests.kernels.test_adamw import _run as run_step
 
 __all__ = ["_one_thread"]  # the module-scoped fixture, re-used
 
@@ -16,20 +17,15 @@ EMIT_CASES = ["o2_fp8_grad", "o2_fp16_grad", "fp32", "fp32_master_bf16_param"]
 
 def _run(fn, tensors, case, *, two_pass, fp8_dtype=E4M3, margin=0):
     _, scaled, fp8_grads, copies = CASES[case]
-    t = [{k: (v.clone() if torch.is_tensor(v) else [x.clone() for x in v]) for k, v in d.items()} for d in tensors]
-    for d in t:
-        d["fp8"] = torch.full(d["p"].shape, float("nan"), dtype=fp8_dtype)  # every byte must be written
-        d["record"] = torch.full((5,), -1, dtype=torch.int64)
-    fn(
-        [d["p"] for d in t], [d["g"] for d in t], [d["m"] for d in t], [d["v"] for d in t],
-        [tuple(d["scales"]) for d in t] if scaled else None,
-        [tuple(d["amaxes"]) for d in t] if scaled else None,
-        [d["gsi"] for d in t] if fp8_grads else None,
-        **HYPER, grad_unscale=0.5, two_pass=two_pass, grad_amaxes=[d["gamax"] for d in t],
-        param_copies=[d["copy"] for d in t] if copies else None,
-        fp8_weights=[d["fp8"] for d in t], fp8_weight_stats=[d["record"] for d in t], fp8_margin=margin,
-    )  # fmt: skip
-    return t
+
+    def fp8_outputs(t):
+        for d in t:
+            d["fp8"] = torch.full(d["p"].shape, float("nan"), dtype=fp8_dtype)  # every byte must be written
+            d["record"] = torch.full((5,), -1, dtype=torch.int64)
+        return {"fp8_weights": [d["fp8"] for d in t], "fp8_weight_stats": [d["record"] for d in t]}
+
+    return run_step(fn, tensors, scaled=scaled, fp8_grads=fp8_grads, copies=copies, two_pass=two_pass,
+                    prepare=fp8_outputs, fp8_margin=margin)  # fmt: skip
 
 
 def _forward_cast(d, case, margin=0, fp8_dtype=E4M3):
