@@ -50,25 +50,12 @@ def report(name: str, fn, iters: int = 10, rows: int = 18) -> None:
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
 
 
-def linear_case(tokens: int, k: int, n: int, compile: bool = False):
+def linear_case(tokens: int, k: int, n: int, compile: bool = False, fp8: bool = True):
+    """Forward + backward of FP8Linear (``fp8``) or nn.Linear under bf16 autocast, optionally compiled."""
     import lightning_fp8 as lf
 
-    layer = lf.FP8Linear(k, n, device="cuda")
+    layer = (lf.FP8Linear if fp8 else torch.nn.Linear)(k, n, device="cuda")
     layer = torch.compile(layer) if compile else layer
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        x.grad = layer.weight.grad = layer.bias.grad = None  # as zero_grad(set_to_none=True): no accumulation kernels
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)
-        y.backward(dy)
-
-    return step
-
-
-def bf16_linear_case(tokens: int, k: int, n: int):
-    layer = torch.nn.Linear(k, n, device="cuda")
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
 
@@ -115,7 +102,7 @@ def main() -> None:
     if "linear_compile" in what:  # torch.compile: what the compiled step adds or removes
         report(f"FP8Linear {args.shape}, torch.compile", linear_case(*args.shape, compile=True), rows=args.rows)
     if "linear_bf16" in what:  # the baseline: nn.Linear under bf16 autocast
-        report(f"nn.Linear {args.shape}", bf16_linear_case(*args.shape), rows=args.rows)
+        report(f"nn.Linear {args.shape}", linear_case(*args.shape, fp8=False), rows=args.rows)
     if "gpt" in what:
         for variant in args.variants.split(","):
             fn = gpt_case(variant, args.width, args.depth, args.seq, args.batch)

@@ -34,6 +34,7 @@ from lightning_fp8.kernels import reference_adamw
 from lightning_fp8.optim import master
 
 ATTR = "_lightning_fp8_weight_cache"  # the WeightCache of a parameter
+_any_sealed = False  # whether any copy was ever made in this process (optimizers that never emit skip drop_all)
 
 
 class WeightCache:
@@ -76,6 +77,13 @@ def drop(param: torch.Tensor) -> None:
         setattr(param, ATTR, None)
 
 
+def drop_all(params: list[torch.Tensor]) -> None:
+    """:func:`drop` for each of ``params``; nothing to do (no attribute lookups) until some step has emitted a copy."""
+    if _any_sealed:
+        for p in params:
+            drop(p)
+
+
 def allocate(param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> WeightCache:
     """A new, not yet valid copy for ``param`` (the old one is dropped first, so its memory is reused)."""
     drop(param)
@@ -85,6 +93,8 @@ def allocate(param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> Weight
 def seal(param: torch.Tensor, cache: WeightCache) -> None:
     """After the step wrote ``param`` and ``cache``: bump ``param``'s version (a Triton write does not) and make
     the copy valid for exactly the parameter's current values."""
+    global _any_sealed
+    _any_sealed = True
     torch.autograd.graph.increment_version(param)
     cache._state = cache._snapshot(param)
     cache._scale = getattr(param, master.SCALE_ATTR, None)

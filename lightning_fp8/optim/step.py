@@ -64,8 +64,7 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
         kwargs.update(fp8_weights=[c.data for c in caches], fp8_weight_stats=[c.record for c in caches],
                       fp8_margin=opt.recipe.margin)  # fmt: skip
     elif copies[0] is None or write_copies:
-        for p in owners:
-            weight_cache.drop(p)
+        weight_cache.drop_all(owners)
     args = (params, grads, exp_avgs, exp_avg_sqs, scales if scales[0] is not None else None,
             amaxes if amaxes[0] is not None else None, gsis if gsis[0] is not None else None)  # fmt: skip
     if ops.use_triton(params[0]) and all(t.is_contiguous() for t in params + exp_avgs + exp_avg_sqs):

@@ -148,15 +148,14 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         # Convert before Accelerate wraps (DDP) or shards (FSDP2) the model; FP8Linear shares nn.Linear's
         # parameters, so the optimizer built on them stays valid.
+        if device_placement is not None and len(device_placement) != len(args):
+            return super().prepare(*args, device_placement=device_placement)  # Accelerate's error for it
         placements = device_placement if device_placement is not None else [None] * len(args)
         args = tuple(
             self._fp8_convert(obj, placed) if isinstance(obj, nn.Module) else obj
             for obj, placed in zip(args, placements, strict=True)
         )
-        if self._fp8_tp_enabled:
-            for obj in args:
-                if isinstance(obj, nn.Module):
-                    self._fp8_shard(obj)
+        if self._fp8_tp_enabled:  # the optimizers were built on the unsharded parameters
             for obj in args:
                 if _fresh_optimizer(obj):
                     tensor_parallel.remap_optimizer(obj, self._fp8_tp_mapping)
@@ -179,8 +178,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if self.fp8_lm_config is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         model = self._fp8_convert(model, device_placement)
-        if self._fp8_tp_enabled:
-            self._fp8_shard(model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if not evaluation_mode:
             self._fp8_after_wrap(prepared)
@@ -218,6 +215,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         return super().prepare_scheduler(scheduler)
 
     def _fp8_convert(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
+        """Once per model: on the device, converted to FP8, and sharded under tensor parallelism."""
         if any(model is m for m in self._fp8_models):
             return model
         # On the device before FP8AdamW adopts the FP8 weights' storage (DDP), the ranks' weights are broadcast,
@@ -235,28 +233,13 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             f"(recipe {self.fp8_lm_config.recipe.to_dict()}); kept {len(report['high_precision_linears'])} in high "
             f"precision {report['high_precision_linears']}"
         )
+        if self._fp8_tp_enabled:
+            mapping, line = tensor_parallel.prepare(model, self.torch_device_mesh["tp"], self.fp8_lm_config)
+            self._fp8_tp_mapping.update(mapping)
+            if line is not None:
+                self.fp8_report["tensor_parallel"] = line
+                self._fp8_info(f"lightning_fp8: tensor parallelism: {line}")
         return model
-
-    def _fp8_shard(self, model: nn.Module) -> None:
-        """Accelerate's tensor parallelism: shard ``model`` with the launch's plan (unless the script did)."""
-        # Checkpoints hold full weights: loading one cuts each rank's shards out of it.
-        model.register_load_state_dict_pre_hook(tensor_parallel.load_full_state_dict)
-        if tensor_parallel.is_sharded(model):
-            model.tp_size = getattr(model, "tp_size", None) or self.parallelism_config.tp_size
-            return
-        settings = self.fp8_lm_config.tensor_parallel
-        if settings is None:
-            raise ValueError(
-                "tensor parallelism is on (tp_size > 1) and the tensor-parallel plan is 'none', but the model passed "
-                "to prepare() is not sharded: shard it in the script (lightning_fp8.distributed.tensor_parallel."
-                "apply_fp8_tensor_parallel on accelerator.torch_device_mesh['tp']) or choose a plan ('gpt', 'llama')"
-            )
-        plan, sequence_parallel = settings
-        self._fp8_tp_mapping.update(
-            tensor_parallel.shard_model(model, self.torch_device_mesh["tp"], plan, sequence_parallel)
-        )
-        self.fp8_report["tensor_parallel"] = tensor_parallel.report(model, plan, sequence_parallel)
-        self._fp8_info(f"lightning_fp8: tensor parallelism: {self.fp8_report['tensor_parallel']}")
 
     def _fp8_scaler(self) -> Any:
         if self.fp8_grad_scaler is None:  # created at the first prepare that needs it, after the model's conversion

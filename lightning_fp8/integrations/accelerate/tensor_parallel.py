@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+from lightning_fp8.integrations.accelerate.config import FP8LaunchConfig
 from lightning_fp8.integrations.accelerate.parallel import broadcast_parameters
 
 
@@ -27,6 +28,33 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def prepare(
+    model: nn.Module, tp_mesh: DeviceMesh, config: FP8LaunchConfig
+) -> tuple[dict[int, nn.Parameter], str | None]:
+    """Shard ``model`` with the launch's plan, unless the script did; ``(shard_model's mapping, a report line)``.
+
+    Either way the model learns to load full-weight checkpoints (:func:`load_full_state_dict`) and gets the
+    ``tp_size`` attribute Accelerate checks.
+
+    Raises:
+        ValueError: the plan is ``none`` and the model is not sharded.
+    """
+    # Checkpoints hold full weights: loading one cuts each rank's shards out of it.
+    model.register_load_state_dict_pre_hook(load_full_state_dict)
+    if is_sharded(model):
+        model.tp_size = getattr(model, "tp_size", None) or tp_mesh.size()
+        return {}, None
+    if config.tensor_parallel is None:
+        raise ValueError(
+            "tensor parallelism is on (tp_size > 1) and the tensor-parallel plan is 'none', but the model passed "
+            "to prepare() is not sharded: shard it in the script (lightning_fp8.distributed.tensor_parallel."
+            "apply_fp8_tensor_parallel on accelerator.torch_device_mesh['tp']) or choose a plan ('gpt', 'llama')"
+        )
+    plan, sequence_parallel = config.tensor_parallel
+    mapping = shard_model(model, tp_mesh, plan, sequence_parallel)
+    return mapping, report(model, plan, sequence_parallel)
 
 
 def shard_model(model: nn.Module, tp_mesh: DeviceMesh, plan: str, sequence_parallel: bool) -> dict[int, nn.Parameter]:
