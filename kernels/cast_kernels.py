@@ -74,6 +74,27 @@ def _fp8_bytes(y, IS_E4M3: tl.constexpr):
 
 
 @triton.jit
+def _quantize_block(
+    x, scale, amax_acc, nsat_acc, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, MBITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT_ROUND: tl.constexpr, STATS_TILE: tl.constexpr,
+):  # fmt: skip
+    # One block of a cast: the FP8 bytes (uint8; NaN 0x7F, as PyTorch writes it in both formats), the scaled and
+    # saturated fp32 values and their finiteness (the transposed copy may convert those again), and the running
+    # amax and saturation count: per element (STATS_TILE) or folded to scalars here. Masked lanes hold 0: neutral.
+    y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
+    if STATS_TILE:
+        amax_acc = tl.maximum(amax_acc, ax)
+        nsat_acc += sat
+    else:
+        amax_acc = tl.maximum(amax_acc, tl.max(ax))
+        nsat_acc += tl.sum(sat)
+    if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
+        y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
+    q = tl.where(finite, _fp8_bytes(y, IS_E4M3), 0x7F).to(tl.uint8)
+    return q, y, finite, amax_acc, nsat_acc
+
+
+@triton.jit
 def _publish(amax_ptr, nsat_ptr, amax, nsat):
     # Fold a program's statistics into the global ones. Atomics on one address serialize, so skip those that
     # cannot change anything: a zero count, an amax not above the current one (a stale read only costs an atomic).
@@ -196,16 +217,10 @@ def _cast_transpose_kernel(
                 tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0))
             else:
                 tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0), mask=rn < N)
-        y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
-        if STATS_TILE:
-            amax_acc = tl.maximum(amax_acc, ax)  # masked lanes hold 0: neutral
-            nsat_acc += sat
-        else:
-            amax_acc = tl.maximum(amax_acc, tl.max(ax))
-            nsat_acc += tl.sum(sat)
-        if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
-            y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
-        q = tl.where(finite, _fp8_bytes(y, IS_E4M3), 0x7F).to(tl.uint8)  # NaN, as PyTorch writes it in both formats
+        q, y, finite, amax_acc, nsat_acc = _quantize_block(
+            x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND,
+            STATS_TILE,
+        )  # fmt: skip
         if EVEN:
             tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True))
         else:
@@ -288,17 +303,11 @@ def _cast_flat_kernel(
             x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
         else:
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
-        y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
-        if STATS_TILE:
-            amax_acc = tl.maximum(amax_acc, ax)
-            nsat_acc += sat
-        else:
-            amax_acc = tl.maximum(amax_acc, tl.max(ax))
-            nsat_acc += tl.sum(sat)
-        if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
-            y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
-        q = _fp8_bytes(y, IS_E4M3)
-        q = tl.where(finite, q, 0x7F).to(tl.uint8).to(out_ptr.dtype.element_ty, bitcast=True)
+        q, y, finite, amax_acc, nsat_acc = _quantize_block(
+            x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND,
+            STATS_TILE,
+        )  # fmt: skip
+        q = q.to(out_ptr.dtype.element_ty, bitcast=True)
         if EVEN:
             tl.store(out_ptr + offs, q)
         else:
