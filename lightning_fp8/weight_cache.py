@@ -140,7 +140,7 @@ def quantize_weight(
     Returns:
         ``(w_fp8, w_fp8_t, scale_inv)`` as :meth:`~lightning_fp8.scaling.ScalingState.quantize`.
     """
-    cache = lookup(weight, state)
+    cache = lookup(weight, state) if _any_sealed else None  # no attribute lookups until some step emitted a copy
     if cache is None:
         return state.quantize(weight, transpose, True, unscale)
     floats, counts = cache.floats, cache.counts
