@@ -27,5 +27,10 @@ for what in "$@"; do
     transpose) timeout 60 python3 benchmarks/bench_transpose.py > "$OUT/transpose.log" 2>&1; tail -4 "$OUT/transpose.log";;
     train_emit) timeout 200 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile no --variants bf16,o2,o2w --steps 10 --warmup 3 > "$OUT/train_emit.log" 2>&1; tail -5 "$OUT/train_emit.log";;
     train_graphs) timeout 400 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --compile-mode reduce-overhead --variants bf16,o2 --steps 10 --warmup 3 --timeout 190 > "$OUT/train_graphs.log" 2>&1; tail -4 "$OUT/train_graphs.log";;
+    # Session 4: the casts traced as triton_ops under torch.compile, and the fp16 transpose path of the cast.
+    gputests_compile) timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cast.py tests/core/test_linear.py -k "(every_variant and fp16) or custom_ops or inductor or traced_quantize" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log";;
+    castsweep) timeout 90 python3 benchmarks/bench_cast.py --sweep --save-configs "$OUT/configs.json" > "$OUT/cast_sweep.log" 2>&1; tail -12 "$OUT/cast_sweep.log";;
+    linear_compile) timeout 120 python3 benchmarks/bench_linear.py --compile --shapes ${SHAPES:-0} $([ -f "$OUT/configs.json" ] && echo --configs "$OUT/configs.json") > "$OUT/linear_compile.log" 2>&1; tail -5 "$OUT/linear_compile.log";;
+    train_c) timeout 230 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants ${VARIANTS:-bf16,o2} --steps 8 --warmup 3 --timeout 115 > "$OUT/train_c.log" 2>&1; tail -4 "$OUT/train_c.log";;
   esac
 done

@@ -11,8 +11,9 @@ table of tokens/s, step time and peak memory with ratios against BF16 of the sam
 Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise,
 when installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for
 the rest), ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next
-forward uses instead of casting; eager only, torch.compile bypasses the copy). The output head stays in high
-precision in every FP8 variant.
+forward uses instead of casting; eager only, torch.compile bypasses the copy), ``o2tr`` (O2 with the casts traced as triton_ops
+under torch.compile, so that inductor launches their kernels: lightning_fp8/scaling.py TRACE_TRITON_CASTS; the same as
+``o2`` eagerly). The output head stays in high precision in every FP8 variant.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2tr")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -48,7 +49,9 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=device == "cuda")
     else:
         import lightning_fp8 as lf
+        from lightning_fp8 import scaling
 
+        scaling.TRACE_TRITON_CASTS = variant == "o2tr"
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"

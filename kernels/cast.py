@@ -35,13 +35,13 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch configs: the best of benchmarks/bench_cast.py --sweep on an H100 (8192 x 8192 bf16 -> E4M3; see
 # benchmarks/results/cast_linear_h100_v2.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item
-# per program); NUM_STAGES pipelines the tile loop; TRANSPOSE_FP32: the transpose path (see _cast_transpose_kernel);
+# per program); NUM_STAGES pipelines the tile loop; TRANSPOSE_VIA: the transpose path (see _cast_transpose_kernel);
 # STATS_TILE: per-element running statistics; LOAD_POLICY: the loads' eviction policy; MAXNREG: registers per
 # thread (None: the compiler's choice; 96 and 128 were slower). The transposed cast's BLOCK_M also fixes the summation
 # order of its column sums (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS).
 CONFIGS = {
     "transpose": {
-        "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "TRANSPOSE_FP32": True,
+        "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
         "STATS_TILE": False, "LOAD_POLICY": "", "MAXNREG": None,
     },
     "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "STATS_TILE": True,
@@ -181,7 +181,7 @@ def _cast_impl(
     if transpose or column_sum:
         cfg = dict(CONFIGS["transpose"])
         if interpreted:  # the interpreter cannot convert NaN to E4M3: keep the byte path
-            cfg["TRANSPOSE_FP32"] = False
+            cfg["TRANSPOSE_VIA"] = "bytes"
         m, n = x.shape
         tiles_m, tiles_n = _cdiv(m, cfg["BLOCK_M"]), _cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
@@ -266,29 +266,72 @@ def quantize_(
     of the cast does the bookkeeping of ``kernels/scaling.py`` (no separate launch, no zeroed accumulators); with
     ``current`` the amax launch before it writes the scale. ``column_sum`` (2-D ``x``): the cast also sums the
     columns of each row block as it reads them (the bias gradient of a linear layer), and a fourth output adds the
-    blocks. Eager only: ``torch.compile`` sees the whole cast as the opaque custom op ``lightning_fp8::quantize``.
+    blocks. Eager; ``torch.compile`` traces the same launches through the triton_op :func:`quantize_op`.
     """
+    args = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max,
+            delayed, current, transpose, unscale, column_sum)  # fmt: skip
     if x.numel() == 0:
         from lightning_fp8.kernels.reference import quantize_ref
 
-        return quantize_ref(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin,
-                            algo_max, delayed, current, transpose, unscale, column_sum)  # fmt: skip
+        return quantize_ref(*args)
+    x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(*args, eager=True)
+    return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)
+
+
+def _quantize_impl(
+    x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
+    current, transpose, unscale, column_sum, eager,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    # Non-empty x. Eagerly the stream's cached workspace serves (a launch leaves it zeroed); traced, a fresh zeroed
+    # one (a graph cannot hold on to a global buffer that its kernels mutate). The workspace also fills the pointer
+    # arguments that these launches do not read: no state buffer is passed twice to a kernel that writes it.
     fields = _record_fields(fp8_dtype, margin)
-    ws = _workspace(x.device)
+    ws = _workspace(x.device) if eager else torch.zeros(3, dtype=torch.int64, device=x.device)
     if current:
         cfg = CONFIGS["amax"]
         blocks = _cdiv(x.numel(), cfg["BLOCK"])
         flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
-        _launch(_amax_kernel, x, blocks, cfg, x, scale, ws, scale, x.numel(), eager=True, CURRENT_SCALE=True,
+        _launch(_amax_kernel, x, blocks, cfg, x, ws, ws, scale, x.numel(), eager=eager, CURRENT_SCALE=True,
                 **flags, **fields)  # fmt: skip
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     h = amax_history.numel()
     stats = (ws, ws, ws, amax_history, scale_inv, last_amax, saturation, nonfinite_count, casts,
-             scale if unscale is None else unscale, h, x.numel())  # fmt: skip
+             ws if unscale is None else unscale, h, x.numel())  # fmt: skip
     record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
               "UNSCALE": unscale is not None, **fields}  # fmt: skip
-    x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, True, column_sum)
-    return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)
+    x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager, column_sum)
+    return x_fp8, x_fp8_t, scale_inv, sums
+
+
+@torch.library.triton_op(
+    "lightning_fp8::quantize_triton",
+    mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts"),
+)
+def quantize_op(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+    unscale: torch.Tensor | None,
+    column_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_` (non-empty CUDA ``x``) as a ``torch.library.triton_op``: ``torch.compile`` sees the kernel
+    launches themselves, and inductor launches them from its generated code (no Python custom op per cast). A fixed
+    schema: the fourth output is empty without ``column_sum``."""
+    x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(
+        x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
+        current, transpose, unscale, column_sum, eager=False,
+    )  # fmt: skip
+    return x_fp8, x_fp8_t, scale_inv, sums if column_sum else scale_inv.new_empty((0,))
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

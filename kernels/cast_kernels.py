@@ -172,7 +172,8 @@ def _cast_transpose_kernel(
     INDEX_64: tl.constexpr,  # M * N >= 2**31: 64-bit offsets
     BLOCK_M: tl.constexpr,  # tile rows
     BLOCK_N: tl.constexpr,  # tile columns
-    TRANSPOSE_FP32: tl.constexpr,  # transpose the fp32 values and convert again (else the FP8 bytes); GPU only
+    TRANSPOSE_VIA: tl.constexpr,  # what the transposed tile moves as: "fp32" (the values, converted again; GPU only)
+    # or "bytes" (the FP8 bytes)
     WRITE_T: tl.constexpr,  # write x_fp8_t
     COLUMN_SUM: tl.constexpr,  # write the column sums of each row block (the bias gradient's partial sums)
     STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per tile)
@@ -227,7 +228,7 @@ def _cast_transpose_kernel(
             tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
         if WRITE_T:
             # The transposed tile goes through shared memory; which form the compiler moves best is measured.
-            if TRANSPOSE_FP32:
+            if TRANSPOSE_VIA == "fp32":
                 q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
             else:
                 q_t = tl.trans(q)

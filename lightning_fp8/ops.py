@@ -18,9 +18,12 @@ import torch
 from lightning_fp8.kernels import reference
 
 
-@functools.cache
+# Looked up once, at import: torch.compile traces use_triton, and dynamo (torch 2.11) refuses to trace find_spec.
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def _kernel_mode() -> str:

@@ -134,13 +134,12 @@ class ScalingState(nn.Module):
         if current is None:
             current = self.needs_current_scale()
             self.initialized = True
-        # Eagerly the cast runs as it is; torch.compile sees it as one opaque custom op (see _quantize_op).
         args = (
             x.detach().contiguous(), self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count,
             self.casts, self.fp8_dtype, self.margin, self.algo == "max", self.delayed, current, transpose, unscale,
         )  # fmt: skip
         if torch.compiler.is_compiling():
-            out = _quantize_op(*args, column_sum)
+            out = _traced_quantize(args[0])(*args, column_sum)
             return out if column_sum else out[:3]
         return ops.quantize(*args, column_sum=column_sum)
 
@@ -149,6 +148,22 @@ class ScalingState(nn.Module):
             getattr(self, name).zero_()
         self.scale.fill_(1.0)
         self.initialized = False
+
+
+# True: under torch.compile a cast of a CUDA tensor is the triton_op of kernels/cast.py (inductor launches its kernels
+# from the generated code, no Python per cast); False: the opaque custom op below, as on CPU. Off until measured: the
+# one GPU run of the triton_op path (2026-11-22) hit a graph break in use_triton (since fixed) and timed the broken
+# graph instead; tests/core/test_linear.py has its GPU check and bench_linear.py / train_step.py (o2op) time both.
+TRACE_TRITON_CASTS = False
+
+
+def _traced_quantize(x: torch.Tensor):
+    # The op torch.compile records for a cast of x.
+    if TRACE_TRITON_CASTS and x.is_cuda and x.numel() > 0 and ops.use_triton(x):
+        from lightning_fp8.kernels import cast
+
+        return cast.quantize_op
+    return _quantize_op
 
 
 # One opaque op per cast: torch.compile saves its outputs for the backward instead of recomputing them from the scale

@@ -179,6 +179,51 @@ def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
     assert torch.equal(eager.fp8_scaling["grad_output"].scale, compiled_src.fp8_scaling["grad_output"].scale)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("trace_triton_casts", [True, False])
+def test_gpu_inductor_matches_eager_and_launches_the_casts_itself(monkeypatch, trace_triton_casts):
+    """Inductor on a GPU: the compiled layer matches eager bit for bit (bias gradient: fp32 summation order) over
+    steps, scaling states included; with TRACE_TRITON_CASTS the generated code launches the cast kernels itself and
+    calls no opaque ``lightning_fp8::quantize`` op."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lightning_fp8 import scaling
+
+    monkeypatch.setattr(scaling, "TRACE_TRITON_CASTS", trace_triton_casts)
+    torch._dynamo.reset()
+    eager = FP8Linear(64, 96, device="cuda")
+    compiled_src = FP8Linear(64, 96, device="cuda")
+    compiled_src.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_src, fullgraph=True)
+
+    def step(model, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().square().sum().backward()
+        return y
+
+    for i in range(3):
+        x = torch.randn(80, 64, device="cuda") * 10.0**i
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1 = step(eager, x1)
+        if i == 0:
+            y2, code = run_and_get_code(step, compiled, x2)
+            code = "\n".join(code)
+            assert ("lightning_fp8.quantize.default" in code) != trace_triton_casts
+            assert ("_cast_transpose_kernel" in code) == trace_triton_casts
+        else:
+            y2 = step(compiled, x2)
+        assert torch.equal(y1, y2)
+        assert torch.equal(x1.grad, x2.grad)
+        assert torch.equal(eager.weight.grad, compiled_src.weight.grad)
+        torch.testing.assert_close(eager.bias.grad, compiled_src.bias.grad, rtol=1e-5, atol=1e-5)
+        for role in ("input", "weight", "grad_output"):
+            for name, buf in eager.fp8_scaling[role].named_buffers():
+                assert torch.equal(buf, compiled_src.fp8_scaling[role].get_buffer(name)), (i, role, name)
+        eager.zero_grad()
+        compiled_src.zero_grad()
+
+
 @pytest.mark.parametrize(
     ("x", "exc", "match"),
     [

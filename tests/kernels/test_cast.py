@@ -241,6 +241,30 @@ def test_fused_quantize_matches_reference_over_steps(
     assert int(got_state[4]) == 1 and int(got_state[5]) == 7
 
 
+@pytest.mark.parametrize(("current", "transpose", "unscale", "column_sum"),
+                         [(True, True, None, True), (False, True, 2.0**-7, False), (False, False, None, False)])  # fmt: skip
+def test_traced_quantize_op_matches_reference(current, transpose, unscale, column_sum):
+    """The triton_op that torch.compile records for a cast on a GPU (kernels/cast.py: quantize_op): the same launches
+    as quantize_ with a fresh workspace per call and the fixed four-output schema, against the references, over
+    successive casts (called as it is here; the compiled GPU path is checked by benchmarks/check_compile.py)."""
+    got_state, ref_state = _state(4, 4.0), _state(4, 4.0)
+    gen = torch.Generator().manual_seed(5)
+    for step, magnitude in enumerate([1.0, 300.0, 0.0, 2e4]):
+        x = (torch.randn(67, 48, generator=gen) * magnitude).to(torch.bfloat16).to(DEVICE)
+        ms = None if unscale is None else torch.tensor(unscale, device=DEVICE)
+        args = (torch.float8_e5m2, 1, True, True, current or step == 0, transpose, ms, column_sum)
+        got = cast.quantize_op(x, *got_state, *args)
+        ref = reference.quantize_ref(x, *ref_state, *args)
+        no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))
+        assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
+        assert torch.equal(got[2], ref[2]), (step, got[2], ref[2])
+        assert got[3].shape == ((48,) if column_sum else (0,))
+        if column_sum and DEVICE == "cpu":
+            assert torch.equal(got[3], ref[3])
+        for g, r in zip(got_state, ref_state, strict=True):
+            assert torch.equal(g, r), (step, g, r)
+
+
 # The bias gradient's tolerance against the exact (fp64) column sum: every fp32 addition of a sum of n terms rounds by
 # at most 2**-24 relative, so |error| <= n * 2**-24 * sum|x| (a loose bound; the test data land far inside it).
 def column_sum_bound(x):
@@ -286,13 +310,13 @@ def test_column_sum_order_matches_the_kernel_config():
 @pytest.mark.gpu
 @pytest.mark.parametrize("exact_round", [False, True])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("transpose_fp32", [False, True])
+@pytest.mark.parametrize("transpose_via", ["bytes", "fp32"])
 @pytest.mark.parametrize("stats_tile", [False, True])
-def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_fp32, stats_tile):
+def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_via, stats_tile):
     # Every compiled variant the benchmark sweep may pick: with/without pre-rounding, each transpose path.
     monkeypatch.setattr(cast, "EXACT_ROUND_ON_GPU", exact_round)
     monkeypatch.setitem(cast.CONFIGS, "flat", {**cast.CONFIGS["flat"], "STATS_TILE": stats_tile})
-    variant = {"TRANSPOSE_FP32": transpose_fp32, "STATS_TILE": stats_tile}
+    variant = {"TRANSPOSE_VIA": transpose_via, "STATS_TILE": stats_tile}
     monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], **variant})
     for dtype in INPUT_DTYPES:
         scale = torch.tensor(2.0**-2, device=DEVICE)
