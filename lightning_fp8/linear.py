@@ -169,7 +169,7 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _is_dtensor(self.weight):  # tensor parallel: FP8 GEMMs on the local shards
-            from lightning_fp8.distributed.tensor_parallel import dtensor_forward
+            from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward
 
             return dtensor_forward(self, x)
         self._check_input(x)

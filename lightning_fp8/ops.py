@@ -17,7 +17,6 @@ import torch
 
 from lightning_fp8.kernels import reference
 
-
 # Looked up once, at import: torch.compile traces use_triton, and dynamo (torch 2.11) refuses to trace find_spec.
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None
 

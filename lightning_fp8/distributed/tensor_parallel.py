@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism for FP8Linear: parallel styles, the DTensor forward and a Megatron-style plan.
 
 :class:`~lightning_fp8.FP8Linear` works under ``torch.distributed.tensor.parallel``: when its weight is a DTensor
-shard, its forward runs the FP8 GEMMs on local shards (:func:`dtensor_forward`, with the collectives of
-:mod:`~lightning_fp8.distributed.tensor_parallel_linear`). :class:`FP8ColwiseParallel` and
+shard, its forward runs the FP8 GEMMs on local shards (``dtensor_forward`` and the collectives around the GEMMs,
+in :mod:`~lightning_fp8.distributed.tensor_parallel_linear`). :class:`FP8ColwiseParallel` and
 :class:`FP8RowwiseParallel` are the ``ColwiseParallel`` / ``RowwiseParallel`` of FP8 layers; with sequence
 parallelism their activation all-gathers and gradient reduce-scatters carry FP8 (1 byte per element).
 :func:`apply_fp8_tensor_parallel` applies the Megatron plan to every transformer block of a model::
@@ -17,7 +17,6 @@ or, with Lightning's ``ModelParallelStrategy``, call it in the ``parallelize_fn`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -26,7 +25,6 @@ from torch import nn
 from torch.distributed.tensor import (
     DeviceMesh,
     DTensor,
-    Partial,
     Replicate,
     Shard,
     distribute_tensor,
@@ -41,110 +39,11 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 from typing_extensions import override
 
-from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync, localize_buffers
-from lightning_fp8.distributed.tensor_parallel_linear import Comm, TPLinearFn
+from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
+from lightning_fp8.distributed.tensor_parallel_linear import _check_even, _LayerSettings, _shard_dim
+from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward as dtensor_forward  # re-exported
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
-
-
-@dataclass(frozen=True)
-class _LayerSettings:
-    """What a parallel style tells the layer's forward; stored as ``layer._fp8_tensor_parallel``."""
-
-    fp8_comm: bool = True
-    output_layout: Placement = Replicate()  # rowwise layers reduce their output into this layout themselves
-
-
-_DEFAULT_SETTINGS = _LayerSettings()
-
-
-def _shard_dim(placement: Placement, ndim: int) -> int | None:
-    return placement.dim % ndim if isinstance(placement, Shard) else None
-
-
-def _check_even(size: int, world: int, what: str) -> None:
-    if size % world:
-        raise ValueError(
-            f"tensor parallelism over {world} ranks splits {what} of size {size} into equal shards; "
-            f"make it a multiple of {world}"
-        )
-
-
-def _kind(weight: DTensor) -> str:
-    mesh, placement = weight.device_mesh, weight.placements[0]
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"FP8Linear's weight is a DTensor on the {mesh.ndim}-D mesh {mesh}: tensor parallelism runs on a 1-D mesh; "
-            "parallelize with the tensor-parallel sub-mesh (e.g. mesh['tp'])"
-        )
-    if placement.is_shard(0):
-        return "colwise"
-    if placement.is_shard(1):
-        return "rowwise"
-    raise NotImplementedError(
-        f"FP8Linear weight placement {placement} is not supported: shard it with FP8ColwiseParallel (Shard(0)) or "
-        "FP8RowwiseParallel (Shard(1)) from lightning_fp8.distributed.tensor_parallel"
-    )
-
-
-def _layouts(layer: FP8Linear, x: DTensor, kind: str) -> tuple[DTensor, int | None, Placement]:
-    """The input in a layout the GEMM can take, the dimension the layer's collectives split, the output layout."""
-    mesh, ndim = x.device_mesh, x.ndim
-    if kind == "colwise":
-        dim = _shard_dim(x.placements[0], ndim)
-        if dim == ndim - 1:  # a feature-sharded input cannot feed a column-parallel GEMM
-            dim = None
-        if dim is None and not x.placements[0].is_replicate():
-            x = x.redistribute(mesh, [Replicate()])
-        out_placement: Placement = Shard(ndim - 1)
-    else:
-        if _shard_dim(x.placements[0], ndim) != ndim - 1:
-            x = x.redistribute(mesh, [Shard(ndim - 1)])
-        out_placement = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).output_layout
-        if not (out_placement.is_replicate() or isinstance(out_placement, Shard)):
-            raise ValueError(f"FP8RowwiseParallel output_layouts={out_placement}: use Replicate() or Shard(dim)")
-        dim = _shard_dim(out_placement, ndim)
-    if dim is not None:
-        size = x.shape[dim] if dim != ndim - 1 else layer.out_features
-        _check_even(size, mesh.size(), f"dimension {dim} of the {'input' if kind == 'colwise' else 'output'}")
-    return x, dim, out_placement
-
-
-def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
-    """``FP8Linear.forward`` when its weight is a DTensor shard (tensor parallelism): FP8 GEMMs on local shards.
-
-    Column-parallel weight (``Shard(0)``): the input is replicated, or sharded on a dimension other than the
-    features (sequence parallel: gathered here, in FP8); the output is sharded on its last dimension. Row-parallel
-    weight (``Shard(1)``): the input is sharded on its last dimension; the output is reduced into the layout the
-    style asked for (replicated by default). A plain-tensor input is taken as this rank's part of that default
-    input layout.
-
-    Returns:
-        A DTensor; the parallel style's output hook turns it into the layout (and local tensor) the user asked for.
-    """
-    weight = layer.weight
-    kind, mesh = _kind(weight), weight.device_mesh
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate() if kind == "colwise" else Shard(-1)], run_check=False)
-    layer._check_input(x)  # global shape, dtype and device
-    for state in layer.fp8_scaling.values():  # torch's own styles (distribute_module) made them DTensors
-        localize_buffers(state)
-    x, dim, out_placement = _layouts(layer, x, kind)
-    fp8 = layer.fp8_scaling
-    current = (fp8["input"].needs_current_scale(), fp8["grad_output"].needs_current_scale())
-    fp8_comm = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).fp8_comm
-    comm = Comm(kind, mesh.get_group(), dim, fp8_comm, layer.recipe.backward_dtype)
-    device_type = x.device.type
-    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    master_scale = getattr(weight, master.SCALE_ATTR, None)
-    bias = layer.bias
-    if bias is not None:
-        # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
-        bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
-    y = TPLinearFn.apply(x.to_local(), weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
-    for state in fp8.values():  # outside the autograd.Function, as in FP8Linear.forward
-        state.initialized = True
-    return DTensor.from_local(y, mesh, [out_placement], run_check=False)
 
 
 # -------------------------------------------------------------------------------------------- parallel styles

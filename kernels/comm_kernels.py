@@ -1,0 +1,288 @@
+"""The Triton kernels of FP8 gradient communication (launched by :mod:`lightning_fp8.kernels.comm`, whose docstring
+has the block table and the math)."""
+
+import triton
+import triton.language as tl
+from lightning_fp8.kernels.cast_kernels import _fp8_bytes, _round_to_fp8_grid
+from lightning_fp8.kernels.scaling import _pow2_scale
+
+
+@triton.jit
+def _row(table_ptr, ALIGNED: tl.constexpr):
+    # This program's tile. Aligned tiles promise multiples of 16 (the host's ALIGN): 16-byte vector loads and stores.
+    base = table_ptr + tl.program_id(0).to(tl.int64) * 5
+    src, dst, length = tl.load(base), tl.load(base + 1), tl.load(base + 2)
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+        length = tl.multiple_of(length, 16)
+    return src, dst, length, tl.load(base + 3), tl.load(base + 4)
+
+
+@triton.jit
+def _inverse_pow2(s):
+    # 1 / s for a power of two s >= 2**-126, exactly: the exponent field mirrored (2**-127 is the one subnormal).
+    e = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    bits = tl.where(e >= 254, 0x00400000, (254 - e) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _neg_pow2(e):
+    # 2**-e for an integer 0 <= e <= 126.
+    return ((127 - e.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _segment_scale(
+    amax_ptr, value, headroom_ptr, HAS_HEADROOM: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    # The shared power-of-two scale of segment value `value` from its amax, lowered by the native path's extra
+    # headroom binades when HAS_HEADROOM.
+    scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
+    if HAS_HEADROOM:
+        scale = scale * _neg_pow2(tl.load(headroom_ptr))
+    return scale
+
+
+@triton.jit
+def _decode_fp8(q, IS_E4M3: tl.constexpr, EXACT: tl.constexpr):
+    # q: uint8 FP8 bytes -> fp32, exact. E5M2 is the high byte of an fp16.
+    if IS_E4M3:
+        if EXACT:
+            b = q.to(tl.uint32)
+            e = (b >> 3) & 0xF
+            m = b & 7
+            normal = (((b >> 7) << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+            sub = m.to(tl.float32) * 0.001953125  # 2**-9: the subnormal step of E4M3
+            v = tl.where(e == 0, tl.where(b >= 128, -sub, sub), normal)
+            return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+        else:
+            return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return (q.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _encode_fp8(y, finite, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, MBITS: tl.constexpr,
+                MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    # y: fp32 scaled values; finite: where the input was finite. Saturate, round to nearest even, NaN as 0x7F.
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if EXACT:
+        y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
+    return tl.where(finite, _fp8_bytes(y, IS_E4M3), 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def _store(ptr, v, mask, EXACT_BF16: tl.constexpr):
+    # Store fp32 v in ptr's dtype; round to nearest even by hand where the interpreter would truncate to bf16.
+    if EXACT_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(v == v, r, 0x7FC0).to(tl.uint16)
+        tl.store(ptr, r.to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _count(ptr, flags):
+    n = tl.sum(flags.to(tl.int32), axis=0)
+    tl.atomic_add(ptr, n.to(tl.int64), mask=n > 0, sem="relaxed")
+
+
+@triton.jit
+def _fold_max(ptr, a):
+    # Atomics on one address serialize: skip those that cannot raise the stored value.
+    tl.atomic_max(ptr, a, mask=a > tl.load(ptr), sem="relaxed")
+
+
+# ------------------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _segment_amax_tile(
+    x_ptr,  # flat input, fp32/bf16/fp16
+    table_ptr,  # (rows, 5) int64 block table
+    amax_ptr,  # fp32 per value index: atomic max of |x| (NaN -> inf)
+    ALIGNED: tl.constexpr,  # this tile's src, dst and length are multiples of ALIGN
+    BLOCK: tl.constexpr,  # tile (>= the row's length)
+):
+    src, _dst, length, value, _out = _row(table_ptr, ALIGNED)
+    offs = tl.arange(0, BLOCK)
+    ax = tl.abs(tl.load(x_ptr + src + offs, mask=offs < length, other=0.0).to(tl.float32))
+    _fold_max(amax_ptr + value, tl.max(tl.where(ax == ax, ax, float("inf")), axis=0))
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr,  # flat input, fp32/bf16/fp16
+    table_ptr,  # (rows, 5) int64 block table
+    amax_ptr,  # fp32 amax per value index (the scale's source)
+    headroom_ptr,  # int64 0-dim: extra binades divided out of every scale (read when HAS_HEADROOM)
+    q_ptr,  # uint8 output: FP8 bytes
+    nsat_ptr,  # int64 0-dim accumulator: saturated elements
+    HAS_HEADROOM: tl.constexpr,
+    MAX_EXP: tl.constexpr,  # biased fp32 exponent of the format max
+    MAX_MANT: tl.constexpr,  # fp32 mantissa field of the format max
+    MARGIN: tl.constexpr,  # binades of headroom of the scale
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT: tl.constexpr,  # interpreter: round and convert with integer arithmetic
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    src, dst, length, value, _out = _row(table_ptr, ALIGNED)
+    scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < length
+    x = tl.load(x_ptr + src + offs, mask=mask, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")
+    y = x * scale
+    _count(nsat_ptr, (tl.abs(y) > FP8_MAX) & finite & mask)
+    q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
+    tl.store(q_ptr + dst + offs, q, mask=mask)
+
+
+@triton.jit
+def _dequantize_tile(
+    q_ptr,  # uint8 input: FP8 bytes
+    table_ptr,  # (rows, 5) int64 block table
+    amax_ptr,  # fp32 amax per value index (the scale's source)
+    headroom_ptr,  # int64 0-dim (read when HAS_HEADROOM)
+    out_ptr,  # output, fp32/bf16/fp16
+    counts_ptr,  # int64[2] accumulators (CHECK): overflowed-or-at-max, non-finite
+    inv_divisor,  # fp32: 1 / N of a mean (1.0 otherwise)
+    HAS_HEADROOM: tl.constexpr,
+    CHECK: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    EXACT: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    src, dst, length, value, _out = _row(table_ptr, ALIGNED)
+    scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
+    scale_inv = inv_divisor * _inverse_pow2(scale)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < length
+    q = _decode_fp8(tl.load(q_ptr + src + offs, mask=mask, other=0), IS_E4M3, EXACT)
+    if CHECK:
+        nonfinite = ~(tl.abs(q) < float("inf")) & mask
+        _count(counts_ptr, nonfinite | ((tl.abs(q) >= FP8_MAX) & mask))
+        _count(counts_ptr + 1, nonfinite)
+    _store(out_ptr + dst + offs, q * scale_inv, mask, EXACT_BF16)
+
+
+@triton.jit
+def _rows_tile(
+    rows_ptr,  # uint8 (W, row_stride): FP8 bytes received from each rank, one scale per column segment
+    row_stride,  # elements per row (a multiple of ALIGN for aligned launches)
+    W,  # rows (ranks)
+    table_ptr,  # (rows, 5) int64 block table: src within a row, dst in the output, value = group, out = piece
+    amax_ptr,  # fp32 group amax (the scale of the received bytes)
+    piece_amax_ptr,  # fp32 per piece: MODE 0 accumulates into it, MODE 1 reads it
+    out_ptr,  # MODE 1: uint8 FP8 bytes; MODE 2: the mean in out's dtype
+    nsat_ptr,  # int64 0-dim accumulator (MODE 1)
+    inv_divisor,  # fp32: 1 / N for a mean
+    MODE: tl.constexpr,  # 0: piece amax of the mean, 1: requantize the mean, 2: store the mean
+    MAX_EXP: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    src, dst, length, value, piece = _row(table_ptr, ALIGNED)
+    scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
+    scale_inv = inv_divisor * _inverse_pow2(scale)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < length
+    row = rows_ptr + src
+    acc = _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
+    for _ in range(1, W):
+        row += row_stride  # a 64-bit pointer step: no int32 product to overflow
+        acc = acc + _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
+    mean = acc * scale_inv
+    if MODE == 0:
+        a = tl.where(mask, tl.abs(mean), 0.0)
+        _fold_max(piece_amax_ptr + piece, tl.max(tl.where(a == a, a, float("inf")), axis=0))
+    elif MODE == 1:
+        piece_scale = _pow2_scale(tl.load(piece_amax_ptr + piece), 1.0, MAX_EXP, MAX_MANT, MARGIN)
+        y = mean * piece_scale
+        finite = tl.abs(mean) < float("inf")
+        _count(nsat_ptr, (tl.abs(y) > FP8_MAX) & finite & mask)
+        q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
+        tl.store(out_ptr + dst + offs, q, mask=mask)
+    else:
+        _store(out_ptr + dst + offs, mean, mask, EXACT_BF16)
+
+
+# One launch per pass: programs below n_aligned take the aligned tiles (vectorized), the others the edges.
+@triton.jit
+def _segment_amax_kernel(x_ptr, table_ptr, amax_ptr, n_aligned, BLOCK: tl.constexpr, EDGE_BLOCK: tl.constexpr):
+    if tl.program_id(0) < n_aligned:
+        _segment_amax_tile(x_ptr, table_ptr, amax_ptr, True, BLOCK)
+    else:
+        _segment_amax_tile(x_ptr, table_ptr, amax_ptr, False, EDGE_BLOCK)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, n_aligned, HAS_HEADROOM: tl.constexpr,
+    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr, EDGE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    if tl.program_id(0) < n_aligned:
+        _quantize_tile(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT,
+                       MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, True, BLOCK)
+    else:
+        _quantize_tile(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT,
+                       MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, False, EDGE_BLOCK)
+
+
+@triton.jit
+def _dequantize_kernel(
+    q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, n_aligned,
+    HAS_HEADROOM: tl.constexpr, CHECK: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EXACT: tl.constexpr,
+    EXACT_BF16: tl.constexpr, BLOCK: tl.constexpr, EDGE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    if tl.program_id(0) < n_aligned:
+        _dequantize_tile(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, HAS_HEADROOM,
+                         CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, True, BLOCK)
+    else:
+        _dequantize_tile(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, HAS_HEADROOM,
+                         CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, False, EDGE_BLOCK)
+
+
+@triton.jit
+def _rows_kernel(
+    rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, n_aligned,
+    MODE: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT: tl.constexpr, EXACT_BF16: tl.constexpr, ALIGNED_OK: tl.constexpr, BLOCK: tl.constexpr,
+    EDGE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # ALIGNED_OK: row_stride is a multiple of ALIGN too (else every row after the first starts misaligned).
+    if tl.program_id(0) < n_aligned:
+        _rows_tile(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, MODE,
+                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT,
+                   EXACT_BF16, ALIGNED_OK, BLOCK)
+    else:
+        _rows_tile(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, MODE,
+                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT,
+                   EXACT_BF16, False, EDGE_BLOCK)  # fmt: skip
