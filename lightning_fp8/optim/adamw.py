@@ -76,6 +76,8 @@ class FP8AdamW(torch.optim.Optimizer):
             lower than the fresh one. ``"two_pass"``: from the new amax itself, reading the inputs twice (1.5x the
             memory traffic). One pass needs ``beta1**2 < beta2`` (true for usual betas), else two passes run.
         maximize: maximize the objective, as in ``torch.optim.AdamW``.
+        amsgrad: accepted for ``torch.optim.AdamW`` compatibility; only ``False`` (the AMSGrad maximum of the second
+            moment is not implemented for low-precision states).
         emit_fp8_weights: the step also writes, for each FP8Linear weight, the FP8 copy (E4M3) the next forwards use
             instead of casting the weight (:mod:`lightning_fp8.weight_cache`). Costs up to 2 bytes per FP8 weight
             parameter between steps (the copy, and its transpose made by the first forward that needs it), saves
@@ -113,8 +115,14 @@ class FP8AdamW(torch.optim.Optimizer):
         fp8_grads: bool | None = None,
         scale_update: ScaleUpdate = "one_pass",
         maximize: bool = False,
+        amsgrad: bool = False,
         emit_fp8_weights: bool = False,
     ) -> None:
+        if amsgrad:
+            raise ValueError(
+                "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or "
+                "use torch.optim.AdamW(amsgrad=True) for these parameters"
+            )
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
@@ -166,11 +174,13 @@ class FP8AdamW(torch.optim.Optimizer):
         # No entry in self.state before the first step: torch.distributed.checkpoint creates the states of an
         # optimizer whose ``state`` is empty (a zero-gradient step); a non-empty one is taken as initialized, and
         # its state dict then lacks every other parameter (the load of a sharded checkpoint fails).
+        # A frozen weight (requires_grad=False) keeps its storage, as torch.optim leaves it untouched; should it get
+        # gradients later, its master is kept apart (see _init_state).
         self._low_precision.add(p)
-        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p)
+        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p) and p.requires_grad
         if shareable and master.master_scale(p) is None and p.dtype != self.master_dtype:
             master.adopt(p, self.master_dtype)
-        if master.master_scale(p) is not None and self.fp8_grads:  # adopted, now or by an earlier optimizer
+        if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
             self._register_grad_hook(p)
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:

@@ -272,6 +272,35 @@ def test_add_param_group_and_param_without_grad():
     assert opt.param_groups[1]["lr"] == 0.5
 
 
+def test_frozen_fp8_weight_is_left_alone_and_trains_once_unfrozen():
+    # torch.optim accepts parameters that do not require gradients and never touches them; a frozen FP8Linear weight
+    # keeps its fp32 storage (no master in it, no gradient hook). Unfrozen, it trains with O2 states (the master
+    # kept apart): its first step against torch.optim.AdamW's on the same gradient.
+    model = _fp8_mlp()
+    weight = model[0].weight
+    weight.requires_grad_(False)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert weight.dtype == torch.float32 and model[2].weight.dtype == torch.float16  # only the trained one adopted
+    x = torch.randn(16, 32)
+    before = weight.detach().clone()
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert torch.equal(weight, before)
+    weight.requires_grad_(True)
+    model(x).square().mean().backward()
+    ref = nn.Parameter(weight.detach().clone())
+    ref.grad = weight.grad.clone()
+    torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1).step()
+    opt.step()
+    state = opt.state[weight]
+    assert state["exp_avg"].dtype == E4M3 and state["master"].dtype == torch.float16
+    assert not torch.equal(weight, before)
+    # A first Adam step moves each weight by lr * g / (|g| + eps) (+ decay): the FP8 gradient keeps the sign (tiny |g|
+    # near eps move the quotient, by far less than lr / 256); the fp16 master rounds the result (2**-11 relative).
+    torch.testing.assert_close(weight.detach(), ref.detach(), rtol=2**-10, atol=1e-2 / 256)
+
+
 def test_params_at_different_step_counts_match_adamw():
     # A parameter that misses steps (no gradient) has its own step count and bias correction, in one param group
     # with parameters that did not: the step batches parameters by step count. O1 keeps fp32 states, so only the
@@ -313,6 +342,7 @@ def test_maximize_ascends():
         ({"opt_level": "O3"}, "opt_level='O3'"),
         ({"exp_avg_sq_dtype": E4M3}, "exp_avg_sq_dtype"),
         ({"scale_update": "delayed"}, "scale_update"),
+        ({"amsgrad": True}, "amsgrad=True"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
