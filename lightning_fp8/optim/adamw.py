@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from lightning_fp8 import ops
@@ -41,7 +42,9 @@ _ALLOWED = {
     # FP8-LM: an FP8 second moment diverged, so it is not offered.
     "exp_avg_sq_dtype": (_FP32, _BF16, _FP16),
 }
-_OWNER_ATTR = "_lightning_fp8_grad_owner"
+# FP8 weight -> the optimizer whose gradient hook takes its gradients (a later FP8AdamW over the same weight takes them
+# over). Kept here, not as an attribute of the parameter: a weak reference would make the model unpicklable.
+_GRAD_OWNERS = WeakIdKeyDictionary()
 
 
 class _FP8Grad:
@@ -185,11 +188,11 @@ class FP8AdamW(torch.optim.Optimizer):
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
         owner = weakref.ref(self)
-        setattr(p, _OWNER_ATTR, owner)  # a later FP8AdamW over the same weight takes the gradients over
+        _GRAD_OWNERS[p] = owner
 
         def hook(param: torch.Tensor) -> None:
             optimizer = owner()
-            if optimizer is not None and getattr(param, _OWNER_ATTR, None) is owner and param.grad is not None:
+            if optimizer is not None and _GRAD_OWNERS.get(param) is owner and param.grad is not None:
                 grad, param.grad = param.grad, None
                 optimizer.accumulate_fp8_grad(param, grad)
 

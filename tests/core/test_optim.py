@@ -301,6 +301,22 @@ def test_frozen_fp8_weight_is_left_alone_and_trains_once_unfrozen():
     torch.testing.assert_close(weight.detach(), ref.detach(), rtol=2**-10, atol=1e-2 / 256)
 
 
+def test_model_with_adopted_weights_pickles_whole():
+    # torch.save(model) (whole-module pickling, e.g. for an EMA copy or a quick snapshot) works after FP8AdamW took
+    # the weights over: nothing unpicklable (no weak reference) hangs on the parameters; the copy computes the same.
+    model = _fp8_mlp()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 32)
+    model(x).square().mean().backward()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded[0].weight.dtype == torch.float16  # the scaled fp16 master, as in the original
+    assert torch.equal(loaded(x), model(x))
+
+
 def test_params_at_different_step_counts_match_adamw():
     # A parameter that misses steps (no gradient) has its own step count and bias correction, in one param group
     # with parameters that did not: the step batches parameters by step count. O1 keeps fp32 states, so only the
