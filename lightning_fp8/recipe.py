@@ -27,6 +27,11 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 
+class RecipeFieldTypeError(TypeError, ValueError):
+    """An :class:`FP8Recipe` field of the wrong type: a ``TypeError``, and a ``ValueError`` like every other bad
+    recipe value (callers may catch either)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8Recipe:
     """How FP8 training casts, scales and stores tensors.
@@ -60,12 +65,17 @@ class FP8Recipe:
     def __post_init__(self) -> None:
         for name, allowed in _ALLOWED.items():
             value = getattr(self, name)
-            if not isinstance(value, str) or value not in allowed:
+            if not isinstance(value, str):
+                raise RecipeFieldTypeError(
+                    f"FP8Recipe({name}={value!r}) must be a string, got {type(value).__name__}: choose one of "
+                    f"{list(allowed)}"
+                )
+            if value not in allowed:
                 raise ValueError(f"FP8Recipe({name}={value!r}) is not supported: choose one of {list(allowed)}")
         for name, low in (("amax_history_len", 1), ("margin", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"FP8Recipe({name}={value!r}) must be an int, got {type(value).__name__}")
+                raise RecipeFieldTypeError(f"FP8Recipe({name}={value!r}) must be an int, got {type(value).__name__}")
             if value < low:
                 raise ValueError(f"FP8Recipe({name}={value!r}) must be >= {low}")
 

@@ -55,6 +55,19 @@ def test_bad_values_name_field_value_and_allowed(field, value, match):
         FP8Recipe(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("fp8_format", 3), ("scaling", None), ("opt_level", 2), ("amax_compute_algo", ["max"]),
+     ("amax_history_len", "16"), ("margin", 1.5)],
+)  # fmt: skip
+def test_wrong_field_types_are_type_and_value_errors(field, value):
+    # A field of the wrong type is a TypeError and, like every bad recipe value, a ValueError.
+    with pytest.raises(TypeError, match=f"{field}=.*must be"):
+        FP8Recipe(**{field: value})
+    with pytest.raises(ValueError, match=f"{field}="):
+        FP8Recipe(**{field: value})
+
+
 def test_dict_round_trip_and_unknown_keys():
     r = FP8Recipe(scaling="current", margin=1)
     assert FP8Recipe.from_dict(r.to_dict()) == r
