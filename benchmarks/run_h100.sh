@@ -32,5 +32,6 @@ for what in "$@"; do
     castsweep) timeout 90 python3 benchmarks/bench_cast.py --sweep --save-configs "$OUT/configs.json" > "$OUT/cast_sweep.log" 2>&1; tail -12 "$OUT/cast_sweep.log";;
     linear_compile) timeout 120 python3 benchmarks/bench_linear.py --compile --shapes ${SHAPES:-0} $([ -f "$OUT/configs.json" ] && echo --configs "$OUT/configs.json") > "$OUT/linear_compile.log" 2>&1; tail -5 "$OUT/linear_compile.log";;
     train_c) timeout 230 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants ${VARIANTS:-bf16,o2} --steps 8 --warmup 3 --timeout 115 > "$OUT/train_c.log" 2>&1; tail -4 "$OUT/train_c.log";;
+    memory) timeout 300 python3 benchmarks/memory_breakdown.py --size ${SIZES:-2048x16} --variants bf16,o2 > "$OUT/memory.log" 2>&1; tail -30 "$OUT/memory.log";;
   esac
 done

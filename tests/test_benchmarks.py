@@ -40,3 +40,41 @@ def test_train_step_toy_runs_every_variant(tmp_path):
         assert row["last_loss"] < row["first_loss"], name  # it trains
     table = proc.stdout.splitlines()
     assert any(line.split()[:2] == ["64x2", "o2w"] for line in table), proc.stdout[-2000:]
+
+
+def test_memory_breakdown_replays_the_allocator_trace():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_breakdown import by_line, live_at_peak
+
+    def frame(name):
+        return [{"filename": "/site-packages/torch/_tensor.py", "line": 1, "name": "x"},
+                {"filename": f"/repo/lightning_fp8/{name}.py", "line": 7, "name": name}]  # fmt: skip
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frame("a")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frame("b")},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 70, "frames": frame("a")},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": frame("c")},  # 160: the peak
+        {"action": "free_requested", "addr": 9, "size": 8},  # allocated before the trace began: not counted
+        {"action": "free_requested", "addr": 4, "size": 40},
+        {"action": "alloc", "addr": 5, "size": 30, "frames": []},  # 150
+    ]
+    peak, blocks = live_at_peak(trace)
+    assert peak == 160
+    assert sorted(size for size, _ in blocks) == [40, 50, 70]
+    assert by_line(blocks) == [("a.py:7 a", 70), ("b.py:7 b", 50), ("c.py:7 c", 40)]
+
+
+def test_memory_breakdown_toy_runs():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_breakdown.py"), "--toy", "--variants", "bf16,o2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = {line.split()[0]: line for line in proc.stdout.splitlines() if " vs bf16: " in line}
+    assert sorted(ratios) == ["bf16", "o2"]
+    # O2 keeps FP8 linear weights in 6 bytes against 16, and the forward saves FP8 copies of the linear inputs
+    # (and weights) instead of bf16 ones: both below BF16's.
+    static, saved = (float(ratios["o2"].split(f"{k} ")[1].split("x")[0]) for k in ("static", "activations"))
+    assert static < 0.8 and saved < 1.0, ratios["o2"]
+    assert "optimizer exp_avg torch.float8_e4m3fn" in proc.stdout
