@@ -30,12 +30,15 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # The sweep is greedy: stage 1 picks the tile shape and transpose path, stage 2 the grid and pipelining for it,
 # stage 3 the statistics and load policy. (Four row-interleaved tiles with their FP8 bytes transposed as packed int32
 # words were tried on 2026-11-22 and reached 29% of copy: results/cast_linear_h100_v2.txt. Moving the transposed tile
-# as the FP8 values in fp16, half the shared memory of fp32, reached 65-75% against fp32's 78%: results/cast_h100_s4.txt.)
+# as the FP8 values in fp16, half the shared memory of fp32, reached 65-75% against fp32's 78%:
+# results/cast_h100_s4.txt.) TMA: the tiles through tensor descriptors (see kernels/cast.py).
 SWEEP_STAGE1 = {
     "transpose": [
-        {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "TRANSPOSE_VIA": t}
-        for bm, bn, w, t in [(128, 64, 8, "fp32"), (64, 64, 8, "fp32"), (64, 64, 4, "fp32"), (128, 32, 4, "fp32"),
-                             (64, 128, 8, "fp32"), (64, 64, 8, "bytes")]
+        {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "TRANSPOSE_VIA": t, "TMA": tma}
+        for bm, bn, w, t, tma in [(128, 64, 8, "fp32", False), (64, 64, 8, "fp32", False), (64, 64, 4, "fp32", False),
+                                  (128, 32, 4, "fp32", False), (64, 128, 8, "fp32", False), (64, 64, 8, "bytes", False),
+                                  (64, 64, 4, "fp32", True), (128, 64, 8, "fp32", True), (64, 128, 4, "fp32", True),
+                                  (128, 128, 8, "fp32", True)]
     ],
     "flat": [{"BLOCK": b, "num_warps": w} for b, w in [(2048, 4), (4096, 8), (8192, 16)]],
     "amax": [{"BLOCK": b, "num_warps": w} for b, w in [(4096, 8), (8192, 8)]],

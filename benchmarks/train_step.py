@@ -11,9 +11,9 @@ table of tokens/s, step time and peak memory with ratios against BF16 of the sam
 Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise,
 when installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for
 the rest), ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next
-forward uses instead of casting; eager only, torch.compile bypasses the copy), ``o2tr`` (O2 with the casts traced as triton_ops
-under torch.compile, so that inductor launches their kernels: lightning_fp8/scaling.py TRACE_TRITON_CASTS; the same as
-``o2`` eagerly). The output head stays in high precision in every FP8 variant.
+forward uses instead of casting; eager only, torch.compile bypasses the copy), ``o2tr`` (O2 with the casts traced as
+triton_ops under torch.compile, so that inductor launches their kernels: lightning_fp8/scaling.py TRACE_TRITON_CASTS;
+the same as ``o2`` eagerly). The output head stays in high precision in every FP8 variant.
 """
 
 from __future__ import annotations

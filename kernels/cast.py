@@ -26,6 +26,11 @@ from lightning_fp8.kernels.cast_kernels import _amax_kernel, _cast_flat_kernel, 
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
 from triton.runtime.jit import JITFunction
 
+try:  # triton >= 3.3: host-side tensor descriptors (TMA on Hopper)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 _FP8 = {
     # dtype: (max, mantissa bits, smallest normal exponent)
     torch.float8_e4m3fn: (448.0, 3, -6),
@@ -37,12 +42,14 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # benchmarks/results/cast_linear_h100_v2.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item
 # per program); NUM_STAGES pipelines the tile loop; TRANSPOSE_VIA: the transpose path (see _cast_transpose_kernel);
 # STATS_TILE: per-element running statistics; LOAD_POLICY: the loads' eviction policy; MAXNREG: registers per
-# thread (None: the compiler's choice; 96 and 128 were slower). The transposed cast's BLOCK_M also fixes the summation
-# order of its column sums (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS).
+# thread (None: the compiler's choice; 96 and 128 were slower); TMA: the transposed cast moves its tiles through tensor
+# descriptors (eager launches of 2-D x whose sides are multiples of 16; not yet measured on a GPU, so off). The
+# transposed cast's BLOCK_M also fixes the summation order of its column sums (kernels/reference.py:
+# COLUMN_SUM_BLOCK_ROWS).
 CONFIGS = {
     "transpose": {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
-        "STATS_TILE": False, "LOAD_POLICY": "", "MAXNREG": None,
+        "STATS_TILE": False, "LOAD_POLICY": "", "MAXNREG": None, "TMA": False,
     },
     "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "STATS_TILE": True,
              "LOAD_POLICY": "evict_first"},
@@ -117,7 +124,7 @@ def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
 def _launch_meta(cfg: dict, eager: bool, interpreted: bool) -> dict:
     # The launch metadata of cfg (the rest of it sizes the grid). MAXNREG caps the registers per thread (occupancy);
     # eager launches only (the interpreter has no registers, and wrap_triton's tracing is left to the defaults).
-    meta = {k: v for k, v in cfg.items() if k not in ("PROGRAMS_PER_SM", "MAXNREG")}
+    meta = {k: v for k, v in cfg.items() if k not in ("PROGRAMS_PER_SM", "MAXNREG", "TMA")}  # TMA: decided per call
     if cfg.get("MAXNREG") and eager and not interpreted:
         meta["maxnreg"] = cfg["MAXNREG"]
     return meta
@@ -187,8 +194,16 @@ def _cast_impl(
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
         sums = torch.empty((tiles_m, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
-        args = (x, scale, x_fp8, x_fp8_t, sums, *stats, m, n)
-        flags = {"WRITE_T": transpose, "COLUMN_SUM": column_sum}
+        tma = cfg["TMA"] and eager and transpose and _tma_fits(x)
+        if tma:  # the tiles through tensor descriptors: the outputs as their bytes
+            blocks, blocks_t = [cfg["BLOCK_M"], cfg["BLOCK_N"]], [cfg["BLOCK_N"], cfg["BLOCK_M"]]
+            tensors = (TensorDescriptor.from_tensor(x, blocks),
+                       TensorDescriptor.from_tensor(x_fp8.view(torch.uint8), blocks),
+                       TensorDescriptor.from_tensor(x_fp8_t.view(torch.uint8), blocks_t))  # fmt: skip
+        else:
+            tensors = (x, x_fp8, x_fp8_t)
+        args = (tensors[0], scale, *tensors[1:], sums, *stats, m, n)
+        flags = {"WRITE_T": transpose, "COLUMN_SUM": column_sum, "TMA": tma}
         kernel, work, index_64 = _cast_transpose_kernel, tiles_m * tiles_n, _index_64(padded)
     else:
         cfg = CONFIGS["flat"]
@@ -200,6 +215,14 @@ def _cast_impl(
     _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **record, **flags, EVEN=even, INDEX_64=index_64)
     # The row blocks' partial sums, added in a fixed order: deterministic, as the reference defines it.
     return x_fp8, x_fp8_t, (sums.sum(0) if column_sum else None)
+
+
+def _tma_fits(x: torch.Tensor) -> bool:
+    # Tensor descriptors need 16-byte aligned bases and row strides: x's rows, and the rows of both FP8 outputs
+    # (fresh allocations, aligned), whose lengths are x's columns and rows.
+    m, n = x.shape
+    aligned = x.data_ptr() % 16 == 0 and (n * x.element_size()) % 16 == 0 and n % 16 == 0 and m % 16 == 0
+    return aligned and TensorDescriptor is not None
 
 
 def _cast_with_stats(

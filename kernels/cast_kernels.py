@@ -143,10 +143,10 @@ def _finish(
 
 @triton.jit
 def _cast_transpose_kernel(
-    x_ptr,  # (M, N) input, row-major, fp32/bf16/fp16
+    x_ptr,  # (M, N) input, row-major, fp32/bf16/fp16 (TMA: its tensor descriptor, blocks of BLOCK_M x BLOCK_N)
     scale_ptr,  # 0-dim fp32 scale
-    out_ptr,  # (M, N) FP8 output
-    out_t_ptr,  # (N, M) FP8 output, the transposed copy
+    out_ptr,  # (M, N) FP8 output (TMA: a descriptor of its bytes, uint8)
+    out_t_ptr,  # (N, M) FP8 output, the transposed copy (TMA: a descriptor of its bytes, blocks of BLOCK_N x BLOCK_M)
     colsum_ptr,  # COLUMN_SUM: (cdiv(M, BLOCK_M), N) fp32 output, the column sums of each row block of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
@@ -178,6 +178,7 @@ def _cast_transpose_kernel(
     COLUMN_SUM: tl.constexpr,  # write the column sums of each row block (the bias gradient's partial sums)
     STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per tile)
     LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
+    TMA: tl.constexpr,  # move tiles with the tensor memory accelerator (descriptors; out of bounds: zeros / clipped)
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop
     RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
     BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
@@ -203,12 +204,15 @@ def _cast_transpose_kernel(
     for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         tm = tile // tiles_n
         rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tn = tile % tiles_n
+        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         if INDEX_64:
             rm = rm.to(tl.int64)
             rn = rn.to(tl.int64)
         offs = rm[:, None] * N + rn[None, :]
-        if EVEN:
+        if TMA:  # a tile past the edge reads zeros: neutral for the statistics and the column sums
+            x = x_ptr.load([tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
+        elif EVEN:
             x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
         else:
             mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -222,7 +226,9 @@ def _cast_transpose_kernel(
             x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND,
             STATS_TILE,
         )  # fmt: skip
-        if EVEN:
+        if TMA:
+            out_ptr.store([tm * BLOCK_M, tn * BLOCK_N], q)
+        elif EVEN:
             tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True))
         else:
             tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
@@ -232,12 +238,15 @@ def _cast_transpose_kernel(
                 q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
             else:
                 q_t = tl.trans(q)
-            q_t = q_t.to(out_t_ptr.dtype.element_ty, bitcast=True)
-            offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
-            if EVEN:
-                tl.store(out_t_ptr + offs_t, q_t)
+            if TMA:  # q_t: FP8 bytes (uint8), the descriptor's element type
+                out_t_ptr.store([tn * BLOCK_N, tm * BLOCK_M], q_t)
             else:
-                tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
+                q_t = q_t.to(out_t_ptr.dtype.element_ty, bitcast=True)
+                offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
+                if EVEN:
+                    tl.store(out_t_ptr + offs_t, q_t)
+                else:
+                    tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
     if STATS_TILE:
         amax_acc = tl.max(tl.max(amax_acc, axis=1), axis=0)
         nsat_acc = tl.sum(tl.sum(nsat_acc, axis=1), axis=0)

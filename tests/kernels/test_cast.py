@@ -241,8 +241,10 @@ def test_fused_quantize_matches_reference_over_steps(
     assert int(got_state[4]) == 1 and int(got_state[5]) == 7
 
 
-@pytest.mark.parametrize(("current", "transpose", "unscale", "column_sum"),
-                         [(True, True, None, True), (False, True, 2.0**-7, False), (False, False, None, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("current", "transpose", "unscale", "column_sum"),
+    [(True, True, None, True), (False, True, 2.0**-7, False), (False, False, None, False)],
+)
 def test_traced_quantize_op_matches_reference(current, transpose, unscale, column_sum):
     """The triton_op that torch.compile records for a cast on a GPU (kernels/cast.py: quantize_op): the same launches
     as quantize_ with a fresh workspace per call and the fixed four-output schema, against the references, over
@@ -263,6 +265,32 @@ def test_traced_quantize_op_matches_reference(current, transpose, unscale, colum
             assert torch.equal(got[3], ref[3])
         for g, r in zip(got_state, ref_state, strict=True):
             assert torch.equal(g, r), (step, g, r)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(64, 48), (160, 96), (67, 48), (64, 40)])  # the last two: no descriptors
+def test_tma_transposed_cast_matches_reference(monkeypatch, fp8_dtype, shape):
+    """The transposed cast with its tiles moved through tensor descriptors (TMA; the interpreter runs them too):
+    bit-exact against the reference, with planted hard values, partial tiles (160 x 96 with 64 x 64 tiles), the
+    fused bookkeeping and the column sums; shapes whose sides are not multiples of 16 keep the pointer path."""
+    monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], "TMA": True})
+    m, n = shape
+    assert cast._tma_fits(torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)) == (m % 16 == 0 and n % 16 == 0)
+    for dtype in INPUT_DTYPES:
+        scale = torch.tensor(2.0**-2, device=DEVICE)
+        x = inputs(shape, dtype, fp8_dtype, scale.item())
+        assert_cast_equal(cast.cast_to_fp8(x, scale, fp8_dtype, True), cast_to_fp8_ref(x, scale, fp8_dtype, True))
+    args = (fp8_dtype, 0, True, True, True, True, None, True)
+    x = inputs(shape, torch.bfloat16, fp8_dtype, 1.0)
+    got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
+    got, ref = cast.quantize_(x, *got_state, *args), reference.quantize_ref(x, *ref_state, *args)
+    no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))
+    assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
+    assert torch.equal(got[2], ref[2])
+    if DEVICE == "cpu":  # planted NaNs make some column sums NaN
+        torch.testing.assert_close(got[3], ref[3], rtol=0, atol=0, equal_nan=True)
+    for g, r in zip(got_state, ref_state, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
 
 
 # The bias gradient's tolerance against the exact (fp64) column sum: every fp32 addition of a sum of n terms rounds by
