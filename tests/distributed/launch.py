@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -26,6 +27,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_worker(wait_for_all: bool = True) -> None:
+    """End a worker process whose results are written, without the interpreter's teardown.
+
+    A finished gloo worker can abort while the interpreter shuts down ("terminate called without an active
+    exception": a gloo thread still holding work as Python tears down, pytorch/pytorch#179291), also after
+    ``destroy_process_group`` and a barrier; its results are already saved, so skipping the teardown loses nothing.
+    ``wait_for_all``: first a barrier, so that no rank leaves while another still needs it.
+    """
+    if wait_for_all and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)  # N processes on a 2-core machine: no oversubscription
@@ -35,7 +51,9 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_d
     except BaseException:  # report the worker's traceback to the test instead of a bare exit code
         result = ("error", traceback.format_exc())
     torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+    # No barrier: a rank whose collectives returned has nothing in flight, and a failed rank must not keep the others
+    # waiting (the parent reports its traceback).
+    exit_worker(wait_for_all=False)
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:

@@ -16,12 +16,14 @@ import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from lightning_fp8 import E4M3, FP8Linear, compute_scale, convert_to_fp8  # noqa: E402
 from lightning_fp8.accelerate import Accelerator  # noqa: E402
 from lightning_fp8.optim import FP8AdamW  # noqa: E402
+from tests.distributed.launch import exit_worker  # noqa: E402
 
 LR, WEIGHT_DECAY, STEPS = 1e-3, 0.05, 4
 
@@ -141,7 +143,4 @@ def train(accelerator, model, optimizer, scheduler, reference_model) -> None:
 
 if __name__ == "__main__":
     main()
-    # Tear the process group down before the interpreter exits: gloo's threads being torn down by the exit instead
-    # can abort a rank after its work is done ("terminate called without an active exception").
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    exit_worker()  # every rank done: leave without the interpreter's teardown (see tests/distributed/launch.py)

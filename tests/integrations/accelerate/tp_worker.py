@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 from accelerate.parallelism_config import ParallelismConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from lightning_fp8 import FP8Linear, convert_to_fp8  # noqa: E402
 from lightning_fp8.accelerate import Accelerator  # noqa: E402
 from lightning_fp8.optim import FP8AdamW  # noqa: E402
+from tests.distributed.launch import exit_worker  # noqa: E402
 
 LR, WEIGHT_DECAY, MAX_NORM = 3e-3, 0.05, 1.0
 CONFIG = GPTConfig(depth=2, width=64, heads=4, seq_len=32, vocab_size=256)
@@ -155,5 +157,4 @@ def check_resume(accelerator, model, optimizer, scheduler, batches, checkpoint_d
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    exit_worker()  # every rank done: leave without the interpreter's teardown (see tests/distributed/launch.py)

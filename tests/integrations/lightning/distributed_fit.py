@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import lightning_fp8  # noqa: E402,F401  (registers precision="fp8-lm", strategy="fsdp_fp8")
 from lightning_fp8 import FP8Linear, convert_to_fp8  # noqa: E402
+from tests.distributed.launch import exit_worker  # noqa: E402
 from tests.integrations.lightning.gpt_tiny import Block, CountingTokens, GPTModule  # noqa: E402
 
 
@@ -135,7 +136,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Lightning leaves the process group up; a gloo worker thread still holding a tensor when the interpreter
-    # shuts down aborts the process ("terminate called without an active exception"), so stop them first.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    exit_worker()  # every rank done: leave without the interpreter's teardown (see tests/distributed/launch.py)

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 import lightning_fp8  # noqa: E402,F401  (registers precision="fp8-lm")
 from lightning_fp8 import FP8Linear, convert_to_fp8  # noqa: E402
+from tests.distributed.launch import exit_worker  # noqa: E402
 from tests.distributed.test_tensor_parallel import GPT, SEQ, VOCAB  # noqa: E402
 
 
@@ -91,7 +92,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Lightning leaves the process group up; a gloo worker thread still holding a tensor when the interpreter
-    # shuts down aborts the process ("terminate called without an active exception"), so stop them first.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    exit_worker()  # every rank done: leave without the interpreter's teardown (see tests/distributed/launch.py)
