@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism for FP8Linear: parallel styles, the DTensor forward and a Megatron-style plan.
+"""Tensor and sequence parallelism for FP8Linear: its parallel styles and a Megatron-style plan.
 
 :class:`~lightning_fp8.FP8Linear` works under ``torch.distributed.tensor.parallel``: when its weight is a DTensor
 shard, its forward runs the FP8 GEMMs on local shards (``dtensor_forward`` and the collectives around the GEMMs,
