@@ -22,6 +22,8 @@ scale. With delayed scaling the root's amax sync (:mod:`~lightning_fp8.distribut
 identical once per step; with current scaling (and on the first step) the amax is MAX-reduced over the group before
 the cast. Either way the scale is the one a single process computes on the whole tensor. Weight scales are per
 shard: a rank's GEMMs read only its shard, so the shard's own amax is exact and needs no communication.
+
+:func:`dtensor_forward` is ``FP8Linear.forward`` for a DTensor weight: it picks the layouts and runs the above.
 """
 
 from __future__ import annotations
