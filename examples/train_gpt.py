@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
-    # Lightning leaves the process group up; a gloo worker thread still holding a tensor when the interpreter
-    # shuts down aborts the process ("terminate called without an active exception"), so stop them first.
+    # Lightning leaves the process group up: end it once every rank is done (torch's advice for a clean exit).
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
     accelerator.save_state(str(args.out / "checkpoint_final"))
     accelerator.print(f"done: {state.step} steps, final loss {mean_loss:.4f}")
+    accelerator.wait_for_everyone()  # every rank done with its collectives before the process group goes
     accelerator.end_training()
 
 
