@@ -73,14 +73,14 @@ def bench_shape(tokens, k, n, args, device):
     grads = [x, *linear.parameters(), *fp8.parameters()]
     flops = 3 * 2 * tokens * k * n
     row = {"shape": f"{tokens}x{k}->{n}", "sqnr": db}
-    variants = [("eager", lambda m: m)]
-    if args.compile:
-        variants += [("compile", torch.compile), ("compile, traced casts", torch.compile)]
     default_trace = fp8_scaling.TRACE_TRITON_CASTS
-    for name, wrap in variants:
-        # "traced casts": under torch.compile each cast is the triton_op whose kernels inductor launches itself, not one
-        # opaque custom op (lightning_fp8/scaling.py: TRACE_TRITON_CASTS).
-        fp8_scaling.TRACE_TRITON_CASTS = default_trace or name == "compile, traced casts"
+    # "traced casts": under torch.compile each cast is the triton_op whose kernels inductor launches itself, not one
+    # opaque custom op (lightning_fp8/scaling.py: TRACE_TRITON_CASTS).
+    variants = [("eager", lambda m: m, default_trace)]
+    if args.compile:
+        variants += [("compile", torch.compile, default_trace), ("compile, traced casts", torch.compile, True)]
+    for name, wrap, trace in variants:
+        fp8_scaling.TRACE_TRITON_CASTS = trace
         torch._dynamo.reset()
         try:
             t_bf16 = median_ms(make_step(wrap(linear), x, dy, device), device, grads)
@@ -88,6 +88,8 @@ def bench_shape(tokens, k, n, args, device):
         except Exception as err:  # report and go on: a compile failure should not hide the eager numbers
             print(f"  {name} failed for {row['shape']}: {type(err).__name__}: {str(err)[:300]}")
             continue
+        finally:
+            fp8_scaling.TRACE_TRITON_CASTS = default_trace
         row[name] = (t_bf16, t_fp8, flops / t_bf16 / 1e9, flops / t_fp8 / 1e9)
         if name == "eager":  # the bias gradient the other way (fused into the grad cast, or a separate dy.sum(0))
             default = fp8_linear.FUSED_BIAS_GRAD

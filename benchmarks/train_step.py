@@ -51,7 +51,8 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         import lightning_fp8 as lf
         from lightning_fp8 import scaling
 
-        scaling.TRACE_TRITON_CASTS = variant == "o2tr"
+        if variant == "o2tr":
+            scaling.TRACE_TRITON_CASTS = True
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"
