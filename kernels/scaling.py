@@ -11,7 +11,7 @@ Math (numerics defined by :func:`~lightning_fp8.kernels.reference.current_scale_
               delayed only:  scale <- pow2_scale(max(history) or history[0])
 
 Eagerly, the torch version of ``record`` is ~20 launches of a few microseconds each, for every cast of every
-layer; fused into the cast (kernels/cast.py ``quantize_``) it costs no launch at all.
+layer; fused into the cast (kernels/quantize.py ``quantize_``) it costs no launch at all.
 """
 
 import triton

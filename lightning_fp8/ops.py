@@ -69,9 +69,9 @@ def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     Triton fuses it into one launch (two with current scaling); the reference composes the kernels above.
     """
     if use_triton(args[0]):
-        from lightning_fp8.kernels import cast
+        from lightning_fp8.kernels import quantize as fused
 
-        return cast.quantize_(*args, **kwargs)
+        return fused.quantize_(*args, **kwargs)
     return reference.quantize_ref(*args, **kwargs)
 
 

@@ -160,9 +160,9 @@ TRACE_TRITON_CASTS = False
 def _traced_quantize(x: torch.Tensor):
     # The op torch.compile records for a cast of x.
     if TRACE_TRITON_CASTS and x.is_cuda and x.numel() > 0 and ops.use_triton(x):
-        from lightning_fp8.kernels import cast
+        from lightning_fp8.kernels import quantize as fused
 
-        return cast.quantize_op
+        return fused.quantize_op
     return _quantize_op
 
 

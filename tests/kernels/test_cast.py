@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lightning_fp8.kernels import cast, reference  # noqa: E402
+from lightning_fp8.kernels import cast, quantize, reference  # noqa: E402
 from lightning_fp8.kernels.reference import amax_ref, cast_to_fp8_ref, column_sum_ref  # noqa: E402
 
 from lightning_fp8 import FP8Linear, ops  # noqa: E402
@@ -213,8 +213,8 @@ def _state(history_len, scale):
 def test_fused_quantize_matches_reference_over_steps(
     fp8_dtype, delayed, algo_max, history_len, shape, transpose, unscale
 ):
-    """The one-launch cast + bookkeeping (kernels/cast.py: quantize_) against the composition of the references, over
-    successive casts of changing magnitude, with a non-finite tensor and an all-zero one among them (the workspace
+    """The one-launch cast + bookkeeping (kernels/quantize.py: quantize_) against the composition of the references,
+    over successive casts of changing magnitude, with a non-finite tensor and an all-zero one among them (the workspace
     must come back zeroed after every launch, the history roll and the next scale must match bit for bit)."""
     from lightning_fp8.kernels.reference import quantize_ref
 
@@ -229,7 +229,7 @@ def test_fused_quantize_matches_reference_over_steps(
         current = step == 0 or not delayed
         ms = None if unscale is None else torch.tensor(unscale, device=DEVICE)  # a scaled master in the storage
         args = (fp8_dtype, 1, algo_max, delayed, current, transpose, ms)
-        got = cast.quantize_(x, *got_state, *args)
+        got = quantize.quantize_(x, *got_state, *args)
         ref = quantize_ref(x, *ref_state, *args)
         no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))  # compared through the state below
         assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
@@ -246,8 +246,8 @@ def test_fused_quantize_matches_reference_over_steps(
     [(True, True, None, True), (False, True, 2.0**-7, False), (False, False, None, False)],
 )
 def test_traced_quantize_op_matches_reference(current, transpose, unscale, column_sum):
-    """The triton_op that torch.compile records for a cast on a GPU (kernels/cast.py: quantize_op): the same launches
-    as quantize_ with a fresh workspace per call and the fixed four-output schema, against the references, over
+    """The triton_op that torch.compile records for a cast on a GPU (kernels/quantize.py: quantize_op): the same
+    launches as quantize_ with a fresh workspace per call and the fixed four-output schema, against the references, over
     successive casts (called as it is here; the compiled GPU path is checked by benchmarks/check_compile.py)."""
     got_state, ref_state = _state(4, 4.0), _state(4, 4.0)
     gen = torch.Generator().manual_seed(5)
@@ -255,7 +255,7 @@ def test_traced_quantize_op_matches_reference(current, transpose, unscale, colum
         x = (torch.randn(67, 48, generator=gen) * magnitude).to(torch.bfloat16).to(DEVICE)
         ms = None if unscale is None else torch.tensor(unscale, device=DEVICE)
         args = (torch.float8_e5m2, 1, True, True, current or step == 0, transpose, ms, column_sum)
-        got = cast.quantize_op(x, *got_state, *args)
+        got = quantize.quantize_op(x, *got_state, *args)
         ref = reference.quantize_ref(x, *ref_state, *args)
         no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))
         assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
@@ -283,7 +283,7 @@ def test_tma_transposed_cast_matches_reference(monkeypatch, fp8_dtype, shape):
     args = (fp8_dtype, 0, True, True, True, True, None, True)
     x = inputs(shape, torch.bfloat16, fp8_dtype, 1.0)
     got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
-    got, ref = cast.quantize_(x, *got_state, *args), reference.quantize_ref(x, *ref_state, *args)
+    got, ref = quantize.quantize_(x, *got_state, *args), reference.quantize_ref(x, *ref_state, *args)
     no_stats = (torch.zeros(()), torch.zeros((), dtype=torch.int64))
     assert_cast_equal((*got[:2], *no_stats), (*ref[:2], *no_stats))
     assert torch.equal(got[2], ref[2])
@@ -303,7 +303,7 @@ def _column_sum_cast(x, fp8_dtype, transpose):
     """quantize_ with column_sum on a fresh state and its reference: (got, ref) output tuples."""
     args = (fp8_dtype, 0, True, True, True, transpose, None, True)
     got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
-    return cast.quantize_(x, *got_state, *args), reference.quantize_ref(x, *ref_state, *args)
+    return quantize.quantize_(x, *got_state, *args), reference.quantize_ref(x, *ref_state, *args)
 
 
 @pytest.mark.parametrize(("shape", "transpose"), [((300, 52), True), ((132, 48), True), ((67, 45), True),

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
-from lightning_fp8.kernels import cast, launch  # noqa: E402
+from lightning_fp8.kernels import cast, launch, quantize  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _CHANGING = 3  # a global the stand-in kernel reads: Triton checks it has not changed since compiling
@@ -208,7 +208,7 @@ def test_gpu_fast_launches_equal_normal_launches(monkeypatch):
                     monkeypatch.setattr(launch, "ENABLED", fast)
                     state = _state(4, 2.0)
                     for _ in range(2):  # the second launch of a specialization is the fast one
-                        got = cast.quantize_(x, *state, fp8_dtype, 0, True, True, current, transpose, None)
+                        got = quantize.quantize_(x, *state, fp8_dtype, 0, True, True, current, transpose, None)
                     plain = cast.cast_to_fp8(x, torch.tensor(8.0, device="cuda"), fp8_dtype, transpose)
                     outs.append([*got, *state, *plain, cast.amax(x)])
                 for g, r in zip(*outs, strict=True):

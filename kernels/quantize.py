@@ -1,0 +1,130 @@
+"""A scaling state's cast in one launch (two with current scaling): the cast of :mod:`lightning_fp8.kernels.cast`
+with the state's bookkeeping fused in (``RECORD``: statistics, amax history, next scale, 1 / scale).
+
+:func:`quantize_` is what ``ScalingState.quantize`` runs eagerly on a GPU; :func:`quantize_op` is the same launches as a
+``torch.library.triton_op`` for ``torch.compile``. Numerics: ``kernels/reference.py: quantize_ref``, bit for bit.
+"""
+
+import functools
+
+import torch
+from lightning_fp8.kernels.cast import _FP8, CONFIGS, _cast_impl, _cdiv, _index_64, _launch
+from lightning_fp8.kernels.cast_kernels import _amax_kernel
+from lightning_fp8.kernels.reference import float32_exponent_mantissa
+
+
+@functools.cache
+def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
+    # The bookkeeping's constexprs: the exponent and mantissa of the format's maximum as an fp32, and the margin.
+    max_exp, max_mant = float32_exponent_mantissa(_FP8[fp8_dtype][0])
+    return {"MAX_EXP": max_exp, "MAX_MANT": max_mant, "MARGIN": margin}
+
+
+def _next_power_of_2(n: int) -> int:
+    # As triton.next_power_of_2 (n >= 1), without its ConstexprFunction call overhead.
+    return 1 << (n - 1).bit_length()
+
+
+# Per (device, stream): the zeroed workspace of the fused bookkeeping. A launch leaves it zeroed, and launches on one
+# stream run one after another, so one workspace serves every cast on that stream.
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    ws = _WORKSPACES.get((device, stream))
+    if ws is None:
+        ws = _WORKSPACES[(device, stream)] = torch.zeros(3, dtype=torch.int64, device=device)
+    return ws
+
+
+def quantize_(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+    unscale: torch.Tensor | None = None,
+    column_sum: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """One cast of a scaling state in one launch (two with ``current``): cast, statistics, history and next scale.
+
+    Same signature and bit-exact results as :func:`lightning_fp8.kernels.reference.quantize_ref`. ``x`` must be
+    contiguous and of a supported dtype (the caller, ``ScalingState.quantize``, guarantees it). The last program
+    of the cast does the bookkeeping of ``kernels/scaling.py`` (no separate launch, no zeroed accumulators); with
+    ``current`` the amax launch before it writes the scale. ``column_sum`` (2-D ``x``): the cast also sums the
+    columns of each row block as it reads them (the bias gradient of a linear layer), and a fourth output adds the
+    blocks. Eager; ``torch.compile`` traces the same launches through the triton_op :func:`quantize_op`.
+    """
+    args = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max,
+            delayed, current, transpose, unscale, column_sum)  # fmt: skip
+    if x.numel() == 0:
+        from lightning_fp8.kernels.reference import quantize_ref
+
+        return quantize_ref(*args)
+    x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(*args, eager=True)
+    return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)
+
+
+def _quantize_impl(
+    x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
+    current, transpose, unscale, column_sum, eager,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    # Non-empty x. Eagerly the stream's cached workspace serves (a launch leaves it zeroed); traced, a fresh zeroed
+    # one (a graph cannot hold on to a global buffer that its kernels mutate). The workspace also fills the pointer
+    # arguments that these launches do not read: no state buffer is passed twice to a kernel that writes it.
+    fields = _record_fields(fp8_dtype, margin)
+    ws = _workspace(x.device) if eager else torch.zeros(3, dtype=torch.int64, device=x.device)
+    if current:
+        cfg = CONFIGS["amax"]
+        blocks = _cdiv(x.numel(), cfg["BLOCK"])
+        flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
+        _launch(_amax_kernel, x, blocks, cfg, x, ws, ws, scale, x.numel(), eager=eager, CURRENT_SCALE=True,
+                **flags, **fields)  # fmt: skip
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    h = amax_history.numel()
+    stats = (ws, ws, ws, amax_history, scale_inv, last_amax, saturation, nonfinite_count, casts,
+             ws if unscale is None else unscale, h, x.numel())  # fmt: skip
+    record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
+              "UNSCALE": unscale is not None, **fields}  # fmt: skip
+    x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager, column_sum)
+    return x_fp8, x_fp8_t, scale_inv, sums
+
+
+@torch.library.triton_op(
+    "lightning_fp8::quantize_triton",
+    mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts"),
+)
+def quantize_op(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+    unscale: torch.Tensor | None,
+    column_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_` (non-empty CUDA ``x``) as a ``torch.library.triton_op``: ``torch.compile`` sees the kernel
+    launches themselves, and inductor launches them from its generated code (no Python custom op per cast). A fixed
+    schema: the fourth output is empty without ``column_sum``."""
+    x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(
+        x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
+        current, transpose, unscale, column_sum, eager=False,
+    )  # fmt: skip
+    return x_fp8, x_fp8_t, scale_inv, sums if column_sum else scale_inv.new_empty((0,))
