@@ -74,11 +74,11 @@ def bench_shape(tokens, k, n, args, device):
     flops = 3 * 2 * tokens * k * n
     row = {"shape": f"{tokens}x{k}->{n}", "sqnr": db}
     default_trace = fp8_scaling.TRACE_TRITON_CASTS
-    # "traced casts": under torch.compile each cast is the triton_op whose kernels inductor launches itself, not one
-    # opaque custom op (lightning_fp8/scaling.py: TRACE_TRITON_CASTS).
+    # "compile": under torch.compile each cast is the triton_op whose kernels inductor launches itself (the default,
+    # lightning_fp8/scaling.py: TRACE_TRITON_CASTS); "compile, opaque casts": one opaque custom op per cast.
     variants = [("eager", lambda m: m, default_trace)]
     if args.compile:
-        variants += [("compile", torch.compile, default_trace), ("compile, traced casts", torch.compile, True)]
+        variants += [("compile", torch.compile, True), ("compile, opaque casts", torch.compile, False)]
     for name, wrap, trace in variants:
         fp8_scaling.TRACE_TRITON_CASTS = trace
         torch._dynamo.reset()

@@ -1,7 +1,7 @@
 """Where the time goes: torch.profiler tables of FP8Linear forward+backward and of one GPT training step.
 
     python benchmarks/profile_step.py                    # GPU: 16384 x 4096 -> 4096 layer, GPT d=1024 O2 step
-    python benchmarks/profile_step.py --what gpt --width 2048 --depth 16
+    python benchmarks/profile_step.py --what gpt --width 2048 --depth 16 [--compile]
 
 Prints, per case: the wall time of one iteration, the CPU time to enqueue it (no synchronisation), the GPU
 busy time (sum of kernel times), the number of kernel launches, and the top operators by self CPU time and by
@@ -68,10 +68,11 @@ def linear_case(tokens: int, k: int, n: int, compile: bool = False, fp8: bool = 
     return step
 
 
-def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int):
+def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int, compile: bool = False):
     from train_step import build
 
     model, opt = build(variant, width, depth, seq, 50304, "cuda")
+    model = torch.compile(model) if compile else model
     idx = torch.randint(0, 50304, (batch, seq), device="cuda")
 
     def step():
@@ -95,6 +96,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--compile", action="store_true", help="compile the GPT model (gpt only)")
     args = p.parse_args()
     what = args.what.split(",")
     if "linear" in what:
@@ -105,8 +107,9 @@ def main() -> None:
         report(f"nn.Linear {args.shape}", linear_case(*args.shape, fp8=False), rows=args.rows)
     if "gpt" in what:
         for variant in args.variants.split(","):
-            fn = gpt_case(variant, args.width, args.depth, args.seq, args.batch)
-            report(f"GPT {variant} d={args.width} x {args.depth}", fn, iters=5, rows=args.rows)
+            fn = gpt_case(variant, args.width, args.depth, args.seq, args.batch, args.compile)
+            label = ", compiled" if args.compile else ""
+            report(f"GPT {variant} d={args.width} x {args.depth}{label}", fn, iters=5, rows=args.rows)
             del fn
             torch.cuda.empty_cache()
 

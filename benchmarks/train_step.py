@@ -8,12 +8,12 @@ table of tokens/s, step time and peak memory with ratios against BF16 of the sam
     python benchmarks/train_step.py --sizes 1024x12 --compile yes --compile-mode reduce-overhead   # CUDA graphs
     python benchmarks/train_step.py --toy                   # CPU smoke run (tests use it)
 
-Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise,
-when installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for
-the rest), ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next
-forward uses instead of casting; eager only, torch.compile bypasses the copy), ``o2tr`` (O2 with the casts traced as
-triton_ops under torch.compile, so that inductor launches their kernels: lightning_fp8/scaling.py TRACE_TRITON_CASTS;
-the same as ``o2`` eagerly). The output head stays in high precision in every FP8 variant.
+Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise, when
+installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for the rest),
+``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next forward uses
+instead of casting; eager only, torch.compile bypasses the copy), ``o2op`` (O2 with each cast an opaque custom op
+under torch.compile instead of the triton_op that inductor launches itself: lightning_fp8/scaling.py
+TRACE_TRITON_CASTS; the same as ``o2`` eagerly). The output head stays in high precision in every FP8 variant.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2tr")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -51,8 +51,8 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         import lightning_fp8 as lf
         from lightning_fp8 import scaling
 
-        if variant == "o2tr":
-            scaling.TRACE_TRITON_CASTS = True
+        if variant == "o2op":
+            scaling.TRACE_TRITON_CASTS = False
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"
