@@ -38,5 +38,6 @@ for what in "$@"; do
     profile_c) timeout ${TP:-200} python3 benchmarks/profile_step.py --what gpt --compile --width ${W:-1024} --depth ${D:-12} --variants ${PVARIANTS:-o2} --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
     profile_e) timeout ${TP:-200} python3 benchmarks/profile_step.py --what gpt --width ${W:-2048} --depth ${D:-16} --variants ${PVARIANTS:-bf16,o2} --rows 25 > "$OUT/profile_e.log" 2>&1; grep "===" "$OUT/profile_e.log";;
     memory2) for s in ${MSIZES:-4096x8 2048x16}; do timeout 170 python3 benchmarks/memory_breakdown.py --size $s --variants bf16,o2 > "$OUT/memory_$s.log" 2>&1; tail -3 "$OUT/memory_$s.log"; done;;
+    gputests_recast) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_linear.py tests/kernels/test_cast.py -k "recast or inductor or (every_variant and fp32)" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log";;
   esac
 done

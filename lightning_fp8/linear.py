@@ -30,6 +30,12 @@ _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # takes (16384 x 4096 bf16: +66 us against 71 us; benchmarks/results/cast_linear_h100_v2.txt). bench_linear.py times
 # both.
 FUSED_BIAS_GRAD = False
+# Keep the weight's transposed FP8 copy (the dgrad operand) from the forward to the backward (True), or cast the weight
+# again in the backward with the forward's scale, which gives the same bytes (False, the default, as torchao does).
+# Recasting costs one more pass over the weight per backward and saves a byte per weight element from the forward to
+# the backward, at the peak of a training step's memory. A weight copy written by FP8AdamW(emit_fp8_weights=True) keeps
+# its transpose either way.
+SAVE_WEIGHT_TRANSPOSE = False
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -51,13 +57,19 @@ class _FP8Matmul(torch.autograd.Function):
         x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(x, need_wgrad, first or not fp8["input"].delayed)
         # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
         # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
-        w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(fp8["weight"], weight, need_dgrad, master_scale)
+        w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
+            fp8["weight"], weight, need_dgrad, master_scale, keep_transpose=SAVE_WEIGHT_TRANSPOSE
+        )
+        # No transposed copy from the forward (weight_cache made none): the backward casts the weight again.
+        ctx.recast = need_dgrad and w_fp8_t.numel() == 0
+        ctx.weight_fp8_dtype = w_fp8.dtype
         # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
         # as Transformer Engine does.
         b = None if bias is None else bias.to(out_dtype)
         y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv)
+        recast = (weight, master_scale) if ctx.recast else ()
+        ctx.save_for_backward(x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv, *recast)
         ctx.grad_state = fp8["grad_output"]
         ctx.grad_current = first or not fp8["grad_output"].delayed
         ctx.dtypes = (x.dtype, weight.dtype)
@@ -65,7 +77,9 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
+        x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv, *recast = ctx.saved_tensors
+        if ctx.recast:
+            w_fp8_t = _recast_weight_t(*recast, w_scale_inv, ctx.weight_fp8_dtype)
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         # With FUSED_BIAS_GRAD the bias gradient (fp32 column sums of dy) comes from the cast, which reads dy anyway.
         fused = FUSED_BIAS_GRAD and need_bgrad
@@ -82,6 +96,16 @@ class _FP8Matmul(torch.autograd.Function):
         else:
             db = None
         return dx, dw, db, None, None, None, None
+
+
+def _recast_weight_t(
+    weight: torch.Tensor, master_scale: torch.Tensor | None, w_scale_inv: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """The forward's transposed FP8 weight, cast again: the weight is unchanged since (autograd's version check on the
+    saved tensors guarantees it), and the scale the forward cast the stored values with is ``1 / (scale_inv *
+    master_scale)``, exactly (powers of two)."""
+    stored_scale_inv = w_scale_inv if master_scale is None else w_scale_inv * master_scale
+    return ops.cast_to_fp8(weight.detach(), torch.reciprocal(stored_scale_inv), fp8_dtype, transpose=True)[1]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

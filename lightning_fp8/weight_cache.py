@@ -131,18 +131,24 @@ def _transpose(data: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(
-    state: torch.nn.Module, weight: torch.Tensor, transpose: bool, unscale: torch.Tensor | None
+    state: torch.nn.Module,
+    weight: torch.Tensor,
+    transpose: bool,
+    unscale: torch.Tensor | None,
+    keep_transpose: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``state.quantize(weight, transpose, True, unscale)`` (the forward's weight cast), served from the weight's
-    valid FP8 copy when it has one: then no cast runs, and ``state`` records the statistics of the copy (the same
-    numbers the cast would record when the step ran two passes).
+    """``state.quantize(weight, transpose and keep_transpose, True, unscale)`` (the forward's weight cast), served
+    from the weight's valid FP8 copy when it has one: then no cast runs, the copy's transpose is returned when
+    ``transpose`` (made once, kept with the copy), and ``state`` records the statistics of the copy (the same numbers
+    the cast would record when the step ran two passes).
 
     Returns:
-        ``(w_fp8, w_fp8_t, scale_inv)`` as :meth:`~lightning_fp8.scaling.ScalingState.quantize`.
+        ``(w_fp8, w_fp8_t, scale_inv)`` as :meth:`~lightning_fp8.scaling.ScalingState.quantize`; ``w_fp8_t`` is empty
+        when the cast made none (``keep_transpose=False``: the caller casts again when it needs it).
     """
     cache = lookup(weight, state) if _any_sealed else None  # no attribute lookups until some step emitted a copy
     if cache is None:
-        return state.quantize(weight, transpose, True, unscale)
+        return state.quantize(weight, transpose and keep_transpose, True, unscale)
     floats, counts = cache.floats, cache.counts
     with torch.no_grad():
         torch._foreach_copy_([state.amax, state.scale, state.saturation, state.amax_history],

@@ -90,14 +90,59 @@ def test_autocast_output_dtype_and_fp32_weight_grad():
     assert sqnr(y, y_ref) > FORWARD_SQNR_DB - 3
 
 
-def test_saves_fp8_copies_not_the_input():
+@pytest.mark.parametrize("save_weight_transpose", [False, True])
+def test_saves_fp8_copies_not_the_input(monkeypatch, save_weight_transpose):
+    # Besides the parameters, the backward keeps only FP8 copies: the input's transpose, and the weight's only with
+    # SAVE_WEIGHT_TRANSPOSE (otherwise the backward casts the weight again).
+    from lightning_fp8 import linear
+
+    monkeypatch.setattr(linear, "SAVE_WEIGHT_TRANSPOSE", save_weight_transpose)
     fp8 = FP8Linear(64, 32)
     x = torch.randn(16, 64, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fp8(x)
+    params = {p.data_ptr() for p in fp8.parameters()}
+    activations = [t for t in saved if t.dim() == 2 and t.data_ptr() not in params]
     assert not any(t.data_ptr() == x.data_ptr() for t in saved)
-    assert {t.dtype for t in saved if t.dim() == 2} == {torch.float8_e4m3fn}
+    assert {t.dtype for t in activations} == {torch.float8_e4m3fn}
+    shapes = sorted(tuple(t.shape) for t in activations)
+    assert shapes == ([(64, 16), (64, 32)] if save_weight_transpose else [(64, 16)])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("master_scaled", [False, True])
+def test_recast_weight_in_backward_gives_the_saved_transpose_bit_for_bit(monkeypatch, master_scaled, device):
+    """The backward's recast of the weight (the default) and the forward's saved transposed copy give identical
+    gradients, including at O2 where the weight's storage holds the fp16 master times its power-of-two scale."""
+    from lightning_fp8 import FP8AdamW, linear
+    from lightning_fp8.optim import master
+
+    layer_dtype = master_scale = None
+
+    def grads(save: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(linear, "SAVE_WEIGHT_TRANSPOSE", save)
+        torch.manual_seed(0)
+        layer = FP8Linear(48, 80, device=device)
+        if master_scaled:  # O2: FP8AdamW adopts the weight (fp16 master, scaled) and steps once
+            opt = FP8AdamW(layer.parameters(), lr=1e-2, opt_level="O2", fp8_grads=False)
+            layer(torch.randn(24, 48, device=device)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        x = (torch.randn(3, 37, 48, device=device) * 3).requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().backward(torch.randn(y.shape, device=device))
+        nonlocal layer_dtype, master_scale
+        layer_dtype = layer.weight.dtype
+        master_scale = getattr(layer.weight, master.SCALE_ATTR, None)
+        return [x.grad, layer.weight.grad, layer.bias.grad]
+
+    recast, saved = grads(False), grads(True)
+    assert layer_dtype == (torch.float16 if master_scaled else torch.float32)
+    assert (master_scale is not None and master_scale.item() != 1.0) == master_scaled
+    for a, b in zip(recast, saved, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_no_input_grad_skips_dgrad_and_frozen_weight_skips_wgrad():
