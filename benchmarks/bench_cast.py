@@ -39,19 +39,20 @@ SWEEP_STAGE1 = {
         for bm, bn, w, t, tma in [(128, 64, 8, "fp32", False), (64, 64, 8, "fp32", False), (64, 64, 4, "fp32", False),
                                   (128, 32, 4, "fp32", False), (64, 128, 8, "fp32", False), (64, 64, 8, "bytes", False),
                                   (64, 64, 4, "fp32", True), (128, 64, 8, "fp32", True), (64, 128, 4, "fp32", True),
-                                  (128, 128, 8, "fp32", True)]
+                                  (128, 128, 8, "fp32", True), (128, 64, 4, "fp32", False)]
     ],
     "flat": [{"BLOCK": b, "num_warps": w} for b, w in [(2048, 4), (4096, 8), (8192, 16)]],
     "amax": [{"BLOCK": b, "num_warps": w} for b, w in [(4096, 8), (8192, 8)]],
 }  # fmt: skip
 SWEEP_STAGE2 = {
-    "transpose": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (4, 8, 16, 1 << 20)],
+    "transpose": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": s} for p, s in ((4, 1), (8, 1), (16, 1), (1 << 20, 1), (8, 2),
+                                                                        (16, 2), (16, 3))],
     "flat": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (4, 8, 16)],
     "amax": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (8, 1 << 20)],
 }
 SWEEP_STAGE3 = {
-    "transpose": [{"STATS_TILE": False, "LOAD_POLICY": p, "MAXNREG": r} for p in ("", "evict_first")
-                  for r in (None, 128, 96)],
+    "transpose": [{"STATS_TILE": False, "LOAD_POLICY": p, "STORE_POLICY": c, "MAXNREG": None}
+                  for p in ("", "evict_first") for c in ("", ".cs", ".cg")],
     "flat": [{"STATS_TILE": t, "LOAD_POLICY": p} for t in (True, False) for p in ("", "evict_first")],
     "amax": [],
 }

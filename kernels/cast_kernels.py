@@ -178,6 +178,7 @@ def _cast_transpose_kernel(
     COLUMN_SUM: tl.constexpr,  # write the column sums of each row block (the bias gradient's partial sums)
     STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per tile)
     LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
+    STORE_POLICY: tl.constexpr,  # cache modifier of the FP8 stores ("" or ".cs": streaming, written once)
     TMA: tl.constexpr,  # move tiles with the tensor memory accelerator (descriptors; out of bounds: zeros / clipped)
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop
     RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
@@ -229,9 +230,10 @@ def _cast_transpose_kernel(
         if TMA:
             out_ptr.store([tm * BLOCK_M, tn * BLOCK_N], q)
         elif EVEN:
-            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True))
+            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), cache_modifier=STORE_POLICY)
         else:
-            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
+            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask,
+                     cache_modifier=STORE_POLICY)  # fmt: skip
         if WRITE_T:
             # The transposed tile goes through shared memory; which form the compiler moves best is measured.
             if TRANSPOSE_VIA == "fp32":
@@ -244,9 +246,10 @@ def _cast_transpose_kernel(
                 q_t = q_t.to(out_t_ptr.dtype.element_ty, bitcast=True)
                 offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
                 if EVEN:
-                    tl.store(out_t_ptr + offs_t, q_t)
+                    tl.store(out_t_ptr + offs_t, q_t, cache_modifier=STORE_POLICY)
                 else:
-                    tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M))
+                    tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M),
+                             cache_modifier=STORE_POLICY)  # fmt: skip
     if STATS_TILE:
         amax_acc = tl.max(tl.max(amax_acc, axis=1), axis=0)
         nsat_acc = tl.sum(tl.sum(nsat_acc, axis=1), axis=0)
