@@ -98,6 +98,13 @@ def bench_shape(tokens, k, n, args, device):
             fp8_linear.FUSED_BIAS_GRAD = default
             row["eager, db " + ("unfused" if default else "fused")] = (t_bf16, t_alt, flops / t_bf16 / 1e9,
                                                                        flops / t_alt / 1e9)  # fmt: skip
+            # The weight's transposed FP8 copy kept from the forward instead of cast again in the backward.
+            default = fp8_linear.SAVE_WEIGHT_TRANSPOSE
+            fp8_linear.SAVE_WEIGHT_TRANSPOSE = not default
+            t_alt = median_ms(make_step(fp8, x, dy, device), device, grads)
+            fp8_linear.SAVE_WEIGHT_TRANSPOSE = default
+            label = "eager, " + ("weight recast" if default else "weight T saved")
+            row[label] = (t_bf16, t_alt, flops / t_bf16 / 1e9, flops / t_alt / 1e9)
     if args.breakdown and device.type == "cuda" and not args.breakdown_done:
         args.breakdown_done = True  # the first shape only: the pieces scale as their sizes do
         breakdown(fp8, x, dy, device)

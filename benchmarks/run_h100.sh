@@ -34,7 +34,7 @@ for what in "$@"; do
     train_c) timeout 230 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants ${VARIANTS:-bf16,o2} --steps 8 --warmup 3 --timeout 115 > "$OUT/train_c.log" 2>&1; tail -4 "$OUT/train_c.log";;
     memory) timeout 300 python3 benchmarks/memory_breakdown.py --size ${SIZES:-2048x16} --variants bf16,o2 > "$OUT/memory.log" 2>&1; tail -30 "$OUT/memory.log";;
     # Session 5: the compiled step with the traced casts on by default, and its profile.
-    train_c2) timeout ${T:-380} python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants ${VARIANTS:-bf16,o2} --steps 8 --warmup 3 --timeout 280 --json "$OUT/train_c2.json" > "$OUT/train_c2.log" 2>&1; tail -4 "$OUT/train_c2.log";;
+    train_c2) timeout ${T:-380} python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants ${VARIANTS:-bf16,o2} --steps 8 --warmup 3 --timeout ${TC:-280} --json "$OUT/train_c2.json" > "$OUT/train_c2.log" 2>&1; tail -4 "$OUT/train_c2.log";;
     profile_c) timeout ${TP:-200} python3 benchmarks/profile_step.py --what gpt --compile --width ${W:-1024} --depth ${D:-12} --variants ${PVARIANTS:-o2} --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
     profile_e) timeout ${TP:-200} python3 benchmarks/profile_step.py --what gpt --width ${W:-2048} --depth ${D:-16} --variants ${PVARIANTS:-bf16,o2} --rows 25 > "$OUT/profile_e.log" 2>&1; grep "===" "$OUT/profile_e.log";;
     memory2) for s in ${MSIZES:-4096x8 2048x16}; do timeout 170 python3 benchmarks/memory_breakdown.py --size $s --variants bf16,o2 > "$OUT/memory_$s.log" 2>&1; tail -3 "$OUT/memory_$s.log"; done;;
