@@ -98,13 +98,10 @@ def by_line(blocks: list[tuple[int, list[dict]]]) -> list[tuple[str, int]]:
 
 
 def run_one(args) -> dict:
-    from train_step import build
+    from train_step import build_run
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    width, depth = (int(v) for v in args.size.split("x"))
-    torch.manual_seed(0)
-    model, opt = build(args.variant, width, depth, args.seq, args.vocab, device)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    model, opt, idx = build_run(args.variant, args.size, args.seq, args.vocab, args.batch, device)
 
     def forward():
         with torch.autocast(device, dtype=torch.bfloat16):

@@ -69,7 +69,7 @@ def linear_case(tokens: int, k: int, n: int, compile: bool = False, fp8: bool = 
 
 
 def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int, compile: bool = False):
-    from train_step import build
+    from train_step import build, compile_once
 
     model, opt = build(variant, width, depth, seq, 50304, "cuda")
     idx = torch.randint(0, 50304, (batch, seq), device="cuda")
@@ -84,8 +84,7 @@ def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int, compile
 
     if not compile:
         return step
-    step()  # one eager step first, as train_step.py does: the FP8 layers leave their first-cast path, one compilation
-    compiled = torch.compile(model)
+    _, compiled = compile_once(model, step)
     return lambda: step(compiled)
 
 

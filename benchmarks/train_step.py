@@ -61,12 +61,27 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
     return model, opt
 
 
+def build_run(variant: str, size: str, seq: int, vocab: int, batch: int, device: str):
+    """``build`` for a ``WIDTHxDEPTH`` size from seed 0, and a batch of token ids: ``(model, opt, idx)``."""
+    width, depth = (int(v) for v in size.split("x"))
+    torch.manual_seed(0)
+    model, opt = build(variant, width, depth, seq, vocab, device)
+    return model, opt, torch.randint(0, vocab, (batch, seq), device=device)
+
+
+def compile_once(model: torch.nn.Module, step, mode: str | None = None):
+    """Run ``step(model)`` once eagerly, then compile ``model``: ``(step's result, compiled model)``.
+
+    In the eager step FP8 layers leave their first-cast path (no amax history yet), so torch.compile compiles the
+    model once instead of twice (the first-cast flag is a dynamo guard).
+    """
+    first = step(model)
+    return first, torch.compile(model, mode=mode)
+
+
 def run_one(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    width, depth = (int(v) for v in args.size.split("x"))
-    torch.manual_seed(0)
-    model, opt = build(args.variant, width, depth, args.seq, args.vocab, device)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    model, opt, idx = build_run(args.variant, args.size, args.seq, args.vocab, args.batch, device)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     def step(step_fn=model):
@@ -78,11 +93,9 @@ def run_one(args) -> dict:
         return loss
 
     losses = []
-    if args.compiled:
-        # One eager step first (every variant): FP8 layers leave their first-cast path (no amax history yet) there,
-        # so torch.compile compiles the model once instead of twice (the first-cast flag is a guard).
-        losses.append(step().item())
-        compiled = torch.compile(model, mode=args.compile_mode)
+    if args.compiled:  # every variant the same way
+        first, compiled = compile_once(model, step, args.compile_mode)
+        losses.append(first.item())
         step = functools.partial(step, compiled)
     losses += [step().item() for _ in range(args.warmup)]
     if device == "cuda":
