@@ -39,5 +39,9 @@ for what in "$@"; do
     profile_e) timeout ${TP:-200} python3 benchmarks/profile_step.py --what gpt --width ${W:-2048} --depth ${D:-16} --variants ${PVARIANTS:-bf16,o2} --rows 25 > "$OUT/profile_e.log" 2>&1; grep "===" "$OUT/profile_e.log";;
     memory2) for s in ${MSIZES:-4096x8 2048x16}; do timeout 170 python3 benchmarks/memory_breakdown.py --size $s --variants bf16,o2 > "$OUT/memory_$s.log" 2>&1; tail -3 "$OUT/memory_$s.log"; done;;
     gputests_recast) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_linear.py tests/kernels/test_cast.py -k "recast or inductor or (every_variant and fp32)" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log";;
+    # Session 6: the cast's statistics modes and persistent grid swept finely; FP8Linear with the swept configs.
+    s6cast) timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cast.py -k "(every_variant and fp32) or statistics_mode" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+            timeout 140 python3 benchmarks/bench_cast.py --sweep --save-configs "$OUT/configs.json" > "$OUT/cast_sweep.log" 2>&1; tail -16 "$OUT/cast_sweep.log"
+            timeout 200 python3 benchmarks/bench_linear.py --breakdown --configs "$OUT/configs.json" > "$OUT/linear.log" 2>&1; tail -12 "$OUT/linear.log";;
   esac
 done

@@ -41,18 +41,18 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch configs: the best of benchmarks/bench_cast.py --sweep on an H100 (8192 x 8192 bf16 -> E4M3; see
 # benchmarks/results/cast_linear_h100_v2.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item per
 # program); NUM_STAGES pipelines the tile loop; TRANSPOSE_VIA: the transpose path (see _cast_transpose_kernel);
-# STATS_TILE: per-element running statistics; LOAD_POLICY: the loads' eviction policy; STORE_POLICY: the FP8 stores'
-# cache modifier; MAXNREG: registers per thread (None: the compiler's choice; 96 and 128 were slower); TMA: the
-# transposed cast moves its tiles through tensor descriptors (eager launches of 2-D x whose sides are multiples of 16;
-# off: 66-78% of copy against the pointers' 78%; the stores' .cs and .cg modifiers were no faster either:
-# benchmarks/results/h100_s5.txt). The transposed cast's BLOCK_M also fixes the summation order of its column sums
-# (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS).
+# STATS: running statistics per "element", "row" or "tile" (see cast_kernels._quantize_block); LOAD_POLICY: the loads'
+# eviction policy; STORE_POLICY: the FP8 stores' cache modifier; MAXNREG: registers per thread (None: the compiler's
+# choice; 96 and 128 were slower); TMA: the transposed cast moves its tiles through tensor descriptors (eager launches
+# of 2-D x whose sides are multiples of 16; off: 66-78% of copy against the pointers' 78%; the stores' .cs and .cg
+# modifiers were no faster either: benchmarks/results/h100_s5.txt). The transposed cast's BLOCK_M also fixes the
+# summation order of its column sums (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS).
 CONFIGS = {
     "transpose": {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
-        "STATS_TILE": False, "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False,
+        "STATS": "tile", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False,
     },
-    "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "STATS_TILE": True,
+    "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "STATS": "element",
              "LOAD_POLICY": "evict_first"},
     "amax": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1},
 }  # fmt: skip

@@ -5,7 +5,7 @@ One pass: ``cast_to_fp8`` reads each element of ``x`` once (2-D tiles), writes `
 memory so that both stores are coalesced), and folds each program's amax and saturation count into two
 global accumulators (at most one atomic max and one atomic add per program, skipped when they cannot
 change anything). Programs are persistent (a grid-stride loop over tiles) and keep running statistics (scalars, or
-per element with ``STATS_TILE``), so neither atomics nor registers grow with the tensor. With ``COLUMN_SUM`` the
+per row or per element: ``STATS``), so neither atomics nor registers grow with the tensor. With ``COLUMN_SUM`` the
 transposed cast also writes the column sums of each row block it reads (a linear layer's bias gradient, summed
 over the blocks by the launcher in a fixed order: deterministic, no float atomics).
 
@@ -76,15 +76,19 @@ def _fp8_bytes(y, IS_E4M3: tl.constexpr):
 @triton.jit
 def _quantize_block(
     x, scale, amax_acc, nsat_acc, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, MBITS: tl.constexpr,
-    MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT_ROUND: tl.constexpr, STATS_TILE: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT_ROUND: tl.constexpr, STATS: tl.constexpr,
 ):  # fmt: skip
     # One block of a cast: the FP8 bytes (uint8; NaN 0x7F, as PyTorch writes it in both formats), the scaled and
     # saturated fp32 values and their finiteness (the transposed copy may convert those again), and the running
-    # amax and saturation count: per element (STATS_TILE) or folded to scalars here. Masked lanes hold 0: neutral.
+    # amax and saturation count (STATS): per element ("element"), per row of a 2-D block ("row": reduced along
+    # its rows, within the threads that hold a row) or folded to scalars ("tile"). Masked lanes hold 0: neutral.
     y, finite, ax, sat = _scale_saturate(x, scale, FP8_MAX)
-    if STATS_TILE:
+    if STATS == "element":
         amax_acc = tl.maximum(amax_acc, ax)
         nsat_acc += sat
+    elif STATS == "row":
+        amax_acc = tl.maximum(amax_acc, tl.max(ax, axis=1))
+        nsat_acc += tl.sum(sat, axis=1)
     else:
         amax_acc = tl.maximum(amax_acc, tl.max(ax))
         nsat_acc += tl.sum(sat)
@@ -176,7 +180,7 @@ def _cast_transpose_kernel(
     # or "bytes" (the FP8 bytes)
     WRITE_T: tl.constexpr,  # write x_fp8_t
     COLUMN_SUM: tl.constexpr,  # write the column sums of each row block (the bias gradient's partial sums)
-    STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per tile)
+    STATS: tl.constexpr,  # amax / saturation kept running per "element", per "row" or per "tile" (see _quantize_block)
     LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
     STORE_POLICY: tl.constexpr,  # cache modifier of the FP8 stores ("" or ".cs": streaming, written once)
     TMA: tl.constexpr,  # move tiles with the tensor memory accelerator (descriptors; out of bounds: zeros / clipped)
@@ -194,11 +198,15 @@ def _cast_transpose_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     scale = tl.load(scale_ptr)
-    # Running amax and saturation count of this program: per element (STATS_TILE, no reduction in the loop, but
-    # registers: it cost occupancy here on an H100) or scalars (a reduction per tile).
-    if STATS_TILE:
+    # Running amax and saturation count of this program: per element (no reduction in the loop, but registers: it
+    # cost occupancy here on an H100), per row (a reduction within the threads of each row, no barrier) or scalars
+    # (a reduction over the tile, through shared memory, per tile).
+    if STATS == "element":
         amax_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         nsat_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    elif STATS == "row":
+        amax_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        nsat_acc = tl.zeros([BLOCK_M], dtype=tl.int32)
     else:
         amax_acc = 0.0
         nsat_acc = 0
@@ -225,7 +233,7 @@ def _cast_transpose_kernel(
                 tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0), mask=rn < N)
         q, y, finite, amax_acc, nsat_acc = _quantize_block(
             x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND,
-            STATS_TILE,
+            STATS,
         )  # fmt: skip
         if TMA:
             out_ptr.store([tm * BLOCK_M, tn * BLOCK_N], q)
@@ -250,9 +258,12 @@ def _cast_transpose_kernel(
                 else:
                     tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M),
                              cache_modifier=STORE_POLICY)  # fmt: skip
-    if STATS_TILE:
+    if STATS == "element":
         amax_acc = tl.max(tl.max(amax_acc, axis=1), axis=0)
         nsat_acc = tl.sum(tl.sum(nsat_acc, axis=1), axis=0)
+    elif STATS == "row":
+        amax_acc = tl.max(amax_acc, axis=0)
+        nsat_acc = tl.sum(nsat_acc, axis=0)
     _finish(
         amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
         saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
@@ -287,7 +298,7 @@ def _cast_flat_kernel(
     EVEN: tl.constexpr,  # BLOCK divides n: no masks
     INDEX_64: tl.constexpr,  # n >= 2**31: 64-bit offsets
     BLOCK: tl.constexpr,  # elements per loop step of a program
-    STATS_TILE: tl.constexpr,  # keep amax / saturation running per element, reduce once at the end (else per block)
+    STATS: tl.constexpr,  # amax / saturation kept running per "element" or per "tile" (block; see _quantize_block)
     LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the block loop
     RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
@@ -301,7 +312,7 @@ def _cast_flat_kernel(
 ):
     pid = tl.program_id(0)
     scale = tl.load(scale_ptr)
-    if STATS_TILE:
+    if STATS == "element":
         amax_acc = tl.zeros([BLOCK], dtype=tl.float32)
         nsat_acc = tl.zeros([BLOCK], dtype=tl.int32)
     else:
@@ -318,14 +329,14 @@ def _cast_flat_kernel(
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
         q, y, finite, amax_acc, nsat_acc = _quantize_block(
             x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND,
-            STATS_TILE,
+            STATS,
         )  # fmt: skip
         q = q.to(out_ptr.dtype.element_ty, bitcast=True)
         if EVEN:
             tl.store(out_ptr + offs, q)
         else:
             tl.store(out_ptr + offs, q, mask=offs < n)
-    if STATS_TILE:
+    if STATS == "element":
         amax_acc = tl.max(amax_acc, axis=0)
         nsat_acc = tl.sum(nsat_acc, axis=0)
     _finish(

@@ -146,6 +146,22 @@ def test_cast_whole_tiles_and_64_bit_offsets(monkeypatch, fp8_dtype):
         assert torch.equal(cast.amax(x), amax_ref(x))
 
 
+@pytest.mark.parametrize("stats", ["element", "row", "tile"])
+def test_every_statistics_mode_matches_reference(monkeypatch, stats):
+    # The running amax and saturation count of each mode (per element, per row, per tile), over several tiles per
+    # program (a grid of 4 programs under the interpreter) with masked edges: the same totals as the reference.
+    monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], "STATS": stats})
+    if stats != "row":  # 1-D blocks have no rows
+        monkeypatch.setitem(cast.CONFIGS, "flat", {**cast.CONFIGS["flat"], "STATS": stats})
+    scale = torch.tensor(2.0**-2, device=DEVICE)
+    for fp8_dtype in FP8_DTYPES:
+        x = inputs((3 * 64 + 5, 2 * 64 + 9), torch.bfloat16, fp8_dtype, scale.item())
+        for transpose in (False, True):
+            ref = cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
+            assert ref[3] > 0
+            assert_cast_equal(cast.cast_to_fp8(x, scale, fp8_dtype, transpose), ref)
+
+
 def test_empty_tensors():
     scale = torch.tensor(1.0, device=DEVICE)
     e = torch.empty(0, 16, device=DEVICE)
@@ -339,12 +355,13 @@ def test_column_sum_order_matches_the_kernel_config():
 @pytest.mark.parametrize("exact_round", [False, True])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("transpose_via", ["bytes", "fp32"])
-@pytest.mark.parametrize("stats_tile", [False, True])
-def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_via, stats_tile):
+@pytest.mark.parametrize("stats", ["element", "row", "tile"])
+def test_gpu_large_cast_every_variant(monkeypatch, exact_round, fp8_dtype, transpose_via, stats):
     # Every compiled variant the benchmark sweep may pick: with/without pre-rounding, each transpose path.
     monkeypatch.setattr(cast, "EXACT_ROUND_ON_GPU", exact_round)
-    monkeypatch.setitem(cast.CONFIGS, "flat", {**cast.CONFIGS["flat"], "STATS_TILE": stats_tile})
-    variant = {"TRANSPOSE_VIA": transpose_via, "STATS_TILE": stats_tile}
+    flat_stats = "tile" if stats == "row" else stats  # 1-D blocks have no rows
+    monkeypatch.setitem(cast.CONFIGS, "flat", {**cast.CONFIGS["flat"], "STATS": flat_stats})
+    variant = {"TRANSPOSE_VIA": transpose_via, "STATS": stats}
     monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], **variant})
     for dtype in INPUT_DTYPES:
         scale = torch.tensor(2.0**-2, device=DEVICE)
