@@ -13,8 +13,8 @@ under the Triton interpreter) are in :mod:`lightning_fp8.kernels.cast_kernels`; 
 :mod:`lightning_fp8.kernels.quantize` launches a scaling state's cast (the same kernels with its bookkeeping).
 
 Speed (H100, 8192 x 8192 bf16 -> E4M3, bytes read + written over the time, against a device copy at
-2.86 TB/s in the same run; benchmarks/results/cast_linear_h100_v2.txt): cast with transpose 78% (121 us), cast 80%,
-amax 80%; eager ``(x * scale).to(fp8)`` reaches 23%. The transposed cast holds 128 registers per thread in 8-warp
+2.84 TB/s in the same run; benchmarks/results/h100_s6.txt): cast with transpose 81% (116 us), cast 84%,
+amax 81%; eager ``(x * scale).to(fp8)`` reaches 23%. The transposed cast holds 128 registers per thread in 8-warp
 128 x 64 tiles (one or two programs per SM); 64 x 64 tiles with 4 warps did best. The fused column sums
 (``column_sum``) cost the transposed cast 65-95 us more there, more than a separate ``dy.sum(0)`` (71 us).
 """
@@ -38,21 +38,23 @@ _FP8 = {
 }
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Launch configs: the best of benchmarks/bench_cast.py --sweep on an H100 (8192 x 8192 bf16 -> E4M3; see
-# benchmarks/results/cast_linear_h100_v2.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item per
-# program); NUM_STAGES pipelines the tile loop; TRANSPOSE_VIA: the transpose path (see _cast_transpose_kernel);
-# STATS: running statistics per "element", "row" or "tile" (see cast_kernels._quantize_block); LOAD_POLICY: the loads'
-# eviction policy; STORE_POLICY: the FP8 stores' cache modifier; MAXNREG: registers per thread (None: the compiler's
-# choice; 96 and 128 were slower); TMA: the transposed cast moves its tiles through tensor descriptors (eager launches
-# of 2-D x whose sides are multiples of 16; off: 66-78% of copy against the pointers' 78%; the stores' .cs and .cg
-# modifiers were no faster either: benchmarks/results/h100_s5.txt). The transposed cast's BLOCK_M also fixes the
-# summation order of its column sums (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS).
+# Launch configs: the best of benchmarks/bench_cast.py --sweep on an H100 (8192 x 8192 bf16 -> E4M3; the sixth
+# session's sweep, benchmarks/results/h100_s6.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item
+# per program; 32 beat 16 and every value between, although fewer programs than that fit on an SM at once); NUM_STAGES
+# pipelines the tile loop (2 and 3: no faster); TRANSPOSE_VIA: the transpose path (see _cast_transpose_kernel); STATS:
+# running statistics per "element", "row" or "tile" (see cast_kernels._quantize_block; per row, reduced within the
+# threads that hold a row, saved the transposed cast the two barriers per tile of "tile": 81.8% of copy against 80.5%);
+# LOAD_POLICY: the loads' eviction policy; STORE_POLICY: the FP8 stores' cache modifier (.cs and .cg: no faster);
+# MAXNREG: registers per thread (None: the compiler's choice; 96 and 128 were slower); TMA: the transposed cast moves
+# its tiles through tensor descriptors (eager launches of 2-D x whose sides are multiples of 16; off: 73-77% of copy).
+# The transposed cast's BLOCK_M also fixes the summation order of its column sums (kernels/reference.py:
+# COLUMN_SUM_BLOCK_ROWS).
 CONFIGS = {
     "transpose": {
-        "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
-        "STATS": "tile", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False,
+        "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
+        "STATS": "row", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False,
     },
-    "flat": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 16, "NUM_STAGES": 1, "STATS": "element",
+    "flat": {"BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "STATS": "element",
              "LOAD_POLICY": "evict_first"},
     "amax": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1},
 }  # fmt: skip
