@@ -43,5 +43,9 @@ for what in "$@"; do
     s6cast) timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cast.py -k "(every_variant and fp32) or statistics_mode" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
             timeout 140 python3 benchmarks/bench_cast.py --sweep --save-configs "$OUT/configs.json" > "$OUT/cast_sweep.log" 2>&1; tail -16 "$OUT/cast_sweep.log"
             timeout 200 python3 benchmarks/bench_linear.py --breakdown --configs "$OUT/configs.json" > "$OUT/linear.log" 2>&1; tail -12 "$OUT/linear.log";;
+    s6confirm) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cast.py tests/core/test_linear.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+               timeout 60 python3 benchmarks/bench_cast.py > "$OUT/cast.log" 2>&1; tail -12 "$OUT/cast.log"
+               timeout 200 python3 benchmarks/bench_linear.py --compile > "$OUT/linear_1.log" 2>&1; tail -8 "$OUT/linear_1.log"
+               timeout 120 python3 benchmarks/bench_linear.py > "$OUT/linear_2.log" 2>&1; tail -4 "$OUT/linear_2.log";;
   esac
 done
