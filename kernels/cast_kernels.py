@@ -125,22 +125,58 @@ def _arrive(ws_ptr, amax, nsat, COUNT: tl.constexpr):
 
 
 @triton.jit
+def _guess_scale(scale_ptr, unscale_ptr, UNSCALE: tl.constexpr, SPECULATE: tl.constexpr):
+    # The scale a cast uses: the state's scale (delayed; current scaling's, written by the amax launch, or its redo),
+    # or, speculating (SPECULATE == 1), the scale of the state's last cast (the state keeps t's scale with UNSCALE).
+    scale = tl.load(scale_ptr)
+    if SPECULATE == 1 and UNSCALE:
+        scale = scale / tl.load(unscale_ptr)
+    return scale
+
+
+@triton.jit
+def _redo(ws_ptr, SPECULATE: tl.constexpr):
+    # Whether this launch casts: always, except the redo pass (SPECULATE == 2) when the speculative pass kept its scale.
+    if SPECULATE == 2:
+        return tl.load(ws_ptr + 3) != 0
+    else:
+        return True
+
+
+@triton.jit
 def _finish(
     amax_ptr, nsat_ptr, amax, nsat, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
-    nonfinite_ptr, casts_ptr, unscale_ptr, numel, H,
+    nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, go,
     BLOCK_H: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr,
     ALGO_MAX: tl.constexpr, DELAYED: tl.constexpr, RECORD: tl.constexpr, UNSCALE: tl.constexpr,
+    SPECULATE: tl.constexpr,
 ):  # fmt: skip
     # RECORD: the last program to finish does the scaling state's bookkeeping (kernels/scaling.py) with the totals;
-    # otherwise the statistics go to the zeroed output accumulators.
+    # otherwise the statistics go to the zeroed output accumulators. Speculative current scaling (kernels/quantize.py):
+    # the first pass (SPECULATE == 1) cast with the last cast's scale; if that is the scale of this tensor's amax, it
+    # records as the current-scaled cast would, else it writes the fresh scale and raises the workspace's redo flag
+    # (ws[3]), and the second pass (SPECULATE == 2) casts again with it, records, and lowers the flag.
     if RECORD:
-        last, total_amax, total_nsat = _arrive(ws_ptr, amax, nsat, True)
-        if last:
-            unscale = tl.load(unscale_ptr) if UNSCALE else 1.0
-            _record(
-                total_amax, total_nsat, numel, scale, hist_ptr, scale_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
-                nonfinite_ptr, casts_ptr, H, unscale, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX, DELAYED, UNSCALE,
-            )  # fmt: skip
+        if go:
+            last, total_amax, total_nsat = _arrive(ws_ptr, amax, nsat, True)
+            if last:
+                keep = True
+                if SPECULATE == 1:
+                    # pow2_scale(amax) kept the stored scale for an amax of 0 or inf, as the amax launch does.
+                    fresh = _pow2_scale(total_amax, tl.load(scale_ptr), MAX_EXP, MAX_MANT, MARGIN)
+                    keep = fresh == scale
+                    tl.store(ws_ptr + 3, tl.where(keep, 0, 1).to(tl.int64))  # written either way: never stale
+                    if not keep:
+                        tl.store(scale_ptr, fresh)
+                if SPECULATE == 2:
+                    tl.store(ws_ptr + 3, 0)
+                if keep:
+                    unscale = tl.load(unscale_ptr) if UNSCALE else 1.0
+                    _record(
+                        total_amax, total_nsat, numel, scale, hist_ptr, scale_ptr, scale_inv_ptr, last_amax_ptr,
+                        saturation_ptr, nonfinite_ptr, casts_ptr, H, unscale, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN,
+                        ALGO_MAX, DELAYED, UNSCALE,
+                    )  # fmt: skip
     else:
         _publish(amax_ptr, nsat_ptr, amax, nsat)
 
@@ -154,7 +190,7 @@ def _cast_transpose_kernel(
     colsum_ptr,  # COLUMN_SUM: (cdiv(M, BLOCK_M), N) fp32 output, the column sums of each row block of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
-    ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
+    ws_ptr,  # RECORD: int64[4] workspace, zero (left zero): amax bits, saturated count, arrival ticket, redo flag
     hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record)
     scale_inv_ptr,
     last_amax_ptr,
@@ -193,11 +229,13 @@ def _cast_transpose_kernel(
     ALGO_MAX: tl.constexpr,
     DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
     UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
+    SPECULATE: tl.constexpr,  # RECORD, current scaling: 0 (off), 1 (the speculative pass), 2 (its redo); see _finish
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
-    scale = tl.load(scale_ptr)
+    go = _redo(ws_ptr, SPECULATE)
+    num_tiles = tl.where(go, tl.cdiv(M, BLOCK_M) * tiles_n, 0)
+    scale = _guess_scale(scale_ptr, unscale_ptr, UNSCALE, SPECULATE)
     # Running amax and saturation count of this program: per element (no reduction in the loop, but registers: it
     # cost occupancy here on an H100), per row (a reduction within the threads of each row, no barrier) or scalars
     # (a reduction over the tile, through shared memory, per tile).
@@ -266,8 +304,8 @@ def _cast_transpose_kernel(
         nsat_acc = tl.sum(nsat_acc, axis=0)
     _finish(
         amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
-        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
-        DELAYED, RECORD, UNSCALE,
+        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, go, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN,
+        ALGO_MAX, DELAYED, RECORD, UNSCALE, SPECULATE,
     )  # fmt: skip
 
 
@@ -278,7 +316,7 @@ def _cast_flat_kernel(
     out_ptr,  # (n,) FP8 output
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
-    ws_ptr,  # RECORD: int64[3] workspace, zero (left zero): amax bits, saturated count, arrival ticket
+    ws_ptr,  # RECORD: int64[4] workspace, zero (left zero): amax bits, saturated count, arrival ticket, redo flag
     hist_ptr,  # RECORD: the scaling state's buffers (kernels/scaling.py: _record)
     scale_inv_ptr,
     last_amax_ptr,
@@ -309,16 +347,18 @@ def _cast_flat_kernel(
     ALGO_MAX: tl.constexpr,
     DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
     UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
+    SPECULATE: tl.constexpr,  # RECORD, current scaling: 0 (off), 1 (the speculative pass), 2 (its redo); see _finish
 ):
     pid = tl.program_id(0)
-    scale = tl.load(scale_ptr)
+    go = _redo(ws_ptr, SPECULATE)
+    scale = _guess_scale(scale_ptr, unscale_ptr, UNSCALE, SPECULATE)
     if STATS == "element":
         amax_acc = tl.zeros([BLOCK], dtype=tl.float32)
         nsat_acc = tl.zeros([BLOCK], dtype=tl.int32)
     else:
         amax_acc = 0.0
         nsat_acc = 0
-    for block in tl.range(pid, tl.cdiv(n, BLOCK), tl.num_programs(0), num_stages=NUM_STAGES):
+    for block in tl.range(pid, tl.where(go, tl.cdiv(n, BLOCK), 0), tl.num_programs(0), num_stages=NUM_STAGES):
         if INDEX_64:
             offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         else:
@@ -341,8 +381,8 @@ def _cast_flat_kernel(
         nsat_acc = tl.sum(nsat_acc, axis=0)
     _finish(
         amax_ptr, nsat_ptr, amax_acc, nsat_acc, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr,
-        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN, ALGO_MAX,
-        DELAYED, RECORD, UNSCALE,
+        saturation_ptr, nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, go, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN,
+        ALGO_MAX, DELAYED, RECORD, UNSCALE, SPECULATE,
     )  # fmt: skip
 
 

@@ -20,13 +20,23 @@ def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
     return {"MAX_EXP": max_exp, "MAX_MANT": max_mant, "MARGIN": margin}
 
 
+# Current scaling without the amax launch when it can: the cast speculates that this tensor's scale is the one of the
+# state's last cast (weights, activations: their power-of-two scale seldom moves between steps), folds the amax as it
+# casts, and its last program checks the guess against the amax; a wrong guess raises a flag on which a second launch
+# casts again with the right scale. Bit for bit the two-launch cast's outputs and bookkeeping either way; one pass over
+# x instead of two when the guess holds, two and a write more when it does not (benchmarks/bench_cast.py times both).
+SPECULATIVE_CURRENT_SCALING = True
+WORKSPACE = 4
+
+
 def _next_power_of_2(n: int) -> int:
     # As triton.next_power_of_2 (n >= 1), without its ConstexprFunction call overhead.
     return 1 << (n - 1).bit_length()
 
 
-# Per (device, stream): the zeroed workspace of the fused bookkeeping. A launch leaves it zeroed, and launches on one
-# stream run one after another, so one workspace serves every cast on that stream.
+# Per (device, stream): the zeroed workspace of the fused bookkeeping (amax bits, saturated count, arrival ticket, the
+# redo flag of speculative current scaling). A launch leaves it zeroed, and launches on one stream run one after
+# another, so one workspace serves every cast on that stream.
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -34,7 +44,7 @@ def _workspace(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     ws = _WORKSPACES.get((device, stream))
     if ws is None:
-        ws = _WORKSPACES[(device, stream)] = torch.zeros(3, dtype=torch.int64, device=device)
+        ws = _WORKSPACES[(device, stream)] = torch.zeros(WORKSPACE, dtype=torch.int64, device=device)
     return ws
 
 
@@ -82,8 +92,9 @@ def _quantize_impl(
     # one (a graph cannot hold on to a global buffer that its kernels mutate). The workspace also fills the pointer
     # arguments that these launches do not read: no state buffer is passed twice to a kernel that writes it.
     fields = _record_fields(fp8_dtype, margin)
-    ws = _workspace(x.device) if eager else torch.zeros(3, dtype=torch.int64, device=x.device)
-    if current:
+    ws = _workspace(x.device) if eager else torch.zeros(WORKSPACE, dtype=torch.int64, device=x.device)
+    speculate = current and SPECULATIVE_CURRENT_SCALING
+    if current and not speculate:
         cfg = CONFIGS["amax"]
         blocks = _cdiv(x.numel(), cfg["BLOCK"])
         flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
@@ -94,7 +105,7 @@ def _quantize_impl(
     stats = (ws, ws, ws, amax_history, scale_inv, last_amax, saturation, nonfinite_count, casts,
              ws if unscale is None else unscale, h, x.numel())  # fmt: skip
     record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
-              "UNSCALE": unscale is not None, **fields}  # fmt: skip
+              "UNSCALE": unscale is not None, "SPECULATE": 1 if speculate else 0, **fields}  # fmt: skip
     x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager, column_sum)
     return x_fp8, x_fp8_t, scale_inv, sums
 

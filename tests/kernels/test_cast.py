@@ -257,6 +257,64 @@ def test_fused_quantize_matches_reference_over_steps(
     assert int(got_state[4]) == 1 and int(got_state[5]) == 7
 
 
+@pytest.mark.parametrize(("shape", "transpose", "column_sum"), [((67, 45), True, True), ((3, 5, 29), False, False)])
+@pytest.mark.parametrize("unscale", [None, 2.0**-7])
+def test_speculative_current_scaling(monkeypatch, shape, transpose, column_sum, unscale):
+    """Current scaling in one pass when the last cast's scale is still this tensor's (kernels/quantize.py): bit for bit
+    the reference when the guess holds, when it does not (the redo pass), for an all-zero tensor and a NaN. Without
+    the redo launch the wrong guesses show, and only they: the second launch is what makes them right."""
+    from lightning_fp8.kernels.reference import quantize_ref
+
+    assert quantize.SPECULATIVE_CURRENT_SCALING
+    # 1.0 twice (same binade: the guess holds), 300 (a new scale), 300 again (holds), zeros (the amax keeps the stored
+    # scale), 1.0 (new again), NaN (keeps it), 1e-3 (new), and 1e-3 again, with a changed unscale where there is one
+    # (a new scale for the stored values).
+    magnitudes = [1.0, 1.0, 300.0, 300.0, 0.0, 1.0, float("nan"), 1e-3, 1e-3]
+    unscales = [unscale] * 8 + [None if unscale is None else unscale * 4]
+    real_launch = cast._launch
+
+    def no_redo(kernel, x, work, cfg, *args, **kw):
+        if kw.get("SPECULATE") != 2:
+            real_launch(kernel, x, work, cfg, *args, **kw)
+
+    for redo in (True, False):
+        if not redo:
+            monkeypatch.setattr(cast, "_launch", no_redo)
+        got_state, ref_state = _state(1, 1.0), _state(1, 1.0)
+        gen = torch.Generator().manual_seed(11)
+        base = torch.randn(shape, generator=gen)
+        wrong, guessed_wrong = [], []
+        for step, (magnitude, u) in enumerate(zip(magnitudes, unscales, strict=True)):
+            x = base * magnitude if magnitude == magnitude else base.clone()
+            if magnitude != magnitude:
+                x.view(-1)[3] = float("nan")
+            x = x.to(torch.bfloat16).to(DEVICE)
+            ms = None if u is None else torch.tensor(u, device=DEVICE)
+            guess = got_state[1] / (1.0 if u is None else u)  # the scale the first pass casts the stored values with
+            args = (torch.float8_e4m3fn, 0, True, False, True, transpose, ms, column_sum)
+            got = quantize.quantize_(x, *got_state, *args)
+            ref = quantize_ref(x, *ref_state, *args)
+            used = 1.0 / (ref[2] * (1.0 if u is None else u))  # the scale current scaling cast them with
+            if not torch.equal(guess, used):
+                guessed_wrong.append(step)
+            same = torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[2], ref[2])
+            same = same and all(torch.equal(g, r) for g, r in zip(got_state, ref_state, strict=True))
+            if not same:
+                wrong.append(step)
+                got_state = [r.clone() for r in ref_state]  # go on from the right state
+            if redo:
+                assert same, step
+                if column_sum:
+                    torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-5, equal_nan=True)
+        # Both paths ran: the same magnitude again keeps the scale (steps 1, 3), a new one does not (2, 7). With an
+        # unscale, the zeros and the NaN guess wrong too: an amax of 0 or inf keeps the stored scale (t's), which is
+        # not the stored values' (t * unscale).
+        assert {2, 7} <= set(guessed_wrong) and not {1, 3} & set(guessed_wrong), guessed_wrong
+        assert ({4, 6} <= set(guessed_wrong)) == (unscale is not None), guessed_wrong
+        if not redo:
+            assert wrong == guessed_wrong
+
+
 @pytest.mark.parametrize(
     ("current", "transpose", "unscale", "column_sum"),
     [(True, True, None, True), (False, True, 2.0**-7, False), (False, False, None, False)],
