@@ -47,5 +47,9 @@ for what in "$@"; do
                timeout 60 python3 benchmarks/bench_cast.py > "$OUT/cast.log" 2>&1; tail -12 "$OUT/cast.log"
                timeout 200 python3 benchmarks/bench_linear.py --compile > "$OUT/linear_1.log" 2>&1; tail -8 "$OUT/linear_1.log"
                timeout 120 python3 benchmarks/bench_linear.py > "$OUT/linear_2.log" 2>&1; tail -4 "$OUT/linear_2.log";;
+    s6spec) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cast.py tests/core/test_linear.py tests/core/test_scaling.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+            timeout 60 python3 benchmarks/bench_cast.py > "$OUT/cast.log" 2>&1; tail -16 "$OUT/cast.log"
+            for i in 1 2; do timeout 120 python3 benchmarks/bench_linear.py > "$OUT/linear_$i.log" 2>&1; tail -10 "$OUT/linear_$i.log"; done
+            timeout 100 python3 benchmarks/profile_step.py --what linear,linear_bf16 --rows 30 > "$OUT/profile_linear.log" 2>&1; grep "===" "$OUT/profile_linear.log";;
   esac
 done
