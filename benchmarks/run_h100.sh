@@ -51,5 +51,10 @@ for what in "$@"; do
             timeout 60 python3 benchmarks/bench_cast.py > "$OUT/cast.log" 2>&1; tail -16 "$OUT/cast.log"
             for i in 1 2; do timeout 120 python3 benchmarks/bench_linear.py > "$OUT/linear_$i.log" 2>&1; tail -10 "$OUT/linear_$i.log"; done
             timeout 100 python3 benchmarks/profile_step.py --what linear,linear_bf16 --rows 30 > "$OUT/profile_linear.log" 2>&1; grep "===" "$OUT/profile_linear.log";;
+    s6grad) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_grad_cast_kernels.py tests/core/test_grad_cast.py tests/core/test_optim.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+            timeout 60 python3 benchmarks/bench_grad_cast.py > "$OUT/grad_cast.log" 2>&1; tail -8 "$OUT/grad_cast.log"
+            timeout 230 python3 benchmarks/train_step.py --sizes 1024x12 --compile yes --variants bf16,o2 --steps 8 --warmup 3 --timeout 110 --json "$OUT/train_1024.json" > "$OUT/train_1024.log" 2>&1; tail -3 "$OUT/train_1024.log"
+            timeout 150 python3 benchmarks/profile_step.py --what gpt --compile --width 1024 --depth 12 --variants o2 --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
+    s6train) for s in ${SIZES:-4096x8 2048x16}; do timeout 290 python3 benchmarks/train_step.py --sizes $s --compile yes --variants bf16,o2 --steps 8 --warmup 3 --timeout 200 --json "$OUT/train_$s.json" > "$OUT/train_$s.log" 2>&1; tail -3 "$OUT/train_$s.log"; done;;
   esac
 done
