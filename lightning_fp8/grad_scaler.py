@@ -180,13 +180,14 @@ class FP8GradScaler:
         fp8_dtype: torch.dtype,
         scale: torch.Tensor | float | None = None,
     ) -> None:
-        """Report one FP8 cast of a gradient that mu governs (no host synchronization).
+        """Report one FP8 cast of a gradient that mu governs (no host synchronization); or several at once.
 
         Args:
             amax: 0-dim, ``max|g|`` of the mu-scaled gradient as it entered the cast (what ``ops.cast_to_fp8``
-                returns); non-finite marks the step non-finite.
-            n_saturated: 0-dim count of values that reached the format maximum.
-            numel: number of values cast.
+                returns); non-finite marks the step non-finite. 1-D: the amaxes of several casts (FP8AdamW's
+                batched gradient casts), the same as one call per cast.
+            n_saturated: 0-dim count of values that reached the format maximum (1-D: one count per cast).
+            numel: number of values cast (all casts together).
             fp8_dtype: the FP8 format of the cast (its maximum is the reference for saturation and headroom).
             scale: the cast's own scale, when it used one besides mu (``amax * scale`` is then compared with the
                 format maximum); ``None`` means 1 (mu is the only scale).
@@ -196,9 +197,14 @@ class FP8GradScaler:
         fmax = fp8_max(fp8_dtype)
         self._active = True
         scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
-        self._found.add_((~torch.isfinite(amax)).float())
-        self._n_saturated.add_(n_saturated.detach().to(self._n_saturated.device, torch.float64))
-        self._no_headroom.add_((scaled * self.headroom > fmax).to(torch.float64))
+        found = (~torch.isfinite(amax)).float()
+        n_saturated = n_saturated.detach().to(self._n_saturated.device, torch.float64)
+        no_headroom = (scaled * self.headroom > fmax).to(torch.float64)
+        if amax.dim():  # several casts: sums of 0/1 flags and integer counts, exact in any order
+            found, n_saturated, no_headroom = found.sum(), n_saturated.sum(), no_headroom.sum()
+        self._found.add_(found)
+        self._n_saturated.add_(n_saturated)
+        self._no_headroom.add_(no_headroom)
         self._numel += int(numel)
 
     def record_nonfinite(self, found: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from lightning_fp8.kernels import reference
+from lightning_fp8.kernels import reference, reference_grad_cast
 
 # Looked up once, at import: torch.compile traces use_triton, and dynamo (torch 2.11) refuses to trace find_spec.
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None
@@ -73,6 +73,16 @@ def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
         return fused.quantize_(*args, **kwargs)
     return reference.quantize_ref(*args, **kwargs)
+
+
+def grad_cast(grads: list[torch.Tensor], *args, **kwargs) -> tuple:
+    """Many FP8 gradient casts with current scaling at once (FP8AdamW's queued gradients); see
+    ``reference_grad_cast.grad_cast_ref``. Triton casts them all in two launches; the reference, one by one."""
+    if grads and use_triton(grads[0]):
+        from lightning_fp8.kernels import grad_cast as batched
+
+        return batched.grad_cast(grads, *args, **kwargs)
+    return reference_grad_cast.grad_cast_ref(grads, *args, **kwargs)
 
 
 @functools.cache

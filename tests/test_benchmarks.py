@@ -78,3 +78,15 @@ def test_memory_breakdown_toy_runs():
     static, saved = (float(ratios["o2"].split(f"{k} ")[1].split("x")[0]) for k in ("static", "activations"))
     assert static < 0.8 and saved < 1.0, ratios["o2"]
     assert "optimizer exp_avg torch.float8_e4m3fn" in proc.stdout
+
+
+def test_bench_grad_cast_toy_runs():
+    # The batched gradient casts against the per-tensor ones (bit for bit: the script asserts it), Triton under the
+    # interpreter; the table is printed last.
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_grad_cast.py"), "--toy"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "exact: batched and per-tensor casts give the same bits" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()[-2:]]
+    assert [row[0] for row in rows] == ["per-tensor", "batched"], proc.stdout[-2000:]

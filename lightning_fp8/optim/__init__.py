@@ -5,6 +5,8 @@
   kernel per group of tensors.
 - :mod:`lightning_fp8.optim.master`: the O2 master weight kept in the parameter's own storage.
 - :mod:`lightning_fp8.optim.checkpoint`: state-dict conversion to and from ``torch.optim.AdamW``.
+- :mod:`lightning_fp8.optim.grad_cast`: the FP8 casts of the weights' gradients, queued by the gradient hooks and
+  cast together.
 """
 
 from lightning_fp8.optim.adamw import FP8AdamW

@@ -8,9 +8,11 @@ parameter (norms, biases, embeddings, excluded layers) keeps fp32 states, under 
 ``torch.optim.AdamW``.
 
 Gradients of adopted weights reach the optimizer in fp16 (the parameter's dtype), multiplied by mu of the
-gradient scaler; a post-accumulate-grad hook turns each into FP8 (E5M2, per-tensor scale) right away and
-frees the fp16 copy. The step runs in fp32 registers: one fused multi-tensor Triton kernel per group of
-tensors on CUDA (kernels/adamw.py), its PyTorch reference elsewhere; both give the same bits.
+gradient scaler; a post-accumulate-grad hook queues each, and the queued ones are cast to FP8 (E5M2, per-tensor
+scale) together, freeing the fp16 copies (:mod:`~lightning_fp8.optim.grad_cast`: when the queue reaches a bound,
+at the end of the backward pass, and before anything reads them). The step runs in fp32 registers: one fused
+multi-tensor Triton kernel per group of tensors on CUDA (kernels/adamw.py), its PyTorch reference elsewhere; both
+give the same bits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing_extensions import override
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
-from lightning_fp8.optim import checkpoint, master, shards
+from lightning_fp8.optim import checkpoint, grad_cast, master, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 
@@ -47,13 +49,7 @@ _ALLOWED = {
 _GRAD_OWNERS = WeakIdKeyDictionary()
 
 
-class _FP8Grad:
-    """A gradient in FP8 waiting for the step: ``grad ~= data * scale_inv`` (still multiplied by mu)."""
-
-    __slots__ = ("data", "scale_inv", "amax")
-
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
-        self.data, self.scale_inv, self.amax = data, scale_inv, amax
+_FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
 
 
 class FP8AdamW(torch.optim.Optimizer):
@@ -73,6 +69,10 @@ class FP8AdamW(torch.optim.Optimizer):
             master is kept apart from the parameter.
         fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy.
             Default: on unless ``torch.distributed`` is initialized (DDP reduces ``param.grad`` after the hook).
+        grad_cast_bucket_mb: with ``fp8_grads``, the gradient hooks queue the fp16 gradients and cast them together
+            (two launches for any number on a GPU, bit for bit the casts one by one): when the queue reaches this many
+            megabytes (2**20 bytes; it bounds the fp16 gradients an eager backward keeps alive), at the end of the
+            backward pass, and before anything reads them. Default 64; 0 casts each gradient in its own hook.
         scale_update: how the kernel picks the new power-of-two scales of low-precision states. ``"one_pass"``
             (default): from an upper bound of the new amax known before the update (stored amaxes, gradient amax,
             Adam's step bound), so the states are read once and never saturate; a scale may be a binade or two
@@ -92,7 +92,8 @@ class FP8AdamW(torch.optim.Optimizer):
             sharded (DTensor) weights, which keep casting.
 
     Raises:
-        ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype.
+        ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
+            ``grad_cast_bucket_mb`` that is not a number >= 0.
         TypeError: for complex parameters.
 
     Example:
@@ -120,6 +121,7 @@ class FP8AdamW(torch.optim.Optimizer):
         maximize: bool = False,
         amsgrad: bool = False,
         emit_fp8_weights: bool = False,
+        grad_cast_bucket_mb: float = 64,
     ) -> None:
         if amsgrad:
             raise ValueError(
@@ -147,8 +149,9 @@ class FP8AdamW(torch.optim.Optimizer):
         self._extra_fp8_params = {id(p) for p in fp8_params} if fp8_params is not None else set()
         self._low_precision: set[torch.Tensor] = set()  # params with O2 states
         self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
+        self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
         self._hooks: dict[torch.Tensor, Any] = {}
-        self._grad_cast_states: dict[torch.Tensor, list[torch.Tensor]] = {}  # see _grad_cast_state
+        self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults)
@@ -194,7 +197,7 @@ class FP8AdamW(torch.optim.Optimizer):
             optimizer = owner()
             if optimizer is not None and _GRAD_OWNERS.get(param) is owner and param.grad is not None:
                 grad, param.grad = param.grad, None
-                optimizer.accumulate_fp8_grad(param, grad)
+                optimizer._grad_casts.put(optimizer, param, grad)
 
         self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
 
@@ -202,6 +205,7 @@ class FP8AdamW(torch.optim.Optimizer):
         """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision")."""
         if p not in self._low_precision:
             return
+        self._grad_casts.flush(self)
         state = self.state[p]
         moments = {key: checkpoint.dequantize(state, key) for key in ("exp_avg", "exp_avg_sq") if key in state}
         if "master" in state:
@@ -233,6 +237,8 @@ class FP8AdamW(torch.optim.Optimizer):
             raise ValueError(f"accumulate_fp8_grad: gradient of shape {tuple(grad.shape)} for a {tuple(p.shape)} param")
         if is_fp8(grad) and scale_inv is None:
             raise ValueError("accumulate_fp8_grad: an FP8 gradient needs its scale_inv")
+        if p in self._grad_casts:  # its queued gradient comes first
+            self._grad_casts.flush(self)
         with torch.no_grad():
             entry = self._pending.get(p)
             if is_fp8(grad) and entry is None:  # already FP8 (the caller reported its cast): keep it as it is
@@ -255,14 +261,7 @@ class FP8AdamW(torch.optim.Optimizer):
 
     def _grad_cast_state(self, p: torch.Tensor) -> list[torch.Tensor]:
         """The buffers of the FP8 gradient cast of ``p`` (as a ``ScalingState``'s, history of one): created once."""
-        state = self._grad_cast_states.get(p)
-        if state is None or state[0].device != p.device:
-            f32 = {"dtype": torch.float32, "device": p.device}
-            i64 = {"dtype": torch.int64, "device": p.device}
-            state = [torch.zeros(1, **f32), torch.ones((), **f32), torch.zeros((), **f32), torch.zeros((), **f32),
-                     torch.zeros((), **i64), torch.zeros((), **i64)]  # fmt: skip
-            self._grad_cast_states[p] = state
-        return state
+        return grad_cast.cast_state(self._grad_cast_states, p)[1]
 
     def _grad_of(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(grad, grad_scale_inv, grad_amax)`` of ``p`` for this step: its pending FP8 gradient, or ``p.grad``.
@@ -270,6 +269,8 @@ class FP8AdamW(torch.optim.Optimizer):
         The amax (of ``grad * grad_scale_inv``) is known for FP8 gradients, measured for the high-precision
         gradient of a low-precision weight (the one-pass scale bounds need it), else ``None``.
         """
+        if p in self._grad_casts:
+            self._grad_casts.flush(self)
         shards.reduce_partial_grad_(p)  # no-op unless a tensor-parallel gradient is a partial sum
         grad = p.grad  # a Python property: read once (this runs per parameter and step)
         if grad is not None and grad.is_sparse:
@@ -288,6 +289,7 @@ class FP8AdamW(torch.optim.Optimizer):
 
     def _nonfinite_grads(self) -> torch.Tensor:
         """0-dim: > 0 when a gradient of this step holds inf or NaN (for the gradient scaler; no host sync)."""
+        self._grad_casts.flush(self)
         flags: list[torch.Tensor] = [(~torch.isfinite(e.amax)).float().reshape(1) for e in self._pending.values()]
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
         for p in params:
@@ -307,6 +309,7 @@ class FP8AdamW(torch.optim.Optimizer):
     def _fp8_skip(self) -> None:
         """The scaler skipped this step: drop the pending FP8 gradients (as the user will zero ``param.grad``)."""
         # Kept (0-dim, on device) so that a recovery action can tell which weights had non-finite gradients.
+        self._grad_casts.flush(self)
         self.skipped_grad_amax = {p: entry.amax.clone() for p, entry in self._pending.items()}
         self._pending.clear()
 
@@ -314,6 +317,7 @@ class FP8AdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._pending.clear()
+        self._grad_casts.clear()
 
     # ------------------------------------------------------------------------------------------------------ step
     @override
@@ -338,6 +342,7 @@ class FP8AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _fp8_step(self, grad_unscale: float) -> None:
         """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
+        self._grad_casts.flush(self)
         for group in self.param_groups:
             live = []
             for p in group["params"]:
@@ -388,6 +393,7 @@ class FP8AdamW(torch.optim.Optimizer):
         exported as a DTensor with one element per shard, so that torch.distributed.checkpoint keeps every rank's.
         Loads with ``torch.load(weights_only=True)``.
         """
+        self._grad_casts.flush(self)
         return checkpoint.shard_scalars(self, checkpoint.with_masters(self, super().state_dict()))
 
     @override
@@ -398,6 +404,7 @@ class FP8AdamW(torch.optim.Optimizer):
         Raises:
             ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``).
         """
+        self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
@@ -410,4 +417,5 @@ class FP8AdamW(torch.optim.Optimizer):
     def fp8_state_stats(self) -> dict[str, Any]:
         """Read-only snapshot (Python numbers, one host transfer): per low-precision parameter (by index in the
         param groups) its state scales and amaxes, their min/max, and the gradient scaler's statistics."""
+        self._grad_casts.flush(self)
         return checkpoint.stats(self)
