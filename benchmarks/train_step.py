@@ -13,7 +13,10 @@ installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt lev
 ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next forward uses
 instead of casting; eager only, torch.compile bypasses the copy), ``o2op`` (O2 with each cast an opaque custom op
 under torch.compile instead of the triton_op that inductor launches itself: lightning_fp8/scaling.py
-TRACE_TRITON_CASTS; the same as ``o2`` eagerly). The output head stays in high precision in every FP8 variant.
+TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2ns`` (O2 without speculative current scaling:
+kernels/quantize.py), ``o2hk`` (O2 casting each FP8 gradient in its own hook: ``grad_cast_bucket_mb=0``). The
+output head stays in high precision in every FP8 variant. Each result also gives the time of the warm-up steps
+(``warmup_s``; compiled, it includes the compilation).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2ns", "o2hk")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -54,10 +57,16 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
 
         if variant == "o2op":
             scaling.TRACE_TRITON_CASTS = False
+        if variant == "o2ns" and device == "cuda":
+            from lightning_fp8.kernels import quantize
+
+            quantize.SPECULATIVE_CURRENT_SCALING = False
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"
-        opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level, emit_fp8_weights=emit)
+        bucket = 0 if variant == "o2hk" else 64  # o2hk: each gradient cast in its own hook
+        opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level, emit_fp8_weights=emit,
+                          grad_cast_bucket_mb=bucket)  # fmt: skip
     return model, opt
 
 
@@ -97,7 +106,9 @@ def run_one(args) -> dict:
         first, compiled = compile_once(model, step, args.compile_mode)
         losses.append(first.item())
         step = functools.partial(step, compiled)
+    t0 = time.perf_counter()
     losses += [step().item() for _ in range(args.warmup)]
+    warmup_s = time.perf_counter() - t0  # compiled: includes the compilation
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -118,6 +129,7 @@ def run_one(args) -> dict:
         "compiled": _compiled_label(args.compiled, args.compile_mode),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "step_ms": step_s * 1e3,
+        "warmup_s": warmup_s,
         "tok_s": args.batch * args.seq / step_s,
         "peak_gib": peak,
         "first_loss": losses[0],
