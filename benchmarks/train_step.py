@@ -13,7 +13,7 @@ installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt lev
 ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next forward uses
 instead of casting; eager only, torch.compile bypasses the copy), ``o2op`` (O2 with each cast an opaque custom op
 under torch.compile instead of the triton_op that inductor launches itself: lightning_fp8/scaling.py
-TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2ns`` (O2 without speculative current scaling:
+TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2sp`` (O2 with speculative current scaling:
 kernels/quantize.py), ``o2hk`` (O2 casting each FP8 gradient in its own hook: ``grad_cast_bucket_mb=0``). The
 output head stays in high precision in every FP8 variant. Each result also gives the time of the warm-up steps
 (``warmup_s``; compiled, it includes the compilation).
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2ns", "o2hk")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2sp", "o2hk")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -57,10 +57,10 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
 
         if variant == "o2op":
             scaling.TRACE_TRITON_CASTS = False
-        if variant == "o2ns" and device == "cuda":
+        if variant == "o2sp" and device == "cuda":
             from lightning_fp8.kernels import quantize
 
-            quantize.SPECULATIVE_CURRENT_SCALING = False
+            quantize.SPECULATIVE_CURRENT_SCALING = True
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"

@@ -265,7 +265,7 @@ def test_speculative_current_scaling(monkeypatch, shape, transpose, column_sum, 
     the redo launch the wrong guesses show, and only they: the second launch is what makes them right."""
     from lightning_fp8.kernels.reference import quantize_ref
 
-    assert quantize.SPECULATIVE_CURRENT_SCALING
+    monkeypatch.setattr(quantize, "SPECULATIVE_CURRENT_SCALING", True)
     # 1.0 twice (same binade: the guess holds), 300 (a new scale), 300 again (holds), zeros (the amax keeps the stored
     # scale), 1.0 (new again), NaN (keeps it), 1e-3 (new), and 1e-3 again, with a changed unscale where there is one
     # (a new scale for the stored values).
