@@ -25,9 +25,9 @@ def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
 # casts, and its last program checks the guess against the amax; a wrong guess raises a flag on which a second launch
 # casts again with the right scale. Bit for bit the two-launch cast's outputs and bookkeeping either way; one pass over
 # x instead of two when the guess holds, two and a write more when it does not (benchmarks/bench_cast.py times both:
-# 8192 x 8192 bf16, 186.5 -> 119.7 us on an H100). Off by default: a compiled GPT step (benchmarks/train_step.py,
-# d=1024, O2) with it and FP8AdamW's batched gradient casts did not finish its warm-up in 175 s, against 50 s with it
-# and per-hook casts and 103 s with batched casts without it (benchmarks/results/h100_s6.txt, run 6): not understood.
+# 8192 x 8192 bf16, 186.5 -> 119.7 us on an H100). Off by default until a GPU run explains one observation: a compiled
+# O2 GPT step (benchmarks/train_step.py, d=1024) with it and FP8AdamW's batched gradient casts did not finish within
+# 110 s and 175 s in two runs, while the warm-up of the same step otherwise took 50-105 s (results/h100_s6.txt).
 SPECULATIVE_CURRENT_SCALING = False
 WORKSPACE = 4
 

@@ -72,9 +72,9 @@ class FP8AdamW(torch.optim.Optimizer):
         grad_cast_bucket_mb: with ``fp8_grads``, the gradient hooks queue the fp16 gradients and cast them together
             (two launches for any number on a GPU, bit for bit the casts one by one): when the queue reaches this many
             megabytes (2**20 bytes; it bounds the fp16 gradients an eager backward keeps alive), at the end of the
-            backward pass, and before anything reads them. Default 0: each gradient is cast in its own hook (a
-            compiled GPT step took twice as long or more to warm up with batched casts on an H100, not understood
-            yet: docs/benchmarks.md); 64 is a good value when host time matters.
+            backward pass, and before anything reads them. Default 0: each gradient is cast in its own hook (until
+            a slow warm-up of a compiled GPT step seen with batched casts is explained: docs/benchmarks.md); 64 is a
+            good value when host time matters.
         scale_update: how the kernel picks the new power-of-two scales of low-precision states. ``"one_pass"``
             (default): from an upper bound of the new amax known before the update (stored amaxes, gradient amax,
             Adam's step bound), so the states are read once and never saturate; a scale may be a binade or two
