@@ -13,12 +13,7 @@ from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, ops
 SCALER_MU = 2.0**14
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()  # tiny ops: a thread pool only adds contention
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -13,12 +13,7 @@ F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 SHAPES = [(37, 19), (130,), (0, 4), (5,), (3, 5, 7), (256,), (11, 16)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()  # tiny ops: a thread pool only adds contention
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
