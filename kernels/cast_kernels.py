@@ -33,7 +33,7 @@ the cast with transpose 2.2x slower there (``EXACT_ROUND_ON_GPU``; benchmarks/RE
 
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.scaling import _pow2_scale, _record
+from lightning_fp8.kernels.scaling import _arrive, _finish, _guess_scale, _pow2_scale, _redo
 
 
 @triton.jit
@@ -96,89 +96,6 @@ def _quantize_block(
         y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
     q = tl.where(finite, _fp8_bytes(y, IS_E4M3), 0x7F).to(tl.uint8)
     return q, y, finite, amax_acc, nsat_acc
-
-
-@triton.jit
-def _publish(amax_ptr, nsat_ptr, amax, nsat):
-    # Fold a program's statistics into the global ones. Atomics on one address serialize, so skip those that
-    # cannot change anything: a zero count, an amax not above the current one (a stale read only costs an atomic).
-    # Relaxed: nothing in the kernel orders other memory against these; the launch boundary publishes them.
-    tl.atomic_max(amax_ptr, amax, mask=amax > tl.load(amax_ptr), sem="relaxed")
-    tl.atomic_add(nsat_ptr, nsat.to(tl.int64), mask=nsat > 0, sem="relaxed")
-
-
-@triton.jit
-def _arrive(ws_ptr, amax, nsat, COUNT: tl.constexpr):
-    # Fold a program's statistics into the workspace (int64: amax as its fp32 bits, which order like the non-negative
-    # floats they encode; saturated count; arrival ticket) and take a ticket. Returns (last, amax, nsat): `last` is
-    # true in the one program that arrives last, which then holds the totals and leaves the workspace zeroed for the
-    # next launch on this stream. The ticket is acquire-release: every program's statistics are folded before it.
-    bits = amax.to(tl.int32, bitcast=True).to(tl.int64)
-    tl.atomic_max(ws_ptr, bits, mask=bits > tl.load(ws_ptr), sem="relaxed")
-    if COUNT:
-        tl.atomic_add(ws_ptr + 1, nsat.to(tl.int64), mask=nsat > 0, sem="relaxed")
-    last = tl.atomic_add(ws_ptr + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1
-    total_bits = tl.atomic_xchg(ws_ptr, 0, mask=last, sem="acq_rel")
-    total_nsat = tl.atomic_xchg(ws_ptr + 1, 0, mask=last, sem="acq_rel")
-    tl.atomic_xchg(ws_ptr + 2, 0, mask=last, sem="acq_rel")
-    return last, total_bits.to(tl.int32).to(tl.float32, bitcast=True), total_nsat
-
-
-@triton.jit
-def _guess_scale(scale_ptr, unscale_ptr, UNSCALE: tl.constexpr, SPECULATE: tl.constexpr):
-    # The scale a cast uses: the state's scale (delayed; current scaling's, written by the amax launch, or its redo),
-    # or, speculating (SPECULATE == 1), the scale of the state's last cast (the state keeps t's scale with UNSCALE).
-    scale = tl.load(scale_ptr)
-    if SPECULATE == 1 and UNSCALE:
-        scale = scale / tl.load(unscale_ptr)
-    return scale
-
-
-@triton.jit
-def _redo(ws_ptr, SPECULATE: tl.constexpr):
-    # Whether this launch casts: always, except the redo pass (SPECULATE == 2) when the speculative pass kept its scale.
-    if SPECULATE == 2:
-        return tl.load(ws_ptr + 3) != 0
-    else:
-        return True
-
-
-@triton.jit
-def _finish(
-    amax_ptr, nsat_ptr, amax, nsat, scale_ptr, scale, ws_ptr, hist_ptr, scale_inv_ptr, last_amax_ptr, saturation_ptr,
-    nonfinite_ptr, casts_ptr, unscale_ptr, numel, H, go,
-    BLOCK_H: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr,
-    ALGO_MAX: tl.constexpr, DELAYED: tl.constexpr, RECORD: tl.constexpr, UNSCALE: tl.constexpr,
-    SPECULATE: tl.constexpr,
-):  # fmt: skip
-    # RECORD: the last program to finish does the scaling state's bookkeeping (kernels/scaling.py) with the totals;
-    # otherwise the statistics go to the zeroed output accumulators. Speculative current scaling (kernels/quantize.py):
-    # the first pass (SPECULATE == 1) cast with the last cast's scale; if that is the scale of this tensor's amax, it
-    # records as the current-scaled cast would, else it writes the fresh scale and raises the workspace's redo flag
-    # (ws[3]), and the second pass (SPECULATE == 2) casts again with it, records, and lowers the flag.
-    if RECORD:
-        if go:
-            last, total_amax, total_nsat = _arrive(ws_ptr, amax, nsat, True)
-            if last:
-                keep = True
-                if SPECULATE == 1:
-                    # pow2_scale(amax) kept the stored scale for an amax of 0 or inf, as the amax launch does.
-                    fresh = _pow2_scale(total_amax, tl.load(scale_ptr), MAX_EXP, MAX_MANT, MARGIN)
-                    keep = fresh == scale
-                    tl.store(ws_ptr + 3, tl.where(keep, 0, 1).to(tl.int64))  # written either way: never stale
-                    if not keep:
-                        tl.store(scale_ptr, fresh)
-                if SPECULATE == 2:
-                    tl.store(ws_ptr + 3, 0)
-                if keep:
-                    unscale = tl.load(unscale_ptr) if UNSCALE else 1.0
-                    _record(
-                        total_amax, total_nsat, numel, scale, hist_ptr, scale_ptr, scale_inv_ptr, last_amax_ptr,
-                        saturation_ptr, nonfinite_ptr, casts_ptr, H, unscale, BLOCK_H, MAX_EXP, MAX_MANT, MARGIN,
-                        ALGO_MAX, DELAYED, UNSCALE,
-                    )  # fmt: skip
-    else:
-        _publish(amax_ptr, nsat_ptr, amax, nsat)
 
 
 @triton.jit
