@@ -3,7 +3,8 @@
     python benchmarks/host_overhead.py [--cprofile]
 
 Prints microseconds per forward+backward against nn.Linear's, for FP8Linear with the fast launch path of the cast
-kernels (kernels/launch.py) off and on, and with --cprofile the functions that take the time (fast path on).
+kernels (kernels/launch.py) off, on, and on with the casts' replays (kernels/quantize.py, the default), and with
+--cprofile the functions that take the time (the default path).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pstats
 import time
 
 import torch
-from lightning_fp8.kernels import launch
+from lightning_fp8.kernels import launch, quantize
 
 import lightning_fp8 as lf
 
@@ -29,10 +30,12 @@ def main() -> None:
     variants = (
         ("nn.Linear", torch.nn.Linear(256, 256).cuda(), True),
         ("FP8Linear (fast launch off)", lf.FP8Linear(256, 256).cuda(), False),
+        ("FP8Linear (no replays)", lf.FP8Linear(256, 256).cuda(), "no replays"),
         ("FP8Linear", lf.FP8Linear(256, 256).cuda(), True),
     )
     for name, layer, fast in variants:
-        launch.ENABLED = fast
+        launch.ENABLED = fast is not False
+        quantize.REPLAY = fast is True
         launch.clear()
 
         def step(layer=layer):

@@ -149,6 +149,15 @@ _NO_RECORD = {
     "UNSCALE": False,
     "SPECULATE": 0,
 }
+
+
+def _fp8_outputs(x: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # The FP8 copy of x and its transpose (empty unless transpose).
+    t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
+    x_fp8_t = torch.empty(t_shape, dtype=fp8_dtype, device=x.device)
+    return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x_fp8_t
+
+
 def _cast_impl(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -161,9 +170,7 @@ def _cast_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
     ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, column sums of 2-D x or None)``."""
-    x_fp8 = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
-    x_fp8_t = torch.empty(t_shape, dtype=fp8_dtype, device=x.device)
+    x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
     interpreted = _interpreted(_cast_flat_kernel)
     fmt = _format_args(fp8_dtype, interpreted or EXACT_ROUND_ON_GPU)
     sums = None

@@ -21,6 +21,7 @@ pre-run hooks or a stage-inspection hook, an argument of another type, a new key
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -38,8 +39,9 @@ _LEARNED: dict[tuple, tuple[object, tuple]] = {}
 # Kernels whose specialization :func:`_check_specialization` could not explain: normal launches only.
 _REFUSED: set[int] = set()
 _NOT_PRESENT = object()
-# Launches by path since the last clear(): "fast" skipped the dispatcher, "normal" went through it.
-COUNTS = {"fast": 0, "normal": 0}
+# Launches by path since the last clear(): "fast" skipped the dispatcher, "normal" went through it, "replayed" were
+# made by a Replay.
+COUNTS = {"fast": 0, "normal": 0, "replayed": 0}
 
 
 # LIGHTNING_FP8_FAST_LAUNCH=0 turns the fast path off (read at import; tests set this flag).
@@ -135,6 +137,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
     ):
         COUNTS["normal"] += 1
+        if _recording is not None:
+            _recording.append(None)
         kernel[grid](*args, **kwargs)
         return
     device, stream = _current_device_stream()
@@ -148,11 +152,19 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and compiled is not None:
             _learn(kernel, key, compiled, device, args, kwargs)
+        if _recording is not None:  # replayable only once Triton's specialization of these arguments was checked
+            learned = None if key is None else _LEARNED.get(key)
+            _recording.append(None if learned is None else (kernel, learned[0], grid, args, kwargs, learned[1]))
         return
     compiled, tail = learned
     COUNTS["fast"] += 1
-    full = args + tail
-    # From here on exactly JITFunction.run's launch.
+    if _recording is not None:
+        _recording.append((kernel, compiled, grid, args, kwargs, tail))
+    _run(compiled, grid, stream, args + tail)
+
+
+def _run(compiled, grid: tuple[int, ...], stream: int, full: tuple) -> None:
+    # Exactly JITFunction.run's launch of a compiled kernel.
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     launch_metadata = compiled.launch_metadata(grid, stream, *full)
@@ -160,8 +172,87 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------------------------- replays
+# While a list, each launch appends what replaying it takes, (kernel, compiled kernel, grid, positional arguments,
+# keywords, the arguments after the positional ones), or None when it cannot be replayed (a launch through Triton's
+# dispatcher whose specialization was not checked).
+_recording: list | None = None
+# Called by clear(): forget the launchers' cached replays.
+_ON_CLEAR: list = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the launches made inside, for :meth:`Replay.build`; yields the list they go to."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        if outer is not None:
+            outer.extend(_recording)
+        _recording = outer
+
+
+class Replay:
+    """The launches of one call of a launcher, made again for later calls of the same kind with their own tensors.
+
+    A launcher (kernels/quantize.py: ``quantize_``) works out grids, configs, keywords and Triton's cache key for each
+    of its launches; a later call that would work out the same needs none of it. The launcher's own cache key says
+    what "the same" is: it must determine each launch's kernel, grid and non-tensor arguments, and Triton's
+    specialization of the tensors (their dtypes and whether their addresses are multiples of 16). ``slots`` are a
+    call's tensors in a fixed order (its inputs and the outputs it allocated); every tensor argument of a recorded
+    launch must be one of them or one of ``constants`` (kept, e.g. a workspace), and other arguments are kept as
+    recorded. A replay launches exactly what :func:`launch` would, bypassing only the host-side work.
+    """
+
+    __slots__ = ("launches", "width")
+
+    def __init__(self, launches: tuple, width: int) -> None:
+        self.launches, self.width = launches, width
+
+    @classmethod
+    def build(cls, recorded: list, slots: tuple, constants: tuple = ()) -> Replay | None:
+        """A replay of ``recorded`` for calls with ``len(slots)`` tensors, or None if some launch cannot be replayed."""
+        index = {}
+        for i, t in enumerate(slots):
+            if t is not None:
+                if id(t) in index:
+                    return None  # one tensor in two slots: a later call's two tensors could not both be placed
+                index[id(t)] = i
+        kept = {id(t) for t in constants}
+        launches = []
+        for entry in recorded:
+            if entry is None:
+                return None
+            kernel, compiled, grid, args, kwargs, tail = entry
+            template, values = [], []
+            for a in args:
+                if isinstance(a, torch.Tensor) and id(a) in index:
+                    template.append(index[id(a)])
+                    continue
+                if isinstance(a, torch.Tensor) and id(a) not in kept:
+                    return None  # a tensor the replay would not know where to find
+                template.append(len(slots) + len(values))
+                values.append(a)
+            launches.append((kernel, compiled, grid, tuple(template), tuple(values), kwargs, tail))
+        return cls(tuple(launches), len(slots))
+
+    def __call__(self, slots: tuple, stream: int) -> None:
+        """Launch again with this call's ``slots`` (as many as at :meth:`build`) on ``stream`` (the current one)."""
+        for kernel, compiled, grid, template, values, kwargs, tail in self.launches:
+            args = tuple(map((slots + values).__getitem__, template))
+            if not _globals_unchanged(kernel):  # Triton raises its error for this
+                launch(kernel, grid, *args, **kwargs)
+                continue
+            COUNTS["replayed"] += 1
+            _run(compiled, grid, stream, args + tail)
+
+
 def clear() -> None:
-    """Forget every learned key (the next launch of each specialization goes through Triton again)."""
+    """Forget every learned key (the next launch of each specialization goes through Triton again) and every replay."""
     _LEARNED.clear()
     _REFUSED.clear()
-    COUNTS.update(fast=0, normal=0)
+    COUNTS.update(fast=0, normal=0, replayed=0)
+    for forget in _ON_CLEAR:
+        forget()

@@ -105,7 +105,7 @@ def _recast_weight_t(
     saved tensors guarantees it), and the scale the forward cast the stored values with is ``1 / (scale_inv *
     master_scale)``, exactly (powers of two)."""
     stored_scale_inv = w_scale_inv if master_scale is None else w_scale_inv * master_scale
-    return ops.cast_to_fp8(weight.detach(), torch.reciprocal(stored_scale_inv), fp8_dtype, transpose=True)[1]
+    return ops.recast_transposed(weight.detach(), torch.reciprocal(stored_scale_inv), fp8_dtype)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

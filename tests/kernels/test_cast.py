@@ -71,6 +71,23 @@ def inputs(shape, dtype, fp8_dtype, scale, planted=True):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(37, 53), (132, 52)])
+def test_recast_transposed_is_the_casts_transpose(fp8_dtype, shape):
+    """The weight recast of FP8Linear's backward: the reference cast's transposed copy, bit for bit, every time (on a
+    GPU the later calls replay the first one's launches), and its statistics go nowhere visible."""
+    scale = torch.tensor(2.0**-3, device=DEVICE)
+    for step in range(3):
+        x = inputs(shape, torch.bfloat16, fp8_dtype, 2.0**-3, planted=step != 1)
+        got = quantize.recast_transposed(x, scale, fp8_dtype)
+        ref = cast_to_fp8_ref(x, scale, fp8_dtype, transpose=True)[1]
+        assert got.dtype == fp8_dtype and got.shape == ref.shape
+        assert torch.equal(torch.isnan(got.float()), torch.isnan(ref.float()))
+        assert torch.equal(
+            got.view(torch.uint8)[~torch.isnan(ref.float())], ref.view(torch.uint8)[~torch.isnan(ref.float())]
+        )
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
 @pytest.mark.parametrize("shape", [(37, 53), (1, 16), (129, 7), (132, 52)])
 @pytest.mark.parametrize("transpose", [False, True])

@@ -82,7 +82,7 @@ def _args(n=48, offset=0):
 def test_first_launch_normal_then_fast_with_the_same_launch(fake):
     x, out, n, scale, flag = _args()
     launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16, num_warps=4)
-    assert len(fake.normal) == 1 and launch.COUNTS == {"fast": 0, "normal": 1}
+    assert len(fake.normal) == 1 and launch.COUNTS == {"fast": 0, "normal": 1, "replayed": 0}
     grid, args, kwargs, compiled = fake.normal[0]
     assert grid == (5,) and args == (x, out, n, scale, flag) and kwargs == {"BLOCK": 16, "num_warps": 4}
     # Same specialization, new tensors and integer: the compiled kernel directly, with every parameter in order
@@ -90,10 +90,65 @@ def test_first_launch_normal_then_fast_with_the_same_launch(fake):
     # (Floats and bools are keyed by value: Triton does not specialize them, but the casts pass them as constexprs.)
     x2, out2, _, _, _ = _args(64)
     launch.launch(fake.kernel, (7,), x2, out2, 64, scale, flag, BLOCK=16, num_warps=4)
-    assert len(fake.normal) == 1 and launch.COUNTS == {"fast": 1, "normal": 1}
+    assert len(fake.normal) == 1 and launch.COUNTS == {"fast": 1, "normal": 1, "replayed": 0}
     (got,) = compiled.launches
     assert got[:7] == (7, 1, 1, 777, "function", "packed", ("meta", (7,), 777))
     assert got[9:] == (x2, out2, 64, scale, flag, 16, True)
+
+
+def test_replay_launches_the_recorded_kernels_with_the_new_tensors(fake):
+    """A replay of recorded launches (normal and fast ones) runs the compiled kernel with the new call's tensors in the
+    slots' places, the recorded constants and non-tensor arguments kept, on the given stream."""
+    x, out, n, scale, flag = _args()
+    workspace = torch.zeros(4)
+    with launch.recording() as recorded:
+        launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)  # normal: learns the key
+        launch.launch(fake.kernel, (3,), workspace, x, n, scale, flag, BLOCK=16)  # fast
+    replay = launch.Replay.build(recorded, (x, out), (workspace,))
+    assert replay is not None and len(fake.normal) == 1
+    compiled = fake.normal[0][3]
+    x2, out2, _, _, _ = _args()
+    replay((x2, out2), 999)
+    first, second = compiled.launches[1:]
+    assert first[:4] == (5, 1, 1, 999) and first[9:] == (x2, out2, n, scale, flag, 16, True)
+    assert second[:4] == (3, 1, 1, 999) and second[9:] == (workspace, x2, n, scale, flag, 16, True)
+    assert launch.COUNTS == {"fast": 1, "normal": 1, "replayed": 2}
+
+
+def test_replay_refuses_what_it_cannot_place(fake):
+    """No replay for a launch that went through Triton unchecked, a tensor that is neither a slot nor a constant, or a
+    tensor given as two slots."""
+    x, out, n, scale, flag = _args()
+    with launch.recording() as recorded:
+        launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)
+    assert launch.Replay.build(recorded, (x,)) is None  # `out` unknown
+    assert launch.Replay.build(recorded, (x, out, x)) is None  # x twice
+    assert launch.Replay.build(recorded, (x, out)) is not None
+    fake.kernel.pre_run_hooks.append(lambda *a, **k: None)  # launches normally, unchecked
+    with launch.recording() as recorded:
+        launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)
+    assert recorded == [None] and launch.Replay.build(recorded, (x, out)) is None
+    fake.kernel.pre_run_hooks.clear()
+
+
+def test_replay_with_a_changed_global_launches_through_triton(fake, monkeypatch):
+    x, out, n, scale, flag = _args()
+    with launch.recording() as recorded:
+        launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)
+    replay = launch.Replay.build(recorded, (x, out))
+    monkeypatch.setitem(globals(), "_CHANGING", 4)  # Triton's own launch raises for this; the replay must not hide it
+    replay((x, out), 777)
+    assert len(fake.normal) == 2 and launch.COUNTS["replayed"] == 0
+
+
+def test_clear_forgets_replays(fake):
+    forgotten = []
+    launch._ON_CLEAR.append(lambda: forgotten.append(True))
+    try:
+        launch.clear()
+    finally:
+        launch._ON_CLEAR.pop()
+    assert forgotten == [True]
 
 
 @pytest.mark.parametrize(
@@ -187,15 +242,18 @@ def test_interpreted_kernel_launches_normally():
     launch.clear()
     x = torch.randn(37, 29)
     got = cast.cast_to_fp8(x, torch.tensor(4.0), torch.float8_e4m3fn)
-    assert launch.COUNTS == {"fast": 0, "normal": 0} and got[0].shape == x.shape
+    assert launch.COUNTS == {"fast": 0, "normal": 0, "replayed": 0} and got[0].shape == x.shape
 
 
 @pytest.mark.gpu
-def test_gpu_fast_launches_equal_normal_launches(monkeypatch):
-    """Every cast of a scaling state and the plain casts, launched fast and through Triton: the same bytes and state,
-    with aligned and misaligned inputs (another specialization) and both formats."""
+@pytest.mark.parametrize("speculate", [False, True])
+def test_gpu_fast_launches_equal_normal_launches(monkeypatch, speculate):
+    """Every cast of a scaling state and the plain casts, launched fast (the casts of a state replayed from the second
+    on) and through Triton: the same bytes and state, with aligned and misaligned inputs (another specialization; not
+    replayed) and both formats."""
     from tests.kernels.test_cast import _state
 
+    monkeypatch.setattr(quantize, "SPECULATIVE_CURRENT_SCALING", speculate)
     launch.clear()
     gen = torch.Generator(device="cuda").manual_seed(5)
     base = torch.randn(300 * 52 + 8, device="cuda", generator=gen, dtype=torch.bfloat16) * 3.0
@@ -207,11 +265,11 @@ def test_gpu_fast_launches_equal_normal_launches(monkeypatch):
                 for fast in (True, False):
                     monkeypatch.setattr(launch, "ENABLED", fast)
                     state = _state(4, 2.0)
-                    for _ in range(2):  # the second launch of a specialization is the fast one
+                    for _ in range(3):  # the second launch of a specialization is fast, a state's cast replayed
                         got = quantize.quantize_(x, *state, fp8_dtype, 0, True, True, current, transpose, None)
                     plain = cast.cast_to_fp8(x, torch.tensor(8.0, device="cuda"), fp8_dtype, transpose)
                     outs.append([*got, *state, *plain, cast.amax(x)])
                 for g, r in zip(*outs, strict=True):
                     assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, r.view(torch.uint8)
                                        if r.dtype.itemsize == 1 else r)  # fmt: skip
-    assert launch.COUNTS["fast"] > 0
+    assert launch.COUNTS["fast"] > 0 and launch.COUNTS["replayed"] > 0
