@@ -76,11 +76,15 @@ def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
     return id(kernel), device, tuple(arg_keys), kw_key, _knobs_key()
 
 
+_DEVICE_STREAM: list = []  # the active driver's get_current_device and get_current_stream, looked up once
+
+
 def _current_device_stream() -> tuple[int, int]:
-    # The device and stream JITFunction.run launches on.
-    active = driver.active
-    device = active.get_current_device()
-    return device, active.get_current_stream(device)
+    # The device and stream JITFunction.run launches on (the lookup of driver.active is a Python property chain).
+    if not _DEVICE_STREAM:
+        _DEVICE_STREAM.extend((driver.active.get_current_device, driver.active.get_current_stream))
+    device = _DEVICE_STREAM[0]()
+    return device, _DEVICE_STREAM[1](device)
 
 
 def _check_specialization(kernel, device: int, args: tuple, kwargs: dict) -> bool:

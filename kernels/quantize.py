@@ -161,16 +161,20 @@ def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind) -> tuple 
     if cfg.get("TMA"):
         return None
     ptrs = 0
+    shapes = []
     for t in tensors:
         if t is not None:
             ptrs |= t.data_ptr()
+            shapes.append(t.shape)
+            shapes.append(t.dtype)
+        else:
+            shapes.append(None)
     if ptrs & 15:
         return None
     device, stream = launch._current_device_stream()
-    shapes = tuple(None if t is None else (t.shape, t.dtype) for t in tensors)
     # The stream also picks the workspace of quantize_, a constant of its replays. The configs and flags below are
     # read at every launch.
-    return (device, stream, x.device, shapes, transpose, current, *kind, SPECULATIVE_CURRENT_SCALING,
+    return (device, stream, x.device, *shapes, transpose, current, *kind, SPECULATIVE_CURRENT_SCALING,
             tuple(cfg.values()), tuple(CONFIGS["amax"].values()) if current else None, cast.EXACT_ROUND_ON_GPU,
             cast.REDO_PROGRAMS_PER_SM, launch._knobs_key())  # fmt: skip
 

@@ -192,23 +192,26 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8_format={r.fp8_format}, scaling={r.scaling}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_dtensor(self.weight):  # tensor parallel: FP8 GEMMs on the local shards
+        weight = self.weight  # a Module.__getattr__ each time: read once (this runs for every layer and step)
+        if _is_dtensor(weight):  # tensor parallel: FP8 GEMMs on the local shards
             from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward
 
             return dtensor_forward(self, x)
-        self._check_input(x)
+        self._check_input(x, weight)
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        x_2d = x.reshape(-1, self.in_features)
-        first = not self.fp8_scaling["input"].initialized
-        master_scale = getattr(self.weight, master.SCALE_ATTR, None)
-        y = _FP8Matmul.apply(x_2d, self.weight, self.bias, self.fp8_scaling, out_dtype, first, master_scale)
+        flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
+        x_2d = x if flat else x.reshape(-1, self.in_features)
+        scaling = self.fp8_scaling
+        first = not scaling["input"].initialized
+        master_scale = getattr(weight, master.SCALE_ATTR, None)
+        y = _FP8Matmul.apply(x_2d, weight, self.bias, scaling, out_dtype, first, master_scale)
         if first:  # outside the autograd.Function, where torch.compile allows Python state to change
-            for state in self.fp8_scaling.values():
+            for state in scaling.values():
                 state.initialized = True
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"FP8Linear expects a tensor input, got {type(x).__name__}")
         if x.dtype not in _ACTIVATION_DTYPES:
@@ -216,17 +219,15 @@ class FP8Linear(nn.Linear):
                 f"FP8Linear received an input of dtype {x.dtype}: FP8 layers take floating-point activations "
                 f"in {[str(d) for d in _ACTIVATION_DTYPES]}; cast the input first (e.g. x.float() or x.bfloat16())"
             )
-        if self.weight.dtype not in _ACTIVATION_DTYPES:
-            raise TypeError(
-                f"FP8Linear weight has dtype {self.weight.dtype}: use float32, bfloat16 or float16 parameters"
-            )
+        if weight.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(f"FP8Linear weight has dtype {weight.dtype}: use float32, bfloat16 or float16 parameters")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"FP8Linear(in_features={self.in_features}) received an input of shape {tuple(x.shape)}: "
                 f"its last dimension must be {self.in_features}"
             )
-        if x.device != self.weight.device:
+        if x.device != weight.device:
             raise ValueError(
-                f"FP8Linear input is on {x.device} but the layer's weight is on {self.weight.device}: "
+                f"FP8Linear input is on {x.device} but the layer's weight is on {weight.device}: "
                 "move the input or the model to the same device"
             )

@@ -134,14 +134,14 @@ class ScalingState(nn.Module):
         if current is None:
             current = self.needs_current_scale()
             self.initialized = True
-        args = (
-            x.detach().contiguous(), self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count,
-            self.casts, self.fp8_dtype, self.margin, self.algo == "max", self.delayed, current, transpose, unscale,
-        )  # fmt: skip
+        x, mode = x.detach().contiguous(), (self.fp8_dtype, self.margin, self.algo == "max", self.delayed)
         if torch.compiler.is_compiling():
-            out = _traced_quantize(args[0])(*args, column_sum)
+            buffers = (self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts)
+            out = _traced_quantize(x)(x, *buffers, *mode, current, transpose, unscale, column_sum)
             return out if column_sum else out[:3]
-        return ops.quantize(*args, column_sum=column_sum)
+        b = self._buffers  # one dict lookup per buffer, not a Module.__getattr__ (this runs for every cast)
+        buffers = (b["amax_history"], b["scale"], b["amax"], b["saturation"], b["nonfinite_count"], b["casts"])
+        return ops.quantize(x, *buffers, *mode, current, transpose, unscale, column_sum=column_sum)
 
     def reset(self) -> None:
         for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
