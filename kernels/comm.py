@@ -34,6 +34,8 @@ kernels round and decode with integer arithmetic (``EXACT``), the same results a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from lightning_fp8.kernels.cast import _FP8, _interpreted
 from lightning_fp8.kernels.comm_kernels import _dequantize_kernel, _quantize_kernel, _rows_kernel, _segment_amax_kernel
@@ -57,12 +59,45 @@ def _rounding(fp8_dtype: torch.dtype) -> dict:
     return {"MBITS": mbits, "MIN_NORMAL_EXP": min_exp, "SUBNORMAL_MAGIC": 2.0 ** (min_exp - mbits + 23)}
 
 
-def _launch(kernel, table: BlockTable, before: tuple, after: tuple, **constexprs) -> None:
-    # One launch for all tiles; the table's rows go between `before` and `after`, then the aligned-row count.
+# Launch configs per pass (see kernels/comm_kernels.py): SUB elements per block of a row, warps, the persistent grid
+# (PROGRAMS_PER_SM programs per multiprocessor, at most one per row; 0: one program per row), STATS (counters and
+# amaxes folded once per program, or after every row) and HINT (the alignment the aligned rows are declared with).
+CONFIGS = {
+    "amax": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 16},
+    "quantize": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8},
+    "dequantize": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8},
+    "rows": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8},
+}  # fmt: skip
+# Under the interpreter programs run one after another: a small grid keeps tests fast and makes every program loop.
+_INTERPRETER_PROGRAMS = 3
+# A cap on every grid (None: none); tests make compiled programs loop over many rows with it.
+MAX_PROGRAMS: int | None = None
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(table: BlockTable, programs_per_sm: int, interpreted: bool) -> int:
+    grid = len(table)
+    if interpreted:
+        grid = min(grid, _INTERPRETER_PROGRAMS)
+    elif programs_per_sm > 0:
+        device = table.rows.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        grid = min(grid, _sm_count(index) * programs_per_sm)
+    return grid if MAX_PROGRAMS is None else min(grid, MAX_PROGRAMS)
+
+
+def _launch(kernel, name: str, table: BlockTable, before: tuple, after: tuple, **constexprs) -> None:
+    # One launch for all tiles: the table's rows go between `before` and `after`, then the aligned and total row counts.
     if len(table):
-        warps = 8 if table.block >= 4096 else 4
-        kernel[(len(table),)](*before, table.rows, *after, table.aligned, BLOCK=table.block,
-                              EDGE_BLOCK=table.edge_block, num_warps=warps, **constexprs)  # fmt: skip
+        cfg = dict(CONFIGS[name])
+        grid = _grid(table, cfg.pop("PROGRAMS_PER_SM"), _interpreted(kernel))
+        sub = min(cfg.pop("SUB"), table.block)
+        kernel[(grid,)](*before, table.rows, *after, table.aligned, len(table), SUB=sub,
+                        EDGE_SUB=min(table.edge_block, sub), **{**cfg, **constexprs})  # fmt: skip
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +106,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def segment_amax(x: torch.Tensor, table: BlockTable, amax: torch.Tensor) -> None:
     """``amax[value] = max(amax[value], max |x[tile]|)`` over the table's tiles (NaN counts as inf); in place."""
-    _launch(_segment_amax_kernel, table, (x,), (amax,))
+    _launch(_segment_amax_kernel, "amax", table, (x,), (amax,))
 
 
 def quantize(
@@ -89,7 +124,7 @@ def quantize(
     interpreted = _interpreted(_quantize_kernel)
     after = (amax, headroom if headroom is not None else n_sat, _bytes(out), n_sat)
     fmt = _format(fp8_dtype, margin, interpreted) | _rounding(fp8_dtype)
-    _launch(_quantize_kernel, table, (x,), after, HAS_HEADROOM=headroom is not None, **fmt)
+    _launch(_quantize_kernel, "quantize", table, (x,), after, HAS_HEADROOM=headroom is not None, **fmt)
 
 
 def dequantize(
@@ -114,7 +149,7 @@ def dequantize(
     extra = headroom if headroom is not None else table.rows
     after = (amax, extra, out, counts if counts is not None else table.rows, inv_divisor)
     exact_bf16 = interpreted and out.dtype == torch.bfloat16
-    _launch(_dequantize_kernel, table, (_bytes(q),), after, HAS_HEADROOM=headroom is not None,
+    _launch(_dequantize_kernel, "dequantize", table, (_bytes(q),), after, HAS_HEADROOM=headroom is not None,
             CHECK=counts is not None, EXACT_BF16=exact_bf16, **fmt)  # fmt: skip
 
 
@@ -125,8 +160,8 @@ def _rows(mode, rows, table, amax, piece_amax, out, n_sat, fp8_dtype, margin, in
     fmt = _format(fp8_dtype, margin, interpreted) | _rounding(fp8_dtype)
     exact_bf16 = interpreted and out.dtype == torch.bfloat16
     before, after = (_bytes(rows), rows.shape[1], rows.shape[0]), (amax, piece_amax, out, n_sat, inv_divisor)
-    aligned_ok = rows.shape[1] % ALIGN == 0  # every row starts aligned
-    _launch(_rows_kernel, table, before, after, ALIGNED_OK=aligned_ok, MODE=mode, EXACT_BF16=exact_bf16, **fmt)
+    hint = {} if rows.shape[1] % ALIGN == 0 else {"HINT": 1}  # else rows after the first start misaligned
+    _launch(_rows_kernel, "rows", table, before, after, MODE=mode, EXACT_BF16=exact_bf16, **fmt, **hint)
 
 
 def rows_amax(

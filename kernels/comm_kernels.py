@@ -1,5 +1,13 @@
 """The Triton kernels of FP8 gradient communication (launched by :mod:`lightning_fp8.kernels.comm`, whose docstring
-has the block table and the math)."""
+has the block table, the math and the launch configs).
+
+Every kernel is persistent: program ``p`` of ``G`` takes the table rows ``p, p + G, p + 2G, ...`` of the aligned rows
+(``[0, n_aligned)``: vector loads and stores) and then of the edge rows (``[n_aligned, n_rows)``), and walks each row
+in blocks of ``SUB`` elements. Counters run per element in registers and are added to memory once per program
+(``STATS="program"``); amaxes run per element and are folded into memory when the row's scale group changes (a
+tensor spans many rows of a program). ``STATS="tile"`` folds both after every row instead (one reduction and its
+barrier per row).
+"""
 
 import triton
 import triton.language as tl
@@ -8,15 +16,16 @@ from lightning_fp8.kernels.scaling import _pow2_scale
 
 
 @triton.jit
-def _row(table_ptr, ALIGNED: tl.constexpr):
-    # This program's tile. Aligned tiles promise multiples of 16 (the host's ALIGN): 16-byte vector loads and stores.
-    base = table_ptr + tl.program_id(0).to(tl.int64) * 5
+def _row(table_ptr, i, HINT: tl.constexpr):
+    # Row i of the table. Aligned rows promise multiples of 16 elements; HINT (8 or 16) is what the compiler is told,
+    # and it picks the elements per thread of every access from it (8: the same layout for 1- and 2-byte sides).
+    base = table_ptr + tl.cast(i, tl.int64) * 5
     src, dst, length = tl.load(base), tl.load(base + 1), tl.load(base + 2)
-    if ALIGNED:
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
-        length = tl.multiple_of(length, 16)
-    return src, dst, length, tl.load(base + 3), tl.load(base + 4)
+    if HINT > 1:
+        src = tl.multiple_of(src, HINT)
+        dst = tl.multiple_of(dst, HINT)
+        length = tl.multiple_of(length, HINT)
+    return src, dst, length.to(tl.int32), tl.load(base + 3), tl.load(base + 4)
 
 
 @triton.jit
@@ -87,40 +96,102 @@ def _store(ptr, v, mask, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _count(ptr, flags):
-    n = tl.sum(flags.to(tl.int32), axis=0)
+def _count(ptr, counts):
+    # Add the sum of a block of per-element counts to an int64 counter (atomics on one address serialize: skip zeros).
+    n = tl.sum(counts, axis=0)
     tl.atomic_add(ptr, n.to(tl.int64), mask=n > 0, sem="relaxed")
 
 
 @triton.jit
-def _fold_max(ptr, a):
-    # Atomics on one address serialize: skip those that cannot raise the stored value.
+def _fold_max(ptr, run):
+    # Fold a block of running |x| maxima (NaN already inf) into *ptr; skip atomics that cannot raise it.
+    a = tl.max(run, axis=0)
     tl.atomic_max(ptr, a, mask=a > tl.load(ptr), sem="relaxed")
 
 
-# ------------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _segment_amax_tile(
+def _abs_nan_inf(v):
+    a = tl.abs(v)
+    return tl.where(a == a, a, float("inf"))
+
+
+# --------------------------------------------------------------------------------------------------- one pass each
+@triton.jit
+def _amax_rows(x_ptr, table_ptr, amax_ptr, first, last, STATS: tl.constexpr, HINT: tl.constexpr,
+               SUB: tl.constexpr):  # fmt: skip
+    # The rows [first, last) of this program: amax[value] = max(amax[value], max |x[tile]|).
+    run = tl.zeros([SUB], dtype=tl.float32)
+    cur = tl.full((), -1, tl.int64)  # the scale group `run` belongs to
+    for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
+        src, _dst, length, value, _out = _row(table_ptr, i, HINT)
+        if value != cur:
+            if cur >= 0:
+                _fold_max(amax_ptr + cur, run)
+            run = tl.zeros([SUB], dtype=tl.float32)
+            cur = value
+        for off in range(0, length, SUB):
+            offs = off + tl.arange(0, SUB)
+            run = tl.maximum(run, _abs_nan_inf(tl.load(x_ptr + src + offs, mask=offs < length, other=0.0)
+                                               .to(tl.float32)))  # fmt: skip
+        if STATS == "tile":
+            _fold_max(amax_ptr + cur, run)
+            run = tl.zeros([SUB], dtype=tl.float32)
+    if cur >= 0:
+        _fold_max(amax_ptr + cur, run)
+
+
+@triton.jit
+def _segment_amax_kernel(
     x_ptr,  # flat input, fp32/bf16/fp16
     table_ptr,  # (rows, 5) int64 block table
     amax_ptr,  # fp32 per value index: atomic max of |x| (NaN -> inf)
-    ALIGNED: tl.constexpr,  # this tile's src, dst and length are multiples of ALIGN
-    BLOCK: tl.constexpr,  # tile (>= the row's length)
+    n_aligned,  # rows [0, n_aligned) are aligned, the rest are edges
+    n_rows,
+    STATS: tl.constexpr,  # "program" or "tile" (see the module docstring)
+    HINT: tl.constexpr,  # alignment (elements) the aligned rows are declared with
+    SUB: tl.constexpr,  # elements per block of an aligned row
+    EDGE_SUB: tl.constexpr,  # elements per block of an edge row
 ):
-    src, _dst, length, value, _out = _row(table_ptr, ALIGNED)
-    offs = tl.arange(0, BLOCK)
-    ax = tl.abs(tl.load(x_ptr + src + offs, mask=offs < length, other=0.0).to(tl.float32))
-    _fold_max(amax_ptr + value, tl.max(tl.where(ax == ax, ax, float("inf")), axis=0))
+    _amax_rows(x_ptr, table_ptr, amax_ptr, 0, n_aligned, STATS, HINT, SUB)
+    _amax_rows(x_ptr, table_ptr, amax_ptr, n_aligned, n_rows, STATS, 1, EDGE_SUB)
 
 
 @triton.jit
-def _quantize_tile(
+def _quantize_rows(
+    x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, first, last, HAS_HEADROOM: tl.constexpr,
+    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    sat = tl.zeros([SUB], dtype=tl.int32)  # saturated elements, per element of a block
+    for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
+        src, dst, length, value, _out = _row(table_ptr, i, HINT)
+        scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
+        for off in range(0, length, SUB):
+            offs = off + tl.arange(0, SUB)
+            mask = offs < length
+            x = tl.load(x_ptr + src + offs, mask=mask, other=0.0).to(tl.float32)
+            finite = tl.abs(x) < float("inf")
+            y = x * scale
+            sat += ((tl.abs(y) > FP8_MAX) & finite).to(tl.int32)  # masked lanes are 0: never saturated
+            q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
+            tl.store(q_ptr + dst + offs, q, mask=mask)
+        if STATS == "tile":
+            _count(nsat_ptr, sat)
+            sat = tl.zeros([SUB], dtype=tl.int32)
+    _count(nsat_ptr, sat)
+
+
+@triton.jit
+def _quantize_kernel(
     x_ptr,  # flat input, fp32/bf16/fp16
     table_ptr,  # (rows, 5) int64 block table
     amax_ptr,  # fp32 amax per value index (the scale's source)
     headroom_ptr,  # int64 0-dim: extra binades divided out of every scale (read when HAS_HEADROOM)
     q_ptr,  # uint8 output: FP8 bytes
     nsat_ptr,  # int64 0-dim accumulator: saturated elements
+    n_aligned,
+    n_rows,
     HAS_HEADROOM: tl.constexpr,
     MAX_EXP: tl.constexpr,  # biased fp32 exponent of the format max
     MAX_MANT: tl.constexpr,  # fp32 mantissa field of the format max
@@ -131,23 +202,53 @@ def _quantize_tile(
     MIN_NORMAL_EXP: tl.constexpr,
     SUBNORMAL_MAGIC: tl.constexpr,
     EXACT: tl.constexpr,  # interpreter: round and convert with integer arithmetic
-    ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STATS: tl.constexpr,
+    HINT: tl.constexpr,
+    SUB: tl.constexpr,
+    EDGE_SUB: tl.constexpr,
 ):
-    src, dst, length, value, _out = _row(table_ptr, ALIGNED)
-    scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < length
-    x = tl.load(x_ptr + src + offs, mask=mask, other=0.0).to(tl.float32)
-    finite = tl.abs(x) < float("inf")
-    y = x * scale
-    _count(nsat_ptr, (tl.abs(y) > FP8_MAX) & finite & mask)
-    q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
-    tl.store(q_ptr + dst + offs, q, mask=mask)
+    _quantize_rows(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, 0, n_aligned, HAS_HEADROOM, MAX_EXP,
+                   MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, STATS, HINT,
+                   SUB)  # fmt: skip
+    _quantize_rows(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, n_aligned, n_rows, HAS_HEADROOM,
+                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, STATS,
+                   1, EDGE_SUB)  # fmt: skip
 
 
 @triton.jit
-def _dequantize_tile(
+def _dequantize_rows(
+    q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, first, last,
+    HAS_HEADROOM: tl.constexpr, CHECK: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+    MARGIN: tl.constexpr, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EXACT: tl.constexpr,
+    EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    big = tl.zeros([SUB], dtype=tl.int32)  # CHECK: values non-finite or at the FP8 maximum (an FP8 sum's overflow)
+    bad = tl.zeros([SUB], dtype=tl.int32)  # CHECK: non-finite values
+    for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
+        src, dst, length, value, _out = _row(table_ptr, i, HINT)
+        scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
+        scale_inv = inv_divisor * _inverse_pow2(scale)
+        for off in range(0, length, SUB):
+            offs = off + tl.arange(0, SUB)
+            mask = offs < length
+            q = _decode_fp8(tl.load(q_ptr + src + offs, mask=mask, other=0), IS_E4M3, EXACT)
+            if CHECK:  # masked lanes decode 0: counted nowhere
+                nonfinite = ~(tl.abs(q) < float("inf"))
+                big += (nonfinite | (tl.abs(q) >= FP8_MAX)).to(tl.int32)
+                bad += nonfinite.to(tl.int32)
+            _store(out_ptr + dst + offs, q * scale_inv, mask, EXACT_BF16)
+        if CHECK and STATS == "tile":
+            _count(counts_ptr, big)
+            _count(counts_ptr + 1, bad)
+            big = tl.zeros([SUB], dtype=tl.int32)
+            bad = tl.zeros([SUB], dtype=tl.int32)
+    if CHECK:
+        _count(counts_ptr, big)
+        _count(counts_ptr + 1, bad)
+
+
+@triton.jit
+def _dequantize_kernel(
     q_ptr,  # uint8 input: FP8 bytes
     table_ptr,  # (rows, 5) int64 block table
     amax_ptr,  # fp32 amax per value index (the scale's source)
@@ -155,6 +256,8 @@ def _dequantize_tile(
     out_ptr,  # output, fp32/bf16/fp16
     counts_ptr,  # int64[2] accumulators (CHECK): overflowed-or-at-max, non-finite
     inv_divisor,  # fp32: 1 / N of a mean (1.0 otherwise)
+    n_aligned,
+    n_rows,
     HAS_HEADROOM: tl.constexpr,
     CHECK: tl.constexpr,
     MAX_EXP: tl.constexpr,
@@ -164,24 +267,77 @@ def _dequantize_tile(
     IS_E4M3: tl.constexpr,
     EXACT: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STATS: tl.constexpr,
+    HINT: tl.constexpr,
+    SUB: tl.constexpr,
+    EDGE_SUB: tl.constexpr,
 ):
-    src, dst, length, value, _out = _row(table_ptr, ALIGNED)
-    scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
-    scale_inv = inv_divisor * _inverse_pow2(scale)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < length
-    q = _decode_fp8(tl.load(q_ptr + src + offs, mask=mask, other=0), IS_E4M3, EXACT)
-    if CHECK:
-        nonfinite = ~(tl.abs(q) < float("inf")) & mask
-        _count(counts_ptr, nonfinite | ((tl.abs(q) >= FP8_MAX) & mask))
-        _count(counts_ptr + 1, nonfinite)
-    _store(out_ptr + dst + offs, q * scale_inv, mask, EXACT_BF16)
+    _dequantize_rows(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, 0, n_aligned,
+                     HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, STATS, HINT,
+                     SUB)  # fmt: skip
+    _dequantize_rows(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, n_aligned, n_rows,
+                     HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, STATS, 1,
+                     EDGE_SUB)  # fmt: skip
 
 
 @triton.jit
-def _rows_tile(
+def _rows_rows(
+    rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, first, last,
+    MODE: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT: tl.constexpr, EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    run = tl.zeros([SUB], dtype=tl.float32)  # MODE 0: running |mean| of piece `cur`
+    sat = tl.zeros([SUB], dtype=tl.int32)  # MODE 1: saturated elements
+    cur = tl.full((), -1, tl.int64)
+    for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
+        src, dst, length, value, piece = _row(table_ptr, i, HINT)
+        scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
+        scale_inv = inv_divisor * _inverse_pow2(scale)
+        if MODE == 0:
+            if piece != cur:
+                if cur >= 0:
+                    _fold_max(piece_amax_ptr + cur, run)
+                run = tl.zeros([SUB], dtype=tl.float32)
+                cur = piece
+        piece_scale = 1.0
+        if MODE == 1:
+            piece_scale = _pow2_scale(tl.load(piece_amax_ptr + piece), 1.0, MAX_EXP, MAX_MANT, MARGIN)
+        for off in range(0, length, SUB):
+            offs = off + tl.arange(0, SUB)
+            mask = offs < length
+            row = rows_ptr + src
+            acc = _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
+            for _ in range(1, W):
+                row += row_stride  # a 64-bit pointer step: no int32 product to overflow
+                acc = acc + _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
+            mean = acc * scale_inv
+            if MODE == 0:
+                run = tl.maximum(run, tl.where(mask, _abs_nan_inf(mean), 0.0))
+            elif MODE == 1:
+                y = mean * piece_scale
+                finite = tl.abs(mean) < float("inf")
+                sat += ((tl.abs(y) > FP8_MAX) & finite & mask).to(tl.int32)
+                q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
+                tl.store(out_ptr + dst + offs, q, mask=mask)
+            else:
+                _store(out_ptr + dst + offs, mean, mask, EXACT_BF16)
+        if STATS == "tile":
+            if MODE == 0:
+                _fold_max(piece_amax_ptr + cur, run)
+                run = tl.zeros([SUB], dtype=tl.float32)
+            elif MODE == 1:
+                _count(nsat_ptr, sat)
+                sat = tl.zeros([SUB], dtype=tl.int32)
+    if MODE == 0:
+        if cur >= 0:
+            _fold_max(piece_amax_ptr + cur, run)
+    elif MODE == 1:
+        _count(nsat_ptr, sat)
+
+
+@triton.jit
+def _rows_kernel(
     rows_ptr,  # uint8 (W, row_stride): FP8 bytes received from each rank, one scale per column segment
     row_stride,  # elements per row (a multiple of ALIGN for aligned launches)
     W,  # rows (ranks)
@@ -191,6 +347,8 @@ def _rows_tile(
     out_ptr,  # MODE 1: uint8 FP8 bytes; MODE 2: the mean in out's dtype
     nsat_ptr,  # int64 0-dim accumulator (MODE 1)
     inv_divisor,  # fp32: 1 / N for a mean
+    n_aligned,
+    n_rows,
     MODE: tl.constexpr,  # 0: piece amax of the mean, 1: requantize the mean, 2: store the mean
     MAX_EXP: tl.constexpr,
     MAX_MANT: tl.constexpr,
@@ -202,87 +360,14 @@ def _rows_tile(
     SUBNORMAL_MAGIC: tl.constexpr,
     EXACT: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STATS: tl.constexpr,
+    HINT: tl.constexpr,  # 1 where row_stride is not a multiple of ALIGN (rows after the first start misaligned)
+    SUB: tl.constexpr,
+    EDGE_SUB: tl.constexpr,
 ):
-    src, dst, length, value, piece = _row(table_ptr, ALIGNED)
-    scale = _pow2_scale(tl.load(amax_ptr + value), 1.0, MAX_EXP, MAX_MANT, MARGIN)
-    scale_inv = inv_divisor * _inverse_pow2(scale)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < length
-    row = rows_ptr + src
-    acc = _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
-    for _ in range(1, W):
-        row += row_stride  # a 64-bit pointer step: no int32 product to overflow
-        acc = acc + _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
-    mean = acc * scale_inv
-    if MODE == 0:
-        a = tl.where(mask, tl.abs(mean), 0.0)
-        _fold_max(piece_amax_ptr + piece, tl.max(tl.where(a == a, a, float("inf")), axis=0))
-    elif MODE == 1:
-        piece_scale = _pow2_scale(tl.load(piece_amax_ptr + piece), 1.0, MAX_EXP, MAX_MANT, MARGIN)
-        y = mean * piece_scale
-        finite = tl.abs(mean) < float("inf")
-        _count(nsat_ptr, (tl.abs(y) > FP8_MAX) & finite & mask)
-        q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
-        tl.store(out_ptr + dst + offs, q, mask=mask)
-    else:
-        _store(out_ptr + dst + offs, mean, mask, EXACT_BF16)
-
-
-# One launch per pass: programs below n_aligned take the aligned tiles (vectorized), the others the edges.
-@triton.jit
-def _segment_amax_kernel(x_ptr, table_ptr, amax_ptr, n_aligned, BLOCK: tl.constexpr, EDGE_BLOCK: tl.constexpr):
-    if tl.program_id(0) < n_aligned:
-        _segment_amax_tile(x_ptr, table_ptr, amax_ptr, True, BLOCK)
-    else:
-        _segment_amax_tile(x_ptr, table_ptr, amax_ptr, False, EDGE_BLOCK)
-
-
-@triton.jit
-def _quantize_kernel(
-    x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, n_aligned, HAS_HEADROOM: tl.constexpr,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
-    IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK: tl.constexpr, EDGE_BLOCK: tl.constexpr,
-):  # fmt: skip
-    if tl.program_id(0) < n_aligned:
-        _quantize_tile(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT,
-                       MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, True, BLOCK)
-    else:
-        _quantize_tile(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT,
-                       MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, False, EDGE_BLOCK)
-
-
-@triton.jit
-def _dequantize_kernel(
-    q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, n_aligned,
-    HAS_HEADROOM: tl.constexpr, CHECK: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
-    MARGIN: tl.constexpr, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EXACT: tl.constexpr,
-    EXACT_BF16: tl.constexpr, BLOCK: tl.constexpr, EDGE_BLOCK: tl.constexpr,
-):  # fmt: skip
-    if tl.program_id(0) < n_aligned:
-        _dequantize_tile(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, HAS_HEADROOM,
-                         CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, True, BLOCK)
-    else:
-        _dequantize_tile(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, HAS_HEADROOM,
-                         CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, False, EDGE_BLOCK)
-
-
-@triton.jit
-def _rows_kernel(
-    rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, n_aligned,
-    MODE: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
-    IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
-    EXACT: tl.constexpr, EXACT_BF16: tl.constexpr, ALIGNED_OK: tl.constexpr, BLOCK: tl.constexpr,
-    EDGE_BLOCK: tl.constexpr,
-):  # fmt: skip
-    # ALIGNED_OK: row_stride is a multiple of ALIGN too (else every row after the first starts misaligned).
-    if tl.program_id(0) < n_aligned:
-        _rows_tile(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, MODE,
-                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT,
-                   EXACT_BF16, ALIGNED_OK, BLOCK)
-    else:
-        _rows_tile(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, MODE,
-                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT,
-                   EXACT_BF16, False, EDGE_BLOCK)  # fmt: skip
+    _rows_rows(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, 0,
+               n_aligned, MODE, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC,
+               EXACT, EXACT_BF16, STATS, HINT, SUB)  # fmt: skip
+    _rows_rows(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor,
+               n_aligned, n_rows, MODE, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP,
+               SUBNORMAL_MAGIC, EXACT, EXACT_BF16, STATS, 1, EDGE_SUB)  # fmt: skip

@@ -175,3 +175,44 @@ def test_rows_kernels_match_reference(fp8_dtype, world, device):
         bound = 2.0**-8 * rows.sum(0).abs() + 2.0**-22 * rows.abs().sum(0)
         ok = ((got - rows.sum(0)).abs() <= bound) | (got.isnan() & rows.sum(0).isnan())
         assert ok.all(), (j, got[~ok], rows.sum(0)[~ok])
+
+
+@pytest.mark.parametrize(
+    ("config", "max_programs"),
+    [({"SUB": 16}, 1), ({"SUB": 16, "STATS": "tile"}, 2), ({"SUB": 32, "HINT": 16, "num_warps": 4}, 5)],
+    ids=["one-program", "two-programs-fold-per-row", "five-programs-hint16"],
+)
+def test_persistent_programs_match_reference(config, max_programs, device, monkeypatch):
+    """Fewer programs than rows: each loops over its aligned rows, then its edge rows, each row in several blocks
+    (SUB < the table's 64-element tiles); counters and amaxes folded once per program or after every row."""
+    from lightning_fp8.kernels import comm
+
+    for name, cfg in comm.CONFIGS.items():
+        monkeypatch.setitem(comm.CONFIGS, name, {**cfg, **config})
+    monkeypatch.setattr(comm, "MAX_PROGRAMS", max_programs)
+    x = _gradients(torch.bfloat16, device, seed=max_programs)
+    table, numel = _table(device, block=64, gap=32)
+    assert table.aligned > max_programs and len(table) > table.aligned  # every program loops; edge rows too
+    results = []
+    for kernels in (REF, TRITON):
+        amax = torch.zeros(6, device=device)
+        kernels.segment_amax(x, table, amax)
+        amax[2] = amax[4]  # a finite amax for the NaN's segment
+        q, n_sat = torch.full((numel,), 0xAA, dtype=torch.uint8, device=device), torch.tensor(1, device=device)
+        kernels.quantize(x, table, amax / 3, E5M2, q, n_sat)  # a third of each amax: values saturate
+        out = torch.full((numel,), 0.5, dtype=torch.bfloat16, device=device)
+        counts = torch.zeros(2, dtype=torch.int64, device=device)
+        kernels.dequantize(q, table, amax, E5M2, out, inv_divisor=1 / 3, counts=counts)
+        rows = torch.stack([q[:256], q[64:320]])  # 2 ranks' rows (row stride 256: aligned)
+        piece_amax, q2 = torch.zeros(6, device=device), torch.zeros(numel, dtype=torch.uint8, device=device)
+        kernels.rows_amax(rows, _rows_table(device), amax, piece_amax, E5M2, inv_divisor=0.5)
+        kernels.rows_quantize(rows, _rows_table(device), amax, piece_amax, E5M2, q2, n_sat, inv_divisor=0.5)
+        results.append((amax, q, n_sat, out, counts, piece_amax, q2))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert _same(got, want)
+    assert results[0][2] > 1 and results[0][4][0] > 0  # saturated values and FP8 maxima were counted
+
+
+def _rows_table(device: str):
+    # Pieces of a 256-column chunk: aligned bodies of several tiles and ragged edges; out = piece index.
+    return block_table([0, 20, 150], [0, 20, 150], [20, 130, 106], [2, 0, 3], [0, 1, 2], device=device, block=64)
