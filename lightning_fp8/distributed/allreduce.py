@@ -53,11 +53,21 @@ def _check(x: torch.Tensor, layout: SegmentLayout, out: torch.Tensor | None) -> 
     return x.reshape(-1)
 
 
+def _amax_group(group: dist.ProcessGroup | None, amax_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if amax_group is None:
+        return group
+    ranks, want = dist.get_process_group_ranks(amax_group), dist.get_process_group_ranks(group or dist.group.WORLD)
+    if ranks != want:
+        raise ValueError(f"FP8 all-reduce: amax_group has ranks {ranks}, the group {want}; pass a group of the same "
+                         "ranks in the same order")  # fmt: skip
+    return amax_group
+
+
 class _SharedAmax:
     """The group amaxes of a pipelined all-reduce, computed and all-reduced stage by stage (``SlicePlan.groups``)."""
 
     def __init__(self, flat: torch.Tensor, plans: tuple[SlicePlan, ...], num_groups: int, group, kernels) -> None:
-        self.flat, self.plans, self.group, self.kernels = flat, plans, group, kernels
+        self.flat, self.plans, self.group, self.kernels = flat, plans, group, kernels  # group: the amaxes' group
         self.amax = torch.zeros(num_groups, dtype=torch.float32, device=flat.device)
         self.works: list = [None] * len(plans)
         self.done = 0  # slices whose amax has been computed
@@ -108,6 +118,7 @@ def all_reduce_fp8(
     fused: bool = False,
     slices: int = 1,
     out: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, CastStats]:
     """Mean over ranks of flat ``x`` through FP8 bytes (portable: FP8 all-to-all, fp32 sum, FP8 all-gather).
 
@@ -120,6 +131,9 @@ def all_reduce_fp8(
         fused: run the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``) instead of the references.
         slices: pipeline the buffer in this many slices.
         out: write the mean here (may be ``x`` itself) instead of a new tensor.
+        amax_group: run the amaxes' MAX all-reduces on this group (the same ranks as ``group``: a second NCCL
+            communicator, whose stream runs them beside the data collectives of earlier slices instead of queued
+            between them); default ``group``.
 
     Returns:
         ``(mean, stats)``; every rank gets the same bytes.
@@ -128,7 +142,7 @@ def all_reduce_fp8(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     kernels = segment_kernels(fused)
     plans = all_reduce_plan(layout, world, rank, slices, False, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, group, kernels)
+    shared = _SharedAmax(flat, plans, layout.num_groups, _amax_group(group, amax_group), kernels)
     out = torch.empty_like(flat) if out is None else out.view(-1)
     n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
     common = {"margin": margin}
@@ -177,6 +191,7 @@ def all_reduce_fp8_native(
     fused: bool = False,
     slices: int = 1,
     out: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, CastStats]:
     """Mean over ranks of flat ``x`` with the sum in FP8 (NCCL's float8 all-reduce); returns ``x.dtype``.
 
@@ -189,7 +204,7 @@ def all_reduce_fp8_native(
     world = dist.get_world_size(group)
     kernels = segment_kernels(fused)
     plans = all_reduce_plan(layout, world, dist.get_rank(group), slices, True, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, group, kernels)
+    shared = _SharedAmax(flat, plans, layout.num_groups, _amax_group(group, amax_group), kernels)
     out = torch.empty_like(flat) if out is None else out.view(-1)
     n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
     counts = torch.zeros(2, dtype=torch.int64, device=flat.device)  # sums at/over the maximum, non-finite sums

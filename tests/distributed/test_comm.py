@@ -131,6 +131,15 @@ def _worker(rank: int, world: int) -> dict:
     out, _ = all_reduce_fp8(inplace, layout, None, E5M2, slices=3, out=inplace)
     res["sliced_sqnr"] = _per_tensor_sqnr(out, ref)
     res["sliced_identical"] = _same_everywhere(out) and out.data_ptr() == inplace.data_ptr()
+    amax_group = dist.new_group(list(range(world)))  # the amaxes' all-reduces on a second communicator
+    got, _ = all_reduce_fp8(x, layout, None, E5M2, slices=3, amax_group=amax_group)
+    res["amax_group_equal"] = torch.equal(got, out)
+    other = dist.new_group([0])  # not the group's ranks: refused before anything is sent
+    if rank == 0:
+        try:
+            all_reduce_fp8(x, layout, None, E5M2, amax_group=other)
+        except ValueError as e:
+            res["amax_group_refused"] = "same ranks" in str(e)
     out, _ = all_reduce_fp8(x.bfloat16(), layout, None, E5M2)
     res["allreduce_bf16_dtype"] = str(out.dtype)
     res["allreduce_bf16_sqnr"] = min(_per_tensor_sqnr(out.float(), ref))
@@ -174,6 +183,8 @@ def _worker(rank: int, world: int) -> dict:
         res["native_sqnr"] = _per_tensor_sqnr(out, ref)
         res["native_found"] = bool(stats.found_nonfinite)
         res["native_sliced_equal"] = torch.equal(all_reduce_fp8_native(x, layout, None, E5M2, slices=4)[0], out)
+        got, _ = all_reduce_fp8_native(x, layout, None, E5M2, slices=4, amax_group=amax_group)
+        res["native_sliced_equal"] &= torch.equal(got, out)
         if world == 2:
             fused, fused_stats = all_reduce_fp8_native(x, layout, None, E5M2, slices=2, fused=True)
             same_sat = int(fused_stats.n_saturated) == int(stats.n_saturated)
@@ -325,7 +336,9 @@ def test_pipelined_in_place_all_reduce(results):
     _, per_rank = results
     for r in per_rank:
         assert min(r["sliced_sqnr"]) >= tol.ALLREDUCE_E5M2_SQNR_DB and r["sliced_identical"]
-        assert r["native_sliced_equal"]  # the native path's values do not depend on the slicing
+        assert r["native_sliced_equal"]  # the native path's values do not depend on the slicing (nor amax_group)
+        assert r["amax_group_equal"]  # nor where the amaxes are all-reduced
+    assert per_rank[0]["amax_group_refused"]
 
 
 def test_reduce_scatter_uneven_rows_matches_fp32_sum(results):
