@@ -5,6 +5,7 @@ unless they are set already)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_comm.py              # 1B elements, plus ~1B GPT training steps
     torchrun --nproc-per-node 4 benchmarks/bench_comm.py --no-gpt
+    torchrun --nproc-per-node 2 benchmarks/bench_comm.py --no-gpt --sweep   # + grids, slices, NCCL settings
     torchrun --nproc-per-node 2 benchmarks/bench_comm.py --toy        # CPU, gloo, small sizes (a smoke test)
 
 What it measures, in one run:
@@ -17,16 +18,19 @@ What it measures, in one run:
   ``--slices``; the native FP8 path (NCCL's float8 all-reduce); the raw FP8 collectives alone (their lower bound);
   reduce-scatter bf16 against the FP8 reduce-scatter (FSDP's collective); each elementwise pass alone (amax,
   cast, decode) against a device copy, as HBM bandwidth;
-- with ``--gpt`` (default on GPU): a training step (forward, backward, AdamW) of a ~1B-parameter GPT under DDP
-  (fp32 all-reduce, bf16 compression hook, FP8 hook portable and native; for each ``--bucket-mb``) and FSDP2 (bf16
-  reduce-scatter, FP8 reduce-scatter [+ FP8 weight all-gather with ``--fp8-linear``]).
+- with ``--sweep`` (NCCL): the native FP8 all-reduce over the comm kernels' persistent grids, slice counts and
+  NCCL settings (the amax all-reduces on a second communicator, high-priority NCCL streams, NCCL's CTAs capped),
+  and the portable one over grids: how the kernels and NCCL share the GPU;
+- with ``--gpt`` (default on GPU; benchmarks/bench_comm_gpt.py): a training step (forward, backward, AdamW) of a
+  ~1B-parameter GPT under DDP (fp32 all-reduce, bf16 compression hook, FP8 hook portable and native; for each
+  ``--bucket-mb``) and FSDP2 (bf16 reduce-scatter, FP8 reduce-scatter [+ FP8 weight all-gather with
+  ``--fp8-linear``]).
 
 Times are medians of CUDA-event timings after warm-up, the slowest rank's. Bus bandwidth follows nccl-tests: an
 all-reduce moves ``2 (N-1)/N`` of its bytes per rank, a reduce-scatter ``(N-1)/N``; FP8 variants count 1 byte per
 element. The table comes last; the full log goes to ``--log-file``.
 """
 
-# No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
 import argparse
 import os
 import statistics
@@ -35,7 +39,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_fp8.distributed import (
     SegmentLayout,
@@ -145,18 +148,79 @@ def bench_passes(grads: torch.Tensor, layout: SegmentLayout, args, device, rows:
     kernels.segment_amax(grads, plan.cast, amax)
     q = torch.empty(grads.numel(), dtype=torch.uint8, device=device)
     out = torch.empty_like(grads)
-    n = torch.zeros((), dtype=torch.int64, device=device)
+    n, counts = torch.zeros((), dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
     size = grads.element_size()
     for name, fn, nbytes in (
         ("pass: segment amax (read bf16)", lambda: kernels.segment_amax(grads, plan.cast, amax), size),
         ("pass: quantize (bf16 -> fp8)", lambda: kernels.quantize(grads, plan.cast, amax, E5M2, q, n), size + 1),
         ("pass: dequantize (fp8 -> bf16)", lambda: kernels.dequantize(q, plan.decode, amax, E5M2, out), size + 1),
+        ("pass: dequantize, checked (native)", lambda: kernels.dequantize(q, plan.decode, amax, E5M2, out,
+                                                                          counts=counts), size + 1),  # fmt: skip
         ("pass: device copy (bf16)", lambda: out.copy_(grads), 2 * size),
     ):
         ms = timed(fn, args.iters, args.warmup, device)
         gbps = grads.numel() * nbytes / (ms * 1e-3) / 1e9
         rows.append(("memory pass", name, ms, gbps, "GB/s of HBM traffic"))
         log(f"  {name:<42} {ms:9.3f} ms  {gbps:8.1f} GB/s HBM")
+
+
+def _with_grid(programs_per_sm: int, fn):
+    """``fn`` run with every comm kernel's persistent grid at ``programs_per_sm`` (0: one program per tile)."""
+    from lightning_fp8.kernels import comm
+
+    def run():
+        saved = {k: dict(v) for k, v in comm.CONFIGS.items()}
+        for cfg in comm.CONFIGS.values():
+            cfg["PROGRAMS_PER_SM"] = programs_per_sm
+        try:
+            return fn()
+        finally:
+            comm.CONFIGS.update(saved)
+
+    return run
+
+
+def _nccl_group(high_priority: bool = False, max_ctas: int | None = None):
+    """A second NCCL communicator over all ranks, its stream of high priority or its CTAs capped."""
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas:
+        opts.config.max_ctas = max_ctas
+    return dist.new_group(backend="nccl", pg_options=opts)
+
+
+def sweep_variants(grads: torch.Tensor, layout: SegmentLayout, args) -> list[tuple]:
+    """The FP8 all-reduces over kernel grids (--sweep-programs), slices (--sweep-slices) and NCCL settings: the amax
+    all-reduces on their own communicator ("amax comm"), both communicators' streams of high priority ("hp"), NCCL's
+    CTAs capped ("ctas N"). How the kernels and NCCL share the GPU decides how much of the passes the pipeline hides.
+    """
+    amax_comm, hp, hp_amax = _nccl_group(), _nccl_group(True), _nccl_group(True)
+    settings = [("", None, None), ("amax comm", None, amax_comm), ("hp amax comm", hp, hp_amax)]
+    out = []
+    for label, group, amax_group in settings:
+        for ppsm in args.sweep_programs:
+            for slices in args.sweep_slices:
+                fn = _with_grid(ppsm, lambda g=group, a=amax_group, s=slices: all_reduce_fp8_native(
+                    grads, layout, g, E5M2, slices=s, fused=True, amax_group=a)[0])  # fmt: skip
+                name = f"FP8 native {slices} sl, grid {ppsm or 'tiles'}/SM {label}".rstrip()
+                out.append(("all_reduce", name, fn, 1, fn))
+    for ppsm in args.sweep_programs[1:]:  # the portable path (FP8CommState's choice on more than 2 ranks)
+        fn = _with_grid(ppsm, lambda: all_reduce_fp8(grads, layout, None, E5M2, slices=8, fused=True,
+                                                     amax_group=amax_comm)[0])  # fmt: skip
+        out.append(("all_reduce", f"FP8 portable 8 sl, grid {ppsm}/SM amax comm", fn, 1, fn))
+    for ctas in (8, 16):
+        try:
+            capped = _nccl_group(True, ctas)
+        except Exception as e:  # an older torch without the option: report and go on
+            log(f"  NCCL max_ctas={ctas}: not available ({type(e).__name__}: {e})")
+            continue
+        q8 = grads.to(E5M2)
+        out.append(("all_reduce", f"comm only: all_reduce float8, ctas {ctas}", lambda c=capped, q=q8: dist.all_reduce(
+            q, group=c), 1, None))  # fmt: skip
+        for ppsm in args.sweep_programs[1:]:
+            fn = _with_grid(ppsm, lambda c=capped: all_reduce_fp8_native(grads, layout, c, E5M2, slices=8, fused=True,
+                                                                         amax_group=hp_amax)[0])  # fmt: skip
+            out.append(("all_reduce", f"FP8 native 8 sl, grid {ppsm}/SM hp amax comm ctas {ctas}", fn, 1, fn))
+    return out
 
 
 def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
@@ -216,11 +280,14 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
         fn = lambda slices=slices: reduce_scatter_fp8(rs_in, rs_layout, None, E5M2, slices=slices, out=rs_out, **kw)  # noqa: E731
         variants.append(("reduce_scatter", f"FP8 reduce_scatter e5m2, {slices} slice(s)", fn, 1, None))
 
+    if nccl and args.sweep:
+        variants += sweep_variants(grads, layout, args)
     for kind, name, fn, wire_bytes, check in variants:
         quality = ""
         if check is not None:  # accuracy (and agreement between ranks) on the same data before timing
             out = check()
-            quality = f"{sqnr_db(out, ref):.1f} dB vs fp32 mean, same on all ranks: {same_on_every_rank(out)}"
+            agree = "ranks agree" if same_on_every_rank(out) else "RANKS DIFFER"
+            quality = f"{sqnr_db(out, ref):.1f} dB vs fp32 mean, {agree}"
             del out
         ms = timed(fn, args.iters, args.warmup, device)
         factor = (2 if kind == "all_reduce" else 1) * (world - 1) / world
@@ -229,145 +296,6 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
         log(f"  {name:<48} {ms:9.3f} ms  busbw {busbw:8.1f} GB/s  {quality}")
     if fused:
         bench_passes(grads, layout, args, device, rows)
-
-
-# ----------------------------------------------------------------------------------------------------------- GPT step
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def gpt_step_fn(model: nn.Module, args, device: torch.device):
-    """One training step: forward, backward (where the gradient communication runs), AdamW step."""
-    g = torch.Generator(device=device).manual_seed(dist.get_rank())
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(idx)
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def new_gpt(args, device: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.device(device):  # initialized on the GPU: a 1B-parameter init on the CPU takes many seconds
-        model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq)
-    if args.fp8_linear:
-        from lightning_fp8 import convert_to_fp8
-
-        convert_to_fp8(model)
-    return model
-
-
-def _bf16_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    buffer = bucket.buffer()
-    half = buffer.bfloat16()
-    dist.all_reduce(half, group=group)
-    buffer.copy_(half.float() / dist.get_world_size(group))
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
-def _gpt_variant(kind: str, name: str, build, args, device, rows: list[tuple]) -> None:
-    try:
-        model = build()
-        ms = timed(gpt_step_fn(model, args, device), args.gpt_iters, args.warmup, device)
-        rows.append((kind, name, ms, float("nan"), ""))
-        log(f"  {kind} {name:<44} {ms:9.1f} ms")
-        del model
-    except Exception as e:  # report and go on: the other variants still run
-        log(f"  {kind} {name}: FAILED {type(e).__name__}: {e}")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def bench_gpt(args, device: torch.device, rows: list[tuple]) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp2, fp8_allreduce_hook
-
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in GPT(args.vocab, args.d, args.layers, args.heads, args.seq).parameters())
-    log(
-        f"GPT training step (forward, backward, AdamW): d={args.d} layers={args.layers} vocab={args.vocab} "
-        f"seq={args.seq} batch={args.batch} per rank ({n_params / 1e9:.2f}B parameters, fp8_linear={args.fp8_linear})"
-    )
-    bf16_hook = bf16_compress_hook if dist.get_backend() == "nccl" else _bf16_hook  # torch's hook is NCCL-only
-
-    def ddp(hook, state, bucket_mb):
-        def build():
-            model = DDP(new_gpt(args, device), device_ids=[device.index] if device.type == "cuda" else None,
-                        bucket_cap_mb=bucket_mb)  # fmt: skip
-            if hook is not None:
-                model.register_comm_hook(state, hook)
-            return model
-
-        return build
-
-    for bucket_mb in args.bucket_mb:
-        for name, hook, state in (
-            ("fp32 all_reduce", None, None),
-            ("bf16 compress hook", bf16_hook, dist.group.WORLD),
-            ("FP8 hook (portable)", fp8_allreduce_hook, FP8CommState()),
-            ("FP8 hook (native)", fp8_allreduce_hook, FP8CommState(algorithm="native")),
-        ):
-            if "native" in name and dist.get_backend() != "nccl":
-                continue
-            label = f"{name}, buckets {bucket_mb} MB"
-            _gpt_variant("DDP step", label, ddp(hook, state, bucket_mb), args, device, rows)
-
-    def fsdp(fp8: bool):
-        def build():
-            model = new_gpt(args, device)
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-            for block in model.blocks:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-            if fp8:
-                enable_fp8_fsdp2(model, weight_all_gather=args.fp8_linear)
-            return model
-
-        return build
-
-    _gpt_variant("FSDP2 step", "bf16 reduce_scatter", fsdp(False), args, device, rows)
-    label = "FP8 reduce_scatter" + (" + FP8 weight all_gather" if args.fp8_linear else "")
-    _gpt_variant("FSDP2 step", label, fsdp(True), args, device, rows)
 
 
 BASELINES = ("all_reduce bf16", "reduce_scatter bf16", "bf16 reduce_scatter", "bf16 compress hook")
@@ -396,6 +324,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--slices", type=int, nargs="+", default=[4, 8, 16], help="slices of the pipelined FP8 variants")
+    p.add_argument("--sweep", action="store_true", help="NCCL: FP8 native/portable over grids, slices, NCCL settings")
+    p.add_argument("--sweep-programs", type=int, nargs="+", default=[0, 2, 4, 8], help="programs per SM (0: per tile)")
+    p.add_argument("--sweep-slices", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--eager", action="store_true", help="the PyTorch reference kernels instead of Triton")
     p.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=None, help="GPT steps (default: on GPU)")
     p.add_argument("--fp8-linear", action="store_true", help="GPT with FP8Linear layers (FP8 weight all-gather)")
@@ -439,7 +370,9 @@ def main(argv=None) -> None:
     rows: list[tuple] = []
     bench_reduction(args, device, rows)
     if args.gpt:
-        bench_gpt(args, device, rows)
+        from bench_comm_gpt import bench_gpt  # (benchmarks/ is on the path: scripts run from there)
+
+        bench_gpt(args, device, rows, log, timed)
     print_table(rows)
     if dist.get_rank() == 0:
         path = args.log_file or f"bench_comm_{dist.get_backend()}_{dist.get_world_size()}.log"
