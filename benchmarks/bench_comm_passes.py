@@ -27,11 +27,12 @@ from lightning_fp8.distributed.quantize import segment_kernels
 E5M2 = torch.float8_e5m2
 REF, TRITON = segment_kernels(False), segment_kernels(True)
 # The kernels before persistent programs: one program per 8192-element tile, counters folded after every tile.
-BEFORE = {"SUB": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 0, "STATS": "tile", "HINT": 16}
+BEFORE = {"SUB": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 0, "STATS": "tile", "HINT": 16, "POLICY": ""}
 
 
-def _cfg(sub: int, warps: int, per_sm: int, stats: str = "program", hint: int = 8, block: int = 8192) -> dict:
-    return {"SUB": sub, "num_warps": warps, "PROGRAMS_PER_SM": per_sm, "STATS": stats, "HINT": hint, "BLOCK": block}
+def _cfg(sub: int, warps: int, per_sm: int, stats="program", hint=8, block=8192, policy="") -> dict:
+    return {"SUB": sub, "num_warps": warps, "PROGRAMS_PER_SM": per_sm, "STATS": stats, "HINT": hint, "BLOCK": block,
+            "POLICY": policy}  # fmt: skip
 
 
 def sweep(name: str) -> list[dict]:
@@ -40,14 +41,20 @@ def sweep(name: str) -> list[dict]:
     if name == "quantize":
         extra = [(1024, 4, 8), (1024, 4, 16), (2048, 8, 0), (4096, 8, 0)]
         return [_cfg(*g) for g in grids + extra] + [
-            _cfg(2048, 8, 8, stats="tile"), _cfg(4096, 8, 8, hint=16), _cfg(2048, 8, 8, block=32768)]
+            _cfg(2048, 8, 8, stats="tile"), _cfg(4096, 8, 8, hint=16), _cfg(2048, 8, 8, block=32768),
+            _cfg(2048, 8, 8, policy="evict_first"), _cfg(4096, 8, 8, policy="evict_first"),
+        ]  # fmt: skip
     if name == "dequantize":
         return [_cfg(*g) for g in grids + [(2048, 8, 0)]] + [
-            _cfg(2048, 8, 8, stats="tile"), _cfg(4096, 8, 8, hint=16), _cfg(2048, 8, 8, block=32768)]
+            _cfg(2048, 8, 8, stats="tile"), _cfg(4096, 8, 8, hint=16), _cfg(2048, 8, 8, block=32768),
+            _cfg(2048, 8, 8, policy="evict_first"),
+        ]  # fmt: skip
     if name == "amax":
         return [_cfg(s, 8, p, hint=16) for s in (2048, 4096, 8192) for p in (4, 8, 16)] + [
-            _cfg(4096, 8, 0, hint=16), _cfg(4096, 8, 8, stats="tile", hint=16)]
-    return [_cfg(2048, 8, 8), _cfg(4096, 8, 8), _cfg(2048, 8, 16)]
+            _cfg(4096, 8, 0, hint=16), _cfg(4096, 8, 8, stats="tile", hint=16),
+            _cfg(4096, 8, 8, hint=16, policy="evict_first"),
+        ]  # fmt: skip
+    return [_cfg(2048, 8, 8), _cfg(4096, 8, 8), _cfg(2048, 8, 16), _cfg(2048, 8, 8, policy="evict_first")]
 
 
 def tensor_sizes(numel: int, count: int) -> list[int]:

@@ -61,12 +61,13 @@ def _rounding(fp8_dtype: torch.dtype) -> dict:
 
 # Launch configs per pass (see kernels/comm_kernels.py): SUB elements per block of a row, warps, the persistent grid
 # (PROGRAMS_PER_SM programs per multiprocessor, at most one per row; 0: one program per row), STATS (counters and
-# amaxes folded once per program, or after every row) and HINT (the alignment the aligned rows are declared with).
+# amaxes folded once per program, or after every row), HINT (the alignment the aligned rows are declared with) and
+# POLICY (the eviction policy of the streamed loads).
 CONFIGS = {
-    "amax": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 16},
-    "quantize": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8},
-    "dequantize": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8},
-    "rows": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8},
+    "amax": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 16, "POLICY": ""},
+    "quantize": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8, "POLICY": ""},
+    "dequantize": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8, "POLICY": ""},
+    "rows": {"SUB": 2048, "num_warps": 8, "PROGRAMS_PER_SM": 8, "STATS": "program", "HINT": 8, "POLICY": ""},
 }  # fmt: skip
 # Under the interpreter programs run one after another: a small grid keeps tests fast and makes every program loop.
 _INTERPRETER_PROGRAMS = 3

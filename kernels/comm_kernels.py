@@ -118,7 +118,7 @@ def _abs_nan_inf(v):
 # --------------------------------------------------------------------------------------------------- one pass each
 @triton.jit
 def _amax_rows(x_ptr, table_ptr, amax_ptr, first, last, STATS: tl.constexpr, HINT: tl.constexpr,
-               SUB: tl.constexpr):  # fmt: skip
+               SUB: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
     # The rows [first, last) of this program: amax[value] = max(amax[value], max |x[tile]|).
     run = tl.zeros([SUB], dtype=tl.float32)
     cur = tl.full((), -1, tl.int64)  # the scale group `run` belongs to
@@ -131,8 +131,8 @@ def _amax_rows(x_ptr, table_ptr, amax_ptr, first, last, STATS: tl.constexpr, HIN
             cur = value
         for off in range(0, length, SUB):
             offs = off + tl.arange(0, SUB)
-            run = tl.maximum(run, _abs_nan_inf(tl.load(x_ptr + src + offs, mask=offs < length, other=0.0)
-                                               .to(tl.float32)))  # fmt: skip
+            x = tl.load(x_ptr + src + offs, mask=offs < length, other=0.0, eviction_policy=POLICY)
+            run = tl.maximum(run, _abs_nan_inf(x.to(tl.float32)))
         if STATS == "tile":
             _fold_max(amax_ptr + cur, run)
             run = tl.zeros([SUB], dtype=tl.float32)
@@ -151,9 +151,10 @@ def _segment_amax_kernel(
     HINT: tl.constexpr,  # alignment (elements) the aligned rows are declared with
     SUB: tl.constexpr,  # elements per block of an aligned row
     EDGE_SUB: tl.constexpr,  # elements per block of an edge row
+    POLICY: tl.constexpr,  # eviction policy of the streamed loads ("" or "evict_first")
 ):
-    _amax_rows(x_ptr, table_ptr, amax_ptr, 0, n_aligned, STATS, HINT, SUB)
-    _amax_rows(x_ptr, table_ptr, amax_ptr, n_aligned, n_rows, STATS, 1, EDGE_SUB)
+    _amax_rows(x_ptr, table_ptr, amax_ptr, 0, n_aligned, STATS, HINT, SUB, POLICY)
+    _amax_rows(x_ptr, table_ptr, amax_ptr, n_aligned, n_rows, STATS, 1, EDGE_SUB, POLICY)
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def _quantize_rows(
     x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, first, last, HAS_HEADROOM: tl.constexpr,
     MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
-    EXACT: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
+    EXACT: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
     sat = tl.zeros([SUB], dtype=tl.int32)  # saturated elements, per element of a block
     for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
@@ -170,7 +171,7 @@ def _quantize_rows(
         for off in range(0, length, SUB):
             offs = off + tl.arange(0, SUB)
             mask = offs < length
-            x = tl.load(x_ptr + src + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + src + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
             finite = tl.abs(x) < float("inf")
             y = x * scale
             sat += ((tl.abs(y) > FP8_MAX) & finite).to(tl.int32)  # masked lanes are 0: never saturated
@@ -206,13 +207,14 @@ def _quantize_kernel(
     HINT: tl.constexpr,
     SUB: tl.constexpr,
     EDGE_SUB: tl.constexpr,
+    POLICY: tl.constexpr,
 ):
     _quantize_rows(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, 0, n_aligned, HAS_HEADROOM, MAX_EXP,
                    MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, STATS, HINT,
-                   SUB)  # fmt: skip
+                   SUB, POLICY)  # fmt: skip
     _quantize_rows(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, n_aligned, n_rows, HAS_HEADROOM,
                    MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, STATS,
-                   1, EDGE_SUB)  # fmt: skip
+                   1, EDGE_SUB, POLICY)  # fmt: skip
 
 
 @triton.jit
@@ -220,7 +222,7 @@ def _dequantize_rows(
     q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, first, last,
     HAS_HEADROOM: tl.constexpr, CHECK: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
     MARGIN: tl.constexpr, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EXACT: tl.constexpr,
-    EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
+    EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
     big = tl.zeros([SUB], dtype=tl.int32)  # CHECK: values non-finite or at the FP8 maximum (an FP8 sum's overflow)
     bad = tl.zeros([SUB], dtype=tl.int32)  # CHECK: non-finite values
@@ -231,7 +233,7 @@ def _dequantize_rows(
         for off in range(0, length, SUB):
             offs = off + tl.arange(0, SUB)
             mask = offs < length
-            q = _decode_fp8(tl.load(q_ptr + src + offs, mask=mask, other=0), IS_E4M3, EXACT)
+            q = _decode_fp8(tl.load(q_ptr + src + offs, mask=mask, other=0, eviction_policy=POLICY), IS_E4M3, EXACT)
             if CHECK:  # masked lanes decode 0: counted nowhere
                 nonfinite = ~(tl.abs(q) < float("inf"))
                 big += (nonfinite | (tl.abs(q) >= FP8_MAX)).to(tl.int32)
@@ -271,13 +273,14 @@ def _dequantize_kernel(
     HINT: tl.constexpr,
     SUB: tl.constexpr,
     EDGE_SUB: tl.constexpr,
+    POLICY: tl.constexpr,
 ):
     _dequantize_rows(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, 0, n_aligned,
                      HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, STATS, HINT,
-                     SUB)  # fmt: skip
+                     SUB, POLICY)  # fmt: skip
     _dequantize_rows(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, n_aligned, n_rows,
                      HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, STATS, 1,
-                     EDGE_SUB)  # fmt: skip
+                     EDGE_SUB, POLICY)  # fmt: skip
 
 
 @triton.jit
@@ -286,6 +289,7 @@ def _rows_rows(
     MODE: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
     EXACT: tl.constexpr, EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
+    POLICY: tl.constexpr,
 ):  # fmt: skip
     run = tl.zeros([SUB], dtype=tl.float32)  # MODE 0: running |mean| of piece `cur`
     sat = tl.zeros([SUB], dtype=tl.int32)  # MODE 1: saturated elements
@@ -307,10 +311,11 @@ def _rows_rows(
             offs = off + tl.arange(0, SUB)
             mask = offs < length
             row = rows_ptr + src
-            acc = _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
+            acc = _decode_fp8(tl.load(row + offs, mask=mask, other=0, eviction_policy=POLICY), IS_E4M3, EXACT)
             for _ in range(1, W):
                 row += row_stride  # a 64-bit pointer step: no int32 product to overflow
-                acc = acc + _decode_fp8(tl.load(row + offs, mask=mask, other=0), IS_E4M3, EXACT)
+                acc = acc + _decode_fp8(tl.load(row + offs, mask=mask, other=0, eviction_policy=POLICY), IS_E4M3,
+                                        EXACT)  # fmt: skip
             mean = acc * scale_inv
             if MODE == 0:
                 run = tl.maximum(run, tl.where(mask, _abs_nan_inf(mean), 0.0))
@@ -364,10 +369,11 @@ def _rows_kernel(
     HINT: tl.constexpr,  # 1 where row_stride is not a multiple of ALIGN (rows after the first start misaligned)
     SUB: tl.constexpr,
     EDGE_SUB: tl.constexpr,
+    POLICY: tl.constexpr,
 ):
     _rows_rows(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, 0,
                n_aligned, MODE, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC,
-               EXACT, EXACT_BF16, STATS, HINT, SUB)  # fmt: skip
+               EXACT, EXACT_BF16, STATS, HINT, SUB, POLICY)  # fmt: skip
     _rows_rows(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor,
                n_aligned, n_rows, MODE, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP,
-               SUBNORMAL_MAGIC, EXACT, EXACT_BF16, STATS, 1, EDGE_SUB)  # fmt: skip
+               SUBNORMAL_MAGIC, EXACT, EXACT_BF16, STATS, 1, EDGE_SUB, POLICY)  # fmt: skip
