@@ -112,10 +112,41 @@ def bench_shape(tokens, k, n, args, device):
             fp8_linear.SAVE_WEIGHT_TRANSPOSE = default
             label = "eager, " + ("weight recast" if default else "weight T saved")
             row[label] = (t_bf16, t_alt, flops / t_bf16 / 1e9, flops / t_alt / 1e9)
+            if device.type == "cuda":  # the weight's current scaling in one pass over it (kernels/quantize.py)
+                from lightning_fp8.kernels import quantize
+
+                default = quantize.SPECULATIVE_CURRENT_SCALING
+                quantize.SPECULATIVE_CURRENT_SCALING = not default
+                t_alt = median_ms(make_step(fp8, x, dy, device), device, grads)
+                quantize.SPECULATIVE_CURRENT_SCALING = default
+                label = "eager, " + ("not speculative" if default else "speculative")
+                row[label] = (t_bf16, t_alt, flops / t_bf16 / 1e9, flops / t_alt / 1e9)
+    if args.graphs and device.type == "cuda":  # the GPU time alone: both steps replayed as CUDA graphs
+        t_bf16, t_fp8 = (median_ms(graphed_step(layer, x, dy, grads), device) for layer in (linear, fp8))
+        row["graph (GPU only)"] = (t_bf16, t_fp8, flops / t_bf16 / 1e9, flops / t_fp8 / 1e9)
     if args.breakdown and device.type == "cuda" and not args.breakdown_done:
         args.breakdown_done = True  # the first shape only: the pieces scale as their sizes do
         breakdown(fp8, x, dy, device)
     return row
+
+
+def graphed_step(layer, x, dy, grads):
+    """The layer's forward + backward captured as a CUDA graph (diagnostic: the step's GPU time without the host's
+    launches; the gradients land in the graph's own buffers)."""
+    step, stream = make_step(layer, x, dy, x.device), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on the capture stream (its cast workspace exists before the capture)
+        for _ in range(3):
+            for t in grads:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for t in grads:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    return graph.replay
 
 
 def breakdown(fp8, x, dy, device):
@@ -168,6 +199,7 @@ def main():
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--compile", action="store_true", help="also time both layers under torch.compile")
     p.add_argument("--breakdown", action="store_true", help="time each cast and GEMM of FP8Linear (GPU)")
+    p.add_argument("--graphs", action="store_true", help="also time both steps replayed as CUDA graphs (GPU time)")
     p.add_argument("--configs", help="launch configs for kernels/cast.py (JSON from bench_cast.py --save-configs)")
     p.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES to run (default: all)")
     p.add_argument("--toy", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -201,7 +233,7 @@ def print_table(rows, partial=False):
         print(f"\n{'shape':18s} {'mode':21s} {'nn.Linear ms':>12s} {'FP8Linear ms':>12s} {'speed-up':>8s} "
               f"{'bf16 TFLOP/s':>12s} {'fp8 TFLOP/s':>11s} {'SQNR dB':>8s}")  # fmt: skip
     for row in rows:
-        for mode in [k for k in row if k.startswith(("eager", "compile"))]:
+        for mode in [k for k in row if k.startswith(("eager", "compile", "graph"))]:
             t_bf16, t_fp8, f_bf16, f_fp8 = row[mode]
             print(f"{'  (so far) ' if partial else ''}{row['shape']:18s} {mode:21s} {t_bf16:12.3f} {t_fp8:12.3f} "
                   f"{t_bf16 / t_fp8:7.2f}x {f_bf16:12.0f} {f_fp8:11.0f} {row['sqnr']:8.1f}", flush=True)  # fmt: skip
