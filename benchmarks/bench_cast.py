@@ -138,6 +138,44 @@ def sweep(name, fn, nbytes, device, copy_gbs, check):
     print(f"  best {name}: {best[1]}")
 
 
+SMALL_SHAPES = [(1024, 1024), (1024, 4096), (4096, 4096), (16384, 4096), (8192, 8192)]
+
+
+def small_sweep(device, fp8_dtype):
+    """Current-scaled casts (a weight's, a gradient's) of several sizes against MIN_ITEMS, the least work items per
+    program of the amax and flat launches: on small tensors the programs' arrivals at the bookkeeping (one atomic
+    ticket each, serialized) can cost more than their work. Every variant is checked against the reference first."""
+    from lightning_fp8.kernels.reference import quantize_ref
+
+    f32, i64 = {"dtype": torch.float32, "device": device}, {"dtype": torch.int64, "device": device}
+    grid = [(a, f) for a in (1, 2, 4, 8, 16) for f in (1, 2, 4, 8)]
+    defaults = {name: dict(cast.CONFIGS[name]) for name in ("amax", "flat")}
+    speculate = fused.SPECULATIVE_CURRENT_SCALING
+    print("\ncurrent-scaled quantize_ (amax launch + flat cast, record), us; columns: MIN_ITEMS (amax, flat)")
+    print(f"{'shape':>12s} " + " ".join(f"{f'{a},{b}':>7s}" for a, b in grid) + f" {'spec':>7s}")
+    for shape in SMALL_SHAPES:
+        x = (torch.randn(shape, device=device) * 3).to(torch.bfloat16)
+        times = []
+        for a, f in grid + [(1, 1)]:
+            cast.CONFIGS["amax"] = {**defaults["amax"], "MIN_ITEMS": a}
+            cast.CONFIGS["flat"] = {**defaults["flat"], "MIN_ITEMS": f}
+            fused.SPECULATIVE_CURRENT_SCALING = len(times) == len(grid)  # the last column: speculative, MIN_ITEMS 1
+
+            def run(buffers, x=x):
+                return fused.quantize_(x, *buffers, fp8_dtype, 0, True, False, True, False, None)
+
+            state = [torch.zeros(1, **f32), torch.ones((), **f32), torch.zeros((), **f32), torch.zeros((), **f32),
+                     torch.zeros((), **i64), torch.zeros((), **i64)]  # fmt: skip
+            ref_state = [t.clone() for t in state]
+            got, ref = run(state), quantize_ref(x, *ref_state, fp8_dtype, 0, True, False, True, False, None)
+            if not (torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(got[2], ref[2])):
+                raise RuntimeError(f"quantize_ with MIN_ITEMS {a},{f} differs from the reference at {shape}")
+            times.append(median_ms(lambda state=state: run(state), device, rep=50) * 1e3)
+        print(f"{f'{shape[0]}x{shape[1]}':>12s} " + " ".join(f"{t:7.1f}" for t in times))
+    cast.CONFIGS.update(defaults)
+    fused.SPECULATIVE_CURRENT_SCALING = speculate
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, nargs=2, default=(8192, 8192))
@@ -145,6 +183,7 @@ def main():
     p.add_argument("--fp8", choices=FP8, default="e4m3")
     p.add_argument("--sweep", action="store_true", help="sweep launch configs, then time the best")
     p.add_argument("--save-configs", help="with --sweep: write the best launch configs to this JSON file")
+    p.add_argument("--small", action="store_true", help="sweep MIN_ITEMS on current-scaled casts of small tensors")
     p.add_argument("--toy", action="store_true", help="tiny shape (CPU smoke test)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,6 +253,8 @@ def main():
         if args.save_configs:
             with open(args.save_configs, "w") as f:
                 json.dump(cast.CONFIGS, f, indent=1)
+    if args.small and device.type == "cuda":
+        small_sweep(device, fp8_dtype)
     if device.type == "cuda":
         cast.EXACT_ROUND_ON_GPU = True  # what the interpreter's pre-rounding would cost on the GPU
         check_cast(x, scale, fp8_dtype, True)

@@ -119,7 +119,7 @@ def bench_shape(tokens, k, n, args, device):
                 quantize.SPECULATIVE_CURRENT_SCALING = not default
                 t_alt = median_ms(make_step(fp8, x, dy, device), device, grads)
                 quantize.SPECULATIVE_CURRENT_SCALING = default
-                label = "eager, " + ("not speculative" if default else "speculative")
+                label = "eager, " + ("speculative" if not default else "not speculative")
                 row[label] = (t_bf16, t_alt, flops / t_bf16 / 1e9, flops / t_alt / 1e9)
     if args.graphs and device.type == "cuda":  # the GPU time alone: both steps replayed as CUDA graphs
         t_bf16, t_fp8 = (median_ms(graphed_step(layer, x, dy, grads), device) for layer in (linear, fp8))

@@ -67,6 +67,10 @@ for what in "$@"; do
              timeout ${TP:-150} python3 benchmarks/profile_step.py --what gpt --compile --width 1024 --depth 12 --variants o2 --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
     s7c) for i in 1 2; do timeout 150 python3 benchmarks/bench_linear.py --graphs > "$OUT/linear_$i.log" 2>&1; tail -13 "$OUT/linear_$i.log"; done
          timeout 100 python3 benchmarks/profile_step.py --what linear,linear_bf16 --rows 30 > "$OUT/profile_linear.log" 2>&1; grep "===" "$OUT/profile_linear.log";;
+    s7d) timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_launch.py tests/kernels/test_cast.py tests/core/test_linear.py tests/core/test_optim.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+         timeout 100 python3 benchmarks/bench_cast.py --small > "$OUT/cast_small.log" 2>&1; grep -A8 "^current-scaled" "$OUT/cast_small.log"
+         timeout 130 python3 benchmarks/bench_linear.py > "$OUT/linear_1.log" 2>&1; tail -13 "$OUT/linear_1.log"
+         timeout 60 python3 benchmarks/bench_linear.py --shapes 0 > "$OUT/linear_2.log" 2>&1; tail -5 "$OUT/linear_2.log";;
     s6final) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_grad_cast.py tests/kernels/test_cast.py -k "grad_cast or speculative or (every_variant and fp32)" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
              timeout 330 python3 benchmarks/train_step.py --sizes 1024x12 --compile yes --variants bf16,o2 --steps 8 --warmup 3 --timeout 160 --json "$OUT/train_1024.json" > "$OUT/train_1024.log" 2>&1; tail -3 "$OUT/train_1024.log"
              timeout 130 python3 benchmarks/profile_step.py --what gpt --compile --width 1024 --depth 12 --variants o2 --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;

@@ -90,11 +90,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _grid_size(x: torch.Tensor, work_items: int, programs_per_sm: int) -> int:
+def _grid_size(x: torch.Tensor, work_items: int, programs_per_sm: int, min_items: int = 1) -> int:
+    # At most programs_per_sm per multiprocessor, and at least min_items work items per program where there are enough.
     if x.device.type != "cuda":
         return max(1, min(work_items, _INTERPRETER_PROGRAMS))
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return max(1, min(work_items, _sm_count(index) * programs_per_sm))
+    return max(1, min(work_items // min_items, _sm_count(index) * programs_per_sm))
 
 
 def _index_64(padded_numel: int) -> bool:
@@ -115,10 +116,14 @@ def _format_args(fp8_dtype: torch.dtype, exact_round: bool) -> dict:
     }
 
 
+# Config keys that are not launch metadata: they size the grid (TMA is decided per call).
+_GRID_KEYS = ("PROGRAMS_PER_SM", "MIN_ITEMS", "MAXNREG", "TMA")
+
+
 def _launch_meta(cfg: dict, eager: bool, interpreted: bool) -> dict:
     # The launch metadata of cfg (the rest of it sizes the grid). MAXNREG caps the registers per thread (occupancy);
     # eager launches only (the interpreter has no registers, and wrap_triton's tracing is left to the defaults).
-    meta = {k: v for k, v in cfg.items() if k not in ("PROGRAMS_PER_SM", "MAXNREG", "TMA")}  # TMA: decided per call
+    meta = {k: v for k, v in cfg.items() if k not in _GRID_KEYS}
     if cfg.get("MAXNREG") and eager and not interpreted:
         meta["maxnreg"] = cfg["MAXNREG"]
     return meta
@@ -128,7 +133,7 @@ def _launch(kernel, x: torch.Tensor, work_items: int, cfg: dict, *args, eager: b
     # A persistent grid of at most PROGRAMS_PER_SM programs per multiprocessor; the rest of cfg is launch metadata.
     # `eager`: launch the kernel as is, through kernels/launch.py's fast path (outside a triton_op, wrap_triton would
     # route it through a slower traced path).
-    grid = (_grid_size(x, work_items, cfg["PROGRAMS_PER_SM"]),)
+    grid = (_grid_size(x, work_items, cfg["PROGRAMS_PER_SM"], cfg.get("MIN_ITEMS", 1)),)
     interpreted = _interpreted(kernel)
     meta = _launch_meta(cfg, eager, interpreted)
     if eager and not interpreted:

@@ -26,10 +26,11 @@ def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
 # casts, and its last program checks the guess against the amax; a wrong guess raises a flag on which a second launch
 # casts again with the right scale. Bit for bit the two-launch cast's outputs and bookkeeping either way; one pass over
 # x instead of two when the guess holds, two and a write more when it does not (benchmarks/bench_cast.py times both:
-# 8192 x 8192 bf16, 186.5 -> 119.7 us on an H100). Off by default until a GPU run explains one observation: a compiled
-# O2 GPT step (benchmarks/train_step.py, d=1024) with it and FP8AdamW's batched gradient casts did not finish within
-# 110 s and 175 s in two runs, while the warm-up of the same step otherwise took 50-105 s (results/h100_s6.txt).
-SPECULATIVE_CURRENT_SCALING = False
+# 8192 x 8192 bf16, 186.5 -> 119.7 us on an H100). "eager" (the default): eager casts speculate, casts traced by
+# torch.compile (quantize_op) do not; True: both. Traced casts stay off until a GPU run explains one observation: a
+# compiled O2 GPT step (benchmarks/train_step.py, d=1024) with speculation and FP8AdamW's batched gradient casts did
+# not finish its warm-up within 110 s and 175 s in two runs, against 50-105 s otherwise (results/h100_s6.txt).
+SPECULATIVE_CURRENT_SCALING: bool | str = "eager"
 WORKSPACE = 4
 
 
@@ -188,7 +189,7 @@ def _quantize_impl(
     # arguments that these launches do not read: no state buffer is passed twice to a kernel that writes it.
     fields = _record_fields(fp8_dtype, margin)
     ws = _workspace(x.device) if eager else torch.zeros(WORKSPACE, dtype=torch.int64, device=x.device)
-    speculate = current and SPECULATIVE_CURRENT_SCALING
+    speculate = current and (SPECULATIVE_CURRENT_SCALING is True or (eager and SPECULATIVE_CURRENT_SCALING == "eager"))
     if current and not speculate:
         cfg = CONFIGS["amax"]
         blocks = _cdiv(x.numel(), cfg["BLOCK"])
