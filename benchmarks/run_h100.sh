@@ -64,7 +64,7 @@ for what in "$@"; do
          timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host.log" 2>&1; tail -4 "$OUT/host.log"
          for i in 1 2; do timeout 120 python3 benchmarks/bench_linear.py > "$OUT/linear_$i.log" 2>&1; tail -10 "$OUT/linear_$i.log"; done;;
     s7train) timeout ${T:-330} python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants ${VARIANTS:-bf16,o2} --steps 8 --warmup 3 --timeout ${TC:-160} --json "$OUT/train.json" > "$OUT/train.log" 2>&1; tail -4 "$OUT/train.log"
-             timeout ${TP:-150} python3 benchmarks/profile_step.py --what gpt --compile --width 1024 --depth 12 --variants o2 --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
+             timeout ${TP:-100} python3 benchmarks/profile_step.py --what linear,linear_bf16 --rows 30 > "$OUT/profile_linear.log" 2>&1; grep "===" "$OUT/profile_linear.log";;
     s7c) for i in 1 2; do timeout 150 python3 benchmarks/bench_linear.py --graphs > "$OUT/linear_$i.log" 2>&1; tail -13 "$OUT/linear_$i.log"; done
          timeout 100 python3 benchmarks/profile_step.py --what linear,linear_bf16 --rows 30 > "$OUT/profile_linear.log" 2>&1; grep "===" "$OUT/profile_linear.log";;
     s7d) timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_launch.py tests/kernels/test_cast.py tests/core/test_linear.py tests/core/test_optim.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"

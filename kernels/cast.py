@@ -47,6 +47,9 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # LOAD_POLICY: the loads' eviction policy; STORE_POLICY: the FP8 stores' cache modifier (.cs and .cg: no faster);
 # MAXNREG: registers per thread (None: the compiler's choice; 96 and 128 were slower); TMA: the transposed cast moves
 # its tiles through tensor descriptors (eager launches of 2-D x whose sides are multiples of 16; off: 73-77% of copy).
+# MIN_ITEMS: the least work items (blocks, tiles) per program where there are enough; current-scaled casts
+# (bench_cast.py --small, results/h100_s7.txt): 2 for the amax launch made 16384 x 4096 and 8192 x 8192 140 us instead
+# of 152 us and changed nothing measurable below; the casts' own launches gained nothing from it.
 # The transposed cast's BLOCK_M also fixes the summation order of its column sums (kernels/reference.py:
 # COLUMN_SUM_BLOCK_ROWS).
 CONFIGS = {
@@ -56,7 +59,7 @@ CONFIGS = {
     },
     "flat": {"BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "STATS": "element",
              "LOAD_POLICY": "evict_first"},
-    "amax": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1},
+    "amax": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1, "MIN_ITEMS": 2},
 }  # fmt: skip
 # Tensors whose (tile-padded) size reaches this use 64-bit offsets.
 INT32_INDEX_LIMIT = 2**31
