@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 
 import torch
@@ -141,8 +142,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
     ):
         COUNTS["normal"] += 1
-        if _recording is not None:
-            _recording.append(None)
+        recorded = _RECORDING.__dict__.get("launches")
+        if recorded is not None:
+            recorded.append(None)
         kernel[grid](*args, **kwargs)
         return
     device, stream = _current_device_stream()
@@ -156,14 +158,16 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and compiled is not None:
             _learn(kernel, key, compiled, device, args, kwargs)
-        if _recording is not None:  # replayable only once Triton's specialization of these arguments was checked
+        recorded = _RECORDING.__dict__.get("launches")
+        if recorded is not None:  # replayable only once Triton's specialization of these arguments was checked
             learned = None if key is None else _LEARNED.get(key)
-            _recording.append(None if learned is None else (kernel, learned[0], grid, args, kwargs, learned[1]))
+            recorded.append(None if learned is None else (kernel, learned[0], grid, args, kwargs, learned[1]))
         return
     compiled, tail = learned
     COUNTS["fast"] += 1
-    if _recording is not None:
-        _recording.append((kernel, compiled, grid, args, kwargs, tail))
+    recorded = _RECORDING.__dict__.get("launches")
+    if recorded is not None:
+        recorded.append((kernel, compiled, grid, args, kwargs, tail))
     _run(compiled, grid, stream, args + tail)
 
 
@@ -177,25 +181,25 @@ def _run(compiled, grid: tuple[int, ...], stream: int, full: tuple) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------- replays
-# While a list, each launch appends what replaying it takes, (kernel, compiled kernel, grid, positional arguments,
-# keywords, the arguments after the positional ones), or None when it cannot be replayed (a launch through Triton's
-# dispatcher whose specialization was not checked).
-_recording: list | None = None
+# While a thread's _RECORDING.launches is a list, each launch of that thread appends what replaying it takes, (kernel,
+# compiled kernel, grid, positional arguments, keywords, the arguments after the positional ones), or None when it
+# cannot be replayed (a launch through Triton's dispatcher whose specialization was not checked).
+_RECORDING = threading.local()  # .launches: this thread's list while it records (threads record apart)
 # Called by clear(): forget the launchers' cached replays.
 _ON_CLEAR: list = []
 
 
 @contextlib.contextmanager
 def recording():
-    """Record the launches made inside, for :meth:`Replay.build`; yields the list they go to."""
-    global _recording
-    outer, _recording = _recording, []
+    """Record the launches this thread makes inside, for :meth:`Replay.build`; yields the list they go to."""
+    outer = _RECORDING.__dict__.get("launches")
+    _RECORDING.launches = launches = []
     try:
-        yield _recording
+        yield launches
     finally:
         if outer is not None:
-            outer.extend(_recording)
-        _recording = outer
+            outer.extend(launches)
+        _RECORDING.launches = outer
 
 
 class Replay:
@@ -217,7 +221,10 @@ class Replay:
 
     @classmethod
     def build(cls, recorded: list, slots: tuple, constants: tuple = ()) -> Replay | None:
-        """A replay of ``recorded`` for calls with ``len(slots)`` tensors, or None if some launch cannot be replayed."""
+        """A replay of ``recorded`` for calls with ``len(slots)`` tensors, or None if some launch cannot be replayed
+        (or nothing was recorded)."""
+        if not recorded:
+            return None
         index = {}
         for i, t in enumerate(slots):
             if t is not None:

@@ -131,6 +131,31 @@ def test_replay_refuses_what_it_cannot_place(fake):
     fake.kernel.pre_run_hooks.clear()
 
 
+def test_recording_is_per_thread(fake):
+    """Launches go to the recording of the thread that makes them (a backward on the autograd engine's thread while
+    another thread records must not mix in), and nothing recorded gives no replay."""
+    import threading
+
+    x, out, n, scale, flag = _args()
+    launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)  # learned: later launches are fast
+    theirs = []
+
+    def worker():
+        launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)  # not recording
+        with launch.recording() as recorded:
+            launch.launch(fake.kernel, (5,), x, out, n, scale, flag, BLOCK=16)
+        theirs.append(recorded)
+
+    with launch.recording() as mine:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        launch.launch(fake.kernel, (6,), x, out, n, scale, flag, BLOCK=16)
+    assert len(mine) == 1 and mine[0][2] == (6,)
+    assert len(theirs[0]) == 1 and theirs[0][0][2] == (5,)
+    assert launch.Replay.build([], (x, out)) is None
+
+
 def test_replay_with_a_changed_global_launches_through_triton(fake, monkeypatch):
     x, out, n, scale, flag = _args()
     with launch.recording() as recorded:
