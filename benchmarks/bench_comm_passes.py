@@ -26,35 +26,24 @@ from lightning_fp8.distributed.quantize import segment_kernels
 
 E5M2 = torch.float8_e5m2
 REF, TRITON = segment_kernels(False), segment_kernels(True)
-# The kernels before persistent programs: one program per 8192-element tile, counters folded after every tile.
-BEFORE = {"SUB": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 0, "STATS": "tile", "HINT": 16, "POLICY": ""}
+# The kernels' configuration before (commit 924e108): one program per 8192-element tile, 32 or 16 elements per thread.
+BEFORE = {"SUB": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 0, "HINT": 16, "POLICY": ""}
 
 
-def _cfg(sub: int, warps: int, per_sm: int, stats="program", hint=8, block=8192, policy="") -> dict:
-    return {"SUB": sub, "num_warps": warps, "PROGRAMS_PER_SM": per_sm, "STATS": stats, "HINT": hint, "BLOCK": block,
-            "POLICY": policy}  # fmt: skip
+def _cfg(sub: int, warps: int, per_sm: int, hint=8, block=8192, policy="") -> dict:
+    return {"SUB": sub, "num_warps": warps, "PROGRAMS_PER_SM": per_sm, "HINT": hint, "BLOCK": block, "POLICY": policy}
 
 
 def sweep(name: str) -> list[dict]:
-    """Configs tried beside BEFORE and the defaults: tile shapes x persistent grids, and one change at a time."""
-    grids = [(s, w, p) for s, w in [(2048, 8), (4096, 8), (2048, 4)] for p in (4, 8, 16)]
-    if name == "quantize":
-        extra = [(1024, 4, 8), (1024, 4, 16), (2048, 8, 0), (4096, 8, 0)]
-        return [_cfg(*g) for g in grids + extra] + [
-            _cfg(2048, 8, 8, stats="tile"), _cfg(4096, 8, 8, hint=16), _cfg(2048, 8, 8, block=32768),
-            _cfg(2048, 8, 8, policy="evict_first"), _cfg(4096, 8, 8, policy="evict_first"),
-        ]  # fmt: skip
-    if name == "dequantize":
-        return [_cfg(*g) for g in grids + [(2048, 8, 0)]] + [
-            _cfg(2048, 8, 8, stats="tile"), _cfg(4096, 8, 8, hint=16), _cfg(2048, 8, 8, block=32768),
-            _cfg(2048, 8, 8, policy="evict_first"),
-        ]  # fmt: skip
+    """Configs tried beside BEFORE and the defaults (the survivors of the wider first sweep, run 1 in
+    benchmarks/results/comm_passes_h100.txt): block sizes, one program per row against persistent grids."""
     if name == "amax":
-        return [_cfg(s, 8, p, hint=16) for s in (2048, 4096, 8192) for p in (4, 8, 16)] + [
-            _cfg(4096, 8, 0, hint=16), _cfg(4096, 8, 8, stats="tile", hint=16),
-            _cfg(4096, 8, 8, hint=16, policy="evict_first"),
-        ]  # fmt: skip
-    return [_cfg(2048, 8, 8), _cfg(4096, 8, 8), _cfg(2048, 8, 16), _cfg(2048, 8, 8, policy="evict_first")]
+        return [_cfg(2048, 8, 0, hint=16), _cfg(8192, 8, 0, hint=16), _cfg(2048, 8, 8, hint=16)]
+    if name == "quantize":
+        return [_cfg(4096, 8, 0), _cfg(2048, 8, 8), _cfg(2048, 8, 16), _cfg(1024, 4, 0)]
+    if name == "dequantize":
+        return [_cfg(4096, 8, 0), _cfg(8192, 8, 0), _cfg(2048, 8, 16), _cfg(4096, 8, 8), _cfg(8192, 8, 0, hint=16)]
+    return [_cfg(4096, 8, 0), _cfg(2048, 8, 16)]
 
 
 def tensor_sizes(numel: int, count: int) -> list[int]:

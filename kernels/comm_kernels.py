@@ -1,18 +1,21 @@
 """The Triton kernels of FP8 gradient communication (launched by :mod:`lightning_fp8.kernels.comm`, whose docstring
 has the block table, the math and the launch configs).
 
-Every kernel is persistent: program ``p`` of ``G`` takes the table rows ``p, p + G, p + 2G, ...`` of the aligned rows
+Every kernel loops: program ``p`` of ``G`` takes the table rows ``p, p + G, p + 2G, ...`` of the aligned rows
 (``[0, n_aligned)``: vector loads and stores) and then of the edge rows (``[n_aligned, n_rows)``), and walks each row
-in blocks of ``SUB`` elements. Counters run per element in registers and are added to memory once per program
-(``STATS="program"``); amaxes run per element and are folded into memory when the row's scale group changes (a
-tensor spans many rows of a program). ``STATS="tile"`` folds both after every row instead (one reduction and its
-barrier per row).
+in blocks of ``SUB`` elements (``G`` = the number of rows is one program per row; fewer makes the programs
+persistent). Counters and amaxes run in registers, first reduced within each thread's ``LANE`` consecutive elements
+(no data moves between threads), and reach memory once per program; an amax also when the row's scale group changes.
 """
 
 import triton
 import triton.language as tl
 from lightning_fp8.kernels.cast_kernels import _fp8_bytes, _round_to_fp8_grid
 from lightning_fp8.kernels.scaling import _pow2_scale
+
+# Running statistics keep one value per LANE consecutive elements of a block: a thread holds 8 (or 16) consecutive
+# elements of an aligned block, so the reduction stays within the thread and the accumulator takes SUB / LANE slots.
+LANE = tl.constexpr(8)
 
 
 @triton.jit
@@ -96,6 +99,16 @@ def _store(ptr, v, mask, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _lane_sum(v):
+    return tl.sum(tl.reshape(v, [v.shape[0] // LANE, LANE]), axis=1)
+
+
+@triton.jit
+def _lane_max(v):
+    return tl.max(tl.reshape(v, [v.shape[0] // LANE, LANE]), axis=1)
+
+
+@triton.jit
 def _count(ptr, counts):
     # Add the sum of a block of per-element counts to an int64 counter (atomics on one address serialize: skip zeros).
     n = tl.sum(counts, axis=0)
@@ -117,25 +130,22 @@ def _abs_nan_inf(v):
 
 # --------------------------------------------------------------------------------------------------- one pass each
 @triton.jit
-def _amax_rows(x_ptr, table_ptr, amax_ptr, first, last, STATS: tl.constexpr, HINT: tl.constexpr,
-               SUB: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
+def _amax_rows(x_ptr, table_ptr, amax_ptr, first, last, HINT: tl.constexpr, SUB: tl.constexpr,
+               POLICY: tl.constexpr):  # fmt: skip
     # The rows [first, last) of this program: amax[value] = max(amax[value], max |x[tile]|).
-    run = tl.zeros([SUB], dtype=tl.float32)
+    run = tl.zeros([SUB // LANE], dtype=tl.float32)
     cur = tl.full((), -1, tl.int64)  # the scale group `run` belongs to
     for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
         src, _dst, length, value, _out = _row(table_ptr, i, HINT)
         if value != cur:
             if cur >= 0:
                 _fold_max(amax_ptr + cur, run)
-            run = tl.zeros([SUB], dtype=tl.float32)
+            run = tl.zeros([SUB // LANE], dtype=tl.float32)
             cur = value
         for off in range(0, length, SUB):
             offs = off + tl.arange(0, SUB)
             x = tl.load(x_ptr + src + offs, mask=offs < length, other=0.0, eviction_policy=POLICY)
-            run = tl.maximum(run, _abs_nan_inf(x.to(tl.float32)))
-        if STATS == "tile":
-            _fold_max(amax_ptr + cur, run)
-            run = tl.zeros([SUB], dtype=tl.float32)
+            run = tl.maximum(run, _lane_max(_abs_nan_inf(x.to(tl.float32))))
     if cur >= 0:
         _fold_max(amax_ptr + cur, run)
 
@@ -147,14 +157,13 @@ def _segment_amax_kernel(
     amax_ptr,  # fp32 per value index: atomic max of |x| (NaN -> inf)
     n_aligned,  # rows [0, n_aligned) are aligned, the rest are edges
     n_rows,
-    STATS: tl.constexpr,  # "program" or "tile" (see the module docstring)
     HINT: tl.constexpr,  # alignment (elements) the aligned rows are declared with
     SUB: tl.constexpr,  # elements per block of an aligned row
     EDGE_SUB: tl.constexpr,  # elements per block of an edge row
     POLICY: tl.constexpr,  # eviction policy of the streamed loads ("" or "evict_first")
 ):
-    _amax_rows(x_ptr, table_ptr, amax_ptr, 0, n_aligned, STATS, HINT, SUB, POLICY)
-    _amax_rows(x_ptr, table_ptr, amax_ptr, n_aligned, n_rows, STATS, 1, EDGE_SUB, POLICY)
+    _amax_rows(x_ptr, table_ptr, amax_ptr, 0, n_aligned, HINT, SUB, POLICY)
+    _amax_rows(x_ptr, table_ptr, amax_ptr, n_aligned, n_rows, 1, EDGE_SUB, POLICY)
 
 
 @triton.jit
@@ -162,9 +171,9 @@ def _quantize_rows(
     x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, first, last, HAS_HEADROOM: tl.constexpr,
     MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
-    EXACT: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
+    EXACT: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
-    sat = tl.zeros([SUB], dtype=tl.int32)  # saturated elements, per element of a block
+    sat = tl.zeros([SUB // LANE], dtype=tl.int32)  # saturated elements
     for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
         src, dst, length, value, _out = _row(table_ptr, i, HINT)
         scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
@@ -174,12 +183,9 @@ def _quantize_rows(
             x = tl.load(x_ptr + src + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
             finite = tl.abs(x) < float("inf")
             y = x * scale
-            sat += ((tl.abs(y) > FP8_MAX) & finite).to(tl.int32)  # masked lanes are 0: never saturated
+            sat += _lane_sum(((tl.abs(y) > FP8_MAX) & finite).to(tl.int32))  # masked lanes are 0: never saturated
             q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
             tl.store(q_ptr + dst + offs, q, mask=mask)
-        if STATS == "tile":
-            _count(nsat_ptr, sat)
-            sat = tl.zeros([SUB], dtype=tl.int32)
     _count(nsat_ptr, sat)
 
 
@@ -203,18 +209,17 @@ def _quantize_kernel(
     MIN_NORMAL_EXP: tl.constexpr,
     SUBNORMAL_MAGIC: tl.constexpr,
     EXACT: tl.constexpr,  # interpreter: round and convert with integer arithmetic
-    STATS: tl.constexpr,
     HINT: tl.constexpr,
     SUB: tl.constexpr,
     EDGE_SUB: tl.constexpr,
     POLICY: tl.constexpr,
 ):
     _quantize_rows(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, 0, n_aligned, HAS_HEADROOM, MAX_EXP,
-                   MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, STATS, HINT,
-                   SUB, POLICY)  # fmt: skip
+                   MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, HINT, SUB,
+                   POLICY)  # fmt: skip
     _quantize_rows(x_ptr, table_ptr, amax_ptr, headroom_ptr, q_ptr, nsat_ptr, n_aligned, n_rows, HAS_HEADROOM,
-                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, STATS,
-                   1, EDGE_SUB, POLICY)  # fmt: skip
+                   MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT, 1,
+                   EDGE_SUB, POLICY)  # fmt: skip
 
 
 @triton.jit
@@ -222,10 +227,10 @@ def _dequantize_rows(
     q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, first, last,
     HAS_HEADROOM: tl.constexpr, CHECK: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
     MARGIN: tl.constexpr, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EXACT: tl.constexpr,
-    EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
+    EXACT_BF16: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
-    big = tl.zeros([SUB], dtype=tl.int32)  # CHECK: values non-finite or at the FP8 maximum (an FP8 sum's overflow)
-    bad = tl.zeros([SUB], dtype=tl.int32)  # CHECK: non-finite values
+    big = tl.zeros([SUB // LANE], dtype=tl.int32)  # CHECK: values non-finite or at the FP8 maximum (overflowed sums)
+    bad = tl.zeros([SUB // LANE], dtype=tl.int32)  # CHECK: non-finite values
     for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
         src, dst, length, value, _out = _row(table_ptr, i, HINT)
         scale = _segment_scale(amax_ptr, value, headroom_ptr, HAS_HEADROOM, MAX_EXP, MAX_MANT, MARGIN)
@@ -236,14 +241,9 @@ def _dequantize_rows(
             q = _decode_fp8(tl.load(q_ptr + src + offs, mask=mask, other=0, eviction_policy=POLICY), IS_E4M3, EXACT)
             if CHECK:  # masked lanes decode 0: counted nowhere
                 nonfinite = ~(tl.abs(q) < float("inf"))
-                big += (nonfinite | (tl.abs(q) >= FP8_MAX)).to(tl.int32)
-                bad += nonfinite.to(tl.int32)
+                big += _lane_sum((nonfinite | (tl.abs(q) >= FP8_MAX)).to(tl.int32))
+                bad += _lane_sum(nonfinite.to(tl.int32))
             _store(out_ptr + dst + offs, q * scale_inv, mask, EXACT_BF16)
-        if CHECK and STATS == "tile":
-            _count(counts_ptr, big)
-            _count(counts_ptr + 1, bad)
-            big = tl.zeros([SUB], dtype=tl.int32)
-            bad = tl.zeros([SUB], dtype=tl.int32)
     if CHECK:
         _count(counts_ptr, big)
         _count(counts_ptr + 1, bad)
@@ -269,18 +269,17 @@ def _dequantize_kernel(
     IS_E4M3: tl.constexpr,
     EXACT: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-    STATS: tl.constexpr,
     HINT: tl.constexpr,
     SUB: tl.constexpr,
     EDGE_SUB: tl.constexpr,
     POLICY: tl.constexpr,
 ):
     _dequantize_rows(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, 0, n_aligned,
-                     HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, STATS, HINT,
-                     SUB, POLICY)  # fmt: skip
+                     HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, HINT, SUB,
+                     POLICY)  # fmt: skip
     _dequantize_rows(q_ptr, table_ptr, amax_ptr, headroom_ptr, out_ptr, counts_ptr, inv_divisor, n_aligned, n_rows,
-                     HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, STATS, 1,
-                     EDGE_SUB, POLICY)  # fmt: skip
+                     HAS_HEADROOM, CHECK, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, EXACT, EXACT_BF16, 1, EDGE_SUB,
+                     POLICY)  # fmt: skip
 
 
 @triton.jit
@@ -288,11 +287,10 @@ def _rows_rows(
     rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, first, last,
     MODE: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr, FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
-    EXACT: tl.constexpr, EXACT_BF16: tl.constexpr, STATS: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr,
-    POLICY: tl.constexpr,
+    EXACT: tl.constexpr, EXACT_BF16: tl.constexpr, HINT: tl.constexpr, SUB: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
-    run = tl.zeros([SUB], dtype=tl.float32)  # MODE 0: running |mean| of piece `cur`
-    sat = tl.zeros([SUB], dtype=tl.int32)  # MODE 1: saturated elements
+    run = tl.zeros([SUB // LANE], dtype=tl.float32)  # MODE 0: running |mean| of piece `cur`
+    sat = tl.zeros([SUB // LANE], dtype=tl.int32)  # MODE 1: saturated elements
     cur = tl.full((), -1, tl.int64)
     for i in range(first + tl.program_id(0), last, tl.num_programs(0)):
         src, dst, length, value, piece = _row(table_ptr, i, HINT)
@@ -302,7 +300,7 @@ def _rows_rows(
             if piece != cur:
                 if cur >= 0:
                     _fold_max(piece_amax_ptr + cur, run)
-                run = tl.zeros([SUB], dtype=tl.float32)
+                run = tl.zeros([SUB // LANE], dtype=tl.float32)
                 cur = piece
         piece_scale = 1.0
         if MODE == 1:
@@ -318,22 +316,15 @@ def _rows_rows(
                                         EXACT)  # fmt: skip
             mean = acc * scale_inv
             if MODE == 0:
-                run = tl.maximum(run, tl.where(mask, _abs_nan_inf(mean), 0.0))
+                run = tl.maximum(run, _lane_max(tl.where(mask, _abs_nan_inf(mean), 0.0)))
             elif MODE == 1:
                 y = mean * piece_scale
                 finite = tl.abs(mean) < float("inf")
-                sat += ((tl.abs(y) > FP8_MAX) & finite & mask).to(tl.int32)
+                sat += _lane_sum(((tl.abs(y) > FP8_MAX) & finite & mask).to(tl.int32))
                 q = _encode_fp8(y, finite, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT)
                 tl.store(out_ptr + dst + offs, q, mask=mask)
             else:
                 _store(out_ptr + dst + offs, mean, mask, EXACT_BF16)
-        if STATS == "tile":
-            if MODE == 0:
-                _fold_max(piece_amax_ptr + cur, run)
-                run = tl.zeros([SUB], dtype=tl.float32)
-            elif MODE == 1:
-                _count(nsat_ptr, sat)
-                sat = tl.zeros([SUB], dtype=tl.int32)
     if MODE == 0:
         if cur >= 0:
             _fold_max(piece_amax_ptr + cur, run)
@@ -365,7 +356,6 @@ def _rows_kernel(
     SUBNORMAL_MAGIC: tl.constexpr,
     EXACT: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-    STATS: tl.constexpr,
     HINT: tl.constexpr,  # 1 where row_stride is not a multiple of ALIGN (rows after the first start misaligned)
     SUB: tl.constexpr,
     EDGE_SUB: tl.constexpr,
@@ -373,7 +363,7 @@ def _rows_kernel(
 ):
     _rows_rows(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor, 0,
                n_aligned, MODE, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC,
-               EXACT, EXACT_BF16, STATS, HINT, SUB, POLICY)  # fmt: skip
+               EXACT, EXACT_BF16, HINT, SUB, POLICY)  # fmt: skip
     _rows_rows(rows_ptr, row_stride, W, table_ptr, amax_ptr, piece_amax_ptr, out_ptr, nsat_ptr, inv_divisor,
                n_aligned, n_rows, MODE, MAX_EXP, MAX_MANT, MARGIN, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP,
-               SUBNORMAL_MAGIC, EXACT, EXACT_BF16, STATS, 1, EDGE_SUB, POLICY)  # fmt: skip
+               SUBNORMAL_MAGIC, EXACT, EXACT_BF16, 1, EDGE_SUB, POLICY)  # fmt: skip
