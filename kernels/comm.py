@@ -65,7 +65,8 @@ def _rounding(fp8_dtype: torch.dtype) -> dict:
 # no layout conversion through shared memory) and POLICY (the eviction policy of the streamed loads). Measured on an
 # H100, 1B bf16 elements (benchmarks/bench_comm_passes.py; results/comm_passes_h100.txt): 4096-element blocks of 8
 # warps, one program per 8192-element row, run at 89-96% of a device copy's bandwidth (amax, cast, decode with and
-# without checks); persistent grids of 4-16 programs per SM were 1-20% slower, evict_first loads 5-15% slower.
+# without checks); persistent grids of 8-16 programs per SM ran from 4% faster (cast) to 17% slower (checked decode),
+# 4 per SM slower everywhere; evict_first loads 2-16% slower.
 # PROGRAMS_PER_SM > 0 leaves SMs to NCCL's kernels when they run beside these (bench_comm.py --sweep measures that).
 CONFIGS = {
     "amax": {"SUB": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 0, "HINT": 16, "POLICY": ""},
