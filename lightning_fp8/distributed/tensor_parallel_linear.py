@@ -300,7 +300,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     kind, mesh = _kind(weight), weight.device_mesh
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate() if kind == "colwise" else Shard(-1)], run_check=False)
-    layer._check_input(x)  # global shape, dtype and device
+    layer._check_input(x, weight)  # global shape, dtype and device
     for state in layer.fp8_scaling.values():  # torch's own styles (distribute_module) made them DTensors
         localize_buffers(state)
     x, dim, out_placement = _layouts(layer, x, kind)
