@@ -10,8 +10,10 @@ reads a *block table*, one row per tile of at most ``BLOCK`` elements that never
         value      index of the tile's scale, given as an amax (the scale is computed in registers)
         out        index of a second per-segment value (the piece amax of a requantization)
 
-One program per row, so one launch covers every segment of a bucket and reads each element once; per-segment
-results (amaxes, counters) are folded in with atomics. Math, in fp32, bit for bit the references in
+One launch covers every segment of a bucket and reads each element once: by default one program per row, which walks
+its row in blocks of ``SUB`` elements (``CONFIGS``); with ``PROGRAMS_PER_SM`` > 0 a capped, persistent grid whose
+programs loop over rows. Per-segment results (amaxes, counters) are folded in with atomics, once per program (an amax
+also when a program's scale group changes). Math, in fp32, bit for bit the references in
 ``lightning_fp8/distributed/quantize.py``::
 
     scale(a)       = 2 ** (floor(log2(fp8_max / a)) - margin)   fp32 bits; 1 where a is 0 or not finite

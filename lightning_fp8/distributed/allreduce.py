@@ -17,8 +17,10 @@ Scales stay per tensor and shared by every rank; slicing changes no value. In a 
 (one small MAX all-reduce) right before slice ``k`` is cast, so only the first slice's amax and cast and the
 last slice's decode have no collective to hide behind. A non-finite value is then known on every rank before
 the bytes of its tensor are sent; the step's flag (``found_nonfinite``) is the same on every rank as before.
-Measured on H200s (benchmarks/results/comm_fp8_h200x2.txt), the kernels and NCCL slow each other down when
-they run together: 4 slices hide about 0.6 ms of the 2.9 ms of passes behind the 3.2 ms FP8 collective.
+Measured on H200s with the kernels before their rework (benchmarks/results/comm_fp8_h200x2.txt), the kernels and
+NCCL slow each other down when they run together: 4 slices hid about 0.6 ms of the 2.9 ms of passes behind the
+3.2 ms FP8 collective. The amax all-reduces queue on NCCL's stream between the data collectives unless
+``amax_group`` (a second communicator of the same ranks) takes them; ``bench_comm.py --sweep`` measures both.
 
 Passes over memory per element (bf16 gradient, FP8 wire, N ranks): native: amax (read 2 B), cast (2 B + 1 B),
 decode (1 B + 2 B); portable: amax, cast, two passes over the N received rows of a chunk (amax of the mean, then
