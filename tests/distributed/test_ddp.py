@@ -27,14 +27,16 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ teacher)
 
 
-def _train(rank: int, comm: str, nan_step: int | None = None, scaler: bool = False, steps: int = STEPS) -> dict:
+def _train(
+    rank: int, comm: str, nan_step: int | None = None, scaler: bool = False, steps: int = STEPS, amax_group=None
+) -> dict:
     from lightning_fp8 import FP8GradScaler
     from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
 
     # A tiny bucket cap (256 fp32 values) gives several buckets, one of them holding a single tensor.
     ddp = DDP(_model(), bucket_cap_mb=0.001)
     grad_scaler = FP8GradScaler(init_scale=2.0**4) if scaler else None
-    state = FP8CommState(grad_scaler=grad_scaler)
+    state = FP8CommState(grad_scaler=grad_scaler, amax_group=amax_group)
     bucket_sizes: list[int] = []
 
     def hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -104,6 +106,8 @@ def _worker(rank: int, world: int) -> dict:
     return {
         "fp32": _train(rank, "fp32"),
         "fp8": _train(rank, "fp8"),
+        # The amaxes' MAX all-reduces on a second group of the same ranks: the same bits.
+        "fp8_amax_group": _train(rank, "fp8", amax_group=dist.new_group(list(range(world)))),
         "fp8_nan": _train(rank, "fp8", nan_step=NAN_STEP, steps=NAN_STEP + 3),
         "fp8_nan_scaler": _train(rank, "fp8", nan_step=NAN_STEP, scaler=True, steps=NAN_STEP + 3),
         "mixed": _mixed_bucket(rank),
@@ -125,6 +129,13 @@ def test_fp8_training_tracks_fp32_communication(results):
         assert abs(fp8[-1] - fp32[-1]) <= tol.TRAINING_FINAL_LOSS_RTOL * fp32[-1], (fp8[-1], fp32[-1])
         assert r["fp8"]["replicas_identical"] and r["fp8"]["skipped"] == []
         assert r["fp8"]["single_tensor_bucket"]  # buckets of one tensor and of several
+
+
+def test_amax_group_gives_the_same_training(results):
+    """FP8CommState(amax_group=...): the amaxes travel on another communicator; every loss is bit for bit the same."""
+    for r in results:
+        assert r["fp8_amax_group"]["losses"] == r["fp8"]["losses"]
+        assert r["fp8_amax_group"]["replicas_identical"]
 
 
 def test_nan_on_one_rank_skips_the_same_step_everywhere(results):

@@ -104,6 +104,8 @@ def test_comm_state_rejects_bad_arguments():
         FP8CommState(grad_scaler=object())
     with pytest.raises(ValueError, match="slice_numel"):
         FP8CommState(slice_numel=0)
+    with pytest.raises(TypeError, match="amax_group"):
+        FP8CommState(amax_group="world")
 
 
 def test_check_step_reads_and_clears_the_flag():
