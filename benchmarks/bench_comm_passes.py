@@ -15,8 +15,6 @@ medians of CUDA-event timings; GB/s counts each byte read or written once; "% co
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from lightning_fp8.kernels import comm
@@ -57,22 +55,9 @@ def tensor_sizes(numel: int, count: int) -> list[int]:
 
 def timed(fn, iters: int, warmup: int) -> float:
     """Median milliseconds of ``fn()`` (CUDA events; a host clock on CPU, the smoke test under the interpreter)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    from bench_tp import median_ms  # (benchmarks/ is on the path: scripts run from there)
+
+    return median_ms(fn, torch.device("cuda" if torch.cuda.is_available() else "cpu"), iters, warmup)
 
 
 class Buffers:
