@@ -87,7 +87,7 @@ def quantize_(
         return quantize_ref(*args)
     state = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, unscale)
     key = None if column_sum else _replay_key(state, transpose, current, fp8_dtype, margin, algo_max, delayed)
-    if key is None:  # column sums: their partial sums are an internal output, not replayed
+    if key is None:  # not replayed (see _replay_key; column sums: their partial sums are an internal output)
         x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(*args, eager=True)
         return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)
     replay = _REPLAYS.get(key)
