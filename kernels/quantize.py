@@ -108,18 +108,19 @@ def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     (lightning_fp8/linear.py). ``x``: contiguous, 2-D, non-empty, on a CUDA device; ``scale``: 0-dim fp32 there."""
     if torch.compiler.is_compiling():
         return cast._cast_to_fp8_op(x, scale, fp8_dtype, True)[1]
+    sink = _sink(x.device)
+    stats = (*sink, *(sink[0],) * 8, 1, x.numel())  # the rest is unread without RECORD
     key = _replay_key((x, scale), True, False, fp8_dtype)
-    replay = None if key is None else _REPLAYS.get(key)
+    if key is None:  # not replayed (see _replay_key)
+        return _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True)[1]
+    replay = _REPLAYS.get(key)
     if replay is not None:
         x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, True)
         replay((x, scale, x_fp8, x_fp8_t), key[1])
         return x_fp8_t
-    sink = _sink(x.device)
-    stats = (*sink, *(sink[0],) * 8, 1, x.numel())  # the rest is unread without RECORD
     with launch.recording() as recorded:
         x_fp8, x_fp8_t, _ = _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True)
-    if key is not None:
-        _remember(key, recorded, (x, scale, x_fp8, x_fp8_t), sink)
+    _remember(key, recorded, (x, scale, x_fp8, x_fp8_t), sink)
     return x_fp8_t
 
 
