@@ -176,6 +176,38 @@ def small_sweep(device, fp8_dtype):
     fused.SPECULATIVE_CURRENT_SCALING = speculate
 
 
+def sum_group_sweep(x, fp8_dtype, device, groups):
+    """The grad cast with the bias gradient fused in (quantize_(column_sum=True)) against SUM_GROUP, the row tiles each
+    program adds up in registers before one reduction, beside the same cast without the sums and a separate
+    x.sum(0): what FP8Linear's FUSED_BIAS_GRAD trades. Each variant is checked first: the FP8 bytes equal the cast's
+    without the sums, and the sums are within fp32 rounding of the exact (fp64) column sums."""
+    f32, i64 = {"dtype": torch.float32, "device": device}, {"dtype": torch.int64, "device": device}
+    default = cast.CONFIGS["transpose"]["SUM_GROUP"]
+    exact = x.double().sum(0)
+    bound = x.shape[0] * 2.0**-24 * x.double().abs().sum(0)
+
+    def run(column_sum):
+        state = [torch.zeros(16, **f32), torch.tensor(2.0**-3, **f32), torch.zeros((), **f32), torch.zeros((), **f32),
+                 torch.zeros((), **i64), torch.zeros((), **i64)]  # fmt: skip
+        return fused.quantize_(x, *state, fp8_dtype, 0, True, True, False, True, None, column_sum)
+
+    print(f"\nfused bias gradient, {x.shape[0]} x {x.shape[1]} -> {fp8_dtype}: delayed quantize_ (cast+T, record), us")
+    plain = run(False)
+    t_plain = median_ms(lambda: run(False), device) * 1e3
+    t_sum = median_ms(lambda: x.sum(0, dtype=torch.float32), device) * 1e3
+    print(f"  without sums {t_plain:8.1f}   x.sum(0) alone {t_sum:8.1f}   both {t_plain + t_sum:8.1f}")
+    for g in groups:
+        cast.CONFIGS["transpose"] = {**cast.CONFIGS["transpose"], "SUM_GROUP": g}
+        got = run(True)
+        if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[:2], plain[:2])):
+            raise RuntimeError(f"SUM_GROUP {g}: the FP8 bytes differ from the cast without sums")
+        if not ((got[3].double() - exact).abs() <= bound).all():
+            raise RuntimeError(f"SUM_GROUP {g}: column sums off the exact ones by more than fp32 rounding")
+        t = median_ms(lambda: run(True), device) * 1e3
+        print(f"  SUM_GROUP {g:3d}: with sums {t:8.1f}   (+{t - t_plain:6.1f} against x.sum(0) {t_sum:6.1f})")
+    cast.CONFIGS["transpose"] = {**cast.CONFIGS["transpose"], "SUM_GROUP": default}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, nargs=2, default=(8192, 8192))
@@ -184,6 +216,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="sweep launch configs, then time the best")
     p.add_argument("--save-configs", help="with --sweep: write the best launch configs to this JSON file")
     p.add_argument("--small", action="store_true", help="sweep MIN_ITEMS on current-scaled casts of small tensors")
+    p.add_argument("--sum-groups", type=int, nargs="+", help="time the fused bias gradient at these SUM_GROUPs")
     p.add_argument("--toy", action="store_true", help="tiny shape (CPU smoke test)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -255,6 +288,8 @@ def main():
                 json.dump(cast.CONFIGS, f, indent=1)
     if args.small and device.type == "cuda":
         small_sweep(device, fp8_dtype)
+    if args.sum_groups:
+        sum_group_sweep(x, fp8_dtype, device, args.sum_groups)
     if device.type == "cuda":
         cast.EXACT_ROUND_ON_GPU = True  # what the interpreter's pre-rounding would cost on the GPU
         check_cast(x, scale, fp8_dtype, True)

@@ -55,7 +55,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CONFIGS = {
     "transpose": {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
-        "STATS": "row", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False,
+        "STATS": "row", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False, "SUM_GROUP": 8,
     },
     "flat": {"BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "STATS": "element",
              "LOAD_POLICY": "evict_first"},
@@ -177,7 +177,8 @@ def _cast_impl(
     column_sum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
-    ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, column sums of 2-D x or None)``."""
+    ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, partials)``: with ``column_sum`` (2-D ``x``)
+    the fp32 column sums of each row group (:func:`column_sums` adds them), else None."""
     x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
     interpreted = _interpreted(_cast_flat_kernel)
     fmt = _format_args(fp8_dtype, interpreted or EXACT_ROUND_ON_GPU)
@@ -190,7 +191,8 @@ def _cast_impl(
         tiles_m, tiles_n = _cdiv(m, cfg["BLOCK_M"]), _cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
-        sums = torch.empty((tiles_m, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
+        groups = _cdiv(tiles_m, cfg["SUM_GROUP"])
+        sums = torch.empty((groups, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
         tma = cfg["TMA"] and eager and transpose and _tma_fits(x)
         if tma:  # the tiles through tensor descriptors: the outputs as their bytes
             blocks, blocks_t = [cfg["BLOCK_M"], cfg["BLOCK_N"]], [cfg["BLOCK_N"], cfg["BLOCK_M"]]
@@ -201,7 +203,8 @@ def _cast_impl(
             tensors = (x, x_fp8, x_fp8_t)
         args = (tensors[0], scale, *tensors[1:], sums, *stats, m, n)
         flags = {"WRITE_T": transpose, "COLUMN_SUM": column_sum, "TMA": tma}
-        kernel, work, index_64 = _cast_transpose_kernel, tiles_m * tiles_n, _index_64(padded)
+        work = groups * tiles_n if column_sum else tiles_m * tiles_n  # work items: row groups or tiles
+        kernel, index_64 = _cast_transpose_kernel, _index_64(padded)
     else:
         cfg = CONFIGS["flat"]
         blocks = _cdiv(x.numel(), cfg["BLOCK"])
@@ -214,8 +217,13 @@ def _cast_impl(
         redo = {**record, "SPECULATE": 2}
         cfg = {**cfg, "PROGRAMS_PER_SM": REDO_PROGRAMS_PER_SM}
         _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **redo, **flags, EVEN=even, INDEX_64=index_64)
-    # The row blocks' partial sums, added in a fixed order: deterministic, as the reference defines it.
-    return x_fp8, x_fp8_t, (sums.sum(0) if column_sum else None)
+    return x_fp8, x_fp8_t, (sums if column_sum else None)
+
+
+def column_sums(partials: torch.Tensor) -> torch.Tensor:
+    """The column sums of a cast's row groups (``_cast_impl(column_sum=True)``'s third output), added in a fixed order:
+    deterministic, as ``kernels/reference.py: column_sum_ref`` defines it."""
+    return partials.sum(0)
 
 
 def _tma_fits(x: torch.Tensor) -> bool:

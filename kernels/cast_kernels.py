@@ -99,12 +99,64 @@ def _quantize_block(
 
 
 @triton.jit
+def _cast_tile(
+    x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT_ROUND: tl.constexpr,
+    EVEN: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRANSPOSE_VIA: tl.constexpr, WRITE_T: tl.constexpr, STATS: tl.constexpr, LOAD_POLICY: tl.constexpr,
+    STORE_POLICY: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    # Tile (tm, tn) of _cast_transpose_kernel (its arguments say what each is): load, cast, store both copies, fold the
+    # statistics. Returns the tile as fp32 (zeros past the edges) and the running statistics.
+    rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        rm = rm.to(tl.int64)
+        rn = rn.to(tl.int64)
+    offs = rm[:, None] * N + rn[None, :]
+    if TMA:  # a tile past the edge reads zeros: neutral for the statistics and the column sums
+        x = x_ptr.load([tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
+    elif EVEN:
+        x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
+    else:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
+    q, y, finite, amax_acc, nsat_acc = _quantize_block(
+        x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, STATS,
+    )  # fmt: skip
+    if TMA:
+        out_ptr.store([tm * BLOCK_M, tn * BLOCK_N], q)
+    elif EVEN:
+        tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), cache_modifier=STORE_POLICY)
+    else:
+        tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask,
+                 cache_modifier=STORE_POLICY)  # fmt: skip
+    if WRITE_T:
+        # The transposed tile goes through shared memory; which form the compiler moves best is measured.
+        if TRANSPOSE_VIA == "fp32":
+            q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
+        else:
+            q_t = tl.trans(q)
+        if TMA:  # q_t: FP8 bytes (uint8), the descriptor's element type
+            out_t_ptr.store([tn * BLOCK_N, tm * BLOCK_M], q_t)
+        else:
+            q_t = q_t.to(out_t_ptr.dtype.element_ty, bitcast=True)
+            offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
+            if EVEN:
+                tl.store(out_t_ptr + offs_t, q_t, cache_modifier=STORE_POLICY)
+            else:
+                tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M),
+                         cache_modifier=STORE_POLICY)  # fmt: skip
+    return x, amax_acc, nsat_acc
+
+
+@triton.jit
 def _cast_transpose_kernel(
     x_ptr,  # (M, N) input, row-major, fp32/bf16/fp16 (TMA: its tensor descriptor, blocks of BLOCK_M x BLOCK_N)
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output (TMA: a descriptor of its bytes, uint8)
     out_t_ptr,  # (N, M) FP8 output, the transposed copy (TMA: a descriptor of its bytes, blocks of BLOCK_N x BLOCK_M)
-    colsum_ptr,  # COLUMN_SUM: (cdiv(M, BLOCK_M), N) fp32 output, the column sums of each row block of x
+    colsum_ptr,  # COLUMN_SUM: (cdiv(cdiv(M, BLOCK_M), SUM_GROUP), N) fp32 output, column sums of each row group of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
     ws_ptr,  # RECORD: int64[4] workspace, zero (left zero): amax bits, saturated count, arrival ticket, redo flag
@@ -132,7 +184,8 @@ def _cast_transpose_kernel(
     TRANSPOSE_VIA: tl.constexpr,  # what the transposed tile moves as: "fp32" (the values, converted again; GPU only)
     # or "bytes" (the FP8 bytes)
     WRITE_T: tl.constexpr,  # write x_fp8_t
-    COLUMN_SUM: tl.constexpr,  # write the column sums of each row block (the bias gradient's partial sums)
+    COLUMN_SUM: tl.constexpr,  # write the column sums of each row group (the bias gradient's partial sums)
+    SUM_GROUP: tl.constexpr,  # COLUMN_SUM: row tiles (of BLOCK_M rows) per row group
     STATS: tl.constexpr,  # amax / saturation kept running per "element", per "row" or per "tile" (see _quantize_block)
     LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
     STORE_POLICY: tl.constexpr,  # cache modifier of the FP8 stores ("" or ".cs": streaming, written once)
@@ -165,54 +218,35 @@ def _cast_transpose_kernel(
     else:
         amax_acc = 0.0
         nsat_acc = 0
-    for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-        tm = tile // tiles_n
-        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        tn = tile % tiles_n
-        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            rm = rm.to(tl.int64)
-            rn = rn.to(tl.int64)
-        offs = rm[:, None] * N + rn[None, :]
-        if TMA:  # a tile past the edge reads zeros: neutral for the statistics and the column sums
-            x = x_ptr.load([tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
-        elif EVEN:
-            x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
-        else:
-            mask = (rm[:, None] < M) & (rn[None, :] < N)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
-        if COLUMN_SUM:  # right after the load, so that x need not stay live (kernels/reference.py: column_sum_ref)
+    if COLUMN_SUM:
+        # Work items of SUM_GROUP row tiles of one column block: their rows are added element by element in registers
+        # (no reduction per tile) and reduced once per item, into that item's partial column sums (row group, N).
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        items = tl.where(go, tl.cdiv(tiles_m, SUM_GROUP) * tiles_n, 0)
+        for item in tl.range(pid, items, tl.num_programs(0)):
+            group = item // tiles_n
+            tn = item % tiles_n
+            csum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for tm in tl.range(group * SUM_GROUP, tl.minimum(group * SUM_GROUP + SUM_GROUP, tiles_m),
+                               num_stages=NUM_STAGES):  # fmt: skip
+                x, amax_acc, nsat_acc = _cast_tile(
+                    x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
+                    MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N, TRANSPOSE_VIA,
+                    WRITE_T, STATS, LOAD_POLICY, STORE_POLICY, TMA,
+                )  # fmt: skip
+                csum += x
+            rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             if EVEN:
-                tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0))
+                tl.store(colsum_ptr + group * N + rn, tl.sum(csum, axis=0))
             else:
-                tl.store(colsum_ptr + tm * N + rn, tl.sum(x, axis=0), mask=rn < N)
-        q, y, finite, amax_acc, nsat_acc = _quantize_block(
-            x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND,
-            STATS,
-        )  # fmt: skip
-        if TMA:
-            out_ptr.store([tm * BLOCK_M, tn * BLOCK_N], q)
-        elif EVEN:
-            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), cache_modifier=STORE_POLICY)
-        else:
-            tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask,
-                     cache_modifier=STORE_POLICY)  # fmt: skip
-        if WRITE_T:
-            # The transposed tile goes through shared memory; which form the compiler moves best is measured.
-            if TRANSPOSE_VIA == "fp32":
-                q_t = _fp8_bytes(tl.trans(tl.where(finite, y, float("nan"))), IS_E4M3)
-            else:
-                q_t = tl.trans(q)
-            if TMA:  # q_t: FP8 bytes (uint8), the descriptor's element type
-                out_t_ptr.store([tn * BLOCK_N, tm * BLOCK_M], q_t)
-            else:
-                q_t = q_t.to(out_t_ptr.dtype.element_ty, bitcast=True)
-                offs_t = rn[:, None] * M + rm[None, :]  # rows of x_fp8_t are columns of x: contiguous along rm
-                if EVEN:
-                    tl.store(out_t_ptr + offs_t, q_t, cache_modifier=STORE_POLICY)
-                else:
-                    tl.store(out_t_ptr + offs_t, q_t, mask=(rn[:, None] < N) & (rm[None, :] < M),
-                             cache_modifier=STORE_POLICY)  # fmt: skip
+                tl.store(colsum_ptr + group * N + rn, tl.sum(csum, axis=0), mask=rn < N)
+    else:
+        for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+            _, amax_acc, nsat_acc = _cast_tile(
+                x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tile // tiles_n, tile % tiles_n, M, N, IS_E4M3,
+                FP8_MAX, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N,
+                TRANSPOSE_VIA, WRITE_T, STATS, LOAD_POLICY, STORE_POLICY, TMA,
+            )  # fmt: skip
     if STATS == "element":
         amax_acc = tl.max(tl.max(amax_acc, axis=1), axis=0)
         nsat_acc = tl.sum(tl.sum(nsat_acc, axis=1), axis=0)

@@ -86,20 +86,30 @@ def quantize_(
 
         return quantize_ref(*args)
     state = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, unscale)
-    key = None if column_sum else _replay_key(state, transpose, current, fp8_dtype, margin, algo_max, delayed)
-    if key is None:  # not replayed (see _replay_key; column sums: their partial sums are an internal output)
-        x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(*args, eager=True)
-        return (x_fp8, x_fp8_t, scale_inv, sums) if column_sum else (x_fp8, x_fp8_t, scale_inv)
-    replay = _REPLAYS.get(key)
-    if replay is not None:  # the launches of the first cast of this kind, with this cast's tensors
-        x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
-        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-        replay((*state, x_fp8, x_fp8_t, scale_inv), key[1])
-        return x_fp8, x_fp8_t, scale_inv
-    with launch.recording() as recorded:
-        x_fp8, x_fp8_t, scale_inv, _ = _quantize_impl(*args, eager=True)
-    _remember(key, recorded, (*state, x_fp8, x_fp8_t, scale_inv), (_workspace(x.device),))
+    key = _replay_key(state, transpose, current, fp8_dtype, margin, algo_max, delayed, column_sum=column_sum)
+    if key is None:  # not replayed (see _replay_key)
+        x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(*args, eager=True)
+    else:
+        replay = _REPLAYS.get(key)
+        if replay is not None:  # the launches of the first cast of this kind, with this cast's tensors
+            x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
+            scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+            partials = _column_partials(x) if column_sum else None
+            replay((*state, x_fp8, x_fp8_t, scale_inv, partials), key[1])
+        else:
+            with launch.recording() as recorded:
+                x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(*args, eager=True)
+            _remember(key, recorded, (*state, x_fp8, x_fp8_t, scale_inv, partials), (_workspace(x.device),))
+    if column_sum:
+        return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials)
     return x_fp8, x_fp8_t, scale_inv
+
+
+def _column_partials(x: torch.Tensor) -> torch.Tensor:
+    # The buffer of the transposed cast's partial column sums of 2-D x (as _cast_impl allocates it).
+    cfg = CONFIGS["transpose"]
+    return torch.empty((_cdiv(_cdiv(x.shape[0], cfg["BLOCK_M"]), cfg["SUM_GROUP"]), x.shape[1]),
+                       dtype=torch.float32, device=x.device)  # fmt: skip
 
 
 def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -151,7 +161,7 @@ def _remember(key: tuple, recorded: list, slots: tuple, constants: tuple) -> Non
     _REPLAYS[key] = launch.Replay.build(recorded, slots, constants)
 
 
-def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind) -> tuple | None:
+def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind, column_sum: bool = False) -> tuple | None:
     """What decides every launch of a cast (its kernels, grids, arguments other than ``tensors``, and Triton's
     specialization of them), ``kind`` being the caller's non-tensor arguments; None where the cast is not replayed:
     the fast launch path off or unavailable (the interpreter), tensor descriptors (built per call), a tensor whose
@@ -159,7 +169,7 @@ def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind) -> tuple 
     x = tensors[0]
     if not (REPLAY and launch.ENABLED and x.is_cuda) or cast._interpreted(cast._cast_flat_kernel):
         return None
-    cfg = CONFIGS["transpose" if transpose else "flat"]
+    cfg = CONFIGS["transpose" if transpose or column_sum else "flat"]
     if cfg.get("TMA"):
         return None
     ptrs = 0
@@ -176,7 +186,7 @@ def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind) -> tuple 
     device, stream = launch._current_device_stream()
     # The stream also picks the workspace of quantize_, a constant of its replays. The configs and flags below are
     # read at every launch.
-    return (device, stream, x.device, *shapes, transpose, current, *kind, SPECULATIVE_CURRENT_SCALING,
+    return (device, stream, x.device, *shapes, transpose, current, column_sum, *kind, SPECULATIVE_CURRENT_SCALING,
             tuple(cfg.values()), tuple(CONFIGS["amax"].values()) if current else None, cast.EXACT_ROUND_ON_GPU,
             cast.REDO_PROGRAMS_PER_SM, launch._knobs_key())  # fmt: skip
 
@@ -203,8 +213,8 @@ def _quantize_impl(
              ws if unscale is None else unscale, h, x.numel())  # fmt: skip
     record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
               "UNSCALE": unscale is not None, "SPECULATE": 1 if speculate else 0, **fields}  # fmt: skip
-    x_fp8, x_fp8_t, sums = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager, column_sum)
-    return x_fp8, x_fp8_t, scale_inv, sums
+    x_fp8, x_fp8_t, partials = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager, column_sum)
+    return x_fp8, x_fp8_t, scale_inv, partials
 
 
 @torch.library.triton_op(
@@ -231,8 +241,8 @@ def quantize_op(
     """:func:`quantize_` (non-empty CUDA ``x``) as a ``torch.library.triton_op``: ``torch.compile`` sees the kernel
     launches themselves, and inductor launches them from its generated code (no Python custom op per cast). A fixed
     schema: the fourth output is empty without ``column_sum``."""
-    x_fp8, x_fp8_t, scale_inv, sums = _quantize_impl(
+    x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(
         x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
         current, transpose, unscale, column_sum, eager=False,
     )  # fmt: skip
-    return x_fp8, x_fp8_t, scale_inv, sums if column_sum else scale_inv.new_empty((0,))
+    return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials) if column_sum else scale_inv.new_empty((0,))

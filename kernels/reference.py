@@ -181,26 +181,32 @@ def quantize_ref(
 
 
 # The summation order of column_sum_ref. The fused cast (kernels/cast.py) sums in the same order when its transposed
-# tiles have COLUMN_SUM_BLOCK_ROWS rows (CONFIGS["transpose"]["BLOCK_M"]) and its in-tile sums run in row order (the
-# Triton interpreter's do; a GPU's reduction tree differs, so there the sums agree to fp32 rounding, deterministically).
+# tiles have COLUMN_SUM_BLOCK_ROWS rows (CONFIGS["transpose"]["BLOCK_M"]), its row groups COLUMN_SUM_GROUP tiles
+# (["SUM_GROUP"]) and its in-tile sums run in row order (the Triton interpreter's do; a GPU's reduction tree differs,
+# so there the sums agree to fp32 rounding, deterministically).
 COLUMN_SUM_BLOCK_ROWS = 64
+COLUMN_SUM_GROUP = 8
 
 
 def column_sum_ref(x: torch.Tensor) -> torch.Tensor:
     """fp32 sums of the columns of 2-D ``x``, in a fixed order (deterministic; no atomics in the kernel).
 
-    Rows are taken in blocks of ``COLUMN_SUM_BLOCK_ROWS`` (the last one padded with zeros) and added in row order
-    within each block; the blocks' partial sums are added by ``torch.sum`` over the blocks.
+    Rows are taken in groups of ``COLUMN_SUM_GROUP`` blocks of ``COLUMN_SUM_BLOCK_ROWS`` rows (the last group padded
+    with zeros). Within a group, row ``r`` of each block is added to an accumulator of zeros, block after block; the
+    accumulator's rows are then added in order; the groups' partial sums are added by ``torch.sum`` over the groups.
     """
     if x.dim() != 2:
         raise ValueError(f"column_sum_ref needs a 2-D tensor, got shape {tuple(x.shape)}")
     m, n = x.shape
-    rows = COLUMN_SUM_BLOCK_ROWS
-    blocks = -(-m // rows)
-    x32 = torch.zeros(blocks * rows, n, dtype=torch.float32, device=x.device)
+    rows, group = COLUMN_SUM_BLOCK_ROWS, COLUMN_SUM_GROUP
+    groups = -(-m // (rows * group))
+    x32 = torch.zeros(groups * group * rows, n, dtype=torch.float32, device=x.device)
     x32[:m] = x.detach().float()
-    b = x32.view(blocks, rows, n)
-    partial = b[:, 0]
+    b = x32.view(groups, group, rows, n)
+    acc = torch.zeros(groups, rows, n, dtype=torch.float32, device=x.device)
+    for k in range(group):
+        acc = acc + b[:, k]
+    partial = acc[:, 0]
     for i in range(1, rows):
-        partial = partial + b[:, i]
+        partial = partial + acc[:, i]
     return partial.sum(0)

@@ -398,10 +398,10 @@ def _column_sum_cast(x, fp8_dtype, transpose):
 
 
 @pytest.mark.parametrize(("shape", "transpose"), [((300, 52), True), ((132, 48), True), ((67, 45), True),
-                                                  ((300, 52), False), ((1, 16), True)])  # fmt: skip
+                                                  ((300, 52), False), ((1, 16), True), ((1100, 20), True)])  # fmt: skip
 def test_fused_column_sum_matches_reference(shape, transpose):
     """The bias gradient the grad cast sums as it reads: bit for bit the reference's order (several row blocks, a
-    partial last one, no transposed copy at all), close to the exact column sum."""
+    partial last one, several row groups, no transposed copy at all), close to the exact column sum."""
     x = (torch.randn(shape) * torch.exp2(torch.randint(-6, 6, shape).float())).to(torch.bfloat16).to(DEVICE)
     got, ref = _column_sum_cast(x, torch.float8_e5m2, transpose)
     assert len(got) == 4 and got[3].dtype == torch.float32 and got[3].shape == (shape[1],)
@@ -419,7 +419,7 @@ def test_fused_column_sum_matches_reference(shape, transpose):
 def test_column_sum_order_matches_the_kernel_config():
     # The reference's order is the kernel's only with its tile rows and row grouping.
     cfg = cast.CONFIGS["transpose"]
-    assert cfg["BLOCK_M"] == reference.COLUMN_SUM_BLOCK_ROWS
+    assert cfg["BLOCK_M"] == reference.COLUMN_SUM_BLOCK_ROWS and cfg["SUM_GROUP"] == reference.COLUMN_SUM_GROUP
     x = torch.randn(300, 20, dtype=torch.float64).float()
     torch.testing.assert_close(column_sum_ref(x), x.sum(0), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2-D"):

@@ -275,23 +275,26 @@ def test_interpreted_kernel_launches_normally():
 def test_gpu_fast_launches_equal_normal_launches(monkeypatch, speculate):
     """Every cast of a scaling state and the plain casts, launched fast (the casts of a state replayed from the second
     on) and through Triton: the same bytes and state, with aligned and misaligned inputs (another specialization; not
-    replayed) and both formats."""
+    replayed) and both formats, with and without the fused column sums (several row groups)."""
     from tests.kernels.test_cast import _state
 
     monkeypatch.setattr(quantize, "SPECULATIVE_CURRENT_SCALING", speculate)
     launch.clear()
     gen = torch.Generator(device="cuda").manual_seed(5)
-    base = torch.randn(300 * 52 + 8, device="cuda", generator=gen, dtype=torch.bfloat16) * 3.0
+    base = torch.randn(1100 * 52 + 8, device="cuda", generator=gen, dtype=torch.bfloat16) * 3.0
     for offset in (0, 1, 0):
-        x = base[offset : offset + 300 * 52].view(300, 52)  # contiguous; 2 bytes off 16 with offset 1
+        x = base[offset : offset + 1100 * 52].view(1100, 52)  # contiguous; 2 bytes off 16 with offset 1
         for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            for current, transpose in ((True, True), (False, True), (False, False)):
+            kinds = ((True, True, False), (False, True, False), (False, False, False), (False, True, True),
+                     (True, False, True))  # fmt: skip
+            for current, transpose, column_sum in kinds:
                 outs = []
                 for fast in (True, False):
                     monkeypatch.setattr(launch, "ENABLED", fast)
                     state = _state(4, 2.0)
                     for _ in range(3):  # the second launch of a specialization is fast, a state's cast replayed
-                        got = quantize.quantize_(x, *state, fp8_dtype, 0, True, True, current, transpose, None)
+                        got = quantize.quantize_(x, *state, fp8_dtype, 0, True, True, current, transpose, None,
+                                                 column_sum)  # fmt: skip
                     plain = cast.cast_to_fp8(x, torch.tensor(8.0, device="cuda"), fp8_dtype, transpose)
                     outs.append([*got, *state, *plain, cast.amax(x)])
                 for g, r in zip(*outs, strict=True):
