@@ -55,8 +55,9 @@ SWEEP_STAGE2 = {
     "amax": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (8, 16, 1 << 20)],
 }
 SWEEP_STAGE3 = {
-    "transpose": [{"STATS": t, "LOAD_POLICY": p, "MAXNREG": None} for t in ("tile", "row", "element")
-                  for p in ("", "evict_first")],
+    "transpose": [
+        {"STATS": t, "LOAD_POLICY": p, "MAXNREG": None} for t in ("tile", "row", "element") for p in ("", "evict_first")
+    ],
     "flat": [{"STATS": t, "LOAD_POLICY": p} for t in ("element", "tile") for p in ("", "evict_first")],
     "amax": [],
 }
@@ -177,35 +178,49 @@ def small_sweep(device, fp8_dtype):
 
 
 def sum_group_sweep(x, fp8_dtype, device, groups):
-    """The grad cast with the bias gradient fused in (quantize_(column_sum=True)) against SUM_GROUP, the row tiles each
-    program adds up in registers before one reduction, beside the same cast without the sums and a separate
-    x.sum(0): what FP8Linear's FUSED_BIAS_GRAD trades. Each variant is checked first: the FP8 bytes equal the cast's
-    without the sums, and the sums are within fp32 rounding of the exact (fp64) column sums."""
+    """The grad cast with and without the bias gradient fused in (quantize_(column_sum=True)) against GROUP_M, the row
+    tiles each program walks down a column block (adding them up in registers before one reduction, with the sums),
+    and the persistent grid, beside a separate x.sum(0): what FP8Linear's FUSED_BIAS_GRAD trades. Each variant is
+    checked first: the FP8 bytes equal the default cast's, and the sums are within fp32 rounding of the exact (fp64)
+    column sums."""
     f32, i64 = {"dtype": torch.float32, "device": device}, {"dtype": torch.int64, "device": device}
-    default = cast.CONFIGS["transpose"]["SUM_GROUP"]
     exact = x.double().sum(0)
     bound = x.shape[0] * 2.0**-24 * x.double().abs().sum(0)
 
+    # One delayed scaling state for every call (a fresh one per call would time its allocations and the host-to-device
+    # copy of its scale): the same x each time, so the scale settles after the first cast.
+    state = [torch.zeros(16, **f32), torch.tensor(2.0**-3, **f32), torch.zeros((), **f32), torch.zeros((), **f32),
+             torch.zeros((), **i64), torch.zeros((), **i64)]  # fmt: skip
+
     def run(column_sum):
-        state = [torch.zeros(16, **f32), torch.tensor(2.0**-3, **f32), torch.zeros((), **f32), torch.zeros((), **f32),
-                 torch.zeros((), **i64), torch.zeros((), **i64)]  # fmt: skip
         return fused.quantize_(x, *state, fp8_dtype, 0, True, True, False, True, None, column_sum)
 
     print(f"\nfused bias gradient, {x.shape[0]} x {x.shape[1]} -> {fp8_dtype}: delayed quantize_ (cast+T, record), us")
-    plain = run(False)
-    t_plain = median_ms(lambda: run(False), device) * 1e3
+    base = dict(cast.CONFIGS["transpose"])
+    run(False)
+    reference_bytes = run(False)
     t_sum = median_ms(lambda: x.sum(0, dtype=torch.float32), device) * 1e3
-    print(f"  without sums {t_plain:8.1f}   x.sum(0) alone {t_sum:8.1f}   both {t_plain + t_sum:8.1f}")
+    print(f"  x.sum(0, dtype=float32) alone: {t_sum:.1f}")
+    print(f"  {'GROUP_M':>7s} {'prog/SM':>7s} {'cast':>8s} {'+ x.sum':>8s} {'fused':>8s} {'saved':>7s}")
     for g in groups:
-        cast.CONFIGS["transpose"] = {**cast.CONFIGS["transpose"], "SUM_GROUP": g}
-        got = run(True)
-        if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[:2], plain[:2])):
-            raise RuntimeError(f"SUM_GROUP {g}: the FP8 bytes differ from the cast without sums")
-        if not ((got[3].double() - exact).abs() <= bound).all():
-            raise RuntimeError(f"SUM_GROUP {g}: column sums off the exact ones by more than fp32 rounding")
-        t = median_ms(lambda: run(True), device) * 1e3
-        print(f"  SUM_GROUP {g:3d}: with sums {t:8.1f}   (+{t - t_plain:6.1f} against x.sum(0) {t_sum:6.1f})")
-    cast.CONFIGS["transpose"] = {**cast.CONFIGS["transpose"], "SUM_GROUP": default}
+        for ppsm in (base["PROGRAMS_PER_SM"], 8):
+            cast.CONFIGS["transpose"] = {**base, "GROUP_M": g, "PROGRAMS_PER_SM": ppsm}
+            got = run(True)
+            for out in (got, run(False)):
+                if not all(
+                    torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    for a, b in zip(out[:2], reference_bytes[:2], strict=True)
+                ):
+                    raise RuntimeError(f"GROUP_M {g}: the FP8 bytes differ from the default config's")
+            if not ((got[3].double() - exact).abs() <= bound).all():
+                raise RuntimeError(f"GROUP_M {g}: column sums off the exact ones by more than fp32 rounding")
+            t_plain = median_ms(lambda: run(False), device) * 1e3
+            t_fused = median_ms(lambda: run(True), device) * 1e3
+            saved = t_plain + t_sum - t_fused
+            print(f"  {g:7d} {ppsm:7d} {t_plain:8.1f} {t_plain + t_sum:8.1f} {t_fused:8.1f} {saved:7.1f}")
+    cast.CONFIGS["transpose"] = base
+    if device.type == "cuda":
+        kernel_resources()
 
 
 def main():
@@ -216,7 +231,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="sweep launch configs, then time the best")
     p.add_argument("--save-configs", help="with --sweep: write the best launch configs to this JSON file")
     p.add_argument("--small", action="store_true", help="sweep MIN_ITEMS on current-scaled casts of small tensors")
-    p.add_argument("--sum-groups", type=int, nargs="+", help="time the fused bias gradient at these SUM_GROUPs")
+    p.add_argument("--sum-groups", type=int, nargs="+", help="time the fused bias gradient at these GROUP_Ms")
     p.add_argument("--toy", action="store_true", help="tiny shape (CPU smoke test)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

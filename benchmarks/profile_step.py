@@ -90,7 +90,9 @@ def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int, compile
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--what", default="linear,gpt", help="comma list: linear, linear_compile, linear_bf16, gpt")
+    p.add_argument(
+        "--what", default="linear,gpt", help="comma list: linear, linear_fused, linear_compile, linear_bf16, gpt"
+    )
     p.add_argument("--shape", type=int, nargs=3, default=(16384, 4096, 4096), metavar=("TOKENS", "IN", "OUT"))
     p.add_argument("--variants", default="bf16,o2")
     p.add_argument("--width", type=int, default=1024)
@@ -105,6 +107,12 @@ def main() -> None:
         report(f"FP8Linear {args.shape}", linear_case(*args.shape), rows=args.rows)
     if "linear_compile" in what:  # torch.compile: what the compiled step adds or removes
         report(f"FP8Linear {args.shape}, torch.compile", linear_case(*args.shape, compile=True), rows=args.rows)
+    if "linear_fused" in what:  # the bias gradient fused into the grad cast (lightning_fp8/linear.py: FUSED_BIAS_GRAD)
+        from lightning_fp8 import linear as fp8_linear
+
+        fp8_linear.FUSED_BIAS_GRAD = True
+        report(f"FP8Linear {args.shape}, fused bias gradient", linear_case(*args.shape), rows=args.rows)
+        fp8_linear.FUSED_BIAS_GRAD = False
     if "linear_bf16" in what:  # the baseline: nn.Linear under bf16 autocast
         report(f"nn.Linear {args.shape}", linear_case(*args.shape, fp8=False), rows=args.rows)
     if "gpt" in what:

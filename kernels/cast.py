@@ -15,8 +15,10 @@ under the Triton interpreter) are in :mod:`lightning_fp8.kernels.cast_kernels`; 
 Speed (H100, 8192 x 8192 bf16 -> E4M3, bytes read + written over the time, against a device copy at
 2.84 TB/s in the same run; benchmarks/results/h100_s6.txt): cast with transpose 81% (116 us), cast 84%,
 amax 81%; eager ``(x * scale).to(fp8)`` reaches 23%. The transposed cast holds 128 registers per thread in 8-warp
-128 x 64 tiles (one or two programs per SM); 64 x 64 tiles with 4 warps did best. The fused column sums
-(``column_sum``) cost the transposed cast 65-95 us more there, more than a separate ``dy.sum(0)`` (71 us).
+128 x 64 tiles (one or two programs per SM); 64 x 64 tiles with 4 warps did best. Programs walk GROUP_M row tiles
+down a column block; the fused column sums (``column_sum``, a linear layer's bias gradient) add those tiles in
+registers and reduce once per group: 16384 x 4096 bf16 -> E5M2, 145.9 us against 116.9 us for the cast and 70.8 us for
+``x.sum(0)`` (results/h100_s8.txt; with one reduction per tile, the sixth session's kernel, they cost more than x.sum).
 """
 
 import functools
@@ -50,12 +52,14 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # MIN_ITEMS: the least work items (blocks, tiles) per program where there are enough; current-scaled casts
 # (bench_cast.py --small, results/h100_s7.txt): 2 for the amax launch made 16384 x 4096 and 8192 x 8192 140 us instead
 # of 152 us and changed nothing measurable below; the casts' own launches gained nothing from it.
-# The transposed cast's BLOCK_M also fixes the summation order of its column sums (kernels/reference.py:
-# COLUMN_SUM_BLOCK_ROWS).
+# GROUP_M: the row tiles a program walks down a column block (bench_cast.py --sum-groups, results/h100_s8.txt: 8 made
+# the fused column sums 146 us instead of 178 us with 1 on 16384 x 4096, and the plain transposed cast of 16384 x 16384
+# 417 us instead of 487 us; 16 was no better). The transposed cast's BLOCK_M and GROUP_M also fix the summation order
+# of its column sums (kernels/reference.py: COLUMN_SUM_BLOCK_ROWS, COLUMN_SUM_GROUP).
 CONFIGS = {
     "transpose": {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "TRANSPOSE_VIA": "fp32",
-        "STATS": "row", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False, "SUM_GROUP": 8,
+        "STATS": "row", "LOAD_POLICY": "", "STORE_POLICY": "", "MAXNREG": None, "TMA": False, "GROUP_M": 8,
     },
     "flat": {"BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 32, "NUM_STAGES": 1, "STATS": "element",
              "LOAD_POLICY": "evict_first"},
@@ -191,7 +195,7 @@ def _cast_impl(
         tiles_m, tiles_n = _cdiv(m, cfg["BLOCK_M"]), _cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
-        groups = _cdiv(tiles_m, cfg["SUM_GROUP"])
+        groups = _cdiv(tiles_m, cfg["GROUP_M"])
         sums = torch.empty((groups, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
         tma = cfg["TMA"] and eager and transpose and _tma_fits(x)
         if tma:  # the tiles through tensor descriptors: the outputs as their bytes
@@ -203,7 +207,7 @@ def _cast_impl(
             tensors = (x, x_fp8, x_fp8_t)
         args = (tensors[0], scale, *tensors[1:], sums, *stats, m, n)
         flags = {"WRITE_T": transpose, "COLUMN_SUM": column_sum, "TMA": tma}
-        work = groups * tiles_n if column_sum else tiles_m * tiles_n  # work items: row groups or tiles
+        work = groups * tiles_n  # work items: GROUP_M row tiles of a column block
         kernel, index_64 = _cast_transpose_kernel, _index_64(padded)
     else:
         cfg = CONFIGS["flat"]

@@ -4,10 +4,11 @@ One pass: ``cast_to_fp8`` reads each element of ``x`` once (2-D tiles), writes `
 ``transpose``, the transposed tile to ``x_fp8_t`` (``tl.trans``; the compiler moves it through shared
 memory so that both stores are coalesced), and folds each program's amax and saturation count into two
 global accumulators (at most one atomic max and one atomic add per program, skipped when they cannot
-change anything). Programs are persistent (a grid-stride loop over tiles) and keep running statistics (scalars, or
-per row or per element: ``STATS``), so neither atomics nor registers grow with the tensor. With ``COLUMN_SUM`` the
-transposed cast also writes the column sums of each row block it reads (a linear layer's bias gradient, summed
-over the blocks by the launcher in a fixed order: deterministic, no float atomics).
+change anything). Programs are persistent (a grid-stride loop over work items of ``GROUP_M`` row tiles of one column
+block, walked down the column) and keep running statistics (scalars, or per row or per element: ``STATS``), so neither
+atomics nor registers grow with the tensor. With ``COLUMN_SUM`` the transposed cast also writes the column sums of
+each work item's rows (a linear layer's bias gradient: the tiles added in registers, one reduction per item; the
+launcher adds the items' sums in a fixed order: deterministic, no float atomics).
 
 A scaling state's cast (``quantize_``, what ``ScalingState.quantize`` runs on a GPU) is the same kernel with
 ``RECORD``: each program folds its statistics into a per-stream int64 workspace with atomics and takes an
@@ -156,7 +157,7 @@ def _cast_transpose_kernel(
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output (TMA: a descriptor of its bytes, uint8)
     out_t_ptr,  # (N, M) FP8 output, the transposed copy (TMA: a descriptor of its bytes, blocks of BLOCK_N x BLOCK_M)
-    colsum_ptr,  # COLUMN_SUM: (cdiv(cdiv(M, BLOCK_M), SUM_GROUP), N) fp32 output, column sums of each row group of x
+    colsum_ptr,  # COLUMN_SUM: (cdiv(cdiv(M, BLOCK_M), GROUP_M), N) fp32 output, column sums of each row group of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
     ws_ptr,  # RECORD: int64[4] workspace, zero (left zero): amax bits, saturated count, arrival ticket, redo flag
@@ -185,12 +186,12 @@ def _cast_transpose_kernel(
     # or "bytes" (the FP8 bytes)
     WRITE_T: tl.constexpr,  # write x_fp8_t
     COLUMN_SUM: tl.constexpr,  # write the column sums of each row group (the bias gradient's partial sums)
-    SUM_GROUP: tl.constexpr,  # COLUMN_SUM: row tiles (of BLOCK_M rows) per row group
+    GROUP_M: tl.constexpr,  # row tiles (of BLOCK_M rows) per work item: a row group of the column sums
     STATS: tl.constexpr,  # amax / saturation kept running per "element", per "row" or per "tile" (see _quantize_block)
     LOAD_POLICY: tl.constexpr,  # eviction policy of the loads ("" or "evict_first")
     STORE_POLICY: tl.constexpr,  # cache modifier of the FP8 stores ("" or ".cs": streaming, written once)
     TMA: tl.constexpr,  # move tiles with the tensor memory accelerator (descriptors; out of bounds: zeros / clipped)
-    NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the loop over a work item's tiles
     RECORD: tl.constexpr,  # fused bookkeeping of a scaling state (else amax_ptr/nsat_ptr accumulate the statistics)
     BLOCK_H: tl.constexpr,  # RECORD: next power of two >= H
     MAX_EXP: tl.constexpr,  # RECORD: fp32 exponent and mantissa fields of the format max, margin, history algorithm
@@ -204,7 +205,6 @@ def _cast_transpose_kernel(
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     go = _redo(ws_ptr, SPECULATE)
-    num_tiles = tl.where(go, tl.cdiv(M, BLOCK_M) * tiles_n, 0)
     scale = _guess_scale(scale_ptr, unscale_ptr, UNSCALE, SPECULATE)
     # Running amax and saturation count of this program: per element (no reduction in the loop, but registers: it
     # cost occupancy here on an H100), per row (a reduction within the threads of each row, no barrier) or scalars
@@ -218,35 +218,30 @@ def _cast_transpose_kernel(
     else:
         amax_acc = 0.0
         nsat_acc = 0
-    if COLUMN_SUM:
-        # Work items of SUM_GROUP row tiles of one column block: their rows are added element by element in registers
-        # (no reduction per tile) and reduced once per item, into that item's partial column sums (row group, N).
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        items = tl.where(go, tl.cdiv(tiles_m, SUM_GROUP) * tiles_n, 0)
-        for item in tl.range(pid, items, tl.num_programs(0)):
-            group = item // tiles_n
-            tn = item % tiles_n
+    # Work items of GROUP_M row tiles of one column block, walked down the column. With COLUMN_SUM their rows are added
+    # element by element in registers (no reduction per tile) and reduced once per item, into that item's partial
+    # column sums (row group, N). GROUP_M = 1 walks the tiles row block by row block.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    items = tl.where(go, tl.cdiv(tiles_m, GROUP_M) * tiles_n, 0)
+    for item in tl.range(pid, items, tl.num_programs(0), num_stages=1):
+        group = item // tiles_n
+        tn = item % tiles_n
+        if COLUMN_SUM:
             csum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for tm in tl.range(group * SUM_GROUP, tl.minimum(group * SUM_GROUP + SUM_GROUP, tiles_m),
-                               num_stages=NUM_STAGES):  # fmt: skip
-                x, amax_acc, nsat_acc = _cast_tile(
-                    x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
-                    MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N, TRANSPOSE_VIA,
-                    WRITE_T, STATS, LOAD_POLICY, STORE_POLICY, TMA,
-                )  # fmt: skip
+        for tm in tl.range(group * GROUP_M, tl.minimum(group * GROUP_M + GROUP_M, tiles_m), num_stages=NUM_STAGES):
+            x, amax_acc, nsat_acc = _cast_tile(
+                x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
+                MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N, TRANSPOSE_VIA,
+                WRITE_T, STATS, LOAD_POLICY, STORE_POLICY, TMA,
+            )  # fmt: skip
+            if COLUMN_SUM:
                 csum += x
+        if COLUMN_SUM:
             rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             if EVEN:
                 tl.store(colsum_ptr + group * N + rn, tl.sum(csum, axis=0))
             else:
                 tl.store(colsum_ptr + group * N + rn, tl.sum(csum, axis=0), mask=rn < N)
-    else:
-        for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-            _, amax_acc, nsat_acc = _cast_tile(
-                x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tile // tiles_n, tile % tiles_n, M, N, IS_E4M3,
-                FP8_MAX, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N,
-                TRANSPOSE_VIA, WRITE_T, STATS, LOAD_POLICY, STORE_POLICY, TMA,
-            )  # fmt: skip
     if STATS == "element":
         amax_acc = tl.max(tl.max(amax_acc, axis=1), axis=0)
         nsat_acc = tl.sum(tl.sum(nsat_acc, axis=1), axis=0)

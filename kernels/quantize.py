@@ -108,7 +108,7 @@ def quantize_(
 def _column_partials(x: torch.Tensor) -> torch.Tensor:
     # The buffer of the transposed cast's partial column sums of 2-D x (as _cast_impl allocates it).
     cfg = CONFIGS["transpose"]
-    return torch.empty((_cdiv(_cdiv(x.shape[0], cfg["BLOCK_M"]), cfg["SUM_GROUP"]), x.shape[1]),
+    return torch.empty((_cdiv(_cdiv(x.shape[0], cfg["BLOCK_M"]), cfg["GROUP_M"]), x.shape[1]),
                        dtype=torch.float32, device=x.device)  # fmt: skip
 
 

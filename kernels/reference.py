@@ -182,7 +182,7 @@ def quantize_ref(
 
 # The summation order of column_sum_ref. The fused cast (kernels/cast.py) sums in the same order when its transposed
 # tiles have COLUMN_SUM_BLOCK_ROWS rows (CONFIGS["transpose"]["BLOCK_M"]), its row groups COLUMN_SUM_GROUP tiles
-# (["SUM_GROUP"]) and its in-tile sums run in row order (the Triton interpreter's do; a GPU's reduction tree differs,
+# (["GROUP_M"]) and its in-tile sums run in row order (the Triton interpreter's do; a GPU's reduction tree differs,
 # so there the sums agree to fp32 rounding, deterministically).
 COLUMN_SUM_BLOCK_ROWS = 64
 COLUMN_SUM_GROUP = 8

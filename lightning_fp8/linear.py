@@ -26,10 +26,12 @@ from lightning_fp8.scaling import ScalingState
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
-# instead of a separate dy.sum(0) pass over dy. Off: on an H100 the fused sums slowed the cast by more than dy.sum(0)
-# takes (16384 x 4096 bf16: +66 us against 71 us; benchmarks/results/cast_linear_h100_v2.txt). bench_linear.py times
-# both.
-FUSED_BIAS_GRAD = False
+# instead of a separate dy.sum(0) pass over dy. The cast walks GROUP_M row tiles of a column block, adds them in
+# registers and reduces once per group (kernels/cast_kernels.py). H100, 16384 x 4096 bf16 -> E5M2 (bench_cast.py
+# --sum-groups, results/h100_s8.txt): cast 116.9 us + dy.sum(0) 70.8 us against 145.9 us fused; 16384 x 16384: 611 us
+# against 512 us. In FP8Linear 16384 x 4096 -> 4096 (profile_step.py): GPU busy 1.493 -> 1.470 ms per forward +
+# backward. bench_linear.py times the other choice beside the default.
+FUSED_BIAS_GRAD = True
 # Keep the weight's transposed FP8 copy (the dgrad operand) from the forward to the backward (True), or cast the weight
 # again in the backward with the forward's scale, which gives the same bytes (False, the default, as torchao does).
 # Recasting costs one more pass over the weight per backward and saves a byte per weight element from the forward to

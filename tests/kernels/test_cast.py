@@ -419,7 +419,7 @@ def test_fused_column_sum_matches_reference(shape, transpose):
 def test_column_sum_order_matches_the_kernel_config():
     # The reference's order is the kernel's only with its tile rows and row grouping.
     cfg = cast.CONFIGS["transpose"]
-    assert cfg["BLOCK_M"] == reference.COLUMN_SUM_BLOCK_ROWS and cfg["SUM_GROUP"] == reference.COLUMN_SUM_GROUP
+    assert cfg["BLOCK_M"] == reference.COLUMN_SUM_BLOCK_ROWS and cfg["GROUP_M"] == reference.COLUMN_SUM_GROUP
     x = torch.randn(300, 20, dtype=torch.float64).float()
     torch.testing.assert_close(column_sum_ref(x), x.sum(0), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2-D"):
