@@ -76,6 +76,8 @@ for what in "$@"; do
          timeout 60 python3 benchmarks/bench_cast.py --shape 16384 4096 --fp8 e5m2 --sum-groups ${SUMG:-1 2 4 8 16} > "$OUT/cast_4096.log" 2>&1; grep -A30 "^fused bias" "$OUT/cast_4096.log"
          timeout 60 python3 benchmarks/bench_cast.py --shape 16384 16384 --fp8 e5m2 --sum-groups ${SUMG:-1 2 4 8 16} > "$OUT/cast_16384.log" 2>&1; grep -A30 "^fused bias" "$OUT/cast_16384.log"
          for i in 1 2; do timeout 130 python3 benchmarks/bench_linear.py > "$OUT/linear_$i.log" 2>&1; tail -13 "$OUT/linear_$i.log"; done;;
+    s8b) timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_launch.py tests/kernels/test_cast.py tests/core/test_linear.py tests/core/test_optim.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+         for i in 1 2 3; do timeout 100 python3 benchmarks/bench_linear.py > "$OUT/linear_$i.log" 2>&1; tail -13 "$OUT/linear_$i.log"; done;;
     s6final) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_grad_cast.py tests/kernels/test_cast.py -k "grad_cast or speculative or (every_variant and fp32)" > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
              timeout 330 python3 benchmarks/train_step.py --sizes 1024x12 --compile yes --variants bf16,o2 --steps 8 --warmup 3 --timeout 160 --json "$OUT/train_1024.json" > "$OUT/train_1024.log" 2>&1; tail -3 "$OUT/train_1024.log"
              timeout 130 python3 benchmarks/profile_step.py --what gpt --compile --width 1024 --depth 12 --variants o2 --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
