@@ -50,7 +50,10 @@ SWEEP_STAGE2 = {
     # The persistent grid: programs that do not fit on the SMs at once wait for a whole program's tiles to finish, so
     # the grid is swept finely around the number of programs that fit (registers, shared memory).
     "transpose": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 32, 1 << 20)]
-    + [{"PROGRAMS_PER_SM": 16, "NUM_STAGES": 2}],
+    + [{"PROGRAMS_PER_SM": 16, "NUM_STAGES": 2}]
+    # GROUP_M: the row tiles a program walks down a column block (it also fixes the order of the fused column sums:
+    # kernels/reference.py COLUMN_SUM_GROUP follows the default).
+    + [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1, "GROUP_M": g} for g in (1, 2, 4, 16) for p in (16, 32)],
     "flat": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (4, 8, 12, 16, 24, 32, 1 << 20)],
     "amax": [{"PROGRAMS_PER_SM": p, "NUM_STAGES": 1} for p in (8, 16, 1 << 20)],
 }
