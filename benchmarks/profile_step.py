@@ -90,9 +90,8 @@ def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int, compile
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--what", default="linear,gpt", help="comma list: linear, linear_fused, linear_compile, linear_bf16, gpt"
-    )
+    kinds = "linear, linear_fused, linear_unfused, linear_compile, linear_bf16, gpt"
+    p.add_argument("--what", default="linear,gpt", help=f"comma list: {kinds}")
     p.add_argument("--shape", type=int, nargs=3, default=(16384, 4096, 4096), metavar=("TOKENS", "IN", "OUT"))
     p.add_argument("--variants", default="bf16,o2")
     p.add_argument("--width", type=int, default=1024)
@@ -107,12 +106,14 @@ def main() -> None:
         report(f"FP8Linear {args.shape}", linear_case(*args.shape), rows=args.rows)
     if "linear_compile" in what:  # torch.compile: what the compiled step adds or removes
         report(f"FP8Linear {args.shape}, torch.compile", linear_case(*args.shape, compile=True), rows=args.rows)
-    if "linear_fused" in what:  # the bias gradient fused into the grad cast (lightning_fp8/linear.py: FUSED_BIAS_GRAD)
-        from lightning_fp8 import linear as fp8_linear
+    for fused in (True, False):  # the bias gradient from the grad cast or dy.sum(0) (lightning_fp8/linear.py)
+        if ("linear_fused" if fused else "linear_unfused") in what:
+            from lightning_fp8 import linear as fp8_linear
 
-        fp8_linear.FUSED_BIAS_GRAD = True
-        report(f"FP8Linear {args.shape}, fused bias gradient", linear_case(*args.shape), rows=args.rows)
-        fp8_linear.FUSED_BIAS_GRAD = False
+            default, fp8_linear.FUSED_BIAS_GRAD = fp8_linear.FUSED_BIAS_GRAD, fused
+            label = "fused bias gradient" if fused else "bias gradient by dy.sum(0)"
+            report(f"FP8Linear {args.shape}, {label}", linear_case(*args.shape), rows=args.rows)
+            fp8_linear.FUSED_BIAS_GRAD = default
     if "linear_bf16" in what:  # the baseline: nn.Linear under bf16 autocast
         report(f"nn.Linear {args.shape}", linear_case(*args.shape, fp8=False), rows=args.rows)
     if "gpt" in what:

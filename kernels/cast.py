@@ -196,7 +196,7 @@ def _cast_impl(
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
-        sums = torch.empty((groups, n), dtype=torch.float32, device=x.device) if column_sum else x_fp8
+        sums = column_partials(x) if column_sum else x_fp8
         tma = cfg["TMA"] and eager and transpose and _tma_fits(x)
         if tma:  # the tiles through tensor descriptors: the outputs as their bytes
             blocks, blocks_t = [cfg["BLOCK_M"], cfg["BLOCK_N"]], [cfg["BLOCK_N"], cfg["BLOCK_M"]]
@@ -222,6 +222,14 @@ def _cast_impl(
         cfg = {**cfg, "PROGRAMS_PER_SM": REDO_PROGRAMS_PER_SM}
         _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **redo, **flags, EVEN=even, INDEX_64=index_64)
     return x_fp8, x_fp8_t, (sums if column_sum else None)
+
+
+def column_partials(x: torch.Tensor) -> torch.Tensor:
+    """The buffer of the transposed cast's partial column sums of 2-D ``x``: one fp32 row per row group of GROUP_M
+    tiles (``_cast_impl`` fills it; a replay of that launch is given a fresh one)."""
+    cfg = CONFIGS["transpose"]
+    groups = _cdiv(_cdiv(x.shape[0], cfg["BLOCK_M"]), cfg["GROUP_M"])
+    return torch.empty((groups, x.shape[1]), dtype=torch.float32, device=x.device)
 
 
 def column_sums(partials: torch.Tensor) -> torch.Tensor:

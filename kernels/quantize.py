@@ -94,7 +94,7 @@ def quantize_(
         if replay is not None:  # the launches of the first cast of this kind, with this cast's tensors
             x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
             scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-            partials = _column_partials(x) if column_sum else None
+            partials = cast.column_partials(x) if column_sum else None
             replay((*state, x_fp8, x_fp8_t, scale_inv, partials), key[1])
         else:
             with launch.recording() as recorded:
@@ -103,13 +103,6 @@ def quantize_(
     if column_sum:
         return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials)
     return x_fp8, x_fp8_t, scale_inv
-
-
-def _column_partials(x: torch.Tensor) -> torch.Tensor:
-    # The buffer of the transposed cast's partial column sums of 2-D x (as _cast_impl allocates it).
-    cfg = CONFIGS["transpose"]
-    return torch.empty((_cdiv(_cdiv(x.shape[0], cfg["BLOCK_M"]), cfg["GROUP_M"]), x.shape[1]),
-                       dtype=torch.float32, device=x.device)  # fmt: skip
 
 
 def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
