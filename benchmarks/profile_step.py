@@ -48,6 +48,36 @@ def report(name: str, fn, iters: int = 10, rows: int = 18) -> None:
           f"{len(kernels) / iters:.0f} kernels/iter")
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+    totals: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.name)
+        totals[kind] = totals.get(kind, 0.0) + e.device_time / iters / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    print("GPU time by kind (ms/iter): " + ", ".join(f"{k} {v:.2f}" for k, v in ranked))
+
+
+# Kernel name fragments -> kind, first match wins (names as CUDA, cuBLAS, Triton and inductor give them).
+_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("fp8 gemm", ("e4m3", "e5m2", "f8f8", "fp8", "nvjet_sm90_q")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_")),
+    ("grad cast", ("_grad_amax", "_grad_cast")),
+    ("fp8 cast", ("_cast_transpose", "_cast_flat", "_amax_kernel", "_transpose_kernel")),
+    ("optimizer", ("adam", "_finalize", "multi_tensor", "foreach")),
+    ("inductor reduction", ("triton_red", "triton_per")),
+    ("inductor pointwise", ("triton_poi", "triton_tem")),
+    ("copy/fill", ("copy", "fill", "memset", "memcpy", "catarray", "cat_")),
+    ("elementwise (eager)", ("elementwise", "vectorized", "unrolled")),
+    ("reduction (eager)", ("reduce", "layer_norm", "softmax", "nll", "cross_entropy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, fragments in _KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return "other"
 
 
 def linear_case(tokens: int, k: int, n: int, compile: bool = False, fp8: bool = True):

@@ -65,6 +65,10 @@ CONFIGS = {
              "LOAD_POLICY": "evict_first"},
     "amax": {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2**20, "NUM_STAGES": 1, "MIN_ITEMS": 2},
 }  # fmt: skip
+# Casts without column sums with fewer than GROUP_M * this * (multiprocessors) tiles walk fewer row tiles per work
+# item (_group_m). H100, bench_cast.py --sum-groups (results/h100_s9.txt): 1024 x 4096 bf16 -> E5M2, quantize_ 21.5 us
+# with GROUP_M 8, 16.8-16.9 us with 1 or 2; 16384 x 1024 the same (39-43 us) with every GROUP_M from 1 to 8.
+GROUP_M_MIN_ITEMS_PER_SM = 2
 # Tensors whose (tile-padded) size reaches this use 64-bit offsets.
 INT32_INDEX_LIMIT = 2**31
 # Under the interpreter programs run one after another: a grid of this many programs keeps tests fast.
@@ -103,6 +107,17 @@ def _grid_size(x: torch.Tensor, work_items: int, programs_per_sm: int, min_items
         return max(1, min(work_items, _INTERPRETER_PROGRAMS))
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return max(1, min(work_items // min_items, _sm_count(index) * programs_per_sm))
+
+
+def _group_m(x: torch.Tensor, tiles: int, group_m: int) -> int:
+    # GROUP_M halved until the work items fill every multiprocessor GROUP_M_MIN_ITEMS_PER_SM times (small casts: a
+    # program walking 8 tiles one after another on a half-empty GPU is slower than 8 programs side by side).
+    if x.device.type != "cuda":
+        return group_m
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    while group_m > 1 and tiles < group_m * GROUP_M_MIN_ITEMS_PER_SM * _sm_count(index):
+        group_m //= 2
+    return group_m
 
 
 def _index_64(padded_numel: int) -> bool:
@@ -195,6 +210,8 @@ def _cast_impl(
         tiles_m, tiles_n = _cdiv(m, cfg["BLOCK_M"]), _cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
+        if not column_sum:  # the column sums' order fixes their GROUP_M; a plain cast may walk shorter columns
+            cfg["GROUP_M"] = _group_m(x, tiles_m * tiles_n, cfg["GROUP_M"])
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
         sums = column_partials(x) if column_sum else x_fp8
         tma = cfg["TMA"] and eager and transpose and _tma_fits(x)
