@@ -100,6 +100,17 @@ def tensor_sizes(numel: int, count: int, world: int) -> list[int]:
     return sizes.tolist()
 
 
+def gradients(numel: int, count: int, device: torch.device) -> tuple[torch.Tensor, SegmentLayout]:
+    """This rank's flat bf16 gradient of ``count`` tensors (:func:`tensor_sizes`), each of its own magnitude over 8
+    orders, and its layout (one scale group per tensor)."""
+    sizes = tensor_sizes(numel, count, dist.get_world_size())
+    g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    grads = torch.randn(numel, generator=g, device=device, dtype=torch.bfloat16)
+    mags = torch.logspace(-6, 2, len(sizes), device=device, dtype=torch.float32)
+    grads.mul_(torch.repeat_interleave(mags, torch.tensor(sizes, device=device)).bfloat16())
+    return grads, SegmentLayout.per_tensor(sizes)
+
+
 def same_on_every_rank(t: torch.Tensor) -> bool:
     """Whether every rank holds the same bytes (compared through two checksums of the raw bits)."""
     sums = torch.zeros(2, dtype=torch.int64, device=t.device)
@@ -226,14 +237,9 @@ def sweep_variants(grads: torch.Tensor, layout: SegmentLayout, args) -> list[tup
 def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     world = dist.get_world_size()
     nccl = dist.get_backend() == "nccl"
-    sizes = tensor_sizes(args.numel, args.tensors, world)
-    layout = SegmentLayout.per_tensor(sizes)
-    g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
-    # Gradients of many magnitudes: each tensor its own scale over 8 orders of magnitude.
-    grads = torch.randn(args.numel, generator=g, device=device, dtype=torch.bfloat16)
-    mags = torch.logspace(-6, 2, len(sizes), device=device, dtype=torch.float32)
-    grads.mul_(torch.repeat_interleave(mags, torch.tensor(sizes, device=device)).bfloat16())
-    log(f"reduction: {args.numel:,} bf16 gradient elements in {len(sizes)} tensors, {world} ranks, {device.type}")
+    grads, layout = gradients(args.numel, args.tensors, device)
+    log(f"reduction: {args.numel:,} bf16 gradient elements in {layout.num_groups} tensors, {world} ranks, "
+        f"{device.type}")
     fused = device.type == "cuda" and not args.eager
     if fused:
         check_kernels(device, world)
