@@ -109,13 +109,11 @@ def _grid_size(x: torch.Tensor, work_items: int, programs_per_sm: int, min_items
     return max(1, min(work_items // min_items, _sm_count(index) * programs_per_sm))
 
 
-def _group_m(x: torch.Tensor, tiles: int, group_m: int) -> int:
-    # GROUP_M halved until the work items fill every multiprocessor GROUP_M_MIN_ITEMS_PER_SM times (small casts: a
-    # program walking 8 tiles one after another on a half-empty GPU is slower than 8 programs side by side).
-    if x.device.type != "cuda":
-        return group_m
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    while group_m > 1 and tiles < group_m * GROUP_M_MIN_ITEMS_PER_SM * _sm_count(index):
+def _group_m(tiles: int, group_m: int, multiprocessors: int) -> int:
+    """GROUP_M for a transposed cast of ``tiles`` tiles without column sums: halved until its work items fill every
+    multiprocessor GROUP_M_MIN_ITEMS_PER_SM times (a program walking 8 tiles one after another on a half-empty GPU is
+    slower than 8 programs side by side)."""
+    while group_m > 1 and tiles < group_m * GROUP_M_MIN_ITEMS_PER_SM * multiprocessors:
         group_m //= 2
     return group_m
 
@@ -210,8 +208,9 @@ def _cast_impl(
         tiles_m, tiles_n = _cdiv(m, cfg["BLOCK_M"]), _cdiv(n, cfg["BLOCK_N"])
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
-        if not column_sum:  # the column sums' order fixes their GROUP_M; a plain cast may walk shorter columns
-            cfg["GROUP_M"] = _group_m(x, tiles_m * tiles_n, cfg["GROUP_M"])
+        if not column_sum and x.is_cuda:  # the column sums' order fixes their GROUP_M; a plain cast may walk less
+            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            cfg["GROUP_M"] = _group_m(tiles_m * tiles_n, cfg["GROUP_M"], _sm_count(index))
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
         sums = column_partials(x) if column_sum else x_fp8
         tma = cfg["TMA"] and eager and transpose and _tma_fits(x)

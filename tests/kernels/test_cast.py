@@ -179,6 +179,28 @@ def test_every_statistics_mode_matches_reference(monkeypatch, stats):
             assert_cast_equal(cast.cast_to_fp8(x, scale, fp8_dtype, transpose), ref)
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 4])
+def test_transposed_cast_any_row_grouping(monkeypatch, group_m):
+    # Small casts on a GPU walk fewer row tiles per work item (cast._group_m): the same bytes and statistics for every
+    # grouping, over several row groups and column blocks with masked edges.
+    monkeypatch.setitem(cast.CONFIGS, "transpose", {**cast.CONFIGS["transpose"], "GROUP_M": group_m})
+    scale = torch.tensor(2.0**-2, device=DEVICE)
+    x = inputs((5 * 64 + 5, 2 * 64 + 9), torch.bfloat16, torch.float8_e4m3fn, scale.item())
+    ref = cast_to_fp8_ref(x, scale, torch.float8_e4m3fn, True)
+    assert_cast_equal(cast.cast_to_fp8(x, scale, torch.float8_e4m3fn, True), ref)
+
+
+def test_row_grouping_of_small_casts():
+    # GROUP_M halves until the work items fill each multiprocessor GROUP_M_MIN_ITEMS_PER_SM times, never below 1.
+    per_sm = cast.GROUP_M_MIN_ITEMS_PER_SM
+    assert cast._group_m(8 * per_sm * 132, 8, 132) == 8  # enough tiles: unchanged
+    assert cast._group_m(8 * per_sm * 132 - 1, 8, 132) == 4
+    for tiles in (1024, 2000, 3000):  # the largest halving of 8 whose items fill the multiprocessors
+        assert cast._group_m(tiles, 8, 132) == max(g for g in (1, 2, 4, 8) if g == 1 or tiles >= g * per_sm * 132)
+    assert cast._group_m(1, 8, 132) == 1
+    assert cast._group_m(10**6, 16, 132) == 16
+
+
 def test_empty_tensors():
     scale = torch.tensor(1.0, device=DEVICE)
     e = torch.empty(0, 16, device=DEVICE)
