@@ -69,7 +69,9 @@ def _rounding(fp8_dtype: torch.dtype) -> dict:
 # warps, one program per 8192-element row, run at 89-96% of a device copy's bandwidth (amax, cast, decode with and
 # without checks); persistent grids of 8-16 programs per SM ran from 4% faster (cast) to 17% slower (checked decode),
 # 4 per SM slower everywhere; evict_first loads 2-16% slower.
-# PROGRAMS_PER_SM > 0 leaves SMs to NCCL's kernels when they run beside these (bench_comm.py --sweep measures that).
+# PROGRAMS_PER_SM > 0 leaves SMs to NCCL's kernels when they run beside these (bench_comm.py --sweep measures that);
+# so does MAX_PROGRAMS below: on 2 H200s every cap from 66 to 528 programs made the FP8 all-reduce slower
+# (benchmarks/bench_comm_caps.py, results/comm_fp8_h200x2_s9.txt).
 CONFIGS = {
     "amax": {"SUB": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 0, "HINT": 16, "POLICY": ""},
     "quantize": {"SUB": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 0, "HINT": 8, "POLICY": ""},
