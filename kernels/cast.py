@@ -101,12 +101,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _multiprocessors(x: torch.Tensor) -> int:
+    # The multiprocessors of CUDA tensor x's device.
+    return _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def _grid_size(x: torch.Tensor, work_items: int, programs_per_sm: int, min_items: int = 1) -> int:
     # At most programs_per_sm per multiprocessor, and at least min_items work items per program where there are enough.
     if x.device.type != "cuda":
         return max(1, min(work_items, _INTERPRETER_PROGRAMS))
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return max(1, min(work_items // min_items, _sm_count(index) * programs_per_sm))
+    return max(1, min(work_items // min_items, _multiprocessors(x) * programs_per_sm))
 
 
 def _group_m(tiles: int, group_m: int, multiprocessors: int) -> int:
@@ -209,8 +213,7 @@ def _cast_impl(
         padded = tiles_m * cfg["BLOCK_M"] * tiles_n * cfg["BLOCK_N"]
         even = m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0
         if not column_sum and x.is_cuda:  # the column sums' order fixes their GROUP_M; a plain cast may walk less
-            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-            cfg["GROUP_M"] = _group_m(tiles_m * tiles_n, cfg["GROUP_M"], _sm_count(index))
+            cfg["GROUP_M"] = _group_m(tiles_m * tiles_n, cfg["GROUP_M"], _multiprocessors(x))
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
         sums = column_partials(x) if column_sum else x_fp8
         tma = cfg["TMA"] and eager and transpose and _tma_fits(x)

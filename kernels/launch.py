@@ -147,9 +147,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
     ):
         COUNTS["normal"] += 1
-        recorded = _RECORDING.__dict__.get("launches")
-        if recorded is not None:
-            recorded.append(None)
+        _note(None)
         kernel[grid](*args, **kwargs)
         return
     device, stream = _current_device_stream()
@@ -163,16 +161,12 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and compiled is not None:
             _learn(kernel, key, compiled, device, args, kwargs)
-        recorded = _RECORDING.__dict__.get("launches")
-        if recorded is not None:  # replayable only once Triton's specialization of these arguments was checked
-            learned = None if key is None else _LEARNED.get(key)
-            recorded.append(None if learned is None else (kernel, learned[0], grid, args, kwargs, learned[1]))
+        learned = None if key is None else _LEARNED.get(key)  # replayable once Triton checked the specialization
+        _note(None if learned is None else (kernel, learned[0], grid, args, kwargs, learned[1]))
         return
     compiled, tail = learned
     COUNTS["fast"] += 1
-    recorded = _RECORDING.__dict__.get("launches")
-    if recorded is not None:
-        recorded.append((kernel, compiled, grid, args, kwargs, tail))
+    _note((kernel, compiled, grid, args, kwargs, tail))
     _run(compiled, grid, stream, args + tail)
 
 
@@ -190,6 +184,15 @@ def _run(compiled, grid: tuple[int, ...], stream: int, full: tuple) -> None:
 # compiled kernel, grid, positional arguments, keywords, the arguments after the positional ones), or None when it
 # cannot be replayed (a launch through Triton's dispatcher whose specialization was not checked).
 _RECORDING = threading.local()  # .launches: this thread's list while it records (threads record apart)
+
+
+def _note(entry: tuple | None) -> None:
+    # Append a launch's replay entry to this thread's recording, if it is recording.
+    recorded = _RECORDING.__dict__.get("launches")
+    if recorded is not None:
+        recorded.append(entry)
+
+
 # Called by clear(): forget the launchers' cached replays.
 _ON_CLEAR: list = []
 
