@@ -13,10 +13,11 @@ installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt lev
 ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next forward uses
 instead of casting; eager only, torch.compile bypasses the copy), ``o2op`` (O2 with each cast an opaque custom op
 under torch.compile instead of the triton_op that inductor launches itself: lightning_fp8/scaling.py
-TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2sp`` (O2 with speculative current scaling:
-kernels/quantize.py), ``o2bt`` (O2 with FP8AdamW's gradient casts batched: ``grad_cast_bucket_mb=64``). The
-output head stays in high precision in every FP8 variant. Each result also gives the time of the warm-up steps
-(``warmup_s``; compiled, it includes the compilation).
+TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled casts of activations and gradients
+fused by inductor into the kernels around them: lightning_fp8/scaling.py FUSED_CASTS), ``o2sp`` (O2 with speculative
+current scaling: kernels/quantize.py), ``o2bt`` (O2 with FP8AdamW's gradient casts batched:
+``grad_cast_bucket_mb=64``). The output head stays in high precision in every FP8 variant. Each result also gives
+the time of the warm-up steps (``warmup_s``; compiled, it includes the compilation).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2sp", "o2bt")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2sp", "o2bt")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -57,6 +58,8 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
 
         if variant == "o2op":
             scaling.TRACE_TRITON_CASTS = False
+        if variant == "o2fc":
+            scaling.FUSED_CASTS = True
         if variant == "o2sp" and device == "cuda":
             from lightning_fp8.kernels import quantize
 

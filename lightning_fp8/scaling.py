@@ -137,6 +137,8 @@ class ScalingState(nn.Module):
         x, mode = x.detach().contiguous(), (self.fp8_dtype, self.margin, self.algo == "max", self.delayed)
         if torch.compiler.is_compiling():
             buffers = (self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts)
+            if FUSED_CASTS and self.delayed and unscale is None and not column_sum and x.numel():
+                return _fused_quantize(x, *buffers, *mode, current, transpose)
             out = _traced_quantize(x)(x, *buffers, *mode, current, transpose, unscale, column_sum)
             return out if column_sum else out[:3]
         b = self._buffers  # one dict lookup per buffer, not a Module.__getattr__ (this runs for every cast)
@@ -148,6 +150,79 @@ class ScalingState(nn.Module):
             getattr(self, name).zero_()
         self.scale.fill_(1.0)
         self.initialized = False
+
+
+# Under torch.compile, the casts of delayed scaling states (activations, gradients; not weights, not the grad casts
+# that sum a bias gradient) as tensor ops that inductor fuses into the kernel producing their input: a LayerNorm or a
+# GELU writes FP8 and folds the amax (DESIGN.md "Kernel fusion"). The transposed copy is a pass of its own
+# (kernels/transpose.py: transpose_op) and the bookkeeping one small launch (kernels/record.py). Off: it does not pay
+# on an H100 (benchmarks/train_step.py variant o2fc, compiled GPT d=1024 x 12, results/h100_s10.txt): 63.7-65.4 ms per
+# step against 53.7 ms with every cast one kernel. Hopper's FP8 GEMMs need both layouts of every activation and
+# gradient: fused into a row-wise kernel, inductor writes the transposed copy slowly (its kernel of a residual add,
+# LayerNorm and cast of 16384 x 1024, by the ops in its name: 363 us a call, 124 us without the transposed write); as
+# passes of their own the transposes take 4.9 ms per step (96 launches), as much as the fused producers save, and
+# inductor's kernels with the casts and their amax and saturation reductions took 19.8 ms per step against 12.9 ms
+# without them. True: every such compiled cast is fused.
+FUSED_CASTS = False
+
+
+def _fused_quantize(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    current: bool,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.quantize_ref`` (no unscale, no column sums, non-empty ``x``) for torch.compile to trace: the data
+    pass as tensor ops, the scale it uses from an op the backward cannot recompute (``scale`` changes in the same
+    graph), the bookkeeping as one op."""
+    fmax = fp8_max(fp8_dtype)
+    triton = ops.use_triton(x)
+    if triton:
+        from lightning_fp8.kernels import record
+
+        used = record.used_scale_op(scale)
+    else:
+        used = _used_scale(scale)
+    if current:
+        used = reference.pow2_scale_ref(reference.amax_ref(x), fmax, margin, used)
+    x_fp8, x_fp8_t, amax, n_saturated = reference.cast_to_fp8_ref(x, used, fp8_dtype, transpose and not triton)
+    if triton:
+        if transpose:  # a pass of its own: fused into a row-wise producer the transposed writes crawl
+            from lightning_fp8.kernels import transpose as fp8_transpose
+
+            x_fp8_t = fp8_transpose.transpose_op(x_fp8)
+        scale_inv = record.record_op(
+            amax, n_saturated, used, amax_history, scale, last_amax, saturation, nonfinite_count, casts, x.numel(),
+            fp8_dtype, margin, algo_max, delayed,
+        )  # fmt: skip
+    else:
+        if current:
+            scale.copy_(used)
+        scale_inv = reference.record_cast_ref(
+            amax, n_saturated, x.numel(), used, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
+            fmax, margin, algo_max, delayed,
+        )  # fmt: skip
+    return x_fp8, x_fp8_t, scale_inv
+
+
+@torch.library.custom_op("lightning_fp8::used_scale_ref", mutates_args=())
+def _used_scale(scale: torch.Tensor) -> torch.Tensor:
+    # kernels/record.py: used_scale_op without Triton. A copy as an op: the partitioner recomputes a traced clone.
+    return scale.clone()
+
+
+@_used_scale.register_fake
+def _(scale):
+    return torch.empty_like(scale)
 
 
 # True: under torch.compile a cast of a CUDA tensor is the triton_op of kernels/quantize.py (inductor launches its

@@ -381,6 +381,39 @@ def test_traced_quantize_op_matches_reference(current, transpose, unscale, colum
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize(("delayed", "algo_max", "history_len"), [(True, True, 5), (True, False, 3), (False, True, 1)])
+def test_record_op_matches_reference_over_steps(fp8_dtype, delayed, algo_max, history_len):
+    """The bookkeeping of a cast whose data pass torch.compile generates (kernels/record.py: record_op, and the scale
+    copy used_scale_op) against record_cast_ref, over amaxes of changing magnitude with inf and 0 among them (the
+    history roll, the next scale, the statistics, 1 / scale, bit for bit)."""
+    from lightning_fp8.kernels import record
+
+    got_state, ref_state = _state(history_len, 4.0), _state(history_len, 4.0)
+    fmax = reference._FP8_MAX[fp8_dtype]
+    numel = 1000
+    for step, amax in enumerate([1.0, 300.0, 0.01, float("inf"), 5.0, 0.0, 2e4, 3e-3]):
+        amax_t = torch.tensor(amax, device=DEVICE)
+        n_sat = torch.tensor(step * 7, dtype=torch.int64, device=DEVICE)
+        used = record.used_scale_op(got_state[1])
+        assert torch.equal(used, got_state[1]) and used.data_ptr() != got_state[1].data_ptr()
+        if step % 3 == 0:  # a current-scaled cast: the scale of this amax, which the state keeps without delay
+            used = reference.pow2_scale_ref(amax_t, fmax, 1, used)
+        args = (fp8_dtype, 1, algo_max, delayed)
+        got = record.record_op(amax_t, n_sat, used, *got_state, numel, *args)
+        if not delayed:
+            ref_state[1].copy_(used)  # quantize_ref's current_scale_ref
+        ref = reference.record_cast_ref(amax_t, n_sat, numel, used.clone(), *ref_state, fmax, 1, algo_max, delayed)
+        assert torch.equal(got, ref), (step, got, ref)
+        for name, g, r in zip(
+            ("history", "scale", "amax", "saturation", "nonfinite", "casts"), got_state, ref_state, strict=True
+        ):
+            assert torch.equal(g, r), (step, name, g, r)
+    assert int(got_state[4]) == 1 and int(got_state[5]) == 8
+    with pytest.raises(ValueError, match="empty tensor"):
+        record.record_op(amax_t, n_sat, used, *got_state, 0, *args)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("shape", [(64, 48), (160, 96), (67, 48), (64, 40)])  # the last two: no descriptors
 def test_tma_transposed_cast_matches_reference(monkeypatch, fp8_dtype, shape):
     """The transposed cast with its tiles moved through tensor descriptors (TMA; the interpreter runs them too):
