@@ -38,6 +38,12 @@ FUSED_BIAS_GRAD = True
 # the backward, at the peak of a training step's memory. A weight copy written by FP8AdamW(emit_fp8_weights=True) keeps
 # its transpose either way.
 SAVE_WEIGHT_TRANSPOSE = False
+# Under torch.compile, keep the input's transposed FP8 copy (the wgrad operand) from the forward to the backward (True),
+# or keep nothing of the input's cast and cast the input again in the backward with the forward's scale, the same bytes
+# (False): the partitioner then keeps the high-precision input where another op keeps it anyway (an attention output
+# for its backward) or recomputes it from what it keeps (a LayerNorm's or a GELU's output), one byte per element less
+# at the peak for one more pass in the backward. Eagerly the copy is always kept (the input itself may be 4 bytes).
+SAVE_INPUT_TRANSPOSE_COMPILED = True
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -56,7 +62,12 @@ class _FP8Matmul(torch.autograd.Function):
     ):
         # `first`: no amax history yet, so delayed roles use their tensor's own amax this step.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
-        x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(x, need_wgrad, first or not fp8["input"].delayed)
+        # Without the transposed copy the backward casts x again (SAVE_INPUT_TRANSPOSE_COMPILED).
+        ctx.recast_input = need_wgrad and not SAVE_INPUT_TRANSPOSE_COMPILED and torch.compiler.is_compiling()
+        x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(
+            x, need_wgrad and not ctx.recast_input, first or not fp8["input"].delayed
+        )
+        ctx.input_fp8_dtype = x_fp8.dtype
         # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
         # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
         w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
@@ -71,7 +82,7 @@ class _FP8Matmul(torch.autograd.Function):
         y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
         ctx.bias_dtype = None if bias is None else bias.dtype
         recast = (weight, master_scale) if ctx.recast else ()
-        ctx.save_for_backward(x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv, *recast)
+        ctx.save_for_backward(x if ctx.recast_input else x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv, *recast)
         ctx.grad_state = fp8["grad_output"]
         ctx.grad_current = first or not fp8["grad_output"].delayed
         ctx.dtypes = (x.dtype, weight.dtype)
@@ -83,6 +94,8 @@ class _FP8Matmul(torch.autograd.Function):
         if ctx.recast:
             w_fp8_t = _recast_weight_t(*recast, w_scale_inv, ctx.weight_fp8_dtype)
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        if ctx.recast_input and need_wgrad:  # x_fp8_t holds x: its forward cast again, the same bytes
+            x_fp8_t = ops.recast_transposed(x_fp8_t.detach(), torch.reciprocal(x_scale_inv), ctx.input_fp8_dtype)
         # With FUSED_BIAS_GRAD the bias gradient (fp32 column sums of dy) comes from the cast, which reads dy anyway.
         fused = FUSED_BIAS_GRAD and need_bgrad
         dy_fp8, dy_fp8_t, dy_scale_inv, *db = ctx.grad_state.quantize(
