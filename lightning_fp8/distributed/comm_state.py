@@ -104,10 +104,20 @@ class FP8CommState:
                 f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
                 "(it needs record_gradient_cast and record_nonfinite)"
             )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"FP8CommState(process_group=...) got a {type(process_group).__name__}: pass a process group "
+                "(torch.distributed.new_group), or None for the world"
+            )
         if amax_group is not None and not isinstance(amax_group, dist.ProcessGroup):
             raise TypeError(
                 f"FP8CommState(amax_group=...) got a {type(amax_group).__name__}: pass a process group of the same "
                 "ranks (torch.distributed.new_group), or None"
+            )
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(
+                f"FP8CommState(fused={fused!r}): pass True (Triton kernels), False (PyTorch references) or None "
+                "(Triton on CUDA tensors)"
             )
         self.process_group = process_group
         self.amax_group = amax_group

@@ -106,6 +106,10 @@ def test_comm_state_rejects_bad_arguments():
         FP8CommState(slice_numel=0)
     with pytest.raises(TypeError, match="amax_group"):
         FP8CommState(amax_group="world")
+    with pytest.raises(TypeError, match="process_group=.*str"):
+        FP8CommState(process_group="world")
+    with pytest.raises(TypeError, match="fused='yes'"):
+        FP8CommState(fused="yes")
 
 
 def test_check_step_reads_and_clears_the_flag():
