@@ -42,6 +42,25 @@ def test_train_step_toy_runs_every_variant(tmp_path):
     assert any(line.split()[:2] == ["64x2", "o2w"] for line in table), proc.stdout[-2000:]
 
 
+def test_train_step_toy_compiled_cast_variants(tmp_path):
+    """The compiled variants that change how casts are made (o2fc: fused by inductor, lightning_fp8.scaling.FUSED_CASTS;
+    o2ri: inputs cast again in the backward, lightning_fp8.linear.SAVE_INPUT_TRANSPOSE_COMPILED) train a toy GPT with
+    LayerNorms and GELUs as the default does: the same first (eager) step, losses within float noise after it."""
+    variants = ["o2", "o2fc", "o2ri"]
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--toy", "--compile", "yes", "--variants",
+           ",".join(variants), "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    for name in variants:
+        assert "error" not in rows[name], (name, rows[name])
+        assert rows[name]["first_loss"] == rows["o2"]["first_loss"], name
+        assert rows[name]["last_loss"] == pytest.approx(rows["o2"]["last_loss"], rel=1e-3), name
+        assert rows[name]["last_loss"] < rows[name]["first_loss"], name
+
+
 def test_memory_breakdown_replays_the_allocator_trace():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory_breakdown import by_line, live_at_peak
