@@ -138,7 +138,7 @@ class ScalingState(nn.Module):
         if torch.compiler.is_compiling():
             buffers = (self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts)
             if FUSED_CASTS and self.delayed and unscale is None and not column_sum and x.numel():
-                return _fused_quantize(x, *buffers, *mode, current, transpose)
+                return _fused_quantize(x, buffers, *mode, current, transpose)
             out = _traced_quantize(x)(x, *buffers, *mode, current, transpose, unscale, column_sum)
             return out if column_sum else out[:3]
         b = self._buffers  # one dict lookup per buffer, not a Module.__getattr__ (this runs for every cast)
@@ -168,12 +168,7 @@ FUSED_CASTS = False
 
 def _fused_quantize(
     x: torch.Tensor,
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    last_amax: torch.Tensor,
-    saturation: torch.Tensor,
-    nonfinite_count: torch.Tensor,
-    casts: torch.Tensor,
+    buffers: tuple[torch.Tensor, ...],
     fp8_dtype: torch.dtype,
     margin: int,
     algo_max: bool,
@@ -183,8 +178,10 @@ def _fused_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reference.quantize_ref`` (no unscale, no column sums, non-empty ``x``) for torch.compile to trace: the data
     pass as tensor ops, the scale it uses from an op the backward cannot recompute (``scale`` changes in the same
-    graph), the bookkeeping as one op."""
+    graph), the bookkeeping as one op. ``buffers``: the state's, in ``quantize_ref``'s order (``amax_history, scale,
+    last_amax, saturation, nonfinite_count, casts``)."""
     fmax = fp8_max(fp8_dtype)
+    scale = buffers[1]
     triton = ops.use_triton(x)
     if triton:
         from lightning_fp8.kernels import record
@@ -200,17 +197,13 @@ def _fused_quantize(
             from lightning_fp8.kernels import transpose as fp8_transpose
 
             x_fp8_t = fp8_transpose.transpose_op(x_fp8)
-        scale_inv = record.record_op(
-            amax, n_saturated, used, amax_history, scale, last_amax, saturation, nonfinite_count, casts, x.numel(),
-            fp8_dtype, margin, algo_max, delayed,
-        )  # fmt: skip
+        scale_inv = record.record_op(amax, n_saturated, used, *buffers, x.numel(), fp8_dtype, margin, algo_max, delayed)
     else:
         if current:
             scale.copy_(used)
         scale_inv = reference.record_cast_ref(
-            amax, n_saturated, x.numel(), used, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
-            fmax, margin, algo_max, delayed,
-        )  # fmt: skip
+            amax, n_saturated, x.numel(), used, *buffers, fmax, margin, algo_max, delayed
+        )
     return x_fp8, x_fp8_t, scale_inv
 
 
