@@ -90,6 +90,38 @@ def test_autocast_output_dtype_and_fp32_weight_grad():
     assert sqnr(y, y_ref) > FORWARD_SQNR_DB - 3
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_rounds_an_fp32_input_as_nn_linear_sees_it(monkeypatch, autocast_dtype):
+    # bf16 autocast: the layer computes from the input rounded to bf16 (as autocast rounds nn.Linear's), and the input
+    # gradient comes from a bf16 GEMM output. fp16 autocast keeps the fp32 input (fp16's range is narrower than a
+    # scaled FP8 cast's).
+    from lightning_fp8 import linear
+
+    def run(layer, x, rounded):
+        x = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            y = layer(x.to(autocast_dtype) if rounded else x)
+        y.float().backward(dy)
+        return y, x.grad, layer.weight.grad
+
+    torch.manual_seed(0)
+    x, dy = torch.randn(24, 32) * 3, torch.randn(24, 48)
+    fp8, _ = _pair(32, 48)
+    states = [FP8Linear(32, 48) for _ in range(2)]
+    for s in states:
+        s.load_state_dict(fp8.state_dict())
+    got = run(states[0], x, rounded=False)
+    want = run(states[1], x, rounded=autocast_dtype == torch.bfloat16)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert got[1].dtype == torch.float32
+    if autocast_dtype == torch.bfloat16:  # the dgrad GEMM wrote bf16
+        assert torch.equal(got[1], got[1].bfloat16().float())
+    monkeypatch.setattr(linear, "ROUND_INPUT_TO_AUTOCAST", False)
+    kept = run(fp8, x, rounded=False)
+    assert torch.equal(kept[1], want[1]) == (autocast_dtype == torch.float16)  # bf16: the fp32 dgrad differs
+
+
 @pytest.mark.parametrize("save_weight_transpose", [False, True])
 def test_saves_fp8_copies_not_the_input(monkeypatch, save_weight_transpose):
     # Besides the parameters, the backward keeps only FP8 copies: the input's transpose, and the weight's only with
@@ -236,13 +268,18 @@ class _ReluMLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4):
+def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4, autocast=None):
     """Steps of magnitudes 0.1 .. 10 (every delayed scale moves): outputs, gradients and every scaling buffer of the
-    compiled module equal eager's bit for bit. Returns the generated code of the first compiled step."""
+    compiled module equal eager's bit for bit. ``autocast`` (default: on a GPU): fp32 inputs under bf16 autocast; on
+    CPU the input gradient is then compared within bf16 rounding: the emulated dgrad GEMM computes in fp32, and fused
+    with autograd's widening of the gradient to the input's fp32, inductor drops the bf16 round trip that eager makes
+    (on a GPU the FP8 GEMM writes bf16). Returns the generated code of the first compiled step."""
     from torch._inductor.utils import run_and_get_code
 
+    autocast = device == "cuda" if autocast is None else autocast
+
     def step(model, x):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             y = model(x)
         y.float().square().sum().backward()
         return y
@@ -257,7 +294,10 @@ def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4):
         else:
             y2 = step(compiled, x2)
         assert torch.equal(y1, y2), i
-        assert torch.equal(x1.grad, x2.grad), i
+        if autocast and device == "cpu":
+            torch.testing.assert_close(x2.grad, x1.grad, rtol=2**-8, atol=0)
+        else:
+            assert torch.equal(x1.grad, x2.grad), i
         for (name, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), (i, name)
         for name, buf in eager.named_buffers():
@@ -273,10 +313,13 @@ def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4):
     "the CUDA path (kernels/record.py) keeps it (test_gpu_fused_casts_match_eager)",
     strict=False,
 )
-def test_fused_casts_under_inductor_match_eager(monkeypatch):
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     """scaling.FUSED_CASTS: under inductor the delayed casts are tensor ops fused into the kernels around them, the
     scale they use an op the backward keeps (the partitioner recomputes casts from what it saves). Bit for bit eager's
-    results while every scale moves; the input and gradient casts are not the opaque cast op (the weights' are)."""
+    results while every scale moves; the input and gradient casts are not the opaque cast op (the weights' are).
+    Under bf16 autocast the fp32 input is rounded to bf16 (linear.ROUND_INPUT_TO_AUTOCAST) inside the fused kernel,
+    where inductor would keep it in fp32 but for scaling._widen_bf16."""
     from lightning_fp8 import scaling
 
     monkeypatch.setattr(scaling, "FUSED_CASTS", True)
@@ -284,7 +327,8 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch):
     eager = _ReluMLP()
     compiled_src = _ReluMLP()
     compiled_src.load_state_dict(eager.state_dict())
-    code = _compiled_matches_eager(eager, compiled_src, torch.compile(compiled_src, fullgraph=True), "cpu")
+    compiled = torch.compile(compiled_src, fullgraph=True)
+    code = _compiled_matches_eager(eager, compiled_src, compiled, "cpu", autocast=autocast)
     forward, backward = code[0], "\n".join(code[1:])
     assert forward.count("lightning_fp8.quantize.default(") == 2  # the two weights
     assert "lightning_fp8.used_scale_ref.default(" in forward
