@@ -17,9 +17,9 @@ TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled 
 fused by inductor into the kernels around them: lightning_fp8/scaling.py FUSED_CASTS), ``o2ri`` (O2 compiled with the
 inputs' FP8 casts made again in the backward: lightning_fp8/linear.py SAVE_INPUT_TRANSPOSE_COMPILED), ``o2nr`` (O2 with
 the LayerNorms' fp32 outputs cast to FP8 as they are, not rounded to bf16 first: linear.py ROUND_INPUT_TO_AUTOCAST
-off), ``o2sp`` (O2 with speculative current scaling: kernels/quantize.py), ``o2bt`` (O2 with FP8AdamW's gradient casts batched:
-``grad_cast_bucket_mb=64``). The output head stays in high precision in every FP8 variant. Each result also gives
-the time of the warm-up steps (``warmup_s``; compiled, it includes the compilation).
+off), ``o2sp`` (O2 with speculative current scaling: kernels/quantize.py), ``o2bt`` (O2 with FP8AdamW's gradient
+casts batched: ``grad_cast_bucket_mb=64``). The output head stays in high precision in every FP8 variant. Each result
+also gives the time of the warm-up steps (``warmup_s``; compiled, it includes the compilation).
 """
 
 from __future__ import annotations
