@@ -44,14 +44,6 @@ SAVE_WEIGHT_TRANSPOSE = False
 # for its backward) or recomputes it from what it keeps (a LayerNorm's or a GELU's output), one byte per element less
 # at the peak for one more pass in the backward. Eagerly the copy is always kept (the input itself may be 4 bytes).
 SAVE_INPUT_TRANSPOSE_COMPILED = True
-# Under bf16 autocast, an fp32 input (a LayerNorm's output: autocast runs LayerNorm in fp32) is rounded to bf16 before
-# its FP8 cast, as autocast rounds nn.Linear's input, and its gradient comes out of the dgrad GEMM in bf16 (autograd
-# widens it to fp32 for the producer, as for nn.Linear). bf16 has fp32's range and more mantissa than either FP8
-# format, so the FP8 bytes change only where the two roundings meet at an FP8 tie. Under torch.compile the rounding
-# fuses into the producer: the LayerNorm writes, and the cast reads, 2 bytes per element instead of 4, and likewise
-# the dgrad GEMM and the LayerNorm backward. Eagerly the rounding is one more pass each way. fp16 autocast keeps the
-# fp32 input (fp16 would overflow where a scaled FP8 cast does not).
-ROUND_INPUT_TO_AUTOCAST = True
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -223,8 +215,6 @@ class FP8Linear(nn.Linear):
         self._check_input(x, weight)
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        if x.dtype == torch.float32 and out_dtype == torch.bfloat16 and ROUND_INPUT_TO_AUTOCAST:
-            x = x.to(out_dtype)  # what nn.Linear sees under autocast; see ROUND_INPUT_TO_AUTOCAST
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
         x_2d = x if flat else x.reshape(-1, self.in_features)
         scaling = self.fp8_scaling

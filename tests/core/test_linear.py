@@ -90,38 +90,6 @@ def test_autocast_output_dtype_and_fp32_weight_grad():
     assert sqnr(y, y_ref) > FORWARD_SQNR_DB - 3
 
 
-@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_autocast_rounds_an_fp32_input_as_nn_linear_sees_it(monkeypatch, autocast_dtype):
-    # bf16 autocast: the layer computes from the input rounded to bf16 (as autocast rounds nn.Linear's), and the input
-    # gradient comes from a bf16 GEMM output. fp16 autocast keeps the fp32 input (fp16's range is narrower than a
-    # scaled FP8 cast's).
-    from lightning_fp8 import linear
-
-    def run(layer, x, rounded):
-        x = x.detach().clone().requires_grad_()
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            y = layer(x.to(autocast_dtype) if rounded else x)
-        y.float().backward(dy)
-        return y, x.grad, layer.weight.grad
-
-    torch.manual_seed(0)
-    x, dy = torch.randn(24, 32) * 3, torch.randn(24, 48)
-    fp8, _ = _pair(32, 48)
-    states = [FP8Linear(32, 48) for _ in range(2)]
-    for s in states:
-        s.load_state_dict(fp8.state_dict())
-    got = run(states[0], x, rounded=False)
-    want = run(states[1], x, rounded=autocast_dtype == torch.bfloat16)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    assert got[1].dtype == torch.float32
-    if autocast_dtype == torch.bfloat16:  # the dgrad GEMM wrote bf16
-        assert torch.equal(got[1], got[1].bfloat16().float())
-    monkeypatch.setattr(linear, "ROUND_INPUT_TO_AUTOCAST", False)
-    kept = run(fp8, x, rounded=False)
-    assert torch.equal(kept[1], want[1]) == (autocast_dtype == torch.float16)  # bf16: the fp32 dgrad differs
-
-
 @pytest.mark.parametrize("save_weight_transpose", [False, True])
 def test_saves_fp8_copies_not_the_input(monkeypatch, save_weight_transpose):
     # Besides the parameters, the backward keeps only FP8 copies: the input's transpose, and the weight's only with
@@ -318,8 +286,8 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     """scaling.FUSED_CASTS: under inductor the delayed casts are tensor ops fused into the kernels around them, the
     scale they use an op the backward keeps (the partitioner recomputes casts from what it saves). Bit for bit eager's
     results while every scale moves; the input and gradient casts are not the opaque cast op (the weights' are).
-    Under bf16 autocast the fp32 input is rounded to bf16 (linear.ROUND_INPUT_TO_AUTOCAST) inside the fused kernel,
-    where inductor would keep it in fp32 but for scaling._widen_bf16."""
+    Under bf16 autocast the second layer's input is the first one's bf16 output, rounded to bf16 inside the fused
+    kernel, where inductor would keep it in fp32 but for scaling._widen_bf16."""
     from lightning_fp8 import scaling
 
     monkeypatch.setattr(scaling, "FUSED_CASTS", True)
