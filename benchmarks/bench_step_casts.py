@@ -96,14 +96,19 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=16384, help="batch x sequence (train_step.py: 8 x 2048)")
     p.add_argument("--toy", action="store_true", help="width 32, 64 tokens, on CPU")
+    p.add_argument("--speculate", choices=("True", "eager", "False"), default="True",
+                   help="kernels/quantize.py SPECULATIVE_CURRENT_SCALING (eager: compiled casts do not speculate)")
     args = p.parse_args()
+    from lightning_fp8.kernels import quantize
+
+    quantize.SPECULATIVE_CURRENT_SCALING = {"True": True, "eager": "eager", "False": False}[args.speculate]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.toy:
         args.width, args.tokens = 32, 64
     rep = 100 if device.type == "cuda" else 1
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-          f"width {args.width}, {args.tokens} tokens")  # fmt: skip
+          f"width {args.width}, {args.tokens} tokens, speculative current scaling: {args.speculate}")  # fmt: skip
     print(f"{'cast':>40} {'shape':>13} {'in':>8} {'eager us':>9} {'compiled':>9} {'% copy':>7} {'compiled':>9} same"
           f" {'kernels: eager us':>17} {'compiled':>9}")  # fmt: skip
     totals = [0.0, 0.0]

@@ -15,10 +15,11 @@ instead of casting; eager only, torch.compile bypasses the copy), ``o2op`` (O2 w
 under torch.compile instead of the triton_op that inductor launches itself: lightning_fp8/scaling.py
 TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled casts of activations and gradients
 fused by inductor into the kernels around them: lightning_fp8/scaling.py FUSED_CASTS), ``o2ri`` (O2 compiled with the
-inputs' FP8 casts made again in the backward: lightning_fp8/linear.py SAVE_INPUT_TRANSPOSE_COMPILED), ``o2sp`` (O2 with
-speculative current scaling, compiled casts too: kernels/quantize.py), ``o2bt`` (O2 with FP8AdamW's gradient casts
-batched: ``grad_cast_bucket_mb=64``). The output head stays in high precision in every FP8 variant. Each result
-also gives the time of the warm-up steps (``warmup_s``; compiled, it includes the compilation).
+inputs' FP8 casts made again in the backward: lightning_fp8/linear.py SAVE_INPUT_TRANSPOSE_COMPILED), ``o2se`` (O2 with
+speculative current scaling for eager casts only, the default before the eleventh session: kernels/quantize.py),
+``o2bt`` (O2 with FP8AdamW's gradient casts batched: ``grad_cast_bucket_mb=64``). The output head stays in high
+precision in every FP8 variant. Each result also gives the time of the warm-up steps (``warmup_s``; compiled, it
+includes the compilation).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2sp", "o2bt")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -65,10 +66,10 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
             from lightning_fp8 import linear
 
             linear.SAVE_INPUT_TRANSPOSE_COMPILED = False
-        if variant == "o2sp" and device == "cuda":
+        if variant == "o2se" and device == "cuda":
             from lightning_fp8.kernels import quantize
 
-            quantize.SPECULATIVE_CURRENT_SCALING = True
+            quantize.SPECULATIVE_CURRENT_SCALING = "eager"
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"

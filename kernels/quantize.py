@@ -26,11 +26,11 @@ def _record_fields(fp8_dtype: torch.dtype, margin: int) -> dict:
 # casts, and its last program checks the guess against the amax; a wrong guess raises a flag on which a second launch
 # casts again with the right scale. Bit for bit the two-launch cast's outputs and bookkeeping either way; one pass over
 # x instead of two when the guess holds, two and a write more when it does not (benchmarks/bench_cast.py times both:
-# 8192 x 8192 bf16, 186.5 -> 119.7 us on an H100). "eager" (the default): eager casts speculate, casts traced by
-# torch.compile (quantize_op) do not; True: both. Traced casts stay off until a GPU run explains one observation: a
-# compiled O2 GPT step (benchmarks/train_step.py, d=1024) with speculation and FP8AdamW's batched gradient casts did
-# not finish its warm-up within 110 s and 175 s in two runs, against 50-105 s otherwise (results/h100_s6.txt).
-SPECULATIVE_CURRENT_SCALING: bool | str = "eager"
+# 8192 x 8192 bf16, 186.5 -> 119.7 us on an H100). True (the default): every cast speculates, eager or traced by
+# torch.compile (quantize_op); "eager": only eager casts; False: none. Compiled, the weights' casts of a GPT block at
+# d=4096 took 0.43 ms of GPU time without speculation and 0.26 ms with it (bench_step_casts.py), and the compiled O2
+# step 238.1 -> 233.7 ms (train_step.py, results/h100_s11.txt); its warm-up 80 -> 117 s (a redo kernel per cast).
+SPECULATIVE_CURRENT_SCALING: bool | str = True
 WORKSPACE = 4
 
 
