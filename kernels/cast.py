@@ -196,11 +196,17 @@ def _cast_impl(
     record: dict,
     eager: bool,
     column_sum: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    write_x: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
     ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, partials)``: with ``column_sum`` (2-D ``x``)
-    the fp32 column sums of each row group (:func:`column_sums` adds them), else None."""
-    x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
+    the fp32 column sums of each row group (:func:`column_sums` adds them), else None. ``write_x=False`` (with
+    ``transpose``): the transposed copy alone, ``x_fp8`` None."""
+    if write_x:
+        x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
+    else:
+        x_fp8, x_fp8_t = None, torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device)
+    out = x_fp8_t if x_fp8 is None else x_fp8  # without write_x the kernel never reads its row-major output pointer
     interpreted = _interpreted(_cast_flat_kernel)
     fmt = _format_args(fp8_dtype, interpreted or EXACT_ROUND_ON_GPU)
     sums = None
@@ -215,17 +221,17 @@ def _cast_impl(
         if not column_sum and x.is_cuda:  # the column sums' order fixes their GROUP_M; a plain cast may walk less
             cfg["GROUP_M"] = _group_m(tiles_m * tiles_n, cfg["GROUP_M"], _multiprocessors(x))
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
-        sums = column_partials(x) if column_sum else x_fp8
-        tma = cfg["TMA"] and eager and transpose and _tma_fits(x)
+        sums = column_partials(x) if column_sum else out
+        tma = cfg["TMA"] and eager and transpose and write_x and _tma_fits(x)
         if tma:  # the tiles through tensor descriptors: the outputs as their bytes
             blocks, blocks_t = [cfg["BLOCK_M"], cfg["BLOCK_N"]], [cfg["BLOCK_N"], cfg["BLOCK_M"]]
             tensors = (TensorDescriptor.from_tensor(x, blocks),
                        TensorDescriptor.from_tensor(x_fp8.view(torch.uint8), blocks),
                        TensorDescriptor.from_tensor(x_fp8_t.view(torch.uint8), blocks_t))  # fmt: skip
         else:
-            tensors = (x, x_fp8, x_fp8_t)
+            tensors = (x, out, x_fp8_t)
         args = (tensors[0], scale, *tensors[1:], sums, *stats, m, n)
-        flags = {"WRITE_T": transpose, "COLUMN_SUM": column_sum, "TMA": tma}
+        flags = {"WRITE_T": transpose, "WRITE_X": write_x, "COLUMN_SUM": column_sum, "TMA": tma}
         work = groups * tiles_n  # work items: GROUP_M row tiles of a column block
         kernel, index_64 = _cast_transpose_kernel, _index_64(padded)
     else:
@@ -283,6 +289,15 @@ def _cast_to_fp8_op(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _cast_with_stats(x, scale, fp8_dtype, transpose, eager=False)
+
+
+@torch.library.triton_op("lightning_fp8::cast_to_fp8_transposed", mutates_args=())
+def _cast_transposed_op(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    # The transposed copy alone, statistics dropped (the backward's weight recast under torch.compile): non-empty 2-D
+    # contiguous x on a CUDA device. Fresh accumulators: a graph cannot hold on to a global buffer its kernels mutate.
+    acc = torch.zeros((), dtype=torch.float32, device=x.device)
+    stats = (acc, acc.new_zeros((), dtype=torch.int64), *(acc,) * 8, 1, x.numel())
+    return _cast_impl(x, scale, fp8_dtype, True, stats, _NO_RECORD, eager=False, write_x=False)[1]
 
 
 def _amax_impl(x: torch.Tensor, eager: bool) -> torch.Tensor:

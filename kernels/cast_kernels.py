@@ -104,10 +104,10 @@ def _cast_tile(
     x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT_ROUND: tl.constexpr,
     EVEN: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TRANSPOSE_VIA: tl.constexpr, WRITE_T: tl.constexpr, STATS: tl.constexpr, LOAD_POLICY: tl.constexpr,
-    STORE_POLICY: tl.constexpr, TMA: tl.constexpr,
+    TRANSPOSE_VIA: tl.constexpr, WRITE_T: tl.constexpr, WRITE_X: tl.constexpr, STATS: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    # Tile (tm, tn) of _cast_transpose_kernel (its arguments say what each is): load, cast, store both copies, fold the
+    # Tile (tm, tn) of _cast_transpose_kernel (its arguments say what each is): load, cast, store the copies, fold the
     # statistics. Returns the tile as fp32 (zeros past the edges) and the running statistics.
     rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +125,9 @@ def _cast_tile(
     q, y, finite, amax_acc, nsat_acc = _quantize_block(
         x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, STATS,
     )  # fmt: skip
-    if TMA:
+    if not WRITE_X:
+        pass
+    elif TMA:
         out_ptr.store([tm * BLOCK_M, tn * BLOCK_N], q)
     elif EVEN:
         tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty, bitcast=True), cache_modifier=STORE_POLICY)
@@ -185,6 +187,7 @@ def _cast_transpose_kernel(
     TRANSPOSE_VIA: tl.constexpr,  # what the transposed tile moves as: "fp32" (the values, converted again; GPU only)
     # or "bytes" (the FP8 bytes)
     WRITE_T: tl.constexpr,  # write x_fp8_t
+    WRITE_X: tl.constexpr,  # write x_fp8 (off: the transposed copy alone, out_ptr unread)
     COLUMN_SUM: tl.constexpr,  # write the column sums of each row group (the bias gradient's partial sums)
     GROUP_M: tl.constexpr,  # row tiles (of BLOCK_M rows) per work item: a row group of the column sums
     STATS: tl.constexpr,  # amax / saturation kept running per "element", per "row" or per "tile" (see _quantize_block)
@@ -232,7 +235,7 @@ def _cast_transpose_kernel(
             x, amax_acc, nsat_acc = _cast_tile(
                 x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
                 MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N, TRANSPOSE_VIA,
-                WRITE_T, STATS, LOAD_POLICY, STORE_POLICY, TMA,
+                WRITE_T, WRITE_X, STATS, LOAD_POLICY, STORE_POLICY, TMA,
             )  # fmt: skip
             if COLUMN_SUM:
                 csum += x

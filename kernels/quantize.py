@@ -106,24 +106,25 @@ def quantize_(
 
 
 def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]``: the transposed FP8 copy alone, its statistics dropped
-    (they go to accumulators nobody reads, not to zeroed ones allocated per call). The backward's weight recast
+    """``cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]``: the transposed FP8 copy alone (the kernel writes no
+    row-major copy), its statistics dropped (they go to accumulators nobody reads, not to zeroed ones allocated per
+    call). The backward's weight recast
     (lightning_fp8/linear.py). ``x``: contiguous, 2-D, non-empty, on a CUDA device; ``scale``: 0-dim fp32 there."""
     if torch.compiler.is_compiling():
-        return cast._cast_to_fp8_op(x, scale, fp8_dtype, True)[1]
+        return cast._cast_transposed_op(x, scale, fp8_dtype)
     sink = _sink(x.device)
     stats = (*sink, *(sink[0],) * 8, 1, x.numel())  # the rest is unread without RECORD
     key = _replay_key((x, scale), True, False, fp8_dtype)
     if key is None:  # not replayed (see _replay_key)
-        return _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True)[1]
+        return _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True, write_x=False)[1]
     replay = _REPLAYS.get(key)
     if replay is not None:
-        x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, True)
-        replay((x, scale, x_fp8, x_fp8_t), key[1])
+        x_fp8_t = torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device)
+        replay((x, scale, x_fp8_t), key[1])
         return x_fp8_t
     with launch.recording() as recorded:
-        x_fp8, x_fp8_t, _ = _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True)
-    _remember(key, recorded, (x, scale, x_fp8, x_fp8_t), sink)
+        x_fp8_t = _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True, write_x=False)[1]
+    _remember(key, recorded, (x, scale, x_fp8_t), sink)
     return x_fp8_t
 
 
