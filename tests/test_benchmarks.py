@@ -109,3 +109,15 @@ def test_bench_grad_cast_toy_runs():
     assert "exact: batched and per-tensor casts give the same bits" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines()[-2:]]
     assert [row[0] for row in rows] == ["per-tensor", "batched"], proc.stdout[-2000:]
+
+
+def test_bench_step_casts_toy():
+    """benchmarks/bench_step_casts.py at toy size on CPU: every cast of a block runs eagerly and compiled, and the two
+    give the same FP8 bytes (the 'same' column)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_step_casts.py"), "--toy"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if "x" in line and ("True" in line or "False" in line)]
+    assert len(rows) == 14, proc.stdout  # 6 activation and gradient casts, 4 weights, 4 recasts
+    assert all("True" in row and "False" not in row for row in rows), proc.stdout
