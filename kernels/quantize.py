@@ -108,8 +108,8 @@ def quantize_(
 def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]``: the transposed FP8 copy alone (the kernel writes no
     row-major copy), its statistics dropped (they go to accumulators nobody reads, not to zeroed ones allocated per
-    call). The backward's weight recast
-    (lightning_fp8/linear.py). ``x``: contiguous, 2-D, non-empty, on a CUDA device; ``scale``: 0-dim fp32 there."""
+    call). The backward's weight recast (lightning_fp8/linear.py). ``x``: contiguous, 2-D, non-empty, on a CUDA
+    device; ``scale``: 0-dim fp32 there."""
     if torch.compiler.is_compiling():
         return cast._cast_transposed_op(x, scale, fp8_dtype)
     sink = _sink(x.device)
