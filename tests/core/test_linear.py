@@ -15,6 +15,15 @@ def _pair(in_f, out_f, bias=True, recipe=None, dtype=torch.float32):
     return fp8, ref
 
 
+# The compiled CPU (reference) path on torch < 2.12: the GPU path (Triton casts, kernels/record.py) is exact there
+# (benchmarks/check_compile.py and the GPU tests below), and torch >= 2.12 is exact on both.
+_XFAIL_TORCH_211_CPU_COMPILE = pytest.mark.xfail(
+    torch.__version__ < "2.12",
+    reason="torch 2.11 loses the backward's scaling-state update of the CPU (reference) path under torch.compile",
+    strict=False,
+)
+
+
 def _run(layer, x, dy):
     x = x.detach().clone().requires_grad_()
     y = layer(x)
@@ -196,12 +205,7 @@ def test_load_fp8_state_rejects_other_model():
         load_fp8_state_dict(fp8, fp8_state_dict(other))
 
 
-@pytest.mark.xfail(
-    torch.__version__ < "2.12",
-    reason="torch 2.11 loses the backward's scaling-state update of the CPU (reference) path under torch.compile; "
-    "the CUDA path is exact there (benchmarks/check_compile.py), and torch >= 2.12 is exact on both",
-    strict=False,
-)
+@_XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("fused_bias_grad", [False, True])
 def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
     from lightning_fp8 import linear
@@ -275,12 +279,7 @@ def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4, auto
     return code
 
 
-@pytest.mark.xfail(
-    torch.__version__ < "2.12",
-    reason="torch 2.11 loses the backward's scaling-state update of the CPU (reference) path under torch.compile; "
-    "the CUDA path (kernels/record.py) keeps it (test_gpu_fused_casts_match_eager)",
-    strict=False,
-)
+@_XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     """scaling.FUSED_CASTS: under inductor the delayed casts are tensor ops fused into the kernels around them, the
@@ -303,11 +302,7 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     assert "lightning_fp8.quantize.default(" not in backward and "lightning_fp8.used_scale_ref.default(" in backward
 
 
-@pytest.mark.xfail(
-    torch.__version__ < "2.12",
-    reason="torch 2.11 loses the backward's scaling-state update of the CPU (reference) path under torch.compile",
-    strict=False,
-)
+@_XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_input_recast_matches_eager(monkeypatch):
     """linear.SAVE_INPUT_TRANSPOSE_COMPILED off: compiled, the backward casts each layer's input again with the
     forward's scale instead of keeping the forward's transposed FP8 copy; bit for bit eager's results while every
