@@ -5,7 +5,8 @@ Bytes per FP8 linear weight at O2: fp16 master (2, kept in the parameter's own s
 6, against 16 for fp32 AdamW with an fp32 gradient. Each low-precision tensor carries a 0-dim fp32
 power-of-two scale (``x_stored = x * scale``) renewed every step from the tensor's new amax. Every other
 parameter (norms, biases, embeddings, excluded layers) keeps fp32 states, under the keys of
-``torch.optim.AdamW``.
+``torch.optim.AdamW``; with ``low_precision_moments="all"`` (as MS-AMP's O2 optimizer does) they keep their fp32
+master and gradient but get the low-precision moments too: 11 bytes per parameter instead of 16.
 
 Gradients of adopted weights reach the optimizer in fp16 (the parameter's dtype), multiplied by mu of the
 gradient scaler; a post-accumulate-grad hook queues each, and the queued ones are cast to FP8 (E5M2, per-tensor
@@ -34,6 +35,7 @@ from lightning_fp8.optim import step as step_
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 
 ScaleUpdate = Literal["one_pass", "two_pass"]
+LowPrecisionMoments = Literal["fp8_weights", "all"]
 
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 # (master, exp_avg, exp_avg_sq) of FP8 linear weights per optimization level.
@@ -92,6 +94,14 @@ class FP8AdamW(torch.optim.Optimizer):
             it (until then the forward casts). Any change of the weight outside the step (``load_state_dict``,
             ``copy_``, ``param.data = ...``) invalidates it; a skipped step keeps it. Works at O1 and O2; not for
             sharded (DTensor) weights, which keep casting.
+        low_precision_moments: which parameters get the low-precision moments (``exp_avg_dtype``,
+            ``exp_avg_sq_dtype``, each with its per-tensor scale). ``"fp8_weights"`` (default): FP8 linear weights
+            (and ``fp8_params``); every other parameter keeps fp32 states. ``"all"``: every parameter, as MS-AMP's
+            O2 optimizer does; parameters that are not FP8 weights keep their master in high precision (the
+            parameter itself, or an fp32 copy for a bf16/fp16 one) and their gradient as it is, so an fp32
+            embedding keeps 4 + 1 + 2 bytes of states per element instead of 4 + 4 + 4. The first moment of a
+            parameter whose gradient spans more than E4M3's range in one tensor (an embedding's rare rows) loses
+            its smallest values to zero between steps (the step's own gradient still enters the update).
 
     Raises:
         ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
@@ -124,6 +134,7 @@ class FP8AdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         emit_fp8_weights: bool = False,
         grad_cast_bucket_mb: float = 0,
+        low_precision_moments: LowPrecisionMoments = "fp8_weights",
     ) -> None:
         if amsgrad:
             raise ValueError(
@@ -144,12 +155,20 @@ class FP8AdamW(torch.optim.Optimizer):
         if scale_update not in ("one_pass", "two_pass"):
             raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'one_pass' or 'two_pass'")
         self.scale_update = scale_update
+        if low_precision_moments not in ("fp8_weights", "all"):
+            raise ValueError(
+                f"FP8AdamW(low_precision_moments={low_precision_moments!r}) is not supported: use 'fp8_weights' (the "
+                "moments of FP8 linear weights only) or 'all' (every parameter's)"
+            )
+        self.low_precision_moments = low_precision_moments
         self.emit_fp8_weights = bool(emit_fp8_weights)
         self.grad_scaler = grad_scaler
         self.grad_dtype = self.recipe.backward_dtype
         self.fp8_grads = fp8_grads if fp8_grads is not None else not (dist.is_available() and dist.is_initialized())
         self._extra_fp8_params = {id(p) for p in fp8_params} if fp8_params is not None else set()
         self._low_precision: set[torch.Tensor] = set()  # params with O2 states
+        self._moments_only: set[torch.Tensor] = set()  # those of them whose master is high precision (the param)
+        self._master_amax: dict[torch.Tensor, torch.Tensor] = {}  # their master's amax, which the kernel writes
         self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
         self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
         self._hooks: dict[torch.Tensor, Any] = {}
@@ -174,8 +193,9 @@ class FP8AdamW(torch.optim.Optimizer):
                 self._adopt(p)
 
     def _wants_low_precision(self, p: torch.Tensor) -> bool:
-        is_weight = master.is_fp8_weight(p) or id(p) in self._extra_fp8_params
-        return is_weight and (self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 3
+        if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:
+            return (self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 3
+        return self.low_precision_moments == "all" and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 2
 
     def _adopt(self, p: torch.Tensor) -> None:
         """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master."""
@@ -185,6 +205,9 @@ class FP8AdamW(torch.optim.Optimizer):
         # A frozen weight (requires_grad=False) keeps its storage, as torch.optim leaves it untouched; should it get
         # gradients later, its master is kept apart (see _init_state).
         self._low_precision.add(p)
+        if not (master.is_fp8_weight(p) or id(p) in self._extra_fp8_params):
+            self._moments_only.add(p)  # low_precision_moments="all": only the moments
+            return
         shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p) and p.requires_grad
         if shareable and master.master_scale(p) is None and p.dtype != self.master_dtype:
             master.adopt(p, self.master_dtype)
@@ -210,17 +233,23 @@ class FP8AdamW(torch.optim.Optimizer):
         self._grad_casts.flush(self)
         state = self.state[p]
         moments = {key: checkpoint.dequantize(state, key) for key in ("exp_avg", "exp_avg_sq") if key in state}
-        if "master" in state:
-            with torch.no_grad():
-                p.copy_(checkpoint.dequantize(state, "master"))
-        handle = self._hooks.pop(p, None)
-        if handle is not None:
-            handle.remove()
-        self._pending.pop(p, None)
-        master.release(p)
-        setattr(p, master.MARKER, False)
+        keep = ("step", "master") if p in self._moments_only else ("step",)
+        kept = {key: state[key] for key in keep if key in state}
+        if p in self._moments_only:  # its master already is what a plain parameter's is (the param, or fp32 apart)
+            self._moments_only.discard(p)
+            self._master_amax.pop(p, None)
+        else:
+            if "master" in state:
+                with torch.no_grad():
+                    p.copy_(checkpoint.dequantize(state, "master"))
+            handle = self._hooks.pop(p, None)
+            if handle is not None:
+                handle.remove()
+            self._pending.pop(p, None)
+            master.release(p)
+            setattr(p, master.MARKER, False)
         self._low_precision.discard(p)
-        self.state[p] = {**({"step": state["step"]} if "step" in state else {}), **moments}
+        self.state[p] = {**kept, **moments}
 
     # ------------------------------------------------------------------------------------------------ gradients
     def accumulate_fp8_grad(self, p: torch.Tensor, grad: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:
@@ -377,7 +406,10 @@ class FP8AdamW(torch.optim.Optimizer):
             state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state[f"{key}_scale"] = torch.ones((), dtype=_FP32, device=p.device)
             state[f"{key}_amax"] = torch.zeros((), dtype=_FP32, device=p.device)
-        if master.master_scale(p) is not None:  # the parameter's storage is the master (see _adopt)
+        if p in self._moments_only:  # the master is the parameter, or an fp32 copy as for plain parameters
+            if p.dtype != _FP32:
+                state["master"] = p.detach().float()
+        elif master.master_scale(p) is not None:  # the parameter's storage is the master (see _adopt)
             state["master_scale"] = master.master_scale(p)
             state["master_amax"] = getattr(p, master.AMAX_ATTR)
         else:  # the master is kept apart from the parameter (this rank's shard of it)

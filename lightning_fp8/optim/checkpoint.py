@@ -139,9 +139,11 @@ def _load_one(opt: FP8AdamW, p: torch.Tensor, saved: dict[str, Any]) -> None:
     if "step" in saved:
         state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().cpu().clone().reshape(())
     with torch.no_grad():
-        if p not in opt._low_precision:
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in saved:
+        if p not in opt._low_precision or p in opt._moments_only:  # the master is high precision
+            for key, dtype in (("exp_avg", opt.exp_avg_dtype), ("exp_avg_sq", opt.exp_avg_sq_dtype)):
+                if key in saved and p in opt._moments_only:
+                    _copy_or_convert(state, saved, key, dtype, p)
+                elif key in saved:
                     state[key] = dequantize(saved, key).to(p.device).reshape(p.shape)
             if p.dtype != torch.float32:
                 source = dequantize(saved, "master") if "master" in saved else p.detach().float()

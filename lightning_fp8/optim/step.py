@@ -22,7 +22,13 @@ def launch_item(opt: Any, p: torch.Tensor, state: dict[str, Any], grad, grad_sca
     # updates), and detach() costs about a microsecond per parameter.
     target, copy = (state["master"], p) if "master" in state else (p, None)
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    if p in opt._low_precision:
+    if p in opt._moments_only:  # a high-precision master: the kernel ignores its scale and writes its amax
+        master_amax = opt._master_amax.get(p)
+        if master_amax is None:
+            master_amax = opt._master_amax[p] = torch.zeros((), dtype=torch.float32, device=p.device)
+        scales = (state["exp_avg_scale"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
+        amaxes = (master_amax, state["exp_avg_amax"], state["exp_avg_sq_amax"])
+    elif p in opt._low_precision:
         scales = (state["master_scale"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
         amaxes = (state["master_amax"], state["exp_avg_amax"], state["exp_avg_sq_amax"])
     else:

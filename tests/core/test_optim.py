@@ -6,6 +6,7 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.formats import E4M3, E5M2
@@ -146,6 +147,67 @@ def test_o2_state_layout_and_bytes():
     assert set(bias_state) == {"step", "exp_avg", "exp_avg_sq"} and bias_state["exp_avg"].dtype == torch.float32
 
 
+def test_low_precision_moments_all_gives_every_parameter_o2_moments():
+    # MS-AMP's choice: every parameter's moments in E4M3 / fp16 with scales; the non-FP8 parameters keep their own
+    # fp32 storage as the master and their fp32 gradient.
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 48), nn.GELU(),
+                                         nn.Linear(48, 64)))  # fmt: skip
+    plain = [model[0].weight, model[1].weight, model[1].bias, model[2].bias]
+    before = [p.detach().clone() for p in plain]
+    opt = FP8AdamW(model.parameters(), lr=1e-2, low_precision_moments="all")
+    idx = torch.randint(0, 64, (8, 16))
+    F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    grads = [p.grad.clone() for p in plain]
+    opt.step()
+    for p, w0, g in zip(plain, before, grads, strict=True):
+        state = opt.state[p]
+        assert p.dtype == torch.float32 and "master" not in state and "master_scale" not in state
+        assert state["exp_avg"].dtype == E4M3 and state["exp_avg_sq"].dtype == torch.float16
+        assert state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes == 3 * p.numel()  # against 8 in fp32
+        # The stored moments are (1 - beta) g and (1 - beta2) g^2, scaled by powers of two, within E4M3 / fp16.
+        m, v = checkpoint.dequantize(state, "exp_avg"), checkpoint.dequantize(state, "exp_avg_sq")
+        assert torch.frexp(state["exp_avg_scale"]).mantissa.item() == 0.5
+        torch.testing.assert_close(m, 0.1 * g, rtol=2**-4, atol=2**-9 * 0.1 * g.abs().max())
+        torch.testing.assert_close(v, 0.001 * g * g, rtol=2**-10, atol=2**-24 * 0.001 * g.square().max())
+        # The first step does not read the stored moments: it is torch.optim.AdamW's.
+        ref = nn.Parameter(w0.clone())
+        ref.grad = g
+        torch.optim.AdamW([ref], lr=1e-2).step()
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.state[model[2].weight]["master_scale"].dim() == 0  # FP8 weights as before
+
+
+def test_low_precision_moments_all_trains_like_adamw_and_loads_both_ways():
+    base = TinyGPT(n_layer=1)
+    ref = copy.deepcopy(base)
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1), batches(150))
+    model = copy.deepcopy(base)
+    opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, low_precision_moments="all")
+    losses = train(model, opt, batches(150))
+    assert (losses - expected).abs().mean() < O2_LOSS_TOL_GPT  # measured 0.0018 (every parameter's moments rounded)
+    assert opt.state[model.tok.weight]["exp_avg"].dtype == E4M3
+    # Its state dict loads into a default FP8AdamW (fp32 moments, dequantized) and back (the same bits).
+    saved = _resume_bundle(model, opt, FP8GradScaler())["opt"]
+    default = FP8AdamW(model.parameters(), lr=3e-3)
+    default.load_state_dict(saved)
+    tok = default.state[model.tok.weight]
+    assert tok["exp_avg"].dtype == torch.float32
+    assert torch.equal(tok["exp_avg"], checkpoint.dequantize(opt.state[model.tok.weight], "exp_avg"))
+    again = FP8AdamW(model.parameters(), lr=3e-3, low_precision_moments="all")
+    again.load_state_dict(saved)
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = again.state[model.tok.weight], opt.state[model.tok.weight]
+        assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8))
+        assert torch.equal(a[f"{key}_scale"], b[f"{key}_scale"])
+    tok_weight = model.tok.weight.detach().clone()
+    again.release(model.tok.weight)  # back to fp32 moments, the same values; the parameter untouched
+    released = again.state[model.tok.weight]
+    assert released["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in released
+    assert torch.equal(released["exp_avg"], checkpoint.dequantize(opt.state[model.tok.weight], "exp_avg"))
+    assert torch.equal(model.tok.weight.detach(), tok_weight) and model.tok.weight.dtype == torch.float32
+
+
 def test_model_state_dict_is_unscaled_and_loads_back():
     model = _fp8_mlp()
     opt = FP8AdamW(model.parameters(), lr=1e-2)
@@ -175,14 +237,17 @@ def _resume_bundle(model, opt, scaler):
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.parametrize("scale_update", ["one_pass", "two_pass"])
-def test_checkpoint_resume_is_bit_identical(scale_update):
+@pytest.mark.parametrize(("scale_update", "moments"), [("one_pass", "fp8_weights"), ("two_pass", "fp8_weights"),
+                                                     ("one_pass", "all")])  # fmt: skip
+def test_checkpoint_resume_is_bit_identical(scale_update, moments):
     data = [(torch.randn(24, 32), torch.randn(24, 16)) for _ in range(8)]
 
     def build(seed):
         model = _fp8_mlp(seed)
         scaler = FP8GradScaler(model=model, growth_interval=2)
-        return model, FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, scale_update=scale_update), scaler
+        opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, scale_update=scale_update,
+                       low_precision_moments=moments)  # fmt: skip
+        return model, opt, scaler
 
     model, opt, scaler = build(0)
     for x, y in data[:4]:
@@ -359,6 +424,7 @@ def test_maximize_ascends():
         ({"exp_avg_sq_dtype": E4M3}, "exp_avg_sq_dtype"),
         ({"scale_update": "delayed"}, "scale_update"),
         ({"amsgrad": True}, "amsgrad=True"),
+        ({"low_precision_moments": "norms"}, "low_precision_moments='norms'"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

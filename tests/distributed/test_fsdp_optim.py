@@ -165,9 +165,10 @@ def _local_states(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dic
     }
 
 
-def _fsdp2_o2_tied_dcp_round_trip(rank: int, directory: str) -> dict:
+def _fsdp2_o2_tied_dcp_round_trip(rank: int, directory: str, moments: str = "fp8_weights") -> dict:
     """O2 with a tied embedding/head (Accelerate's FSDP2 SHARDED_STATE_DICT path): get_optimizer_state_dict on a
-    fresh optimizer is the template DCP loads into, so it must hold every parameter's states."""
+    fresh optimizer is the template DCP loads into, so it must hold every parameter's states. ``moments="all"``:
+    the embedding, norm and biases have low-precision moments too, with per-shard scales."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -179,13 +180,17 @@ def _fsdp2_o2_tied_dcp_round_trip(rank: int, directory: str) -> dict:
         model = convert_to_fp8(_TiedLM())
         fully_shard(model.block)
         fully_shard(model)
-        return model, FP8AdamW(model.parameters(), lr=3e-3, fp8_params=_fp8_weights(model))
+        opt = FP8AdamW(model.parameters(), lr=3e-3, fp8_params=_fp8_weights(model), low_precision_moments=moments)
+        return model, opt
+
+    def checked(model):  # the parameters whose states must come back: those with scales
+        return list(model.parameters()) if moments == "all" else _fp8_weights(model)
 
     model, opt = build()
     _tied_lm_steps(model, opt, rank, 3)
     dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # sharded, with the FP8 scaling state
-    saved = _local_states(opt, _fp8_weights(model))
+    saved = _local_states(opt, checked(model))
     continued = _tied_lm_steps(model, opt, rank, 2)
 
     resumed, opt = build()
@@ -194,12 +199,12 @@ def _fsdp2_o2_tied_dcp_round_trip(rank: int, directory: str) -> dict:
     dcp.load(template, checkpoint_id=directory)
     set_optimizer_state_dict(resumed, opt, optim_state_dict=template["optim"])
     # The scales and amaxes are those of this rank's shard: every rank must get its own back.
-    loaded = _local_states(opt, _fp8_weights(resumed))
+    loaded = _local_states(opt, checked(resumed))
     return {
         "states_equal": loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved),
         "continued": continued,
         "resumed": _tied_lm_steps(resumed, opt, rank, 2),
-        "fp8_states": [str(opt.state[p]["exp_avg"].dtype) for p in _fp8_weights(resumed)],
+        "fp8_states": [str(opt.state[p]["exp_avg"].dtype) for p in checked(resumed)],
         "template_keys": sorted(template["optim"]["state"]),
         "param_names": sorted(name for name, _ in resumed.named_parameters()),
     }
@@ -262,6 +267,7 @@ def _worker(rank: int, world: int) -> dict:
             "fsdp2_o1": _guarded(_fsdp2_o1_against_adamw, rank),
             "fsdp2_dcp": _guarded(_fsdp2_dcp_round_trip, rank, box[0]),
             "fsdp2_o2_tied_dcp": _guarded(_fsdp2_o2_tied_dcp_round_trip, rank, os.path.join(box[0], "tied")),
+            "fsdp2_all_tied_dcp": _guarded(_fsdp2_o2_tied_dcp_round_trip, rank, os.path.join(box[0], "all"), "all"),
             "fsdp1_flat_o2": _guarded(_low_precision_run, rank, "fsdp1_flat"),
             "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
@@ -300,12 +306,14 @@ def test_fp8_adamw_fsdp2_sharded_and_full_checkpoints_resume_exactly(results):
         assert run["from_full"] == run["continued"]
 
 
-def test_fp8_adamw_o2_fsdp2_tied_embedding_dcp_resumes_exactly(results):
+@pytest.mark.parametrize(("key", "n_scaled"), [("fsdp2_o2_tied_dcp", 2), ("fsdp2_all_tied_dcp", 7)])
+def test_fp8_adamw_o2_fsdp2_tied_embedding_dcp_resumes_exactly(results, key, n_scaled):
     for r in results:
-        run = _ok(r, "fsdp2_o2_tied_dcp")
+        run = _ok(r, key)
         # The template DCP loads into (a fresh optimizer's) names every parameter, the tied embedding included.
         assert "wte.weight" in run["template_keys"] and run["template_keys"] == run["param_names"]
-        assert run["fp8_states"] == ["torch.float8_e4m3fn"] * 2 and run["states_equal"]
+        # Every scaled state of this rank's shards comes back (low_precision_moments="all": all 7 parameters').
+        assert run["fp8_states"] == ["torch.float8_e4m3fn"] * n_scaled and run["states_equal"]
         assert run["resumed"] == run["continued"]
 
 

@@ -90,6 +90,9 @@ CASES = {
     "o2_e5m2_moment_fp32_grad": ((F16, E5M2, F16, F32), True, False, False),
     "fp32": ((F32, F32, F32, F32), False, False, False),
     "fp32_master_bf16_param": ((F32, F32, F32, BF16), False, False, True),
+    # FP8AdamW(low_precision_moments="all"): a high-precision master (its scale unused) with scaled moments
+    "moments_only": ((F32, E4M3, F16, F32), True, False, False),
+    "moments_only_bf16_param": ((F32, E4M3, F16, BF16), True, False, True),
 }
 
 
