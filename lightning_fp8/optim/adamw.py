@@ -297,8 +297,8 @@ class FP8AdamW(torch.optim.Optimizer):
     def _grad_of(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(grad, grad_scale_inv, grad_amax)`` of ``p`` for this step: its pending FP8 gradient, or ``p.grad``.
 
-        The amax (of ``grad * grad_scale_inv``) is known for FP8 gradients, measured for the high-precision
-        gradient of a low-precision weight (the one-pass scale bounds need it), else ``None``.
+        The amax (of ``grad * grad_scale_inv``) is known for FP8 gradients, else ``None``: the step measures those
+        of low-precision parameters' high-precision gradients (the one-pass scale bounds need them) all at once.
         """
         if p in self._grad_casts:
             self._grad_casts.flush(self)
@@ -315,8 +315,7 @@ class FP8AdamW(torch.optim.Optimizer):
             return entry.data, entry.scale_inv, entry.amax
         if grad is None:
             return None, None, None
-        grad = grad if grad.is_contiguous() else grad.contiguous()
-        return grad, None, (ops.amax(shards.local(grad)) if p in self._low_precision else None)
+        return (grad if grad.is_contiguous() else grad.contiguous()), None, None
 
     def _nonfinite_grads(self) -> torch.Tensor:
         """0-dim: > 0 when a gradient of this step holds inf or NaN (for the gradient scaler; no host sync)."""
@@ -383,7 +382,11 @@ class FP8AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p, state)
-                live.append((p, state, grad, grad_scale_inv, grad_amax))
+                live.append([p, state, grad, grad_scale_inv, grad_amax])
+            # The amaxes of high-precision gradients with low-precision states: a few launches for all of them.
+            measured = [e for e in live if e[4] is None and e[0] in self._low_precision]
+            for entry, amax in zip(measured, ops.amaxes([shards.local(e[2]) for e in measured]), strict=True):
+                entry[4] = amax
             # Params at different step counts (some had no gradient at times) need their own bias correction.
             batches: dict[tuple, list[tuple]] = defaultdict(list)
             for (p, state, *grads), step in zip(live, step_.advance_steps([e[1]["step"] for e in live]), strict=True):

@@ -149,6 +149,23 @@ def test_amax_matches_reference(dtype):
     assert cast.amax(x).item() == float("inf")
 
 
+def test_amaxes_match_amax_one_by_one():
+    # FP8AdamW measures the gradient amaxes of a step at once: the same values as ops.amax, NaN as inf, empty as 0.
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(37, 5), (130,), (0,), (3, 4, 5), (1,)]
+    cases = [(shape, dtype) for dtype in INPUT_DTYPES for shape in shapes]
+    tensors = [(torch.randn(shape, generator=gen) * 10.0**k).to(dtype).to(DEVICE) for k, (shape, dtype) in
+               enumerate(cases)]  # fmt: skip
+    tensors[1][7] = float("nan")
+    tensors[8].view(-1)[0] = -float("inf")
+    got = ops.amaxes(tensors)
+    assert len(got) == len(tensors)
+    for t, a in zip(tensors, got, strict=True):
+        assert a.dtype == torch.float32 and a.dim() == 0 and a.device == t.device
+        assert torch.equal(a, amax_ref(t)), (t.dtype, t.shape)
+    assert got[1].item() == float("inf") and got[2].item() == 0.0 and ops.amaxes([]) == []
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_cast_whole_tiles_and_64_bit_offsets(monkeypatch, fp8_dtype):
     # Shapes the tiles divide take the unmasked path; a lowered limit forces the 64-bit offset path.
