@@ -452,7 +452,8 @@ class FP8AdamW(torch.optim.Optimizer):
         return checkpoint.to_adamw(self)
 
     def fp8_state_stats(self) -> dict[str, Any]:
-        """Read-only snapshot (Python numbers, one host transfer): per low-precision parameter (by index in the
-        param groups) its state scales and amaxes, their min/max, and the gradient scaler's statistics."""
+        """Read-only snapshot (Python numbers, one host transfer): per FP8 weight (by index in the param groups) the
+        scales and amaxes of its master and moments, their min/max, and the gradient scaler's statistics. Parameters
+        with low-precision moments only (``low_precision_moments="all"``) are not listed."""
         self._grad_casts.flush(self)
         return checkpoint.stats(self)
