@@ -194,6 +194,12 @@ def test_low_precision_moments_all_trains_like_adamw_and_loads_both_ways():
     tok = default.state[model.tok.weight]
     assert tok["exp_avg"].dtype == torch.float32
     assert torch.equal(tok["exp_avg"], checkpoint.dequantize(opt.state[model.tok.weight], "exp_avg"))
+    converted = FP8AdamW(model.parameters(), lr=3e-3, low_precision_moments="all")  # fp32 moments -> E4M3 / fp16
+    converted.load_state_dict(default.state_dict())
+    for key, rel in (("exp_avg", 2**-4), ("exp_avg_sq", 2**-11)):
+        got, want = checkpoint.dequantize(converted.state[model.tok.weight], key), tok[key]
+        assert converted.state[model.tok.weight][key].dtype == opt.state[model.tok.weight][key].dtype
+        assert ((got - want).abs() <= rel * want.abs() + 2**-9 * want.abs().max()).all(), key
     again = FP8AdamW(model.parameters(), lr=3e-3, low_precision_moments="all")
     again.load_state_dict(saved)
     for key in ("exp_avg", "exp_avg_sq"):
