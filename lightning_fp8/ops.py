@@ -60,8 +60,9 @@ def amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             out[i] = torch.zeros((), dtype=torch.float32, device=t.device)
         else:
             by_device.setdefault(t.device, []).append(i)
-    for indices in by_device.values():
-        norms = torch.stack(torch._foreach_norm([tensors[i].detach() for i in indices], float("inf"))).float()
+    for device, indices in by_device.items():
+        with torch.autocast(device.type, enabled=False):  # an optimizer step may run under autocast (fp16 grads)
+            norms = torch.stack(torch._foreach_norm([tensors[i].detach() for i in indices], float("inf"))).float()
         for i, value in zip(indices, torch.where(torch.isnan(norms), torch.inf, norms).unbind(), strict=True):
             out[i] = value  # max |x| is exact in any dtype; NaN counts as inf, as in amax
     return out
