@@ -233,12 +233,12 @@ class FP8AdamW(torch.optim.Optimizer):
         self._grad_casts.flush(self)
         state = self.state[p]
         moments = {key: checkpoint.dequantize(state, key) for key in ("exp_avg", "exp_avg_sq") if key in state}
-        keep = ("step", "master") if p in self._moments_only else ("step",)
-        kept = {key: state[key] for key in keep if key in state}
         if p in self._moments_only:  # its master already is what a plain parameter's is (the param, or fp32 apart)
+            kept = {key: state[key] for key in ("step", "master") if key in state}
             self._moments_only.discard(p)
             self._master_amax.pop(p, None)
         else:
+            kept = {"step": state["step"]} if "step" in state else {}
             if "master" in state:
                 with torch.no_grad():
                     p.copy_(checkpoint.dequantize(state, "master"))
