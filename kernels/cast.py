@@ -197,11 +197,14 @@ def _cast_impl(
     eager: bool,
     column_sum: bool = False,
     write_x: bool = True,
+    activation: str = "",
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
     ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, partials)``: with ``column_sum`` (2-D ``x``)
     the fp32 column sums of each row group (:func:`column_sums` adds them), else None. ``write_x=False`` (with
-    ``transpose``): the transposed copy alone, ``x_fp8`` None."""
+    ``transpose``): the transposed copy alone, ``x_fp8`` None. ``activation`` (2-D ``x``; "gelu" or "gelu_backward"
+    with ``activation_input``, contiguous, of ``x``'s shape): cast ``reference.activation_ref`` of ``x``."""
     if write_x:
         x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
     else:
@@ -210,7 +213,7 @@ def _cast_impl(
     interpreted = _interpreted(_cast_flat_kernel)
     fmt = _format_args(fp8_dtype, interpreted or EXACT_ROUND_ON_GPU)
     sums = None
-    if transpose or column_sum:
+    if transpose or column_sum or activation:
         cfg = dict(CONFIGS["transpose"])
         if interpreted:  # the interpreter cannot convert NaN to E4M3: keep the byte path
             cfg["TRANSPOSE_VIA"] = "bytes"
@@ -222,7 +225,7 @@ def _cast_impl(
             cfg["GROUP_M"] = _group_m(tiles_m * tiles_n, cfg["GROUP_M"], _multiprocessors(x))
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
         sums = column_partials(x) if column_sum else out
-        tma = cfg["TMA"] and eager and transpose and write_x and _tma_fits(x)
+        tma = cfg["TMA"] and eager and transpose and write_x and not activation and _tma_fits(x)
         if tma:  # the tiles through tensor descriptors: the outputs as their bytes
             blocks, blocks_t = [cfg["BLOCK_M"], cfg["BLOCK_N"]], [cfg["BLOCK_N"], cfg["BLOCK_M"]]
             tensors = (TensorDescriptor.from_tensor(x, blocks),
@@ -230,8 +233,10 @@ def _cast_impl(
                        TensorDescriptor.from_tensor(x_fp8_t.view(torch.uint8), blocks_t))  # fmt: skip
         else:
             tensors = (x, out, x_fp8_t)
-        args = (tensors[0], scale, *tensors[1:], sums, *stats, m, n)
-        flags = {"WRITE_T": transpose, "WRITE_X": write_x, "COLUMN_SUM": column_sum, "TMA": tma}
+        aux = x if activation_input is None else activation_input  # unread unless "gelu_backward"
+        args = (tensors[0], aux, scale, *tensors[1:], sums, *stats, m, n)
+        flags = {"WRITE_T": transpose, "WRITE_X": write_x, "COLUMN_SUM": column_sum, "TMA": tma,
+                 "ACTIVATION": activation}  # fmt: skip
         work = groups * tiles_n  # work items: GROUP_M row tiles of a column block
         kernel, index_64 = _cast_transpose_kernel, _index_64(padded)
     else:

@@ -100,12 +100,29 @@ def _quantize_block(
 
 
 @triton.jit
+def _activation(x, aux_ptr, offs, mask, EVEN: tl.constexpr, ACTIVATION: tl.constexpr):
+    # What the cast casts (kernels/reference.py: activation_ref), fp32: x itself, gelu(x), or x * gelu'(h) with h the
+    # tile of aux at the same offsets (masked lanes: x = 0 -> 0, neutral for the statistics and the column sums).
+    if ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_backward":
+        if EVEN:
+            h = tl.load(aux_ptr + offs).to(tl.float32)
+        else:
+            h = tl.load(aux_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
+        x = x * (cdf + h * pdf)
+    return x
+
+
+@triton.jit
 def _cast_tile(
-    x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3: tl.constexpr, FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, EXACT_ROUND: tl.constexpr,
-    EVEN: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, aux_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
+    EXACT_ROUND: tl.constexpr, EVEN: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSPOSE_VIA: tl.constexpr, WRITE_T: tl.constexpr, WRITE_X: tl.constexpr, STATS: tl.constexpr,
-    LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr, ACTIVATION: tl.constexpr,
 ):  # fmt: skip
     # Tile (tm, tn) of _cast_transpose_kernel (its arguments say what each is): load, cast, store the copies, fold the
     # statistics. Returns the tile as fp32 (zeros past the edges) and the running statistics.
@@ -115,13 +132,15 @@ def _cast_tile(
         rm = rm.to(tl.int64)
         rn = rn.to(tl.int64)
     offs = rm[:, None] * N + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
     if TMA:  # a tile past the edge reads zeros: neutral for the statistics and the column sums
         x = x_ptr.load([tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
     elif EVEN:
         x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
     else:
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
+    if ACTIVATION:  # the launcher never combines an activation with TMA
+        x = _activation(x, aux_ptr, offs, mask, EVEN, ACTIVATION)
     q, y, finite, amax_acc, nsat_acc = _quantize_block(
         x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, STATS,
     )  # fmt: skip
@@ -156,6 +175,7 @@ def _cast_tile(
 @triton.jit
 def _cast_transpose_kernel(
     x_ptr,  # (M, N) input, row-major, fp32/bf16/fp16 (TMA: its tensor descriptor, blocks of BLOCK_M x BLOCK_N)
+    aux_ptr,  # ACTIVATION "gelu_backward": (M, N) the GELU's input, row-major (else unread)
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output (TMA: a descriptor of its bytes, uint8)
     out_t_ptr,  # (N, M) FP8 output, the transposed copy (TMA: a descriptor of its bytes, blocks of BLOCK_N x BLOCK_M)
@@ -204,6 +224,7 @@ def _cast_transpose_kernel(
     DELAYED: tl.constexpr,  # RECORD: the last program also writes the next delayed scale
     UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
     SPECULATE: tl.constexpr,  # RECORD, current scaling: 0 (off), 1 (the speculative pass), 2 (its redo); see _finish
+    ACTIVATION: tl.constexpr,  # "" (cast x), "gelu" or "gelu_backward": cast what _activation makes of the tile
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -233,9 +254,9 @@ def _cast_transpose_kernel(
             csum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for tm in tl.range(group * GROUP_M, tl.minimum(group * GROUP_M + GROUP_M, tiles_m), num_stages=NUM_STAGES):
             x, amax_acc, nsat_acc = _cast_tile(
-                x_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
+                x_ptr, aux_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
                 MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N, TRANSPOSE_VIA,
-                WRITE_T, WRITE_X, STATS, LOAD_POLICY, STORE_POLICY, TMA,
+                WRITE_T, WRITE_X, STATS, LOAD_POLICY, STORE_POLICY, TMA, ACTIVATION,
             )  # fmt: skip
             if COLUMN_SUM:
                 csum += x

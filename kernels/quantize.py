@@ -69,6 +69,8 @@ def quantize_(
     transpose: bool,
     unscale: torch.Tensor | None = None,
     column_sum: bool = False,
+    activation: str | None = None,
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One cast of a scaling state in one launch (two with ``current``): cast, statistics, history and next scale.
 
@@ -77,16 +79,20 @@ def quantize_(
     of the cast does the bookkeeping of ``kernels/scaling.py`` (no separate launch, no zeroed accumulators); with
     ``current`` the amax launch before it writes the scale. ``column_sum`` (2-D ``x``): the cast also sums the
     columns of each row block as it reads them (the bias gradient of a linear layer), and a fourth output adds the
-    blocks. Eager; ``torch.compile`` traces the same launches through the triton_op :func:`quantize_op`.
+    blocks. ``activation`` (2-D ``x``): cast ``reference.activation_ref(x, activation, activation_input)``, computed
+    as the tiles are read (``activation_input`` contiguous, of ``x``'s shape); a current-scaled one always speculates
+    (the amax launch reads ``x`` as it is). Eager; ``torch.compile`` traces the same launches through the triton_op
+    :func:`quantize_op`.
     """
     args = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max,
-            delayed, current, transpose, unscale, column_sum)  # fmt: skip
+            delayed, current, transpose, unscale, column_sum, activation, activation_input)  # fmt: skip
     if x.numel() == 0:
         from lightning_fp8.kernels.reference import quantize_ref
 
         return quantize_ref(*args)
-    state = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, unscale)
-    key = _replay_key(state, transpose, current, fp8_dtype, margin, algo_max, delayed, column_sum=column_sum)
+    state = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, unscale, activation_input)
+    kind = (fp8_dtype, margin, algo_max, delayed)
+    key = _replay_key(state, transpose, current, *kind, column_sum=column_sum, activation=activation)
     if key is None:  # not replayed (see _replay_key)
         x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(*args, eager=True)
     else:
@@ -155,7 +161,9 @@ def _remember(key: tuple, recorded: list, slots: tuple, constants: tuple) -> Non
     _REPLAYS[key] = launch.Replay.build(recorded, slots, constants)
 
 
-def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind, column_sum: bool = False) -> tuple | None:
+def _replay_key(
+    tensors: tuple, transpose: bool, current: bool, *kind, column_sum: bool = False, activation: str | None = None
+) -> tuple | None:
     """What decides every launch of a cast (its kernels, grids, arguments other than ``tensors``, and Triton's
     specialization of them), ``kind`` being the caller's non-tensor arguments; None where the cast is not replayed:
     the fast launch path off or unavailable (the interpreter), tensor descriptors (built per call), a tensor whose
@@ -163,7 +171,7 @@ def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind, column_su
     x = tensors[0]
     if not (REPLAY and launch.ENABLED and x.is_cuda) or cast._interpreted(cast._cast_flat_kernel):
         return None
-    cfg = CONFIGS["transpose" if transpose or column_sum else "flat"]
+    cfg = CONFIGS["transpose" if transpose or column_sum or activation else "flat"]
     if cfg.get("TMA"):
         return None
     ptrs = 0
@@ -180,21 +188,24 @@ def _replay_key(tensors: tuple, transpose: bool, current: bool, *kind, column_su
     device, stream = launch._current_device_stream()
     # The stream also picks the workspace of quantize_, a constant of its replays. The configs and flags below are
     # read at every launch.
-    return (device, stream, x.device, *shapes, transpose, current, column_sum, *kind, SPECULATIVE_CURRENT_SCALING,
+    return (device, stream, x.device, *shapes, transpose, current, column_sum, activation, *kind,
+            SPECULATIVE_CURRENT_SCALING,
             tuple(cfg.values()), tuple(CONFIGS["amax"].values()) if current else None, cast.EXACT_ROUND_ON_GPU,
             cast.REDO_PROGRAMS_PER_SM, launch._knobs_key())  # fmt: skip
 
 
 def _quantize_impl(
     x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-    current, transpose, unscale, column_sum, eager,
+    current, transpose, unscale, column_sum, activation, activation_input, eager,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     # Non-empty x. Eagerly the stream's cached workspace serves (a launch leaves it zeroed); traced, a fresh zeroed
     # one (a graph cannot hold on to a global buffer that its kernels mutate). The workspace also fills the pointer
     # arguments that these launches do not read: no state buffer is passed twice to a kernel that writes it.
     fields = _record_fields(fp8_dtype, margin)
     ws = _workspace(x.device) if eager else torch.zeros(WORKSPACE, dtype=torch.int64, device=x.device)
-    speculate = current and (SPECULATIVE_CURRENT_SCALING is True or (eager and SPECULATIVE_CURRENT_SCALING == "eager"))
+    speculate = current and (
+        SPECULATIVE_CURRENT_SCALING is True or (eager and SPECULATIVE_CURRENT_SCALING == "eager") or bool(activation)
+    )
     if current and not speculate:
         cfg = CONFIGS["amax"]
         blocks = _cdiv(x.numel(), cfg["BLOCK"])
@@ -207,7 +218,10 @@ def _quantize_impl(
              ws if unscale is None else unscale, h, x.numel())  # fmt: skip
     record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
               "UNSCALE": unscale is not None, "SPECULATE": 1 if speculate else 0, **fields}  # fmt: skip
-    x_fp8, x_fp8_t, partials = _cast_impl(x, scale, fp8_dtype, transpose, stats, record, eager, column_sum)
+    x_fp8, x_fp8_t, partials = _cast_impl(
+        x, scale, fp8_dtype, transpose, stats, record, eager, column_sum,
+        activation=activation or "", activation_input=activation_input,
+    )  # fmt: skip
     return x_fp8, x_fp8_t, scale_inv, partials
 
 
@@ -231,12 +245,14 @@ def quantize_op(
     transpose: bool,
     unscale: torch.Tensor | None,
     column_sum: bool,
+    activation: str = "",
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_` (non-empty CUDA ``x``) as a ``torch.library.triton_op``: ``torch.compile`` sees the kernel
     launches themselves, and inductor launches them from its generated code (no Python custom op per cast). A fixed
-    schema: the fourth output is empty without ``column_sum``."""
+    schema: the fourth output is empty without ``column_sum``; ``activation`` "" for none."""
     x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(
         x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-        current, transpose, unscale, column_sum, eager=False,
+        current, transpose, unscale, column_sum, activation or None, activation_input, eager=False,
     )  # fmt: skip
     return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials) if column_sum else scale_inv.new_empty((0,))

@@ -59,6 +59,39 @@ def cast_to_fp8_ref(
     return x_fp8, x_fp8_t, amax_ref(x), n_saturated
 
 
+# Activations a cast can apply to what it reads (``quantize_ref(activation=...)``): a GELU's output cast straight to FP8
+# by the kernel that reads the GELU's input (the GELU's own output never written), and in the backward the GELU's input
+# gradient, ``grad * gelu'(h)``, cast as it is computed. fp32 math, the exact (erf) GELU, as torch computes it in fp32.
+ACTIVATIONS = ("gelu", "gelu_backward")
+_SQRT1_2 = 0.7071067811865476  # 1 / sqrt(2)
+_GELU_PDF = 0.3989422804014327  # 1 / sqrt(2 pi)
+
+
+def gelu_ref(h: torch.Tensor) -> torch.Tensor:
+    """``0.5 * h * (1 + erf(h / sqrt(2)))`` in fp32 (``torch.nn.functional.gelu`` of fp32 ``h``)."""
+    h = h.detach().float()
+    return 0.5 * h * (1.0 + torch.erf(h * _SQRT1_2))
+
+
+def gelu_backward_ref(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``grad * gelu'(h)`` in fp32, ``gelu'(h) = Phi(h) + h * phi(h)`` (torch's fp32 GELU backward)."""
+    h = h.detach().float()
+    cdf = 0.5 * (1.0 + torch.erf(h * _SQRT1_2))
+    pdf = torch.exp(-0.5 * h * h) * _GELU_PDF
+    return grad.detach().float() * (cdf + h * pdf)
+
+
+def activation_ref(x: torch.Tensor, activation: str | None, activation_input: torch.Tensor | None) -> torch.Tensor:
+    """What a cast with ``activation`` casts: ``x`` itself (None), ``gelu_ref(x)`` ("gelu"), or
+    ``gelu_backward_ref(x, activation_input)`` ("gelu_backward": ``x`` is the gradient of the GELU's output,
+    ``activation_input`` the GELU's input, of ``x``'s shape)."""
+    if activation is None:
+        return x
+    if activation == "gelu":
+        return gelu_ref(x)
+    return gelu_backward_ref(x, activation_input)
+
+
 def float32_exponent_mantissa(value: float) -> tuple[int, int]:
     """Biased exponent and mantissa fields of ``value`` rounded to fp32 (pure Python: no tensor, no graph break)."""
     (bits,) = struct.unpack("<i", struct.pack("<f", value))
@@ -146,6 +179,8 @@ def quantize_ref(
     transpose: bool,
     unscale: torch.Tensor | None = None,
     column_sum: bool = False,
+    activation: str | None = None,
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One cast of a scaling state: the composition of the kernels above (kernels/cast.py fuses it).
 
@@ -157,11 +192,15 @@ def quantize_ref(
     ``column_sum`` (2-D ``x``): also return :func:`column_sum_ref` of ``x`` (the bias gradient, when ``x`` is a
     linear layer's output gradient), which the fused cast computes from the values it reads anyway.
 
+    ``activation`` (2-D ``x``): everything above applies to :func:`activation_ref` of ``x`` instead of ``x`` (the
+    cast, its statistics, the column sums), computed in fp32 and never rounded to ``x``'s dtype.
+
     Returns:
         ``(x_fp8, x_fp8_t, scale_inv)``: ``scale_inv`` is ``1 / scale`` of this cast; ``x_fp8_t`` is empty unless
         ``transpose``. With ``column_sum``, ``(x_fp8, x_fp8_t, scale_inv, column sums)``.
     """
     fmax = _FP8_MAX[fp8_dtype]
+    x = activation_ref(x, activation, activation_input)
     if current:
         current_scale_ref(amax_ref(x), scale, fmax, margin)
     used_scale = scale.clone()

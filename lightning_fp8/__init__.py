@@ -15,6 +15,7 @@ from typing import Any
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.formats import E4M3, E5M2, fp8_max
 from lightning_fp8.linear import FP8Linear
+from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.scaling import ScalingState, compute_scale
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
@@ -36,6 +37,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "FP8Linear",
+    "FP8MLP",
     "FP8Recipe",
     "ScalingState",
     "compute_scale",

@@ -68,21 +68,11 @@ class _FP8Matmul(torch.autograd.Function):
             x, need_wgrad and not ctx.recast_input, first or not fp8["input"].delayed
         )
         ctx.input_fp8_dtype = x_fp8.dtype
-        # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
-        # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
-        w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
-            fp8["weight"], weight, need_dgrad, master_scale, keep_transpose=SAVE_WEIGHT_TRANSPOSE
+        y, w_saved, ctx.weight_fp8_dtype = forward_gemm(
+            x_fp8, x_scale_inv, weight, bias, fp8, need_dgrad, master_scale, out_dtype
         )
-        # No transposed copy from the forward (weight_cache made none): the backward casts the weight again.
-        ctx.recast = need_dgrad and w_fp8_t.numel() == 0
-        ctx.weight_fp8_dtype = w_fp8.dtype
-        # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
-        # as Transformer Engine does.
-        b = None if bias is None else bias.to(out_dtype)
-        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        recast = (weight, master_scale) if ctx.recast else ()
-        ctx.save_for_backward(x if ctx.recast_input else x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv, *recast)
+        ctx.save_for_backward(x if ctx.recast_input else x_fp8_t, x_scale_inv, *w_saved)
         ctx.grad_state = fp8["grad_output"]
         ctx.grad_current = first or not fp8["grad_output"].delayed
         ctx.dtypes = (x.dtype, weight.dtype)
@@ -90,9 +80,7 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        x_fp8_t, w_fp8_t, x_scale_inv, w_scale_inv, *recast = ctx.saved_tensors
-        if ctx.recast:
-            w_fp8_t = _recast_weight_t(*recast, w_scale_inv, ctx.weight_fp8_dtype)
+        x_fp8_t, x_scale_inv, *w_saved = ctx.saved_tensors
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         if ctx.recast_input and need_wgrad:  # x_fp8_t holds x: its forward cast again, the same bytes
             x_fp8_t = ops.recast_transposed(x_fp8_t.detach(), torch.reciprocal(x_scale_inv), ctx.input_fp8_dtype)
@@ -101,16 +89,66 @@ class _FP8Matmul(torch.autograd.Function):
         dy_fp8, dy_fp8_t, dy_scale_inv, *db = ctx.grad_state.quantize(
             dy.contiguous(), need_wgrad, ctx.grad_current, column_sum=fused
         )
-        dx = dw = None
-        if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
-            dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
-        if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
-            dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
+        dx, dw = backward_gemms(
+            (dy_fp8, dy_fp8_t, dy_scale_inv), x_fp8_t, x_scale_inv, w_saved, ctx.weight_fp8_dtype, need_dgrad,
+            need_wgrad, ctx.dtypes,
+        )  # fmt: skip
         if need_bgrad:
             db = (db[0] if fused else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
         else:
             db = None
         return dx, dw, db, None, None, None, None
+
+
+def forward_gemm(
+    x_fp8: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp8: nn.ModuleDict,
+    need_dgrad: bool,
+    master_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, tuple, torch.dtype]:
+    """The forward GEMM of an FP8 linear layer from its input's FP8 copy: the weight's cast (``fp8``: the layer's
+    scaling states), ``x @ w^T + bias``. Returns ``(y, saved, weight_fp8_dtype)``, ``saved`` being what
+    :func:`backward_gemms` needs of the weight (tensors, or None, for ``save_for_backward``)."""
+    # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
+    # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
+    w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
+        fp8["weight"], weight, need_dgrad, master_scale, keep_transpose=SAVE_WEIGHT_TRANSPOSE
+    )
+    # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
+    # as Transformer Engine does.
+    b = None if bias is None else bias.to(out_dtype)
+    y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
+    # No transposed copy from the forward (weight_cache made none): the backward casts the weight again.
+    recast = (weight, master_scale) if need_dgrad and w_fp8_t.numel() == 0 else ()
+    return y, (w_fp8_t, w_scale_inv, *recast), w_fp8.dtype
+
+
+def backward_gemms(
+    dy_cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    x_fp8_t: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    w_saved: list | tuple,
+    weight_fp8_dtype: torch.dtype,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    dtypes: tuple[torch.dtype, torch.dtype],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dgrad and wgrad of an FP8 linear layer from its output gradient's cast ``(dy_fp8, dy_fp8_t, dy_scale_inv)``, its
+    input's transposed FP8 copy and what :func:`forward_gemm` saved of the weight; ``dtypes``: of ``dx`` and ``dw``."""
+    dy_fp8, dy_fp8_t, dy_scale_inv = dy_cast
+    w_fp8_t, w_scale_inv, *recast = w_saved
+    dx = dw = None
+    if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
+        if recast:
+            w_fp8_t = _recast_weight_t(*recast, w_scale_inv, weight_fp8_dtype)
+        dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, dtypes[0])
+    if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
+        dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, dtypes[1])
+    return dx, dw
 
 
 def _recast_weight_t(

@@ -103,6 +103,8 @@ class ScalingState(nn.Module):
         current: bool | None = None,
         unscale: torch.Tensor | None = None,
         column_sum: bool = False,
+        activation: str | None = None,
+        activation_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Cast ``x`` to FP8 with this role's scale and record the cast's statistics.
 
@@ -121,6 +123,11 @@ class ScalingState(nn.Module):
                 ``scale_inv`` describe ``t``.
             column_sum: also return the fp32 column sums of 2-D ``x`` (a linear layer's bias gradient), computed by
                 the cast from the values it reads (``kernels/reference.py: column_sum_ref`` fixes the order).
+            activation: cast an activation of 2-D ``x`` instead of ``x``, computed in fp32 as the cast reads ``x``
+                (its high-precision result is never written): ``"gelu"`` casts ``gelu(x)`` (the exact, erf GELU);
+                ``"gelu_backward"`` casts ``x * gelu'(activation_input)``, ``x`` being the gradient of a GELU's output
+                and ``activation_input`` (``x``'s shape) that GELU's input. Statistics, scale and column sums are
+                those of the activation. :class:`lightning_fp8.FP8MLP` fuses its GELU this way.
 
         Returns:
             ``(x_fp8, x_fp8_t, scale_inv)``: ``x_fp8_t`` is empty unless ``transpose``; with ``column_sum``,
@@ -131,25 +138,55 @@ class ScalingState(nn.Module):
         """
         if column_sum and x.dim() != 2:
             raise ValueError(f"ScalingState.quantize(column_sum=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
+        if activation is not None:
+            activation_input = _check_activation(x, activation, activation_input)
         if current is None:
             current = self.needs_current_scale()
             self.initialized = True
         x, mode = x.detach().contiguous(), (self.fp8_dtype, self.margin, self.algo == "max", self.delayed)
         if torch.compiler.is_compiling():
             buffers = (self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts)
-            if FUSED_CASTS and self.delayed and unscale is None and not column_sum and x.numel():
+            if FUSED_CASTS and self.delayed and unscale is None and not column_sum and activation is None and x.numel():
                 return _fused_quantize(x, buffers, *mode, current, transpose)
-            out = _traced_quantize(x)(x, *buffers, *mode, current, transpose, unscale, column_sum)
+            out = _traced_quantize(x)(
+                x, *buffers, *mode, current, transpose, unscale, column_sum, activation or "", activation_input
+            )
             return out if column_sum else out[:3]
         b = self._buffers  # one dict lookup per buffer, not a Module.__getattr__ (this runs for every cast)
         buffers = (b["amax_history"], b["scale"], b["amax"], b["saturation"], b["nonfinite_count"], b["casts"])
-        return ops.quantize(x, *buffers, *mode, current, transpose, unscale, column_sum=column_sum)
+        return ops.quantize(
+            x, *buffers, *mode, current, transpose, unscale, column_sum=column_sum, activation=activation,
+            activation_input=activation_input,
+        )  # fmt: skip
 
     def reset(self) -> None:
         for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
             getattr(self, name).zero_()
         self.scale.fill_(1.0)
         self.initialized = False
+
+
+def _check_activation(x: torch.Tensor, activation: str, activation_input: torch.Tensor | None) -> torch.Tensor | None:
+    # ScalingState.quantize's activation arguments, checked; returns activation_input detached and contiguous.
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(
+            f"ScalingState.quantize(activation={activation!r}): choose one of {reference.ACTIVATIONS} or None"
+        )
+    if x.dim() != 2:
+        raise ValueError(f"ScalingState.quantize(activation={activation!r}) needs a 2-D tensor, got {tuple(x.shape)}")
+    if activation != "gelu_backward":
+        if activation_input is not None:
+            raise ValueError(f"ScalingState.quantize(activation={activation!r}) takes no activation_input")
+        return None
+    if activation_input is None or activation_input.shape != x.shape or activation_input.device != x.device:
+        got = None if activation_input is None else (tuple(activation_input.shape), str(activation_input.device))
+        raise ValueError(
+            f"ScalingState.quantize(activation='gelu_backward') needs activation_input, the GELU's input, of the "
+            f"gradient's shape {tuple(x.shape)} on {x.device}; got {got}"
+        )
+    if activation_input.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"activation_input must be float32, bfloat16 or float16, got {activation_input.dtype}")
+    return activation_input.detach().contiguous()
 
 
 # Under torch.compile, the casts of delayed scaling states (activations, gradients; not weights, not the grad casts
@@ -265,18 +302,20 @@ def _quantize_op(
     transpose: bool,
     unscale: torch.Tensor | None,
     column_sum: bool,
+    activation: str = "",
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # A fixed schema: the fourth output is empty without column_sum.
+    # A fixed schema: the fourth output is empty without column_sum; activation "" for none.
     out = ops.quantize(
         x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-        current, transpose, unscale, column_sum,
+        current, transpose, unscale, column_sum, activation or None, activation_input,
     )  # fmt: skip
     return out if column_sum else (*out, scale.new_empty((0,)))
 
 
 @_quantize_op.register_fake
 def _(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-      current, transpose, unscale, column_sum):  # fmt: skip
+      current, transpose, unscale, column_sum, activation="", activation_input=None):  # fmt: skip
     x_fp8 = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
     t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
     sums = scale.new_empty((x.shape[1],) if column_sum else (0,))

@@ -6,6 +6,7 @@ compiled kernels, and the ``gpu`` tests add sizes, torch.compile and the custom-
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -567,3 +568,53 @@ def test_scaled_mm_emulation_bias():
     with_bias = ops.scaled_mm(a, b, one, one, torch.bfloat16, bias=bias)
     exact = (a.float() @ b.float() + bias.bfloat16().float()).bfloat16()
     assert torch.equal(with_bias, exact)
+
+
+def assert_fp8_near(got, ref, tolerated_fraction):
+    """FP8 tensors equal byte for byte but for at most ``tolerated_fraction`` of elements one code apart (the kernel's
+    erf and exp against torch's: an ulp of fp32 moves a value across an FP8 rounding boundary now and then)."""
+    g, r = got.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    differ = g != r
+    assert ((g - r).abs()[differ] == 1).all(), "a byte differs by more than one code"
+    assert differ.float().mean().item() <= tolerated_fraction, differ.float().mean().item()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_backward"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("shape", "current"), [((67, 45), True), ((130, 64), False), ((300, 52), True)])
+def test_activation_cast_matches_reference(activation, dtype, shape, current):
+    """A cast of a GELU's output from its input, and of its input gradient from the output gradient and the input
+    (ScalingState.quantize(activation=...), FP8MLP's casts): the bytes, both layouts, the statistics and the column sums
+    of what kernels/reference.py: activation_ref computes, over successive casts with a NaN among them."""
+    gen = torch.Generator().manual_seed(7)
+    got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
+    fp8_dtype = torch.float8_e4m3fn if activation == "gelu" else torch.float8_e5m2
+    for step, magnitude in enumerate([1.0, 30.0, float("nan"), 1e-3]):
+        x = torch.randn(shape, generator=gen) * (1.0 if magnitude != magnitude else magnitude)
+        if magnitude != magnitude:
+            x[5, 3] = float("nan")
+        h = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
+        x = x.to(dtype).to(DEVICE)
+        aux = h if activation == "gelu_backward" else None
+        args = (fp8_dtype, 0, True, not current, current or step == 0, True, None, True, activation, aux)
+        got = quantize.quantize_(x, *got_state, *args)
+        ref = reference.quantize_ref(x, *ref_state, *args)
+        tolerated = 1e-3  # erf and exp in the kernel (the interpreter's too) and in torch differ by an ulp at times
+        assert_fp8_near(got[0], ref[0], tolerated)
+        assert torch.equal(got[1].view(torch.uint8), got[0].t().contiguous().view(torch.uint8))
+        assert torch.equal(got[2], ref[2]), (step, got[2], ref[2])  # scale_inv
+        torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-5, equal_nan=True)  # column sums
+        torch.testing.assert_close(got_state, ref_state, rtol=1e-6, atol=0)  # history, scale, statistics
+    assert int(got_state[4]) == 1 and int(got_state[5]) == 4
+    # The fused values are the activation's: a plain cast of the reference activation gives the same bytes.
+    plain = cast_to_fp8_ref(reference.activation_ref(x, activation, aux), 1.0 / ref[2], fp8_dtype)
+    assert_fp8_near(got[0], plain[0], tolerated)
+
+
+def test_activation_references_are_torch_gelu():
+    h = torch.randn(1000, dtype=torch.float64) * 4
+    g = torch.randn(1000, dtype=torch.float64)
+    torch.testing.assert_close(reference.gelu_ref(h), F.gelu(h).float(), rtol=1e-6, atol=1e-7)
+    hr = h.clone().requires_grad_()
+    (F.gelu(hr) * g).sum().backward()
+    torch.testing.assert_close(reference.gelu_backward_ref(g, h), hr.grad.float(), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,191 @@
+"""FP8MLP: ``proj(gelu(fc(x)))`` with FP8 GEMMs, the GELU fused into the casts around it.
+
+In a transformer's MLP the GELU sits between two FP8 linear layers, and each side of it is a cast::
+
+    forward    h = fc(x)             (bf16)   a = gelu(h)       (bf16, written)    a_fp8, a_fp8^T = cast(a)
+    backward   da = dgrad of proj    (bf16)   dh = da * gelu'(h) (bf16, written)   dh_fp8, dh_fp8^T = cast(dh)
+
+Separately, the GELU writes its output (and the backward its input gradient) in high precision and the cast reads it
+back: two bytes written and two read per element, each way, of the widest activations of the model (tokens x
+4 * width). Here the casts compute the GELU (and its derivative) from what they read, ``h`` (and ``da``), and write only
+the FP8 copies (``ScalingState.quantize(activation=...)``, kernels/cast_kernels.py: ``_activation``). The GELU's output
+is never written; the backward keeps ``h`` (as autograd keeps it for the GELU anyway) and the FP8 copies the GEMMs
+need, as two FP8Linears would.
+
+The two layers are ordinary :class:`~lightning_fp8.FP8Linear` modules (``fc``, ``proj``): their parameters, scaling
+states, state_dict keys, FP8AdamW's O2 masters and weight copies, statistics and callbacks are those of the unfused
+layers. Where the fused path cannot run the module calls them one after another (``proj(gelu(fc(x)))``): DTensor
+weights (tensor parallelism), or forward hooks on ``fc`` or ``proj`` (FSDP2's ``fully_shard`` of one of them, say),
+which the fused path would skip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_fp8.linear import FP8Linear, _is_dtensor, backward_gemms, forward_gemm
+from lightning_fp8.optim import master
+from lightning_fp8.recipe import FP8Recipe
+
+
+class _FP8GeluMLP(torch.autograd.Function):
+    """``y = gelu(x @ w1^T + b1) @ w2^T + b2`` with FP8 operands; ``x`` is 2-D (tokens, in_features)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        b1: torch.Tensor | None,
+        w2: torch.Tensor,
+        b2: torch.Tensor | None,
+        fc: nn.ModuleDict,
+        proj: nn.ModuleDict,
+        out_dtype: torch.dtype,
+        first_fc: bool,
+        first_proj: bool,
+        master_scale_fc: torch.Tensor | None,
+        master_scale_proj: torch.Tensor | None,
+    ):
+        # `first_*`: no amax history yet in that layer (delayed roles use their tensor's own amax this step).
+        first = (first_fc, first_proj)
+        need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
+        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, first[0] or not fc["input"].delayed)
+        h, w1_saved, w1_fp8_dtype = forward_gemm(
+            x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype
+        )
+        # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
+        a_fp8, a_fp8_t, a_scale_inv = proj["input"].quantize(
+            h, w2.requires_grad, first[1] or not proj["input"].delayed, activation="gelu"
+        )
+        y, w2_saved, w2_fp8_dtype = forward_gemm(a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype)
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h else None, a_fp8_t, a_scale_inv, *w1_saved, *w2_saved)
+        ctx.split = len(w1_saved)
+        ctx.states = (fc["grad_output"], proj["grad_output"])
+        ctx.grad_current = tuple(f or not s.delayed for f, s in zip(first, ctx.states, strict=True))
+        ctx.weight_fp8_dtypes = (w1_fp8_dtype, w2_fp8_dtype)
+        ctx.dtypes = (x.dtype, w1.dtype, out_dtype, w2.dtype)
+        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x_fp8_t, x_scale_inv, h, a_fp8_t, a_scale_inv, *w_saved = ctx.saved_tensors
+        w1_saved, w2_saved = w_saved[: ctx.split], w_saved[ctx.split :]
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_h = h is not None
+        # proj: the bias gradient (fp32 column sums of dy) from the cast, which reads dy anyway.
+        dy_fp8, dy_fp8_t, dy_scale_inv, db2 = ctx.states[1].quantize(
+            dy.contiguous(), need_w2, ctx.grad_current[1], column_sum=True
+        )
+        da, dw2 = backward_gemms(
+            (dy_fp8, dy_fp8_t, dy_scale_inv), a_fp8_t, a_scale_inv, w2_saved, ctx.weight_fp8_dtypes[1], need_h,
+            need_w2, ctx.dtypes[2:],
+        )  # fmt: skip
+        dx = dw1 = db1 = None
+        if need_h:  # fc: its output gradient da * gelu'(h), cast as it is computed, with b1's gradient (column sums)
+            dh_fp8, dh_fp8_t, dh_scale_inv, db1 = ctx.states[0].quantize(
+                da, need_w1, ctx.grad_current[0], column_sum=True, activation="gelu_backward", activation_input=h
+            )
+            dx, dw1 = backward_gemms(
+                (dh_fp8, dh_fp8_t, dh_scale_inv), x_fp8_t, x_scale_inv, w1_saved, ctx.weight_fp8_dtypes[0], need_x,
+                need_w1, ctx.dtypes[:2],
+            )  # fmt: skip
+            db1 = db1.to(ctx.bias_dtypes[0]) if need_b1 else None
+        db2 = db2.to(ctx.bias_dtypes[1]) if need_b2 else None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+class FP8MLP(nn.Module):
+    """A transformer MLP, ``proj(gelu(fc(x)))``, with FP8 GEMMs and the GELU fused into the FP8 casts around it.
+
+    The layers are :class:`~lightning_fp8.FP8Linear` modules ``fc`` (``in_features -> hidden_features``) and ``proj``
+    (``hidden_features -> out_features``): the same parameters, state_dict keys and FP8 scaling states as the unfused
+    MLP (``fc.fp8_scaling["input"]``... ; ``proj.fp8_scaling["input"]`` records the GELU's output). The GELU is the
+    exact one (``nn.GELU()``, ``approximate="none"``), computed in fp32 by the casts: its output is never rounded to the
+    activation dtype before its FP8 cast. Build one from an existing MLP's layers with :meth:`from_modules`.
+
+    Where the fused path cannot run (DTensor weights, forward hooks on ``fc`` or ``proj``), the module computes
+    ``proj(F.gelu(fc(x)))`` with the same layers.
+
+    Args:
+        in_features, hidden_features: as the two ``nn.Linear`` layers; every size must be a multiple of 16.
+        out_features: ``proj``'s output size (default ``in_features``).
+        bias, device, dtype: as ``nn.Linear``, for both layers.
+        recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name (default ``"fp8-lm"``), for both layers.
+
+    Example:
+        >>> mlp = FP8MLP(64, 256)
+        >>> mlp(torch.randn(4, 10, 64)).shape
+        torch.Size([4, 10, 64])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: FP8Recipe | str | None = None,
+    ) -> None:
+        super().__init__()
+        out = in_features if out_features is None else out_features
+        self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
+        self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)
+
+    @classmethod
+    def from_modules(cls, fc: nn.Linear, proj: nn.Linear, recipe: FP8Recipe | str | None = None) -> FP8MLP:
+        """An FP8MLP computing ``proj(gelu(fc(x)))`` with these layers: ``nn.Linear`` layers are wrapped by
+        :meth:`FP8Linear.from_linear` (sharing their parameters: optimizers that hold them keep working), FP8Linear
+        layers are taken as they are (with their recipe and scaling state; ``recipe`` applies to the wrapped ones).
+
+        Raises:
+            TypeError: if a layer is not an ``nn.Linear``.
+            ValueError: if ``fc``'s output size is not ``proj``'s input size, or a size is not a multiple of 16.
+        """
+        for name, layer in (("fc", fc), ("proj", proj)):
+            if not isinstance(layer, nn.Linear):
+                raise TypeError(f"FP8MLP.from_modules: {name} must be an nn.Linear (or FP8Linear), got {type(layer)}")
+        if fc.out_features != proj.in_features:
+            raise ValueError(
+                f"FP8MLP.from_modules: fc gives {fc.out_features} features but proj takes {proj.in_features}; "
+                "pass the MLP's two layers in order (fc: width -> hidden, proj: hidden -> width)"
+            )
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.fc = fc if isinstance(fc, FP8Linear) else FP8Linear.from_linear(fc, recipe)
+        new.proj = proj if isinstance(proj, FP8Linear) else FP8Linear.from_linear(proj, recipe)
+        new.train(fc.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc, proj = self.fc, self.proj
+        w1, w2 = fc.weight, proj.weight
+        if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
+            return proj(F.gelu(fc(x)))
+        fc._check_input(x, w1)
+        if w2.device != w1.device:
+            raise ValueError(f"FP8MLP: fc's weight is on {w1.device} but proj's on {w2.device}; move the module")
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        x_2d = x if x.dim() == 2 else x.reshape(-1, fc.in_features)
+        fc_states, proj_states = fc.fp8_scaling, proj.fp8_scaling
+        first = (not fc_states["input"].initialized, not proj_states["input"].initialized)
+        scales = (getattr(w1, master.SCALE_ATTR, None), getattr(w2, master.SCALE_ATTR, None))
+        y = _FP8GeluMLP.apply(x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *first, *scales)
+        for states, was_first in ((fc_states, first[0]), (proj_states, first[1])):
+            if was_first:  # outside the autograd.Function, where torch.compile allows Python state to change
+                for state in states.values():
+                    state.initialized = True
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], proj.out_features)

@@ -1,0 +1,268 @@
+"""FP8MLP (lightning_fp8/mlp.py): the GELU fused into the FP8 casts around it, against the same FP8Linear layers called
+one after another with torch's GELU between them (``proj(F.gelu(fc(x)))``: separate casts, autograd's GELU backward),
+and against a high-precision MLP."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, ScalingState
+from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
+
+# fp32 activations: both paths cast the same fp32 GELU values (torch's and the casts' erf agree to an ulp or so, which
+# at most moves a value to its neighbouring FP8 code now and then): the results agree far beyond FP8's ~30 dB.
+SAME_CASTS_SQNR_DB = 60.0
+
+
+def unfused(mlp: FP8MLP, x: torch.Tensor) -> torch.Tensor:
+    return mlp.proj(F.gelu(mlp.fc(x)))
+
+
+def run(fn, mlp, x, steps=3):
+    """``steps`` forward/backward passes (scaling histories move between them); the last output and the gradients."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    for _ in range(steps):
+        for p in mlp.parameters():
+            p.grad = None
+        if x.grad is not None:
+            x.grad = None
+        y = fn(mlp, x)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return y, x.grad, {n: p.grad for n, p in mlp.named_parameters()}
+
+
+def states(mlp):
+    return {(layer, role): s for layer in ("fc", "proj") for role, s in getattr(mlp, layer).fp8_scaling.items()}
+
+
+@pytest.mark.parametrize("recipe", ["fp8-lm", "current"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_equals_unfused_layers(recipe, bias):
+    mlp = FP8MLP(32, 128, bias=bias, recipe=FP8Recipe(scaling="current") if recipe == "current" else None)
+    ref = copy.deepcopy(mlp)
+    x = torch.randn(3, 20, 32, requires_grad=True) * 2
+    y, dx, grads = run(lambda m, v: m(v), mlp, x)
+    y_ref, dx_ref, grads_ref = run(unfused, ref, x)
+    assert y.shape == (3, 20, 32) and y.dtype == torch.float32
+    assert sqnr(y, y_ref) > SAME_CASTS_SQNR_DB
+    assert sqnr(dx, dx_ref) > SAME_CASTS_SQNR_DB
+    assert grads.keys() == grads_ref.keys()
+    for name, g in grads.items():
+        assert sqnr(g, grads_ref[name]) > SAME_CASTS_SQNR_DB, name
+    # The scaling states saw the same tensors: proj's input is the GELU's output, fc's output gradient the GELU's
+    # input gradient.
+    ref_states = states(ref)
+    for key, s in states(mlp).items():
+        r = ref_states[key]
+        assert int(s.casts) == int(r.casts) == 3, key
+        torch.testing.assert_close(s.amax_history, r.amax_history, rtol=1e-5, atol=0)
+        assert torch.equal(s.scale, r.scale), key
+
+
+def test_autocast_bf16_against_high_precision():
+    """Under bf16 autocast the unfused GELU rounds its output to bf16 before the FP8 cast; the fused one casts the fp32
+    GELU. Both are FP8-accurate against an fp32 MLP, and the fused one no worse."""
+    mlp = FP8MLP(64, 256)
+    ref = copy.deepcopy(mlp)
+    hp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    hp.load_state_dict({"0.weight": mlp.fc.weight, "0.bias": mlp.fc.bias, "2.weight": mlp.proj.weight,
+                        "2.bias": mlp.proj.bias})  # fmt: skip
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, dx, grads = run(lambda m, v: m(v), mlp, x, steps=1)
+        y_unfused, dx_unfused, _ = run(unfused, ref, x, steps=1)
+    y_hp, dx_hp, _ = run(lambda m, v: m(v), hp, x, steps=1)
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    assert sqnr(y, y_hp) > FORWARD_SQNR_DB - 2  # and a bf16 output rounding
+    assert sqnr(dx, dx_hp) > BACKWARD_SQNR_DB
+    assert sqnr(y, y_hp) >= sqnr(y_unfused, y_hp) - 1.0
+    assert sqnr(dx, dx_hp) >= sqnr(dx_unfused, dx_hp) - 1.0
+    assert all(g.dtype == torch.float32 for g in grads.values())
+
+
+@pytest.mark.parametrize("frozen", ["fc", "proj", "input"])
+def test_partial_gradients(frozen):
+    """Frozen layers get no gradient and cost no wgrad; the other gradients are the unfused layers'."""
+    mlp = FP8MLP(32, 64, out_features=48)
+    ref = copy.deepcopy(mlp)
+    for m in (mlp, ref):
+        if frozen != "input":
+            getattr(m, frozen).requires_grad_(False)
+    x = torch.randn(40, 32, requires_grad=frozen != "input")
+    y, dx, grads = run(lambda m, v: m(v), mlp, x)
+    y_ref, dx_ref, grads_ref = run(unfused, ref, x)
+    assert y.shape == (40, 48)
+    assert sqnr(y, y_ref) > SAME_CASTS_SQNR_DB
+    assert (dx is None) == (frozen == "input") and (dx is None or sqnr(dx, dx_ref) > SAME_CASTS_SQNR_DB)
+    for name, g in grads.items():
+        assert (g is None) == (grads_ref[name] is None) == name.startswith(frozen), name
+        assert g is None or sqnr(g, grads_ref[name]) > SAME_CASTS_SQNR_DB, name
+
+
+def test_everything_frozen_is_a_forward():
+    mlp = FP8MLP(32, 64).requires_grad_(False)
+    ref = copy.deepcopy(mlp)
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        y, y_ref = mlp(x), unfused(ref, x)
+    assert y.shape == (8, 32) and not y.requires_grad
+    assert sqnr(y, y_ref) > SAME_CASTS_SQNR_DB
+
+
+def test_from_modules_shares_parameters_and_keys():
+    fc, proj = nn.Linear(32, 128), nn.Linear(128, 32)
+    mlp = FP8MLP.from_modules(fc, proj, recipe="fp8-lm-current")
+    assert mlp.fc.weight is fc.weight and mlp.proj.bias is proj.bias
+    assert mlp.fc.recipe.scaling == "current"
+    assert list(mlp.state_dict()) == ["fc.weight", "fc.bias", "proj.weight", "proj.bias"]
+    fp8_fc = FP8Linear(32, 128)
+    assert FP8MLP.from_modules(fp8_fc, proj).fc is fp8_fc  # an FP8Linear is taken as it is
+    with pytest.raises(ValueError, match="fc gives 128 features but proj takes 64"):
+        FP8MLP.from_modules(fc, nn.Linear(64, 32))
+    with pytest.raises(TypeError, match="must be an nn.Linear"):
+        FP8MLP.from_modules(fc, nn.Conv1d(128, 32, 1))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        FP8MLP.from_modules(nn.Linear(32, 120), nn.Linear(120, 32))
+
+
+def test_hooks_run_unfused():
+    """A forward hook on a layer (FSDP2's fully_shard of one layer registers some) makes the module call the layers
+    one after another, so that the hook runs."""
+    mlp = FP8MLP(32, 64)
+    ref = copy.deepcopy(mlp)
+    seen = []
+    mlp.fc.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    x = torch.randn(10, 32)
+    y, _, grads = run(lambda m, v: m(v), mlp, x)
+    y_ref, _, grads_ref = run(unfused, ref, x)
+    assert seen == [(10, 64)] * 3
+    assert torch.equal(y, y_ref)
+
+
+def test_bad_input_is_named():
+    mlp = FP8MLP(32, 64)
+    with pytest.raises(ValueError, match="last dimension must be 32"):
+        mlp(torch.randn(4, 16))
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        mlp(torch.ones(4, 32, dtype=torch.int64))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        FP8MLP(32, 100)
+
+
+def test_quantize_activation_arguments_are_checked():
+    s = ScalingState(torch.float8_e5m2, 4, 0, "max", delayed=True)
+    g = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="choose one of"):
+        s.quantize(g, activation="relu")
+    with pytest.raises(ValueError, match="needs a 2-D tensor"):
+        s.quantize(g.reshape(2, 4, 16), activation="gelu")
+    with pytest.raises(ValueError, match="needs activation_input"):
+        s.quantize(g, activation="gelu_backward")
+    with pytest.raises(ValueError, match="needs activation_input"):
+        s.quantize(g, activation="gelu_backward", activation_input=torch.randn(16, 8))
+    with pytest.raises(TypeError, match="activation_input must be"):
+        s.quantize(g, activation="gelu_backward", activation_input=torch.ones(8, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="takes no activation_input"):
+        s.quantize(g, activation="gelu", activation_input=g)
+    assert int(s.casts) == 0  # nothing was recorded by the refused calls
+
+
+def test_non_finite_is_counted_as_the_unfused_cast_counts_it():
+    mlp = FP8MLP(32, 64)
+    ref = copy.deepcopy(mlp)
+    x = torch.randn(8, 32)
+    x[3, 5] = float("inf")
+    y, y_ref = mlp(x), unfused(ref, x)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and y.isnan().any()
+    for key, s in states(mlp).items():
+        assert int(s.nonfinite_count) == int(states(ref)[key].nonfinite_count), key
+
+
+def test_compiled_equals_eager():
+    mlp = FP8MLP(32, 64)
+    ref = copy.deepcopy(mlp)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    compiled = torch.compile(mlp, backend="aot_eager", fullgraph=True)
+    y, dx, grads = run(lambda m, v: compiled(v), mlp, x)
+    y_ref, dx_ref, grads_ref = run(lambda m, v: m(v), ref, x)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+
+
+class _Stack(nn.Module):
+    """Embedding, two pre-norm residual MLP blocks, head: enough to train."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.norms = nn.ModuleList(nn.LayerNorm(32) for _ in range(2))
+        self.mlps = nn.ModuleList(FP8MLP(32, 128) for _ in range(2))
+        self.head = nn.Linear(32, 64)
+        self.fused = fused
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for norm, mlp in zip(self.norms, self.mlps, strict=True):
+            x = x + (mlp(norm(x)) if self.fused else unfused(mlp, norm(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_training_tracks_the_unfused_layers(opt_level):
+    """30 steps of FP8AdamW (O2: fp16 masters scaled in the weights' storage) learn a fixed mapping, fused and unfused
+    from the same start: the same losses to within FP8's noise, and both learn."""
+    from lightning_fp8 import FP8AdamW
+
+    torch.manual_seed(0)
+    fused = _Stack(fused=True)
+    plain = copy.deepcopy(fused)
+    plain.fused = False
+    idx = torch.randint(0, 64, (8, 16))
+    target = (idx * 7 + 3) % 64
+    losses = {}
+    for name, model in (("fused", fused), ("plain", plain)):
+        opt = FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level)
+        losses[name] = []
+        for _ in range(30):
+            loss = F.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    a, b = torch.tensor(losses["fused"]), torch.tensor(losses["plain"])
+    assert a[-1] < 0.5 * a[0] and b[-1] < 0.5 * b[0]
+    assert (a - b).abs().max() < 0.02 * a[0], (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_fused_against_unfused_and_high_precision(compiled):
+    """On a GPU (real FP8 GEMMs, the Triton casts; compiled: inductor and the traced triton_ops): bf16 autocast, both
+    paths FP8-accurate against the bf16 MLP, and within FP8 noise of each other."""
+    torch.manual_seed(0)
+    mlp = FP8MLP(1024, 4096, device="cuda")
+    ref = copy.deepcopy(mlp)
+    hp = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+    hp.load_state_dict({"0.weight": mlp.fc.weight, "0.bias": mlp.fc.bias, "2.weight": mlp.proj.weight,
+                        "2.bias": mlp.proj.bias})  # fmt: skip
+    fused = torch.compile(mlp) if compiled else mlp
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    weights = torch.linspace(-1, 1, 1024, device="cuda")
+    outs = []
+    for fn, module in ((lambda m, v: fused(v), mlp), (unfused, ref), (lambda m, v: m(v), hp)):
+        xi = x.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(3):
+                module.zero_grad()
+                xi.grad = None
+                y = fn(module, xi)
+                (y.float() * weights).sum().backward()
+        outs.append((y, xi.grad, module[0].weight.grad if isinstance(module, nn.Sequential) else module.fc.weight.grad))
+    (y, dx, dw1), (y_u, dx_u, dw1_u), (y_hp, dx_hp, dw1_hp) = outs
+    assert sqnr(y, y_hp) > FORWARD_SQNR_DB - 2 and sqnr(y_u, y_hp) > FORWARD_SQNR_DB - 2
+    assert sqnr(dx, dx_hp) > BACKWARD_SQNR_DB and sqnr(dw1, dw1_hp) > BACKWARD_SQNR_DB
+    assert sqnr(y, y_hp) >= sqnr(y_u, y_hp) - 1.0 and sqnr(dx, dx_hp) >= sqnr(dx_u, dx_hp) - 1.0
