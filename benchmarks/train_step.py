@@ -19,7 +19,8 @@ inputs' FP8 casts made again in the backward: lightning_fp8/linear.py SAVE_INPUT
 speculative current scaling for eager casts only, the default before the eleventh session: kernels/quantize.py),
 ``o2bt`` (O2 with FP8AdamW's gradient casts batched: ``grad_cast_bucket_mb=64``), ``o2m`` (O2 with low-precision
 moments for every parameter, the tied embedding/head included, as MS-AMP's O2 optimizer does:
-``FP8AdamW(low_precision_moments="all")``). The output head stays in high
+``FP8AdamW(low_precision_moments="all")``), ``o2mf`` (``o2m`` with each block's MLP an ``FP8MLP``: the GELU fused
+into the FP8 casts around it, lightning_fp8/mlp.py; dropout is 0 here). The output head stays in high
 precision in every FP8 variant. Each result also gives the time of the warm-up steps (``warmup_s``; compiled, it
 includes the compilation).
 """
@@ -39,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -76,7 +77,10 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant == "o2w"
         bucket = 64 if variant == "o2bt" else 0  # o2bt: the gradient casts batched (FP8AdamW's default: in each hook)
-        moments = "all" if variant == "o2m" else "fp8_weights"
+        moments = "all" if variant in ("o2m", "o2mf") else "fp8_weights"
+        if variant == "o2mf":  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
+            for block in model.blocks:
+                block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj)
         opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level, emit_fp8_weights=emit,
                           grad_cast_bucket_mb=bucket, low_precision_moments=moments)  # fmt: skip
     return model, opt

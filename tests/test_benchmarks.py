@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_step_toy_runs_every_variant(tmp_path):
-    variants = ["bf16", "o1", "o2", "o2w", "o2m"]
+    variants = ["bf16", "o1", "o2", "o2w", "o2m", "o2mf"]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--toy", "--variants", ",".join(variants),
            "--json", str(out)]  # fmt: skip
@@ -121,3 +121,13 @@ def test_bench_step_casts_toy():
     rows = [line.split() for line in proc.stdout.splitlines() if "x" in line and ("True" in line or "False" in line)]
     assert len(rows) == 14, proc.stdout  # 6 activation and gradient casts, 4 weights, 4 recasts
     assert all("True" in row and "False" not in row for row in rows), proc.stdout
+
+
+def test_bench_mlp_toy_runs():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_mlp.py"), "--toy"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert [r[:2] for r in rows] == [[w, v] for w in ("32", "64") for v in ("bf16", "fp8", "fp8mlp")]
+    assert all(float(r[3]) > 0 for r in rows)
