@@ -139,7 +139,7 @@ def _cast_tile(
         x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
-    if ACTIVATION:  # the launcher never combines an activation with TMA
+    if ACTIVATION != "":  # the launcher never combines an activation with TMA
         x = _activation(x, aux_ptr, offs, mask, EVEN, ACTIVATION)
     q, y, finite, amax_acc, nsat_acc = _quantize_block(
         x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, STATS,

@@ -5,6 +5,7 @@ from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.scaling import compute_scale
+from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 from tests.numerics import BACKWARD_E4M3_SQNR_DB, BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
 
 
@@ -13,15 +14,6 @@ def _pair(in_f, out_f, bias=True, recipe=None, dtype=torch.float32):
     fp8 = FP8Linear(in_f, out_f, bias=bias, dtype=dtype, recipe=recipe)
     fp8.load_state_dict(ref.state_dict())
     return fp8, ref
-
-
-# The compiled CPU (reference) path on torch < 2.12: the GPU path (Triton casts, kernels/record.py) is exact there
-# (benchmarks/check_compile.py and the GPU tests below), and torch >= 2.12 is exact on both.
-_XFAIL_TORCH_211_CPU_COMPILE = pytest.mark.xfail(
-    torch.__version__ < "2.12",
-    reason="torch 2.11 loses the backward's scaling-state update of the CPU (reference) path under torch.compile",
-    strict=False,
-)
 
 
 def _run(layer, x, dy):
@@ -205,7 +197,7 @@ def test_load_fp8_state_rejects_other_model():
         load_fp8_state_dict(fp8, fp8_state_dict(other))
 
 
-@_XFAIL_TORCH_211_CPU_COMPILE
+@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("fused_bias_grad", [False, True])
 def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
     from lightning_fp8 import linear
@@ -279,7 +271,7 @@ def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4, auto
     return code
 
 
-@_XFAIL_TORCH_211_CPU_COMPILE
+@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     """scaling.FUSED_CASTS: under inductor the delayed casts are tensor ops fused into the kernels around them, the
@@ -302,7 +294,7 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     assert "lightning_fp8.quantize.default(" not in backward and "lightning_fp8.used_scale_ref.default(" in backward
 
 
-@_XFAIL_TORCH_211_CPU_COMPILE
+@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_input_recast_matches_eager(monkeypatch):
     """linear.SAVE_INPUT_TRANSPOSE_COMPILED off: compiled, the backward casts each layer's input again with the
     forward's scale instead of keeping the forward's transposed FP8 copy; bit for bit eager's results while every

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, ScalingState
+from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
 
 # fp32 activations: both paths cast the same fp32 GELU values (torch's and the casts' erf agree to an ulp or so, which
@@ -181,6 +182,7 @@ def test_non_finite_is_counted_as_the_unfused_cast_counts_it():
         assert int(s.nonfinite_count) == int(states(ref)[key].nonfinite_count), key
 
 
+@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_equals_eager():
     mlp = FP8MLP(32, 64)
     ref = copy.deepcopy(mlp)
