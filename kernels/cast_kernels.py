@@ -8,7 +8,9 @@ change anything). Programs are persistent (a grid-stride loop over work items of
 block, walked down the column) and keep running statistics (scalars, or per row or per element: ``STATS``), so neither
 atomics nor registers grow with the tensor. With ``COLUMN_SUM`` the transposed cast also writes the column sums of
 each work item's rows (a linear layer's bias gradient: the tiles added in registers, one reduction per item; the
-launcher adds the items' sums in a fixed order: deterministic, no float atomics).
+launcher adds the items' sums in a fixed order: deterministic, no float atomics). With ``ACTIVATION`` the transposed
+cast casts a GELU of each tile it reads (``"gelu"``), or the tile times the GELU's derivative at a second input's tile
+(``"gelu_backward"``): FP8MLP's casts (``_activation``; kernels/reference.py: ``activation_ref``).
 
 A scaling state's cast (``quantize_``, what ``ScalingState.quantize`` runs on a GPU) is the same kernel with
 ``RECORD``: each program folds its statistics into a per-stream int64 workspace with atomics and takes an

@@ -16,7 +16,9 @@ The two layers are ordinary :class:`~lightning_fp8.FP8Linear` modules (``fc``, `
 states, state_dict keys, FP8AdamW's O2 masters and weight copies, statistics and callbacks are those of the unfused
 layers. Where the fused path cannot run the module calls them one after another (``proj(gelu(fc(x)))``): DTensor
 weights (tensor parallelism), or forward hooks on ``fc`` or ``proj`` (FSDP2's ``fully_shard`` of one of them, say),
-which the fused path would skip.
+which the fused path would skip. The fused path always keeps the input's transposed FP8 copy for the backward and
+always takes the bias gradients from the gradient casts (linear.py's SAVE_INPUT_TRANSPOSE_COMPILED and FUSED_BIAS_GRAD,
+benchmark switches of FP8Linear, do not apply to it).
 """
 
 from __future__ import annotations
