@@ -618,3 +618,19 @@ def test_activation_references_are_torch_gelu():
     hr = h.clone().requires_grad_()
     (F.gelu(hr) * g).sum().backward()
     torch.testing.assert_close(reference.gelu_backward_ref(g, h), hr.grad.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_traced_quantize_op_with_activation():
+    """The triton_op torch.compile records (kernels/quantize.py: quantize_op) takes the activation and its input through
+    its schema: the GELU backward's cast, current scaling with the column sums, against the reference."""
+    gen = torch.Generator().manual_seed(9)
+    got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
+    x = torch.randn(67, 48, generator=gen).to(torch.bfloat16).to(DEVICE)
+    h = (torch.randn(67, 48, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    args = (torch.float8_e5m2, 0, True, False, True, True, None, True, "gelu_backward", h)
+    got = quantize.quantize_op(x, *got_state, *args)
+    ref = reference.quantize_ref(x, *ref_state, *args)
+    assert_fp8_near(got[0], ref[0], 1e-3)
+    assert torch.equal(got[2], ref[2])
+    torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, ref_state, rtol=1e-6, atol=0)
