@@ -151,6 +151,19 @@ def backward_gemms(
     return dx, dw
 
 
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of an FP8 layer's output for input ``x``: autocast's where autocast is on, else ``x``'s."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+def mark_initialized(scaling: nn.ModuleDict) -> None:
+    """Mark a layer's scaling states as having cast once. Called after the layer's autograd.Function, outside it,
+    where torch.compile allows Python state to change."""
+    for state in scaling.values():
+        state.initialized = True
+
+
 def _recast_weight_t(
     weight: torch.Tensor, master_scale: torch.Tensor | None, w_scale_inv: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -251,17 +264,15 @@ class FP8Linear(nn.Linear):
 
             return dtensor_forward(self, x)
         self._check_input(x, weight)
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        out_dtype = output_dtype(x)
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
         x_2d = x if flat else x.reshape(-1, self.in_features)
         scaling = self.fp8_scaling
         first = not scaling["input"].initialized
         master_scale = getattr(weight, master.SCALE_ATTR, None)
         y = _FP8Matmul.apply(x_2d, weight, self.bias, scaling, out_dtype, first, master_scale)
-        if first:  # outside the autograd.Function, where torch.compile allows Python state to change
-            for state in scaling.values():
-                state.initialized = True
+        if first:
+            mark_initialized(scaling)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor) -> None:

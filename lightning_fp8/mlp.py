@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8.linear import FP8Linear, _is_dtensor, backward_gemms, forward_gemm
+from lightning_fp8.linear import FP8Linear, _is_dtensor, backward_gemms, forward_gemm, mark_initialized, output_dtype
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe
 
@@ -179,15 +179,13 @@ class FP8MLP(nn.Module):
         fc._check_input(x, w1)
         if w2.device != w1.device:
             raise ValueError(f"FP8MLP: fc's weight is on {w1.device} but proj's on {w2.device}; move the module")
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        out_dtype = output_dtype(x)
         x_2d = x if x.dim() == 2 else x.reshape(-1, fc.in_features)
         fc_states, proj_states = fc.fp8_scaling, proj.fp8_scaling
         first = (not fc_states["input"].initialized, not proj_states["input"].initialized)
         scales = (getattr(w1, master.SCALE_ATTR, None), getattr(w2, master.SCALE_ATTR, None))
         y = _FP8GeluMLP.apply(x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *first, *scales)
         for states, was_first in ((fc_states, first[0]), (proj_states, first[1])):
-            if was_first:  # outside the autograd.Function, where torch.compile allows Python state to change
-                for state in states.values():
-                    state.initialized = True
+            if was_first:
+                mark_initialized(states)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], proj.out_features)

@@ -39,7 +39,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from lightning_fp8 import ops
 from lightning_fp8.distributed.amax_sync import claim_shared_scale, localize_buffers
-from lightning_fp8.linear import FP8Linear
+from lightning_fp8.linear import FP8Linear, mark_initialized, output_dtype
 from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState, compute_scale
 
@@ -308,14 +308,12 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     current = (fp8["input"].needs_current_scale(), fp8["grad_output"].needs_current_scale())
     fp8_comm = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).fp8_comm
     comm = Comm(kind, mesh.get_group(), dim, fp8_comm, layer.recipe.backward_dtype)
-    device_type = x.device.type
-    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    out_dtype = output_dtype(x)
     master_scale = getattr(weight, master.SCALE_ATTR, None)
     bias = layer.bias
     if bias is not None:
         # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
         bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
     y = TPLinearFn.apply(x.to_local(), weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
-    for state in fp8.values():  # outside the autograd.Function, as in FP8Linear.forward
-        state.initialized = True
+    mark_initialized(fp8)
     return DTensor.from_local(y, mesh, [out_placement], run_check=False)
