@@ -109,7 +109,11 @@ def run_one(args) -> dict:
     model, opt, idx = build_run(args.variant, args.size, args.seq, args.vocab, args.batch, device)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
+    graphs = args.compiled and args.compile_mode == "reduce-overhead"
+
     def step(step_fn=model):
+        if graphs:  # a new iteration: the last replay's outputs (the loss) are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16):
             _, loss = step_fn(idx, tgt)
         loss.backward()

@@ -131,3 +131,19 @@ def test_bench_mlp_toy_runs():
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]
     assert [r[:2] for r in rows] == [[w, v] for w in ("32", "64") for v in ("bf16", "fp8", "fp8mlp")]
     assert all(float(r[3]) > 0 for r in rows)
+
+
+def test_step_phases_toy_runs():
+    """benchmarks/step_phases.py at toy size on CPU: each phase of a BF16 and an O2 step is timed, and the step's wall
+    time holds its phases' host times (on CPU every phase runs as it is called)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_phases.py"), "--toy", "--variants", "bf16,o2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[-2:]]
+    assert [r[0] for r in rows] == ["bf16", "o2"], proc.stdout[-2000:]
+    for row in rows:
+        step, cells, host_sum = float(row[1]), row[2:6], float(row[6])
+        host, alone = zip(*(tuple(float(v) for v in c.split("/")) for c in cells))
+        assert all(v > 0 for v in host + alone[:3]), row
+        assert abs(host_sum - sum(host)) < 0.02 and step > 0.8 * host_sum, row
