@@ -570,6 +570,13 @@ def test_scaled_mm_emulation_bias():
     assert torch.equal(with_bias, exact)
 
 
+# Elements one FP8 code apart that the activation casts may show against the reference: the kernel's erf and exp (the
+# interpreter's too) and torch's differ by an ulp at times, and E5M2's two mantissa bits put many values near a
+# rounding boundary once the GELU backward's terms cancel. Measured 0.00-0.10% on one CPU and 0.11-0.17% on another
+# (the vector math libraries differ); a wrong formula or scale moves most elements, or by more than one code.
+ACTIVATION_TOLERATED = 1e-2
+
+
 def assert_fp8_near(got, ref, tolerated_fraction):
     """FP8 tensors equal byte for byte but for at most ``tolerated_fraction`` of elements one code apart (the kernel's
     erf and exp against torch's: an ulp of fp32 moves a value across an FP8 rounding boundary now and then)."""
@@ -599,8 +606,7 @@ def test_activation_cast_matches_reference(activation, dtype, shape, current):
         args = (fp8_dtype, 0, True, not current, current or step == 0, True, None, True, activation, aux)
         got = quantize.quantize_(x, *got_state, *args)
         ref = reference.quantize_ref(x, *ref_state, *args)
-        tolerated = 1e-3  # erf and exp in the kernel (the interpreter's too) and in torch differ by an ulp at times
-        assert_fp8_near(got[0], ref[0], tolerated)
+        assert_fp8_near(got[0], ref[0], ACTIVATION_TOLERATED)
         assert torch.equal(got[1].view(torch.uint8), got[0].t().contiguous().view(torch.uint8))
         assert torch.equal(got[2], ref[2]), (step, got[2], ref[2])  # scale_inv
         torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-5, equal_nan=True)  # column sums
@@ -608,7 +614,7 @@ def test_activation_cast_matches_reference(activation, dtype, shape, current):
     assert int(got_state[4]) == 1 and int(got_state[5]) == 4
     # The fused values are the activation's: a plain cast of the reference activation gives the same bytes.
     plain = cast_to_fp8_ref(reference.activation_ref(x, activation, aux), 1.0 / ref[2], fp8_dtype)
-    assert_fp8_near(got[0], plain[0], tolerated)
+    assert_fp8_near(got[0], plain[0], ACTIVATION_TOLERATED)
 
 
 def test_activation_references_are_torch_gelu():
@@ -630,7 +636,7 @@ def test_traced_quantize_op_with_activation():
     args = (torch.float8_e5m2, 0, True, False, True, True, None, True, "gelu_backward", h)
     got = quantize.quantize_op(x, *got_state, *args)
     ref = reference.quantize_ref(x, *ref_state, *args)
-    assert_fp8_near(got[0], ref[0], 1e-3)
+    assert_fp8_near(got[0], ref[0], ACTIVATION_TOLERATED)
     assert torch.equal(got[2], ref[2])
     torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_state, ref_state, rtol=1e-6, atol=0)
