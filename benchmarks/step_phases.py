@@ -77,20 +77,21 @@ def phases(variant: str, size: str, seq: int, vocab: int, batch: int, steps: int
         step(module, marks)
         sync()
         walls.append((time.perf_counter() - marks[0]) * 1e3)
-        for p, a, b in zip(PHASES, marks, marks[1:]):
+        for p, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
             host[p].append((b - a) * 1e3)
     for _ in range(steps):
         marks = []
         step(module, marks, synced=True)
-        for p, a, b in zip(PHASES, marks, marks[1:]):
+        for p, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
             alone[p].append((b - a) * 1e3)
     med = statistics.median
-    return {"step": med(walls), "host": {p: med(v) for p, v in host.items()}, "alone": {p: med(v) for p, v in alone.items()}}
+    return {"step": med(walls), "host": {p: med(v) for p, v in host.items()},
+            "alone": {p: med(v) for p, v in alone.items()}}  # fmt: skip
 
 
 def table(rows: list[tuple[str, dict]]) -> str:
-    head = f"{'variant':>8} {'step ms':>8} " + " ".join(f"{p + ' host/alone':>21}" for p in PHASES) + f" {'host sum':>8}"
-    lines = [head]
+    phases_head = " ".join(f"{p + ' host/alone':>21}" for p in PHASES)
+    lines = [f"{'variant':>8} {'step ms':>8} {phases_head} {'host sum':>8}"]
     for name, r in rows:
         cells = " ".join(f"{r['host'][p]:>10.2f}/{r['alone'][p]:<10.2f}" for p in PHASES)
         lines.append(f"{name:>8} {r['step']:>8.2f} {cells} {sum(r['host'].values()):>8.2f}")

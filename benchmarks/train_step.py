@@ -11,11 +11,12 @@ table of tokens/s, step time and peak memory with ratios against BF16 of the sam
 Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torchao float8 tensorwise, when
 installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for the rest),
 ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next forward uses
-instead of casting; eager only, torch.compile bypasses the copy), ``o2op`` (O2 with each cast an opaque custom op
-under torch.compile instead of the triton_op that inductor launches itself: lightning_fp8/scaling.py
-TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled casts of activations and gradients
-fused by inductor into the kernels around them: lightning_fp8/scaling.py FUSED_CASTS), ``o2ri`` (O2 compiled with the
-inputs' FP8 casts made again in the backward: lightning_fp8/linear.py SAVE_INPUT_TRANSPOSE_COMPILED), ``o2se`` (O2 with
+instead of casting; compiled, through lightning_fp8/weight_cache.py's ops), ``o2mw`` (``o2m`` with those copies),
+``o2op`` (O2 with each cast an opaque custom op under torch.compile instead of the triton_op that inductor launches
+itself: lightning_fp8/scaling.py TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled
+casts of activations and gradients fused by inductor into the kernels around them: lightning_fp8/scaling.py
+FUSED_CASTS), ``o2ri`` (O2 compiled with the inputs' FP8 casts made again in the backward: lightning_fp8/linear.py
+SAVE_INPUT_TRANSPOSE_COMPILED), ``o2se`` (O2 with
 speculative current scaling for eager casts only, the default before the eleventh session: kernels/quantize.py),
 ``o2bt`` (O2 with FP8AdamW's gradient casts batched: ``grad_cast_bucket_mb=64``), ``o2m`` (O2 with low-precision
 moments for every parameter, the tied embedding/head included, as MS-AMP's O2 optimizer does:
@@ -40,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mw")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -75,9 +76,9 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
             quantize.SPECULATIVE_CURRENT_SCALING = "eager"
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
-        emit = variant == "o2w"
+        emit = variant in ("o2w", "o2mw")
         bucket = 64 if variant == "o2bt" else 0  # o2bt: the gradient casts batched (FP8AdamW's default: in each hook)
-        moments = "all" if variant in ("o2m", "o2mf") else "fp8_weights"
+        moments = "all" if variant in ("o2m", "o2mf", "o2mw") else "fp8_weights"
         if variant == "o2mf":  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
             for block in model.blocks:
                 block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj)

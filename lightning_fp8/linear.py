@@ -59,6 +59,7 @@ class _FP8Matmul(torch.autograd.Function):
         out_dtype: torch.dtype,
         first: bool,
         master_scale: torch.Tensor | None = None,
+        cache_key: int | None = None,
     ):
         # `first`: no amax history yet, so delayed roles use their tensor's own amax this step.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
@@ -68,8 +69,8 @@ class _FP8Matmul(torch.autograd.Function):
             x, need_wgrad and not ctx.recast_input, first or not fp8["input"].delayed
         )
         ctx.input_fp8_dtype = x_fp8.dtype
-        y, w_saved, ctx.weight_fp8_dtype = forward_gemm(
-            x_fp8, x_scale_inv, weight, bias, fp8, need_dgrad, master_scale, out_dtype
+        y, w_saved, ctx.weight_meta = forward_gemm(
+            x_fp8, x_scale_inv, weight, bias, fp8, need_dgrad, master_scale, out_dtype, cache_key
         )
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x if ctx.recast_input else x_fp8_t, x_scale_inv, *w_saved)
@@ -90,14 +91,14 @@ class _FP8Matmul(torch.autograd.Function):
             dy.contiguous(), need_wgrad, ctx.grad_current, column_sum=fused
         )
         dx, dw = backward_gemms(
-            (dy_fp8, dy_fp8_t, dy_scale_inv), x_fp8_t, x_scale_inv, w_saved, ctx.weight_fp8_dtype, need_dgrad,
+            (dy_fp8, dy_fp8_t, dy_scale_inv), x_fp8_t, x_scale_inv, w_saved, ctx.weight_meta, need_dgrad,
             need_wgrad, ctx.dtypes,
         )  # fmt: skip
         if need_bgrad:
             db = (db[0] if fused else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
         else:
             db = None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def forward_gemm(
@@ -109,10 +110,20 @@ def forward_gemm(
     need_dgrad: bool,
     master_scale: torch.Tensor | None,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, tuple, torch.dtype]:
+    cache_key: int | None = None,
+) -> tuple[torch.Tensor, tuple, tuple[torch.dtype, int | None, int | None]]:
     """The forward GEMM of an FP8 linear layer from its input's FP8 copy: the weight's cast (``fp8``: the layer's
-    scaling states), ``x @ w^T + bias``. Returns ``(y, saved, weight_fp8_dtype)``, ``saved`` being what
-    :func:`backward_gemms` needs of the weight (tensors, or None, for ``save_for_backward``)."""
+    scaling states), ``x @ w^T + bias``. ``cache_key``: :func:`weight_cache.compiled_key` of the weight. Returns
+    ``(y, saved, weight_meta)``, ``saved`` being what :func:`backward_gemms` needs of the weight (tensors, or None, for
+    ``save_for_backward``) and ``weight_meta`` the rest (Python values)."""
+    b = None if bias is None else bias.to(out_dtype)
+    if cache_key is not None:  # traced, a weight with an FP8 copy: the copy's validity is checked as the code runs
+        state = fp8["weight"]
+        y, w_scale_inv = weight_cache.compiled_forward_gemm(
+            x_fp8, x_scale_inv, weight, master_scale, b, state, out_dtype, cache_key
+        )
+        saved = (w_scale_inv.new_empty((0,)), w_scale_inv, *((weight, master_scale) if need_dgrad else ()))
+        return y, saved, (state.fp8_dtype, state.margin, cache_key)
     # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
     # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
     w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
@@ -120,11 +131,10 @@ def forward_gemm(
     )
     # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
     # as Transformer Engine does.
-    b = None if bias is None else bias.to(out_dtype)
     y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
     # No transposed copy from the forward (weight_cache made none): the backward casts the weight again.
     recast = (weight, master_scale) if need_dgrad and w_fp8_t.numel() == 0 else ()
-    return y, (w_fp8_t, w_scale_inv, *recast), w_fp8.dtype
+    return y, (w_fp8_t, w_scale_inv, *recast), (w_fp8.dtype, None, None)
 
 
 def backward_gemms(
@@ -132,19 +142,24 @@ def backward_gemms(
     x_fp8_t: torch.Tensor,
     x_scale_inv: torch.Tensor,
     w_saved: list | tuple,
-    weight_fp8_dtype: torch.dtype,
+    weight_meta: tuple[torch.dtype, int | None, int | None],
     need_dgrad: bool,
     need_wgrad: bool,
     dtypes: tuple[torch.dtype, torch.dtype],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dgrad and wgrad of an FP8 linear layer from its output gradient's cast ``(dy_fp8, dy_fp8_t, dy_scale_inv)``, its
-    input's transposed FP8 copy and what :func:`forward_gemm` saved of the weight; ``dtypes``: of ``dx`` and ``dw``."""
+    input's transposed FP8 copy and what :func:`forward_gemm` saved and returned of the weight; ``dtypes``: of ``dx``
+    and ``dw``."""
     dy_fp8, dy_fp8_t, dy_scale_inv = dy_cast
     w_fp8_t, w_scale_inv, *recast = w_saved
+    fp8_dtype, margin, cache_key = weight_meta
     dx = dw = None
-    if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
+    if need_dgrad and cache_key is not None:  # traced, with the weight's FP8 copy (see forward_gemm)
+        dx = weight_cache.compiled_dgrad(dy_fp8, dy_scale_inv, *recast, w_scale_inv, fp8_dtype, dtypes[0], margin,
+                                         cache_key)  # fmt: skip
+    elif need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
         if recast:
-            w_fp8_t = _recast_weight_t(*recast, w_scale_inv, weight_fp8_dtype)
+            w_fp8_t = weight_cache.recast_weight_t(*recast, w_scale_inv, fp8_dtype)
         dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, dtypes[0])
     if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
         dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, dtypes[1])
@@ -162,16 +177,6 @@ def mark_initialized(scaling: nn.ModuleDict) -> None:
     where torch.compile allows Python state to change."""
     for state in scaling.values():
         state.initialized = True
-
-
-def _recast_weight_t(
-    weight: torch.Tensor, master_scale: torch.Tensor | None, w_scale_inv: torch.Tensor, fp8_dtype: torch.dtype
-) -> torch.Tensor:
-    """The forward's transposed FP8 weight, cast again: the weight is unchanged since (autograd's version check on the
-    saved tensors guarantees it), and the scale the forward cast the stored values with is ``1 / (scale_inv *
-    master_scale)``, exactly (powers of two)."""
-    stored_scale_inv = w_scale_inv if master_scale is None else w_scale_inv * master_scale
-    return ops.recast_transposed(weight.detach(), torch.reciprocal(stored_scale_inv), fp8_dtype)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -270,7 +275,8 @@ class FP8Linear(nn.Linear):
         scaling = self.fp8_scaling
         first = not scaling["input"].initialized
         master_scale = getattr(weight, master.SCALE_ATTR, None)
-        y = _FP8Matmul.apply(x_2d, weight, self.bias, scaling, out_dtype, first, master_scale)
+        key = weight_cache.compiled_key(weight, scaling["weight"])
+        y = _FP8Matmul.apply(x_2d, weight, self.bias, scaling, out_dtype, first, master_scale, key)
         if first:
             mark_initialized(scaling)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)

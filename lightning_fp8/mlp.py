@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_fp8 import weight_cache
 from lightning_fp8.linear import FP8Linear, _is_dtensor, backward_gemms, forward_gemm, mark_initialized, output_dtype
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe
@@ -52,24 +53,28 @@ class _FP8GeluMLP(torch.autograd.Function):
         first_proj: bool,
         master_scale_fc: torch.Tensor | None,
         master_scale_proj: torch.Tensor | None,
+        cache_key_fc: int | None = None,
+        cache_key_proj: int | None = None,
     ):
         # `first_*`: no amax history yet in that layer (delayed roles use their tensor's own amax this step).
         first = (first_fc, first_proj)
         need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
         x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, first[0] or not fc["input"].delayed)
-        h, w1_saved, w1_fp8_dtype = forward_gemm(
-            x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype
+        h, w1_saved, w1_meta = forward_gemm(
+            x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype, cache_key_fc
         )
         # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
         a_fp8, a_fp8_t, a_scale_inv = proj["input"].quantize(
             h, w2.requires_grad, first[1] or not proj["input"].delayed, activation="gelu"
         )
-        y, w2_saved, w2_fp8_dtype = forward_gemm(a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype)
+        y, w2_saved, w2_meta = forward_gemm(
+            a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype, cache_key_proj
+        )
         ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h else None, a_fp8_t, a_scale_inv, *w1_saved, *w2_saved)
         ctx.split = len(w1_saved)
         ctx.states = (fc["grad_output"], proj["grad_output"])
         ctx.grad_current = tuple(f or not s.delayed for f, s in zip(first, ctx.states, strict=True))
-        ctx.weight_fp8_dtypes = (w1_fp8_dtype, w2_fp8_dtype)
+        ctx.weight_metas = (w1_meta, w2_meta)
         ctx.dtypes = (x.dtype, w1.dtype, out_dtype, w2.dtype)
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         return y
@@ -85,7 +90,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             dy.contiguous(), need_w2, ctx.grad_current[1], column_sum=True
         )
         da, dw2 = backward_gemms(
-            (dy_fp8, dy_fp8_t, dy_scale_inv), a_fp8_t, a_scale_inv, w2_saved, ctx.weight_fp8_dtypes[1], need_h,
+            (dy_fp8, dy_fp8_t, dy_scale_inv), a_fp8_t, a_scale_inv, w2_saved, ctx.weight_metas[1], need_h,
             need_w2, ctx.dtypes[2:],
         )  # fmt: skip
         dx = dw1 = db1 = None
@@ -94,12 +99,12 @@ class _FP8GeluMLP(torch.autograd.Function):
                 da, need_w1, ctx.grad_current[0], column_sum=True, activation="gelu_backward", activation_input=h
             )
             dx, dw1 = backward_gemms(
-                (dh_fp8, dh_fp8_t, dh_scale_inv), x_fp8_t, x_scale_inv, w1_saved, ctx.weight_fp8_dtypes[0], need_x,
+                (dh_fp8, dh_fp8_t, dh_scale_inv), x_fp8_t, x_scale_inv, w1_saved, ctx.weight_metas[0], need_x,
                 need_w1, ctx.dtypes[:2],
             )  # fmt: skip
             db1 = db1.to(ctx.bias_dtypes[0]) if need_b1 else None
         db2 = db2.to(ctx.bias_dtypes[1]) if need_b2 else None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -184,7 +189,11 @@ class FP8MLP(nn.Module):
         fc_states, proj_states = fc.fp8_scaling, proj.fp8_scaling
         first = (not fc_states["input"].initialized, not proj_states["input"].initialized)
         scales = (getattr(w1, master.SCALE_ATTR, None), getattr(w2, master.SCALE_ATTR, None))
-        y = _FP8GeluMLP.apply(x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *first, *scales)
+        keys = (weight_cache.compiled_key(w1, fc_states["weight"]),
+                weight_cache.compiled_key(w2, proj_states["weight"]))  # fmt: skip
+        y = _FP8GeluMLP.apply(
+            x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *first, *scales, *keys
+        )
         for states, was_first in ((fc_states, first[0]), (proj_states, first[1])):
             if was_first:
                 mark_initialized(states)

@@ -12,8 +12,15 @@ the storage, and the optimizer itself, whose Triton writes bump nothing, bumps t
 (:func:`seal`) and drops the copy when it writes without emitting (:func:`drop`). The copy keeps the old storage
 alive until the next forward drops it, so an address cannot be reused by another storage in between.
 
-Not used (the forward casts as before) under ``torch.compile`` tracing, for DTensor weights (tensor parallelism,
-FSDP2), or when the layer's weight scaling state has another format or margin than the copy.
+Under ``torch.compile`` the same check runs when the compiled code runs, not when it is traced: a weight that has
+(or had) a copy goes through two opaque ops, the forward GEMM (:func:`compiled_forward_gemm`) and the dgrad GEMM
+(:func:`compiled_dgrad`), which use the copy when it is valid for the values they are given and cast (the forward) or
+cast again (the backward) otherwise. The copy never leaves these ops, so the compiler cannot reuse its memory. A
+parameter keeps its copy object from step to step (the step writes it in place), so the key the traced code holds
+(attribute :data:`KEY_ATTR`, one dynamo guard) stays the same and nothing recompiles.
+
+Not used (the forward casts as before) for DTensor weights (tensor parallelism, FSDP2), or when the layer's weight
+scaling state has another format or margin than the copy.
 
 The transposed copy that the dgrad GEMM needs is made lazily, by the first forward that needs it, with one FP8
 byte transpose (kernels/transpose.py on CUDA), and kept with the copy until the next step: no launch in the step,
@@ -25,7 +32,9 @@ about 225 GB/s) made the first forward after a step cost as much as casting, hen
 
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 
 import torch
 
@@ -34,7 +43,12 @@ from lightning_fp8.kernels import reference_adamw
 from lightning_fp8.optim import master
 
 ATTR = "_lightning_fp8_weight_cache"  # the WeightCache of a parameter
+KEY_ATTR = "_lightning_fp8_weight_cache_key"  # its key (an int): what traced code holds of it
 _any_sealed = False  # whether any copy was ever made in this process (optimizers that never emit skip drop_all)
+_CACHES: weakref.WeakValueDictionary[int, WeightCache] = weakref.WeakValueDictionary()  # key -> copy
+_KEYS = itertools.count(1)
+# Forwards of compiled code served by a copy (the tests read it; a plain int: counting costs no launch).
+compiled_hits = 0
 
 
 class WeightCache:
@@ -47,34 +61,64 @@ class WeightCache:
         margin: the margin of the copy's scale.
     """
 
-    __slots__ = ("data", "data_t", "record", "margin", "floats", "counts", "scale_inv", "_state", "_storage", "_scale")
+    __slots__ = ("data", "data_t", "record", "margin", "floats", "counts", "scale_inv", "key", "_state", "_storage",
+                 "_scale", "__weakref__")  # fmt: skip
 
     def __init__(self, param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> None:
         self.data = torch.empty(param.shape, dtype=fp8_dtype, device=param.device)
-        self.data_t: torch.Tensor | None = None
-        self.record = torch.empty(5, dtype=torch.int64, device=param.device)
         self.margin = margin
+        self.key = next(_KEYS)
+        _CACHES[self.key] = self
+        self.renew()
+
+    def renew(self) -> None:
+        """Make the copy invalid before the step writes it again: a fresh record (the last forward's ``scale_inv``, a
+        view of the old one, may wait in an autograd graph) and no transpose (one may wait there too)."""
+        self.record = torch.empty(5, dtype=torch.int64, device=self.data.device)
         self.floats, self.counts = reference_adamw.fp8_weight_record_views(self.record)
         self.scale_inv = self.floats[0]
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget what the copy was made from: no parameter is valid for it until the next :func:`seal`."""
+        self.data_t: torch.Tensor | None = None
         self._state: tuple = ()
         self._storage = self._scale = None
 
     @staticmethod
-    def _snapshot(param: torch.Tensor) -> tuple:
+    def _snapshot(param: torch.Tensor, scale: torch.Tensor | None) -> tuple:
         # Python values only: comparing them costs no device synchronization.
-        scale = getattr(param, master.SCALE_ATTR, None)
         return (param._version, param.untyped_storage().data_ptr(), param.data_ptr(), param.shape, param.dtype,
                 -1 if scale is None else scale._version)  # fmt: skip
 
-    def valid_for(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` still holds the values this copy was made from (see the module docstring)."""
-        return self._state == self._snapshot(param) and getattr(param, master.SCALE_ATTR, None) is self._scale
+    def valid_for(self, param: torch.Tensor, scale: torch.Tensor | None) -> bool:
+        """Whether ``param`` (or a tensor sharing its storage and version counter), with ``scale`` its master scale,
+        still holds the values this copy was made from (see the module docstring)."""
+        return self._state == self._snapshot(param, scale) and scale is self._scale
+
+    def transposed(self) -> torch.Tensor:
+        """The copy's transpose (the dgrad operand), made by the first caller after the step and then kept."""
+        if self.data_t is None:
+            self.data_t = _transpose(self.data)
+        return self.data_t
+
+    def record_into(self, buffers: tuple[torch.Tensor, ...]) -> None:
+        """Record the copy's statistics in a weight scaling state's ``(amax_history, scale, amax, saturation,
+        nonfinite_count, casts)``, as its cast would."""
+        amax_history, scale, amax, saturation, nonfinite_count, casts = buffers
+        floats, counts = self.floats, self.counts
+        with torch.no_grad():
+            torch._foreach_copy_([amax, scale, saturation, amax_history],
+                                 [floats[1], floats[2], floats[3], floats[4:5]])  # fmt: skip
+            torch._foreach_add_([nonfinite_count, casts], [counts[0], counts[1]])
 
 
 def drop(param: torch.Tensor) -> None:
-    """Forget ``param``'s FP8 copy (its next forward casts)."""
-    if getattr(param, ATTR, None) is not None:
-        setattr(param, ATTR, None)
+    """Invalidate ``param``'s FP8 copy (its next forward casts). The copy object stays, to be written again by the
+    next emitting step (its key, which compiled code holds, stays the same)."""
+    cache = getattr(param, ATTR, None)
+    if cache is not None:
+        cache.invalidate()
 
 
 def drop_all(params: list[torch.Tensor]) -> None:
@@ -85,9 +129,19 @@ def drop_all(params: list[torch.Tensor]) -> None:
 
 
 def allocate(param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> WeightCache:
-    """A new, not yet valid copy for ``param`` (the old one is dropped first, so its memory is reused)."""
-    drop(param)
-    return WeightCache(param, fp8_dtype, margin)
+    """``param``'s copy, not valid until :func:`seal`, for the step to write: the one it has when that one fits (its
+    bytes are written in place), else a new one."""
+    cache = getattr(param, ATTR, None)
+    fits = cache is not None and cache.margin == margin and cache.data.dtype == fp8_dtype
+    if fits and cache.data.shape == param.shape and cache.data.device == param.device:
+        cache.renew()
+        return cache
+    if cache is not None:
+        cache.invalidate()
+    cache = WeightCache(param, fp8_dtype, margin)
+    setattr(param, ATTR, cache)
+    setattr(param, KEY_ATTR, cache.key)
+    return cache
 
 
 def seal(param: torch.Tensor, cache: WeightCache) -> None:
@@ -96,10 +150,9 @@ def seal(param: torch.Tensor, cache: WeightCache) -> None:
     global _any_sealed
     _any_sealed = True
     torch.autograd.graph.increment_version(param)
-    cache._state = cache._snapshot(param)
     cache._scale = getattr(param, master.SCALE_ATTR, None)
-    cache._storage = param.untyped_storage()  # kept alive: its address cannot be reused while the copy exists
-    setattr(param, ATTR, cache)
+    cache._state = cache._snapshot(param, cache._scale)
+    cache._storage = param.untyped_storage()  # kept alive: its address cannot be reused while the copy is valid
 
 
 def _dtensor(t: torch.Tensor) -> bool:
@@ -111,15 +164,19 @@ def lookup(param: torch.Tensor, state: torch.nn.Module) -> WeightCache | None:
     """``param``'s valid FP8 copy for the weight scaling state ``state``, else ``None`` (an invalid one is dropped)."""
     if torch.compiler.is_compiling() or _dtensor(param):
         return None
-    cache = getattr(param, ATTR, None)
-    if cache is None:
+    if state.amax_history.numel() != 1:
         return None
-    if not cache.valid_for(param):
-        drop(param)
+    return _serving(getattr(param, ATTR, None), param, getattr(param, master.SCALE_ATTR, None), state.fp8_dtype,
+                    state.margin)  # fmt: skip
+
+
+def _serving(
+    cache: WeightCache | None, weight: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype, margin: int
+) -> WeightCache | None:
+    # ``cache`` if it may replace the cast of ``weight`` (master scale ``scale``) in this format and margin.
+    if cache is None or cache.data.dtype != fp8_dtype or cache.margin != margin:
         return None
-    if cache.data.dtype != state.fp8_dtype or cache.margin != state.margin or state.amax_history.numel() != 1:
-        return None
-    return cache
+    return cache if cache.valid_for(weight, scale) else None
 
 
 def _transpose(data: torch.Tensor) -> torch.Tensor:
@@ -149,12 +206,133 @@ def quantize_weight(
     cache = lookup(weight, state) if _any_sealed else None  # no attribute lookups until some step emitted a copy
     if cache is None:
         return state.quantize(weight, transpose and keep_transpose, True, unscale)
-    floats, counts = cache.floats, cache.counts
-    with torch.no_grad():
-        torch._foreach_copy_([state.amax, state.scale, state.saturation, state.amax_history],
-                             [floats[1], floats[2], floats[3], floats[4:5]])  # fmt: skip
-        torch._foreach_add_([state.nonfinite_count, state.casts], [counts[0], counts[1]])
-    if transpose and cache.data_t is None:
-        cache.data_t = _transpose(cache.data)
-    data_t = cache.data_t if transpose else cache.data.new_empty((0,))
+    cache.record_into(_state_buffers(state))
+    data_t = cache.transposed() if transpose else cache.data.new_empty((0,))
     return cache.data, data_t, cache.scale_inv
+
+
+def _state_buffers(state: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    return (state.amax_history, state.scale, state.amax, state.saturation, state.nonfinite_count, state.casts)
+
+
+def recast_weight_t(
+    weight: torch.Tensor, master_scale: torch.Tensor | None, w_scale_inv: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """The forward's transposed FP8 weight, cast again: the weight is unchanged since (autograd's version check on the
+    saved tensors guarantees it), and the scale the forward cast the stored values with is ``1 / (scale_inv *
+    master_scale)``, exactly (powers of two)."""
+    stored_scale_inv = w_scale_inv if master_scale is None else w_scale_inv * master_scale
+    return ops.recast_transposed(weight.detach(), torch.reciprocal(stored_scale_inv), fp8_dtype)
+
+
+# ------------------------------------------------------------------------------------------------- torch.compile
+def compiled_key(weight: torch.Tensor, state: torch.nn.Module) -> int | None:
+    """Under torch.compile, the key of ``weight``'s copy when its GEMMs go through the ops below (a weight some step
+    wrote a copy for, of a weight scaling state with one history entry), else None. Read where ``weight`` is the
+    module's parameter (not inside an autograd.Function): dynamo guards the key's value."""
+    if not torch.compiler.is_compiling() or _dtensor(weight) or state.amax_history.numel() != 1:
+        return None
+    return getattr(weight, KEY_ATTR, None)
+
+
+def compiled_forward_gemm(
+    x_fp8: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    weight: torch.Tensor,
+    unscale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    state: torch.nn.Module,
+    out_dtype: torch.dtype,
+    key: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w^T + bias, w_scale_inv)`` for traced code, ``w`` being the weight's FP8 copy when it is valid when
+    this runs, else the weight's cast (recorded in ``state`` either way, as :func:`quantize_weight`)."""
+    mode = (state.fp8_dtype, state.margin, state.algo == "max", state.delayed)
+    return _forward_gemm_op(x_fp8, x_scale_inv, weight, unscale, bias, *_state_buffers(state), *mode, out_dtype, key)
+
+
+def compiled_dgrad(
+    dy_fp8: torch.Tensor,
+    dy_scale_inv: torch.Tensor,
+    weight: torch.Tensor,
+    unscale: torch.Tensor | None,
+    w_scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    margin: int,
+    key: int,
+) -> torch.Tensor:
+    """``dy @ w`` for traced code, with the FP8 weight :func:`compiled_forward_gemm` used: the copy's transpose when
+    the copy is valid when this runs, else the weight cast again with the forward's scale (the same bytes)."""
+    return _dgrad_op(dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key)
+
+
+# The ops run Python when the compiled code runs (the validity check): a CUDA graph must not capture them.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op(
+    "lightning_fp8::cached_weight_gemm",
+    mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts"),
+    tags=_TAGS,
+)
+def _forward_gemm_op(
+    x_fp8: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    weight: torch.Tensor,
+    unscale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    last_amax: torch.Tensor,
+    saturation: torch.Tensor,
+    nonfinite_count: torch.Tensor,
+    casts: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    algo_max: bool,
+    delayed: bool,
+    out_dtype: torch.dtype,
+    key: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    global compiled_hits
+    buffers = (amax_history, scale, last_amax, saturation, nonfinite_count, casts)
+    cache = _serving(_CACHES.get(key), weight, unscale, fp8_dtype, margin)
+    if cache is None:
+        w_fp8, _, w_scale_inv = ops.quantize(
+            weight.detach().contiguous(), *buffers, fp8_dtype, margin, algo_max, delayed, True, False, unscale
+        )
+    else:
+        compiled_hits += 1
+        cache.record_into(buffers)
+        w_fp8, w_scale_inv = cache.data, cache.scale_inv.clone()
+    y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=bias, use_fast_accum=True)
+    return y, w_scale_inv
+
+
+@_forward_gemm_op.register_fake
+def _(x_fp8, x_scale_inv, weight, unscale, bias, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
+      fp8_dtype, margin, algo_max, delayed, out_dtype, key):  # fmt: skip
+    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0]), dtype=out_dtype), scale.new_empty(())
+
+
+@torch.library.custom_op("lightning_fp8::cached_weight_dgrad", mutates_args=(), tags=_TAGS)
+def _dgrad_op(
+    dy_fp8: torch.Tensor,
+    dy_scale_inv: torch.Tensor,
+    weight: torch.Tensor,
+    unscale: torch.Tensor | None,
+    w_scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    margin: int,
+    key: int,
+) -> torch.Tensor:
+    cache = _serving(_CACHES.get(key), weight, unscale, fp8_dtype, margin)
+    w_fp8_t = recast_weight_t(weight, unscale, w_scale_inv, fp8_dtype) if cache is None else cache.transposed()
+    return ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, out_dtype)
+
+
+@_dgrad_op.register_fake
+def _(dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key):
+    return dy_fp8.new_empty((dy_fp8.shape[0], weight.shape[1]), dtype=out_dtype)

@@ -44,9 +44,10 @@ def test_train_step_toy_runs_every_variant(tmp_path):
 
 def test_train_step_toy_compiled_cast_variants(tmp_path):
     """The compiled variants that change how casts are made (o2fc: fused by inductor, lightning_fp8.scaling.FUSED_CASTS;
-    o2ri: inputs cast again in the backward, lightning_fp8.linear.SAVE_INPUT_TRANSPOSE_COMPILED) train a toy GPT with
-    LayerNorms and GELUs as the default does: the same first (eager) step, losses within float noise after it."""
-    variants = ["o2", "o2fc", "o2ri"]
+    o2ri: inputs cast again in the backward, lightning_fp8.linear.SAVE_INPUT_TRANSPOSE_COMPILED; o2w: the weights'
+    FP8 copies written by the optimizer, lightning_fp8/weight_cache.py) train a toy GPT with LayerNorms and GELUs as
+    the default does: the same first (eager) step, losses within float noise after it."""
+    variants = ["o2", "o2fc", "o2ri", "o2w"]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--toy", "--compile", "yes", "--variants",
            ",".join(variants), "--json", str(out)]  # fmt: skip
@@ -144,6 +145,6 @@ def test_step_phases_toy_runs():
     assert [r[0] for r in rows] == ["bf16", "o2"], proc.stdout[-2000:]
     for row in rows:
         step, cells, host_sum = float(row[1]), row[2:6], float(row[6])
-        host, alone = zip(*(tuple(float(v) for v in c.split("/")) for c in cells))
+        host, alone = zip(*(tuple(float(v) for v in c.split("/")) for c in cells), strict=True)
         assert all(v > 0 for v in host + alone[:3]), row
         assert abs(host_sum - sum(host)) < 0.02 and step > 0.8 * host_sum, row

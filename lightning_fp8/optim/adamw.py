@@ -92,8 +92,9 @@ class FP8AdamW(torch.optim.Optimizer):
             the forward's own cast bit for bit; with one pass its scale comes from the same upper bound as the
             states' (a binade or so lower at times). The copy is never saved: after a resume, the next step makes
             it (until then the forward casts). Any change of the weight outside the step (``load_state_dict``,
-            ``copy_``, ``param.data = ...``) invalidates it; a skipped step keeps it. Works at O1 and O2; not for
-            sharded (DTensor) weights, which keep casting.
+            ``copy_``, ``param.data = ...``) invalidates it; a skipped step keeps it. Works at O1 and O2, eagerly
+            and under ``torch.compile`` (checked as the compiled code runs); not for sharded (DTensor) weights,
+            which keep casting.
         low_precision_moments: which parameters get the low-precision moments (``exp_avg_dtype``,
             ``exp_avg_sq_dtype``, each with its per-tensor scale). ``"fp8_weights"`` (default): FP8 linear weights
             (and ``fp8_params``); every other parameter keeps fp32 states. ``"all"``: every parameter, as MS-AMP's

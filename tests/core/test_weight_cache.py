@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from lightning_fp8 import (
     FP8AdamW,
@@ -21,6 +22,7 @@ from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState
 from tests.core.gpt_tiny import TinyGPT, batches, train
 from tests.core.test_optim import _one_thread
+from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 
 __all__ = ["_one_thread"]  # the module-scoped fixture, re-used
 
@@ -180,7 +182,7 @@ def test_skipped_step_keeps_the_weight_and_a_valid_copy(weight_casts):
     assert weight_casts == []  # served by the copies
 
 
-def test_copy_is_not_used_when_the_recipe_differs_or_compiling(monkeypatch, weight_casts):
+def test_copy_is_not_used_when_the_recipe_differs_or_traced(monkeypatch, weight_casts):
     model, _, x = _emitted()
     model[0].fp8_scaling["weight"].margin = 1  # as a layer whose recipe has another margin
     weight_casts.clear()
@@ -223,3 +225,102 @@ def test_param_groups_emit_with_their_own_hyper_parameters():
     opt.step()
     assert _valid(model) == [True, True]
     assert weight_cache.lookup(model[0].bias, model[0].fp8_scaling["weight"]) is None  # only FP8 weights
+
+
+def _compile_counted(model, backend):
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(model, backend=counter), counter
+
+
+@XFAIL_TORCH_211_CPU_COMPILE
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("opt_level", ["O2", "O1"])
+def test_compiled_training_uses_the_copy_bit_for_bit(opt_level, backend):
+    """Compiled, the forwards use the copies the steps write (checked as the code runs) and train bit for bit as the
+    same compiled model casting its weights; the copy keeps its key from step to step, so the model compiles twice
+    (before the first copy and after) and never again."""
+    base = TinyGPT(n_layer=1, n_embd=48)
+    runs = {}
+    for emit in (False, True):
+        torch._dynamo.reset()
+        model = _gpt(base)
+        opt = FP8AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, opt_level=opt_level, scale_update="two_pass",
+                       emit_fp8_weights=emit)  # fmt: skip
+        compiled, counter = _compile_counted(model, backend)
+        hits = weight_cache.compiled_hits
+        runs[emit] = (train(compiled, opt, batches(6)), model, weight_cache.compiled_hits - hits, counter.frame_count)
+    (losses, model, no_hits, frames), (losses_e, model_e, hits, frames_e) = runs[False], runs[True]
+    assert no_hits == 0 and hits == 5 * len(_weights(model_e))  # every forward after the first step
+    assert frames_e == frames  # no compile more than casting (the first forward and its first-cast path: 2)
+    assert torch.equal(losses, losses_e)
+    for a, b in zip(model.parameters(), model_e.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for m, m_e in zip(fp8_modules(model).values(), fp8_modules(model_e).values(), strict=True):
+        for role in ("input", "weight", "grad_output"):
+            for key in STATS:
+                assert torch.equal(getattr(m.fp8_scaling[role], key), getattr(m_e.fp8_scaling[role], key)), (role, key)
+
+
+def _change_by_halving(model, opt):
+    # (At O2 the storage holds the weight times its master scale, near fp16's maximum: doubling it would overflow.)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+
+
+@XFAIL_TORCH_211_CPU_COMPILE
+@pytest.mark.parametrize("change", [_change_by_halving, _change_by_load_state_dict, _change_by_data],
+                         ids=["mul_", "load_state_dict", "data"])  # fmt: skip
+def test_compiled_forward_casts_a_weight_changed_after_the_step(change):
+    """A weight changed after the step that wrote its copy: the compiled forward and backward cast it (the check runs
+    with the compiled code, without recompiling) and give what the eager layers give; an unchanged layer's copy is
+    still used."""
+    torch._dynamo.reset()
+    model, opt, x = _emitted()
+    compiled, counter = _compile_counted(model, "aot_eager")
+    x = x.clone().requires_grad_()
+    ((compiled(x) - 1) ** 2).mean().backward()  # compiles with the copies' keys
+    opt.zero_grad()
+    change(model, opt)
+    saved = fp8_state_dict(model)
+    hits = weight_cache.compiled_hits
+    x.grad = None
+    out = compiled(x)
+    out.sum().backward()  # dx: model[2]'s dgrad from its copy's transpose (if valid), model[0]'s from its cast again
+    # load_state_dict writes every weight; mul_ and .data change model[0]'s alone
+    assert weight_cache.compiled_hits - hits == (0 if change is _change_by_load_state_dict else 1)
+    assert counter.frame_count == 1
+    load_fp8_state_dict(model, saved)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = model(x_ref)  # eager: model[0] casts, model[2] uses its copy
+    ref.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(x.grad, x_ref.grad)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_training_with_the_copy_is_bit_identical():
+    """On a GPU, compiled by inductor under bf16 autocast (Triton casts, real FP8 GEMMs): training with the copies the
+    steps write is bit for bit training that casts the weights, and the compiled forwards use the copies."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    data = [(torch.randn(512, 256, device="cuda"), torch.randn(512, 256, device="cuda")) for _ in range(6)]
+    runs = {}
+    for emit in (False, True):
+        torch._dynamo.reset()
+        model = convert_to_fp8(copy.deepcopy(base))
+        opt = FP8AdamW(model.parameters(), lr=1e-3, scale_update="two_pass", emit_fp8_weights=emit)
+        compiled = torch.compile(model)
+        hits = weight_cache.compiled_hits
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = ((compiled(x).float() - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        runs[emit] = (torch.stack(losses), model, weight_cache.compiled_hits - hits)
+    (losses, model, _), (losses_e, model_e, hits) = runs[False], runs[True]
+    assert hits == 5 * 2
+    assert torch.equal(losses, losses_e)
+    for a, b in zip(model.parameters(), model_e.parameters(), strict=True):
+        assert torch.equal(a, b)
