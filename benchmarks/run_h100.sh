@@ -82,5 +82,9 @@ for what in "$@"; do
              timeout 330 python3 benchmarks/train_step.py --sizes 1024x12 --compile yes --variants bf16,o2 --steps 8 --warmup 3 --timeout 160 --json "$OUT/train_1024.json" > "$OUT/train_1024.log" 2>&1; tail -3 "$OUT/train_1024.log"
              timeout 130 python3 benchmarks/profile_step.py --what gpt --compile --width 1024 --depth 12 --variants o2 --rows 25 > "$OUT/profile_c.log" 2>&1; grep "===" "$OUT/profile_c.log";;
     s6train) for s in ${SIZES:-4096x8 2048x16}; do timeout 290 python3 benchmarks/train_step.py --sizes $s --compile yes --variants bf16,o2 --steps 8 --warmup 3 --timeout 200 --json "$OUT/train_$s.json" > "$OUT/train_$s.log" 2>&1; tail -3 "$OUT/train_$s.log"; done;;
+    # Session 14 (not run: no device after run 3): the weights' FP8 copies under torch.compile, tested on the GPU, then
+    # timed at d=1024 (o2m against o2mw, BF16 in the same call; compiling an FP8 variant there takes 160-200 s).
+    s14emit) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_weight_cache.py tests/core/test_linear.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
+             timeout 440 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants bf16,o2m,o2mw --steps 8 --warmup 3 --timeout 210 --json "$OUT/train_emit_c.json" > "$OUT/train_emit_c.log" 2>&1; tail -4 "$OUT/train_emit_c.log";;
   esac
 done

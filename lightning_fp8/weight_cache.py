@@ -122,10 +122,15 @@ def drop(param: torch.Tensor) -> None:
 
 
 def drop_all(params: list[torch.Tensor]) -> None:
-    """:func:`drop` for each of ``params``; nothing to do (no attribute lookups) until some step has emitted a copy."""
+    """Release the copies of ``params``, which a step wrote without emitting (emission is off for them): the next
+    forwards cast, and the copies' memory is freed (a later emitting step makes new ones, with new keys: compiled code
+    compiles once more then). Nothing to do (no attribute lookups) until some step has emitted a copy."""
     if _any_sealed:
         for p in params:
-            drop(p)
+            cache = getattr(p, ATTR, None)
+            if cache is not None:
+                cache.invalidate()
+                setattr(p, ATTR, None)
 
 
 def allocate(param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> WeightCache:

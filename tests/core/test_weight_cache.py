@@ -324,3 +324,17 @@ def test_gpu_compiled_training_with_the_copy_is_bit_identical():
     assert torch.equal(losses, losses_e)
     for a, b in zip(model.parameters(), model_e.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_copies_persist_while_emitting_and_are_freed_when_emission_stops():
+    """Emitting steps write each weight's copy in place (same object, key and bytes' storage: compiled code keeps its
+    guards); a step without emission releases the copies (their memory is freed, the forwards cast)."""
+    model, opt, x = _emitted()
+    caches = [getattr(w, weight_cache.ATTR) for w in _weights(model)]
+    storages = [c.data.data_ptr() for c in caches]
+    ((model(x) - 1) ** 2).mean().backward()
+    opt.step()
+    assert [getattr(w, weight_cache.ATTR) for w in _weights(model)] == caches
+    assert [c.data.data_ptr() for c in caches] == storages and _valid(model) == [True, True]
+    _change_by_step_without_emit(model, opt)
+    assert [getattr(w, weight_cache.ATTR) for w in _weights(model)] == [None, None]
