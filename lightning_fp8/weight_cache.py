@@ -256,22 +256,6 @@ def compiled_forward_gemm(
     return _forward_gemm_op(x_fp8, x_scale_inv, weight, unscale, bias, *_state_buffers(state), *mode, out_dtype, key)
 
 
-def compiled_dgrad(
-    dy_fp8: torch.Tensor,
-    dy_scale_inv: torch.Tensor,
-    weight: torch.Tensor,
-    unscale: torch.Tensor | None,
-    w_scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    margin: int,
-    key: int,
-) -> torch.Tensor:
-    """``dy @ w`` for traced code, with the FP8 weight :func:`compiled_forward_gemm` used: the copy's transpose when
-    the copy is valid when this runs, else the weight cast again with the forward's scale (the same bytes)."""
-    return _dgrad_op(dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key)
-
-
 # The ops run Python when the compiled code runs (the validity check): a CUDA graph must not capture them.
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
@@ -322,7 +306,7 @@ def _(x_fp8, x_scale_inv, weight, unscale, bias, amax_history, scale, last_amax,
 
 
 @torch.library.custom_op("lightning_fp8::cached_weight_dgrad", mutates_args=(), tags=_TAGS)
-def _dgrad_op(
+def compiled_dgrad(
     dy_fp8: torch.Tensor,
     dy_scale_inv: torch.Tensor,
     weight: torch.Tensor,
@@ -333,11 +317,13 @@ def _dgrad_op(
     margin: int,
     key: int,
 ) -> torch.Tensor:
+    """``dy @ w`` for traced code, with the FP8 weight :func:`compiled_forward_gemm` used: the copy's transpose when
+    the copy is valid when this runs, else the weight cast again with the forward's scale (the same bytes)."""
     cache = _serving(_CACHES.get(key), weight, unscale, fp8_dtype, margin)
     w_fp8_t = recast_weight_t(weight, unscale, w_scale_inv, fp8_dtype) if cache is None else cache.transposed()
     return ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, out_dtype)
 
 
-@_dgrad_op.register_fake
+@compiled_dgrad.register_fake
 def _(dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key):
     return dy_fp8.new_empty((dy_fp8.shape[0], weight.shape[1]), dtype=out_dtype)
