@@ -361,11 +361,18 @@ class FP8GradScaler:
 
         Raises:
             KeyError: when an entry is missing (not an FP8GradScaler state dict).
+            ValueError: for a scale that is not a positive power of two (nothing is loaded).
         """
         missing = sorted(set(self.state_dict()) - set(state_dict))
         if missing:
             raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
-        self._scale = float(state_dict["scale"])
+        scale = float(state_dict["scale"])
+        if not _is_power_of_two(scale):
+            raise ValueError(
+                f"FP8GradScaler.load_state_dict: scale {scale!r} is not a positive power of two: the checkpoint is "
+                "corrupt or not an FP8GradScaler state dict"
+            )
+        self._scale = scale
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._skipped_steps = int(state_dict["skipped_steps"])
         self._nonfinite_events = int(state_dict["nonfinite_events"])

@@ -159,6 +159,17 @@ class ScalingState(nn.Module):
             activation_input=activation_input,
         )  # fmt: skip
 
+    def _apply(self, fn, recurse: bool = True):
+        # Module.half() / .to(dtype) / .bfloat16() convert every floating buffer; scales and amaxes stay fp32 (a
+        # grad_output scale of 2**20 is inf in fp16). The buffers follow the module to its device, in their dtype.
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, new in self._buffers.items():
+            old = before.get(name)
+            if new is not None and old is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
     def reset(self) -> None:
         for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
             getattr(self, name).zero_()

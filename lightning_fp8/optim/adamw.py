@@ -171,6 +171,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._moments_only: set[torch.Tensor] = set()  # those of them whose master is high precision (the param)
         self._master_amax: dict[torch.Tensor, torch.Tensor] = {}  # their master's amax, which the kernel writes
         self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
+        self._stepped_fp8_grads: list[torch.Tensor] = []  # the params the last step took an FP8 gradient of
         self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
         self._hooks: dict[torch.Tensor, Any] = {}
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
@@ -183,13 +184,18 @@ class FP8AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        try:  # a rejected group is not kept (nor stepped)
+            step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                if p.is_complex():
+                    raise TypeError(
+                        f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
+                        "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
+                    )
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         for p in group["params"]:
-            if p.is_complex():
-                raise TypeError(
-                    f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
-                    "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
-                )
             if self._wants_low_precision(p):
                 self._adopt(p)
 
@@ -346,6 +352,12 @@ class FP8AdamW(torch.optim.Optimizer):
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # as torch.optim: a parameter that had a gradient keeps a zero one (and is stepped)
+            self._grad_casts.flush(self)
+            for p in (*self._stepped_fp8_grads, *self._pending):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self._stepped_fp8_grads = []
         super().zero_grad(set_to_none)
         self._pending.clear()
         self._grad_casts.clear()
@@ -373,6 +385,14 @@ class FP8AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _fp8_step(self, grad_unscale: float) -> None:
         """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
+        for p in self._low_precision:  # before anything is written
+            if master.master_scale(p) is not None and p.dtype != self.master_dtype:
+                raise RuntimeError(
+                    f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "
+                    f"{self.master_dtype} master there, with a per-tensor scale: the model's dtype was changed "
+                    "(model.float(), .half(), .to(dtype)) after FP8AdamW took its weights. Change the model's dtype "
+                    "before creating the optimizer; nothing was stepped"
+                )
         self._grad_casts.flush(self)
         for group in self.param_groups:
             live = []
@@ -395,6 +415,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 batches[(p.device, step, *item[-1])].append(item[:-1])
             for key, items in batches.items():
                 step_.launch(self, group, key[1], items, grad_unscale, emit=key[-1])
+        self._stepped_fp8_grads = list(self._pending)
         self._pending.clear()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:

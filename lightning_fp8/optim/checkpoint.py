@@ -12,6 +12,7 @@ bit-identically). So a ``torch.optim.AdamW`` state dict, an O1 one and an O2 one
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,6 +106,7 @@ def _local_scalars(saved: dict[str, Any]) -> dict[str, Any]:
 def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
     """Body of :meth:`FP8AdamW.load_state_dict` (see the module docstring)."""
     saved_groups = state_dict["param_groups"]
+    _check_states(opt, state_dict)  # before anything is loaded: a bad checkpoint changes nothing
     # The base class validates the groups and restores their hyper-parameters; the states are loaded here,
     # because the base class would cast every state to the parameter's dtype.
     torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": saved_groups})
@@ -116,6 +118,37 @@ def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
         saved = state_dict["state"].get(index)
         if saved is not None:
             _load_one(opt, p, saved)
+
+
+def _check_states(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
+    """Raise ValueError for a state that cannot be its parameter's: a moment or master of another size, a scaled
+    (FP8, fp16) one without its scale, a scale that is not finite and positive, a negative or non-finite step."""
+    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    params = _param_order(opt)
+    if len(saved_ids) != len(params):
+        return  # torch.optim.Optimizer.load_state_dict says what does not match
+    fix = "the checkpoint is corrupt or was written for another model"
+    for index, p in zip(saved_ids, params, strict=True):
+        saved = state_dict["state"].get(index)
+        if saved is None:
+            continue
+        saved = _local_scalars(saved)
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            value = saved.get(key)
+            if value is None:
+                continue
+            where = f"FP8AdamW.load_state_dict: parameter {index}'s {key!r}"
+            if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{where} is {shape}, its parameter {tuple(p.shape)}: {fix}")
+            scale = saved.get(f"{key}_scale")
+            if value.dtype in SCALED_STATE_MAX and key != "master" and scale is None:
+                raise ValueError(f"{where} is {value.dtype} without its '{key}_scale': {fix}")
+            if scale is not None and not (torch.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError(f"{where} has the scale {scale.tolist()}, not finite and positive: {fix}")
+        step = saved.get("step")
+        if step is not None and not (math.isfinite(float(step)) and float(step) >= 0):
+            raise ValueError(f"FP8AdamW.load_state_dict: parameter {index}'s step is {float(step)}: {fix}")
 
 
 def _copy_or_convert(state: dict[str, Any], saved: dict[str, Any], key: str, dtype, p: torch.Tensor) -> None:

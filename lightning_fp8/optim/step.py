@@ -84,8 +84,21 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
             weight_cache.seal(p, cache)
 
 
+def _check_number(name: str, value: Any, tensor_ok: bool = False) -> None:
+    if isinstance(value, torch.Tensor) and tensor_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"FP8AdamW: {name} must be a number, got {type(value).__name__} {value!r}")
+
+
 def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix)."""
+    _check_number("lr", lr, tensor_ok=True)
+    _check_number("eps", eps)
+    _check_number("weight_decay", weight_decay)
+    if isinstance(betas, (tuple, list)):
+        for i, beta in enumerate(betas):
+            _check_number(f"betas[{i}]", beta, tensor_ok=True)
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"FP8AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
     if not 0.0 <= float(lr):
