@@ -13,6 +13,7 @@ copies, not the high-precision input: activation memory for linear inputs halves
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -256,6 +257,20 @@ class FP8Linear(nn.Linear):
         new.recipe = resolve_recipe(recipe)
         new.train(linear.training)
         new._init_scaling(linear.weight.device)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> FP8Linear:
+        """A deep copy (``copy.deepcopy``, ``torch.optim.swa_utils.AveragedModel``) whose weight keeps what FP8 training
+        set on it, which ``nn.Parameter``'s deep copy drops: the FP8-weight marker (an FP8AdamW given the copy gives
+        it FP8 states) and, at O2, the master scale its storage holds the weight times (the copy's forward and
+        ``state_dict()`` see the true weight). The optimizer's FP8 copy of the weight is not copied."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        for attr in (master.MARKER, master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR):
+            if hasattr(self.weight, attr):
+                setattr(new.weight, attr, copy.deepcopy(getattr(self.weight, attr), memo))
         return new
 
     def extra_repr(self) -> str:

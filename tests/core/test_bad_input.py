@@ -165,3 +165,21 @@ def test_zero_grad_without_none_steps_every_parameter_as_torch_adamw(opt_level):
         o.step()
         moved = [(b - a).abs().max().item() for b, a in zip(before, m.state_dict().values(), strict=True)]
         assert all(v > 0 for v in moved), moved
+
+
+def test_deepcopy_keeps_what_fp8_training_set_on_the_weights():
+    """copy.deepcopy of a converted model (an EMA or best-model copy): at O2 the copy's forward and state_dict() are
+    the original's (its weights' storage holds the fp16 master times its scale, which the copy keeps); before any
+    optimizer, an FP8AdamW given the copy still finds its FP8 weights (and gives them O2 states)."""
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 64)
+    (model(x) ** 2).mean().backward()
+    opt.step()
+    twin = copy.deepcopy(model)
+    for (key, value), twin_value in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(value, twin_value), key
+    assert torch.equal(model(x), twin(x))
+    fresh = copy.deepcopy(_model())
+    FP8AdamW(fresh.parameters(), lr=1e-2)
+    assert [p.dtype for p in fresh.parameters()] == [torch.float16, torch.float32, torch.float16, torch.float32]
