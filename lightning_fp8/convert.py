@@ -44,8 +44,14 @@ def convert_to_fp8(
     skipped: list[str] = []
     tied: list[str] = []
     shared = _shared_parameter_ids(module)
+    done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
+        if id(child) not in done:
+            done[id(child)] = _convert_one(child, fqn)
+        return done[id(child)]
+
+    def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
         if not _is_convertible_type(child) or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
             return child
         if child.in_features % 16 or child.out_features % 16:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from tests.numerics import sqnr
 
 
@@ -183,3 +183,14 @@ def test_deepcopy_keeps_what_fp8_training_set_on_the_weights():
     fresh = copy.deepcopy(_model())
     FP8AdamW(fresh.parameters(), lr=1e-2)
     assert [p.dtype for p in fresh.parameters()] == [torch.float16, torch.float32, torch.float16, torch.float32]
+
+
+def test_a_layer_registered_twice_becomes_one_fp8_layer():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(32, 32)
+            self.seq = nn.Sequential(self.layer, nn.ReLU())
+
+    model = convert_to_fp8(Twice())
+    assert isinstance(model.layer, FP8Linear) and model.layer is model.seq[0]
