@@ -86,6 +86,8 @@ class FP8GradScaler:
         model: nn.Module | None = None,
     ) -> None:
         for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
             if not _is_power_of_two(float(value)):
                 raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
         if not min_scale <= init_scale <= max_scale:

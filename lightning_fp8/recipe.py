@@ -94,8 +94,11 @@ class FP8Recipe:
         """A named recipe: one of :meth:`names`.
 
         Raises:
+            TypeError: if ``name`` is not a string.
             ValueError: if ``name`` is not a known recipe.
         """
+        if not isinstance(name, str):
+            raise TypeError(f"FP8Recipe.from_name takes a recipe name (one of {sorted(_NAMED)}), got {name!r}")
         if name not in _NAMED:
             raise ValueError(f"unknown FP8 recipe name {name!r}: choose one of {sorted(_NAMED)}")
         return cls(**_NAMED[name])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_fp8 as lf
 from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from tests.numerics import sqnr
 
@@ -194,3 +195,10 @@ def test_a_layer_registered_twice_becomes_one_fp8_layer():
 
     model = convert_to_fp8(Twice())
     assert isinstance(model.layer, FP8Linear) and model.layer is model.seq[0]
+
+
+def test_wrong_argument_types_say_what_is_expected():
+    with pytest.raises(TypeError, match="recipe name"):
+        lf.FP8Recipe.from_name(["fp8-lm"])
+    with pytest.raises(TypeError, match="must be a number"):
+        FP8GradScaler(init_scale="1.0")
