@@ -146,6 +146,11 @@ class FP8GradScaler:
         """mu, a 0-dim fp32 tensor (a power of two)."""
         return torch.tensor(self._scale, dtype=torch.float32)
 
+    def get_scale(self) -> float:
+        """mu as a Python float (``torch.amp.GradScaler.get_scale``'s spelling; the loss is scaled by
+        :meth:`scale_loss`, since ``scale`` is this property)."""
+        return self._scale
+
     @property
     def skipped_steps(self) -> int:
         return self._skipped_steps

@@ -202,3 +202,9 @@ def test_wrong_argument_types_say_what_is_expected():
         lf.FP8Recipe.from_name(["fp8-lm"])
     with pytest.raises(TypeError, match="must be a number"):
         FP8GradScaler(init_scale="1.0")
+
+
+def test_scaler_get_scale_is_mu():
+    scaler = FP8GradScaler(init_scale=2.0**12)
+    assert scaler.get_scale() == 4096.0 == float(scaler.scale)
+    assert float(scaler.scale_loss(torch.tensor(0.5))) == 2048.0
