@@ -9,8 +9,8 @@ A copy is valid only for the exact stored values it was made from. It remembers 
 counter, its storage and its master scale (object and version counter): any in-place change through PyTorch
 (``copy_``, ``load_state_dict``, an optimizer's foreach step) bumps a version counter, ``param.data = ...`` changes
 the storage, and the optimizer itself, whose Triton writes bump nothing, bumps the counter when it emits
-(:func:`seal`) and drops the copy when it writes without emitting (:func:`drop`). The copy keeps the old storage
-alive until the next forward drops it, so an address cannot be reused by another storage in between.
+(:func:`seal`) and releases the copy when it writes without emitting (:func:`drop_all`). A valid copy keeps the
+storage it was made from alive, so that address cannot be reused by another storage while the copy claims it.
 
 Under ``torch.compile`` the same check runs when the compiled code runs, not when it is traced: a weight that has
 (or had) a copy goes through two opaque ops, the forward GEMM (:func:`compiled_forward_gemm`) and the dgrad GEMM
