@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device session on an H100: install, GPU tests, then the single-GPU benchmarks. Logs under $OUT.
 # Usage (device tool, carry .whl for torchao): bash benchmarks/run_h100.sh [linear|train|optim|lab ...]
+# Compile caches: copy the icache.tgz.part-* files a call returns into a git-ignored folder, carry it, and run with
+# CACHE_IN=that/folder.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,6 +13,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt"
+# Compile caches across calls (each call may start a fresh machine, where compiling one FP8 GPT variant took
+# 160-200 s): inductor's and Triton's (our triton_ops' kernels compile into TRITON_CACHE_DIR, not inductor's folder).
+# CACHE_IN: a carried folder holding the icache.tgz.part-* files an earlier call left under $OUT.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/icache/inductor TRITON_CACHE_DIR=/tmp/icache/triton
+if [ -n "${CACHE_IN:-}" ] && ls "$CACHE_IN"/icache.tgz.part-* > /dev/null 2>&1; then
+  cat "$CACHE_IN"/icache.tgz.part-* | tar xz -C /tmp
+fi
+trap 'tar czf - -C /tmp icache 2> /dev/null | split -b 15M - "$OUT/icache.tgz.part-"' EXIT
 for what in "$@"; do
   case $what in
     check) timeout 200 python3 benchmarks/check_compile.py > "$OUT/check_compile.log" 2>&1; tail -4 "$OUT/check_compile.log";;
