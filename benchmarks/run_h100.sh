@@ -14,7 +14,7 @@ fi
 python3 -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt"
 # Compile caches across calls (each call may start a fresh machine, where compiling one FP8 GPT variant took
-# 160-200 s): inductor's and Triton's (our triton_ops' kernels compile into TRITON_CACHE_DIR, not inductor's folder).
+# 160-200 s): inductor's and Triton's (eagerly launched Triton kernels compile into TRITON_CACHE_DIR, by default outside inductor's folder).
 # CACHE_IN: a carried folder holding the icache.tgz.part-* files an earlier call left under $OUT.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/icache/inductor TRITON_CACHE_DIR=/tmp/icache/triton
 if [ -n "${CACHE_IN:-}" ] && ls "$CACHE_IN"/icache.tgz.part-* > /dev/null 2>&1; then
