@@ -10,6 +10,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from lightning_fp8 import (
+    FP8MLP,
     FP8AdamW,
     FP8GradScaler,
     convert_to_fp8,
@@ -338,3 +339,33 @@ def test_copies_persist_while_emitting_and_are_freed_when_emission_stops():
     assert [c.data.data_ptr() for c in caches] == storages and _valid(model) == [True, True]
     _change_by_step_without_emit(model, opt)
     assert [getattr(w, weight_cache.ATTR) for w in _weights(model)] == [None, None]
+
+
+@XFAIL_TORCH_211_CPU_COMPILE
+def test_compiled_fp8mlp_uses_the_copies_bit_for_bit():
+    """FP8MLP (the GELU fused into its casts) compiled: its two layers' GEMMs go through the copy ops too, and training
+    is bit for bit training that casts the weights."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    x, y = torch.randn(24, 32), torch.randn(24, 32)
+    runs = {}
+    for emit in (False, True):
+        torch._dynamo.reset()
+        src = copy.deepcopy(base)
+        model = FP8MLP.from_modules(src[0], src[2])
+        opt = FP8AdamW(model.parameters(), lr=1e-2, scale_update="two_pass", emit_fp8_weights=emit)
+        compiled = torch.compile(model, backend="aot_eager")
+        hits = weight_cache.compiled_hits
+        losses = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = ((compiled(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        runs[emit] = (torch.stack(losses), model, weight_cache.compiled_hits - hits)
+    (losses, model, no_hits), (losses_e, model_e, hits) = runs[False], runs[True]
+    assert no_hits == 0 and hits == 3 * 2
+    assert torch.equal(losses, losses_e)
+    for a, b in zip(model.parameters(), model_e.parameters(), strict=True):
+        assert torch.equal(a, b)
