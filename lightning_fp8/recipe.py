@@ -19,6 +19,8 @@ Scaling = Literal["delayed", "current"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 OptLevel = Literal["O1", "O2"]
 
+# The largest margin a recipe takes (binades of headroom; E4M3 spans about 18 binades, subnormals included).
+MAX_MARGIN = 16
 _ALLOWED: dict[str, tuple[str, ...]] = {
     "fp8_format": ("hybrid", "e4m3"),
     "scaling": ("delayed", "current"),
@@ -44,7 +46,7 @@ class FP8Recipe:
         amax_history_len: length of the amax history window for delayed scaling (>= 1).
         amax_compute_algo: ``"max"`` over the history window, or ``"most_recent"`` entry.
         margin: the scale is ``2 ** (floor(log2(fp8_max / amax)) - margin)``; a margin of 1 leaves one
-            binade of headroom.
+            binade of headroom (0 to :data:`MAX_MARGIN`).
         opt_level: ``"O1"`` (FP8 GEMMs and gradients, fp32 optimizer states) or ``"O2"`` (also FP8 first
             moment, fp16 second moment and fp16 master weights: 6 bytes per parameter).
 
@@ -78,6 +80,11 @@ class FP8Recipe:
                 raise RecipeFieldTypeError(f"FP8Recipe({name}={value!r}) must be an int, got {type(value).__name__}")
             if value < low:
                 raise ValueError(f"FP8Recipe({name}={value!r}) must be >= {low}")
+        if self.margin > MAX_MARGIN:
+            raise ValueError(
+                f"FP8Recipe(margin={self.margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans "
+                "about 18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
+            )
 
     @property
     def forward_dtype(self) -> torch.dtype:

@@ -208,3 +208,9 @@ def test_scaler_get_scale_is_mu():
     scaler = FP8GradScaler(init_scale=2.0**12)
     assert scaler.get_scale() == 4096.0 == float(scaler.scale)
     assert float(scaler.scale_loss(torch.tensor(0.5))) == 2048.0
+
+
+def test_recipe_margin_is_bounded():
+    assert lf.FP8Recipe(margin=16).margin == 16
+    with pytest.raises(ValueError, match="margin=17"):
+        lf.FP8Recipe(margin=17)
