@@ -130,9 +130,7 @@ def forward_gemm(
     w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
         fp8["weight"], weight, need_dgrad, master_scale, keep_transpose=SAVE_WEIGHT_TRANSPOSE
     )
-    # forward GEMM, bias fused; fast accumulation for the forward only (gradients keep full fp32 accumulation),
-    # as Transformer Engine does.
-    y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=b, use_fast_accum=True)
+    y = ops.linear_forward_mm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias=b)  # bias fused
     # No transposed copy from the forward (weight_cache made none): the backward casts the weight again.
     recast = (weight, master_scale) if need_dgrad and w_fp8_t.numel() == 0 else ()
     return y, (w_fp8_t, w_scale_inv, *recast), (w_fp8.dtype, None, None)

@@ -164,6 +164,19 @@ def _pad_last(t_fp8: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.nn.functional.pad(t_fp8.view(torch.uint8), (0, pad)).view(t_fp8.dtype)
 
 
+def linear_forward_mm(
+    x_fp8: torch.Tensor,
+    w_fp8: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The forward GEMM of an FP8 linear layer, ``x @ w^T + bias`` (``w_fp8`` row-major, the weight's shape), with
+    fast accumulation: for the forward GEMM only (gradients keep full fp32 accumulation), as Transformer Engine does."""
+    return scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=bias, use_fast_accum=True)
+
+
 def _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias=None, use_fast_accum=False):
     # torch._scaled_mm needs M and the inner dimension K to be multiples of 16 (and N, which the layer
     # shapes guarantee). Zero padding is exact: padded rows are dropped, padded K terms add zero.

@@ -145,7 +145,7 @@ class ScalingState(nn.Module):
             self.initialized = True
         x, mode = x.detach().contiguous(), (self.fp8_dtype, self.margin, self.algo == "max", self.delayed)
         if torch.compiler.is_compiling():
-            buffers = (self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts)
+            buffers = self.cast_buffers()
             if FUSED_CASTS and self.delayed and unscale is None and not column_sum and activation is None and x.numel():
                 return _fused_quantize(x, buffers, *mode, current, transpose)
             out = _traced_quantize(x)(
@@ -158,6 +158,11 @@ class ScalingState(nn.Module):
             x, *buffers, *mode, current, transpose, unscale, column_sum=column_sum, activation=activation,
             activation_input=activation_input,
         )  # fmt: skip
+
+    def cast_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a cast updates, in the order the cast ops take them: ``(amax_history, scale, amax, saturation,
+        nonfinite_count, casts)``."""
+        return (self.amax_history, self.scale, self.amax, self.saturation, self.nonfinite_count, self.casts)
 
     def _apply(self, fn, recurse: bool = True):
         # Module.half() / .to(dtype) / .bfloat16() convert every floating buffer; scales and amaxes stay fp32 (a

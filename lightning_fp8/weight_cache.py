@@ -211,13 +211,10 @@ def quantize_weight(
     cache = lookup(weight, state) if _any_sealed else None  # no attribute lookups until some step emitted a copy
     if cache is None:
         return state.quantize(weight, transpose and keep_transpose, True, unscale)
-    cache.record_into(_state_buffers(state))
+    cache.record_into(state.cast_buffers())
     data_t = cache.transposed() if transpose else cache.data.new_empty((0,))
     return cache.data, data_t, cache.scale_inv
 
-
-def _state_buffers(state: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    return (state.amax_history, state.scale, state.amax, state.saturation, state.nonfinite_count, state.casts)
 
 
 def recast_weight_t(
@@ -253,7 +250,7 @@ def compiled_forward_gemm(
     """``(x @ w^T + bias, w_scale_inv)`` for traced code, ``w`` being the weight's FP8 copy when it is valid when
     this runs, else the weight's cast (recorded in ``state`` either way, as :func:`quantize_weight`)."""
     mode = (state.fp8_dtype, state.margin, state.algo == "max", state.delayed)
-    return _forward_gemm_op(x_fp8, x_scale_inv, weight, unscale, bias, *_state_buffers(state), *mode, out_dtype, key)
+    return _forward_gemm_op(x_fp8, x_scale_inv, weight, unscale, bias, *state.cast_buffers(), *mode, out_dtype, key)
 
 
 # The ops run Python when the compiled code runs (the validity check): a CUDA graph must not capture them.
@@ -295,7 +292,7 @@ def _forward_gemm_op(
         compiled_hits += 1
         cache.record_into(buffers)
         w_fp8, w_scale_inv = cache.data, cache.scale_inv.clone()
-    y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=bias, use_fast_accum=True)
+    y = ops.linear_forward_mm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias=bias)
     return y, w_scale_inv
 
 

@@ -165,7 +165,7 @@ class TPLinearFn(torch.autograd.Function):
         # forward GEMM, fast accumulation (forward only) as in FP8Linear; a column shard's bias is fused into it
         b = None if bias is None else bias.to(out_dtype)
         fused = b if comm.kind == "colwise" else None
-        y = ops.scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype, bias=fused, use_fast_accum=True)
+        y = ops.linear_forward_mm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias=fused)
         y = y.reshape(*lead_shape, -1)
         if comm.kind == "rowwise":  # partial sums over the input-feature shards; the bias is added once, after
             if comm.dim is None:

@@ -385,14 +385,7 @@ class FP8AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _fp8_step(self, grad_unscale: float) -> None:
         """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
-        for p in self._low_precision:  # before anything is written
-            if master.master_scale(p) is not None and p.dtype != self.master_dtype:
-                raise RuntimeError(
-                    f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "
-                    f"{self.master_dtype} master there, with a per-tensor scale: the model's dtype was changed "
-                    "(model.float(), .half(), .to(dtype)) after FP8AdamW took its weights. Change the model's dtype "
-                    "before creating the optimizer; nothing was stepped"
-                )
+        master.check_storage_dtypes(self._low_precision, self.master_dtype)  # before anything is written
         self._grad_casts.flush(self)
         for group in self.param_groups:
             live = []

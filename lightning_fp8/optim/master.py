@@ -14,6 +14,7 @@ read the scaled storage; :func:`~lightning_fp8.convert_to_fp8` keeps tied heads 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -68,6 +69,19 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     setattr(param, AMAX_ATTR, amax)
     setattr(param, DTYPE_ATTR, original)
     return scale, amax
+
+
+def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dtype) -> None:
+    """Raise if a parameter whose storage holds its master (:func:`adopt`) is no longer stored in ``master_dtype``:
+    the model's dtype was changed after the optimizer took the storage, which would silently break every update."""
+    for p in params:
+        if master_scale(p) is not None and p.dtype != master_dtype:
+            raise RuntimeError(
+                f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "
+                f"{master_dtype} master there, with a per-tensor scale: the model's dtype was changed "
+                "(model.float(), .half(), .to(dtype)) after FP8AdamW took its weights. Change the model's dtype "
+                "before creating the optimizer; nothing was stepped"
+            )
 
 
 def release(param: nn.Parameter) -> None:
