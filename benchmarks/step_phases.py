@@ -69,6 +69,7 @@ def phases(variant: str, size: str, seq: int, vocab: int, batch: int, steps: int
     for _ in range(3):
         step(module, [])
     sync()
+    hits = _copy_hits()
     host = {p: [] for p in PHASES}
     alone = {p: [] for p in PHASES}
     walls = []
@@ -86,7 +87,15 @@ def phases(variant: str, size: str, seq: int, vocab: int, batch: int, steps: int
             alone[p].append((b - a) * 1e3)
     med = statistics.median
     return {"step": med(walls), "host": {p: med(v) for p, v in host.items()},
-            "alone": {p: med(v) for p, v in alone.items()}}  # fmt: skip
+            "alone": {p: med(v) for p, v in alone.items()},
+            "copy_hits": (_copy_hits() - hits) / (2 * steps)}  # fmt: skip
+
+
+def _copy_hits() -> int:
+    # compiled forwards served by the weights' FP8 copies (emitting variants), per step in the result
+    from lightning_fp8 import weight_cache
+
+    return weight_cache.compiled_hits
 
 
 def table(rows: list[tuple[str, dict]]) -> str:

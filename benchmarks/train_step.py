@@ -12,6 +12,7 @@ Variants: ``bf16`` (autocast bf16, fp32 params, fused AdamW), ``torchao`` (torch
 installed), ``o1`` / ``o2`` (lightning_fp8: FP8Linear + FP8AdamW at that opt level, bf16 autocast for the rest),
 ``o2w`` (O2 with ``FP8AdamW(emit_fp8_weights=True)``: the step writes the FP8 weight copies the next forward uses
 instead of casting; compiled, through lightning_fp8/weight_cache.py's ops), ``o2mw`` (``o2m`` with those copies),
+``o2mwb`` (``o2mw`` with the gradient casts batched, as ``o2bt``),
 ``o2op`` (O2 with each cast an opaque custom op under torch.compile instead of the triton_op that inductor launches
 itself: lightning_fp8/scaling.py TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled
 casts of activations and gradients fused by inductor into the kernels around them: lightning_fp8/scaling.py
@@ -41,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mw")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mw", "o2mwb")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -76,9 +77,9 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
             quantize.SPECULATIVE_CURRENT_SCALING = "eager"
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
-        emit = variant in ("o2w", "o2mw")
-        bucket = 64 if variant == "o2bt" else 0  # o2bt: the gradient casts batched (FP8AdamW's default: in each hook)
-        moments = "all" if variant in ("o2m", "o2mf", "o2mw") else "fp8_weights"
+        emit = variant in ("o2w", "o2mw", "o2mwb")
+        bucket = 64 if variant in ("o2bt", "o2mwb") else 0  # o2bt: the gradient casts batched (FP8AdamW's default: in each hook)
+        moments = "all" if variant in ("o2m", "o2mf", "o2mw", "o2mwb") else "fp8_weights"
         if variant == "o2mf":  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
             for block in model.blocks:
                 block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj)
@@ -133,6 +134,7 @@ def run_one(args) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    hits = _copy_hits()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -155,7 +157,15 @@ def run_one(args) -> dict:
         "peak_gib": peak,
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        # compiled forwards served by the weights' FP8 copies per timed step (emitting variants; 0 eagerly)
+        "copy_hits": (_copy_hits() - hits) / args.steps,
     }
+
+
+def _copy_hits() -> int:
+    from lightning_fp8 import weight_cache
+
+    return weight_cache.compiled_hits
 
 
 def table(rows: list[dict]) -> str:

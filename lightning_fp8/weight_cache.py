@@ -253,16 +253,29 @@ def compiled_forward_gemm(
     return _forward_gemm_op(x_fp8, x_scale_inv, weight, unscale, bias, *state.cast_buffers(), *mode, out_dtype, key)
 
 
-# The ops run Python when the compiled code runs (the validity check): a CUDA graph must not capture them.
+# The ops run Python when the compiled code runs (the validity check), once per FP8 weight and direction in every
+# step: they are declared to the dispatcher by schema (torch.library.Library) rather than with
+# torch.library.custom_op, whose Python wrappers around each call (autograd, version bumps of the mutated buffers,
+# aliasing checks) cost more host time than the work itself: 135 and 220 us per call on the H100 machine, 17 ms per
+# compiled d=1024 GPT step (benchmarks/results/h100_s15.txt run 2). The calls run inside FP8Linear's autograd
+# Function under torch.compile, where none of those wrappers is needed. Tagged so that no CUDA graph captures them.
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-
-
-@torch.library.custom_op(
-    "lightning_fp8::cached_weight_gemm",
-    mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts"),
+_LIB = torch.library.Library("lightning_fp8", "FRAGMENT")
+_LIB.define(
+    "cached_weight_gemm(Tensor x_fp8, Tensor x_scale_inv, Tensor weight, Tensor? unscale, Tensor? bias, "
+    "Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) last_amax, Tensor(d!) saturation, "
+    "Tensor(e!) nonfinite_count, Tensor(f!) casts, ScalarType fp8_dtype, int margin, bool algo_max, bool delayed, "
+    "ScalarType out_dtype, int key) -> (Tensor, Tensor)",
     tags=_TAGS,
 )
-def _forward_gemm_op(
+_LIB.define(
+    "cached_weight_dgrad(Tensor dy_fp8, Tensor dy_scale_inv, Tensor weight, Tensor? unscale, Tensor w_scale_inv, "
+    "ScalarType fp8_dtype, ScalarType out_dtype, int margin, int key) -> Tensor",
+    tags=_TAGS,
+)
+
+
+def _forward_gemm(
     x_fp8: torch.Tensor,
     x_scale_inv: torch.Tensor,
     weight: torch.Tensor,
@@ -296,13 +309,38 @@ def _forward_gemm_op(
     return y, w_scale_inv
 
 
-@_forward_gemm_op.register_fake
-def _(x_fp8, x_scale_inv, weight, unscale, bias, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
-      fp8_dtype, margin, algo_max, delayed, out_dtype, key):  # fmt: skip
+def _forward_gemm_fake(x_fp8, x_scale_inv, weight, unscale, bias, amax_history, scale, last_amax, saturation,
+                       nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed, out_dtype, key):  # fmt: skip
     return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0]), dtype=out_dtype), scale.new_empty(())
 
 
-@torch.library.custom_op("lightning_fp8::cached_weight_dgrad", mutates_args=(), tags=_TAGS)
+def _dgrad(
+    dy_fp8: torch.Tensor,
+    dy_scale_inv: torch.Tensor,
+    weight: torch.Tensor,
+    unscale: torch.Tensor | None,
+    w_scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    margin: int,
+    key: int,
+) -> torch.Tensor:
+    cache = _serving(_CACHES.get(key), weight, unscale, fp8_dtype, margin)
+    w_fp8_t = recast_weight_t(weight, unscale, w_scale_inv, fp8_dtype) if cache is None else cache.transposed()
+    return ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, out_dtype)
+
+
+def _dgrad_fake(dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key):  # fmt: skip
+    return dy_fp8.new_empty((dy_fp8.shape[0], weight.shape[1]), dtype=out_dtype)
+
+
+for _name, _impl, _fake in (("cached_weight_gemm", _forward_gemm, _forward_gemm_fake),
+                            ("cached_weight_dgrad", _dgrad, _dgrad_fake)):  # fmt: skip
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"lightning_fp8::{_name}", _fake, lib=_LIB)
+_forward_gemm_op = torch.ops.lightning_fp8.cached_weight_gemm.default
+
+
 def compiled_dgrad(
     dy_fp8: torch.Tensor,
     dy_scale_inv: torch.Tensor,
@@ -316,11 +354,6 @@ def compiled_dgrad(
 ) -> torch.Tensor:
     """``dy @ w`` for traced code, with the FP8 weight :func:`compiled_forward_gemm` used: the copy's transpose when
     the copy is valid when this runs, else the weight cast again with the forward's scale (the same bytes)."""
-    cache = _serving(_CACHES.get(key), weight, unscale, fp8_dtype, margin)
-    w_fp8_t = recast_weight_t(weight, unscale, w_scale_inv, fp8_dtype) if cache is None else cache.transposed()
-    return ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, out_dtype)
-
-
-@compiled_dgrad.register_fake
-def _(dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key):
-    return dy_fp8.new_empty((dy_fp8.shape[0], weight.shape[1]), dtype=out_dtype)
+    return torch.ops.lightning_fp8.cached_weight_dgrad.default(
+        dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key
+    )
