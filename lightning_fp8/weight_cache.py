@@ -341,19 +341,6 @@ for _name, _impl, _fake in (("cached_weight_gemm", _forward_gemm, _forward_gemm_
 _forward_gemm_op = torch.ops.lightning_fp8.cached_weight_gemm.default
 
 
-def compiled_dgrad(
-    dy_fp8: torch.Tensor,
-    dy_scale_inv: torch.Tensor,
-    weight: torch.Tensor,
-    unscale: torch.Tensor | None,
-    w_scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    margin: int,
-    key: int,
-) -> torch.Tensor:
-    """``dy @ w`` for traced code, with the FP8 weight :func:`compiled_forward_gemm` used: the copy's transpose when
-    the copy is valid when this runs, else the weight cast again with the forward's scale (the same bytes)."""
-    return torch.ops.lightning_fp8.cached_weight_dgrad.default(
-        dy_fp8, dy_scale_inv, weight, unscale, w_scale_inv, fp8_dtype, out_dtype, margin, key
-    )
+# ``dy @ w`` for traced code, with the FP8 weight compiled_forward_gemm used: the copy's transpose when the copy is
+# valid when this runs, else the weight cast again with the forward's scale (the same bytes). Arguments as _dgrad's.
+compiled_dgrad = torch.ops.lightning_fp8.cached_weight_dgrad.default
