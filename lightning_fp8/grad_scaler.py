@@ -5,6 +5,10 @@ multiplied by mu; the optimizer divides it out again. mu is a power of two, so s
 
 - Every FP8 cast of a gradient that mu governs reports its amax and saturation count
   (:meth:`FP8GradScaler.record_gradient_cast`): the optimizer's gradient cast, the FP8 communication hooks.
+- Gradients that stay in high precision (no FP8 cast of them reported in a step, e.g. FP8AdamW with
+  ``fp8_grads=False`` and no FP8 communication) are measured by :meth:`~FP8GradScaler.step` itself, in one fused
+  amax reduction per device and dtype, against their own dtype's maximum (fp16: 65504). They cannot saturate (a
+  value past the maximum becomes inf, a non-finite step), so for them only the headroom and non-finite rules apply.
 - :meth:`~FP8GradScaler.step` agrees across data-parallel ranks with one small all-reduce, then skips the
   optimizer step when any rank saw a non-finite gradient, else steps with the gradients unscaled by 1/mu.
 - :meth:`~FP8GradScaler.update` halves mu after a skipped step or when the saturated fraction exceeded
@@ -221,6 +225,32 @@ class FP8GradScaler:
         self._active = True
         self._found.add_((found.float() > 0).float().to(self._found.device))
 
+    def _record_high_precision_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Report the headroom of ``optimizer``'s mu-scaled ``param.grad`` under their dtype's maximum.
+
+        One ``_foreach_norm(inf)`` per (device, dtype) and no host synchronization: the per-step all-reduce in
+        :meth:`_agree` reads the counters. Counts as casts with no saturated values (high-precision values do not
+        clamp: past the maximum they become inf, which marks the step non-finite).
+        """
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None or grad.is_sparse:
+                    continue
+                grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor: this rank's shard
+                if grad.numel() and grad.is_floating_point():
+                    by_kind[(grad.device, grad.dtype)].append(grad)
+        for (device, dtype), grads in by_kind.items():
+            self._ensure_device(device)
+            # fp32 before stacking: under CPU autocast (manual optimization steps inside it) stack rejects fp16.
+            amax = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).to(self._found.device)
+            self._found.add_((~torch.isfinite(amax)).any().float())
+            no_headroom = (amax * self.headroom > torch.finfo(dtype).max).sum()
+            self._no_headroom.add_(no_headroom.to(torch.float64))
+            self._numel += sum(grad.numel() for grad in grads)
+        self._active = self._active or bool(by_kind)
+
     def _ensure_device(self, device: torch.device) -> None:
         if self._device is None:
             self._device = device
@@ -274,8 +304,10 @@ class FP8GradScaler:
         inv_scale = 1.0 / self._scale
         fused = getattr(optimizer, "_fp8_step", None)
         if fused is not None:
-            self.record_nonfinite(optimizer._nonfinite_grads())
-        else:
+            self.record_nonfinite(optimizer._nonfinite_grads())  # flushes FP8AdamW's queued gradient casts first
+        if self._numel == 0:  # no FP8 gradient cast this step: judge the headroom of the high-precision gradients
+            self._record_high_precision_grads(optimizer)
+        if fused is None:
             self.record_nonfinite(_unscale_in_place(optimizer, inv_scale))
         decision = self._agree()
         self._active = True

@@ -124,6 +124,39 @@ def test_plain_optimizer_is_unscaled_and_skipped():
     assert torch.equal(lin.weight.detach(), weight) and float(scaler.scale) == 2.0**9
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_high_precision_gradients_grow_mu_with_headroom_under_their_dtype(dtype):
+    # No FP8 cast reports a gradient (a plain optimizer, or FP8AdamW with fp8_grads=False): the scaler measures the
+    # gradients itself, so mu still doubles after growth_interval clean steps, and stops where fp16 would overflow.
+    lin = nn.Linear(8, 4).to(dtype)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    scaler = FP8GradScaler(init_scale=1.0, growth_interval=2)
+    for _ in range(4):
+        opt.zero_grad()
+        lin.weight.grad = torch.randn_like(lin.weight) * float(scaler.scale)
+        lin.bias.grad = torch.randn_like(lin.bias) * float(scaler.scale)
+        assert scaler.step(opt) is True
+        scaler.update()
+    assert float(scaler.scale) == 4.0  # doubled at steps 2 and 4
+    lin.weight.grad = torch.full_like(lin.weight, 40000.0)  # fp16: less than 2x under 65504; fp32: far under
+    assert scaler.step(opt) is True
+    scaler.update()
+    assert scaler.growth_tracker == (1 if dtype == torch.float32 else 0)
+
+
+def test_fp8adamw_without_fp8_gradients_grows_mu_back_after_a_nonfinite_step():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)))
+    scaler = FP8GradScaler(init_scale=2.0**4, growth_interval=2, model=model)
+    opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler, fp8_grads=False)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    for step in range(5):
+        scaler.scale_loss(((model(x) - y) ** 2).mean() * (float("nan") if step == 0 else 1.0)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert scaler.skipped_steps == 1
+    assert float(scaler.scale) == 2.0**5  # halved once, then doubled twice
+
+
 def test_mu_change_rescales_grad_output_states_exactly():
     model = _fp8_model()
     scaler = FP8GradScaler(init_scale=2.0**4, model=model, saturation_threshold=0.0)

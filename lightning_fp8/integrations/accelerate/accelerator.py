@@ -54,6 +54,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.type == "cpu" or a.index == b.index)
 
 
+def _check_mixed_precision(mixed_precision: Any) -> None:
+    value = str(getattr(mixed_precision, "value", mixed_precision)).lower()  # a string or a PrecisionType
+    if value in ("fp16", "fp8"):
+        raise ValueError(
+            f"mixed_precision={value!r} cannot be combined with FP8-LM: 'fp16' brings a second loss "
+            "scaler and 'fp8' selects Accelerate's own FP8 backends. Use mixed_precision 'bf16' (the usual FP8-LM "
+            f"setting) or 'no', with the recipe from {ENV_RECIPE} / `lightning-fp8 launch`"
+        )
+
+
 class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     """``accelerate.Accelerator`` that trains with FP8-LM when the launch asks for it.
 
@@ -83,6 +93,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # Validate the launch first: a bad recipe name should fail before any process group is created.
         self.fp8_lm_config = resolve_launch_config(fp8_lm_recipe)
         tensor_parallel.check_launch(kwargs.get("parallelism_config"))
+        if self.fp8_lm_config is not None:  # before Accelerate sets up its process-wide state with it
+            # Accelerate's own order: the argument (third positional), else ACCELERATE_MIXED_PRECISION.
+            mixed_precision = kwargs.get("mixed_precision", args[2] if len(args) > 2 else None)
+            _check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
         super().__init__(*args, **kwargs)
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None
@@ -120,12 +134,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         return self.fp8_lm_config.recipe if self.fp8_lm_config is not None else None
 
     def _fp8_check_supported(self) -> None:
-        if self.mixed_precision in ("fp16", "fp8"):
-            raise ValueError(
-                f"mixed_precision={self.mixed_precision!r} cannot be combined with FP8-LM: 'fp16' brings a second loss "
-                "scaler and 'fp8' selects Accelerate's own FP8 backends. Use mixed_precision 'bf16' (the usual FP8-LM "
-                f"setting) or 'no', with the recipe from {ENV_RECIPE} / `lightning-fp8 launch`"
-            )
+        _check_mixed_precision(self.mixed_precision)  # e.g. from an Accelerate config file
         unsupported = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
         if self.distributed_type in unsupported:
             raise ValueError(
@@ -187,6 +196,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         if self.fp8_lm_config is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        self._fp8_require_model(optimizer)
         if self._fp8_optimizer is not None:
             raise ValueError(
                 "FP8-LM under Accelerate trains with one optimizer (one gradient scale mu): put all parameters in "
@@ -254,6 +264,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         """``optimizer`` as FP8AdamW (AdamW/Adam), or unchanged (with a warning for other types)."""
         if any(new is optimizer for new in self._fp8_swapped.values()):
             return optimizer
+        self._fp8_require_model(optimizer)
         name = type(optimizer).__name__
         if is_swappable(optimizer):
             if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in self._models):
@@ -285,6 +296,15 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self.fp8_report["optimizer"] = f"{name} -> {type(new).__name__}" if new is not optimizer else name
         self._fp8_info(f"lightning_fp8: optimizer {self.fp8_report['optimizer']}")
         return new
+
+    def _fp8_require_model(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._fp8_models:  # FP8AdamW would keep fp32 states, and the scaler would not know the model
+            raise ValueError(
+                f"accelerator.prepare({type(optimizer).__name__}) before the model: FP8-LM converts the model's linear "
+                "layers first and builds the FP8 optimizer and its gradient scaler on them. Prepare the model first "
+                "(accelerator.prepare(model), then the optimizer) or both together (accelerator.prepare(model, "
+                "optimizer))"
+            )
 
     def _fp8_swap_after_sharding(self) -> None:
         # FSDP2: FP8AdamW is built on the sharded (DTensor) parameters; fully_shard made new parameter objects,

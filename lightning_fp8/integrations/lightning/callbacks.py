@@ -49,6 +49,11 @@ class _LoggingCallback(Callback):
         self.last_metrics: dict[str, float] = {}
         self._last_step = -1
 
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The step count fit starts from (0, or a resumed run's): no optimizer step has happened at it yet.
+        self._last_step = trainer.global_step
+
     def _stepped(self, trainer: Trainer) -> bool:
         """True once per optimizer step (not per accumulated micro-batch)."""
         if trainer.global_step == self._last_step:
@@ -109,7 +114,7 @@ class FP8ScaleMonitor(_LoggingCallback):
         alert_after_steps: int = 100,
     ) -> None:
         super().__init__(log_every_n_steps)
-        if not jump_factor > 1:
+        if isinstance(jump_factor, bool) or not isinstance(jump_factor, (int, float)) or not jump_factor > 1:
             raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be > 1")
         if isinstance(alert_after_steps, bool) or not isinstance(alert_after_steps, int) or alert_after_steps < 0:
             raise ValueError(
@@ -132,7 +137,13 @@ class FP8ScaleMonitor(_LoggingCallback):
         optimizer = _unwrap_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         stats = fp8_stats(pl_module, optimizer=optimizer, grad_scaler=grad_scaler_of(trainer))
         if not stats["layers"]:
-            warn_once("FP8ScaleMonitor: the model has no FP8 layers; use Trainer(precision='fp8-lm')")
+            if getattr(trainer.precision_plugin, "precision", None) == "fp8-lm":
+                warn_once(
+                    "FP8ScaleMonitor: the model has no FP8 layers: precision='fp8-lm' found no nn.Linear to convert "
+                    "(feature sizes must be multiples of 16, and module_filter_fn must not exclude them)"
+                )
+            else:
+                warn_once("FP8ScaleMonitor: the model has no FP8 layers; use Trainer(precision='fp8-lm')")
         self._log(trainer, self._metrics(stats, trainer.global_step))
 
     def _metrics(self, stats: dict[str, Any], step: int) -> dict[str, float]:

@@ -96,7 +96,9 @@ class TrainingHealthMonitor(_LoggingCallback):
         self.plot = plot
         self.plot_path = plot_path
         self._running = {
-            name: RunningMean(window=smoothing_window, nan_strategy="ignore")
+            # Each rank's own running mean, like the other health values: compute() then runs on rank zero alone
+            # (where it logs) without waiting for a cross-rank sync the other ranks never join.
+            name: RunningMean(window=smoothing_window, nan_strategy="ignore", sync_on_compute=False)
             for name in ("loss_smooth", "samples_per_sec", "tokens_per_sec")
         }
         self._running_updates = dict.fromkeys(self._running, 0)
@@ -113,6 +115,7 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         self._t0 = time.perf_counter()
         scaler = grad_scaler_of(trainer)
         self._skipped_seen = scaler.skipped_steps if scaler is not None else 0
@@ -133,6 +136,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
+            if pl_module.automatic_optimization:  # Lightning divided it by accumulate_grad_batches: undo that
+                loss = loss.detach().float() * trainer.accumulate_grad_batches
             self._losses.append(loss.detach().float())
         self._samples += extract_batch_size(batch)
         tokens = self.tokens_fn(batch)

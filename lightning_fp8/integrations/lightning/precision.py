@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_fp8.convert import convert_to_fp8
+from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.flavour import build_flavour
@@ -66,6 +66,16 @@ class _FP8LMPrecisionLogic:
         super().__init__()
         if backend not in _BACKENDS:
             raise ValueError(f"FP8LMPrecision(backend={backend!r}) is not supported: choose one of {list(_BACKENDS)}")
+        flags = {"autocast": autocast, "replace_optimizers": replace_optimizers,
+                 "fp8_communication": fp8_communication, "fp8_grads": fp8_grads}  # fmt: skip
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"FP8LMPrecision({name}={value!r}): must be True or False")
+        if module_filter_fn is not None and not callable(module_filter_fn):
+            raise TypeError(
+                f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, "
+                f"e.g. lambda module, fqn: fqn != {module_filter_fn!r}"
+            )
         self.recipe = resolve_recipe(recipe)
         self.backend = backend
         self.autocast = autocast
@@ -102,6 +112,12 @@ class _FP8LMPrecisionLogic:
             comm.check_converted_before_sharding(module)
         else:
             convert_to_fp8(module, self.recipe, self.module_filter_fn)
+            if not fp8_modules(module):
+                warn_once(
+                    f"precision='fp8-lm': no linear layer of {type(module).__name__} was converted to FP8 (feature "
+                    "sizes must be multiples of 16, and module_filter_fn must not exclude them): it trains without "
+                    "FP8 GEMMs"
+                )
             if self._will_adopt_masters() and _is_ddp(module):
                 strategy = module.trainer.strategy
                 self._early_masters = optimizer_swap.adopt_masters_early(module, strategy.root_device)
@@ -202,23 +218,24 @@ class _FP8LMPrecisionLogic:
     def unscaled_gradients(self, optimizer: Any, enabled: bool = True) -> Generator[None, None, None]:
         """Inside, ``optimizer``'s gradients are the true gradients (divided by mu); outside, scaled by mu again.
 
-        mu is a power of two, so both multiplications are exact: the scaler's own unscaling in ``step`` (fused
-        into FP8AdamW's kernel) then sees exactly what the hooks and gradient clipping left. With mu == 1 (the
-        common case) this costs nothing.
+        mu is a power of two, so both multiplications are exact wherever the true gradient is representable in
+        the gradient's dtype (fp16 for the FP8 weights at O2: 2^-24 to 65504): the scaler's own unscaling in
+        ``step`` (fused into FP8AdamW's kernel) then sees exactly what the hooks and gradient clipping left. With
+        mu == 1 (the common case) this costs nothing.
         """
         mu = float(self.grad_scaler.scale)
         if not enabled or self._in_unscaled_region:
             yield
             return
         if mu != 1.0:
-            torch._foreach_mul_(_grads(optimizer), 1.0 / mu)
+            _mul_grads_(_grads(optimizer), 1.0 / mu)
         self._in_unscaled_region = True
         try:
             yield
         finally:
             self._in_unscaled_region = False
             if mu != 1.0:
-                torch._foreach_mul_(_grads(optimizer), mu)
+                _mul_grads_(_grads(optimizer), mu)
 
     @override
     def clip_gradients(
@@ -304,6 +321,19 @@ def _is_ddp(module: nn.Module) -> bool:
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+
+
+def _mul_grads_(grads: list[Tensor], factor: float) -> None:
+    """``grads *= factor`` in place, rounded once in each gradient's dtype.
+
+    The factor goes in as a 0-dim fp32 tensor: ``torch._foreach_mul_`` with a Python scalar first rounds the
+    scalar to the tensors' dtype, so for fp16 gradients 2^16 becomes inf and 2^-25 becomes 0.
+    """
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, torch.full((), factor, dtype=torch.float32, device=device))  # no H2D copy
 
 
 def _first_device_type(module: nn.Module | None) -> str:

@@ -18,6 +18,7 @@ and ``tests/integrations/lightning/test_registry.py`` fails loudly.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -129,6 +130,13 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
     if getattr(strategy, "_precision_plugin", None) is not None:  # a strategy instance that brings its own plugin
         user_precision.append(strategy._precision_plugin)
 
+    if isinstance(precision, str) and precision not in precision_names() and _near_fp8_name(precision):
+        # Lightning's own error would list only its precisions: say which of ours was meant.
+        close = difflib.get_close_matches(precision.lower().replace("_", "-"), precision_names(), n=1, cutoff=0)
+        raise ValueError(
+            f"Trainer(precision={precision!r}) is not a known precision: did you mean {close[0]!r}? The FP8 "
+            f"precisions are {list(precision_names())}"
+        )
     if isinstance(precision, str) and precision in precision_names():
         if user_precision:
             raise ValueError(
@@ -148,6 +156,11 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
     if fp8:
         strategy_mod.check_supported_strategy(strategy, namespace)
     return precision, (plugin_list or plugins)
+
+
+def _near_fp8_name(precision: str) -> bool:
+    # None of Lightning's precision strings starts with "fp8" (its FP8 one is "transformer-engine").
+    return precision.strip().lower().startswith("fp8")
 
 
 def _plugins_module(namespace: str) -> str:

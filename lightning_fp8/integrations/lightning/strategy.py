@@ -41,6 +41,14 @@ class _FP8FSDPStrategyLogic:
                 "and the other ops run under bf16 autocast; drop the argument"
             )
         super().__init__(*args, **kwargs)
+        self._check_state_dict_type()  # at construction, not at the first checkpoint
+
+    def _check_state_dict_type(self) -> None:
+        if self._state_dict_type != "full":
+            raise ValueError(
+                f"strategy='{STRATEGY_NAME}' writes full (single-file) checkpoints; got state_dict_type="
+                f"{self._state_dict_type!r}: use state_dict_type='full'"
+            )
 
     @property
     @override
@@ -89,11 +97,7 @@ class _FP8FSDPStrategyLogic:
     def _full_state_dict(self, rank0_only: bool = True) -> Any:
         from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
 
-        if self._state_dict_type != "full":
-            raise ValueError(
-                f"strategy='{STRATEGY_NAME}' writes full (single-file) checkpoints; got state_dict_type="
-                f"{self._state_dict_type!r}: use state_dict_type='full'"
-            )
+        self._check_state_dict_type()  # the attribute may have been changed since
         # offload_to_cpu crashes FSDP1 (segfault) when the parameters already live on the CPU (gloo runs).
         config = FullStateDictConfig(offload_to_cpu=self.root_device.type != "cpu", rank0_only=rank0_only)
         return FullyShardedDataParallel.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, config)

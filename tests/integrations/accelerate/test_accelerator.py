@@ -248,6 +248,37 @@ def test_bad_configurations_are_errors(kwargs, match):
         Accelerator(cpu=True, **{"fp8_lm_recipe": "fp8-lm", **kwargs})
 
 
+def test_rejected_mixed_precision_leaves_accelerate_state_untouched():
+    with pytest.raises(ValueError, match=r"mixed_precision='fp16' cannot be combined with FP8-LM"):
+        Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", mixed_precision="fp16")
+    assert not AcceleratorState._shared_state  # the corrected call can still choose its precision
+    assert Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", mixed_precision="bf16").mixed_precision == "bf16"
+
+
+def test_optimizer_prepared_before_the_model_is_an_error():
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"prepare\(AdamW\) before the model.*prepare\(model, optimizer\)"):
+        accelerator.prepare(optimizer)
+    with pytest.raises(ValueError, match=r"prepare\(AdamW\) before the model"):
+        accelerator.prepare_optimizer(optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)  # the right order still works afterwards
+    assert isinstance(optimizer.optimizer, FP8AdamW) and accelerator.fp8_grad_scaler.model is model
+
+
+def test_mu_grows_back_after_a_nonfinite_step():
+    # FP8AdamW under Accelerate keeps gradients in high precision (fp8_grads=False): the scaler measures them.
+    accelerator, model, optimizer, _ = _setup()
+    scaler = accelerator.fp8_grad_scaler
+    scaler.growth_interval = 2
+    for step in range(5):
+        accelerator.backward(_loss(model, _batch()) * (float("nan") if step == 0 else 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert scaler.skipped_steps == 1 and float(scaler.scale) == 2.0  # 1 -> 0.5, then doubled twice
+
+
 def test_bad_recipe_in_the_environment_fails_before_accelerate_starts(monkeypatch):
     monkeypatch.setenv(ENV_RECIPE, "fp8_lm")
     with pytest.raises(ValueError, match=r"LIGHTNING_FP8_RECIPE='fp8_lm' is not a known FP8 recipe: choose one of"):

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import lightning_fp8  # noqa: E402,F401  (registers precision="fp8-lm", strategy="fsdp_fp8")
 from lightning_fp8 import FP8Linear, convert_to_fp8  # noqa: E402
+from lightning_fp8.callbacks import TrainingHealthMonitor  # noqa: E402
 from tests.distributed.launch import exit_worker  # noqa: E402
 from tests.integrations.lightning.gpt_tiny import Block, CountingTokens, GPTModule  # noqa: E402
 
@@ -79,7 +80,9 @@ def _full_params(module: torch.nn.Module, strategy: str) -> list[torch.Tensor]:
     return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
 
 
-def _fit(strategy: str, steps: int, seed: int = 0, ckpt_path: str | None = None) -> tuple[GPTModule, L.Trainer]:
+def _fit(
+    strategy: str, steps: int, seed: int = 0, ckpt_path: str | None = None, callbacks: list | None = None
+) -> tuple[GPTModule, L.Trainer]:
     torch.manual_seed(seed)
     module = ShardedGPT() if strategy == "model_parallel" else DataParallelGPT()
     trainer = L.Trainer(
@@ -94,6 +97,7 @@ def _fit(strategy: str, steps: int, seed: int = 0, ckpt_path: str | None = None)
         enable_model_summary=False,
         gradient_clip_val=1.0 if strategy != "model_parallel" else None,
         use_distributed_sampler=False,
+        callbacks=callbacks,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, trainer
@@ -105,9 +109,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--resume", action="store_true", help="also: half the steps, save, resume in a new Trainer")
+    parser.add_argument("--health", action="store_true", help="with a TrainingHealthMonitor logging every step")
     args = parser.parse_args()
 
-    module, trainer = _fit(args.strategy, args.steps)
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False) if args.health else None
+    module, trainer = _fit(args.strategy, args.steps, callbacks=[health] if health else None)
     resumed_losses = None
     if args.resume:
         half, first = _fit(args.strategy, args.steps // 2)
@@ -128,6 +134,8 @@ def main() -> None:
         "skipped_steps": plugin.grad_scaler.skipped_steps,
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
         "resumed_losses": resumed_losses,
+        "health_loss_smooth": health.last_metrics.get("health/loss_smooth") if health else None,
+        "health_losses": [v for _, v in health.monitor.series["loss"]] if health else None,
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:

@@ -178,6 +178,24 @@ def test_spike_and_nan_are_recorded_with_the_recovery_action(tmp_path):
     assert all(torch.isfinite(p).all() for p in module.parameters())  # the NaN step was skipped
 
 
+def test_gradient_accumulation_observes_each_optimizer_step_once(tmp_path):
+    # health/loss of a step is the mean of its micro-batches' losses (not of Lightning's loss / accumulate), and
+    # neither callback observes step 0, before any optimizer step.
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    scales = FP8ScaleMonitor(log_every_n_steps=1)
+    module = GPTModule()
+    trainer = _fit(module, tmp_path, [health, scales], max_steps=2, accumulate_grad_batches=3)
+    expected = [(step + 1, sum(module.losses[3 * step : 3 * step + 3]) / 3) for step in range(2)]
+    assert [s for s, _ in health.monitor.series["loss"]] == [1, 2]
+    assert [v for _, v in health.monitor.series["loss"]] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert sorted(_column(_rows(trainer), "fp8/grad_scaler/scale")) == [1, 2]
+
+
+def test_scale_monitor_rejects_a_bad_jump_factor():
+    with pytest.raises(ValueError, match=r"jump_factor='x'\) must be > 1"):
+        FP8ScaleMonitor(jump_factor="x")
+
+
 def _layer_stats(scale_in, scale_grad):
     layer = {
         "input": {"scale": scale_in, "amax": 1.0, "saturation": 0.0},

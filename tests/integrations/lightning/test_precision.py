@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+import lightning_fp8.warnings
 from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
 from lightning_fp8.integrations.lightning import FP8LMPrecision
 from tests.integrations.lightning.gpt_tiny import GPTModule, loader
@@ -140,6 +141,23 @@ def test_clipping_and_hooks_see_unscaled_gradients():
     assert runs[1].losses == pytest.approx(runs[0].losses, rel=MU_INVARIANCE_RTOL)
 
 
+@pytest.mark.parametrize("init_scale", [2.0**-20, 2.0**16])
+def test_unscaling_fp16_gradients_is_exact_across_the_range_of_mu(init_scale):
+    # At O2 the FP8 weights' gradients are fp16: a factor 2^16 (or 2^-25) rounded to fp16 becomes inf (or 0), and
+    # inf * 0 = NaN would skip every step. Clean data must train at any mu in the scaler's range.
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": init_scale})
+    module, _ = _fit(max_steps=3, precision=None, plugins=[plugin], gradient_clip_val=1.0)
+    assert plugin.grad_scaler.skipped_steps == 0
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_mu_doubles_after_growth_interval_with_high_precision_gradients():
+    # Single device, fp8_grads=False: no FP8 cast of a gradient reports to the scaler, which measures them itself.
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": 1.0, "growth_interval": 2})
+    _fit(max_steps=4, precision=None, plugins=[plugin])
+    assert plugin.grad_scaler.skipped_steps == 0 and float(plugin.grad_scaler.scale) == 4.0
+
+
 def test_manual_optimization_matches_automatic():
     auto, _ = _fit(max_steps=4, gradient_clip_val=0.5)
     manual, trainer = _fit(_module(manual=True, clip=0.5), max_steps=4)
@@ -231,6 +249,17 @@ def test_bad_arguments_are_rejected():
         FP8LMPrecision(recipe="fp8-xl")
     with pytest.raises(TypeError, match="grad_scaler"):
         FP8LMPrecision(grad_scaler=2.0)
+    with pytest.raises(TypeError, match=r"module_filter_fn='net.4'\): must be a callable fn\(module, fqn\)"):
+        FP8LMPrecision(module_filter_fn="net.4")
+    with pytest.raises(TypeError, match=r"autocast='yes'\): must be True or False"):
+        FP8LMPrecision(autocast="yes")
+
+
+def test_a_model_without_convertible_linear_layers_warns(monkeypatch):
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())  # warn_once: warn again in this test
+    module = _module()
+    with pytest.warns(UserWarning, match="no linear layer of GPTModule was converted to FP8"):
+        _fit(module, max_steps=1, precision=None, plugins=[FP8LMPrecision(module_filter_fn=lambda m, fqn: False)])
 
 
 # -- Transformer Engine backend, mocked --------------------------------------------------------------------------

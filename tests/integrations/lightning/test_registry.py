@@ -84,6 +84,17 @@ def test_unsupported_combinations_say_what_to_do(kwargs, match):
         L.Trainer(**kwargs, **TRAINER)
 
 
+@pytest.mark.parametrize("precision", ["fp8", "fp8-LM", "fp8_lm"])
+def test_close_misses_of_fp8_precision_names_suggest_the_name(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}'\) is not a known precision: did you mean 'fp8-lm'"):
+        L.Trainer(precision=precision, accelerator="cpu", logger=False)
+
+
+def test_fsdp_fp8_strategy_rejects_sharded_checkpoints_when_built():
+    with pytest.raises(ValueError, match=r"full \(single-file\) checkpoints; got state_dict_type='sharded'"):
+        FP8FSDPStrategy(state_dict_type="sharded")
+
+
 def test_fsdp_fp8_strategy_implies_fp8_precision():
     for strategy in ("fsdp_fp8", FP8FSDPStrategy()):
         trainer = L.Trainer(strategy=strategy, devices=1, **TRAINER)
