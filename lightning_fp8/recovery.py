@@ -5,10 +5,14 @@ and records what it did in its ``history``:
 
 - :func:`lower_lr`: multiply every parameter group's learning rate by a factor;
 - :func:`fallback_to_high_precision`: put the FP8 layers whose gradients were non-finite back to
-  ``nn.Linear`` (their weights get fp32 optimizer states again); the user's autocast (bf16) then applies.
+  ``nn.Linear`` (their weights get fp32 optimizer states again); the user's autocast (bf16) then applies. Not for
+  layers with DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): those keep references to the
+  module object, so it cannot be swapped; use ``"lower_lr"`` there.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -57,12 +61,24 @@ def fallback_to_high_precision(
 
     Returns:
         What was done, for the scaler's history.
+
+    Raises:
+        ValueError: when an offending layer has DTensor parameters (FSDP2, tensor parallelism), before anything
+            is changed.
     """
     names = _offending_layers(model, optimizer)
     if not names:
         what = lower_lr(optimizer, lr_factor) if optimizer is not None else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
     modules = dict(model.named_modules())
+    sharded = [name for name in names if any(_is_dtensor(p) for p in modules[name].parameters(recurse=False))]
+    if sharded:
+        raise ValueError(
+            f"FP8GradScaler(nonfinite_fallback='bf16') cannot put {', '.join(map(repr, sharded))} back to nn.Linear: "
+            "their parameters are DTensors (fully_shard or tensor parallelism), whose hooks keep references to the "
+            "FP8Linear modules, so a new module would get sharded weights. Nothing was changed; use "
+            "nonfinite_fallback='lower_lr' (or a callable) for sharded models"
+        )
     for name in names:
         layer = modules[name]
         if optimizer is not None and hasattr(optimizer, "release"):
@@ -75,3 +91,9 @@ def fallback_to_high_precision(
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, linear)
     return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # A DTensor exists only once torch.distributed.tensor was imported; no need to import it here.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)

@@ -55,7 +55,8 @@ def _check(x: torch.Tensor, layout: SegmentLayout, out: torch.Tensor | None) -> 
     return x.reshape(-1)
 
 
-def _amax_group(group: dist.ProcessGroup | None, amax_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def check_amax_group(group: dist.ProcessGroup | None, amax_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group of the amaxes' MAX all-reduces: ``amax_group`` (it must have the ranks of ``group``) or ``group``."""
     if amax_group is None:
         return group
     ranks, want = dist.get_process_group_ranks(amax_group), dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -144,7 +145,7 @@ def all_reduce_fp8(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     kernels = segment_kernels(fused)
     plans = all_reduce_plan(layout, world, rank, slices, False, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, _amax_group(group, amax_group), kernels)
+    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), kernels)
     out = torch.empty_like(flat) if out is None else out.view(-1)
     n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
     common = {"margin": margin}
@@ -206,7 +207,7 @@ def all_reduce_fp8_native(
     world = dist.get_world_size(group)
     kernels = segment_kernels(fused)
     plans = all_reduce_plan(layout, world, dist.get_rank(group), slices, True, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, _amax_group(group, amax_group), kernels)
+    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), kernels)
     out = torch.empty_like(flat) if out is None else out.view(-1)
     n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
     counts = torch.zeros(2, dtype=torch.int64, device=flat.device)  # sums at/over the maximum, non-finite sums

@@ -63,6 +63,15 @@ def cast_stats(
     return CastStats(top, n_saturated.to(torch.int64), numel, nonfinite if found is None else nonfinite | found)
 
 
+def local_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` of this rank's values as 0-dim fp32 (one fused reduction), NaN read as inf: a MAX all-reduce may
+    drop a NaN, never an inf. For values that travel in their own dtype: only their non-finite check needs it."""
+    if not x.numel():
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    amax = torch.linalg.vector_norm(x, float("inf")).float()
+    return torch.where(torch.isnan(amax), torch.inf, amax)
+
+
 def all_reduce_max(amax: torch.Tensor, group, async_op: bool = False):
     """MAX all-reduce of a few amaxes in place (nothing to do on one rank); the work handle when ``async_op``."""
     if dist.get_world_size(group) == 1 or not amax.numel():
@@ -115,6 +124,7 @@ def reduce_scatter_fp8(
     slices: int = 1,
     out: torch.Tensor | None = None,
     divisor: float = 1.0,
+    other_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CastStats]:
     """Sum-reduce-scatter of flat ``x`` (``world_size * chunk`` elements) through FP8 bytes.
 
@@ -128,6 +138,8 @@ def reduce_scatter_fp8(
         slices: pipeline the chunks in this many slices (the cast of one overlaps the all-to-all of another).
         out: write the result here (``chunk`` elements, contiguous, any float dtype) instead of a new fp32 tensor.
         divisor: divide the sum by this (FSDP1 takes the mean itself: ``world_size``).
+        other_amax: the :func:`local_amax` of gradients reduced beside this one in their own dtype; it rides on
+            the amaxes' MAX all-reduce (no collective of its own) and only marks ``stats.found_nonfinite``.
 
     Returns:
         ``(chunk_sum, stats)``: this rank's chunk summed over ranks, divided by ``divisor``.
@@ -146,8 +158,11 @@ def reduce_scatter_fp8(
         raise ValueError(f"reduce_scatter_fp8: out must be contiguous with {chunk} elements, got {tuple(out.shape)}")
     kernels = segment_kernels(fused)
     amax_table, plans = reduce_scatter_plan(layout, world, rank, slices, flat.device)
-    amax = torch.zeros(layout.num_groups, dtype=torch.float32, device=flat.device)
+    groups = layout.num_groups
+    amax = torch.zeros(groups + (other_amax is not None), dtype=torch.float32, device=flat.device)
     kernels.segment_amax(flat, amax_table, amax)
+    if other_amax is not None:
+        amax[groups:].copy_(other_amax.reshape(1))
     all_reduce_max(amax, group)  # every scale known (and every non-finite value seen) before any byte is sent
     n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
     common = {"margin": margin}
@@ -165,7 +180,8 @@ def reduce_scatter_fp8(
         wait(work)
         rows = received.view(world, plan.row)
         kernels.rows_sum(rows, plan.sum, amax, fp8_dtype, out.view(-1), inv_divisor=1.0 / divisor, **common)
-    return out, cast_stats(amax, n_sat, flat.numel())
+    other_found = None if other_amax is None else ~torch.isfinite(amax[groups])
+    return out, cast_stats(amax[:groups], n_sat, flat.numel(), other_found)
 
 
 # ---------------------------------------------------------------------------------------------------- all-gather

@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fp8.distributed.comm import CastStats
+from lightning_fp8.distributed.allreduce import check_amax_group
+from lightning_fp8.distributed.comm import CastStats, cast_stats, local_amax
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.formats import E5M2, check_fp8_dtype
+from lightning_fp8.recipe import MAX_MARGIN
 
 Algorithm = Literal["auto", "portable", "native"]
 _ALGORITHMS = ("auto", "portable", "native")
@@ -60,8 +62,10 @@ class FP8CommState:
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`; every gradient cast is reported to it
             (``record_gradient_cast``) and so is every non-finite check (``record_nonfinite``).
         fp8_params: the parameters whose gradients travel in FP8; the others are reduced in their own dtype.
-            ``None`` (the default): every gradient.
-        margin: binades of headroom in the cast scales (0: the amax maps into the top binade).
+            ``None`` (the default): every gradient. The tensors themselves, not their names, taken from the model
+            the hook serves: for FSDP2 after ``fully_shard``, which replaces every parameter by a sharded one.
+        margin: binades of headroom in the cast scales (0: the amax maps into the top binade; at most
+            :data:`~lightning_fp8.recipe.MAX_MARGIN`).
         fused: run the segmented Triton kernels (``kernels/comm.py``) instead of their PyTorch references.
             ``None`` (the default): on CUDA.
         slice_numel: a buffer is pipelined in slices of about this many elements (its cast and decode overlap
@@ -75,8 +79,16 @@ class FP8CommState:
             priority (``ProcessGroupNCCL.Options(is_high_priority_stream=True)``), against 5.92 ms for a bf16
             all-reduce. DDP hooks only (FSDP reduce-scatters take their amaxes on ``process_group``).
 
+    When ``torch.distributed`` is initialized, the arguments that depend on the process group (``algorithm``,
+    ``amax_group``) are checked here; otherwise at the first collective. An error raised inside a DDP comm hook
+    leaves DDP unusable (its reducer stays mid-step), so build the state after ``init_process_group``.
+
     Raises:
-        ValueError: for an unknown algorithm, a non-FP8 dtype or a negative margin.
+        ValueError: for an unknown algorithm, a non-FP8 dtype, a margin outside 0 to ``MAX_MARGIN``, and, once
+            ``torch.distributed`` is initialized, ``algorithm="native"`` on a backend other than NCCL or an
+            ``amax_group`` of other ranks than ``process_group``.
+        TypeError: for an ``fp8_params`` that is not an iterable of tensors (e.g. names or modules), and for
+            arguments of the wrong type.
     """
 
     def __init__(
@@ -97,6 +109,11 @@ class FP8CommState:
             raise ValueError(f"FP8CommState(algorithm={algorithm!r}) is not supported: choose one of {_ALGORITHMS}")
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"FP8CommState(margin={margin!r}): must be an int >= 0 (binades of headroom)")
+        if margin > MAX_MARGIN:
+            raise ValueError(
+                f"FP8CommState(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans "
+                "about 18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
+            )
         if isinstance(slice_numel, bool) or not isinstance(slice_numel, int) or slice_numel < 1:
             raise ValueError(f"FP8CommState(slice_numel={slice_numel!r}): must be an int >= 1 (elements per slice)")
         if grad_scaler is not None and not hasattr(grad_scaler, "record_gradient_cast"):
@@ -127,13 +144,17 @@ class FP8CommState:
         self.margin = margin
         self.fused = fused
         self.slice_numel = slice_numel
-        self._fp8_param_ids = None if fp8_params is None else {id(p) for p in fp8_params}
+        self._fp8_param_ids = None if fp8_params is None else _param_ids(fp8_params)
+        # DDP: whether some bucket of the first backward held one of fp8_params (see ddp._check_fp8_params).
+        self._fp8_params_seen, self._fp8_params_checked = False, fp8_params is None
         self._found: torch.Tensor | None = None  # 0-dim bool on the gradients' device
         self._extra_headroom: torch.Tensor | None = None  # native path only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         # FSDP1: parameter boundaries of each unit's flat gradient, by its size (see fsdp.enable_fp8_fsdp1).
         self._fsdp1_layouts: dict[int, SegmentLayout] = {}
         self.reductions = 0  # collectives run through this state (a Python counter: no sync)
+        if dist.is_available() and dist.is_initialized():
+            self._check_groups()
 
     def __repr__(self) -> str:
         return (
@@ -163,6 +184,17 @@ class FP8CommState:
                 f"group uses {backend!r}: use algorithm='portable' or 'auto'"
             )
         return self.algorithm
+
+    def _check_groups(self) -> None:
+        # What the hooks would raise at their first collective, raised while nothing depends on this state yet.
+        self.resolved_algorithm()
+        if self.amax_group is not None:
+            check_amax_group(self.process_group, self.amax_group)
+
+    def names_fp8_params(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether ``fp8_params`` is unset or empty, or holds one of ``params`` (e.g. a model's parameters)."""
+        ids = self._fp8_param_ids
+        return not ids or any(id(p) in ids for p in params)
 
     def use_fused(self, device: torch.device) -> bool:
         """Whether the collectives on ``device`` run the Triton kernels."""
@@ -199,6 +231,12 @@ class FP8CommState:
         if self.grad_scaler is not None:
             self.grad_scaler.record_nonfinite(found)
 
+    def record_reduced(self, x: torch.Tensor) -> None:
+        """Fold a non-finite check of ``x`` into the step flag, with no collective: ``x`` must hold the same values
+        on every rank (an all-reduced gradient, or the gradient of a single rank), so every rank agrees."""
+        amax = local_amax(x)
+        self.record(cast_stats(amax, torch.zeros((), dtype=torch.int64, device=x.device), 0))
+
     def check_step(self) -> bool:
         """True when every gradient reduced since the last call was finite on every rank; clears the flag.
 
@@ -230,3 +268,16 @@ class FP8CommState:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             yield
+
+
+def _param_ids(fp8_params: Iterable[torch.Tensor]) -> set[int]:
+    hint = "pass the parameters themselves, e.g. [m.weight for m in model.modules() if isinstance(m, FP8Linear)]"
+    if isinstance(fp8_params, (torch.Tensor, nn.Module, str)) or not isinstance(fp8_params, Iterable):
+        raise TypeError(f"FP8CommState(fp8_params=...) got a {type(fp8_params).__name__}, not an iterable of tensors: "
+                        f"{hint}")  # fmt: skip
+    params = list(fp8_params)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"FP8CommState(fp8_params=...) holds a {type(p).__name__} ({p!r:.60}) at index {i}, not a "
+                            f"tensor: {hint}")  # fmt: skip
+    return {id(p) for p in params}

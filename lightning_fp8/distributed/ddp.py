@@ -11,7 +11,8 @@
 A DDP bucket is one flat buffer holding several parameters' gradients back to back. Each parameter is its own
 scale group (boundaries from ``bucket.parameters()``); the amaxes of the whole bucket travel in one MAX
 all-reduce. Gradients of parameters outside ``FP8CommState(fp8_params=...)`` are averaged in their own dtype
-by one all-reduce per bucket.
+by one all-reduce per bucket; every rank then holds the same sum, so a local check of it sets the step's
+non-finite flag alike everywhere, without a collective of its own.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects
@@ -20,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_native
-from lightning_fp8.distributed.comm import CastStats
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.warnings import warn_once
@@ -49,9 +49,11 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
             "ddp.register_comm_hook(FP8CommState(), fp8_allreduce_hook)"
         )
     buffer = bucket.buffer()
+    if not state._fp8_params_checked:
+        _check_fp8_params(state, bucket)
     with state.side_stream(buffer.device):
         if dist.get_world_size(state.process_group) == 1:
-            _record_local(state, buffer)
+            state.record_reduced(buffer)  # one rank: nothing to send, but the step must know of a non-finite value
         else:
             _reduce_bucket(state, buffer, bucket.parameters())
         future: torch.futures.Future[torch.Tensor] = (
@@ -61,11 +63,20 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     return future
 
 
-def _record_local(state: FP8CommState, buffer: torch.Tensor) -> None:
-    # One rank: nothing to send, but the step must still know about a non-finite gradient.
-    amax = torch.linalg.vector_norm(buffer, float("inf")).float()
-    amax = torch.where(torch.isnan(amax), torch.inf, amax)
-    state.record(CastStats(amax, torch.zeros((), dtype=torch.int64, device=buffer.device), 0, ~torch.isfinite(amax)))
+def _check_fp8_params(state: FP8CommState, bucket: dist.GradBucket) -> None:
+    # fp8_params that name no parameter of the model (tensors of another model, or of the model before it was
+    # replaced) would send every gradient in its own dtype without a word. The first backward shows every bucket
+    # once; a warning, not an error: an exception inside the hook would leave DDP's reducer mid-step.
+    state._fp8_params_seen |= state.names_fp8_params(bucket.parameters())
+    if not bucket.is_last():
+        return
+    state._fp8_params_checked = True
+    if not state._fp8_params_seen:
+        warn_once(
+            f"fp8_allreduce_hook: none of the {len(state._fp8_param_ids)} tensors in FP8CommState(fp8_params=...) is a "
+            "parameter of this DDP model, so every gradient was reduced in its own dtype; pass the model's own "
+            "parameters, e.g. [m.weight for m in ddp.module.modules() if isinstance(m, FP8Linear)]"
+        )
 
 
 def _param_numels(buffer: torch.Tensor, params: list) -> list:
@@ -93,10 +104,12 @@ def _reduce_bucket(state: FP8CommState, buffer: torch.Tensor, params: list) -> N
         packed = torch.cat(fp8_views)
         _reduce_fp8(state, packed, SegmentLayout.per_tensor([v.numel() for v in fp8_views]))
         torch._foreach_copy_(fp8_views, list(packed.split([v.numel() for v in fp8_views])))
-    # The high-precision rest: one all-reduce in the bucket's own dtype, then the mean.
+    # The high-precision rest: one all-reduce in the bucket's own dtype, then the mean, checked where it is the same
+    # on every rank (a NaN or inf of any rank's gradient reaches the sum).
     packed = torch.cat(other_views)
     dist.all_reduce(packed, group=state.process_group)
     packed.div_(dist.get_world_size(state.process_group))
+    state.record_reduced(packed)
     torch._foreach_copy_(other_views, list(packed.split([v.numel() for v in other_views])))
 
 

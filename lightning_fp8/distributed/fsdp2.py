@@ -29,13 +29,13 @@ all-gather to FSDP's default, with a warning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fp8.distributed.comm import all_reduce_max, reduce_scatter_fp8
+from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
@@ -69,14 +69,22 @@ def _shard_numel(fsdp_param) -> int:
 class FP8ReduceScatter(ReduceScatter):
     """FSDP2 reduce-scatter of gradients through FP8 (sum; FSDP divides by the world size).
 
+    Gradients outside ``state.fp8_params`` are reduce-scattered in their own dtype; their non-finite check rides
+    on the FP8 gradients' amax all-reduce (or, in a module without FP8 gradients, on a MAX all-reduce of one
+    value), so every rank of the shard group agrees on the step.
+
     Args:
         state: the communication state (dtype, margin, grad scaler, ``fp8_params``, step flag).
         param_group: the FSDP parameter group whose gradients this comm reduces.
+        replicate_group: HSDP only: the group FSDP all-reduces the reduced shards over afterwards, in their own
+            dtype and outside this comm; the step's non-finite flag is MAX-reduced over it as well (one value),
+            so that every rank of the mesh agrees.
     """
 
-    def __init__(self, state: FP8CommState, param_group) -> None:
+    def __init__(self, state: FP8CommState, param_group, replicate_group: dist.ProcessGroup | None = None) -> None:
         self.state = state
         self.param_group = param_group
+        self.replicate_group = replicate_group
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -107,26 +115,25 @@ class FP8ReduceScatter(ReduceScatter):
         if not params or all(fp8):
             layout = SegmentLayout.rows(world, columns) if params else SegmentLayout.blocks(world * chunk,
                                                                                              _FALLBACK_BLOCK)
-            self._fp8(input_tensor.view(-1), layout, group, out, divide)
-            return None
-        if not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head): no FP8 weight
-            _reduce_scatter(out, input_tensor.view(-1), group)
-            out.div_(divide)
-            return None
-        self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
+            _, stats = self._fp8(input_tensor.view(-1), layout, group, out, divide)
+        elif not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head): no FP8 weight
+            stats = _reduce_scatter_high_precision(out, input_tensor.view(-1), group, divide)
+        else:
+            stats = self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
+        self._record(stats)
         return None
 
-    def _fp8(self, flat: torch.Tensor, layout: SegmentLayout, group, out, divide: float) -> torch.Tensor:
+    def _fp8(self, flat: torch.Tensor, layout: SegmentLayout, group, out, divide: float,
+             other_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, CastStats]:  # fmt: skip
         state = self.state
-        result, stats = reduce_scatter_fp8(
+        return reduce_scatter_fp8(
             flat, layout, group, state.fp8_dtype, margin=state.margin, fused=state.use_fused(flat.device),
-            slices=state.slices(flat.numel()), out=out, divisor=divide,
+            slices=state.slices(flat.numel()), out=out, divisor=divide, other_amax=other_amax,
         )  # fmt: skip
-        state.record(stats)
-        return result
 
-    def _mixed(self, out, rows, columns, fp8, group, divide) -> None:
-        # FP8 columns go through FP8; the others through one reduce-scatter in their own dtype.
+    def _mixed(self, out, rows, columns, fp8, group, divide) -> CastStats:
+        # FP8 columns go through FP8; the others through one reduce-scatter in their own dtype, their local amax
+        # riding on the FP8 columns' amax all-reduce.
         world = rows.shape[0]
         starts = [sum(columns[:i]) for i in range(len(columns))]
         blocks = [rows[:, s : s + n] for s, n in zip(starts, columns, strict=True)]
@@ -134,9 +141,10 @@ class FP8ReduceScatter(ReduceScatter):
         other_blocks = [b for b, m in zip(blocks, fp8, strict=True) if not m]
         fp8_cols = [b.shape[1] for b in fp8_blocks]
         other_cols = [b.shape[1] for b in other_blocks]
-        fp8_in = torch.cat(fp8_blocks, dim=1).reshape(-1)
-        fp8_out = self._fp8(fp8_in, SegmentLayout.rows(world, fp8_cols), group, None, divide)
         other_in = torch.cat(other_blocks, dim=1).reshape(-1)
+        fp8_in = torch.cat(fp8_blocks, dim=1).reshape(-1)
+        layout = SegmentLayout.rows(world, fp8_cols)
+        fp8_out, stats = self._fp8(fp8_in, layout, group, None, divide, other_amax=local_amax(other_in))
         other_out = other_in.new_empty(sum(other_cols))
         _reduce_scatter(other_out, other_in, group)
         other_out.div_(divide)
@@ -144,6 +152,24 @@ class FP8ReduceScatter(ReduceScatter):
         other_parts = iter(other_out.split(other_cols))
         for s, n, m in zip(starts, columns, fp8, strict=True):
             out[s : s + n].copy_(next(fp8_parts) if m else next(other_parts))
+        return stats
+
+    def _record(self, stats: CastStats) -> None:
+        if self.replicate_group is not None:
+            found = stats.found_nonfinite.float()  # MAX all-reduce: any replica's flag
+            all_reduce_max(found, self.replicate_group)
+            stats = replace(stats, found_nonfinite=found > 0)
+        self.state.record(stats)
+
+
+def _reduce_scatter_high_precision(out: torch.Tensor, flat: torch.Tensor, group, divide: float) -> CastStats:
+    # Each rank receives a different shard, so a local check of the result would not agree across ranks: the
+    # flag travels in a MAX all-reduce of this rank's amax instead (one value, beside the data).
+    amax = local_amax(flat)
+    all_reduce_max(amax, group)
+    _reduce_scatter(out, flat, group)
+    out.div_(divide)
+    return cast_stats(amax, torch.zeros((), dtype=torch.int64, device=flat.device), 0)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
@@ -280,7 +306,13 @@ def enable_fp8_fsdp2(
     Call after ``fully_shard`` has been applied (to ``model`` and any submodules) and before the first forward
     and before creating :class:`~lightning_fp8.FP8AdamW`: ``fully_shard`` replaces every parameter with a sharded
     one, and this marks the new FP8Linear weights again, so that ``FP8AdamW(model.parameters())`` gives them their
-    low-precision states without ``fp8_params``.
+    low-precision states without ``fp8_params``. For the same reason, take ``FP8CommState(fp8_params=...)`` from
+    the sharded model.
+
+    Every rank agrees on ``state.check_step()``: with HSDP (a 2-D replicate x shard mesh) the step's flag is also
+    reduced over the replicas (one value per module and step). Where the shard group has one rank (one process,
+    or HSDP with a shard size of 1), FSDP runs no reduce-scatter; the gradients are checked in FSDP's all-reduce
+    hook instead (``set_all_reduce_hook``: do not set another one on these modules).
 
     Args:
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
@@ -294,6 +326,9 @@ def enable_fp8_fsdp2(
 
     Raises:
         TypeError: if no module of ``model`` was wrapped by ``fully_shard``.
+        ValueError: if ``state.fp8_params`` holds none of ``model``'s parameters (e.g. taken before ``fully_shard``),
+            or if ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the layers of a sharded
+            model.
         RuntimeError: if this torch's FSDP2 has no custom-collective hooks (torch < 2.8).
     """
     from torch.distributed.fsdp import FSDPModule
@@ -310,6 +345,7 @@ def enable_fp8_fsdp2(
             f"this is torch {torch.__version__}"
         )
     state = state if state is not None else FP8CommState()
+    _check_state(model, state)
     for module in model.modules():
         if isinstance(module, FP8Linear):
             setattr(module.weight, master.MARKER, True)
@@ -324,10 +360,38 @@ def enable_fp8_fsdp2(
                 "mesh); FSDP's custom collectives need one group per module"
             )
         if reduce_scatter:
-            module.set_custom_reduce_scatter(FP8ReduceScatter(state, groups[0]))
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
+            _install_reduce_scatter(module, groups[0], state)
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
             fused = state.use_fused(groups[0].fsdp_params[0].sharded_param.device)
             module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, fused))
     return state
+
+
+def _check_state(model: nn.Module, state: FP8CommState) -> None:
+    # Both checked before anything is changed.
+    if not state.names_fp8_params(model.parameters()):
+        raise ValueError(
+            f"enable_fp8_fsdp2: none of the {len(state._fp8_param_ids)} tensors in FP8CommState(fp8_params=...) is a "
+            f"parameter of {type(model).__name__}; fully_shard replaces every parameter by a sharded one, so build "
+            "the state after fully_shard: FP8CommState(fp8_params=[m.weight for m in model.modules() if "
+            "isinstance(m, FP8Linear)])"
+        )
+    if getattr(state.grad_scaler, "nonfinite_fallback", None) == "bf16":
+        raise ValueError(
+            "enable_fp8_fsdp2: FP8CommState(grad_scaler=...) has nonfinite_fallback='bf16', which puts layers back to "
+            "nn.Linear by replacing the modules; FSDP2 keeps references to the modules it shards, so it cannot do that "
+            "here: use nonfinite_fallback='lower_lr', a callable, or None"
+        )
+
+
+def _install_reduce_scatter(module: nn.Module, param_group, state: FP8CommState) -> None:
+    mesh_info = param_group.mesh_info
+    if getattr(mesh_info, "shard_mesh_size", 1) == 1:
+        # FSDP skips the reduce-scatter of a one-rank shard group, so the comm below would never see a gradient.
+        # Its all-reduce hook sees the result instead, the same on every replica (after HSDP's all-reduce, if any):
+        # a local check agrees everywhere.
+        module.set_all_reduce_hook(state.record_reduced)
+    replicate_group = getattr(mesh_info, "replicate_process_group", None)
+    module.set_custom_reduce_scatter(FP8ReduceScatter(state, param_group, replicate_group))
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)

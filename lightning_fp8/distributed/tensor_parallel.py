@@ -257,10 +257,29 @@ def _split_sequence_before(block: nn.Module, mesh: DeviceMesh, seq_dim: int) -> 
                 f"{type(block).__name__} must receive the hidden states as its first positional argument "
                 "for sequence parallelism (apply_fp8_tensor_parallel)"
             )
+        _check_sequence_length(args[0], mesh.size(), seq_dim, type(block).__name__)
         x = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
         return (x.redistribute(mesh, [Shard(seq_dim)]).to_local(), *args[1:])
 
     block.register_forward_pre_hook(hook)
+
+
+def _check_sequence_length(x: torch.Tensor, tp_size: int, seq_dim: int, block: str) -> None:
+    # The hidden states are replicated here, the same shape on every rank: every rank raises, before any collective.
+    # Uneven shards would reach the FP8 all-gathers (equal chunks per rank) and hang or abort the process group.
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(
+            f"apply_fp8_tensor_parallel(seq_dim={seq_dim}): the hidden states entering {block} have shape "
+            f"{tuple(x.shape)}, without a dim {seq_dim}; pass the sequence dimension of the hidden states"
+        )
+    length = x.shape[seq_dim]
+    if length % tp_size:
+        raise ValueError(
+            f"apply_fp8_tensor_parallel(sequence_parallel=True): the hidden states entering {block} have shape "
+            f"{tuple(x.shape)}, a sequence length (dim {seq_dim}) of {length}, which does not split evenly over the "
+            f"{tp_size} tensor-parallel ranks; pad the sequence to a multiple of {tp_size} "
+            f"(e.g. {-(-length // tp_size) * tp_size}), or use sequence_parallel=False"
+        )
 
 
 def _gather_sequence_after(block: nn.Module, mesh: DeviceMesh, seq_dim: int) -> None:
@@ -302,7 +321,9 @@ def apply_fp8_tensor_parallel(
         tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]`` of a 2-D data x tensor mesh).
         plan: ``"gpt"`` (:data:`GPT_PLAN`), ``"llama"`` (:data:`LLAMA_PLAN`) or a mapping from submodule name
             inside a block to ``"colwise"``, ``"rowwise"`` or ``"norm"``.
-        sequence_parallel: shard activations between the projections on ``seq_dim`` (Megatron-SP).
+        sequence_parallel: shard activations between the projections on ``seq_dim`` (Megatron-SP). The sequence
+            length must then be a multiple of the tensor-parallel size: the first block's forward raises a
+            ``ValueError`` on every rank otherwise (pad the sequence).
         seq_dim: the sequence dimension of the hidden states (1 for ``(batch, seq, features)``).
         fp8_comm: FP8 in the sequence-parallel all-gathers and reduce-scatters (False: activation dtype).
         amax_sync: sync the delayed-scaling amaxes of ``module`` once per forward in one collective

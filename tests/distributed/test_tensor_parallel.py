@@ -147,7 +147,8 @@ def _gather_all(t: torch.Tensor) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------- one spawn for the 2-rank checks
 def _two_rank_worker(rank: int, world: int, checkpoint_dir: str) -> dict:
     parts: dict[str, Callable[[], object]] = {f"parity:{case}": partial(_parity, case) for case in PARITY_CASES}
-    parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync}
+    parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync,
+              "uneven_sequence": _uneven_sequence}  # fmt: skip
     reports = {}
     for name, part in parts.items():  # one failing part must not hide the others' results
         try:
@@ -461,6 +462,32 @@ def _train_2d_worker(rank: int, world: int, dp: int, steps: int) -> dict:
 
 def _all_equal(t: torch.Tensor) -> bool:
     return all(torch.equal(x, t) for x in _gather_all(t))
+
+
+def _uneven_sequence() -> dict:
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+
+    block, _, _ = _block_and_references()
+    apply_fp8_tensor_parallel(block, _tp_mesh(), plan="gpt", sequence_parallel=True)
+    out = {}
+    for seq in (7, 1, 8):  # lengths that do not split over the 2 ranks, then one that does: the group still works
+        x = torch.randn(BATCH, seq, D, generator=torch.Generator().manual_seed(0))
+        try:
+            block(x).square().mean().backward()
+            out[seq] = "no error"
+        except ValueError as e:
+            out[seq] = str(e)
+    return out
+
+
+def test_sequence_parallel_refuses_an_uneven_sequence_on_every_rank(two_ranks):
+    """Sharding 7 tokens over 2 ranks would reach the FP8 all-gathers unevenly (a gloo abort): every rank raises
+    first, saying what to pad to."""
+    for lengths in _reports(two_ranks, "uneven_sequence"):
+        for seq, fix in ((7, 8), (1, 2)):
+            assert lengths[seq].startswith("apply_fp8_tensor_parallel(sequence_parallel=True)"), lengths[seq]
+            assert f"sequence length (dim 1) of {seq}" in lengths[seq] and f"(e.g. {fix})" in lengths[seq]
+        assert lengths[8] == "no error"
 
 
 def test_2d_mesh_trains_gpt():

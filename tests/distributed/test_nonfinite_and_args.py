@@ -1,0 +1,351 @@
+"""Non-finite gradients seen on every rank whatever their path, and arguments refused before they can do harm.
+
+- A NaN in a gradient reduced in its own dtype (outside ``fp8_params``), on a one-rank FSDP2 shard group, or in
+  HSDP: ``check_step()`` is False on every rank.
+- Arguments that the hooks could only trip over mid-backward (a backend without FP8 sums, fp8_params that name
+  nothing, a margin past the formats' range, the bf16 fallback of a sharded model) raise where they are given,
+  with what to do. (A sequence that does not split over the tensor-parallel ranks: test_tensor_parallel.py.)
+
+The multi-process scenarios run in the shared spawns of ``conftest.py`` (worlds 1, 2 and 4); each part reports its
+own error, so that one failing part does not hide the others' results.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.distributed import FP8CommState
+from tests.distributed import tolerances as tol
+from tests.numerics import sqnr
+
+
+class _Vec(nn.Module):
+    """``<p, c>``: the gradient of ``p`` is the coefficient ``c`` itself, NaN where it is NaN."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(n))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.p * c).sum()
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.b = _Vec(64), _Vec(8)  # w: the FP8 gradient; b: one in its own dtype
+
+    def forward(self, cw: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+        return self.w(cw) + self.b(cb)
+
+
+def _coefficients(rank: int, nan_rank: int | None, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh coefficients per rank; a NaN in ``where`` (``"w"`` or ``"b"``) on ``nan_rank`` only."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    cw, cb = torch.randn(64, generator=gen), torch.randn(8, generator=gen)
+    if rank == nan_rank:
+        (cw if where == "w" else cb)[5] = math.nan
+    return cw, cb
+
+
+def _fsdp2_steps(rank: int, shard, fp8_params, cases, mesh=None) -> dict:
+    """``check_step()`` after one backward per case ``(nan_rank, where)``; ``shard(model, mesh)`` wraps the model."""
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    out = {}
+    for nan_rank, where in cases:
+        model = _Pair()
+        shard(model, mesh)
+        state = enable_fp8_fsdp2(model, FP8CommState(fp8_params=fp8_params(model)))
+        model(*_coefficients(rank, nan_rank, where)).backward()
+        out[(nan_rank, where)] = state.check_step()
+    return out
+
+
+def _shard_both(model: nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)  # one unit holding w and b: FP8 and own-dtype gradients mixed
+
+
+def _shard_apart(model: nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.w, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root unit holds only b: no FP8 gradient in it
+
+
+def _fp8_model(shard: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+    if shard:
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+    return model
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _run_parts(parts: dict[str, Callable[[], object]]) -> dict:
+    reports = {}
+    for name, part in parts.items():  # one failing part must not hide the others' results
+        try:
+            reports[name] = ("ok", part())
+        except Exception:
+            reports[name] = ("error", traceback.format_exc())
+    return reports
+
+
+def _part(results: list[dict], name: str) -> list:
+    """Every rank's result of one part; fails the test with a rank's traceback where that part raised."""
+    for rank, reports in enumerate(results):
+        status, value = reports[name]
+        if status == "error":
+            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
+    return [reports[name][1] for reports in results]
+
+
+# ------------------------------------------------------------------------------------------------------- one rank
+def _sharded_model_refuses_bf16_fallback(rank: int) -> dict:
+    from lightning_fp8 import FP8GradScaler, FP8Linear, recovery
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    model = _fp8_model(shard=True)
+    scaler = FP8GradScaler(nonfinite_fallback="bf16", model=model)
+    up_front = _error(lambda: enable_fp8_fsdp2(model, FP8CommState(grad_scaler=scaler)))
+    enable_fp8_fsdp2(model)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    model[0].fp8_scaling["grad_output"].amax.fill_(math.inf)  # blames layer 0, as a non-finite gradient would
+    at_fallback = _error(lambda: recovery.fallback_to_high_precision(model, None))
+    return {
+        "up_front": up_front,
+        "at_fallback": at_fallback,
+        "unchanged": isinstance(model[0], FP8Linear),
+        "still_runs": bool(torch.isfinite(model(x)).all()),
+    }
+
+
+def _fp8_params_before_fully_shard() -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8 import FP8Linear
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    model = _fp8_model(shard=False)
+    before_shard = [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
+    for layer in (model[0], model[2], model):  # the same model, sharded after its weights were collected
+        fully_shard(layer)
+    return _error(lambda: enable_fp8_fsdp2(model, FP8CommState(fp8_params=before_shard)))
+
+
+def _worker1(rank: int, world: int) -> dict:
+    return _run_parts({
+        # FSDP runs no reduce-scatter on one rank: the gradients are checked in its all-reduce hook.
+        "fsdp2": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], [(None, "w"), (0, "w"), (0, "b")]),
+        "native_on_gloo": lambda: _error(lambda: FP8CommState(algorithm="native")),
+        "fp8_params_before_fully_shard": _fp8_params_before_fully_shard,
+        "fallback": lambda: _sharded_model_refuses_bf16_fallback(rank),
+    })  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ two ranks
+def _ddp_steps(rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_fp8.distributed import fp8_allreduce_hook
+
+    out = {}
+    for nan_rank, where in [(None, "b"), (1, "b"), (1, "w")]:
+        model = _Pair()
+        ddp = DDP(model)  # one bucket: w in FP8, b all-reduced in fp32
+        state = FP8CommState(fp8_params=[model.w.p])
+        ddp.register_comm_hook(state, fp8_allreduce_hook)
+        ddp(*_coefficients(rank, nan_rank, where)).backward()
+        out[(nan_rank, where)] = state.check_step()
+    return out
+
+
+def _ddp_fp8_params_of_another_model(rank: int) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_fp8.distributed import fp8_allreduce_hook
+
+    other = _Pair()
+    seen = []
+    for fp8_params in ([other.w.p], None):  # then the model's own: no warning
+        model = _Pair()
+        ddp = DDP(model)
+        ddp.register_comm_hook(FP8CommState(fp8_params=fp8_params or [model.w.p]), fp8_allreduce_hook)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # checked in the first backward only
+                ddp(*_coefficients(rank, None, "w")).backward()
+        seen.append([str(w.message) for w in caught if "fp8_params" in str(w.message)])
+    return seen
+
+
+def _worker2(rank: int, world: int) -> dict:
+    cases = [(None, "b"), (1, "b")]
+    return _run_parts({
+        "ddp": lambda: _ddp_steps(rank),
+        "fsdp2_mixed_unit": lambda: _fsdp2_steps(rank, _shard_both, lambda m: [m.w.p], cases),
+        "fsdp2_unit_without_fp8": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases),
+        "ddp_fp8_params_warning": lambda: _ddp_fp8_params_of_another_model(rank),
+    })  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- four ranks
+def _hsdp_gradients(rank: int, world: int, mesh) -> dict:
+    """The reduced gradients of HSDP with FP8 reduce-scatters, against the fp32 mean over all ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    cw, cb = _coefficients(rank, None, "w")
+    mean_w, mean_b = cw.clone(), cb.clone()
+    for t in (mean_w, mean_b):
+        dist.all_reduce(t)
+        t /= world
+    model = _Pair()
+    fully_shard(model.w, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    enable_fp8_fsdp2(model, FP8CommState(fp8_params=[model.w.p]))
+    model(cw, cb).backward()
+    w, b = model.w.p.grad.full_tensor(), model.b.p.grad.full_tensor()
+    return {"w_sqnr": sqnr(w, mean_w), "b_exact": torch.allclose(b, mean_b, rtol=1e-6, atol=0)}
+
+
+def _worker4(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replicas = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    cases = [(None, "w"), (3, "w"), (3, "b")]
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 pass it as an amax group of 4 ranks
+    return _run_parts({
+        "hsdp": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases, hsdp),
+        "hsdp_mixed_unit": lambda: _fsdp2_steps(rank, _shard_both, lambda m: [m.w.p], cases, hsdp),
+        "hsdp_one_shard": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases, replicas),
+        "hsdp_gradients": lambda: _hsdp_gradients(rank, world, hsdp),
+        "amax_group_of_other_ranks": lambda: _error(lambda: FP8CommState(amax_group=pair)) if rank < 2 else None,
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one(spawned):
+    return spawned(1, "test_nonfinite_and_args", "_worker1")
+
+
+@pytest.fixture(scope="module")
+def two(spawned):
+    return spawned(2, "test_nonfinite_and_args", "_worker2")
+
+
+@pytest.fixture(scope="module")
+def four(spawned):
+    return spawned(4, "test_nonfinite_and_args", "_worker4")
+
+
+# ---------------------------------------------------------------------------------------------- non-finite flags
+@pytest.mark.slow
+def test_ddp_flags_a_nan_in_a_gradient_reduced_in_its_own_dtype(two):
+    for r in _part(two, "ddp"):
+        assert r == {(None, "b"): True, (1, "b"): False, (1, "w"): False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unit", ["fsdp2_mixed_unit", "fsdp2_unit_without_fp8"])
+def test_fsdp2_flags_a_nan_in_a_gradient_reduced_in_its_own_dtype(two, unit):
+    for r in _part(two, unit):
+        assert r == {(None, "b"): True, (1, "b"): False}
+
+
+@pytest.mark.slow
+def test_fsdp2_on_one_rank_flags_a_nan(one):
+    assert _part(one, "fsdp2")[0] == {(None, "w"): True, (0, "w"): False, (0, "b"): False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["hsdp", "hsdp_mixed_unit", "hsdp_one_shard"])
+def test_hsdp_every_rank_agrees_on_a_nan_of_one_rank(four, case):
+    """A NaN on rank 3 of a (2 replicas x 2 shards) mesh: ranks 0 and 1 share no shard group with it."""
+    for r in _part(four, case):
+        assert r == {(None, "w"): True, (3, "w"): False, (3, "b"): False}
+
+
+@pytest.mark.slow
+def test_hsdp_fp8_reduce_scatter_gives_the_mean_over_the_mesh(four):
+    for grads in _part(four, "hsdp_gradients"):
+        assert grads["w_sqnr"] >= tol.REDUCE_SCATTER_E5M2_SQNR_DB and grads["b_exact"], grads
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+def test_comm_state_margin_is_bounded_like_the_recipe():
+    from lightning_fp8.recipe import MAX_MARGIN
+
+    assert FP8CommState(margin=MAX_MARGIN).margin == MAX_MARGIN
+    with pytest.raises(ValueError, match=f"margin={MAX_MARGIN + 1}\\) must be <= {MAX_MARGIN}"):
+        FP8CommState(margin=MAX_MARGIN + 1)
+
+
+@pytest.mark.parametrize(
+    ("fp8_params", "what"),
+    [(["0.weight"], "holds a str"), (nn.Sequential(nn.Linear(2, 2)), "got a Sequential"),
+     (torch.zeros(3), "got a Tensor"), (5, "got a int"), ([nn.Linear(2, 2)], "holds a Linear")],
+)  # fmt: skip
+def test_comm_state_fp8_params_must_be_tensors(fp8_params, what):
+    with pytest.raises(TypeError, match=f"fp8_params=...\\) {what}.*pass the parameters themselves"):
+        FP8CommState(fp8_params=fp8_params)
+
+
+@pytest.mark.slow
+def test_native_algorithm_on_gloo_is_refused_at_construction(one):
+    assert _part(one, "native_on_gloo")[0].startswith("ValueError: FP8CommState(algorithm='native') needs the NCCL")
+
+
+@pytest.mark.slow
+def test_amax_group_of_other_ranks_is_refused_at_construction(four):
+    for message in _part(four, "amax_group_of_other_ranks")[:2]:
+        assert message.startswith("ValueError:") and "amax_group has ranks [0, 1]" in message
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_fp8_params_taken_before_fully_shard(one):
+    message = _part(one, "fp8_params_before_fully_shard")[0]
+    assert message.startswith("ValueError: enable_fp8_fsdp2: none of the 2 tensors") and "after fully_shard" in message
+
+
+@pytest.mark.slow
+def test_ddp_warns_when_fp8_params_name_no_parameter_of_the_model(two):
+    (other_model, own), rank1 = _part(two, "ddp_fp8_params_warning")
+    assert len(other_model) == 1 and "none of the 1 tensors" in other_model[0]  # once, on rank 0
+    assert own == [] and rank1 == [[], []]
+
+
+@pytest.mark.slow
+def test_bf16_fallback_is_refused_for_a_sharded_model_before_changing_it(one):
+    fallback = _part(one, "fallback")[0]
+    assert fallback["up_front"].startswith("ValueError: enable_fp8_fsdp2: FP8CommState(grad_scaler=...) has "
+                                           "nonfinite_fallback='bf16'")  # fmt: skip
+    assert fallback["at_fallback"].startswith("ValueError: FP8GradScaler(nonfinite_fallback='bf16') cannot put '0'")
+    assert fallback["unchanged"] and fallback["still_runs"]
