@@ -177,7 +177,10 @@ class FP8AdamW(torch.optim.Optimizer):
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
+        self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
         super().__init__(params, defaults)
+        adopting, self._adopting = self._adopting, None
+        self._adopt_all(adopting)
 
     # -------------------------------------------------------------------------------------------- param handling
     @override
@@ -195,14 +198,34 @@ class FP8AdamW(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        for p in group["params"]:
-            if self._wants_low_precision(p):
-                self._adopt(p)
+        wanted = [p for p in group["params"] if self._wants_low_precision(p)]
+        adopting = getattr(self, "_adopting", None)  # a list while the constructor runs
+        if adopting is not None:
+            adopting.extend(wanted)
+            return
+        try:
+            self._adopt_all(wanted)
+        except RuntimeError:
+            self.param_groups.pop()
+            raise
 
     def _wants_low_precision(self, p: torch.Tensor) -> bool:
         if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:
             return (self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 3
         return self.low_precision_moments == "all" and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 2
+
+    def _takes_storage(self, p: torch.Tensor) -> bool:
+        """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype."""
+        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p) and p.requires_grad
+        return shareable and master.master_scale(p) is None and p.dtype != self.master_dtype
+
+    def _adopt_all(self, params: list[torch.Tensor]) -> None:
+        """:meth:`_adopt` each of ``params``, once all are known to take it (else RuntimeError, nothing changed)."""
+        for p in params:
+            if self._takes_storage(p):
+                master.check_adoptable(p)  # under DDP's hooks: raise before any weight changes
+        for p in params:
+            self._adopt(p)
 
     def _adopt(self, p: torch.Tensor) -> None:
         """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master."""
@@ -215,8 +238,7 @@ class FP8AdamW(torch.optim.Optimizer):
         if not (master.is_fp8_weight(p) or id(p) in self._extra_fp8_params):
             self._moments_only.add(p)  # low_precision_moments="all": only the moments
             return
-        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p) and p.requires_grad
-        if shareable and master.master_scale(p) is None and p.dtype != self.master_dtype:
+        if self._takes_storage(p):
             master.adopt(p, self.master_dtype)
         if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
             self._register_grad_hook(p)
@@ -442,19 +464,24 @@ class FP8AdamW(torch.optim.Optimizer):
 
         An adopted weight's master (its parameter's storage) is included as ``"master"``, so the optimizer state
         alone restores it. For a sharded (DTensor) parameter, each 0-dim scale and amax (of this rank's shard) is
-        exported as a DTensor with one element per shard, so that torch.distributed.checkpoint keeps every rank's.
-        Loads with ``torch.load(weights_only=True)``.
+        exported as a DTensor sharded like the parameter with one element per row of its sharded dimension (shape
+        ``(rows, 1)`` under FSDP2), so that torch.distributed.checkpoint keeps every rank's and reshards them on
+        another number of ranks (:mod:`~lightning_fp8.optim.checkpoint`). Loads with ``torch.load(weights_only=True)``.
         """
         self._grad_casts.flush(self)
         return checkpoint.shard_scalars(self, checkpoint.with_masters(self, super().state_dict()))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of FP8AdamW (any level) or of ``torch.optim.AdamW`` (converted: the master stays the
-        parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales).
+        """Load a state dict of FP8AdamW (any level, sharded or not) or of ``torch.optim.AdamW`` (converted: the master
+        stays the parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales).
+
+        Everything is checked before anything is loaded: on an error, the optimizer and the weights are unchanged.
 
         Raises:
-            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``).
+            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``), or a state does not fit
+                its parameter (wrong shape or dtype, missing entries, a scale or amax of the wrong shape or value, a
+                bad step); the message names the parameter's index and the entry, and what to do.
         """
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)

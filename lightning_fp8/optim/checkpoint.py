@@ -5,9 +5,18 @@ is a 0-dim fp32 tensor. Low-precision states are ``key`` (fp16/FP8 storage, ``x 
 and ``key_amax`` for ``key`` in ``master``, ``exp_avg``, ``exp_avg_sq``; other parameters have exactly the
 keys of ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq`` in fp32).
 
-Loading is by value: each saved state is dequantized to fp32 and stored in this optimizer's dtypes with a
-fresh scale, except where dtype and scale already match, which copies the bits (a resumed run continues
-bit-identically). So a ``torch.optim.AdamW`` state dict, an O1 one and an O2 one all load anywhere.
+Sharded (DTensor) parameters: each rank's shard of a state has its own scale and amax. The state dict spreads them
+over the tensor dimension the parameter is sharded on: a DTensor sharded like the parameter, of the parameter's size
+on that dimension and 1 on the others (``(rows, 1)`` under FSDP2), whose every element is the number of the shard
+holding that row. Its shape does not depend on the number of ranks, so torch.distributed.checkpoint and full state
+dicts reshard it with the states, and ``stored / scale`` (broadcast) is the state's value wherever it lands. A
+parameter sharded on several dimensions (FSDP2 over row-parallel tensor parallelism) would need a number per
+element: its scales are exported one per rank, which reloads only on the mesh that saved it.
+
+Loading is by value: each saved state is dequantized to fp32 and stored in this optimizer's dtypes with a fresh
+scale, except where dtype and scale already match (one scale for all of this rank's values), which copies the bits
+(a resumed run continues bit-identically). So a ``torch.optim.AdamW`` state dict, an O1 one and an O2 one all load
+anywhere. Everything is checked before anything is loaded: a bad checkpoint raises and changes nothing.
 """
 
 from __future__ import annotations
@@ -26,15 +35,22 @@ if TYPE_CHECKING:
     from lightning_fp8.optim.adamw import FP8AdamW
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
+_ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.AdamW's: a state has all of them or none
+_FIX = "the checkpoint is corrupt or was written for another model"
 
 
 def dequantize(state: dict[str, Any], key: str) -> torch.Tensor:
-    """``state[key]`` as fp32, unscaled."""
-    x = state[key].detach().float()
+    """``state[key]`` as fp32, unscaled: ``stored / scale``, the scale 0-dim or broadcast (see the module docstring).
+
+    A DTensor state gives a DTensor sharded the same way (each shard divided by its own scale).
+    """
+    value = state[key]
+    x = shards.local(value).detach().float()
     scale = state.get(f"{key}_scale")
-    if scale is not None and state[key].dtype in SCALED_STATE_MAX:
-        x = x / scale.to(x.device)
-    return x
+    if scale is not None and value.dtype in SCALED_STATE_MAX:
+        scale = shards.local(scale)
+        x = x / (scale.reshape(()) if scale.numel() == 1 else scale).to(x.device)
+    return shards.like(value, x)
 
 
 def quantize(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,6 +73,7 @@ def _param_order(opt: FP8AdamW) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
+# ------------------------------------------------------------------------------------------------------------ saving
 def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Add ``"master"`` (the parameter's own storage) for adopted weights, without touching ``opt.state``."""
     packed = dict(state_dict["state"])
@@ -67,7 +84,7 @@ def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def shard_scalars(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Export the 0-dim scales and amaxes of sharded (DTensor) parameters as DTensors of one element per shard.
+    """Export the 0-dim scales and amaxes of sharded (DTensor) parameters as DTensors (see the module docstring).
 
     They belong to this rank's shard; as plain tensors, torch.distributed.checkpoint would take them for
     replicated values and save (and load on every rank) one rank's only.
@@ -76,7 +93,7 @@ def shard_scalars(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
     for index, p in enumerate(_param_order(opt)):
         if index in packed and shards.is_dtensor(p):
             packed[index] = {
-                key: _per_shard(value, p) if _is_shard_scalar(key, value) else value
+                key: _export_scalar(value, p) if _is_shard_scalar(key, value) else value
                 for key, value in packed[index].items()
             }
     return {**state_dict, "state": packed}
@@ -86,87 +103,200 @@ def _is_shard_scalar(key: str, value: Any) -> bool:
     return key.endswith(("_scale", "_amax")) and isinstance(value, torch.Tensor) and value.dim() == 0
 
 
-def _per_shard(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _sharded_dim(p: torch.Tensor) -> int | None:
+    """The one tensor dimension that ``p``'s placements shard; None when they shard none or several."""
+    # Not Placement.is_shard(): FSDP2 on top of tensor parallelism shards with _StridedShard, which is no Shard in
+    # recent torch; both have the dimension they shard as ``dim``.
+    dims = {getattr(placement, "dim", None) for placement in p.placements if not placement.is_replicate()}
+    return next(iter(dims)) if len(dims) == 1 and None not in dims else None
+
+
+def _export_scalar(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    # Sharded on a mesh dimension means one scalar per rank there; not Placement.is_shard(): FSDP2 on top of
-    # tensor parallelism shards with _StridedShard, which is no Shard in recent torch (and would lose ranks' values).
-    placements = [Replicate() if placement.is_replicate() else Shard(0) for placement in p.placements]
-    return DTensor.from_local(value.detach().reshape(1), p.device_mesh, placements, run_check=False)
+    value = value.detach()
+    dim = _sharded_dim(p)
+    if dim is None:  # replicated (one value everywhere), or sharded on several dimensions: one value per rank
+        placements = [Replicate() if placement.is_replicate() else Shard(0) for placement in p.placements]
+        return DTensor.from_local(value.reshape(1), p.device_mesh, placements, run_check=False)
+    # Sharded on ``dim``: the parameter's size there, 1 elsewhere, sharded exactly like the parameter.
+    local_shape, shape = [1] * p.dim(), [1] * p.dim()
+    local_shape[dim], shape[dim] = shards.local(p).shape[dim], p.shape[dim]
+    local = value.reshape([1] * p.dim()).expand(local_shape).clone()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
-def _local_scalars(saved: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` with per-shard scalars (see :func:`shard_scalars`) back as this rank's 0-dim tensors."""
-    return {
-        key: value.to_local().reshape(()) if key.endswith(("_scale", "_amax")) and shards.is_dtensor(value) else value
-        for key, value in saved.items()
-    }
-
-
+# ----------------------------------------------------------------------------------------------------------- loading
 def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
     """Body of :meth:`FP8AdamW.load_state_dict` (see the module docstring)."""
-    saved_groups = state_dict["param_groups"]
-    _check_states(opt, state_dict)  # before anything is loaded: a bad checkpoint changes nothing
+    entries = _check(opt, state_dict)  # before anything is loaded: a bad checkpoint changes nothing
     # The base class validates the groups and restores their hyper-parameters; the states are loaded here,
     # because the base class would cast every state to the parameter's dtype.
-    torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": saved_groups})
+    torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": state_dict["param_groups"]})
     for group in opt.param_groups:
         group.setdefault("maximize", False)
-    params = _param_order(opt)
-    saved_ids = [i for group in saved_groups for i in group["params"]]
-    for index, p in zip(saved_ids, params, strict=True):
-        saved = state_dict["state"].get(index)
-        if saved is not None:
-            _load_one(opt, p, saved)
+    for p, saved in entries:
+        _load_one(opt, p, saved)
 
 
-def _check_states(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
-    """Raise ValueError for a state that cannot be its parameter's: a moment or master of another size, a scaled
-    (FP8, fp16) one without its scale, a scale that is not finite and positive, a negative or non-finite step."""
+def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """Each saved state as this rank's part (DTensors as their local shards) beside its parameter.
+
+    Raises:
+        ValueError: for anything the load could not take as it is (see :func:`_check_entry`).
+    """
+    well_formed = isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+    if not (well_formed and "param_groups" in state_dict):
+        got = list(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"FP8AdamW.load_state_dict expects a dict with 'state' and 'param_groups' (an optimizer's state_dict()), "
+            f"got {got}"
+        )
     saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
     params = _param_order(opt)
     if len(saved_ids) != len(params):
-        return  # torch.optim.Optimizer.load_state_dict says what does not match
-    fix = "the checkpoint is corrupt or was written for another model"
+        return []  # torch.optim.Optimizer.load_state_dict says what does not match, before it changes anything
+    entries = []
     for index, p in zip(saved_ids, params, strict=True):
         saved = state_dict["state"].get(index)
-        if saved is None:
+        if saved is not None:
+            entries.append((p, _check_entry(f"FP8AdamW.load_state_dict: parameter {index}", p, saved)))
+    return entries
+
+
+def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
+    """Raise ValueError for a state its parameter cannot take: not a dict; some of AdamW's step and moments without the
+    others; a moment or master that is not a floating-point tensor of the parameter's (shard's) shape, or is sharded
+    where the parameter is not; an FP8 or fp16 moment without its scale; a scale or amax of a shape that fits neither
+    one number nor one per row (column) of its state, a scale that is not finite and positive, an amax that is not
+    finite and >= 0; a step that is not one finite number >= 0. Returns the state with DTensors as local shards."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
+    present = [key for key in _ADAMW_KEYS if key in saved]
+    if present and len(present) != len(_ADAMW_KEYS):
+        missing = [key for key in _ADAMW_KEYS if key not in saved]
+        raise ValueError(f"{where}'s state has {present} without {missing}: {_FIX}")
+    local = {key: shards.local(value) if shards.is_dtensor(value) else value for key, value in saved.items()}
+    shard_shape = tuple(shards.local(p).shape)
+    for key in _KEYS:
+        if key not in saved:
             continue
-        saved = _local_scalars(saved)
-        for key in ("exp_avg", "exp_avg_sq", "master"):
-            value = saved.get(key)
-            if value is None:
-                continue
-            where = f"FP8AdamW.load_state_dict: parameter {index}'s {key!r}"
-            if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"{where} is {shape}, its parameter {tuple(p.shape)}: {fix}")
-            scale = saved.get(f"{key}_scale")
-            if value.dtype in SCALED_STATE_MAX and key != "master" and scale is None:
-                raise ValueError(f"{where} is {value.dtype} without its '{key}_scale': {fix}")
-            if scale is not None and not (torch.isfinite(scale).all() and (scale > 0).all()):
-                raise ValueError(f"{where} has the scale {scale.tolist()}, not finite and positive: {fix}")
-        step = saved.get("step")
-        if step is not None and not (math.isfinite(float(step)) and float(step) >= 0):
-            raise ValueError(f"FP8AdamW.load_state_dict: parameter {index}'s step is {float(step)}: {fix}")
+        what = f"{where}'s {key!r}"
+        _check_tensor(what, saved[key], p)
+        if tuple(local[key].shape) != shard_shape:
+            if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
+                raise ValueError(
+                    f"{what} has shape {tuple(local[key].shape)}, this rank's shard of its parameter {shard_shape}: "
+                    "a full (unsharded) state dict loads into sharded parameters through torch.distributed.checkpoint."
+                    "state_dict.set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))"
+                )
+            raise ValueError(f"{what} has shape {tuple(local[key].shape)}, its parameter {shard_shape}: {_FIX}")
+        if local[key].dtype in SCALED_STATE_MAX and key != "master" and f"{key}_scale" not in saved:
+            raise ValueError(f"{what} is {local[key].dtype} without its '{key}_scale': {_FIX}")
+        for name in (f"{key}_scale", f"{key}_amax"):
+            if name in saved:
+                _check_scalar(f"{where}'s {name!r}", saved[name], local[name], local[key], p, name.endswith("scale"))
+    if "step" in saved:
+        _check_step(where, saved["step"])
+    return local
+
+
+def _check_tensor(what: str, value: Any, p: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        kind = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        raise ValueError(f"{what} is {kind}, not a floating-point tensor: {_FIX}")
+    if shards.is_dtensor(value) and not shards.is_dtensor(p):
+        raise ValueError(
+            f"{what} is sharded (a DTensor) and its parameter is not: load a sharded checkpoint into the model sharded "
+            "the same way, or gather it first (torch.distributed.checkpoint.state_dict.get_optimizer_state_dict with "
+            "StateDictOptions(full_state_dict=True))"
+        )
+
+
+def _check_scalar(what: str, value: Any, local: Any, state: torch.Tensor, p: torch.Tensor, is_scale: bool) -> None:
+    _check_tensor(what, value, p)
+    if shards.is_dtensor(value):  # every rank sees the same global shape: all of them raise, none waits for the others
+        ranks, shapes = _exported_shapes(p)
+        if tuple(value.shape) not in shapes:
+            raise ValueError(
+                f"{what} has shape {tuple(value.shape)}, and its parameter {tuple(p.shape)}, sharded {p.placements} "
+                f"over {ranks} rank(s), takes {' or '.join(str(s) for s in shapes)}: the checkpoint was saved with "
+                "another sharding, and the scales of a parameter sharded on several dimensions reshard with nothing "
+                "else; load it into the model sharded as it was saved, on as many ranks"
+            )
+    fits = local.numel() == 1 or (
+        local.dim() == state.dim() and all(n in (1, size) for n, size in zip(local.shape, state.shape, strict=True))
+    )
+    if not fits:
+        raise ValueError(
+            f"{what} has shape {tuple(local.shape)}, which is neither one number nor one per row (column) of its state "
+            f"{tuple(state.shape)}: it holds one number per rank of a sharded run (a parameter sharded on several "
+            "dimensions, or a checkpoint written before lightning_fp8 saved sharded scales per row). Load it into the "
+            "model sharded as it was saved, on as many ranks, through torch.distributed.checkpoint.state_dict."
+            "set_optimizer_state_dict"
+        )
+    bad = ~torch.isfinite(local) | ((local <= 0) if is_scale else (local < 0))
+    if bool(bad.any()):
+        wanted = "finite and positive" if is_scale else "finite and >= 0"
+        raise ValueError(f"{what} has the value {local[bad].reshape(-1)[0].item()}, not {wanted}: {_FIX}")
+
+
+def _exported_shapes(p: torch.Tensor) -> tuple[int, list[tuple[int, ...]]]:
+    """How many shards ``p`` has, and the shapes its exported scales may have (:func:`_export_scalar`): one per rank
+    (also what a checkpoint of the same sharding written before the per-row layout holds), one per row (column)."""
+    ranks = math.prod(p.device_mesh.size(i) for i, placement in enumerate(p.placements) if not placement.is_replicate())
+    dim = _sharded_dim(p)
+    per_row = [tuple(size if d == dim else 1 for d, size in enumerate(p.shape))] if dim is not None else []
+    return ranks, [(ranks,), *per_row]
+
+
+def _check_step(where: str, step: Any) -> None:
+    try:
+        value = torch.as_tensor(step)
+        ok = value.numel() == 1 and not value.is_complex() and math.isfinite(float(value)) and float(value) >= 0
+    except (TypeError, ValueError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}'s step is {step!r}, not one finite number >= 0: {_FIX}")
+
+
+def _single(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The one value of ``t`` (0-dim) when all its elements are equal, else (or when empty, or None) None."""
+    if t is None:
+        return None
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+        return None
+    return flat[0].clone()
 
 
 def _copy_or_convert(state: dict[str, Any], saved: dict[str, Any], key: str, dtype, p: torch.Tensor) -> None:
-    scaled = dtype in SCALED_STATE_MAX
-    exact = saved[key].dtype == dtype and (not scaled or f"{key}_scale" in saved)
-    if not exact:
-        store(state, key, dequantize(saved, key), dtype, p.shape, p.device)
-        return
-    state[key] = saved[key].detach().to(p.device).clone()
-    state[f"{key}_scale"] = saved.get(f"{key}_scale", torch.ones(())).detach().to(p.device, torch.float32).clone()
-    amax = saved.get(f"{key}_amax")
-    state[f"{key}_amax"] = amax.detach().to(p.device).clone() if amax is not None else ops.amax(dequantize(state, key))
+    """``state[key]`` (and its scale, amax) from this rank's part of ``saved[key]``, in ``dtype``."""
+    saved_scale = saved.get(f"{key}_scale")
+    scale = _single(saved_scale)
+    # The saved bits themselves when they have this dtype and one scale (or none, for a dtype that takes none); else
+    # by value: another dtype, or rows saved by shards of different scales meet on this rank (another world size).
+    one_scale = scale is not None or (saved_scale is None and dtype not in SCALED_STATE_MAX)
+    if saved[key].dtype != dtype or not one_scale:
+        value = dequantize(saved, key)
+        store(state, key, value, dtype, value.shape, p.device)
+    else:
+        state[key] = saved[key].detach().to(p.device).clone()
+        state[f"{key}_scale"] = (scale if scale is not None else torch.ones(())).to(p.device, torch.float32)
+        amax = _single(saved.get(f"{key}_amax"))
+        amax = amax if amax is not None else ops.amax(dequantize(state, key))
+        state[f"{key}_amax"] = amax.to(p.device, torch.float32)
+    state[key] = shards.like(p, state[key])
 
 
 def _load_one(opt: FP8AdamW, p: torch.Tensor, saved: dict[str, Any]) -> None:
-    saved = _local_scalars(saved)
+    """Load this rank's part of ``p``'s checked state (:func:`_check`) into ``opt``."""
     state = opt.state[p]
-    if p in opt._low_precision and master.master_scale(p) is not None:  # the adopted master's scale is p's
+    adopted = p in opt._low_precision and master.master_scale(p) is not None
+    if adopted:  # the adopted master's scale is p's
         state["master_scale"] = master.master_scale(p)
         state["master_amax"] = getattr(p, master.AMAX_ATTR)
     if "step" in saved:
@@ -177,19 +307,21 @@ def _load_one(opt: FP8AdamW, p: torch.Tensor, saved: dict[str, Any]) -> None:
                 if key in saved and p in opt._moments_only:
                     _copy_or_convert(state, saved, key, dtype, p)
                 elif key in saved:
-                    state[key] = dequantize(saved, key).to(p.device).reshape(p.shape)
+                    state[key] = shards.like(p, dequantize(saved, key).to(p.device))
             if p.dtype != torch.float32:
-                source = dequantize(saved, "master") if "master" in saved else p.detach().float()
-                state["master"] = source.to(p.device).reshape(p.shape)
+                source = dequantize(saved, "master") if "master" in saved else shards.local(p).detach().float()
+                state["master"] = shards.like(p, source.to(p.device))
             elif "master" in saved:
-                p.copy_(dequantize(saved, "master").reshape(p.shape))
+                p.copy_(shards.like(p, dequantize(saved, "master").to(p.device)))
             return
-        if "master_scale" in state and master.master_scale(p) is not None:
+        if adopted:
             _load_adopted_master(p, saved)
         elif "master" in saved:
             _copy_or_convert(state, saved, "master", opt.master_dtype, p)
         elif "step" in state:  # a torch.optim.AdamW state: the parameter is the master
-            store(state, "master", p.detach().float(), opt.master_dtype, p.shape, p.device)
+            local = shards.local(p).detach().float()
+            store(state, "master", local, opt.master_dtype, local.shape, local.device)
+            state["master"] = shards.like(p, state["master"])
         for key, dtype in (("exp_avg", opt.exp_avg_dtype), ("exp_avg_sq", opt.exp_avg_sq_dtype)):
             if key in saved:
                 _copy_or_convert(state, saved, key, dtype, p)
@@ -199,27 +331,30 @@ def _load_adopted_master(p: torch.Tensor, saved: dict[str, Any]) -> None:
     if "master" not in saved:
         return  # a torch.optim.AdamW state: the weight is the parameter's current value
     scale, amax = master.master_scale(p), getattr(p, master.AMAX_ATTR)
-    if saved["master"].dtype == p.dtype and "master_scale" in saved:
-        p.copy_(saved["master"].reshape(p.shape))
-        scale.copy_(saved["master_scale"])
-        amax.copy_(saved["master_amax"] if "master_amax" in saved else ops.amax(dequantize(saved, "master")))
+    saved_scale = _single(saved.get("master_scale"))
+    if saved["master"].dtype == p.dtype and saved_scale is not None:
+        p.copy_(saved["master"])
+        scale.copy_(saved_scale)
+        saved_amax = _single(saved.get("master_amax"))
+        amax.copy_(saved_amax if saved_amax is not None else ops.amax(dequantize(saved, "master")))
         return
-    stored, new_scale, new_amax = quantize(dequantize(saved, "master").to(p.device).reshape(p.shape), p.dtype)
+    stored, new_scale, new_amax = quantize(dequantize(saved, "master").to(p.device), p.dtype)
     p.copy_(stored)
     scale.copy_(new_scale)
     amax.copy_(new_amax)
 
 
+# --------------------------------------------------------------------------------------------------- export, stats
 def to_adamw(opt: FP8AdamW) -> dict[str, Any]:
     """The state as ``torch.optim.AdamW`` keeps it: fp32 moments, ``step``; groups with AdamW's keys."""
-    state_dict = opt.state_dict()
+    state_dict = torch.optim.Optimizer.state_dict(opt)  # the states as kept (0-dim scales), without the export's
     state = {
         index: {
             key: (saved[key].detach().cpu().clone() if key == "step" else dequantize(saved, key))
             for key in ("step", "exp_avg", "exp_avg_sq")
             if key in saved
         }
-        for index, saved in ((i, _local_scalars(s)) for i, s in state_dict["state"].items())
+        for index, saved in state_dict["state"].items()
     }
     adamw_defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
     groups = [

@@ -54,7 +54,13 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
 
     fp16 storage is scaled; other dtypes (bf16) are stored unscaled with scale 1. Any existing gradient is
     dropped (it has the old dtype).
+
+    Raises:
+        RuntimeError: when the dtype would change under a wrapper that hooked the parameter's gradient accumulator
+            (:func:`check_adoptable`); nothing is changed then.
     """
+    if param.dtype != master_dtype:
+        check_adoptable(param)
     with torch.no_grad():
         original = param.dtype
         if master_dtype == torch.float16:
@@ -69,6 +75,40 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     setattr(param, AMAX_ATTR, amax)
     setattr(param, DTYPE_ATTR, original)
     return scale, amax
+
+
+_PROBE = "lightning_fp8_adoption_probe"
+
+
+def check_adoptable(param: torch.Tensor) -> None:
+    """Raise RuntimeError if something besides autograd holds ``param``'s gradient accumulator.
+
+    :func:`adopt` changes the parameter's dtype (``param.data = ...``), and autograd then gives the parameter a new
+    accumulator (``AccumulateGrad`` node): hooks on the old one stop firing without a word. DistributedDataParallel's
+    reducer holds and hooks every parameter's accumulator when the model is wrapped, so an FP8AdamW created after
+    ``DDP(model)`` would step on gradients that were never averaged over the ranks (and DDP fails one iteration later,
+    "Expected to have finished reduction in the prior iteration"). Autograd itself keeps only a weak reference: an
+    accumulator that outlives our own reference to it is held elsewhere (a DDP reducer, another wrapper's hook, a
+    graph not yet backpropagated). Costs a few microseconds per parameter, once, at adoption.
+    """
+    if not param.requires_grad or param.grad_fn is not None:
+        return  # no accumulator (frozen, or not a leaf)
+    with torch.enable_grad():
+        node = param.view_as(param).grad_fn.next_functions[0][0]  # the accumulator, created if there is none
+        node.metadata[_PROBE] = True  # kept by the C++ node for as long as it lives
+        del node
+        node = param.view_as(param).grad_fn.next_functions[0][0]
+        held = node.metadata.pop(_PROBE, False)
+        del node
+    if held:
+        raise RuntimeError(
+            f"FP8AdamW (O2) keeps the master weight of an FP8 layer in the weight's own storage, which changes the "
+            f"dtype of the {tuple(param.shape)} weight from {param.dtype}; but its gradient accumulator is already "
+            "held, and hooked, by another object: DistributedDataParallel's reducer when the model was wrapped before "
+            "the optimizer was created (or a backward still pending). Those hooks would stop firing: DDP would not "
+            "average this weight's gradients. Create FP8AdamW before wrapping the model in DDP (or pass "
+            "opt_level='O1'); nothing was changed"
+        )
 
 
 def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dtype) -> None:
