@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mw", "o2mwb")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mw",
+            "o2mwb")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -78,7 +79,8 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         recipe = lf.FP8Recipe(opt_level=variant[:2].upper())
         lf.convert_to_fp8(model, recipe, module_filter_fn=fp8_module_filter)
         emit = variant in ("o2w", "o2mw", "o2mwb")
-        bucket = 64 if variant in ("o2bt", "o2mwb") else 0  # o2bt: the gradient casts batched (FP8AdamW's default: in each hook)
+        # o2bt, o2mwb: the gradient casts batched (FP8AdamW's default: each cast in its hook)
+        bucket = 64 if variant in ("o2bt", "o2mwb") else 0
         moments = "all" if variant in ("o2m", "o2mf", "o2mw", "o2mwb") else "fp8_weights"
         if variant == "o2mf":  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
             for block in model.blocks:

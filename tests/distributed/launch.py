@@ -21,6 +21,30 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def run_parts(parts: dict[str, Callable[[], object]]) -> dict[str, tuple[str, object]]:
+    """Run each of a worker's named checks: ``{name: ("ok", result) or ("error", traceback)}``. One failing part must
+    not hide the others' results (the spawn is shared by several tests)."""
+    reports: dict[str, tuple[str, object]] = {}
+    for name, part in parts.items():
+        try:
+            reports[name] = ("ok", part())
+        except Exception:
+            reports[name] = ("error", traceback.format_exc())
+    return reports
+
+
+def part_results(results: list[dict], name: str) -> list:
+    """Every rank's result of the part ``name`` of :func:`run_parts`; fails the test with the traceback of a rank where
+    that part raised."""
+    import pytest
+
+    for rank, reports in enumerate(results):
+        status, value = reports[name]
+        if status == "error":
+            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
+    return [reports[name][1] for reports in results]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -13,9 +13,7 @@ own error, so that one failing part does not hide the others' results.
 from __future__ import annotations
 
 import math
-import traceback
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from torch import nn
 
 from lightning_fp8.distributed import FP8CommState
 from tests.distributed import tolerances as tol
+from tests.distributed.launch import part_results, run_parts
 from tests.numerics import sqnr
 
 
@@ -105,25 +104,6 @@ def _error(fn) -> str:
     return "no error"
 
 
-def _run_parts(parts: dict[str, Callable[[], object]]) -> dict:
-    reports = {}
-    for name, part in parts.items():  # one failing part must not hide the others' results
-        try:
-            reports[name] = ("ok", part())
-        except Exception:
-            reports[name] = ("error", traceback.format_exc())
-    return reports
-
-
-def _part(results: list[dict], name: str) -> list:
-    """Every rank's result of one part; fails the test with a rank's traceback where that part raised."""
-    for rank, reports in enumerate(results):
-        status, value = reports[name]
-        if status == "error":
-            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
-    return [reports[name][1] for reports in results]
-
-
 # ------------------------------------------------------------------------------------------------------- one rank
 def _sharded_model_refuses_bf16_fallback(rank: int) -> dict:
     from lightning_fp8 import FP8GradScaler, FP8Linear, recovery
@@ -159,7 +139,7 @@ def _fp8_params_before_fully_shard() -> str:
 
 
 def _worker1(rank: int, world: int) -> dict:
-    return _run_parts({
+    return run_parts({
         # FSDP runs no reduce-scatter on one rank: the gradients are checked in its all-reduce hook.
         "fsdp2": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], [(None, "w"), (0, "w"), (0, "b")]),
         "native_on_gloo": lambda: _error(lambda: FP8CommState(algorithm="native")),
@@ -206,7 +186,7 @@ def _ddp_fp8_params_of_another_model(rank: int) -> list[str]:
 
 def _worker2(rank: int, world: int) -> dict:
     cases = [(None, "b"), (1, "b")]
-    return _run_parts({
+    return run_parts({
         "ddp": lambda: _ddp_steps(rank),
         "fsdp2_mixed_unit": lambda: _fsdp2_steps(rank, _shard_both, lambda m: [m.w.p], cases),
         "fsdp2_unit_without_fp8": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases),
@@ -242,7 +222,7 @@ def _worker4(rank: int, world: int) -> dict:
     replicas = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
     cases = [(None, "w"), (3, "w"), (3, "b")]
     pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 pass it as an amax group of 4 ranks
-    return _run_parts({
+    return run_parts({
         "hsdp": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases, hsdp),
         "hsdp_mixed_unit": lambda: _fsdp2_steps(rank, _shard_both, lambda m: [m.w.p], cases, hsdp),
         "hsdp_one_shard": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases, replicas),
@@ -269,33 +249,33 @@ def four(spawned):
 # ---------------------------------------------------------------------------------------------- non-finite flags
 @pytest.mark.slow
 def test_ddp_flags_a_nan_in_a_gradient_reduced_in_its_own_dtype(two):
-    for r in _part(two, "ddp"):
+    for r in part_results(two, "ddp"):
         assert r == {(None, "b"): True, (1, "b"): False, (1, "w"): False}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("unit", ["fsdp2_mixed_unit", "fsdp2_unit_without_fp8"])
 def test_fsdp2_flags_a_nan_in_a_gradient_reduced_in_its_own_dtype(two, unit):
-    for r in _part(two, unit):
+    for r in part_results(two, unit):
         assert r == {(None, "b"): True, (1, "b"): False}
 
 
 @pytest.mark.slow
 def test_fsdp2_on_one_rank_flags_a_nan(one):
-    assert _part(one, "fsdp2")[0] == {(None, "w"): True, (0, "w"): False, (0, "b"): False}
+    assert part_results(one, "fsdp2")[0] == {(None, "w"): True, (0, "w"): False, (0, "b"): False}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["hsdp", "hsdp_mixed_unit", "hsdp_one_shard"])
 def test_hsdp_every_rank_agrees_on_a_nan_of_one_rank(four, case):
     """A NaN on rank 3 of a (2 replicas x 2 shards) mesh: ranks 0 and 1 share no shard group with it."""
-    for r in _part(four, case):
+    for r in part_results(four, case):
         assert r == {(None, "w"): True, (3, "w"): False, (3, "b"): False}
 
 
 @pytest.mark.slow
 def test_hsdp_fp8_reduce_scatter_gives_the_mean_over_the_mesh(four):
-    for grads in _part(four, "hsdp_gradients"):
+    for grads in part_results(four, "hsdp_gradients"):
         assert grads["w_sqnr"] >= tol.REDUCE_SCATTER_E5M2_SQNR_DB and grads["b_exact"], grads
 
 
@@ -320,31 +300,32 @@ def test_comm_state_fp8_params_must_be_tensors(fp8_params, what):
 
 @pytest.mark.slow
 def test_native_algorithm_on_gloo_is_refused_at_construction(one):
-    assert _part(one, "native_on_gloo")[0].startswith("ValueError: FP8CommState(algorithm='native') needs the NCCL")
+    error = part_results(one, "native_on_gloo")[0]
+    assert error.startswith("ValueError: FP8CommState(algorithm='native') needs the NCCL")
 
 
 @pytest.mark.slow
 def test_amax_group_of_other_ranks_is_refused_at_construction(four):
-    for message in _part(four, "amax_group_of_other_ranks")[:2]:
+    for message in part_results(four, "amax_group_of_other_ranks")[:2]:
         assert message.startswith("ValueError:") and "amax_group has ranks [0, 1]" in message
 
 
 @pytest.mark.slow
 def test_fsdp2_refuses_fp8_params_taken_before_fully_shard(one):
-    message = _part(one, "fp8_params_before_fully_shard")[0]
+    message = part_results(one, "fp8_params_before_fully_shard")[0]
     assert message.startswith("ValueError: enable_fp8_fsdp2: none of the 2 tensors") and "after fully_shard" in message
 
 
 @pytest.mark.slow
 def test_ddp_warns_when_fp8_params_name_no_parameter_of_the_model(two):
-    (other_model, own), rank1 = _part(two, "ddp_fp8_params_warning")
+    (other_model, own), rank1 = part_results(two, "ddp_fp8_params_warning")
     assert len(other_model) == 1 and "none of the 1 tensors" in other_model[0]  # once, on rank 0
     assert own == [] and rank1 == [[], []]
 
 
 @pytest.mark.slow
 def test_bf16_fallback_is_refused_for_a_sharded_model_before_changing_it(one):
-    fallback = _part(one, "fallback")[0]
+    fallback = part_results(one, "fallback")[0]
     assert fallback["up_front"].startswith("ValueError: enable_fp8_fsdp2: FP8CommState(grad_scaler=...) has "
                                            "nonfinite_fallback='bf16'")  # fmt: skip
     assert fallback["at_fallback"].startswith("ValueError: FP8GradScaler(nonfinite_fallback='bf16') cannot put '0'")

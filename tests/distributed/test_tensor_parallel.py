@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
@@ -26,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fp8 import convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.scaling import ScalingState, compute_scale
-from tests.distributed.launch import run_workers
+from tests.distributed.launch import part_results, run_parts, run_workers
 from tests.numerics import sqnr
 
 pytestmark = pytest.mark.slow
@@ -149,13 +148,7 @@ def _two_rank_worker(rank: int, world: int, checkpoint_dir: str) -> dict:
     parts: dict[str, Callable[[], object]] = {f"parity:{case}": partial(_parity, case) for case in PARITY_CASES}
     parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync,
               "uneven_sequence": _uneven_sequence}  # fmt: skip
-    reports = {}
-    for name, part in parts.items():  # one failing part must not hide the others' results
-        try:
-            reports[name] = ("ok", part())
-        except Exception:
-            reports[name] = ("error", traceback.format_exc())
-    return reports
+    return run_parts(parts)
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +156,6 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_workers(_two_rank_worker, WORLD, str(tmp_path_factory.mktemp("dcp")))
 
 
-def _reports(two_ranks: list[dict], part: str) -> list:
-    for rank, reports in enumerate(two_ranks):
-        status, value = reports[part]
-        if status == "error":
-            pytest.fail(f"{part} failed on rank {rank}:\n{value}")
-    return [reports[part][1] for reports in two_ranks]
 
 
 # ------------------------------------------------------------------------------------------- amax sync
@@ -195,7 +182,7 @@ def _amax_sync() -> dict:
 
 def test_amax_sync_reduces_latest_amax_and_recomputes_scales(two_ranks):
     """One batched MAX all-reduce of amax_history[0]; scales from the reduced history, by each state's rule."""
-    reports = _reports(two_ranks, "amax_sync")
+    reports = part_results(two_ranks, "amax_sync")
     for name, (delayed, algo, margin, fp8_dtype) in reports[0]["settings"].items():
         latest = torch.stack([r["before"][name][0][0] for r in reports]).amax()
         for rank, report in enumerate(reports):
@@ -284,7 +271,7 @@ def _parity(case: str) -> dict:
 @pytest.mark.parametrize("case", list(PARITY_CASES))
 def test_block_matches_single_process(two_ranks, case):
     """TP, TP+SP (activation dtype or FP8 on the wire), no amax sync, torch's ColwiseParallel: against one process."""
-    for rank, report in enumerate(_reports(two_ranks, f"parity:{case}")):
+    for rank, report in enumerate(part_results(two_ranks, f"parity:{case}")):
         for step, sqnrs in enumerate(report["steps"]):
             where = f"{case}, rank {rank}, step {step}"
             if case not in ("sp_fp8", "sp_fp8_no_amax_sync"):
@@ -381,7 +368,7 @@ def _recording_casts(numels: list[int]):
 
 def test_sequence_parallel_fp8_halves_activation_bytes(two_ranks):
     """bf16 activations: the FP8 all-gathers and input-gradient reduce-scatter hand over exactly half the bytes."""
-    report = _reports(two_ranks, "bytes")[0]
+    report = part_results(two_ranks, "bytes")[0]
     fp8, hp = report[True]["bytes"], report[False]["bytes"]
     gather, scatter, a2a = "c10d._allgather_base_", "c10d._reduce_scatter_base_", "c10d.alltoall_base_"
     # Forward all-gathers of x before qkv and fc; backward all-gathers of dy after attn.proj and mlp.proj.
@@ -400,7 +387,7 @@ def test_sequence_parallel_fp8_halves_activation_bytes(two_ranks):
 
 def test_gathered_fp8_is_the_gemm_operand(two_ranks):
     """No second cast: with FP8 comm, qkv and fc cast their input shard, and the GEMM takes the gathered bytes."""
-    report = _reports(two_ranks, "bytes")[0]
+    report = part_results(two_ranks, "bytes")[0]
     fp8, hp = report[True]["forward_casts"], report[False]["forward_casts"]
     assert len(fp8) == len(hp) == 8, (fp8, hp)  # input and weight of each of the 4 linear layers, once
     shard = BATCH * SEQ // WORLD * D
@@ -483,7 +470,7 @@ def _uneven_sequence() -> dict:
 def test_sequence_parallel_refuses_an_uneven_sequence_on_every_rank(two_ranks):
     """Sharding 7 tokens over 2 ranks would reach the FP8 all-gathers unevenly (a gloo abort): every rank raises
     first, saying what to pad to."""
-    for lengths in _reports(two_ranks, "uneven_sequence"):
+    for lengths in part_results(two_ranks, "uneven_sequence"):
         for seq, fix in ((7, 8), (1, 2)):
             assert lengths[seq].startswith("apply_fp8_tensor_parallel(sequence_parallel=True)"), lengths[seq]
             assert f"sequence length (dim 1) of {seq}" in lengths[seq] and f"(e.g. {fix})" in lengths[seq]
@@ -554,7 +541,7 @@ def _checkpoint(checkpoint_dir: str) -> dict:
 
 def test_checkpoint_roundtrip(two_ranks):
     """DCP save/load of a TP+SP FP8 model, its AdamW state and FP8 scaling state: the next step is identical."""
-    for report in _reports(two_ranks, "checkpoint"):
+    for report in part_results(two_ranks, "checkpoint"):
         assert "(Shard(dim=0),)" in report["sharded"] and "(Shard(dim=1),)" in report["sharded"], report["sharded"]
         loss, restored_loss = report["losses"]
         assert loss == restored_loss, report["losses"]
