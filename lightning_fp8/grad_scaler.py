@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fp8 import ops
 from lightning_fp8.formats import fp8_max
 
 # Actions kept in `history` (oldest dropped first): enough for monitoring, bounded for long runs.
@@ -243,8 +244,7 @@ class FP8GradScaler:
                     by_kind[(grad.device, grad.dtype)].append(grad)
         for (device, dtype), grads in by_kind.items():
             self._ensure_device(device)
-            # fp32 before stacking: under CPU autocast (manual optimization steps inside it) stack rejects fp16.
-            amax = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).to(self._found.device)
+            amax = torch.stack(ops.amaxes(grads)).to(self._found.device)  # NaN counted as inf
             self._found.add_((~torch.isfinite(amax)).any().float())
             no_headroom = (amax * self.headroom > torch.finfo(dtype).max).sum()
             self._no_headroom.add_(no_headroom.to(torch.float64))

@@ -12,12 +12,11 @@ and records what it did in its ``history``:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
 from lightning_fp8.linear import FP8Linear
+from lightning_fp8.optim.shards import is_dtensor
 
 
 def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
@@ -71,7 +70,7 @@ def fallback_to_high_precision(
         what = lower_lr(optimizer, lr_factor) if optimizer is not None else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
     modules = dict(model.named_modules())
-    sharded = [name for name in names if any(_is_dtensor(p) for p in modules[name].parameters(recurse=False))]
+    sharded = [name for name in names if any(is_dtensor(p) for p in modules[name].parameters(recurse=False))]
     if sharded:
         raise ValueError(
             f"FP8GradScaler(nonfinite_fallback='bf16') cannot put {', '.join(map(repr, sharded))} back to nn.Linear: "
@@ -92,8 +91,3 @@ def fallback_to_high_precision(
         setattr(modules[parent_name] if parent_name else model, child, linear)
     return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"
 
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # A DTensor exists only once torch.distributed.tensor was imported; no need to import it here.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, dtensor.DTensor)

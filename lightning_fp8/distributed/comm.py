@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_fp8 import ops
 from lightning_fp8.distributed.layout import SegmentLayout, all_reduce_plan, reduce_scatter_plan
 from lightning_fp8.distributed.quantize import segment_kernels
 
@@ -66,10 +67,7 @@ def cast_stats(
 def local_amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` of this rank's values as 0-dim fp32 (one fused reduction), NaN read as inf: a MAX all-reduce may
     drop a NaN, never an inf. For values that travel in their own dtype: only their non-finite check needs it."""
-    if not x.numel():
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    amax = torch.linalg.vector_norm(x, float("inf")).float()
-    return torch.where(torch.isnan(amax), torch.inf, amax)
+    return ops.amaxes([x])[0]
 
 
 def all_reduce_max(amax: torch.Tensor, group, async_op: bool = False):
