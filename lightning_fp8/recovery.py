@@ -7,16 +7,28 @@ and records what it did in its ``history``:
 - :func:`fallback_to_high_precision`: put the FP8 layers whose gradients were non-finite back to
   ``nn.Linear`` (their weights get fp32 optimizer states again); the user's autocast (bf16) then applies. Not for
   layers with DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): those keep references to the
-  module object, so it cannot be swapped; use ``"lower_lr"`` there.
+  module object, so it cannot be swapped; nor under DistributedDataParallel, which hooked the parameters and
+  buffers (at O2 a weight would get its own dtype back and DDP would stop averaging its gradients). Use
+  ``"lower_lr"`` there.
+
+A model converted afresh (to resume from a checkpoint) has every layer in FP8 again. :func:`fallen_back_layers`
+names the layers that were put back, to be saved with the checkpoint; :func:`put_back_to_high_precision` puts them
+back in the new model before the checkpoint is loaded. The Lightning plugin does both itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.linear import FP8Linear
+from lightning_fp8.optim import master
 from lightning_fp8.optim.shards import is_dtensor
+
+FALLBACK_ATTR = "_lightning_fp8_fallen_back"  # set on each nn.Linear that put_back_to_high_precision put in place
 
 
 def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
@@ -54,7 +66,8 @@ def _offending_layers(model: nn.Module, optimizer: torch.optim.Optimizer | None)
 def fallback_to_high_precision(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_factor: float = 0.5
 ) -> str:
-    """Replace the offending FP8 layers of ``model`` by ``nn.Linear`` layers with the same parameters.
+    """Replace the offending FP8 layers of ``model`` by ``nn.Linear`` layers with the same parameters
+    (:func:`put_back_to_high_precision`).
 
     When no layer can be blamed (the non-finite values came from elsewhere), lower the learning rate instead.
 
@@ -62,32 +75,146 @@ def fallback_to_high_precision(
         What was done, for the scaler's history.
 
     Raises:
-        ValueError: when an offending layer has DTensor parameters (FSDP2, tensor parallelism), before anything
-            is changed.
+        ValueError: before anything is changed, when an offending layer cannot be put back (see
+            :func:`put_back_to_high_precision`): DTensor parameters, or DistributedDataParallel.
     """
     names = _offending_layers(model, optimizer)
     if not names:
         what = lower_lr(optimizer, lr_factor) if optimizer is not None else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
+    put_back_to_high_precision(model, names, optimizer)
+    return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"
+
+
+def fallen_back_layers(model: nn.Module) -> list[str]:
+    """The qualified names of the layers of ``model`` that :func:`put_back_to_high_precision` put back to
+    ``nn.Linear`` (the ``"bf16"`` fallback), in ``named_modules()`` order.
+
+    Save them with a checkpoint: a model converted afresh has those layers in FP8 again, and its FP8 scaling state
+    and optimizer state would not match the checkpoint's.
+    """
+    return [name for name, module in model.named_modules() if getattr(module, FALLBACK_ATTR, False)]
+
+
+def put_back_to_high_precision(
+    model: nn.Module,
+    names: Iterable[str],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+) -> list[str]:
+    """Replace the FP8 layers ``names`` of ``model`` by ``nn.Linear`` layers that keep the same parameter objects.
+
+    Optimizers keep pointing at the parameters the model uses; an :class:`~lightning_fp8.FP8AdamW` holding a weight
+    gives it back its own storage (unscaled, in its original dtype) with fp32 states. Layers already put back are
+    skipped, so a second call does nothing. To resume a run whose layers fell back, call it after converting the
+    new model and creating its optimizer, and before loading the model's, the optimizer's and the FP8 state.
+
+    Args:
+        model: the model (or a module containing the layers); changed in place.
+        names: qualified names in ``model``, as :func:`fallen_back_layers` returns them.
+        optimizer: the optimizer (or a list of them) over the layers' weights; needed where FP8AdamW (O2) keeps a
+            weight's master in the weight's storage.
+
+    Returns:
+        The names of the layers this call put back.
+
+    Raises:
+        ValueError: before anything is changed, when a name is not an FP8 layer of ``model``, a layer's parameters
+            are DTensors (FSDP2, tensor parallelism), a weight's storage holds an FP8AdamW master and no optimizer
+            was given that holds it, or the model is wrapped by DistributedDataParallel.
+
+    Example (resuming a plain PyTorch run)::
+
+        model = convert_to_fp8(build_model())
+        optimizer = FP8AdamW(model.parameters(), grad_scaler=scaler)
+        put_back_to_high_precision(model, ckpt["fallen_back_layers"], optimizer)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        load_fp8_state_dict(model, ckpt["fp8"])
+    """
+    optimizers = _as_list(optimizer)
     modules = dict(model.named_modules())
+    names = [name for name in names if not getattr(modules.get(name), FALLBACK_ATTR, False)]
+    _check_can_put_back(modules, names, optimizers)
+    for name in names:
+        _swap(model, modules, name, optimizers)
+    return names
+
+
+def _as_list(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    return any(p is param for group in optimizer.param_groups for p in group["params"])
+
+
+def _under_ddp(weight: torch.Tensor) -> bool:
+    """Whether DistributedDataParallel may hook ``weight``'s gradients: it needs a process group, and its reducer
+    holds the weight's gradient accumulator (:func:`~lightning_fp8.optim.master.accumulator_held`). A graph still
+    referenced (the loss in the caller's scope) holds it too: the process group tells a single-process run apart."""
+    return dist.is_available() and dist.is_initialized() and master.accumulator_held(weight)
+
+
+def _check_can_put_back(
+    modules: dict[str, nn.Module], names: list[str], optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Raise ValueError if one of the layers ``names`` cannot be put back; checks all of them before any changes."""
+    # The root ("") cannot be replaced in place: only a layer inside the model can.
+    unknown = [name for name in names if not name or not isinstance(modules.get(name), FP8Linear)]
+    if unknown:
+        raise ValueError(
+            f"put_back_to_high_precision: {', '.join(map(repr, unknown))} is not an FP8Linear inside the model (its "
+            "FP8 layers are fp8_modules(model)); pass names from fallen_back_layers() of a model structured like this "
+            "one. Nothing was changed"
+        )
+    prefix = "FP8GradScaler(nonfinite_fallback='bf16') cannot put"
     sharded = [name for name in names if any(is_dtensor(p) for p in modules[name].parameters(recurse=False))]
     if sharded:
         raise ValueError(
-            f"FP8GradScaler(nonfinite_fallback='bf16') cannot put {', '.join(map(repr, sharded))} back to nn.Linear: "
-            "their parameters are DTensors (fully_shard or tensor parallelism), whose hooks keep references to the "
-            "FP8Linear modules, so a new module would get sharded weights. Nothing was changed; use "
-            "nonfinite_fallback='lower_lr' (or a callable) for sharded models"
+            f"{prefix} {', '.join(map(repr, sharded))} back to nn.Linear: their parameters are DTensors (fully_shard "
+            "or tensor parallelism), whose hooks keep references to the FP8Linear modules, so a new module would get "
+            "sharded weights. Nothing was changed; use nonfinite_fallback='lower_lr' (or a callable) for sharded models"
         )
-    for name in names:
-        layer = modules[name]
-        if optimizer is not None and hasattr(optimizer, "release"):
-            optimizer.release(layer.weight)
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = layer.in_features, layer.out_features
-        linear.weight, linear.bias = layer.weight, layer.bias
-        linear.train(layer.training)
-        parent_name, _, child = name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else model, child, linear)
-    return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"
+    weights = {name: modules[name].weight for name in names}
+    orphaned = [name for name, w in weights.items() if master.master_scale(w) is not None
+                and not any(hasattr(opt, "release") and _holds(opt, w) for opt in optimizers)]  # fmt: skip
+    if orphaned:
+        raise ValueError(
+            f"cannot put {', '.join(map(repr, orphaned))} back to nn.Linear: the weight's storage holds the scaled "
+            "master of an FP8AdamW (O2) that was not passed; pass that optimizer (optimizer=...). Nothing was changed"
+        )
+    # At O2 the weight would get its own dtype back from FP8AdamW's fp16 master, and with it a new gradient
+    # accumulator: DDP's reducer hooks the old one, so the weight's gradients would silently no longer be averaged
+    # (DDP fails an iteration later). At any level, DDP broadcasts the buffers it found when it wrapped the model,
+    # and fails once the FP8 layers' scaling buffers were all removed.
+    hooked = [name for name, w in weights.items() if _under_ddp(w)]
+    if hooked:
+        raise ValueError(
+            f"{prefix} {', '.join(map(repr, hooked))} back to nn.Linear under DistributedDataParallel, which hooked "
+            "the model's parameters and buffers when it wrapped it: at O2 the weight would get its own dtype back "
+            "(FP8AdamW keeps an fp16 master in its storage) and DDP would silently stop averaging its gradients. "
+            "Nothing was changed; use nonfinite_fallback='lower_lr' (or a callable) under DDP"
+        )
 
+
+def _swap(model: nn.Module, modules: dict[str, nn.Module], name: str, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Put the FP8 layer ``name`` back to an ``nn.Linear`` holding its parameter objects, marked as fallen back."""
+    layer = modules[name]
+    for optimizer in optimizers:
+        if hasattr(optimizer, "release") and _holds(optimizer, layer.weight):
+            optimizer.release(layer.weight)
+    # An FP8AdamW created later must treat the weight as an ordinary parameter (not keep its master in its storage).
+    setattr(layer.weight, master.MARKER, False)
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = layer.in_features, layer.out_features
+    linear.weight, linear.bias = layer.weight, layer.bias
+    linear.train(layer.training)
+    setattr(linear, FALLBACK_ATTR, True)
+    parent_name, _, child = name.rpartition(".")
+    setattr(modules[parent_name] if parent_name else model, child, linear)
+    modules[name] = linear

@@ -80,19 +80,18 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
 _PROBE = "lightning_fp8_adoption_probe"
 
 
-def check_adoptable(param: torch.Tensor) -> None:
-    """Raise RuntimeError if something besides autograd holds ``param``'s gradient accumulator.
+def accumulator_held(param: torch.Tensor) -> bool:
+    """Whether something besides autograd holds ``param``'s gradient accumulator (its ``AccumulateGrad`` node).
 
-    :func:`adopt` changes the parameter's dtype (``param.data = ...``), and autograd then gives the parameter a new
-    accumulator (``AccumulateGrad`` node): hooks on the old one stop firing without a word. DistributedDataParallel's
-    reducer holds and hooks every parameter's accumulator when the model is wrapped, so an FP8AdamW created after
-    ``DDP(model)`` would step on gradients that were never averaged over the ranks (and DDP fails one iteration later,
-    "Expected to have finished reduction in the prior iteration"). Autograd itself keeps only a weak reference: an
-    accumulator that outlives our own reference to it is held elsewhere (a DDP reducer, another wrapper's hook, a
-    graph not yet backpropagated). Costs a few microseconds per parameter, once, at adoption.
+    Changing a parameter's dtype (``param.data = ...``, as :func:`adopt` and :func:`release` do) makes autograd give
+    it a new accumulator: hooks on the old one stop firing without a word. DistributedDataParallel's reducer holds and
+    hooks every parameter's accumulator when the model is wrapped, so its gradients would no longer be averaged over
+    the ranks (and DDP fails one iteration later, "Expected to have finished reduction in the prior iteration").
+    Autograd itself keeps only a weak reference: an accumulator that outlives our own reference to it is held
+    elsewhere (a DDP reducer, another wrapper's hook, a graph not yet backpropagated). Costs a few microseconds.
     """
     if not param.requires_grad or param.grad_fn is not None:
-        return  # no accumulator (frozen, or not a leaf)
+        return False  # no accumulator (frozen, or not a leaf)
     with torch.enable_grad():
         node = param.view_as(param).grad_fn.next_functions[0][0]  # the accumulator, created if there is none
         node.metadata[_PROBE] = True  # kept by the C++ node for as long as it lives
@@ -100,7 +99,14 @@ def check_adoptable(param: torch.Tensor) -> None:
         node = param.view_as(param).grad_fn.next_functions[0][0]
         held = node.metadata.pop(_PROBE, False)
         del node
-    if held:
+    return held
+
+
+def check_adoptable(param: torch.Tensor) -> None:
+    """Raise RuntimeError if :func:`adopt` would change the dtype of a parameter whose gradient accumulator is held
+    (:func:`accumulator_held`): an FP8AdamW created after ``DDP(model)`` would step on gradients that were never
+    averaged over the ranks. Checked once per parameter, at adoption."""
+    if accumulator_held(param):
         raise RuntimeError(
             f"FP8AdamW (O2) keeps the master weight of an FP8 layer in the weight's own storage, which changes the "
             f"dtype of the {tuple(param.shape)} weight from {param.dtype}; but its gradient accumulator is already "

@@ -14,7 +14,9 @@ What it does, hook by hook (Lightning calls them in this order):
   clipping and ``grad_norm`` see true gradients), then lets the scaler skip the step (non-finite gradients,
   agreed on all ranks) or take it, and updates mu.
 - ``state_dict``/``load_state_dict``: mu and the FP8 scaling state (scales, amax histories) travel in the
-  Lightning checkpoint, so a resumed run continues with the same scales.
+  Lightning checkpoint, so a resumed run continues with the same scales. So do the names of the layers that
+  ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``: ``on_load_checkpoint`` puts them back
+  again (after ``convert_module`` made them FP8) before the FP8 and optimizer states are loaded.
 
 Gradient accumulation needs nothing special: mu only changes after an optimizer step, so every micro-batch of
 an accumulation window is scaled alike. Manual optimization works the same way (``manual_backward`` scales,
@@ -34,6 +36,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_fp8 import recovery
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
@@ -93,6 +96,7 @@ class _FP8LMPrecisionLogic:
         self._device_type: str | None = None
         self._in_unscaled_region = False
         self._early_masters: list[nn.Parameter] = []  # FP8 weights turned into fp16 masters before DDP wrapped
+        self._optimizers: list[torch.optim.Optimizer] = []  # as connect() handed them to the strategy
         self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
         self.comm_state: Any = None  # the hooks' FP8CommState
 
@@ -136,6 +140,7 @@ class _FP8LMPrecisionLogic:
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
+        self._optimizers = list(optimizers)
         return model, optimizers, lr_schedulers
 
     def _will_adopt_masters(self) -> bool:
@@ -268,19 +273,39 @@ class _FP8LMPrecisionLogic:
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """mu and the FP8 scaling state; plain tensors and numbers (``torch.load(weights_only=True)`` reads it)."""
+        """mu, the FP8 scaling state and the layers put back to ``nn.Linear`` by the ``"bf16"`` fallback; plain
+        tensors, numbers and strings (``torch.load(weights_only=True)`` reads it)."""
         state: dict[str, Any] = {"recipe": self.recipe.to_dict(), "grad_scaler": self.grad_scaler.state_dict()}
         if self._module is not None:
+            state["fallen_back_layers"] = recovery.fallen_back_layers(self._module)
             state["fp8"] = fp8_state_dict(self._module)
             if _world_size() > 1:  # each rank's activation amaxes differ: keep them all for an exact resume
                 state["fp8_per_rank"] = comm.all_gather_state(state["fp8"])
         return state
 
     @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Put the layers that had fallen back to ``nn.Linear`` back again, with the checkpoint's parameter values.
+
+        Lightning calls this just before :meth:`load_state_dict`, after ``convert_module`` turned every linear layer
+        into FP8 and ``connect`` created FP8AdamW, which at O2 took each FP8 weight's storage for its fp16 master:
+        the fallen-back weights too, rounding them to fp16. Once plain parameters again they get the checkpoint's
+        fp32 values back, and the optimizer states Lightning loads next are their fp32 ones.
+        """
+        names = checkpoint.get(type(self).__qualname__, {}).get("fallen_back_layers", [])
+        model_state = checkpoint.get("state_dict")
+        if names and model_state is not None:
+            self._put_back(names)
+            _load_layer_parameters(self._module, names, model_state)
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = FP8Recipe.from_dict(state_dict["recipe"])
         if saved != self.recipe:
             warn_once(f"resuming with FP8 recipe {self.recipe} from a checkpoint written with {saved}")
+        names = state_dict.get("fallen_back_layers", [])  # absent from checkpoints written before it was saved
+        if names:
+            self._put_back(names)
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         if "fp8" in state_dict:
             if self._module is None:
@@ -290,6 +315,13 @@ class _FP8LMPrecisionLogic:
             if per_rank is not None and len(per_rank) == _world_size():
                 fp8_state = per_rank[torch.distributed.get_rank()]
             load_fp8_state_dict(self._module, fp8_state)
+
+    def _put_back(self, names: list[str]) -> None:
+        """Put the layers ``names`` back to ``nn.Linear`` (no-op for those already put back), releasing their weights
+        from the optimizers, so that the checkpoint's FP8 state and fp32 optimizer states fit them."""
+        if self._module is None:
+            raise RuntimeError("FP8LMPrecision: no converted model yet to put layers back in (call convert_module)")
+        recovery.put_back_to_high_precision(self._module, names, self._optimizers)
 
 
 def _make_grad_scaler(grad_scaler: Any) -> Any:
@@ -317,6 +349,17 @@ def _is_ddp(module: nn.Module) -> bool:
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     return any(cls.__name__ == "DDPStrategy" for cls in type(strategy).__mro__)
+
+
+def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dict[str, Any]) -> None:
+    """Copy ``model_state``'s values (keyed as ``module.state_dict()``) into the parameters of the layers ``names``."""
+    layers = dict(module.named_modules())
+    with torch.no_grad():
+        for name in names:
+            for param_name, param in layers[name].named_parameters(recurse=False):
+                value = model_state.get(f"{name}.{param_name}")
+                if value is not None:
+                    param.copy_(value)
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:

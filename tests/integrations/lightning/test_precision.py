@@ -2,6 +2,7 @@
 clipping, manual optimization, checkpoint resume, autocast, the mocked Transformer Engine backend, errors."""
 
 import contextlib
+import math
 import sys
 import types
 
@@ -14,6 +15,8 @@ from torch import nn
 import lightning_fp8.warnings
 from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
 from lightning_fp8.integrations.lightning import FP8LMPrecision
+from lightning_fp8.recovery import put_back_to_high_precision
+from lightning_fp8.state import fp8_state_dict
 from tests.integrations.lightning.gpt_tiny import GPTModule, loader
 
 # FP8 GEMMs (E4M3 forward, E5M2 gradients) and an FP8/fp16-state optimizer against fp32 AdamW on the same task:
@@ -201,6 +204,103 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     trainer.fit(resumed, loader(), ckpt_path=ckpt)
     assert resumed.losses == full.losses[4:]
     assert trainer.precision_plugin.grad_scaler.scale == first.precision_plugin.grad_scaler.scale
+
+
+class HeadPoisoned(StepIndexed):
+    """At the steps in ``poisoned``, only the output head gets gradients, and they are non-finite: the scaler skips
+    those steps, and with ``fallback_after=2`` its ``"bf16"`` fallback puts the head (only) back to nn.Linear."""
+
+    poisoned = (1, 2)
+
+    def loss(self, batch):
+        if self.global_step not in self.poisoned:
+            return super().loss(batch)
+        detach = self.model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].detach(),))
+        try:
+            return super().loss(batch) * math.inf
+        finally:
+            detach.remove()
+
+
+def _fallback_plugin(module: GPTModule) -> FP8LMPrecision:
+    scaler = FP8GradScaler(nonfinite_fallback=module, fallback_after=2, init_scale=2.0**4, growth_interval=2)
+    return FP8LMPrecision(grad_scaler=scaler, fp8_grads=True)
+
+
+def _fit_from(ckpt, batches, tmp_path) -> tuple[GPTModule, L.Trainer]:
+    torch.manual_seed(123)  # the resumed run must not depend on the RNG for its initial weights
+    resumed = HeadPoisoned()
+    resumed.batches = batches
+    trainer = _trainer(max_steps=8, precision=None, plugins=[_fallback_plugin(resumed)], default_root_dir=tmp_path)
+    trainer.fit(resumed, loader(), ckpt_path=ckpt)
+    return resumed, trainer
+
+
+def test_resume_after_bf16_fallback_keeps_fallen_back_layers_in_high_precision(tmp_path):
+    batches = list(loader())
+    full = _module(HeadPoisoned)
+    full.batches = batches
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    _, first = _fit(full, max_steps=8, precision=None, plugins=[_fallback_plugin(full)], callbacks=[every],
+                    enable_checkpointing=True, default_root_dir=tmp_path)  # fmt: skip
+    assert type(full.model.lm_head) is nn.Linear and isinstance(full.model.blocks[0].mlp[0], FP8Linear)
+    ckpt = tmp_path / "epoch=0-step=4.ckpt"
+    assert torch.load(ckpt, weights_only=True)["FP8LMPrecision"]["fallen_back_layers"] == ["model.lm_head"]
+
+    resumed, trainer = _fit_from(ckpt, batches, tmp_path)
+    head = resumed.model.lm_head
+    assert type(head) is nn.Linear and head.weight.dtype == torch.float32
+    assert sum(isinstance(m, FP8Linear) for m in resumed.modules()) == 8  # every other linear layer
+    optimizer = trainer.optimizers[0]
+    assert any(p is head.weight for p in optimizer.param_groups[0]["params"])  # the parameter the model uses
+    assert optimizer.state[head.weight]["exp_avg"].dtype == torch.float32
+    # The same trajectory, weights, scaler and optimizer states as the uninterrupted run, bit for bit.
+    assert resumed.losses == full.losses[4:]
+    assert trainer.precision_plugin.grad_scaler.state_dict() == first.precision_plugin.grad_scaler.state_dict()
+    for (name, a), b in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    state, full_state = optimizer.state_dict()["state"], first.optimizers[0].state_dict()["state"]
+    assert state.keys() == full_state.keys()
+    for index, entries in state.items():
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(full_state[index][key])), (index, key)
+
+
+def test_load_state_dict_alone_puts_fallen_back_layers_back():
+    # Outside Trainer.fit (no on_load_checkpoint first): the FP8 state of the other layers must still load.
+    saved, module = FP8LMPrecision(), _module()
+    saved.convert_module(module)
+    put_back_to_high_precision(module, ["model.blocks.1.mlp.2"])
+    state = saved.state_dict()
+    assert state["fallen_back_layers"] == ["model.blocks.1.mlp.2"]
+    plugin, fresh = FP8LMPrecision(), _module()
+    plugin.convert_module(fresh)
+    _, [optimizer], _ = plugin.connect(fresh, [torch.optim.AdamW(fresh.parameters())], [])
+    layer = fresh.model.blocks[1].mlp[2]
+    assert layer.weight.dtype == torch.float16  # FP8AdamW (O2) holds its master in the weight's storage
+    plugin.load_state_dict(state)
+    layer = fresh.model.blocks[1].mlp[2]
+    assert type(layer) is nn.Linear and layer.weight.dtype == torch.float32
+    assert any(p is layer.weight for group in optimizer.param_groups for p in group["params"])
+    loaded = fp8_state_dict(fresh)
+    assert loaded.keys() == state["fp8"].keys()
+    assert all(torch.equal(value, state["fp8"][key]) for key, value in loaded.items())
+
+
+def test_checkpoint_without_fallen_back_layers_still_resumes(tmp_path):
+    # Written before the plugin saved "fallen_back_layers": no layer had fallen back by step 1.
+    batches = list(loader())
+    full = _module(HeadPoisoned)
+    full.batches = batches
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    _fit(full, max_steps=8, precision=None, plugins=[_fallback_plugin(full)], callbacks=[every],
+         enable_checkpointing=True, default_root_dir=tmp_path)  # fmt: skip
+    checkpoint = torch.load(tmp_path / "epoch=0-step=1.ckpt", weights_only=True)
+    assert checkpoint["FP8LMPrecision"].pop("fallen_back_layers") == []
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    resumed, _ = _fit_from(tmp_path / "old.ckpt", batches, tmp_path)
+    assert type(resumed.model.lm_head) is nn.Linear  # its own fallback, at step 2 as in the full run
+    assert resumed.losses == full.losses[1:]  # the poisoned steps' losses are inf in both
 
 
 def test_non_fp8_ops_run_under_bf16_autocast_unless_disabled():
