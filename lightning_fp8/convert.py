@@ -5,12 +5,45 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
+from torch.nn.utils import parametrize
 
-from lightning_fp8.linear import FP8Linear
+from lightning_fp8.linear import _ACTIVATION_DTYPES, FP8Linear
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.warnings import warn_once
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+# nn.Module's forward and backward hook registries (OrderedDicts keyed by the id of the handle that registered the hook)
+# and the flag that register_full_backward_hook sets.
+CALL_HOOKS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+)  # fmt: skip
+# Its state_dict hook registries. FP8Linear registers hooks of its own there (the O2 master's export and import).
+STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                    "_load_state_dict_post_hooks")  # fmt: skip
+
+# Why a linear layer stays in high precision, and what to do to run it in FP8 (if anything): one warning per reason,
+# in this order, naming the layers.
+_LEFT_BECAUSE: dict[str, tuple[str, str]] = {
+    "tied": ("their weight is shared with another module (tied weights)", ""),
+    "sizes": ("their feature sizes are not multiples of 16", ""),
+    "dtype": (
+        "their parameters are not float32, bfloat16 or float16, the dtypes FP8 layers run with",
+        "to run them in FP8, convert the model first (model.float() or model.bfloat16())",
+    ),
+    "reparametrized": (
+        "their weight is computed from other parameters (weight_norm, spectral_norm, pruning or "
+        "torch.nn.utils.parametrize), which an FP8 layer does not do",
+        "to run them in FP8, remove the reparametrization first (torch.nn.utils.parametrize.remove_parametrizations, "
+        "torch.nn.utils.remove_weight_norm, ...)",
+    ),
+    "state_dict_hooks": (
+        "they have state_dict hooks or an instance forward, which an FP8 layer cannot take over (its own state_dict "
+        "hooks export the O2 master weight)",
+        "to run them in FP8, register those after convert_to_fp8",
+    ),
+}
 
 
 def _is_convertible_type(module: nn.Module) -> bool:
@@ -19,21 +52,74 @@ def _is_convertible_type(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
+def _is_parametrized_linear(module: nn.Module) -> bool:
+    # torch.nn.utils.parametrize turns an nn.Linear into a ParametrizedLinear, a subclass computing its weight (or
+    # bias) on each access: left in high precision, and named, since its user expects a linear layer to be converted.
+    return parametrize.is_parametrized(module) and type(module).__bases__ == (nn.Linear,)
+
+
+def _reason_left(layer: nn.Module, shared: set[int]) -> str | None:
+    """The key of :data:`_LEFT_BECAUSE` for why the linear ``layer`` cannot become an FP8Linear, or None if it can."""
+    if _is_parametrized_linear(layer):  # first: reading its weight would run the parametrization (a power iteration)
+        return "reparametrized"
+    # Hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, prune) keep the nn.Linear type but replace
+    # the registered parameter by a tensor that a forward pre-hook recomputes from the real parameters.
+    if any(vars(layer).get(name) is not None for name in ("weight", "bias")):
+        return "reparametrized"
+    if layer.in_features % 16 or layer.out_features % 16:
+        return "sizes"
+    if any(p.dtype not in _ACTIVATION_DTYPES for p in layer.parameters(recurse=False)):
+        return "dtype"  # FP8Linear refuses float64 weights at every forward
+    if id(layer.weight) in shared:
+        # A tied weight (e.g. an output head sharing the token embedding) is read by another module too; the
+        # FP8 optimizer's O2 storage of FP8 weights would change what that module sees.
+        return "tied"
+    if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or "forward" in vars(layer):
+        return "state_dict_hooks"
+    return None
+
+
+def _label(layer: nn.Module, fqn: str, reason: str) -> str:
+    name = fqn or "<root>"
+    if reason == "sizes":
+        return f"{name} ({layer.in_features}->{layer.out_features})"
+    if reason == "dtype":
+        return f"{name} ({layer.weight.dtype})"
+    return name
+
+
+def share_hooks(source: nn.Module, target: nn.Module, registries: tuple[str, ...] = CALL_HOOKS) -> None:
+    """Give ``target``, which replaces ``source`` in a model, the hooks of ``source`` (by default its forward and
+    backward hooks, :data:`CALL_HOOKS`).
+
+    ``target`` gets the same registries, not copies: the handles that registered the hooks still remove them, from both
+    modules (``source`` keeps its hooks, for a caller that still holds it).
+    """
+    for name in registries:
+        if name in vars(source):
+            setattr(target, name, getattr(source, name))
+
+
 def convert_to_fp8(
     module: nn.Module, recipe: FP8Recipe | str | None = None, module_filter_fn: ModuleFilter | None = None
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` by an :class:`FP8Linear` that shares its parameters.
 
-    Idempotent (FP8 layers are left as they are). Layers whose feature sizes are not multiples of 16, and
-    layers whose weight is shared with another module (tied weights), stay in high precision and are named in
-    one warning. State dict keys do not change, so checkpoints load into
-    the model before or after conversion.
+    Idempotent (FP8 layers are left as they are). A layer registered under several names (``self.b = self.a``,
+    ``nn.Sequential(lin, act, lin)``) becomes one FP8Linear under all of them. The FP8Linear takes over the layer's
+    forward and backward hooks (:func:`share_hooks`: the handles keep working). Some layers stay
+    ``nn.Linear`` and are named in one warning per reason: feature sizes that are not multiples of 16, parameters
+    that are not float32, bfloat16 or float16 (float64), a weight shared with another module (tied weights), a weight
+    computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning, ``torch.nn.utils.parametrize``),
+    state_dict hooks or an instance ``forward``. State dict keys do not change, so checkpoints load into the model
+    before or after conversion.
 
     Args:
         module: the model; converted in place. If it is itself an ``nn.Linear``, a new layer is returned.
         recipe: an :class:`FP8Recipe`, a recipe name, or ``None`` for ``"fp8-lm"``.
         module_filter_fn: ``fn(module, fqn) -> bool``; a linear layer is converted only where it returns True
-            (e.g. ``lambda m, fqn: "lm_head" not in fqn`` keeps the output head in high precision).
+            (e.g. ``lambda m, fqn: "lm_head" not in fqn`` keeps the output head in high precision). A layer
+            registered under several names is asked about once, under its first name.
 
     Returns:
         The converted module (the same object unless ``module`` is a bare ``nn.Linear``).
@@ -41,8 +127,7 @@ def convert_to_fp8(
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_fp8 expects an nn.Module, got {type(module).__name__}")
     recipe = resolve_recipe(recipe)
-    skipped: list[str] = []
-    tied: list[str] = []
+    left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
     shared = _shared_parameter_ids(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
 
@@ -52,40 +137,50 @@ def convert_to_fp8(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        if not _is_convertible_type(child) or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
+        if not (_is_convertible_type(child) or _is_parametrized_linear(child)):
             return child
-        if child.in_features % 16 or child.out_features % 16:
-            skipped.append(f"{fqn or '<root>'} ({child.in_features}->{child.out_features})")
+        if module_filter_fn is not None and not module_filter_fn(child, fqn):
             return child
-        if id(child.weight) in shared:
-            # A tied weight (e.g. an output head sharing the token embedding) is read by another module too; the
-            # FP8 optimizer's O2 storage of FP8 weights would change what that module sees.
-            tied.append(fqn or "<root>")
+        reason = _reason_left(child, shared)
+        if reason is not None:
+            left[reason].append(_label(child, fqn, reason))
             return child
-        return FP8Linear.from_linear(child, recipe)
+        new = FP8Linear.from_linear(child, recipe)
+        share_hooks(child, new)
+        return new
 
     root = convert(module, "")
     if root is not module:
         return root
+    _replace_children(module, convert)
+    for message in _left_messages(left):
+        warn_once(message)
+    return module
+
+
+def _replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.Module]) -> None:
+    """Put ``convert(child, fqn)`` in place of each module inside ``module``, under every name the child has."""
     for parent_name, parent in list(module.named_modules()):
         if isinstance(parent, FP8Linear):
             continue
-        for name, child in list(parent.named_children()):
-            fqn = f"{parent_name}.{name}" if parent_name else name
-            new = convert(child, fqn)
+        # _modules, not named_children(): that skips a child registered under a second name, which would keep the
+        # nn.Linear there, reading the FP8 weight's storage (at O2 a scaled fp16 master).
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            new = convert(child, f"{parent_name}.{name}" if parent_name else name)
             if new is not child:
                 setattr(parent, name, new)
-    if tied:
-        warn_once(
-            f"convert_to_fp8 left {len(tied)} linear layer(s) in high precision because their weight is shared with "
-            f"another module (tied weights): {', '.join(tied)}"
-        )
-    if skipped:
-        warn_once(
-            f"convert_to_fp8 left {len(skipped)} linear layer(s) in high precision because their feature sizes "
-            f"are not multiples of 16: {', '.join(skipped)}"
-        )
-    return module
+
+
+def _left_messages(left: dict[str, list[str]]) -> list[str]:
+    messages = []
+    for reason, (because, fix) in _LEFT_BECAUSE.items():
+        names = left[reason]
+        if names:
+            message = f"convert_to_fp8 left {len(names)} linear layer(s) in high precision because {because}: "
+            messages.append(message + ", ".join(names) + (f"; {fix}" if fix else ""))
+    return messages
 
 
 def _shared_parameter_ids(module: nn.Module) -> set[int]:

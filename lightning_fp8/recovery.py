@@ -5,7 +5,9 @@ and records what it did in its ``history``:
 
 - :func:`lower_lr`: multiply every parameter group's learning rate by a factor;
 - :func:`fallback_to_high_precision`: put the FP8 layers whose gradients were non-finite back to
-  ``nn.Linear`` (their weights get fp32 optimizer states again); the user's autocast (bf16) then applies. Not for
+  ``nn.Linear`` (their weights get fp32 optimizer states again); the user's autocast (bf16) then applies. An
+  :class:`~lightning_fp8.FP8MLP` one of whose layers is put back becomes an :class:`UnfusedMLP` (its fused path needs
+  two FP8 layers) holding the same layers, the put-back one an ``nn.Linear``, the other still FP8. Not for
   layers with DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): those keep references to the
   module object, so it cannot be swapped; nor under DistributedDataParallel, which hooked the parameters and
   buffers (at O2 a weight would get its own dtype back and DDP would stop averaging its gradients). Use
@@ -22,13 +24,34 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from lightning_fp8.convert import CALL_HOOKS, STATE_DICT_HOOKS, share_hooks
 from lightning_fp8.linear import FP8Linear
+from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import master
 from lightning_fp8.optim.shards import is_dtensor
 
 FALLBACK_ATTR = "_lightning_fp8_fallen_back"  # set on each nn.Linear that put_back_to_high_precision put in place
+
+
+class UnfusedMLP(nn.Module):
+    """``proj(gelu(fc(x)))`` with the layers ``fc`` and ``proj`` as they are: what an :class:`~lightning_fp8.FP8MLP`
+    becomes when :func:`put_back_to_high_precision` puts one of its layers back to ``nn.Linear``.
+
+    FP8MLP's fused path needs two FP8Linear layers; this module calls them one after another, as FP8MLP itself does
+    where it cannot fuse, with the same GELU (the exact one, ``approximate="none"``; FP8MLP has no dropout). It holds
+    the FP8MLP's layer objects: the same parameters, state_dict keys and layer names.
+    """
+
+    def __init__(self, fc: nn.Linear, proj: nn.Linear) -> None:
+        super().__init__()
+        self.fc = fc
+        self.proj = proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
 
 
 def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
@@ -104,9 +127,12 @@ def put_back_to_high_precision(
     """Replace the FP8 layers ``names`` of ``model`` by ``nn.Linear`` layers that keep the same parameter objects.
 
     Optimizers keep pointing at the parameters the model uses; an :class:`~lightning_fp8.FP8AdamW` holding a weight
-    gives it back its own storage (unscaled, in its original dtype) with fp32 states. Layers already put back are
-    skipped, so a second call does nothing. To resume a run whose layers fell back, call it after converting the
-    new model and creating its optimizer, and before loading the model's, the optimizer's and the FP8 state.
+    gives it back its own storage (unscaled, in its original dtype) with fp32 states. The new layer takes over the
+    FP8 layer's forward and backward hooks, under every name the FP8 layer had. A layer of an
+    :class:`~lightning_fp8.FP8MLP` takes its FP8MLP with it: that becomes an :class:`UnfusedMLP` holding the same
+    layers (and the FP8MLP's hooks). Layers already put back are skipped, so a second call does nothing. To resume a
+    run whose layers fell back, call it after converting the new model and creating its optimizer, and before loading
+    the model's, the optimizer's and the FP8 state.
 
     Args:
         model: the model (or a module containing the layers); changed in place.
@@ -118,9 +144,10 @@ def put_back_to_high_precision(
         The names of the layers this call put back.
 
     Raises:
-        ValueError: before anything is changed, when a name is not an FP8 layer of ``model``, a layer's parameters
-            are DTensors (FSDP2, tensor parallelism), a weight's storage holds an FP8AdamW master and no optimizer
-            was given that holds it, or the model is wrapped by DistributedDataParallel.
+        ValueError: before anything is changed, when a name is not an FP8 layer inside ``model`` (``model`` itself, or
+            a layer of an FP8MLP that is ``model`` itself, cannot be replaced in place), a layer's parameters (or its
+            FP8MLP's) are DTensors (FSDP2, tensor parallelism), a weight's storage holds an FP8AdamW master and no
+            optimizer was given that holds it, or the model is wrapped by DistributedDataParallel.
 
     Example (resuming a plain PyTorch run)::
 
@@ -148,6 +175,16 @@ def _as_list(
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
+def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module:
+    return modules[name.rpartition(".")[0]]  # named_modules() names the model itself ""
+
+
+def _replaced(modules: dict[str, nn.Module], name: str) -> nn.Module:
+    """What putting the layer ``name`` back replaces in the model: the layer, or the FP8MLP holding it."""
+    parent = _parent(modules, name)
+    return parent if isinstance(parent, FP8MLP) else modules[name]
+
+
 def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
     return any(p is param for group in optimizer.param_groups for p in group["params"])
 
@@ -171,12 +208,20 @@ def _check_can_put_back(
             "FP8 layers are fp8_modules(model)); pass names from fallen_back_layers() of a model structured like this "
             "one. Nothing was changed"
         )
+    in_root = [name for name in names if _replaced(modules, name) is modules[""]]
+    if in_root:
+        raise ValueError(
+            f"put_back_to_high_precision: {', '.join(map(repr, in_root))} is a layer of the FP8MLP that is the model "
+            "itself, which would have to become an UnfusedMLP (FP8MLP's fused path needs two FP8 layers) and cannot be "
+            "replaced in place; pass a module containing it (e.g. nn.Sequential(mlp)) as the model, or use "
+            "nonfinite_fallback='lower_lr'. Nothing was changed"
+        )
     prefix = "FP8GradScaler(nonfinite_fallback='bf16') cannot put"
-    sharded = [name for name in names if any(is_dtensor(p) for p in modules[name].parameters(recurse=False))]
+    sharded = [name for name in names if any(is_dtensor(p) for p in _replaced(modules, name).parameters())]
     if sharded:
         raise ValueError(
             f"{prefix} {', '.join(map(repr, sharded))} back to nn.Linear: their parameters are DTensors (fully_shard "
-            "or tensor parallelism), whose hooks keep references to the FP8Linear modules, so a new module would get "
+            "or tensor parallelism), whose hooks keep references to the FP8 modules, so a new module would get "
             "sharded weights. Nothing was changed; use nonfinite_fallback='lower_lr' (or a callable) for sharded models"
         )
     weights = {name: modules[name].weight for name in names}
@@ -202,7 +247,8 @@ def _check_can_put_back(
 
 
 def _swap(model: nn.Module, modules: dict[str, nn.Module], name: str, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Put the FP8 layer ``name`` back to an ``nn.Linear`` holding its parameter objects, marked as fallen back."""
+    """Put the FP8 layer ``name`` back to an ``nn.Linear`` holding its parameter objects, marked as fallen back; an
+    FP8MLP holding it becomes an :class:`UnfusedMLP`."""
     layer = modules[name]
     for optimizer in optimizers:
         if hasattr(optimizer, "release") and _holds(optimizer, layer.weight):
@@ -214,7 +260,23 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module], name: str, optimizers
     linear.in_features, linear.out_features = layer.in_features, layer.out_features
     linear.weight, linear.bias = layer.weight, layer.bias
     linear.train(layer.training)
+    share_hooks(layer, linear)  # not its state_dict hooks: FP8Linear's own, for the O2 master it no longer has
     setattr(linear, FALLBACK_ATTR, True)
-    parent_name, _, child = name.rpartition(".")
-    setattr(modules[parent_name] if parent_name else model, child, linear)
+    _replace(model, layer, linear)
     modules[name] = linear
+    parent = _parent(modules, name)
+    if isinstance(parent, FP8MLP):
+        unfused = UnfusedMLP(parent.fc, parent.proj)
+        unfused.train(parent.training)
+        share_hooks(parent, unfused, CALL_HOOKS + STATE_DICT_HOOKS)
+        _replace(model, parent, unfused)
+        modules[name.rpartition(".")[0]] = unfused
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` in place of ``old`` under every name ``old`` has in ``model`` (named_modules() gives only the first
+    one of a module registered under several)."""
+    for parent in list(model.modules()):
+        for key, child in list(parent._modules.items()):
+            if child is old:
+                setattr(parent, key, new)

@@ -1,10 +1,26 @@
+import copy
+import functools
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations, prune
 
-from lightning_fp8 import FP8Linear, convert_to_fp8, fp8_modules
+import lightning_fp8.warnings
+from lightning_fp8 import FP8AdamW, FP8Linear, convert_to_fp8, fp8_modules
+from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
+
+# Two FP8 GEMMs in series (with a GELU between): each adds its own rounding noise (~27 dB apiece, tests/numerics.py),
+# measured 25-26 dB together against the unconverted model.
+TWO_GEMMS_SQNR_DB = 20.0
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """warn_once warns once per process: warn again in this test."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
 
 
 class Block(nn.Module):
@@ -92,3 +108,169 @@ def test_tied_weight_stays_high_precision():
     with pytest.warns(UserWarning, match=r"shared with another module.*head"):
         convert_to_fp8(model)
     assert type(model["head"]) is nn.Linear and isinstance(model["mlp"], FP8Linear)
+
+
+# ------------------------------------------------------------------------------- a layer under several names
+class Reused(nn.Module):
+    """``lin(gelu(lin(x)))`` with ``lin`` registered under each of ``names`` (under one: the reference)."""
+
+    def __init__(self, lin: nn.Linear, names: tuple[str, ...]):
+        super().__init__()
+        for name in names:
+            setattr(self, name, lin)
+        self.names = names
+
+    def forward(self, x):
+        return getattr(self, self.names[-1])(F.gelu(getattr(self, self.names[0])(x)))
+
+
+REUSES = {
+    "alias": lambda lin: Reused(lin, ("shared", "alias")),  # e.g. weight-shared blocks
+    "sequential": lambda lin: nn.Sequential(lin, nn.GELU(), lin),
+}
+
+
+def _train_o2_autocast(model: nn.Module, x: torch.Tensor, steps: int = 4) -> list[float]:
+    """The documented loop at O2 under bf16 autocast: FP8AdamW keeps each FP8 weight's fp16 master in its storage."""
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (model(x).float() - 1).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("reuse", REUSES)
+def test_a_layer_under_several_names_becomes_one_fp8_layer_under_all(reuse):
+    lin = nn.Linear(32, 32)
+    model, plain = REUSES[reuse](lin), REUSES[reuse](copy.deepcopy(lin))
+    once = Reused(copy.deepcopy(lin), ("shared",))  # the same computation, the layer registered under one name
+    convert_to_fp8(model)
+    convert_to_fp8(once)
+    layers = [child for child in model._modules.values() if isinstance(child, nn.Linear)]
+    assert len(layers) == 2 and layers[0] is layers[1] and isinstance(layers[0], FP8Linear)
+    x = torch.randn(8, 32)
+    with torch.no_grad():  # a graph would hold the weights, which FP8AdamW (O2) refuses to adopt then
+        y = model(x)
+        assert torch.equal(y, once(x)) and sqnr(y, plain(x)) > TWO_GEMMS_SQNR_DB
+
+    assert _train_o2_autocast(model, x) == _train_o2_autocast(once, x)
+    assert layers[0].weight.dtype == torch.float16  # the O2 master: an nn.Linear left under one name would read it
+    plain.load_state_dict(model.state_dict())  # the true weights: state_dict exports the master unscaled
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sqnr(model(x).float(), plain(x).float()) > TWO_GEMMS_SQNR_DB
+
+
+# ------------------------------------------------------------------------- layers left in high precision
+REPARAMETRIZATIONS = {
+    "weight_norm": nn.utils.weight_norm,  # hook-based: still an nn.Linear, its weight computed by a pre-hook
+    "spectral_norm": nn.utils.spectral_norm,
+    "pruning": lambda layer: prune.l1_unstructured(layer, "weight", amount=0.3),
+    "parametrizations.weight_norm": parametrizations.weight_norm,  # a ParametrizedLinear subclass
+    "parametrizations.spectral_norm": parametrizations.spectral_norm,
+}
+
+
+@pytest.mark.parametrize("kind", REPARAMETRIZATIONS)
+def test_reparametrized_layers_stay_in_high_precision_and_train(kind, fresh_warnings):
+    def build():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # nn.utils.weight_norm's deprecation
+            return nn.Sequential(REPARAMETRIZATIONS[kind](nn.Linear(32, 32)), nn.GELU(), nn.Linear(32, 16))
+
+    model, reference = build(), build()
+    layer, names = model[0], [name for name, _ in model.named_parameters()]
+    with pytest.warns(UserWarning, match=r"computed from other parameters.*: 0; to run them in FP8, remove"):
+        convert_to_fp8(model)
+    convert_to_fp8(reference, module_filter_fn=lambda m, fqn: fqn != "0")  # left out on purpose
+    assert [name for name, _ in model.named_parameters()] == names
+    assert model[0] is layer and isinstance(model[2], FP8Linear)
+
+    losses = {}
+    for key, m in (("converted", model), ("reference", reference)):
+        optimizer = FP8AdamW(m.parameters(), lr=1e-2)
+        losses[key] = []
+        for step in range(3):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+            loss = m(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[key].append(loss.item())
+    assert losses["converted"] == losses["reference"] and len(set(losses["converted"])) == 3  # it trains
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_float64_layers_stay_in_high_precision(fresh_warnings):
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)).double()
+    plain = copy.deepcopy(model)
+    expected = r"not float32, bfloat16 or float16.*: 0 \(torch.float64\), 2 \(torch.float64\); to run them in FP8"
+    with pytest.warns(UserWarning, match=expected):
+        convert_to_fp8(model)
+    assert not fp8_modules(model)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    assert torch.equal(model(x), plain(x))
+    convert_to_fp8(model.float())  # what the warning says to do
+    assert set(fp8_modules(model)) == {"0", "2"}
+    assert sqnr(model(x.float()), plain(x)) > TWO_GEMMS_SQNR_DB
+
+
+# ----------------------------------------------------------------------------------------------------- hooks
+def _add_hooks(layer: nn.Linear, log: list) -> list:
+    """A pre-hook and a hook that change the input and the output, a kwargs hook and a full backward hook that log."""
+    return [
+        layer.register_forward_pre_hook(lambda m, args: (args[0] * 2,)),
+        layer.register_forward_hook(lambda m, args, out: out + 1),
+        layer.register_forward_hook(
+            lambda m, args, kwargs, out: log.append(("forward", type(m).__name__)), with_kwargs=True
+        ),
+        layer.register_full_backward_hook(lambda m, grad_in, grad_out: log.append(("backward", grad_out[0].shape))),
+    ]
+
+
+def test_forward_and_backward_hooks_carry_over_to_the_fp8_layer():
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    plain = copy.deepcopy(model)
+    log, plain_log = [], []
+    handles = _add_hooks(model[0], log)
+    _add_hooks(plain[0], plain_log)
+    convert_to_fp8(model)
+    assert isinstance(model[0], FP8Linear)
+    x = torch.randn(8, 32, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    y, y_plain = model(x), plain(x_plain)
+    assert sqnr(y, y_plain) > TWO_GEMMS_SQNR_DB  # without the hooks' x * 2 and + 1 it is about 6 dB
+    y.square().sum().backward()
+    y_plain.square().sum().backward()
+    assert sqnr(x.grad, x_plain.grad) > BACKWARD_SQNR_DB
+    assert log == [("forward", "FP8Linear"), ("backward", (8, 64))]
+    assert plain_log == [("forward", "Linear"), ("backward", (8, 64))]
+
+    for handle in handles:  # the handles returned before the conversion remove the hooks from the FP8 layer
+        handle.remove()
+    log.clear()
+    unhooked = copy.deepcopy(plain)
+    unhooked[0]._forward_hooks.clear()
+    unhooked[0]._forward_pre_hooks.clear()
+    assert sqnr(model(x), unhooked(x)) > TWO_GEMMS_SQNR_DB and log == []
+
+
+def test_layers_with_state_dict_hooks_or_an_instance_forward_stay_in_high_precision(fresh_warnings):
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    model[0].register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.update({prefix + "step": torch.tensor(3)}))
+    model[1].forward = functools.partial(lambda m, x: nn.Linear.forward(m, x) * 3, model[1])  # e.g. accelerate's
+    plain = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"state_dict hooks or an instance forward.*: 0, 1; to run them in FP8, "
+                      "register those after convert_to_fp8"):  # fmt: skip
+        convert_to_fp8(model)
+    assert set(fp8_modules(model)) == {"2"}
+    assert model.state_dict().keys() == plain.state_dict().keys() and "0.step" in model.state_dict()
+    x = torch.randn(8, 32)
+    assert sqnr(model(x), plain(x)) > FORWARD_SQNR_DB
+    assert torch.equal(model[1](x), plain[1](x))

@@ -1,7 +1,8 @@
-"""The "bf16" fallback: resuming a plain PyTorch run after layers fell back, and DistributedDataParallel (2 gloo
-processes), under which it is refused: at O2 giving a weight back its own dtype unhooks DDP's gradient averaging
-(measured: the next step's gradients differ between the ranks, then DDP fails), and at O1 removing every FP8 layer's
-buffers trips DDP's buffer broadcast (an internal assert in its next forward)."""
+"""The "bf16" fallback: resuming a plain PyTorch run after layers fell back, layers of an FP8MLP (against the same MLP
+built from nn.Linear layers around an nn.GELU), and DistributedDataParallel (2 gloo processes), under which it is
+refused: at O2 giving a weight back its own dtype unhooks DDP's gradient averaging (measured: the next step's gradients
+differ between the ranks, then DDP fails), and at O1 removing every FP8 layer's buffers trips DDP's buffer broadcast
+(an internal assert in its next forward); as it is for an FP8MLP sharded by fully_shard."""
 
 import io
 import math
@@ -9,10 +10,16 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
-from lightning_fp8.recovery import fallen_back_layers, put_back_to_high_precision
+from lightning_fp8 import FP8MLP, FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
+from lightning_fp8.recovery import (
+    UnfusedMLP,
+    fallback_to_high_precision,
+    fallen_back_layers,
+    put_back_to_high_precision,
+)
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 from tests.distributed.launch import run_workers
 
@@ -107,6 +114,143 @@ def test_layers_put_back_before_the_optimizer_exists_get_fp32_states():
     assert optimizer.state[model[2].weight]["exp_avg"].dtype == torch.float32
 
 
+def test_a_layer_under_several_names_falls_back_under_all_of_them():
+    lin = nn.Linear(32, 32)
+    model = convert_to_fp8(nn.Sequential(lin, nn.GELU(), lin))  # one FP8Linear under the names "0" and "2"
+    _, optimizer = _training(model)
+    assert put_back_to_high_precision(model, ["0"], optimizer) == ["0"] and fallen_back_layers(model) == ["0"]
+    assert type(model[0]) is nn.Linear and model[2] is model[0] and model[0].weight is lin.weight
+    plain_lin = nn.Linear(32, 32)
+    plain = nn.Sequential(plain_lin, nn.GELU(), plain_lin)  # a high-precision model with the same weights
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(8, 32)
+    assert torch.equal(model(x), plain(x))
+
+
+# ------------------------------------------------------------------------------------------------------- FP8MLP
+MLP_POISONED = (0, 1)  # the first steps: no update before the fallback, which both forms of the MLP then start from
+BLAMED = {"both": ["0.fc", "0.proj"], "proj": ["0.proj"]}
+
+
+def _mlp(fused: bool, opt_level: str = "O2", seed: int = 0) -> nn.Module:
+    """One MLP in two forms: an FP8MLP, or converted nn.Linear layers around an nn.GELU, whose fallback is a plain
+    linear layer's (the reference)."""
+    torch.manual_seed(seed)
+    fc, proj = nn.Linear(32, 64), nn.Linear(64, 16)
+    recipe = "fp8-lm" if opt_level == "O2" else "fp8-lm-o1"
+    if fused:
+        return nn.Sequential(FP8MLP.from_modules(fc, proj, recipe))
+    return convert_to_fp8(nn.Sequential(fc, nn.GELU(), proj), recipe)
+
+
+def _mlp_layers(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(fc, proj)`` of either form of :func:`_mlp`, as they are now."""
+    return (model[0].fc, model[0].proj) if len(model) == 1 else (model[0], model[2])
+
+
+def _mlp_training(model: nn.Module, opt_level: str) -> tuple[FP8GradScaler, FP8AdamW]:
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2, init_scale=2.0**4)
+    return scaler, FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, opt_level=opt_level)
+
+
+def _train_mlp(model: nn.Module, scaler, optimizer, steps: range, blamed: str) -> list[float]:
+    """Steps on fixed data; at MLP_POISONED steps the gradients of the ``blamed`` layers are non-finite."""
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(24, 32, generator=gen), torch.randn(24, 16, generator=gen)
+        optimizer.zero_grad()
+        if step in MLP_POISONED:
+            fc, proj = _mlp_layers(model)
+            hidden = F.gelu(fc(x)) if blamed == "both" else F.gelu(fc(x)).detach()
+            loss = ((proj(hidden) - y) ** 2).mean() * math.inf
+        else:
+            loss = ((model(x) - y) ** 2).mean()
+        scaler.scale_loss(loss).backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("blamed", BLAMED)
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fallback_in_an_fp8mlp_leaves_a_working_mlp(opt_level, blamed):
+    fused, linears = _mlp(fused=True, opt_level=opt_level), _mlp(fused=False, opt_level=opt_level)
+    params = list(fused.parameters())
+    runs = {}
+    for key, model in (("fused", fused), ("linears", linears)):
+        scaler, optimizer = _mlp_training(model, opt_level)
+        runs[key] = _train_mlp(model, scaler, optimizer, range(6), blamed)
+        if key == "fused":  # the optimizer kept the parameters the model uses
+            assert all(a is b for a, b in zip(optimizer.param_groups[0]["params"], params, strict=True))
+    assert fallen_back_layers(fused) == BLAMED[blamed] and runs["fused"] == runs["linears"]  # continued alike
+    mlp = fused[0]
+    assert type(mlp) is UnfusedMLP and type(mlp.proj) is nn.Linear
+    assert type(mlp.fc) is (nn.Linear if blamed == "both" else FP8Linear)
+    assert all(a is b for a, b in zip(fused.parameters(), params, strict=True))
+    assert mlp.proj.weight.dtype == torch.float32  # an O2 master given back
+    for a, b in zip(fused.state_dict().values(), linears.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+    x = torch.randn(8, 32)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))  # a high-precision MLP, same weights
+    plain.load_state_dict(linears.state_dict())
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = fused(x)
+            assert torch.equal(y, linears(x))
+            if blamed == "both":
+                assert torch.equal(y, plain(x))
+
+
+@pytest.mark.parametrize("blamed", BLAMED)
+def test_plain_pytorch_resume_after_an_fp8mlp_layer_fell_back(blamed):
+    full = _mlp(fused=True)
+    scaler, optimizer = _mlp_training(full, "O2")
+    losses = _train_mlp(full, scaler, optimizer, range(4), blamed)
+    ckpt = _checkpoint(full, scaler, optimizer)
+    assert ckpt["fallen_back_layers"] == BLAMED[blamed]
+    losses += _train_mlp(full, scaler, optimizer, range(4, 8), blamed)
+
+    resumed = _mlp(fused=True, seed=123)  # other initial weights: everything must come from the checkpoint
+    resumed_scaler, resumed_optimizer = _mlp_training(resumed, "O2")
+    assert put_back_to_high_precision(resumed, ckpt["fallen_back_layers"], resumed_optimizer) == BLAMED[blamed]
+    assert type(resumed[0]) is UnfusedMLP and type(resumed[0].proj) is nn.Linear
+    resumed.load_state_dict(ckpt["model"])
+    resumed_optimizer.load_state_dict(ckpt["optimizer"])
+    resumed_scaler.load_state_dict(ckpt["scaler"])
+    load_fp8_state_dict(resumed, ckpt["fp8"])
+
+    assert _train_mlp(resumed, resumed_scaler, resumed_optimizer, range(4, 8), blamed) == losses[4:]
+    for (name, a), b in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert fallen_back_layers(resumed) == BLAMED[blamed]
+
+
+def test_a_layer_of_an_fp8mlp_that_is_the_model_itself_is_refused_before_changing_anything():
+    mlp = FP8MLP(32, 64)
+    optimizer = FP8AdamW(mlp.parameters(), lr=1e-2)
+    mlp(torch.randn(8, 32)).square().mean().backward()
+    mlp.proj.fp8_scaling["grad_output"].amax.fill_(math.inf)  # blames proj, as a non-finite gradient would
+    with pytest.raises(ValueError, match=r"'proj' is a layer of the FP8MLP that is the model itself.*nn.Sequential"):
+        fallback_to_high_precision(mlp, optimizer)
+    assert isinstance(mlp.proj, FP8Linear) and mlp.proj.weight.dtype == torch.float16  # nothing changed
+
+
+def test_an_fp8mlp_falling_back_keeps_the_hooks_of_its_layers_and_itself():
+    model = _mlp(fused=True)
+    _, optimizer = _mlp_training(model, "O2")
+    calls = []
+    model[0].register_forward_hook(lambda m, args, out: calls.append(type(m).__name__))
+    handle = model[0].proj.register_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
+    put_back_to_high_precision(model, ["0.proj"], optimizer)
+    model(torch.randn(8, 32))
+    assert calls == ["Linear", "UnfusedMLP"]
+    handle.remove()  # the handle from before the fallback removes the hook from the new layer
+    model(torch.randn(8, 32))
+    assert calls == ["Linear", "UnfusedMLP", "UnfusedMLP"]
+
+
 # ----------------------------------------------------------------------------------- DistributedDataParallel
 def _gradients_averaged(model: nn.Module, ddp: nn.Module, x: torch.Tensor) -> bool:
     """One backward through DDP: is every gradient the same on both ranks (averaged), none of them missing?"""
@@ -120,29 +264,32 @@ def _gradients_averaged(model: nn.Module, ddp: nn.Module, x: torch.Tensor) -> bo
     return all(same)
 
 
-def _ddp_fallback(rank: int, opt_level: str, blamed: tuple[int, ...]) -> dict:
+def _ddp_fallback(rank: int, opt_level: str, blamed: tuple[str, ...], build=_model) -> dict:
     """The ``blamed`` layers' gradients made non-finite on both ranks, the fallback, then a backward on each rank's
     data (more steps if the fallback went through)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = _model()
+    model = build()
     scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=1)
     optimizer = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, opt_level=opt_level)
     ddp = DDP(model)  # after the optimizer, as docs/guides/pytorch.md says
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))  # each rank its own data
     ddp(x).square().mean().backward()
-    for i in blamed:
-        model[i].weight.grad.fill_(math.inf)
-        model[i].fp8_scaling["grad_output"].amax.fill_(math.inf)  # blames the layer, as a non-finite gradient would
+    layers = [model.get_submodule(name) for name in blamed]
+    for layer in layers:
+        layer.weight.grad.fill_(math.inf)
+        layer.fp8_scaling["grad_output"].amax.fill_(math.inf)  # blames the layer, as a non-finite gradient would
     error = None
     try:
         optimizer.step()
     except ValueError as e:
         error = str(e)
     optimizer.zero_grad()
-    report = {"error": error, "layers": [type(model[i]).__name__ for i in blamed], "averaged": [],
-              "dtypes": [str(model[i].weight.dtype) for i in blamed]}  # fmt: skip
+    layers = [model.get_submodule(name) for name in blamed]
+    report = {"error": error, "layers": [type(layer).__name__ for layer in layers], "averaged": [],
+              "dtypes": [str(layer.weight.dtype) for layer in layers],
+              "model": [type(m).__name__ for m in model]}  # fmt: skip
     for _ in range(3 if error is None else 1):  # after a refused fallback the scaler's step is not finished
         try:
             report["averaged"].append(_gradients_averaged(model, ddp, x))
@@ -155,8 +302,30 @@ def _ddp_fallback(rank: int, opt_level: str, blamed: tuple[int, ...]) -> dict:
     return report
 
 
+def _sharded_mlp_fallback() -> dict:
+    """An FP8MLP sharded by fully_shard (its parameters DTensors) whose proj is blamed: the fallback raises."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _mlp(fused=True)
+    fully_shard(model[0])
+    fully_shard(model)
+    model[0].proj.fp8_scaling["grad_output"].amax.fill_(math.inf)
+    try:
+        fallback_to_high_precision(model, None)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "layers": [isinstance(model[0], FP8MLP), type(model[0].proj).__name__]}
+
+
 def _worker(rank: int, world: int) -> dict:
-    return {"O2": _ddp_fallback(rank, "O2", (2,)), "O1": _ddp_fallback(rank, "O1", (0, 2))}
+    return {
+        "O2": _ddp_fallback(rank, "O2", ("2",)),
+        "O1": _ddp_fallback(rank, "O1", ("0", "2")),
+        "FP8MLP": _ddp_fallback(rank, "O2", ("0.proj",), build=lambda: _mlp(fused=True)),
+        "sharded FP8MLP": _sharded_mlp_fallback(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +334,19 @@ def ddp_reports() -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("level", "dtype"), [("O2", "torch.float16"), ("O1", "torch.float32")])
+@pytest.mark.parametrize(("level", "dtype"), [("O2", "torch.float16"), ("O1", "torch.float32"),
+                                              ("FP8MLP", "torch.float16")])  # fmt: skip
 def test_ddp_fallback_is_refused_before_changing_anything(ddp_reports, level, dtype):
     for report in (r[level] for r in ddp_reports):
         assert report["error"] is not None and "under DistributedDataParallel" in report["error"], report
         assert "Nothing was changed; use nonfinite_fallback='lower_lr'" in report["error"]
         assert set(report["layers"]) == {"FP8Linear"} and set(report["dtypes"]) == {dtype}
+        assert "UnfusedMLP" not in report["model"] and "Linear" not in report["model"]
         assert report["averaged"] == [True]  # DDP still averages every gradient
+
+
+@pytest.mark.slow
+def test_fallback_in_an_fp8mlp_sharded_by_fully_shard_is_refused_before_changing_anything(ddp_reports):
+    for report in (r["sharded FP8MLP"] for r in ddp_reports):
+        assert "'0.proj' back to nn.Linear: their parameters are DTensors" in (report["error"] or ""), report
+        assert report["layers"] == [True, "FP8Linear"]
