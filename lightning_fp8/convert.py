@@ -13,6 +13,10 @@ from lightning_fp8.warnings import warn_once
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
+# Set on each nn.Linear that recovery.put_back_to_high_precision put in place of an FP8 layer (the "bf16" fallback):
+# convert_to_fp8 leaves it in high precision, so converting again does not undo the fallback.
+FALLBACK_ATTR = "_lightning_fp8_fallen_back"
+
 # nn.Module's forward and backward hook registries (OrderedDicts keyed by the id of the handle that registered the hook)
 # and the flag that register_full_backward_hook sets.
 CALL_HOOKS = (
@@ -105,8 +109,9 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` by an :class:`FP8Linear` that shares its parameters.
 
-    Idempotent (FP8 layers are left as they are). A layer registered under several names (``self.b = self.a``,
-    ``nn.Sequential(lin, act, lin)``) becomes one FP8Linear under all of them. The FP8Linear takes over the layer's
+    Idempotent (FP8 layers, and layers the ``"bf16"`` fallback put back to ``nn.Linear``, are left as they are).
+    A layer registered under several names (``self.b = self.a``, ``nn.Sequential(lin, act, lin)``) becomes one
+    FP8Linear under all of them. The FP8Linear takes over the layer's
     forward and backward hooks (:func:`share_hooks`: the handles keep working). Some layers stay
     ``nn.Linear`` and are named in one warning per reason: feature sizes that are not multiples of 16, parameters
     that are not float32, bfloat16 or float16 (float64), a weight shared with another module (tied weights), a weight
@@ -137,7 +142,7 @@ def convert_to_fp8(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        if not (_is_convertible_type(child) or _is_parametrized_linear(child)):
+        if not (_is_convertible_type(child) or _is_parametrized_linear(child)) or getattr(child, FALLBACK_ATTR, False):
             return child
         if module_filter_fn is not None and not module_filter_fn(child, fqn):
             return child

@@ -27,13 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8.convert import CALL_HOOKS, STATE_DICT_HOOKS, share_hooks
+from lightning_fp8.convert import CALL_HOOKS, FALLBACK_ATTR, STATE_DICT_HOOKS, share_hooks
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import master
 from lightning_fp8.optim.shards import is_dtensor
-
-FALLBACK_ATTR = "_lightning_fp8_fallen_back"  # set on each nn.Linear that put_back_to_high_precision put in place
 
 
 class UnfusedMLP(nn.Module):

@@ -350,3 +350,13 @@ def test_fallback_in_an_fp8mlp_sharded_by_fully_shard_is_refused_before_changing
     for report in (r["sharded FP8MLP"] for r in ddp_reports):
         assert "'0.proj' back to nn.Linear: their parameters are DTensors" in (report["error"] or ""), report
         assert report["layers"] == [True, "FP8Linear"]
+
+
+def test_converting_again_keeps_the_layers_that_fell_back():
+    model = _model()
+    _, optimizer = _training(model)
+    put_back_to_high_precision(model, ["0"], optimizer)
+    expected = model.state_dict()
+    assert convert_to_fp8(model) is model
+    assert type(model[0]) is nn.Linear and fallen_back_layers(model) == ["0"] and isinstance(model[2], FP8Linear)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.values(), strict=True))
