@@ -31,6 +31,7 @@ from typing_extensions import override
 import lightning_fp8  # noqa: F401  (registers precision="fp8-lm" with Lightning)
 from lightning_fp8 import FP8LMPrecision
 from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
+from lightning_fp8.ops import has_fp8_gemm
 
 # --precision values that mean FP8-LM, and the recipe each names (see FP8Recipe.from_name).
 FP8_PRECISIONS = ("fp8-lm", "fp8-lm-o1", "fp8-lm-current", "fp8-lm-e4m3")
@@ -138,6 +139,15 @@ def precision_kwargs(precision: str) -> dict[str, Any]:
 # --8<-- [end:precision]
 
 
+def describe_device(precision: str) -> str:
+    """The device the run uses, and whether its FP8 GEMMs are emulated (only FP8 precisions have FP8 GEMMs)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    if precision in FP8_PRECISIONS and not has_fp8_gemm(device):
+        name += " (FP8 GEMMs emulated)"
+    return name
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lit = LitGPT(asdict(cfg), lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
     if args.compile:
         lit.model.compile()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (FP8 GEMMs emulated)"
+    device = describe_device(args.precision)
     print(f"model: {cfg} | {lit.model.num_params() / 1e6:.1f}M parameters | precision {args.precision} | {device}")
 
     out = Path(args.out)

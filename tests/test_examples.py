@@ -111,6 +111,16 @@ def test_module_filter_keeps_head_out_of_fp8():
     assert model.lm_head.weight is model.wte.weight  # still tied
 
 
+def test_train_gpt_says_gemms_are_emulated_only_for_fp8_precisions(monkeypatch):
+    import train_gpt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_gpt.describe_device("fp8-lm") == "CPU (FP8 GEMMs emulated)"
+    assert train_gpt.describe_device("fp8-lm-e4m3") == "CPU (FP8 GEMMs emulated)"
+    for precision in ("bf16-mixed", "16-mixed", "32-true"):  # no FP8 GEMM in these runs, emulated or not
+        assert train_gpt.describe_device(precision) == "CPU"
+
+
 def test_train_gpt_toy(tmp_path):
     out = tmp_path / "run"
     steps, val_batches = 60, 4

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_fp8.convert import fp8_modules
 from lightning_fp8.health import HealthMonitor
-from lightning_fp8.integrations.accelerate import conversion, parallel, tensor_parallel
+from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
@@ -122,7 +122,15 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self.fp8_health = HealthMonitor()
         self.fp8_report["recipe"] = self.fp8_lm_config.recipe.to_dict()
         self.register_save_state_pre_hook(self._fp8_save_hook)
+        # Hooks run in the order registered: layers that fell back are put back before the FP8 state loads.
+        self.register_load_state_pre_hook(self._fp8_put_back_hook)
         self.register_load_state_pre_hook(self._fp8_load_hook)
+
+    def _fp8_put_back_hook(self, models: list[nn.Module], input_dir: str) -> None:
+        """Layers the saved run's ``"bf16"`` fallback put back to ``nn.Linear`` are FP8 again in the models prepared
+        for this run: put them back before the FP8, model and optimizer states are loaded into them."""
+        optimizers = [self._fp8_optimizer.optimizer] if self._fp8_optimizer is not None else []
+        checkpoint.put_back_fallen_back_layers(input_dir, self.process_index, self._fp8_models, optimizers)
 
     @property
     def fp8_lm_enabled(self) -> bool:

@@ -7,7 +7,11 @@ save/load hooks, one file per rank in ``<checkpoint>/lightning_fp8/rank<R>.pt``:
 - the FP8 scaling state of every prepared model (scales, amax histories, counters: non-persistent buffers, so
   they are not in the model's ``state_dict``); per rank, because delayed-scaling histories of activations and
   activation gradients are per rank;
-- the gradient scaler mu and its counters, and the health monitor's history.
+- the gradient scaler mu and its counters, and the health monitor's history;
+- the names of the layers that ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``. A model
+  prepared afresh has them in FP8 again: :func:`put_back_fallen_back_layers` puts them back before any state is
+  loaded into it (FP8 scaling state, weights, optimizer states), as Lightning's plugin does in
+  ``on_load_checkpoint``.
 
 Every file holds plain tensors, numbers, lists and dicts: it loads with ``torch.load(weights_only=True)``.
 """
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fp8 import recovery
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
@@ -43,6 +48,7 @@ def build_state(
         "recipe": recipe.to_dict(),
         "world_size": world_size,
         "models": [fp8_state_dict(m) for m in models],
+        "fallen_back_layers": [recovery.fallen_back_layers(m) for m in models],
         "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
         "health": health.state_dict() if health is not None else None,
         "optimizer_steps": steps,
@@ -63,16 +69,13 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
     (weights and mu are the same on every rank; only activation statistics differ, and they re-adapt in
     ``amax_history_len`` steps).
     """
-    path = rank_file(directory, rank)
-    if not path.is_file():
-        fallback = rank_file(directory, 0)
-        if not fallback.is_file():
-            warn_once(
-                f"accelerator.load_state({str(directory)!r}): the checkpoint has no FP8 state ({SUBDIR}/ is missing; "
-                "was it saved without FP8-LM?). FP8 scales and mu start fresh."
-            )
-            return None
-        path = fallback
+    path = _state_file(directory, rank)
+    if path is None:
+        warn_once(
+            f"accelerator.load_state({str(directory)!r}): the checkpoint has no FP8 state ({SUBDIR}/ is missing; "
+            "was it saved without FP8-LM?). FP8 scales and mu start fresh."
+        )
+        return None
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(
@@ -85,6 +88,38 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
             f"by {world_size}; ranks without their own file use rank 0's activation scaling statistics"
         )
     return state
+
+
+def _state_file(directory: str | os.PathLike, rank: int) -> Path | None:
+    """This rank's file, else rank 0's (a checkpoint written by fewer processes), else ``None``."""
+    for path in (rank_file(directory, rank), rank_file(directory, 0)):
+        if path.is_file():
+            return path
+    return None
+
+
+def put_back_fallen_back_layers(
+    directory: str | os.PathLike, rank: int, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Put the layers that had fallen back to ``nn.Linear`` in the saved run back in the unwrapped ``models``.
+
+    Call it before anything is loaded into them: ``convert_to_fp8`` made those layers FP8 again and FP8AdamW (O2)
+    took their weights' storage, so neither the FP8 scaling state nor the optimizer state of the checkpoint fits
+    them. Putting them back releases their weights from ``optimizers`` (fp32 states, as saved); the weights' values
+    are the checkpoint's once Accelerate loads the model. Nothing happens for a checkpoint written before the names
+    were saved, or without FP8 state.
+
+    Raises:
+        ValueError: when a layer cannot be put back (see :func:`lightning_fp8.recovery.put_back_to_high_precision`:
+            e.g. the model is wrapped by DistributedDataParallel), before anything is changed.
+    """
+    path = _state_file(directory, rank)
+    if path is None:
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=True).get("fallen_back_layers") or []
+    for model, names in zip(models, saved, strict=False):  # a count mismatch is reported by restore()
+        if names:
+            recovery.put_back_to_high_precision(model, names, optimizers)
 
 
 def restore(

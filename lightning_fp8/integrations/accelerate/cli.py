@@ -10,9 +10,11 @@
 works and means what it means there) plus two options of ours, then:
 
 1. takes the ``lightning_fp8:`` section out of the Accelerate config file (Accelerate rejects unknown keys) and
-   hands Accelerate a copy without it;
-2. resolves the FP8 settings: flags, else the config section, else ``LIGHTNING_FP8_RECIPE`` already in the
-   environment, else the ``fp8-lm`` recipe; a bad recipe name stops here with the list of valid names;
+   hands Accelerate a copy without it; a file without Accelerate's required ``distributed_type`` stops here, with
+   what to add;
+2. resolves the FP8 settings, each from its flag, else the config section, else the ``LIGHTNING_FP8_*`` variable
+   already in the environment, else its default (the ``fp8-lm`` recipe, no excluded module, the ``gpt`` plan; see
+   :func:`_resolve`); a bad recipe name stops here with the list of valid names;
 3. exports them as ``LIGHTNING_FP8_RECIPE`` / ``LIGHTNING_FP8_EXCLUDE`` / ``LIGHTNING_FP8_TP_PLAN`` and runs
    ``accelerate launch``.
 
@@ -60,7 +62,8 @@ FP8_OPTIONS = f"""lightning-fp8 launch options (FP8-LM; docs/accelerate.md):
   --fp8-recipe NAME        one of {FP8Recipe.names()}, or '{OFF}'; overrides `{CONFIG_KEY}.recipe`
                            of the config file (default: the config section, else ${ENV_RECIPE}, else fp8-lm)
   --fp8-exclude PATTERNS   comma-separated module name patterns kept in high precision (e.g. lm_head);
-                           overrides `{CONFIG_KEY}.exclude_modules`
+                           overrides `{CONFIG_KEY}.exclude_modules` (default: the config section, else
+                           ${ENV_EXCLUDE})
   --fp8-tp-plan PLAN       with --parallelism_config_tp_size N > 1: one of {list(TP_PLANS)} (default gpt;
                            'none': the script shards the model); overrides `{CONFIG_KEY}.tp_plan`
 """
@@ -103,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="lightning_fp8_exclude",
         default=None,
         help="Comma-separated module name patterns kept in high precision (e.g. 'lm_head'). Overrides the config "
-        f"file's `{CONFIG_KEY}.exclude_modules`.",
+        f"file's `{CONFIG_KEY}.exclude_modules` (default: that, else ${ENV_EXCLUDE} from the environment).",
     )
     group.add_argument(
         "--fp8-tp-plan",
@@ -133,16 +136,22 @@ def launch(argv: list[str]) -> int:
     if config_path is None and os.path.isfile(default_config_file) and not args.cpu:
         config_path = default_config_file
     # A missing file is left to Accelerate, which says what to do about it.
-    config = _read_config(config_path) if config_path and os.path.isfile(config_path) else {}
+    read = bool(config_path and os.path.isfile(config_path))
+    config = _read_config(config_path) if read else {}
+    has_section = CONFIG_KEY in config
     section = config.pop(CONFIG_KEY, None)
+    if has_section and section is None:  # `lightning_fp8:` with nothing under it: every key at its default
+        section = {}
     try:
+        if read:
+            _check_accelerate_keys(config, config_path)
         settings = _resolve(section, recipe_flag, exclude_flag, config_path, tp_plan_flag)
     except ValueError as err:
         print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
         return 2
     _use_parallelism_config_if_sized(args)
     with tempfile.TemporaryDirectory(prefix="lightning_fp8_") as tmp:
-        if section is not None:  # Accelerate rejects unknown keys: it gets the file without our section
+        if has_section:  # Accelerate rejects unknown keys: it gets the file without our section
             args.config_file = _write_config(config, Path(tmp) / Path(config_path).name)
         os.environ.update(settings)
         _launch_cpu_processes_with_torchrun(args, config)
@@ -177,6 +186,19 @@ def _read_config(path: str) -> dict[str, Any]:
     return data
 
 
+def _check_accelerate_keys(config: dict[str, Any], path: str) -> None:
+    """Accelerate requires ``distributed_type`` in every config file (and fails with a traceback without it):
+    say what to add before anything is launched."""
+    if "distributed_type" in config:
+        return
+    raise ValueError(
+        f"config file {path} has no `distributed_type`, which Accelerate requires besides the `{CONFIG_KEY}` section: "
+        "add `distributed_type: 'NO'` for one process (MULTI_GPU or MULTI_CPU, with num_processes, for several), or "
+        f"write the Accelerate settings with `accelerate config --config_file {path}` and add the section back. "
+        "FP8 settings alone need no config file: pass --fp8-recipe / --fp8-exclude instead"
+    )
+
+
 def _write_config(config: dict[str, Any], path: Path) -> str:
     with open(path, "w", encoding="utf-8") as f:
         if path.suffix == ".json":
@@ -193,10 +215,17 @@ def _resolve(
     path: str | None,
     tp_plan_flag: str | None = None,
 ) -> dict[str, str]:
-    """The environment for the training processes: flags > config section > environment > ``fp8-lm``.
+    """The environment for the training processes. Each setting comes from the first of: its flag, the config
+    section, the environment variable already set, the default.
+
+    The recipe: ``--fp8-recipe``, else the section's (a section without ``recipe`` means ``fp8-lm``), else
+    ``LIGHTNING_FP8_RECIPE``, else ``fp8-lm``. The excluded modules and the tensor-parallel plan: ``--fp8-exclude`` /
+    ``--fp8-tp-plan``, else the section's ``exclude_modules`` / ``tp_plan``, else ``LIGHTNING_FP8_EXCLUDE`` /
+    ``LIGHTNING_FP8_TP_PLAN``, else none / ``gpt``: patterns exported in the shell are kept whichever way the
+    recipe was chosen.
 
     Raises:
-        ValueError: on a bad recipe name or section, naming where it came from and what is allowed.
+        ValueError: on a bad recipe name, plan or section, naming where it came from and what is allowed.
     """
     if recipe_flag is not None:
         check_recipe_name(recipe_flag, "--fp8-recipe")
@@ -218,12 +247,23 @@ def _resolve(
             section = dict(section)
             if recipe_flag is not None:
                 section["recipe"] = recipe_flag
-            if exclude_flag is not None:
-                section["exclude_modules"] = exclude_flag
-            if tp_plan_flag is not None:
-                section["tp_plan"] = tp_plan_flag
+            _set_from_flag_or_environment(section, "exclude_modules", exclude_flag, ENV_EXCLUDE)
+            _set_from_flag_or_environment(section, "tp_plan", tp_plan_flag, ENV_TP_PLAN)
         settings = FP8LaunchConfig.from_section(section, source)
     return settings.to_env() if settings is not None else {ENV_RECIPE: OFF, ENV_EXCLUDE: ""}
+
+
+def _set_from_flag_or_environment(section: dict[str, Any], key: str, flag: str | None, variable: str) -> None:
+    """``section[key]``: the flag when given, else the section's own value, else the shell's ``variable``."""
+    if flag is not None:
+        section[key] = flag
+        return
+    value = os.environ.get(variable, "").strip()
+    if key in section or not value:
+        return
+    if key == "tp_plan":
+        check_tp_plan(value, variable)  # the error names the variable, not the section
+    section[key] = value
 
 
 def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[str, Any]) -> None:

@@ -44,6 +44,8 @@ TP_PLANS = ("gpt", "llama", "gpt-no-sp", "llama-no-sp", OFF)
 
 _RECIPE_FIELDS = tuple(f.name for f in fields(FP8Recipe))
 _SECTION_KEYS = ("recipe", "exclude_modules", "tp_plan", *_RECIPE_FIELDS)
+# YAML 1.1 reads off/no/false (and on/yes/true) as booleans, which are never recipe names.
+_YAML_BOOL_HINT = f" (YAML reads off/no/false as False: write {OFF!r} to turn FP8-LM off, or quote a name)"
 
 
 def check_recipe_name(name: object, source: str) -> None:
@@ -69,7 +71,10 @@ def tp_plan_from_env(environ: Mapping[str, str]) -> str:
 
 
 def _named_recipe(name: object, source: str) -> FP8Recipe:
-    check_recipe_name(name, source)
+    try:
+        check_recipe_name(name, source)
+    except ValueError as err:
+        raise ValueError(f"{err}{_YAML_BOOL_HINT if isinstance(name, bool) else ''}") from None
     return FP8Recipe.from_name(name)
 
 
@@ -128,22 +133,30 @@ class FP8LaunchConfig:
 
         The section is either a recipe name (``lightning_fp8: fp8-lm``) or a mapping with ``recipe`` (a name,
         default ``fp8-lm``; ``none`` turns FP8-LM off), ``exclude_modules`` (a list of patterns) and any
-        :class:`~lightning_fp8.FP8Recipe` field overriding the named recipe (``margin: 1``).
+        :class:`~lightning_fp8.FP8Recipe` field overriding the named recipe (``margin: 1``). Only ``none`` turns
+        FP8-LM off: a ``recipe:`` key left empty (YAML null) is an error, not a way to switch it off.
 
         Raises:
-            ValueError: on an unknown key, recipe name or field value; the message names ``source``.
+            ValueError: on an unknown key, an empty recipe, a bad recipe name or field value; the message names
+                ``source``.
         """
         if isinstance(section, str):
             section = {"recipe": section}
         if not isinstance(section, Mapping):
             raise ValueError(
                 f"{source} must be a recipe name or a mapping with keys {list(_SECTION_KEYS)}, got {section!r}"
+                f"{_YAML_BOOL_HINT if isinstance(section, bool) else ''}"
             )
         unknown = sorted(set(section) - set(_SECTION_KEYS))
         if unknown:
             raise ValueError(f"{source} has unknown key(s) {unknown}: allowed keys are {list(_SECTION_KEYS)}")
         name = section.get("recipe", "fp8-lm")
-        if name is None or name == OFF:
+        if name is None:
+            raise ValueError(
+                f"{source}.recipe is empty: write a recipe name (one of {FP8Recipe.names()}), {OFF!r} to turn FP8-LM "
+                "off, or leave the key out for the default fp8-lm"
+            )
+        if name == OFF:
             return None
         recipe = _named_recipe(name, f"{source}.recipe")
         overrides = {k: v for k, v in section.items() if k in _RECIPE_FIELDS}
@@ -206,8 +219,8 @@ def _recipe_from_json(value: str) -> FP8Recipe:
 def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | None:
     """This process's FP8 settings: ``recipe`` (from code) if given, else the launch's environment variables.
 
-    ``"none"`` turns FP8-LM off. A recipe from code keeps the launch's ``LIGHTNING_FP8_EXCLUDE`` patterns and
-    ``LIGHTNING_FP8_TP_PLAN``.
+    ``"none"`` turns FP8-LM off. A recipe from code keeps the ``LIGHTNING_FP8_EXCLUDE`` patterns and
+    ``LIGHTNING_FP8_TP_PLAN`` of the environment, whether or not it also sets ``LIGHTNING_FP8_RECIPE``.
 
     Raises:
         ValueError: for an unknown recipe name (in ``recipe`` or the environment).
@@ -220,5 +233,5 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
     recipe = resolve_recipe(recipe)
     if launched is not None and launched.recipe != recipe:
         warn_once(f"Accelerator(fp8_lm_recipe=...) overrides the launch's {ENV_RECIPE}={os.environ[ENV_RECIPE]!r}")
-    exclude = launched.exclude_modules if launched is not None else ()
+    exclude = _exclude_tuple(os.environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
     return FP8LaunchConfig(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(os.environ))

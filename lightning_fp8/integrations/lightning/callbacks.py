@@ -39,8 +39,20 @@ def grad_scaler_of(trainer: Trainer) -> Any | None:
     return scaler if hasattr(scaler, "scale_loss") else None
 
 
+def batches_stepped(trainer: Trainer) -> int:
+    """Training batches whose optimizer step is done, the current one included when called from
+    ``on_train_batch_end``: what ``Trainer(log_every_n_steps)`` counts.
+
+    Lightning counts a batch once however many optimizers stepped in it (manual optimization with two optimizers
+    advances ``global_step`` by 2 per batch), and restores the count when resuming. Its logger connector reads the
+    same private counter (``_LoggerConnector.should_update_logs``); a test fails loudly if it moves.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+
+
 class _LoggingCallback(Callback):
-    """Shared: when to log (every ``log_every_n_steps`` optimizer steps), and logging with or without loggers."""
+    """Shared: when to log (every ``log_every_n_steps`` batches that stepped, counted as Lightning counts them),
+    and logging with or without loggers."""
 
     def __init__(self, log_every_n_steps: int | None) -> None:
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
@@ -48,22 +60,33 @@ class _LoggingCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.last_metrics: dict[str, float] = {}
         self._last_step = -1
+        # Batch counts (batches_stepped) of this and of the previous observed optimizer step; None before the first.
+        self._batch: int | None = None
+        self._previous_batch = 0
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # The step count fit starts from (0, or a resumed run's): no optimizer step has happened at it yet.
         self._last_step = trainer.global_step
+        self._batch = None
 
     def _stepped(self, trainer: Trainer) -> bool:
-        """True once per optimizer step (not per accumulated micro-batch)."""
+        """True once per batch whose optimizers stepped (not per accumulated micro-batch); call it from
+        ``on_train_batch_end``."""
         if trainer.global_step == self._last_step:
             return False
         self._last_step = trainer.global_step
+        batch = batches_stepped(trainer)
+        # First step of a fit: the batch before it was observed (by this run, or by the run that saved the
+        # checkpoint), whichever count Lightning resumed from.
+        self._previous_batch, self._batch = (self._batch if self._batch is not None else batch - 1), batch
         return True
 
     def _due(self, trainer: Trainer) -> bool:
+        """Whether the step :meth:`_stepped` just observed is one to log: a multiple of the period was reached
+        since the previous one (so a batch that stepped nothing does not make the callback miss its turn)."""
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
-        return trainer.global_step % every == 0 or trainer.should_stop
+        return self._batch // every > self._previous_batch // every or trainer.should_stop
 
     def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         self.last_metrics = metrics
@@ -80,7 +103,9 @@ class _LoggingCallback(Callback):
 class FP8ScaleMonitor(_LoggingCallback):
     """Logs FP8 scales, amaxes and saturation per role, mu, skipped steps and optimizer-state scales.
 
-    Every ``log_every_n_steps`` optimizer steps (default: the Trainer's), on global rank zero, it logs:
+    Every ``log_every_n_steps`` training batches that stepped (default: the Trainer's; counted as Lightning counts
+    its own logging: once per batch however many optimizers stepped in it), on global rank zero, it logs at the
+    ``global_step`` reached:
 
     - ``fp8/{role}/{field}`` for role in ``input``, ``weight``, ``grad_output`` and field in ``scale_min``,
       ``scale_max``, ``amax_max``, ``saturation_max``, ``saturation_mean``, ``nonfinite_count``: the compact
@@ -99,7 +124,8 @@ class FP8ScaleMonitor(_LoggingCallback):
     logged and tracked meanwhile.
 
     Args:
-        log_every_n_steps: log period in optimizer steps (default: ``Trainer(log_every_n_steps=...)``).
+        log_every_n_steps: log period in training batches that stepped, i.e. in optimizer steps with one optimizer
+            (default: ``Trainer(log_every_n_steps=...)``).
         all_layers: also log every layer, not only the summary.
         jump_factor: scale ratio between two logs that counts as sudden (a power of two; default 2**4).
         alert_after_steps: warm-up, in optimizer steps, before scale drops and rises are alerted (default 100;
@@ -197,8 +223,13 @@ class FP8ScaleMonitor(_LoggingCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"alerts": [dict(a) for a in self.alerts]}
+        """The alerts and the scales of the last log, which the first log after a resume compares against; plain
+        lists, strings and numbers (``torch.load(weights_only=True)`` reads them)."""
+        previous = [[layer, role, scale] for (layer, role), scale in self._previous_scales.items()]
+        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.alerts = [dict(a) for a in state_dict.get("alerts", [])]
+        # Absent from checkpoints written before it was saved: the first comparison after resuming is then skipped.
+        self._previous_scales = {(layer, role): float(s) for layer, role, s in state_dict.get("previous_scales", [])}

@@ -1,11 +1,13 @@
 """TrainingHealthMonitor: loss, gradient norm, parameter norm, throughput and memory, with alerts.
 
 A thin Lightning adapter over :class:`lightning_fp8.HealthMonitor` (which detects spikes, plateaus and
-non-finite events); running means come from ``torchmetrics``; a PNG of the series is written at the end of fit.
+non-finite events, and keeps the series that the running means are taken over); a PNG of the series is written at
+the end of fit.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -15,11 +17,10 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
-from torchmetrics.aggregation import RunningMean
 from typing_extensions import override
 
 from lightning_fp8.health import HealthConfig, HealthMonitor, global_norm, memory_gib
-from lightning_fp8.integrations.lightning.callbacks import _LoggingCallback, grad_scaler_of
+from lightning_fp8.integrations.lightning.callbacks import _LoggingCallback, _unwrap_optimizer, grad_scaler_of
 from lightning_fp8.warnings import warn_once
 
 # The recovery a skipped step implies: FP8GradScaler skips the update and halves mu.
@@ -54,26 +55,33 @@ def count_tokens(batch: Any) -> int | None:
 class TrainingHealthMonitor(_LoggingCallback):
     """Logs training health and alerts on gradient-norm spikes, loss plateaus and non-finite steps.
 
-    Every optimizer step it observes the loss (mean over the accumulated micro-batches), the global gradient
-    norm (unscaled: FP8LMPrecision unscales before ``on_before_optimizer_step``), the parameter norm, the
-    throughput and the memory in use; every ``log_every_n_steps`` it logs, on global rank zero:
+    Every training batch that stepped it observes the loss (mean over the accumulated micro-batches), the global
+    gradient norm over the parameters of the optimizers stepped (unscaled: FP8LMPrecision unscales each optimizer's
+    gradients before its ``on_before_optimizer_step``), the parameter norm, the training throughput and the memory
+    in use; every ``log_every_n_steps`` such batches (counted as Lightning counts its own logging) it logs, on
+    global rank zero, at the ``global_step`` reached:
 
-    - ``health/loss``, ``health/loss_smooth`` (torchmetrics running mean over ``smoothing_window`` steps),
-      ``health/grad_norm``, ``health/param_norm``;
+    - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN left
+      out), ``health/grad_norm``, ``health/param_norm``;
     - ``health/samples_per_sec`` and, when batches carry token ids (or ``tokens_fn`` is given),
-      ``health/tokens_per_sec`` (running means);
+      ``health/tokens_per_sec`` (running means). Validation and checkpoint saving are not training: the clock
+      stops when they start and restarts with the next training batch;
     - ``health/memory_gib`` (peak allocated on GPU, peak RSS on CPU);
     - ``health/events/{grad_norm_spike,loss_plateau,nonfinite_loss,nonfinite_grad}``: counts so far.
 
     Alerts are warned on rank zero as they happen and kept in ``.monitor.events`` with the recovery action
-    (a skipped step halves mu: ``"skip_step+lower_mu"``; the scaler's fallbacks: ``"lower_lr"``,
-    ``"fallback_bf16"``). At the end of fit a PNG of the series is written to ``plot_path`` (default
-    ``<log_dir>/health.png``; needs matplotlib, else a warning).
+    (a skipped step halves mu: ``"skip_step+lower_mu"``; when that step also ran the scaler's fallback, its action
+    is added to the same event: ``"skip_step+lower_mu+lower_lr"``, ``"...+fallback_bf16"``). At the end of fit a PNG
+    of the series is written to ``plot_path`` (default ``<log_dir>/health.png``; needs matplotlib, else a warning).
+
+    The series travel in the Trainer's checkpoints, so a resumed run's running means and alerts continue those of
+    the run that saved it.
 
     Args:
         config: thresholds (:class:`lightning_fp8.health.HealthConfig`).
-        log_every_n_steps: log period in optimizer steps (default: the Trainer's).
-        smoothing_window: steps of the running means.
+        log_every_n_steps: log period in training batches that stepped, i.e. in optimizer steps with one optimizer
+            (default: the Trainer's).
+        smoothing_window: steps of the running means (an int >= 1).
         tokens_fn: ``fn(batch) -> int`` tokens in a batch (default: the size of the first integer tensor of rank
             >= 2, if any).
         plot: write the PNG at the end of fit.
@@ -90,21 +98,18 @@ class TrainingHealthMonitor(_LoggingCallback):
         plot_path: str | None = None,
     ) -> None:
         super().__init__(log_every_n_steps)
+        if isinstance(smoothing_window, bool) or not isinstance(smoothing_window, int) or smoothing_window < 1:
+            raise ValueError(
+                f"TrainingHealthMonitor(smoothing_window={smoothing_window!r}) must be an int >= 1 (steps averaged)"
+            )
         self.monitor = HealthMonitor(config)
         self.smoothing_window = smoothing_window
         self.tokens_fn = tokens_fn or count_tokens
         self.plot = plot
         self.plot_path = plot_path
-        self._running = {
-            # Each rank's own running mean, like the other health values: compute() then runs on rank zero alone
-            # (where it logs) without waiting for a cross-rank sync the other ranks never join.
-            name: RunningMean(window=smoothing_window, nan_strategy="ignore", sync_on_compute=False)
-            for name in ("loss_smooth", "samples_per_sec", "tokens_per_sec")
-        }
-        self._running_updates = dict.fromkeys(self._running, 0)
         self._reset_window()
         self._t0: float | None = None
-        self._norms: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._paused_at: float | None = None
         self._skipped_seen = 0
         self._fallback_seen = -1
 
@@ -112,23 +117,54 @@ class TrainingHealthMonitor(_LoggingCallback):
         self._losses: list[torch.Tensor] = []
         self._samples = 0
         self._tokens: int | None = None
+        # This batch's gradient norm of each optimizer stepped (keyed by id), and the parameter norm; kept as
+        # tensors until the step is observed.
+        self._grad_norms: dict[int, torch.Tensor] = {}
+        self._param_norm: torch.Tensor | None = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._t0 = time.perf_counter()
+        self._paused_at = None
         scaler = grad_scaler_of(trainer)
         self._skipped_seen = scaler.skipped_steps if scaler is not None else 0
         fallbacks = [e["step"] for e in scaler.history if e.get("action") == "fallback"] if scaler is not None else []
         self._fallback_seen = max(fallbacks, default=-1)
 
+    # -- the training clock: validation and checkpoint saving are not training time --------------------------
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause_clock()
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._pause_clock()
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._paused_at is not None:  # restart the clock where it stopped
+            self._t0 = (self._t0 or self._paused_at) + time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def _pause_clock(self) -> None:
+        if self._t0 is not None and self._paused_at is None:  # the sanity check runs before the clock starts
+            self._paused_at = time.perf_counter()
+
+    # -- observing a step -------------------------------------------------------------------------------------
+
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        # All ranks: FSDP1's flat shards are reduced across ranks (FSDP2's DTensors reduce themselves). Kept as
-        # tensors until the step is observed.
+        # Called for each optimizer stepped, while the precision plugin has unscaled *its* gradients only (the
+        # other optimizers' gradients still carry mu): take the norm over its parameters, and add the optimizers
+        # of the batch up in _observe. All ranks: FSDP1's flat shards are reduced across ranks (FSDP2's DTensors
+        # reduce themselves).
         sharded = any(cls.__name__ == "FSDPStrategy" for cls in type(trainer.strategy).__mro__)  # either namespace
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        self._norms = (global_norm(grads, sharded=sharded), global_norm(pl_module.parameters(), sharded=sharded))
+        params = [p for group in _unwrap_optimizer(optimizer).param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        self._grad_norms[id(optimizer)] = global_norm(grads, sharded=sharded)
+        self._param_norm = global_norm(pl_module.parameters(), sharded=sharded)
 
     @override
     def on_train_batch_end(
@@ -146,6 +182,15 @@ class TrainingHealthMonitor(_LoggingCallback):
         if self._stepped(trainer):
             self._observe(trainer, pl_module)
 
+    def _grad_norm(self) -> float | None:
+        """The global gradient norm of this batch: the optimizers' norms combined (sqrt of the sum of squares)."""
+        norms = list(self._grad_norms.values())
+        if not norms:
+            return None
+        if len(norms) == 1:
+            return norms[0].item()
+        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])).item()
+
     def _observe(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
         if pl_module.device.type == "cuda":
@@ -153,9 +198,10 @@ class TrainingHealthMonitor(_LoggingCallback):
         now = time.perf_counter()
         seconds, self._t0 = now - (self._t0 or now), now
         loss = torch.stack(self._losses).mean().item() if self._losses else None
-        grad_norm, param_norm = (t.item() for t in self._norms) if self._norms is not None else (None, None)
+        grad_norm = self._grad_norm()
+        param_norm = self._param_norm.item() if self._param_norm is not None else None
         scaler = grad_scaler_of(trainer)
-        if scaler is not None and grad_norm is not None and not torch.isfinite(torch.tensor(grad_norm)):
+        if scaler is not None and grad_norm is not None and not math.isfinite(grad_norm):
             grad_norm = None  # reported below as the scaler's skipped step, with its recovery action
         events = self.monitor.observe(
             step,
@@ -171,47 +217,44 @@ class TrainingHealthMonitor(_LoggingCallback):
         for event in events:
             if trainer.is_global_zero:
                 rank_zero_warn(f"TrainingHealthMonitor: {event.message} (action: {event.action})")
-        self._update_running(loss, seconds)
         self._reset_window()
-        self._norms = None
         if self._due(trainer) and trainer.is_global_zero:
             self._log(trainer, self._metrics())
 
     def _scaler_events(self, step: int, scaler: Any) -> list[Any]:
+        """One ``nonfinite_grad`` event per step the scaler skipped since the last observation; a fallback the
+        scaler ran (it runs on a skipped step) adds its action to that step's event instead of counting again."""
         if scaler is None:
             return []
-        events = []
-        for _ in range(scaler.skipped_steps - self._skipped_seen):
-            events.append(self.monitor.record_nonfinite(step, "grad", _SKIP_ACTION))
+        skipped = scaler.skipped_steps - self._skipped_seen
         self._skipped_seen = scaler.skipped_steps
+        fallbacks = self._new_fallback_actions(scaler)
+        if skipped <= 0:  # not expected from FP8GradScaler; still shown, as its own event
+            return [self.monitor.record_nonfinite(step, "grad", action) for action in fallbacks]
+        events = [self.monitor.record_nonfinite(step, "grad", _SKIP_ACTION) for _ in range(skipped - 1)]
+        last = "+".join([_SKIP_ACTION, *(a for a in fallbacks if a != "none")])
+        return [*events, self.monitor.record_nonfinite(step, "grad", last)]
+
+    def _new_fallback_actions(self, scaler: Any) -> list[str]:
+        actions = []
         for entry in scaler.history:
             if entry.get("action") == "fallback" and entry.get("step", 0) > self._fallback_seen:
                 reason = str(entry.get("reason", "")).lower()
-                action = next((a for key, a in _FALLBACK_ACTIONS if key in reason), "none")
-                events.append(self.monitor.record_nonfinite(step, "grad", action))
+                actions.append(next((a for key, a in _FALLBACK_ACTIONS if key in reason), "none"))
                 self._fallback_seen = entry["step"]
-        return events
-
-    def _update_running(self, loss: float | None, seconds: float) -> None:
-        last = {name: points[-1][1] for name, points in self.monitor.series.items() if points}
-        values = {"loss_smooth": loss}
-        for name in ("samples_per_sec", "tokens_per_sec"):
-            if name in last and seconds > 0 and self.monitor.series[name][-1][0] == self._last_step:
-                values[name] = last[name]
-        for name, value in values.items():
-            if value is not None:
-                self._running[name].update(torch.tensor(value))
-                self._running_updates[name] += 1
+        return actions
 
     def _metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        series = self.monitor.series
         for name in ("loss", "grad_norm", "param_norm", "memory_gib"):
-            points = self.monitor.series[name]
+            points = series[name]
             if points and points[-1][0] == self._last_step:
                 metrics[f"health/{name}"] = points[-1][1]
-        for name, running in self._running.items():
-            if self._running_updates[name]:
-                metrics[f"health/{name}"] = running.compute().item()
+        for name, source in (("loss_smooth", "loss"), ("samples_per_sec", None), ("tokens_per_sec", None)):
+            points = series[source or name]
+            if points:
+                metrics[f"health/{name}"] = _running_mean(points, self.smoothing_window)
         for kind, count in self.monitor.summary()["events"].items():
             metrics[f"health/events/{kind}"] = float(count)
         return metrics
@@ -231,8 +274,15 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The monitor's series, events and alert windows (the running means are taken over the series)."""
         return {"monitor": self.monitor.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict["monitor"])
+
+
+def _running_mean(points: list[tuple[int, float]], window: int) -> float:
+    """Mean of the values of the last ``window`` points, NaN ones left out (NaN if all are)."""
+    values = [value for _, value in points[-window:] if not math.isnan(value)]
+    return sum(values) / len(values) if values else math.nan

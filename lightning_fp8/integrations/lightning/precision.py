@@ -6,7 +6,9 @@ What it does, hook by hook (Lightning calls them in this order):
   layers with ``backend="te"``), in place.
 - ``connect``: the AdamW/Adam optimizers from ``configure_optimizers`` become :class:`~lightning_fp8.FP8AdamW`
   (same hyper-parameters and param groups; LR schedulers are rebound), and the FP8 gradient communication
-  hooks are installed when the model is wrapped by DDP or FSDP.
+  hooks are installed when the model is wrapped by DDP or FSDP. Under DDP, ``convert_module`` and ``connect``
+  refuse a gradient scaler with ``nonfinite_fallback="bf16"``, which could only ever fail there (see
+  :mod:`lightning_fp8.recovery`), before any training step.
 - ``forward_context``: ops that are not FP8 GEMMs (attention, norms, softmax) run under bf16 autocast, as with
   ``precision="bf16-mixed"``, on GPU and on CPU alike (so CPU runs test the same numerics).
 - ``pre_backward``: the loss is multiplied by the gradient scale mu (:class:`~lightning_fp8.FP8GradScaler`).
@@ -115,6 +117,7 @@ class _FP8LMPrecisionLogic:
         elif comm.fsdp2_modules(module):  # ModelParallelStrategy: configure_model already ran fully_shard
             comm.check_converted_before_sharding(module)
         else:
+            _refuse_bf16_fallback_under_ddp(self.grad_scaler, module)
             convert_to_fp8(module, self.recipe, self.module_filter_fn)
             if not fp8_modules(module):
                 warn_once(
@@ -138,6 +141,7 @@ class _FP8LMPrecisionLogic:
         self._device_type = _first_device_type(model)
         if self.replace_optimizers:
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
+        _refuse_bf16_fallback_under_ddp(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
         self._optimizers = list(optimizers)
@@ -349,6 +353,23 @@ def _is_ddp(module: nn.Module) -> bool:
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     return any(cls.__name__ == "DDPStrategy" for cls in type(strategy).__mro__)
+
+
+def _refuse_bf16_fallback_under_ddp(grad_scaler: Any, module: nn.Module | None) -> None:
+    """Raise now, rather than after ``fallback_after`` non-finite steps, when the ``"bf16"`` fallback could only fail.
+
+    DDP hooked the model's parameters and buffers when it wrapped it, so putting a layer back to ``nn.Linear`` is
+    refused under DDP (:func:`lightning_fp8.recovery.put_back_to_high_precision`).
+    """
+    if module is None or getattr(grad_scaler, "nonfinite_fallback", None) != "bf16" or not _is_ddp(module):
+        return
+    strategy = type(module.trainer.strategy).__name__
+    raise ValueError(
+        f"FP8LMPrecision: FP8GradScaler(nonfinite_fallback='bf16') cannot run under {strategy}: putting layers back "
+        "to nn.Linear is refused under DistributedDataParallel (it hooked the model's parameters and buffers), so "
+        "this fallback could only ever fail, after `fallback_after` non-finite steps. Use "
+        "FP8GradScaler(nonfinite_fallback='lower_lr') (or a callable) under DDP; 'bf16' works on a single device"
+    )
 
 
 def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dict[str, Any]) -> None:

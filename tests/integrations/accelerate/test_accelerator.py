@@ -188,6 +188,61 @@ def test_save_and_load_state_restore_scaling_state_and_mu(tmp_path):
     assert accelerator.fp8_health.summary()["last"]["loss"] == state["health"]["series"]["loss"][-1][1]
 
 
+def _fc2_poisoned_loss(model, batch):
+    """A non-finite loss whose non-finite gradients reach fc2 (and the layers after it) but not fc1."""
+    x, y = batch
+    h = model.fc2(model.norm(torch.relu(model.fc1(x)).detach()))
+    return nn.functional.cross_entropy(model.head(torch.relu(h)), y) * math.inf
+
+
+def test_save_and_load_state_after_a_bf16_fallback_continue_like_the_uninterrupted_run(tmp_path):
+    # FP8GradScaler(nonfinite_fallback="bf16") puts fc2 back to nn.Linear at step 1. A model prepared afresh has it in
+    # FP8 again: load_state must put it back before the FP8, weight and optimizer states go in.
+    torch.manual_seed(1)
+    batches = [_batch() for _ in range(6)]
+
+    def run(steps, load=None, save=None):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        torch.manual_seed(0 if load is None else 123)  # the resumed run takes nothing from its own init
+        accelerator, model, optimizer, scheduler = _setup()
+        scaler = accelerator.fp8_grad_scaler
+        scaler.nonfinite_fallback, scaler.fallback_after = "bf16", 1
+        if load is not None:
+            accelerator.load_state(str(load))
+        losses = []
+        for i in steps:
+            loss = (_fc2_poisoned_loss if i == 1 else _loss)(model, batches[i])
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        if save is not None:
+            accelerator.save_state(str(save))
+        return accelerator, model, optimizer, losses
+
+    full, full_model, full_optimizer, full_losses = run(range(6))
+    assert type(full_model.fc2) is nn.Linear and isinstance(full_model.fc1, FP8Linear)  # the fallback ran
+    run(range(3), save=tmp_path / "ckpt")
+    state = torch.load(tmp_path / "ckpt" / "lightning_fp8" / "rank0.pt", weights_only=True)
+    assert state["fallen_back_layers"] == [["fc2"]]
+
+    resumed, model, optimizer, losses = run(range(3, 6), load=tmp_path / "ckpt")
+    assert type(model.fc2) is nn.Linear and model.fc2.weight.dtype == torch.float32
+    assert isinstance(model.fc1, FP8Linear)
+    assert losses == full_losses[3:]
+    for (name, value), expected in zip(model.state_dict().items(), full_model.state_dict().values(), strict=True):
+        torch.testing.assert_close(value, expected, **EXACT, msg=name)
+    assert fp8_state_dict(model).keys() == fp8_state_dict(full_model).keys()
+    assert resumed.fp8_grad_scaler.state_dict() == full.fp8_grad_scaler.state_dict()
+    state, full_state = optimizer.state_dict()["state"], full_optimizer.state_dict()["state"]
+    assert state.keys() == full_state.keys()
+    for index, entries in state.items():
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(full_state[index][key])), (index, key)
+
+
 def _is_power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 

@@ -3,6 +3,9 @@
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,8 +17,11 @@ from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
+    # launch() exports what it resolved into os.environ: each test gets its own copy, so that nothing leaks into
+    # later tests (PARALLELISM_CONFIG_TP_SIZE=2 left behind made every later Accelerator try to init a process group).
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for name in (ENV_RECIPE, ENV_EXCLUDE, ENV_TP_PLAN):
-        monkeypatch.delenv(name, raising=False)
+        os.environ.pop(name, None)
 
 
 def test_recipes_lists_every_name_with_its_fields(capsys):
@@ -109,3 +115,64 @@ def test_parallelism_sizes_turn_the_parallelism_config_on(capsys, monkeypatch):
     assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
     assert (os.environ["PARALLELISM_CONFIG_TP_SIZE"], os.environ["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "1")
     assert "parallelism sizes given: exporting" in capsys.readouterr().err
+
+
+def test_shell_exclude_and_plan_are_kept_whatever_chooses_the_recipe(monkeypatch):
+    # Each setting: its flag, else the section's key, else the variable exported in the shell, else the default.
+    monkeypatch.setenv(ENV_EXCLUDE, "lm_head")
+    monkeypatch.setenv(ENV_TP_PLAN, "llama")
+    kept = {ENV_EXCLUDE: "lm_head", ENV_TP_PLAN: "llama"}
+    assert cli._resolve(None, "fp8-lm-o1", None, None) == {ENV_RECIPE: "fp8-lm-o1", **kept}  # recipe by flag
+    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", **kept}  # the default recipe
+    assert cli._resolve({"recipe": "fp8-lm-e4m3"}, None, None, "c.yaml") == {ENV_RECIPE: "fp8-lm-e4m3", **kept}
+    section = {"exclude_modules": ["head"], "tp_plan": "gpt"}  # the section's keys win over the shell's ...
+    from_section = {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "head", ENV_TP_PLAN: "gpt"}
+    assert cli._resolve(section, None, None, "c.yaml") == from_section
+    assert cli._resolve(section, None, "fc", "c.yaml", "none")[ENV_EXCLUDE] == "fc"  # ... and the flags over both
+    monkeypatch.setenv(ENV_TP_PLAN, "rows")
+    with pytest.raises(ValueError, match=r"LIGHTNING_FP8_TP_PLAN='rows' is not a tensor-parallel plan"):
+        cli._resolve(None, "fp8-lm", None, None)
+
+
+def test_launch_passes_the_shell_exclude_on_with_a_recipe_flag(tmp_path):
+    root = Path(__file__).resolve().parents[3]
+    script = tmp_path / "print_env.py"
+    script.write_text(f"import os\nopen({str(tmp_path / 'env.json')!r}, 'w').write(__import__('json').dumps("
+                      f"{{k: os.environ.get(k) for k in ({ENV_RECIPE!r}, {ENV_EXCLUDE!r})}}))\n")  # fmt: skip
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_FP8_", "ACCELERATE_"))}
+    environ.update({"HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(root), ENV_EXCLUDE: "lm_head"})
+    cmd = [sys.executable, "-m", "lightning_fp8.integrations.accelerate.cli", "launch", "--cpu", "--fp8-recipe",
+           "fp8-lm-o1", str(script)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=root, env=environ, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "env.json").read_text()) == {ENV_RECIPE: "fp8-lm-o1", ENV_EXCLUDE: "lm_head"}
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"lightning_fp8": {"recipe": "fp8-lm"}}, r"has no `distributed_type`.*add `distributed_type: 'NO'`"),
+        ({"lightning_fp8": "fp8-lm-o1", "use_cpu": True}, r"has no `distributed_type`"),
+        ({"distributed_type": "NO", "lightning_fp8": {"recipe": None}}, r"\.recipe is empty: write a recipe name"),
+        ({"distributed_type": "NO", "lightning_fp8": False}, r"got False \(YAML reads off/no/false as False"),
+    ],
+)
+def test_config_file_edge_values_fail_before_launching_with_what_to_write(tmp_path, capsys, config, expected):
+    path = _write(tmp_path / "edge.yaml", config)
+    assert cli.main(["launch", "--config_file", path, str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(expected, err), err
+
+
+def test_an_empty_section_means_the_defaults_and_is_removed_from_accelerates_copy(tmp_path, monkeypatch):
+    path = tmp_path / "empty.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nlightning_fp8:\n")
+    seen = {}
+
+    def launch_command(args):  # what accelerate launch would be given
+        seen["config"] = cli._read_config(args.config_file)
+        seen["recipe"] = os.environ[ENV_RECIPE]
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launch_command)
+    assert cli.main(["launch", "--config_file", str(path), "train.py"]) == 0
+    assert seen == {"config": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO"}, "recipe": "fp8-lm"}

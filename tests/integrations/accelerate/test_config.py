@@ -26,7 +26,7 @@ def test_named_recipe_travels_by_name_and_string_shorthand():
     assert FP8LaunchConfig.from_section({}).recipe == FP8Recipe()  # the default recipe is fp8-lm
 
 
-@pytest.mark.parametrize("off", [{"recipe": "none"}, "none", {"recipe": None}])
+@pytest.mark.parametrize("off", [{"recipe": "none"}, "none"])
 def test_none_turns_fp8_off(off):
     assert FP8LaunchConfig.from_section(off) is None
     assert FP8LaunchConfig.from_env({ENV_RECIPE: "none"}) is None
@@ -42,6 +42,10 @@ def test_none_turns_fp8_off(off):
         ({"exclude_modules": 3}, r"exclude_modules=3 must be a list of module name patterns"),
         ([1, 2], r"must be a recipe name or a mapping"),
         ({"tp_plan": "megatron"}, r"lightning_fp8\.tp_plan='megatron' is not a tensor-parallel plan: choose one"),
+        # `recipe:` left empty in YAML is None: an error saying what to write, never FP8-LM silently off.
+        ({"recipe": None}, r"lightning_fp8\.recipe is empty: write a recipe name .* 'none' to turn FP8-LM off"),
+        ({"recipe": False}, r"recipe=False is not a known FP8 recipe.*\(YAML reads off/no/false as False"),
+        (False, r"got False \(YAML reads off/no/false as False: write 'none'"),
     ],
 )
 def test_bad_sections_say_what_is_allowed(section, match):
@@ -88,3 +92,14 @@ def test_module_filter_matches_qualified_name_or_last_component():
     assert not cfg.module_filter(layer, "blocks.1.mlp.fc")
     assert cfg.module_filter(layer, "blocks.0.mlp.fc")
     assert cfg.module_filter(layer, "lm_head_extra")
+
+
+def test_a_recipe_from_code_keeps_the_shell_exclude_even_without_a_launch_recipe(monkeypatch):
+    from lightning_fp8.integrations.accelerate.config import resolve_launch_config
+
+    monkeypatch.delenv(ENV_RECIPE, raising=False)
+    monkeypatch.setenv(ENV_EXCLUDE, "lm_head, *.proj")
+    assert resolve_launch_config("fp8-lm-o1").exclude_modules == ("lm_head", "*.proj")
+    monkeypatch.setenv(ENV_RECIPE, "fp8-lm")
+    with pytest.warns(UserWarning, match=r"overrides the launch's LIGHTNING_FP8_RECIPE='fp8-lm'"):
+        assert resolve_launch_config("fp8-lm-o1").exclude_modules == ("lm_head", "*.proj")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import lightning_fp8  # noqa: E402,F401  (registers precision="fp8-lm", strategy="fsdp_fp8")
-from lightning_fp8 import FP8Linear, convert_to_fp8  # noqa: E402
+from lightning_fp8 import FP8GradScaler, FP8Linear, FP8LMPrecision, convert_to_fp8  # noqa: E402
 from lightning_fp8.callbacks import TrainingHealthMonitor  # noqa: E402
 from tests.distributed.launch import exit_worker  # noqa: E402
 from tests.integrations.lightning.gpt_tiny import Block, CountingTokens, GPTModule  # noqa: E402
@@ -103,6 +103,35 @@ def _fit(
     return module, trainer
 
 
+def _refused_bf16_fallback(out: str) -> None:
+    """DDP with ``FP8GradScaler(nonfinite_fallback="bf16")``: fit must refuse it before any step; writes each rank's
+    error and the steps it ran to ``<out>/rank<r>.json``."""
+    torch.manual_seed(0)
+    module = DataParallelGPT()
+    plugin = FP8LMPrecision(grad_scaler=FP8GradScaler(nonfinite_fallback=module, fallback_after=1))
+    trainer = L.Trainer(
+        plugins=[plugin],
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    error = None
+    try:
+        trainer.fit(module)
+    except ValueError as err:
+        error = str(err)
+    result = {"rank": trainer.global_rank, "error": error, "steps": trainer.global_step, "losses": module.losses}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True, choices=["ddp", "ddp_spawn", "fsdp_fp8", "model_parallel"])
@@ -110,7 +139,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--resume", action="store_true", help="also: half the steps, save, resume in a new Trainer")
     parser.add_argument("--health", action="store_true", help="with a TrainingHealthMonitor logging every step")
+    parser.add_argument("--bf16-fallback", action="store_true", help="only: fit with nonfinite_fallback='bf16'")
     args = parser.parse_args()
+    if args.bf16_fallback:
+        _refused_bf16_fallback(args.out)
+        return
 
     health = TrainingHealthMonitor(log_every_n_steps=1, plot=False) if args.health else None
     module, trainer = _fit(args.strategy, args.steps, callbacks=[health] if health else None)

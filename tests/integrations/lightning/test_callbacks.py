@@ -2,17 +2,21 @@
 values the core reports; alerts fire on injected spikes, NaNs and scale jumps; no logger warns once."""
 
 import csv
+import math
+import time
 import warnings
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_fp8.warnings
 from lightning_fp8 import fp8_stats
 from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
 from lightning_fp8.health import HealthConfig
+from lightning_fp8.integrations.lightning import FP8LMPrecision
 from lightning_fp8.optim.master import master_scale
 from lightning_fp8.scaling import ROLES
 from tests.integrations.lightning.gpt_tiny import GPTModule, loader
@@ -37,21 +41,21 @@ HEALTH_KEYS = [
 PARAM_NORM_RTOL = 1e-5
 
 
-def _fit(module, tmp_path, callbacks, logger=None, max_steps=6, **kwargs):
-    trainer = L.Trainer(
-        precision="fp8-lm",
-        accelerator="cpu",
-        max_steps=max_steps,
-        log_every_n_steps=2,
-        callbacks=callbacks,
-        logger=logger if logger is not None else CSVLogger(tmp_path),
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
-    trainer.fit(module, loader())
+def _fit(module, tmp_path, callbacks, logger=None, max_steps=6, data=None, ckpt_path=None, **kwargs):
+    options = {
+        "precision": "fp8-lm",
+        "accelerator": "cpu",
+        "max_steps": max_steps,
+        "log_every_n_steps": 2,
+        "callbacks": callbacks,
+        "logger": logger if logger is not None else CSVLogger(tmp_path),
+        "enable_progress_bar": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    trainer = L.Trainer(**{**options, **kwargs})
+    trainer.fit(module, data if data is not None else loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -279,3 +283,211 @@ def test_fit_does_not_alert_scale_moves_of_the_first_steps(tmp_path, monkeypatch
     assert max(max(ratios), 1 / min(ratios)) >= monitor.jump_factor
     # ... and within the default warm-up nothing is alerted or warned.
     assert monitor.alerts == [] and not [w for w in record if "sudden scale" in str(w.message)]
+
+
+class TwoOptimizers(GPTModule):
+    """Manual optimization with two AdamW (the blocks, the rest), both stepped every batch: ``global_step`` advances
+    by 2 per batch. Records the reference gradient norm of every step and logs ``global_step`` with ``self.log``."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+        self.true_norms: dict[int, float] = {}
+
+    def configure_optimizers(self):
+        blocks = list(self.model.blocks.parameters())
+        rest = [p for p in self.model.parameters() if all(p is not q for q in blocks)]
+        return [torch.optim.AdamW(blocks, lr=self.lr), torch.optim.AdamW(rest, lr=self.lr)]
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        first, second = self.optimizers()
+        self.manual_backward(loss)
+        # The true gradients: divided here by mu (a power of two, so exactly), their norm in fp64.
+        mu = self.trainer.precision_plugin.grad_scaler.get_scale()
+        norms = [p.grad.double().norm() / mu for p in self.parameters() if p.grad is not None]
+        self.true_norms[self.global_step + 2] = torch.linalg.vector_norm(torch.stack(norms)).item()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        self.log("stepped_to", float(self.global_step))  # Lightning's own logging: at the batches it picks
+        return loss
+
+
+def test_grad_norm_with_two_optimizers_is_the_norm_of_the_unscaled_gradients(tmp_path):
+    # Each optimizer's gradients are unscaled only around its own step: the other's still carry mu = 256.
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    module = TwoOptimizers()
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": 2.0**8})
+    _fit(module, tmp_path, [health], precision=None, plugins=[plugin], max_steps=8)
+    assert plugin.grad_scaler.get_scale() == 2.0**8  # the case that matters: mu != 1 throughout
+    logged = dict(health.monitor.series["grad_norm"])
+    assert sorted(logged) == [2, 4, 6, 8]
+    for step, value in logged.items():
+        assert value == pytest.approx(module.true_norms[step], rel=1e-5)
+
+
+def test_log_period_counts_batches_as_lightnings_own_logging_does(tmp_path):
+    # Trainer(log_every_n_steps=2): Lightning logs self.log values every 2 batches, whatever the optimizer count.
+    scales, health = FP8ScaleMonitor(), TrainingHealthMonitor(plot=False)
+    trainer = _fit(TwoOptimizers(), tmp_path, [scales, health], max_steps=12)
+    rows = _rows(trainer)
+    lightning_logged = sorted(_column(rows, "stepped_to").values())
+    assert lightning_logged == [4.0, 8.0, 12.0]  # batches 2, 4, 6
+    assert sorted(_column(rows, "fp8/input/scale_min")) == lightning_logged
+    assert sorted(_column(rows, "health/loss")) == lightning_logged
+
+
+class StepsEveryOtherBatch(GPTModule):
+    """Manual optimization that steps on batches 1, 3, 5 (counting from 1) only."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if batch_idx % 2 == 0:
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+
+def test_a_batch_that_steps_nothing_does_not_make_the_callback_miss_its_turn(tmp_path):
+    # Every 2 batches: the multiples 2 and 4 fall on batches that stepped nothing; the next step logs instead.
+    trainer = _fit(StepsEveryOtherBatch(), tmp_path, [FP8ScaleMonitor(log_every_n_steps=2)], max_steps=3)
+    assert sorted(_column(_rows(trainer), "fp8/input/scale_min")) == [2, 3]  # at batches 3 and 5
+
+
+PAUSE_S = 0.3  # each validation and checkpoint save: 10x a toy training step
+
+
+class Paused(GPTModule):
+    """Validation that takes a while; records when each validation or checkpoint save began and ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[list[float]] = []
+
+    def validation_step(self, batch, batch_idx):
+        time.sleep(PAUSE_S / 2)
+        return self.loss(batch)
+
+    def val_dataloader(self):
+        return loader(n=12)
+
+    def on_validation_start(self):
+        self.pauses.append([time.perf_counter()])
+
+    def on_validation_end(self):
+        self.pauses[-1].append(time.perf_counter())
+
+    def on_save_checkpoint(self, checkpoint):  # called after the callbacks' hooks, SlowSave's sleep included
+        self.pauses[-1].append(time.perf_counter())
+
+
+class SlowSave(Callback):
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        pl_module.pauses.append([time.perf_counter()])
+        time.sleep(PAUSE_S)
+
+
+def test_throughput_leaves_out_validation_and_checkpoint_saving(tmp_path):
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False, smoothing_window=1)
+    module = Paused()
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    _fit(module, tmp_path, [health, SlowSave(), saving], max_steps=6, val_check_interval=2, limit_val_batches=2,
+         num_sanity_val_steps=0, enable_checkpointing=True)  # fmt: skip
+    seconds = [6 / value for _, value in health.monitor.series["samples_per_sec"]]  # 6 samples a batch
+    assert len(seconds) == 6 and len(module.pauses) == 5  # validation after steps 2, 4, 6; saves after 3 and 6
+    # The steps after a pause (3, 4 and 5) took a toy step's time, not the pause's too (the old count: 0.3 s more).
+    pause_lengths = [end - begin for begin, end in module.pauses]
+    assert min(pause_lengths) >= PAUSE_S
+    assert max(seconds[2:5]) < min(pause_lengths), seconds
+
+
+class NaNAt(GPTModule):
+    def __init__(self, steps) -> None:
+        super().__init__()
+        self.nan_steps = steps
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step in self.nan_steps else loss
+
+
+def test_a_scaler_fallback_is_the_action_of_its_skipped_step_not_another_event(tmp_path):
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    plugin = FP8LMPrecision(grad_scaler={"nonfinite_fallback": "lower_lr", "fallback_after": 2})
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer = _fit(NaNAt((2, 3)), tmp_path, [health], precision=None, plugins=[plugin], max_steps=5)
+    scaler = plugin.grad_scaler
+    assert [e["action"] for e in scaler.history if e["action"] == "fallback"] == ["fallback"]  # it did run
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(GPTModule().lr * 0.5)
+    grad_events = [(e.step, e.action) for e in health.monitor.events if e.kind == "nonfinite_grad"]
+    assert grad_events == [(3, "skip_step+lower_mu"), (4, "skip_step+lower_mu+lower_lr")]
+    assert scaler.nonfinite_events == 2
+    assert _column(_rows(trainer), "health/events/nonfinite_grad")[5] == scaler.nonfinite_events
+
+
+class StepIndexed(GPTModule):
+    """Trains on batch number ``global_step``, whatever the loader yields: the data then depends only on state the
+    checkpoint restores (Lightning re-runs part of an epoch when resuming from a plain DataLoader)."""
+
+    batches = list(loader())
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(self.batches[self.global_step], batch_idx)
+
+
+def test_a_resumed_run_logs_what_the_uninterrupted_run_logs(tmp_path):
+    # Scales move by 2x in the tiny GPT's first steps: jump_factor=2 alerts on them, from the first comparison.
+    def run(name, ckpt_path=None, saving=()):
+        torch.manual_seed(0 if ckpt_path is None else 123)  # the resumed run takes nothing from its own init
+        health = TrainingHealthMonitor(log_every_n_steps=1, plot=False, smoothing_window=4)
+        scales = FP8ScaleMonitor(log_every_n_steps=1, jump_factor=2, alert_after_steps=0)
+        trainer = _fit(StepIndexed(), tmp_path / name, [health, scales, *saving], max_steps=8, ckpt_path=ckpt_path,
+                       log_every_n_steps=1, enable_checkpointing=bool(saving))  # fmt: skip
+        return _rows(trainer), health, scales
+
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    full_rows, full_health, full_scales = run("full", saving=[saving])
+    ckpt = tmp_path / "epoch=0-step=4.ckpt"
+    assert torch.load(ckpt, weights_only=True)["callbacks"]["FP8ScaleMonitor"]["previous_scales"]
+    rows, health, scales = run("resumed", ckpt)
+
+    keys = ["health/loss", "health/loss_smooth", "health/grad_norm", "fp8/alerts/scale_drops",
+            "fp8/alerts/scale_rises"]  # fmt: skip
+    for key in keys:
+        expected, got = _column(full_rows, key), _column(rows, key)
+        assert got == {step: expected[step] for step in (5, 6, 7, 8)}, key
+    assert [a for a in full_scales.alerts if a["step"] == 5] != []  # the first comparison after resuming alerts ...
+    assert scales.alerts == full_scales.alerts  # ... and the saved alerts come back with the new ones
+    assert health.monitor.series["loss"] == full_health.monitor.series["loss"]
+    # Throughput is timing (not reproducible), but its running mean at step 5 spans steps 2..5 across the resume.
+    throughput = dict(health.monitor.series["samples_per_sec"])
+    assert _column(rows, "health/samples_per_sec")[5] == pytest.approx(sum(throughput[s] for s in (2, 3, 4, 5)) / 4)
+
+
+def test_scale_monitor_state_carries_the_last_scales_to_the_next_comparison():
+    uninterrupted = FP8ScaleMonitor(jump_factor=16, alert_after_steps=0)
+    uninterrupted._metrics(_layer_stats(2.0**10, 2.0**3), 1)
+    saved = FP8ScaleMonitor(jump_factor=16, alert_after_steps=0)
+    saved._metrics(_layer_stats(2.0**10, 2.0**3), 1)
+    resumed = FP8ScaleMonitor(jump_factor=16, alert_after_steps=0)
+    resumed.load_state_dict(saved.state_dict())
+    jump = _layer_stats(2.0**4, 2.0**3)  # input scale / 64: a drop
+    assert resumed._metrics(jump, 2) == uninterrupted._metrics(jump, 2)
+    assert resumed.alerts == uninterrupted.alerts and len(resumed.alerts) == 1
+
+
+def test_running_means_leave_out_nan_and_the_window_is_checked():
+    health = TrainingHealthMonitor(smoothing_window=2, plot=False)
+    for step, loss in enumerate([4.0, 2.0, math.nan, 1.0], start=1):
+        health.monitor.observe(step, loss=loss)
+    health._last_step = 4
+    assert health._metrics()["health/loss_smooth"] == 1.0  # the last 2 steps, NaN left out
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="smoothing_window"):
+            TrainingHealthMonitor(smoothing_window=bad)

@@ -91,3 +91,13 @@ def test_health_monitor_under_ddp_logs_on_rank_zero_without_waiting_for_the_othe
     for r in ranks:
         assert r["losses"] == pytest.approx(r["health_losses"], rel=1e-6)  # each rank observes its own losses
     assert ranks[0]["health_loss_smooth"] == pytest.approx(sum(ranks[0]["losses"]) / STEPS, rel=1e-6)
+
+
+def test_bf16_fallback_under_ddp_is_refused_before_the_first_step(tmp_path):
+    # Putting layers back to nn.Linear is refused under DDP (lightning_fp8.recovery): a scaler that would try it
+    # after `fallback_after` non-finite steps is refused at setup instead, on every rank, with what to use.
+    ranks = _run("ddp", tmp_path, False, "--bf16-fallback", timeout=TIMEOUT_S / 2)
+    for r in ranks:
+        assert "nonfinite_fallback='bf16') cannot run under DDPStrategy" in r["error"]
+        assert "nonfinite_fallback='lower_lr'" in r["error"]
+        assert r["steps"] == 0 and r["losses"] == []
