@@ -9,8 +9,10 @@ multiplied by mu; the optimizer divides it out again. mu is a power of two, so s
   ``fp8_grads=False`` and no FP8 communication) are measured by :meth:`~FP8GradScaler.step` itself, in one fused
   amax reduction per device and dtype, against their own dtype's maximum (fp16: 65504). They cannot saturate (a
   value past the maximum becomes inf, a non-finite step), so for them only the headroom and non-finite rules apply.
-- :meth:`~FP8GradScaler.step` agrees across data-parallel ranks with one small all-reduce, then skips the
-  optimizer step when any rank saw a non-finite gradient, else steps with the gradients unscaled by 1/mu.
+- :meth:`~FP8GradScaler.step` checks the optimizer's own gradients (and what the communication hooks reported),
+  agrees across data-parallel ranks with one small all-reduce, then skips that optimizer's step when any rank saw a
+  non-finite value, else steps it (through its ``step()``, so LR schedulers and step hooks see it) with the
+  gradients unscaled by 1/mu.
 - :meth:`~FP8GradScaler.update` halves mu after a skipped step or when the saturated fraction exceeded
   ``saturation_threshold``; doubles it after ``growth_interval`` consecutive steps in which every gradient amax
   stayed at least ``headroom`` times under the format maximum. ``fallback_after`` consecutive non-finite steps run
@@ -23,12 +25,21 @@ Usage, like ``torch.amp.GradScaler``::
     scaler.scale_loss(loss).backward()
     scaler.step(optimizer)          # or optimizer.step(), which routes through the scaler and also updates
     scaler.update()
+
+Several optimizers share one scaler as with ``torch.amp.GradScaler``: ``scaler.step(opt1); scaler.step(opt2);
+scaler.update()``. Each step decides on that optimizer's gradients alone (one all-reduce each), and the update
+halves mu if any of them was skipped. Where each optimizer's ``step()`` updates (``FP8AdamW(grad_scaler=...)``,
+the Lightning and Accelerate integrations), mu is updated after each optimizer's step, judged on the gradients of
+that optimizer (and of the communication hooks): ``growth_interval`` and ``fallback_after`` then count optimizer
+steps. Either way the gradients are unscaled by the mu they were scaled with (the one of the last
+:meth:`~FP8GradScaler.scale_loss`), even where another optimizer's update has changed mu since.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +59,46 @@ Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], 
 
 def _is_power_of_two(x: float) -> bool:
     return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
+class _Counts:
+    """What the gradient casts and checks of one source reported since the last update, summed on the device (adding
+    needs no host synchronization). ``stats``: float64 ``[non-finite flags, saturated values, casts without
+    headroom]`` (integers: exact in any order), ``None`` until something is reported; ``numel``: values measured;
+    ``cast_numel``: those of them that an FP8 cast reported."""
+
+    __slots__ = ("stats", "numel", "cast_numel")
+
+    def __init__(self) -> None:
+        self.stats: torch.Tensor | None = None
+        self.numel = 0
+        self.cast_numel = 0
+
+    def add(self, found: torch.Tensor, n_saturated: torch.Tensor | None = None,
+            no_headroom: torch.Tensor | None = None, numel: int = 0, cast: bool = False) -> None:  # fmt: skip
+        """Add 0-dim counts (``None``: 0), all on one device."""
+        parts = (found, n_saturated, no_headroom)
+        zero = found.new_zeros((), dtype=torch.float64) if any(t is None for t in parts) else None
+        row = torch.stack([zero if t is None else t.to(torch.float64) for t in parts])
+        if self.stats is None:
+            self.stats = row
+        else:
+            self.stats.add_(row.to(self.stats.device))
+        self.numel += int(numel)
+        self.cast_numel += int(numel) if cast else 0
+
+    def merge(self, other: _Counts) -> _Counts:
+        """``self`` plus ``other``; ``other`` itself when ``self`` is empty (no launch), so do not reuse ``other``."""
+        if self.stats is None and not self.numel:
+            return other
+        if other.stats is not None:
+            self.stats = other.stats if self.stats is None else self.stats + other.stats.to(self.stats.device)
+        self.numel += other.numel
+        self.cast_numel += other.cast_numel
+        return self
+
+    def found(self) -> torch.Tensor | None:
+        return None if self.stats is None else self.stats[0]
 
 
 class FP8GradScaler:
@@ -143,6 +194,11 @@ class FP8GradScaler:
         self._last_saturation = 0.0
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY_LEN)
         self._last_optimizer: torch.optim.Optimizer | None = None
+        # The casts an optimizer reported of its own gradients (FP8AdamW's), kept for that optimizer's step: where
+        # each optimizer's step() also updates, one optimizer's update must not judge (and drop) another's. Weak:
+        # an optimizer that is dropped with gradients pending is not kept alive.
+        self._owned: weakref.WeakKeyDictionary[Any, _Counts] = weakref.WeakKeyDictionary()
+        self._loss_scale: float | None = None  # mu of the last scale_loss: the one the gradients carry
         self._reset_step_counters()
 
     # ----------------------------------------------------------------------------------------------- read-only stats
@@ -181,7 +237,9 @@ class FP8GradScaler:
 
     # ------------------------------------------------------------------------------------------------- recording
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * mu``: call ``.backward()`` on the result."""
+        """``loss * mu``: call ``.backward()`` on the result. The gradients are later unscaled by this mu, even when
+        another optimizer's :meth:`update` has changed mu before their step."""
+        self._loss_scale = self._scale
         return loss * self._scale
 
     def record_gradient_cast(
@@ -191,6 +249,8 @@ class FP8GradScaler:
         numel: int,
         fp8_dtype: torch.dtype,
         scale: torch.Tensor | float | None = None,
+        *,
+        owner: Any = None,
     ) -> None:
         """Report one FP8 cast of a gradient that mu governs (no host synchronization); or several at once.
 
@@ -203,31 +263,41 @@ class FP8GradScaler:
             fp8_dtype: the FP8 format of the cast (its maximum is the reference for saturation and headroom).
             scale: the cast's own scale, when it used one besides mu (``amax * scale`` is then compared with the
                 format maximum); ``None`` means 1 (mu is the only scale).
+            owner: the optimizer that holds the cast gradient and checks it in its own :meth:`step` (FP8AdamW):
+                the cast then counts for that optimizer's step alone. ``None`` (the communication hooks): every
+                optimizer stepped before the next :meth:`update` skips on a non-finite amax.
         """
         amax = amax.detach().float()
-        self._ensure_device(amax.device)
-        fmax = fp8_max(fp8_dtype)
-        self._active = True
         scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
         found = (~torch.isfinite(amax)).float()
-        n_saturated = n_saturated.detach().to(self._n_saturated.device, torch.float64)
-        no_headroom = (scaled * self.headroom > fmax).to(torch.float64)
+        n_saturated = n_saturated.detach().to(amax.device)
+        no_headroom = scaled * self.headroom > fp8_max(fp8_dtype)
         if amax.dim():  # several casts: sums of 0/1 flags and integer counts, exact in any order
             found, n_saturated, no_headroom = found.sum(), n_saturated.sum(), no_headroom.sum()
-        self._found.add_(found)
-        self._n_saturated.add_(n_saturated)
-        self._no_headroom.add_(no_headroom)
-        self._numel += int(numel)
+        self._counts(owner).add(found, n_saturated, no_headroom, numel, cast=True)
 
     def record_nonfinite(self, found: torch.Tensor) -> None:
-        """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen."""
-        found = found.detach()
-        self._ensure_device(found.device)
-        self._active = True
-        self._found.add_((found.float() > 0).float().to(self._found.device))
+        """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen. Every optimizer
+        stepped before the next :meth:`update` skips on it."""
+        self._counts(None).add((found.detach().float() > 0).float())
 
-    def _record_high_precision_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """Report the headroom of ``optimizer``'s mu-scaled ``param.grad`` under their dtype's maximum.
+    def _counts(self, owner: Any) -> _Counts:
+        """The counts a report of ``owner`` adds to (see :meth:`record_gradient_cast`); marks the step active."""
+        self._active = True
+        self._agreed = None  # the next decision needs a fresh all-reduce
+        if owner is None:
+            return self._shared
+        counts = self._owned.get(owner)
+        if counts is None:
+            counts = self._owned[owner] = _Counts()
+        return counts
+
+    def _discard(self, owner: Any) -> None:
+        """Forget the casts ``owner`` reported since its last step: it dropped those gradients (``zero_grad``)."""
+        self._owned.pop(owner, None)
+
+    def _record_high_precision_grads(self, optimizer: torch.optim.Optimizer, counts: _Counts) -> None:
+        """Add the headroom of ``optimizer``'s mu-scaled ``param.grad`` under their dtype's maximum to ``counts``.
 
         One ``_foreach_norm(inf)`` per (device, dtype) and no host synchronization: the per-step all-reduce in
         :meth:`_agree` reads the counters. Counts as casts with no saturated values (high-precision values do not
@@ -242,82 +312,92 @@ class FP8GradScaler:
                 grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor: this rank's shard
                 if grad.numel() and grad.is_floating_point():
                     by_kind[(grad.device, grad.dtype)].append(grad)
-        for (device, dtype), grads in by_kind.items():
-            self._ensure_device(device)
-            amax = torch.stack(ops.amaxes(grads)).to(self._found.device)  # NaN counted as inf
-            self._found.add_((~torch.isfinite(amax)).any().float())
+        for (_, dtype), grads in by_kind.items():
+            amax = torch.stack(ops.amaxes(grads))  # NaN counted as inf
             no_headroom = (amax * self.headroom > torch.finfo(dtype).max).sum()
-            self._no_headroom.add_(no_headroom.to(torch.float64))
-            self._numel += sum(grad.numel() for grad in grads)
-        self._active = self._active or bool(by_kind)
-
-    def _ensure_device(self, device: torch.device) -> None:
-        if self._device is None:
-            self._device = device
-            self._found = self._found.to(device)
-            self._n_saturated = self._n_saturated.to(device)
-            self._no_headroom = self._no_headroom.to(device)
+            counts.add((~torch.isfinite(amax)).any().float(), None, no_headroom, sum(g.numel() for g in grads))
 
     def _reset_step_counters(self) -> None:
-        self._device: torch.device | None = None
         self._active = False  # something was recorded or stepped since the last update
-        self._found = torch.zeros((), dtype=torch.float32)
-        self._n_saturated = torch.zeros((), dtype=torch.float64)
-        self._no_headroom = torch.zeros((), dtype=torch.float64)
-        self._numel = 0
-        self._decision: dict[str, float] | None = None
+        self._shared = _Counts()  # reports no optimizer owns (communication hooks): every step heeds them
+        self._window = _Counts()  # the stepped optimizers' own reports and checks: what update() judges
+        self._stepped: list[tuple[torch.optim.Optimizer, bool]] = []  # (optimizer, skipped) since the last update
+        self._agreed: dict[str, float] | None = None  # the totals of the last all-reduce, while no report came since
+
+    # What every source reported since the last update (for tests and debugging: each reads the device).
+    def _total(self, index: int) -> torch.Tensor:
+        stats = [c.stats[index] for c in (self._shared, self._window, *self._owned.values()) if c.stats is not None]
+        return torch.stack([s.cpu() for s in stats]).sum() if stats else torch.zeros((), dtype=torch.float64)
+
+    _found = property(lambda self: self._total(0), doc="Non-finite flags (0-dim float64).")
+    _n_saturated = property(lambda self: self._total(1), doc="Saturated values (0-dim float64).")
+    _no_headroom = property(lambda self: self._total(2), doc="Casts without headroom (0-dim float64).")
+    _numel = property(lambda self: sum(c.numel for c in (self._shared, self._window, *self._owned.values())),
+                      doc="Values measured (an int).")  # fmt: skip
 
     # -------------------------------------------------------------------------------------------- step and update
-    def _agree(self) -> dict[str, float]:
-        """The step's statistics summed over the data-parallel ranks: one all-reduce and one host sync."""
-        if self._decision is not None:
-            return self._decision
-        device = self._device if self._device is not None else torch.device("cpu")
-        packed = torch.stack(
-            [
-                self._found.to(device, torch.float64),
-                self._n_saturated.to(device),
-                torch.tensor(float(self._numel), dtype=torch.float64, device=device),
-                self._no_headroom.to(device),
-            ]
-        )
+    def _agree(self, step_found: torch.Tensor | None = None) -> float:
+        """Sum over the data-parallel ranks, in one all-reduce and one host sync, of ``step_found`` (the non-finite
+        flags of the optimizer being stepped) and of what :meth:`update` judges (kept in ``self._agreed``).
+
+        Every rank steps the same optimizers in the same order, so the collectives match and so do the decisions.
+
+        Returns:
+            ``step_found`` summed over the ranks (0.0 when ``None``).
+        """
+        parts = [c.stats for c in (self._window, self._shared) if c.stats is not None]
+        device = next((t.device for t in (step_found, *parts) if t is not None), torch.device("cpu"))
+        stats = sum((p.to(device) for p in parts[1:]), parts[0].to(device)) if parts else torch.zeros(
+            3, dtype=torch.float64, device=device)  # fmt: skip
+        flag = step_found.to(device, torch.float64).reshape(1) if step_found is not None else stats.new_zeros(1)
+        numel = float(self._window.numel + self._shared.numel)
+        packed = torch.cat([flag, stats, torch.tensor([numel], dtype=torch.float64, device=device)])
         if dist.is_available() and dist.is_initialized():
             group = self.process_group
             if dist.get_world_size(group) > 1:
                 if dist.get_backend(group) == "nccl" and packed.device.type != "cuda":
                     packed = packed.cuda()
                 dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        found, n_sat, numel, no_headroom = packed.tolist()
-        self._decision = {"found": found, "n_saturated": n_sat, "numel": numel, "no_headroom": no_headroom}
-        return self._decision
+        flag_sum, found, n_sat, no_headroom, numel = packed.tolist()
+        self._agreed = {"found": found, "n_saturated": n_sat, "numel": numel, "no_headroom": no_headroom}
+        return flag_sum
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step ``optimizer`` with gradients unscaled by 1/mu, unless a rank saw a non-finite gradient.
+        """Step ``optimizer`` with gradients unscaled by 1/mu, unless a rank saw a non-finite gradient of it.
 
-        An :class:`~lightning_fp8.FP8AdamW` unscales inside its fused kernel; any other optimizer has its
-        gradients unscaled (and checked) in place first.
+        The decision is this optimizer's: its own gradients (FP8AdamW's FP8 gradients and ``param.grad``), and what
+        the communication hooks reported since the last :meth:`update`; other optimizers' gradients do not count, as
+        in ``torch.amp.GradScaler``. An :class:`~lightning_fp8.FP8AdamW` unscales inside its fused kernel; any other
+        optimizer has its gradients unscaled (and checked) in place first. The step runs through
+        ``optimizer.step()``, so LR schedulers and optimizer step hooks see it (not when skipped, as with torch.amp).
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
         """
         self._last_optimizer = optimizer
-        inv_scale = 1.0 / self._scale
+        inv_scale = 1.0 / (self._loss_scale if self._loss_scale is not None else self._scale)
         fused = getattr(optimizer, "_fp8_step", None)
-        if fused is not None:
-            self.record_nonfinite(optimizer._nonfinite_grads())  # flushes FP8AdamW's queued gradient casts first
-        if self._numel == 0:  # no FP8 gradient cast this step: judge the headroom of the high-precision gradients
-            self._record_high_precision_grads(optimizer)
+        found = optimizer._nonfinite_grads() if fused is not None else None  # flushes FP8AdamW's queued casts first
+        own = self._owned.pop(optimizer, None) or _Counts()
+        if not (own.cast_numel or self._shared.cast_numel):  # no FP8 cast of its gradients: judge them in place
+            self._record_high_precision_grads(optimizer, own)
         if fused is None:
-            self.record_nonfinite(_unscale_in_place(optimizer, inv_scale))
-        decision = self._agree()
+            found = _unscale_in_place(optimizer, inv_scale)
+        own.add((found > 0).float())
+        step_found = own.found() if self._shared.stats is None else own.found() + self._shared.found().to(
+            own.found().device)  # fmt: skip
+        self._window = self._window.merge(own)
         self._active = True
-        if decision["found"] > 0:
-            decision["skipped"] = 1.0
-            skip = getattr(optimizer, "_fp8_skip", None)
-            if skip is not None:
-                skip()
+        skip = self._agree(step_found) > 0
+        self._stepped.append((optimizer, skip))
+        if skip:
+            skip_fn = getattr(optimizer, "_fp8_skip", None)
+            if skip_fn is not None:
+                skip_fn()
             return False
-        if fused is not None:
+        if fused is not None and not getattr(optimizer, "_fp8_in_step", False):
+            _step_through_public_step(optimizer, inv_scale)
+        elif fused is not None:  # called by optimizer.step() itself (FP8AdamW(grad_scaler=self))
             fused(inv_scale)
         else:
             optimizer.step()
@@ -326,37 +406,54 @@ class FP8GradScaler:
     def update(self) -> None:
         """Halve or double mu as specified, run the fallback if due, and reset the per-step counters.
 
-        A call with nothing recorded and no :meth:`step` since the last update does nothing (so calling both
-        ``optimizer.step()``, which updates, and ``update()`` is harmless).
+        Judges every optimizer stepped since the last update (mu halves if any was skipped) and what the
+        communication hooks reported; with no step since, everything reported. A call with nothing recorded and no
+        :meth:`step` since the last update does nothing (so calling both ``optimizer.step()``, which updates, and
+        ``update()`` is harmless). The counters are reset also when the fallback raises (the error propagates).
         """
         if not self._active:
             return
-        decision = self._agree()
-        self._steps += 1
-        if decision.get("skipped") or decision["found"] > 0:
-            self._skipped_steps += 1
-            self._nonfinite_events += 1
-            self._consecutive_nonfinite += 1
-            self._growth_tracker = 0
-            self._set_scale(self._scale / 2, "skip", "non-finite gradient")
-            if self._consecutive_nonfinite >= self.fallback_after and self.nonfinite_fallback is not None:
-                self._run_fallback()
-                self._consecutive_nonfinite = 0
-        else:
-            self._consecutive_nonfinite = 0
-            numel = decision["numel"]
-            self._last_saturation = decision["n_saturated"] / numel if numel else 0.0
-            if self._last_saturation > self.saturation_threshold:
-                self._growth_tracker = 0
-                self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
-            elif numel and decision["no_headroom"] == 0:
-                self._growth_tracker += 1
-                if self._growth_tracker >= self.growth_interval:
-                    self._growth_tracker = 0
-                    self._set_scale(self._scale * 2, "double", f"headroom for {self.growth_interval} steps")
+        if not self._stepped:  # reports without a step: judge them all
+            for counts in list(self._owned.values()):
+                self._window = self._window.merge(counts)
+            self._owned.clear()
+        if self._agreed is None:
+            self._agree()
+        decision = self._agreed
+        try:
+            self._steps += 1
+            if decision["found"] > 0:
+                self._back_off()
             else:
+                self._judge_saturation_and_headroom(decision)
+        finally:
+            self._reset_step_counters()
+
+    def _back_off(self) -> None:
+        """A skipped (non-finite) step: halve mu, count it, and run the fallback when due."""
+        self._skipped_steps += 1
+        self._nonfinite_events += 1
+        self._consecutive_nonfinite += 1
+        self._growth_tracker = 0
+        self._set_scale(self._scale / 2, "skip", "non-finite gradient")
+        if self._consecutive_nonfinite >= self.fallback_after and self.nonfinite_fallback is not None:
+            self._consecutive_nonfinite = 0  # also when the fallback raises: the count starts again
+            self._run_fallback()
+
+    def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
+        self._consecutive_nonfinite = 0
+        numel = decision["numel"]
+        self._last_saturation = decision["n_saturated"] / numel if numel else 0.0
+        if self._last_saturation > self.saturation_threshold:
+            self._growth_tracker = 0
+            self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
+        elif numel and decision["no_headroom"] == 0:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
                 self._growth_tracker = 0
-        self._reset_step_counters()
+                self._set_scale(self._scale * 2, "double", f"headroom for {self.growth_interval} steps")
+        else:
+            self._growth_tracker = 0
 
     def _set_scale(self, new_scale: float, action: str, reason: str) -> None:
         new_scale = min(max(new_scale, self.min_scale), self.max_scale)
@@ -369,10 +466,14 @@ class FP8GradScaler:
     def _run_fallback(self) -> None:
         from lightning_fp8 import recovery
 
-        optimizer = self._last_optimizer
+        # The optimizers skipped since the last update (several where several share this scaler); else the last one.
+        skipped = list({id(opt): opt for opt, was_skipped in self._stepped if was_skipped}.values())
+        optimizer = skipped[-1] if skipped else self._last_optimizer
         fallback = self.nonfinite_fallback
         if fallback == "lower_lr":
-            what = recovery.lower_lr(optimizer, self.lr_factor)
+            targets = skipped or [optimizer]
+            what = [recovery.lower_lr(opt, self.lr_factor) for opt in targets][-1]
+            what += f" in {len(targets)} optimizers" if len(targets) > 1 else ""
         elif fallback == "bf16":
             what = recovery.fallback_to_high_precision(self.model, optimizer, self.lr_factor)
         else:
@@ -412,6 +513,7 @@ class FP8GradScaler:
                 "corrupt or not an FP8GradScaler state dict"
             )
         self._scale = scale
+        self._loss_scale = None  # a loss scaled before the load no longer tells the gradients' mu
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._skipped_steps = int(state_dict["skipped_steps"])
         self._nonfinite_events = int(state_dict["nonfinite_events"])
@@ -425,6 +527,18 @@ class FP8GradScaler:
             f"FP8GradScaler(scale={self._scale}, growth_interval={self.growth_interval}, "
             f"skipped_steps={self._skipped_steps})"
         )
+
+
+def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:
+    """Run an FP8AdamW's update through its ``step()``, as torch.amp runs ``optimizer.step()``: an LR scheduler's
+    wrapper then marks the optimizer as stepped (no "lr_scheduler.step() before optimizer.step()" warning), and
+    optimizer step hooks and the profiler see the step. ``_fp8_unscale`` tells that step to unscale by
+    ``inv_scale`` and not to route through a gradient scaler again."""
+    optimizer._fp8_unscale = inv_scale  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        optimizer._fp8_unscale = None  # type: ignore[attr-defined]
 
 
 def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> torch.Tensor:

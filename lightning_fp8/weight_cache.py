@@ -12,6 +12,12 @@ the storage, and the optimizer itself, whose Triton writes bump nothing, bumps t
 (:func:`seal`) and releases the copy when it writes without emitting (:func:`drop_all`). A valid copy keeps the
 storage it was made from alive, so that address cannot be reused by another storage while the copy claims it.
 
+Not seen: an in-place write through ``param.data`` (``p.data.mul_(0.5)``, ``p.data.copy_(ema)``). ``.data`` is an
+alias with a version counter of its own, made afresh at each access, and the storage stays the same: PyTorch keeps no
+trace of the write (autograd's saved-tensor checks miss it too), and only reading the weight, a device
+synchronization in every forward, would tell. Write through the parameter itself under ``torch.no_grad()``, assign
+``param.data = ...``, or call :func:`drop` after such a write (docs/concepts/optimizer.md says so).
+
 Under ``torch.compile`` the same check runs when the compiled code runs, not when it is traced: a weight that has
 (or had) a copy goes through two opaque ops, the forward GEMM (:func:`compiled_forward_gemm`) and the dgrad GEMM
 (:func:`compiled_dgrad`), which use the copy when it is valid for the values they are given and cast (the forward) or
@@ -114,8 +120,9 @@ class WeightCache:
 
 
 def drop(param: torch.Tensor) -> None:
-    """Invalidate ``param``'s FP8 copy (its next forward casts). The copy object stays, to be written again by the
-    next emitting step (its key, which compiled code holds, stays the same)."""
+    """Invalidate ``param``'s FP8 copy (its next forward casts): call it after writing the weight in place through
+    ``param.data``, which no version counter records (module docstring). The copy object stays, to be written again
+    by the next emitting step (its key, which compiled code holds, stays the same)."""
     cache = getattr(param, ATTR, None)
     if cache is not None:
         cache.invalidate()

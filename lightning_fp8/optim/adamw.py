@@ -66,11 +66,16 @@ class FP8AdamW(torch.optim.Optimizer):
         master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
             (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale.
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`. Gradients are unscaled by its mu, the FP8 gradient
-            casts report to it, and :meth:`step` routes through it (skip on non-finite, then ``update()``).
+            casts report to it, and :meth:`step` routes through it (skip on non-finite, then ``update()``). Several
+            optimizers may share one: each step then decides, and updates mu, on that optimizer's own gradients.
         fp8_params: more parameters to treat as FP8 linear weights (besides the weights FP8Linear marks); their
             master is kept apart from the parameter.
         fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy.
             Default: on unless ``torch.distributed`` is initialized (DDP reduces ``param.grad`` after the hook).
+            The optimizer then holds those gradients, and ``param.grad`` is ``None``: only this optimizer's
+            :meth:`zero_grad` drops them. ``model.zero_grad()`` (``nn.Module``'s) does not reach them, and nothing
+            tells its call apart from the hook's own emptying of ``param.grad`` (it changes nothing then): discard
+            a backward with ``optimizer.zero_grad()``, or use ``fp8_grads=False``.
         grad_cast_bucket_mb: with ``fp8_grads``, the gradient hooks queue the fp16 gradients and cast them together
             (two launches for any number on a GPU, bit for bit the casts one by one): when the queue reaches this many
             megabytes (2**20 bytes; it bounds the fp16 gradients an eager backward keeps alive), at the end of the
@@ -92,9 +97,11 @@ class FP8AdamW(torch.optim.Optimizer):
             the forward's own cast bit for bit; with one pass its scale comes from the same upper bound as the
             states' (a binade or so lower at times). The copy is never saved: after a resume, the next step makes
             it (until then the forward casts). Any change of the weight outside the step (``load_state_dict``,
-            ``copy_``, ``param.data = ...``) invalidates it; a skipped step keeps it. Works at O1 and O2, eagerly
-            and under ``torch.compile`` (checked as the compiled code runs); not for sharded (DTensor) weights,
-            which keep casting.
+            ``copy_``, ``param.data = ...``) invalidates it; a skipped step keeps it. Except an in-place write through
+            ``param.data`` (``p.data.mul_(...)``, ``p.data.copy_(ema)``), which PyTorch does not record: write through
+            the parameter under ``torch.no_grad()`` instead, or call ``lightning_fp8.weight_cache.drop(p)`` after
+            it. Works at O1 and O2, eagerly and under ``torch.compile`` (checked as the compiled code runs); not for
+            sharded (DTensor) weights, which keep casting.
         low_precision_moments: which parameters get the low-precision moments (``exp_avg_dtype``,
             ``exp_avg_sq_dtype``, each with its per-tensor scale). ``"fp8_weights"`` (default): FP8 linear weights
             (and ``fp8_params``); every other parameter keeps fp32 states. ``"all"``: every parameter, as MS-AMP's
@@ -176,6 +183,8 @@ class FP8AdamW(torch.optim.Optimizer):
         self._hooks: dict[torch.Tensor, Any] = {}
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
+        self._fp8_unscale: float | None = None  # set while FP8GradScaler.step(self) runs the update through step()
+        self._fp8_in_step = False  # step() is routing through self.grad_scaler (which then updates directly)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
         super().__init__(params, defaults)
@@ -316,7 +325,7 @@ class FP8AdamW(torch.optim.Optimizer):
             amax = cast_state[2]  # the state's last amax: this gradient's, until its next cast
             if self.grad_scaler is not None:
                 n_saturated = (g.abs() >= fp8_max(self.grad_dtype)).sum()
-                self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype)
+                self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype, owner=self)
             self._pending[p] = _FP8Grad(data, scale_inv, amax)
 
     def _grad_cast_state(self, p: torch.Tensor) -> list[torch.Tensor]:
@@ -374,6 +383,8 @@ class FP8AdamW(torch.optim.Optimizer):
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; also drops the FP8 gradients this optimizer holds, which
+        ``model.zero_grad()`` cannot reach (their ``param.grad`` is ``None``, see ``fp8_grads``)."""
         if not set_to_none:  # as torch.optim: a parameter that had a gradient keeps a zero one (and is stepped)
             self._grad_casts.flush(self)
             for p in (*self._stepped_fp8_grads, *self._pending):
@@ -383,12 +394,16 @@ class FP8AdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._pending.clear()
         self._grad_casts.clear()
+        if self.grad_scaler is not None:  # the casts of the dropped gradients no longer count for this step
+            self.grad_scaler._discard(self)
 
     # ------------------------------------------------------------------------------------------------------ step
     @override
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One AdamW step. With a ``grad_scaler``: agree across ranks, skip on non-finite gradients, update mu.
+        """One AdamW step. With a ``grad_scaler``: its ``step(self)`` (agree across ranks, skip on non-finite
+        gradients), then its ``update()`` of mu. ``grad_scaler.step(self)`` itself runs the update through this
+        method (so that LR schedulers and step hooks see it), unscaled by its mu.
 
         Returns:
             The closure's loss, when a closure is given.
@@ -397,8 +412,14 @@ class FP8AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.grad_scaler is not None:
-            self.grad_scaler.step(self)
+        if self._fp8_unscale is not None:  # FP8GradScaler.step(self) decided to step: unscale by its mu
+            self._fp8_step(self._fp8_unscale)
+        elif self.grad_scaler is not None:
+            self._fp8_in_step = True  # the scaler updates directly (this call is the step schedulers and hooks see)
+            try:
+                self.grad_scaler.step(self)
+            finally:
+                self._fp8_in_step = False
             self.grad_scaler.update()
         else:
             self._fp8_step(1.0)

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -183,6 +184,73 @@ def test_lower_lr_fallback_after_repeated_nonfinite_steps():
         assert opt.param_groups[0]["lr"] == (0.05 if i == 2 else 0.1)
     assert scaler.history[-1]["action"] == "fallback" and "learning rate" in scaler.history[-1]["reason"]
     assert scaler.skipped_steps == 3
+
+
+def test_update_finishes_the_step_when_the_fallback_raises():
+    # A fallback that cannot act raises (recovery refuses DTensor and DDP models before changing anything): the error
+    # reaches the caller, and the scaler is left as after any skipped step, as one without a fallback is; the next
+    # finite step is taken (it used to be skipped, and every one after it, on the non-finite flags never reset).
+    def refuse(scaler, optimizer):
+        raise ValueError("refused: nothing was changed")
+
+    runs = []
+    for fallback in (refuse, None):
+        p = nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = FP8GradScaler(init_scale=2.0**4, nonfinite_fallback=fallback, fallback_after=1)
+        p.grad = torch.full_like(p, float("inf"))
+        assert scaler.step(opt) is False
+        if fallback is None:
+            scaler.update()
+        else:
+            with pytest.raises(ValueError, match="refused"):
+                scaler.update()
+        p.grad = torch.full_like(p, 8.0)
+        stepped = scaler.step(opt)
+        scaler.update()
+        runs.append((stepped, p.detach().clone(), scaler.state_dict()))
+    (stepped, weight, state), (ref_stepped, ref_weight, ref_state) = runs
+    assert stepped and ref_stepped and torch.equal(weight, ref_weight)
+    assert state == ref_state and state["scale"] == 2.0**3 and state["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("spelling", ["scaler.step", "optimizer.step"])
+def test_lr_schedulers_and_step_hooks_see_the_steps_as_with_torch_amp(spelling):
+    # torch.amp.GradScaler.step runs optimizer.step(), which an LR scheduler's wrapper marks as called (no warning
+    # "lr_scheduler.step() before optimizer.step()") and step hooks see, once per step taken: not on the skipped
+    # second iteration. FP8GradScaler.step(FP8AdamW) ran the update past optimizer.step(): the scheduler warned and
+    # hooks saw nothing. FP8AdamW.step() (which routes through the scaler) runs its hooks once per call.
+    def run(amp: bool) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32))
+        if amp:
+            scaler, opt = torch.amp.GradScaler("cpu", init_scale=2.0**4), torch.optim.AdamW(model.parameters())
+        else:
+            model, scaler = convert_to_fp8(model), FP8GradScaler(init_scale=2.0**4)
+            opt = FP8AdamW(model.parameters(), grad_scaler=scaler)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        hooks = []
+        opt.register_step_post_hook(lambda *_: hooks.append(1))
+        x = torch.randn(8, 32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(3):
+                loss = model(x).square().mean() * (float("nan") if i == 1 else 1.0)
+                (scaler.scale(loss) if amp else scaler.scale_loss(loss)).backward()
+                if amp or spelling == "scaler.step":
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+                scheduler.step()
+        warned = [str(w.message)[:60] for w in caught if "lr_scheduler.step()" in str(w.message)]
+        return len(hooks), warned, opt.param_groups[0]["lr"]
+
+    hooks, warned, lr = run(amp=False)
+    ref_hooks, ref_warned, ref_lr = run(amp=True)
+    assert warned == ref_warned == [] and lr == ref_lr
+    assert hooks == (ref_hooks if spelling == "scaler.step" else 3) and ref_hooks == 2
 
 
 def test_bf16_fallback_puts_offending_layer_back_to_high_precision():

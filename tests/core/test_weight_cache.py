@@ -159,6 +159,28 @@ def test_any_other_change_of_the_weight_invalidates_the_copy(change, kernels, mo
     assert model[0].fp8_scaling["weight"] in weight_casts
 
 
+@pytest.mark.parametrize("opt_level", ["O2", "O1"])
+def test_a_write_through_param_data_takes_effect_after_drop(opt_level, weight_casts):
+    # An in-place write through param.data bumps no version counter PyTorch keeps (.data is a fresh alias each time):
+    # the documented remedy is weight_cache.drop(param), after which the forward casts the written weight, as the same
+    # model that never emitted a copy does.
+    outputs = []
+    for emit in (True, False):
+        torch.manual_seed(0)
+        model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
+        opt = FP8AdamW(model.parameters(), lr=1e-2, scale_update="two_pass", emit_fp8_weights=emit,
+                       opt_level=opt_level)  # fmt: skip
+        x = torch.randn(24, 32)
+        model(x).square().mean().backward()
+        opt.step()
+        model[0].weight.data.mul_(0.5)  # (at O2 the scaled master: the weight halves all the same)
+        weight_cache.drop(model[0].weight)
+        weight_casts.clear()
+        outputs.append(model(x))
+        assert model[0].fp8_scaling["weight"] in weight_casts
+    assert torch.equal(*outputs)
+
+
 def test_skipped_step_keeps_the_weight_and_a_valid_copy(weight_casts):
     torch.manual_seed(0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))

@@ -1,0 +1,260 @@
+"""One FP8GradScaler shared by several optimizers, as torch.amp.GradScaler is: each optimizer's step decides on its own
+gradients, the update backs off if any was skipped, and gradients are unscaled by the mu they were scaled with, also
+where each optimizer's step() updates mu itself (FP8AdamW(grad_scaler=...), the Lightning and Accelerate integrations).
+References: torch.amp.GradScaler, unscaled torch optimizers, and the same run through the other spelling."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8
+from tests.distributed.launch import part_results, run_parts, run_workers
+
+POISON = {1: "b", 2: "a"}  # iteration -> the model whose gradients are non-finite (that optimizer's alone)
+MU0 = 2.0**4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _pair(seed: int = 0, fp8: bool = False) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    a, b = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    return (convert_to_fp8(a), convert_to_fp8(b)) if fp8 else (a, b)
+
+
+def _loss(a: nn.Module, b: nn.Module, x: torch.Tensor, i: int) -> torch.Tensor:
+    poison = POISON.get(i)
+    la, lb = a(x).square().mean(), b(x).square().mean()
+    return la * (math.nan if poison == "a" else 1.0) + lb * (math.nan if poison == "b" else 1.0)
+
+
+def _snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def _changed(before: list[torch.Tensor], model: nn.Module) -> bool:
+    return any(not torch.equal(u, v) for u, v in zip(before, _snapshot(model), strict=True))
+
+
+def _run(a, b, o1, o2, scaler, spelling: str, iterations: int = 4) -> list[tuple]:
+    """Train both models on one loss per iteration; per iteration: (a stepped, b stepped, mu after the update)."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    torch_amp = isinstance(scaler, torch.amp.GradScaler)
+    out = []
+    for i in range(iterations):
+        before_a, before_b = _snapshot(a), _snapshot(b)
+        (scaler.scale(_loss(a, b, x, i)) if torch_amp else scaler.scale_loss(_loss(a, b, x, i))).backward()
+        if spelling == "amp":  # torch.amp's: scaler.step(o1); scaler.step(o2); scaler.update()
+            scaler.step(o1)
+            scaler.step(o2)
+            scaler.update()
+        else:  # "own": each optimizer's step() steps and updates (FP8AdamW(grad_scaler=scaler).step())
+            o1.step()
+            o2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+        out.append((_changed(before_a, a), _changed(before_b, b), scaler.get_scale()))
+    return out
+
+
+def _torch_amp_reference() -> list[tuple]:
+    a, b = _pair()
+    o1, o2 = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(b.parameters(), lr=0.1)
+    return _run(a, b, o1, o2, torch.amp.GradScaler("cpu", init_scale=MU0, growth_interval=1000), "amp")
+
+
+def test_plain_optimizers_step_as_with_torch_amp_bit_for_bit():
+    # The same SGD optimizers through torch.amp.GradScaler and FP8GradScaler: both unscale by the exact power of two
+    # mu and skip the optimizer whose own gradients are non-finite, so the weights match bit for bit.
+    torch.manual_seed(0)
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=MU0, growth_interval=1000),
+                   FP8GradScaler(init_scale=MU0, growth_interval=1000)):  # fmt: skip
+        a, b = _pair()
+        o1, o2 = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(b.parameters(), lr=0.1)
+        results.append((_run(a, b, o1, o2, scaler, "amp"), _snapshot(a) + _snapshot(b)))
+    (ref_steps, ref_weights), (steps, weights) = results
+    assert steps == ref_steps
+    assert [s[:2] for s in steps] == [(True, True), (True, False), (False, True), (True, True)]
+    assert all(torch.equal(u, v) for u, v in zip(weights, ref_weights, strict=True))
+
+
+@pytest.mark.parametrize("fp8_grads", [True, False], ids=["fp8_grads", "param_grad"])
+@pytest.mark.parametrize("spelling", ["amp", "own"])
+def test_fp8adamw_pair_skips_what_torch_amp_skips(spelling, fp8_grads):
+    # Two FP8AdamW (O2) over two FP8 models, one scaler: the optimizer whose gradients are non-finite is skipped, the
+    # other steps, mu halves once per poisoned iteration: what torch.amp.GradScaler does with two torch optimizers.
+    ref = _torch_amp_reference()
+    a, b = _pair(fp8=True)
+    scaler = FP8GradScaler(init_scale=MU0, growth_interval=1000)
+    o1, o2 = (FP8AdamW(m.parameters(), lr=1e-2, grad_scaler=scaler, fp8_grads=fp8_grads) for m in (a, b))
+    steps = _run(a, b, o1, o2, scaler, spelling)
+    assert steps == ref
+    assert scaler.skipped_steps == scaler.nonfinite_events == len(POISON)
+    assert all(torch.isfinite(t).all() for t in _snapshot(a) + _snapshot(b))
+
+
+def test_each_optimizer_updating_equals_one_update_bit_for_bit():
+    # FP8AdamW(grad_scaler=...).step() of each optimizer (an update after each) against scaler.step(o1);
+    # scaler.step(o2); scaler.update(): mu never grows here (growth_interval), so both spellings take the same steps
+    # with the same mu, and the same skips.
+    runs = []
+    for spelling in ("amp", "own"):
+        a, b = _pair(fp8=True)
+        scaler = FP8GradScaler(init_scale=MU0, growth_interval=1000)
+        o1, o2 = (FP8AdamW(m.parameters(), lr=1e-2, grad_scaler=scaler) for m in (a, b))
+        steps = _run(a, b, o1, o2, scaler, spelling)
+        runs.append((steps, _snapshot(a) + _snapshot(b), scaler.skipped_steps))
+    (steps_amp, w_amp, skipped_amp), (steps_own, w_own, skipped_own) = runs
+    assert steps_own == steps_amp and skipped_own == skipped_amp == len(POISON)
+    assert all(torch.equal(u, v) for u, v in zip(w_own, w_amp, strict=True))
+
+
+def _sgd_pair_steps(scaler: FP8GradScaler | None, iterations: int = 3) -> list[torch.Tensor]:
+    """Two SGD optimizers over one loss; with a scaler, each is stepped and updated in turn (the integrations'
+    spelling), so mu changes between them."""
+    a, b = _pair()
+    o1, o2 = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(iterations):
+        loss = a(x).square().mean() + b(x).square().mean()
+        if scaler is None:
+            loss.backward()
+            o1.step()
+            o2.step()
+        else:
+            scaler.scale_loss(loss).backward()
+            for opt in (o1, o2):
+                assert scaler.step(opt)
+                scaler.update()
+        o1.zero_grad()
+        o2.zero_grad()
+    return _snapshot(a) + _snapshot(b)
+
+
+def test_gradients_are_unscaled_by_the_mu_they_were_scaled_with():
+    # growth_interval=1: the update after o1's step doubles mu, but o2's gradients still carry the mu of the loss;
+    # unscaled by it, both match unscaled SGD bit for bit (powers of two scale exactly).
+    scaler = FP8GradScaler(init_scale=MU0, growth_interval=1)
+    weights = _sgd_pair_steps(scaler)
+    assert scaler.get_scale() == MU0 * 2**6  # it did change between the optimizers
+    assert all(torch.equal(u, v) for u, v in zip(weights, _sgd_pair_steps(None), strict=True))
+
+
+def test_fp8adamw_unscales_by_the_mu_of_its_backward_after_another_update():
+    # The same with FP8AdamW updating in its own step: b's step after a's update (which doubled mu) equals b trained
+    # alone with its own scaler at the same mu. eps large: Adam's first step is otherwise nearly scale-invariant.
+    results = []
+    for shared in (True, False):
+        a, b = _pair(fp8=True)
+        scaler_a = FP8GradScaler(init_scale=MU0, growth_interval=1)
+        scaler_b = scaler_a if shared else FP8GradScaler(init_scale=MU0, growth_interval=1)
+        o1 = FP8AdamW(a.parameters(), lr=1e-2, eps=1e-2, grad_scaler=scaler_a)
+        o2 = FP8AdamW(b.parameters(), lr=1e-2, eps=1e-2, grad_scaler=scaler_b)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+        la, lb = a(x).square().mean(), b(x).square().mean()
+        if shared:
+            scaler_a.scale_loss(la + lb).backward()
+        else:
+            scaler_a.scale_loss(la).backward()
+            scaler_b.scale_loss(lb).backward()
+        o1.step()
+        o2.step()
+        assert scaler_a.get_scale() == MU0 * (4 if shared else 2)  # mu doubled after each update
+        results.append(_snapshot(b))
+    assert all(torch.equal(u, v) for u, v in zip(*results, strict=True))
+
+
+def test_headroom_of_every_plain_optimizer_is_judged():
+    # High-precision gradients (no FP8 cast reports them): the scaler measures each stepped optimizer's. The second
+    # optimizer's gradient is less than 2x under fp16's maximum, so mu must not grow, as with one optimizer holding
+    # both parameters.
+    def run(split: bool) -> list[float]:
+        p, q = nn.Parameter(torch.zeros(4, dtype=torch.float16)), nn.Parameter(torch.zeros(4, dtype=torch.float16))
+        opts = [torch.optim.SGD([p], lr=0.0), torch.optim.SGD([q], lr=0.0)] if split else [torch.optim.SGD([p, q],
+                                                                                                           lr=0.0)]
+        scaler = FP8GradScaler(init_scale=1.0, growth_interval=1)
+        scales = []
+        for _ in range(3):
+            p.grad = torch.full_like(p, 1.0)
+            q.grad = torch.full_like(q, 40000.0)  # no headroom in fp16
+            for opt in opts:
+                assert scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    assert run(split=True) == run(split=False) == [1.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------- several processes
+def _ranks_agree_per_optimizer(rank: int) -> dict:
+    """Two SGD optimizers, one scaler; o2's gradient is non-finite on rank 1 only: every rank steps o1 and skips o2."""
+    p, q = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    o1, o2 = torch.optim.SGD([p], lr=0.1), torch.optim.SGD([q], lr=0.1)
+    scaler = FP8GradScaler(init_scale=4.0)
+    p.grad = torch.full((4,), 4.0)
+    q.grad = torch.full((4,), math.inf if rank == 1 else 4.0)
+    stepped = (scaler.step(o1), scaler.step(o2))
+    scaler.update()
+    return {"stepped": stepped, "scale": scaler.get_scale(), "p": p.detach().clone(), "q": q.detach().clone()}
+
+
+def _training_goes_on_after_a_refused_fallback(rank: int) -> dict:
+    """The "bf16" fallback refused under DDP (recovery raises): the error reaches the caller, and the next finite
+    step is taken on every rank, the replicas staying identical."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)))
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=1, init_scale=MU0)
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    ddp = DDP(model)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    scaler.scale_loss(ddp(x).square().mean()).backward()
+    model[2].weight.grad.fill_(math.inf)
+    model[2].fp8_scaling["grad_output"].amax.fill_(math.inf)  # blames the layer, as a non-finite gradient would
+    try:
+        optimizer.step()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    optimizer.zero_grad()
+    before = model.state_dict()["0.weight"].clone()
+    scaler.scale_loss(ddp(x).square().mean()).backward()
+    optimizer.step()
+    weight = model.state_dict()["0.weight"]
+    gathered = [torch.empty_like(weight) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, weight)
+    return {"error": error, "stepped": not torch.equal(before, weight), "skipped": scaler.skipped_steps,
+            "scale": scaler.get_scale(), "identical": all(torch.equal(gathered[0], w) for w in gathered)}  # fmt: skip
+
+
+def _worker(rank: int, world: int) -> dict:
+    return run_parts({"agree": lambda: _ranks_agree_per_optimizer(rank),
+                      "fallback": lambda: _training_goes_on_after_a_refused_fallback(rank)})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_workers(_worker, 2)
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_each_optimizers_step(two_ranks):
+    reports = part_results(two_ranks, "agree")
+    for report in reports:
+        assert report["stepped"] == (True, False) and report["scale"] == 2.0
+        torch.testing.assert_close(report["p"], torch.full((4,), 0.9))  # stepped with the gradient unscaled
+        assert torch.equal(report["q"], torch.ones(4))
+
+
+@pytest.mark.slow
+def test_training_goes_on_after_the_fallback_is_refused_under_ddp(two_ranks):
+    for report in part_results(two_ranks, "fallback"):
+        assert report["error"] is not None and "under DistributedDataParallel" in report["error"], report
+        assert report["stepped"] and report["identical"]
+        assert report["skipped"] == 1 and report["scale"] == MU0 / 2
