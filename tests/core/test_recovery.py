@@ -30,9 +30,9 @@ def _model() -> nn.Module:
     return convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
 
 
-def _training(model: nn.Module) -> tuple[FP8GradScaler, FP8AdamW]:
+def _training(model: nn.Module, opt_level: str = "O2") -> tuple[FP8GradScaler, FP8AdamW]:
     scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2, init_scale=2.0**4)
-    return scaler, FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    return scaler, FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, opt_level=opt_level)
 
 
 def _train(model: nn.Module, scaler: FP8GradScaler, optimizer: FP8AdamW, steps: range) -> list[float]:
@@ -148,11 +148,6 @@ def _mlp_layers(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return (model[0].fc, model[0].proj) if len(model) == 1 else (model[0], model[2])
 
 
-def _mlp_training(model: nn.Module, opt_level: str) -> tuple[FP8GradScaler, FP8AdamW]:
-    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2, init_scale=2.0**4)
-    return scaler, FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, opt_level=opt_level)
-
-
 def _train_mlp(model: nn.Module, scaler, optimizer, steps: range, blamed: str) -> list[float]:
     """Steps on fixed data; at MLP_POISONED steps the gradients of the ``blamed`` layers are non-finite."""
     losses = []
@@ -179,7 +174,7 @@ def test_fallback_in_an_fp8mlp_leaves_a_working_mlp(opt_level, blamed):
     params = list(fused.parameters())
     runs = {}
     for key, model in (("fused", fused), ("linears", linears)):
-        scaler, optimizer = _mlp_training(model, opt_level)
+        scaler, optimizer = _training(model, opt_level)
         runs[key] = _train_mlp(model, scaler, optimizer, range(6), blamed)
         if key == "fused":  # the optimizer kept the parameters the model uses
             assert all(a is b for a, b in zip(optimizer.param_groups[0]["params"], params, strict=True))
@@ -206,14 +201,14 @@ def test_fallback_in_an_fp8mlp_leaves_a_working_mlp(opt_level, blamed):
 @pytest.mark.parametrize("blamed", BLAMED)
 def test_plain_pytorch_resume_after_an_fp8mlp_layer_fell_back(blamed):
     full = _mlp(fused=True)
-    scaler, optimizer = _mlp_training(full, "O2")
+    scaler, optimizer = _training(full, "O2")
     losses = _train_mlp(full, scaler, optimizer, range(4), blamed)
     ckpt = _checkpoint(full, scaler, optimizer)
     assert ckpt["fallen_back_layers"] == BLAMED[blamed]
     losses += _train_mlp(full, scaler, optimizer, range(4, 8), blamed)
 
     resumed = _mlp(fused=True, seed=123)  # other initial weights: everything must come from the checkpoint
-    resumed_scaler, resumed_optimizer = _mlp_training(resumed, "O2")
+    resumed_scaler, resumed_optimizer = _training(resumed, "O2")
     assert put_back_to_high_precision(resumed, ckpt["fallen_back_layers"], resumed_optimizer) == BLAMED[blamed]
     assert type(resumed[0]) is UnfusedMLP and type(resumed[0].proj) is nn.Linear
     resumed.load_state_dict(ckpt["model"])
@@ -239,7 +234,7 @@ def test_a_layer_of_an_fp8mlp_that_is_the_model_itself_is_refused_before_changin
 
 def test_an_fp8mlp_falling_back_keeps_the_hooks_of_its_layers_and_itself():
     model = _mlp(fused=True)
-    _, optimizer = _mlp_training(model, "O2")
+    _, optimizer = _training(model, "O2")
     calls = []
     model[0].register_forward_hook(lambda m, args, out: calls.append(type(m).__name__))
     handle = model[0].proj.register_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
