@@ -53,7 +53,9 @@ def cast_to_fp8_ref(
     y = torch.where(finite, y.clamp(-fp8_max, fp8_max), torch.nan)
     x_fp8 = y.to(fp8_dtype)
     if transpose:
-        x_fp8_t = x_fp8.t().contiguous()
+        # A copy always: for one row or column (or none) ``.t().contiguous()`` is a view of x_fp8, and the cast ops
+        # that torch.compile sees (lightning_fp8/scaling.py: _quantize_op) must not return outputs that alias.
+        x_fp8_t = x_fp8.t().clone(memory_format=torch.contiguous_format)
     else:
         x_fp8_t = torch.empty(0, dtype=fp8_dtype, device=x.device)
     return x_fp8, x_fp8_t, amax_ref(x), n_saturated

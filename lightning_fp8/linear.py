@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.scaling import ScalingState
+from lightning_fp8.warnings import warn_once
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
@@ -58,38 +61,48 @@ class _FP8Matmul(torch.autograd.Function):
         bias: torch.Tensor | None,
         fp8: nn.ModuleDict,
         out_dtype: torch.dtype,
-        first: bool,
+        current: tuple[bool, bool],
         master_scale: torch.Tensor | None = None,
         cache_key: int | None = None,
+        call: tuple[ForwardCall | None, bool] = (None, False),
     ):
-        # `first`: no amax history yet, so delayed roles use their tensor's own amax this step.
+        # `current`: (input, grad_output) compute their tensor's own amax (current scaling, or no history yet); the
+        # backward uses the second only when traced (see backward). `call`: see forward_call.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
+        record, replaying = call
         # Without the transposed copy the backward casts x again (SAVE_INPUT_TRANSPOSE_COMPILED).
         ctx.recast_input = need_wgrad and not SAVE_INPUT_TRANSPOSE_COMPILED and torch.compiler.is_compiling()
+        saved = replay_scales(record, (fp8["input"], fp8["weight"])) if replaying else None
         x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(
-            x, need_wgrad and not ctx.recast_input, first or not fp8["input"].delayed
+            x, need_wgrad and not ctx.recast_input, current[0] and not replaying
         )
         ctx.input_fp8_dtype = x_fp8.dtype
         y, w_saved, ctx.weight_meta = forward_gemm(
             x_fp8, x_scale_inv, weight, bias, fp8, need_dgrad, master_scale, out_dtype, cache_key
         )
+        restore_buffers(saved)
+        if record is not None and not replaying:
+            record.scale_invs = (x_scale_inv,)
+        ctx.record = None if replaying else record
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x if ctx.recast_input else x_fp8_t, x_scale_inv, *w_saved)
         ctx.grad_state = fp8["grad_output"]
-        ctx.grad_current = first or not fp8["grad_output"].delayed
+        ctx.grad_current = current[1]
         ctx.dtypes = (x.dtype, weight.dtype)
         return y
 
     @staticmethod
+    @once_differentiable  # the FP8 casts are not differentiable: differentiating dx or dw again raises (no silent 0)
     def backward(ctx: Any, dy: torch.Tensor):
-        x_fp8_t, x_scale_inv, *w_saved = ctx.saved_tensors
+        x_fp8_t, x_scale_inv, *w_saved = ctx.saved_tensors  # under torch.utils.checkpoint: recomputed here
+        backward_ran(ctx.record)
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         if ctx.recast_input and need_wgrad:  # x_fp8_t holds x: its forward cast again, the same bytes
             x_fp8_t = ops.recast_transposed(x_fp8_t.detach(), torch.reciprocal(x_scale_inv), ctx.input_fp8_dtype)
         # With FUSED_BIAS_GRAD the bias gradient (fp32 column sums of dy) comes from the cast, which reads dy anyway.
         fused = FUSED_BIAS_GRAD and need_bgrad
         dy_fp8, dy_fp8_t, dy_scale_inv, *db = ctx.grad_state.quantize(
-            dy.contiguous(), need_wgrad, ctx.grad_current, column_sum=fused
+            dy.contiguous(), need_wgrad, grad_output_current(ctx.grad_current), column_sum=fused
         )
         dx, dw = backward_gemms(
             (dy_fp8, dy_fp8_t, dy_scale_inv), x_fp8_t, x_scale_inv, w_saved, ctx.weight_meta, need_dgrad,
@@ -99,7 +112,7 @@ class _FP8Matmul(torch.autograd.Function):
             db = (db[0] if fused else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
         else:
             db = None
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def forward_gemm(
@@ -173,9 +186,158 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 def mark_initialized(scaling: nn.ModuleDict) -> None:
     """Mark a layer's scaling states as having cast once. Called after the layer's autograd.Function, outside it,
-    where torch.compile allows Python state to change."""
+    where torch.compile allows Python state to change. (The tensor-parallel forward's; FP8Linear and FP8MLP call
+    :func:`current_flags` and :func:`note_casts`.)"""
     for state in scaling.values():
         state.initialized = True
+
+
+def current_flags(scaling: nn.ModuleDict) -> tuple[bool, bool]:
+    """Whether a layer's ``(input, grad_output)`` casts compute their tensor's own amax: current scaling, or no
+    history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced."""
+    return scaling["input"].needs_current_scale(), scaling["grad_output"].needs_current_scale()
+
+
+def grad_output_current(traced_flag: bool) -> bool | None:
+    """The ``current`` argument of a backward's grad_output cast. Eagerly ``None``: the role decides from its own state
+    when the backward runs, and a cast of a non-empty gradient marks it initialized. Forwards without a backward
+    (evaluation under no_grad, a second use of the layer, micro-batches before their one backward) do not use up its
+    first cast. Traced, the backward cannot change Python state: the flag the forward read (:func:`current_flags`),
+    and :func:`note_casts` marks the role after a traced forward that has a backward."""
+    return traced_flag if torch.compiler.is_compiling() else None
+
+
+def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized; outside the autograd.Function,
+    where torch.compile allows Python state to change. A cast of an empty tensor (amax 0: no information, an MoE expert
+    without tokens) marks nothing: the next cast still uses its own amax."""
+    if x.numel() == 0:
+        return
+    scaling["input"].initialized = scaling["weight"].initialized = True
+    if torch.compiler.is_compiling() and y.requires_grad:  # see grad_output_current
+        scaling["grad_output"].initialized = True
+
+
+# --------------------------------------------------------------------------------------- activation checkpointing
+# torch.utils.checkpoint (use_reentrant=False; Lightning's and FSDP's activation checkpointing) drops what a forward
+# saved for the backward and runs the forward again inside the backward. A delayed scale has moved since (the forward
+# recorded its amax), so a plain second forward would cast the input with another scale than the one that produced
+# the output, and record its statistics twice. Each eager forward that records a graph therefore keeps the scales its
+# input casts used (ForwardCall, held by the graph); a forward that runs inside a backward is such a recompute: it
+# casts with the kept scales and records nothing. A recompute takes the most recent call of the layer whose graph is
+# alive and which this backward has neither run through nor recomputed: right for a layer called once per
+# checkpointed region, however many regions and micro-batches are pending (their backward runs last region first).
+
+
+class ForwardCall:
+    """One eager forward of an FP8 layer that recorded an autograd graph (held by it, as ``ctx.record``).
+
+    Attributes:
+        scale_invs: the ``scale_inv`` of each input cast of the forward, in order.
+        done, recomputed: the ids of the backward passes (autograd graph tasks) that ran through it, recomputed it.
+    """
+
+    __slots__ = ("scale_invs", "done", "recomputed", "__weakref__")
+
+    def __init__(self) -> None:
+        self.scale_invs: tuple[torch.Tensor, ...] = ()
+        self.done: set[int] = set()
+        self.recomputed: set[int] = set()
+
+
+# Per layer (keyed by its input scaling state): weak references to its ForwardCalls, oldest first; a call is gone once
+# its graph is freed.
+_CALLS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+
+
+def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
+    """``(call, replaying)`` for a forward of the layer whose input scaling state is ``state``: a new call to keep
+    (``replaying`` False) for an eager forward with grad enabled outside a backward; inside a backward (a checkpoint
+    recompute) the call it repeats (``replaying`` True), or ``(None, False)`` where there is none; ``(None, False)``
+    under no_grad and when traced (torch.compile recomputes inside its own graphs)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None, False
+    calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
+    task = torch._C._current_graph_task_id()  # -1 outside a backward; torch.utils.checkpoint's recompute reads it too
+    if task == -1:
+        call = ForwardCall()
+        _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
+        return call, False
+    if any(task in c.recomputed and task not in c.done for c in calls):
+        warn_once(
+            "FP8 layer called more than once inside one activation-checkpointed region: its recompute may cast with "
+            "the scale of another call than the one it repeats (the gradients then use FP8 copies that differ from "
+            "the forward's at steps where a delayed scale moved). Checkpoint each call separately to be exact."
+        )
+    for call in reversed(calls):
+        if task not in call.done and task not in call.recomputed:
+            call.recomputed.add(task)
+            return call, True
+    return None, False
+
+
+def backward_ran(call: ForwardCall | None) -> None:
+    """Note that the current backward ran through ``call``'s graph (its recompute, if any, is over)."""
+    if call is not None:
+        call.done.add(torch._C._current_graph_task_id())
+
+
+def replay_scales(call: ForwardCall, states: tuple[ScalingState, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Before the casts of a recompute of ``call``: the first ``len(call.scale_invs)`` of ``states`` (the input
+    states, in the order of the forward's casts) take the scales ``call`` used, to be cast with them without current
+    scaling. Returns the buffers of every state with their values, for :func:`restore_buffers` after the casts: the
+    recompute's FP8 copies are the forward's bytes (a weight's current scaling gives them anyway) and no statistics
+    are recorded twice. Eager only (a recompute is never traced)."""
+    saved = [(buf, buf.clone()) for state in states for buf in state.cast_buffers()]
+    for state, scale_inv in zip(states, call.scale_invs, strict=False):
+        state.scale.copy_(scale_inv.reciprocal())
+    return saved
+
+
+def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    """Put back what :func:`replay_scales` saved (nothing for None)."""
+    for buf, value in saved or ():
+        buf.copy_(value)
+
+
+# ------------------------------------------------------------- a new weight Parameter: to_empty(), assign=True loads
+# Some flows put a new Parameter object in place of the weight: ``to_empty()`` from the meta device (and other
+# ``_apply`` conversions between tensor types), ``load_state_dict(assign=True)`` (and torch.__future__'s
+# swap_module_params_on_conversion). What FP8 training set on the old object would be lost, the FP8-weight marker
+# first (FP8AdamW would then give the weight fp32 states and no FP8 gradient): FP8Linear._apply and the load hooks
+# below set it on the new object. (assign=True into an adopted O2 weight is refused before anything is loaded:
+# master.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta device, the weight
+# becomes real but the scaling buffers (not in the state_dict) would stay on meta: the post-hook makes them fresh
+# ones on the weight's device, as converting there would have.
+_WEIGHT_MARKS = (master.MARKER,)
+
+
+def _weight_marks(module: nn.Module) -> dict[str, Any]:
+    weight = module._parameters.get("weight")
+    return {a: getattr(weight, a) for a in _WEIGHT_MARKS if hasattr(weight, a)}
+
+
+def _put_back_marks(module: nn.Module, marks: dict[str, Any]) -> None:
+    weight = module._parameters.get("weight")
+    for attr, value in marks.items():
+        if weight is not None and not hasattr(weight, attr):
+            setattr(weight, attr, value)
+
+
+def _before_load(module: nn.Module, *args: Any) -> None:
+    module.__dict__["_fp8_weight_marks"] = _weight_marks(module)  # not an attribute nn.Module tracks; popped below
+
+
+def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    _put_back_marks(module, module.__dict__.pop("_fp8_weight_marks", {}))
+    weight = module._parameters.get("weight")
+    scaling = module._modules.get("fp8_scaling")
+    if weight is None or scaling is None:
+        return
+    if not weight.is_meta and any(b.is_meta for b in scaling.buffers()):
+        scaling.to_empty(device=weight.device)
+        for state in scaling.values():
+            state.reset()
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -197,6 +359,22 @@ class FP8Linear(nn.Linear):
         recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name (default ``"fp8-lm"``).
 
     The output dtype is the autocast dtype when autocast is on, else the input's dtype (bf16, fp16, fp32).
+
+    The first cast of each role that sees a non-empty tensor uses the tensor's own amax (no history yet): the
+    grad_output role decides so when its backward runs, so forwards without a backward before it (an evaluation pass,
+    micro-batches before their one backward, a second use of the layer) do not use up its first cast. Eagerly only:
+    under ``torch.compile`` the decision is taken when the forward is traced.
+
+    The backward is differentiable once: a double backward through the layer (``create_graph=True``, a gradient
+    penalty) raises when the second-order term is needed, rather than dropping it.
+
+    Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, which Lightning's and FSDP's
+    activation checkpointing use): the recompute casts with the scales the forward used and records no statistics, so
+    the gradients are those of the run without checkpointing. Exact for a layer called once per checkpointed region
+    (any number of regions or micro-batches); a layer called several times inside one region warns, and its
+    recompute may use another call's scale. Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
+    no_grad) recomputes with the current scale and records the casts again. ``torch.compile`` (2.13) does not trace a
+    checkpointed region holding FP8 layers: it runs it eagerly, with the rule above.
 
     Example:
         >>> layer = FP8Linear(64, 32)
@@ -233,6 +411,8 @@ class FP8Linear(nn.Linear):
         setattr(self.weight, master.MARKER, True)
         self.register_state_dict_post_hook(master.state_dict_hook)
         self.register_load_state_dict_pre_hook(master.load_state_dict_pre_hook)
+        self.register_load_state_dict_pre_hook(_before_load)
+        self.register_load_state_dict_post_hook(_after_load)
         self.fp8_scaling = nn.ModuleDict(
             {
                 "input": ScalingState(r.forward_dtype, r.amax_history_len, delayed=delayed, **common),
@@ -257,11 +437,33 @@ class FP8Linear(nn.Linear):
         new._init_scaling(linear.weight.device)
         return new
 
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialization of weight and bias, and a fresh scaling state (:meth:`ScalingState.reset`):
+        meta-device materialization (``to_empty()`` then ``reset_parameters()``, as Lightning and FSDP do) must not
+        leave the scaling buffers uninitialized memory, and new weights make the old statistics meaningless."""
+        super().reset_parameters()
+        scaling = self._modules.get("fp8_scaling")  # nn.Linear.__init__ calls this before _init_scaling
+        if scaling is not None:
+            for state in scaling.values():
+                state.reset()
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() from the meta device gives the weight a new Parameter object: keep the marker (see _WEIGHT_MARKS).
+        marks = _weight_marks(self)
+        super()._apply(fn, recurse)
+        _put_back_marks(self, marks)
+        return self
+
     def __deepcopy__(self, memo: dict) -> FP8Linear:
-        """A deep copy (``copy.deepcopy``, ``torch.optim.swa_utils.AveragedModel``) whose weight keeps what FP8 training
-        set on it, which ``nn.Parameter``'s deep copy drops: the FP8-weight marker (an FP8AdamW given the copy gives
-        it FP8 states) and, at O2, the master scale its storage holds the weight times (the copy's forward and
-        ``state_dict()`` see the true weight). The optimizer's FP8 copy of the weight is not copied."""
+        """A deep copy (``copy.deepcopy``) whose weight keeps what FP8 training set on it, which ``nn.Parameter``'s
+        deep copy drops: the FP8-weight marker (an FP8AdamW given the copy gives it FP8 states) and, at O2, the master
+        scale its storage holds the weight times (the copy's forward and ``state_dict()`` see the true weight). The
+        optimizer's FP8 copy of the weight is not copied.
+
+        ``torch.optim.swa_utils.AveragedModel`` deep-copies the model this way, but then averages the parameters'
+        storage, which at O2 is FP8AdamW's scaled fp16 master (``weight * master_scale``, the scale moving from step
+        to step): the average is wrong. Average the unscaled weights of ``model.state_dict()`` instead, or train at
+        O1, where the storage is the weight (docs/guides/checkpoints.md)."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for key, value in self.__dict__.items():
@@ -286,12 +488,13 @@ class FP8Linear(nn.Linear):
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
         x_2d = x if flat else x.reshape(-1, self.in_features)
         scaling = self.fp8_scaling
-        first = not scaling["input"].initialized
         master_scale = getattr(weight, master.SCALE_ATTR, None)
         key = weight_cache.compiled_key(weight, scaling["weight"])
-        y = _FP8Matmul.apply(x_2d, weight, self.bias, scaling, out_dtype, first, master_scale, key)
-        if first:
-            mark_initialized(scaling)
+        call = forward_call(scaling["input"])
+        y = _FP8Matmul.apply(
+            x_2d, weight, self.bias, scaling, out_dtype, current_flags(scaling), master_scale, key, call
+        )
+        note_casts(scaling, x_2d, y)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -28,9 +28,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import weight_cache
-from lightning_fp8.linear import FP8Linear, _is_dtensor, backward_gemms, forward_gemm, mark_initialized, output_dtype
+from lightning_fp8.linear import (
+    ForwardCall,
+    FP8Linear,
+    _is_dtensor,
+    backward_gemms,
+    backward_ran,
+    current_flags,
+    forward_call,
+    forward_gemm,
+    grad_output_current,
+    note_casts,
+    output_dtype,
+    replay_scales,
+    restore_buffers,
+)
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe
 
@@ -49,45 +64,55 @@ class _FP8GeluMLP(torch.autograd.Function):
         fc: nn.ModuleDict,
         proj: nn.ModuleDict,
         out_dtype: torch.dtype,
-        first_fc: bool,
-        first_proj: bool,
+        current_fc: tuple[bool, bool],
+        current_proj: tuple[bool, bool],
         master_scale_fc: torch.Tensor | None,
         master_scale_proj: torch.Tensor | None,
         cache_key_fc: int | None = None,
         cache_key_proj: int | None = None,
+        call: tuple[ForwardCall | None, bool] = (None, False),
     ):
-        # `first_*`: no amax history yet in that layer (delayed roles use their tensor's own amax this step).
-        first = (first_fc, first_proj)
+        # `current_*`: that layer's (input, grad_output) casts use their tensor's own amax (linear.current_flags).
+        # `call`: linear.forward_call (an activation-checkpoint recompute repeats the forward's casts).
+        record, replaying = call
         need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
-        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, first[0] or not fc["input"].delayed)
+        states = (fc["input"], proj["input"], fc["weight"], proj["weight"])
+        saved = replay_scales(record, states) if replaying else None
+        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, current_fc[0] and not replaying)
         h, w1_saved, w1_meta = forward_gemm(
             x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype, cache_key_fc
         )
         # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
         a_fp8, a_fp8_t, a_scale_inv = proj["input"].quantize(
-            h, w2.requires_grad, first[1] or not proj["input"].delayed, activation="gelu"
+            h, w2.requires_grad, current_proj[0] and not replaying, activation="gelu"
         )
         y, w2_saved, w2_meta = forward_gemm(
             a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype, cache_key_proj
         )
+        restore_buffers(saved)
+        if record is not None and not replaying:
+            record.scale_invs = (x_scale_inv, a_scale_inv)
+        ctx.record = None if replaying else record
         ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h else None, a_fp8_t, a_scale_inv, *w1_saved, *w2_saved)
         ctx.split = len(w1_saved)
         ctx.states = (fc["grad_output"], proj["grad_output"])
-        ctx.grad_current = tuple(f or not s.delayed for f, s in zip(first, ctx.states, strict=True))
+        ctx.grad_current = (current_fc[1], current_proj[1])
         ctx.weight_metas = (w1_meta, w2_meta)
         ctx.dtypes = (x.dtype, w1.dtype, out_dtype, w2.dtype)
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         return y
 
     @staticmethod
+    @once_differentiable  # the FP8 casts are not differentiable: differentiating the gradients again raises
     def backward(ctx: Any, dy: torch.Tensor):
         x_fp8_t, x_scale_inv, h, a_fp8_t, a_scale_inv, *w_saved = ctx.saved_tensors
+        backward_ran(ctx.record)
         w1_saved, w2_saved = w_saved[: ctx.split], w_saved[ctx.split :]
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_h = h is not None
         # proj: the bias gradient (fp32 column sums of dy) from the cast, which reads dy anyway.
         dy_fp8, dy_fp8_t, dy_scale_inv, db2 = ctx.states[1].quantize(
-            dy.contiguous(), need_w2, ctx.grad_current[1], column_sum=True
+            dy.contiguous(), need_w2, grad_output_current(ctx.grad_current[1]), column_sum=True
         )
         da, dw2 = backward_gemms(
             (dy_fp8, dy_fp8_t, dy_scale_inv), a_fp8_t, a_scale_inv, w2_saved, ctx.weight_metas[1], need_h,
@@ -95,8 +120,9 @@ class _FP8GeluMLP(torch.autograd.Function):
         )  # fmt: skip
         dx = dw1 = db1 = None
         if need_h:  # fc: its output gradient da * gelu'(h), cast as it is computed, with b1's gradient (column sums)
+            current = grad_output_current(ctx.grad_current[0])
             dh_fp8, dh_fp8_t, dh_scale_inv, db1 = ctx.states[0].quantize(
-                da, need_w1, ctx.grad_current[0], column_sum=True, activation="gelu_backward", activation_input=h
+                da, need_w1, current, column_sum=True, activation="gelu_backward", activation_input=h
             )
             dx, dw1 = backward_gemms(
                 (dh_fp8, dh_fp8_t, dh_scale_inv), x_fp8_t, x_scale_inv, w1_saved, ctx.weight_metas[0], need_x,
@@ -104,7 +130,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             )  # fmt: skip
             db1 = db1.to(ctx.bias_dtypes[0]) if need_b1 else None
         db2 = db2.to(ctx.bias_dtypes[1]) if need_b2 else None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -121,7 +147,8 @@ class FP8MLP(nn.Module):
     activation dtype before its FP8 cast. Build one from an existing MLP's layers with :meth:`from_modules`.
 
     Where the fused path cannot run (DTensor weights, forward hooks on ``fc`` or ``proj``), the module computes
-    ``proj(F.gelu(fc(x)))`` with the same layers.
+    ``proj(F.gelu(fc(x)))`` with the same layers. First casts, double backward and activation checkpointing behave as
+    in :class:`~lightning_fp8.FP8Linear` (see there).
 
     Args:
         in_features, hidden_features: as the two ``nn.Linear`` layers; every size must be a multiple of 16.
@@ -187,14 +214,14 @@ class FP8MLP(nn.Module):
         out_dtype = output_dtype(x)
         x_2d = x if x.dim() == 2 else x.reshape(-1, fc.in_features)
         fc_states, proj_states = fc.fp8_scaling, proj.fp8_scaling
-        first = (not fc_states["input"].initialized, not proj_states["input"].initialized)
+        current = (current_flags(fc_states), current_flags(proj_states))
         scales = (getattr(w1, master.SCALE_ATTR, None), getattr(w2, master.SCALE_ATTR, None))
         keys = (weight_cache.compiled_key(w1, fc_states["weight"]),
                 weight_cache.compiled_key(w2, proj_states["weight"]))  # fmt: skip
+        call = forward_call(fc_states["input"])
         y = _FP8GeluMLP.apply(
-            x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *first, *scales, *keys
+            x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *current, *scales, *keys, call
         )
-        for states, was_first in ((fc_states, first[0]), (proj_states, first[1])):
-            if was_first:
-                mark_initialized(states)
+        for states in (fc_states, proj_states):  # proj's input (the GELU's output) is empty when x is
+            note_casts(states, x_2d, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], proj.out_features)

@@ -72,8 +72,9 @@ class ScalingState(nn.Module):
         self.margin = margin
         self.algo = algo
         self.delayed = delayed
-        # Python flag, not a tensor: the first delayed cast has no history and uses the tensor's own amax.
-        # Set again when a saved state is loaded (lightning_fp8.state).
+        # Python flag, not a tensor: the first delayed cast has no history and uses the tensor's own amax. A cast of an
+        # empty tensor (amax 0: no information) leaves it unset. Set again when a saved state is loaded
+        # (lightning_fp8.state).
         self.initialized = False
         f32 = {"dtype": torch.float32, "device": device}
         i64 = {"dtype": torch.int64, "device": device}
@@ -108,16 +109,16 @@ class ScalingState(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """Cast ``x`` to FP8 with this role's scale and record the cast's statistics.
 
-        Delayed scaling uses the scale from earlier casts (the very first cast, with an empty history,
-        uses the tensor's own amax); current scaling computes this tensor's amax first.
+        Delayed scaling uses the scale from earlier casts (the very first cast of a non-empty tensor, with an empty
+        history, uses the tensor's own amax); current scaling computes this tensor's amax first.
 
         Args:
             x: the high-precision tensor (2-D when ``transpose``).
             transpose: also return the transposed FP8 copy.
             current: force (True) or forbid (False) computing this tensor's amax first. ``None`` decides
-                from :meth:`needs_current_scale` and marks the state initialized; code traced by
-                ``torch.compile`` inside an autograd.Function passes it explicitly and sets
-                ``initialized`` outside.
+                from :meth:`needs_current_scale` and marks the state initialized unless ``x`` is empty; code traced
+                by ``torch.compile`` inside an autograd.Function passes it explicitly and sets ``initialized``
+                outside.
             unscale: a 0-dim power of two when ``x`` holds ``t * unscale`` (FP8AdamW's scaled fp16 master in a
                 weight's storage): the cast reads ``x`` as it is, and the statistics, the scale and the returned
                 ``scale_inv`` describe ``t``.
@@ -142,7 +143,9 @@ class ScalingState(nn.Module):
             activation_input = _check_activation(x, activation, activation_input)
         if current is None:
             current = self.needs_current_scale()
-            self.initialized = True
+            # An empty tensor (a micro-batch or an MoE expert without tokens) has amax 0: it leaves the history as
+            # empty as it was, so the next cast must still use its own amax.
+            self.initialized = self.initialized or x.numel() > 0
         x, mode = x.detach().contiguous(), (self.fp8_dtype, self.margin, self.algo == "max", self.delayed)
         if torch.compiler.is_compiling():
             buffers = self.cast_buffers()
@@ -176,10 +179,20 @@ class ScalingState(nn.Module):
         return self
 
     def reset(self) -> None:
-        for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
-            getattr(self, name).zero_()
-        self.scale.fill_(1.0)
+        """Forget every cast: scale 1, empty history, zero statistics; the next cast uses its own amax."""
+        with torch.no_grad():
+            for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
+                getattr(self, name).zero_()
+            self.scale.fill_(1.0)
         self.initialized = False
+
+    def reset_parameters(self) -> None:
+        """:meth:`reset`, under the name that meta-device materialization calls on every module with buffers after
+        ``to_empty()`` (Lightning's ``_materialize_meta_tensors`` and ``_materialize_distributed_module``, FSDP1's
+        materialization without a ``param_init_fn``, the FSDP2 recipe ``for m in model.modules():
+        m.reset_parameters()``): ``to_empty`` leaves the buffers uninitialized memory, whose garbage amax history would
+        set the scales."""
+        self.reset()
 
 
 def _check_activation(x: torch.Tensor, activation: str, activation_input: torch.Tensor | None) -> torch.Tensor | None:

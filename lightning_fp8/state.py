@@ -54,7 +54,9 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
         for buf, value in loads:
             buf.copy_(value)
     for state in states.values():
-        state.initialized = bool(state.casts)
+        # Initialized once a cast carried information: an amax in the history, or a scale it left. A state whose casts
+        # were all of empty tensors (amax 0) has neither, and its next cast must still use its own amax.
+        state.initialized = bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
 
 
 def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> None:

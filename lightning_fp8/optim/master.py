@@ -158,13 +158,26 @@ def state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
 
 
 def load_state_dict_pre_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *args: Any, **kwargs: Any
 ) -> None:
-    """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale."""
+    """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale.
+
+    Raises:
+        RuntimeError: for ``load_state_dict(..., assign=True)`` into an adopted weight, before anything of this layer
+            is loaded: the new Parameter would not be the one FP8AdamW steps (nor hold its scaled master).
+    """
     key = prefix + "weight"
     weight = getattr(module, "weight", None)
     if weight is None or key not in state_dict or master_scale(weight) is None:
         return
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise RuntimeError(
+            f"load_state_dict(..., assign=True) would replace the weight Parameter {prefix + 'weight'!r} of shape "
+            f"{tuple(weight.shape)}, whose storage FP8AdamW (O2) holds as its scaled fp16 master: the optimizer would "
+            "go on stepping the old Parameter, which the model no longer uses. Load with assign=False (the default: "
+            "the values are copied into the existing Parameter, and the optimizer keeps working), or create the "
+            "optimizer after loading. This layer was not changed"
+        )
     incoming = state_dict[key]
     if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape:
         return  # the default loader reports the mismatch

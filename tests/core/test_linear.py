@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from lightning_fp8.kernels.reference import cast_to_fp8_ref, column_sum_ref
@@ -426,3 +428,41 @@ def test_nonfinite_input_propagates_not_saturates():
     y = fp8(x)
     assert not torch.isfinite(y[1]).any() and torch.isfinite(y[[0, 2, 3]]).all()
     assert fp8.fp8_scaling["input"].nonfinite_count.item() == 1
+
+
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    """A gradient penalty differentiates the layer's backward, whose FP8 casts are not differentiable: it raises (it
+    silently dropped the penalty's term through the layer). nn.Linear, the reference, computes it."""
+    fp8 = FP8Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    y = fp8(x)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    assert g.requires_grad  # as nn.Linear's: the penalty below depends on the weight through it
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (y.sum() + g.pow(2).sum()).backward()
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=XFAIL_TORCH_211_CPU_COMPILE), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("shape", [(1, 32), (1, 1, 32), (32,), (0, 32)], ids=["one_row", "one_row_3d", "1d", "empty"])
+def test_torch_compile_single_token_and_empty_inputs(shape, device):
+    """One row (generation, a batch of one) or none (an MoE expert without tokens): the cast's transposed copy of one
+    row is a copy, not a view (a custom op's outputs must not alias); bit for bit eager's results over two steps. On a
+    GPU with inductor (the traced Triton casts; an empty cast is the opaque op with the reference)."""
+    torch._dynamo.reset()
+    eager = FP8Linear(32, 48, device=device)
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    for step in range(2):
+        x = torch.randn(shape, device=device) * 10.0**step
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = eager(x1), compiled(x2)
+        y1.square().sum().backward()
+        y2.square().sum().backward()
+        assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+        for p, q in zip(eager.parameters(), compiled_src.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    with torch.no_grad():
+        x = torch.ones(shape, device=device)
+        assert torch.equal(compiled(x), eager(x))

@@ -113,3 +113,32 @@ def test_zero_tensor_keeps_scale():
     before = s.scale.item()
     x_fp8, _, _ = s.quantize(torch.zeros(4, 16))
     assert s.scale.item() == before and x_fp8.float().eq(0).all()
+
+
+def test_empty_cast_does_not_use_up_the_first_cast():
+    """An empty tensor has amax 0 (no information): the next cast is still the first with data, and uses its own
+    amax (delayed scaling has nothing else to go on)."""
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    s.quantize(torch.randn(0, 16), transpose=True)
+    assert not s.initialized and s.casts.item() == 1
+    x = torch.randn(8, 16) * 1e-3
+    x_fp8, _, scale_inv = s.quantize(x)
+    expected = _scale_by_definition(x.abs().amax().item(), fp8_max(E4M3), 0)
+    assert 1 / scale_inv.item() == expected and s.initialized
+    ref, _, _, _ = cast_to_fp8_ref(x, torch.tensor(expected), E4M3)
+    assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_reset_parameters_starts_over_from_uninitialized_memory():
+    """Meta-device materialization calls reset_parameters() after to_empty(): the state is then a fresh one."""
+    with torch.device("meta"):
+        s = ScalingState(E5M2, history_len=4, margin=0, algo="max", delayed=True)
+    s.to_empty(device="cpu")
+    s.amax_history.fill_(3.0e30)  # what uninitialized memory may hold
+    s.casts.fill_(123)
+    s.initialized = True
+    s.reset_parameters()
+    fresh = ScalingState(E5M2, history_len=4, margin=0, algo="max", delayed=True)
+    for name, buf in fresh.named_buffers():
+        assert torch.equal(getattr(s, name), buf), name
+    assert not s.initialized

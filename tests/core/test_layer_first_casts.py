@@ -1,0 +1,173 @@
+"""The first cast of each role of an FP8 layer has no amax history and uses its tensor's own amax (DESIGN.md,
+docs/concepts/formats.md), whatever ran before it: forwards without a backward (an evaluation under no_grad, as
+Lightning's sanity check runs; a forward whose graph is dropped), a second use of the layer in one graph, several
+micro-batch forwards before one backward, and casts of empty tensors (an MoE expert without tokens), which carry no
+amax. The references: the FP8 step by definition (every operand cast with its own power-of-two scale, float64 math)
+and the high-precision layers."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8MLP, FP8Linear, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.formats import E4M3, E5M2, fp8_max
+from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
+
+# Output gradients far below E5M2's smallest subnormal (2**-16): a cast with the initial scale 1 flushes them all to
+# zero, a cast with their own amax keeps them.
+TINY = 1e-6
+
+
+def assert_gemm_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` (a GEMM of the layer, from the same FP8 operands as ``want``, float64) agrees to its accumulation: on
+    the CPU the emulation's fp32 (another summation order: 1e-5 of the largest value), on a GPU the FP8 tensor cores'
+    (their accumulator keeps fewer bits between promotions to fp32, and the forward's fast accumulation fewer still:
+    1e-4 of the largest value seen on an H100; 1e-3 allowed). A cast flushed to zero is off by the whole value."""
+    tol = (1e-3 if got.is_cuda else 1e-5) * want.abs().max().item()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=tol)
+
+
+def own_scale(t: torch.Tensor, fmt: torch.dtype) -> float:
+    """The largest power of two ``2**k`` with ``max|t| * 2**k <= fp8_max`` (DESIGN.md's scale), found in float64."""
+    amax, fmax = t.abs().max().item(), fp8_max(fmt)
+    k = math.floor(math.log2(fmax / amax))
+    while amax * 2.0 ** (k + 1) <= fmax:
+        k += 1
+    while amax * 2.0**k > fmax:
+        k -= 1
+    return 2.0**k
+
+
+def fp8_round(t: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """``t`` cast to ``fmt`` with its own scale and back, in float64 (the scale is a power of two: exact in fp32)."""
+    s = own_scale(t, fmt)
+    return (t.float() * s).clamp(-fp8_max(fmt), fp8_max(fmt)).to(fmt).double() / s
+
+
+def first_step_by_definition(x, w, dy):
+    """``(y, dx, dw)`` of an FP8 linear layer without bias whose casts use their own amax (E4M3 x and w, E5M2 dy)."""
+    xq, wq, dyq = fp8_round(x, E4M3), fp8_round(w, E4M3), fp8_round(dy, E5M2)
+    return xq @ wq.T, dyq @ wq, dyq.T @ xq
+
+
+def _before(layer: nn.Module, what: str, x: torch.Tensor) -> None:
+    if what == "no_grad_eval":  # Lightning's sanity check: validation batches under no_grad before step 1
+        layer.eval()
+        with torch.no_grad():
+            layer(x)
+        layer.train()
+    elif what == "graph_without_backward":  # an evaluation forgetting no_grad: the graph is built, then dropped
+        layer(x.clone().requires_grad_())
+    elif what == "empty_batch":  # an MoE expert that no token was routed to, forward and backward
+        layer(x[:0].clone().requires_grad_()).sum().backward()
+        layer.zero_grad()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("before", [None, "no_grad_eval", "graph_without_backward", "empty_batch"])
+def test_first_step_casts_with_own_amax_whatever_ran_before(before, device):
+    """The step's forward and backward are the FP8 step by definition: the same input (so that an earlier cast of it
+    leaves the input's delayed scale at its own), output gradients of 1e-6. On a GPU: the Triton casts, real FP8
+    GEMMs."""
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 48, bias=False, device=device)
+    x, dy = torch.randn(40, 32, device=device) * 0.01, torch.randn(40, 48, device=device) * TINY
+    if before is not None:
+        _before(layer, before, x)
+    xg = x.clone().requires_grad_()
+    y = layer(xg)
+    y.backward(dy)
+    y_ref, dx_ref, dw_ref = first_step_by_definition(x.cpu(), layer.weight.detach().cpu(), dy.cpu())
+    assert_gemm_close(y, y_ref)
+    assert_gemm_close(xg.grad, dx_ref)
+    assert_gemm_close(layer.weight.grad, dw_ref)
+    assert int(layer.fp8_scaling["grad_output"].casts) == 1 + (before == "empty_batch")
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().sum() * TINY
+
+
+@pytest.mark.parametrize("use", ["twice_in_one_graph", "micro_batches_then_one_backward"])
+def test_layer_forwarded_several_times_before_its_first_backward(use):
+    """Weight sharing and micro-batches summed into one backward: the gradients are FP8-accurate against nn.Linear.
+    (With the first backward cast at scale 1 they were all zero, or most of them.)"""
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 32, bias=False)
+    ref = nn.Linear(32, 32, bias=False)
+    ref.weight.data.copy_(layer.weight.data)
+    x = torch.randn(64, 32)
+    for module in (layer, ref):
+        if use == "twice_in_one_graph":
+            _loss(module(module(x))).backward()
+        else:
+            sum(_loss(module(chunk)) for chunk in x.chunk(4)).backward()
+    assert sqnr(layer.weight.grad, ref.weight.grad) > BACKWARD_SQNR_DB
+
+
+@pytest.mark.parametrize("before", ["no_grad_eval", "empty_batch"])
+def test_fp8_mlp_first_backward_after_earlier_forwards(before):
+    """FP8MLP's two grad_output roles (fc's is the GELU's input gradient): FP8-accurate against the fp32 MLP."""
+    torch.manual_seed(0)
+    mlp = FP8MLP(32, 64)
+    hp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    hp.load_state_dict({"0.weight": mlp.fc.weight, "0.bias": mlp.fc.bias, "2.weight": mlp.proj.weight,
+                        "2.bias": mlp.proj.bias})  # fmt: skip
+    x = torch.randn(48, 32)
+    _before(mlp, before, x)
+    (mlp(x) * TINY).sum().backward()
+    (hp(x) * TINY).sum().backward()
+    assert sqnr(mlp.fc.weight.grad, hp[0].weight.grad) > BACKWARD_SQNR_DB
+    assert sqnr(mlp.proj.weight.grad, hp[2].weight.grad) > BACKWARD_SQNR_DB
+
+
+def test_empty_first_batch_leaves_the_next_forward_its_own_amax():
+    """Forward only (inference of an MoE expert): the first non-empty input is cast with its own amax."""
+    layer = FP8Linear(32, 16, bias=False)
+    with torch.no_grad():
+        assert layer(torch.randn(0, 32)).shape == (0, 16)
+        x = torch.randn(20, 32) * 1e-3
+        y = layer(x)
+    y_ref = fp8_round(x, E4M3) @ fp8_round(layer.weight, E4M3).T
+    assert_gemm_close(y, y_ref)
+    assert sqnr(y, x @ layer.weight.T) > FORWARD_SQNR_DB
+
+
+def test_state_saved_after_empty_casts_only_loads_without_history():
+    """A scaling state saved when its only casts were of empty tensors has no history: loaded, its next cast still
+    uses its own amax (as the saved layer's would)."""
+    saved = FP8Linear(32, 16, bias=False)
+    saved(torch.randn(0, 32, requires_grad=True)).sum().backward()
+    fp8 = fp8_state_dict(saved)
+    assert int(fp8["fp8_scaling.input.casts"]) == 1
+    loaded = FP8Linear(32, 16, bias=False)
+    loaded.load_state_dict(saved.state_dict())
+    load_fp8_state_dict(loaded, fp8)
+    x, dy = torch.randn(20, 32) * 1e-3, torch.randn(20, 16) * TINY
+    xg = x.clone().requires_grad_()
+    loaded(xg).backward(dy)
+    _, dx_ref, dw_ref = first_step_by_definition(x, loaded.weight.detach(), dy)
+    assert_gemm_close(loaded.weight.grad, dw_ref)
+    assert_gemm_close(xg.grad, dx_ref)
+
+
+@pytest.mark.parametrize("eval_first", [False, True])
+@pytest.mark.parametrize("module", ["linear", "mlp"])
+def test_one_eager_step_then_compile_compiles_once(eval_first, module):
+    """The benchmarks run one eager training step before torch.compile so that the model compiles once (the first-cast
+    flags are dynamo guards): still so when an evaluation under no_grad came first."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = FP8Linear(32, 48) if module == "linear" else FP8MLP(32, 64)
+    if eval_first:
+        with torch.no_grad():
+            model(torch.randn(8, 32))
+    model(torch.randn(8, 32)).square().sum().backward()  # the eager step
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for _ in range(3):
+        compiled(torch.randn(24, 32)).square().sum().backward()
+    assert counter.frame_count == 1

@@ -1,0 +1,119 @@
+"""Building an FP8 model the ways large models are built: converted on the meta device, then materialized
+(``to_empty()`` + ``reset_parameters()``, as FSDP2's recipe, Lightning and FSDP1 do) or loaded with
+``load_state_dict(assign=True)``. The reference: the same model converted on the CPU, with the same weights."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, ScalingState, convert_to_fp8, fp8_state_dict
+from lightning_fp8.optim import master
+
+
+def _plain() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def _dirty_allocator() -> None:
+    # Leave non-zero bytes in the allocator's free memory, for to_empty() to hand out.
+    junk = torch.full((1 << 16,), 3.0e4)
+    del junk
+
+
+def _materialize(model: nn.Module, flow: str) -> None:
+    if flow == "root_to_empty":  # FSDP2 / torchtitan: to_empty on the root, then every module's reset_parameters
+        model.to_empty(device="cpu")
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    else:  # Lightning's _materialize_meta_tensors, FSDP1: each module holding tensors, which must reset them
+        for module in model.modules():
+            if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+                module.to_empty(device="cpu", recurse=False)
+                module.reset_parameters()
+
+
+def _assert_trains_like(model: nn.Module, ref: nn.Module, steps: int = 4) -> None:
+    for i in range(steps):
+        x = torch.randn(24, 32) * 10.0 ** (i % 3 - 1)  # the delayed scales move
+        outs = [m(x) for m in (model, ref)]
+        assert torch.equal(outs[0], outs[1]), i
+        for out in outs:
+            out.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (i, name)
+    got, want = fp8_state_dict(model), fp8_state_dict(ref)
+    assert got.keys() == want.keys()
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.parametrize("flow", ["root_to_empty", "per_module"])
+def test_meta_conversion_then_materialization_equals_cpu_conversion(flow):
+    with torch.device("meta"):
+        model = convert_to_fp8(_plain())
+    _dirty_allocator()
+    _materialize(model, flow)
+    for state in (m for m in model.modules() if isinstance(m, ScalingState)):
+        assert float(state.scale) == 1.0 and int(state.casts) == 0 and not state.initialized
+    ref = convert_to_fp8(_plain())
+    ref.load_state_dict(model.state_dict())
+    _assert_trains_like(model, ref)
+    assert master.is_fp8_weight(model[0].weight)
+
+
+def test_reset_parameters_resets_the_scaling_state():
+    """New weights make the old statistics meaningless: FP8Linear.reset_parameters starts the scaling state over."""
+    layer = convert_to_fp8(_plain())[0]
+    layer(torch.randn(8, 32)).sum().backward()
+    layer.reset_parameters()
+    fresh = convert_to_fp8(nn.Sequential(nn.Linear(32, 64)))[0]
+    for key, value in fp8_state_dict(layer).items():
+        assert torch.equal(value, fp8_state_dict(fresh)[key]), key
+    assert not any(s.initialized for s in layer.fp8_scaling.values())
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_load_with_assign_keeps_the_fp8_weight_marker(on_meta):
+    """assign=True replaces the weight Parameter: FP8AdamW (O2) must still see an FP8 weight (FP8 and fp16 states,
+    the fp16 master in the storage) and step exactly as after a load with assign=False (the reference). Converted on
+    the meta device, the scaling buffers follow the weights to the CPU."""
+    torch.manual_seed(0)
+    sd = _plain().state_dict()
+    x = torch.randn(16, 32)
+    results = []
+    for assign in (True, False):
+        if assign and on_meta:
+            with torch.device("meta"):
+                model = convert_to_fp8(_plain())
+        else:
+            model = convert_to_fp8(_plain())
+        model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=assign)  # assign shares the tensors
+        assert master.is_fp8_weight(model[0].weight) and master.is_fp8_weight(model[2].weight)
+        opt = FP8AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.state[model[0].weight]
+        results.append((model.state_dict(), state["exp_avg"].dtype, model[0].weight.dtype))
+    (got, got_m, got_storage), (want, want_m, want_storage) = results
+    assert (got_m, got_storage) == (want_m, want_storage) == (torch.float8_e4m3fn, torch.float16)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_load_with_assign_into_a_weight_fp8adamw_holds_is_refused():
+    """At O2 the weight's storage is FP8AdamW's scaled master: a new Parameter would silently detach the optimizer.
+    Refused with what to do; the layer keeps its Parameter, storage and master scale."""
+    model = convert_to_fp8(_plain())
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 32)).sum().backward()
+    opt.step()
+    weight = model[0].weight
+    before = (weight.detach().clone(), master.master_scale(weight).clone())
+    with pytest.raises(RuntimeError, match=r"assign=True.*'0\.weight'.*Load with assign=False"):
+        model.load_state_dict(_plain().state_dict(), assign=True)
+    assert model[0].weight is weight
+    assert torch.equal(weight.detach(), before[0]) and torch.equal(master.master_scale(weight), before[1])
+    model.load_state_dict(_plain().state_dict())  # assign=False goes on working
