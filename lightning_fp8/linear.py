@@ -184,14 +184,6 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
-def mark_initialized(scaling: nn.ModuleDict) -> None:
-    """Mark a layer's scaling states as having cast once. Called after the layer's autograd.Function, outside it,
-    where torch.compile allows Python state to change. (The tensor-parallel forward's; FP8Linear and FP8MLP call
-    :func:`current_flags` and :func:`note_casts`.)"""
-    for state in scaling.values():
-        state.initialized = True
-
-
 def current_flags(scaling: nn.ModuleDict) -> tuple[bool, bool]:
     """Whether a layer's ``(input, grad_output)`` casts compute their tensor's own amax: current scaling, or no
     history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced."""

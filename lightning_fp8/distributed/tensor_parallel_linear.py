@@ -34,12 +34,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_fp8 import ops
 from lightning_fp8.distributed.amax_sync import claim_shared_scale, localize_buffers
-from lightning_fp8.linear import FP8Linear, mark_initialized, output_dtype
+from lightning_fp8.linear import FP8Linear, current_flags, grad_output_current, note_casts, output_dtype
 from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState, compute_scale
 
@@ -183,16 +184,23 @@ class TPLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the FP8 casts are not differentiable: a double backward raises (no silent 0)
     def backward(ctx: Any, dy: torch.Tensor):
         x_saved, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         comm, group, state = ctx.comm, ctx.comm.group, ctx.grad_state
+        # As FP8Linear (linear.grad_output_current): eagerly the grad_output role decides its first cast when the
+        # backward runs (every rank alike: the same calls), so forwards without a backward do not use it up.
+        current = grad_output_current(ctx.grad_current)
+        if current is None:
+            current = state.needs_current_scale()
+            state.initialized = state.initialized or dy.numel() > 0
         # Bias gradient in fp32 from this rank's dy: its column shard (colwise), or its rows (rowwise, sequence
         # parallel: a partial sum that the caller marks as such), or all rows (rowwise, replicated output).
         db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
         dy_fp8_t = None
         if comm.kind == "rowwise" and comm.dim is not None and comm.fp8:
-            dy_fp8, _, dy_scale_inv = _cast(state, dy.contiguous(), False, group, ctx.grad_current, "gathered")
+            dy_fp8, _, dy_scale_inv = _cast(state, dy.contiguous(), False, group, current, "gathered")
             dy_fp8 = _all_gather(dy_fp8, comm.dim, group)
             dy_fp8 = dy_fp8.reshape(-1, dy_fp8.shape[-1])
         else:
@@ -200,7 +208,7 @@ class TPLinearFn(torch.autograd.Function):
                 dy = _all_gather(dy.contiguous(), comm.dim, group)
             layout = "sharded" if comm.kind == "colwise" else "replicated"
             dy_2d = dy.reshape(-1, dy.shape[-1]).contiguous()
-            dy_fp8, dy_fp8_t, dy_scale_inv = _cast(state, dy_2d, need_wgrad, group, ctx.grad_current, layout)
+            dy_fp8, dy_fp8_t, dy_scale_inv = _cast(state, dy_2d, need_wgrad, group, current, layout)
         dx = dw = None
         if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
             dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
@@ -305,7 +313,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
         localize_buffers(state)
     x, dim, out_placement = _layouts(layer, x, kind)
     fp8 = layer.fp8_scaling
-    current = (fp8["input"].needs_current_scale(), fp8["grad_output"].needs_current_scale())
+    current = current_flags(fp8)
     fp8_comm = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).fp8_comm
     comm = Comm(kind, mesh.get_group(), dim, fp8_comm, layer.recipe.backward_dtype)
     out_dtype = output_dtype(x)
@@ -314,6 +322,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     if bias is not None:
         # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
         bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
-    y = TPLinearFn.apply(x.to_local(), weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
-    mark_initialized(fp8)
+    x_local = x.to_local()
+    y = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
+    note_casts(fp8, x_local, y)
     return DTensor.from_local(y, mesh, [out_placement], run_check=False)

@@ -209,6 +209,9 @@ PARITY_CASES = {
     "sp_fp8": {},
     "sp_fp8_no_amax_sync": {"amax_sync": False},  # the layers share their scales on their own
     "torch_colwise": None,  # torch's own ColwiseParallel on FP8Linear
+    # An evaluation forward first (Lightning's sanity check), then small gradients: the first backward's grad_output
+    # casts must still use the gradient's own amax (with the initial scale 1 these gradients flush to zero in E5M2).
+    "tp_eval_first": {"sequence_parallel": False},
 }
 
 
@@ -226,6 +229,11 @@ def _parity(case: str) -> dict:
         enable_fp8_amax_sync(block)
     else:
         apply_fp8_tensor_parallel(block, _tp_mesh(), **PARITY_CASES[case])
+    if case == "tp_eval_first":
+        with torch.no_grad():
+            x_eval = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(7))
+            for model in (block, ref):
+                model(x_eval)
     states, snapshots = _delayed_states(block), {}
     if case != "sp_fp8_no_amax_sync":
         # Around the amax-sync hook on the root: the local amaxes, then what every rank casts with in this step.
@@ -237,7 +245,7 @@ def _parity(case: str) -> dict:
         x = torch.randn(BATCH, SEQ, D, generator=gen)
         xs = [x.clone().requires_grad_() for _ in range(3)]
         ys = [model(xi) for model, xi in zip((block, ref, ref_hp), xs, strict=True)]
-        grad = torch.randn(x.shape, generator=gen)
+        grad = torch.randn(x.shape, generator=gen) * (2.0**-20 if case == "tp_eval_first" else 1.0)
         for y in ys:
             y.backward(grad)
         # SQNR of (TP vs single-process FP8, TP vs fp32, single-process FP8 vs fp32) per tensor
