@@ -194,6 +194,7 @@ class FP8GradScaler:
         self._last_saturation = 0.0
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY_LEN)
         self._last_optimizer: torch.optim.Optimizer | None = None
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # every optimizer stepped (fallback)
         # The casts an optimizer reported of its own gradients (FP8AdamW's), kept for that optimizer's step: where
         # each optimizer's step() also updates, one optimizer's update must not judge (and drop) another's. Weak:
         # an optimizer that is dropped with gradients pending is not kept alive.
@@ -375,6 +376,7 @@ class FP8GradScaler:
             True when the optimizer stepped, False when the step was skipped.
         """
         self._last_optimizer = optimizer
+        self._seen.add(optimizer)
         inv_scale = 1.0 / (self._loss_scale if self._loss_scale is not None else self._scale)
         fused = getattr(optimizer, "_fp8_step", None)
         found = optimizer._nonfinite_grads() if fused is not None else None  # flushes FP8AdamW's queued casts first
@@ -474,8 +476,8 @@ class FP8GradScaler:
             targets = skipped or [optimizer]
             what = [recovery.lower_lr(opt, self.lr_factor) for opt in targets][-1]
             what += f" in {len(targets)} optimizers" if len(targets) > 1 else ""
-        elif fallback == "bf16":
-            what = recovery.fallback_to_high_precision(self.model, optimizer, self.lr_factor)
+        elif fallback == "bf16":  # every optimizer stepped with this scaler: each gives back the masters it holds
+            what = recovery.fallback_to_high_precision(self.model, [*self._seen] or optimizer, self.lr_factor)
         else:
             what = str(fallback(self, optimizer))
         reason = f"{self.fallback_after} consecutive non-finite steps"

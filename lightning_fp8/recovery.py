@@ -69,11 +69,13 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     return f"lowered the learning rate by {factor}x"
 
 
-def _offending_layers(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[str]:
+def _offending_layers(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
     # A layer offends when the last backward's grad_output cast saw a non-finite amax, or its weight's last FP8
     # gradient (kept by FP8AdamW until the step) was non-finite.
-    skipped = getattr(optimizer, "skipped_grad_amax", {})
-    bad_params = {p for p, amax in skipped.items() if not bool(torch.isfinite(amax))}
+    bad_params = {
+        p for opt in optimizers for p, amax in getattr(opt, "skipped_grad_amax", {}).items()
+        if not bool(torch.isfinite(amax))
+    }  # fmt: skip
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, FP8Linear):
@@ -85,12 +87,16 @@ def _offending_layers(model: nn.Module, optimizer: torch.optim.Optimizer | None)
 
 
 def fallback_to_high_precision(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_factor: float = 0.5
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    lr_factor: float = 0.5,
 ) -> str:
     """Replace the offending FP8 layers of ``model`` by ``nn.Linear`` layers with the same parameters
     (:func:`put_back_to_high_precision`).
 
     When no layer can be blamed (the non-finite values came from elsewhere), lower the learning rate instead.
+    ``optimizer``: the optimizer, or every optimizer over the model's weights (several FP8AdamW at O2 each hold
+    their weights' masters, which must come back from the one that holds them).
 
     Returns:
         What was done, for the scaler's history.
@@ -99,11 +105,12 @@ def fallback_to_high_precision(
         ValueError: before anything is changed, when an offending layer cannot be put back (see
             :func:`put_back_to_high_precision`): DTensor parameters, or DistributedDataParallel.
     """
-    names = _offending_layers(model, optimizer)
+    optimizers = _as_list(optimizer)
+    names = _offending_layers(model, optimizers)
     if not names:
-        what = lower_lr(optimizer, lr_factor) if optimizer is not None else "nothing (no optimizer)"
+        what = [lower_lr(opt, lr_factor) for opt in optimizers][-1] if optimizers else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
-    put_back_to_high_precision(model, names, optimizer)
+    put_back_to_high_precision(model, names, optimizers)
     return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"
 
 

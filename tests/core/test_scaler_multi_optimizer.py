@@ -258,3 +258,41 @@ def test_training_goes_on_after_the_fallback_is_refused_under_ddp(two_ranks):
         assert report["error"] is not None and "under DistributedDataParallel" in report["error"], report
         assert report["stepped"] and report["identical"]
         assert report["skipped"] == 1 and report["scale"] == MU0 / 2
+
+
+@pytest.mark.parametrize("spelling", ["amp", "own"])
+def test_bf16_fallback_puts_back_the_layers_of_every_optimizer(spelling):
+    """A non-finite loss blames every FP8 layer; each O2 FP8AdamW holds the masters of its own layers, so the fallback
+    needs all of them (it failed with only the last one stepped: "an FP8AdamW (O2) that was not passed")."""
+    a, b = _pair(fp8=True)
+    model = nn.ModuleDict({"a": a, "b": b})
+    scaler = FP8GradScaler(init_scale=MU0, nonfinite_fallback=model, fallback_after=2)
+    grad_scaler = scaler if spelling == "own" else None
+    o1 = FP8AdamW(a.parameters(), lr=1e-2, grad_scaler=grad_scaler)
+    o2 = FP8AdamW(b.parameters(), lr=1e-2, grad_scaler=grad_scaler)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # two non-finite steps: the fallback runs
+        scaler.scale_loss((a(x).square().mean() + b(x).square().mean()) * math.nan).backward()
+        if spelling == "amp":
+            scaler.step(o1)
+            scaler.step(o2)
+            scaler.update()
+        else:
+            o1.step()
+            o2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+    assert type(a[0]) is nn.Linear and type(b[0]) is nn.Linear
+    assert a[0].weight.dtype == b[0].weight.dtype == torch.float32  # each master came back from its optimizer
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())  # skipped steps changed nothing
+    loss = a(x).square().mean() + b(x).square().mean()
+    scaler.scale_loss(loss).backward()
+    if spelling == "amp":
+        assert scaler.step(o1) and scaler.step(o2)
+        scaler.update()
+    else:
+        o1.step()
+        o2.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not any(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if k.endswith("weight"))
