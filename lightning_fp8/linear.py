@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -25,8 +24,8 @@ from torch.autograd.function import once_differentiable
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.recompute import ForwardCall, backward_ran, forward_call, replay_scales, restore_buffers
 from lightning_fp8.scaling import ScalingState
-from lightning_fp8.warnings import warn_once
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
@@ -67,7 +66,7 @@ class _FP8Matmul(torch.autograd.Function):
         call: tuple[ForwardCall | None, bool] = (None, False),
     ):
         # `current`: (input, grad_output) compute their tensor's own amax (current scaling, or no history yet); the
-        # backward uses the second only when traced (see backward). `call`: see forward_call.
+        # backward uses the second only when traced (see backward). `call`: see recompute.forward_call.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
         record, replaying = call
         # Without the transposed copy the backward casts x again (SAVE_INPUT_TRANSPOSE_COMPILED).
@@ -208,88 +207,6 @@ def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> None
     scaling["input"].initialized = scaling["weight"].initialized = True
     if torch.compiler.is_compiling() and y.requires_grad:  # see grad_output_current
         scaling["grad_output"].initialized = True
-
-
-# --------------------------------------------------------------------------------------- activation checkpointing
-# torch.utils.checkpoint (use_reentrant=False; Lightning's and FSDP's activation checkpointing) drops what a forward
-# saved for the backward and runs the forward again inside the backward. A delayed scale has moved since (the forward
-# recorded its amax), so a plain second forward would cast the input with another scale than the one that produced
-# the output, and record its statistics twice. Each eager forward that records a graph therefore keeps the scales its
-# input casts used (ForwardCall, held by the graph); a forward that runs inside a backward is such a recompute: it
-# casts with the kept scales and records nothing. A recompute takes the most recent call of the layer whose graph is
-# alive and which this backward has neither run through nor recomputed: right for a layer called once per
-# checkpointed region, however many regions and micro-batches are pending (their backward runs last region first).
-
-
-class ForwardCall:
-    """One eager forward of an FP8 layer that recorded an autograd graph (held by it, as ``ctx.record``).
-
-    Attributes:
-        scale_invs: the ``scale_inv`` of each input cast of the forward, in order.
-        done, recomputed: the ids of the backward passes (autograd graph tasks) that ran through it, recomputed it.
-    """
-
-    __slots__ = ("scale_invs", "done", "recomputed", "__weakref__")
-
-    def __init__(self) -> None:
-        self.scale_invs: tuple[torch.Tensor, ...] = ()
-        self.done: set[int] = set()
-        self.recomputed: set[int] = set()
-
-
-# Per layer (keyed by its input scaling state): weak references to its ForwardCalls, oldest first; a call is gone once
-# its graph is freed.
-_CALLS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
-
-
-def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
-    """``(call, replaying)`` for a forward of the layer whose input scaling state is ``state``: a new call to keep
-    (``replaying`` False) for an eager forward with grad enabled outside a backward; inside a backward (a checkpoint
-    recompute) the call it repeats (``replaying`` True), or ``(None, False)`` where there is none; ``(None, False)``
-    under no_grad and when traced (torch.compile recomputes inside its own graphs)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return None, False
-    calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
-    task = torch._C._current_graph_task_id()  # -1 outside a backward; torch.utils.checkpoint's recompute reads it too
-    if task == -1:
-        call = ForwardCall()
-        _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
-        return call, False
-    if any(task in c.recomputed and task not in c.done for c in calls):
-        warn_once(
-            "FP8 layer called more than once inside one activation-checkpointed region: its recompute may cast with "
-            "the scale of another call than the one it repeats (the gradients then use FP8 copies that differ from "
-            "the forward's at steps where a delayed scale moved). Checkpoint each call separately to be exact."
-        )
-    for call in reversed(calls):
-        if task not in call.done and task not in call.recomputed:
-            call.recomputed.add(task)
-            return call, True
-    return None, False
-
-
-def backward_ran(call: ForwardCall | None) -> None:
-    """Note that the current backward ran through ``call``'s graph (its recompute, if any, is over)."""
-    if call is not None:
-        call.done.add(torch._C._current_graph_task_id())
-
-
-def replay_scales(call: ForwardCall, states: tuple[ScalingState, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Before the casts of a recompute of ``call``: the first ``len(call.scale_invs)`` of ``states`` (the input
-    states, in the order of the forward's casts) take the scales ``call`` used, to be cast with them without current
-    scaling. Returns the buffers of every state with their values, for :func:`restore_buffers` after the casts: the
-    recompute's FP8 copies are the forward's bytes (a weight's current scaling gives them anyway) and no statistics
-    are recorded twice. Eager only (a recompute is never traced)."""
-    saved = [(buf, buf.clone()) for state in states for buf in state.cast_buffers()]
-    for state, scale_inv in zip(states, call.scale_invs, strict=False):
-        state.scale.copy_(scale_inv.reciprocal())
-    return saved
-
-
-def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-    """Put back what :func:`replay_scales` saved (nothing for None)."""
-    for buf, value in saved or ():
-        buf.copy_(value)
 
 
 # ------------------------------------------------------------- a new weight Parameter: to_empty(), assign=True loads

@@ -32,22 +32,18 @@ from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import weight_cache
 from lightning_fp8.linear import (
-    ForwardCall,
     FP8Linear,
     _is_dtensor,
     backward_gemms,
-    backward_ran,
     current_flags,
-    forward_call,
     forward_gemm,
     grad_output_current,
     note_casts,
     output_dtype,
-    replay_scales,
-    restore_buffers,
 )
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.recompute import ForwardCall, backward_ran, forward_call, replay_scales, restore_buffers
 
 
 class _FP8GeluMLP(torch.autograd.Function):
@@ -73,7 +69,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         call: tuple[ForwardCall | None, bool] = (None, False),
     ):
         # `current_*`: that layer's (input, grad_output) casts use their tensor's own amax (linear.current_flags).
-        # `call`: linear.forward_call (an activation-checkpoint recompute repeats the forward's casts).
+        # `call`: recompute.forward_call (an activation-checkpoint recompute repeats the forward's casts).
         record, replaying = call
         need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
         states = (fc["input"], proj["input"], fc["weight"], proj["weight"])

@@ -9,9 +9,11 @@ parameter (norms, biases, embeddings, excluded layers) keeps fp32 states, under 
 master and gradient but get the low-precision moments too: 11 bytes per parameter instead of 16.
 
 Gradients of adopted weights reach the optimizer in fp16 (the parameter's dtype), multiplied by mu of the
-gradient scaler; a post-accumulate-grad hook queues each, and the queued ones are cast to FP8 (E5M2, per-tensor
-scale) together, freeing the fp16 copies (:mod:`~lightning_fp8.optim.grad_cast`: when the queue reaches a bound,
-at the end of the backward pass, and before anything reads them). The step runs in fp32 registers: one fused
+gradient scaler (at O1 those of FP8Linear weights arrive in the weight's own dtype, fp32 usually, and are held in
+FP8 the same way: 13 bytes per parameter with the fp32 master and moments); a post-accumulate-grad hook queues each,
+and the queued ones are cast to FP8 (E5M2, per-tensor scale) together, freeing the fp16 copies
+(:mod:`~lightning_fp8.optim.grad_cast`: when the queue reaches a bound, at the end of the backward pass, and before
+anything reads them). The step runs in fp32 registers: one fused
 multi-tensor Triton kernel per group of tensors on CUDA (kernels/adamw.py), its PyTorch reference elsewhere; both
 give the same bits.
 """
@@ -61,8 +63,8 @@ class FP8AdamW(torch.optim.Optimizer):
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (param groups, schedulers work as usual).
         recipe: an :class:`~lightning_fp8.FP8Recipe` or name; gives the default ``opt_level`` and the FP8 gradient
             format (``recipe.backward_dtype``). Default ``"fp8-lm"`` (O2).
-        opt_level: ``"O1"`` (fp32 master and moments everywhere) or ``"O2"`` (low-precision states for FP8 linear
-            weights); overrides the recipe's.
+        opt_level: ``"O1"`` (fp32 master and moments everywhere; the FP8Linear weights' gradients in FP8, see
+            ``fp8_grads``) or ``"O2"`` (low-precision states for FP8 linear weights); overrides the recipe's.
         master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
             (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale.
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`. Gradients are unscaled by its mu, the FP8 gradient
@@ -70,8 +72,10 @@ class FP8AdamW(torch.optim.Optimizer):
             optimizers may share one: each step then decides, and updates mu, on that optimizer's own gradients.
         fp8_params: more parameters to treat as FP8 linear weights (besides the weights FP8Linear marks); their
             master is kept apart from the parameter.
-        fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy.
-            Default: on unless ``torch.distributed`` is initialized (DDP reduces ``param.grad`` after the hook).
+        fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy
+            (at O1, the weight's fp32 copy: each FP8Linear weight that requires a gradient, not ``fp8_params``,
+            nor sharded (DTensor) weights). Default: on unless ``torch.distributed`` is initialized (DDP reduces
+            ``param.grad`` after the hook).
             The optimizer then holds those gradients, and ``param.grad`` is ``None``: only this optimizer's
             :meth:`zero_grad` drops them. ``model.zero_grad()`` (``nn.Module``'s) does not reach them, and nothing
             tells its call apart from the hook's own emptying of ``param.grad`` (it changes nothing then): discard
@@ -190,6 +194,7 @@ class FP8AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         adopting, self._adopting = self._adopting, None
         self._adopt_all(adopting)
+        self._register_o1_grad_hooks([p for group in self.param_groups for p in group["params"]])
 
     # -------------------------------------------------------------------------------------------- param handling
     @override
@@ -217,6 +222,7 @@ class FP8AdamW(torch.optim.Optimizer):
         except RuntimeError:
             self.param_groups.pop()
             raise
+        self._register_o1_grad_hooks(group["params"])
 
     def _wants_low_precision(self, p: torch.Tensor) -> bool:
         if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:
@@ -252,6 +258,20 @@ class FP8AdamW(torch.optim.Optimizer):
         if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
             self._register_grad_hook(p)
 
+    def _register_o1_grad_hooks(self, params: Iterable[torch.Tensor]) -> None:
+        """At O1 (with ``fp8_grads``), the FP8 gradient hook of each FP8Linear weight of ``params`` that trains.
+
+        O2 registers it in :meth:`_adopt` (adopted weights); at O1 the weight keeps its storage (fp32 master) and
+        gets the same FP8 gradient: 13 bytes per parameter. ``fp8_params`` (no FP8 GEMMs) and sharded (DTensor)
+        weights keep their gradients as they are, as at O2; a frozen weight gets no hook.
+        """
+        if self.opt_level != "O1" or not self.fp8_grads:
+            return
+        for p in params:
+            if p in self._hooks or not master.is_fp8_weight(p) or not p.requires_grad or shards.is_dtensor(p):
+                continue
+            self._register_grad_hook(p)
+
     def _register_grad_hook(self, p: torch.Tensor) -> None:
         owner = weakref.ref(self)
         _GRAD_OWNERS[p] = owner
@@ -259,14 +279,31 @@ class FP8AdamW(torch.optim.Optimizer):
         def hook(param: torch.Tensor) -> None:
             optimizer = owner()
             if optimizer is not None and _GRAD_OWNERS.get(param) is owner and param.grad is not None:
+                # An O1 weight put back to high precision without this optimizer (recovery) keeps its gradient.
+                if master.master_scale(param) is None and not master.is_fp8_weight(param):
+                    return
                 grad, param.grad = param.grad, None
                 optimizer._grad_casts.put(optimizer, param, grad)
 
         self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
 
     def release(self, p: torch.Tensor) -> None:
-        """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision")."""
+        """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision").
+
+        At O1 (fp32 states already) it only stops holding ``p``'s gradient in FP8: the hook is removed and a pending
+        FP8 gradient is handed back to ``p.grad`` (dequantized, in ``p``'s dtype).
+        """
         if p not in self._low_precision:
+            handle = self._hooks.pop(p, None)
+            if handle is None:
+                return
+            handle.remove()
+            self._grad_casts.flush(self)
+            entry = self._pending.pop(p, None)
+            if entry is not None:
+                with torch.no_grad():
+                    grad = (entry.data.float() * entry.scale_inv).to(p.dtype)
+                    p.grad = grad if p.grad is None else p.grad + grad
             return
         self._grad_casts.flush(self)
         state = self.state[p]
