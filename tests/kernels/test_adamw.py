@@ -93,6 +93,9 @@ CASES = {
     # FP8AdamW(low_precision_moments="all"): a high-precision master (its scale unused) with scaled moments
     "moments_only": ((F32, E4M3, F16, F32), True, False, False),
     "moments_only_bf16_param": ((F32, E4M3, F16, BF16), True, False, True),
+    # O1: fp32 master and moments, the FP8Linear weights' gradients held in FP8 (FP8AdamW's fp8_grads)
+    "o1_fp8_grad": ((F32, F32, F32, E5M2), False, True, False),
+    "o1_fp8_grad_bf16_param": ((F32, F32, F32, E5M2), False, True, True),
 }
 
 
