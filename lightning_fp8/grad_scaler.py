@@ -485,6 +485,21 @@ class FP8GradScaler:
                               "scale": self._scale})
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
+    # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty.
+    _WEAK = ("_owned", "_seen")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._WEAK:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._owned = weakref.WeakKeyDictionary()
+        self._seen = weakref.WeakSet()
+
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (loads with ``torch.load(weights_only=True)``)."""
         return {

@@ -296,3 +296,19 @@ def test_bf16_fallback_puts_back_the_layers_of_every_optimizer(spelling):
         o2.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not any(torch.equal(v, expected[k]) for k, v in model.state_dict().items() if k.endswith("weight"))
+
+
+def test_a_scaler_that_stepped_optimizers_pickles():
+    """Lightning's spawned processes pickle the precision plugin and its scaler; the scaler's weak bookkeeping of the
+    optimizers it stepped cannot be pickled and starts empty in the copy (mu and the counters travel)."""
+    import pickle
+
+    a, b = _pair()
+    scaler = FP8GradScaler(init_scale=MU0)
+    o1, o2 = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    _run(a, b, o1, o2, scaler, "amp", iterations=2)  # one skipped step (POISON[1])
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.state_dict() == scaler.state_dict()
+    a2, b2 = _pair()
+    o3, o4 = torch.optim.SGD(a2.parameters(), lr=0.1), torch.optim.SGD(b2.parameters(), lr=0.1)
+    assert [r[:2] for r in _run(a2, b2, o3, o4, copy, "amp", iterations=1)] == [(True, True)]
