@@ -114,6 +114,12 @@ class FP8Recipe:
     def names() -> list[str]:
         return sorted(_NAMED)
 
+    def same_scaling(self, other: FP8Recipe) -> bool:
+        """Whether the scaling states of ``other``'s layers mean what this recipe's do (format, scaling, amax
+        history and algorithm, margin): a checkpoint's scales and amax histories carry over only then."""
+        fields = ("fp8_format", "scaling", "amax_history_len", "amax_compute_algo", "margin")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

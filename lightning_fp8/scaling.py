@@ -2,8 +2,15 @@
 
 Convention (DESIGN.md): ``x_fp8 = saturate(x * scale)``, ``x ~= x_fp8.float() * scale_inv`` with
 ``scale = 2 ** (floor(log2(fp8_max / amax)) - margin)``. Powers of two make scaling exact: multiplying by
-the scale and by its inverse adds no rounding error. An amax of 0 or a non-finite amax keeps the previous
-scale and is counted.
+the scale and by its inverse adds no rounding error. :func:`compute_scale` keeps the previous scale for an amax
+of 0 or a non-finite amax.
+
+What a cast records (``kernels/reference.py: record_cast_ref``; the Triton kernels do the same): a non-finite
+amax is counted in ``nonfinite_count`` and enters the amax history as 0 (no information); an amax of 0 (an
+all-zero or empty tensor) enters it as 0 too, uncounted. Either way the window rolls by one, and delayed scaling
+recomputes the scale from the history (its max, or its newest entry with ``"most_recent"``): the previous scale
+is kept only when that is 0 (``"most_recent"``, a history of length 1, or a history of zeros). With a longer
+``"max"`` window the scale comes from the other entries, and the oldest drops out as in any cast.
 
 Delayed scaling casts with the scale computed from the amax history of earlier casts, then records this
 cast's amax: one pass over the data. Current scaling computes the tensor's amax first: two passes.
@@ -17,6 +24,7 @@ from torch import nn
 from lightning_fp8 import ops
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
+from lightning_fp8.recipe import MAX_MARGIN
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -29,21 +37,45 @@ def _format_max(dtype: torch.dtype) -> float:
 def compute_scale(
     amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, prev_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Power-of-two scale ``2 ** (floor(log2(fp8_max / amax)) - margin)`` as a 0-dim fp32 tensor.
+    """Power-of-two scale ``2 ** (floor(log2(fp8_max / amax)) - margin)`` as a fp32 tensor of ``amax``'s shape.
 
     The exponent is computed exactly from the fp32 bit patterns (no ``log2`` rounding): ``amax * scale``
-    never exceeds ``fp8_max / 2**margin`` and doubling the scale would. Where ``amax`` is 0 or not finite,
-    the result is ``prev_scale`` (1.0 when there is none).
+    never exceeds ``fp8_max / 2**margin`` and doubling the scale would (unless that scale lies outside
+    ``2**-126 .. 2**127``, the range the result is clamped to). Where ``amax`` is 0 or not finite, the result is
+    ``prev_scale`` (1.0 when there is none).
+
+    The amax is taken in fp32. A float64 amax (or a Python number) is rounded up to the next fp32 value, so the
+    headroom above holds for the value given (448.000001 gets the scale of the fp32 number above it, 0.5 for
+    E4M3); one beyond fp32's range (above 3.4e38) becomes inf and, like any non-finite amax, gives ``prev_scale``.
 
     Args:
-        amax: a 0-dim (or any-shape, elementwise) tensor of absolute maxima.
+        amax: a 0-dim (or any-shape, elementwise) floating-point tensor of absolute maxima, or a Python number.
         fp8_dtype: the format the scale targets (an FP8 dtype, or ``torch.float16`` for scaled fp16 storage).
-        margin: binades of headroom (>= 0).
+        margin: binades of headroom: an int from 0 to :data:`lightning_fp8.recipe.MAX_MARGIN`.
         prev_scale: the scale to keep when ``amax`` carries no information.
+
+    Raises:
+        TypeError: if ``amax`` is neither a floating-point tensor nor a number, or ``margin`` is not an int.
+        ValueError: if ``margin`` is outside ``[0, MAX_MARGIN]`` or ``fp8_dtype`` is not a supported format.
     """
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(
+            f"compute_scale(margin={margin!r}) must be an int (binades of headroom), got {type(margin).__name__}"
+        )
+    if not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(f"compute_scale(margin={margin}) must be in [0, {MAX_MARGIN}] (binades of headroom)")
+    if isinstance(amax, (int, float)) and not isinstance(amax, bool):
+        amax = torch.tensor(float(amax), dtype=torch.float64)
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        kind = f"a {amax.dtype} tensor" if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise TypeError(f"compute_scale(amax=...) takes a floating-point tensor or a number, got {kind}")
+    fmax = _format_max(fp8_dtype)
+    if amax.dtype == torch.float64:  # to fp32 rounding up: a smaller amax would get a scale too large for it
+        a32 = amax.float()
+        amax = torch.where(a32.double() < amax, torch.nextafter(a32, torch.full_like(a32, torch.inf)), a32)
     if prev_scale is None:
         prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
-    return reference.pow2_scale_ref(amax, _format_max(fp8_dtype), margin, prev_scale)
+    return reference.pow2_scale_ref(amax, fmax, margin, prev_scale)
 
 
 class ScalingState(nn.Module):
@@ -53,7 +85,8 @@ class ScalingState(nn.Module):
     :func:`lightning_fp8.fp8_state_dict` to save them):
 
     - ``scale``: the scale the next delayed cast uses (0-dim fp32, a power of two);
-    - ``amax_history``: the last ``amax_history_len`` amaxes, most recent first (0 where unknown);
+    - ``amax_history``: the last ``amax_history_len`` amaxes, most recent first (0 where unknown, and for a cast
+      whose amax was 0 or non-finite: see the module docstring);
     - ``amax``: the amax of the last cast; ``saturation``: fraction of its values at the FP8 maximum;
     - ``nonfinite_count``: casts whose amax was inf or NaN; ``casts``: number of casts.
     """
@@ -121,7 +154,10 @@ class ScalingState(nn.Module):
                 outside.
             unscale: a 0-dim power of two when ``x`` holds ``t * unscale`` (FP8AdamW's scaled fp16 master in a
                 weight's storage): the cast reads ``x`` as it is, and the statistics, the scale and the returned
-                ``scale_inv`` describe ``t``.
+                ``scale_inv`` describe ``t``. Only for a cast that computes its own scale (``current=True``, or
+                ``None`` on a current-scaling state) of a state with a history of length 1, as weights' are: the
+                stored scale describes ``t``, so a later delayed cast of ``x`` would saturate, and each such cast
+                divides the whole history by ``unscale``.
             column_sum: also return the fp32 column sums of 2-D ``x`` (a linear layer's bias gradient), computed by
                 the cast from the values it reads (``kernels/reference.py: column_sum_ref`` fixes the order).
             activation: cast an activation of 2-D ``x`` instead of ``x``, computed in fp32 as the cast reads ``x``
@@ -135,8 +171,12 @@ class ScalingState(nn.Module):
             ``(x_fp8, x_fp8_t, scale_inv, column_sums)``.
 
         Raises:
-            ValueError: for ``column_sum`` of a tensor that is not 2-D.
+            ValueError: for ``column_sum`` of a tensor that is not 2-D; for ``unscale`` with a cast that does not
+                compute its own scale (``current=False``, or ``None`` on a delayed-scaling state) or a history
+                longer than 1.
         """
+        if unscale is not None:
+            _check_unscale(self, current)
         if column_sum and x.dim() != 2:
             raise ValueError(f"ScalingState.quantize(column_sum=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
         if activation is not None:
@@ -193,6 +233,25 @@ class ScalingState(nn.Module):
         m.reset_parameters()``): ``to_empty`` leaves the buffers uninitialized memory, whose garbage amax history would
         set the scales."""
         self.reset()
+
+
+def _check_unscale(state: ScalingState, current: bool | None) -> None:
+    # ScalingState.quantize(unscale=...): the kernels divide the recorded amaxes (the whole history) by unscale and
+    # multiply the stored scale by it, which is right only when every cast computes its scale from x itself and the
+    # history holds this cast's amax alone.
+    own_scale = bool(current) if current is not None else not state.delayed
+    if not own_scale or state.amax_history.numel() != 1:
+        why = (
+            f"a history of {state.amax_history.numel()} amaxes (each cast would divide all of them again)"
+            if own_scale
+            else f"current={current} on a {'delayed' if state.delayed else 'current'}-scaling state (the cast would "
+            "apply the scale stored for t to x = t * unscale)"
+        )
+        raise ValueError(
+            f"ScalingState.quantize(unscale=...) needs a cast that computes its own scale from x (current=True, or "
+            f"current=None on a current-scaling state) and a history of length 1, as weight states have; got {why}. "
+            "Pass x / unscale without unscale instead"
+        )
 
 
 def _check_activation(x: torch.Tensor, activation: str, activation_input: torch.Tensor | None) -> torch.Tensor | None:

@@ -9,16 +9,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_fp8.scaling import ScalingState
+from lightning_fp8.scaling import ScalingState, _format_max
+
+# What the values of a scaling state mean, saved beside its buffers as 0-dim tensors so that a checkpoint written
+# under other recipe settings is refused (a scale computed for E5M2 saturates every E4M3 cast). Checkpoints written
+# before these entries existed lack them: they are optional when loading.
+SETTINGS = ("fp8_max", "margin", "delayed", "amax_compute_algo")
+_ALGOS = ("max", "most_recent")  # amax_compute_algo is saved as its index here
+
+
+def _settings(state: ScalingState) -> dict[str, torch.Tensor]:
+    device = state.scale.device
+    return {
+        # The format's largest value (448 E4M3, 57344 E5M2): it identifies the format and is what the scale targets.
+        "fp8_max": torch.tensor(_format_max(state.fp8_dtype), dtype=torch.float32, device=device),
+        "margin": torch.tensor(state.margin, dtype=torch.int64, device=device),
+        "delayed": torch.tensor(int(state.delayed), dtype=torch.int64, device=device),
+        "amax_compute_algo": torch.tensor(0 if state.algo == "max" else 1, dtype=torch.int64, device=device),
+    }
+
+
+def _describe(name: str, value: float) -> str:
+    # One setting as a person reads it.
+    if name == "fp8_max":
+        formats = {448.0: "E4M3", 57344.0: "E5M2", 65504.0: "float16"}
+        return f"fp8 format {formats.get(value, '?')} (fp8_max {value:g})"
+    if name == "margin":
+        return f"margin {value:g}"
+    if name == "delayed":
+        return {1.0: "delayed scaling", 0.0: "current scaling"}.get(value, f"delayed={value:g}")
+    algo = _ALGOS[int(value)] if value in (0.0, 1.0) else f"code {value:g}"
+    return f"amax_compute_algo {algo!r}"
 
 
 def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """All scaling buffers of ``module``, keyed ``"<scaling-state fqn>.<buffer>"``; plain tensors only."""
+    """All scaling buffers of ``module``, keyed ``"<scaling-state fqn>.<buffer>"``, and the settings their values
+    are for, keyed ``"<scaling-state fqn>.<setting>"``; plain tensors only (``torch.load(weights_only=True)`` reads
+    them).
+
+    The settings, 0-dim tensors: ``fp8_max`` (fp32: 448 for E4M3, 57344 for E5M2: the state's format), ``margin``,
+    ``delayed`` (1 for delayed scaling, 0 for current) and ``amax_compute_algo`` (0 for ``"max"``, 1 for
+    ``"most_recent"``), the last three int64; on the state's device, like its buffers. :func:`load_fp8_state_dict`
+    refuses a state saved with other settings.
+    """
     out: dict[str, torch.Tensor] = {}
     for name, state in module.named_modules():
         if isinstance(state, ScalingState):
             for buf_name, buf in state.named_buffers(recurse=False):
                 out[f"{name}.{buf_name}"] = buf.detach().clone()
+            for setting, value in _settings(state).items():
+                out[f"{name}.{setting}"] = value
     return out
 
 
@@ -26,25 +66,35 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
     """Load what :func:`fp8_state_dict` saved. Every value is checked before any is loaded: a bad checkpoint changes
     nothing. With ``strict=False`` keys the model does not have are ignored and missing ones keep their values.
 
+    The settings a state was saved with (its format, margin, delayed or current scaling, amax_compute_algo) must be
+    the model's: its scale and history mean nothing under others, with or without ``strict``. Checkpoints written
+    before the settings were saved have none, and load as before (unchecked).
+
     Raises:
-        KeyError: with ``strict``, if keys are missing or unexpected (a different model or recipe).
+        KeyError: with ``strict``, if buffer keys are missing or keys are unexpected (a different model).
         TypeError: if a value is not a tensor of the buffer's kind (floating point or integer).
-        ValueError: if a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value cannot be a
-            scaling state's: a scale that is not a finite positive power of two, a negative or NaN amax, a
-            saturation outside [0, 1], a negative count.
+        ValueError: if a state was saved under other recipe settings (``fp8_format``, ``margin``, ``scaling``,
+            ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
+            cannot be a scaling state's: a scale that is not a finite positive power of two, a negative or NaN amax,
+            a saturation outside [0, 1], a negative count, or a value the buffer's dtype (fp32, int64) cannot hold
+            exactly (a float64 scale of 2**200 would be inf in fp32).
     """
     expected = fp8_state_dict(module)
+    settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
     if strict:
-        missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+        missing = sorted(set(expected) - set(state_dict) - settings)
+        unexpected = sorted(set(state_dict) - set(expected))
         if missing or unexpected:
             raise KeyError(
                 f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
                 "was the checkpoint written for a model converted with the same layers and recipe?"
             )
     states = {name: m for name, m in module.named_modules() if isinstance(m, ScalingState)}
+    for key in sorted(settings & set(state_dict)):  # first: a state of another recipe would fail the checks below
+        _check_setting(key, state_dict[key], expected[key])
     loads = []
     for key, value in state_dict.items():
-        if key not in expected:
+        if key not in expected or key in settings:
             continue
         state_name, _, buf_name = key.rpartition(".")
         buf = getattr(states[state_name], buf_name)
@@ -59,6 +109,26 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
         state.initialized = bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
 
 
+def _check_setting(key: str, value: object, own: torch.Tensor) -> None:
+    """Raise unless the saved setting ``value`` (``"<state>.<setting>"`` = ``key``) equals the model's, ``own``."""
+    state_name, _, name = key.rpartition(".")
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_complex():
+        kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
+        raise TypeError(
+            f"FP8 scaling state {key!r} is {kind} of shape {tuple(getattr(value, 'shape', ()))}, expected one number "
+            "(what fp8_state_dict() saves): the checkpoint is corrupt or not an fp8_state_dict()"
+        )
+    saved, mine = float(value.detach().double().cpu().reshape(())), float(own.double().cpu())
+    if saved != mine:
+        raise ValueError(
+            f"FP8 scaling state {state_name!r} was saved with {_describe(name, saved)}, but this model's has "
+            f"{_describe(name, mine)}: the checkpoint was written under another FP8 recipe (fp8_format, margin, "
+            "scaling or amax_compute_algo), and its scales and amax histories mean something else here. Convert the "
+            "model with the checkpoint's recipe to resume it, or do not load its FP8 state (the model's weights load "
+            "without it; the first casts then compute their scales from the tensors themselves)"
+        )
+
+
 def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> None:
     """Raise if ``value`` cannot be loaded into the scaling-state buffer ``buf`` (named ``buf_name``)."""
     fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
@@ -70,7 +140,18 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
             f"FP8 scaling state {key!r} has shape {tuple(value.shape)} in the checkpoint but "
             f"{tuple(buf.shape)} in the model (amax_history_len differs?)"
         )
-    v = value.detach().double().cpu()
+    # Checked as it will be stored: the buffer's dtype (a float64 2**200 is a power of two, and inf in fp32).
+    saved = value.detach().cpu()
+    stored = saved.to(buf.dtype)
+    same = stored.to(saved.dtype) == saved
+    if saved.is_floating_point():
+        same = same | (torch.isnan(saved) & torch.isnan(stored))  # NaN: refused below, as what it is
+    if not same.all():
+        raise ValueError(
+            f"FP8 scaling state {key!r} holds {value.tolist()}, which a {buf.dtype} buffer cannot hold exactly (it "
+            f"would be {stored.tolist()}): {fix}"
+        )
+    v = stored.double()
     if buf_name == "scale":
         bad = not (torch.isfinite(v).all() and (v > 0).all() and (torch.frexp(v).mantissa == 0.5).all())
         what = "a finite positive power of two"

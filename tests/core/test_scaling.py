@@ -82,6 +82,8 @@ def test_current_scaling_uses_own_amax():
 
 
 def test_nonfinite_amax_keeps_scale_and_is_counted():
+    """The scale stays here because the window still holds the first cast's amax; the tests below pin what a bad
+    cast does to the scale otherwise."""
     s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
     s.quantize(torch.randn(8, 16))
     scale_before = s.scale.clone()
@@ -142,3 +144,147 @@ def test_reset_parameters_starts_over_from_uninitialized_memory():
     for name, buf in fresh.named_buffers():
         assert torch.equal(getattr(s, name), buf), name
     assert not s.initialized
+
+
+# -- a non-finite or zero amax, as a cast records it (pinned against DESIGN.md / docs/concepts/formats.md) ----------
+
+
+def _state(history_len: int, algo: str = "max", delayed: bool = True) -> ScalingState:
+    s = ScalingState(E4M3, history_len=history_len, margin=0, algo=algo, delayed=delayed)
+    s.quantize(torch.full((4, 4), 100.0))  # first cast: its own amax; scale 2**floor(log2(448 / 100)) = 4
+    s.quantize(torch.full((4, 4), 1.0))
+    return s
+
+
+def _bad(kind: str) -> torch.Tensor:
+    x = torch.ones(4, 4)
+    if kind == "zero":
+        return torch.zeros(4, 4)
+    x[0, 0] = float(kind)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "zero"])
+def test_bad_cast_in_a_max_window_leaves_a_zero_slot_and_the_scale_comes_from_the_rest(kind):
+    """Window 2, "max": history [1, 100] (scale 4); the bad cast's slot holds 0, 100 rolls out, and the scale comes
+    from the amax 1 left: 2**floor(log2(448)) = 256. Counted in nonfinite_count only when non-finite."""
+    s = _state(2)
+    assert s.amax_history.tolist() == [1.0, 100.0] and s.scale.item() == 4.0
+    _, _, scale_inv = s.quantize(_bad(kind))
+    assert scale_inv.item() == 1 / 4.0  # the cast itself used the previous scale
+    assert s.amax_history.tolist() == [0.0, 1.0]
+    assert s.scale.item() == 256.0
+    assert s.nonfinite_count.item() == (0 if kind == "zero" else 1) and s.casts.item() == 3
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "zero"])
+def test_bad_cast_in_a_longer_window_keeps_the_scale_while_the_largest_amax_stays(kind):
+    s = _state(4)
+    s.quantize(_bad(kind))
+    assert s.amax_history.tolist() == [0.0, 1.0, 100.0, 0.0] and s.scale.item() == 4.0
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "zero"])
+@pytest.mark.parametrize(("history_len", "algo"), [(1, "max"), (4, "most_recent")])
+def test_bad_cast_keeps_the_scale_with_most_recent_or_a_history_of_one(kind, history_len, algo):
+    """The newest entry decides, and it is 0: the previous scale is kept. After the casts 100, 1 the scale is
+    2**floor(log2(448 / 1)) = 256."""
+    s = _state(history_len, algo)
+    assert s.scale.item() == 256.0
+    s.quantize(_bad(kind))
+    assert s.scale.item() == 256.0 and s.amax_history[0].item() == 0.0
+    assert s.nonfinite_count.item() == (0 if kind == "zero" else 1)
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "zero"])
+def test_bad_cast_under_current_scaling_uses_and_keeps_the_previous_scale(kind):
+    s = _state(1, delayed=False)
+    assert s.scale.item() == 256.0  # from the last cast's own amax, 1
+    _, _, scale_inv = s.quantize(_bad(kind))
+    assert scale_inv.item() == 1 / 256.0 and s.scale.item() == 256.0
+
+
+# -- ScalingState.quantize(unscale=...) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("delayed", "history_len", "current"),
+    [(True, 4, None), (True, 4, False), (True, 1, None), (False, 1, False), (False, 4, None), (True, 4, True)],
+)
+def test_unscale_is_refused_unless_the_cast_computes_its_own_scale_with_one_history_entry(
+    delayed, history_len, current
+):
+    s = ScalingState(E4M3, history_len=history_len, margin=0, algo="max", delayed=delayed)
+    u = torch.tensor(2.0**10)
+    with pytest.raises(ValueError, match="unscale"):
+        s.quantize(torch.randn(16, 16) * u, current=current, unscale=u)
+    assert s.casts.item() == 0 and not s.amax_history.any()  # nothing recorded
+
+
+@pytest.mark.parametrize(("delayed", "current"), [(False, None), (False, True), (True, True)])
+def test_unscale_describes_t_cast_after_cast(delayed, current):
+    """x holds t * u: each cast's scale, statistics and scale_inv are t's, by the definition of the scale."""
+    torch.manual_seed(0)
+    s = ScalingState(E4M3, history_len=1, margin=0, algo="max", delayed=delayed)
+    u = torch.tensor(2.0**10)
+    for m in (1.0, 30.0, 0.01):
+        t = torch.randn(16, 16) * m
+        x_fp8, _, scale_inv = s.quantize(t * u, current=current, unscale=u)
+        amax = t.abs().max().item()
+        expected = _scale_by_definition(amax, 448.0, 0)
+        assert 1 / scale_inv.item() == expected and s.scale.item() == expected
+        assert s.amax_history.tolist() == [amax] and s.amax.item() == amax and s.saturation.item() == 0.0
+        ref, _, _, _ = cast_to_fp8_ref(t, torch.tensor(expected), E4M3)
+        assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
+
+
+# -- compute_scale's arguments ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("margin", "error"), [(1.5, TypeError), (True, TypeError), ("1", TypeError),
+                                               (-1, ValueError), (17, ValueError)])  # fmt: skip
+def test_compute_scale_refuses_a_bad_margin(margin, error):
+    with pytest.raises(error, match="margin"):
+        compute_scale(torch.tensor(1.0), E4M3, margin)
+
+
+def test_compute_scale_takes_margins_up_to_the_recipes_max():
+    from lightning_fp8.recipe import MAX_MARGIN
+
+    assert MAX_MARGIN == 16
+    assert compute_scale(torch.tensor(1.0), E4M3, 16).item() == _scale_by_definition(1.0, 448.0, 16)
+
+
+@pytest.mark.parametrize("amax", [torch.tensor(3), torch.tensor([True]), "3.0", None])
+def test_compute_scale_refuses_an_amax_that_is_not_a_float_tensor_or_number(amax):
+    with pytest.raises(TypeError, match="amax"):
+        compute_scale(amax, E4M3)
+
+
+@pytest.mark.parametrize("amax", [3.0, 3, 1e-3, 448.000001])
+def test_compute_scale_takes_a_python_number(amax):
+    got = compute_scale(amax, E4M3)
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert got.item() == _scale_by_definition(amax, 448.0, 0)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_compute_scale_of_a_float64_amax_keeps_the_headroom(dtype, margin):
+    """float64 amaxes fp32 cannot hold: rounded up to fp32, so the scale is the definition's for the value given."""
+    torch.manual_seed(0)
+    fmax = fp8_max(dtype)
+    amaxes = torch.rand(300, dtype=torch.float64).mul(40).sub(20).exp2().tolist()
+    amaxes += [fmax * (1 + 1e-12), fmax / 2 * (1 + 1e-15), 448.000001, 1 + 2**-40]
+    for a in amaxes:
+        got = compute_scale(torch.tensor(a, dtype=torch.float64), dtype, margin).item()
+        assert got == _scale_by_definition(a, fmax, margin), a
+        assert a * got <= fmax / 2**margin, a
+
+
+def test_compute_scale_of_float64_amaxes_beyond_fp32():
+    prev = torch.tensor(8.0)
+    # Above fp32's max: inf in fp32, no information: the previous scale.
+    assert compute_scale(torch.tensor(1e50, dtype=torch.float64), E4M3, 0, prev).item() == 8.0
+    # Below fp32's smallest subnormal: rounded up to it (not to 0): the largest scale, 2**127.
+    assert compute_scale(torch.tensor(1e-50, dtype=torch.float64), E4M3, 0, prev).item() == 2.0**127

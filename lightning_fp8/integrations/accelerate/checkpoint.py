@@ -130,10 +130,14 @@ def restore(
     Raises:
         ValueError: when the checkpoint holds FP8 state for a different number of models.
     """
-    if FP8Recipe.from_dict(state["recipe"]) != recipe:
+    saved = FP8Recipe.from_dict(state["recipe"])
+    if saved != recipe:
+        what = "loaded" if saved.same_scaling(recipe) else (
+            "not loaded (written under other scaling settings): each FP8 layer's first casts compute their scales "
+            "from the tensors themselves")  # fmt: skip
         warn_once(
             f"accelerator.load_state: the checkpoint was trained with FP8 recipe {state['recipe']}, this run uses "
-            f"{recipe.to_dict()}; the saved scaling state is loaded into the new recipe's layers"
+            f"{recipe.to_dict()}; the saved scaling state is {what}"
         )
     if len(state["models"]) != len(models):
         raise ValueError(
@@ -141,7 +145,8 @@ def restore(
             f"{len(models)} FP8 model(s) were prepared: prepare the same models as the run that saved it"
         )
     for model, model_state in zip(models, state["models"], strict=True):
-        load_fp8_state_dict(model, model_state)
+        if saved.same_scaling(recipe):
+            load_fp8_state_dict(model, model_state)
     if grad_scaler is not None and state["grad_scaler"] is not None:
         grad_scaler.load_state_dict(state["grad_scaler"])
     if health is not None and state["health"] is not None:
