@@ -205,11 +205,18 @@ def stdlib_dir() -> Path:
     return Path(os.path.dirname(os.__file__))
 
 
+# The fewest bytes load_corpus accepts in either split: a few windows of the toy preset (seq_len 128).
+_MIN_SPLIT_BYTES = 1024
+
+
 def _text_files(root: Path, default: bool) -> list[Path]:
     if root.is_file():
         return [root]
     if not root.is_dir():
-        raise FileNotFoundError(f"--data {str(root)!r} is neither a file nor a directory")
+        raise FileNotFoundError(
+            f"load_corpus(path={str(root)!r}): the path is neither a file nor a directory (does it exist?); give a "
+            "text file, a directory of text files, or path=None for the Python standard library's source"
+        )
     skip = {"site-packages", "dist-packages", "__pycache__"}  # installed third-party code differs per machine
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -228,10 +235,14 @@ def load_corpus(
             ``.py`` files of Python's standard library.
         max_bytes: stop reading once this many bytes are collected (``None``: everything).
         val_fraction: share of files (whole files, chosen by a hash of their path, so the split does not
-            change when ``max_bytes`` does) held out for validation. A single file is split at its end.
+            change when ``max_bytes`` does) held out for validation. A single file is split at its end: its
+            last ``val_fraction`` of bytes are the validation split.
 
     Raises:
-        ValueError: if fewer bytes than two windows' worth end up in either split.
+        FileNotFoundError: if ``path`` is neither a file nor a directory.
+        ValueError: if either split ends up with fewer than 1024 bytes: with a single
+            file, one under about ``1024 / min(val_fraction, 1 - val_fraction)`` bytes (20.5 KB at the default
+            0.05); give more text, or a ``val_fraction`` nearer 0.5.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"load_corpus(val_fraction={val_fraction!r}) must be in (0, 1)")
@@ -255,10 +266,20 @@ def load_corpus(
         train, val = [joined[:cut]], [joined[cut:]]
     as_tensor = lambda parts: torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)
     corpus = Corpus(as_tensor(train), as_tensor(val), str(root), n_files)
-    if min(corpus.train.numel(), corpus.val.numel()) < 1024:
+    n_train, n_val = corpus.train.numel(), corpus.val.numel()
+    if min(n_train, n_val) < _MIN_SPLIT_BYTES:
+        short = [name for name, n in (("training", n_train), ("validation", n_val)) if n < _MIN_SPLIT_BYTES]
+        needed = math.ceil(_MIN_SPLIT_BYTES / min(val_fraction, 1 - val_fraction))
+        todo = f"give more text (about {needed} bytes at this val_fraction"
+        todo += ")" if max_bytes is None else ", and a max_bytes at least that large)"
+        if short == ["validation"]:
+            todo += " or raise val_fraction"
+        elif short == ["training"]:
+            todo += " or lower val_fraction"
         raise ValueError(
-            f"load_corpus({str(root)!r}) found {corpus.train.numel()} training and {corpus.val.numel()} validation "
-            "bytes; give at least a few KB of text"
+            f"load_corpus({str(root)!r}, max_bytes={max_bytes}, val_fraction={val_fraction}) split {n_files} "
+            f"file(s) into {n_train} training and {n_val} validation bytes, but each split needs at least "
+            f"{_MIN_SPLIT_BYTES} (too few: {' and '.join(short)}); {todo}"
         )
     return corpus
 
@@ -267,9 +288,15 @@ class ByteWindows(Dataset):
     """Non-overlapping windows of a byte tensor: item ``i`` is ``(x, y)``, ``y`` is ``x`` shifted by one byte.
 
     Both are int64 of length ``seq_len``. Shuffle the DataLoader for training.
+
+    Raises:
+        ValueError: if ``seq_len`` is not an int >= 1, or ``data`` is not 1-D and longer than ``seq_len``.
     """
 
     def __init__(self, data: torch.Tensor, seq_len: int) -> None:
+        if isinstance(seq_len, bool) or not hasattr(seq_len, "__index__") or seq_len < 1:
+            raise ValueError(f"ByteWindows(seq_len={seq_len!r}) must be an int >= 1 (the window length in bytes)")
+        seq_len = int(seq_len)
         if data.dim() != 1 or data.numel() <= seq_len:
             raise ValueError(f"ByteWindows needs a 1-D tensor longer than seq_len={seq_len}, got {tuple(data.shape)}")
         self.data, self.seq_len = data, seq_len

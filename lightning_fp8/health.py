@@ -3,7 +3,9 @@
 FP8 training fails in a few recognisable ways (DESIGN.md "Monitoring and health"):
 
 - a *gradient-norm spike*: one step's gradient norm far above its recent level (instability, a bad batch, an
-  overflowing scale);
+  overflowing scale). A spike is kept out of the baseline it is judged against, so an isolated spike does not
+  mask the next one; but ``spike_patience`` spikes in a row are a new level, not a spike: they become the
+  baseline, so a lasting change of level is reported for at most ``spike_patience`` steps;
 - a *plateau*: the loss stops falling while the gradient norm does not fall either (learning has saturated,
   often because updates underflow); a loss that flattens while the gradient norm falls is convergence, not
   a plateau;
@@ -26,7 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,6 +53,13 @@ class HealthConfig:
             deviations ...
         spike_ratio: ... and is also this many times the window's mean (a z-score alone fires when the norm
             is nearly constant).
+        spike_patience: spikes in a row after which the gradient norm is taken to have settled at a new level.
+            A spike stays out of the baseline; when ``spike_patience`` consecutive observed gradient norms are
+            all spikes (each reported), the baseline window is replaced by those values, so the steps after
+            them are judged against the new level. A lasting change of level is thus reported on its first
+            ``spike_patience`` steps, an isolated spike once (it never enters the baseline). An ordinary
+            (non-spike) gradient norm resets the count; steps without a finite gradient norm neither count nor
+            reset it.
         plateau_window: steps over which the loss must improve; the halves of the window are compared.
         plateau_min_improvement: relative loss improvement between the halves below which the loss has plateaued.
         plateau_grad_norm_drop: a plateau is only reported if the gradient norm fell by less than this fraction
@@ -61,17 +70,17 @@ class HealthConfig:
     warmup_steps: int = 20
     spike_zscore: float = 6.0
     spike_ratio: float = 3.0
+    spike_patience: int = 5
     plateau_window: int = 200
     plateau_min_improvement: float = 0.01
     plateau_grad_norm_drop: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("window", "warmup_steps", "plateau_window"):
+        minimum = {"window": 2, "warmup_steps": 0, "plateau_window": 2, "spike_patience": 1}
+        for name, low in minimum.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 2):
-                raise ValueError(
-                    f"HealthConfig({name}={value!r}) must be an int >= {0 if name == 'warmup_steps' else 2}"
-                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low}")
         for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:
@@ -90,6 +99,26 @@ class HealthEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _memory_value(value: Any) -> float | None:
+    # observe(memory_gib=...) takes a number of GiB or what memory_gib() returns (its "peak" entry).
+    if isinstance(value, Mapping):
+        if "peak" not in value:
+            raise TypeError(
+                f"HealthMonitor.observe(memory_gib=...) got a mapping without a 'peak' entry ({sorted(value)}); "
+                "pass a number of GiB or the dict memory_gib(device) returns"
+            )
+        value = value["peak"]
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            "HealthMonitor.observe(memory_gib=...) expects a number of GiB or the dict memory_gib(device) returns, "
+            f"got {type(value).__name__}"
+        ) from None
 
 
 def _mean_std(values: Iterable[float]) -> tuple[float, float]:
@@ -117,6 +146,8 @@ class HealthMonitor:
         self.series: dict[str, list[tuple[int, float]]] = {name: [] for name in SERIES}
         self.events: list[HealthEvent] = []
         self._grad_norms: deque[float] = deque(maxlen=self.config.window)
+        # The current run of consecutive spikes (kept out of _grad_norms until it reaches spike_patience).
+        self._spike_run: list[float] = []
         self._plateau_loss: deque[float] = deque(maxlen=self.config.plateau_window)
         self._plateau_grad: deque[float] = deque(maxlen=self.config.plateau_window)
         self._observations = 0
@@ -131,7 +162,7 @@ class HealthMonitor:
         samples: int | None = None,
         tokens: int | None = None,
         seconds: float | None = None,
-        memory_gib: float | None = None,
+        memory_gib: float | Mapping[str, float] | None = None,
     ) -> list[HealthEvent]:
         """Record one step's values; returns the events this step raised (also appended to :attr:`events`).
 
@@ -140,8 +171,13 @@ class HealthMonitor:
             loss, grad_norm, param_norm: this step's values (Python numbers or 0-dim tensors).
             samples, tokens, seconds: work done and wall time since the previous observation; give ``seconds``
                 with either count to record throughput.
-            memory_gib: memory in use (GiB), e.g. from :func:`memory_gib`.
+            memory_gib: memory (GiB): a number, or the dict :func:`memory_gib` returns, of which the ``"peak"``
+                entry is recorded (present on CPU and CUDA).
+
+        Raises:
+            TypeError: if ``memory_gib`` is neither a number nor a mapping with a ``"peak"`` entry.
         """
+        memory_gib = _memory_value(memory_gib)
         self._observations += 1
         events: list[HealthEvent] = []
         values = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "memory_gib": memory_gib}
@@ -158,10 +194,17 @@ class HealthMonitor:
         loss_ok = "loss" in values and math.isfinite(values["loss"])
         if grad_ok:
             spike = self._check_spike(step, values["grad_norm"])
-            if spike is not None:
-                events.append(spike)
-            else:  # a spike does not enter the baseline it is judged against
+            if spike is None:
+                self._spike_run.clear()
                 self._grad_norms.append(values["grad_norm"])
+            else:  # a spike does not enter the baseline it is judged against ...
+                events.append(spike)
+                self._spike_run.append(values["grad_norm"])
+                if len(self._spike_run) >= self.config.spike_patience:
+                    # ... unless spike_patience of them in a row: the norm has settled at a new level.
+                    self._grad_norms.clear()
+                    self._grad_norms.extend(self._spike_run)
+                    self._spike_run.clear()
         if grad_ok and loss_ok:
             self._plateau_loss.append(values["loss"])
             self._plateau_grad.append(values["grad_norm"])
@@ -247,6 +290,7 @@ class HealthMonitor:
             "series": {k: [list(p) for p in v] for k, v in self.series.items()},
             "events": [e.to_dict() for e in self.events],
             "grad_norms": list(self._grad_norms),
+            "spike_run": list(self._spike_run),
             "plateau_loss": list(self._plateau_loss),
             "plateau_grad": list(self._plateau_grad),
             "observations": self._observations,
@@ -258,6 +302,7 @@ class HealthMonitor:
         self.events = [HealthEvent(**e) for e in state["events"]]
         self._grad_norms.clear()
         self._grad_norms.extend(state["grad_norms"])
+        self._spike_run = [float(v) for v in state.get("spike_run", [])]  # absent from states saved before it
         self._plateau_loss.clear()
         self._plateau_loss.extend(state["plateau_loss"])
         self._plateau_grad.clear()

@@ -75,13 +75,21 @@ def _resolve(handles: Any, host: dict[str, list]) -> Any:
     return values[0] if is_scalar else values
 
 
+# The submodule (an nn.ModuleDict of ScalingStates) under which an FP8 layer keeps its scaling state.
+_SCALING_CONTAINER = "fp8_scaling"
+
+
 def _scaling_states(model: nn.Module) -> Iterable[tuple[str, str, ScalingState]]:
     # (layer name, role, state) for every ScalingState; layers keep them under "<layer>.fp8_scaling.<role>".
+    # Only a whole trailing "fp8_scaling" path component is dropped, never part of the user's own layer name
+    # ("head_fp8_scaling" is a layer of that name); the model itself being the layer gives "root".
     for name, module in model.named_modules():
         if isinstance(module, ScalingState):
             parent, _, role = name.rpartition(".")
-            layer = clean_name(parent.removesuffix(".fp8_scaling").removesuffix("fp8_scaling"))
-            yield layer or "root", role, module
+            path = clean_name(parent).split(".") if parent else []
+            if path and path[-1] == _SCALING_CONTAINER:
+                path.pop()
+            yield ".".join(path) or "root", role, module
 
 
 def _layer_handles(model: nn.Module, batch: _HostBatch) -> dict[str, dict[str, dict[str, Any]]]:

@@ -82,6 +82,42 @@ def test_user_data_file(tmp_path):
         load_corpus(tmp_path / "missing")
 
 
+@pytest.mark.parametrize(("size", "val_fraction"), [(20_000, 0.05), (20_480, 0.05), (1_500, 0.5), (1_500, 0.9)])
+def test_small_corpus_errors_say_which_split_is_short_and_what_to_do(tmp_path, size, val_fraction):
+    (tmp_path / "one.txt").write_bytes(b"z" * size)
+    # Reference: one file's last val_fraction of bytes is the validation split; each split needs 1024 bytes.
+    n_train = int(size * (1 - val_fraction))
+    n_val = size - n_train
+    short = [name for name, n in (("training", n_train), ("validation", n_val)) if n < 1024]
+    if not short:
+        c = load_corpus(tmp_path / "one.txt", val_fraction=val_fraction)
+        assert (c.train.numel(), c.val.numel()) == (n_train, n_val)
+        return
+    with pytest.raises(ValueError) as info:
+        load_corpus(tmp_path / "one.txt", val_fraction=val_fraction)
+    message = str(info.value)
+    assert f"{n_train} training and {n_val} validation bytes" in message and "at least 1024" in message
+    assert f"too few: {' and '.join(short)}" in message and "give more text" in message
+    hints = {("validation",): ["raise val_fraction"], ("training",): ["lower val_fraction"]}.get(tuple(short), [])
+    assert [h for h in ("raise val_fraction", "lower val_fraction") if h in message] == hints
+    # the text it asks for is enough
+    (tmp_path / "one.txt").write_bytes(b"z" * int(message.split("about ")[1].split(" bytes")[0]))
+    c = load_corpus(tmp_path / "one.txt", val_fraction=val_fraction)
+    assert min(c.train.numel(), c.val.numel()) >= 1024
+
+
+def test_missing_path_error_names_the_argument(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"load_corpus\(path=.*missing.*neither a file nor a directory") as info:
+        load_corpus(tmp_path / "missing")
+    assert "--data" not in str(info.value)
+
+
+@pytest.mark.parametrize("seq_len", [0, -3, 2.5, True])
+def test_windows_reject_a_bad_seq_len(seq_len):
+    with pytest.raises(ValueError, match="seq_len"):
+        ByteWindows(torch.arange(10, dtype=torch.uint8), seq_len)
+
+
 def test_windows_and_model_shapes(corpus):
     ds = ByteWindows(corpus.train, 48)
     x, y = ds[5]

@@ -1,6 +1,7 @@
 """HealthMonitor: spikes, plateaus, non-finite events, throughput, state round trip; global_norm vs torch."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -26,6 +27,91 @@ def test_grad_norm_spike_is_flagged_once_and_not_in_the_baseline():
     # the spike did not raise the baseline: the next ordinary value is no alert, a second spike is
     assert monitor.observe(41, loss=2.0, grad_norm=1.02) == []
     assert [e.kind for e in monitor.observe(42, loss=2.0, grad_norm=15.0)] == ["grad_norm_spike"]
+
+
+def _reference_spike_steps(norms: list[float], cfg: HealthConfig) -> list[int]:
+    """The documented spike rule (HealthConfig.spike_patience), written independently of HealthMonitor: a spike
+    stays out of the baseline; spike_patience spikes in a row replace the baseline window."""
+    baseline: list[float] = []  # everything that entered the baseline; the window is its tail
+    run: list[float] = []
+    spikes = []
+    for i, g in enumerate(norms):
+        recent = baseline[-cfg.window :]
+        spike = False
+        if i + 1 > cfg.warmup_steps and len(recent) >= 2:
+            mean, std = statistics.fmean(recent), statistics.pstdev(recent)
+            spike = g > mean + cfg.spike_zscore * std and g > cfg.spike_ratio * mean
+        if not spike:
+            run = []
+            baseline.append(g)
+            continue
+        spikes.append(i)
+        run.append(g)
+        if len(run) == cfg.spike_patience:
+            baseline, run = list(run), []
+    return spikes
+
+
+def _spike_steps(monitor: HealthMonitor, norms: list[float]) -> list[int]:
+    return [e.step for s, g in enumerate(norms) for e in monitor.observe(s, grad_norm=g) if e.kind == "grad_norm_spike"]
+
+
+@pytest.mark.parametrize("patience", [None, 1, 3, 5])
+def test_a_lasting_new_level_is_reported_for_at_most_spike_patience_steps(patience):
+    options = {} if patience is None else {"spike_patience": patience}
+    cfg = HealthConfig(window=20, warmup_steps=5, **options)
+    # the norm settles 10x higher at step 100 (and stays): a new level, not a spike on every later step
+    norms = _noisy(100, 1.0, 0.01, seed=5) + _noisy(300, 10.0, 0.01, seed=6)
+    monitor = HealthMonitor(cfg)
+    got = _spike_steps(monitor, norms)
+    assert got == list(range(100, 100 + (patience or 5)))  # default spike_patience: 5 (documented)
+    assert got == _reference_spike_steps(norms, cfg)
+    assert sum(monitor._grad_norms) / len(monitor._grad_norms) == pytest.approx(10.0, rel=0.02)  # new baseline
+
+
+@pytest.mark.parametrize("patience", [2, 5])
+def test_isolated_spikes_and_level_shifts_match_the_documented_rule(patience):
+    cfg = HealthConfig(window=16, warmup_steps=8, spike_patience=patience)
+    norms = _noisy(300, 1.0, 0.05, seed=7)
+    for s in (40, 41, 90, 150, 152):  # isolated spikes (and a pair): each reported once, baseline kept
+        norms[s] = 25.0
+    norms[200:] = [8.0 * v for v in norms[200:]]  # a lasting change of level
+    norms[260] = 400.0  # a spike on the new level is still seen
+    got = _spike_steps(HealthMonitor(cfg), norms)
+    expected = _reference_spike_steps(norms, cfg)
+    assert got == expected
+    if patience > 2:
+        assert got == [40, 41, 90, 150, 152, *range(200, 200 + patience), 260]
+
+
+def test_an_old_state_without_a_spike_run_loads():
+    cfg = HealthConfig(window=10, warmup_steps=3)
+    a = HealthMonitor(cfg)
+    norms = _noisy(30, 1.0, 0.02, seed=8) + [9.0, 9.1, 9.0]  # a run of spikes in progress
+    _spike_steps(a, norms)
+    state = a.state_dict()
+    assert state["spike_run"] == [9.0, 9.1, 9.0]
+    b = HealthMonitor(cfg)
+    b.load_state_dict(state)  # resumes mid-run: two more spikes adopt the level
+    old = {k: v for k, v in state.items() if k != "spike_run"}  # as saved before spike_run existed
+    c = HealthMonitor(cfg)
+    c.load_state_dict(old)
+    tail = [9.05, 9.0, 9.1, 9.0]
+    assert [len(b.observe(100 + i, grad_norm=g)) for i, g in enumerate(tail)] == [1, 1, 0, 0]
+    assert [len(c.observe(100 + i, grad_norm=g)) for i, g in enumerate(tail)] == [1, 1, 1, 1]  # its run restarts
+
+
+def test_observe_takes_what_memory_gib_returns():
+    monitor = HealthMonitor()
+    mem = memory_gib("cpu")
+    monitor.observe(0, loss=1.0, memory_gib=mem)
+    monitor.observe(1, memory_gib=2.5)
+    assert monitor.series["memory_gib"] == [(0, mem["peak"]), (1, 2.5)]
+    with pytest.raises(TypeError, match="'peak'"):
+        monitor.observe(2, memory_gib={"allocated": 1.0})
+    with pytest.raises(TypeError, match="memory_gib.*list"):
+        monitor.observe(3, memory_gib=[1.0])
+    assert len(monitor.series["memory_gib"]) == 2 and monitor._observations == 2  # a refused call records nothing
 
 
 def test_no_spike_alerts_during_warmup_or_for_ordinary_noise():
@@ -137,5 +223,7 @@ def test_memory_and_config_validation():
         HealthConfig(window=1)
     with pytest.raises(ValueError, match="spike_ratio"):
         HealthConfig(spike_ratio=-1.0)
+    with pytest.raises(ValueError, match="spike_patience"):
+        HealthConfig(spike_patience=0)
     with pytest.raises(TypeError, match="HealthConfig"):
         HealthMonitor({"window": 3})

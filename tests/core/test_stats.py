@@ -115,3 +115,32 @@ def test_stats_do_not_modify_the_model():
         assert torch.equal(v, before[k])
     for k, v in fp8_state_dict(model).items():
         assert torch.equal(v, fp8_before[k])
+
+
+@pytest.mark.parametrize("wrap", ["plain", "module", "compiled"])
+def test_user_layer_names_ending_in_fp8_scaling_are_kept(wrap):
+    # Only the "fp8_scaling" container an FP8 layer adds is stripped, never part of the user's own layer name.
+    names = ["head_fp8_scaling", "head_", "fp8_scaling", "fp8_scalingx"]
+    model = convert_to_fp8(nn.ModuleDict({n: nn.Linear(16, 16 * (i + 1)) for i, n in enumerate(names)}))
+    for _ in range(2):
+        model["head_fp8_scaling"](torch.randn(4, 16))  # only this layer runs
+    model["fp8_scaling"](torch.randn(4, 16))
+    # Reference: the FP8 layers named by named_modules(), each with its own buffers.
+    expected = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert sorted(expected) == sorted(names)
+    wrapped = {"plain": model, "module": nn.ModuleDict({"module": model}), "compiled": torch.compile(model)}[wrap]
+    layers = fp8_stats(wrapped)["layers"]
+    assert sorted(layers) == sorted(names)
+    for name, layer in expected.items():
+        for role in ROLES:
+            assert layers[name][role]["casts"] == layer.fp8_scaling[role].casts.item()
+            assert layers[name][role]["scale"] == layer.fp8_scaling[role].scale.item()
+    assert layers["head_fp8_scaling"]["input"]["casts"] == 2 and layers["head_"]["input"]["casts"] == 0
+
+
+@pytest.mark.parametrize("wrap", ["plain", "module", "compiled"])
+def test_a_bare_fp8_layer_is_root(wrap):
+    layer = FP8Linear(16, 16, recipe="fp8-lm")
+    layer(torch.randn(4, 16))
+    wrapped = {"plain": layer, "module": nn.ModuleDict({"module": layer}), "compiled": torch.compile(layer)}[wrap]
+    assert list(fp8_stats(wrapped)["layers"]) == ["root"]
