@@ -42,6 +42,11 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "to run them in FP8, remove the reparametrization first (torch.nn.utils.parametrize.remove_parametrizations, "
         "torch.nn.utils.remove_weight_norm, ...)",
     ),
+    "fast_path": (
+        "they belong to an nn.TransformerEncoderLayer, whose inference fast path (eval under no_grad) reads their "
+        "weights itself, bypassing the layer (at O2 it would read FP8AdamW's scaled fp16 master)",
+        "to run them in FP8, build the block from its own nn.Linear layers",
+    ),
     "state_dict_hooks": (
         "they have state_dict hooks or an instance forward, which an FP8 layer cannot take over (its own state_dict "
         "hooks export the O2 master weight)",
@@ -62,8 +67,16 @@ def _is_parametrized_linear(module: nn.Module) -> bool:
     return parametrize.is_parametrized(module) and type(module).__bases__ == (nn.Linear,)
 
 
-def _reason_left(layer: nn.Module, shared: set[int]) -> str | None:
+def _fast_path_children(module: nn.Module) -> set[int]:
+    # torch's fused inference path of nn.TransformerEncoderLayer (torch._transformer_encoder_layer_fwd) takes
+    # linear1/linear2's weights as tensors: an FP8 layer there would be bypassed.
+    return {id(c) for m in module.modules() if isinstance(m, nn.TransformerEncoderLayer) for c in m.children()}
+
+
+def _reason_left(layer: nn.Module, shared: set[int], fast_path: frozenset[int] = frozenset()) -> str | None:
     """The key of :data:`_LEFT_BECAUSE` for why the linear ``layer`` cannot become an FP8Linear, or None if it can."""
+    if id(layer) in fast_path:
+        return "fast_path"
     if _is_parametrized_linear(layer):  # first: reading its weight would run the parametrization (a power iteration)
         return "reparametrized"
     # Hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, prune) keep the nn.Linear type but replace
@@ -116,7 +129,8 @@ def convert_to_fp8(
     ``nn.Linear`` and are named in one warning per reason: feature sizes that are not multiples of 16, parameters
     that are not float32, bfloat16 or float16 (float64), a weight shared with another module (tied weights), a weight
     computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning, ``torch.nn.utils.parametrize``),
-    state_dict hooks or an instance ``forward``. State dict keys do not change, so checkpoints load into the model
+    state_dict hooks or an instance ``forward``, ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
+    inference path reads their weights itself). State dict keys do not change, so checkpoints load into the model
     before or after conversion.
 
     Args:
@@ -134,6 +148,7 @@ def convert_to_fp8(
     recipe = resolve_recipe(recipe)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
     shared = _shared_parameter_ids(module)
+    fast_path = frozenset(_fast_path_children(module))
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
@@ -146,7 +161,7 @@ def convert_to_fp8(
             return child
         if module_filter_fn is not None and not module_filter_fn(child, fqn):
             return child
-        reason = _reason_left(child, shared)
+        reason = _reason_left(child, shared, fast_path)
         if reason is not None:
             left[reason].append(_label(child, fqn, reason))
             return child

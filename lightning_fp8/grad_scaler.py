@@ -208,6 +208,12 @@ class FP8GradScaler:
         """mu, a 0-dim fp32 tensor (a power of two)."""
         return torch.tensor(self._scale, dtype=torch.float32)
 
+    @property
+    def loss_scale(self) -> float:
+        """The mu the current gradients carry: that of the last :meth:`scale_loss` (another optimizer's
+        :meth:`update` may have changed :attr:`scale` since), else mu. What unscaling them divides by."""
+        return self._loss_scale if self._loss_scale is not None else self._scale
+
     def get_scale(self) -> float:
         """mu as a Python float (``torch.amp.GradScaler.get_scale``'s spelling; the loss is scaled by
         :meth:`scale_loss`, since ``scale`` is this property)."""
@@ -377,7 +383,7 @@ class FP8GradScaler:
         """
         self._last_optimizer = optimizer
         self._seen.add(optimizer)
-        inv_scale = 1.0 / (self._loss_scale if self._loss_scale is not None else self._scale)
+        inv_scale = 1.0 / self.loss_scale
         fused = getattr(optimizer, "_fp8_step", None)
         found = optimizer._nonfinite_grads() if fused is not None else None  # flushes FP8AdamW's queued casts first
         own = self._owned.pop(optimizer, None) or _Counts()

@@ -24,7 +24,14 @@ from torch.autograd.function import once_differentiable
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
-from lightning_fp8.recompute import ForwardCall, backward_ran, forward_call, replay_scales, restore_buffers
+from lightning_fp8.recompute import (
+    ForwardCall,
+    backward_ran,
+    cast_current,
+    forward_call,
+    replay_scales,
+    restore_buffers,
+)
 from lightning_fp8.scaling import ScalingState
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,7 +80,7 @@ class _FP8Matmul(torch.autograd.Function):
         ctx.recast_input = need_wgrad and not SAVE_INPUT_TRANSPOSE_COMPILED and torch.compiler.is_compiling()
         saved = replay_scales(record, (fp8["input"], fp8["weight"])) if replaying else None
         x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(
-            x, need_wgrad and not ctx.recast_input, current[0] and not replaying
+            x, need_wgrad and not ctx.recast_input, cast_current(current[0], call)
         )
         ctx.input_fp8_dtype = x_fp8.dtype
         y, w_saved, ctx.weight_meta = forward_gemm(

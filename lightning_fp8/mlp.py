@@ -43,7 +43,14 @@ from lightning_fp8.linear import (
 )
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe
-from lightning_fp8.recompute import ForwardCall, backward_ran, forward_call, replay_scales, restore_buffers
+from lightning_fp8.recompute import (
+    ForwardCall,
+    backward_ran,
+    cast_current,
+    forward_call,
+    replay_scales,
+    restore_buffers,
+)
 
 
 class _FP8GeluMLP(torch.autograd.Function):
@@ -74,13 +81,13 @@ class _FP8GeluMLP(torch.autograd.Function):
         need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
         states = (fc["input"], proj["input"], fc["weight"], proj["weight"])
         saved = replay_scales(record, states) if replaying else None
-        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, current_fc[0] and not replaying)
+        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, cast_current(current_fc[0], call))
         h, w1_saved, w1_meta = forward_gemm(
             x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype, cache_key_fc
         )
         # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
         a_fp8, a_fp8_t, a_scale_inv = proj["input"].quantize(
-            h, w2.requires_grad, current_proj[0] and not replaying, activation="gelu"
+            h, w2.requires_grad, cast_current(current_proj[0], call), activation="gelu"
         )
         y, w2_saved, w2_meta = forward_gemm(
             a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype, cache_key_proj

@@ -5,9 +5,12 @@ saved for the backward and runs the forward again inside the backward. A delayed
 recorded its amax), so a plain second forward would cast the input with another scale than the one that produced
 the output, and record its statistics twice. Each eager forward that records a graph therefore keeps the scales its
 input casts used (:class:`ForwardCall`, held by the graph); a forward that runs inside a backward is such a recompute:
-it casts with the kept scales and records nothing. A recompute takes the most recent call of the layer whose graph is
-alive and which this backward has neither run through nor recomputed: right for a layer called once per
-checkpointed region, however many regions and micro-batches are pending (their backward runs last region first).
+when exactly one forward of the layer is waiting for its backward, it is the one repeated, and the recompute casts
+with its scales and records nothing (per-block checkpointing with one backward per forward, with gradient
+accumulation, nested checkpoints). When several are waiting (micro-batch losses summed into one backward, pipeline
+schedules, a layer called twice in a region), which one a recompute repeats is not known from here: it casts with the
+recomputed input's own amax (current scaling: no saturation, whatever the delayed scale did meanwhile) and records
+nothing, and a warning says so once (the gradients are FP8-accurate, their FP8 bytes may differ from the forward's).
 Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
 """
 
@@ -27,20 +30,22 @@ class ForwardCall:
 
     Attributes:
         scale_invs: the ``scale_inv`` of each input cast of the forward, in order.
-        done, recomputed: the ids of the backward passes (autograd graph tasks) that ran through it, recomputed it.
+        done: the ids of the backward passes (autograd graph tasks) that ran through it.
     """
 
-    __slots__ = ("scale_invs", "done", "recomputed", "__weakref__")
+    __slots__ = ("scale_invs", "done", "__weakref__")
 
     def __init__(self) -> None:
         self.scale_invs: tuple[torch.Tensor, ...] = ()
         self.done: set[int] = set()
-        self.recomputed: set[int] = set()
 
 
 # Per layer (keyed by its input scaling state): weak references to its ForwardCalls, oldest first; a call is gone once
 # its graph is freed.
 _CALLS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+# A recompute that cannot be matched to its forward: no kept scales (replay_scales only saves the buffers), its input
+# casts use their own amax (cast_current).
+_OWN_AMAX = ForwardCall()
 
 
 def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
@@ -56,17 +61,28 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
         call = ForwardCall()
         _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
         return call, False
-    if any(task in c.recomputed and task not in c.done for c in calls):
+    pending = [c for c in calls if not c.done]  # forwards whose backward has not run yet
+    if len(pending) == 1:
+        return pending[0], True
+    if pending:
         warn_once(
-            "FP8 layer called more than once inside one activation-checkpointed region: its recompute may cast with "
-            "the scale of another call than the one it repeats (the gradients then use FP8 copies that differ from "
-            "the forward's at steps where a delayed scale moved). Checkpoint each call separately to be exact."
+            f"activation checkpointing: {len(pending)} forwards of an FP8 layer wait for their backward (micro-batch "
+            "losses summed into one backward, a pipeline schedule, or the layer called twice in one checkpointed "
+            "region), so its recompute cannot tell which one it repeats: it casts with the recomputed input's own "
+            "amax and records nothing. The gradients stay FP8-accurate, but are not bit for bit an unchecked run's; "
+            "one backward per forward (or checkpointing each call separately) is."
         )
-    for call in reversed(calls):
-        if task not in call.done and task not in call.recomputed:
-            call.recomputed.add(task)
-            return call, True
+        return _OWN_AMAX, True
     return None, False
+
+
+def cast_current(flag: bool, call: tuple[ForwardCall | None, bool]) -> bool:
+    """The ``current`` argument of an input cast in a forward given ``call`` (from :func:`forward_call`): ``flag``
+    outside a recompute; in a replay False (the kept scales); in a recompute that cannot be matched True."""
+    record, replaying = call
+    if not replaying:
+        return flag
+    return record is _OWN_AMAX
 
 
 def backward_ran(call: ForwardCall | None) -> None:

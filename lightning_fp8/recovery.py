@@ -197,8 +197,11 @@ def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
 def _under_ddp(weight: torch.Tensor) -> bool:
     """Whether DistributedDataParallel may hook ``weight``'s gradients: it needs a process group, and its reducer
     holds the weight's gradient accumulator (:func:`~lightning_fp8.optim.master.accumulator_held`). A graph still
-    referenced (the loss in the caller's scope) holds it too: the process group tells a single-process run apart."""
-    return dist.is_available() and dist.is_initialized() and master.accumulator_held(weight)
+    referenced (the loss in the caller's scope) holds it too: a process group of more than one rank tells a
+    single-process run apart (also one that initialized torch.distributed with one rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    return master.accumulator_held(weight)
 
 
 def _check_can_put_back(

@@ -274,3 +274,22 @@ def test_layers_with_state_dict_hooks_or_an_instance_forward_stay_in_high_precis
     x = torch.randn(8, 32)
     assert sqnr(model(x), plain(x)) > FORWARD_SQNR_DB
     assert torch.equal(model[1](x), plain[1](x))
+
+
+def test_transformer_encoder_layer_linears_stay_in_high_precision():
+    """nn.TransformerEncoderLayer's inference fast path (eval under no_grad) reads linear1/linear2's weights itself,
+    bypassing the layers: at O2 it read FP8AdamW's scaled fp16 master (a dtype error, or garbage). They stay nn.Linear,
+    named in a warning, and evaluation equals the unconverted model's."""
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
+    ref = copy.deepcopy(block)
+    model = nn.Sequential(block, nn.Linear(32, 32))
+    with pytest.warns(UserWarning, match="nn.TransformerEncoderLayer, whose inference fast path"):
+        convert_to_fp8(model)
+    assert type(block.linear1) is nn.Linear and type(block.linear2) is nn.Linear and isinstance(model[1], FP8Linear)
+    FP8AdamW(model.parameters(), lr=1e-3)  # O2: adopts the FP8 weights it is given
+    model.eval()
+    ref.eval()
+    x = torch.randn(4, 6, 32)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), ref(x))

@@ -355,3 +355,25 @@ def test_converting_again_keeps_the_layers_that_fell_back():
     assert convert_to_fp8(model) is model
     assert type(model[0]) is nn.Linear and fallen_back_layers(model) == ["0"] and isinstance(model[2], FP8Linear)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.values(), strict=True))
+
+
+def _one_rank_fallback(rank: int, world: int) -> dict:
+    # torch.distributed initialized with one rank, no DDP, the loss alive while the optimizer steps (its graph holds
+    # the gradient accumulators, as DDP's reducer does): the fallback must still run.
+    model = _model()
+    scaler, optimizer = _training(model)
+    x = torch.randn(24, 32)
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = model(x).square().mean() * math.inf
+        scaler.scale_loss(loss).backward()
+        optimizer.step()
+    return {"layers": [type(m).__name__ for m in model if isinstance(m, nn.Linear)], "history": scaler.history}
+
+
+@pytest.mark.slow
+def test_fallback_with_one_rank_and_no_ddp_runs():
+    """A single process with torch.distributed initialized (world size 1) is not DDP: the fallback ran there (it was
+    refused as 'under DistributedDataParallel')."""
+    (report,) = run_workers(_one_rank_fallback, 1)
+    assert report["layers"] == ["Linear", "Linear"], report

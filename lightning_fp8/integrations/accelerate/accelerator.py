@@ -392,7 +392,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        mu = float(self.fp8_grad_scaler.scale)
+        mu = self.fp8_grad_scaler.loss_scale
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
             total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
@@ -406,7 +406,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.fp8_grad_scaler is None:
             return super().clip_grad_value_(parameters, clip_value)
-        return super().clip_grad_value_(parameters, clip_value * float(self.fp8_grad_scaler.scale))
+        return super().clip_grad_value_(parameters, clip_value * self.fp8_grad_scaler.loss_scale)
 
     def _fp8_on_step(self, stepped: bool) -> None:
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.

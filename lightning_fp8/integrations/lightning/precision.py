@@ -232,7 +232,7 @@ class _FP8LMPrecisionLogic:
         ``step`` (fused into FP8AdamW's kernel) then sees exactly what the hooks and gradient clipping left. With
         mu == 1 (the common case) this costs nothing.
         """
-        mu = float(self.grad_scaler.scale)
+        mu = float(getattr(self.grad_scaler, "loss_scale", self.grad_scaler.scale))  # the backward's mu
         if not enabled or self._in_unscaled_region:
             yield
             return
@@ -311,7 +311,12 @@ class _FP8LMPrecisionLogic:
         if names:
             self._put_back(names)
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        if "fp8" in state_dict:
+        if "fp8" in state_dict and not saved.same_scaling(self.recipe):
+            warn_once(
+                "the checkpoint's FP8 scaling state (scales, amax histories) was written under other scaling settings "
+                "and is not loaded: each FP8 layer's first casts compute their scales from the tensors themselves"
+            )
+        elif "fp8" in state_dict:
             if self._module is None:
                 raise RuntimeError("FP8LMPrecision.load_state_dict: no converted model yet (call convert_module)")
             fp8_state = state_dict["fp8"]

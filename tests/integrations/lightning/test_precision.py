@@ -457,3 +457,33 @@ def test_fully_sharded_model_without_fp8_layers_says_convert_first(tmp_path):
         assert FP8LMPrecision().convert_module(converted) is converted  # already FP8: accepted as it is
     finally:
         dist.destroy_process_group()
+
+
+def test_unscaled_gradients_divide_by_the_mu_the_loss_was_scaled_with():
+    """With several optimizers on one scaler, an earlier optimizer's update may change mu before the next optimizer's
+    hooks and clipping run: the gradients still carry the backward's mu (they were seen 2x off before)."""
+    plugin = FP8LMPrecision(grad_scaler=FP8GradScaler(init_scale=2.0**8))
+    lin = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(lin.parameters(), lr=0.1)
+    plugin.grad_scaler.scale_loss(lin(torch.randn(3, 4)).square().sum()).backward()
+    true = [p.grad / 2.0**8 for p in lin.parameters()]
+    plugin.grad_scaler._set_scale(2.0**7, "skip", "another optimizer's step was skipped")
+    with plugin.unscaled_gradients(optimizer):
+        assert all(torch.equal(p.grad, t) for p, t in zip(lin.parameters(), true, strict=True))
+
+
+def test_resume_under_other_scaling_settings_starts_the_scales_afresh(tmp_path, monkeypatch):
+    """A checkpoint written with "fp8-lm" resumed with margin=1: its scales and amax histories mean something else
+    there (load_fp8_state_dict refuses them), so they are not loaded, a warning says so, and each layer's first casts
+    use their own amax, as in a fresh run."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    _fit(max_steps=2, callbacks=[every], enable_checkpointing=True, default_root_dir=tmp_path)
+    resumed = _module()
+    plugin = FP8LMPrecision(recipe=lightning_fp8.FP8Recipe(margin=1))
+    trainer = _trainer(max_steps=3, precision=None, plugins=[plugin], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="was written under other scaling settings and is not loaded"):
+        trainer.fit(resumed, loader(), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    states = [m for m in resumed.modules() if isinstance(m, lightning_fp8.ScalingState)]
+    assert states and all(int(s.casts) <= 2 for s in states)  # the resumed step's casts only: nothing was loaded
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in resumed.losses)
