@@ -61,6 +61,8 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
         call = ForwardCall()
         _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
         return call, False
+    if _in_reentrant_recompute():
+        return None, False
     pending = [c for c in calls if not c.done]  # forwards whose backward has not run yet
     if len(pending) == 1:
         return pending[0], True
@@ -74,6 +76,13 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
         )
         return _OWN_AMAX, True
     return None, False
+
+
+def _in_reentrant_recompute() -> bool:
+    # torch.utils.checkpoint(use_reentrant=True) runs its forward under no_grad (no ForwardCall is kept) and recomputes
+    # it inside its own backward node: there is no kept forward to repeat (another graph's would be the wrong one).
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
 
 
 def cast_current(flag: bool, call: tuple[ForwardCall | None, bool]) -> bool:

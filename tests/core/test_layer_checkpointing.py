@@ -152,3 +152,16 @@ def test_compiled_checkpointed_model_equals_the_model_without_checkpointing():
     ref = copy.deepcopy(model)
     compiled = torch.compile(lambda x: _ckpt(model, x), backend="aot_eager")
     _train(model, ref, lambda m, x, ckpt: compiled(x) if ckpt else m(x))
+
+
+def test_reentrant_checkpoint_recomputes_with_the_current_scale_even_with_another_graph_alive():
+    """use_reentrant=True runs its forward under no_grad (nothing kept): its recompute casts with the current scale and
+    records the casts again, as documented, also while another forward of the layer waits for its backward (it once
+    replayed that other forward's scales)."""
+    layer = FP8Linear(32, 32)
+    layer(torch.randn(8, 32)).sum().backward()  # delayed scales from now on
+    pending = layer(torch.randn(8, 32) * 64).sum()  # another graph of the layer, alive, not backpropagated
+    casts = int(layer.fp8_scaling["input"].casts)
+    checkpoint(layer, torch.randn(8, 32, requires_grad=True), use_reentrant=True).sum().backward()
+    assert int(layer.fp8_scaling["input"].casts) == casts + 2  # the no_grad forward and the recompute
+    del pending
