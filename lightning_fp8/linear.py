@@ -285,10 +285,12 @@ class FP8Linear(nn.Linear):
     penalty) raises when the second-order term is needed, rather than dropping it.
 
     Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, which Lightning's and FSDP's
-    activation checkpointing use): the recompute casts with the scales the forward used and records no statistics, so
-    the gradients are those of the run without checkpointing. Exact for a layer called once per checkpointed region
-    (any number of regions or micro-batches); a layer called several times inside one region warns, and its
-    recompute may use another call's scale. Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
+    activation checkpointing use): where one forward of the layer waits for its backward (per-block checkpoints, one
+    backward per forward or micro-batch, nested checkpoints), the recompute casts with the scales that forward used
+    and records no statistics: the gradients are bit for bit those of the run without checkpointing. Where several
+    wait (micro-batch losses summed into one backward, pipeline orders, the layer twice in one region), it warns and
+    casts with the recomputed input's own amax, recording nothing: FP8-accurate, not bit for bit
+    (:mod:`lightning_fp8.recompute`). Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
     no_grad) recomputes with the current scale and records the casts again. ``torch.compile`` (2.13) does not trace a
     checkpointed region holding FP8 layers: it runs it eagerly, with the rule above.
 
