@@ -499,6 +499,7 @@ class FP8GradScaler:
         state = self.__dict__.copy()
         for name in self._WEAK:
             state.pop(name, None)
+        state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -11,7 +11,9 @@ accumulation, nested checkpoints). When several are waiting (micro-batch losses 
 schedules, a layer called twice in a region), which one a recompute repeats is not known from here: it casts with the
 recomputed input's own amax (current scaling: no saturation, whatever the delayed scale did meanwhile) and records
 nothing, and a warning says so once (the gradients are FP8-accurate, their FP8 bytes may differ from the forward's).
-Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
+A forward waits for every backward that has not run through it while its graph is alive (a second backward through
+a retained graph repeats it again): a graph kept alive past its backward (an undetached loss kept for logging) makes
+later recomputes of the layer ambiguous. Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
         return call, False
     if _in_reentrant_recompute():
         return None, False
-    pending = [c for c in calls if not c.done]  # forwards whose backward has not run yet
+    pending = [c for c in calls if task not in c.done]  # forwards this backward has not run through (retain_graph)
     if len(pending) == 1:
         return pending[0], True
     if pending:
@@ -72,7 +74,7 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
             "losses summed into one backward, a pipeline schedule, or the layer called twice in one checkpointed "
             "region), so its recompute cannot tell which one it repeats: it casts with the recomputed input's own "
             "amax and records nothing. The gradients stay FP8-accurate, but are not bit for bit an unchecked run's; "
-            "one backward per forward (or checkpointing each call separately) is."
+            "one backward per forward is."
         )
         return _OWN_AMAX, True
     return None, False

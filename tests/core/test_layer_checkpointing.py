@@ -69,15 +69,13 @@ def test_each_block_checkpointed_with_a_backward_per_micro_batch():
     ref = copy.deepcopy(model)
 
     def forward(m, x, ckpt):
-        outs = []
         for i, chunk in enumerate(x.chunk(3)):
             h = _ckpt(m[0], chunk) if ckpt else m[0](chunk)
             h = m[1](h)
             out = _ckpt(m[2], h) if ckpt else m[2](h)
-            if i < 2:  # the last micro-batch's backward is _train's
-                out.square().mean().backward()
-            outs.append(out)
-        return outs[-1]
+            if i < 2:  # the last micro-batch's backward is _train's; an earlier graph kept alive would make the
+                out.square().mean().backward()  # recomputes ambiguous (own-amax casts, not bit for bit)
+        return out
 
     _train(model, ref, forward)
 
@@ -165,3 +163,17 @@ def test_reentrant_checkpoint_recomputes_with_the_current_scale_even_with_anothe
     checkpoint(layer, torch.randn(8, 32, requires_grad=True), use_reentrant=True).sum().backward()
     assert int(layer.fp8_scaling["input"].casts) == casts + 2  # the no_grad forward and the recompute
     del pending
+
+
+def test_backward_twice_through_a_retained_checkpointed_graph():
+    """retain_graph=True, then a second backward through the same checkpointed graph: each backward's recompute
+    repeats the same forward (the second once found it "done" and recast with the current scale, recording again)."""
+    model = _model("linear")
+    ref = copy.deepcopy(model)
+
+    def forward(m, x, ckpt):
+        out = _ckpt(m[0], x) if ckpt else m[0](x)
+        m[2](m[1](out)).square().mean().backward(retain_graph=True)
+        return m[2](m[1](out))  # _train backpropagates through m[0]'s retained graph again
+
+    _train(model, ref, forward)

@@ -392,6 +392,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self._check_clippable()
         mu = self.fp8_grad_scaler.loss_scale
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
             total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
@@ -406,7 +407,21 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.fp8_grad_scaler is None:
             return super().clip_grad_value_(parameters, clip_value)
+        self._check_clippable()
         return super().clip_grad_value_(parameters, clip_value * self.fp8_grad_scaler.loss_scale)
+
+    def _check_clippable(self) -> None:
+        """Raise if the prepared FP8AdamW holds FP8 weights' gradients outside ``param.grad`` (``fp8_grads=True``, a
+        user's own optimizer): clipping would miss them."""
+        optimizer = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
+        if getattr(optimizer, "_hooks", None):
+            raise ValueError(
+                "accelerator.clip_grad_norm_/clip_grad_value_ would miss the FP8 weights' gradients, which the "
+                "prepared "
+                "FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed): create "
+                "it with fp8_grads=False (or pass a torch AdamW, which prepare() swaps with fp8_grads=False), or do "
+                "not clip"
+            )
 
     def _fp8_on_step(self, stepped: bool) -> None:
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.

@@ -255,11 +255,14 @@ class _FP8LMPrecisionLogic:
     ) -> None:
         # Reached from inside optimizer_step's unscaled region (automatic optimization) or directly from
         # LightningModule.clip_gradients (manual optimization); the flag keeps the first from unscaling twice.
-        if clip_val > 0 and self.fp8_grads:
+        # The plugin's flag, or a user's own FP8AdamW holding FP8 gradients (its fp8_grads, at O1 or O2)
+        holds_fp8_grads = self.fp8_grads or bool(getattr(getattr(optimizer, "_optimizer", optimizer), "_hooks", None))
+        if clip_val > 0 and holds_fp8_grads:
             raise ValueError(
-                f"gradient clipping (clip_val={clip_val}) with FP8LMPrecision(fp8_grads=True) would miss the FP8 "
-                "weights' gradients, which leave param.grad as soon as they are computed: use fp8_grads=False "
-                "(the default) or no clipping"
+                f"gradient clipping (clip_val={clip_val}) would miss the FP8 weights' gradients, which FP8AdamW "
+                "holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed): use "
+                "FP8LMPrecision(fp8_grads=False) (the default) and, for your own FP8AdamW, fp8_grads=False; or no "
+                "clipping"
             )
         with self.unscaled_gradients(optimizer, enabled=clip_val > 0):
             super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)

@@ -9,7 +9,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
-from lightning_fp8 import FP8Linear, FP8Recipe, fp8_state_dict
+from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8, fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.optim import FP8AdamW
@@ -395,3 +395,17 @@ def test_adam_with_coupled_weight_decay_is_an_error():
     net = Net()
     with pytest.raises(ValueError, match=r"Adam\(weight_decay=0.1\) adds an L2 term.*use torch.optim.AdamW"):
         accelerator.prepare(net, torch.optim.Adam(net.parameters(), weight_decay=0.1))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_clipping_refuses_an_fp8adamw_holding_fp8_gradients(opt_level):
+    """A user's own FP8AdamW with fp8_grads=True (its default, O1 too) holds the FP8 weights' gradients outside
+    param.grad: accelerator.clip_grad_norm_ left them out of the norm without a word (7.2 instead of 19.0)."""
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    model = convert_to_fp8(Net())  # converted first, so that the user's FP8AdamW takes its FP8 weights as such
+    model, optimizer = accelerator.prepare(model, FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level))
+    accelerator.backward(_loss(model, _batch()))
+    with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
+        accelerator.clip_grad_value_(model.parameters(), 1.0)

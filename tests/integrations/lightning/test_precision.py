@@ -487,3 +487,15 @@ def test_resume_under_other_scaling_settings_starts_the_scales_afresh(tmp_path, 
     states = [m for m in resumed.modules() if isinstance(m, lightning_fp8.ScalingState)]
     assert states and all(int(s.casts) <= 2 for s in states)  # the resumed step's casts only: nothing was loaded
     assert all(torch.isfinite(torch.tensor(loss)) for loss in resumed.losses)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_clipping_refuses_a_users_fp8adamw_holding_fp8_gradients(opt_level):
+    """A user's own FP8AdamW (kept by the plugin) with fp8_grads=True, its default (O1 too), holds the FP8 weights'
+    gradients outside param.grad: clipping left them out without a word (the plugin checked its own flag only)."""
+    plugin = FP8LMPrecision()
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)))
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level)
+    with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
+        plugin.clip_gradients(optimizer, clip_val=1.0)
+    plugin.clip_gradients(FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level, fp8_grads=False), clip_val=1.0)
