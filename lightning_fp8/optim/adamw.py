@@ -418,6 +418,12 @@ class FP8AdamW(torch.optim.Optimizer):
         self.skipped_grad_amax = {p: entry.amax.clone() for p, entry in self._pending.items()}
         self._pending.clear()
 
+    @property
+    def holds_fp8_grads(self) -> bool:
+        """Whether gradients of some weights leave ``param.grad`` for FP8 copies this optimizer holds (``fp8_grads``):
+        clipping ``param.grad`` would miss them."""
+        return bool(self._hooks)
+
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; also drops the FP8 gradients this optimizer holds, which

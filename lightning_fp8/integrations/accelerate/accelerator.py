@@ -414,7 +414,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         """Raise if the prepared FP8AdamW holds FP8 weights' gradients outside ``param.grad`` (``fp8_grads=True``, a
         user's own optimizer): clipping would miss them."""
         optimizer = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
-        if getattr(optimizer, "_hooks", None):
+        if getattr(optimizer, "holds_fp8_grads", False):
             raise ValueError(
                 "accelerator.clip_grad_norm_/clip_grad_value_ would miss the FP8 weights' gradients, which the "
                 "prepared "

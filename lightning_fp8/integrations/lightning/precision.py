@@ -42,6 +42,7 @@ from lightning_fp8 import recovery
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
+from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
@@ -232,7 +233,7 @@ class _FP8LMPrecisionLogic:
         ``step`` (fused into FP8AdamW's kernel) then sees exactly what the hooks and gradient clipping left. With
         mu == 1 (the common case) this costs nothing.
         """
-        mu = float(getattr(self.grad_scaler, "loss_scale", self.grad_scaler.scale))  # the backward's mu
+        mu = self.grad_scaler.loss_scale  # the backward's mu
         if not enabled or self._in_unscaled_region:
             yield
             return
@@ -256,7 +257,7 @@ class _FP8LMPrecisionLogic:
         # Reached from inside optimizer_step's unscaled region (automatic optimization) or directly from
         # LightningModule.clip_gradients (manual optimization); the flag keeps the first from unscaling twice.
         # The plugin's flag, or a user's own FP8AdamW holding FP8 gradients (its fp8_grads, at O1 or O2)
-        holds_fp8_grads = self.fp8_grads or bool(getattr(getattr(optimizer, "_optimizer", optimizer), "_hooks", None))
+        holds_fp8_grads = self.fp8_grads or getattr(_unwrap_optimizer(optimizer), "holds_fp8_grads", False)
         if clip_val > 0 and holds_fp8_grads:
             raise ValueError(
                 f"gradient clipping (clip_val={clip_val}) would miss the FP8 weights' gradients, which FP8AdamW "
