@@ -30,15 +30,17 @@ Several optimizers share one scaler as with ``torch.amp.GradScaler``: ``scaler.s
 scaler.update()``. Each step decides on that optimizer's gradients alone (one all-reduce each), and the update
 halves mu if any of them was skipped. Where each optimizer's ``step()`` updates (``FP8AdamW(grad_scaler=...)``,
 the Lightning and Accelerate integrations), mu is updated after each optimizer's step, judged on the gradients of
-that optimizer (and of the communication hooks): ``growth_interval`` and ``fallback_after`` then count optimizer
-steps. Either way the gradients are unscaled by the mu they were scaled with (the one of the last
-:meth:`~FP8GradScaler.scale_loss`), even where another optimizer's update has changed mu since.
+that optimizer (and of the communication hooks): ``growth_interval`` then counts optimizer steps. Either way
+``fallback_after`` counts each optimizer's own consecutive non-finite steps, and the gradients are unscaled by the mu
+they were scaled with (the one of the last :meth:`~FP8GradScaler.scale_loss`), even where another optimizer's update
+has changed mu since. An optimizer is stepped at most once between updates (a second step raises, as in torch.amp).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import numbers
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +55,8 @@ from lightning_fp8.formats import fp8_max
 # Actions kept in `history` (oldest dropped first): enough for monitoring, bounded for long runs.
 _HISTORY_LEN = 1000
 _FALLBACKS = ("lower_lr", "bf16")
+# The state dict entries that count (ints >= 0).
+_COUNTERS = ("growth_tracker", "skipped_steps", "nonfinite_events", "consecutive_nonfinite", "steps")
 
 Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], str]
 
@@ -117,7 +121,7 @@ class FP8GradScaler:
             (``"bf16"`` on that model), or a callable ``fn(scaler, optimizer) -> str`` returning what it did.
         process_group: the data-parallel group the decisions are agreed in (default: the world, when
             ``torch.distributed`` is initialized).
-        fallback_after: consecutive non-finite steps that trigger the fallback.
+        fallback_after: consecutive non-finite steps of one optimizer that trigger the fallback.
         lr_factor: learning-rate multiplier of the ``"lower_lr"`` fallback (0 < lr_factor < 1).
         model: the FP8 model; when given, the ``grad_output`` scaling states of its FP8 layers are rescaled
             exactly whenever mu changes (their delayed scales then stay right), and ``"bf16"`` can find layers.
@@ -189,6 +193,11 @@ class FP8GradScaler:
         self._growth_tracker = 0
         self._skipped_steps = 0
         self._nonfinite_events = 0
+        # Consecutive non-finite steps of each optimizer (weak, like `_owned`): where each optimizer's step()
+        # updates, another optimizer's clean update must not restart the count of one that keeps failing.
+        self._nonfinite_runs: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        # Consecutive non-finite updates that judged no step (reports alone), and where the run of an optimizer
+        # not counted yet starts: a run restored by load_state_dict or unpickling.
         self._consecutive_nonfinite = 0
         self._steps = 0
         self._last_saturation = 0.0
@@ -380,7 +389,16 @@ class FP8GradScaler:
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
+
+        Raises:
+            RuntimeError: when ``optimizer`` was already stepped since the last :meth:`update` (as in
+                ``torch.amp.GradScaler``: its gradients would be unscaled twice).
         """
+        if any(stepped is optimizer for stepped, _ in self._stepped):
+            raise RuntimeError(
+                f"FP8GradScaler.step(optimizer): step() has already been called since the last update() for this "
+                f"{type(optimizer).__name__}; call scaler.update() between two steps of one optimizer"
+            )
         self._last_optimizer = optimizer
         self._seen.add(optimizer)
         inv_scale = 1.0 / self.loss_scale
@@ -441,15 +459,35 @@ class FP8GradScaler:
         """A skipped (non-finite) step: halve mu, count it, and run the fallback when due."""
         self._skipped_steps += 1
         self._nonfinite_events += 1
-        self._consecutive_nonfinite += 1
+        self._count_nonfinite_runs(nonfinite=True)
         self._growth_tracker = 0
         self._set_scale(self._scale / 2, "skip", "non-finite gradient")
-        if self._consecutive_nonfinite >= self.fallback_after and self.nonfinite_fallback is not None:
-            self._consecutive_nonfinite = 0  # also when the fallback raises: the count starts again
+        if self._longest_nonfinite_run() >= self.fallback_after and self.nonfinite_fallback is not None:
+            self._nonfinite_runs.clear()  # also when the fallback raises: every count starts again
+            self._consecutive_nonfinite = 0
             self._run_fallback()
 
+    def _count_nonfinite_runs(self, nonfinite: bool) -> None:
+        """Count this update in the runs of consecutive non-finite steps of the optimizers it judges: those stepped
+        since the last update (a skipped one's run grows, a stepped one's restarts), or, with no step, all."""
+        runs = self._nonfinite_runs
+        if self._stepped:
+            skipped = [opt for opt, was_skipped in self._stepped if was_skipped]
+            for opt, _ in self._stepped:
+                failed = nonfinite and (opt in skipped or not skipped)  # none skipped: a report came after the steps
+                runs[opt] = runs.get(opt, self._consecutive_nonfinite) + 1 if failed else 0
+            self._consecutive_nonfinite = 0
+        else:
+            for opt in list(runs):
+                runs[opt] = runs[opt] + 1 if nonfinite else 0
+            self._consecutive_nonfinite = self._consecutive_nonfinite + 1 if nonfinite else 0
+
+    def _longest_nonfinite_run(self) -> int:
+        """The most consecutive non-finite steps of any one optimizer (what ``fallback_after`` is compared with)."""
+        return max((*self._nonfinite_runs.values(), self._consecutive_nonfinite))
+
     def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
-        self._consecutive_nonfinite = 0
+        self._count_nonfinite_runs(nonfinite=False)
         numel = decision["numel"]
         self._last_saturation = decision["n_saturated"] / numel if numel else 0.0
         if self._last_saturation > self.saturation_threshold:
@@ -492,65 +530,110 @@ class FP8GradScaler:
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
-    # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty.
-    _WEAK = ("_owned", "_seen")
+    # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
+    # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
+    _WEAK = ("_owned", "_seen", "_nonfinite_runs")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in self._WEAK:
             state.pop(name, None)
         state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
+        state["_consecutive_nonfinite"] = self._longest_nonfinite_run()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._owned = weakref.WeakKeyDictionary()
         self._seen = weakref.WeakSet()
+        self._nonfinite_runs = weakref.WeakKeyDictionary()
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain Python values (loads with ``torch.load(weights_only=True)``)."""
+        """Plain Python values (loads with ``torch.load(weights_only=True)``). ``consecutive_nonfinite`` is the
+        longest run of non-finite steps of any optimizer: where every optimizer's run starts after a load."""
         return {
             "scale": self._scale,
             "growth_tracker": self._growth_tracker,
             "skipped_steps": self._skipped_steps,
             "nonfinite_events": self._nonfinite_events,
-            "consecutive_nonfinite": self._consecutive_nonfinite,
+            "consecutive_nonfinite": self._longest_nonfinite_run(),
             "steps": self._steps,
             "last_saturation": self._last_saturation,
             "history": [dict(entry) for entry in self._history],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved.
+        """Restore what :meth:`state_dict` saved. Every entry is checked before any is loaded: on an error the
+        scaler is left as it was.
 
         Raises:
             KeyError: when an entry is missing (not an FP8GradScaler state dict).
-            ValueError: for a scale that is not a positive power of two (nothing is loaded).
+            TypeError: for an entry of the wrong type (e.g. a counter that is not an int).
+            ValueError: for an entry out of range (a scale that is not a positive power of two, a negative counter,
+                a saturation outside [0, 1]).
         """
         missing = sorted(set(self.state_dict()) - set(state_dict))
         if missing:
             raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
-        scale = float(state_dict["scale"])
-        if not _is_power_of_two(scale):
-            raise ValueError(
-                f"FP8GradScaler.load_state_dict: scale {scale!r} is not a positive power of two: the checkpoint is "
-                "corrupt or not an FP8GradScaler state dict"
-            )
+        scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
+        counters = {name: _checked_entry(name, state_dict[name], numbers.Integral, "an int >= 0", lambda n: n >= 0)
+                    for name in _COUNTERS}  # fmt: skip
+        saturation = _checked_entry("last_saturation", state_dict["last_saturation"], numbers.Real,
+                                    "a fraction in [0, 1]", lambda x: 0.0 <= x <= 1.0)  # fmt: skip
+        history = _checked_history(state_dict["history"])
         self._scale = scale
         self._loss_scale = None  # a loss scaled before the load no longer tells the gradients' mu
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._skipped_steps = int(state_dict["skipped_steps"])
-        self._nonfinite_events = int(state_dict["nonfinite_events"])
-        self._consecutive_nonfinite = int(state_dict["consecutive_nonfinite"])
-        self._steps = int(state_dict["steps"])
-        self._last_saturation = float(state_dict["last_saturation"])
-        self._history = collections.deque((dict(e) for e in state_dict["history"]), maxlen=_HISTORY_LEN)
+        self._growth_tracker = counters["growth_tracker"]
+        self._skipped_steps = counters["skipped_steps"]
+        self._nonfinite_events = counters["nonfinite_events"]
+        self._nonfinite_runs.clear()  # the saved run (the longest) is where every optimizer's run starts
+        self._consecutive_nonfinite = counters["consecutive_nonfinite"]
+        self._steps = counters["steps"]
+        self._last_saturation = saturation
+        self._history = collections.deque(history, maxlen=_HISTORY_LEN)
 
     def __repr__(self) -> str:
         return (
             f"FP8GradScaler(scale={self._scale}, growth_interval={self.growth_interval}, "
             f"skipped_steps={self._skipped_steps})"
         )
+
+
+def _checked_entry(name: str, value: Any, kind: type, expected: str, valid: Callable[[Any], bool]) -> Any:
+    """``value`` as an int (``kind`` ``numbers.Integral``) or a float (``numbers.Real``) when it is one and
+    ``valid``; else a TypeError or ValueError that names the state dict entry ``name``."""
+    error = TypeError if isinstance(value, bool) or not isinstance(value, kind) else None
+    if error is None:
+        value = int(value) if kind is numbers.Integral else float(value)
+        error = None if valid(value) else ValueError
+    if error is not None:
+        raise error(
+            f"FP8GradScaler.load_state_dict: entry {name!r} is {repr(value)[:200]}, expected {expected}; load the dict "
+            "that FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
+        )
+    return value
+
+
+def _checked_history(history: Any) -> list[dict[str, Any]]:
+    """The ``history`` entry of a state dict, checked: a list of ``{"step", "action", "reason", "scale"}``."""
+    keys = ["action", "reason", "scale", "step"]
+    shaped = isinstance(history, (list, tuple)) and all(
+        isinstance(e, dict) and sorted(e) == keys and isinstance(e["action"], str) and isinstance(e["reason"], str)
+        for e in history
+    )
+    if not shaped:
+        raise TypeError(
+            f"FP8GradScaler.load_state_dict: entry 'history' is {repr(history)[:200]}, expected a list of dicts "
+            f"with keys {keys} (action and reason strings); load the dict that FP8GradScaler.state_dict() returned "
+            "(the checkpoint may be corrupt). Nothing was loaded."
+        )
+    return [
+        {"step": _checked_entry("history step", e["step"], numbers.Integral, "an int >= 0", lambda n: n >= 0),
+         "action": e["action"], "reason": e["reason"],
+         "scale": _checked_entry("history scale", e["scale"], numbers.Real, "a positive power of two",
+                                 _is_power_of_two)}
+        for e in history
+    ]  # fmt: skip
 
 
 def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:
@@ -566,14 +649,19 @@ def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float
 
 
 def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> torch.Tensor:
-    """Multiply every gradient of a plain optimizer by ``inv_scale``; return a 0-dim non-finite flag."""
+    """Multiply every gradient of a plain optimizer by ``inv_scale``; return a 0-dim non-finite flag.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) has its values unscaled in place, as in
+    ``torch.amp.GradScaler``; an fp16 one with repeated indices is coalesced first (put back in ``param.grad``):
+    the sums of its repeated values can overflow where its values do not, so the sums are checked."""
     found = torch.zeros(())
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    for grad in grads:
-        if grad.is_sparse:
-            grad = grad.coalesce()._values()
-        grad.mul_(inv_scale)
-        bad = (~torch.isfinite(grad)).any().float()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for p in params:
+        if p.grad.is_sparse and p.grad.dtype == torch.float16 and not p.grad.is_coalesced():
+            p.grad = p.grad.coalesce()
+        values = p.grad._values() if p.grad.is_sparse else p.grad
+        values.mul_(inv_scale)
+        bad = (~torch.isfinite(values)).any().float()
         found = found.to(bad.device) + bad
     return found
 

@@ -125,6 +125,85 @@ def test_plain_optimizer_is_unscaled_and_skipped():
     assert torch.equal(lin.weight.detach(), weight) and float(scaler.scale) == 2.0**9
 
 
+@pytest.mark.parametrize("kind", ["sgd", "fp8adamw"])
+def test_a_second_step_before_update_raises_as_with_torch_amp(kind):
+    # torch.amp.GradScaler refuses a second step() of one optimizer before update(); FP8GradScaler unscaled a plain
+    # optimizer's gradients again (by mu^2 in all) and stepped again. Refused before anything changes.
+    def build(fp8: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16))
+        if not fp8:
+            return model, torch.optim.SGD(model.parameters(), lr=0.1)
+        model = convert_to_fp8(model)
+        return model, FP8AdamW(model.parameters(), lr=1e-2)
+
+    x = torch.randn(4, 16)
+    ref_model, ref_opt = build(fp8=False)
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ref.scale(ref_model(x).sum()).backward()
+    ref.step(ref_opt)
+    with pytest.raises(RuntimeError, match="already been called since the last update") as ref_error:
+        ref.step(ref_opt)
+
+    model, opt = build(fp8=kind == "fp8adamw")
+    scaler = FP8GradScaler(init_scale=2.0**10)
+    scaler.scale_loss(model(x).sum()).backward()
+    assert scaler.step(opt)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # FP8AdamW holds its FP8 gradients itself
+    saved_params, saved_grads = _snapshot(model.parameters()), _snapshot(grads)
+    with pytest.raises(type(ref_error.value), match="already been called since the last update.*call scaler.update"):
+        scaler.step(opt)
+    assert _equal(saved_params, model.parameters()) and _equal(saved_grads, grads)
+    scaler.update()
+    assert scaler.step(opt)  # after an update, the next step is taken
+
+
+def _snapshot(tensors) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+def _equal(saved: list[torch.Tensor], tensors) -> bool:
+    return all(torch.equal(u, v.detach()) for u, v in zip(saved, tensors, strict=True))
+
+
+def test_sparse_gradients_are_unscaled_and_checked_as_with_torch_amp():
+    # nn.Embedding(sparse=True) leaves an uncoalesced gradient when an index repeats; FP8GradScaler unscaled a
+    # coalesced copy, so SGD stepped with the gradient mu times too large. Against torch.amp.GradScaler, bit for
+    # bit, over clean steps and one with a non-finite gradient (skipped by both).
+    idx = torch.tensor([1, 2, 1, 3, 1])
+    runs = []
+    for amp in (True, False):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if amp else FP8GradScaler(init_scale=2.0**10)
+        for i in range(3):
+            opt.zero_grad()
+            loss = emb(idx).square().sum() * (float("inf") if i == 1 else 1.0)
+            (scaler.scale(loss) if amp else scaler.scale_loss(loss)).backward()
+            assert not emb.weight.grad.is_coalesced()
+            scaler.step(opt)
+            scaler.update()
+        runs.append((emb.weight.detach().clone(), scaler.get_scale()))
+    (ref_weight, ref_scale), (weight, scale) = runs
+    assert torch.equal(weight, ref_weight) and scale == ref_scale == 2.0**9
+
+
+def test_sparse_gradient_values_that_overflow_when_summed_skip_the_step():
+    # Two fp16 values at one index, each finite, sum past fp16's maximum (2 * 40000 > 65504): the step uses the sum,
+    # so the check must see it.
+    emb = nn.Embedding(4, 2, sparse=True).half()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    index = torch.tensor([[1, 1]])
+    values = torch.full((2, 2), 40000.0, dtype=torch.float16)
+    assert 2 * 40000.0 > torch.finfo(torch.float16).max
+    emb.weight.grad = torch.sparse_coo_tensor(index, values, emb.weight.shape, check_invariants=True)
+    weight = emb.weight.detach().clone()
+    scaler = FP8GradScaler(init_scale=1.0, min_scale=2.0**-2)
+    assert scaler.step(opt) is False
+    assert torch.equal(emb.weight.detach(), weight)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_high_precision_gradients_grow_mu_with_headroom_under_their_dtype(dtype):
     # No FP8 cast reports a gradient (a plain optimizer, or FP8AdamW with fp8_grads=False): the scaler measures the
@@ -287,6 +366,39 @@ def test_state_dict_round_trip_with_weights_only():
     assert float(other.scale) == 2.0**5 and other.skipped_steps == 1 and other.growth_tracker == 1
     with pytest.raises(KeyError, match="missing entries"):
         other.load_state_dict({"scale": 1.0})
+
+
+_SAVED = {"step": 3, "action": "skip", "reason": "non-finite gradient", "scale": 2.0**9}
+
+
+@pytest.mark.parametrize(
+    ("entry", "value", "error", "named"),
+    [
+        ("growth_tracker", None, TypeError, "growth_tracker"),
+        ("growth_tracker", 1.7, TypeError, "growth_tracker"),
+        ("steps", -5, ValueError, "steps"),
+        ("consecutive_nonfinite", True, TypeError, "consecutive_nonfinite"),
+        ("last_saturation", "x", TypeError, "last_saturation"),
+        ("last_saturation", 1.5, ValueError, "last_saturation"),
+        ("scale", float("inf"), ValueError, "scale"),
+        ("scale", 0.0, ValueError, "scale"),
+        ("history", [1, 2], TypeError, "history"),
+        ("history", [{"step": 3}], TypeError, "history"),
+        ("history", [{**_SAVED, "scale": None}], TypeError, "history scale"),
+        ("history", [{**_SAVED, "step": -1}], ValueError, "history step"),
+    ],
+)
+def test_a_bad_state_dict_entry_raises_naming_it_and_loads_nothing(entry, value, error, named):
+    # A bad entry used to raise a bare TypeError or ValueError after the scale was already loaded, and negative or
+    # fractional counters were loaded. Every entry is checked first: the scaler is left exactly as it was.
+    saved = FP8GradScaler(init_scale=2.0**10)
+    _record(saved, float("nan"))
+    saved.update()
+    scaler = FP8GradScaler(init_scale=4.0)
+    before = scaler.state_dict()
+    with pytest.raises(error, match=f"entry '{named}' is .*FP8GradScaler.state_dict"):
+        scaler.load_state_dict({**saved.state_dict(), entry: value})
+    assert scaler.state_dict() == before and scaler.loss_scale == 4.0
 
 
 @pytest.mark.parametrize(

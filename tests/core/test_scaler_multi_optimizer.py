@@ -190,6 +190,62 @@ def test_headroom_of_every_plain_optimizer_is_judged():
     assert run(split=True) == run(split=False) == [1.0, 1.0, 1.0]
 
 
+def _one_optimizer_keeps_failing(scaler: FP8GradScaler, spelling: str, iterations: int, seed: int = 0) -> list:
+    """Two SGD optimizers over one loss; a's gradients are non-finite every iteration, b's never. "amp": one update
+    per iteration; "each": each optimizer is stepped and updated in turn (the integrations' spelling). Returns the
+    optimizers [o1, o2] (the scaler's counts of an optimizer go with it)."""
+    a, b = _pair(seed)
+    opts = [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)]
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(iterations):
+        scaler.scale_loss(a(x).square().mean() * math.nan + b(x).square().mean()).backward()
+        for opt in opts:
+            scaler.step(opt)
+            if spelling == "each":
+                scaler.update()
+        scaler.update()  # "each": nothing left to judge, so it does nothing
+        for opt in opts:
+            opt.zero_grad()
+    return opts
+
+
+@pytest.mark.parametrize("spelling", ["amp", "each"])
+def test_fallback_runs_when_one_optimizer_keeps_failing(spelling):
+    # Where each optimizer's step updates, b's clean update between two of a's non-finite ones restarted the one count
+    # of consecutive non-finite steps (1, 0, 1, 0, ...): the fallback never ran. Counted per optimizer, it runs after
+    # every fallback_after iterations of a's, on a's optimizer, in both spellings.
+    iterations, after, calls = 7, 3, []
+    scaler = FP8GradScaler(init_scale=MU0, fallback_after=after,
+                           nonfinite_fallback=lambda scaler, opt: calls.append(opt) or "recorded")  # fmt: skip
+    o1, _ = _one_optimizer_keeps_failing(scaler, spelling, iterations)
+    assert calls == [o1] * (iterations // after)
+    assert scaler.skipped_steps == iterations
+    assert scaler.state_dict()["consecutive_nonfinite"] == iterations % after
+
+
+@pytest.mark.parametrize("via", ["state_dict", "pickle"])
+def test_a_resumed_scaler_continues_the_longest_nonfinite_run(via):
+    # The per-optimizer counts cannot be saved by optimizer; the longest run is, and every optimizer's run starts
+    # from it after a load: the run interrupted after 2 of 3 non-finite steps falls back at the next one (lowering
+    # the failing optimizer's learning rate alone), as uninterrupted.
+    import io
+    import pickle
+
+    scaler = FP8GradScaler(init_scale=MU0, fallback_after=3, nonfinite_fallback="lower_lr", lr_factor=0.5)
+    opts = _one_optimizer_keeps_failing(scaler, "each", iterations=2)
+    if via == "state_dict":
+        buf = io.BytesIO()
+        torch.save(scaler.state_dict(), buf)
+        buf.seek(0)
+        resumed = FP8GradScaler(init_scale=MU0, fallback_after=3, nonfinite_fallback="lower_lr", lr_factor=0.5)
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+    else:
+        resumed = pickle.loads(pickle.dumps(scaler))
+    assert resumed.state_dict()["consecutive_nonfinite"] == 2 and all(o.param_groups[0]["lr"] == 0.1 for o in opts)
+    o1, o2 = _one_optimizer_keeps_failing(resumed, "each", iterations=1, seed=1)
+    assert (o1.param_groups[0]["lr"], o2.param_groups[0]["lr"]) == (0.1 * 0.5, 0.1)
+
+
 # ------------------------------------------------------------------------------------------- several processes
 def _ranks_agree_per_optimizer(rank: int) -> dict:
     """Two SGD optimizers, one scaler; o2's gradient is non-finite on rank 1 only: every rank steps o1 and skips o2."""
