@@ -112,16 +112,21 @@ def grad_cast(grads: list[torch.Tensor], *args, **kwargs) -> tuple:
     return reference_grad_cast.grad_cast_ref(grads, *args, **kwargs)
 
 
-@functools.cache
-def _device_has_fp8_gemm(device_index: int) -> bool:
+def _fp8_gemm_capability(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+_device_has_fp8_gemm = functools.cache(_fp8_gemm_capability)  # eagerly: one query per device
 
 
 def has_fp8_gemm(device: torch.device) -> bool:
     """True where ``torch._scaled_mm`` runs real FP8 GEMMs (CUDA devices of compute capability 8.9+)."""
     if device.type != "cuda" or os.environ.get("LIGHTNING_FP8_EMULATE_GEMM") == "1":
         return False
-    return _device_has_fp8_gemm(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():  # Dynamo warns of a functools.cache-wrapped call it traces; the query traces
+        return _fp8_gemm_capability(index)
+    return _device_has_fp8_gemm(index)
 
 
 def scaled_mm(

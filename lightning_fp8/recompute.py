@@ -13,12 +13,18 @@ recomputed input's own amax (current scaling: no saturation, whatever the delaye
 nothing, and a warning says so once (the gradients are FP8-accurate, their FP8 bytes may differ from the forward's).
 A forward waits for every backward that has not run through it while its graph is alive (a second backward through
 a retained graph repeats it again): a graph kept alive past its backward (an undetached loss kept for logging) makes
-later recomputes of the layer ambiguous. Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
+later recomputes of the layer ambiguous. A forward inside a checkpointed region is recomputed even where it builds no
+graph of the layer (a frozen layer with an input that needs no gradient, a forward under no_grad, an output the region
+does not use): its call is also kept by the region, while the region's saved tensors live (torch >= 2.8, which shows
+the saved-tensor hooks; on older torch such a recompute finds no forward and takes the own-amax path). A
+non-reentrant recompute never records: where it finds no forward of the layer waiting, it casts with its own amax
+and warns too. Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,7 +34,8 @@ from lightning_fp8.warnings import warn_once
 
 
 class ForwardCall:
-    """One eager forward of an FP8 layer that recorded an autograd graph (held by it, as ``ctx.record``).
+    """One eager forward of an FP8 layer that recorded an autograd graph (held by it, as ``ctx.record``) or ran inside a
+    checkpointed region (held by the region too: see :data:`_REGION_CALLS`).
 
     Attributes:
         scale_invs: the ``scale_inv`` of each input cast of the forward, in order.
@@ -45,6 +52,10 @@ class ForwardCall:
 # Per layer (keyed by its input scaling state): weak references to its ForwardCalls, oldest first; a call is gone once
 # its graph is freed.
 _CALLS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+# The calls of the forwards that ran inside a non-reentrant checkpointed region, keyed by the region's unpack hook: the
+# region's saved tensors hold it, so a call lives while the region can still be recomputed, also where nothing of the
+# layer's own graph holds it (no graph built, or its output unused in the region: the recompute runs it anyway).
+_REGION_CALLS: weakref.WeakKeyDictionary[Callable, list[ForwardCall]] = weakref.WeakKeyDictionary()
 # A recompute that cannot be matched to its forward: no kept scales (replay_scales only saves the buffers), its input
 # casts use their own amax (cast_current).
 _OWN_AMAX = ForwardCall()
@@ -52,19 +63,34 @@ _OWN_AMAX = ForwardCall()
 
 def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     """``(call, replaying)`` for a forward of the layer whose input scaling state is ``state``: a new call to keep
-    (``replaying`` False) for an eager forward with grad enabled outside a backward; inside a backward (a checkpoint
-    recompute) the call it repeats (``replaying`` True), or ``(None, False)`` where there is none; ``(None, False)``
-    under no_grad and when traced (torch.compile recomputes inside its own graphs)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    (``replaying`` False) for an eager forward with grad enabled or inside a checkpointed region, outside a backward;
+    for a recompute (a forward inside a backward, or under torch.utils.checkpoint's recompute hooks) the call it
+    repeats (``replaying`` True), or :data:`_OWN_AMAX` where it cannot tell; ``(None, False)`` for a reentrant
+    recompute, under no_grad elsewhere and when traced (torch.compile recomputes inside its own graphs)."""
+    if torch.compiler.is_compiling():
         return None, False
-    calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
+    region, unpack_hook = _checkpoint_region()
+    grad = torch.is_grad_enabled()
     task = torch._C._current_graph_task_id()  # -1 outside a backward; torch.utils.checkpoint's recompute reads it too
-    if task == -1:
-        call = ForwardCall()
-        _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
-        return call, False
+    # torch.utils.checkpoint recomputes under enable_grad, but the region may turn grad off (a no_grad forward inside
+    # it is recomputed all the same): in a backward, such a forward is a recompute where the hooks say so, or cannot
+    # say (torch < 2.8). Outside torch.utils.checkpoint's hooks a no_grad forward in a backward (in a hook) is none.
+    if region == "recompute" or (task != -1 and (grad or region is not None)):
+        return _recompute_call(state, task)
+    if not grad and region != "forward":
+        return None, False
+    call = ForwardCall()
+    calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
+    _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
+    if region == "forward":
+        _REGION_CALLS.setdefault(unpack_hook, []).append(call)
+    return call, False
+
+
+def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None, bool]:
     if _in_reentrant_recompute():
         return None, False
+    calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
     pending = [c for c in calls if task not in c.done]  # forwards this backward has not run through (retain_graph)
     if len(pending) == 1:
         return pending[0], True
@@ -76,8 +102,35 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
             "amax and records nothing. The gradients stay FP8-accurate, but are not bit for bit an unchecked run's; "
             "one backward per forward is."
         )
-        return _OWN_AMAX, True
-    return None, False
+    else:
+        warn_once(
+            "activation checkpointing: an FP8 layer is recomputed but no forward of it is known to wait for this "
+            "backward (a forward that built no autograd graph of the layer, under torch < 2.8 or inside other "
+            "saved-tensor hooks within the checkpointed region), so the recompute casts with the recomputed input's "
+            "own amax and records nothing. The gradients stay FP8-accurate, but are not bit for bit an unchecked run's."
+        )
+    return _OWN_AMAX, True
+
+
+def _checkpoint_region() -> tuple[str | None, Callable | None]:
+    # ("forward", its unpack hook) inside the forward of a non-reentrant torch.utils.checkpoint region, ("recompute",
+    # None) inside its recompute, (None, None) under other saved-tensor hooks or none, ("unknown", None) where torch
+    # cannot show its hooks (< 2.8).
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top_hooks is None:
+        return "unknown", None
+    hooks = top_hooks(False)
+    if hooks is None:
+        return None, None
+    pack_hook, unpack_hook = hooks
+    if getattr(pack_hook, "__module__", None) != "torch.utils.checkpoint":
+        return None, None
+    qualname = getattr(pack_hook, "__qualname__", "")
+    if qualname.startswith("_checkpoint_hook."):
+        return "forward", unpack_hook
+    if qualname.startswith("_recomputation_hook."):
+        return "recompute", None
+    return None, None
 
 
 def _in_reentrant_recompute() -> bool:

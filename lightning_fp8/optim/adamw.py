@@ -51,6 +51,11 @@ _ALLOWED = {
 # FP8 weight -> the optimizer whose gradient hook takes its gradients (a later FP8AdamW over the same weight takes them
 # over). Kept here, not as an attribute of the parameter: a weak reference would make the model unpicklable.
 _GRAD_OWNERS = WeakIdKeyDictionary()
+# The constructor's and add_param_group's (a group would keep amsgrad=True and step without it).
+_NO_AMSGRAD = (
+    "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or use "
+    "torch.optim.AdamW(amsgrad=True) for these parameters"
+)
 
 
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
@@ -117,7 +122,8 @@ class FP8AdamW(torch.optim.Optimizer):
 
     Raises:
         ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
-            ``grad_cast_bucket_mb`` that is not a number >= 0.
+            ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a parameter group, also one
+            given to :meth:`add_param_group`).
         TypeError: for complex parameters.
 
     Example:
@@ -149,10 +155,7 @@ class FP8AdamW(torch.optim.Optimizer):
         low_precision_moments: LowPrecisionMoments = "fp8_weights",
     ) -> None:
         if amsgrad:
-            raise ValueError(
-                "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or "
-                "use torch.optim.AdamW(amsgrad=True) for these parameters"
-            )
+            raise ValueError(_NO_AMSGRAD)
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
@@ -199,6 +202,8 @@ class FP8AdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------- param handling
     @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and param_group.get("amsgrad"):
+            raise ValueError(_NO_AMSGRAD)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)
@@ -545,7 +550,9 @@ class FP8AdamW(torch.optim.Optimizer):
         Raises:
             ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``), or a state does not fit
                 its parameter (wrong shape or dtype, missing entries, a scale or amax of the wrong shape or value, a
-                bad step); the message names the parameter's index and the entry, and what to do.
+                bad step); the message names the parameter's index and the entry, and what to do. Also for a state
+                dict of AMSGrad (a group with ``amsgrad=True``, a state with ``max_exp_avg_sq``), which FP8AdamW
+                would continue without it.
         """
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)

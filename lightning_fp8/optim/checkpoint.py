@@ -155,6 +155,7 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
             f"FP8AdamW.load_state_dict expects a dict with 'state' and 'param_groups' (an optimizer's state_dict()), "
             f"got {got}"
         )
+    _check_no_amsgrad(state_dict)
     saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
     params = _param_order(opt)
     if len(saved_ids) != len(params):
@@ -165,6 +166,26 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
         if saved is not None:
             entries.append((p, _check_entry(f"FP8AdamW.load_state_dict: parameter {index}", p, saved)))
     return entries
+
+
+def _check_no_amsgrad(state_dict: dict[str, Any]) -> None:
+    """Raise ValueError for a state dict of AMSGrad (``torch.optim.AdamW(amsgrad=True)``): FP8AdamW would drop the
+    running maximum of the second moment and go on without it. ``amsgrad: False`` (torch's groups have it) loads."""
+    groups = state_dict["param_groups"]
+    amsgrad = [i for i, group in enumerate(groups) if isinstance(group, dict) and group.get("amsgrad")]
+    with_max = [i for i, saved in state_dict["state"].items() if isinstance(saved, dict) and "max_exp_avg_sq" in saved]
+    if amsgrad:
+        found = f"parameter group {amsgrad[0]} has amsgrad=True"
+    elif with_max:
+        found = f"parameter {with_max[0]}'s state has 'max_exp_avg_sq'"
+    else:
+        return
+    raise ValueError(
+        f"FP8AdamW.load_state_dict: {found} (torch.optim.AdamW(amsgrad=True)'s state): FP8AdamW implements AdamW "
+        "without AMSGrad and would drop the running maximum of the second moment ('max_exp_avg_sq'). Keep training "
+        "these parameters with torch.optim.AdamW(amsgrad=True), or, to go on without AMSGrad, set every group's "
+        "'amsgrad' to False and delete each state's 'max_exp_avg_sq' in the state dict before loading it"
+    )
 
 
 def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""ops.has_fp8_gemm under torch.compile: no Dynamo warning about its functools.cache (users saw one per compile on a
+GPU), the same answer as eagerly."""
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_fp8 import ops
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_has_fp8_gemm_compiles_without_the_lru_cache_warning(capability, monkeypatch):
+    # On CPU the function returns before the cached query for CPU tensors: ask about a CUDA device whose capability
+    # the test gives, so the path a GPU takes is the one traced.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.delenv("LIGHTNING_FP8_EMULATE_GEMM", raising=False)
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set(), raising=False)  # once per message, process
+    device = torch.device("cuda", 0)
+
+    def f(x):
+        return x + 1 if ops.has_fp8_gemm(device) else x - 1
+
+    torch._dynamo.reset()
+    ops._device_has_fp8_gemm.cache_clear()  # the eager cache holds no capability but the one given here
+    try:
+        x = torch.randn(4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.compile(f, backend="eager", fullgraph=True)(x)
+        assert not [w for w in caught if "lru_cache" in str(w.message)]
+        assert torch.equal(got, f(x))  # eagerly, through the cache
+    finally:
+        ops._device_has_fp8_gemm.cache_clear()  # nor afterwards
+        torch._dynamo.reset()
