@@ -1,9 +1,10 @@
 """lightning_fp8: FP8-LM mixed-precision training for PyTorch, Lightning and Accelerate.
 
 The core (this package's top-level modules) imports only torch. When Lightning is installed,
-``import lightning_fp8`` also registers ``Trainer(precision="fp8-lm")`` and ``strategy="fsdp_fp8"``.
-Public names are resolved lazily so that importing the core never imports Lightning or Accelerate
-unless a name from them is used.
+``import lightning_fp8`` also imports it (``lightning`` and ``pytorch_lightning``, whichever are installed) to
+register ``Trainer(precision="fp8-lm")`` and ``strategy="fsdp_fp8"``; without Lightning it imports only torch.
+Accelerate is imported only when ``lightning_fp8.accelerate`` is used: the integrations' public names are
+resolved lazily, and the core modules never import Lightning or Accelerate themselves.
 """
 
 from __future__ import annotations

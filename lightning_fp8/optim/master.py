@@ -119,14 +119,19 @@ def check_adoptable(param: torch.Tensor) -> None:
 
 def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dtype) -> None:
     """Raise if a parameter whose storage holds its master (:func:`adopt`) is no longer stored in ``master_dtype``:
-    the model's dtype was changed after the optimizer took the storage, which would silently break every update."""
+    the model was cast to another dtype after the optimizer took the storage, which would silently break every update.
+
+    A cast to ``master_dtype`` itself (``model.half()`` over fp16 masters) leaves those weights as they are and is
+    accepted: the other parameters then step in that dtype, from their fp32 states.
+    """
     for p in params:
         if master_scale(p) is not None and p.dtype != master_dtype:
             raise RuntimeError(
                 f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "
-                f"{master_dtype} master there, with a per-tensor scale: the model's dtype was changed "
-                "(model.float(), .half(), .to(dtype)) after FP8AdamW took its weights. Change the model's dtype "
-                "before creating the optimizer; nothing was stepped"
+                f"{master_dtype} master there, with a per-tensor scale: the model was cast to {p.dtype} (e.g. "
+                f"model.float(), .bfloat16(), .to(dtype)) after FP8AdamW took its weights. Those weights must stay "
+                f"{master_dtype} (a cast to {master_dtype} is accepted); cast the model before creating the "
+                "optimizer; nothing was stepped"
             )
 
 

@@ -52,3 +52,47 @@ def test_o1_keeps_the_storage_under_hooks():
     FP8AdamW(model.parameters(), lr=1e-3, opt_level="O1")
     assert model[0].weight.dtype == torch.float32
     del held
+
+
+# The same AdamW update computed in fp32 (FP8AdamW's step, torch.optim.AdamW), rounded once to fp16: at most one fp16
+# ulp apart where the two fp32 results straddle a rounding boundary (equal in practice).
+FP16_ROUNDING_RTOL = 2**-10
+# fp32 moments updated by the same formula in a different order of operations: a few fp32 ulps.
+FP32_STATE_RTOL = 1e-6
+
+
+def test_half_after_adoption_keeps_the_masters_and_steps_the_rest_in_fp16_like_adamw():
+    # model.half() leaves the fp16 masters as they are; a bias becomes fp16 and keeps its fp32 moments.
+    model = _model()
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    opt = FP8AdamW(model.parameters(), **hyper)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    storage = model[0].weight.detach().clone()
+    model.half()
+    assert torch.equal(model[0].weight, storage)
+    bias = model[2].bias
+    for _ in range(3):
+        model(torch.randn(4, 32, dtype=torch.float16)).float().pow(2).sum().backward()
+        ref = nn.Parameter(bias.detach().float())  # the same weights and states, stepped in fp32
+        ref.grad = bias.grad.float()
+        ref_opt = torch.optim.AdamW([ref], **hyper, foreach=False)
+        ref_opt.state[ref] = {k: v.detach().float().clone() for k, v in opt.state[bias].items()}
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        assert bias.dtype == torch.float16 and opt.state[bias]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(bias, ref.detach().half(), rtol=FP16_ROUNDING_RTOL, atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[bias][key], ref_opt.state[ref][key], rtol=FP32_STATE_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("cast", ["float", "bfloat16"])
+def test_another_dtype_after_adoption_is_refused_saying_what_is_accepted(cast):
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=1e-3)
+    getattr(model, cast)()
+    model(torch.randn(4, 32, dtype=model[0].bias.dtype)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"must stay torch.float16 \(a cast to torch.float16 is accepted\)"):
+        opt.step()

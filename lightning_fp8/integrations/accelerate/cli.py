@@ -7,7 +7,8 @@
     lightning-fp8 recipes
 
 ``launch`` parses its arguments with Accelerate's own ``accelerate launch`` parser (so every Accelerate option
-works and means what it means there) plus two options of ours, then:
+works and means what it means there) plus three options of ours (``--fp8-recipe``, ``--fp8-exclude``,
+``--fp8-tp-plan``), then:
 
 1. takes the ``lightning_fp8:`` section out of the Accelerate config file (Accelerate rejects unknown keys) and
    hands Accelerate a copy without it; a file without Accelerate's required ``distributed_type`` stops here, with

@@ -261,9 +261,13 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self.plot or not trainer.is_global_zero:
+        if not self.plot:
             return
+        # On every rank: Trainer.log_dir is a collective (it broadcasts rank zero's directory), so rank zero alone
+        # reading it would wait for the other ranks forever (NCCL) or fail once they have left (gloo).
         path = self.plot_path or os.path.join(trainer.log_dir or trainer.default_root_dir, "health.png")
+        if not trainer.is_global_zero:
+            return
         try:
             from lightning_fp8.integrations.lightning.health_plot import plot_health
         except ImportError:

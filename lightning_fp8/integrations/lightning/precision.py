@@ -18,7 +18,10 @@ What it does, hook by hook (Lightning calls them in this order):
 - ``state_dict``/``load_state_dict``: mu and the FP8 scaling state (scales, amax histories) travel in the
   Lightning checkpoint, so a resumed run continues with the same scales. So do the names of the layers that
   ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``: ``on_load_checkpoint`` puts them back
-  again (after ``convert_module`` made them FP8) before the FP8 and optimizer states are loaded.
+  again (after ``convert_module`` made them FP8) before the FP8 and optimizer states are loaded. The scaling state
+  is keyed by the layers' names without the FSDP, activation-checkpointing and ``torch.compile`` wrappers, so it
+  resumes under another wrapping or on one device; ``on_load_checkpoint`` first refuses, saying what resumes them,
+  optimizer states this run's strategy cannot load (``strategy="fsdp_fp8"``'s per-rank shards elsewhere).
 
 Gradient accumulation needs nothing special: mu only changes after an optimizer step, so every micro-batch of
 an accumulation window is scaled alike. Manual optimization works the same way (``manual_backward`` scales,
@@ -45,11 +48,15 @@ from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.scaling import ScalingState
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
 
 Backend = Literal["native", "te"]
 _BACKENDS = ("native", "te")
+# The path components that FSDP1 (auto_wrap_policy), activation checkpointing and torch.compile insert into the
+# names of the modules they wrap; the model's own state_dict drops them (torch's clean_tensor_name).
+_WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 class _FP8LMPrecisionLogic:
@@ -286,7 +293,7 @@ class _FP8LMPrecisionLogic:
         state: dict[str, Any] = {"recipe": self.recipe.to_dict(), "grad_scaler": self.grad_scaler.state_dict()}
         if self._module is not None:
             state["fallen_back_layers"] = recovery.fallen_back_layers(self._module)
-            state["fp8"] = fp8_state_dict(self._module)
+            state["fp8"] = {_clean_name(key): value for key, value in fp8_state_dict(self._module).items()}
             if _world_size() > 1:  # each rank's activation amaxes differ: keep them all for an exact resume
                 state["fp8_per_rank"] = comm.all_gather_state(state["fp8"])
         return state
@@ -300,6 +307,7 @@ class _FP8LMPrecisionLogic:
         the fallen-back weights too, rounding them to fp16. Once plain parameters again they get the checkpoint's
         fp32 values back, and the optimizer states Lightning loads next are their fp32 ones.
         """
+        self._check_optimizer_states(checkpoint)
         names = checkpoint.get(type(self).__qualname__, {}).get("fallen_back_layers", [])
         model_state = checkpoint.get("state_dict")
         if names and model_state is not None:
@@ -327,7 +335,18 @@ class _FP8LMPrecisionLogic:
             per_rank = state_dict.get("fp8_per_rank")
             if per_rank is not None and len(per_rank) == _world_size():
                 fp8_state = per_rank[torch.distributed.get_rank()]
-            load_fp8_state_dict(self._module, fp8_state)
+            load_fp8_state_dict(self._module, _to_module_names(self._module, fp8_state))
+
+    def _check_optimizer_states(self, checkpoint: dict[str, Any]) -> None:
+        # Before anything is loaded: FP8FSDPStrategy's per-rank optimizer shards only fit FP8FSDPStrategy with as many
+        # processes, and it loads nothing else.
+        trainer = getattr(self._module, "_trainer", None)
+        if trainer is None or trainer.state.fn != "fit" or checkpoint.get("optimizer_states") is None:
+            return
+        # Imported here: strategy.py imports this module.
+        from lightning_fp8.integrations.lightning.strategy import check_optimizer_states
+
+        check_optimizer_states(checkpoint["optimizer_states"], trainer.strategy)
 
     def _put_back(self, names: list[str]) -> None:
         """Put the layers ``names`` back to ``nn.Linear`` (no-op for those already put back), releasing their weights
@@ -335,6 +354,28 @@ class _FP8LMPrecisionLogic:
         if self._module is None:
             raise RuntimeError("FP8LMPrecision: no converted model yet to put layers back in (call convert_module)")
         recovery.put_back_to_high_precision(self._module, names, self._optimizers)
+
+
+def _clean_name(name: str) -> str:
+    """``name`` without the path components that wrappers insert (``net._fsdp_wrapped_module.0`` -> ``net.0``)."""
+    for fragment in _WRAPPER_FRAGMENTS:
+        name = name.replace(fragment, "")
+    return name
+
+
+def _to_module_names(module: nn.Module, fp8_state: dict[str, Any]) -> dict[str, Any]:
+    """``fp8_state`` keyed by ``module``'s own (possibly wrapped) scaling-state names, matched by their clean names.
+
+    Checkpoints hold clean names (older ones, the names under the wrapping that saved them); both load under any
+    wrapping. Keys that match no scaling state are kept as they are (``load_fp8_state_dict`` names them).
+    """
+    names = {_clean_name(name): name for name, m in module.named_modules() if isinstance(m, ScalingState)}
+    out = {}
+    for key, value in fp8_state.items():
+        state_name, _, field = key.rpartition(".")
+        own = names.get(_clean_name(state_name))
+        out[f"{own}.{field}" if own is not None else key] = value
+    return out
 
 
 def _make_grad_scaler(grad_scaler: Any) -> Any:

@@ -26,6 +26,8 @@ from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.integrations.lightning.precision import _FP8LMPrecisionLogic
 
 STRATEGY_NAME = "fsdp_fp8"
+# The key of this strategy's optimizer states in its checkpoints: {"per_rank": [state of rank 0, of rank 1, ...]}.
+PER_RANK = "per_rank"
 
 
 class _FP8FSDPStrategyLogic:
@@ -113,10 +115,11 @@ class _FP8FSDPStrategyLogic:
 
         FSDP's ``optim_state_dict`` re-flattens states assuming ``torch.optim.Adam``'s layout (one dtype per key);
         FP8AdamW keeps E4M3/fp16 states with a power-of-two scale per shard, so the shards are saved as they are.
-        Resuming needs the same number of processes and the same wrapping.
+        Resuming needs this strategy, the same number of processes and the same wrapping
+        (:func:`check_optimizer_states` refuses the others).
         """
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {"per_rank": all_gather_state(optimizer.state_dict())}
+        return {PER_RANK: all_gather_state(optimizer.state_dict())}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -132,14 +135,9 @@ class _FP8FSDPStrategyLogic:
         fitting = self.lightning_module.trainer.state.fn == "fit"
         if states is None or not fitting:
             return checkpoint
+        check_optimizer_states(states, self, str(path))
         for optimizer, state in zip(self.optimizers, states, strict=True):
-            if len(state["per_rank"]) != self.world_size:
-                raise ValueError(
-                    f"the checkpoint {str(path)!r} holds optimizer shards of {len(state['per_rank'])} processes, but "
-                    f"this run has {self.world_size}: resume strategy='{STRATEGY_NAME}' with the same number of "
-                    "processes"
-                )
-            optimizer.load_state_dict(state["per_rank"][self.global_rank])
+            optimizer.load_state_dict(state[PER_RANK][self.global_rank])
         return checkpoint
 
 
@@ -154,6 +152,41 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
 
         trainer = L.Trainer(strategy=FP8FSDPStrategy(auto_wrap_policy={Block}), devices=8)
     """
+
+
+def check_optimizer_states(states: list[Any], strategy: Any, path: str | None = None) -> None:
+    """Raise a ``ValueError`` saying what resumes them, unless ``strategy`` can load the optimizer ``states`` of a
+    checkpoint: FP8FSDPStrategy's per-rank shards (:meth:`FP8FSDPStrategy.optimizer_state`) need FP8FSDPStrategy
+    with as many processes, which loads nothing else.
+
+    The precision plugin calls it before loading anything, whatever the strategy; FP8FSDPStrategy when it loads.
+    """
+    checkpoint = f"the checkpoint {path!r}" if path else "the checkpoint"
+    per_rank = [len(state[PER_RANK]) for state in states if isinstance(state, dict) and PER_RANK in state]
+    fsdp_fp8 = isinstance(strategy, _FP8FSDPStrategyLogic)
+    here = f"{type(strategy).__name__} with {_processes(strategy.world_size)}"
+    weights_only = (
+        "; or start from its weights alone (no optimizer state): model = YourModule.load_from_checkpoint(path), then "
+        "trainer.fit(model) without ckpt_path"
+    )
+    if per_rank and (not fsdp_fp8 or per_rank[0] != strategy.world_size):
+        saved = _processes(per_rank[0])
+        raise ValueError(
+            f"{checkpoint} holds the optimizer state of strategy='{STRATEGY_NAME}' (FP8FSDPStrategy) as the shards of "
+            f"{saved}, which only FP8FSDPStrategy with {saved} (devices x num_nodes) and the same auto_wrap_policy can "
+            f"load; this run is {here}. Resume it with Trainer(strategy=FP8FSDPStrategy(...), devices x num_nodes = "
+            f"{per_rank[0]}){weights_only}"
+        )
+    if fsdp_fp8 and len(per_rank) != len(states):
+        raise ValueError(
+            f"{checkpoint} holds optimizer states written by another strategy (optimizer state_dicts, not the "
+            f"per-rank shards that strategy='{STRATEGY_NAME}' writes), which {here} cannot load: resume it with the "
+            f"strategy that wrote it{weights_only}"
+        )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 def _fsdp_base(cls: type) -> type:

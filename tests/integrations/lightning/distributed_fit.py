@@ -81,7 +81,12 @@ def _full_params(module: torch.nn.Module, strategy: str) -> list[torch.Tensor]:
 
 
 def _fit(
-    strategy: str, steps: int, seed: int = 0, ckpt_path: str | None = None, callbacks: list | None = None
+    strategy: str,
+    steps: int,
+    seed: int = 0,
+    ckpt_path: str | None = None,
+    callbacks: list | None = None,
+    root_dir: str | None = None,
 ) -> tuple[GPTModule, L.Trainer]:
     torch.manual_seed(seed)
     module = ShardedGPT() if strategy == "model_parallel" else DataParallelGPT()
@@ -98,6 +103,7 @@ def _fit(
         gradient_clip_val=1.0 if strategy != "model_parallel" else None,
         use_distributed_sampler=False,
         callbacks=callbacks,
+        default_root_dir=root_dir,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, trainer
@@ -138,15 +144,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--resume", action="store_true", help="also: half the steps, save, resume in a new Trainer")
-    parser.add_argument("--health", action="store_true", help="with a TrainingHealthMonitor logging every step")
+    parser.add_argument(
+        "--health", action="store_true", help="with a TrainingHealthMonitor logging every step, plotting to <out>"
+    )
     parser.add_argument("--bf16-fallback", action="store_true", help="only: fit with nonfinite_fallback='bf16'")
     args = parser.parse_args()
     if args.bf16_fallback:
         _refused_bf16_fallback(args.out)
         return
 
-    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False) if args.health else None
-    module, trainer = _fit(args.strategy, args.steps, callbacks=[health] if health else None)
+    # The plot goes to the Trainer's log_dir (no logger: default_root_dir), which every rank must ask for.
+    health = TrainingHealthMonitor(log_every_n_steps=1) if args.health else None
+    module, trainer = _fit(args.strategy, args.steps, callbacks=[health] if health else None, root_dir=args.out)
     resumed_losses = None
     if args.resume:
         half, first = _fit(args.strategy, args.steps // 2)

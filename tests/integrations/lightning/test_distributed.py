@@ -86,11 +86,13 @@ def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
 
 
 def test_health_monitor_under_ddp_logs_on_rank_zero_without_waiting_for_the_others(tmp_path):
-    # Rank zero alone computes the running means it logs: a cross-rank sync in there would hang the run.
+    # Rank zero alone computes the running means it logs: a cross-rank sync in there would hang the run. The plot
+    # at the end of fit goes to Trainer.log_dir, a collective: every rank asks for it, rank zero alone writes.
     ranks = _run("ddp", tmp_path, False, "--health", timeout=TIMEOUT_S / 2)
     for r in ranks:
         assert r["losses"] == pytest.approx(r["health_losses"], rel=1e-6)  # each rank observes its own losses
     assert ranks[0]["health_loss_smooth"] == pytest.approx(sum(ranks[0]["losses"]) / STEPS, rel=1e-6)
+    assert (tmp_path / "health.png").is_file()
 
 
 def test_bf16_fallback_under_ddp_is_refused_before_the_first_step(tmp_path):
