@@ -287,9 +287,10 @@ class FP8Linear(nn.Linear):
     Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, which Lightning's and FSDP's
     activation checkpointing use): where one forward of the layer waits for its backward (per-block checkpoints, one
     backward per forward or micro-batch, nested checkpoints), the recompute casts with the scales that forward used
-    and records no statistics: the gradients are bit for bit those of the run without checkpointing. Where several
-    wait (micro-batch losses summed into one backward, pipeline orders, the layer twice in one region), it warns and
-    casts with the recomputed input's own amax, recording nothing: FP8-accurate, not bit for bit
+    and records no statistics: the gradients are bit for bit those of the run without checkpointing, also where the
+    layer's forward in the region builds no graph (frozen, no_grad) or its output is unused (torch >= 2.8). Where
+    several wait (micro-batch losses summed into one backward, pipeline orders, the layer twice in one region), it
+    warns and casts with the recomputed input's own amax, recording nothing: FP8-accurate, not bit for bit
     (:mod:`lightning_fp8.recompute`). Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
     no_grad) recomputes with the current scale and records the casts again. ``torch.compile`` (2.13) does not trace a
     checkpointed region holding FP8 layers: it runs it eagerly, with the rule above.
