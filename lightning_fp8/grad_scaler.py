@@ -91,6 +91,12 @@ class _Counts:
         self.numel += int(numel)
         self.cast_numel += int(numel) if cast else 0
 
+    def copy(self) -> _Counts:
+        new = _Counts()
+        new.stats = None if self.stats is None else self.stats.clone()
+        new.numel, new.cast_numel = self.numel, self.cast_numel
+        return new
+
     def merge(self, other: _Counts) -> _Counts:
         """``self`` plus ``other``; ``other`` itself when ``self`` is empty (no launch), so do not reuse ``other``."""
         if self.stats is None and not self.numel:
@@ -196,9 +202,10 @@ class FP8GradScaler:
         # Consecutive non-finite steps of each optimizer (weak, like `_owned`): where each optimizer's step()
         # updates, another optimizer's clean update must not restart the count of one that keeps failing.
         self._nonfinite_runs: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        # Consecutive non-finite updates that judged no step (reports alone), and where the run of an optimizer
-        # not counted yet starts: a run restored by load_state_dict or unpickling.
+        # Consecutive non-finite updates that judged no step (reports alone).
         self._consecutive_nonfinite = 0
+        # Where the run of an optimizer not counted since load_state_dict (or unpickling) starts: the longest run saved.
+        self._restored_run = 0
         self._steps = 0
         self._last_saturation = 0.0
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY_LEN)
@@ -338,6 +345,7 @@ class FP8GradScaler:
         self._shared = _Counts()  # reports no optimizer owns (communication hooks): every step heeds them
         self._window = _Counts()  # the stepped optimizers' own reports and checks: what update() judges
         self._stepped: list[tuple[torch.optim.Optimizer, bool]] = []  # (optimizer, skipped) since the last update
+        self._unscaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # plain ones, grads unscaled
         self._agreed: dict[str, float] | None = None  # the totals of the last all-reduce, while no report came since
 
     # What every source reported since the last update (for tests and debugging: each reads the device).
@@ -392,7 +400,9 @@ class FP8GradScaler:
 
         Raises:
             RuntimeError: when ``optimizer`` was already stepped since the last :meth:`update` (as in
-                ``torch.amp.GradScaler``: its gradients would be unscaled twice).
+                ``torch.amp.GradScaler``: its gradients would be unscaled twice). A step that raised (the error
+                propagates) does not count: it can be made again, with its gradients as they were left (a plain
+                optimizer's are not unscaled twice).
         """
         if any(stepped is optimizer for stepped, _ in self._stepped):
             raise RuntimeError(
@@ -404,29 +414,39 @@ class FP8GradScaler:
         inv_scale = 1.0 / self.loss_scale
         fused = getattr(optimizer, "_fp8_step", None)
         found = optimizer._nonfinite_grads() if fused is not None else None  # flushes FP8AdamW's queued casts first
-        own = self._owned.pop(optimizer, None) or _Counts()
+        reported = self._owned.pop(optimizer, None)
+        own = _Counts() if reported is None else reported.copy()
         if not (own.cast_numel or self._shared.cast_numel):  # no FP8 cast of its gradients: judge them in place
             self._record_high_precision_grads(optimizer, own)
-        if fused is None:
-            found = _unscale_in_place(optimizer, inv_scale)
+        if fused is None:  # unscaled once: a step made again after raising only checks them
+            found = _unscale_in_place(optimizer, 1.0 if optimizer in self._unscaled else inv_scale)
+            self._unscaled.add(optimizer)
         own.add((found > 0).float())
         step_found = own.found() if self._shared.stats is None else own.found() + self._shared.found().to(
             own.found().device)  # fmt: skip
-        self._window = self._window.merge(own)
+        window, active = self._window, self._active
+        self._window = self._window.copy().merge(own)
         self._active = True
         skip = self._agree(step_found) > 0
         self._stepped.append((optimizer, skip))
-        if skip:
-            skip_fn = getattr(optimizer, "_fp8_skip", None)
-            if skip_fn is not None:
-                skip_fn()
-            return False
-        if fused is not None and not getattr(optimizer, "_fp8_in_step", False):
-            _step_through_public_step(optimizer, inv_scale)
-        elif fused is not None:  # called by optimizer.step() itself (FP8AdamW(grad_scaler=self))
-            fused(inv_scale)
-        else:
-            optimizer.step()
+        try:
+            if skip:
+                skip_fn = getattr(optimizer, "_fp8_skip", None)
+                if skip_fn is not None:
+                    skip_fn()
+                return False
+            if fused is not None and not getattr(optimizer, "_fp8_in_step", False):
+                _step_through_public_step(optimizer, inv_scale)
+            elif fused is not None:  # called by optimizer.step() itself (FP8AdamW(grad_scaler=self))
+                fused(inv_scale)
+            else:
+                optimizer.step()
+        except BaseException:  # not a step: as before it (the reports kept, the optimizer free to step again)
+            self._stepped.pop()
+            self._window, self._active = window, active
+            if reported is not None:
+                self._owned[optimizer] = reported
+            raise
         return True
 
     def update(self) -> None:
@@ -464,7 +484,7 @@ class FP8GradScaler:
         self._set_scale(self._scale / 2, "skip", "non-finite gradient")
         if self._longest_nonfinite_run() >= self.fallback_after and self.nonfinite_fallback is not None:
             self._nonfinite_runs.clear()  # also when the fallback raises: every count starts again
-            self._consecutive_nonfinite = 0
+            self._consecutive_nonfinite = self._restored_run = 0
             self._run_fallback()
 
     def _count_nonfinite_runs(self, nonfinite: bool) -> None:
@@ -475,7 +495,8 @@ class FP8GradScaler:
             skipped = [opt for opt, was_skipped in self._stepped if was_skipped]
             for opt, _ in self._stepped:
                 failed = nonfinite and (opt in skipped or not skipped)  # none skipped: a report came after the steps
-                runs[opt] = runs.get(opt, self._consecutive_nonfinite) + 1 if failed else 0
+                start = max(self._restored_run, self._consecutive_nonfinite)  # an optimizer not counted yet
+                runs[opt] = runs.get(opt, start) + 1 if failed else 0
             self._consecutive_nonfinite = 0
         else:
             for opt in list(runs):
@@ -483,8 +504,10 @@ class FP8GradScaler:
             self._consecutive_nonfinite = self._consecutive_nonfinite + 1 if nonfinite else 0
 
     def _longest_nonfinite_run(self) -> int:
-        """The most consecutive non-finite steps of any one optimizer (what ``fallback_after`` is compared with)."""
-        return max((*self._nonfinite_runs.values(), self._consecutive_nonfinite))
+        """The most consecutive non-finite steps of any one optimizer (what ``fallback_after`` is compared with); the
+        restored run while no optimizer has been counted since the restore."""
+        runs = self._nonfinite_runs
+        return max((*runs.values(), self._consecutive_nonfinite, 0 if runs else self._restored_run))
 
     def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
         self._count_nonfinite_runs(nonfinite=False)
@@ -532,21 +555,23 @@ class FP8GradScaler:
     # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
     # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
     # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
-    _WEAK = ("_owned", "_seen", "_nonfinite_runs")
+    _WEAK = ("_owned", "_seen", "_nonfinite_runs", "_unscaled")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in self._WEAK:
             state.pop(name, None)
         state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
-        state["_consecutive_nonfinite"] = self._longest_nonfinite_run()
+        state["_restored_run"] = self._longest_nonfinite_run()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_restored_run", 0)
         self._owned = weakref.WeakKeyDictionary()
         self._seen = weakref.WeakSet()
         self._nonfinite_runs = weakref.WeakKeyDictionary()
+        self._unscaled = weakref.WeakSet()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (loads with ``torch.load(weights_only=True)``). ``consecutive_nonfinite`` is the
@@ -587,7 +612,7 @@ class FP8GradScaler:
         self._skipped_steps = counters["skipped_steps"]
         self._nonfinite_events = counters["nonfinite_events"]
         self._nonfinite_runs.clear()  # the saved run (the longest) is where every optimizer's run starts
-        self._consecutive_nonfinite = counters["consecutive_nonfinite"]
+        self._restored_run, self._consecutive_nonfinite = counters["consecutive_nonfinite"], 0
         self._steps = counters["steps"]
         self._last_saturation = saturation
         self._history = collections.deque(history, maxlen=_HISTORY_LEN)

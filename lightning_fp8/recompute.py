@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_fp8.scaling import ScalingState
 from lightning_fp8.warnings import warn_once
@@ -161,13 +162,15 @@ def replay_scales(call: ForwardCall, states: tuple[ScalingState, ...]) -> list[t
     scaling. Returns the buffers of every state with their values, for :func:`restore_buffers` after the casts: the
     recompute's FP8 copies are the forward's bytes (a weight's current scaling gives them anyway) and no statistics
     are recorded twice. Eager only (a recompute is never traced)."""
-    saved = [(buf, buf.clone()) for state in states for buf in state.cast_buffers()]
-    for state, scale_inv in zip(states, call.scale_invs, strict=False):
-        state.scale.copy_(scale_inv.reciprocal())
+    with _disable_current_modes():  # the forward made none of these ops: selective checkpointing must not see them
+        saved = [(buf, buf.clone()) for state in states for buf in state.cast_buffers()]
+        for state, scale_inv in zip(states, call.scale_invs, strict=False):
+            state.scale.copy_(scale_inv.reciprocal())
     return saved
 
 
 def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
     """Put back what :func:`replay_scales` saved (nothing for None)."""
-    for buf, value in saved or ():
-        buf.copy_(value)
+    with _disable_current_modes():
+        for buf, value in saved or ():
+            buf.copy_(value)

@@ -174,8 +174,9 @@ def test_headroom_of_every_plain_optimizer_is_judged():
     # both parameters.
     def run(split: bool) -> list[float]:
         p, q = nn.Parameter(torch.zeros(4, dtype=torch.float16)), nn.Parameter(torch.zeros(4, dtype=torch.float16))
-        opts = [torch.optim.SGD([p], lr=0.0), torch.optim.SGD([q], lr=0.0)] if split else [torch.optim.SGD([p, q],
-                                                                                                           lr=0.0)]
+        opts = (
+            [torch.optim.SGD([p], lr=0.0), torch.optim.SGD([q], lr=0.0)] if split else [torch.optim.SGD([p, q], lr=0.0)]
+        )
         scaler = FP8GradScaler(init_scale=1.0, growth_interval=1)
         scales = []
         for _ in range(3):
@@ -190,16 +191,19 @@ def test_headroom_of_every_plain_optimizer_is_judged():
     assert run(split=True) == run(split=False) == [1.0, 1.0, 1.0]
 
 
-def _one_optimizer_keeps_failing(scaler: FP8GradScaler, spelling: str, iterations: int, seed: int = 0) -> list:
+def _one_optimizer_keeps_failing(
+    scaler: FP8GradScaler, spelling: str, iterations: int, seed: int = 0, clean_first: bool = False
+) -> list:
     """Two SGD optimizers over one loss; a's gradients are non-finite every iteration, b's never. "amp": one update
-    per iteration; "each": each optimizer is stepped and updated in turn (the integrations' spelling). Returns the
-    optimizers [o1, o2] (the scaler's counts of an optimizer go with it)."""
+    per iteration; "each": each optimizer is stepped and updated in turn (the integrations' spelling), a's first
+    unless ``clean_first``. Returns the optimizers [a's, b's] (the scaler's counts of an optimizer go with it)."""
     a, b = _pair(seed)
     opts = [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)]
+    order = opts[::-1] if clean_first else opts
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     for _ in range(iterations):
         scaler.scale_loss(a(x).square().mean() * math.nan + b(x).square().mean()).backward()
-        for opt in opts:
+        for opt in order:
             scaler.step(opt)
             if spelling == "each":
                 scaler.update()
@@ -223,16 +227,18 @@ def test_fallback_runs_when_one_optimizer_keeps_failing(spelling):
     assert scaler.state_dict()["consecutive_nonfinite"] == iterations % after
 
 
+@pytest.mark.parametrize("clean_first", [False, True])
 @pytest.mark.parametrize("via", ["state_dict", "pickle"])
-def test_a_resumed_scaler_continues_the_longest_nonfinite_run(via):
+def test_a_resumed_scaler_continues_the_longest_nonfinite_run(via, clean_first):
     # The per-optimizer counts cannot be saved by optimizer; the longest run is, and every optimizer's run starts
     # from it after a load: the run interrupted after 2 of 3 non-finite steps falls back at the next one (lowering
-    # the failing optimizer's learning rate alone), as uninterrupted.
+    # the failing optimizer's learning rate alone), as uninterrupted; also where the clean optimizer's update comes
+    # first (it restarted the restored run before the failing one was counted).
     import io
     import pickle
 
     scaler = FP8GradScaler(init_scale=MU0, fallback_after=3, nonfinite_fallback="lower_lr", lr_factor=0.5)
-    opts = _one_optimizer_keeps_failing(scaler, "each", iterations=2)
+    opts = _one_optimizer_keeps_failing(scaler, "each", iterations=2, clean_first=clean_first)
     if via == "state_dict":
         buf = io.BytesIO()
         torch.save(scaler.state_dict(), buf)
@@ -242,8 +248,63 @@ def test_a_resumed_scaler_continues_the_longest_nonfinite_run(via):
     else:
         resumed = pickle.loads(pickle.dumps(scaler))
     assert resumed.state_dict()["consecutive_nonfinite"] == 2 and all(o.param_groups[0]["lr"] == 0.1 for o in opts)
-    o1, o2 = _one_optimizer_keeps_failing(resumed, "each", iterations=1, seed=1)
+    o1, o2 = _one_optimizer_keeps_failing(resumed, "each", iterations=1, seed=1, clean_first=clean_first)
     assert (o1.param_groups[0]["lr"], o2.param_groups[0]["lr"]) == (0.1 * 0.5, 0.1)
+
+
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose first step raises before changing anything (as FP8AdamW refusing a changed storage dtype)."""
+
+    failed = False
+
+    def step(self, closure=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("refused; nothing was stepped")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("kind", ["plain", "fp8adamw"])
+def test_a_step_that_raised_can_be_made_again(kind):
+    # A step that raised was kept as made: its retry was refused ("already been called since the last update()"),
+    # and an update() counted a clean step that never happened. Now the retry steps, the gradients unscaled once
+    # (a plain optimizer's were already unscaled in place), to the weights of a run whose step did not raise, with
+    # the same scaler counts.
+    def run(fail: bool) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        scaler = FP8GradScaler(init_scale=MU0)
+        if kind == "plain":
+            opt = (_FailsOnce if fail else torch.optim.SGD)(model.parameters(), lr=0.1)
+        else:
+            model = convert_to_fp8(model)
+            opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+        scaler.scale_loss(
+            model(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).square().mean()
+        ).backward()
+        if fail and kind == "plain":
+            with pytest.raises(RuntimeError, match="nothing was stepped"):
+                scaler.step(opt)
+        elif fail:
+            model.float()  # refused by FP8AdamW's step, which then leaves the weights as they were
+            with pytest.raises(RuntimeError, match="nothing was stepped"):
+                opt.step()
+            model.half()  # the cast FP8AdamW accepts: the weights hold their fp16 masters again
+        if kind == "plain":
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        state = scaler.state_dict()
+        return [p.detach().float().clone() for p in model.parameters()], state
+
+    (got, got_state), (ref, ref_state) = run(fail=True), run(fail=False)
+    if kind == "fp8adamw":  # model.half() made the non-FP8 parameters fp16: they agree to fp16 rounding
+        for g, r in zip(got, ref, strict=True):
+            torch.testing.assert_close(g, r, rtol=2**-10, atol=2**-14)
+    else:
+        assert all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))
+    assert got_state == ref_state
 
 
 # ------------------------------------------------------------------------------------------- several processes

@@ -292,7 +292,7 @@ class _FP8LMPrecisionLogic:
         tensors, numbers and strings (``torch.load(weights_only=True)`` reads it)."""
         state: dict[str, Any] = {"recipe": self.recipe.to_dict(), "grad_scaler": self.grad_scaler.state_dict()}
         if self._module is not None:
-            state["fallen_back_layers"] = recovery.fallen_back_layers(self._module)
+            state["fallen_back_layers"] = [_clean_name(name) for name in recovery.fallen_back_layers(self._module)]
             state["fp8"] = {_clean_name(key): value for key, value in fp8_state_dict(self._module).items()}
             if _world_size() > 1:  # each rank's activation amaxes differ: keep them all for an exact resume
                 state["fp8_per_rank"] = comm.all_gather_state(state["fp8"])
@@ -309,6 +309,7 @@ class _FP8LMPrecisionLogic:
         """
         self._check_optimizer_states(checkpoint)
         names = checkpoint.get(type(self).__qualname__, {}).get("fallen_back_layers", [])
+        names = _to_layer_names(self._module, names)
         model_state = checkpoint.get("state_dict")
         if names and model_state is not None:
             self._put_back(names)
@@ -321,7 +322,7 @@ class _FP8LMPrecisionLogic:
             warn_once(f"resuming with FP8 recipe {self.recipe} from a checkpoint written with {saved}")
         names = state_dict.get("fallen_back_layers", [])  # absent from checkpoints written before it was saved
         if names:
-            self._put_back(names)
+            self._put_back(_to_layer_names(self._module, names))
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         if "fp8" in state_dict and not saved.same_scaling(self.recipe):
             warn_once(
@@ -338,8 +339,8 @@ class _FP8LMPrecisionLogic:
             load_fp8_state_dict(self._module, _to_module_names(self._module, fp8_state))
 
     def _check_optimizer_states(self, checkpoint: dict[str, Any]) -> None:
-        # Before anything is loaded: FP8FSDPStrategy's per-rank optimizer shards only fit FP8FSDPStrategy with as many
-        # processes, and it loads nothing else.
+        # Before the optimizer and FP8 states are loaded (Lightning has loaded the weights by then): FP8FSDPStrategy's
+        # per-rank optimizer shards only fit FP8FSDPStrategy with as many processes, and it loads nothing else.
         trainer = getattr(self._module, "_trainer", None)
         if trainer is None or trainer.state.fn != "fit" or checkpoint.get("optimizer_states") is None:
             return
@@ -361,6 +362,12 @@ def _clean_name(name: str) -> str:
     for fragment in _WRAPPER_FRAGMENTS:
         name = name.replace(fragment, "")
     return name
+
+
+def _to_layer_names(module: nn.Module, names: list[str]) -> list[str]:
+    """The layers ``names`` (clean, or wrapped as older checkpoints saved them) as ``module`` names them."""
+    own = {_clean_name(name): name for name, _ in module.named_modules()}
+    return [own.get(_clean_name(name), name) for name in names]
 
 
 def _to_module_names(module: nn.Module, fp8_state: dict[str, Any]) -> dict[str, Any]:
@@ -423,12 +430,13 @@ def _refuse_bf16_fallback_under_ddp(grad_scaler: Any, module: nn.Module | None) 
 
 
 def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dict[str, Any]) -> None:
-    """Copy ``model_state``'s values (keyed as ``module.state_dict()``) into the parameters of the layers ``names``."""
+    """Copy ``model_state``'s values (keyed as ``module.state_dict()``: without wrapper names) into the parameters of
+    the layers ``names``."""
     layers = dict(module.named_modules())
     with torch.no_grad():
         for name in names:
             for param_name, param in layers[name].named_parameters(recurse=False):
-                value = model_state.get(f"{name}.{param_name}")
+                value = model_state.get(f"{_clean_name(name)}.{param_name}")
                 if value is not None:
                     param.copy_(value)
 

@@ -121,3 +121,33 @@ def test_fsdp_fp8_refuses_optimizer_states_of_another_strategy_saying_so(tmp_pat
     _fit("auto", steps=2).save_checkpoint(path)
     with pytest.raises(ValueError, match=r"written by another strategy .*FP8FSDPStrategy with 1 process cannot load"):
         _fit(FP8FSDPStrategy(), steps=3, ckpt_path=path)
+
+
+def test_fallen_back_layers_resume_under_another_wrapping():
+    """The layers the bf16 fallback put back to nn.Linear are saved under clean names, as the model's state_dict and
+    the FP8 state are: a resume under another wrapping (here: checkpoint_wrapper on the saving side only) puts them
+    back again and gives them the checkpoint's values; names saved wrapped (older checkpoints) resume as well."""
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from lightning_fp8 import recovery
+
+    torch.manual_seed(0)
+    saving = GPTModule()
+    saving.model.blocks[1] = checkpoint_wrapper(saving.model.blocks[1])
+    plugin = FP8LMPrecision()
+    plugin.convert_module(saving)
+    layer = "model.blocks.1._checkpoint_wrapped_module.mlp.0"
+    recovery.put_back_to_high_precision(saving, [layer])
+    state = plugin.state_dict()
+    assert state["fallen_back_layers"] == ["model.blocks.1.mlp.0"]
+    checkpoint = {"state_dict": saving.state_dict(), type(plugin).__qualname__: state}
+    for names in (state["fallen_back_layers"], [layer]):  # clean, and as older checkpoints saved them
+        resuming = FP8LMPrecision()
+        module = GPTModule()
+        resuming.convert_module(module)
+        checkpoint[type(plugin).__qualname__] = {**state, "fallen_back_layers": names}
+        resuming.on_load_checkpoint(checkpoint)
+        fc = module.model.blocks[1].mlp[0]
+        assert type(fc) is nn.Linear
+        assert torch.equal(fc.weight, checkpoint["state_dict"]["model.blocks.1.mlp.0.weight"])
