@@ -170,7 +170,10 @@ def replay_scales(call: ForwardCall, states: tuple[ScalingState, ...]) -> list[t
 
 
 def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-    """Put back what :func:`replay_scales` saved (nothing for None)."""
+    """Put back what :func:`replay_scales` saved (nothing for None: every forward that is not a recompute, compiled
+    ones too, which must not enter the mode-disabling context)."""
+    if not saved:
+        return
     with _disable_current_modes():
-        for buf, value in saved or ():
+        for buf, value in saved:
             buf.copy_(value)
