@@ -56,10 +56,31 @@ def build_state(
 
 
 def save(directory: str | os.PathLike, rank: int, state: dict[str, Any]) -> Path:
+    """Write this rank's file whole or not at all: to a temporary file first, renamed over the old one when complete
+    (a crash while writing leaves the previous checkpoint's file as it was)."""
     path = rank_file(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        torch.save(state, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or corrupt file: torch raises zip, pickle or EOF errors
+        raise ValueError(
+            f"{path} cannot be read ({type(error).__name__}: {error}): the checkpoint's FP8 state is corrupt or was "
+            "not completely written; load an earlier checkpoint, or delete this folder's lightning_fp8/ files to "
+            "start the FP8 scales and mu fresh"
+        ) from error
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not lightning_fp8's FP8 state: the file is not ours")
+    return state
 
 
 def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any] | None:
@@ -76,7 +97,7 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
             "was it saved without FP8-LM?). FP8 scales and mu start fresh."
         )
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = _read(path)
     if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path} has FP8 state format {state.get('format_version')!r}; this lightning_fp8 reads format "
@@ -116,7 +137,7 @@ def put_back_fallen_back_layers(
     path = _state_file(directory, rank)
     if path is None:
         return
-    saved = torch.load(path, map_location="cpu", weights_only=True).get("fallen_back_layers") or []
+    saved = _read(path).get("fallen_back_layers") or []
     for model, names in zip(models, saved, strict=False):  # a count mismatch is reported by restore()
         if names:
             recovery.put_back_to_high_precision(model, names, optimizers)

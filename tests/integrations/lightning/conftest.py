@@ -1,5 +1,7 @@
 """Lightning integration tests: toy shapes on CPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,3 +14,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    # An in-process fit under a distributed strategy (FSDPStrategy on one process) leaves WORLD_SIZE, LOCAL_RANK and
+    # the like in os.environ: a later test's two-process Lightning run inherited them and waited for ranks that never
+    # came (test_tensor_parallel_fit.py after test_strategy.py: a 240 s timeout in CI).
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
