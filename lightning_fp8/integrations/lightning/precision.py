@@ -48,7 +48,6 @@ from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
-from lightning_fp8.scaling import ScalingState
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
 
@@ -376,13 +375,10 @@ def _to_module_names(module: nn.Module, fp8_state: dict[str, Any]) -> dict[str, 
     Checkpoints hold clean names (older ones, the names under the wrapping that saved them); both load under any
     wrapping. Keys that match no scaling state are kept as they are (``load_fp8_state_dict`` names them).
     """
-    names = {_clean_name(name): name for name, m in module.named_modules() if isinstance(m, ScalingState)}
-    out = {}
-    for key, value in fp8_state.items():
-        state_name, _, field = key.rpartition(".")
-        own = names.get(_clean_name(state_name))
-        out[f"{own}.{field}" if own is not None else key] = value
-    return out
+    split = [key.rpartition(".") for key in fp8_state]
+    names = _to_layer_names(module, [state_name for state_name, _, _ in split])
+    values = fp8_state.values()
+    return {f"{name}.{field}": value for name, (_, _, field), value in zip(names, split, values, strict=True)}
 
 
 def _make_grad_scaler(grad_scaler: Any) -> Any:
