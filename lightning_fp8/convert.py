@@ -122,7 +122,9 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` by an :class:`FP8Linear` that shares its parameters.
 
-    Idempotent (FP8 layers, and layers the ``"bf16"`` fallback put back to ``nn.Linear``, are left as they are).
+    Idempotent (FP8 layers, and layers the ``"bf16"`` fallback put back to ``nn.Linear``, are left as they are). An
+    FP8 layer keeps the recipe it was converted with: one whose scaling differs from ``recipe``'s (any field but
+    ``opt_level``, which layers do not use) is refused, unless ``module_filter_fn`` leaves it out.
     A layer registered under several names (``self.b = self.a``, ``nn.Sequential(lin, act, lin)``) becomes one
     FP8Linear under all of them. The FP8Linear takes over the layer's
     forward and backward hooks (:func:`share_hooks`: the handles keep working). Some layers stay
@@ -142,10 +144,14 @@ def convert_to_fp8(
 
     Returns:
         The converted module (the same object unless ``module`` is a bare ``nn.Linear``).
+
+    Raises:
+        ValueError: if an FP8 layer of ``module`` was converted with another recipe (see above); nothing is changed.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_fp8 expects an nn.Module, got {type(module).__name__}")
     recipe = resolve_recipe(recipe)
+    _check_converted_recipes(module, recipe, module_filter_fn)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
     shared = _shared_parameter_ids(module)
     fast_path = frozenset(_fast_path_children(module))
@@ -176,6 +182,24 @@ def convert_to_fp8(
     for message in _left_messages(left):
         warn_once(message)
     return module
+
+
+def _check_converted_recipes(module: nn.Module, recipe: FP8Recipe, module_filter_fn: ModuleFilter | None) -> None:
+    # Converting leaves FP8 layers as they are: one converted with another recipe would silently keep it.
+    for fqn, layer in module.named_modules():
+        if not isinstance(layer, FP8Linear) or layer.recipe.same_scaling(recipe):
+            continue
+        if module_filter_fn is not None and not module_filter_fn(layer, fqn):
+            continue
+        old, new = layer.recipe.to_dict(), recipe.to_dict()
+        changed = [k for k in old if k != "opt_level" and old[k] != new[k]]
+        had, asked = (", ".join(f"{k}={values[k]!r}" for k in changed) for values in (old, new))
+        raise ValueError(
+            f"convert_to_fp8: {fqn or '<root>'!r} is already an FP8 layer, converted with {had}, and this call asks "
+            f"for {asked}: converting again leaves FP8 layers as they are, so it would keep its recipe. Pass the "
+            "recipe the model was converted with, convert a model that is not converted yet, or leave the layer out "
+            "with module_filter_fn; nothing was changed"
+        )
 
 
 def _replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.Module]) -> None:

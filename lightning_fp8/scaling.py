@@ -18,13 +18,15 @@ cast's amax: one pass over the data. Current scaling computes the tensor's amax 
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 from torch import nn
 
 from lightning_fp8 import ops
-from lightning_fp8.formats import fp8_max
+from lightning_fp8.formats import FP8_DTYPES, fp8_max
 from lightning_fp8.kernels import reference
-from lightning_fp8.recipe import MAX_MARGIN
+from lightning_fp8.recipe import MAX_MARGIN, AmaxComputeAlgo
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -89,6 +91,18 @@ class ScalingState(nn.Module):
       whose amax was 0 or non-finite: see the module docstring);
     - ``amax``: the amax of the last cast; ``saturation``: fraction of its values at the FP8 maximum;
     - ``nonfinite_count``: casts whose amax was inf or NaN; ``casts``: number of casts.
+
+    Args:
+        fp8_dtype: the format of the casts: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        history_len: length of the amax history (>= 1; weights use 1).
+        margin: binades of headroom, 0 to :data:`lightning_fp8.recipe.MAX_MARGIN` (as :class:`FP8Recipe`'s).
+        algo: ``"max"`` over the history, or its ``"most_recent"`` entry (``FP8Recipe.amax_compute_algo``).
+        delayed: delayed scaling (from the history of earlier casts) rather than current scaling.
+        device: where the buffers live.
+
+    Raises:
+        TypeError: if ``history_len`` or ``margin`` is not an int, or ``algo`` not a string.
+        ValueError: if ``fp8_dtype`` is not an FP8 dtype, or a value is outside what :class:`FP8Recipe` allows.
     """
 
     def __init__(
@@ -101,6 +115,7 @@ class ScalingState(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        _check_settings(fp8_dtype, history_len, margin, algo)
         self.fp8_dtype = fp8_dtype
         self.margin = margin
         self.algo = algo
@@ -233,6 +248,33 @@ class ScalingState(nn.Module):
         m.reset_parameters()``): ``to_empty`` leaves the buffers uninitialized memory, whose garbage amax history would
         set the scales."""
         self.reset()
+
+
+def _check_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo: str) -> None:
+    # ScalingState's arguments, by FP8Recipe's rules (recipe.py: __post_init__); the casts would otherwise fail only at
+    # the first cast (IndexError, KeyError) or silently do something else (an unknown algo as "most_recent").
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"ScalingState(fp8_dtype={fp8_dtype}) is not supported: choose torch.float8_e4m3fn (E4M3) or "
+            "torch.float8_e5m2 (E5M2)"
+        )
+    algos = list(get_args(AmaxComputeAlgo))
+    if not isinstance(algo, str):
+        raise TypeError(
+            f"ScalingState(algo={algo!r}) must be a string, got {type(algo).__name__}: choose one of {algos}"
+        )
+    if algo not in algos:
+        raise ValueError(f"ScalingState(algo={algo!r}) is not supported: choose one of {algos}")
+    for name, value, low in (("history_len", history_len, 1), ("margin", margin, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"ScalingState({name}={value!r}) must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"ScalingState({name}={value!r}) must be >= {low}")
+    if margin > MAX_MARGIN:
+        raise ValueError(
+            f"ScalingState(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans about "
+            "18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
+        )
 
 
 def _check_unscale(state: ScalingState, current: bool | None) -> None:

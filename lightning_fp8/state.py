@@ -17,6 +17,11 @@ from lightning_fp8.scaling import ScalingState, _format_max
 SETTINGS = ("fp8_max", "margin", "delayed", "amax_compute_algo")
 _ALGOS = ("max", "most_recent")  # amax_compute_algo is saved as its index here
 
+# The scales casts and FP8AdamW produce: pow2_scale_ref (kernels/reference.py) and the kernels clamp the exponent to
+# [-126, 127], so a scale is a normal fp32 number with a finite reciprocal. Below, it is subnormal, and from 2**-128
+# down its reciprocal is inf: the next cast, or the next optimizer step, writes NaN.
+MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
+
 
 def _settings(state: ScalingState) -> dict[str, torch.Tensor]:
     device = state.scale.device
@@ -75,9 +80,9 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
         TypeError: if a value is not a tensor of the buffer's kind (floating point or integer).
         ValueError: if a state was saved under other recipe settings (``fp8_format``, ``margin``, ``scaling``,
             ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
-            cannot be a scaling state's: a scale that is not a finite positive power of two, a negative or NaN amax,
-            a saturation outside [0, 1], a negative count, or a value the buffer's dtype (fp32, int64) cannot hold
-            exactly (a float64 scale of 2**200 would be inf in fp32).
+            cannot be a scaling state's: a scale that is not a power of two from 2**-126 to 2**127, a negative or NaN
+            amax, a saturation outside [0, 1], a negative count, or a value the buffer's dtype (fp32, int64) cannot
+            hold exactly (a float64 scale of 2**200 would be inf in fp32).
     """
     expected = fp8_state_dict(module)
     settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
@@ -153,8 +158,9 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
         )
     v = stored.double()
     if buf_name == "scale":
-        bad = not (torch.isfinite(v).all() and (v > 0).all() and (torch.frexp(v).mantissa == 0.5).all())
-        what = "a finite positive power of two"
+        in_range = ((v >= MIN_SCALE) & (v <= MAX_SCALE)).all()  # False for NaN too
+        bad = not (in_range and (torch.frexp(v).mantissa == 0.5).all())
+        what = "a power of two from 2**-126 to 2**127 (the scales casts produce)"
     elif buf_name == "saturation":
         bad, what = not ((v >= 0) & (v <= 1)).all(), "in [0, 1]"
     else:  # amax, amax_history (inf is a recorded overflow), nonfinite_count, casts

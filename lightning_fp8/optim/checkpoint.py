@@ -30,6 +30,7 @@ from lightning_fp8 import ops
 from lightning_fp8.kernels.reference_adamw import SCALED_STATE_MAX
 from lightning_fp8.optim import master, shards
 from lightning_fp8.scaling import compute_scale
+from lightning_fp8.state import MAX_SCALE, MIN_SCALE
 
 if TYPE_CHECKING:
     from lightning_fp8.optim.adamw import FP8AdamW
@@ -192,7 +193,7 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
     """Raise ValueError for a state its parameter cannot take: not a dict; some of AdamW's step and moments without the
     others; a moment or master that is not a floating-point tensor of the parameter's (shard's) shape, or is sharded
     where the parameter is not; an FP8 or fp16 moment without its scale; a scale or amax of a shape that fits neither
-    one number nor one per row (column) of its state, a scale that is not finite and positive, an amax that is not
+    one number nor one per row (column) of its state, a scale outside 2**-126 to 2**127, an amax that is not
     finite and >= 0; a step that is not one finite number >= 0. Returns the state with DTensors as local shards."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
@@ -259,9 +260,13 @@ def _check_scalar(what: str, value: Any, local: Any, state: torch.Tensor, p: tor
             "model sharded as it was saved, on as many ranks, through torch.distributed.checkpoint.state_dict."
             "set_optimizer_state_dict"
         )
-    bad = ~torch.isfinite(local) | ((local <= 0) if is_scale else (local < 0))
+    if is_scale:  # the range FP8AdamW writes (see MIN_SCALE): the step multiplies by 1 / scale, inf for 2**-130
+        bad = ~((local >= MIN_SCALE) & (local <= MAX_SCALE))  # NaN too
+        wanted = "finite and positive, from 2**-126 to 2**127 (the scales FP8AdamW writes)"
+    else:
+        bad = ~torch.isfinite(local) | (local < 0)
+        wanted = "finite and >= 0"
     if bool(bad.any()):
-        wanted = "finite and positive" if is_scale else "finite and >= 0"
         raise ValueError(f"{what} has the value {local[bad].reshape(-1)[0].item()}, not {wanted}: {_FIX}")
 
 

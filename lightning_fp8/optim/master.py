@@ -61,7 +61,9 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     """
     if param.dtype != master_dtype:
         check_adoptable(param)
-    with torch.no_grad():
+    # Not inference tensors when the optimizer is built under torch.inference_mode(): training updates the storage and
+    # the scale in place, which torch refuses for inference tensors outside inference mode.
+    with torch.inference_mode(False), torch.no_grad():
         original = param.dtype
         if master_dtype == torch.float16:
             data, scale, amax = quantize_fp16(param)
@@ -92,7 +94,8 @@ def accumulator_held(param: torch.Tensor) -> bool:
     """
     if not param.requires_grad or param.grad_fn is not None:
         return False  # no accumulator (frozen, or not a leaf)
-    with torch.enable_grad():
+    # Under torch.inference_mode() (an optimizer built there) the view would have no grad_fn: autograd records nothing.
+    with torch.inference_mode(False), torch.enable_grad():
         node = param.view_as(param).grad_fn.next_functions[0][0]  # the accumulator, created if there is none
         node.metadata[_PROBE] = True  # kept by the C++ node for as long as it lives
         del node
