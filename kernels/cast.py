@@ -233,7 +233,10 @@ def _cast_impl(
                        TensorDescriptor.from_tensor(x_fp8_t.view(torch.uint8), blocks_t))  # fmt: skip
         else:
             tensors = (x, out, x_fp8_t)
-        aux = x if activation_input is None else activation_input  # unread unless "gelu_backward"
+        # aux is unread unless "gelu_backward". Traced, it must not be x: inductor realizes every tensor argument of a
+        # user kernel as a buffer of its own, so x computed by a fused kernel (a LayerNorm's output) would be written
+        # twice in high precision (session 18: one extra write of each such cast's input in every compiled step).
+        aux = activation_input if activation_input is not None else x if eager else _unread(x)
         args = (tensors[0], aux, scale, *tensors[1:], sums, *stats, m, n)
         flags = {"WRITE_T": transpose, "WRITE_X": write_x, "COLUMN_SUM": column_sum, "TMA": tma,
                  "ACTIVATION": activation}  # fmt: skip
@@ -252,6 +255,11 @@ def _cast_impl(
         cfg = {**cfg, "PROGRAMS_PER_SM": REDO_PROGRAMS_PER_SM}
         _launch(kernel, x, work, cfg, *args, eager=eager, **fmt, **redo, **flags, EVEN=even, INDEX_64=index_64)
     return x_fp8, x_fp8_t, (sums if column_sum else None)
+
+
+def _unread(x: torch.Tensor) -> torch.Tensor:
+    # A stand-in for a pointer argument the kernel does not read (one element of x's dtype on its device).
+    return torch.empty(1, dtype=x.dtype, device=x.device)
 
 
 def column_partials(x: torch.Tensor) -> torch.Tensor:
