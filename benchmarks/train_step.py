@@ -22,7 +22,8 @@ speculative current scaling for eager casts only, the default before the elevent
 ``o2bt`` (O2 with FP8AdamW's gradient casts batched: ``grad_cast_bucket_mb=64``), ``o2m`` (O2 with low-precision
 moments for every parameter, the tied embedding/head included, as MS-AMP's O2 optimizer does:
 ``FP8AdamW(low_precision_moments="all")``), ``o2mf`` (``o2m`` with each block's MLP an ``FP8MLP``: the GELU fused
-into the FP8 casts around it, lightning_fp8/mlp.py; dropout is 0 here). The output head stays in high
+into the FP8 casts around it, lightning_fp8/mlp.py; dropout is 0 here), ``o2mh`` (``o2mf`` with
+``FP8MLP(fp8_hidden=True)``: the GELU's input kept in FP8 for the backward). The output head stays in high
 precision in every FP8 variant. Each result also gives the time of the warm-up steps (``warmup_s``; compiled, it
 includes the compilation).
 """
@@ -42,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mw",
-            "o2mwb")
+VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mh",
+            "o2mw", "o2mwb")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -81,10 +82,10 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         emit = variant in ("o2w", "o2mw", "o2mwb")
         # o2bt, o2mwb: the gradient casts batched (FP8AdamW's default: each cast in its hook)
         bucket = 64 if variant in ("o2bt", "o2mwb") else 0
-        moments = "all" if variant in ("o2m", "o2mf", "o2mw", "o2mwb") else "fp8_weights"
-        if variant == "o2mf":  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
+        moments = "all" if variant in ("o2m", "o2mf", "o2mh", "o2mw", "o2mwb") else "fp8_weights"
+        if variant in ("o2mf", "o2mh"):  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
             for block in model.blocks:
-                block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj)
+                block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj, fp8_hidden=variant == "o2mh")
         opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level, emit_fp8_weights=emit,
                           grad_cast_bucket_mb=bucket, low_precision_moments=moments)  # fmt: skip
     return model, opt

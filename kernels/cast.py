@@ -199,12 +199,17 @@ def _cast_impl(
     write_x: bool = True,
     activation: str = "",
     activation_input: torch.Tensor | None = None,
+    dequant_scale_inv: torch.Tensor | None = None,
+    pre: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Launch the cast of non-empty contiguous ``x``; ``stats``: the 10 statistics/bookkeeping tensor arguments (and
     ``record`` the constexprs) of the kernels. Returns ``(x_fp8, x_fp8_t, partials)``: with ``column_sum`` (2-D ``x``)
     the fp32 column sums of each row group (:func:`column_sums` adds them), else None. ``write_x=False`` (with
     ``transpose``): the transposed copy alone, ``x_fp8`` None. ``activation`` (2-D ``x``; "gelu" or "gelu_backward"
-    with ``activation_input``, contiguous, of ``x``'s shape): cast ``reference.activation_ref`` of ``x``."""
+    with ``activation_input``, contiguous, of ``x``'s shape): cast ``reference.activation_ref`` of ``x``. An FP8 ``x``
+    or ``activation_input`` (not both) stands for its values times ``dequant_scale_inv`` (0-dim fp32). ``pre`` (FP8,
+    ``x``'s shape, with an activation): also filled with ``x`` cast with the scale times
+    ``2**-reference.PRE_ACTIVATION_HEADROOM`` (no statistics)."""
     if write_x:
         x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
     else:
@@ -225,7 +230,7 @@ def _cast_impl(
             cfg["GROUP_M"] = _group_m(tiles_m * tiles_n, cfg["GROUP_M"], _multiprocessors(x))
         groups = _cdiv(tiles_m, cfg["GROUP_M"])
         sums = column_partials(x) if column_sum else out
-        tma = cfg["TMA"] and eager and transpose and write_x and not activation and _tma_fits(x)
+        tma = cfg["TMA"] and eager and transpose and write_x and not activation and _tma_fits(x)  # x not FP8 either
         if tma:  # the tiles through tensor descriptors: the outputs as their bytes
             blocks, blocks_t = [cfg["BLOCK_M"], cfg["BLOCK_N"]], [cfg["BLOCK_N"], cfg["BLOCK_M"]]
             tensors = (TensorDescriptor.from_tensor(x, blocks),
@@ -233,13 +238,22 @@ def _cast_impl(
                        TensorDescriptor.from_tensor(x_fp8_t.view(torch.uint8), blocks_t))  # fmt: skip
         else:
             tensors = (x, out, x_fp8_t)
-        # aux is unread unless "gelu_backward". Traced, it must not be x: inductor realizes every tensor argument of a
-        # user kernel as a buffer of its own, so x computed by a fused kernel (a LayerNorm's output) would be written
-        # twice in high precision (session 18: one extra write of each such cast's input in every compiled step).
-        aux = activation_input if activation_input is not None else x if eager else _unread(x)
-        args = (tensors[0], aux, scale, *tensors[1:], sums, *stats, m, n)
+        aux_fp8 = activation_input is not None and activation_input.dtype in _FP8
+        fp8_in = x if x.dtype in _FP8 else activation_input if aux_fp8 else None
+        dequant = "" if fp8_in is None else "x" if fp8_in is x else "aux"
+        # Pointers the kernel does not read or write (aux unless "gelu_backward", pre, dq) get x eagerly; traced, a
+        # one-element stand-in: inductor realizes every tensor argument of a user kernel as a buffer of its own, so x
+        # computed by a fused kernel (a LayerNorm's output) would be written again for each (session 18: with x in
+        # three of them the compiled d=2048 GPT step went NaN from its second step), and a state buffer the kernel
+        # writes must not be passed twice.
+        def unused(t):
+            return t if t is not None else x if eager else _unread(x)
+
+        args = (tensors[0], unused(activation_input), scale, *tensors[1:], unused(pre), unused(dequant_scale_inv), sums,
+                *stats, m, n)  # fmt: skip
         flags = {"WRITE_T": transpose, "WRITE_X": write_x, "COLUMN_SUM": column_sum, "TMA": tma,
-                 "ACTIVATION": activation}  # fmt: skip
+                 "ACTIVATION": activation, "DEQUANT": dequant, "WRITE_PRE": pre is not None,
+                 "DQ_E4M3": fp8_in is not None and fp8_in.dtype == torch.float8_e4m3fn}  # fmt: skip
         work = groups * tiles_n  # work items: GROUP_M row tiles of a column block
         kernel, index_64 = _cast_transpose_kernel, _index_64(padded)
     else:
@@ -305,12 +319,20 @@ def _cast_to_fp8_op(
 
 
 @torch.library.triton_op("lightning_fp8::cast_to_fp8_transposed", mutates_args=())
-def _cast_transposed_op(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    # The transposed copy alone, statistics dropped (the backward's weight recast under torch.compile): non-empty 2-D
-    # contiguous x on a CUDA device. Fresh accumulators: a graph cannot hold on to a global buffer its kernels mutate.
+def _cast_transposed_op(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    activation: str = "",
+    x_scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # The transposed copy alone, statistics dropped (the backward's weight recast, FP8MLP's GELU output recomputed,
+    # under torch.compile; kernels/quantize.py: recast_transposed): non-empty 2-D contiguous x on a CUDA device. Fresh
+    # accumulators: a graph cannot hold on to a global buffer its kernels mutate.
     acc = torch.zeros((), dtype=torch.float32, device=x.device)
     stats = (acc, acc.new_zeros((), dtype=torch.int64), *(acc,) * 8, 1, x.numel())
-    return _cast_impl(x, scale, fp8_dtype, True, stats, _NO_RECORD, eager=False, write_x=False)[1]
+    return _cast_impl(x, scale, fp8_dtype, True, stats, _NO_RECORD, eager=False, write_x=False, activation=activation,
+                      dequant_scale_inv=x_scale_inv)[1]  # fmt: skip
 
 
 def _amax_impl(x: torch.Tensor, eager: bool) -> torch.Tensor:

@@ -36,7 +36,11 @@ the cast with transpose 2.2x slower there (``EXACT_ROUND_ON_GPU``; benchmarks/RE
 
 import triton
 import triton.language as tl
+from lightning_fp8.kernels.reference import PRE_ACTIVATION_HEADROOM
 from lightning_fp8.kernels.scaling import _arrive, _finish, _guess_scale, _pow2_scale, _redo
+
+# WRITE_PRE's scale: the cast's, PRE_ACTIVATION_HEADROOM binades smaller (kernels/reference.py: quantize_ref).
+PRE_SCALE_FACTOR = tl.constexpr(2.0**-PRE_ACTIVATION_HEADROOM)
 
 
 @triton.jit
@@ -102,16 +106,33 @@ def _quantize_block(
 
 
 @triton.jit
-def _activation(x, aux_ptr, offs, mask, EVEN: tl.constexpr, ACTIVATION: tl.constexpr):
+def _load_tile(ptr, offs, mask, dq, EVEN: tl.constexpr, LOAD_POLICY: tl.constexpr, FP8_IN: tl.constexpr,
+               FP8_IN_E4M3: tl.constexpr, EXACT_ROUND: tl.constexpr):  # fmt: skip
+    # A tile of a high-precision tensor as fp32, or (FP8_IN) of an FP8 one times its scale_inv dq (exact: a power of
+    # two). Masked lanes: 0. The interpreter converts an FP8 NaN to a number: its lanes are set from the bytes.
+    if EVEN:
+        v = tl.load(ptr + offs, eviction_policy=LOAD_POLICY)
+    else:
+        v = tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
+    x = v.to(tl.float32)
+    if FP8_IN:
+        x = x * dq
+        if EXACT_ROUND:
+            b = v.to(tl.uint8, bitcast=True) & 0x7F
+            x = tl.where(b == 0x7F if FP8_IN_E4M3 else b > 0x7C, float("nan"), x)
+    return x
+
+
+@triton.jit
+def _activation(x, aux_ptr, offs, mask, dq, EVEN: tl.constexpr, ACTIVATION: tl.constexpr, DEQUANT: tl.constexpr,
+                DQ_E4M3: tl.constexpr, EXACT_ROUND: tl.constexpr):  # fmt: skip
     # What the cast casts (kernels/reference.py: activation_ref), fp32: x itself, gelu(x), or x * gelu'(h) with h the
-    # tile of aux at the same offsets (masked lanes: x = 0 -> 0, neutral for the statistics and the column sums).
+    # tile of aux at the same offsets (DEQUANT "aux": aux is FP8, h its values times dq; masked lanes: x = 0 -> 0,
+    # neutral for the statistics and the column sums).
     if ACTIVATION == "gelu":
         x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == "gelu_backward":
-        if EVEN:
-            h = tl.load(aux_ptr + offs).to(tl.float32)
-        else:
-            h = tl.load(aux_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _load_tile(aux_ptr, offs, mask, dq, EVEN, "", DEQUANT == "aux", DQ_E4M3, EXACT_ROUND)
         cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
         pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
         x = x * (cdf + h * pdf)
@@ -120,11 +141,12 @@ def _activation(x, aux_ptr, offs, mask, EVEN: tl.constexpr, ACTIVATION: tl.const
 
 @triton.jit
 def _cast_tile(
-    x_ptr, aux_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3: tl.constexpr,
+    x_ptr, aux_ptr, scale, out_ptr, out_t_ptr, pre_ptr, dq, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3: tl.constexpr,
     FP8_MAX: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr,
     EXACT_ROUND: tl.constexpr, EVEN: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSPOSE_VIA: tl.constexpr, WRITE_T: tl.constexpr, WRITE_X: tl.constexpr, STATS: tl.constexpr,
     LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr, ACTIVATION: tl.constexpr,
+    DEQUANT: tl.constexpr, DQ_E4M3: tl.constexpr, WRITE_PRE: tl.constexpr,
 ):  # fmt: skip
     # Tile (tm, tn) of _cast_transpose_kernel (its arguments say what each is): load, cast, store the copies, fold the
     # statistics. Returns the tile as fp32 (zeros past the edges) and the running statistics.
@@ -137,12 +159,20 @@ def _cast_tile(
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if TMA:  # a tile past the edge reads zeros: neutral for the statistics and the column sums
         x = x_ptr.load([tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
-    elif EVEN:
-        x = tl.load(x_ptr + offs, eviction_policy=LOAD_POLICY).to(tl.float32)
     else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=LOAD_POLICY).to(tl.float32)
+        x = _load_tile(x_ptr, offs, mask, dq, EVEN, LOAD_POLICY, DEQUANT == "x", DQ_E4M3, EXACT_ROUND)
+    if WRITE_PRE:  # x itself (the activation's input) in FP8 too, with PRE_SCALE_FACTOR times the scale
+        pre, pre_finite, _, _ = _scale_saturate(x, scale * PRE_SCALE_FACTOR, FP8_MAX)
+        if EXACT_ROUND:
+            pre = _round_to_fp8_grid(pre, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
+        q_pre = tl.where(pre_finite, _fp8_bytes(pre, IS_E4M3), 0x7F).to(tl.uint8)
+        q_pre = q_pre.to(pre_ptr.dtype.element_ty, bitcast=True)
+        if EVEN:
+            tl.store(pre_ptr + offs, q_pre, cache_modifier=STORE_POLICY)
+        else:
+            tl.store(pre_ptr + offs, q_pre, mask=mask, cache_modifier=STORE_POLICY)
     if ACTIVATION != "":  # the launcher never combines an activation with TMA
-        x = _activation(x, aux_ptr, offs, mask, EVEN, ACTIVATION)
+        x = _activation(x, aux_ptr, offs, mask, dq, EVEN, ACTIVATION, DEQUANT, DQ_E4M3, EXACT_ROUND)
     q, y, finite, amax_acc, nsat_acc = _quantize_block(
         x, scale, amax_acc, nsat_acc, FP8_MAX, IS_E4M3, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, STATS,
     )  # fmt: skip
@@ -181,6 +211,8 @@ def _cast_transpose_kernel(
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output (TMA: a descriptor of its bytes, uint8)
     out_t_ptr,  # (N, M) FP8 output, the transposed copy (TMA: a descriptor of its bytes, blocks of BLOCK_N x BLOCK_M)
+    pre_ptr,  # WRITE_PRE: (M, N) FP8 output, x itself cast with scale * PRE_SCALE_FACTOR (else unwritten)
+    dq_ptr,  # DEQUANT: 0-dim fp32, the scale_inv of the FP8 x ("x") or aux ("aux") (else unread)
     colsum_ptr,  # COLUMN_SUM: (cdiv(cdiv(M, BLOCK_M), GROUP_M), N) fp32 output, column sums of each row group of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)
     nsat_ptr,  # 0-dim int64 accumulator, zeroed: atomic count of saturated elements (unused with RECORD)
@@ -227,11 +259,17 @@ def _cast_transpose_kernel(
     UNSCALE: tl.constexpr,  # RECORD: see unscale_ptr
     SPECULATE: tl.constexpr,  # RECORD, current scaling: 0 (off), 1 (the speculative pass), 2 (its redo); see _finish
     ACTIVATION: tl.constexpr,  # "" (cast x), "gelu" or "gelu_backward": cast what _activation makes of the tile
+    DEQUANT: tl.constexpr,  # "" (x and aux in high precision), "x" or "aux": that input is FP8, its values times dq
+    DQ_E4M3: tl.constexpr,  # DEQUANT: that input's format is E4M3 (True) or E5M2
+    WRITE_PRE: tl.constexpr,  # write pre_ptr
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     go = _redo(ws_ptr, SPECULATE)
     scale = _guess_scale(scale_ptr, unscale_ptr, UNSCALE, SPECULATE)
+    dq = 1.0
+    if DEQUANT != "":
+        dq = tl.load(dq_ptr)
     # Running amax and saturation count of this program: per element (no reduction in the loop, but registers: it
     # cost occupancy here on an H100), per row (a reduction within the threads of each row, no barrier) or scalars
     # (a reduction over the tile, through shared memory, per tile).
@@ -256,9 +294,10 @@ def _cast_transpose_kernel(
             csum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for tm in tl.range(group * GROUP_M, tl.minimum(group * GROUP_M + GROUP_M, tiles_m), num_stages=NUM_STAGES):
             x, amax_acc, nsat_acc = _cast_tile(
-                x_ptr, aux_ptr, scale, out_ptr, out_t_ptr, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3, FP8_MAX, MBITS,
-                MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N, TRANSPOSE_VIA,
-                WRITE_T, WRITE_X, STATS, LOAD_POLICY, STORE_POLICY, TMA, ACTIVATION,
+                x_ptr, aux_ptr, scale, out_ptr, out_t_ptr, pre_ptr, dq, amax_acc, nsat_acc, tm, tn, M, N, IS_E4M3,
+                FP8_MAX, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC, EXACT_ROUND, EVEN, INDEX_64, BLOCK_M, BLOCK_N,
+                TRANSPOSE_VIA, WRITE_T, WRITE_X, STATS, LOAD_POLICY, STORE_POLICY, TMA, ACTIVATION, DEQUANT, DQ_E4M3,
+                WRITE_PRE,
             )  # fmt: skip
             if COLUMN_SUM:
                 csum += x

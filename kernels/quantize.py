@@ -71,6 +71,8 @@ def quantize_(
     column_sum: bool = False,
     activation: str | None = None,
     activation_input: torch.Tensor | None = None,
+    activation_scale_inv: torch.Tensor | None = None,
+    keep_input: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One cast of a scaling state in one launch (two with ``current``): cast, statistics, history and next scale.
 
@@ -81,56 +83,71 @@ def quantize_(
     columns of each row block as it reads them (the bias gradient of a linear layer), and a fourth output adds the
     blocks. ``activation`` (2-D ``x``): cast ``reference.activation_ref(x, activation, activation_input)``, computed
     as the tiles are read (``activation_input`` contiguous, of ``x``'s shape); a current-scaled one always speculates
-    (the amax launch reads ``x`` as it is). Eager; ``torch.compile`` traces the same launches through the triton_op
-    :func:`quantize_op`.
+    (the amax launch reads ``x`` as it is); an FP8 ``activation_input`` is read times ``activation_scale_inv``, and
+    ``keep_input`` ("gelu") also returns ``x`` in FP8 (the reference states both). Eager; ``torch.compile`` traces the
+    same launches through the triton_op :func:`quantize_op`.
     """
     args = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max,
-            delayed, current, transpose, unscale, column_sum, activation, activation_input)  # fmt: skip
+            delayed, current, transpose, unscale, column_sum, activation, activation_input, activation_scale_inv,
+            keep_input)  # fmt: skip
     if x.numel() == 0:
         from lightning_fp8.kernels.reference import quantize_ref
 
         return quantize_ref(*args)
-    state = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, unscale, activation_input)
-    kind = (fp8_dtype, margin, algo_max, delayed)
+    state = (x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, unscale, activation_input,
+             activation_scale_inv)  # fmt: skip
+    kind = (fp8_dtype, margin, algo_max, delayed, keep_input)
     key = _replay_key(state, transpose, current, *kind, column_sum=column_sum, activation=activation)
     if key is None:  # not replayed (see _replay_key)
-        x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(*args, eager=True)
+        x_fp8, x_fp8_t, scale_inv, partials, pre = _quantize_impl(*args, eager=True)
     else:
         replay = _REPLAYS.get(key)
         if replay is not None:  # the launches of the first cast of this kind, with this cast's tensors
             x_fp8, x_fp8_t = _fp8_outputs(x, fp8_dtype, transpose)
             scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
             partials = cast.column_partials(x) if column_sum else None
-            replay((*state, x_fp8, x_fp8_t, scale_inv, partials), key[1])
+            pre = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if keep_input else None
+            replay((*state, x_fp8, x_fp8_t, scale_inv, partials, pre), key[1])
         else:
             with launch.recording() as recorded:
-                x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(*args, eager=True)
-            _remember(key, recorded, (*state, x_fp8, x_fp8_t, scale_inv, partials), (_workspace(x.device),))
+                x_fp8, x_fp8_t, scale_inv, partials, pre = _quantize_impl(*args, eager=True)
+            _remember(key, recorded, (*state, x_fp8, x_fp8_t, scale_inv, partials, pre), (_workspace(x.device),))
     if column_sum:
         return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials)
+    if keep_input:
+        return x_fp8, x_fp8_t, scale_inv, pre
     return x_fp8, x_fp8_t, scale_inv
 
 
-def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def recast_transposed(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    activation: str = "",
+    x_scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]``: the transposed FP8 copy alone (the kernel writes no
     row-major copy), its statistics dropped (they go to accumulators nobody reads, not to zeroed ones allocated per
     call). The backward's weight recast (lightning_fp8/linear.py). ``x``: contiguous, 2-D, non-empty, on a CUDA
-    device; ``scale``: 0-dim fp32 there."""
+    device; ``scale``: 0-dim fp32 there. With ``activation`` ("gelu") and FP8 ``x`` and its ``x_scale_inv``:
+    ``reference.recast_activation_ref`` (FP8MLP's backward recomputing its GELU output's copy)."""
     if torch.compiler.is_compiling():
-        return cast._cast_transposed_op(x, scale, fp8_dtype)
+        return cast._cast_transposed_op(x, scale, fp8_dtype, activation, x_scale_inv)
     sink = _sink(x.device)
     stats = (*sink, *(sink[0],) * 8, 1, x.numel())  # the rest is unread without RECORD
-    key = _replay_key((x, scale), True, False, fp8_dtype)
+    launch_args = (x, scale, fp8_dtype, True, stats, cast._NO_RECORD)
+    flags = {"eager": True, "write_x": False, "activation": activation, "dequant_scale_inv": x_scale_inv}
+    key = _replay_key((x, scale, x_scale_inv), True, False, fp8_dtype, activation=activation)
     if key is None:  # not replayed (see _replay_key)
-        return _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True, write_x=False)[1]
+        return _cast_impl(*launch_args, **flags)[1]
     replay = _REPLAYS.get(key)
     if replay is not None:
         x_fp8_t = torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device)
-        replay((x, scale, x_fp8_t), key[1])
+        replay((x, scale, x_scale_inv, x_fp8_t), key[1])
         return x_fp8_t
     with launch.recording() as recorded:
-        x_fp8_t = _cast_impl(x, scale, fp8_dtype, True, stats, cast._NO_RECORD, eager=True, write_x=False)[1]
-    _remember(key, recorded, (x, scale, x_fp8_t), sink)
+        x_fp8_t = _cast_impl(*launch_args, **flags)[1]
+    _remember(key, recorded, (x, scale, x_scale_inv, x_fp8_t), sink)
     return x_fp8_t
 
 
@@ -196,8 +213,8 @@ def _replay_key(
 
 def _quantize_impl(
     x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-    current, transpose, unscale, column_sum, activation, activation_input, eager,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    current, transpose, unscale, column_sum, activation, activation_input, activation_scale_inv, keep_input, eager,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     # Non-empty x. Eagerly the stream's cached workspace serves (a launch leaves it zeroed); traced, a fresh zeroed
     # one (a graph cannot hold on to a global buffer that its kernels mutate). The workspace also fills the pointer
     # arguments that these launches do not read: no state buffer is passed twice to a kernel that writes it.
@@ -218,11 +235,12 @@ def _quantize_impl(
              ws if unscale is None else unscale, h, x.numel())  # fmt: skip
     record = {"RECORD": True, "BLOCK_H": _next_power_of_2(h), "ALGO_MAX": algo_max, "DELAYED": delayed,
               "UNSCALE": unscale is not None, "SPECULATE": 1 if speculate else 0, **fields}  # fmt: skip
+    pre = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if keep_input else None
     x_fp8, x_fp8_t, partials = _cast_impl(
-        x, scale, fp8_dtype, transpose, stats, record, eager, column_sum,
-        activation=activation or "", activation_input=activation_input,
+        x, scale, fp8_dtype, transpose, stats, record, eager, column_sum, activation=activation or "",
+        activation_input=activation_input, dequant_scale_inv=activation_scale_inv, pre=pre,
     )  # fmt: skip
-    return x_fp8, x_fp8_t, scale_inv, partials
+    return x_fp8, x_fp8_t, scale_inv, partials, pre
 
 
 @torch.library.triton_op(
@@ -247,12 +265,17 @@ def quantize_op(
     column_sum: bool,
     activation: str = "",
     activation_input: torch.Tensor | None = None,
+    activation_scale_inv: torch.Tensor | None = None,
+    keep_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_` (non-empty CUDA ``x``) as a ``torch.library.triton_op``: ``torch.compile`` sees the kernel
     launches themselves, and inductor launches them from its generated code (no Python custom op per cast). A fixed
-    schema: the fourth output is empty without ``column_sum``; ``activation`` "" for none."""
-    x_fp8, x_fp8_t, scale_inv, partials = _quantize_impl(
+    schema: the fourth output is the column sums, the kept input or empty; ``activation`` "" for none."""
+    x_fp8, x_fp8_t, scale_inv, partials, pre = _quantize_impl(
         x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-        current, transpose, unscale, column_sum, activation or None, activation_input, eager=False,
+        current, transpose, unscale, column_sum, activation or None, activation_input, activation_scale_inv,
+        keep_input, eager=False,
     )  # fmt: skip
-    return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials) if column_sum else scale_inv.new_empty((0,))
+    if column_sum:
+        return x_fp8, x_fp8_t, scale_inv, cast.column_sums(partials)
+    return x_fp8, x_fp8_t, scale_inv, scale_inv.new_empty((0,)) if pre is None else pre

@@ -83,15 +83,46 @@ def gelu_backward_ref(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return grad.detach().float() * (cdf + h * pdf)
 
 
-def activation_ref(x: torch.Tensor, activation: str | None, activation_input: torch.Tensor | None) -> torch.Tensor:
+def activation_ref(
+    x: torch.Tensor,
+    activation: str | None,
+    activation_input: torch.Tensor | None,
+    activation_scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
     """What a cast with ``activation`` casts: ``x`` itself (None), ``gelu_ref(x)`` ("gelu"), or
     ``gelu_backward_ref(x, activation_input)`` ("gelu_backward": ``x`` is the gradient of the GELU's output,
-    ``activation_input`` the GELU's input, of ``x``'s shape)."""
+    ``activation_input`` the GELU's input, of ``x``'s shape; an FP8 one stands for its values times
+    ``activation_scale_inv``, :func:`dequantize_ref`)."""
     if activation is None:
         return x
     if activation == "gelu":
         return gelu_ref(x)
+    if activation_input.dtype in _FP8_MAX:
+        activation_input = dequantize_ref(activation_input, activation_scale_inv)
     return gelu_backward_ref(x, activation_input)
+
+
+def dequantize_ref(x_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The fp32 values an FP8 tensor stands for, ``x_fp8.float() * scale_inv`` (exact: ``scale_inv`` is a power of
+    two, 0-dim fp32)."""
+    return x_fp8.float() * scale_inv
+
+
+# A "gelu" cast's input kept in FP8 as well (``quantize_ref(keep_input=True)``, FP8MLP(fp8_hidden=True)): its scale is
+# the cast's divided by 2**PRE_ACTIVATION_HEADROOM. The GELU output's scale fits the positive inputs (gelu(h) ~ h
+# there); the headroom keeps negative inputs down to -16 times the amax behind that scale unsaturated (below that,
+# gelu'(h) is within 5e-4 of 0 when the amax is at least 0.3), at the cost of the smallest inputs' precision
+# (subnormal below at most amax / 900: a rounding error of at most amax / 14000).
+PRE_ACTIVATION_HEADROOM = 4
+
+
+def recast_activation_ref(
+    x_fp8: torch.Tensor, x_scale_inv: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, activation: str
+) -> torch.Tensor:
+    """The transposed FP8 copy of ``activation`` ("gelu") of the values FP8 ``x_fp8`` stands for, cast with ``scale``,
+    statistics dropped: FP8MLP's backward recomputing its GELU output's copy from the FP8 GELU input it kept."""
+    return cast_to_fp8_ref(activation_ref(dequantize_ref(x_fp8, x_scale_inv), activation, None), scale, fp8_dtype,
+                           transpose=True)[1]  # fmt: skip
 
 
 def float32_exponent_mantissa(value: float) -> tuple[int, int]:
@@ -183,6 +214,8 @@ def quantize_ref(
     column_sum: bool = False,
     activation: str | None = None,
     activation_input: torch.Tensor | None = None,
+    activation_scale_inv: torch.Tensor | None = None,
+    keep_input: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One cast of a scaling state: the composition of the kernels above (kernels/cast.py fuses it).
 
@@ -195,18 +228,25 @@ def quantize_ref(
     linear layer's output gradient), which the fused cast computes from the values it reads anyway.
 
     ``activation`` (2-D ``x``): everything above applies to :func:`activation_ref` of ``x`` instead of ``x`` (the
-    cast, its statistics, the column sums), computed in fp32 and never rounded to ``x``'s dtype.
+    cast, its statistics, the column sums), computed in fp32 and never rounded to ``x``'s dtype; an FP8
+    ``activation_input`` stands for its values times ``activation_scale_inv``. ``keep_input`` ("gelu" only): also
+    cast ``x`` itself, with the cast's scale divided by ``2**PRE_ACTIVATION_HEADROOM``, statistics dropped.
 
     Returns:
         ``(x_fp8, x_fp8_t, scale_inv)``: ``scale_inv`` is ``1 / scale`` of this cast; ``x_fp8_t`` is empty unless
-        ``transpose``. With ``column_sum``, ``(x_fp8, x_fp8_t, scale_inv, column sums)``.
+        ``transpose``. With ``column_sum``, ``(x_fp8, x_fp8_t, scale_inv, column sums)``; with ``keep_input``,
+        ``(x_fp8, x_fp8_t, scale_inv, input_fp8)``, ``input_fp8``'s scale_inv being ``scale_inv`` times
+        ``2**PRE_ACTIVATION_HEADROOM``.
     """
     fmax = _FP8_MAX[fp8_dtype]
-    x = activation_ref(x, activation, activation_input)
+    pre = x
+    x = activation_ref(x, activation, activation_input, activation_scale_inv)
     if current:
         current_scale_ref(amax_ref(x), scale, fmax, margin)
     used_scale = scale.clone()
     x_fp8, x_fp8_t, amax, n_saturated = cast_to_fp8_ref(x, used_scale, fp8_dtype, transpose)
+    if keep_input:
+        pre_fp8 = cast_to_fp8_ref(pre, used_scale * 2.0**-PRE_ACTIVATION_HEADROOM, fp8_dtype)[0]
     scale_inv = record_cast_ref(
         amax, n_saturated, x.numel(), used_scale, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
         fmax, margin, algo_max, delayed,
@@ -218,6 +258,8 @@ def quantize_ref(
         scale.mul_(unscale)
     if column_sum:
         return x_fp8, x_fp8_t, scale_inv, column_sum_ref(x)
+    if keep_input:
+        return x_fp8, x_fp8_t, scale_inv, pre_fp8
     return x_fp8, x_fp8_t, scale_inv
 
 

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from lightning_fp8 import weight_cache
+from lightning_fp8 import ops, weight_cache
+from lightning_fp8.kernels.reference import PRE_ACTIVATION_HEADROOM
 from lightning_fp8.linear import (
     FP8Linear,
     _is_dtensor,
@@ -74,9 +75,11 @@ class _FP8GeluMLP(torch.autograd.Function):
         cache_key_fc: int | None = None,
         cache_key_proj: int | None = None,
         call: tuple[ForwardCall | None, bool] = (None, False),
+        fp8_hidden: bool = False,
     ):
         # `current_*`: that layer's (input, grad_output) casts use their tensor's own amax (linear.current_flags).
         # `call`: recompute.forward_call (an activation-checkpoint recompute repeats the forward's casts).
+        # `fp8_hidden`: keep h in FP8 for the backward, which recomputes gelu(h)'s transposed copy from it.
         record, replaying = call
         need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
         states = (fc["input"], proj["input"], fc["weight"], proj["weight"])
@@ -86,8 +89,9 @@ class _FP8GeluMLP(torch.autograd.Function):
             x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype, cache_key_fc
         )
         # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
-        a_fp8, a_fp8_t, a_scale_inv = proj["input"].quantize(
-            h, w2.requires_grad, cast_current(current_proj[0], call), activation="gelu"
+        keep = fp8_hidden and (need_h or w2.requires_grad)
+        a_fp8, a_fp8_t, a_scale_inv, *kept = proj["input"].quantize(
+            h, w2.requires_grad and not keep, cast_current(current_proj[0], call), activation="gelu", keep_input=keep
         )
         y, w2_saved, w2_meta = forward_gemm(
             a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype, cache_key_proj
@@ -96,7 +100,11 @@ class _FP8GeluMLP(torch.autograd.Function):
         if record is not None and not replaying:
             record.scale_invs = (x_scale_inv, a_scale_inv)
         ctx.record = None if replaying else record
-        ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h else None, a_fp8_t, a_scale_inv, *w1_saved, *w2_saved)
+        if keep:  # h as FP8 (scale_inv: a's times 2**PRE_ACTIVATION_HEADROOM) in place of h and gelu(h)'s FP8 copy
+            h, a_fp8_t = kept[0], None
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h or keep else None, a_fp8_t, a_scale_inv, *w1_saved,
+                              *w2_saved)  # fmt: skip
+        ctx.hidden_fp8_dtype = proj["input"].fp8_dtype if keep else None
         ctx.split = len(w1_saved)
         ctx.states = (fc["grad_output"], proj["grad_output"])
         ctx.grad_current = (current_fc[1], current_proj[1])
@@ -112,7 +120,14 @@ class _FP8GeluMLP(torch.autograd.Function):
         backward_ran(ctx.record)
         w1_saved, w2_saved = w_saved[: ctx.split], w_saved[ctx.split :]
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        need_h = h is not None
+        need_h = any(ctx.needs_input_grad[:3])
+        h_scale_inv = None
+        if ctx.hidden_fp8_dtype is not None:  # h kept in FP8: gelu(h)'s transposed copy again, from it (one pass)
+            h_scale_inv = a_scale_inv * 2.0**PRE_ACTIVATION_HEADROOM
+            if need_w2:
+                a_fp8_t = ops.recast_activation_transposed(
+                    h, h_scale_inv, torch.reciprocal(a_scale_inv), ctx.hidden_fp8_dtype, "gelu"
+                )
         # proj: the bias gradient (fp32 column sums of dy) from the cast, which reads dy anyway.
         dy_fp8, dy_fp8_t, dy_scale_inv, db2 = ctx.states[1].quantize(
             dy.contiguous(), need_w2, grad_output_current(ctx.grad_current[1]), column_sum=True
@@ -125,19 +140,26 @@ class _FP8GeluMLP(torch.autograd.Function):
         if need_h:  # fc: its output gradient da * gelu'(h), cast as it is computed, with b1's gradient (column sums)
             current = grad_output_current(ctx.grad_current[0])
             dh_fp8, dh_fp8_t, dh_scale_inv, db1 = ctx.states[0].quantize(
-                da, need_w1, current, column_sum=True, activation="gelu_backward", activation_input=h
-            )
+                da, need_w1, current, column_sum=True, activation="gelu_backward", activation_input=h,
+                activation_scale_inv=h_scale_inv,
+            )  # fmt: skip
             dx, dw1 = backward_gemms(
                 (dh_fp8, dh_fp8_t, dh_scale_inv), x_fp8_t, x_scale_inv, w1_saved, ctx.weight_metas[0], need_x,
                 need_w1, ctx.dtypes[:2],
             )  # fmt: skip
             db1 = db1.to(ctx.bias_dtypes[0]) if need_b1 else None
         db2 = db2.to(ctx.bias_dtypes[1]) if need_b2 else None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _check_flag(fp8_hidden: bool) -> bool:
+    if not isinstance(fp8_hidden, bool):
+        raise TypeError(f"FP8MLP: fp8_hidden must be True or False, got {fp8_hidden!r}")
+    return fp8_hidden
 
 
 class FP8MLP(nn.Module):
@@ -153,11 +175,20 @@ class FP8MLP(nn.Module):
     ``proj(F.gelu(fc(x)))`` with the same layers. First casts, double backward and activation checkpointing behave as
     in :class:`~lightning_fp8.FP8Linear` (see there).
 
+    ``fp8_hidden=True`` keeps less for the backward: the GELU's input ``h`` (tokens x hidden) in FP8 (the GELU output's
+    format, its scale divided by ``2**4``: negative inputs down to -16 times that scale's amax stay unsaturated), one
+    byte per element in place of ``h`` in the activation dtype and ``gelu(h)``'s transposed FP8 copy (three bytes in
+    bf16). The forward writes that copy in the pass that casts ``gelu(h)``; the backward takes ``gelu'`` of the FP8
+    values and recomputes ``gelu(h)``'s transposed copy from them (a pass reading and writing a byte per element), so
+    ``proj``'s weight gradient and ``fc``'s output gradient see ``h`` rounded to FP8 (the forward is unchanged, bit
+    for bit). As DeepSeek-V3 keeps its SwiGLU inputs in FP8 to save activation memory.
+
     Args:
         in_features, hidden_features: as the two ``nn.Linear`` layers; every size must be a multiple of 16.
         out_features: ``proj``'s output size (default ``in_features``).
         bias, device, dtype: as ``nn.Linear``, for both layers.
         recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name (default ``"fp8-lm"``), for both layers.
+        fp8_hidden: keep the GELU's input in FP8 for the backward (default False: in the activation dtype).
 
     Example:
         >>> mlp = FP8MLP(64, 256)
@@ -175,17 +206,22 @@ class FP8MLP(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         recipe: FP8Recipe | str | None = None,
+        fp8_hidden: bool = False,
     ) -> None:
         super().__init__()
         out = in_features if out_features is None else out_features
         self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
         self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)
+        self.fp8_hidden = _check_flag(fp8_hidden)
 
     @classmethod
-    def from_modules(cls, fc: nn.Linear, proj: nn.Linear, recipe: FP8Recipe | str | None = None) -> FP8MLP:
+    def from_modules(
+        cls, fc: nn.Linear, proj: nn.Linear, recipe: FP8Recipe | str | None = None, *, fp8_hidden: bool = False
+    ) -> FP8MLP:
         """An FP8MLP computing ``proj(gelu(fc(x)))`` with these layers: ``nn.Linear`` layers are wrapped by
         :meth:`FP8Linear.from_linear` (sharing their parameters: optimizers that hold them keep working), FP8Linear
         layers are taken as they are (with their recipe and scaling state; ``recipe`` applies to the wrapped ones).
+        ``fp8_hidden`` as in the constructor.
 
         Raises:
             TypeError: if a layer is not an ``nn.Linear``.
@@ -203,8 +239,12 @@ class FP8MLP(nn.Module):
         nn.Module.__init__(new)
         new.fc = fc if isinstance(fc, FP8Linear) else FP8Linear.from_linear(fc, recipe)
         new.proj = proj if isinstance(proj, FP8Linear) else FP8Linear.from_linear(proj, recipe)
+        new.fp8_hidden = _check_flag(fp8_hidden)
         new.train(fc.training)
         return new
+
+    def extra_repr(self) -> str:
+        return "fp8_hidden=True" if self.fp8_hidden else ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc, proj = self.fc, self.proj
@@ -223,8 +263,9 @@ class FP8MLP(nn.Module):
                 weight_cache.compiled_key(w2, proj_states["weight"]))  # fmt: skip
         call = forward_call(fc_states["input"])
         y = _FP8GeluMLP.apply(
-            x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *current, *scales, *keys, call
-        )
+            x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *current, *scales, *keys, call,
+            self.fp8_hidden,
+        )  # fmt: skip
         for states in (fc_states, proj_states):  # proj's input (the GELU's output) is empty when x is
             note_casts(states, x_2d, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], proj.out_features)

@@ -89,6 +89,20 @@ def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     return cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]
 
 
+def recast_activation_transposed(
+    x_fp8: torch.Tensor, x_scale_inv: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, activation: str
+) -> torch.Tensor:
+    """The transposed FP8 copy of ``activation`` ("gelu") of the values FP8 2-D ``x_fp8`` stands for, cast with
+    ``scale``, statistics dropped; see ``reference.recast_activation_ref``. Triton: one pass, reading a byte and
+    writing a byte per element."""
+    if use_triton(x_fp8) and x_fp8.numel():
+        from lightning_fp8.kernels import quantize as fused
+
+        x_scale_inv, scale = x_scale_inv.reshape(()), scale.reshape(())
+        return fused.recast_transposed(x_fp8.detach().contiguous(), scale, fp8_dtype, activation, x_scale_inv)
+    return reference.recast_activation_ref(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
+
+
 def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One cast of a scaling state (cast, statistics, next scale, optionally the column sums of ``x``); see
     ``reference.quantize_ref``.

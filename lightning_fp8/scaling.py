@@ -154,6 +154,8 @@ class ScalingState(nn.Module):
         column_sum: bool = False,
         activation: str | None = None,
         activation_input: torch.Tensor | None = None,
+        activation_scale_inv: torch.Tensor | None = None,
+        keep_input: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """Cast ``x`` to FP8 with this role's scale and record the cast's statistics.
 
@@ -180,10 +182,16 @@ class ScalingState(nn.Module):
                 ``"gelu_backward"`` casts ``x * gelu'(activation_input)``, ``x`` being the gradient of a GELU's output
                 and ``activation_input`` (``x``'s shape) that GELU's input. Statistics, scale and column sums are
                 those of the activation. :class:`lightning_fp8.FP8MLP` fuses its GELU this way.
+            activation_scale_inv: with an FP8 ``activation_input`` (``"gelu_backward"``): its scale_inv, 0-dim fp32;
+                the cast reads the values it stands for.
+            keep_input: with ``activation="gelu"``: also cast ``x`` itself, in the same pass, with this cast's scale
+                divided by ``2**kernels.reference.PRE_ACTIVATION_HEADROOM`` (statistics not recorded): the GELU's
+                input kept in FP8 for the backward (``FP8MLP(fp8_hidden=True)``).
 
         Returns:
             ``(x_fp8, x_fp8_t, scale_inv)``: ``x_fp8_t`` is empty unless ``transpose``; with ``column_sum``,
-            ``(x_fp8, x_fp8_t, scale_inv, column_sums)``.
+            ``(x_fp8, x_fp8_t, scale_inv, column_sums)``; with ``keep_input``, ``(x_fp8, x_fp8_t, scale_inv,
+            input_fp8)``, ``input_fp8``'s scale_inv being ``scale_inv * 2**PRE_ACTIVATION_HEADROOM``.
 
         Raises:
             ValueError: for ``column_sum`` of a tensor that is not 2-D; for ``unscale`` with a cast that does not
@@ -194,8 +202,10 @@ class ScalingState(nn.Module):
             _check_unscale(self, current)
         if column_sum and x.dim() != 2:
             raise ValueError(f"ScalingState.quantize(column_sum=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
-        if activation is not None:
-            activation_input = _check_activation(x, activation, activation_input)
+        if activation is not None or keep_input:
+            activation_input = _check_activation(
+                x, activation, activation_input, activation_scale_inv, keep_input, column_sum
+            )
         if current is None:
             current = self.needs_current_scale()
             # An empty tensor (a micro-batch or an MoE expert without tokens) has amax 0: it leaves the history as
@@ -207,14 +217,15 @@ class ScalingState(nn.Module):
             if FUSED_CASTS and self.delayed and unscale is None and not column_sum and activation is None and x.numel():
                 return _fused_quantize(x, buffers, *mode, current, transpose)
             out = _traced_quantize(x)(
-                x, *buffers, *mode, current, transpose, unscale, column_sum, activation or "", activation_input
-            )
-            return out if column_sum else out[:3]
+                x, *buffers, *mode, current, transpose, unscale, column_sum, activation or "", activation_input,
+                activation_scale_inv, keep_input,
+            )  # fmt: skip
+            return out if column_sum or keep_input else out[:3]
         b = self._buffers  # one dict lookup per buffer, not a Module.__getattr__ (this runs for every cast)
         buffers = (b["amax_history"], b["scale"], b["amax"], b["saturation"], b["nonfinite_count"], b["casts"])
         return ops.quantize(
             x, *buffers, *mode, current, transpose, unscale, column_sum=column_sum, activation=activation,
-            activation_input=activation_input,
+            activation_input=activation_input, activation_scale_inv=activation_scale_inv, keep_input=keep_input,
         )  # fmt: skip
 
     def cast_buffers(self) -> tuple[torch.Tensor, ...]:
@@ -296,8 +307,20 @@ def _check_unscale(state: ScalingState, current: bool | None) -> None:
         )
 
 
-def _check_activation(x: torch.Tensor, activation: str, activation_input: torch.Tensor | None) -> torch.Tensor | None:
+def _check_activation(
+    x: torch.Tensor,
+    activation: str | None,
+    activation_input: torch.Tensor | None,
+    activation_scale_inv: torch.Tensor | None,
+    keep_input: bool,
+    column_sum: bool,
+) -> torch.Tensor | None:
     # ScalingState.quantize's activation arguments, checked; returns activation_input detached and contiguous.
+    if keep_input and (activation != "gelu" or column_sum):
+        raise ValueError(
+            f"ScalingState.quantize(keep_input=True) keeps a GELU's input: it needs activation='gelu' and no "
+            f"column_sum, got activation={activation!r}, column_sum={column_sum}"
+        )
     if activation not in reference.ACTIVATIONS:
         raise ValueError(
             f"ScalingState.quantize(activation={activation!r}): choose one of {reference.ACTIVATIONS} or None"
@@ -305,8 +328,10 @@ def _check_activation(x: torch.Tensor, activation: str, activation_input: torch.
     if x.dim() != 2:
         raise ValueError(f"ScalingState.quantize(activation={activation!r}) needs a 2-D tensor, got {tuple(x.shape)}")
     if activation != "gelu_backward":
-        if activation_input is not None:
-            raise ValueError(f"ScalingState.quantize(activation={activation!r}) takes no activation_input")
+        if activation_input is not None or activation_scale_inv is not None:
+            raise ValueError(
+                f"ScalingState.quantize(activation={activation!r}) takes no activation_input or activation_scale_inv"
+            )
         return None
     if activation_input is None or activation_input.shape != x.shape or activation_input.device != x.device:
         got = None if activation_input is None else (tuple(activation_input.shape), str(activation_input.device))
@@ -314,8 +339,20 @@ def _check_activation(x: torch.Tensor, activation: str, activation_input: torch.
             f"ScalingState.quantize(activation='gelu_backward') needs activation_input, the GELU's input, of the "
             f"gradient's shape {tuple(x.shape)} on {x.device}; got {got}"
         )
-    if activation_input.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"activation_input must be float32, bfloat16 or float16, got {activation_input.dtype}")
+    fp8_input = activation_input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if activation_input.dtype not in (torch.float32, torch.bfloat16, torch.float16) and not fp8_input:
+        raise TypeError(f"activation_input must be float32, bfloat16, float16 or FP8, got {activation_input.dtype}")
+    if fp8_input != (activation_scale_inv is not None):
+        raise ValueError(
+            "ScalingState.quantize: an FP8 activation_input needs its activation_scale_inv (and only an FP8 one takes "
+            f"it); got activation_input {activation_input.dtype}, activation_scale_inv {activation_scale_inv}"
+        )
+    s = activation_scale_inv
+    if fp8_input and (s.dtype != torch.float32 or s.numel() != 1 or s.device != x.device):
+        raise ValueError(
+            f"ScalingState.quantize: activation_scale_inv must be a one-element float32 tensor on {x.device}, got "
+            f"{s.dtype} of shape {tuple(s.shape)} on {s.device}"
+        )
     return activation_input.detach().contiguous()
 
 
@@ -434,19 +471,26 @@ def _quantize_op(
     column_sum: bool,
     activation: str = "",
     activation_input: torch.Tensor | None = None,
+    activation_scale_inv: torch.Tensor | None = None,
+    keep_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # A fixed schema: the fourth output is empty without column_sum; activation "" for none.
+    # A fixed schema: the fourth output is the column sums, the kept input or empty; activation "" for none.
     out = ops.quantize(
         x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-        current, transpose, unscale, column_sum, activation or None, activation_input,
+        current, transpose, unscale, column_sum, activation or None, activation_input, activation_scale_inv,
+        keep_input,
     )  # fmt: skip
-    return out if column_sum else (*out, scale.new_empty((0,)))
+    return out if column_sum or keep_input else (*out, scale.new_empty((0,)))
 
 
 @_quantize_op.register_fake
 def _(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-      current, transpose, unscale, column_sum, activation="", activation_input=None):  # fmt: skip
+      current, transpose, unscale, column_sum, activation="", activation_input=None, activation_scale_inv=None,
+      keep_input=False):  # fmt: skip
     x_fp8 = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
     t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
-    sums = scale.new_empty((x.shape[1],) if column_sum else (0,))
-    return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(()), sums
+    if keep_input:
+        fourth = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
+    else:
+        fourth = scale.new_empty((x.shape[1],) if column_sum else (0,))
+    return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(()), fourth

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_step_toy_runs_every_variant(tmp_path):
-    variants = ["bf16", "o1", "o2", "o2w", "o2m", "o2mf"]
+    variants = ["bf16", "o1", "o2", "o2w", "o2m", "o2mf", "o2mh"]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--toy", "--variants", ",".join(variants),
            "--json", str(out)]  # fmt: skip

@@ -296,3 +296,157 @@ def test_compiled_single_token_and_empty_inputs(shape):
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
     for name, g in grads.items():
         assert torch.equal(g, grads_ref[name]), name
+
+
+def _hidden_pair(**kwargs):
+    mlp = FP8MLP(**kwargs)
+    ref = copy.deepcopy(mlp)
+    mlp.fp8_hidden = True
+    return mlp, ref
+
+
+def test_fp8_hidden_is_exact_where_the_hidden_values_are_fp8_values():
+    """fp8_hidden keeps the GELU's input in FP8 and recomputes gelu(h)'s transposed copy from it. With fc the identity
+    and inputs on the E4M3 grid (magnitudes 0.5-7.5), h is x exactly and its FP8 copy loses nothing: every output and
+    gradient is the default path's, bit for bit (a wrong scale in the recomputed copy or in gelu' would show here)."""
+    gen = torch.Generator().manual_seed(0)
+    mlp, ref = _hidden_pair(in_features=16, hidden_features=16, out_features=32)
+    with torch.no_grad():
+        for m in (mlp, ref):
+            m.fc.weight.copy_(torch.eye(16))
+            m.fc.bias.zero_()
+    mantissa = torch.randint(0, 8, (64, 16), generator=gen)
+    exponent = torch.randint(-1, 3, (64, 16), generator=gen)
+    sign = torch.randint(0, 2, (64, 16), generator=gen) * 2 - 1
+    x = (sign * (1 + mantissa / 8) * 2.0**exponent).float().requires_grad_()
+    y, dx, grads = run(lambda m, v: m(v), mlp, x)
+    y_ref, dx_ref, grads_ref = run(lambda m, v: m(v), ref, x)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+
+
+def test_fp8_hidden_is_fp8_accurate():
+    """Random inputs under bf16 autocast: the forward is the default path's bit for bit; the gradients are FP8-accurate
+    against the bf16 MLP, and within FP8 noise of the default path's."""
+    torch.manual_seed(1)
+    mlp, ref = _hidden_pair(in_features=64, hidden_features=256)
+    hp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    hp.load_state_dict({"0.weight": mlp.fc.weight, "0.bias": mlp.fc.bias, "2.weight": mlp.proj.weight,
+                        "2.bias": mlp.proj.bias})  # fmt: skip
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, dx, grads = run(lambda m, v: m(v), mlp, x)
+        y_ref, dx_ref, grads_ref = run(lambda m, v: m(v), ref, x)
+        y_hp, dx_hp, grads_hp = run(lambda m, v: m(v), hp, x)
+    assert torch.equal(y, y_ref)
+    assert sqnr(dx, dx_hp) > BACKWARD_SQNR_DB and sqnr(dx, dx_ref) > BACKWARD_SQNR_DB
+    for name, hp_name in (("fc.weight", "0.weight"), ("fc.bias", "0.bias"), ("proj.weight", "2.weight")):
+        assert sqnr(grads[name], grads_hp[hp_name]) > BACKWARD_SQNR_DB, name
+        assert sqnr(grads[name], grads_ref[name]) > BACKWARD_SQNR_DB, name
+    assert torch.equal(grads["proj.bias"], grads_ref["proj.bias"])  # from dy alone
+
+
+def _saved_bytes(mlp, x):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x).float().sum().backward()
+    return sum(saved)
+
+
+def test_fp8_hidden_keeps_one_byte_per_hidden_element():
+    """What the backward keeps: with fp8_hidden, one byte per element of h (tokens x hidden) in place of h in bf16 and
+    gelu(h)'s transposed FP8 copy: two bytes per element fewer, the rest unchanged."""
+    mlp, ref = _hidden_pair(in_features=32, hidden_features=128)
+    x = torch.randn(48, 32, requires_grad=True)
+    assert _saved_bytes(ref, x) - _saved_bytes(mlp, x) == 48 * 128 * 2
+
+
+@pytest.mark.parametrize("frozen", ["fc", "proj", "input", "fc_and_input"])
+def test_fp8_hidden_partial_gradients(frozen):
+    """Frozen parts get no gradient; the others are within FP8 noise of the default path's (proj alone trainable: h is
+    kept only to recompute gelu(h)'s copy for proj's weight gradient)."""
+    mlp, ref = _hidden_pair(in_features=32, hidden_features=64, out_features=48)
+    for m in (mlp, ref):
+        for part in ("fc", "proj"):
+            if part in frozen:
+                getattr(m, part).requires_grad_(False)
+    x = torch.randn(40, 32, requires_grad="input" not in frozen)
+    y, dx, grads = run(lambda m, v: m(v), mlp, x)
+    y_ref, dx_ref, grads_ref = run(lambda m, v: m(v), ref, x)
+    assert torch.equal(y, y_ref)
+    assert (dx is None) == (dx_ref is None) and (dx is None or sqnr(dx, dx_ref) > BACKWARD_SQNR_DB)
+    for name, g in grads.items():
+        assert (g is None) == (grads_ref[name] is None), name
+        assert g is None or sqnr(g, grads_ref[name]) > BACKWARD_SQNR_DB, name
+
+
+@XFAIL_TORCH_211_CPU_COMPILE
+def test_fp8_hidden_compiled_and_checkpointed_equal_eager():
+    """torch.compile (the traced casts and the recomputed copy) and activation checkpointing (the recompute repeats
+    the forward's scales) give eager's fp8_hidden results bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    mlp = FP8MLP(32, 64, fp8_hidden=True)
+    compiled_copy, checkpointed = copy.deepcopy(mlp), copy.deepcopy(mlp)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    compiled = torch.compile(compiled_copy, backend="aot_eager", fullgraph=True)
+    runs = [
+        run(lambda m, v: m(v), mlp, x),
+        run(lambda m, v: compiled(v), compiled_copy, x),
+        run(lambda m, v: checkpoint(m, v, use_reentrant=False), checkpointed, x),
+    ]
+    (y, dx, grads), *others = runs
+    for y_o, dx_o, grads_o in others:
+        assert torch.equal(y, y_o) and torch.equal(dx, dx_o)
+        for name, g in grads.items():
+            assert torch.equal(g, grads_o[name]), name
+
+
+def test_fp8_hidden_is_checked_and_shown():
+    with pytest.raises(TypeError, match="fp8_hidden"):
+        FP8MLP(32, 64, fp8_hidden="yes")
+    mlp = FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32), fp8_hidden=True)
+    assert mlp.fp8_hidden and "fp8_hidden=True" in repr(mlp)
+    assert "fp8_hidden" not in repr(FP8MLP(32, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_fp8_hidden_against_default_and_high_precision(compiled):
+    """On a GPU (real FP8 GEMMs, the Triton casts with the kept input and the recomputed copy; compiled: the traced
+    triton_ops), bf16 autocast: the forward is the default path's bit for bit, the gradients FP8-accurate against
+    the bf16 MLP and within FP8 noise of the default path's."""
+    torch.manual_seed(0)
+    mlp = FP8MLP(1024, 4096, device="cuda", fp8_hidden=True)
+    ref = copy.deepcopy(mlp)
+    ref.fp8_hidden = False
+    hp = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+    hp.load_state_dict({"0.weight": mlp.fc.weight, "0.bias": mlp.fc.bias, "2.weight": mlp.proj.weight,
+                        "2.bias": mlp.proj.bias})  # fmt: skip
+    hidden, default = (torch.compile(m) if compiled else m for m in (mlp, ref))
+    x = torch.randn(4, 512, 1024, device="cuda")
+    weights = torch.linspace(-1, 1, 1024, device="cuda")
+    outs = []
+    for module, fn in ((mlp, hidden), (ref, default), (hp, hp)):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(3):
+                module.zero_grad()
+                xi.grad = None
+                y = fn(xi)
+                (y.float() * weights).sum().backward()
+        params = dict(module.named_parameters())
+        outs.append((y, xi.grad, *(params[k] for k in (("fc.weight", "proj.weight") if module is not hp
+                                                       else ("0.weight", "2.weight")))))  # fmt: skip
+    (y, dx, w1, w2), (y_d, dx_d, w1_d, w2_d), (y_hp, dx_hp, w1_hp, w2_hp) = outs
+    assert torch.equal(y, y_d)
+    for got, default_grad, hp_grad in ((dx, dx_d, dx_hp), (w1.grad, w1_d.grad, w1_hp.grad), (w2.grad, w2_d.grad,
+                                                                                              w2_hp.grad)):  # fmt: skip
+        assert sqnr(got, hp_grad) > BACKWARD_SQNR_DB and sqnr(got, default_grad) > BACKWARD_SQNR_DB
+        assert sqnr(got, hp_grad) >= sqnr(default_grad, hp_grad) - 1.0

@@ -643,11 +643,14 @@ def test_traced_quantize_op_with_activation():
 
 
 @pytest.mark.parametrize(
-    ("current", "transpose", "column_sum", "activation"),
-    [(False, True, False, None), (True, True, False, None), (False, True, True, None), (True, False, False, "gelu"),
-     (False, True, True, "gelu_backward")],
+    ("current", "transpose", "column_sum", "activation", "fp8_hidden"),
+    [(False, True, False, None, False), (True, True, False, None, False), (False, True, True, None, False),
+     (True, False, False, "gelu", False), (False, True, True, "gelu_backward", False), (False, False, False, "gelu", True),
+     (False, True, True, "gelu_backward", True)],
 )  # fmt: skip
-def test_no_state_buffer_is_passed_to_a_cast_kernel_twice(monkeypatch, current, transpose, column_sum, activation):
+def test_no_state_buffer_is_passed_to_a_cast_kernel_twice(
+    monkeypatch, current, transpose, column_sum, activation, fp8_hidden
+):
     """Traced (torch.compile), every buffer of the scaling state that a cast updates goes to its kernels once, and so
     does ``x``: torch.compile functionalizes a kernel's writes per argument (a mutated graph input passed again as an
     unused pointer is one more alias of it), and inductor realizes every tensor argument of a user kernel as a buffer
@@ -659,10 +662,108 @@ def test_no_state_buffer_is_passed_to_a_cast_kernel_twice(monkeypatch, current, 
     state = _state(4, 1.0)
     x = torch.randn(64, 48).to(DEVICE)
     aux = torch.randn(64, 48).to(DEVICE) if activation == "gelu_backward" else None
+    aux_scale_inv = None
+    if aux is not None and fp8_hidden:  # FP8MLP(fp8_hidden=True)'s backward: the GELU input kept in FP8
+        aux, aux_scale_inv = aux.to(torch.float8_e4m3fn), torch.tensor(0.5, device=DEVICE)
     args = (torch.float8_e4m3fn, 0, True, True, current, transpose, None, column_sum, activation, aux)
-    quantize._quantize_impl(x, *state, *args, eager=False)
+    keep = fp8_hidden and activation == "gelu"
+    quantize._quantize_impl(x, *state, *args, aux_scale_inv, keep, eager=False)
     assert launches
     for launch_args in launches:
         tensors = [a for a in launch_args if isinstance(a, torch.Tensor)]
         for buf in (*state, x):
             assert sum(t is buf for t in tensors) <= 1
+
+
+def _bytes_equal(got, ref):
+    """FP8 tensors equal byte for byte, NaN positions compared as NaN (any NaN encoding is a NaN)."""
+    g_nan, r_nan = torch.isnan(got.float()), torch.isnan(ref.float())
+    return torch.equal(g_nan, r_nan) and torch.equal(got.view(torch.uint8)[~r_nan], ref.view(torch.uint8)[~r_nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("shape", "current"), [((67, 45), True), ((130, 64), False)])
+def test_gelu_cast_keeps_its_input_in_fp8(dtype, shape, current):
+    """keep_input (FP8MLP(fp8_hidden=True)'s forward cast): the GELU input's FP8 copy, written by the same pass, is the
+    plain cast of the input with the GELU cast's scale divided by 2**PRE_ACTIVATION_HEADROOM, byte for byte (no
+    erf in it), NaN included; the GELU's own cast and the state's bookkeeping are those of a cast without it."""
+    gen = torch.Generator().manual_seed(11)
+    got_state, ref_state, plain_state = _state(4, 1.0), _state(4, 1.0), _state(4, 1.0)
+    headroom = 2.0**-reference.PRE_ACTIVATION_HEADROOM
+    for step, magnitude in enumerate([1.0, 30.0, float("nan"), 1e-3]):
+        x = torch.randn(shape, generator=gen) * (1.0 if magnitude != magnitude else magnitude)
+        if magnitude != magnitude:
+            x[5, 3] = float("nan")
+        x = (x - 2 * x.abs().mean()).to(dtype).to(DEVICE)  # negative values larger than the positive ones
+        args = (torch.float8_e4m3fn, 0, True, not current, current or step == 0, False, None, False, "gelu", None)
+        got = quantize.quantize_(x, *got_state, *args, None, True)
+        ref = reference.quantize_ref(x, *ref_state, *args, None, True)
+        plain = quantize.quantize_(x, *plain_state, *args)
+        assert len(got) == 4 and got[3].shape == x.shape and got[3].dtype == torch.float8_e4m3fn
+        assert torch.equal(got[0].view(torch.uint8), plain[0].view(torch.uint8)) and torch.equal(got[2], plain[2])
+        kept = cast_to_fp8_ref(x, headroom / got[2], torch.float8_e4m3fn)[0]
+        assert _bytes_equal(got[3], kept), step
+        assert _bytes_equal(ref[3], kept), step
+        assert torch.equal(got[2], ref[2])
+        torch.testing.assert_close(got_state, plain_state, rtol=0, atol=0)
+        torch.testing.assert_close(got_state, ref_state, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(67, 45), (128, 64)])
+def test_gelu_backward_reads_an_fp8_input(fp8_dtype, shape):
+    """activation_input in FP8 with its scale_inv (FP8MLP(fp8_hidden=True)'s backward): the same cast, bytes, statistics
+    and column sums as with the fp32 values it stands for; a NaN byte counts as NaN."""
+    gen = torch.Generator().manual_seed(12)
+    h = torch.randn(shape, generator=gen) * 3
+    h[1, 2] = float("nan")
+    h_scale_inv = torch.tensor(2.0**-3, device=DEVICE)
+    h_fp8 = cast_to_fp8_ref(h, 1.0 / h_scale_inv.cpu(), fp8_dtype)[0].to(DEVICE)
+    g = torch.randn(shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+    states = [_state(4, 1.0) for _ in range(3)]
+    args = (torch.float8_e5m2, 0, True, True, True, True, None, True, "gelu_backward")
+    got = quantize.quantize_(g, *states[0], *args, h_fp8, h_scale_inv)
+    wide = quantize.quantize_(g, *states[1], *args, reference.dequantize_ref(h_fp8, h_scale_inv))
+    ref = reference.quantize_ref(g, *states[2], *args, h_fp8, h_scale_inv)
+    assert _bytes_equal(got[0], wide[0]) and _bytes_equal(got[1], wide[1])
+    assert torch.equal(got[2], wide[2])
+    torch.testing.assert_close(got[3], wide[3], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)
+    assert_fp8_near(got[0], ref[0], ACTIVATION_TOLERATED)
+    assert torch.equal(got[2], ref[2]) and int(states[0][4]) == 1  # the NaN counted as a non-finite cast
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(67, 45), (128, 64)])
+def test_gelu_recast_from_fp8_matches_reference(fp8_dtype, shape):
+    """FP8MLP(fp8_hidden=True)'s backward recomputes the GELU output's transposed copy from the FP8 input it kept:
+    eagerly (ops.recast_activation_transposed) and as the triton_op torch.compile records, against
+    reference.recast_activation_ref, which is the transposed cast of gelu(dequantized input)."""
+    gen = torch.Generator().manual_seed(13)
+    h = torch.randn(shape, generator=gen) * 3
+    h[3, 4] = float("nan")
+    h_scale_inv = torch.tensor(2.0**-2, device=DEVICE)
+    h_fp8 = cast_to_fp8_ref(h, 1.0 / h_scale_inv.cpu(), fp8_dtype)[0].to(DEVICE)
+    scale = torch.tensor(2.0**4, device=DEVICE)
+    ref = reference.recast_activation_ref(h_fp8, h_scale_inv, scale, torch.float8_e4m3fn, "gelu")
+    plain = cast_to_fp8_ref(reference.gelu_ref(reference.dequantize_ref(h_fp8, h_scale_inv)), scale,
+                            torch.float8_e4m3fn, transpose=True)[1]  # fmt: skip
+    assert _bytes_equal(ref, plain) and ref.shape == (shape[1], shape[0])
+    got = ops.recast_activation_transposed(h_fp8, h_scale_inv, scale, torch.float8_e4m3fn, "gelu")
+    traced = cast._cast_transposed_op(h_fp8, scale, torch.float8_e4m3fn, "gelu", h_scale_inv)
+    if ops.use_triton(h_fp8):
+        assert_fp8_near(got, ref, ACTIVATION_TOLERATED)
+    else:
+        assert _bytes_equal(got, ref)
+    assert_fp8_near(traced, ref, ACTIVATION_TOLERATED)
+    assert torch.isnan(got.float()).sum() == 1
+
+
+def test_traced_quantize_op_keeps_the_input():
+    """The triton_op's fixed schema returns the kept input as its fourth output."""
+    x = (torch.randn(67, 48, generator=torch.Generator().manual_seed(14)) * 3).to(torch.bfloat16).to(DEVICE)
+    got_state, ref_state = _state(4, 1.0), _state(4, 1.0)
+    args = (torch.float8_e4m3fn, 0, True, True, True, False, None, False, "gelu", None, None, True)
+    got = quantize.quantize_op(x, *got_state, *args)
+    ref = reference.quantize_ref(x, *ref_state, *args)
+    assert _bytes_equal(got[3], ref[3]) and torch.equal(got[2], ref[2])
