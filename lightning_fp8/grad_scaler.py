@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -330,8 +331,10 @@ class FP8GradScaler:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 grad = p.grad
-                if grad is None or grad.is_sparse:
+                if grad is None:
                     continue
+                if grad.is_sparse:  # its stored values (duplicates summed, as the dense gradient holds them)
+                    grad = grad.coalesce()._values()
                 grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor: this rank's shard
                 if grad.numel() and grad.is_floating_point():
                     by_kind[(grad.device, grad.dtype)].append(grad)
@@ -596,6 +599,9 @@ class FP8GradScaler:
             TypeError: for an entry of the wrong type (e.g. a counter that is not an int).
             ValueError: for an entry out of range (a scale that is not a positive power of two, a negative counter,
                 a saturation outside [0, 1]).
+
+        A scale outside this scaler's ``[min_scale, max_scale]`` (saved under other bounds) is brought within them,
+        with a warning.
         """
         missing = sorted(set(self.state_dict()) - set(state_dict))
         if missing:
@@ -606,6 +612,14 @@ class FP8GradScaler:
         saturation = _checked_entry("last_saturation", state_dict["last_saturation"], numbers.Real,
                                     "a fraction in [0, 1]", lambda x: 0.0 <= x <= 1.0)  # fmt: skip
         history = _checked_history(state_dict["history"])
+        if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
+            bounded = min(max(scale, self.min_scale), self.max_scale)
+            warnings.warn(
+                f"FP8GradScaler.load_state_dict: the saved scale {scale} is outside this scaler's [min_scale, "
+                f"max_scale] = [{self.min_scale}, {self.max_scale}]; resuming from {bounded}",
+                stacklevel=2,
+            )
+            scale = bounded
         self._scale = scale
         self._loss_scale = None  # a loss scaled before the load no longer tells the gradients' mu
         self._growth_tracker = counters["growth_tracker"]

@@ -204,6 +204,41 @@ def test_sparse_gradient_values_that_overflow_when_summed_skip_the_step():
     assert torch.equal(emb.weight.detach(), weight)
 
 
+def test_sparse_gradients_alone_grow_mu_as_with_torch_amp():
+    # A model whose only gradients are sparse (nn.Embedding(sparse=True) and SGD): the scaler measured the headroom
+    # of dense gradients only, saw none, and never grew mu; torch.amp.GradScaler grows it every growth_interval steps.
+    idx = torch.tensor([1, 2, 1, 3])
+    scales = []
+    for amp in (True, False):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        kwargs = {"init_scale": 2.0, "growth_interval": 2}
+        scaler = torch.amp.GradScaler("cpu", **kwargs) if amp else FP8GradScaler(**kwargs)
+        for _ in range(4):
+            opt.zero_grad()
+            loss = emb(idx).square().sum()
+            (scaler.scale(loss) if amp else scaler.scale_loss(loss)).backward()
+            assert emb.weight.grad.is_sparse
+            scaler.step(opt)
+            scaler.update()
+        scales.append(float(scaler.get_scale()))
+    assert scales[1] == scales[0] == 8.0
+
+
+def test_a_saved_scale_outside_this_scalers_bounds_is_brought_within_them():
+    saved = FP8GradScaler(init_scale=2.0**20).state_dict()
+    other = FP8GradScaler(init_scale=1.0, max_scale=2.0**10)
+    with pytest.warns(UserWarning, match="outside this scaler's"):
+        other.load_state_dict(saved)
+    assert float(other.scale) == 2.0**10
+    low = FP8GradScaler(init_scale=2.0**-28, min_scale=2.0**-30).state_dict()
+    resumed = FP8GradScaler()  # min_scale 2**-24
+    with pytest.warns(UserWarning, match="outside this scaler's"):
+        resumed.load_state_dict(low)
+    assert float(resumed.scale) == 2.0**-24
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_high_precision_gradients_grow_mu_with_headroom_under_their_dtype(dtype):
     # No FP8 cast reports a gradient (a plain optimizer, or FP8AdamW with fp8_grads=False): the scaler measures the
