@@ -3,17 +3,19 @@
 With delayed scaling a cast uses the scale computed from the amax history of earlier casts, and each rank records
 the amax of *its* data. Left alone, ranks drift apart: different scales on different ranks (results depend on the
 rank layout, and one rank can saturate alone), and in tensor/sequence parallelism an FP8 tensor gathered from
-several ranks would mix scales. So once per step the latest amaxes of every delayed scaling state (the
+several ranks would mix scales. So once per step the amax histories of every delayed scaling state (the
 ``input`` and ``grad_output`` roles of each :class:`~lightning_fp8.FP8Linear`) are reduced with MAX across the
 data- and tensor-parallel ranks, in ONE collective (all of them stacked into one fp32 vector), and the scales
 are recomputed from the reduced histories (:func:`lightning_fp8.scaling.compute_scale`)::
 
-    amax_history[0] <- max over ranks of amax_history[0]         # one all-reduce for the whole model
-    scale           <- compute_scale(max(amax_history) or amax_history[0], fp8_dtype, margin, prev=scale)
+    amax_history <- max over ranks of amax_history               # one all-reduce for the whole model
+    scale        <- compute_scale(max(amax_history) or amax_history[0], fp8_dtype, margin, prev=scale)
 
-After the reduction every rank holds the same history, hence the same scale, which is also the scale a single
-process would compute on the concatenated data. Weights are not included: their scale is always computed from
-the weight itself (current scaling).
+The whole history, not only its newest entry: since the last sync a state may have cast more than once on one rank
+(a layer used twice, two forwards before one backward, an evaluation on that rank alone) and not at all on another
+(a branch it skipped), so older entries can differ between ranks too. After the reduction every rank holds the same
+history, hence the same scale, which is also the scale a single process would compute on the concatenated data.
+Weights are not included: their scale is always computed from the weight itself (current scaling).
 
 :func:`enable_fp8_amax_sync` runs this automatically in a forward pre-hook of the root module, so the amaxes
 recorded by step ``t``'s forward and backward are reduced before step ``t + 1`` casts anything.
@@ -83,22 +85,22 @@ class AmaxSync:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """MAX-reduce the latest amax of every state in one collective and recompute the scales."""
+        """MAX-reduce the amax history of every state in one collective and recompute the scales."""
         if not self.states or not dist.is_available() or not dist.is_initialized():
             return
         if dist.get_world_size(self.process_group) == 1:
             return
         for state in self.states:
             localize_buffers(state)
-        # Per group: stack the histories (one op), reduce their newest column across ranks, recompute the scales
-        # and write both back with one multi-tensor copy each: a few launches per group, whatever its size.
+        # Per group: stack the histories (one op), reduce them across ranks, recompute the scales and write both
+        # back with one multi-tensor copy each: a few launches per group, whatever its size.
         histories = [torch.stack([s.amax_history for s in states]) for _, states in self._groups]
-        latest = torch.cat([h[:, 0] for h in histories])
-        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.process_group)
-        for ((fp8_dtype, margin, algo, _), states), history, reduced in zip(
-            self._groups, histories, latest.split([h.shape[0] for h in histories]), strict=True
+        flat = torch.cat([h.reshape(-1) for h in histories])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
+        for ((fp8_dtype, margin, algo, _), states), reduced in zip(
+            self._groups, flat.split([h.numel() for h in histories]), strict=True
         ):
-            history[:, 0] = reduced
+            history = reduced.view(len(states), -1)
             ref = history.amax(dim=1) if algo == "max" else history[:, 0]
             prev = torch.stack([s.scale for s in states])
             _copy_all([s.amax_history for s in states], list(history.unbind(0)))
@@ -107,7 +109,7 @@ class AmaxSync:
 
 
 def sync_fp8_amax(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
-    """Reduce (MAX) the latest amaxes of all delayed FP8 scaling states of ``module`` across ranks, in one collective.
+    """Reduce (MAX) the amax histories of all delayed FP8 scaling states of ``module`` across ranks, in one collective.
 
     Afterwards every rank of ``process_group`` holds identical amax histories and scales. A no-op without an
     initialized process group or with one rank. Call it at the same point on every rank (it is a collective).
@@ -129,6 +131,13 @@ def enable_fp8_amax_sync(module: nn.Module, process_group: dist.ProcessGroup | N
     The hook reduces what the previous forward and backward recorded, so every cast of the coming step uses scales
     identical on all ranks. With gradient accumulation it runs once per micro-batch. Register it on the root module
     after the model is converted to FP8 and parallelized; calling it again replaces the previous hook.
+
+    The hook is a collective in *every* forward of ``module``, in ``eval()`` and under ``torch.no_grad()`` too: those
+    forwards cast with the delayed scales and record their amaxes like any other, so skipping their sync would let
+    the ranks' scales drift apart. Every rank must run the same forwards: evaluate on all ranks, or remove the hook
+    on the rank that evaluates alone (``handle.remove()``, then ``enable_fp8_amax_sync(module)`` again); the next sync
+    reduces the whole histories, which makes them identical again. A forward on one rank alone with the hook on waits
+    for the other ranks forever.
 
     Returns:
         The hook's handle (``handle.remove()`` turns the synchronization off).

@@ -24,14 +24,16 @@ Collectives are looked up on ``torch.distributed`` at call time, so tests can co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from lightning_fp8 import ops
-from lightning_fp8.distributed.layout import SegmentLayout, all_reduce_plan, reduce_scatter_plan
+from lightning_fp8.distributed.layout import SegmentLayout, reduce_scatter_plan
 from lightning_fp8.distributed.quantize import segment_kernels
+from lightning_fp8.kernels.comm_table import ALIGN, BlockTable, block_table
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,44 @@ def reduce_scatter_fp8(
 
 
 # ---------------------------------------------------------------------------------------------------- all-gather
+@dataclass(frozen=True)
+class _GatherPlan:
+    """The tables of :func:`all_gather_fp8`: ``world`` chunks of exactly ``chunk`` elements, each sent as one row of
+    ``row_bytes`` bytes: its FP8 bytes, zeros up to ``amax_offset``, then the amaxes of its pieces (fp32)."""
+
+    cast: BlockTable  # this rank's chunk -> its FP8 bytes; value = out = the piece
+    decode: BlockTable  # the gathered rows -> the whole buffer; value = the fp32 index of the piece's amax in the rows
+    row_bytes: int
+    amax_offset: int
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _rows_table(rows: list[tuple[int, int, int, int]], device: torch.device) -> BlockTable:
+    # rows: (src, dst, length, value) per segment.
+    return block_table(*(zip(*rows, strict=True) if rows else [()] * 4), device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_plan(layout: SegmentLayout, world: int, rank: int, device: torch.device) -> _GatherPlan:
+    # Not all_reduce_plan's portable tables: those round each rank's chunk up to ALIGN elements, while the chunks
+    # gathered here are exactly layout.numel / world elements, whatever that is. The rows and the amaxes' offset stay
+    # ALIGN-aligned (vector access where a chunk is aligned too; the amaxes are read as fp32).
+    chunk = layout.numel // world
+    pieces = [layout.parts(r * chunk, (r + 1) * chunk) for r in range(world)]
+    amax_offset = _round_up(chunk, ALIGN)
+    row_bytes = amax_offset + _round_up(4 * max(1, max(len(p) for p in pieces)), ALIGN)
+    base = rank * chunk
+    cast = [(o - base, o - base, n, j) for j, (o, n, _) in enumerate(pieces[rank])]
+    decode = [
+        (r * row_bytes + o - r * chunk, o, n, (r * row_bytes + amax_offset) // 4 + j)
+        for r, mine in enumerate(pieces) for j, (o, n, _) in enumerate(mine)
+    ]  # fmt: skip
+    return _GatherPlan(_rows_table(cast, device), _rows_table(decode, device), row_bytes, amax_offset)
+
+
 def all_gather_fp8(
     chunk: torch.Tensor,
     layout: SegmentLayout,
@@ -197,7 +237,7 @@ def all_gather_fp8(
 
     Each rank quantizes its own chunk with a fresh scale per piece (its own amax) and sends the amaxes beside the
     bytes, so no extra collective is needed and every rank decodes exactly the same values. The layout's
-    ``numel`` must be ``world_size * chunk.numel()`` (pad it first).
+    ``numel`` must be ``world_size * chunk.numel()`` (pad it first); a chunk may have any number of elements.
 
     Returns:
         ``(full, n_saturated)``: the whole buffer (``layout.numel`` elements) in ``out_dtype``, and the
@@ -207,13 +247,13 @@ def all_gather_fp8(
     if layout.numel != world * chunk.numel():
         raise ValueError(f"all_gather_fp8: a chunk of {chunk.numel()} elements and a layout of {layout.numel}")
     kernels = segment_kernels(fused)
-    (plan,) = all_reduce_plan(layout, world, rank, 1, False, chunk.device)
-    send = torch.zeros(plan.gather_row_bytes, dtype=torch.uint8, device=chunk.device)
+    plan = _gather_plan(layout, world, rank, chunk.device)
+    send = torch.zeros(plan.row_bytes, dtype=torch.uint8, device=chunk.device)
     piece_amax = send[plan.amax_offset :].view(torch.float32)
     n_sat = torch.zeros((), dtype=torch.int64, device=chunk.device)
     flat = chunk.reshape(-1)
-    kernels.segment_amax(flat, plan.chunk, piece_amax)
-    kernels.quantize(flat, plan.chunk, piece_amax, fp8_dtype, send, n_sat, margin=margin)
+    kernels.segment_amax(flat, plan.cast, piece_amax)
+    kernels.quantize(flat, plan.cast, piece_amax, fp8_dtype, send, n_sat, margin=margin)
     gathered, work = all_gather_bytes(send, group)
     wait(work)
     full = torch.empty(layout.numel, dtype=out_dtype, device=chunk.device)

@@ -104,11 +104,12 @@ def _reduce_bucket(state: FP8CommState, buffer: torch.Tensor, params: list) -> N
         packed = torch.cat(fp8_views)
         _reduce_fp8(state, packed, SegmentLayout.per_tensor([v.numel() for v in fp8_views]))
         torch._foreach_copy_(fp8_views, list(packed.split([v.numel() for v in fp8_views])))
-    # The high-precision rest: one all-reduce in the bucket's own dtype, then the mean, checked where it is the same
-    # on every rank (a NaN or inf of any rank's gradient reaches the sum).
+    # The high-precision rest: one all-reduce in the bucket's own dtype, divided by the world size before the sum as
+    # torch's default hook does (an fp16 sum of N gradients overflows where their mean does not), then checked where
+    # it is the same on every rank (a NaN or inf of any rank's gradient reaches the sum).
     packed = torch.cat(other_views)
-    dist.all_reduce(packed, group=state.process_group)
     packed.div_(dist.get_world_size(state.process_group))
+    dist.all_reduce(packed, group=state.process_group)
     state.record_reduced(packed)
     torch._foreach_copy_(other_views, list(packed.split([v.numel() for v in other_views])))
 

@@ -180,17 +180,18 @@ def _amax_sync() -> dict:
     return {"before": before, "after": after, "settings": settings}
 
 
-def test_amax_sync_reduces_latest_amax_and_recomputes_scales(two_ranks):
-    """One batched MAX all-reduce of amax_history[0]; scales from the reduced history, by each state's rule."""
+def test_amax_sync_reduces_the_histories_and_recomputes_scales(two_ranks):
+    """One batched MAX all-reduce of the amax histories (every entry: ranks that cast a different number of times
+    end identical too); scales from the reduced history, by each state's rule."""
     reports = part_results(two_ranks, "amax_sync")
     for name, (delayed, algo, margin, fp8_dtype) in reports[0]["settings"].items():
-        latest = torch.stack([r["before"][name][0][0] for r in reports]).amax()
+        reduced = torch.stack([r["before"][name][0] for r in reports]).amax(0)
         for rank, report in enumerate(reports):
             (old_history, old_scale), (history, scale) = report["before"][name], report["after"][name]
             if not delayed:  # weights and current-scaling roles are not touched
                 assert torch.equal(history, old_history) and torch.equal(scale, old_scale), name
                 continue
-            assert history[0] == latest and torch.equal(history[1:], old_history[1:]), (name, rank)
+            assert torch.equal(history, reduced), (name, rank)
             ref = history.amax() if algo == "max" else history[0]
             assert torch.equal(scale, compute_scale(ref, fp8_dtype, margin, old_scale)), (name, rank)
 
@@ -385,8 +386,9 @@ def test_sequence_parallel_fp8_halves_activation_bytes(two_ranks):
     # of the row-parallel outputs (the residual stream) stays bf16 in both.
     rowwise_forward = fp8[scatter]
     assert rowwise_forward > 0 and fp8[a2a] * 2 == hp[scatter] - rowwise_forward, (fp8, hp)
-    # The scales travel as a few bytes (the root's one batched amax all-reduce and one per FP8 reduce-scatter).
-    assert fp8["c10d.allreduce_"] < 0.01 * (fp8[gather] + fp8[a2a]), fp8
+    # The scales travel as a few hundred bytes whatever the activations' size: the root's one batched all-reduce of
+    # the amax histories (8 states x 16 entries x 4 B here) and one scale per FP8 reduce-scatter.
+    assert fp8["c10d.allreduce_"] <= 8 * 16 * 4 + 64, fp8
     total = {k: sum(v for op, v in d.items() if op in (gather, scatter, a2a)) for k, d in (("fp8", fp8), ("hp", hp))}
     # Per colwise/rowwise pair, in bytes of one (tokens x features) bf16 tensor: an all-gather is handed a 1/2-size
     # shard, a reduce-scatter the full tensor. bf16: 1/2 + 1 + 1 + 1/2; FP8: 1/4 + 1 (residual stream) + 1/2 + 1/4.
