@@ -168,7 +168,6 @@ class SlicePlan:
     pad: tuple[tuple[int, int], ...] = ()
     sum: BlockTable | None = None
     decode: BlockTable | None = None
-    chunk: BlockTable | None = None  # portable all-reduce: this rank's chunk, value = out = piece (all_gather_fp8)
     gather_row_bytes: int = 0  # portable all-reduce: bytes of one gathered row (FP8 chunk, then piece amaxes)
     amax_offset: int = 0  # ... the byte offset of the piece amaxes in it (4-aligned)
     groups: tuple[int, int] = (0, 0)
@@ -258,7 +257,6 @@ def all_reduce_plan(
             row=row, cast=_table(parts, 0, a, device, block), pad=((b - a, pad),) if pad else (),
             sum=_table(mine, base, base, device, block, out=numbered),
             decode=_entries(decode, device, block),
-            chunk=_table([(o, n, j) for (o, n, _), j in zip(mine, numbered, strict=True)], base, base, device, block),
             gather_row_bytes=row_bytes, amax_offset=amax_offset, **common,
         ))  # fmt: skip
     return tuple(plans)
