@@ -36,11 +36,13 @@ the cast with transpose 2.2x slower there (``EXACT_ROUND_ON_GPU``; benchmarks/RE
 
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.reference import PRE_ACTIVATION_HEADROOM
+from lightning_fp8.kernels.reference import PRE_ACTIVATION_HEADROOM, PRE_ACTIVATION_MAX_SCALE
 from lightning_fp8.kernels.scaling import _arrive, _finish, _guess_scale, _pow2_scale, _redo
 
-# WRITE_PRE's scale: the cast's, PRE_ACTIVATION_HEADROOM binades smaller (kernels/reference.py: quantize_ref).
+# WRITE_PRE's scale: the cast's, PRE_ACTIVATION_HEADROOM binades smaller, at most PRE_SCALE_MAX (kernels/reference.py:
+# quantize_ref, kept_input_scale_inv).
 PRE_SCALE_FACTOR = tl.constexpr(2.0**-PRE_ACTIVATION_HEADROOM)
+PRE_SCALE_MAX = tl.constexpr(PRE_ACTIVATION_MAX_SCALE)
 
 
 @triton.jit
@@ -161,8 +163,8 @@ def _cast_tile(
         x = x_ptr.load([tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
     else:
         x = _load_tile(x_ptr, offs, mask, dq, EVEN, LOAD_POLICY, DEQUANT == "x", DQ_E4M3, EXACT_ROUND)
-    if WRITE_PRE:  # x itself (the activation's input) in FP8 too, with PRE_SCALE_FACTOR times the scale
-        pre, pre_finite, _, _ = _scale_saturate(x, scale * PRE_SCALE_FACTOR, FP8_MAX)
+    if WRITE_PRE:  # x itself (the activation's input) in FP8 too, with PRE_SCALE_FACTOR times the scale (capped)
+        pre, pre_finite, _, _ = _scale_saturate(x, tl.minimum(scale * PRE_SCALE_FACTOR, PRE_SCALE_MAX), FP8_MAX)
         if EXACT_ROUND:
             pre = _round_to_fp8_grid(pre, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
         q_pre = tl.where(pre_finite, _fp8_bytes(pre, IS_E4M3), 0x7F).to(tl.uint8)
@@ -211,7 +213,7 @@ def _cast_transpose_kernel(
     scale_ptr,  # 0-dim fp32 scale
     out_ptr,  # (M, N) FP8 output (TMA: a descriptor of its bytes, uint8)
     out_t_ptr,  # (N, M) FP8 output, the transposed copy (TMA: a descriptor of its bytes, blocks of BLOCK_N x BLOCK_M)
-    pre_ptr,  # WRITE_PRE: (M, N) FP8 output, x itself cast with scale * PRE_SCALE_FACTOR (else unwritten)
+    pre_ptr,  # WRITE_PRE: (M, N) FP8 output, x itself cast with min(scale * PRE_SCALE_FACTOR, PRE_SCALE_MAX)
     dq_ptr,  # DEQUANT: 0-dim fp32, the scale_inv of the FP8 x ("x") or aux ("aux") (else unread)
     colsum_ptr,  # COLUMN_SUM: (cdiv(cdiv(M, BLOCK_M), GROUP_M), N) fp32 output, column sums of each row group of x
     amax_ptr,  # 0-dim fp32 accumulator, zeroed: atomic max of |x| (unused with RECORD)

@@ -109,11 +109,21 @@ def dequantize_ref(x_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor
 
 
 # A "gelu" cast's input kept in FP8 as well (``quantize_ref(keep_input=True)``, FP8MLP(fp8_hidden=True)): its scale is
-# the cast's divided by 2**PRE_ACTIVATION_HEADROOM. The GELU output's scale fits the positive inputs (gelu(h) ~ h
-# there); the headroom keeps negative inputs down to -16 times the amax behind that scale unsaturated (below that,
-# gelu'(h) is within 5e-4 of 0 when the amax is at least 0.3), at the cost of the smallest inputs' precision
-# (subnormal below at most amax / 900: a rounding error of at most amax / 14000).
+# the cast's divided by 2**PRE_ACTIVATION_HEADROOM, and at most PRE_ACTIVATION_MAX_SCALE. The GELU output's scale fits
+# the positive inputs (gelu(h) ~ h there); the headroom keeps negative inputs down to -16 times the amax behind that
+# scale unsaturated, at the cost of the smallest inputs' precision (subnormal below at most amax / 900: a rounding
+# error of at most amax / 14000). The cap keeps inputs down to -14 (E4M3's 448 / 32) unsaturated whatever that amax:
+# where every input is strongly negative the GELU output's amax is tiny, and -16 times it alone would saturate inputs
+# whose gelu' is about 0 to a point where it is not (gradients off by orders of magnitude); below -14 gelu and gelu'
+# are 0 in fp32.
 PRE_ACTIVATION_HEADROOM = 4
+PRE_ACTIVATION_MAX_SCALE = 2.0**5
+
+
+def kept_input_scale_inv(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The scale_inv of a "gelu" cast's kept input (``quantize_ref(keep_input=True)``) from the cast's ``scale_inv``:
+    ``1 / min(scale * 2**-PRE_ACTIVATION_HEADROOM, PRE_ACTIVATION_MAX_SCALE)``, a power of two."""
+    return torch.clamp(scale_inv * 2.0**PRE_ACTIVATION_HEADROOM, min=1.0 / PRE_ACTIVATION_MAX_SCALE)
 
 
 def recast_activation_ref(
@@ -246,7 +256,8 @@ def quantize_ref(
     used_scale = scale.clone()
     x_fp8, x_fp8_t, amax, n_saturated = cast_to_fp8_ref(x, used_scale, fp8_dtype, transpose)
     if keep_input:
-        pre_fp8 = cast_to_fp8_ref(pre, used_scale * 2.0**-PRE_ACTIVATION_HEADROOM, fp8_dtype)[0]
+        kept_scale = torch.clamp(used_scale * 2.0**-PRE_ACTIVATION_HEADROOM, max=PRE_ACTIVATION_MAX_SCALE)
+        pre_fp8 = cast_to_fp8_ref(pre, kept_scale, fp8_dtype)[0]
     scale_inv = record_cast_ref(
         amax, n_saturated, x.numel(), used_scale, amax_history, scale, last_amax, saturation, nonfinite_count, casts,
         fmax, margin, algo_max, delayed,

@@ -31,7 +31,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import ops, weight_cache
-from lightning_fp8.kernels.reference import PRE_ACTIVATION_HEADROOM
+from lightning_fp8.kernels.reference import kept_input_scale_inv
 from lightning_fp8.linear import (
     FP8Linear,
     _is_dtensor,
@@ -89,7 +89,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype, cache_key_fc
         )
         # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
-        keep = fp8_hidden and (need_h or w2.requires_grad)
+        keep = fp8_hidden and need_h  # without fc's gradients only gelu(h)'s copy is kept: one byte already
         a_fp8, a_fp8_t, a_scale_inv, *kept = proj["input"].quantize(
             h, w2.requires_grad and not keep, cast_current(current_proj[0], call), activation="gelu", keep_input=keep
         )
@@ -100,10 +100,9 @@ class _FP8GeluMLP(torch.autograd.Function):
         if record is not None and not replaying:
             record.scale_invs = (x_scale_inv, a_scale_inv)
         ctx.record = None if replaying else record
-        if keep:  # h as FP8 (scale_inv: a's times 2**PRE_ACTIVATION_HEADROOM) in place of h and gelu(h)'s FP8 copy
+        if keep:  # h as FP8 (scale_inv: reference.kept_input_scale_inv) in place of h and gelu(h)'s FP8 copy
             h, a_fp8_t = kept[0], None
-        ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h or keep else None, a_fp8_t, a_scale_inv, *w1_saved,
-                              *w2_saved)  # fmt: skip
+        ctx.save_for_backward(x_fp8_t, x_scale_inv, h if need_h else None, a_fp8_t, a_scale_inv, *w1_saved, *w2_saved)
         ctx.hidden_fp8_dtype = proj["input"].fp8_dtype if keep else None
         ctx.split = len(w1_saved)
         ctx.states = (fc["grad_output"], proj["grad_output"])
@@ -123,7 +122,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         need_h = any(ctx.needs_input_grad[:3])
         h_scale_inv = None
         if ctx.hidden_fp8_dtype is not None:  # h kept in FP8: gelu(h)'s transposed copy again, from it (one pass)
-            h_scale_inv = a_scale_inv * 2.0**PRE_ACTIVATION_HEADROOM
+            h_scale_inv = kept_input_scale_inv(a_scale_inv)
             if need_w2:
                 a_fp8_t = ops.recast_activation_transposed(
                     h, h_scale_inv, torch.reciprocal(a_scale_inv), ctx.hidden_fp8_dtype, "gelu"
@@ -153,7 +152,9 @@ class _FP8GeluMLP(torch.autograd.Function):
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    # The fused path calls neither layer: hooks registered on them run only through the layers themselves.
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)  # fmt: skip
 
 
 def _check_flag(fp8_hidden: bool) -> bool:
@@ -171,12 +172,13 @@ class FP8MLP(nn.Module):
     exact one (``nn.GELU()``, ``approximate="none"``), computed in fp32 by the casts: its output is never rounded to the
     activation dtype before its FP8 cast. Build one from an existing MLP's layers with :meth:`from_modules`.
 
-    Where the fused path cannot run (DTensor weights, forward hooks on ``fc`` or ``proj``), the module computes
-    ``proj(F.gelu(fc(x)))`` with the same layers. First casts, double backward and activation checkpointing behave as
+    Where the fused path cannot run (DTensor weights, forward or backward hooks on ``fc`` or ``proj``), the module
+    computes ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double backward and activation checkpointing behave as
     in :class:`~lightning_fp8.FP8Linear` (see there).
 
     ``fp8_hidden=True`` keeps less for the backward: the GELU's input ``h`` (tokens x hidden) in FP8 (the GELU output's
-    format, its scale divided by ``2**4``: negative inputs down to -16 times that scale's amax stay unsaturated), one
+    format, its scale divided by ``2**4`` and at most ``2**5``: negative inputs down to -16 times that scale's amax, and
+    at least down to -14, where GELU and its derivative are 0 in fp32, stay unsaturated), one
     byte per element in place of ``h`` in the activation dtype and ``gelu(h)``'s transposed FP8 copy (three bytes in
     bf16). The forward writes that copy in the pass that casts ``gelu(h)``; the backward takes ``gelu'`` of the FP8
     values and recomputes ``gelu(h)``'s transposed copy from them (a pass reading and writing a byte per element), so
@@ -212,7 +214,7 @@ class FP8MLP(nn.Module):
         out = in_features if out_features is None else out_features
         self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
         self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)
-        self.fp8_hidden = _check_flag(fp8_hidden)
+        self.fp8_hidden = fp8_hidden
 
     @classmethod
     def from_modules(
@@ -239,9 +241,18 @@ class FP8MLP(nn.Module):
         nn.Module.__init__(new)
         new.fc = fc if isinstance(fc, FP8Linear) else FP8Linear.from_linear(fc, recipe)
         new.proj = proj if isinstance(proj, FP8Linear) else FP8Linear.from_linear(proj, recipe)
-        new.fp8_hidden = _check_flag(fp8_hidden)
+        new.fp8_hidden = fp8_hidden
         new.train(fc.training)
         return new
+
+    @property
+    def fp8_hidden(self) -> bool:
+        """Keep the GELU's input in FP8 for the backward (see the class docstring); a bool, checked when set."""
+        return self._fp8_hidden
+
+    @fp8_hidden.setter
+    def fp8_hidden(self, value: bool) -> None:
+        self._fp8_hidden = _check_flag(value)
 
     def extra_repr(self) -> str:
         return "fp8_hidden=True" if self.fp8_hidden else ""

@@ -185,13 +185,13 @@ class ScalingState(nn.Module):
             activation_scale_inv: with an FP8 ``activation_input`` (``"gelu_backward"``): its scale_inv, 0-dim fp32;
                 the cast reads the values it stands for.
             keep_input: with ``activation="gelu"``: also cast ``x`` itself, in the same pass, with this cast's scale
-                divided by ``2**kernels.reference.PRE_ACTIVATION_HEADROOM`` (statistics not recorded): the GELU's
-                input kept in FP8 for the backward (``FP8MLP(fp8_hidden=True)``).
+                divided by ``2**kernels.reference.PRE_ACTIVATION_HEADROOM`` and at most ``PRE_ACTIVATION_MAX_SCALE``
+                (statistics not recorded): the GELU's input kept in FP8 for the backward (``FP8MLP(fp8_hidden=True)``).
 
         Returns:
             ``(x_fp8, x_fp8_t, scale_inv)``: ``x_fp8_t`` is empty unless ``transpose``; with ``column_sum``,
             ``(x_fp8, x_fp8_t, scale_inv, column_sums)``; with ``keep_input``, ``(x_fp8, x_fp8_t, scale_inv,
-            input_fp8)``, ``input_fp8``'s scale_inv being ``scale_inv * 2**PRE_ACTIVATION_HEADROOM``.
+            input_fp8)``, ``input_fp8``'s scale_inv being ``kernels.reference.kept_input_scale_inv(scale_inv)``.
 
         Raises:
             ValueError: for ``column_sum`` of a tensor that is not 2-D; for ``unscale`` with a cast that does not

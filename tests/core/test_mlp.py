@@ -369,8 +369,8 @@ def test_fp8_hidden_keeps_one_byte_per_hidden_element():
 
 @pytest.mark.parametrize("frozen", ["fc", "proj", "input", "fc_and_input"])
 def test_fp8_hidden_partial_gradients(frozen):
-    """Frozen parts get no gradient; the others are within FP8 noise of the default path's (proj alone trainable: h is
-    kept only to recompute gelu(h)'s copy for proj's weight gradient)."""
+    """Frozen parts get no gradient; the others are within FP8 noise of the default path's (proj alone trainable: the
+    default path's gelu(h) copy is kept, h is not)."""
     mlp, ref = _hidden_pair(in_features=32, hidden_features=64, out_features=48)
     for m in (mlp, ref):
         for part in ("fc", "proj"):
@@ -408,9 +408,72 @@ def test_fp8_hidden_compiled_and_checkpointed_equal_eager():
             assert torch.equal(g, grads_o[name]), name
 
 
+@pytest.mark.parametrize("shift", [-3.0, -6.0, -12.0])
+def test_fp8_hidden_strongly_negative_gelu_inputs_keep_fp8_accurate_gradients(shift):
+    """Every GELU input strongly negative (a shifted fc bias): the GELU output's amax is tiny, and the kept h's scale
+    alone (that output's, / 16) saturated h at -16 x that amax, where gelu' is far from the true gelu'(h) ~ 0: the
+    gradients were as large as an unshifted MLP's where they should be about 0, silently. Capped, the kept h holds
+    values down to -14: the gradients' error is FP8 noise of their own size (plus 1e-3 of the unshifted MLP's)."""
+    torch.manual_seed(0)
+    mlp = FP8MLP(64, 256, fp8_hidden=True)
+    x = torch.randn(128, 64, requires_grad=True)
+
+    def high_precision():
+        hp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        hp.load_state_dict({"0.weight": mlp.fc.weight, "0.bias": mlp.fc.bias, "2.weight": mlp.proj.weight,
+                            "2.bias": mlp.proj.bias})  # fmt: skip
+        _, dx_hp, grads_hp = run(lambda m, v: m(v), hp, x, steps=1)
+        return dx_hp, grads_hp
+
+    dx_usual, grads_usual = high_precision()  # the gradients' usual size
+    with torch.no_grad():
+        mlp.fc.bias.add_(shift)
+    dx_hp, grads_hp = high_precision()
+    _, dx, grads = run(lambda m, v: m(v), mlp, x)
+    def close(got, ref, usual):
+        return (got - ref).norm() < 0.2 * ref.norm() + 1e-3 * usual.norm()
+
+    assert close(dx, dx_hp, dx_usual)
+    for name, hp_name in (("fc.weight", "0.weight"), ("fc.bias", "0.bias"), ("proj.weight", "2.weight")):
+        assert close(grads[name], grads_hp[hp_name], grads_usual[hp_name]), name
+
+
+def test_backward_hooks_on_the_layers_run():
+    """Backward hooks on fc or proj ran only on the unfused path (taken for forward hooks): in the fused path they
+    never fired, silently. They now send the module unfused too, with the same results."""
+    for fp8_hidden in (False, True):
+        mlp = FP8MLP(32, 64, fp8_hidden=fp8_hidden)
+        ref = copy.deepcopy(mlp)
+        fired = []
+        mlp.fc.register_full_backward_hook(lambda m, gi, go: fired.append("fc"))
+        mlp.proj.register_full_backward_pre_hook(lambda m, go: fired.append("proj"))
+        x = torch.randn(10, 32, requires_grad=True)
+        y, dx, _ = run(lambda m, v: m(v), mlp, x)
+        y_ref, dx_ref, _ = run(unfused, ref, x)
+        assert fired.count("fc") == fired.count("proj") == 3  # once per backward of run's three
+        assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+
+
+def test_fp8_hidden_keeps_nothing_more_when_only_proj_trains():
+    """fc and the input frozen: the backward needs gelu(h)'s FP8 copy alone (one byte per element), so fp8_hidden
+    keeps that copy as the default path does (keeping h instead would cost a recompute pass for nothing)."""
+    mlp, ref = _hidden_pair(in_features=32, hidden_features=128)
+    for m in (mlp, ref):
+        m.fc.requires_grad_(False)
+    x = torch.randn(48, 32)
+    assert _saved_bytes(mlp, x) == _saved_bytes(ref, x)
+    _, _, grads = run(lambda m, v: m(v), mlp, x)
+    _, _, grads_ref = run(lambda m, v: m(v), ref, x)
+    assert torch.equal(grads["proj.weight"], grads_ref["proj.weight"])
+
+
 def test_fp8_hidden_is_checked_and_shown():
     with pytest.raises(TypeError, match="fp8_hidden"):
         FP8MLP(32, 64, fp8_hidden="yes")
+    mlp = FP8MLP(32, 64)
+    with pytest.raises(TypeError, match="fp8_hidden"):
+        mlp.fp8_hidden = "False"  # truthy: would have turned it on
+    assert mlp.fp8_hidden is False
     mlp = FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32), fp8_hidden=True)
     assert mlp.fp8_hidden and "fp8_hidden=True" in repr(mlp)
     assert "fp8_hidden" not in repr(FP8MLP(32, 64))

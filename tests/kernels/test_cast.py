@@ -685,8 +685,9 @@ def _bytes_equal(got, ref):
 @pytest.mark.parametrize(("shape", "current"), [((67, 45), True), ((130, 64), False)])
 def test_gelu_cast_keeps_its_input_in_fp8(dtype, shape, current):
     """keep_input (FP8MLP(fp8_hidden=True)'s forward cast): the GELU input's FP8 copy, written by the same pass, is the
-    plain cast of the input with the GELU cast's scale divided by 2**PRE_ACTIVATION_HEADROOM, byte for byte (no
-    erf in it), NaN included; the GELU's own cast and the state's bookkeeping are those of a cast without it."""
+    plain cast of the input with the GELU cast's scale divided by 2**PRE_ACTIVATION_HEADROOM and at most 2**5 (the
+    1e-3 step: a tiny GELU amax, a large scale), byte for byte (no erf in it), NaN included; the GELU's own cast and
+    the state's bookkeeping are those of a cast without it."""
     gen = torch.Generator().manual_seed(11)
     got_state, ref_state, plain_state = _state(4, 1.0), _state(4, 1.0), _state(4, 1.0)
     headroom = 2.0**-reference.PRE_ACTIVATION_HEADROOM
@@ -701,7 +702,7 @@ def test_gelu_cast_keeps_its_input_in_fp8(dtype, shape, current):
         plain = quantize.quantize_(x, *plain_state, *args)
         assert len(got) == 4 and got[3].shape == x.shape and got[3].dtype == torch.float8_e4m3fn
         assert torch.equal(got[0].view(torch.uint8), plain[0].view(torch.uint8)) and torch.equal(got[2], plain[2])
-        kept = cast_to_fp8_ref(x, headroom / got[2], torch.float8_e4m3fn)[0]
+        kept = cast_to_fp8_ref(x, torch.clamp(headroom / got[2], max=2.0**5), torch.float8_e4m3fn)[0]
         assert _bytes_equal(got[3], kept), step
         assert _bytes_equal(ref[3], kept), step
         assert torch.equal(got[2], ref[2])
