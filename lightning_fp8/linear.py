@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
+from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.optim import master
+from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.recompute import (
     ForwardCall,
@@ -218,26 +222,39 @@ def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> None
 
 # ------------------------------------------------------------- a new weight Parameter: to_empty(), assign=True loads
 # Some flows put a new Parameter object in place of the weight: ``to_empty()`` from the meta device (and other
-# ``_apply`` conversions between tensor types), ``load_state_dict(assign=True)`` (and torch.__future__'s
-# swap_module_params_on_conversion). What FP8 training set on the old object would be lost, the FP8-weight marker
-# first (FP8AdamW would then give the weight fp32 states and no FP8 gradient): FP8Linear._apply and the load hooks
-# below set it on the new object. (assign=True into an adopted O2 weight is refused before anything is loaded:
-# master.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta device, the weight
-# becomes real but the scaling buffers (not in the state_dict) would stay on meta: the post-hook makes them fresh
-# ones on the weight's device, as converting there would have.
-_WEIGHT_MARKS = (master.MARKER,)
+# ``_apply`` conversions between tensor types), ``load_state_dict(assign=True)``. torch.__future__'s
+# swap_module_params_on_conversion keeps the object but swaps its contents (torch.utils.swap_tensors), for every
+# ``_apply`` (``.to()``, ``.half()``) and load: its attributes and the registration of its post-accumulate-grad hooks
+# stay with the discarded tensor. What FP8 training set on the old object would be lost: the FP8-weight marker
+# (FP8AdamW would then give the weight fp32 states and no FP8 gradient), at O2 the master scale its storage holds the
+# weight times (the forward would read the scaled fp16 storage), FP8AdamW's FP8 gradient hook and the FP8 weight copy.
+# FP8Linear._apply and the load hooks below put them back. (assign=True into an adopted O2 weight is refused before
+# anything is loaded: master.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta
+# device, the weight becomes real but the scaling buffers (not in the state_dict) would stay on meta: the post-hook
+# makes them fresh ones on the weight's device, as converting there would have.
+_WEIGHT_MARKS = (
+    master.MARKER, master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR, GRAD_OWNER_ATTR, weight_cache.ATTR,
+    weight_cache.KEY_ATTR,
+)  # fmt: skip
 
 
-def _weight_marks(module: nn.Module) -> dict[str, Any]:
+def _weight_marks(module: nn.Module) -> tuple[torch.Tensor | None, dict[str, Any], Any]:
+    """``(weight, its marks, its post-accumulate-grad hooks)``, for :func:`_put_back_marks`."""
     weight = module._parameters.get("weight")
-    return {a: getattr(weight, a) for a in _WEIGHT_MARKS if hasattr(weight, a)}
+    marks = {a: getattr(weight, a) for a in _WEIGHT_MARKS if hasattr(weight, a)}
+    return weight, marks, None if weight is None else weight._post_accumulate_grad_hooks
 
 
-def _put_back_marks(module: nn.Module, marks: dict[str, Any]) -> None:
+def _put_back_marks(module: nn.Module, saved: tuple[torch.Tensor | None, dict[str, Any], Any]) -> None:
+    old, marks, hooks = saved
     weight = module._parameters.get("weight")
+    if weight is None:
+        return
     for attr, value in marks.items():
-        if weight is not None and not hasattr(weight, attr):
+        if not hasattr(weight, attr):
             setattr(weight, attr, value)
+    if weight is old and hooks is not None:  # registers the same hooks again (swapped or not: they fire once)
+        weight._post_accumulate_grad_hooks = hooks
 
 
 def _before_load(module: nn.Module, *args: Any) -> None:
@@ -245,7 +262,7 @@ def _before_load(module: nn.Module, *args: Any) -> None:
 
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    _put_back_marks(module, module.__dict__.pop("_fp8_weight_marks", {}))
+    _put_back_marks(module, module.__dict__.pop("_fp8_weight_marks", (None, {}, None)))
     weight = module._parameters.get("weight")
     scaling = module._modules.get("fp8_scaling")
     if weight is None or scaling is None:
@@ -254,6 +271,46 @@ def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
         scaling.to_empty(device=weight.device)
         for state in scaling.values():
             state.reset()
+
+
+class _LayerMark:
+    """The FP8-weight marker (:data:`master.MARKER`) of an FP8Linear's weight: true while an FP8Linear holding it
+    exists (weak references, so the mark keeps no layer alive).
+
+    ``FP8Linear.from_linear`` and ``convert_to_fp8`` mark the weight of the ``nn.Linear`` they wrap. Where the new
+    layer is dropped (``convert_to_fp8(model[2])`` not assigned back), the weight is an ordinary parameter again: an
+    FP8AdamW must not make its storage a scaled fp16 master, which the model's ``nn.Linear`` would compute with.
+    Pickled empty, FP8Linear.__setstate__ marks itself again; deep-copied, it marks the copies of its layers.
+    """
+
+    __slots__ = ("_layers",)
+
+    def __init__(self, layers: Iterable[nn.Module] = ()) -> None:
+        self._layers = [weakref.ref(layer) for layer in layers]
+
+    def layers(self) -> list[nn.Module]:
+        return [layer for ref in self._layers if (layer := ref()) is not None]
+
+    def add(self, layer: nn.Module) -> None:
+        self._layers = [weakref.ref(live) for live in self.layers() if live is not layer] + [weakref.ref(layer)]
+
+    def __bool__(self) -> bool:
+        return any(ref() is not None for ref in self._layers)
+
+    def __reduce__(self) -> tuple:
+        return _LayerMark, ()  # a weak reference cannot be pickled: the unpickled layers mark themselves again
+
+    def __deepcopy__(self, memo: dict) -> _LayerMark:
+        return _LayerMark(memo[id(layer)] for layer in self.layers() if id(layer) in memo)
+
+
+def _mark_weight(layer: nn.Module) -> None:
+    """Mark ``layer``'s weight as an FP8 layer's (see :class:`_LayerMark`); a weight two FP8 layers share keeps both."""
+    mark = getattr(layer.weight, master.MARKER, None)
+    if isinstance(mark, _LayerMark):
+        mark.add(layer)
+    else:
+        setattr(layer.weight, master.MARKER, _LayerMark([layer]))
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -327,7 +384,7 @@ class FP8Linear(nn.Linear):
         common = {"margin": r.margin, "algo": r.amax_compute_algo, "device": device}
         # FP8AdamW (O2) recognises the weight by this marker and may keep its fp16 master in the weight's storage,
         # scaled: the hooks export and import the unscaled weight (lightning_fp8/optim/master.py).
-        setattr(self.weight, master.MARKER, True)
+        _mark_weight(self)
         self.register_state_dict_post_hook(master.state_dict_hook)
         self.register_load_state_dict_pre_hook(master.load_state_dict_pre_hook)
         self.register_load_state_dict_pre_hook(_before_load)
@@ -359,15 +416,28 @@ class FP8Linear(nn.Linear):
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialization of weight and bias, and a fresh scaling state (:meth:`ScalingState.reset`):
         meta-device materialization (``to_empty()`` then ``reset_parameters()``, as Lightning and FSDP do) must not
-        leave the scaling buffers uninitialized memory, and new weights make the old statistics meaningless."""
-        super().reset_parameters()
+        leave the scaling buffers uninitialized memory, and new weights make the old statistics meaningless.
+
+        A weight whose storage FP8AdamW (O2) holds as its scaled master is initialized in fp32 (the same random draws
+        as an fp32 layer) and stored scaled, with a fresh master scale, as a loaded weight is."""
+        weight = self._parameters.get("weight")
+        if weight is not None and master.master_scale(weight) is not None:
+            init = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+            nn.Linear.reset_parameters(SimpleNamespace(weight=init, bias=self.bias))  # nn.Linear's init, into init
+            incoming = {"weight": init}
+            master.load_state_dict_pre_hook(self, incoming, "", {})  # scales init, renews the master scale and amax
+            with torch.no_grad():
+                weight.copy_(incoming["weight"])  # through the parameter: its FP8 copy is invalid from now on
+        else:
+            super().reset_parameters()
         scaling = self._modules.get("fp8_scaling")  # nn.Linear.__init__ calls this before _init_scaling
         if scaling is not None:
             for state in scaling.values():
                 state.reset()
 
     def _apply(self, fn, recurse: bool = True):
-        # to_empty() from the meta device gives the weight a new Parameter object: keep the marker (see _WEIGHT_MARKS).
+        # to_empty() from the meta device gives the weight a new Parameter object, swap_module_params_on_conversion
+        # new contents: keep what FP8 training set on it (see _WEIGHT_MARKS).
         marks = _weight_marks(self)
         super()._apply(fn, recurse)
         _put_back_marks(self, marks)
@@ -391,6 +461,11 @@ class FP8Linear(nn.Linear):
             if hasattr(self.weight, attr):
                 setattr(new.weight, attr, copy.deepcopy(getattr(self.weight, attr), memo))
         return new
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if isinstance(getattr(self._parameters.get("weight"), master.MARKER, None), _LayerMark):
+            _mark_weight(self)  # unpickled (torch.load of a pickled model): the mark came back empty
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -77,6 +77,12 @@ class WeightCache:
         _CACHES[self.key] = self
         self.renew()
 
+    def __reduce__(self) -> tuple:
+        # Pickling the parameter (torch.save(model)) drops the copy: its record is int64 with float32 views, which
+        # torch.save refuses, and a copy is valid for one parameter object only. The next emitting step writes a new
+        # one; until then the forward casts.
+        return _dropped, ()
+
     def renew(self) -> None:
         """Make the copy invalid before the step writes it again: a fresh record (the last forward's ``scale_inv``, a
         view of the old one, may wait in an autograd graph) and no transpose (one may wait there too)."""
@@ -117,6 +123,10 @@ class WeightCache:
             torch._foreach_copy_([amax, scale, saturation, amax_history],
                                  [floats[1], floats[2], floats[3], floats[4:5]])  # fmt: skip
             torch._foreach_add_([nonfinite_count, casts], [counts[0], counts[1]])
+
+
+def _dropped() -> None:
+    return None  # an unpickled WeightCache: no copy (see WeightCache.__reduce__)
 
 
 def drop(param: torch.Tensor) -> None:

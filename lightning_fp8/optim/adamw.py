@@ -20,6 +20,7 @@ give the same bits.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -27,11 +28,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
+from lightning_fp8.kernels.reference_grad_cast import grad_cast_state_buffers
 from lightning_fp8.optim import checkpoint, grad_cast, master, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
@@ -48,9 +49,12 @@ _ALLOWED = {
     # FP8-LM: an FP8 second moment diverged, so it is not offered.
     "exp_avg_sq_dtype": (_FP32, _BF16, _FP16),
 }
-# FP8 weight -> the optimizer whose gradient hook takes its gradients (a later FP8AdamW over the same weight takes them
-# over). Kept here, not as an attribute of the parameter: a weak reference would make the model unpicklable.
-_GRAD_OWNERS = WeakIdKeyDictionary()
+# The attribute of an FP8 weight naming (by a number of its own) the FP8AdamW whose gradient hook takes its gradients:
+# a later FP8AdamW over the same weight takes them over. A plain int: a weak reference to the parameter (a weak-keyed
+# table) makes torch.utils.swap_tensors refuse it (swap_module_params_on_conversion), one to the optimizer on the
+# parameter makes the model unpicklable.
+GRAD_OWNER_ATTR = "_lightning_fp8_grad_owner"
+_GRAD_OWNER_IDS = itertools.count(1)
 # The constructor's and add_param_group's (a group would keep amsgrad=True and step without it).
 _NO_AMSGRAD = (
     "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or use "
@@ -59,6 +63,18 @@ _NO_AMSGRAD = (
 
 
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
+# The attributes an adopted weight carries besides its scaled storage (master.adopt).
+_MASTER_ATTRS = (master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR)
+
+
+def _distributed_fp8_grads(weights: str) -> str:
+    # Why fp8_grads is refused under torch.distributed (and defaults off there).
+    return (
+        f"FP8AdamW(fp8_grads=True) under torch.distributed: its hook takes the gradient of {weights} out of "
+        "param.grad as soon as backward accumulates it, before DistributedDataParallel averages param.grad over the "
+        "ranks: each rank would step on its own gradient, and the replicas would drift apart. Create FP8AdamW with "
+        "fp8_grads=False (its default once torch.distributed is initialized)"
+    )
 
 
 class FP8AdamW(torch.optim.Optimizer):
@@ -79,8 +95,8 @@ class FP8AdamW(torch.optim.Optimizer):
             master is kept apart from the parameter.
         fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy
             (at O1, the weight's fp32 copy: each FP8Linear weight that requires a gradient, not ``fp8_params``,
-            nor sharded (DTensor) weights). Default: on unless ``torch.distributed`` is initialized (DDP reduces
-            ``param.grad`` after the hook).
+            nor sharded (DTensor) weights). Default: on unless ``torch.distributed`` is initialized, where it is
+            refused: DDP reduces ``param.grad`` after the hook.
             The optimizer then holds those gradients, and ``param.grad`` is ``None``: only this optimizer's
             :meth:`zero_grad` drops them. ``model.zero_grad()`` (``nn.Module``'s) does not reach them, and nothing
             tells its call apart from the hook's own emptying of ``param.grad`` (it changes nothing then): discard
@@ -123,7 +139,8 @@ class FP8AdamW(torch.optim.Optimizer):
     Raises:
         ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
             ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a parameter group, also one
-            given to :meth:`add_param_group`).
+            given to :meth:`add_param_group`), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
+            backward raises RuntimeError once it is initialized after the optimizer was created with them).
         TypeError: for complex parameters.
 
     Example:
@@ -188,6 +205,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._stepped_fp8_grads: list[torch.Tensor] = []  # the params the last step took an FP8 gradient of
         self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
         self._hooks: dict[torch.Tensor, Any] = {}
+        self._grad_owner_id = next(_GRAD_OWNER_IDS)  # see GRAD_OWNER_ATTR
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
         self._fp8_unscale: float | None = None  # set while FP8GradScaler.step(self) runs the update through step()
@@ -214,6 +232,7 @@ class FP8AdamW(torch.optim.Optimizer):
                         f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
                         "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
                     )
+            self._check_grad_hooks_allowed(group["params"])
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -263,6 +282,22 @@ class FP8AdamW(torch.optim.Optimizer):
         if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
             self._register_grad_hook(p)
 
+    def _gets_grad_hook(self, p: torch.Tensor) -> bool:
+        """Whether ``fp8_grads`` gives ``p`` the FP8 gradient hook: an FP8Linear weight that trains, not sharded, at
+        O1 (:meth:`_register_o1_grad_hooks`) or adopted at O2 (:meth:`_adopt`)."""
+        if not (self.fp8_grads and master.is_fp8_weight(p) and p.requires_grad) or shards.is_dtensor(p):
+            return False
+        if self.opt_level == "O1":
+            return True
+        return self._wants_low_precision(p) and (self._takes_storage(p) or master.master_scale(p) is not None)
+
+    def _check_grad_hooks_allowed(self, params: Iterable[torch.Tensor]) -> None:
+        """Raise ValueError if ``fp8_grads`` would hook the gradients of some of ``params`` under torch.distributed
+        (see :func:`_distributed_fp8_grads`)."""
+        hooked = [p for p in params if self._gets_grad_hook(p)]
+        if hooked and dist.is_available() and dist.is_initialized():
+            raise ValueError(f"{_distributed_fp8_grads(f'{len(hooked)} FP8 weight(s)')}; nothing was changed")
+
     def _register_o1_grad_hooks(self, params: Iterable[torch.Tensor]) -> None:
         """At O1 (with ``fp8_grads``), the FP8 gradient hook of each FP8Linear weight of ``params`` that trains.
 
@@ -278,15 +313,21 @@ class FP8AdamW(torch.optim.Optimizer):
             self._register_grad_hook(p)
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
-        owner = weakref.ref(self)
-        _GRAD_OWNERS[p] = owner
+        owner, owner_id = weakref.ref(self), self._grad_owner_id
+        setattr(p, GRAD_OWNER_ATTR, owner_id)
 
         def hook(param: torch.Tensor) -> None:
             optimizer = owner()
-            if optimizer is not None and _GRAD_OWNERS.get(param) is owner and param.grad is not None:
+            if optimizer is not None and getattr(param, GRAD_OWNER_ATTR, None) == owner_id and param.grad is not None:
                 # An O1 weight put back to high precision without this optimizer (recovery) keeps its gradient.
                 if master.master_scale(param) is None and not master.is_fp8_weight(param):
                     return
+                if dist.is_available() and dist.is_initialized():  # initialized after the optimizer was created
+                    raise RuntimeError(
+                        f"{_distributed_fp8_grads(f'the FP8 weight of shape {tuple(param.shape)}')} (this FP8AdamW "
+                        "was created before torch.distributed was initialized, where fp8_grads defaults to True); "
+                        "the gradient was left in param.grad"
+                    )
                 grad, param.grad = param.grad, None
                 optimizer._grad_casts.put(optimizer, param, grad)
 
@@ -525,6 +566,57 @@ class FP8AdamW(torch.optim.Optimizer):
             local = shards.local(p).detach().float()
             checkpoint.store(state, "master", local, self.master_dtype, local.shape, local.device)
             state["master"] = shards.like(p, state["master"])
+
+    # ------------------------------------------------------------------------------------------------- pickling
+    # FP8AdamW's own attributes that torch.save(optimizer) and copy.deepcopy keep as they are, besides
+    # torch.optim.Optimizer's (defaults, state, param_groups); __setstate__ rebuilds the others.
+    _PICKLED = (
+        "recipe", "opt_level", "master_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "scale_update",
+        "low_precision_moments", "emit_fp8_weights", "grad_scaler", "grad_dtype", "fp8_grads", "_low_precision",
+        "_moments_only", "_master_amax", "skipped_grad_amax",
+    )  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``torch.save(optimizer)`` and ``copy.deepcopy(optimizer)`` keep: the copy steps its parameters as this
+        optimizer steps these. Its parameters are those of the model saved or deep-copied with it (in the same call,
+        as for ``torch.optim.AdamW``), else copies of the parameters; an adopted weight's master scale (an attribute
+        of the parameter, which the parameter's deep copy drops) follows them. The FP8 gradient hooks are registered
+        again on the copy's parameters. No gradient is kept (PyTorch keeps no ``param.grad`` either), not even the FP8
+        gradients this optimizer holds; nor are the FP8 weight copies (the next emitting step writes them)."""
+        adopted = [p for p in self._low_precision if master.master_scale(p) is not None]
+        return {
+            **super().__getstate__(),
+            **{name: getattr(self, name) for name in self._PICKLED},
+            "_extra_fp8_params": [
+                p for group in self.param_groups for p in group["params"] if id(p) in self._extra_fp8_params
+            ],
+            # int64 with float32 views, which torch.save refuses: the views are made again on loading.
+            "_grad_cast_states": {p: packed for p, (packed, _) in self._grad_cast_states.items()},
+            "_grad_cast_bucket_bytes": self._grad_casts.bucket_bytes,
+            "_hooked": list(self._hooks),
+            "_masters": {p: tuple(getattr(p, attr) for attr in _MASTER_ATTRS) for p in adopted},
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_hooked" not in state:  # torch.optim.Optimizer.load_state_dict updates state and param_groups this way
+            super().__setstate__(state)
+            return
+        state = dict(state)
+        masters, hooked = state.pop("_masters"), state.pop("_hooked")
+        cast_states, extra = state.pop("_grad_cast_states"), state.pop("_extra_fp8_params")
+        self._grad_casts = grad_cast.GradCastQueue(state.pop("_grad_cast_bucket_bytes"))
+        super().__setstate__(state)
+        for p, values in masters.items():
+            for attr, value in zip(_MASTER_ATTRS, values, strict=True):
+                if not hasattr(p, attr):
+                    setattr(p, attr, value)
+        self._extra_fp8_params = {id(p) for p in extra}
+        self._grad_cast_states = {p: (packed, grad_cast_state_buffers(packed)) for p, packed in cast_states.items()}
+        self._pending, self._stepped_fp8_grads = {}, []
+        self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
+        self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
+        for p in hooked:
+            self._register_grad_hook(p)
 
     # ------------------------------------------------------------------------------------------ state and stats
     @override
