@@ -476,7 +476,8 @@ class FP8LMPrecision(_FP8LMPrecisionLogic, Precision):
         fp8_communication: install the FP8 gradient communication hooks under DDP and FSDP (default).
         fp8_grads: let FP8AdamW turn each FP8 weight's gradient into FP8 as soon as backward produces it (saves
             a byte or more per parameter). Off by default: those gradients then leave ``param.grad``, so gradient
-            clipping, ``on_before_optimizer_step`` hooks and gradient-norm logging would not see them.
+            clipping, ``on_before_optimizer_step`` hooks and gradient-norm logging would not see them. Refused by
+            FP8AdamW under a multi-process strategy (DDP would average nothing: the gradients leave before it).
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`, a dict of its arguments, or ``None`` for defaults.
         module_filter_fn: ``fn(module, fqn) -> bool``; only linear layers where it returns True become FP8
             (e.g. ``lambda m, fqn: "lm_head" not in fqn``).
