@@ -173,8 +173,8 @@ class FP8MLP(nn.Module):
     activation dtype before its FP8 cast. Build one from an existing MLP's layers with :meth:`from_modules`.
 
     Where the fused path cannot run (DTensor weights, forward or backward hooks on ``fc`` or ``proj``), the module
-    computes ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double backward and activation checkpointing behave as
-    in :class:`~lightning_fp8.FP8Linear` (see there).
+    computes ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double
+    backward and activation checkpointing behave as in :class:`~lightning_fp8.FP8Linear` (see there).
 
     ``fp8_hidden=True`` keeps less for the backward: the GELU's input ``h`` (tokens x hidden) in FP8 (the GELU output's
     format, its scale divided by ``2**4`` and at most ``2**5``: negative inputs down to -16 times that scale's amax, and

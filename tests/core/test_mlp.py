@@ -445,8 +445,8 @@ def test_backward_hooks_on_the_layers_run():
         mlp = FP8MLP(32, 64, fp8_hidden=fp8_hidden)
         ref = copy.deepcopy(mlp)
         fired = []
-        mlp.fc.register_full_backward_hook(lambda m, gi, go: fired.append("fc"))
-        mlp.proj.register_full_backward_pre_hook(lambda m, go: fired.append("proj"))
+        mlp.fc.register_full_backward_hook(lambda m, gi, go, fired=fired: fired.append("fc"))
+        mlp.proj.register_full_backward_pre_hook(lambda m, go, fired=fired: fired.append("proj"))
         x = torch.randn(10, 32, requires_grad=True)
         y, dx, _ = run(lambda m, v: m(v), mlp, x)
         y_ref, dx_ref, _ = run(unfused, ref, x)

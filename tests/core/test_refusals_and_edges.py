@@ -1,6 +1,6 @@
-"""Refusals and edge cases of the public API: scales whose reciprocal overflows fp32 in checkpoints, ScalingState's arguments,
-FP8AdamW built under torch.inference_mode(), converting again with another recipe, and the monitoring guide's
-gradient norm."""
+"""Refusals and edge cases of the public API: scales whose reciprocal overflows fp32 in checkpoints, ScalingState's
+arguments, FP8AdamW built under torch.inference_mode(), converting again with another recipe, and the monitoring
+guide's gradient norm."""
 
 import copy
 import functools

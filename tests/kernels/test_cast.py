@@ -645,8 +645,8 @@ def test_traced_quantize_op_with_activation():
 @pytest.mark.parametrize(
     ("current", "transpose", "column_sum", "activation", "fp8_hidden"),
     [(False, True, False, None, False), (True, True, False, None, False), (False, True, True, None, False),
-     (True, False, False, "gelu", False), (False, True, True, "gelu_backward", False), (False, False, False, "gelu", True),
-     (False, True, True, "gelu_backward", True)],
+     (True, False, False, "gelu", False), (False, True, True, "gelu_backward", False),
+     (False, False, False, "gelu", True), (False, True, True, "gelu_backward", True)],
 )  # fmt: skip
 def test_no_state_buffer_is_passed_to_a_cast_kernel_twice(
     monkeypatch, current, transpose, column_sum, activation, fp8_hidden
