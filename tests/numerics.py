@@ -3,6 +3,22 @@
 import torch
 
 
+def assert_same(a, b) -> None:
+    """Bit for bit: tensors (dtype and bytes), and dicts, lists and values of them."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
 def sqnr(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||actual - ref||)."""
     ref = reference.detach().double()

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_fp8 import FP8MLP, FP8AdamW, FP8Linear, convert_to_fp8, weight_cache
 from lightning_fp8.optim import master
+from tests.numerics import assert_same
 
 # nn.Linear's initialization computed in fp32 and stored in fp16 times a power of two: one fp16 rounding.
 FP16_ROUNDING_RTOL = 2**-10
@@ -27,22 +28,6 @@ def _model(seed: int = 0) -> nn.Module:
 def _batches(n: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randn(8, 32, generator=gen) for _ in range(n)]
-
-
-def _assert_same(a, b) -> None:
-    """Bit for bit: tensors (dtype and bytes), and dicts, lists and values of them."""
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 def _adopted(model: nn.Module) -> list[bool]:
@@ -82,7 +67,7 @@ def test_swapping_params_on_conversion_trains_as_without_swapping(conversion, fp
     """Swapping kept the Parameter object but dropped what FP8 training hangs on it: the master scale (the forward and
     state_dict() read the scaled fp16 storage, max |w| 46336 instead of 0.18) and the FP8 gradient hook; with that
     hook, torch refused the swap ("has weakref") after the load had already written the new weight."""
-    _assert_same(_train_across(conversion, fp8_grads, swap=True), _train_across(conversion, fp8_grads, swap=False))
+    assert_same(_train_across(conversion, fp8_grads, swap=True), _train_across(conversion, fp8_grads, swap=False))
 
 
 # -- reset_parameters() of an adopted weight ---------------------------------------------------------------------------
@@ -98,9 +83,9 @@ def test_reset_parameters_of_an_adopted_weight_stores_the_new_weight_scaled():
     torch.manual_seed(1)
     ref.reset_parameters()  # the same random draws, in fp32
     torch.testing.assert_close(layer.state_dict()["weight"], ref.weight.detach(), rtol=FP16_ROUNDING_RTOL, atol=0)
-    _assert_same(layer.bias.detach(), ref.bias.detach())
+    assert_same(layer.bias.detach(), ref.bias.detach())
     # Stored as a load stores it: FP8AdamW's fp16 master, scaled by a fresh power of two for the new weight.
-    _assert_same(
+    assert_same(
         (layer.weight.detach(), master.master_scale(layer.weight), getattr(layer.weight, master.AMAX_ATTR)),
         master.quantize_fp16(ref.weight),
     )
@@ -121,7 +106,7 @@ def test_a_weight_is_adopted_only_while_an_fp8_layer_holds_it():
         before = model(x)
         FP8AdamW(model.parameters(), lr=1e-3)
         assert model[2].weight.dtype == torch.float32 and master.master_scale(model[2].weight) is None
-        _assert_same(model(x), before)
+        assert_same(model(x), before)
     # Kept: converted in place, assigned back, fused into an FP8MLP, deep-copied (the original gone), unpickled.
     assigned = nn.Sequential(nn.Linear(32, 32))
     assigned[0] = convert_to_fp8(assigned[0])
@@ -166,7 +151,7 @@ def test_optimizer_copied_with_its_model_steps_as_the_original(opt_level, how):
     batches = _batches(4)
     _steps(model, opt, batches[:2])
     model_copy, opt_copy = _round_trip((model, opt), how)
-    _assert_same(_steps(model_copy, opt_copy, batches[2:]), _steps(model, opt, batches[2:]))
+    assert_same(_steps(model_copy, opt_copy, batches[2:]), _steps(model, opt, batches[2:]))
     assert opt_copy.holds_fp8_grads and model_copy[0].weight.grad is None  # the copy's own FP8 gradient hooks
 
 
@@ -182,8 +167,8 @@ def test_optimizer_deep_copied_alone_steps_its_copies_of_the_parameters():
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
         optimizer.step()
-    _assert_same(copies, [p.detach() for p in model.parameters()])  # the scaled fp16 masters among them
-    _assert_same([master.master_scale(p) for p in copies], [master.master_scale(p) for p in model.parameters()])
+    assert_same(copies, [p.detach() for p in model.parameters()])  # the scaled fp16 masters among them
+    assert_same([master.master_scale(p) for p in copies], [master.master_scale(p) for p in model.parameters()])
 
 
 def test_model_pickled_after_an_emitting_step_loads_and_casts():
@@ -198,7 +183,7 @@ def test_model_pickled_after_an_emitting_step_loads_and_casts():
     for p in model.parameters():
         weight_cache.drop(p)
     x = torch.randn(8, 32)
-    _assert_same(loaded(x), model(x))
+    assert_same(loaded(x), model(x))
 
 
 # -- fp8_grads under torch.distributed ---------------------------------------------------------------------------------

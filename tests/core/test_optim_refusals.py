@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8AdamW, convert_to_fp8
+from tests.numerics import assert_same
 
 NO_AMSGRAD = "FP8AdamW\\(amsgrad=True\\) is not supported"  # the constructor's message
 
@@ -25,21 +26,6 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def _snapshot(model: nn.Module, opt: FP8AdamW) -> tuple:
     return copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
-
-
-def _assert_same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 def test_add_param_group_refuses_amsgrad_as_the_constructor_does():
@@ -74,7 +60,7 @@ def test_load_state_dict_refuses_amsgrad_before_anything_changes(saved):
     with pytest.raises(ValueError, match="AMSGrad") as raised:
         opt.load_state_dict(state_dict)
     assert "amsgrad" in str(raised.value) and "max_exp_avg_sq" in str(raised.value)  # says what to do
-    _assert_same(_snapshot(model, opt), before)
+    assert_same(_snapshot(model, opt), before)
 
 
 def test_load_state_dict_takes_torch_adamw_groups_with_amsgrad_false():
