@@ -212,6 +212,7 @@ class FP8GradScaler:
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY_LEN)
         self._last_optimizer: torch.optim.Optimizer | None = None
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # every optimizer stepped (fallback)
+        self._seen_unbound: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # FP8AdamW not reporting here
         # The casts an optimizer reported of its own gradients (FP8AdamW's), kept for that optimizer's step: where
         # each optimizer's step() also updates, one optimizer's update must not judge (and drop) another's. Weak:
         # an optimizer that is dropped with gradients pending is not kept alive.
@@ -416,6 +417,16 @@ class FP8GradScaler:
         self._seen.add(optimizer)
         inv_scale = 1.0 / self.loss_scale
         fused = getattr(optimizer, "_fp8_step", None)
+        bound = getattr(optimizer, "grad_scaler", None)
+        if fused is not None and bound is not self and optimizer not in self._seen_unbound:
+            self._seen_unbound.add(optimizer)
+            warnings.warn(
+                f"FP8GradScaler.step: this {type(optimizer).__name__} reports its FP8 gradient casts to "
+                f"{'no scaler' if bound is None else 'another scaler'}, so mu does "
+                "not see how many of them saturate (it grows until a step overflows, then halves). Create it with "
+                "FP8AdamW(..., grad_scaler=scaler) for this scaler",
+                stacklevel=2,
+            )
         found = optimizer._nonfinite_grads() if fused is not None else None  # flushes FP8AdamW's queued casts first
         reported = self._owned.pop(optimizer, None)
         own = _Counts() if reported is None else reported.copy()
@@ -558,7 +569,7 @@ class FP8GradScaler:
     # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
     # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
     # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
-    _WEAK = ("_owned", "_seen", "_nonfinite_runs", "_unscaled")
+    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_unscaled")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -572,7 +583,7 @@ class FP8GradScaler:
         self.__dict__.update(state)
         self.__dict__.setdefault("_restored_run", 0)
         self._owned = weakref.WeakKeyDictionary()
-        self._seen = weakref.WeakSet()
+        self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
         self._nonfinite_runs = weakref.WeakKeyDictionary()
         self._unscaled = weakref.WeakSet()
 

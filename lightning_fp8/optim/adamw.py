@@ -115,6 +115,10 @@ class FP8AdamW(torch.optim.Optimizer):
         maximize: maximize the objective, as in ``torch.optim.AdamW``.
         amsgrad: accepted for ``torch.optim.AdamW`` compatibility; only ``False`` (the AMSGrad maximum of the second
             moment is not implemented for low-precision states).
+        foreach, fused: accepted for ``torch.optim.AdamW`` compatibility and without effect: the step is always one
+            fused multi-tensor kernel per kind of state.
+        capturable, differentiable: accepted for ``torch.optim.AdamW`` compatibility; only ``False`` (neither is
+            implemented).
         emit_fp8_weights: the step also writes, for each FP8Linear weight, the FP8 copy (E4M3) the next forwards use
             instead of casting the weight (:mod:`lightning_fp8.weight_cache`). Costs up to 2 bytes per FP8 weight
             parameter between steps (the copy, and its transpose made by the first forward that needs it), saves
@@ -139,7 +143,7 @@ class FP8AdamW(torch.optim.Optimizer):
     Raises:
         ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
             ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a parameter group, also one
-            given to :meth:`add_param_group`), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
+            given to :meth:`add_param_group`), ``capturable=True`` or ``differentiable=True``, ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
             backward raises RuntimeError once it is initialized after the optimizer was created with them).
         TypeError: for complex parameters.
 
@@ -170,9 +174,19 @@ class FP8AdamW(torch.optim.Optimizer):
         emit_fp8_weights: bool = False,
         grad_cast_bucket_mb: float = 0,
         low_precision_moments: LowPrecisionMoments = "fp8_weights",
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         if amsgrad:
             raise ValueError(_NO_AMSGRAD)
+        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(
+                    f"FP8AdamW({name}=True) is not supported: FP8AdamW's step is a fused kernel over low-precision "
+                    f"states; drop {name}, or use torch.optim.AdamW for the parameters that need it"
+                )
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level

@@ -487,3 +487,25 @@ def test_ranks_agree_to_skip(tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     for rank, (out, _) in enumerate(outs):
         assert f"rank{rank} stepped=False scale=2.0 p0=1.0" in out
+
+
+def test_stepping_an_fp8adamw_that_reports_elsewhere_warns_once():
+    """scaler.step(opt) with an FP8AdamW created without grad_scaler=scaler: its FP8 gradient casts report their
+    saturation to no scaler, so mu grows until a step overflows. Warned, once per optimizer; a bound one is not."""
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)))
+    scaler = FP8GradScaler(init_scale=2.0**4, model=model)
+    unbound = FP8AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 16)
+    for expected in (1, 0):
+        scaler.scale_loss(model(x).square().mean()).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert scaler.step(unbound)
+        scaler.update()
+        unbound.zero_grad()
+        assert sum("reports its FP8 gradient casts to no scaler" in str(w.message) for w in caught) == expected
+    bound = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler)
+    scaler.scale_loss(model(x).square().mean()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert scaler.step(bound)

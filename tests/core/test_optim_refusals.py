@@ -82,3 +82,22 @@ def test_load_state_dict_takes_torch_adamw_groups_with_amsgrad_false():
         o.step()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+def test_adamw_performance_arguments_are_accepted_and_step_as_without_them():
+    """Code written for torch.optim.AdamW passes foreach= or fused=: FP8AdamW raised TypeError (unexpected keyword)
+    though it takes AdamW's arguments. They have no effect (the step is always fused): the same bits as without them;
+    capturable=True and differentiable=True are refused, saying what to do."""
+    runs = []
+    for kwargs in ({}, {"foreach": True, "fused": True}, {"foreach": False, "fused": False, "capturable": False}):
+        torch.manual_seed(0)
+        model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)))
+        opt = FP8AdamW(model.parameters(), lr=1e-2, **kwargs)
+        for _ in range(2):
+            _step(model, opt)
+        runs.append(_snapshot(model, opt))
+    assert_same(runs[1], runs[0])
+    assert_same(runs[2], runs[0])
+    for name in ("capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"FP8AdamW\\({name}=True\\) is not supported"):
+            FP8AdamW(nn.Linear(4, 4).parameters(), **{name: True})
