@@ -143,8 +143,9 @@ class FP8AdamW(torch.optim.Optimizer):
     Raises:
         ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
             ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a parameter group, also one
-            given to :meth:`add_param_group`), ``capturable=True`` or ``differentiable=True``, ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
-            backward raises RuntimeError once it is initialized after the optimizer was created with them).
+            given to :meth:`add_param_group`), ``capturable=True`` or ``differentiable=True``, ``fp8_grads=True``
+            where ``torch.distributed`` is initialized (a backward raises RuntimeError once it is initialized after
+            the optimizer was created with them).
         TypeError: for complex parameters.
 
     Example:
