@@ -58,14 +58,16 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     A scheduler that recomputes the lr from its own stored base values overrides this at its next step; use a
     callable fallback that also adjusts the scheduler in that case.
     """
+    lowered: set[int] = set()  # tensors already multiplied: torch puts one lr tensor in every group it was given to
     for group in optimizer.param_groups:
         for key in ("lr", "initial_lr"):
             if key in group:
                 value = group[key]
-                if isinstance(value, torch.Tensor):
-                    value.mul_(factor)
-                else:
+                if not isinstance(value, torch.Tensor):
                     group[key] = value * factor
+                elif id(value) not in lowered:
+                    lowered.add(id(value))
+                    value.mul_(factor)
     return f"lowered the learning rate by {factor}x"
 
 

@@ -17,6 +17,7 @@ dtype, so calling this every ``log_every_n_steps`` costs one synchronization, no
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,10 +38,19 @@ _SCALER_FIELDS = ("skipped_steps", "last_saturation", "nonfinite_events")
 
 
 def clean_name(name: str) -> str:
-    """``name`` without the fragments that DDP/FSDP/compile wrappers add (``module.``, ``_fsdp_wrapped_module.``)."""
-    for fragment in _WRAPPER_FRAGMENTS:
-        name = name.replace(fragment, "")
-    return name.removeprefix("module.")
+    """``name`` without the path components that DDP/FSDP/compile wrappers add (a leading ``module``,
+    ``_fsdp_wrapped_module``, ...): whole components only ("my_orig_mod.fc" stays as it is)."""
+    parts = [part for part in name.split(".") if f"{part}." not in _WRAPPER_FRAGMENTS]
+    return ".".join(parts[1:] if parts[:1] == ["module"] else parts)
+
+
+def _clean_names(names: Iterable[str]) -> dict[str, str]:
+    # clean_name of each, except where two names would become one (a layer of the user's own named "module" beside
+    # one that is not in it): those keep their full names, so that no layer's entries overwrite another's.
+    names = list(dict.fromkeys(names))
+    cleaned = {name: clean_name(name) for name in names}
+    counts = collections.Counter(cleaned.values())
+    return {name: short if counts[short] == 1 else name for name, short in cleaned.items()}
 
 
 class _HostBatch:
@@ -83,13 +93,14 @@ def _scaling_states(model: nn.Module) -> Iterable[tuple[str, str, ScalingState]]
     # (layer name, role, state) for every ScalingState; layers keep them under "<layer>.fp8_scaling.<role>".
     # Only a whole trailing "fp8_scaling" path component is dropped, never part of the user's own layer name
     # ("head_fp8_scaling" is a layer of that name); the model itself being the layer gives "root".
-    for name, module in model.named_modules():
-        if isinstance(module, ScalingState):
-            parent, _, role = name.rpartition(".")
-            path = clean_name(parent).split(".") if parent else []
-            if path and path[-1] == _SCALING_CONTAINER:
-                path.pop()
-            yield ".".join(path) or "root", role, module
+    states = [(name, module) for name, module in model.named_modules() if isinstance(module, ScalingState)]
+    short = _clean_names(name.rpartition(".")[0] for name, _ in states)
+    for name, module in states:
+        parent, _, role = name.rpartition(".")
+        path = short[parent].split(".") if parent else []
+        if path and path[-1] == _SCALING_CONTAINER:
+            path.pop()
+        yield ".".join(path) or "root", role, module
 
 
 def _layer_handles(model: nn.Module, batch: _HostBatch) -> dict[str, dict[str, dict[str, Any]]]:
@@ -123,7 +134,9 @@ def _optimizer_handles(
 ) -> dict[str, dict[str, Any]]:
     # Low-precision optimizer states carry one 0-dim fp32 scale per tensor (DESIGN.md "FP8AdamW": state layout);
     # they are recognised by name (a key containing "scale"), so any optimizer following that layout is covered.
-    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    params = list(model.named_parameters())
+    short = _clean_names(n for n, _ in params)
+    names = {id(p): short[n] for n, p in params}
     states: dict[str, dict[str, Any]] = {}
     for index, (param, state) in enumerate(optimizer.state.items()):
         scales = {

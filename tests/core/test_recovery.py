@@ -18,6 +18,7 @@ from lightning_fp8.recovery import (
     UnfusedMLP,
     fallback_to_high_precision,
     fallen_back_layers,
+    lower_lr,
     put_back_to_high_precision,
 )
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
@@ -377,3 +378,17 @@ def test_fallback_with_one_rank_and_no_ddp_runs():
     refused as 'under DistributedDataParallel')."""
     (report,) = run_workers(_one_rank_fallback, 1)
     assert report["layers"] == ["Linear", "Linear"], report
+
+
+def test_lower_lr_lowers_a_learning_rate_tensor_shared_by_groups_once():
+    """torch puts one lr tensor in every group it was given to: lower_lr multiplied it once per group (factor**2
+    with two groups), and once more where initial_lr is the same tensor."""
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([{"params": [a]}, {"params": [b]}], lr=torch.tensor(0.01))
+    assert opt.param_groups[0]["lr"] is opt.param_groups[1]["lr"]
+    opt.param_groups[0]["initial_lr"] = opt.param_groups[0]["lr"]
+    lower_lr(opt, 0.5)
+    assert [float(g["lr"]) for g in opt.param_groups] == [float(torch.tensor(0.01) * 0.5)] * 2
+    plain = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.2}], lr=0.1)
+    lower_lr(plain, 0.5)
+    assert [g["lr"] for g in plain.param_groups] == [0.05, 0.1]

@@ -144,3 +144,25 @@ def test_a_bare_fp8_layer_is_root(wrap):
     layer(torch.randn(4, 16))
     wrapped = {"plain": layer, "module": nn.ModuleDict({"module": layer}), "compiled": torch.compile(layer)}[wrap]
     assert list(fp8_stats(wrapped)["layers"]) == ["root"]
+
+
+def test_layers_whose_clean_names_would_collide_keep_their_full_names():
+    """A user's own child named "module" (not a DDP wrapper) beside a layer of the same name outside it: clean_name
+    made both "fc", and one layer's entries overwrote the other's (the summary counted one layer of two). Wrapper
+    fragments are stripped as whole path components only."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.module = nn.Sequential()
+            self.module.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.module.fc(self.fc(x))
+
+    model = convert_to_fp8(Model())
+    model(torch.randn(2, 16)).sum().backward()
+    assert sorted(fp8_stats(model)["layers"]) == ["fc", "module.fc"]
+    assert clean_name("my_orig_mod.fc") == "my_orig_mod.fc"
+    assert clean_name("module._orig_mod.blocks.0._checkpoint_wrapped_module.fc") == "blocks.0.fc"
