@@ -182,14 +182,10 @@ def _as_list(
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
-def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module:
-    return modules[name.rpartition(".")[0]]  # named_modules() names the model itself ""
-
-
-def _replaced(modules: dict[str, nn.Module], name: str) -> nn.Module:
-    """What putting the layer ``name`` back replaces in the model: the layer, or the FP8MLP holding it."""
-    parent = _parent(modules, name)
-    return parent if isinstance(parent, FP8MLP) else modules[name]
+def _mlps_holding(model: nn.Module, layer: nn.Module) -> list[FP8MLP]:
+    """Every FP8MLP of ``model`` that holds ``layer``, under any name: a layer shared with another module
+    (``self.extra = mlp.fc``) is named after that module first, which is not its FP8MLP."""
+    return [m for m in model.modules() if isinstance(m, FP8MLP) and any(c is layer for c in m._modules.values())]
 
 
 def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
@@ -218,7 +214,7 @@ def _check_can_put_back(
             "FP8 layers are fp8_modules(model)); pass names from fallen_back_layers() of a model structured like this "
             "one. Nothing was changed"
         )
-    in_root = [name for name in names if _replaced(modules, name) is modules[""]]
+    in_root = [name for name in names if any(mlp is modules[""] for mlp in _mlps_holding(modules[""], modules[name]))]
     if in_root:
         raise ValueError(
             f"put_back_to_high_precision: {', '.join(map(repr, in_root))} is a layer of the FP8MLP that is the model "
@@ -227,7 +223,8 @@ def _check_can_put_back(
             "nonfinite_fallback='lower_lr'. Nothing was changed"
         )
     prefix = "FP8GradScaler(nonfinite_fallback='bf16') cannot put"
-    sharded = [name for name in names if any(is_dtensor(p) for p in _replaced(modules, name).parameters())]
+    sharded = [name for name in names if any(is_dtensor(p) for m in (modules[name], *_mlps_holding(modules[""],
+               modules[name])) for p in m.parameters())]  # fmt: skip
     if sharded:
         raise ValueError(
             f"{prefix} {', '.join(map(repr, sharded))} back to nn.Linear: their parameters are DTensors (fully_shard "
@@ -260,6 +257,7 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module], name: str, optimizers
     """Put the FP8 layer ``name`` back to an ``nn.Linear`` holding its parameter objects, marked as fallen back; an
     FP8MLP holding it becomes an :class:`UnfusedMLP`."""
     layer = modules[name]
+    mlps = _mlps_holding(model, layer)
     for optimizer in optimizers:
         if hasattr(optimizer, "release") and _holds(optimizer, layer.weight):
             optimizer.release(layer.weight)
@@ -274,13 +272,13 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module], name: str, optimizers
     setattr(linear, FALLBACK_ATTR, True)
     _replace(model, layer, linear)
     modules[name] = linear
-    parent = _parent(modules, name)
-    if isinstance(parent, FP8MLP):
+    for parent in mlps:  # each FP8MLP holding the layer (under any of its names) runs its layers one by one now
         unfused = UnfusedMLP(parent.fc, parent.proj)
         unfused.train(parent.training)
         share_hooks(parent, unfused, CALL_HOOKS + STATE_DICT_HOOKS)
         _replace(model, parent, unfused)
-        modules[name.rpartition(".")[0]] = unfused
+        for key in [key for key, module in modules.items() if module is parent]:
+            modules[key] = unfused
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:

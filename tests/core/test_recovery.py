@@ -392,3 +392,28 @@ def test_lower_lr_lowers_a_learning_rate_tensor_shared_by_groups_once():
     plain = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.2}], lr=0.1)
     lower_lr(plain, 0.5)
     assert [g["lr"] for g in plain.param_groups] == [0.05, 0.1]
+
+
+def test_a_layer_an_fp8mlp_shares_with_another_module_takes_the_fp8mlp_with_it():
+    """The layer is named after the other module first (``self.extra = mlp.fc``): the fallback put it back under every
+    name but turned only that first name's parent into an UnfusedMLP, so the FP8MLP held an nn.Linear and its next
+    forward raised AttributeError. Every FP8MLP holding it becomes an UnfusedMLP, computing what the layers compute."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            mlp = FP8MLP(32, 32)
+            self.extra = mlp.fc
+            self.mlp = mlp
+
+        def forward(self, x):
+            return self.mlp(x) + self.extra(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    assert put_back_to_high_precision(model, ["extra"]) == ["extra"]
+    assert isinstance(model.mlp, UnfusedMLP) and type(model.mlp.fc) is nn.Linear and model.mlp.fc is model.extra
+    x = torch.randn(4, 32)
+    y = model(x)
+    ref = model.mlp.proj(torch.nn.functional.gelu(model.extra(x))) + model.extra(x)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
