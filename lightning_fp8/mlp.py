@@ -157,12 +157,6 @@ def _has_hooks(module: nn.Module) -> bool:
                 or module._backward_pre_hooks)  # fmt: skip
 
 
-def _check_flag(fp8_hidden: bool) -> bool:
-    if not isinstance(fp8_hidden, bool):
-        raise TypeError(f"FP8MLP: fp8_hidden must be True or False, got {fp8_hidden!r}")
-    return fp8_hidden
-
-
 class FP8MLP(nn.Module):
     """A transformer MLP, ``proj(gelu(fc(x)))``, with FP8 GEMMs and the GELU fused into the FP8 casts around it.
 
@@ -252,7 +246,9 @@ class FP8MLP(nn.Module):
 
     @fp8_hidden.setter
     def fp8_hidden(self, value: bool) -> None:
-        self._fp8_hidden = _check_flag(value)
+        if not isinstance(value, bool):
+            raise TypeError(f"FP8MLP: fp8_hidden must be True or False, got {value!r}")
+        self._fp8_hidden = value
 
     def extra_repr(self) -> str:
         return "fp8_hidden=True" if self.fp8_hidden else ""

@@ -34,6 +34,36 @@ class RecipeFieldTypeError(TypeError, ValueError):
     recipe value (callers may catch either)."""
 
 
+def check_settings(
+    owner: str,
+    choices: dict[str, tuple[object, tuple[str, ...]]],
+    counts: dict[str, tuple[object, int]],
+    type_error: type[TypeError] = TypeError,
+) -> None:
+    """Raise for a bad scaling setting of ``owner`` (an FP8Recipe, a ScalingState): each of ``choices`` (name:
+    ``(value, allowed strings)``), then each of ``counts`` (name: ``(value, lowest int)``), and a ``"margin"`` count
+    above :data:`MAX_MARGIN`. ``type_error`` for a value of the wrong type, ValueError for one out of range."""
+    for name, (value, allowed) in choices.items():
+        if not isinstance(value, str):
+            raise type_error(
+                f"{owner}({name}={value!r}) must be a string, got {type(value).__name__}: choose one of "
+                f"{list(allowed)}"
+            )
+        if value not in allowed:
+            raise ValueError(f"{owner}({name}={value!r}) is not supported: choose one of {list(allowed)}")
+    for name, (value, low) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise type_error(f"{owner}({name}={value!r}) must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{owner}({name}={value!r}) must be >= {low}")
+    margin = counts.get("margin", (0, 0))[0]
+    if margin > MAX_MARGIN:
+        raise ValueError(
+            f"{owner}(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans about 18 "
+            "binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8Recipe:
     """How FP8 training casts, scales and stores tensors.
@@ -65,26 +95,12 @@ class FP8Recipe:
     opt_level: OptLevel = "O2"
 
     def __post_init__(self) -> None:
-        for name, allowed in _ALLOWED.items():
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise RecipeFieldTypeError(
-                    f"FP8Recipe({name}={value!r}) must be a string, got {type(value).__name__}: choose one of "
-                    f"{list(allowed)}"
-                )
-            if value not in allowed:
-                raise ValueError(f"FP8Recipe({name}={value!r}) is not supported: choose one of {list(allowed)}")
-        for name, low in (("amax_history_len", 1), ("margin", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise RecipeFieldTypeError(f"FP8Recipe({name}={value!r}) must be an int, got {type(value).__name__}")
-            if value < low:
-                raise ValueError(f"FP8Recipe({name}={value!r}) must be >= {low}")
-        if self.margin > MAX_MARGIN:
-            raise ValueError(
-                f"FP8Recipe(margin={self.margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans "
-                "about 18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
-            )
+        check_settings(
+            "FP8Recipe",
+            {name: (getattr(self, name), allowed) for name, allowed in _ALLOWED.items()},
+            {"amax_history_len": (self.amax_history_len, 1), "margin": (self.margin, 0)},
+            RecipeFieldTypeError,
+        )
 
     @property
     def forward_dtype(self) -> torch.dtype:

@@ -214,7 +214,8 @@ def _check_can_put_back(
             "FP8 layers are fp8_modules(model)); pass names from fallen_back_layers() of a model structured like this "
             "one. Nothing was changed"
         )
-    in_root = [name for name in names if any(mlp is modules[""] for mlp in _mlps_holding(modules[""], modules[name]))]
+    holders = {name: _mlps_holding(modules[""], modules[name]) for name in names}  # the FP8MLPs each takes with it
+    in_root = [name for name in names if any(mlp is modules[""] for mlp in holders[name])]
     if in_root:
         raise ValueError(
             f"put_back_to_high_precision: {', '.join(map(repr, in_root))} is a layer of the FP8MLP that is the model "
@@ -223,8 +224,8 @@ def _check_can_put_back(
             "nonfinite_fallback='lower_lr'. Nothing was changed"
         )
     prefix = "FP8GradScaler(nonfinite_fallback='bf16') cannot put"
-    sharded = [name for name in names if any(is_dtensor(p) for m in (modules[name], *_mlps_holding(modules[""],
-               modules[name])) for p in m.parameters())]  # fmt: skip
+    sharded = [name for name in names if any(is_dtensor(p) for m in (modules[name], *holders[name])
+                                             for p in m.parameters())]  # fmt: skip
     if sharded:
         raise ValueError(
             f"{prefix} {', '.join(map(repr, sharded))} back to nn.Linear: their parameters are DTensors (fully_shard "

@@ -26,7 +26,7 @@ from torch import nn
 from lightning_fp8 import ops
 from lightning_fp8.formats import FP8_DTYPES, fp8_max
 from lightning_fp8.kernels import reference
-from lightning_fp8.recipe import MAX_MARGIN, AmaxComputeAlgo
+from lightning_fp8.recipe import MAX_MARGIN, AmaxComputeAlgo, check_settings
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -269,23 +269,8 @@ def _check_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo:
             f"ScalingState(fp8_dtype={fp8_dtype}) is not supported: choose torch.float8_e4m3fn (E4M3) or "
             "torch.float8_e5m2 (E5M2)"
         )
-    algos = list(get_args(AmaxComputeAlgo))
-    if not isinstance(algo, str):
-        raise TypeError(
-            f"ScalingState(algo={algo!r}) must be a string, got {type(algo).__name__}: choose one of {algos}"
-        )
-    if algo not in algos:
-        raise ValueError(f"ScalingState(algo={algo!r}) is not supported: choose one of {algos}")
-    for name, value, low in (("history_len", history_len, 1), ("margin", margin, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"ScalingState({name}={value!r}) must be an int, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"ScalingState({name}={value!r}) must be >= {low}")
-    if margin > MAX_MARGIN:
-        raise ValueError(
-            f"ScalingState(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans about "
-            "18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
-        )
+    algos = get_args(AmaxComputeAlgo)
+    check_settings("ScalingState", {"algo": (algo, algos)}, {"history_len": (history_len, 1), "margin": (margin, 0)})
 
 
 def _check_unscale(state: ScalingState, current: bool | None) -> None:
