@@ -15,7 +15,9 @@ What it measures, in one run:
 - the gradient reduction of ``--numel`` elements (bf16 gradients cut into ``--tensors`` tensors of uneven sizes),
   each FP8 variant checked against the fp32 mean (SQNR) on the same data before it is timed: NCCL all-reduce in
   fp32 and bf16; the portable FP8 path (FP8 all-to-all, fp32 sum, FP8 all-gather) in E5M2 and E4M3, pipelined in
-  ``--slices``; the native FP8 path (NCCL's float8 all-reduce); the raw FP8 collectives alone (their lower bound);
+  ``--slices``; the native FP8 path (NCCL's float8 all-reduce); the gather path (every rank's FP8 bytes summed on
+  every rank) through all-gathers and, on NCCL, through copy-engine copies out of CUDA symmetric memory; the raw
+  FP8 collectives alone (their lower bound);
   reduce-scatter bf16 against the FP8 reduce-scatter (FSDP's collective); each elementwise pass alone (amax,
   cast, decode) against a device copy, as HBM bandwidth;
 - with ``--sweep`` (NCCL): the native FP8 all-reduce over the comm kernels' persistent grids, slice counts and
@@ -43,9 +45,12 @@ import torch.distributed as dist
 from lightning_fp8.distributed import (
     SegmentLayout,
     all_reduce_fp8,
+    all_reduce_fp8_gather,
     all_reduce_fp8_native,
     reduce_scatter_fp8,
 )
+from lightning_fp8.distributed.exchange import SymmetricRows
+from lightning_fp8.distributed.layout import all_reduce_plan
 from lightning_fp8.formats import E4M3, E5M2
 
 LOG: list[str] = []
@@ -136,6 +141,7 @@ def check_kernels(device: torch.device, world: int) -> None:
         ("portable e5m2", lambda f: all_reduce_fp8(x, layout, None, E5M2, fused=f, slices=3)),
         ("portable e4m3", lambda f: all_reduce_fp8(x, layout, None, E4M3, fused=f)),
         ("native e5m2", lambda f: all_reduce_fp8_native(x, layout, None, E5M2, fused=f, slices=3)),
+        ("gather e5m2", lambda f: all_reduce_fp8_gather(x, layout, None, E5M2, fused=f, slices=3)),
         ("reduce_scatter", lambda f: reduce_scatter_fp8(x, layout, None, E5M2, fused=f, slices=2)),
     ):
         (ref, ref_stats), (got, got_stats) = fn(False), fn(True)
@@ -145,6 +151,12 @@ def check_kernels(device: torch.device, world: int) -> None:
         results.append(f"{name}: {'bit-exact' if exact else 'MISMATCH'}")
         if name != "reduce_scatter":
             results[-1] += f", identical on every rank: {same_on_every_rank(got)}"
+    if dist.get_backend() == "nccl":  # the copy-engine transport against the all-gather one, same kernels
+        want = all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=3)[0]
+        sym = SymmetricRows(None, device)
+        got = [all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=s, rows=sym)[0] for s in (3, 3, 1, 8)]
+        same = all(torch.equal(g.view(torch.int16), want.view(torch.int16)) for g in got)
+        results.append(f"gather through symmetric memory (4 calls, 1-8 slices): {'bit-exact' if same else 'MISMATCH'}")
     log("Triton kernels vs PyTorch references (16M elements, 16 tensors): " + "; ".join(results))
 
 
@@ -263,9 +275,25 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     for slices in [1, *args.slices] if nccl else ():
         fn = lambda slices=slices: all_reduce_fp8_native(grads, layout, None, E5M2, slices=slices, **kw)[0]  # noqa: E731
         variants.append(("all_reduce", f"FP8 native e5m2 (NCCL fp8 sum), {slices} slice(s)", fn, 1, fn))
+    # The gather path receives N - 1 rows: world / 2 bytes per element in the all-reduce's bus-bandwidth terms.
+    for slices in [1, *args.slices]:
+        fn = lambda slices=slices: all_reduce_fp8_gather(grads, layout, None, E5M2, slices=slices, **kw)[0]  # noqa: E731
+        variants.append(("all_reduce", f"FP8 gather e5m2 (all_gather), {slices} slice(s)", fn, world / 2, fn))
     if nccl:
         q8 = grads.to(E5M2)
         variants.append(("all_reduce", "comm only: all_reduce float8", lambda: dist.all_reduce(q8), 1, None))
+        sym = SymmetricRows(None, device)
+        for slices in [1, 2, *args.slices]:
+            fn = lambda slices=slices: all_reduce_fp8_gather(grads, layout, None, E5M2, slices=slices, rows=sym,  # noqa: E731
+                                                             **kw)[0]  # fmt: skip
+            variants.append(("all_reduce", f"FP8 gather e5m2 (copy engines), {slices} slice(s)", fn, world / 2, fn))
+        one = all_reduce_plan(layout, world, dist.get_rank(), 1, True, device)
+
+        def raw_copy_engines():  # the signals and copies alone, without the cast and the sum
+            sym.begin(one, device)
+            sym.received(0, sym.send(0))
+
+        variants.append(("all_reduce", "comm only: copy-engine pull of N-1 rows", raw_copy_engines, world / 2, None))
     u8 = torch.randint(0, 120, (args.numel - args.numel % world,), device=device, dtype=torch.uint8)
     recv, shard = torch.empty_like(u8), u8[: u8.numel() // world]
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

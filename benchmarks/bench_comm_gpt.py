@@ -121,6 +121,7 @@ def bench_gpt(args, device: torch.device, rows: list[tuple], log, timed) -> None
             ("bf16 compress hook", bf16_hook, dist.group.WORLD),
             ("FP8 hook (portable)", fp8_allreduce_hook, FP8CommState()),
             ("FP8 hook (native)", fp8_allreduce_hook, FP8CommState(algorithm="native")),
+            ("FP8 hook (gather)", fp8_allreduce_hook, FP8CommState(algorithm="gather")),
         ):
             if "native" in name and dist.get_backend() != "nccl":
                 continue

@@ -5,12 +5,12 @@
 - FSDP2 (``fully_shard``): ``enable_fp8_fsdp2(model)`` installs :class:`FP8ReduceScatter` (gradients) and
   :class:`FP8WeightAllGather` (FP8Linear weights in E4M3).
 - The collectives themselves: :mod:`lightning_fp8.distributed.comm` (shared scales, reduce-scatter, all-gather)
-  and :mod:`lightning_fp8.distributed.allreduce` (portable and native FP8 all-reduce).
+  and :mod:`lightning_fp8.distributed.allreduce` (portable, native and gather FP8 all-reduces).
 
 See DESIGN.md "FP8 gradient communication" for the numerics.
 """
 
-from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_native
+from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
 from lightning_fp8.distributed.comm import CastStats, all_gather_fp8, reduce_scatter_fp8
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.ddp import fp8_allreduce_hook
@@ -26,6 +26,7 @@ __all__ = [
     "SegmentLayout",
     "all_gather_fp8",
     "all_reduce_fp8",
+    "all_reduce_fp8_gather",
     "all_reduce_fp8_native",
     "enable_fp8_fsdp1",
     "enable_fp8_fsdp2",

@@ -43,6 +43,7 @@ from lightning_fp8.distributed.comm import (
     send_buffer,
     wait,
 )
+from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
 from lightning_fp8.distributed.layout import SegmentLayout, SlicePlan, all_reduce_plan
 from lightning_fp8.distributed.quantize import segment_kernels
 
@@ -236,3 +237,47 @@ def all_reduce_fp8_native(
     _pipeline(len(plans), shared, start, finish)
     stats = cast_stats(shared.amax, n_sat + counts[0], flat.numel(), found=counts[1] > 0)
     return out, stats
+
+
+def all_reduce_fp8_gather(
+    x: torch.Tensor,
+    layout: SegmentLayout,
+    group: dist.ProcessGroup | None,
+    fp8_dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    fused: bool = False,
+    slices: int = 1,
+    out: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
+    rows: CollectiveRows | SymmetricRows | None = None,
+) -> tuple[torch.Tensor, CastStats]:
+    """Mean over ranks of flat ``x``: every rank's FP8 bytes reach every rank, which sums them in fp32, in rank order.
+
+    One rounding (the cast; the sum is exact and its mean is rounded once to ``x.dtype``), identical bytes on every
+    rank, no overflow of the sum. Each rank receives ``N - 1`` rows of one byte per element: as many bytes as a
+    two-rank ring all-reduce moves, more on more ranks. ``rows`` moves them (:mod:`~lightning_fp8.distributed.
+    exchange`): an FP8 all-gather of ``group`` (the default) or copy-engine copies out of CUDA symmetric memory.
+    Other arguments as :func:`all_reduce_fp8`.
+    """
+    flat = _check(x, layout, out)
+    world = dist.get_world_size(group)
+    kernels = segment_kernels(fused)
+    plans = all_reduce_plan(layout, world, dist.get_rank(group), slices, True, flat.device)
+    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), kernels)
+    out = torch.empty_like(flat) if out is None else out.view(-1)
+    n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
+    rows = CollectiveRows(group) if rows is None else rows
+    rows.begin(plans, flat.device)
+
+    def start(k):  # cast into this rank's row, start the exchange
+        shared.wait(k)
+        kernels.quantize(flat, plans[k].cast, shared.amax, fp8_dtype, rows.mine(k), n_sat, margin=margin)
+        return rows.send(k)
+
+    def finish(k, flight):  # the mean of every rank's row
+        kernels.rows_sum(rows.received(k, flight), plans[k].decode, shared.amax, fp8_dtype, out, margin=margin,
+                         inv_divisor=1.0 / world)  # fmt: skip
+
+    _pipeline(len(plans), shared, start, finish)
+    return out, cast_stats(shared.amax, n_sat, flat.numel())

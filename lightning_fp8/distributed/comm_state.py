@@ -29,12 +29,13 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import check_amax_group
 from lightning_fp8.distributed.comm import CastStats, cast_stats, local_amax
+from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.formats import E5M2, check_fp8_dtype
 from lightning_fp8.recipe import MAX_MARGIN
 
-Algorithm = Literal["auto", "portable", "native"]
-_ALGORITHMS = ("auto", "portable", "native")
+Algorithm = Literal["auto", "portable", "native", "gather"]
+_ALGORITHMS = ("auto", "portable", "native", "gather")
 
 # What "auto" runs per backend. The native FP8 all-reduce is chosen only where it was measured faster than the
 # portable path and accurate (benchmarks/bench_comm.py, figures in docs/benchmarks.md); gloo has no FP8 reduction.
@@ -57,8 +58,11 @@ class FP8CommState:
             recipe) keeps 32 binades of range inside each tensor; E4M3 has one more mantissa bit (about 6 dB
             more SQNR) but flushes values below ``amax / 2**17`` to zero.
         algorithm: ``"portable"`` (FP8 all-to-all, fp32 sum, FP8 all-gather; any backend), ``"native"``
-            (NCCL's float8 all-reduce, the sum in FP8) or ``"auto"`` (per backend; see ``_AUTO_ALGORITHM``).
-            FSDP reduce-scatters are always portable.
+            (NCCL's float8 all-reduce, the sum in FP8), ``"gather"`` (every rank's FP8 bytes reach every rank,
+            which sums them in fp32: one rounding; on NCCL groups the bytes move by the GPUs' copy engines out of
+            CUDA symmetric memory, elsewhere by all-gathers; each rank receives ``N - 1`` bytes per element, the
+            bytes of a two-rank ring) or ``"auto"`` (per backend and world size; see ``_AUTO_ALGORITHM``). FSDP
+            reduce-scatters are always portable.
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`; every gradient cast is reported to it
             (``record_gradient_cast``) and so is every non-finite check (``record_nonfinite``).
         fp8_params: the parameters whose gradients travel in FP8; the others are reduced in their own dtype.
@@ -150,6 +154,7 @@ class FP8CommState:
         self._found: torch.Tensor | None = None  # 0-dim bool on the gradients' device
         self._extra_headroom: torch.Tensor | None = None  # native path only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._rows: dict[torch.device, CollectiveRows | SymmetricRows] = {}  # the gather algorithm's transports
         # FSDP1: parameter boundaries of each unit's flat gradient, by its size (see fsdp.enable_fp8_fsdp1).
         self._fsdp1_layouts: dict[int, SegmentLayout] = {}
         self.reductions = 0  # collectives run through this state (a Python counter: no sync)
@@ -168,7 +173,7 @@ class FP8CommState:
         return self._fp8_param_ids is None or id(param) in self._fp8_param_ids
 
     def resolved_algorithm(self) -> str:
-        """``"portable"`` or ``"native"`` for this state's process group.
+        """``"portable"``, ``"native"`` or ``"gather"`` for this state's process group.
 
         Raises:
             ValueError: when ``"native"`` is forced on a backend other than NCCL.
@@ -203,6 +208,15 @@ class FP8CommState:
     def slices(self, numel: int) -> int:
         """Pipeline slices for a buffer of ``numel`` elements."""
         return max(1, round(numel / self.slice_numel))
+
+    def gather_rows(self, device: torch.device) -> CollectiveRows | SymmetricRows:
+        """The transport of the gather algorithm on ``device``: symmetric memory on NCCL groups, else all-gathers."""
+        rows = self._rows.get(device)
+        if rows is None:
+            nccl = device.type == "cuda" and dist.get_backend(self.process_group) == "nccl"
+            rows = SymmetricRows(self.process_group, device) if nccl else CollectiveRows(self.process_group)
+            self._rows[device] = rows
+        return rows
 
     def extra_headroom(self, device: torch.device) -> torch.Tensor:
         """Extra pre-scale binades of the native FP8 sum (0-dim int64 on ``device``), raised after overflows."""

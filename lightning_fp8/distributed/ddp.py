@@ -20,7 +20,7 @@ non-finite flag alike everywhere, without a collective of its own.
 import torch
 import torch.distributed as dist
 
-from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_native
+from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.warnings import warn_once
@@ -118,12 +118,18 @@ def _reduce_fp8(state: FP8CommState, flat: torch.Tensor, layout: SegmentLayout) 
     """Replace ``flat`` (a contiguous 1-D buffer) by its mean over ranks, through FP8."""
     common = {"margin": state.margin, "fused": state.use_fused(flat.device), "slices": state.slices(flat.numel()),
               "amax_group": state.amax_group}  # fmt: skip
-    if state.resolved_algorithm() == "native":
+    algorithm = state.resolved_algorithm()
+    if algorithm == "native":
         headroom = state.extra_headroom(flat.device)
         _, stats = all_reduce_fp8_native(
             flat, layout, state.process_group, state.fp8_dtype, extra_headroom=headroom, out=flat, **common
         )
         state.record(stats, native_overflow=True)
+    elif algorithm == "gather":
+        rows = state.gather_rows(flat.device)
+        _, stats = all_reduce_fp8_gather(flat, layout, state.process_group, state.fp8_dtype, out=flat, rows=rows,
+                                         **common)  # fmt: skip
+        state.record(stats)
     else:
         _, stats = all_reduce_fp8(flat, layout, state.process_group, state.fp8_dtype, out=flat, **common)
         state.record(stats)

@@ -16,9 +16,10 @@ from tests.distributed.launch import run_workers
 # world size -> (module, worker) pairs, run in this order.
 SCENARIOS = {
     1: [("test_nonfinite_and_args", "_worker1")],
-    2: [("test_comm", "_worker"), ("test_ddp", "_worker"), ("test_fsdp", "_worker2"), ("test_fsdp_optim", "_worker"),
-        ("test_nonfinite_and_args", "_worker2")],
-    4: [("test_comm", "_worker"), ("test_fsdp", "_worker4"), ("test_nonfinite_and_args", "_worker4")],
+    2: [("test_comm", "_worker"), ("test_gather", "_worker"), ("test_ddp", "_worker"), ("test_fsdp", "_worker2"),
+        ("test_fsdp_optim", "_worker"), ("test_nonfinite_and_args", "_worker2")],
+    4: [("test_comm", "_worker"), ("test_gather", "_worker"), ("test_fsdp", "_worker4"),
+        ("test_nonfinite_and_args", "_worker4")],
 }
 
 

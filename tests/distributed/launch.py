@@ -66,10 +66,19 @@ def exit_worker(wait_for_all: bool = True) -> None:
     os._exit(0)
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)  # N processes on a 2-core machine: no oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _worker(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple, backend: str = "gloo"
+) -> None:
+    init = {"init_method": f"tcp://127.0.0.1:{port}", "rank": rank, "world_size": world_size}
+    if backend == "nccl":  # one GPU per rank, NVLink multicast off (the GPU machines' rule)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(rank)
+        init["device_id"] = torch.device("cuda", rank)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        torch.set_num_threads(1)  # N processes on a 2-core machine: no oversubscription
+    dist.init_process_group(backend, **init)
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException:  # report the worker's traceback to the test instead of a bare exit code
@@ -80,15 +89,18 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_d
     exit_worker(wait_for_all=False)
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return each rank's result.
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (gloo, or NCCL with one GPU per rank); return
+    each rank's result.
 
     Raises:
         RuntimeError: with the worker's traceback when one fails, or when the deadline passes.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _worker, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False,
+            _worker, args=(fn, world_size, free_port(), out_dir, args, backend), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

@@ -28,7 +28,8 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    rank: int, comm: str, nan_step: int | None = None, scaler: bool = False, steps: int = STEPS, amax_group=None
+    rank: int, comm: str, nan_step: int | None = None, scaler: bool = False, steps: int = STEPS, amax_group=None,
+    algorithm: str = "auto",
 ) -> dict:
     from lightning_fp8 import FP8GradScaler
     from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
@@ -36,7 +37,7 @@ def _train(
     # A tiny bucket cap (256 fp32 values) gives several buckets, one of them holding a single tensor.
     ddp = DDP(_model(), bucket_cap_mb=0.001)
     grad_scaler = FP8GradScaler(init_scale=2.0**4) if scaler else None
-    state = FP8CommState(grad_scaler=grad_scaler, amax_group=amax_group)
+    state = FP8CommState(grad_scaler=grad_scaler, amax_group=amax_group, algorithm=algorithm)
     bucket_sizes: list[int] = []
 
     def hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -110,6 +111,8 @@ def _worker(rank: int, world: int) -> dict:
         "fp8_amax_group": _train(rank, "fp8", amax_group=dist.new_group(list(range(world)))),
         "fp8_nan": _train(rank, "fp8", nan_step=NAN_STEP, steps=NAN_STEP + 3),
         "fp8_nan_scaler": _train(rank, "fp8", nan_step=NAN_STEP, scaler=True, steps=NAN_STEP + 3),
+        "fp8_gather": _train(rank, "fp8", algorithm="gather"),
+        "fp8_gather_nan": _train(rank, "fp8", nan_step=NAN_STEP, steps=NAN_STEP + 3, algorithm="gather"),
         "mixed": _mixed_bucket(rank),
     }
 
@@ -129,6 +132,18 @@ def test_fp8_training_tracks_fp32_communication(results):
         assert abs(fp8[-1] - fp32[-1]) <= tol.TRAINING_FINAL_LOSS_RTOL * fp32[-1], (fp8[-1], fp32[-1])
         assert r["fp8"]["replicas_identical"] and r["fp8"]["skipped"] == []
         assert r["fp8"]["single_tensor_bucket"]  # buckets of one tensor and of several
+
+
+def test_gather_algorithm_trains_like_fp32_communication(results):
+    """FP8CommState(algorithm="gather") (all-gathers on gloo): converges with fp32's loss, skips a NaN step together."""
+    for r in results:
+        fp32, gather = r["fp32"]["losses"], r["fp8_gather"]["losses"]
+        assert gather[-1] < 0.5 * gather[0]
+        assert abs(gather[-1] - fp32[-1]) <= tol.TRAINING_FINAL_LOSS_RTOL * fp32[-1], (gather[-1], fp32[-1])
+        assert r["fp8_gather"]["replicas_identical"] and r["fp8_gather"]["skipped"] == []
+        assert r["fp8_gather"]["losses"] != r["fp8"]["losses"]  # another reduction than the default's
+        nan = r["fp8_gather_nan"]
+        assert nan["skipped"] == [NAN_STEP] and nan["finite"] and nan["replicas_identical"]
 
 
 def test_amax_group_gives_the_same_training(results):

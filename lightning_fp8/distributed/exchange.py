@@ -1,0 +1,140 @@
+"""How the gather all-reduce moves each rank's FP8 row of a slice to every rank.
+
+:func:`~lightning_fp8.distributed.allreduce.all_reduce_fp8_gather` casts slice ``k`` into this rank's row
+(:meth:`mine`), starts its exchange (:meth:`send`) and later sums the ``(world, row)`` bytes :meth:`received` returns,
+in rank order. Two transports:
+
+- :class:`CollectiveRows` (any backend): an FP8 all-gather of the process group (NCCL or gloo), per slice.
+- :class:`SymmetricRows` (CUDA, NCCL groups): the rows of every slice live in CUDA symmetric memory
+  (``torch.distributed._symmetric_memory``), so each rank's row is readable by its peers; a peer's row is pulled
+  by a device-to-device copy, which the GPU's copy engines run over NVLink without multiprocessors, beside the cast
+  and sum kernels of other slices. Ranks hand off through the symmetric memory's signal pads (device-side flags, no
+  host synchronization): after the cast of slice ``k`` a rank signals every peer on channel ``k``; a side stream
+  waits for the peers' signals, then copies. At the start of a call a barrier makes sure no peer is still reading
+  the previous call's rows before this rank overwrites its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_fp8.distributed.comm import all_gather_bytes, wait
+from lightning_fp8.kernels.comm_table import ALIGN
+
+# Signal-pad channel 0 is the start-of-call barrier; slices signal on channels 1 .. _CHANNELS, reused cyclically (a
+# signal waits until its pad's previous signal was consumed, so reuse is ordered).
+_CHANNELS = 15
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def row_bytes(plans) -> list[int]:
+    """Bytes of one rank's row of each slice, vector-aligned."""
+    return [_round_up(max(1, p.row), ALIGN) for p in plans]
+
+
+class CollectiveRows:
+    """Each slice's rows gathered by an FP8 all-gather of ``group`` (any backend)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self._mine: list[torch.Tensor] = []
+
+    def begin(self, plans, device: torch.device) -> None:
+        self._mine = [torch.empty(n, dtype=torch.uint8, device=device) for n in row_bytes(plans)]
+
+    def mine(self, k: int) -> torch.Tensor:
+        return self._mine[k]
+
+    def send(self, k: int):
+        return all_gather_bytes(self._mine[k], self.group, async_op=True)
+
+    def received(self, k: int, flight) -> torch.Tensor:
+        gathered, work = flight
+        wait(work)
+        return gathered
+
+
+def symmetric_memory_error(group: dist.ProcessGroup | None) -> str | None:
+    """Why :class:`SymmetricRows` cannot serve ``group`` (``None`` when it can)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return "torch.distributed is not initialized"
+    if dist.get_backend(group) != "nccl":
+        return f"the process group's backend is {dist.get_backend(group)!r}, not 'nccl' (CUDA tensors)"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+    except ImportError as e:  # a torch built without it
+        return f"torch.distributed._symmetric_memory is unavailable ({e})"
+    return None
+
+
+class SymmetricRows:
+    """Each slice's rows in CUDA symmetric memory, peers' rows pulled by copy-engine copies (see the module).
+
+    One buffer of ``world`` rows per slice, grown (a collective rendezvous, on every rank at the same call) when a
+    call needs more; kept between calls.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        reason = symmetric_memory_error(group)
+        if reason is not None:
+            raise ValueError(f"FP8 gather all-reduce over symmetric memory: {reason}; use CollectiveRows")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        self.buffer: torch.Tensor | None = None
+        self.handle = None
+        self.peers: dict[int, torch.Tensor] = {}
+        self._rows: list[torch.Tensor] = []
+        self._offsets: list[int] = []
+
+    def _allocate(self, numel: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self.handle is not None:  # no peer still reads the old buffer: it goes back to the pool
+            self.handle.barrier(channel=0)
+            torch.cuda.current_stream(self.device).synchronize()
+        numel = _round_up(numel, 1 << 20)
+        self.buffer = symm_mem.empty(numel, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group)
+        self.peers = {
+            r: self.handle.get_buffer(r, (numel,), torch.uint8) for r in range(self.world) if r != self.rank
+        }
+
+    def begin(self, plans, device: torch.device) -> None:
+        sizes = row_bytes(plans)
+        need = self.world * sum(sizes)
+        if self.buffer is None or self.buffer.numel() < need:
+            self._allocate(need)
+        self._rows, self._offsets, offset = [], [], 0
+        for n in sizes:
+            self._rows.append(self.buffer[offset : offset + self.world * n].view(self.world, n))
+            self._offsets.append(offset)
+            offset += self.world * n
+        self.handle.barrier(channel=0)  # every peer is done with the previous call's rows
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def mine(self, k: int) -> torch.Tensor:
+        return self._rows[k][self.rank]
+
+    def send(self, k: int) -> torch.cuda.Event:
+        channel = 1 + k % _CHANNELS
+        for r in self.peers:
+            self.handle.put_signal(r, channel=channel)
+        rows, n = self._rows[k], self._rows[k].shape[1]
+        with torch.cuda.stream(self.copy_stream):
+            for r, peer in self.peers.items():
+                self.handle.wait_signal(r, channel=channel)
+                start = self._offsets[k] + r * n
+                rows[r].copy_(peer[start : start + n])
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    def received(self, k: int, flight: torch.cuda.Event) -> torch.Tensor:
+        torch.cuda.current_stream(self.device).wait_event(flight)
+        return self._rows[k]

@@ -1,0 +1,96 @@
+"""The gather all-reduce through CUDA symmetric memory (copy-engine copies, signal-pad hand-offs) on two GPUs.
+
+Two NCCL processes, one GPU each. The copy-engine transport must give the bytes of the all-gather transport and of
+the independent one-rounding reference (test_gather.py), for every slicing, over repeated calls that reuse and grow
+its buffer; and DDP training through ``FP8CommState(algorithm="gather")`` must match the all-gather transport step
+for step. Needs two GPUs: on CPU the same path runs through all-gathers (test_gather.py, test_ddp.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed.launch import run_workers
+from tests.distributed.test_comm import SIZES, _bucket, _same_everywhere
+
+E5M2 = torch.float8_e5m2
+
+
+def _train(rank: int, rows_kind: str) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
+    from lightning_fp8.distributed.exchange import CollectiveRows
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).to(device)
+    ddp = DDP(model, device_ids=[rank], bucket_cap_mb=0.02)  # several buckets of different sizes
+    state = FP8CommState(algorithm="gather")
+    if rows_kind == "collective":
+        state._rows[device] = CollectiveRows(None)
+    ddp.register_comm_hook(state, fp8_allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(128, 64, device=device, generator=g)
+    y = torch.tanh(x[:, :8])
+    losses = []
+    for _ in range(8):
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        assert state.check_step()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _worker(rank: int, world: int) -> dict:
+    from lightning_fp8.distributed import SegmentLayout, all_reduce_fp8_gather
+    from lightning_fp8.distributed.exchange import SymmetricRows
+    from tests.distributed.test_gather import one_rounding_mean
+
+    device = torch.device("cuda", rank)
+    res: dict = {}
+    sym = SymmetricRows(None, device)
+    for scale in (1, 64):  # the second, larger bucket grows the symmetric buffer
+        xs = [t.to(device).repeat(scale) for t in _bucket(rank)]
+        layout = SegmentLayout.per_tensor([t.numel() for t in xs])
+        x = torch.cat(xs).bfloat16()
+        want = one_rounding_mean([t.bfloat16() for t in xs], E5M2, torch.bfloat16)
+        collective = all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=3)[0]
+        got = [all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=s, rows=sym)[0] for s in (1, 3, 3, 8)]
+        res[f"x{scale}_collective_exact"] = torch.equal(collective, want)
+        res[f"x{scale}_symmetric_exact"] = all(torch.equal(g, want) for g in got)
+        res[f"x{scale}_identical"] = all(_same_everywhere(g) for g in got)
+    res["buffer_bytes"] = sym.buffer.numel()
+    res["losses_symmetric"] = _train(rank, "symmetric")
+    res["losses_collective"] = _train(rank, "collective")
+    torch.cuda.synchronize()
+    return res
+
+
+@pytest.fixture(scope="module")
+def results():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (CUDA symmetric memory between them); run by benchmarks/run_multi.sh")
+    return run_workers(_worker, 2, backend="nccl", timeout=300)
+
+
+pytestmark = pytest.mark.gpu
+
+
+def test_symmetric_memory_gather_gives_the_reference_bytes(results):
+    for r in results:
+        for scale in (1, 64):
+            assert r[f"x{scale}_collective_exact"] and r[f"x{scale}_symmetric_exact"], r
+            assert r[f"x{scale}_identical"]
+        assert r["buffer_bytes"] >= 2 * 64 * sum(SIZES)  # grown for the larger bucket
+
+
+def test_ddp_training_through_symmetric_memory_matches_all_gathers(results):
+    for r in results:
+        assert r["losses_symmetric"] == r["losses_collective"]
+        assert r["losses_symmetric"][-1] < 0.5 * r["losses_symmetric"][0]
