@@ -78,14 +78,17 @@ class SymmetricRows:
     call needs more; kept between calls.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, *, push: bool = False, priority: int = 0
+    ) -> None:
         reason = symmetric_memory_error(group)
         if reason is not None:
             raise ValueError(f"FP8 gather all-reduce over symmetric memory: {reason}; use CollectiveRows")
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.device = device
-        self.copy_stream = torch.cuda.Stream(device)
+        self.push = push
+        self.copy_stream = torch.cuda.Stream(device, priority=priority)
         self.buffer: torch.Tensor | None = None
         self.handle = None
         self.peers: dict[int, torch.Tensor] = {}
@@ -121,8 +124,17 @@ class SymmetricRows:
     def mine(self, k: int) -> torch.Tensor:
         return self._rows[k][self.rank]
 
-    def send(self, k: int) -> torch.cuda.Event:
+    def send(self, k: int) -> torch.cuda.Event | None:
         channel = 1 + k % _CHANNELS
+        if self.push:  # copy this rank's row into every peer's buffer, then signal it
+            mine, n = self.mine(k), self._rows[k].shape[1]
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                for r, peer in self.peers.items():
+                    start = self._offsets[k] + self.rank * n
+                    peer[start : start + n].copy_(mine)
+                    self.handle.put_signal(r, channel=channel)
+            return None
         for r in self.peers:
             self.handle.put_signal(r, channel=channel)
         rows, n = self._rows[k], self._rows[k].shape[1]
@@ -135,6 +147,10 @@ class SymmetricRows:
             done.record()
         return done
 
-    def received(self, k: int, flight: torch.cuda.Event) -> torch.Tensor:
-        torch.cuda.current_stream(self.device).wait_event(flight)
+    def received(self, k: int, flight: torch.cuda.Event | None) -> torch.Tensor:
+        if flight is None:  # pushed: wait for every peer's signal
+            for r in self.peers:
+                self.handle.wait_signal(r, channel=1 + k % _CHANNELS)
+        else:
+            torch.cuda.current_stream(self.device).wait_event(flight)
         return self._rows[k]
