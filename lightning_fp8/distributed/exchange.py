@@ -79,8 +79,9 @@ class SymmetricRows:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, *, push: bool = False, priority: int = 0
-    ) -> None:
+        self, group: dist.ProcessGroup | None, device: torch.device, *, push: bool = False, priority: int = 0,
+        copy_streams: int = 1,
+    ) -> None:  # fmt: skip
         reason = symmetric_memory_error(group)
         if reason is not None:
             raise ValueError(f"FP8 gather all-reduce over symmetric memory: {reason}; use CollectiveRows")
@@ -88,7 +89,8 @@ class SymmetricRows:
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.device = device
         self.push = push
-        self.copy_stream = torch.cuda.Stream(device, priority=priority)
+        # Each row's copy is cut into one piece per stream: copies on several streams can run on several copy engines.
+        self.streams = [torch.cuda.Stream(device, priority=priority) for _ in range(copy_streams)]
         self.buffer: torch.Tensor | None = None
         self.handle = None
         self.peers: dict[int, torch.Tensor] = {}
@@ -119,38 +121,56 @@ class SymmetricRows:
             self._offsets.append(offset)
             offset += self.world * n
         self.handle.barrier(channel=0)  # every peer is done with the previous call's rows
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for stream in self.streams:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def mine(self, k: int) -> torch.Tensor:
         return self._rows[k][self.rank]
 
-    def send(self, k: int) -> torch.cuda.Event | None:
-        channel = 1 + k % _CHANNELS
+    def _pieces(self, n: int) -> list[tuple[int, int]]:
+        cuts = [n * i // len(self.streams) // ALIGN * ALIGN for i in range(len(self.streams))] + [n]
+        return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+
+    def send(self, k: int) -> list[torch.cuda.Event] | None:
+        channel, n = 1 + k % _CHANNELS, self._rows[k].shape[1]
+        current = torch.cuda.current_stream(self.device)
+        pieces = list(zip(self.streams, self._pieces(n), strict=False))
         if self.push:  # copy this rank's row into every peer's buffer, then signal it
-            mine, n = self.mine(k), self._rows[k].shape[1]
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                for r, peer in self.peers.items():
-                    start = self._offsets[k] + self.rank * n
-                    peer[start : start + n].copy_(mine)
+            mine, start = self.mine(k), self._offsets[k] + self.rank * n
+            for stream, (a, b) in pieces:
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    for peer in self.peers.values():
+                        peer[start + a : start + b].copy_(mine[a:b])
+            first = pieces[0][0]
+            for stream, _ in pieces[1:]:
+                first.wait_stream(stream)
+            with torch.cuda.stream(first):
+                for r in self.peers:
                     self.handle.put_signal(r, channel=channel)
             return None
         for r in self.peers:
             self.handle.put_signal(r, channel=channel)
-        rows, n = self._rows[k], self._rows[k].shape[1]
-        with torch.cuda.stream(self.copy_stream):
-            for r, peer in self.peers.items():
+        first = pieces[0][0]
+        with torch.cuda.stream(first):
+            for r in self.peers:
                 self.handle.wait_signal(r, channel=channel)
-                start = self._offsets[k] + r * n
-                rows[r].copy_(peer[start : start + n])
-            done = torch.cuda.Event()
-            done.record()
+        done = []
+        for stream, (a, b) in pieces:
+            if stream is not first:
+                stream.wait_stream(first)
+            with torch.cuda.stream(stream):
+                for r, peer in self.peers.items():
+                    start = self._offsets[k] + r * n
+                    self._rows[k][r, a:b].copy_(peer[start + a : start + b])
+            done.append(stream.record_event())
         return done
 
-    def received(self, k: int, flight: torch.cuda.Event | None) -> torch.Tensor:
+    def received(self, k: int, flight: list[torch.cuda.Event] | None) -> torch.Tensor:
         if flight is None:  # pushed: wait for every peer's signal
             for r in self.peers:
                 self.handle.wait_signal(r, channel=1 + k % _CHANNELS)
         else:
-            torch.cuda.current_stream(self.device).wait_event(flight)
+            for event in flight:
+                torch.cuda.current_stream(self.device).wait_event(event)
         return self._rows[k]
