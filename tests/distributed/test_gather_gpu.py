@@ -54,18 +54,21 @@ def _worker(rank: int, world: int) -> dict:
 
     device = torch.device("cuda", rank)
     res: dict = {}
-    sym = SymmetricRows(None, device)
-    for scale in (1, 64):  # the second, larger bucket grows the symmetric buffer
+    transports = {"pull": SymmetricRows(None, device), "push": SymmetricRows(None, device, push=True, copy_streams=2),
+                  "pull3": SymmetricRows(None, device, copy_streams=3, priority=-1)}  # fmt: skip
+    for scale in (1, 64):  # the second, larger bucket grows the symmetric buffers
         xs = [t.to(device).repeat(scale) for t in _bucket(rank)]
         layout = SegmentLayout.per_tensor([t.numel() for t in xs])
         x = torch.cat(xs).bfloat16()
         want = one_rounding_mean([t.bfloat16() for t in xs], E5M2, torch.bfloat16)
         collective = all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=3)[0]
-        got = [all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=s, rows=sym)[0] for s in (1, 3, 3, 8)]
         res[f"x{scale}_collective_exact"] = torch.equal(collective, want)
-        res[f"x{scale}_symmetric_exact"] = all(torch.equal(g, want) for g in got)
-        res[f"x{scale}_identical"] = all(_same_everywhere(g) for g in got)
-    res["buffer_bytes"] = sym.buffer.numel()
+        for name, rows in transports.items():
+            got = [all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=n, rows=rows)[0]
+                   for n in (1, 3, 3, 8)]  # fmt: skip
+            res[f"x{scale}_{name}_exact"] = all(torch.equal(g, want) for g in got)
+            res[f"x{scale}_{name}_identical"] = all(_same_everywhere(g) for g in got)
+    res["buffer_bytes"] = min(rows.buffer.numel() for rows in transports.values())
     res["losses_symmetric"] = _train(rank, "symmetric")
     res["losses_collective"] = _train(rank, "collective")
     torch.cuda.synchronize()
@@ -85,8 +88,9 @@ pytestmark = pytest.mark.gpu
 def test_symmetric_memory_gather_gives_the_reference_bytes(results):
     for r in results:
         for scale in (1, 64):
-            assert r[f"x{scale}_collective_exact"] and r[f"x{scale}_symmetric_exact"], r
-            assert r[f"x{scale}_identical"]
+            assert r[f"x{scale}_collective_exact"], r
+            for name in ("pull", "push", "pull3"):  # one stream pulling, two pushing, three pulling
+                assert r[f"x{scale}_{name}_exact"] and r[f"x{scale}_{name}_identical"], (name, r)
         assert r["buffer_bytes"] >= 2 * 64 * sum(SIZES)  # grown for the larger bucket
 
 
