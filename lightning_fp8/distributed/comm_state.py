@@ -29,10 +29,11 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import check_amax_group
 from lightning_fp8.distributed.comm import CastStats, cast_stats, local_amax
-from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
+from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows, symmetric_memory_reason
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.formats import E5M2, check_fp8_dtype
 from lightning_fp8.recipe import MAX_MARGIN
+from lightning_fp8.warnings import warn_once
 
 Algorithm = Literal["auto", "portable", "native", "gather"]
 _ALGORITHMS = ("auto", "portable", "native", "gather")
@@ -44,6 +45,12 @@ _ALGORITHMS = ("auto", "portable", "native", "gather")
 # With two ranks the FP8 sum is one addition, rounded once, as accurate as the portable path (22.1 dB both): native.
 _AUTO_ALGORITHM = {"nccl": "portable", "gloo": "portable"}
 _AUTO_NATIVE_MAX_RANKS = {"nccl": 2}
+# Where "auto" takes the gather path when the ranks share CUDA symmetric memory (one host, peer access): on 2 H200s
+# it was faster than native and more accurate (one rounding: 25.6 vs 22.1 dB), docs/benchmarks.md. Each rank
+# receives N - 1 bytes per element, so on more ranks it moves more than a ring: not measured there, not chosen.
+_AUTO_GATHER_MAX_RANKS = {"nccl": 2}
+# The copy-engine transport's settings (exchange.SymmetricRows), from the sweeps on 2 H200s (docs/benchmarks.md).
+_SYMMETRIC_ROWS: dict = {}
 
 # Binades the native path may add to its pre-scale headroom after overflows (each overflow adds one).
 MAX_EXTRA_HEADROOM = 8
@@ -155,6 +162,7 @@ class FP8CommState:
         self._extra_headroom: torch.Tensor | None = None  # native path only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._rows: dict[torch.device, CollectiveRows | SymmetricRows] = {}  # the gather algorithm's transports
+        self._symmetric: dict[torch.device, str | None] = {}  # why symmetric memory cannot serve (None: it can)
         # FSDP1: parameter boundaries of each unit's flat gradient, by its size (see fsdp.enable_fp8_fsdp1).
         self._fsdp1_layouts: dict[int, SegmentLayout] = {}
         self.reductions = 0  # collectives run through this state (a Python counter: no sync)
@@ -172,15 +180,23 @@ class FP8CommState:
         """Whether ``param``'s gradient travels in FP8."""
         return self._fp8_param_ids is None or id(param) in self._fp8_param_ids
 
-    def resolved_algorithm(self) -> str:
-        """``"portable"``, ``"native"`` or ``"gather"`` for this state's process group.
+    def resolved_algorithm(self, device: torch.device | None = None) -> str:
+        """``"portable"``, ``"native"`` or ``"gather"`` for this state's process group and gradients on ``device``.
+
+        ``"auto"`` takes the gather path where its ranks share CUDA symmetric memory and it was measured fastest
+        (``_AUTO_GATHER_MAX_RANKS``; deciding that is a collective, run once per device, so every rank must ask);
+        without ``device`` it answers as if they did not.
 
         Raises:
             ValueError: when ``"native"`` is forced on a backend other than NCCL.
         """
         backend = dist.get_backend(self.process_group)
         if self.algorithm == "auto":
-            if dist.get_world_size(self.process_group) <= _AUTO_NATIVE_MAX_RANKS.get(backend, 0):
+            world = dist.get_world_size(self.process_group)
+            if 1 < world <= _AUTO_GATHER_MAX_RANKS.get(backend, 0) and device is not None:
+                if self.symmetric_memory_reason(device) is None:
+                    return "gather"
+            if world <= _AUTO_NATIVE_MAX_RANKS.get(backend, 0):
                 return "native"
             return _AUTO_ALGORITHM.get(backend, "portable")
         if self.algorithm == "native" and backend != "nccl":
@@ -209,12 +225,28 @@ class FP8CommState:
         """Pipeline slices for a buffer of ``numel`` elements."""
         return max(1, round(numel / self.slice_numel))
 
+    def symmetric_memory_reason(self, device: torch.device) -> str | None:
+        """Why this group's ranks cannot share CUDA symmetric memory on ``device`` (``None``: they can); a collective
+        the first time per device (:func:`~lightning_fp8.distributed.exchange.symmetric_memory_reason`)."""
+        if device not in self._symmetric:
+            self._symmetric[device] = symmetric_memory_reason(self.process_group, device)
+        return self._symmetric[device]
+
     def gather_rows(self, device: torch.device) -> CollectiveRows | SymmetricRows:
-        """The transport of the gather algorithm on ``device``: symmetric memory on NCCL groups, else all-gathers."""
+        """The transport of the gather algorithm on ``device``: copy-engine copies out of CUDA symmetric memory where
+        the ranks share it (NCCL, one host, peer access), else the process group's all-gathers."""
         rows = self._rows.get(device)
         if rows is None:
-            nccl = device.type == "cuda" and dist.get_backend(self.process_group) == "nccl"
-            rows = SymmetricRows(self.process_group, device) if nccl else CollectiveRows(self.process_group)
+            reason = self.symmetric_memory_reason(device)
+            if reason is None:
+                rows = SymmetricRows(self.process_group, device, **_SYMMETRIC_ROWS)
+            else:
+                rows = CollectiveRows(self.process_group)
+                if device.type == "cuda":
+                    warn_once(
+                        f"FP8CommState(algorithm='gather'): {reason}, so the FP8 rows travel by all-gathers, slower "
+                        "than copy engines; algorithm='auto' picks the fastest path measured here"
+                    )
             self._rows[device] = rows
         return rows
 

@@ -118,7 +118,7 @@ def _reduce_fp8(state: FP8CommState, flat: torch.Tensor, layout: SegmentLayout) 
     """Replace ``flat`` (a contiguous 1-D buffer) by its mean over ranks, through FP8."""
     common = {"margin": state.margin, "fused": state.use_fused(flat.device), "slices": state.slices(flat.numel()),
               "amax_group": state.amax_group}  # fmt: skip
-    algorithm = state.resolved_algorithm()
+    algorithm = state.resolved_algorithm(flat.device)
     if algorithm == "native":
         headroom = state.extra_headroom(flat.device)
         _, stats = all_reduce_fp8_native(

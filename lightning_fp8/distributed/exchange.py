@@ -16,6 +16,8 @@ in rank order. Two transports:
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
@@ -69,6 +71,27 @@ def symmetric_memory_error(group: dist.ProcessGroup | None) -> str | None:
     except ImportError as e:  # a torch built without it
         return f"torch.distributed._symmetric_memory is unavailable ({e})"
     return None
+
+
+def symmetric_memory_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+    """Why the ranks of ``group`` cannot share CUDA symmetric memory on ``device`` (``None`` when they can).
+
+    A collective (every rank of ``group`` calls it): the ranks must be processes of one host whose GPUs reach each
+    other's memory (NVLink or PCIe peer access). Every rank gets the same answer.
+    """
+    reason = symmetric_memory_error(group)
+    if reason is not None or device.type != "cuda":
+        return reason or f"the gradients are on {device}, not a CUDA device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (socket.gethostname(), index), group=group)
+    hosts = sorted({host for host, _ in everyone})
+    if len(hosts) > 1:
+        return f"the group spans {len(hosts)} hosts ({', '.join(hosts[:4])})"
+    blocked = any(i != index and not torch.cuda.can_device_access_peer(index, i) for _, i in everyone)
+    flag = torch.tensor(int(blocked), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return "some GPUs of the group cannot access each other's memory (no peer access)" if flag.item() else None
 
 
 class SymmetricRows:

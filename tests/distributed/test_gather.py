@@ -139,3 +139,30 @@ def test_symmetric_memory_transport_refuses_gloo(results):
     _, per_rank = results
     for r in per_rank:
         assert "not 'nccl'" in r["symmetric_refused"] and "CollectiveRows" in r["symmetric_refused"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "world", "shared", "expected"),
+    [("nccl", 2, True, "gather"), ("nccl", 2, False, "native"), ("nccl", 4, True, "portable"),
+     ("gloo", 2, True, "portable")],
+)  # fmt: skip
+def test_auto_takes_gather_where_ranks_share_symmetric_memory(monkeypatch, backend, world, shared, expected):
+    """"auto" on two NCCL ranks of one host with peer access: the gather path (measured fastest there); the probe is
+    asked once per device, and without a device (the construction-time check) "auto" answers as before."""
+    from lightning_fp8.distributed import FP8CommState, comm_state
+
+    asked = []
+
+    def reason(group, device):
+        asked.append(device)
+        return None if shared else "the group spans 2 hosts"
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(comm_state, "symmetric_memory_reason", reason)
+    state = FP8CommState()
+    device = torch.device("cuda", 0)
+    assert [state.resolved_algorithm(device) for _ in range(3)] == [expected] * 3
+    assert len(asked) <= 1
+    assert state.resolved_algorithm() == ("native" if (backend, world) == ("nccl", 2) else "portable")
+    assert FP8CommState(algorithm="gather").resolved_algorithm(device) == "gather"

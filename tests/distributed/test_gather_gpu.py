@@ -69,6 +69,10 @@ def _worker(rank: int, world: int) -> dict:
             res[f"x{scale}_{name}_exact"] = all(torch.equal(g, want) for g in got)
             res[f"x{scale}_{name}_identical"] = all(_same_everywhere(g) for g in got)
     res["buffer_bytes"] = min(rows.buffer.numel() for rows in transports.values())
+    from lightning_fp8.distributed import FP8CommState
+
+    auto = FP8CommState()  # two ranks of one host with peer access: "auto" takes the gather path, copy engines
+    res["auto"] = (auto.resolved_algorithm(device), type(auto.gather_rows(device)).__name__)
     res["losses_symmetric"] = _train(rank, "symmetric")
     res["losses_collective"] = _train(rank, "collective")
     torch.cuda.synchronize()
@@ -92,6 +96,10 @@ def test_symmetric_memory_gather_gives_the_reference_bytes(results):
             for name in ("pull", "push", "pull3"):  # one stream pulling, two pushing, three pulling
                 assert r[f"x{scale}_{name}_exact"] and r[f"x{scale}_{name}_identical"], (name, r)
         assert r["buffer_bytes"] >= 2 * 64 * sum(SIZES)  # grown for the larger bucket
+
+
+def test_auto_takes_the_copy_engine_gather_on_two_gpus_of_one_host(results):
+    assert all(r["auto"] == ("gather", "SymmetricRows") for r in results)
 
 
 def test_ddp_training_through_symmetric_memory_matches_all_gathers(results):
