@@ -52,7 +52,8 @@ class HealthConfig:
         spike_zscore: a gradient norm is a spike when it exceeds the window's mean by this many standard
             deviations ...
         spike_ratio: ... and is also this many times the window's mean (a z-score alone fires when the norm
-            is nearly constant).
+            is nearly constant). While the window's mean is 0 (zero gradient norms only) there is no level to
+            compare against, and no norm is a spike.
         spike_patience: spikes in a row after which the gradient norm is taken to have settled at a new level.
             A spike stays out of the baseline; when ``spike_patience`` consecutive observed gradient norms are
             all spikes (each reported), the baseline window is replaced by those values, so the steps after
@@ -239,13 +240,17 @@ class HealthMonitor:
         if self._observations <= cfg.warmup_steps or len(self._grad_norms) < 2:
             return None
         mean, std = _mean_std(self._grad_norms)
+        if mean <= 0:
+            # Only zero norms so far (no gradient reached the parameters): no level to compare against. The norm
+            # enters the baseline, and later ones are judged against it.
+            return None
         if value > mean + cfg.spike_zscore * std and value > cfg.spike_ratio * mean:
             return HealthEvent(
                 step=step,
                 kind="grad_norm_spike",
                 value=value,
                 message=(
-                    f"step {step}: gradient norm {value:.4g} is {value / max(mean, 1e-30):.1f}x its recent mean "
+                    f"step {step}: gradient norm {value:.4g} is {value / mean:.1f}x its recent mean "
                     f"{mean:.4g} (std {std:.3g}): instability or a bad batch"
                 ),
             )

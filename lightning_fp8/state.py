@@ -17,6 +17,11 @@ from lightning_fp8.scaling import ScalingState, _format_max
 SETTINGS = ("fp8_max", "margin", "delayed", "amax_compute_algo")
 _ALGOS = ("max", "most_recent")  # amax_compute_algo is saved as its index here
 
+# Whether the state's next delayed cast uses its history (ScalingState.initialized), saved as a 0-dim int64 1 or 0: the
+# buffers cannot tell it. A cast of an all-zero tensor sets it and leaves a history of zeros and a scale of 1, as a
+# state that never cast has. Checkpoints written before this entry existed lack it: it is then inferred (_inferred).
+INITIALIZED = "initialized"
+
 # The scales casts and FP8AdamW produce: pow2_scale_ref (kernels/reference.py) and the kernels clamp the exponent to
 # [-126, 127], so a scale is a normal fp32 number with a finite reciprocal. Below, it is subnormal, and from 2**-128
 # down its reciprocal is inf: the next cast, or the next optimizer step, writes NaN.
@@ -55,15 +60,19 @@ def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     The settings, 0-dim tensors: ``fp8_max`` (fp32: 448 for E4M3, 57344 for E5M2: the state's format), ``margin``,
     ``delayed`` (1 for delayed scaling, 0 for current) and ``amax_compute_algo`` (0 for ``"max"``, 1 for
     ``"most_recent"``), the last three int64; on the state's device, like its buffers. :func:`load_fp8_state_dict`
-    refuses a state saved with other settings.
+    refuses a state saved with other settings. Beside them ``"<scaling-state fqn>.initialized"`` (int64, 1 or 0):
+    whether the state's next delayed cast uses its history (:attr:`ScalingState.initialized`), which the buffers
+    cannot tell after casts of all-zero tensors.
     """
     out: dict[str, torch.Tensor] = {}
     for name, state in module.named_modules():
         if isinstance(state, ScalingState):
+            device = state.scale.device
             for buf_name, buf in state.named_buffers(recurse=False):
                 out[f"{name}.{buf_name}"] = buf.detach().clone()
             for setting, value in _settings(state).items():
                 out[f"{name}.{setting}"] = value
+            out[f"{name}.{INITIALIZED}"] = torch.tensor(int(state.initialized), dtype=torch.int64, device=device)
     return out
 
 
@@ -75,19 +84,25 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
     the model's: its scale and history mean nothing under others, with or without ``strict``. Checkpoints written
     before the settings were saved have none, and load as before (unchecked).
 
+    Each loaded state's ``initialized`` flag is the saved one, so that the casts after loading are those the saved
+    model would have made. Checkpoints written before it was saved lack it: a state is then taken as initialized when
+    it has cast and its history or scale shows it (a state whose casts were all of all-zero tensors is not).
+
     Raises:
         KeyError: with ``strict``, if buffer keys are missing or keys are unexpected (a different model).
-        TypeError: if a value is not a tensor of the buffer's kind (floating point or integer).
+        TypeError: if a value is not a tensor of the buffer's kind (floating point or integer), or an
+            ``initialized`` entry is not one integer.
         ValueError: if a state was saved under other recipe settings (``fp8_format``, ``margin``, ``scaling``,
             ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
             cannot be a scaling state's: a scale that is not a power of two from 2**-126 to 2**127, a negative or NaN
-            amax, a saturation outside [0, 1], a negative count, or a value the buffer's dtype (fp32, int64) cannot
-            hold exactly (a float64 scale of 2**200 would be inf in fp32).
+            amax, a saturation outside [0, 1], a negative count, an ``initialized`` other than 0 or 1, or a value the
+            buffer's dtype (fp32, int64) cannot hold exactly (a float64 scale of 2**200 would be inf in fp32).
     """
     expected = fp8_state_dict(module)
     settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
+    flags = {key for key in expected if key.rpartition(".")[2] == INITIALIZED}
     if strict:
-        missing = sorted(set(expected) - set(state_dict) - settings)
+        missing = sorted(set(expected) - set(state_dict) - settings - flags)
         unexpected = sorted(set(state_dict) - set(expected))
         if missing or unexpected:
             raise KeyError(
@@ -97,21 +112,44 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
     states = {name: m for name, m in module.named_modules() if isinstance(m, ScalingState)}
     for key in sorted(settings & set(state_dict)):  # first: a state of another recipe would fail the checks below
         _check_setting(key, state_dict[key], expected[key])
-    loads = []
+    loads, initialized = [], {}
     for key, value in state_dict.items():
         if key not in expected or key in settings:
             continue
         state_name, _, buf_name = key.rpartition(".")
+        if key in flags:
+            initialized[state_name] = _check_initialized(key, value)
+            continue
         buf = getattr(states[state_name], buf_name)
         _check_value(key, buf_name, value, buf)
-        loads.append((buf, value))
+        loads.append((state_name, buf, value))
     with torch.no_grad():
-        for buf, value in loads:
+        for _, buf, value in loads:
             buf.copy_(value)
-    for state in states.values():
-        # Initialized once a cast carried information: an amax in the history, or a scale it left. A state whose casts
-        # were all of empty tensors (amax 0) has neither, and its next cast must still use its own amax.
-        state.initialized = bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
+    for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
+        initialized[state_name] = _inferred(states[state_name])
+    for state_name, flag in initialized.items():
+        states[state_name].initialized = flag
+
+
+def _inferred(state: ScalingState) -> bool:
+    # For checkpoints without the flag: initialized once a cast carried information, an amax in the history or a scale
+    # it left. A state whose casts were all of empty tensors (amax 0) has neither, and its next cast must still use its
+    # own amax; so has one whose casts were all of all-zero tensors, which was initialized (the saved flag tells).
+    return bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
+
+
+def _check_initialized(key: str, value: object) -> bool:
+    """The flag an ``initialized`` entry (``key``) holds; raise unless it is one integer, 0 or 1."""
+    fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_floating_point() or value.is_complex():
+        kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
+        shape = tuple(getattr(value, "shape", ()))
+        raise TypeError(f"FP8 scaling state {key!r} is {kind} of shape {shape}, expected one integer, 1 or 0: {fix}")
+    flag = int(value.detach().cpu().reshape(()))
+    if flag not in (0, 1):
+        raise ValueError(f"FP8 scaling state {key!r} holds {flag}, but it must be 1 or 0: {fix}")
+    return bool(flag)
 
 
 def _check_setting(key: str, value: object, own: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ dtype, so calling this every ``log_every_n_steps`` costs one synchronization, no
 from __future__ import annotations
 
 import collections
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -158,6 +159,30 @@ def _summarize_optimizer(states: dict[str, dict[str, float]]) -> dict[str, dict[
     return summary
 
 
+def _check_grad_scaler(grad_scaler: Any) -> None:
+    # fp8_stats reads mu from `scale`: a number or a one-element real tensor (FP8GradScaler.scale is a 0-dim fp32
+    # tensor). torch.amp.GradScaler has a `scale` too, but a method (scale(outputs) multiplies them by its loss scale).
+    scale = getattr(grad_scaler, "scale", None)
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() == 1 and not scale.is_complex() and scale.dtype != torch.bool:
+            return
+        what = f"a `scale` that is a {scale.dtype} tensor of shape {tuple(scale.shape)}"
+    elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        return
+    elif scale is None:
+        what = "no `scale`"
+    else:
+        what = f"a `scale` that is a {'method' if callable(scale) else type(scale).__name__}, not a number"
+    if isinstance(grad_scaler, torch.amp.GradScaler):
+        what += ": torch.amp.GradScaler is PyTorch's fp16 loss scaler, not FP8 training's"
+    kind = f"{type(grad_scaler).__module__}.{type(grad_scaler).__qualname__}"
+    raise TypeError(
+        f"fp8_stats(grad_scaler=...) expects an FP8GradScaler (lightning_fp8.FP8GradScaler, whose `scale` is mu, a "
+        f"number), got {kind}, with {what}. Pass the FP8GradScaler the run uses (Lightning's precision='fp8-lm': "
+        "trainer.precision_plugin.grad_scaler; Accelerate: accelerator.fp8_grad_scaler), or leave grad_scaler=None"
+    )
+
+
 def _scaler_handles(grad_scaler: Any, batch: _HostBatch) -> tuple[dict[str, Any], dict[str, Any]]:
     handles: dict[str, Any] = {"scale": batch.add(torch.as_tensor(grad_scaler.scale))}
     plain: dict[str, Any] = {}
@@ -181,7 +206,8 @@ def fp8_stats(
         model: a model converted with :func:`~lightning_fp8.convert_to_fp8` (wrapped by DDP/FSDP or not).
         optimizer: an optimizer over ``model``'s parameters, e.g. :class:`~lightning_fp8.FP8AdamW`; its per-
             parameter 0-dim state entries whose key contains ``"scale"`` are reported.
-        grad_scaler: a :class:`~lightning_fp8.FP8GradScaler` (anything with a ``scale`` attribute).
+        grad_scaler: a :class:`~lightning_fp8.FP8GradScaler` (anything whose ``scale`` attribute is mu: a number
+            or a one-element tensor; not ``torch.amp.GradScaler``, whose ``scale`` is a method).
 
     Returns:
         ``{"layers": {layer: {role: {"scale", "amax", "amax_history", "saturation", "nonfinite_count",
@@ -191,7 +217,8 @@ def fp8_stats(
         "last_saturation", "nonfinite_events"}`` when those are given.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module`` or ``grad_scaler`` has no ``scale``.
+        TypeError: if ``model`` is not an ``nn.Module``, or ``grad_scaler``'s ``scale`` is not a number or a
+            one-element tensor (it has none, or it is a method, as ``torch.amp.GradScaler``'s).
 
     Examples:
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
@@ -201,10 +228,8 @@ def fp8_stats(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fp8_stats(model=...) expects an nn.Module, got {type(model).__name__}")
-    if grad_scaler is not None and not hasattr(grad_scaler, "scale"):
-        raise TypeError(
-            f"fp8_stats(grad_scaler=...) expects an FP8GradScaler (with a `scale`), got {type(grad_scaler).__name__}"
-        )
+    if grad_scaler is not None:
+        _check_grad_scaler(grad_scaler)
     batch = _HostBatch()
     handles: dict[str, Any] = {"layers": _layer_handles(model, batch)}
     if optimizer is not None:

@@ -31,7 +31,8 @@ def test_grad_norm_spike_is_flagged_once_and_not_in_the_baseline():
 
 def _reference_spike_steps(norms: list[float], cfg: HealthConfig) -> list[int]:
     """The documented spike rule (HealthConfig.spike_patience), written independently of HealthMonitor: a spike
-    stays out of the baseline; spike_patience spikes in a row replace the baseline window."""
+    stays out of the baseline; spike_patience spikes in a row replace the baseline window; no spike while the
+    window's mean is 0."""
     baseline: list[float] = []  # everything that entered the baseline; the window is its tail
     run: list[float] = []
     spikes = []
@@ -40,7 +41,7 @@ def _reference_spike_steps(norms: list[float], cfg: HealthConfig) -> list[int]:
         spike = False
         if i + 1 > cfg.warmup_steps and len(recent) >= 2:
             mean, std = statistics.fmean(recent), statistics.pstdev(recent)
-            spike = g > mean + cfg.spike_zscore * std and g > cfg.spike_ratio * mean
+            spike = mean > 0 and g > mean + cfg.spike_zscore * std and g > cfg.spike_ratio * mean
         if not spike:
             run = []
             baseline.append(g)
@@ -54,6 +55,43 @@ def _reference_spike_steps(norms: list[float], cfg: HealthConfig) -> list[int]:
 
 def _spike_steps(monitor: HealthMonitor, norms: list[float]) -> list[int]:
     return [e.step for s, g in enumerate(norms) for e in monitor.observe(s, grad_norm=g) if e.kind == "grad_norm_spike"]
+
+
+def test_no_spike_against_a_window_of_zero_gradient_norms():
+    """Zero gradient norms (nothing reached the parameters yet) give no level to compare against: the first positive
+    norm after them is no spike, and no message prints a ratio against a mean of 0."""
+    monitor = HealthMonitor(HealthConfig(window=4, warmup_steps=0, spike_zscore=2.0, spike_ratio=3.0))
+    for step in range(6):
+        assert monitor.observe(step, grad_norm=0.0) == []
+    assert monitor.observe(6, grad_norm=1.0) == []
+    assert monitor.observe(7, grad_norm=0.0) == []
+    assert monitor.events == []
+    # The positive norm is now in the baseline [0, 0, 1, 0]: mean 0.25, std sqrt(3)/4 ~ 0.433. 0.8 is under both
+    # thresholds' larger one, max(0.25 + 2 * 0.433, 3 * 0.25) = 1.116; 5.0 is above it.
+    assert monitor.observe(8, grad_norm=0.8) == []
+    assert [e.kind for e in monitor.observe(9, grad_norm=5.0)] == ["grad_norm_spike"]
+
+
+@pytest.mark.parametrize(("norm", "spike"), [(5.9, False), (6.1, True), (7.0, True)])
+def test_a_spike_after_a_non_zero_window_is_still_reported(norm, spike):
+    monitor = HealthMonitor(HealthConfig(window=4, warmup_steps=0, spike_zscore=2.0, spike_ratio=3.0))
+    for step, g in enumerate([1.0, 3.0, 1.0, 3.0]):
+        assert monitor.observe(step, grad_norm=g) == []
+    # Baseline [1, 3, 1, 3]: mean 2, std 1. A spike exceeds both 2 + 2 * 1 = 4 and 3 * 2 = 6 (5.9: only the first).
+    events = monitor.observe(4, grad_norm=norm)
+    assert [e.kind for e in events] == (["grad_norm_spike"] if spike else [])
+    if spike:
+        assert events[0].value == norm and events[0].step == 4
+        assert f"{norm / 2:.1f}x its recent mean 2 " in events[0].message, events[0].message
+
+
+def test_zero_norms_before_training_match_the_documented_rule():
+    cfg = HealthConfig(window=16, warmup_steps=4)
+    norms = [0.0] * 30 + _noisy(100, 1.0, 0.05, seed=5)
+    norms[80] = 30.0  # a spike once a non-zero level exists
+    got = _spike_steps(HealthMonitor(cfg), norms)
+    assert got == [80]
+    assert got == _reference_spike_steps(norms, cfg)
 
 
 @pytest.mark.parametrize("patience", [None, 1, 3, 5])

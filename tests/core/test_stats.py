@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fp8 import FP8Linear, convert_to_fp8, fp8_stats
+from lightning_fp8 import FP8GradScaler, FP8Linear, convert_to_fp8, fp8_stats
 from lightning_fp8.scaling import ROLES
 from lightning_fp8.stats import clean_name
 
@@ -92,6 +92,34 @@ def test_grad_scaler_stats():
 
     stats = fp8_stats(_trained(1), grad_scaler=Scaler())["grad_scaler"]
     assert stats == {"scale": 1024.0, "skipped_steps": 3, "last_saturation": 2e-6, "nonfinite_events": 1}
+
+
+def test_an_fp8_grad_scaler_is_read():
+    stats = fp8_stats(_trained(1), grad_scaler=FP8GradScaler(init_scale=2.0**10))["grad_scaler"]
+    assert stats == {"scale": 1024.0, "skipped_steps": 0, "last_saturation": 0.0, "nonfinite_events": 0}
+
+
+def test_torch_grad_scaler_is_refused_up_front_with_what_to_pass():
+    """torch.amp.GradScaler has a `scale` too, but a method: refused before anything is read, saying what to pass."""
+    with pytest.raises(TypeError) as info:
+        fp8_stats(_trained(1), grad_scaler=torch.amp.GradScaler("cpu"))
+    message = str(info.value)
+    for words in ("fp8_stats(grad_scaler=...)", "torch.amp.GradScaler", "method", "FP8GradScaler", "grad_scaler=None"):
+        assert words in message, (words, message)
+
+
+@pytest.mark.parametrize(
+    ("scale", "words"), [(lambda: 1.0, "method"), ("1024", "str"), (torch.ones(2), "shape (2,)"), (True, "bool")]
+)
+def test_a_scaler_whose_scale_is_not_a_number_is_refused(scale, words):
+    class Scaler:
+        pass
+
+    scaler = Scaler()
+    scaler.scale = scale
+    with pytest.raises(TypeError, match="expects an FP8GradScaler") as info:
+        fp8_stats(_trained(1), grad_scaler=scaler)
+    assert words in str(info.value)
 
 
 def test_wrapper_names_are_cleaned_and_bad_input_is_rejected():
