@@ -76,22 +76,30 @@ def symmetric_memory_error(group: dist.ProcessGroup | None) -> str | None:
 def symmetric_memory_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     """Why the ranks of ``group`` cannot share CUDA symmetric memory on ``device`` (``None`` when they can).
 
-    A collective (every rank of ``group`` calls it): the ranks must be processes of one host whose GPUs reach each
-    other's memory (NVLink or PCIe peer access). Every rank gets the same answer.
+    A collective (every rank of ``group`` calls it): the ranks must be processes of one host, each on a GPU of its
+    own, that sees every peer's GPU (``CUDA_VISIBLE_DEVICES``) and has peer access to it (NVLink or PCIe). Every
+    rank gets the same answer.
     """
     reason = symmetric_memory_error(group)
     if reason is not None or device.type != "cuda":
         return reason or f"the gradients are on {device}, not a CUDA device"
     index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    mine = str(torch.cuda.get_device_properties(index).uuid)
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (socket.gethostname(), index), group=group)
-    hosts = sorted({host for host, _ in everyone})
+    dist.all_gather_object(everyone, (socket.gethostname(), mine), group=group)
+    hosts, gpus = sorted({host for host, _ in everyone}), [gpu for _, gpu in everyone]
     if len(hosts) > 1:
         return f"the group spans {len(hosts)} hosts ({', '.join(hosts[:4])})"
-    blocked = any(i != index and not torch.cuda.can_device_access_peer(index, i) for _, i in everyone)
+    if len(set(gpus)) < len(gpus):
+        return "two ranks of the group share a GPU"
+    peers = [gpu for gpu in gpus if gpu != mine]
+    blocked = any(gpu not in visible or not torch.cuda.can_device_access_peer(index, visible[gpu]) for gpu in peers)
     flag = torch.tensor(int(blocked), device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return "some GPUs of the group cannot access each other's memory (no peer access)" if flag.item() else None
+    if flag.item():
+        return "some rank does not see or cannot access a peer's GPU (CUDA_VISIBLE_DEVICES, no peer access)"
+    return None
 
 
 class SymmetricRows:
