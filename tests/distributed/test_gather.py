@@ -166,3 +166,39 @@ def test_auto_takes_gather_where_ranks_share_symmetric_memory(monkeypatch, backe
     assert len(asked) <= 1
     assert state.resolved_algorithm() == ("native" if (backend, world) == ("nccl", 2) else "portable")
     assert FP8CommState(algorithm="gather").resolved_algorithm(device) == "gather"
+
+
+@pytest.mark.parametrize(
+    ("everyone", "visible", "peer_access", "expected"),
+    [
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], True, None),
+        ([("h", "GPU-a"), ("g", "GPU-b")], ["GPU-a", "GPU-b"], True, "spans 2 hosts"),
+        ([("h", "GPU-a"), ("h", "GPU-a")], ["GPU-a"], True, "share a GPU"),
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a"], True, "does not see"),  # CUDA_VISIBLE_DEVICES=own GPU
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], False, "cannot access"),
+    ],
+)
+def test_symmetric_memory_probe_needs_one_host_and_peer_access(monkeypatch, everyone, visible, peer_access, expected):
+    """The probe's decision (rank 0 of two, on GPU-a), with what the ranks would report stubbed in."""
+    from types import SimpleNamespace
+
+    from lightning_fp8.distributed import exchange
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(everyone))
+    monkeypatch.setattr(exchange, "symmetric_memory_error", lambda group: None)
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = everyone
+
+    def all_reduce(t, op=None, group=None):  # this rank's flag is the MAX: the other rank is like it here
+        return None
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=visible[i]))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
+    monkeypatch.setattr(torch, "tensor", lambda value, device=None: torch.as_tensor(value))
+    reason = exchange.symmetric_memory_reason(None, torch.device("cuda", 0))
+    assert reason is None if expected is None else expected in reason
