@@ -22,11 +22,14 @@ also when a program's scale group changes). Math, in fp32, bit for bit the refer
     quantize:      q = RNE(clamp(x * s_q, +-fp8_max)), NaN where x is not finite;  n_sat += #{|x * s_q| > fp8_max}
     dequantize:    out = q * (inv_divisor * 2**-log2(s_q))        counts += (#{q not finite or |q| >= fp8_max},
                                                                              #{q not finite})   when checked
-    rows_*:        acc = q_0 + q_1 + ... + q_{W-1} (fp32, in rank order),  mean = acc * (inv_divisor / scale)
+    rows_*:        acc = q_0 + q_1 + ... + q_{W-1} (fp32, in rank order),  mean = sat32(acc * (inv_divisor / scale))
         rows_amax:     piece_amax[out] = max(piece_amax[out], max |mean|)
         rows_quantize: q' = RNE(clamp(mean * scale(piece_amax[out]), +-fp8_max));  n_sat += #{saturated}
         rows_sum:      out = mean, in out's dtype
 
+Values stored in a float output (``dequantize``, ``rows_sum``) are saturated at its dtype's largest finite value
+(NaN stays NaN): the FP8 rounding of a mean of finite values can otherwise reach inf (65536 in fp16); ``sat32``
+saturates at fp32's, where the product of finite values overflows (near bf16's and fp32's maximum).
 ``1 / s`` is built from the exponent bits (exact), so ``inv_divisor / s`` is one fp32 rounding of ``1 / (s N)``.
 FP8 bytes are decoded with integer arithmetic (E5M2 is the top byte of an fp16); E4M3 uses the hardware
 conversion on a GPU. Under ``TRITON_INTERPRET=1`` the interpreter's own conversions are wrong in places

@@ -87,8 +87,23 @@ def _encode_fp8(y, finite, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, MBITS: 
 
 
 @triton.jit
+def _clamp_abs(v, limit: tl.constexpr):
+    # v limited to [-limit, limit]; NaN stays NaN (both comparisons are false for it).
+    return tl.where(v > limit, limit, tl.where(v < -limit, -limit, v))
+
+
+@triton.jit
 def _store(ptr, v, mask, EXACT_BF16: tl.constexpr):
-    # Store fp32 v in ptr's dtype; round to nearest even by hand where the interpreter would truncate to bf16.
+    # Store fp32 v in ptr's dtype, saturated at the dtype's largest finite value: a mean of finite gradients is at most
+    # their amax, but its FP8 rounding can reach the next power of two (65536 in fp16, 2**128 in bf16/fp32), which
+    # would be inf and pass every non-finite check. Round to nearest even by hand where the interpreter would truncate
+    # to bf16.
+    if ptr.dtype.element_ty == tl.float16:
+        v = _clamp_abs(v, 65504.0)
+    elif ptr.dtype.element_ty == tl.bfloat16:
+        v = _clamp_abs(v, 3.3895313892515355e38)
+    elif ptr.dtype.element_ty == tl.float32:
+        v = _clamp_abs(v, 3.4028234663852886e38)
     if EXACT_BF16:
         bits = v.to(tl.uint32, bitcast=True)
         r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -314,7 +329,7 @@ def _rows_rows(
                 row += row_stride  # a 64-bit pointer step: no int32 product to overflow
                 acc = acc + _decode_fp8(tl.load(row + offs, mask=mask, other=0, eviction_policy=POLICY), IS_E4M3,
                                         EXACT)  # fmt: skip
-            mean = acc * scale_inv
+            mean = _clamp_abs(acc * scale_inv, 3.4028234663852886e38)  # a finite mean, not inf from an fp32 overflow
             if MODE == 0:
                 run = tl.maximum(run, _lane_max(tl.where(mask, _abs_nan_inf(mean), 0.0)))
             elif MODE == 1:

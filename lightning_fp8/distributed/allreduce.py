@@ -46,6 +46,7 @@ from lightning_fp8.distributed.comm import (
 from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
 from lightning_fp8.distributed.layout import SegmentLayout, SlicePlan, all_reduce_plan
 from lightning_fp8.distributed.quantize import segment_kernels
+from lightning_fp8.formats import check_fp8_dtype
 
 
 def _check(x: torch.Tensor, layout: SegmentLayout, out: torch.Tensor | None) -> torch.Tensor:
@@ -261,6 +262,7 @@ def all_reduce_fp8_gather(
     Other arguments as :func:`all_reduce_fp8`.
     """
     flat = _check(x, layout, out)
+    check_fp8_dtype(fp8_dtype)  # before the exchange's start-of-call barrier
     world = dist.get_world_size(group)
     kernels = segment_kernels(fused)
     plans = all_reduce_plan(layout, world, dist.get_rank(group), slices, True, flat.device)

@@ -29,7 +29,12 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import check_amax_group
 from lightning_fp8.distributed.comm import CastStats, cast_stats, local_amax
-from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows, symmetric_memory_reason
+from lightning_fp8.distributed.exchange import (
+    CollectiveRows,
+    SymmetricRows,
+    cuda_backend_is_nccl,
+    symmetric_memory_reason,
+)
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.formats import E5M2, check_fp8_dtype
 from lightning_fp8.recipe import MAX_MARGIN
@@ -190,7 +195,7 @@ class FP8CommState:
         Raises:
             ValueError: when ``"native"`` is forced on a backend other than NCCL.
         """
-        backend = dist.get_backend(self.process_group)
+        backend = "nccl" if cuda_backend_is_nccl(self.process_group) else dist.get_backend(self.process_group)
         if self.algorithm == "auto":
             world = dist.get_world_size(self.process_group)
             if 1 < world <= _AUTO_GATHER_MAX_RANKS.get(backend, 0) and device is not None:

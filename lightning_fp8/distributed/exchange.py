@@ -60,12 +60,26 @@ class CollectiveRows:
         return gathered
 
 
+def cuda_backend_is_nccl(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` runs its CUDA collectives on NCCL (``"nccl"``, or ``"cpu:gloo,cuda:nccl"`` and the like)."""
+    name = dist.get_backend(group)
+    if name == "nccl" or "cuda:nccl" in name:
+        return True
+    if name != "undefined":
+        return False
+    try:  # a bare init_process_group(): ask the group for its CUDA backend
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError):
+        return False
+    return type(backend).__name__ == "ProcessGroupNCCL"
+
+
 def symmetric_memory_error(group: dist.ProcessGroup | None) -> str | None:
-    """Why :class:`SymmetricRows` cannot serve ``group`` (``None`` when it can)."""
+    """Why :class:`SymmetricRows` cannot serve ``group`` (``None`` when it can), without a collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return "torch.distributed is not initialized"
-    if dist.get_backend(group) != "nccl":
-        return f"the process group's backend is {dist.get_backend(group)!r}, not 'nccl' (CUDA tensors)"
+    if not cuda_backend_is_nccl(group):
+        return f"the process group's backend is {dist.get_backend(group)!r}, not NCCL (CUDA tensors)"
     try:
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
     except ImportError as e:  # a torch built without it
@@ -84,8 +98,13 @@ def symmetric_memory_reason(group: dist.ProcessGroup | None, device: torch.devic
     if reason is not None or device.type != "cuda":
         return reason or f"the gradients are on {device}, not a CUDA device"
     index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):  # all_gather_object's tensors go to the current device
+        return _probe(group, torch.device("cuda", index))
+
+
+def _probe(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-    mine = str(torch.cuda.get_device_properties(index).uuid)
+    mine = str(torch.cuda.get_device_properties(device.index).uuid)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (socket.gethostname(), mine), group=group)
     hosts, gpus = sorted({host for host, _ in everyone}), [gpu for _, gpu in everyone]
@@ -94,12 +113,28 @@ def symmetric_memory_reason(group: dist.ProcessGroup | None, device: torch.devic
     if len(set(gpus)) < len(gpus):
         return "two ranks of the group share a GPU"
     peers = [gpu for gpu in gpus if gpu != mine]
-    blocked = any(gpu not in visible or not torch.cuda.can_device_access_peer(index, visible[gpu]) for gpu in peers)
-    flag = torch.tensor(int(blocked), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
+    blocked = any(gpu not in visible or not torch.cuda.can_device_access_peer(device.index, visible[gpu])
+                  for gpu in peers)  # fmt: skip
+    if _any_rank(blocked, group, device):
         return "some rank does not see or cannot access a peer's GPU (CUDA_VISIBLE_DEVICES, no peer access)"
+    try:  # a small buffer shared for real: what fails only there (e.g. no handle passing between processes)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        trial = symm_mem.empty(ALIGN, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(trial, group if group is not None else dist.group.WORLD)
+        failed = False
+    except Exception:  # any failure means "not here"; every rank learns it below
+        failed = True
+    if _any_rank(failed, group, device):
+        return "CUDA symmetric memory could not be shared between the processes (a trial rendezvous failed)"
     return None
+
+
+def _any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``flag`` is true on some rank of ``group`` (a MAX all-reduce: every rank gets the same answer)."""
+    value = torch.tensor(int(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 class SymmetricRows:
@@ -124,6 +159,7 @@ class SymmetricRows:
         self.streams = [torch.cuda.Stream(device, priority=priority) for _ in range(copy_streams)]
         self.buffer: torch.Tensor | None = None
         self.handle = None
+        self.allocations = 0  # symmetric buffers made so far (each a collective rendezvous)
         self.peers: dict[int, torch.Tensor] = {}
         self._rows: list[torch.Tensor] = []
         self._offsets: list[int] = []
@@ -137,6 +173,7 @@ class SymmetricRows:
         numel = _round_up(numel, 1 << 20)
         self.buffer = symm_mem.empty(numel, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group)
+        self.allocations += 1
         self.peers = {
             r: self.handle.get_buffer(r, (numel,), torch.uint8) for r in range(self.world) if r != self.rank
         }
@@ -186,10 +223,11 @@ class SymmetricRows:
         with torch.cuda.stream(first):
             for r in self.peers:
                 self.handle.wait_signal(r, channel=channel)
+        signalled = first.record_event() if len(pieces) > 1 else None  # before first's copies: the pieces run together
         done = []
         for stream, (a, b) in pieces:
             if stream is not first:
-                stream.wait_stream(first)
+                stream.wait_event(signalled)
             with torch.cuda.stream(stream):
                 for r, peer in self.peers.items():
                     start = self._offsets[k] + r * n

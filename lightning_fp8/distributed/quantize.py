@@ -71,6 +71,13 @@ def _cast(y: torch.Tensor, finite: torch.Tensor, fp8_dtype: torch.dtype) -> tupl
     return torch.where(finite, y.clamp(-fmax, fmax), torch.nan).to(fp8_dtype).view(torch.uint8), n_saturated
 
 
+def _to_out(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Saturated at the dtype's largest finite value (NaN stays NaN): the FP8 rounding of a mean of finite values can
+    # reach the next power of two above the dtype's range (the kernels' _store).
+    limit = torch.finfo(dtype).max
+    return y.clamp(-limit, limit).to(dtype)
+
+
 def _decode(q: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return q.view(torch.uint8).view(fp8_dtype).float()
 
@@ -96,7 +103,7 @@ def dequantize(q, table, amax, fp8_dtype, out, *, margin=0, headroom=None, inv_d
         counts[0] += (nonfinite | (q32.abs() >= fp8_max(fp8_dtype))).sum()
         counts[1] += nonfinite.sum()
     scale_inv = _inverse(_scale(amax, fp8_dtype, margin, headroom), inv_divisor)
-    out.reshape(-1)[dst] = (q32 * scale_inv[value]).to(out.dtype)
+    out.reshape(-1)[dst] = _to_out(q32 * scale_inv[value], out.dtype)
 
 
 def _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor):
@@ -105,7 +112,9 @@ def _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor):
     acc = _decode(picked[0], fp8_dtype)
     for r in range(1, picked.shape[0]):  # in rank order, as the kernel sums (fp32 addition is not associative)
         acc = acc + _decode(picked[r], fp8_dtype)
-    return acc * _inverse(_scale(amax, fp8_dtype, margin, None), inv_divisor)[value], dst, out
+    mean = acc * _inverse(_scale(amax, fp8_dtype, margin, None), inv_divisor)[value]
+    limit = torch.finfo(torch.float32).max  # the product of finite values can overflow fp32: the mean stays finite
+    return mean.clamp(-limit, limit), dst, out
 
 
 def rows_amax(rows, table, amax, piece_amax, fp8_dtype, *, margin=0, inv_divisor=1.0) -> None:
@@ -122,7 +131,7 @@ def rows_quantize(rows, table, amax, piece_amax, fp8_dtype, out, n_sat, *, margi
 
 def rows_sum(rows, table, amax, fp8_dtype, out, *, margin=0, inv_divisor=1.0) -> None:
     mean, dst, _ = _rows_mean(rows, table, amax, fp8_dtype, margin, inv_divisor)
-    out.reshape(-1)[dst] = mean.to(out.dtype)
+    out.reshape(-1)[dst] = _to_out(mean, out.dtype)
 
 
 _REFERENCE = SimpleNamespace(**{name: getattr(sys.modules[__name__], name) for name in _NAMES})

@@ -75,6 +75,18 @@ def _worker(rank: int, world: int) -> dict:
             poisoned[2][17] = bad
         _, stats = all_reduce_fp8_gather(torch.cat(poisoned), layout, None, E5M2, slices=3)
         res[f"{name}_found"] = bool(stats.found_nonfinite)
+    # Finite gradients whose FP8 rounding reaches the next power of two above the output dtype's range (65536 in
+    # fp16, 2**128 in bf16): saturated at the dtype's maximum, never inf (an inf would pass every non-finite check).
+    for dtype, value in ((torch.float16, 62000.0), (torch.bfloat16, torch.finfo(torch.bfloat16).max)):
+        big = [torch.full((40,), value, dtype=dtype), torch.full((24,), -value, dtype=dtype)]
+        limit = torch.finfo(dtype).max
+        want_big = one_rounding_mean([t.float() for t in big], E5M2, torch.float32).clamp(-limit, limit).to(dtype)
+        ok = True
+        for algorithm in (all_reduce_fp8_gather, all_reduce_fp8):
+            for fused in (False, True) if world == 2 else (False,):
+                got, stats = algorithm(torch.cat(big), SegmentLayout.per_tensor([40, 24]), None, E5M2, fused=fused)
+                ok &= bool(torch.isfinite(got).all()) and torch.equal(got, want_big) and not stats.found_nonfinite
+        res[f"saturated_{dtype}"] = ok
     n_sizes = [20000, 777, 31000, 5, 8192, 1]
     with _WireCounter() as counter:
         all_reduce_fp8_gather(torch.randn(sum(n_sizes)), SegmentLayout.per_tensor(n_sizes), None, E5M2, slices=2)
@@ -119,6 +131,13 @@ def test_gather_fused_kernels_give_the_reference_bytes(results):
     if world != 2:
         pytest.skip("the interpreted kernels run on 2 ranks only")
     assert all(r["fused_exact"] for r in per_rank)
+
+
+def test_means_saturate_at_the_output_dtype_maximum(results):
+    """fp16 gradients of 62000 (E5M2 rounds their mean to 65536, inf in fp16) and bf16's maximum (rounds to 2**128):
+    the gather and portable paths store the dtype's maximum, as the one-rounding mean clamped to it."""
+    _, per_rank = results
+    assert all(r["saturated_torch.float16"] and r["saturated_torch.bfloat16"] for r in per_rank)
 
 
 def test_gather_nonfinite_on_one_rank_is_found_everywhere(results):
@@ -169,16 +188,19 @@ def test_auto_takes_gather_where_ranks_share_symmetric_memory(monkeypatch, backe
 
 
 @pytest.mark.parametrize(
-    ("everyone", "visible", "peer_access", "expected"),
+    ("everyone", "visible", "peer_access", "trial", "expected"),
     [
-        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], True, None),
-        ([("h", "GPU-a"), ("g", "GPU-b")], ["GPU-a", "GPU-b"], True, "spans 2 hosts"),
-        ([("h", "GPU-a"), ("h", "GPU-a")], ["GPU-a"], True, "share a GPU"),
-        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a"], True, "does not see"),  # CUDA_VISIBLE_DEVICES=own GPU
-        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], False, "cannot access"),
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], True, True, None),
+        ([("h", "GPU-a"), ("g", "GPU-b")], ["GPU-a", "GPU-b"], True, True, "spans 2 hosts"),
+        ([("h", "GPU-a"), ("h", "GPU-a")], ["GPU-a"], True, True, "share a GPU"),
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a"], True, True, "does not see"),  # CUDA_VISIBLE_DEVICES=own GPU
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], False, True, "cannot access"),
+        ([("h", "GPU-a"), ("h", "GPU-b")], ["GPU-a", "GPU-b"], True, False, "trial rendezvous failed"),
     ],
 )
-def test_symmetric_memory_probe_needs_one_host_and_peer_access(monkeypatch, everyone, visible, peer_access, expected):
+def test_symmetric_memory_probe_needs_one_host_and_peer_access(
+    monkeypatch, everyone, visible, peer_access, trial, expected
+):
     """The probe's decision (rank 0 of two, on GPU-a), with what the ranks would report stubbed in."""
     from types import SimpleNamespace
 
@@ -194,11 +216,25 @@ def test_symmetric_memory_probe_needs_one_host_and_peer_access(monkeypatch, ever
     def all_reduce(t, op=None, group=None):  # this rank's flag is the MAX: the other rank is like it here
         return None
 
+    def trial_rendezvous(*args, **kwargs):
+        if not trial:
+            raise RuntimeError("handle passing refused")
+
+    class _SymmMem:  # the trial allocation and rendezvous
+        empty = staticmethod(lambda *a, **k: None)
+        rendezvous = staticmethod(trial_rendezvous)
+
+    import torch.distributed._symmetric_memory  # noqa: F401 (the attribute exists, then is replaced)
+
+    monkeypatch.setitem(__import__("sys").modules, "torch.distributed._symmetric_memory", _SymmMem)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", _SymmMem)
+
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=visible[i]))
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
     monkeypatch.setattr(torch, "tensor", lambda value, device=None: torch.as_tensor(value))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
     reason = exchange.symmetric_memory_reason(None, torch.device("cuda", 0))
     assert reason is None if expected is None else expected in reason
