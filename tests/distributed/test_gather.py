@@ -157,7 +157,7 @@ def test_gather_bytes_on_the_wire(results):
 def test_symmetric_memory_transport_refuses_gloo(results):
     _, per_rank = results
     for r in per_rank:
-        assert "not 'nccl'" in r["symmetric_refused"] and "CollectiveRows" in r["symmetric_refused"]
+        assert "not NCCL" in r["symmetric_refused"] and "CollectiveRows" in r["symmetric_refused"]
 
 
 @pytest.mark.parametrize(
