@@ -216,3 +216,25 @@ def test_persistent_programs_match_reference(config, max_programs, device, monke
 def _rows_table(device: str):
     # Pieces of a 256-column chunk: aligned bodies of several tiles and ragged edges; out = piece index.
     return block_table([0, 20, 150], [0, 20, 150], [20, 130, 106], [2, 0, 3], [0, 1, 2], device=device, block=64)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decoded_means_saturate_at_the_output_maximum(out_dtype, device):
+    """E5M2's maximum (57344) decoded with a scale whose inverse takes it past the output dtype's range (fp16 from an
+    amax of 6e4, bf16 and fp32 from 3e38: 2**128.8, past fp32 too): stored as the dtype's maximum, not inf; a NaN
+    byte stays NaN. The same from the decode of one row and from the mean of two."""
+    amax = torch.tensor([6e4 if out_dtype == torch.float16 else 3e38], device=device)
+    received = torch.full((2, 64), 0x7B, dtype=torch.uint8)  # 0x7B: +57344 in E5M2
+    received[:, 40:] = 0xFB  # -57344
+    received[1, 5] = 0x7F  # NaN
+    received = received.to(device)
+    table = block_table([0], [0], [64], [0], [0], device=device, block=16)
+    want = torch.full((64,), torch.finfo(out_dtype).max, dtype=out_dtype)
+    want[40:] = -want[40:]
+    for kernels in (REF, TRITON):
+        mean = torch.zeros(64, dtype=out_dtype, device=device)
+        kernels.rows_sum(received, table, amax, E5M2, mean, inv_divisor=0.5)
+        one = torch.zeros(64, dtype=out_dtype, device=device)
+        kernels.dequantize(received[0], table, amax, E5M2, one)
+        assert torch.equal(one.cpu(), want)
+        assert mean[5].isnan() and torch.equal(torch.cat([mean[:5], mean[6:]]).cpu(), torch.cat([want[:5], want[6:]]))
