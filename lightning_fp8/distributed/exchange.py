@@ -9,9 +9,13 @@ in rank order. Two transports:
   (``torch.distributed._symmetric_memory``), so each rank's row is readable by its peers; a peer's row is pulled
   by a device-to-device copy, which the GPU's copy engines run over NVLink without multiprocessors, beside the cast
   and sum kernels of other slices. Ranks hand off through the symmetric memory's signal pads (device-side flags, no
-  host synchronization): after the cast of slice ``k`` a rank signals every peer on channel ``k``; a side stream
-  waits for the peers' signals, then copies. At the start of a call a barrier makes sure no peer is still reading
-  the previous call's rows before this rank overwrites its own.
+  host synchronization). Pulling (the default): after the cast of slice ``k`` a rank signals every peer on channel
+  ``k``; a side stream waits for the peers' signals, then copies their rows into this rank's buffer. Pushing
+  (``push=True``): a side stream copies this rank's row into every peer's buffer as soon as its cast is done, then
+  signals; the sum waits for the peers' signals. ``copy_streams`` cuts each copy into that many pieces on as many
+  streams (several copy engines). At the start of a call a barrier makes sure no peer is still reading (or writing)
+  the previous call's rows before this rank overwrites its own. Measured on 2 H200s (docs/benchmarks.md,
+  "Nineteenth session"): pulling with one stream, 1.58x NCCL's bf16 all-reduce at 8 slices of 1B elements.
 """
 
 from __future__ import annotations
