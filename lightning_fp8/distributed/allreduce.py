@@ -113,6 +113,16 @@ def _pipeline(n: int, shared: _SharedAmax, start, finish, middle=None) -> None:
     finish(n - 1, second[n - 1])
 
 
+def _prepare(x, layout, group, out, fused: bool, slices: int, native: bool, amax_group):
+    """What every all-reduce here starts with: the flat input, its slices' plans (native: one FP8 row per slice),
+    the staged shared amaxes (their kernels: ``shared.kernels``), the output and the saturation counter."""
+    flat = _check(x, layout, out)
+    plans = all_reduce_plan(layout, dist.get_world_size(group), dist.get_rank(group), slices, native, flat.device)
+    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), segment_kernels(fused))
+    out = torch.empty_like(flat) if out is None else out.view(-1)
+    return flat, plans, shared, out, torch.zeros((), dtype=torch.int64, device=flat.device)
+
+
 def all_reduce_fp8(
     x: torch.Tensor,
     layout: SegmentLayout,
@@ -143,13 +153,8 @@ def all_reduce_fp8(
     Returns:
         ``(mean, stats)``; every rank gets the same bytes.
     """
-    flat = _check(x, layout, out)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    kernels = segment_kernels(fused)
-    plans = all_reduce_plan(layout, world, rank, slices, False, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), kernels)
-    out = torch.empty_like(flat) if out is None else out.view(-1)
-    n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
+    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, False, amax_group)
+    world, kernels = dist.get_world_size(group), shared.kernels
     common = {"margin": margin}
 
     def start(k):  # cast with the shared scales, all-to-all of the chunks
@@ -205,13 +210,8 @@ def all_reduce_fp8_native(
     sums that overflowed (non-finite, or at the format maximum) are counted in ``n_saturated``; a non-finite
     sum marks ``found_nonfinite`` on every rank. Other arguments as :func:`all_reduce_fp8`.
     """
-    flat = _check(x, layout, out)
-    world = dist.get_world_size(group)
-    kernels = segment_kernels(fused)
-    plans = all_reduce_plan(layout, world, dist.get_rank(group), slices, True, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), kernels)
-    out = torch.empty_like(flat) if out is None else out.view(-1)
-    n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
+    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, True, amax_group)
+    world, kernels = dist.get_world_size(group), shared.kernels
     counts = torch.zeros(2, dtype=torch.int64, device=flat.device)  # sums at/over the maximum, non-finite sums
     h = native_prescale_exponent(world)
     if isinstance(extra_headroom, torch.Tensor):
@@ -261,14 +261,9 @@ def all_reduce_fp8_gather(
     exchange`): an FP8 all-gather of ``group`` (the default) or copy-engine copies out of CUDA symmetric memory.
     Other arguments as :func:`all_reduce_fp8`.
     """
-    flat = _check(x, layout, out)
     check_fp8_dtype(fp8_dtype)  # before the exchange's start-of-call barrier
-    world = dist.get_world_size(group)
-    kernels = segment_kernels(fused)
-    plans = all_reduce_plan(layout, world, dist.get_rank(group), slices, True, flat.device)
-    shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), kernels)
-    out = torch.empty_like(flat) if out is None else out.view(-1)
-    n_sat = torch.zeros((), dtype=torch.int64, device=flat.device)
+    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, True, amax_group)
+    world, kernels = dist.get_world_size(group), shared.kernels
     rows = CollectiveRows(group) if rows is None else rows
     rows.begin(plans, flat.device)
 
