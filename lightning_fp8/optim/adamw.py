@@ -141,11 +141,11 @@ class FP8AdamW(torch.optim.Optimizer):
             its smallest values to zero between steps (the step's own gradient still enters the update).
 
     Raises:
-        ValueError: for a negative lr, eps or weight_decay, betas outside [0, 1), an unknown level or state dtype, a
-            ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a parameter group, also one
-            given to :meth:`add_param_group`), ``capturable=True`` or ``differentiable=True``, ``fp8_grads=True``
-            where ``torch.distributed`` is initialized (a backward raises RuntimeError once it is initialized after
-            the optimizer was created with them).
+        ValueError: for a negative or non-finite lr, eps or weight_decay, betas outside [0, 1), an unknown level or
+            state dtype, a ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a
+            parameter group, also one given to :meth:`add_param_group`), ``capturable=True`` or
+            ``differentiable=True``, ``fp8_grads=True`` where ``torch.distributed`` is initialized (a backward raises
+            RuntimeError once it is initialized after the optimizer was created with them).
         TypeError: for complex parameters.
 
     Example:
@@ -655,11 +655,12 @@ class FP8AdamW(torch.optim.Optimizer):
         Everything is checked before anything is loaded: on an error, the optimizer and the weights are unchanged.
 
         Raises:
-            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``), or a state does not fit
-                its parameter (wrong shape or dtype, missing entries, a scale or amax of the wrong shape or value, a
-                bad step); the message names the parameter's index and the entry, and what to do. Also for a state
-                dict of AMSGrad (a group with ``amsgrad=True``, a state with ``max_exp_avg_sq``), which FP8AdamW
-                would continue without it.
+            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``) or hold settings the
+                constructor refuses, or a state does not fit its parameter (wrong shape or dtype, missing entries, a
+                scale or amax of the wrong shape or value, an amax below its state's values, inf or NaN values, a
+                negative second moment, a bad step); the message names the parameter's index and the entry, and what
+                to do. Also for a state dict of AMSGrad (a group with ``amsgrad=True``, a state with
+                ``max_exp_avg_sq``), which FP8AdamW would continue without it.
         """
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_fp8 import ops
-from lightning_fp8.kernels.reference_adamw import SCALED_STATE_MAX
+from lightning_fp8.kernels.reference_adamw import BOUND_SLACK, SCALED_STATE_MAX
 from lightning_fp8.optim import master, shards
+from lightning_fp8.optim import step as step_
 from lightning_fp8.scaling import compute_scale
 from lightning_fp8.state import MAX_SCALE, MIN_SCALE
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
 _ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.AdamW's: a state has all of them or none
 _FIX = "the checkpoint is corrupt or was written for another model"
+# The dtypes a state may have besides the scaled ones (SCALED_STATE_MAX): these hold the value itself, with scale 1.
+_UNSCALED = (torch.float64, torch.float32, torch.bfloat16)
 
 
 def dequantize(state: dict[str, Any], key: str) -> torch.Tensor:
@@ -157,6 +160,7 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
             f"got {got}"
         )
     _check_no_amsgrad(state_dict)
+    _check_groups(state_dict["param_groups"])
     saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
     params = _param_order(opt)
     if len(saved_ids) != len(params):
@@ -189,12 +193,28 @@ def _check_no_amsgrad(state_dict: dict[str, Any]) -> None:
     )
 
 
+def _check_groups(groups: Any) -> None:
+    """Raise ValueError for a saved group whose lr, betas, eps or weight_decay the constructor would refuse (NaN, inf,
+    out of range, not a number): the base class would restore them as they are."""
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            continue  # torch.optim.Optimizer.load_state_dict says what is wrong
+        try:
+            step_.check_hyper_parameters(*(group.get(name) for name in ("lr", "betas", "eps", "weight_decay")))
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"FP8AdamW.load_state_dict: parameter group {i} of the state dict: {error}. Correct it in "
+                f"state_dict['param_groups'][{i}] before loading, or {_FIX}"
+            ) from None
+
+
 def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
     """Raise ValueError for a state its parameter cannot take: not a dict; some of AdamW's step and moments without the
     others; a moment or master that is not a floating-point tensor of the parameter's (shard's) shape, or is sharded
-    where the parameter is not; an FP8 or fp16 moment without its scale; a scale or amax of a shape that fits neither
-    one number nor one per row (column) of its state, a scale outside 2**-126 to 2**127, an amax that is not
-    finite and >= 0; a step that is not one finite number >= 0. Returns the state with DTensors as local shards."""
+    where the parameter is not, or has a dtype FP8AdamW does not store; an FP8 or fp16 moment or master without its
+    scale; a scale or amax of a shape that fits neither one number nor one per row (column) of its state, a scale
+    outside 2**-126 to 2**127, an amax that is not finite and >= 0; bad values (:func:`_check_values`); a step that is
+    not one finite number >= 0. Returns the state with DTensors as local shards."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
     present = [key for key in _ADAMW_KEYS if key in saved]
@@ -216,11 +236,21 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
                     "state_dict.set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))"
                 )
             raise ValueError(f"{what} has shape {tuple(local[key].shape)}, its parameter {shard_shape}: {_FIX}")
-        if local[key].dtype in SCALED_STATE_MAX and key != "master" and f"{key}_scale" not in saved:
-            raise ValueError(f"{what} is {local[key].dtype} without its '{key}_scale': {_FIX}")
+        dtype = local[key].dtype
+        if dtype not in SCALED_STATE_MAX and dtype not in _UNSCALED:
+            raise ValueError(
+                f"{what} is {dtype}, which FP8AdamW does not store (it stores {list(_UNSCALED)} as they are, "
+                f"{list(SCALED_STATE_MAX)} as value * '{key}_scale') and so cannot read. Convert it in the state dict "
+                f"to fp32 values (stored / scale in the format's own convention) and delete '{key}_scale' and "
+                f"'{key}_amax', or {_FIX}"
+            )
+        # FP8AdamW writes no scaled master without its scale: read without one, it would be the weight times the scale.
+        if dtype in SCALED_STATE_MAX and f"{key}_scale" not in saved:
+            raise ValueError(f"{what} is {dtype} without its '{key}_scale' (it is stored as value * scale): {_FIX}")
         for name in (f"{key}_scale", f"{key}_amax"):
             if name in saved:
                 _check_scalar(f"{where}'s {name!r}", saved[name], local[name], local[key], p, name.endswith("scale"))
+        _check_values(where, key, local)
     if "step" in saved:
         _check_step(where, saved["step"])
     return local
@@ -268,6 +298,45 @@ def _check_scalar(what: str, value: Any, local: Any, state: torch.Tensor, p: tor
         wanted = "finite and >= 0"
     if bool(bad.any()):
         raise ValueError(f"{what} has the value {local[bad].reshape(-1)[0].item()}, not {wanted}: {_FIX}")
+
+
+def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
+    """Raise ValueError when this rank's part of state ``key`` holds inf or NaN, is a negative ``exp_avg_sq``, is
+    unscaled with a scale other than 1 (FP8AdamW writes 1, and an adopted weight's forward would divide by it), or
+    exceeds its amax by more than the rounding of its storage (``BOUND_SLACK``).
+
+    The amax is not measured again on loading (a resumed run continues bit-identically): the one-pass scale update
+    bounds the next values of the state from it, and an understated one makes the next step saturate the state.
+    """
+    what, x = f"{where}'s {key!r}", dequantize(local, key)  # fp32, unscaled
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            f"{what} holds inf or NaN: the run had diverged (or the file is corrupt) when it was saved; resume from an "
+            "earlier checkpoint"
+        )
+    if key == "exp_avg_sq" and bool((x < 0).any()):
+        raise ValueError(f"{what} holds negative values (a second moment is a mean of squares, >= 0): {_FIX}")
+    scale, amax = local.get(f"{key}_scale"), local.get(f"{key}_amax")
+    if scale is not None and local[key].dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
+        raise ValueError(
+            f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {local[key].dtype} state, which FP8AdamW "
+            f"stores unscaled (scale 1): {_FIX}"
+        )
+    if amax is not None:  # per row for per-row amaxes, plus the storage's smallest normal (a subnormal's rounding)
+        dtype, amax = local[key].dtype, _broadcast(amax, x)
+        scale = _broadcast(scale, x) if scale is not None and dtype in SCALED_STATE_MAX else 1.0
+        if bool((x.abs() > amax * BOUND_SLACK + torch.finfo(dtype).smallest_normal / scale).any()):
+            raise ValueError(
+                f"{where}'s '{key}_amax' is below the largest value of {key!r} ({x.abs().max().item()}, amax "
+                f"{amax.min().item()}): the next step would pick a scale too large from it and saturate the state. "
+                f"The checkpoint is corrupt or was edited; to load its values anyway, delete '{key}_amax' from the "
+                "state: it is then measured from them"
+            )
+
+
+def _broadcast(scalar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A scale or amax (one number, or one per row) on ``x``'s device, to broadcast against ``x``."""
+    return (scalar.reshape(()) if scalar.numel() == 1 else scalar).to(x.device)
 
 
 def _exported_shapes(p: torch.Tensor) -> tuple[int, list[tuple[int, ...]]]:

@@ -7,6 +7,7 @@ and those that do not go to separate launches (one ``EMIT`` constexpr per launch
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -92,7 +93,8 @@ def _check_number(name: str, value: Any, tensor_ok: bool = False) -> None:
 
 
 def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix)."""
+    """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix); also refuses an lr, eps or
+    weight_decay that is not finite (torch accepts inf, which makes every weight NaN or 0)."""
     _check_number("lr", lr, tensor_ok=True)
     _check_number("eps", eps)
     _check_number("weight_decay", weight_decay)
@@ -101,17 +103,17 @@ def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> 
             _check_number(f"betas[{i}]", beta, tensor_ok=True)
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"FP8AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs lr >= 0)")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps} (FP8AdamW needs eps >= 0)")
+    if not 0.0 <= float(lr) < math.inf:
+        raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs a finite lr >= 0)")
+    if not 0.0 <= eps < math.inf:
+        raise ValueError(f"Invalid epsilon value: {eps} (FP8AdamW needs a finite eps >= 0)")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r} (FP8AdamW needs a pair (beta1, beta2))")
     for i, beta in enumerate(betas):
         if not 0.0 <= float(beta) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)} (FP8AdamW needs 0 <= beta < 1)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs weight_decay >= 0)")
+    if not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs a finite weight_decay >= 0)")
 
 
 def advance_steps(steps: list[torch.Tensor]) -> list[int]:

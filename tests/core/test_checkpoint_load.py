@@ -1,6 +1,6 @@
-"""FP8AdamW.load_state_dict: everything is checked before anything is loaded (a bad checkpoint raises a ValueError
-that says what is wrong and changes nothing), and the per-row scales of a sharded run's full state dict load into an
-unsharded model by value."""
+"""FP8AdamW.load_state_dict: everything is checked before anything is loaded (a bad checkpoint, in its states or its
+group settings, raises a ValueError that says what is wrong and changes nothing), and the per-row scales of a sharded
+run's full state dict load into an unsharded model by value."""
 
 import copy
 import io
@@ -62,6 +62,10 @@ def _per_rank(value: torch.Tensor) -> torch.Tensor:
     return torch.stack([value, value * 2])
 
 
+def _filled(value: torch.Tensor, what: str) -> torch.Tensor:
+    return torch.full(value.shape, float(what)).to(value.dtype)
+
+
 # Parameter 2 is the second layer's weight (FP8, adopted master): the first two parameters load first, so a check that
 # came late would have changed them. Parameter 0 is the first layer's weight.
 CORRUPTIONS = {
@@ -74,6 +78,23 @@ CORRUPTIONS = {
     "moment_missing": (2, lambda s: s.pop("exp_avg_sq"), r"without \['exp_avg_sq'\]"),
     "step_vector": (0, lambda s: s.update(step=torch.tensor([1.0, 2.0])), "step is"),
     "scale_string": (2, lambda s: s.update(exp_avg_scale="1.0"), "not a floating-point tensor"),
+    # The fp16 storage of an adopted master is weight * scale: without the scale it would load as 2**k times the weight.
+    "master_without_scale": (2, lambda s: [s.pop("master_scale"), s.pop("master_amax")], "without its 'master_scale'"),
+    "moment_nan": (2, lambda s: s.update(exp_avg=_filled(s["exp_avg"], "nan")), "holds inf or NaN"),
+    "master_inf": (2, lambda s: s.update(master=_filled(s["master"], "inf")), "holds inf or NaN"),
+    "fp32_moment_nan": (3, lambda s: s.update(exp_avg=_filled(s["exp_avg"], "nan")), "holds inf or NaN"),
+    "second_moment_negative": (2, lambda s: s.update(exp_avg_sq=-s["exp_avg_sq"] - 1), "holds negative values"),
+    "fp32_second_moment_negative": (3, lambda s: s.update(exp_avg_sq=-s["exp_avg_sq"] - 1), "holds negative values"),
+    # The one-pass scale update bounds the next values from the amax: an understated one saturates the next step.
+    "amax_zero": (2, lambda s: s.update(exp_avg_amax=torch.zeros(())), "'exp_avg_amax' is below the largest value"),
+    "master_amax_understated": (2, lambda s: s.update(master_amax=s["master_amax"] / 4), "'master_amax' is below"),
+    "fp8_fnuz": (2, lambda s: s.update(exp_avg=s["exp_avg"].float().to(torch.float8_e4m3fnuz)), "does not store"),
+    "fp8_e5m2fnuz": (2, lambda s: s.update(exp_avg=s["exp_avg"].float().to(torch.float8_e5m2fnuz)), "does not store"),
+    "unscaled_with_scale": (
+        2,
+        lambda s: s.update(exp_avg_sq=checkpoint.dequantize(s, "exp_avg_sq"), exp_avg_sq_scale=torch.tensor(4.0)),
+        "stores unscaled",
+    ),
 }
 
 
@@ -92,6 +113,66 @@ def test_bad_state_raises_and_changes_nothing(case):
     opt.load_state_dict(saved)  # the intact checkpoint loads
     (model(torch.randn(8, 32)) ** 2).mean().backward()
     opt.step()
+
+
+GROUP_CORRUPTIONS = {
+    "lr_nan": ("lr", float("nan"), "Invalid learning rate: nan"),
+    "lr_inf": ("lr", float("inf"), "Invalid learning rate: inf"),
+    "weight_decay_inf": ("weight_decay", float("inf"), "Invalid weight_decay value: inf"),
+    "betas_out_of_range": ("betas", (1.5, 2.0), "Invalid beta parameter at index 0: 1.5"),
+    "eps_string": ("eps", "x", "eps must be a number"),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_CORRUPTIONS))
+def test_bad_group_setting_raises_and_changes_nothing(case):
+    name, value, match = GROUP_CORRUPTIONS[case]
+    bad = _saved()
+    bad["param_groups"][0][name] = value
+    model, opt = _trained(seed=1)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=match) as error:
+        opt.load_state_dict(bad)
+    assert "parameter group 0" in str(error.value) and "param_groups'][0]" in str(error.value)
+    _assert_unchanged(before, _snapshot(model, opt))
+
+
+def test_an_understated_amax_deleted_is_measured_on_loading():
+    """What the refusal of an understated amax says to do: without the amax, the values load and it is measured."""
+    saved = _saved()
+    del saved["state"][2]["exp_avg_amax"]
+    model, opt = _trained(seed=1)
+    opt.load_state_dict(saved)
+    state = opt.state[list(model.parameters())[2]]
+    assert torch.equal(state["exp_avg"].view(torch.uint8), saved["state"][2]["exp_avg"].view(torch.uint8))
+    assert torch.equal(state["exp_avg_amax"], checkpoint.dequantize(state, "exp_avg").abs().max())
+
+
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
+def test_an_unscaled_master_loads_without_a_scale(master_dtype):
+    """Only scaled (fp16, FP8) masters need their scale: an fp32 or bf16 master without one is the weight itself."""
+    saved = _saved()
+    state = saved["state"][2]
+    want = checkpoint.dequantize(state, "master")
+    state["master"] = want.to(master_dtype)
+    del state["master_scale"], state["master_amax"]
+    model, opt = _trained(seed=1)
+    opt.load_state_dict(saved)
+    got = master.export(list(model.parameters())[2]).float()
+    torch.testing.assert_close(got, want, rtol=2**-7 if master_dtype == torch.bfloat16 else 2**-10, atol=0)
+
+
+def test_an_unscaled_master_with_a_scale_other_than_1_is_refused():
+    """A bf16 master (adopted) is stored unscaled with scale 1; its forward would divide by another scale."""
+    saved = _saved(master_dtype=torch.bfloat16)
+    assert saved["state"][2]["master"].dtype == torch.bfloat16
+    model, opt = _trained(seed=1, master_dtype=torch.bfloat16)
+    opt.load_state_dict(copy.deepcopy(saved))  # scale 1: loads
+    saved["state"][2]["master_scale"] = torch.tensor(4.0)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="'master_scale' is 4.0 for a torch.bfloat16 state"):
+        opt.load_state_dict(saved)
+    _assert_unchanged(before, _snapshot(model, opt))
 
 
 def test_a_state_dict_that_is_not_one_says_so():
