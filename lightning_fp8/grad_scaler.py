@@ -43,7 +43,7 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -607,22 +607,15 @@ class FP8GradScaler:
 
         Raises:
             KeyError: when an entry is missing (not an FP8GradScaler state dict).
-            TypeError: for an entry of the wrong type (e.g. a counter that is not an int).
+            TypeError: when ``state_dict`` is not a dict, or for an entry of the wrong type (e.g. a counter that is
+                not an int).
             ValueError: for an entry out of range (a scale that is not a positive power of two, a negative counter,
                 a saturation outside [0, 1]).
 
         A scale outside this scaler's ``[min_scale, max_scale]`` (saved under other bounds) is brought within them,
         with a warning.
         """
-        missing = sorted(set(self.state_dict()) - set(state_dict))
-        if missing:
-            raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
-        scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
-        counters = {name: _checked_entry(name, state_dict[name], numbers.Integral, "an int >= 0", lambda n: n >= 0)
-                    for name in _COUNTERS}  # fmt: skip
-        saturation = _checked_entry("last_saturation", state_dict["last_saturation"], numbers.Real,
-                                    "a fraction in [0, 1]", lambda x: 0.0 <= x <= 1.0)  # fmt: skip
-        history = _checked_history(state_dict["history"])
+        scale, counters, saturation, history = self._checked_state(state_dict)
         if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
             bounded = min(max(scale, self.min_scale), self.max_scale)
             warnings.warn(
@@ -641,6 +634,28 @@ class FP8GradScaler:
         self._steps = counters["steps"]
         self._last_saturation = saturation
         self._history = collections.deque(history, maxlen=_HISTORY_LEN)
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
+        several parts (mu, the FP8 scaling state, ...) checks every part before it loads any."""
+        self._checked_state(state_dict)
+
+    def _checked_state(self, state_dict: Any) -> tuple[float, dict[str, int], float, list[dict[str, Any]]]:
+        """``state_dict``'s scale, counters, saturation and history, checked (see :meth:`load_state_dict`)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"FP8GradScaler.load_state_dict: got {type(state_dict).__name__}, expected the dict that "
+                "FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
+            )
+        missing = sorted(set(self.state_dict()) - set(state_dict))
+        if missing:
+            raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
+        scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
+        counters = {name: _checked_entry(name, state_dict[name], numbers.Integral, "an int >= 0", lambda n: n >= 0)
+                    for name in _COUNTERS}  # fmt: skip
+        saturation = _checked_entry("last_saturation", state_dict["last_saturation"], numbers.Real,
+                                    "a fraction in [0, 1]", lambda x: 0.0 <= x <= 1.0)  # fmt: skip
+        return scale, counters, saturation, _checked_history(state_dict["history"])
 
     def __repr__(self) -> str:
         return (

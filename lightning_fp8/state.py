@@ -6,6 +6,8 @@ these two functions put it into (and take it out of) a checkpoint beside the mod
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+
 import torch
 from torch import nn
 
@@ -28,14 +30,23 @@ INITIALIZED = "initialized"
 MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
 
 
-def _settings(state: ScalingState) -> dict[str, torch.Tensor]:
-    device = state.scale.device
+def _setting_values(state: ScalingState) -> dict[str, float]:
+    # As Python numbers, so that comparing them needs no tensor data (a model on the meta device has none).
     return {
         # The format's largest value (448 E4M3, 57344 E5M2): it identifies the format and is what the scale targets.
-        "fp8_max": torch.tensor(_format_max(state.fp8_dtype), dtype=torch.float32, device=device),
-        "margin": torch.tensor(state.margin, dtype=torch.int64, device=device),
-        "delayed": torch.tensor(int(state.delayed), dtype=torch.int64, device=device),
-        "amax_compute_algo": torch.tensor(0 if state.algo == "max" else 1, dtype=torch.int64, device=device),
+        "fp8_max": float(_format_max(state.fp8_dtype)),
+        "margin": float(state.margin),
+        "delayed": float(int(state.delayed)),
+        "amax_compute_algo": float(_ALGOS.index(state.algo)),
+    }
+
+
+def _settings(state: ScalingState) -> dict[str, torch.Tensor]:
+    device = state.scale.device
+    values = _setting_values(state)
+    return {
+        name: torch.tensor(value, dtype=torch.float32 if name == "fp8_max" else torch.int64, device=device)
+        for name, value in values.items()
     }
 
 
@@ -90,28 +101,77 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
 
     Raises:
         KeyError: with ``strict``, if buffer keys are missing or keys are unexpected (a different model).
-        TypeError: if a value is not a tensor of the buffer's kind (floating point or integer), or an
-            ``initialized`` entry is not one integer.
+        TypeError: if ``state_dict`` is not a dict with string keys, a value is not a tensor of the buffer's kind
+            (floating point or integer; not bool), or an ``initialized`` entry is not one integer.
         ValueError: if a state was saved under other recipe settings (``fp8_format``, ``margin``, ``scaling``,
             ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
             cannot be a scaling state's: a scale that is not a power of two from 2**-126 to 2**127, a negative or NaN
             amax, a saturation outside [0, 1], a negative count, an ``initialized`` other than 0 or 1, or a value the
-            buffer's dtype (fp32, int64) cannot hold exactly (a float64 scale of 2**200 would be inf in fp32).
+            buffer's dtype (fp32, int64) cannot hold exactly (a float64 scale of 2**200 would be inf in fp32); or
+            if the model's scaling state or a saved value is on the ``meta`` device (it holds no data).
     """
-    expected = fp8_state_dict(module)
+    states, loads, initialized = _checked(module, state_dict, strict, ())
+    with torch.no_grad():
+        for _, buf, value in loads:
+            buf.copy_(value)
+    for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
+        initialized[state_name] = _inferred(states[state_name])
+    for state_name, flag in initialized.items():
+        states[state_name].initialized = flag
+
+
+def check_fp8_state_dict(
+    module: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    strict: bool = True,
+    *,
+    leaving_out: Collection[nn.Module] = (),
+) -> None:
+    """Raise what :func:`load_fp8_state_dict` would raise for these arguments, changing nothing: so that a load of
+    several parts (the FP8 state, mu, other models' states) checks every part before it loads any.
+
+    Args:
+        module, state_dict, strict: as for :func:`load_fp8_state_dict`.
+        leaving_out: submodules of ``module`` whose scaling states are not compared (FP8 layers about to be put back
+            to ``nn.Linear``, whose states the checkpoint does not have).
+    """
+    _checked(module, state_dict, strict, leaving_out)
+
+
+def _checked(
+    module: nn.Module, state_dict: object, strict: bool, leaving_out: Collection[nn.Module]
+) -> tuple[dict[str, ScalingState], list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, bool]]:
+    """Check ``state_dict`` against ``module``; return its scaling states by name, the ``(state name, buffer, value)``
+    copies to make and the ``initialized`` flags saved, by state name."""
+    _check_mapping(state_dict)
+    skipped = {id(m) for layer in leaving_out for m in layer.modules()}
+    states = {n: m for n, m in module.named_modules() if isinstance(m, ScalingState) and id(m) not in skipped}
+    meta = sorted(name for name, state in states.items() if state.scale.is_meta)
+    if meta:
+        raise ValueError(
+            f"the model's FP8 scaling states {meta[:3]} are on the meta device (no data to load into): materialize "
+            "the model first (model.to_empty(device=...), then its reset_parameters()), then load its FP8 state"
+        )
+    expected = {f"{name}.{field}" for name, state in states.items() for field in _fields(state)}
     settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
     flags = {key for key in expected if key.rpartition(".")[2] == INITIALIZED}
     if strict:
-        missing = sorted(set(expected) - set(state_dict) - settings - flags)
-        unexpected = sorted(set(state_dict) - set(expected))
+        missing = sorted(expected - set(state_dict) - settings - flags)
+        unexpected = sorted(set(state_dict) - expected)
         if missing or unexpected:
             raise KeyError(
                 f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
                 "was the checkpoint written for a model converted with the same layers and recipe?"
             )
-    states = {name: m for name, m in module.named_modules() if isinstance(m, ScalingState)}
+    meta = sorted(key for key, v in state_dict.items() if key in expected and isinstance(v, torch.Tensor) and v.is_meta)
+    if meta:
+        raise ValueError(
+            f"FP8 scaling state {meta[:3]} is on the meta device (it holds no data): load the checkpoint with "
+            "torch.load(..., map_location='cpu') (or a real device)"
+        )
     for key in sorted(settings & set(state_dict)):  # first: a state of another recipe would fail the checks below
-        _check_setting(key, state_dict[key], expected[key])
+        state_name, _, name = key.rpartition(".")
+        _check_setting(key, state_dict[key], _setting_values(states[state_name])[name])
     loads, initialized = [], {}
     for key, value in state_dict.items():
         if key not in expected or key in settings:
@@ -123,13 +183,22 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
         buf = getattr(states[state_name], buf_name)
         _check_value(key, buf_name, value, buf)
         loads.append((state_name, buf, value))
-    with torch.no_grad():
-        for _, buf, value in loads:
-            buf.copy_(value)
-    for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
-        initialized[state_name] = _inferred(states[state_name])
-    for state_name, flag in initialized.items():
-        states[state_name].initialized = flag
+    return states, loads, initialized
+
+
+def _fields(state: ScalingState) -> list[str]:
+    # The entries fp8_state_dict() saves for one state, after its name.
+    return [name for name, _ in state.named_buffers(recurse=False)] + list(SETTINGS) + [INITIALIZED]
+
+
+def _check_mapping(state_dict: object) -> None:
+    fix = "pass the dict fp8_state_dict() returned (the checkpoint may be corrupt)"
+    if not isinstance(state_dict, Mapping):
+        kind = type(state_dict).__name__
+        raise TypeError(f"load_fp8_state_dict: the FP8 scaling state is a {kind}, not a dict: {fix}")
+    odd = [key for key in state_dict if not isinstance(key, str)]
+    if odd:
+        raise TypeError(f"load_fp8_state_dict: the FP8 scaling state has keys that are not strings {odd[:5]}: {fix}")
 
 
 def _inferred(state: ScalingState) -> bool:
@@ -152,8 +221,8 @@ def _check_initialized(key: str, value: object) -> bool:
     return bool(flag)
 
 
-def _check_setting(key: str, value: object, own: torch.Tensor) -> None:
-    """Raise unless the saved setting ``value`` (``"<state>.<setting>"`` = ``key``) equals the model's, ``own``."""
+def _check_setting(key: str, value: object, mine: float) -> None:
+    """Raise unless the saved setting ``value`` (``"<state>.<setting>"`` = ``key``) equals the model's, ``mine``."""
     state_name, _, name = key.rpartition(".")
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_complex():
         kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
@@ -161,7 +230,7 @@ def _check_setting(key: str, value: object, own: torch.Tensor) -> None:
             f"FP8 scaling state {key!r} is {kind} of shape {tuple(getattr(value, 'shape', ()))}, expected one number "
             "(what fp8_state_dict() saves): the checkpoint is corrupt or not an fp8_state_dict()"
         )
-    saved, mine = float(value.detach().double().cpu().reshape(())), float(own.double().cpu())
+    saved = float(value.detach().double().cpu().reshape(()))
     if saved != mine:
         raise ValueError(
             f"FP8 scaling state {state_name!r} was saved with {_describe(name, saved)}, but this model's has "
@@ -175,7 +244,8 @@ def _check_setting(key: str, value: object, own: torch.Tensor) -> None:
 def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> None:
     """Raise if ``value`` cannot be loaded into the scaling-state buffer ``buf`` (named ``buf_name``)."""
     fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
-    if not isinstance(value, torch.Tensor) or value.is_floating_point() != buf.is_floating_point():
+    kind_ok = isinstance(value, torch.Tensor) and value.dtype != torch.bool and not value.is_complex()
+    if not kind_ok or value.is_floating_point() != buf.is_floating_point():
         kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
         raise TypeError(f"FP8 scaling state {key!r} is {kind}, expected a {buf.dtype} tensor: {fix}")
     if buf.shape != value.shape:

@@ -436,6 +436,26 @@ def test_a_bad_state_dict_entry_raises_naming_it_and_loads_nothing(entry, value,
     assert scaler.state_dict() == before and scaler.loss_scale == 4.0
 
 
+@pytest.mark.parametrize("state", [None, [1, 2]])
+def test_a_state_dict_that_is_not_a_dict_is_refused_clearly(state):
+    # None raised a raw "'NoneType' object is not iterable"; a list a KeyError listing every entry as missing.
+    scaler = FP8GradScaler(init_scale=4.0)
+    with pytest.raises(TypeError, match=f"got {type(state).__name__}, expected the dict .*Nothing was loaded"):
+        scaler.load_state_dict(state)
+    with pytest.raises(TypeError, match="expected the dict"):
+        scaler.check_state_dict(state)
+    assert scaler.get_scale() == 4.0
+
+
+def test_check_state_dict_raises_what_load_raises_and_changes_nothing():
+    saved = FP8GradScaler(init_scale=2.0**10).state_dict()
+    scaler = FP8GradScaler(init_scale=4.0)
+    scaler.check_state_dict(saved)
+    assert scaler.get_scale() == 4.0
+    with pytest.raises(ValueError, match="entry 'steps' is -1"):
+        scaler.check_state_dict({**saved, "steps": -1})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

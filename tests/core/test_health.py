@@ -265,3 +265,34 @@ def test_memory_and_config_validation():
         HealthConfig(spike_patience=0)
     with pytest.raises(TypeError, match="HealthConfig"):
         HealthMonitor({"window": 3})
+
+
+@pytest.mark.parametrize(("entry", "value", "error"), [
+    ("events", [{"bogus": 1}], TypeError),
+    ("events", [{"step": 1, "kind": "meteor", "value": 1.0, "message": ""}], ValueError),
+    ("observations", -5, ValueError),
+    ("observations", "abc", TypeError),
+    ("grad_norms", [float("nan"), 1.0], ValueError),
+    ("plateau_loss", [1.0, "x"], TypeError),
+    ("series", {"loss": [[1, 2.0, 3]]}, TypeError),
+    ("series", {"lost": []}, ValueError),
+    ("plateau_grad", None, KeyError),  # None: the entry is missing
+])  # fmt: skip
+def test_load_state_dict_refuses_a_bad_entry_and_changes_nothing(entry, value, error):
+    # It checked nothing: some bad values loaded, others raised after `series` had been replaced.
+    saved = HealthMonitor()
+    for step in range(3):
+        saved.observe(step, loss=2.0 - step, grad_norm=1.0 + step)
+    state = saved.state_dict()
+    if value is None:
+        del state[entry]
+    else:
+        state[entry] = value
+    monitor = HealthMonitor()
+    monitor.observe(0, loss=5.0, grad_norm=3.0)
+    before = monitor.state_dict()
+    with pytest.raises(error, match="HealthMonitor.load_state_dict: .*Nothing was loaded"):
+        monitor.load_state_dict(state)
+    assert monitor.state_dict() == before
+    monitor.load_state_dict(saved.state_dict())  # the good state still loads
+    assert monitor.state_dict() == saved.state_dict()

@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_fp8 import recovery
 from lightning_fp8.recipe import FP8Recipe
-from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.state import check_fp8_state_dict, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
 
 FORMAT_VERSION = 1
@@ -103,6 +103,7 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
             f"{path} has FP8 state format {state.get('format_version')!r}; this lightning_fp8 reads format "
             f"{FORMAT_VERSION}: load it with the lightning_fp8 version that wrote it"
         )
+    _check_entries(state, str(path))
     if state["world_size"] != world_size:
         warn_once(
             f"accelerator.load_state: the FP8 state was saved by {state['world_size']} process(es) and is loaded "
@@ -146,29 +147,55 @@ def put_back_fallen_back_layers(
 def restore(
     state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
 ) -> None:
-    """Load ``state`` (from :func:`load`) into the unwrapped ``models``, the scaler and the health monitor.
+    """Load ``state`` (from :func:`load`) into the unwrapped ``models``, the scaler and the health monitor. Every part
+    is checked before any is loaded: a bad entry anywhere in the file changes nothing.
 
     Raises:
-        ValueError: when the checkpoint holds FP8 state for a different number of models.
+        KeyError: when the state lacks an entry that :func:`build_state` writes.
+        ValueError: when the checkpoint holds FP8 state for a different number of models; and what
+            :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict`` and
+            ``HealthMonitor.load_state_dict`` raise for their parts.
     """
+    _check_entries(state, "the FP8 state")
     saved = FP8Recipe.from_dict(state["recipe"])
+    if len(state["models"]) != len(models):
+        raise ValueError(
+            f"accelerator.load_state: the checkpoint has FP8 state for {len(state['models'])} model(s) but "
+            f"{len(models)} FP8 model(s) were prepared: prepare the same models as the run that saved it"
+        )
+    loads_fp8 = saved.same_scaling(recipe)
+    loads_scaler = grad_scaler is not None and state["grad_scaler"] is not None
+    loads_health = health is not None and state["health"] is not None
+    for model, model_state in zip(models, state["models"], strict=True):
+        if loads_fp8:
+            check_fp8_state_dict(model, model_state)
+    if loads_scaler:
+        grad_scaler.check_state_dict(state["grad_scaler"])
+    if loads_health:
+        health.check_state_dict(state["health"])
     if saved != recipe:
-        what = "loaded" if saved.same_scaling(recipe) else (
+        what = "loaded" if loads_fp8 else (
             "not loaded (written under other scaling settings): each FP8 layer's first casts compute their scales "
             "from the tensors themselves")  # fmt: skip
         warn_once(
             f"accelerator.load_state: the checkpoint was trained with FP8 recipe {state['recipe']}, this run uses "
             f"{recipe.to_dict()}; the saved scaling state is {what}"
         )
-    if len(state["models"]) != len(models):
-        raise ValueError(
-            f"accelerator.load_state: the checkpoint has FP8 state for {len(state['models'])} model(s) but "
-            f"{len(models)} FP8 model(s) were prepared: prepare the same models as the run that saved it"
-        )
     for model, model_state in zip(models, state["models"], strict=True):
-        if saved.same_scaling(recipe):
+        if loads_fp8:
             load_fp8_state_dict(model, model_state)
-    if grad_scaler is not None and state["grad_scaler"] is not None:
+    if loads_scaler:
         grad_scaler.load_state_dict(state["grad_scaler"])
-    if health is not None and state["health"] is not None:
+    if loads_health:
         health.load_state_dict(state["health"])
+
+
+def _check_entries(state: dict[str, Any], source: str) -> None:
+    """Raise a KeyError naming ``source`` (the file) when ``state`` lacks an entry that :func:`build_state` writes."""
+    missing = [key for key in ("recipe", "world_size", "models", "grad_scaler", "health") if key not in state]
+    if missing:
+        raise KeyError(
+            f"{source} lacks the entries {missing} (it holds {sorted(state)}): it was not written by lightning_fp8's "
+            "Accelerator or is corrupt. Load an earlier checkpoint, or delete this folder's lightning_fp8/ files to "
+            "start the FP8 scales and mu fresh"
+        )

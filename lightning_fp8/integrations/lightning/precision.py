@@ -48,7 +48,7 @@ from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
-from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.state import check_fp8_state_dict, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
 
 Backend = Literal["native", "te"]
@@ -56,6 +56,9 @@ _BACKENDS = ("native", "te")
 # The path components that FSDP1 (auto_wrap_policy), activation checkpointing and torch.compile insert into the
 # names of the modules they wrap; the model's own state_dict drops them (torch's clean_tensor_name).
 _WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# The names Lightning files the plugin's state under in a checkpoint: the class's __qualname__, in the ``lightning``
+# flavour and in the ``pytorch_lightning`` one (precision_class).
+_STATE_KEYS = ("FP8LMPrecision", "FP8LMPrecisionPL")
 
 
 class _FP8LMPrecisionLogic:
@@ -304,38 +307,74 @@ class _FP8LMPrecisionLogic:
         Lightning calls this just before :meth:`load_state_dict`, after ``convert_module`` turned every linear layer
         into FP8 and ``connect`` created FP8AdamW, which at O2 took each FP8 weight's storage for its fp16 master:
         the fallen-back weights too, rounding them to fp16. Once plain parameters again they get the checkpoint's
-        fp32 values back, and the optimizer states Lightning loads next are their fp32 ones.
+        fp32 values back, and the optimizer states Lightning loads next are their fp32 ones. The plugin's state is
+        checked whole first: a bad one changes nothing.
+
+        Lightning files the plugin's state under the class's name, which differs between the ``lightning`` and the
+        ``pytorch_lightning`` flavour; a checkpoint of the other flavour is loaded here, as Lightning would not.
         """
         self._check_optimizer_states(checkpoint)
-        names = checkpoint.get(type(self).__qualname__, {}).get("fallen_back_layers", [])
-        names = _to_layer_names(self._module, names)
+        own = type(self).__qualname__
+        key = next((key for key in (own, *_STATE_KEYS) if key in checkpoint), None)
+        if key is None:
+            return
+        state = checkpoint[key]
+        self._checked(state)  # before any layer is put back
+        names = _to_layer_names(self._module, state.get("fallen_back_layers", []))
         model_state = checkpoint.get("state_dict")
         if names and model_state is not None:
             self._put_back(names)
             _load_layer_parameters(self._module, names, model_state)
+        if key != own:  # Lightning only loads the state filed under this class's own name
+            self.load_state_dict(state)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = FP8Recipe.from_dict(state_dict["recipe"])
+        saved, names, fp8_state = self._checked(state_dict)
         if saved != self.recipe:
             warn_once(f"resuming with FP8 recipe {self.recipe} from a checkpoint written with {saved}")
-        names = state_dict.get("fallen_back_layers", [])  # absent from checkpoints written before it was saved
         if names:
-            self._put_back(_to_layer_names(self._module, names))
+            self._put_back(names)  # raises, before changing anything, when a layer cannot be put back
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        if "fp8" in state_dict and not saved.same_scaling(self.recipe):
+        if fp8_state is not None:
+            load_fp8_state_dict(self._module, fp8_state)
+        elif "fp8" in state_dict:
             warn_once(
                 "the checkpoint's FP8 scaling state (scales, amax histories) was written under other scaling settings "
                 "and is not loaded: each FP8 layer's first casts compute their scales from the tensors themselves"
             )
-        elif "fp8" in state_dict:
-            if self._module is None:
-                raise RuntimeError("FP8LMPrecision.load_state_dict: no converted model yet (call convert_module)")
-            fp8_state = state_dict["fp8"]
-            per_rank = state_dict.get("fp8_per_rank")
-            if per_rank is not None and len(per_rank) == _world_size():
-                fp8_state = per_rank[torch.distributed.get_rank()]
-            load_fp8_state_dict(self._module, _to_module_names(self._module, fp8_state))
+
+    def _checked(self, state_dict: Any) -> tuple[FP8Recipe, list[str], dict[str, Any] | None]:
+        """Check every part of the plugin's saved state before any is loaded; return the saved recipe, the layers to
+        put back (as this model names them) and the FP8 scaling state to load (``None``: none to load)."""
+        required = ("recipe", "grad_scaler")
+        missing = [key for key in required if not isinstance(state_dict, dict) or key not in state_dict]
+        if missing:
+            saved = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise KeyError(
+                f"FP8LMPrecision: the checkpoint's precision-plugin state lacks {missing} (it holds {saved}): it was "
+                "not written by FP8LMPrecision.state_dict() or is corrupt. Resume from a checkpoint of a "
+                "precision='fp8-lm' run, or load only the model's weights (e.g. LightningModule.load_from_checkpoint)"
+            )
+        saved = FP8Recipe.from_dict(state_dict["recipe"])
+        # Absent from checkpoints written before it was saved
+        names = state_dict.get("fallen_back_layers", [])
+        names = _to_layer_names(self._module, names) if names and self._module is not None else names
+        self.grad_scaler.check_state_dict(state_dict["grad_scaler"])
+        if "fp8" not in state_dict or not saved.same_scaling(self.recipe):
+            return saved, names, None
+        if self._module is None:
+            raise RuntimeError("FP8LMPrecision.load_state_dict: no converted model yet (call convert_module)")
+        fp8_state = state_dict["fp8"]
+        per_rank = state_dict.get("fp8_per_rank")
+        if per_rank is not None and len(per_rank) == _world_size():
+            fp8_state = per_rank[torch.distributed.get_rank()]
+        if isinstance(fp8_state, dict):  # else check_fp8_state_dict says what it is
+            fp8_state = _to_module_names(self._module, fp8_state)
+        layers = dict(self._module.named_modules())
+        # The layers about to be put back have no scaling state in the checkpoint
+        check_fp8_state_dict(self._module, fp8_state, leaving_out=[layers[n] for n in names if n in layers])
+        return saved, names, fp8_state
 
     def _check_optimizer_states(self, checkpoint: dict[str, Any]) -> None:
         # Before the optimizer and FP8 states are loaded (Lightning has loaded the weights by then): FP8FSDPStrategy's

@@ -1,0 +1,67 @@
+"""load_fp8_state_dict's refusals of inputs it cannot load (meta tensors, bool counters, a list or non-string keys),
+and check_fp8_state_dict, which raises the same and changes nothing."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.state import check_fp8_state_dict
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48)))
+    model(torch.randn(8, 32)).square().mean().backward()
+    return model
+
+
+def _unchanged(model: nn.Module, before: dict) -> bool:
+    after = fp8_state_dict(model)
+    return after.keys() == before.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_a_model_on_the_meta_device_is_refused_clearly():
+    # Comparing the settings copied meta tensors to the CPU: a raw NotImplementedError.
+    with torch.device("meta"):
+        model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48)))
+    with pytest.raises(ValueError, match="on the meta device .* materialize the model first"):
+        load_fp8_state_dict(model, fp8_state_dict(_model(0)))
+
+
+def test_a_state_loaded_onto_the_meta_device_is_refused_clearly():
+    saved = {key: value.to("meta") for key, value in fp8_state_dict(_model(0)).items()}
+    model = _model(1)
+    before = fp8_state_dict(model)
+    with pytest.raises(ValueError, match="on the meta device .* map_location='cpu'"):
+        load_fp8_state_dict(model, saved)
+    assert _unchanged(model, before)
+
+
+@pytest.mark.parametrize(("corrupt", "match"), [
+    (lambda sd: {**sd, "0.fp8_scaling.input.casts": torch.tensor(True)}, "is a torch.bool tensor"),
+    (lambda sd: list(sd.values()), "is a list, not a dict"),
+    (lambda sd: {**sd, 3: torch.tensor(1.0)}, r"keys that are not strings \[3\]"),
+], ids=["bool counter", "list", "int key"])  # fmt: skip
+def test_inputs_that_are_not_a_state_dict_are_refused_and_change_nothing(corrupt, match):
+    saved, model = fp8_state_dict(_model(0)), _model(1)
+    before = fp8_state_dict(model)
+    with pytest.raises(TypeError, match=match):
+        load_fp8_state_dict(model, corrupt(saved))
+    assert _unchanged(model, before)
+
+
+def test_check_raises_what_load_raises_and_changes_nothing():
+    saved, model = fp8_state_dict(_model(0)), _model(1)
+    before = fp8_state_dict(model)
+    check_fp8_state_dict(model, saved)  # a good state passes, and is not loaded
+    assert _unchanged(model, before)
+    bad = {**saved, "2.fp8_scaling.grad_output.scale": torch.tensor(3.0)}
+    with pytest.raises(ValueError, match="must be a power of two"):
+        check_fp8_state_dict(model, bad)
+    # A layer about to be put back to nn.Linear: its states are not expected in the checkpoint.
+    without_layer_2 = {key: value for key, value in saved.items() if not key.startswith("2.")}
+    with pytest.raises(KeyError, match="missing"):
+        check_fp8_state_dict(model, without_layer_2)
+    check_fp8_state_dict(model, without_layer_2, leaving_out=[model[2]])
+    assert _unchanged(model, before)
