@@ -42,6 +42,17 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "to run them in FP8, remove the reparametrization first (torch.nn.utils.parametrize.remove_parametrizations, "
         "torch.nn.utils.remove_weight_norm, ...)",
     ),
+    "subclass": (
+        "they are subclasses of nn.Linear (a LoRA layer, nn.MultiheadAttention's out_proj, ...), whose forward, added "
+        "parameters or own use of the weight (nn.MultiheadAttention reads out_proj's weight itself) an FP8 layer would "
+        "not keep",
+        "to run one in FP8, make it a plain nn.Linear (a LoRA layer's base layer, say, with the adapters beside it)",
+    ),
+    "not_parameters": (
+        "their weight or bias is not an nn.Parameter (a frozen weight registered as a buffer, say), which an FP8 layer "
+        "would drop from the state_dict and from .to()",
+        "to run them in FP8, make it a parameter that needs no gradient: nn.Parameter(tensor, requires_grad=False)",
+    ),
     "fast_path": (
         "they belong to an nn.TransformerEncoderLayer, whose inference fast path (eval under no_grad) reads their "
         "weights itself, bypassing the layer (at O2 it would read FP8AdamW's scaled fp16 master)",
@@ -50,21 +61,23 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
     "state_dict_hooks": (
         "they have state_dict hooks or an instance forward, which an FP8 layer cannot take over (its own state_dict "
         "hooks export the O2 master weight)",
-        "to run them in FP8, register those after convert_to_fp8",
+        "to run them in FP8, register those after convert_to_fp8 (or FP8Linear.from_linear)",
     ),
 }
 
 
-def _is_convertible_type(module: nn.Module) -> bool:
-    # Exactly nn.Linear: subclasses (e.g. nn.MultiheadAttention's out_proj, whose weight is used without
-    # calling forward) may not route through forward, so converting them would change nothing or break them.
-    return type(module) is nn.Linear
+def _is_linear_to_convert(module: nn.Module) -> bool:
+    # Every nn.Linear but the FP8 layers and the "bf16" fallback's layers; _reason_left then leaves some, named.
+    linear = isinstance(module, nn.Linear) and not isinstance(module, FP8Linear)
+    return linear and not getattr(module, FALLBACK_ATTR, False)
 
 
-def _is_parametrized_linear(module: nn.Module) -> bool:
-    # torch.nn.utils.parametrize turns an nn.Linear into a ParametrizedLinear, a subclass computing its weight (or
-    # bias) on each access: left in high precision, and named, since its user expects a linear layer to be converted.
-    return parametrize.is_parametrized(module) and type(module).__bases__ == (nn.Linear,)
+def _holds_non_parameters(layer: nn.Module) -> bool:
+    # A weight (or a bias) that is a buffer or a plain tensor: an FP8Linear registers them as parameters, so it would
+    # drop them from the state_dict and leave them where .to() does not move them.
+    if not isinstance(layer._parameters.get("weight"), nn.Parameter):
+        return True
+    return not isinstance(layer._parameters.get("bias"), nn.Parameter) and getattr(layer, "bias", None) is not None
 
 
 def _fast_path_children(module: nn.Module) -> set[int]:
@@ -77,12 +90,30 @@ def _reason_left(layer: nn.Module, shared: set[int], fast_path: frozenset[int] =
     """The key of :data:`_LEFT_BECAUSE` for why the linear ``layer`` cannot become an FP8Linear, or None if it can."""
     if id(layer) in fast_path:
         return "fast_path"
-    if _is_parametrized_linear(layer):  # first: reading its weight would run the parametrization (a power iteration)
+    return _reason_refused(layer) or _reason_in_model(layer, shared)
+
+
+def _reason_refused(layer: nn.Linear) -> str | None:
+    """The reasons that concern the layer alone, for which :meth:`FP8Linear.from_linear` raises too (it would drop the
+    real parameters, the subclass's forward or the hooks)."""
+    # First: reading the weight of a torch.nn.utils.parametrize layer (a ParametrizedLinear, computing its weight or
+    # bias on each access) would run the parametrization (a power iteration).
+    if parametrize.is_parametrized(layer):
         return "reparametrized"
     # Hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, prune) keep the nn.Linear type but replace
     # the registered parameter by a tensor that a forward pre-hook recomputes from the real parameters.
     if any(vars(layer).get(name) is not None for name in ("weight", "bias")):
         return "reparametrized"
+    if type(layer) is not nn.Linear:
+        return "subclass"
+    if _holds_non_parameters(layer):
+        return "not_parameters"
+    if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or "forward" in vars(layer):
+        return "state_dict_hooks"
+    return None
+
+
+def _reason_in_model(layer: nn.Linear, shared: set[int]) -> str | None:
     if layer.in_features % 16 or layer.out_features % 16:
         return "sizes"
     if any(p.dtype not in _ACTIVATION_DTYPES for p in layer.parameters(recurse=False)):
@@ -91,9 +122,27 @@ def _reason_left(layer: nn.Module, shared: set[int], fast_path: frozenset[int] =
         # A tied weight (e.g. an output head sharing the token embedding) is read by another module too; the
         # FP8 optimizer's O2 storage of FP8 weights would change what that module sees.
         return "tied"
-    if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or "forward" in vars(layer):
-        return "state_dict_hooks"
     return None
+
+
+def check_wrappable(layer: nn.Module, caller: str) -> None:
+    """Raise for a linear layer that ``caller`` (``"FP8Linear.from_linear"``...) cannot make an FP8Linear of: one
+    that :func:`convert_to_fp8` leaves in high precision for what it is (see :func:`_reason_refused`).
+
+    Raises:
+        TypeError: if ``layer`` is not an ``nn.Linear``.
+        ValueError: for such a layer, naming the reason and what to do.
+    """
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"{caller} takes an nn.Linear, got {type(layer).__name__}")
+    reason = _reason_refused(layer)
+    if reason is not None:
+        because, fix = _LEFT_BECAUSE[reason]
+        layer_repr = f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features})"
+        raise ValueError(
+            f"{caller}: {layer_repr} cannot become an FP8Linear; convert_to_fp8 leaves such layers in high precision "
+            f"because {because}" + (f"; {fix}" if fix else "")
+        )
 
 
 def _label(layer: nn.Module, fqn: str, reason: str) -> str:
@@ -102,6 +151,8 @@ def _label(layer: nn.Module, fqn: str, reason: str) -> str:
         return f"{name} ({layer.in_features}->{layer.out_features})"
     if reason == "dtype":
         return f"{name} ({layer.weight.dtype})"
+    if reason == "subclass":
+        return f"{name} ({type(layer).__name__})"
     return name
 
 
@@ -132,8 +183,9 @@ def convert_to_fp8(
     that are not float32, bfloat16 or float16 (float64), a weight shared with another module (tied weights), a weight
     computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning, ``torch.nn.utils.parametrize``),
     state_dict hooks or an instance ``forward``, ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
-    inference path reads their weights itself). State dict keys do not change, so checkpoints load into the model
-    before or after conversion.
+    inference path reads their weights itself), subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s
+    ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer). State dict keys do not change, so
+    checkpoints load into the model before or after conversion.
 
     Args:
         module: the model; converted in place. If it is itself an ``nn.Linear``, a new layer is returned.
@@ -163,7 +215,7 @@ def convert_to_fp8(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        if not (_is_convertible_type(child) or _is_parametrized_linear(child)) or getattr(child, FALLBACK_ATTR, False):
+        if not _is_linear_to_convert(child):
             return child
         if module_filter_fn is not None and not module_filter_fn(child, fqn):
             return child
@@ -171,9 +223,7 @@ def convert_to_fp8(
         if reason is not None:
             left[reason].append(_label(child, fqn, reason))
             return child
-        new = FP8Linear.from_linear(child, recipe)
-        share_hooks(child, new)
-        return new
+        return FP8Linear.from_linear(child, recipe)  # takes over the layer's forward and backward hooks
 
     root = convert(module, "")
     if root is not module:

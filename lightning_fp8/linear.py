@@ -23,6 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.optim import master
@@ -268,9 +271,7 @@ def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
     if weight is None or scaling is None:
         return
     if not weight.is_meta and any(b.is_meta for b in scaling.buffers()):
-        scaling.to_empty(device=weight.device)
-        for state in scaling.values():
-            state.reset()
+        scaling.to_empty(device=weight.device)  # fresh states: ScalingState._apply resets them off the meta device
 
 
 class _LayerMark:
@@ -311,6 +312,28 @@ def _mark_weight(layer: nn.Module) -> None:
         mark.add(layer)
     else:
         setattr(layer.weight, master.MARKER, _LayerMark([layer]))
+
+
+# The forward pre-hooks of the hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, nn.utils.prune): each
+# recomputes the weight from other parameters before the forward.
+_REPARAMETRIZING_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
+
+
+def check_not_reparametrized(layer: FP8Linear) -> None:
+    """Raise if ``layer`` was reparametrized after the conversion (``torch.nn.utils.parametrize``,
+    ``parametrizations.weight_norm``, the hook-based ``weight_norm``, ``spectral_norm``, pruning). The FP8-weight
+    marker stays on the parameter the weight is now computed from: at O2 FP8AdamW keeps a scaled fp16 master there,
+    and the computed weight is garbage (or the forward fails on its dtype)."""
+    parametrized = layer._modules.get("parametrizations") is not None  # parametrize.is_parametrized, without getattr
+    pre_hooks = layer._forward_pre_hooks
+    if parametrized or (pre_hooks and any(isinstance(h, _REPARAMETRIZING_HOOKS) for h in pre_hooks.values())):
+        raise RuntimeError(
+            f"FP8Linear(in_features={layer.in_features}, out_features={layer.out_features}) was reparametrized after "
+            "the conversion (torch.nn.utils.parametrize, weight_norm, spectral_norm or pruning): FP8 layers do not "
+            "support a weight computed from other parameters. Remove the reparametrization, or keep the layer in high "
+            "precision: reparametrize the nn.Linear before convert_to_fp8, which leaves such layers as they are (or "
+            "leave it out with module_filter_fn)"
+        )
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -400,7 +423,19 @@ class FP8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str | None = None) -> FP8Linear:
-        """Wrap an existing ``nn.Linear``, sharing its parameter objects (optimizers that hold them keep working)."""
+        """Wrap an existing ``nn.Linear``, sharing its parameter objects (optimizers that hold them keep working) and
+        its forward and backward hooks (:func:`lightning_fp8.convert.share_hooks`: their handles keep working).
+
+        Raises:
+            TypeError: if ``linear`` is not an ``nn.Linear``.
+            ValueError: for a layer that :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is
+                (a reparametrized weight, a subclass of ``nn.Linear``, a weight or bias that is not a parameter,
+                state_dict hooks or an instance ``forward``: the FP8 layer would drop them), or feature sizes that are
+                not multiples of 16.
+        """
+        from lightning_fp8 import convert  # here: convert.py imports this module
+
+        convert.check_wrappable(linear, "FP8Linear.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -411,6 +446,7 @@ class FP8Linear(nn.Linear):
         new.recipe = resolve_recipe(recipe)
         new.train(linear.training)
         new._init_scaling(linear.weight.device)
+        convert.share_hooks(linear, new)
         return new
 
     def reset_parameters(self) -> None:
@@ -472,6 +508,7 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8_format={r.fp8_format}, scaling={r.scaling}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_not_reparametrized(self)
         weight = self.weight  # a Module.__getattr__ each time: read once (this runs for every layer and step)
         if _is_dtensor(weight):  # tensor parallel: FP8 GEMMs on the local shards
             from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward

@@ -31,11 +31,14 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import ops, weight_cache
+from lightning_fp8.convert import check_wrappable
 from lightning_fp8.kernels.reference import kept_input_scale_inv
 from lightning_fp8.linear import (
+    _ACTIVATION_DTYPES,
     FP8Linear,
     _is_dtensor,
     backward_gemms,
+    check_not_reparametrized,
     current_flags,
     forward_gemm,
     grad_output_current,
@@ -219,9 +222,14 @@ class FP8MLP(nn.Module):
         layers are taken as they are (with their recipe and scaling state; ``recipe`` applies to the wrapped ones).
         ``fp8_hidden`` as in the constructor.
 
+        Forward and backward hooks of a wrapped layer carry over to its FP8Linear (the module then calls the layers one
+        after another, so that they run).
+
         Raises:
             TypeError: if a layer is not an ``nn.Linear``.
-            ValueError: if ``fc``'s output size is not ``proj``'s input size, or a size is not a multiple of 16.
+            ValueError: if ``fc``'s output size is not ``proj``'s input size, a size is not a multiple of 16, or a layer
+                to wrap is one :meth:`FP8Linear.from_linear` refuses (a reparametrized weight, a subclass of
+                ``nn.Linear`` such as a LoRA layer, ...: the FP8 layer would drop what it adds).
         """
         for name, layer in (("fc", fc), ("proj", proj)):
             if not isinstance(layer, nn.Linear):
@@ -231,6 +239,9 @@ class FP8MLP(nn.Module):
                 f"FP8MLP.from_modules: fc gives {fc.out_features} features but proj takes {proj.in_features}; "
                 "pass the MLP's two layers in order (fc: width -> hidden, proj: hidden -> width)"
             )
+        for name, layer in (("fc", fc), ("proj", proj)):  # both before either is wrapped
+            if not isinstance(layer, FP8Linear):
+                check_wrappable(layer, f"FP8MLP.from_modules ({name})")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.fc = fc if isinstance(fc, FP8Linear) else FP8Linear.from_linear(fc, recipe)
@@ -255,10 +266,14 @@ class FP8MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc, proj = self.fc, self.proj
+        check_not_reparametrized(fc)
+        check_not_reparametrized(proj)
         w1, w2 = fc.weight, proj.weight
         if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
             return proj(F.gelu(fc(x)))
         fc._check_input(x, w1)
+        if w2.dtype not in _ACTIVATION_DTYPES:  # fc's is checked with the input
+            raise TypeError(f"FP8MLP proj's weight has dtype {w2.dtype}: use float32, bfloat16 or float16 parameters")
         if w2.device != w1.device:
             raise ValueError(f"FP8MLP: fc's weight is on {w1.device} but proj's on {w2.device}; move the module")
         out_dtype = output_dtype(x)

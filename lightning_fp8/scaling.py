@@ -242,6 +242,12 @@ class ScalingState(nn.Module):
             old = before.get(name)
             if new is not None and old is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        # Off the meta device (to_empty(), FSDP's materialization) the buffers are uninitialized memory: a garbage amax
+        # history would set the scales of the next casts. load_state_dict does not fill them (they are not in the
+        # state_dict) and reset_parameters() is not always called: start from a fresh state, as on a real device.
+        was_meta, is_meta = ([b.is_meta for b in d.values() if b is not None] for d in (before, self._buffers))
+        if any(was_meta) and not any(is_meta):
+            self.reset()
         return self
 
     def reset(self) -> None:

@@ -37,10 +37,13 @@ class Block(nn.Module):
         return self.odd(h + self.attn(h, h, h)[0])
 
 
-def test_converts_in_place_and_shares_parameters():
+def test_converts_in_place_and_shares_parameters(fresh_warnings):
     model = Block()
     up_weight = model.up.weight
-    with pytest.warns(UserWarning, match=r"left 1 linear layer.*odd \(32->10\)"):
+    with (
+        pytest.warns(UserWarning, match=r"left 1 linear layer.*odd \(32->10\)"),
+        pytest.warns(UserWarning, match=r"subclasses of nn.Linear.*attn.out_proj \(NonDynamicallyQuantizableLinear\)"),
+    ):
         out = convert_to_fp8(model, "fp8-lm-current")
     assert out is model
     assert set(fp8_modules(model)) == {"up", "down"}
@@ -276,7 +279,7 @@ def test_layers_with_state_dict_hooks_or_an_instance_forward_stay_in_high_precis
     assert torch.equal(model[1](x), plain[1](x))
 
 
-def test_transformer_encoder_layer_linears_stay_in_high_precision():
+def test_transformer_encoder_layer_linears_stay_in_high_precision(fresh_warnings):
     """nn.TransformerEncoderLayer's inference fast path (eval under no_grad) reads linear1/linear2's weights itself,
     bypassing the layers: at O2 it read FP8AdamW's scaled fp16 master (a dtype error, or garbage). They stay nn.Linear,
     named in a warning, and evaluation equals the unconverted model's."""
@@ -284,7 +287,10 @@ def test_transformer_encoder_layer_linears_stay_in_high_precision():
     block = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
     ref = copy.deepcopy(block)
     model = nn.Sequential(block, nn.Linear(32, 32))
-    with pytest.warns(UserWarning, match="nn.TransformerEncoderLayer, whose inference fast path"):
+    with (
+        pytest.warns(UserWarning, match="nn.TransformerEncoderLayer, whose inference fast path"),
+        pytest.warns(UserWarning, match=r"subclasses of nn.Linear.*0.self_attn.out_proj"),
+    ):
         convert_to_fp8(model)
     assert type(block.linear1) is nn.Linear and type(block.linear2) is nn.Linear and isinstance(model[1], FP8Linear)
     FP8AdamW(model.parameters(), lr=1e-3)  # O2: adopts the FP8 weights it is given
@@ -293,3 +299,57 @@ def test_transformer_encoder_layer_linears_stay_in_high_precision():
     x = torch.randn(4, 6, 32)
     with torch.no_grad():
         assert torch.equal(model[0](x), ref(x))
+
+
+# --------------------------------------------------------------------------------- subclasses, non-parameters
+class LoRALinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, rank: int = 4):
+        super().__init__(in_features, out_features)
+        self.lora_a = nn.Parameter(torch.randn(rank, in_features) * 0.01)
+        self.lora_b = nn.Parameter(torch.zeros(out_features, rank))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class TaggedLinear(nn.Linear):
+    """Adds nothing, but convert_to_fp8 cannot tell: left out like any subclass."""
+
+
+def test_linear_subclasses_stay_in_high_precision_named(fresh_warnings):
+    """Left out silently before, though the docstring promises every nn.Linear: now named, with their type."""
+    model = nn.ModuleDict(
+        {"lora": LoRALinear(32, 32), "tagged": TaggedLinear(32, 32), "attn": nn.MultiheadAttention(32, 2),
+         "plain": nn.Linear(32, 32)}
+    )  # fmt: skip
+    expected = (r"subclasses of nn.Linear.*: lora \(LoRALinear\), tagged \(TaggedLinear\), attn.out_proj "
+                r"\(NonDynamicallyQuantizableLinear\); to run one in FP8, make it a plain nn.Linear")  # fmt: skip
+    with pytest.warns(UserWarning, match=expected):
+        convert_to_fp8(model)
+    assert set(fp8_modules(model)) == {"plain"}
+    assert type(model["lora"]) is LoRALinear and type(model["tagged"]) is TaggedLinear
+
+
+def _frozen_as_buffer(layer: nn.Linear, name: str) -> nn.Linear:
+    tensor = getattr(layer, name).detach().clone()
+    delattr(layer, name)
+    layer.register_buffer(name, tensor)
+    return layer
+
+
+def test_weight_or_bias_that_is_not_a_parameter_stays_in_high_precision(fresh_warnings):
+    """An FP8Linear registers weight and bias as parameters: a buffer weight (a frozen base weight) left the
+    state_dict, and .to() no longer moved it."""
+    model = nn.Sequential(
+        _frozen_as_buffer(nn.Linear(32, 32), "weight"), _frozen_as_buffer(nn.Linear(32, 32), "bias"), nn.Linear(32, 32)
+    )
+    plain = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    with pytest.warns(UserWarning, match=r"weight or bias is not an nn.Parameter.*: 0, 1; to run them in FP8, make it"):
+        convert_to_fp8(model)
+    assert set(fp8_modules(model)) == {"2"}
+    assert list(model.state_dict()) == keys
+    x = torch.randn(8, 32)
+    assert torch.equal(model[:2](x), plain[:2](x))
+    model.to(torch.bfloat16)
+    assert model[0].weight.dtype == model[1].bias.dtype == torch.bfloat16

@@ -143,6 +143,60 @@ def test_hooks_run_unfused():
     assert torch.equal(y, y_ref)
 
 
+class LoRALinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, rank: int = 4):
+        super().__init__(in_features, out_features)
+        self.lora_a = nn.Parameter(torch.randn(rank, in_features))
+        self.lora_b = nn.Parameter(torch.randn(out_features, rank))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+@pytest.mark.parametrize(
+    ("make_fc", "reason"),
+    [
+        (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(32, 64)), "computed from other parameters"),
+        (lambda: LoRALinear(32, 64), "subclasses of nn.Linear"),
+    ],
+    ids=["weight_norm", "lora"],
+)
+def test_from_modules_refuses_layers_whose_additions_it_would_drop(make_fc, reason):
+    """A reparametrized fc lost its real parameters (they got no gradient, a second backward failed); a LoRA fc its
+    adapters and forward."""
+    fc = make_fc()
+    with pytest.raises(ValueError, match=rf"FP8MLP.from_modules \(fc\): {type(fc).__name__}.*{reason}"):
+        FP8MLP.from_modules(fc, nn.Linear(64, 32))
+
+
+def test_from_modules_carries_the_layers_hooks_over():
+    torch.manual_seed(0)
+    fc, proj = nn.Linear(32, 64), nn.Linear(64, 32)
+    ref = FP8MLP.from_modules(copy.deepcopy(fc), copy.deepcopy(proj))  # fused
+    seen = []
+    proj.register_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    mlp = FP8MLP.from_modules(fc, proj)
+    x = torch.randn(8, 32)
+    y = mlp(x)
+    assert seen == ["FP8Linear"]  # the module calls the layers one after another, so that the hook runs
+    assert sqnr(y, ref(x)) > SAME_CASTS_SQNR_DB
+
+
+def test_float64_proj_is_refused():
+    """Only fc's weight was checked: a float64 proj ran through the fused path (FP8Linear alone refuses it)."""
+    mlp = FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32).double())
+    with pytest.raises(TypeError, match="proj's weight has dtype torch.float64: use float32, bfloat16 or float16"):
+        mlp(torch.randn(8, 32))
+
+
+def test_parametrized_after_construction_is_refused():
+    """The fused path reads the weights without calling the layers: it refuses a reparametrized one as they do."""
+    mlp = FP8MLP(32, 64)
+    nn.utils.parametrizations.weight_norm(mlp.proj)
+    with pytest.raises(RuntimeError, match=r"FP8Linear\(in_features=64, out_features=32\) was reparametrized"):
+        mlp(torch.randn(8, 32))
+
+
 def test_bad_input_is_named():
     mlp = FP8MLP(32, 64)
     with pytest.raises(ValueError, match="last dimension must be 32"):

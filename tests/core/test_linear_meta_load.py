@@ -1,0 +1,56 @@
+"""Converted on the meta device, materialized with ``to_empty()`` and loaded from a checkpoint, without
+``reset_parameters()`` (the "init empty weights, then load" flow): the scaling states must start fresh, not from the
+uninitialized memory ``to_empty()`` hands out (they are not in the state_dict: the load does not fill them)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import ScalingState, convert_to_fp8, fp8_state_dict
+
+# What to_empty() hands out here in place of uninitialized memory, which may hold anything (and often zeros, which
+# would hide the bug): a large amax in a history sets the delayed scale of the next casts.
+GARBAGE = 3.0e4
+
+
+def _plain() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def _garbage_empty_like(t: torch.Tensor, **kwargs) -> torch.Tensor:
+    return torch.full_like(t, GARBAGE if t.is_floating_point() else 7, **kwargs)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_to_empty_then_load_equals_cpu_conversion(monkeypatch, assign):
+    torch.manual_seed(0)
+    sd = _plain().state_dict()
+    ref = convert_to_fp8(_plain())
+    ref.load_state_dict(sd)
+    with torch.device("meta"):
+        model = convert_to_fp8(_plain())
+    with monkeypatch.context() as patch:  # nn.Module.to_empty calls torch.empty_like for every tensor
+        patch.setattr(torch, "empty_like", _garbage_empty_like)
+        model.to_empty(device="cpu")
+    model.load_state_dict(sd, assign=assign)
+
+    states = [m for m in model.modules() if isinstance(m, ScalingState)]
+    assert len(states) == 6
+    for state in states:
+        assert float(state.scale) == 1.0 and not state.amax_history.any() and int(state.casts) == 0
+        assert int(state.nonfinite_count) == 0 and not state.initialized
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(4):  # delayed scaling: each step's scales come from the history of the steps before
+        x = torch.randn(24, 32) * 10.0 ** (step % 3 - 1)
+        outs = [m(x) for m in (model, ref)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out, opt in zip(outs, opts, strict=True):
+            out.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    got, want = fp8_state_dict(model), fp8_state_dict(ref)
+    assert got.keys() == want.keys()
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key
+    assert int(model[0].fp8_scaling["input"].casts) == 4 and int(model[0].fp8_scaling["input"].nonfinite_count) == 0
