@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, ScalingState
+from tests.core.test_linear_wrapping import LoRALinear
 from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
 
@@ -141,16 +142,6 @@ def test_hooks_run_unfused():
     y_ref, _, grads_ref = run(unfused, ref, x)
     assert seen == [(10, 64)] * 3
     assert torch.equal(y, y_ref)
-
-
-class LoRALinear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, rank: int = 4):
-        super().__init__(in_features, out_features)
-        self.lora_a = nn.Parameter(torch.randn(rank, in_features))
-        self.lora_b = nn.Parameter(torch.randn(out_features, rank))
-
-    def forward(self, x):
-        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
 
 
 @pytest.mark.parametrize(
