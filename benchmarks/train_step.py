@@ -23,7 +23,9 @@ speculative current scaling for eager casts only, the default before the elevent
 moments for every parameter, the tied embedding/head included, as MS-AMP's O2 optimizer does:
 ``FP8AdamW(low_precision_moments="all")``), ``o2mf`` (``o2m`` with each block's MLP an ``FP8MLP``: the GELU fused
 into the FP8 casts around it, lightning_fp8/mlp.py; dropout is 0 here), ``o2mh`` (``o2mf`` with
-``FP8MLP(fp8_hidden=True)``: the GELU's input kept in FP8 for the backward). The output head stays in high
+``FP8MLP(fp8_hidden=True)``: the GELU's input kept in FP8 for the backward), ``o2mn`` / ``o2mhn`` (``o2m`` / ``o2mh``
+with ``FP8AdamW(fp8_grads=False)``: the weights' gradients stay fp16 for the optimizer; compiled, the gradient hooks
+run only after the whole backward, so their casts free nothing early). The output head stays in high
 precision in every FP8 variant. Each result also gives the time of the warm-up steps (``warmup_s``; compiled, it
 includes the compilation).
 """
@@ -44,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 VARIANTS = ("bf16", "torchao", "o1", "o2", "o2w", "o2op", "o2fc", "o2ri", "o2se", "o2bt", "o2m", "o2mf", "o2mh",
-            "o2mw", "o2mwb")
+            "o2mw", "o2mwb", "o2mn", "o2mhn")
 
 
 def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: str):
@@ -82,12 +84,14 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         emit = variant in ("o2w", "o2mw", "o2mwb")
         # o2bt, o2mwb: the gradient casts batched (FP8AdamW's default: each cast in its hook)
         bucket = 64 if variant in ("o2bt", "o2mwb") else 0
-        moments = "all" if variant in ("o2m", "o2mf", "o2mh", "o2mw", "o2mwb") else "fp8_weights"
-        if variant in ("o2mf", "o2mh"):  # o2m with each block's MLP an FP8MLP (the GELU fused into the casts around it)
+        moments = "all" if variant in ("o2m", "o2mf", "o2mh", "o2mw", "o2mwb", "o2mn", "o2mhn") else "fp8_weights"
+        if variant in ("o2mf", "o2mh", "o2mhn"):  # o2m with each block's MLP an FP8MLP (the GELU fused into its casts)
+            hidden = variant in ("o2mh", "o2mhn")
             for block in model.blocks:
-                block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj, fp8_hidden=variant == "o2mh")
+                block.mlp = lf.FP8MLP.from_modules(block.mlp.fc, block.mlp.proj, fp8_hidden=hidden)
         opt = lf.FP8AdamW(model.parameters(), lr=lr, weight_decay=wd, opt_level=recipe.opt_level, emit_fp8_weights=emit,
-                          grad_cast_bucket_mb=bucket, low_precision_moments=moments)  # fmt: skip
+                          grad_cast_bucket_mb=bucket, low_precision_moments=moments,
+                          fp8_grads=False if variant in ("o2mn", "o2mhn") else None)  # fmt: skip
     return model, opt
 
 

@@ -148,3 +148,32 @@ def test_step_phases_toy_runs():
         host, alone = zip(*(tuple(float(v) for v in c.split("/")) for c in cells), strict=True)
         assert all(v > 0 for v in host + alone[:3]), row
         assert abs(host_sum - sum(host)) < 0.02 and step > 0.8 * host_sum, row
+
+
+def test_kernel_trace_summary_counts_each_launch():
+    """benchmarks/kernel_trace.py's report of a chrome trace: kernels in start order, busy time and span per step,
+    casts grouped by (name, grid) with counts per step, and the idle gaps, against sums worked out by hand."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_trace
+
+    def kernel(ts, dur, name, grid):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"grid": grid, "block": [128, 1, 1]}}
+
+    events = [  # two steps, listed out of order, with a CPU op that is not a kernel
+        kernel(200.0, 30.0, "_cast_transpose_kernel", [1024, 1, 1]),
+        {"cat": "cpu_op", "ts": 0.0, "dur": 999.0, "name": "aten::mm", "args": {}},
+        kernel(0.0, 100.0, "nvjet_sm90_qqtst_128x256", [2, 66, 1]),
+        kernel(100.0, 10.0, "_cast_transpose_kernel", [1024, 1, 1]),
+        kernel(500.0, 50.0, "_cast_flat_kernel", [528, 1, 1]),
+    ]
+    rows = kernel_trace.kernel_rows(events)
+    assert [r[0] for r in rows] == [0.0, 100.0, 200.0, 500.0]
+    assert rows[1][3] == (1024, 1, 1)
+    report = kernel_trace.summary(rows, steps=2).splitlines()
+    # busy (100 + 10 + 30 + 50) / 2 = 95 us, span 550 / 2 = 275 us per step
+    assert report[0] == "2 kernels/step, GPU busy 0.10 ms/step, span 0.28 ms/step"
+    assert "fp8 gemm 0.05" in report[1] and "fp8 cast 0.04" in report[1]
+    cast_1024 = next(line for line in report if line.startswith("_cast_transpose_kernel"))
+    assert cast_1024.split()[-3:] == ["1.0", "0.02", "20.0"]  # 2 launches / 2 steps, 40 us / 2 steps, 20 us each
+    # gaps over 20 us: 110 -> 200 (90 us) and 230 -> 500 (270 us)
+    assert "idle gaps over 20 us: 1/step, 0.18 ms/step; largest:" in report
