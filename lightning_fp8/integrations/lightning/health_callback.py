@@ -56,10 +56,10 @@ class TrainingHealthMonitor(_LoggingCallback):
     """Logs training health and alerts on gradient-norm spikes, loss plateaus and non-finite steps.
 
     Every training batch that stepped it observes the loss (mean over the accumulated micro-batches), the global
-    gradient norm over the parameters of the optimizers stepped (unscaled: FP8LMPrecision unscales each optimizer's
-    gradients before its ``on_before_optimizer_step``), the parameter norm, the training throughput and the memory
-    in use; every ``log_every_n_steps`` such batches (counted as Lightning counts its own logging) it logs, on
-    global rank zero, at the ``global_step`` reached:
+    gradient norm over the parameters of the optimizers stepped (of the true gradients: under FP8LMPrecision the
+    norm of the gradients as they are, divided by the mu they carry), the parameter norm, the training throughput
+    and the memory in use; every ``log_every_n_steps`` such batches (counted as Lightning counts its own logging)
+    it logs, on global rank zero, at the ``global_step`` reached:
 
     - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN left
       out), ``health/grad_norm``, ``health/param_norm``;
@@ -87,6 +87,8 @@ class TrainingHealthMonitor(_LoggingCallback):
         plot: write the PNG at the end of fit.
         plot_path: where to write it.
     """
+
+    reads_scaled_gradients = True  # divides its gradient norm by FP8LMPrecision.gradient_factor()
 
     def __init__(
         self,
@@ -156,14 +158,17 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        # Called for each optimizer stepped, while the precision plugin has unscaled *its* gradients only (the
-        # other optimizers' gradients still carry mu): take the norm over its parameters, and add the optimizers
+        # Called for each optimizer stepped (its gradients as FP8LMPrecision.gradient_factor says; the other
+        # optimizers' may differ): take the norm over its parameters, and add the optimizers
         # of the batch up in _observe. All ranks: FSDP1's flat shards are reduced across ranks (FSDP2's DTensors
         # reduce themselves).
         sharded = any(cls.__name__ == "FSDPStrategy" for cls in type(trainer.strategy).__mro__)  # either namespace
         params = [p for group in _unwrap_optimizer(optimizer).param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        self._grad_norms[id(optimizer)] = global_norm(grads, sharded=sharded)
+        # Under FP8LMPrecision the gradients may still carry mu (reads_scaled_gradients: the plugin does not unscale
+        # them, and round fp16 ones, for this callback alone): divide the fp32 norm instead.
+        factor = getattr(trainer.precision_plugin, "gradient_factor", lambda: 1.0)()
+        self._grad_norms[id(optimizer)] = global_norm(grads, sharded=sharded) / factor
         self._param_norm = global_norm(pl_module.parameters(), sharded=sharded)
 
     @override

@@ -12,9 +12,10 @@ What it does, hook by hook (Lightning calls them in this order):
 - ``forward_context``: ops that are not FP8 GEMMs (attention, norms, softmax) run under bf16 autocast, as with
   ``precision="bf16-mixed"``, on GPU and on CPU alike (so CPU runs test the same numerics).
 - ``pre_backward``: the loss is multiplied by the gradient scale mu (:class:`~lightning_fp8.FP8GradScaler`).
-- ``optimizer_step``: runs the closure, unscales the gradients (so ``on_before_optimizer_step``, gradient
-  clipping and ``grad_norm`` see true gradients), then lets the scaler skip the step (non-finite gradients,
-  agreed on all ranks) or take it, and updates mu.
+- ``optimizer_step``: runs the closure, unscales the gradients where an ``on_before_optimizer_step`` hook (or a
+  ``configure_gradient_clipping`` of the module's own) may read them, so that it sees true gradients, clips them
+  (on the gradients as they are, with the threshold scaled by mu: no rounding of fp16 gradients), then lets the
+  scaler skip the step (non-finite gradients, agreed on all ranks) or take it, and updates mu.
 - ``state_dict``/``load_state_dict``: mu and the FP8 scaling state (scales, amax histories) travel in the
   Lightning checkpoint, so a resumed run continues with the same scales. So do the names of the layers that
   ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``: ``on_load_checkpoint`` puts them back
@@ -25,7 +26,7 @@ What it does, hook by hook (Lightning calls them in this order):
 
 Gradient accumulation needs nothing special: mu only changes after an optimizer step, so every micro-batch of
 an accumulation window is scaled alike. Manual optimization works the same way (``manual_backward`` scales,
-``optimizer.step()`` unscales and steps; ``self.clip_gradients`` unscales first).
+``optimizer.step()`` unscales and steps; ``self.clip_gradients`` clips as if the gradients were unscaled).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing_extensions import override
 
 from lightning_fp8 import recovery
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
+from lightning_fp8.health import global_norm
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
@@ -106,7 +108,7 @@ class _FP8LMPrecisionLogic:
         self._module: nn.Module | None = None  # the LightningModule whose layers were converted
         self._wrapped_model: nn.Module | None = None  # the same, as wrapped by the strategy (DDP, FSDP)
         self._device_type: str | None = None
-        self._in_unscaled_region = False
+        self._unscaled: _Unscaled | None = None  # the gradients unscaled in place for the hooks, while they run
         self._early_masters: list[nn.Parameter] = []  # FP8 weights turned into fp16 masters before DDP wrapped
         self._optimizers: list[torch.optim.Optimizer] = []  # as connect() handed them to the strategy
         self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
@@ -220,7 +222,7 @@ class _FP8LMPrecisionLogic:
         closure_result = closure()
         # training_step returned None in automatic optimization: no backward ran, nothing to step.
         skipped_backward = closure_result is None and model.automatic_optimization
-        with self.unscaled_gradients(optimizer, enabled=not skipped_backward):
+        with self.unscaled_gradients(optimizer, enabled=not skipped_backward and _hooks_read_gradients(model)):
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + gradient clipping
         if kwargs:
             raise TypeError(f"precision='fp8-lm' steps through FP8GradScaler.step(optimizer); got extra {list(kwargs)}")
@@ -237,24 +239,32 @@ class _FP8LMPrecisionLogic:
     def unscaled_gradients(self, optimizer: Any, enabled: bool = True) -> Generator[None, None, None]:
         """Inside, ``optimizer``'s gradients are the true gradients (divided by mu); outside, scaled by mu again.
 
-        mu is a power of two, so both multiplications are exact wherever the true gradient is representable in
-        the gradient's dtype (fp16 for the FP8 weights at O2: 2^-24 to 65504): the scaler's own unscaling in
-        ``step`` (fused into FP8AdamW's kernel) then sees exactly what the hooks and gradient clipping left. With
-        mu == 1 (the common case) this costs nothing.
+        mu is a power of two, so for fp32 and bf16 gradients both multiplications are exact. fp16 gradients (the FP8
+        weights' at O2) are not: mu is there for the values fp16 cannot hold unscaled (below 2^-24, above 65504),
+        which the division would round away or overflow. Their scaled values are kept meanwhile and put back where
+        nothing inside changed the gradient (its version counter), so the step sees exactly what it would have
+        without this region; a gradient changed inside is multiplied back (rounded once). With mu == 1 (the common
+        case) this costs nothing.
         """
         mu = self.grad_scaler.loss_scale  # the backward's mu
-        if not enabled or self._in_unscaled_region:
+        if not enabled or self._unscaled is not None or mu == 1.0:
             yield
             return
-        if mu != 1.0:
-            _mul_grads_(_grads(optimizer), 1.0 / mu)
-        self._in_unscaled_region = True
+        self._unscaled = _Unscaled(optimizer, mu)
         try:
             yield
         finally:
-            self._in_unscaled_region = False
-            if mu != 1.0:
-                _mul_grads_(_grads(optimizer), mu)
+            self._end_unscaled_region()
+
+    def _end_unscaled_region(self) -> None:
+        region, self._unscaled = self._unscaled, None
+        if region is not None:
+            region.scale_back()
+
+    def gradient_factor(self) -> float:
+        """The factor the gradients carry now: mu (the backward's), or 1 while :meth:`unscaled_gradients` has them
+        unscaled. Callbacks that read gradients in ``on_before_optimizer_step`` without the unscaling divide by it."""
+        return 1.0 if self._unscaled is not None else self.grad_scaler.loss_scale
 
     @override
     def clip_gradients(
@@ -274,17 +284,25 @@ class _FP8LMPrecisionLogic:
                 "FP8LMPrecision(fp8_grads=False) (the default) and, for your own FP8AdamW, fp8_grads=False; or no "
                 "clipping"
             )
-        with self.unscaled_gradients(optimizer, enabled=clip_val > 0):
-            super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        if clip_val > 0:  # clipped carrying mu (the hooks' unscaled region ends first: its gradients put back exactly)
+            self._end_unscaled_region()
+        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        # The gradients carry mu (a power of two): clamping them at clip_val * mu clamps the true ones at clip_val.
+        super().clip_grad_by_value(optimizer, clip_val * self.grad_scaler.loss_scale)
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        # FSDP1 shards gradients: only the root module can compute the global norm.
+        # On the gradients as they are (carrying mu, fp16 for the FP8 weights at O2: unscaling them would round),
+        # with the threshold scaled alike: the same factor min(1, clip_val / true norm), the norm summed in fp32.
+        mu = self.grad_scaler.loss_scale
         clip = getattr(self._wrapped_model, "clip_grad_norm_", None)
         if clip is not None and comm.is_fsdp1_root(self._wrapped_model):
-            clip(clip_val)
+            clip(clip_val * mu)  # FSDP1 shards gradients: only the root computes the global norm (in fp32)
             return
-        super().clip_grad_by_norm(optimizer, clip_val)
+        clip_scaled_grad_norm_(self.main_params(optimizer), clip_val * mu)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -474,6 +492,74 @@ def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dic
                 value = model_state.get(f"{_clean_name(name)}.{param_name}")
                 if value is not None:
                     param.copy_(value)
+
+
+class _Unscaled:
+    """``optimizer``'s gradients divided by ``mu`` in place, with the fp16 ones' scaled values kept (see
+    :meth:`FP8LMPrecision.unscaled_gradients`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mu: float) -> None:
+        self.optimizer, self.mu = optimizer, mu
+        grads = _grads(optimizer)
+        kept = [g.clone() if g.dtype == torch.float16 else None for g in grads]
+        _mul_grads_(grads, 1.0 / mu)
+        # id -> (the gradient, its scaled values, its version once unscaled)
+        self.kept = {id(g): (g, k, g._version) for g, k in zip(grads, kept, strict=True) if k is not None}
+
+    def scale_back(self) -> None:
+        """Multiply the gradients by mu again, or put the kept scaled values back where nothing changed them."""
+        multiply = []
+        for grad in _grads(self.optimizer):  # hooks may have put new gradient tensors in place
+            entry = self.kept.get(id(grad))
+            if entry is not None and entry[0] is grad and grad._version == entry[2]:
+                grad.copy_(entry[1])
+            else:
+                multiply.append(grad)
+        _mul_grads_(multiply, self.mu)
+        self.kept = {}
+
+
+def _hooks_read_gradients(model: Any) -> bool:
+    """Whether something may read or change gradients between the backward and the step, so that they are
+    unscaled for it: an ``on_before_optimizer_step`` of the module or of a callback (the callbacks of this package
+    that read gradients divide by :meth:`FP8LMPrecision.gradient_factor` themselves), or the module's own
+    ``configure_gradient_clipping``."""
+
+    def overridden(obj: Any, hook: str, *bases: str) -> bool:
+        return getattr(type(obj), hook).__qualname__ not in {f"{base}.{hook}" for base in bases}
+
+    trainer = getattr(model, "trainer", None)
+    callbacks = getattr(trainer, "callbacks", None) or []
+    return (
+        overridden(model, "on_before_optimizer_step", "ModelHooks", "LightningModule")
+        or overridden(model, "configure_gradient_clipping", "LightningModule")
+        or any(
+            overridden(cb, "on_before_optimizer_step", "Callback") and not getattr(cb, "reads_scaled_gradients", False)
+            for cb in callbacks
+        )
+    )
+
+
+def clip_scaled_grad_norm_(parameters: Any, max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) with the norm summed in fp32: gradients carrying a factor mu (fp16 at
+    O2) can have a norm past fp16's range, which torch's fp16 norm would turn into inf and the clipping factor into
+    0. Returns the norm. DTensor gradients (FSDP2) are reduced over their mesh."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = global_norm(grads)
+    with _implicit_replication(grads):  # the plain factor multiplies DTensor gradients as a replicated value
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _implicit_replication(tensors: list[Tensor]) -> contextlib.AbstractContextManager:
+    if not any(type(t).__name__ == "DTensor" for t in tensors):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:

@@ -81,9 +81,12 @@ def test_losses_track_fp32_adamw():
     assert fp8.losses[-1] < fp8.losses[0] - 0.5
 
 
-def _reference_run(steps: int, accumulate: int, clip: float | None, init_scale: float) -> list[float]:
-    """The plugin's documented semantics written out by hand: convert, FP8AdamW, mu, bf16 autocast, clipping
-    on unscaled gradients, one optimizer step per `accumulate` micro-batches."""
+def _reference_run(
+    steps: int, accumulate: int, clip: float | None, init_scale: float, loss_factor: float = 1.0
+) -> list[float]:
+    """The plugin's documented semantics written out by hand: convert, FP8AdamW, mu, bf16 autocast, clipping by the
+    true gradients' norm (the gradients themselves keep carrying mu: fp16 ones are never unscaled in place), one
+    optimizer step per `accumulate` micro-batches."""
     torch.manual_seed(0)
     module = GPTModule()
     model = convert_to_fp8(module.model)
@@ -96,15 +99,15 @@ def _reference_run(steps: int, accumulate: int, clip: float | None, init_scale: 
             x, y = next(batches)
             with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
                 logits = model(x)
-                loss = nn.functional.cross_entropy(logits.float().reshape(-1, 64), y.reshape(-1))
+                loss = nn.functional.cross_entropy(logits.float().reshape(-1, 64), y.reshape(-1)) * loss_factor
             losses.append(loss.item())
             scaler.scale_loss(loss / accumulate).backward()
-        if clip is not None:
+        if clip is not None:  # the true gradients' norm (fp32), the factor applied to the gradients carrying mu
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             mu = scaler.scale.item()
-            torch._foreach_mul_(grads, 1 / mu)
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-            torch._foreach_mul_(grads, mu)
+            true_norm = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt() / mu
+            factor = min(1.0, clip / (true_norm.item() + 1e-6 / mu))
+            torch._foreach_mul_(grads, torch.tensor(factor, dtype=torch.float32))
         optimizer.step()  # through the scaler: skip on non-finite, unscale by mu, update mu
         optimizer.zero_grad()
     return losses
@@ -117,6 +120,39 @@ def test_plugin_matches_the_hand_written_loop(accumulate, clip, init_scale):
         max_steps=4, precision=None, plugins=[plugin], accumulate_grad_batches=accumulate, gradient_clip_val=clip
     )
     assert module.losses == _reference_run(4, accumulate, clip, init_scale)
+
+
+class _ReadsGradients(GPTModule):
+    """A loss times ``loss_factor``, and an ``on_before_optimizer_step`` hook that reads the gradients (as gradient
+    norm logging does): the plugin unscales them for it."""
+
+    loss_factor = 1.0
+
+    def loss(self, batch):
+        return super().loss(batch) * self.loss_factor
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen_max = max(p.grad.abs().max().item() for p in self.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(
+    ("init_scale", "loss_factor", "clip"),
+    [(2.0**14, 1e-6, None), (2.0**14, 1e-6, 1e-8), (2.0**-12, 1e7, None), (2.0**-12, 1e7, 1e5)],
+)
+def test_fp16_gradients_reach_the_step_as_without_hooks(init_scale, loss_factor, clip):
+    """Found by the twentieth session's sweep: the plugin unscaled every gradient in place around the hooks and the
+    clipping, and scaled it back, also the FP8 weights' fp16 ones at O2, whose values mu exists for: true gradients
+    below fp16's range (mu 2^14, a loss of ~1e-6) were flushed (94-97% of a weight's gradient entries became 0),
+    and true gradients above 65504 (mu 2^-12) overflowed, so every step was skipped. Now the step sees what the
+    hand-written loop's sees (bit for bit), hooks or not, clipping or not. (The hook itself sees the true
+    gradients as fp16 holds them: 0 or inf where they are out of its range.)"""
+    module = _module(_ReadsGradients)
+    module.loss_factor = loss_factor
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": init_scale})
+    _fit(module, max_steps=4, precision=None, plugins=[plugin], gradient_clip_val=clip)
+    assert plugin.grad_scaler.skipped_steps == 0
+    assert module.losses == _reference_run(4, 1, clip, init_scale, loss_factor)
+    assert module.seen_max > 0
 
 
 def test_clipping_and_hooks_see_unscaled_gradients():
@@ -499,3 +535,47 @@ def test_clipping_refuses_a_users_fp8adamw_holding_fp8_gradients(opt_level):
     with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
         plugin.clip_gradients(optimizer, clip_val=1.0)
     plugin.clip_gradients(FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level, fp8_grads=False), clip_val=1.0)
+
+
+def _clip_reference(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
+    # In float64: the factor min(1, max_norm / (norm + 1e-6)) applied to each gradient, rounded to its dtype.
+    norm = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
+    factor = min(1.0, max_norm / (norm.item() + 1e-6))
+    return [(g.double() * factor).to(g.dtype) for g in grads]
+
+
+def test_clipping_scaled_fp16_gradients_sums_their_norm_in_fp32():
+    """Gradients carrying mu (fp16 at O2) can have a norm past 65504: torch's clip_grad_norm_ computes it in fp16,
+    gets inf and multiplies every gradient by 0. The plugin's clipping sums in fp32."""
+    from lightning_fp8.integrations.lightning.precision import clip_scaled_grad_norm_
+
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(n, dtype=torch.float16)) for n in (70000, 300)]
+    for p in params:
+        p.grad = (torch.rand(p.shape, generator=gen) * 600 + 100).half()  # norm ~1e5 in all
+    expected = _clip_reference([p.grad for p in params], 4096.0)
+    total = clip_scaled_grad_norm_(params, 4096.0)
+    assert total.dtype == torch.float32 and torch.isfinite(total) and total > 65504
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected, strict=True))
+
+
+def test_clipping_dtensor_gradients(tmp_path):
+    """FSDP2's gradients are DTensors: the fp32 norm is reduced over their mesh and the factor multiplies them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from lightning_fp8.integrations.lightning.precision import clip_scaled_grad_norm_
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        grads = [torch.randn(64, 32, generator=torch.Generator().manual_seed(i)).half() * 500 for i in range(2)]
+        expected = _clip_reference(grads, 1000.0)
+        params = [nn.Parameter(distribute_tensor(torch.zeros(64, 32, dtype=torch.float16), mesh)) for _ in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = distribute_tensor(g.clone(), mesh)
+        clip_scaled_grad_norm_(params, 1000.0)
+        assert all(torch.equal(p.grad.full_tensor(), e) for p, e in zip(params, expected, strict=True))
+    finally:
+        dist.destroy_process_group()
