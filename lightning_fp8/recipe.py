@@ -7,6 +7,7 @@ precision (opt level O1 or O2, see DESIGN.md "Optimization levels").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
@@ -46,8 +47,7 @@ def check_settings(
     for name, (value, allowed) in choices.items():
         if not isinstance(value, str):
             raise type_error(
-                f"{owner}({name}={value!r}) must be a string, got {type(value).__name__}: choose one of "
-                f"{list(allowed)}"
+                f"{owner}({name}={value!r}) must be a string, got {type(value).__name__}: choose one of {list(allowed)}"
             )
         if value not in allowed:
             raise ValueError(f"{owner}({name}={value!r}) is not supported: choose one of {list(allowed)}")
@@ -140,12 +140,26 @@ class FP8Recipe:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> FP8Recipe:
-        """Build a recipe from a mapping (e.g. a YAML config), rejecting unknown keys."""
+    def from_dict(cls, values: Mapping[str, Any]) -> FP8Recipe:
+        """Build a recipe from a mapping (e.g. a YAML config), rejecting unknown keys.
+
+        Raises:
+            TypeError: if ``values`` is not a mapping (a recipe name goes to :meth:`from_name`).
+            ValueError: for an unknown key, or a value the recipe refuses.
+        """
         known = {f.name for f in fields(cls)}
+        if not isinstance(values, Mapping):
+            # A string would be taken for its characters (each an unknown field), a list of pairs for its pairs.
+            hint = f"; for a named recipe use FP8Recipe.from_name({values!r})" if isinstance(values, str) else ""
+            raise TypeError(
+                f"FP8Recipe.from_dict takes a mapping of recipe fields (e.g. {{'scaling': 'current'}}; allowed fields "
+                f"are {sorted(known)}), got {type(values).__name__} {values!r}{hint}"
+            )
         unknown = set(values) - known
-        if unknown:
-            raise ValueError(f"unknown FP8Recipe field(s) {sorted(unknown)}: allowed fields are {sorted(known)}")
+        if unknown:  # key=repr: keys of other types than str do not compare with each other
+            raise ValueError(
+                f"unknown FP8Recipe field(s) {sorted(unknown, key=repr)}: allowed fields are {sorted(known)}"
+            )
         return cls(**values)
 
     def replace(self, **changes: Any) -> FP8Recipe:

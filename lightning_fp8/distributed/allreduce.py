@@ -68,6 +68,27 @@ def check_amax_group(group: dist.ProcessGroup | None, amax_group: dist.ProcessGr
     return amax_group
 
 
+def check_rows_group(group: dist.ProcessGroup | None, rows: CollectiveRows | SymmetricRows) -> None:
+    """Raise ValueError if ``rows`` (the gather's transport) exchanges over other ranks than ``group``, or in another
+    order: rows would be summed as other ranks' or missed. No collective: each rank compares the groups' global ranks,
+    so every rank of ``group`` gets the same answer (a rank outside ``rows.group`` too)."""
+    world = dist.group.WORLD
+    mine, theirs = group if group is not None else world, rows.group if rows.group is not None else world
+    if theirs is mine:
+        return
+    want = dist.get_process_group_ranks(mine)
+    # new_group() gives the ranks outside the new group this marker, not a group.
+    ranks = None if theirs is dist.GroupMember.NON_GROUP_MEMBER else dist.get_process_group_ranks(theirs)
+    if ranks != want:
+        made_for = f"a group of the ranks {ranks}" if ranks is not None else "a group without this rank"
+        kind = type(rows).__name__
+        raise ValueError(
+            f"FP8 gather all-reduce: rows (a {kind}) was made for {made_for}, but group has the ranks {want}: the rows "
+            f"would be exchanged over the wrong ranks. Make the transport for this group ({kind}(group, ...)), or "
+            "leave rows out (an FP8 all-gather of group)"
+        )
+
+
 class _SharedAmax:
     """The group amaxes of a pipelined all-reduce, computed and all-reduced stage by stage (``SlicePlan.groups``)."""
 
@@ -260,8 +281,13 @@ def all_reduce_fp8_gather(
     two-rank ring all-reduce moves, more on more ranks. ``rows`` moves them (:mod:`~lightning_fp8.distributed.
     exchange`): an FP8 all-gather of ``group`` (the default) or copy-engine copies out of CUDA symmetric memory.
     Other arguments as :func:`all_reduce_fp8`.
+
+    Raises:
+        ValueError: for ``rows`` made for a group of other ranks than ``group`` (:func:`check_rows_group`).
     """
     check_fp8_dtype(fp8_dtype)  # before the exchange's start-of-call barrier
+    if rows is not None:
+        check_rows_group(group, rows)
     flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, True, amax_group)
     world, kernels = dist.get_world_size(group), shared.kernels
     rows = CollectiveRows(group) if rows is None else rows

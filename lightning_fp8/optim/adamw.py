@@ -241,12 +241,14 @@ class FP8AdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)
             step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            for p in group["params"]:
+            for i, p in enumerate(group["params"]):
                 if p.is_complex():
                     raise TypeError(
                         f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
                         "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
                     )
+                # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
+                master.check_not_reparametrized(p, f"parameter {i} of parameter group {len(self.param_groups) - 1}")
             self._check_grad_hooks_allowed(group["params"])
         except (TypeError, ValueError):
             self.param_groups.pop()

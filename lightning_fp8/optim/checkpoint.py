@@ -214,7 +214,7 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
     where the parameter is not, or has a dtype FP8AdamW does not store; an FP8 or fp16 moment or master without its
     scale; a scale or amax of a shape that fits neither one number nor one per row (column) of its state, a scale
     outside 2**-126 to 2**127, an amax that is not finite and >= 0; bad values (:func:`_check_values`); a step that is
-    not one finite number >= 0. Returns the state with DTensors as local shards."""
+    not a whole number from 0 to 2**24 (:func:`_check_step`). Returns the state with DTensors as local shards."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
     present = [key for key in _ADAMW_KEYS if key in saved]
@@ -348,14 +348,24 @@ def _exported_shapes(p: torch.Tensor) -> tuple[int, list[tuple[int, ...]]]:
     return ranks, [(ranks,), *per_row]
 
 
+# The step is kept as torch.optim.AdamW keeps it, in a float32 tensor, whose ``step += 1`` is exact up to 2**24 (16.8
+# million steps, far more than a training run takes) and then stops counting: no run saves a larger step.
+_MAX_STEP = 2**24
+
+
 def _check_step(where: str, step: Any) -> None:
+    """Raise ValueError unless ``step`` is a number of steps: an integer value from 0 to :data:`_MAX_STEP`, as a Python
+    number or a one-element real tensor (torch.optim.AdamW saves a 0-dim float32 one). Not a bool: True loaded as 1."""
     try:
         value = torch.as_tensor(step)
-        ok = value.numel() == 1 and not value.is_complex() and math.isfinite(float(value)) and float(value) >= 0
+        count = float(value) if value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool) else None
     except (TypeError, ValueError, RuntimeError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{where}'s step is {step!r}, not one finite number >= 0: {_FIX}")
+        count = None
+    if count is None or not (0 <= count <= _MAX_STEP and count.is_integer()):  # NaN fails the comparisons
+        raise ValueError(
+            f"{where}'s step is {step!r}, not a whole number of steps from 0 to 2**24 (a float32 step counts no "
+            f"further): {_FIX}"
+        )
 
 
 def _single(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from lightning_fp8 import ops
 from lightning_fp8.scaling import compute_scale
@@ -34,6 +35,46 @@ FP16_MAX = 65504.0
 def is_fp8_weight(param: torch.Tensor) -> bool:
     """Whether ``param`` is the weight of an FP8Linear (marked by the layer)."""
     return bool(getattr(param, MARKER, False))
+
+
+def check_not_reparametrized(param: torch.Tensor, where: str) -> None:
+    """Raise ValueError if an FP8Linear that marked ``param`` now computes its weight from it: reparametrized after the
+    conversion (``torch.nn.utils.parametrize``, pruning, ``spectral_norm``), the layer holds ``param`` under another
+    name (``parametrizations.weight.original``, ``weight_orig``) and the marker stays on it. FP8Linear's forward
+    refuses such a layer; at O2 the optimizer would first make ``param``'s storage a scaled fp16 master, read by the
+    reparametrization as the weight. ``where`` names ``param`` in the message."""
+    layers = getattr(getattr(param, MARKER, None), "layers", None)  # FP8Linear's mark; FSDP2 and TP mark with True
+    if layers is None:
+        return
+    for layer in layers():
+        if layer._parameters.get("weight") is param:
+            continue
+        name = next((name for name, p in layer.named_parameters() if p is param), None)
+        if name is None:
+            continue  # the layer's weight was replaced: param is no longer the layer's
+        layer_name = f"FP8Linear(in_features={layer.in_features}, out_features={layer.out_features})"
+        if any(isinstance(hook, prune.BasePruningMethod) for hook in layer._forward_pre_hooks.values()):
+            what = "was pruned after the conversion (torch.nn.utils.prune): pruning of FP8 layers is not supported"
+            fix = (
+                "make the pruning permanent before creating the optimizer (torch.nn.utils.prune.remove(layer, "
+                "'weight'): the mask is applied once and not kept during training), or keep the layer out of FP8: "
+                "prune the nn.Linear before convert_to_fp8, which leaves it in high precision (or leave it out with "
+                "module_filter_fn)"
+            )
+        else:
+            what = (
+                "was reparametrized after the conversion (torch.nn.utils.parametrize, spectral_norm): FP8 layers do "
+                "not support a weight computed from other parameters"
+            )
+            fix = (
+                "remove the reparametrization before creating the optimizer (torch.nn.utils.parametrize."
+                "remove_parametrizations(layer, 'weight')), or keep the layer out of FP8: reparametrize the nn.Linear "
+                "before convert_to_fp8, which leaves it in high precision (or leave it out with module_filter_fn)"
+            )
+        raise ValueError(
+            f"FP8AdamW got {where}, the parameter {name!r} of shape {tuple(param.shape)} of {layer_name}, whose weight "
+            f"is computed from it: the layer {what} (its forward refuses it). To train it, {fix}; nothing was changed"
+        )
 
 
 def master_scale(param: torch.Tensor) -> torch.Tensor | None:

@@ -1,13 +1,16 @@
 """What FP8AdamW refuses on every path in, not only in its constructor: AMSGrad (FP8AdamW implements AdamW without it)
-through add_param_group and through a loaded state dict, before anything changes."""
+through add_param_group and through a loaded state dict, before anything changes; an FP8 layer reparametrized (or
+pruned) after the conversion, in the constructor and add_param_group, before any weight changes."""
 
 import copy
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize, prune
 
 from lightning_fp8 import FP8AdamW, convert_to_fp8
+from lightning_fp8.optim import master
 from tests.numerics import assert_same
 
 NO_AMSGRAD = "FP8AdamW\\(amsgrad=True\\) is not supported"  # the constructor's message
@@ -101,3 +104,49 @@ def test_adamw_performance_arguments_are_accepted_and_step_as_without_them():
     for name in ("capturable", "differentiable"):
         with pytest.raises(ValueError, match=f"FP8AdamW\\({name}=True\\) is not supported"):
             FP8AdamW(nn.Linear(4, 4).parameters(), **{name: True})
+
+
+class _Half(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 0.5 * w
+
+
+REPARAMETRIZED = {
+    "parametrize": (
+        lambda layer: parametrize.register_parametrization(layer, "weight", _Half()),
+        "'parametrizations.weight.original'.*reparametrized after the conversion.*remove_parametrizations",
+    ),
+    "pruning": (
+        lambda layer: prune.l1_unstructured(layer, "weight", amount=0.5),
+        "'weight_orig'.*pruning of FP8 layers is not supported.*prune.remove.*before convert_to_fp8",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", REPARAMETRIZED)
+def test_constructor_refuses_a_layer_reparametrized_after_conversion_before_anything_changes(kind):
+    """The FP8-weight marker stays on the parameter the weight is computed from: at O2 FP8AdamW stored its scaled fp16
+    master in ``parametrizations.weight.original`` (read by the parametrization as the weight); a pruned layer's
+    ``weight_orig`` was refused with a message about DistributedDataParallel. Refused, naming the parameter and the
+    layer and saying what to do; no weight changed. With the reparametrization removed the layer trains."""
+    reparametrize, message = REPARAMETRIZED[kind]
+    model = _model()
+    reparametrize(model[0])
+    before = copy.deepcopy(list(model.parameters()))
+    with pytest.raises(ValueError, match=f"parameter 1 of parameter group 0, the parameter {message}") as raised:
+        FP8AdamW(model.parameters())
+    assert "FP8Linear(in_features=32, out_features=48)" in str(raised.value)
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert p.dtype == q.dtype and not hasattr(p, master.SCALE_ATTR)
+        assert_same(p, q)
+    opt = FP8AdamW([model[2].weight])
+    with pytest.raises(ValueError, match="parameter 1 of parameter group 1"):  # add_param_group: the group is not kept
+        opt.add_param_group({"params": list(model[0].parameters())})
+    assert len(opt.param_groups) == 1
+    if kind == "pruning":
+        prune.remove(model[0], "weight")
+    else:
+        parametrize.remove_parametrizations(model[0], "weight")
+    opt = FP8AdamW(model.parameters())
+    assert master.master_scale(model[0].weight) is not None
+    _step(model, opt)

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -80,3 +82,20 @@ def test_resolve_recipe():
     assert resolve_recipe("fp8-lm-o1").opt_level == "O1"
     with pytest.raises(TypeError, match="recipe must be"):
         resolve_recipe(3)
+
+
+@pytest.mark.parametrize("values", ["fp8-lm", None, [("margin", 1)], 3])
+def test_from_dict_refuses_what_is_not_a_mapping(values):
+    """A recipe name was taken for its characters ("unknown FP8Recipe field(s) ['-', '8', ...]"), None raised "not
+    iterable", a list of pairs was taken for its pairs. A TypeError saying a mapping is expected; a name is pointed to
+    from_name. A mapping that is not a dict loads."""
+    with pytest.raises(
+        TypeError, match=f"FP8Recipe.from_dict takes a mapping of recipe fields.*got {type(values).__name__}"
+    ):
+        FP8Recipe.from_dict(values)
+    if isinstance(values, str):
+        with pytest.raises(TypeError, match=r"use FP8Recipe.from_name\('fp8-lm'\)"):
+            FP8Recipe.from_dict(values)
+    assert FP8Recipe.from_dict(types.MappingProxyType({"margin": 1})) == FP8Recipe(margin=1)
+    with pytest.raises(ValueError, match=r"unknown FP8Recipe field\(s\) \['a', 1\]"):  # keys of two types
+        FP8Recipe.from_dict({1: 0, "a": 0})

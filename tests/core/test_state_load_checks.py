@@ -1,12 +1,16 @@
 """load_fp8_state_dict's refusals of inputs it cannot load (meta tensors, bool counters, a list or non-string keys),
-and check_fp8_state_dict, which raises the same and changes nothing."""
+and check_fp8_state_dict, which raises the same and changes nothing; FP8AdamW.load_state_dict's refusal of a step that
+is not a number of steps."""
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_fp8 import convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8 import FP8AdamW, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.state import check_fp8_state_dict
+from tests.numerics import assert_same
 
 
 def _model(seed: int) -> nn.Module:
@@ -65,3 +69,33 @@ def test_check_raises_what_load_raises_and_changes_nothing():
         check_fp8_state_dict(model, without_layer_2)
     check_fp8_state_dict(model, without_layer_2, leaving_out=[model[2]])
     assert _unchanged(model, before)
+
+
+def _optimizer(seed: int) -> tuple[nn.Module, FP8AdamW]:
+    model = _model(seed)
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "step", [1.5, True, 1e30, -1, float("nan"), float("inf"), torch.tensor(2.0**24 + 2), torch.tensor(-3.0)]
+)
+def test_optimizer_load_refuses_a_step_that_is_no_count_of_steps_and_changes_nothing(step):
+    """FP8AdamW.load_state_dict took a step of 1.5, True or 1e30 (any finite number >= 0): the bias correction then
+    ran with a non-integer or absurd t. Refused before anything loads; its own and torch.optim.AdamW's steps load."""
+    model, opt = _optimizer(0)
+    saved = opt.state_dict()
+    adamw = torch.optim.AdamW(_model(0).parameters())
+    adamw.step()
+    assert adamw.state_dict()["state"][0]["step"].dtype == torch.float32
+    model, opt = _optimizer(1)
+    before = copy.deepcopy((opt.state_dict(), model.state_dict()))
+    bad = copy.deepcopy(saved)
+    bad["state"][3]["step"] = step
+    with pytest.raises(ValueError, match="parameter 3's step is .*not a whole number of steps from 0 to 2\\*\\*24"):
+        opt.load_state_dict(bad)
+    assert_same(copy.deepcopy((opt.state_dict(), model.state_dict())), before)
+    opt.load_state_dict(saved)
+    opt.load_state_dict(copy.deepcopy(adamw.state_dict()))
+    assert float(opt.state[model[0].weight]["step"]) == 1.0

@@ -41,7 +41,7 @@ def one_rounding_mean(xs: list[torch.Tensor], fp8_dtype: torch.dtype, dtype: tor
 
 def _worker(rank: int, world: int) -> dict:
     from lightning_fp8.distributed import SegmentLayout, all_reduce_fp8, all_reduce_fp8_gather
-    from lightning_fp8.distributed.exchange import SymmetricRows
+    from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
 
     res: dict = {}
     xs = _bucket(rank)
@@ -96,6 +96,17 @@ def _worker(rank: int, world: int) -> dict:
         SymmetricRows(None, torch.device("cpu"))
     except ValueError as e:
         res["symmetric_refused"] = str(e)
+    # A transport made for another group (the first half of the ranks) is refused on every rank, in it or not; one of
+    # another communicator of the same ranks exchanges the same bytes.
+    half = dist.new_group(list(range(world // 2)))
+    try:
+        all_reduce_fp8_gather(x, layout, None, E5M2, rows=CollectiveRows(half))
+    except ValueError as e:
+        res["foreign_rows_refused"] = str(e)
+    same_ranks = dist.new_group(list(range(world)))
+    res["same_ranks_rows_exact"] = torch.equal(
+        all_reduce_fp8_gather(x, layout, None, E5M2, rows=CollectiveRows(same_ranks))[0], want
+    )
     return res
 
 
@@ -158,6 +169,18 @@ def test_symmetric_memory_transport_refuses_gloo(results):
     _, per_rank = results
     for r in per_rank:
         assert "not NCCL" in r["symmetric_refused"] and "CollectiveRows" in r["symmetric_refused"]
+
+
+def test_gather_refuses_a_transport_made_for_another_group(results):
+    """rows made for another group exchanged over its ranks without a word (a rank's row summed as another's, or ranks
+    outside the group waiting). Refused before any exchange, on every rank, saying what to do."""
+    world, per_rank = results
+    for rank, r in enumerate(per_rank):
+        made_for = "a group without this rank" if rank >= world // 2 else f"the ranks {list(range(world // 2))}"
+        assert made_for in r["foreign_rows_refused"], r.get("foreign_rows_refused")
+        assert f"group has the ranks {list(range(world))}" in r["foreign_rows_refused"]
+        assert "CollectiveRows(group, ...)" in r["foreign_rows_refused"]
+        assert r["same_ranks_rows_exact"]
 
 
 @pytest.mark.parametrize(
