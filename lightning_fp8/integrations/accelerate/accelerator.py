@@ -36,7 +36,7 @@ from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
-from lightning_fp8.optim import FP8AdamW
+from lightning_fp8.optim import FP8AdamW, master
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
 from lightning_fp8.recipe import FP8Recipe
@@ -292,6 +292,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             )
             self._fp8_swapped[id(optimizer)] = new
         elif isinstance(optimizer, FP8AdamW):
+            _check_built_after_conversion(optimizer)
             new = optimizer
             if new.grad_scaler is None:  # its gradient casts report to the accelerator's mu
                 new.grad_scaler = self._fp8_scaler()
@@ -438,3 +439,23 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             if self.is_main_process:
                 logger.warning(f"lightning_fp8 health: {event.message}")
         self._fp8_loss, self._fp8_grad_norm = [], None
+
+
+def _check_built_after_conversion(optimizer: FP8AdamW) -> None:
+    """Raise ValueError if ``optimizer`` (O2) was built before the model's linear layers became FP8 (prepare converts
+    them): it took their weights for ordinary parameters, and would train them with fp32 states and no fp16 master,
+    without a word."""
+    if optimizer.opt_level != "O2":  # O1 gives every parameter fp32 states: the FP8 weights differ by no state
+        return
+    missed = [
+        p for group in optimizer.param_groups for p in group["params"]
+        if master.is_fp8_weight(p) and p not in optimizer._low_precision
+    ]  # fmt: skip
+    if missed:
+        raise ValueError(
+            f"accelerator.prepare got an FP8AdamW built before the model's conversion: {len(missed)} of its "
+            "parameters became FP8 weights afterwards (the first of shape "
+            f"{tuple(missed[0].shape)}), which it keeps with fp32 states instead of O2's. Build it after "
+            "convert_to_fp8(model) or after accelerator.prepare(model), or pass a torch.optim.AdamW, which prepare() "
+            "replaces with an FP8AdamW"
+        )

@@ -409,3 +409,16 @@ def test_clipping_refuses_an_fp8adamw_holding_fp8_gradients(opt_level):
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
         accelerator.clip_grad_value_(model.parameters(), 1.0)
+
+
+def test_prepare_refuses_an_fp8adamw_built_before_the_conversion():
+    """Found by the twentieth session's docs sweep: an FP8AdamW built on the plain model (prepare converts it later)
+    took the weights for ordinary parameters and trained them with fp32 states, no fp16 master, without a word."""
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    net = Net()
+    with pytest.raises(ValueError, match="built before the model's conversion.*Build it after"):
+        accelerator.prepare(net, FP8AdamW(net.parameters(), lr=1e-2, fp8_grads=False))
+    model = convert_to_fp8(Net())  # converted first: its FP8 weights get O2 states and fp16 masters
+    model, optimizer = accelerator.prepare(model, FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=False))
+    weights = [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
+    assert weights and all(w.dtype == torch.float16 for w in weights)
