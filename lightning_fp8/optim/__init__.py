@@ -4,11 +4,13 @@
   moment, fp16 second moment, each with a power-of-two per-tensor scale) and whose step is one fused Triton
   kernel per group of tensors.
 - :mod:`lightning_fp8.optim.master`: the O2 master weight kept in the parameter's own storage.
-- :mod:`lightning_fp8.optim.checkpoint`: state-dict conversion to and from ``torch.optim.AdamW``.
+- :mod:`lightning_fp8.optim.checkpoint`: state-dict conversion to and from ``torch.optim.AdamW``
+  (:func:`adamw_state_dict`: a saved FP8AdamW state dict as AdamW's, to resume without FP8).
 - :mod:`lightning_fp8.optim.grad_cast`: the FP8 casts of the weights' gradients, queued by the gradient hooks and
   cast together.
 """
 
 from lightning_fp8.optim.adamw import FP8AdamW
+from lightning_fp8.optim.checkpoint import adamw_state_dict
 
-__all__ = ["FP8AdamW"]
+__all__ = ["FP8AdamW", "adamw_state_dict"]

@@ -452,7 +452,15 @@ def _load_adopted_master(p: torch.Tensor, saved: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------- export, stats
 def to_adamw(opt: FP8AdamW) -> dict[str, Any]:
     """The state as ``torch.optim.AdamW`` keeps it: fp32 moments, ``step``; groups with AdamW's keys."""
-    state_dict = torch.optim.Optimizer.state_dict(opt)  # the states as kept (0-dim scales), without the export's
+    return adamw_state_dict(torch.optim.Optimizer.state_dict(opt))  # the states as kept (0-dim scales)
+
+
+def adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A saved :class:`~lightning_fp8.FP8AdamW` state dict (``optimizer.state_dict()``, a Lightning checkpoint's
+    ``optimizer_states`` entry) as ``torch.optim.AdamW``'s: fp32 moments, each low-precision one divided by its scale,
+    ``step``; groups with AdamW's keys. For resuming without FP8: ``torch.optim.AdamW.load_state_dict`` takes an
+    FP8AdamW state dict without a word but reads its scaled moments as they are stored (``x * scale``, the scales
+    dropped), and Adam's steps are then off until the moments decay."""
     state = {
         index: {
             key: (saved[key].detach().cpu().clone() if key == "step" else dequantize(saved, key))

@@ -307,6 +307,43 @@ def test_loads_torch_adamw_state_and_exports_it_back():
                                rtol=2**-10, atol=1e-12)  # fmt: skip
 
 
+def test_a_saved_state_dict_converts_for_torch_adamw():
+    """Resuming an FP8 checkpoint without FP8 (found by the twentieth session's sweep): torch.optim.AdamW loads an
+    FP8AdamW state dict without a word but takes the scaled moments as they are stored (160 for a moment of 0.0098).
+    ``adamw_state_dict`` of the saved dict (after a weights_only round trip, as a checkpoint file gives it) holds
+    each moment divided by its scale, which AdamW then loads as the true moments."""
+    from lightning_fp8.optim import adamw_state_dict
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+    model = convert_to_fp8(copy.deepcopy(plain))
+    opt = FP8AdamW(model.parameters(), lr=1e-2, low_precision_moments="all")
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    for _ in range(3):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    true = {}  # by parameter index: the moments as FP8AdamW means them, stored values over their scales
+    for index, p in enumerate(model.parameters()):
+        state = opt.state[p]
+        true[index] = {k: state[k].float() / state[f"{k}_scale"].float() for k in ("exp_avg", "exp_avg_sq")}
+    assert any(opt.state[p]["exp_avg_scale"] != 1 for p in model.parameters())  # scaled: the case that matters
+    naive = torch.optim.AdamW(copy.deepcopy(plain).parameters(), lr=1e-2)
+    naive.load_state_dict(saved)
+    assert not torch.allclose(naive.state[next(iter(naive.state))]["exp_avg"], true[0]["exp_avg"])
+    again = copy.deepcopy(plain)
+    adamw = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    adamw.load_state_dict(adamw_state_dict(saved))
+    for index, p in enumerate(again.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert adamw.state[p][key].dtype == torch.float32
+            assert torch.equal(adamw.state[p][key], true[index][key]), (index, key)
+        assert float(adamw.state[p]["step"]) == 3.0
+
+
 def test_param_groups_and_lr_scheduler_match_adamw_at_o1():
     torch.manual_seed(0)
     base = _Regression()
