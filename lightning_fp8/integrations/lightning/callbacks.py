@@ -10,6 +10,7 @@ Logged keys (``fp8/`` and ``health/`` prefixes), see the class docstrings.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -22,6 +23,18 @@ from lightning_fp8.warnings import warn_once
 SUMMARY_FIELDS = ("scale_min", "scale_max", "amax_max", "saturation_max", "saturation_mean", "nonfinite_count")
 LAYER_FIELDS = ("scale", "amax", "saturation")
 SCALER_FIELDS = ("scale", "skipped_steps", "last_saturation", "nonfinite_events")
+
+
+# The attribute reads_scaled_gradients sets on a hook function (FP8LMPrecision looks for it).
+SCALED_GRADIENTS_MARK = "_reads_scaled_gradients"
+
+
+def reads_scaled_gradients(hook: Callable) -> Callable:
+    """Mark a callback's ``on_before_optimizer_step`` that reads gradients as they are and divides by
+    ``FP8LMPrecision.gradient_factor()`` itself: the plugin then does not unscale them for it (a subclass that
+    overrides the hook is a reader again)."""
+    setattr(hook, SCALED_GRADIENTS_MARK, True)
+    return hook
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

@@ -20,7 +20,12 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_fp8.health import HealthConfig, HealthMonitor, global_norm, memory_gib
-from lightning_fp8.integrations.lightning.callbacks import _LoggingCallback, _unwrap_optimizer, grad_scaler_of
+from lightning_fp8.integrations.lightning.callbacks import (
+    _LoggingCallback,
+    _unwrap_optimizer,
+    grad_scaler_of,
+    reads_scaled_gradients,
+)
 from lightning_fp8.warnings import warn_once
 
 # The recovery a skipped step implies: FP8GradScaler skips the update and halves mu.
@@ -87,8 +92,6 @@ class TrainingHealthMonitor(_LoggingCallback):
         plot: write the PNG at the end of fit.
         plot_path: where to write it.
     """
-
-    reads_scaled_gradients = True  # divides its gradient norm by FP8LMPrecision.gradient_factor()
 
     def __init__(
         self,
@@ -157,6 +160,7 @@ class TrainingHealthMonitor(_LoggingCallback):
     # -- observing a step -------------------------------------------------------------------------------------
 
     @override
+    @reads_scaled_gradients  # divides its gradient norm by FP8LMPrecision.gradient_factor()
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Called for each optimizer stepped (its gradients as FP8LMPrecision.gradient_factor says; the other
         # optimizers' may differ): take the norm over its parameters, and add the optimizers

@@ -47,7 +47,7 @@ from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.health import global_norm
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
-from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
+from lightning_fp8.integrations.lightning.callbacks import SCALED_GRADIENTS_MARK, _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.state import check_fp8_state_dict, fp8_state_dict, load_fp8_state_dict
@@ -284,25 +284,40 @@ class _FP8LMPrecisionLogic:
                 "FP8LMPrecision(fp8_grads=False) (the default) and, for your own FP8AdamW, fp8_grads=False; or no "
                 "clipping"
             )
-        if clip_val > 0:  # clipped carrying mu (the hooks' unscaled region ends first: its gradients put back exactly)
-            self._end_unscaled_region()
-        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        if clip_val <= 0:
+            return
+        # Clipped carrying mu: an unscaled region (hooks, a configure_gradient_clipping of the module's own) puts its
+        # gradients back exactly first, and is opened again after, for the code that runs on in it.
+        region, self._unscaled = self._unscaled, None
+        if region is not None:
+            region.scale_back()
+        try:
+            super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        finally:
+            if region is not None:
+                self._unscaled = _Unscaled(region.optimizer, region.mu)
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         # The gradients carry mu (a power of two): clamping them at clip_val * mu clamps the true ones at clip_val.
-        super().clip_grad_by_value(optimizer, clip_val * self.grad_scaler.loss_scale)
+        # Infinities stay (clamped, an overflow would pass for a large gradient, and the scaler would not skip).
+        limit = clip_val * self.grad_scaler.loss_scale
+        with torch.no_grad():
+            for grad in (p.grad for p in self.main_params(optimizer) if p.grad is not None):
+                grad.copy_(torch.where(grad.isinf(), grad, grad.clamp(-limit, limit)))
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        # On the gradients as they are (carrying mu, fp16 for the FP8 weights at O2: unscaling them would round),
-        # with the threshold scaled alike: the same factor min(1, clip_val / true norm), the norm summed in fp32.
+        # On the gradients as they are (carrying mu, fp16 for the FP8 weights at O2: unscaling them would round): the
+        # factor min(1, clip_val / (true norm + 1e-6)) of torch's clip_grad_norm_, the norm summed in fp32.
         mu = self.grad_scaler.loss_scale
         clip = getattr(self._wrapped_model, "clip_grad_norm_", None)
         if clip is not None and comm.is_fsdp1_root(self._wrapped_model):
-            clip(clip_val * mu)  # FSDP1 shards gradients: only the root computes the global norm (in fp32)
+            # FSDP1 shards gradients: only the root computes the global norm (in fp32); max_norm=inf clips nothing.
+            total = clip(float("inf"))
+            _mul_grads_by_(_grads(optimizer), _clip_factor(total, clip_val, mu))
             return
-        clip_scaled_grad_norm_(self.main_params(optimizer), clip_val * mu)
+        clip_scaled_grad_norm_(self.main_params(optimizer), clip_val, mu)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -503,55 +518,84 @@ class _Unscaled:
         grads = _grads(optimizer)
         kept = [g.clone() if g.dtype == torch.float16 else None for g in grads]
         _mul_grads_(grads, 1.0 / mu)
-        # id -> (the gradient, its scaled values, its version once unscaled)
         self.kept = {id(g): (g, k, g._version) for g, k in zip(grads, kept, strict=True) if k is not None}
 
     def scale_back(self) -> None:
-        """Multiply the gradients by mu again, or put the kept scaled values back where nothing changed them."""
+        """Multiply the gradients by mu again, except an fp16 gradient not written through itself (its version
+        counter): its elements that still hold what the division left get their kept scaled values back, the others
+        (written through ``.data`` or another alias, which leave the counter alone) are multiplied, rounded once.
+        An element set through an alias to the very value it held unscaled (0 where the true gradient is below
+        fp16's range) counts as unchanged."""
         multiply = []
-        for grad in _grads(self.optimizer):  # hooks may have put new gradient tensors in place
-            entry = self.kept.get(id(grad))
-            if entry is not None and entry[0] is grad and grad._version == entry[2]:
-                grad.copy_(entry[1])
-            else:
-                multiply.append(grad)
+        with torch.no_grad():
+            for grad in _grads(self.optimizer):  # hooks may have put new gradient tensors in place
+                entry = self.kept.get(id(grad))
+                if entry is None or entry[0] is not grad or grad._version != entry[2]:
+                    multiply.append(grad)
+                    continue
+                kept = entry[1]
+                untouched = grad == _times(kept, 1.0 / self.mu)  # what _mul_grads_ made of it: one rounding
+                grad.copy_(torch.where(untouched, kept, _times(grad, self.mu)))
         _mul_grads_(multiply, self.mu)
         self.kept = {}
 
 
+def _times(t: Tensor, factor: float) -> Tensor:
+    # t * factor computed in fp32 and rounded once to t's dtype, as _mul_grads_ does in place.
+    return (t.float() * factor).to(t.dtype)
+
+
 def _hooks_read_gradients(model: Any) -> bool:
     """Whether something may read or change gradients between the backward and the step, so that they are
-    unscaled for it: an ``on_before_optimizer_step`` of the module or of a callback (the callbacks of this package
-    that read gradients divide by :meth:`FP8LMPrecision.gradient_factor` themselves), or the module's own
+    unscaled for it: an ``on_before_optimizer_step`` of the module or of a callback (not Lightning's own, nor one
+    marked with ``callbacks.reads_scaled_gradients``), also one assigned on the instance, or the module's own
     ``configure_gradient_clipping``."""
-
-    def overridden(obj: Any, hook: str, *bases: str) -> bool:
-        return getattr(type(obj), hook).__qualname__ not in {f"{base}.{hook}" for base in bases}
-
     trainer = getattr(model, "trainer", None)
     callbacks = getattr(trainer, "callbacks", None) or []
     return (
-        overridden(model, "on_before_optimizer_step", "ModelHooks", "LightningModule")
-        or overridden(model, "configure_gradient_clipping", "LightningModule")
-        or any(
-            overridden(cb, "on_before_optimizer_step", "Callback") and not getattr(cb, "reads_scaled_gradients", False)
-            for cb in callbacks
-        )
+        _user_hook(model, "on_before_optimizer_step")
+        or _user_hook(model, "configure_gradient_clipping")
+        or any(_user_hook(cb, "on_before_optimizer_step") for cb in callbacks)
     )
 
 
-def clip_scaled_grad_norm_(parameters: Any, max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (L2) with the norm summed in fp32: gradients carrying a factor mu (fp16 at
-    O2) can have a norm past fp16's range, which torch's fp16 norm would turn into inf and the clipping factor into
-    0. Returns the norm. DTensor gradients (FSDP2) are reduced over their mesh."""
+def _user_hook(obj: Any, name: str) -> bool:
+    if name in getattr(obj, "__dict__", {}):  # assigned on the instance
+        return True
+    hook = getattr(type(obj), name, None)
+    if hook is None or getattr(hook, SCALED_GRADIENTS_MARK, False):
+        return False
+    module = getattr(hook, "__module__", None) or ""  # Lightning's own (the base classes' no-ops), either flavour
+    return not module.startswith(("lightning.pytorch.", "pytorch_lightning."))
+
+
+def clip_scaled_grad_norm_(parameters: Any, max_norm: float, mu: float = 1.0) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) of gradients that carry a factor ``mu``, as if they did not: each is
+    multiplied by ``min(1, max_norm / (norm / mu + 1e-6))``, the norm summed in fp32 (their norm can be past fp16's
+    range, which torch's fp16 norm would turn into inf and the factor into 0). Returns the norm of the gradients as
+    they are. DTensor gradients (FSDP2) are reduced over their mesh."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     total = global_norm(grads)
-    with _implicit_replication(grads):  # the plain factor multiplies DTensor gradients as a replicated value
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    _mul_grads_by_(grads, _clip_factor(total, max_norm, mu))
     return total
+
+
+def _clip_factor(total: Tensor, max_norm: float, mu: float) -> Tensor:
+    # torch's clip_grad_norm_ factor of the true gradients (norm total / mu), its 1e-6 in their units.
+    return torch.clamp(max_norm * mu / (total.float() + 1e-6 * mu), max=1.0)
+
+
+def _mul_grads_by_(grads: list[Tensor], factor: Tensor) -> None:
+    # grads *= factor (0-dim fp32 tensor), per device; the plain factor multiplies DTensors as a replicated value.
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    with _implicit_replication(grads):
+        for device, group in by_device.items():
+            torch._foreach_mul_(group, factor.to(device))
 
 
 def _implicit_replication(tensors: list[Tensor]) -> contextlib.AbstractContextManager:

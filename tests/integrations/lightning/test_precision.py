@@ -106,7 +106,7 @@ def _reference_run(
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             mu = scaler.scale.item()
             true_norm = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt() / mu
-            factor = min(1.0, clip / (true_norm.item() + 1e-6 / mu))
+            factor = min(1.0, clip / (true_norm.item() + 1e-6))
             torch._foreach_mul_(grads, torch.tensor(factor, dtype=torch.float32))
         optimizer.step()  # through the scaler: skip on non-finite, unscale by mu, update mu
         optimizer.zero_grad()
@@ -579,3 +579,117 @@ def test_clipping_dtensor_gradients(tmp_path):
         assert all(torch.equal(p.grad.full_tensor(), e) for p, e in zip(params, expected, strict=True))
     finally:
         dist.destroy_process_group()
+
+
+def _fixed_mu(mu: float) -> FP8LMPrecision:
+    return FP8LMPrecision(grad_scaler={"init_scale": mu, "min_scale": mu, "max_scale": mu, "growth_interval": 10**6})
+
+
+def _grad_norm(params) -> float:
+    return torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params if p.grad is not None])).item()
+
+
+class _InstanceHook(L.Callback):
+    pass
+
+
+class _MonitorSubclass(lightning_fp8.integrations.lightning.TrainingHealthMonitor):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        pl_module.norms.append(_grad_norm(pl_module.parameters()))
+
+
+class LightningModule(GPTModule):  # a project's own base class, named like Lightning's
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append(_grad_norm(self.parameters()))
+
+
+class _ClipsThenReads(GPTModule):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        self.norms.append(_grad_norm(self.parameters()))
+
+
+def _reader_runs(reader: str) -> list[list[float]]:
+    runs = []
+    for mu in (1.0, 2.0**10):
+        callbacks = []
+        module = _module(LightningModule if reader == "named_like_lightning" else _ClipsThenReads)
+        if reader in ("instance_hook", "monitor_subclass"):
+            module = _module()
+        module.norms = []
+        if reader == "instance_hook":  # a hook assigned on the instance (a factory-built callback)
+            callback = _InstanceHook()
+            callback.on_before_optimizer_step = lambda trainer, pl_module, opt: pl_module.norms.append(
+                _grad_norm(pl_module.parameters())
+            )
+            callbacks.append(callback)
+        if reader == "monitor_subclass":
+            callbacks.append(_MonitorSubclass(plot=False))
+        _fit(module, max_steps=2, precision=None, plugins=[_fixed_mu(mu)], callbacks=callbacks)
+        runs.append(module.norms)
+    return runs
+
+
+@pytest.mark.parametrize("reader", ["instance_hook", "monitor_subclass", "named_like_lightning", "clips_then_reads"])
+def test_every_gradient_reader_sees_true_gradients(reader):
+    """Found reviewing the twentieth session's change (unscaling only for hooks that may read gradients): a hook
+    assigned on an instance, a subclass of TrainingHealthMonitor that reads gradients itself, a project's base class
+    named LightningModule, and the code after self.clip_gradients in configure_gradient_clipping read gradients
+    1024x too large at mu = 1024."""
+    at_1, at_1024 = _reader_runs(reader)
+    assert len(at_1) == 2 and at_1024 == pytest.approx(at_1, rel=MU_INVARIANCE_RTOL)
+
+
+class _FillsThroughData(GPTModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+    def on_before_optimizer_step(self, optimizer):
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.data.fill_(1e-3)  # through .data: the gradient's own version counter does not move
+
+
+def test_a_hook_changing_gradients_through_data_is_kept():
+    """A change made through ``p.grad.data`` was undone at mu != 1 (the kept scaled values were put back, the version
+    counter having said nothing changed). Every gradient set to +1e-3: Adam's steps take every weight down."""
+    module = _module(_FillsThroughData)
+    weights = {n: p for n, p in module.named_parameters() if n.endswith("weight")}
+    before = {n: v.float().clone() for n, v in module.state_dict().items() if n in weights}
+    _fit(module, max_steps=2, precision=None, plugins=[_fixed_mu(2.0**10)])
+    after = module.state_dict()
+    fp8 = [n for n, p in weights.items() if p.dtype == torch.float16]  # the FP8 layers' weights: O2 fp16 masters
+    assert fp8 and all((after[n].float() < before[n]).all() for n in fp8)
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_clipping_does_not_hide_an_overflow(algorithm):
+    """Clamping by value turned an inf gradient into a finite one before the scaler looked: the step was taken."""
+
+    class Overflows(GPTModule):
+        def on_after_backward(self):
+            next(p for p in self.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+    plugin = _fixed_mu(2.0**10)
+    module = _module(Overflows)
+    _fit(module, max_steps=2, precision=None, plugins=[plugin], gradient_clip_val=0.01,
+         gradient_clip_algorithm=algorithm)  # fmt: skip
+    assert plugin.grad_scaler.skipped_steps == 2
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.parametrize("mu", [1.0, 2.0**-20, 2.0**10])
+def test_norm_clipping_of_scaled_gradients_is_torchs_on_the_true_ones(mu):
+    """torch.nn.utils.clip_grad_norm_ on the true gradients (its 1e-6 in their units), whatever mu they carry: with
+    1e-6 added to the scaled norm, mu = 2^-20 clipped a norm of 0.63 to 0.19 instead of 0.5."""
+    from lightning_fp8.integrations.lightning.precision import clip_scaled_grad_norm_
+
+    true = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0.02
+    reference = nn.Parameter(torch.zeros(64, 32))
+    reference.grad = true.clone()
+    torch.nn.utils.clip_grad_norm_([reference], 0.5)
+    param = nn.Parameter(torch.zeros(64, 32))
+    param.grad = true * mu
+    clip_scaled_grad_norm_([param], 0.5, mu)
+    torch.testing.assert_close(param.grad / mu, reference.grad, rtol=1e-6, atol=0)
