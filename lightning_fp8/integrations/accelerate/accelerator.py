@@ -36,6 +36,7 @@ from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
+from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
 from lightning_fp8.optim import FP8AdamW, master
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
@@ -406,10 +407,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
 
     @override
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        if self.fp8_grad_scaler is None:
-            return super().clip_grad_value_(parameters, clip_value)
+        if self.fp8_grad_scaler is None or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
         self._check_clippable()
-        return super().clip_grad_value_(parameters, clip_value * self.fp8_grad_scaler.loss_scale)
+        clip_grad_value_keeping_overflow_(parameters, clip_value * self.fp8_grad_scaler.loss_scale)
 
     def _check_clippable(self) -> None:
         """Raise if the prepared FP8AdamW holds FP8 weights' gradients outside ``param.grad`` (``fp8_grads=True``, a

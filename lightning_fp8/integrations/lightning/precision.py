@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightning_fp8 import recovery
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
 from lightning_fp8.health import global_norm
+from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import SCALED_GRADIENTS_MARK, _unwrap_optimizer
@@ -300,11 +301,7 @@ class _FP8LMPrecisionLogic:
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         # The gradients carry mu (a power of two): clamping them at clip_val * mu clamps the true ones at clip_val.
-        # Infinities stay (clamped, an overflow would pass for a large gradient, and the scaler would not skip).
-        limit = clip_val * self.grad_scaler.loss_scale
-        with torch.no_grad():
-            for grad in (p.grad for p in self.main_params(optimizer) if p.grad is not None):
-                grad.copy_(torch.where(grad.isinf(), grad, grad.clamp(-limit, limit)))
+        clip_grad_value_keeping_overflow_(self.main_params(optimizer), clip_val * self.grad_scaler.loss_scale)
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:

@@ -422,3 +422,18 @@ def test_prepare_refuses_an_fp8adamw_built_before_the_conversion():
     model, optimizer = accelerator.prepare(model, FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=False))
     weights = [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
     assert weights and all(w.dtype == torch.float16 for w in weights)
+
+
+def test_clip_grad_value_leaves_an_overflow_for_the_scaler():
+    """Found by the twentieth session's review: clamping turned an inf gradient into clip_value * mu, so the step
+    was taken on it instead of skipped (torch's clip_grad_value_ clamps infinities too)."""
+    accelerator, model, optimizer, _ = _setup()
+    accelerator.backward(_loss(model, _batch()))
+    model.fc1.weight.grad.view(-1)[0] = float("inf")
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    accelerator.clip_grad_value_(model.parameters(), 1e-3)
+    assert torch.isinf(model.fc1.weight.grad).any()
+    assert model.fc2.weight.grad.abs().max() <= 1e-3 * accelerator.fp8_grad_scaler.loss_scale  # clamped
+    optimizer.step()
+    assert accelerator.fp8_grad_scaler.skipped_steps == 1
+    assert all(torch.equal(model.state_dict()[n], v) for n, v in before.items() if "weight" in n or "bias" in n)
