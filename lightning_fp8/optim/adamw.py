@@ -389,6 +389,30 @@ class FP8AdamW(torch.optim.Optimizer):
         self._low_precision.discard(p)
         self.state[p] = {**kept, **moments}
 
+    def release_weights(self) -> None:
+        """Give every FP8 weight whose storage holds this optimizer's fp16 master its own storage back: the unscaled
+        weight, in the model's dtype. The masters move into the optimizer's state, kept apart from the parameters (as
+        for sharded weights), so the optimizer can go on (each step then also writes the weights) and its state dict
+        means what it meant. The weights stay FP8 weights: a new FP8AdamW takes their storage again. Gradients not
+        stepped yet are dropped (``zero_grad`` first-hand: they had the storage's dtype and scale).
+
+        For handing the model to other code after FP8 training: another optimizer or precision (the storage would
+        otherwise hold ``weight * scale`` in fp16, which they would train as the weight), code that reads
+        ``param.data``. The Lightning plugin calls it when a fit ends, ``Accelerator.free_memory`` likewise."""
+        self._grad_casts.flush(self)
+        for p in list(self._low_precision):
+            scale = master.master_scale(p)
+            if scale is None or p in self._moments_only:
+                continue
+            handle = self._hooks.pop(p, None)  # fp8_grads: only adopted weights are hooked
+            if handle is not None:
+                handle.remove()
+            self._pending.pop(p, None)  # a gradient not stepped yet is dropped, as release() drops it
+            stored, amax, state = p.detach(), getattr(p, master.AMAX_ATTR), self.state.get(p)
+            master.release(p)  # (param.grad too: it had the storage's dtype)
+            if state:  # stepped: the stored master, its scale and amax now live in the state (else _init_state)
+                state.update(master=stored, master_scale=scale, master_amax=amax)
+
     # ------------------------------------------------------------------------------------------------ gradients
     def accumulate_fp8_grad(self, p: torch.Tensor, grad: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:
         """Add ``grad`` (high precision, or FP8 with ``scale_inv``) to ``p``'s pending FP8 gradient.

@@ -344,6 +344,48 @@ def test_a_saved_state_dict_converts_for_torch_adamw():
         assert float(adamw.state[p]["step"]) == 3.0
 
 
+def test_release_weights_gives_the_model_its_weights_and_keeps_the_optimizer():
+    """Found by the twentieth session's sweep with Hugging Face models: after O2 training the FP8 weights held the fp16
+    master times 2**18, which any later optimizer or precision trained as the weight (no update at all, or NaN from
+    the second step). ``release_weights`` puts the unscaled weights back; the optimizer's state dict is unchanged,
+    it can go on stepping, and torch AdamW or a new FP8AdamW train the model as they would a fresh one."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+
+    def train(optimizer, steps):
+        losses = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    train(opt, 3)
+    weights = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("weight")}
+    saved = copy.deepcopy(opt.state_dict())
+    assert model[0].weight.dtype == torch.float16 and master.master_scale(model[0].weight) is not None
+    opt.release_weights()
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
+            assert p.dtype == torch.float32 and master.master_scale(p) is None and master.is_fp8_weight(p)
+            assert torch.equal(p.detach(), weights[name])  # the unscaled weight itself, in the model's dtype
+    again = opt.state_dict()
+    for index, state in saved["state"].items():
+        assert state.keys() == again["state"][index].keys()
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(again["state"][index][k])) for k, v in state.items())
+    losses = train(opt, 3)  # the same optimizer goes on (its masters now apart from the parameters)
+    assert losses[-1] < losses[0] and all(torch.isfinite(p).all() for p in model.parameters())
+    before = model[0].weight.detach().clone()
+    train(torch.optim.AdamW(model.parameters(), lr=1e-2), 1)  # a plain optimizer's first step: lr per element
+    torch.testing.assert_close((model[0].weight - before).abs().max(), torch.tensor(1e-2), rtol=0.05, atol=0)
+    train(FP8AdamW(model.parameters(), lr=1e-2), 1)
+    assert model[0].weight.dtype == torch.float16  # a new FP8AdamW takes the storage again
+
+
 def test_param_groups_and_lr_scheduler_match_adamw_at_o1():
     torch.manual_seed(0)
     base = _Regression()

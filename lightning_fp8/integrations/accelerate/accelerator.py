@@ -366,6 +366,11 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
 
     @override
     def free_memory(self, *objects: Any) -> Any:
+        # Training is over: the FP8 weights get their own storage back (unscaled, the model's dtype), as a later
+        # optimizer, Accelerator or precision would otherwise train their fp16 masters times a scale.
+        optimizer = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
+        if isinstance(optimizer, FP8AdamW):
+            optimizer.release_weights()
         result = super().free_memory(*objects)
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None

@@ -160,6 +160,17 @@ class _FP8LMPrecisionLogic:
         self._optimizers = list(optimizers)
         return model, optimizers, lr_schedulers
 
+    @override
+    def teardown(self) -> None:
+        # A stage is over (fit, validate, ...): the FP8 weights get their own storage back (unscaled, in the model's
+        # dtype; FP8AdamW keeps its masters in its state), so that another Trainer or precision, or code reading
+        # param.data, gets the weights and not their fp16 masters times a scale. A next fit adopts them again.
+        for optimizer in self._optimizers:
+            release = getattr(_unwrap_optimizer(optimizer), "release_weights", None)
+            if release is not None:
+                release()
+        super().teardown()
+
     def _will_adopt_masters(self) -> bool:
         return self.backend == "native" and self.replace_optimizers and self.recipe.opt_level == "O2"
 

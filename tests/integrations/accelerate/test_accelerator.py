@@ -437,3 +437,22 @@ def test_clip_grad_value_leaves_an_overflow_for_the_scaler():
     optimizer.step()
     assert accelerator.fp8_grad_scaler.skipped_steps == 1
     assert all(torch.equal(model.state_dict()[n], v) for n, v in before.items() if "weight" in n or "bias" in n)
+
+
+def test_free_memory_gives_the_model_its_weights_back():
+    """After free_memory the FP8 weights hold the unscaled weights in the model's dtype (they held their fp16 masters
+    times a scale, which a later optimizer or plain Accelerator trained as the weights)."""
+    accelerator, model, optimizer, _ = _setup()
+    for _ in range(2):
+        accelerator.backward(_loss(model, _batch()))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert model.fc1.weight.dtype == torch.float16
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    accelerator.free_memory()
+    assert model.fc1.weight.dtype == torch.float32 and torch.equal(model.fc1.weight.detach(), state["fc1.weight"])
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.fc1.weight.detach().clone()
+    _loss(model, _batch()).backward()
+    plain.step()
+    torch.testing.assert_close((model.fc1.weight - before).abs().max(), torch.tensor(1e-2), rtol=0.05, atol=0)

@@ -655,11 +655,10 @@ def test_a_hook_changing_gradients_through_data_is_kept():
     """A change made through ``p.grad.data`` was undone at mu != 1 (the kept scaled values were put back, the version
     counter having said nothing changed). Every gradient set to +1e-3: Adam's steps take every weight down."""
     module = _module(_FillsThroughData)
-    weights = {n: p for n, p in module.named_parameters() if n.endswith("weight")}
-    before = {n: v.float().clone() for n, v in module.state_dict().items() if n in weights}
+    before = {n: v.float().clone() for n, v in module.state_dict().items()}
     _fit(module, max_steps=2, precision=None, plugins=[_fixed_mu(2.0**10)])
     after = module.state_dict()
-    fp8 = [n for n, p in weights.items() if p.dtype == torch.float16]  # the FP8 layers' weights: O2 fp16 masters
+    fp8 = [f"{n}.weight" for n, m in module.named_modules() if isinstance(m, FP8Linear)]  # O2: fp16 masters
     assert fp8 and all((after[n].float() < before[n]).all() for n in fp8)
 
 
@@ -693,3 +692,19 @@ def test_norm_clipping_of_scaled_gradients_is_torchs_on_the_true_ones(mu):
     param.grad = true * mu
     clip_scaled_grad_norm_([param], 0.5, mu)
     torch.testing.assert_close(param.grad / mu, reference.grad, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("second", ["32-true", "fp8-lm"])
+def test_a_second_fit_trains_the_weights_the_first_left(second):
+    """Found by the twentieth session's sweep: after a precision="fp8-lm" fit, the FP8 weights held their fp16 masters
+    times 2**18, and a second fit under another precision trained those (NaN from its second step). Now the fit's end
+    gives the weights back: the module holds its unscaled weights, in its dtype, and a second fit trains them."""
+    module, _ = _fit(max_steps=3)
+    weights = [m.weight for m in module.modules() if isinstance(m, FP8Linear)]
+    assert weights and all(w.dtype == torch.float32 for w in weights)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    assert all(torch.equal(w.detach(), state[n]) for n, w in module.named_parameters() if n in state)
+    first = len(module.losses)
+    _fit(module, max_steps=3, precision=second)
+    losses = module.losses[first:]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < module.losses[0]
