@@ -63,7 +63,34 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "hooks export the O2 master weight)",
         "to run them in FP8, register those after convert_to_fp8 (or FP8Linear.from_linear)",
     ),
+    "keep_in_fp32": (
+        "the model keeps them in float32 (Hugging Face's _keep_in_fp32_modules, e.g. T5's wo): such models cast the "
+        "layer's input to its weight's dtype, which FP8AdamW's O2 master makes float16, where those activations "
+        "overflow",
+        "",
+    ),
+    "not_linear": (
+        "they are not nn.Linear but transformers' Conv1D (GPT-2's projections: a linear layer with its weight "
+        "transposed)",
+        "to run them in FP8, replace each by an nn.Linear(nx, nf) with weight conv.weight.t() and the same bias "
+        "before convert_to_fp8",
+    ),
 }
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    # transformers.pytorch_utils.Conv1D (GPT-2 and its kin): y = x @ weight + bias with weight (nx, nf).
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(module, nn.Module)
+
+
+def _kept_in_fp32(module: nn.Module) -> frozenset[str]:
+    """The module names a Hugging Face model keeps in float32 (``_keep_in_fp32_modules`` and its ``_strict`` form,
+    on any module of ``module``): a layer whose qualified name has one of them as a component is left out."""
+    names: set[str] = set()
+    for sub in module.modules():
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            names.update(getattr(sub, attr, None) or ())
+    return frozenset(names)
 
 
 def _is_linear_to_convert(module: nn.Module) -> bool:
@@ -184,7 +211,9 @@ def convert_to_fp8(
     computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning, ``torch.nn.utils.parametrize``),
     state_dict hooks or an instance ``forward``, ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
     inference path reads their weights itself), subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s
-    ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer). State dict keys do not change, so
+    ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer), the layers a Hugging Face model keeps in
+    float32 (``_keep_in_fp32_modules``: T5's ``wo``). transformers' ``Conv1D`` projections (GPT-2) are not
+    ``nn.Linear`` and are named in a warning too. State dict keys do not change, so
     checkpoints load into the model before or after conversion.
 
     Args:
@@ -207,6 +236,7 @@ def convert_to_fp8(
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
     shared = _shared_parameter_ids(module)
     fast_path = frozenset(_fast_path_children(module))
+    keep_fp32 = _kept_in_fp32(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
@@ -215,9 +245,16 @@ def convert_to_fp8(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        if not _is_linear_to_convert(child):
+        conv1d = _is_hf_conv1d(child)
+        if not (_is_linear_to_convert(child) or conv1d):
             return child
         if module_filter_fn is not None and not module_filter_fn(child, fqn):
+            return child
+        if conv1d:
+            left["not_linear"].append(f"{fqn or '<root>'} ({child.weight.shape[0]}->{child.nf})")
+            return child
+        if keep_fp32 and keep_fp32.intersection(fqn.split(".")):
+            left["keep_in_fp32"].append(fqn)
             return child
         reason = _reason_left(child, shared, fast_path)
         if reason is not None:

@@ -353,3 +353,40 @@ def test_weight_or_bias_that_is_not_a_parameter_stays_in_high_precision(fresh_wa
     assert torch.equal(model[:2](x), plain[:2](x))
     model.to(torch.bfloat16)
     assert model[0].weight.dtype == model[1].bias.dtype == torch.bfloat16
+
+
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D's shape (GPT-2's projections): y = x @ weight + bias, weight (nx, nf)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class _T5LikeFF(nn.Module):
+    _keep_in_fp32_modules = ["wo"]  # as transformers' T5PreTrainedModel declares it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi = nn.Linear(32, 64)
+        self.wo = nn.Linear(64, 32)
+        self.proj = Conv1D(32, 32)
+
+
+def test_hugging_face_layers_kept_in_fp32_and_conv1d_are_left_and_named(monkeypatch):
+    """Found by the twentieth session's sweep with transformers models: T5's wo (declared in _keep_in_fp32_modules,
+    its input cast to its weight's dtype) became FP8 and at O2 its input fp16, overflowing to inf on every step; GPT-2's
+    Conv1D projections stayed high precision without a word (the model had no FP8 layer at all)."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    model = _T5LikeFF()
+    with pytest.warns(UserWarning) as record:
+        convert_to_fp8(model)
+    messages = [str(w.message) for w in record]
+    assert isinstance(model.wi, FP8Linear) and type(model.wo) is nn.Linear and type(model.proj) is Conv1D
+    assert any("keeps them in float32" in m and ": wo" in m for m in messages), messages
+    assert any("transformers' Conv1D" in m and "proj (32->32)" in m for m in messages), messages
