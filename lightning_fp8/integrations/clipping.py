@@ -1,11 +1,16 @@
-"""Gradient clipping shared by the Lightning plugin and the Accelerate integration, on gradients that still carry
-the gradient scale mu (the optimizer step unscales them)."""
+"""Gradients that still carry the gradient scale mu (the optimizer step unscales them), as the Lightning plugin and
+the Accelerate integration handle them before the step: clipped as if they did not carry it, and unscaled in place
+for code that reads them without rounding away what mu keeps representable (:class:`UnscaledGradients`)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+from torch import Tensor
+
+from lightning_fp8.health import global_norm
 
 
 def clip_grad_value_keeping_overflow_(parameters: Any, limit: float) -> None:
@@ -16,3 +21,94 @@ def clip_grad_value_keeping_overflow_(parameters: Any, limit: float) -> None:
     with torch.no_grad():
         for grad in (p.grad for p in params if p.grad is not None):
             grad.copy_(torch.where(grad.isinf(), grad, grad.clamp(-limit, limit)))
+
+
+def clip_scaled_grad_norm_(parameters: Any, max_norm: float, mu: float = 1.0) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) of gradients that carry a factor ``mu``, as if they did not: each is
+    multiplied by ``min(1, max_norm / (norm / mu + 1e-6))``, the norm summed in fp32 (their norm can be past fp16's
+    range, which torch's fp16 norm would turn into inf and the factor into 0). Returns the norm of the gradients as
+    they are. DTensor gradients (FSDP2) are reduced over their mesh."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = global_norm(grads)
+    mul_grads_by_(grads, clip_factor(total, max_norm, mu))
+    return total
+
+
+def clip_factor(total: Tensor, max_norm: float, mu: float) -> Tensor:
+    # torch's clip_grad_norm_ factor of the true gradients (norm total / mu), its 1e-6 in their units.
+    return torch.clamp(max_norm * mu / (total.float() + 1e-6 * mu), max=1.0)
+
+
+def mul_grads_by_(grads: list[Tensor], factor: Tensor) -> None:
+    # grads *= factor (0-dim fp32 tensor), per device; the plain factor multiplies DTensors as a replicated value.
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    with _implicit_replication(grads):
+        for device, group in by_device.items():
+            torch._foreach_mul_(group, factor.to(device))
+
+
+def _implicit_replication(tensors: list[Tensor]) -> contextlib.AbstractContextManager:
+    if not any(type(t).__name__ == "DTensor" for t in tensors):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
+def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The dense gradients of ``optimizer``'s parameters."""
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+
+
+def mul_grads_(grads: list[Tensor], factor: float) -> None:
+    """``grads *= factor`` in place, rounded once in each gradient's dtype.
+
+    The factor goes in as a 0-dim fp32 tensor: ``torch._foreach_mul_`` with a Python scalar first rounds the
+    scalar to the tensors' dtype, so for fp16 gradients 2^16 becomes inf and 2^-25 becomes 0.
+    """
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, torch.full((), factor, dtype=torch.float32, device=device))  # no H2D copy
+
+
+class UnscaledGradients:
+    """``optimizer``'s gradients divided by ``mu`` in place, with the fp16 ones' scaled values kept (see
+    :meth:`~lightning_fp8.integrations.lightning.FP8LMPrecision.unscaled_gradients`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mu: float) -> None:
+        self.optimizer, self.mu = optimizer, mu
+        grads = optimizer_grads(optimizer)
+        kept = [g.clone() if g.dtype == torch.float16 else None for g in grads]
+        mul_grads_(grads, 1.0 / mu)
+        self.kept = {id(g): (g, k, g._version) for g, k in zip(grads, kept, strict=True) if k is not None}
+
+    def scale_back(self) -> None:
+        """Multiply the gradients by mu again, except an fp16 gradient not written through itself (its version
+        counter): its elements that still hold what the division left get their kept scaled values back, the others
+        (written through ``.data`` or another alias, which leave the counter alone) are multiplied, rounded once.
+        An element set through an alias to the very value it held unscaled (0 where the true gradient is below
+        fp16's range) counts as unchanged."""
+        multiply = []
+        with torch.no_grad():
+            for grad in optimizer_grads(self.optimizer):  # hooks may have put new gradient tensors in place
+                entry = self.kept.get(id(grad))
+                if entry is None or entry[0] is not grad or grad._version != entry[2]:
+                    multiply.append(grad)
+                    continue
+                kept = entry[1]
+                untouched = grad == _times(kept, 1.0 / self.mu)  # what mul_grads_ made of it: one rounding
+                grad.copy_(torch.where(untouched, kept, _times(grad, self.mu)))
+        mul_grads_(multiply, self.mu)
+        self.kept = {}
+
+
+def _times(t: Tensor, factor: float) -> Tensor:
+    # t * factor computed in fp32 and rounded once to t's dtype, as mul_grads_ does in place.
+    return (t.float() * factor).to(t.dtype)

@@ -44,8 +44,14 @@ from typing_extensions import override
 
 from lightning_fp8 import recovery
 from lightning_fp8.convert import convert_to_fp8, fp8_modules
-from lightning_fp8.health import global_norm
-from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
+from lightning_fp8.integrations.clipping import (
+    UnscaledGradients,
+    clip_factor,
+    clip_grad_value_keeping_overflow_,
+    clip_scaled_grad_norm_,
+    mul_grads_by_,
+    optimizer_grads,
+)
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import SCALED_GRADIENTS_MARK, _unwrap_optimizer
@@ -109,7 +115,7 @@ class _FP8LMPrecisionLogic:
         self._module: nn.Module | None = None  # the LightningModule whose layers were converted
         self._wrapped_model: nn.Module | None = None  # the same, as wrapped by the strategy (DDP, FSDP)
         self._device_type: str | None = None
-        self._unscaled: _Unscaled | None = None  # the gradients unscaled in place for the hooks, while they run
+        self._unscaled: UnscaledGradients | None = None  # the gradients unscaled in place for the hooks, while they run
         self._early_masters: list[nn.Parameter] = []  # FP8 weights turned into fp16 masters before DDP wrapped
         self._optimizers: list[torch.optim.Optimizer] = []  # as connect() handed them to the strategy
         self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
@@ -262,7 +268,7 @@ class _FP8LMPrecisionLogic:
         if not enabled or self._unscaled is not None or mu == 1.0:
             yield
             return
-        self._unscaled = _Unscaled(optimizer, mu)
+        self._unscaled = UnscaledGradients(optimizer, mu)
         try:
             yield
         finally:
@@ -307,7 +313,7 @@ class _FP8LMPrecisionLogic:
             super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
         finally:
             if region is not None:
-                self._unscaled = _Unscaled(region.optimizer, region.mu)
+                self._unscaled = UnscaledGradients(region.optimizer, region.mu)
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
@@ -323,7 +329,7 @@ class _FP8LMPrecisionLogic:
         if clip is not None and comm.is_fsdp1_root(self._wrapped_model):
             # FSDP1 shards gradients: only the root computes the global norm (in fp32); max_norm=inf clips nothing.
             total = clip(float("inf"))
-            _mul_grads_by_(_grads(optimizer), _clip_factor(total, clip_val, mu))
+            mul_grads_by_(optimizer_grads(optimizer), clip_factor(total, clip_val, mu))
             return
         clip_scaled_grad_norm_(self.main_params(optimizer), clip_val, mu)
 
@@ -517,42 +523,6 @@ def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dic
                     param.copy_(value)
 
 
-class _Unscaled:
-    """``optimizer``'s gradients divided by ``mu`` in place, with the fp16 ones' scaled values kept (see
-    :meth:`FP8LMPrecision.unscaled_gradients`)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, mu: float) -> None:
-        self.optimizer, self.mu = optimizer, mu
-        grads = _grads(optimizer)
-        kept = [g.clone() if g.dtype == torch.float16 else None for g in grads]
-        _mul_grads_(grads, 1.0 / mu)
-        self.kept = {id(g): (g, k, g._version) for g, k in zip(grads, kept, strict=True) if k is not None}
-
-    def scale_back(self) -> None:
-        """Multiply the gradients by mu again, except an fp16 gradient not written through itself (its version
-        counter): its elements that still hold what the division left get their kept scaled values back, the others
-        (written through ``.data`` or another alias, which leave the counter alone) are multiplied, rounded once.
-        An element set through an alias to the very value it held unscaled (0 where the true gradient is below
-        fp16's range) counts as unchanged."""
-        multiply = []
-        with torch.no_grad():
-            for grad in _grads(self.optimizer):  # hooks may have put new gradient tensors in place
-                entry = self.kept.get(id(grad))
-                if entry is None or entry[0] is not grad or grad._version != entry[2]:
-                    multiply.append(grad)
-                    continue
-                kept = entry[1]
-                untouched = grad == _times(kept, 1.0 / self.mu)  # what _mul_grads_ made of it: one rounding
-                grad.copy_(torch.where(untouched, kept, _times(grad, self.mu)))
-        _mul_grads_(multiply, self.mu)
-        self.kept = {}
-
-
-def _times(t: Tensor, factor: float) -> Tensor:
-    # t * factor computed in fp32 and rounded once to t's dtype, as _mul_grads_ does in place.
-    return (t.float() * factor).to(t.dtype)
-
-
 def _hooks_read_gradients(model: Any) -> bool:
     """Whether something may read or change gradients between the backward and the step, so that they are
     unscaled for it: an ``on_before_optimizer_step`` of the module or of a callback (not Lightning's own, nor one
@@ -575,60 +545,6 @@ def _user_hook(obj: Any, name: str) -> bool:
         return False
     module = getattr(hook, "__module__", None) or ""  # Lightning's own (the base classes' no-ops), either flavour
     return not module.startswith(("lightning.pytorch.", "pytorch_lightning."))
-
-
-def clip_scaled_grad_norm_(parameters: Any, max_norm: float, mu: float = 1.0) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (L2) of gradients that carry a factor ``mu``, as if they did not: each is
-    multiplied by ``min(1, max_norm / (norm / mu + 1e-6))``, the norm summed in fp32 (their norm can be past fp16's
-    range, which torch's fp16 norm would turn into inf and the factor into 0). Returns the norm of the gradients as
-    they are. DTensor gradients (FSDP2) are reduced over their mesh."""
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = global_norm(grads)
-    _mul_grads_by_(grads, _clip_factor(total, max_norm, mu))
-    return total
-
-
-def _clip_factor(total: Tensor, max_norm: float, mu: float) -> Tensor:
-    # torch's clip_grad_norm_ factor of the true gradients (norm total / mu), its 1e-6 in their units.
-    return torch.clamp(max_norm * mu / (total.float() + 1e-6 * mu), max=1.0)
-
-
-def _mul_grads_by_(grads: list[Tensor], factor: Tensor) -> None:
-    # grads *= factor (0-dim fp32 tensor), per device; the plain factor multiplies DTensors as a replicated value.
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads:
-        by_device.setdefault(grad.device, []).append(grad)
-    with _implicit_replication(grads):
-        for device, group in by_device.items():
-            torch._foreach_mul_(group, factor.to(device))
-
-
-def _implicit_replication(tensors: list[Tensor]) -> contextlib.AbstractContextManager:
-    if not any(type(t).__name__ == "DTensor" for t in tensors):
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    return implicit_replication()
-
-
-def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
-
-
-def _mul_grads_(grads: list[Tensor], factor: float) -> None:
-    """``grads *= factor`` in place, rounded once in each gradient's dtype.
-
-    The factor goes in as a 0-dim fp32 tensor: ``torch._foreach_mul_`` with a Python scalar first rounds the
-    scalar to the tensors' dtype, so for fp16 gradients 2^16 becomes inf and 2^-25 becomes 0.
-    """
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads:
-        by_device.setdefault(grad.device, []).append(grad)
-    for device, group in by_device.items():
-        torch._foreach_mul_(group, torch.full((), factor, dtype=torch.float32, device=device))  # no H2D copy
 
 
 def _first_device_type(module: nn.Module | None) -> str:

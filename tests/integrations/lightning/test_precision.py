@@ -547,7 +547,7 @@ def _clip_reference(grads: list[torch.Tensor], max_norm: float) -> list[torch.Te
 def test_clipping_scaled_fp16_gradients_sums_their_norm_in_fp32():
     """Gradients carrying mu (fp16 at O2) can have a norm past 65504: torch's clip_grad_norm_ computes it in fp16,
     gets inf and multiplies every gradient by 0. The plugin's clipping sums in fp32."""
-    from lightning_fp8.integrations.lightning.precision import clip_scaled_grad_norm_
+    from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_
 
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.zeros(n, dtype=torch.float16)) for n in (70000, 300)]
@@ -565,7 +565,7 @@ def test_clipping_dtensor_gradients(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from lightning_fp8.integrations.lightning.precision import clip_scaled_grad_norm_
+    from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -682,7 +682,7 @@ def test_clipping_does_not_hide_an_overflow(algorithm):
 def test_norm_clipping_of_scaled_gradients_is_torchs_on_the_true_ones(mu):
     """torch.nn.utils.clip_grad_norm_ on the true gradients (its 1e-6 in their units), whatever mu they carry: with
     1e-6 added to the scaled norm, mu = 2^-20 clipped a norm of 0.63 to 0.19 instead of 0.5."""
-    from lightning_fp8.integrations.lightning.precision import clip_scaled_grad_norm_
+    from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_
 
     true = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0.02
     reference = nn.Parameter(torch.zeros(64, 32))
