@@ -394,7 +394,7 @@ class FP8AdamW(torch.optim.Optimizer):
         weight, in the model's dtype. The masters move into the optimizer's state, kept apart from the parameters (as
         for sharded weights), so the optimizer can go on (each step then also writes the weights) and its state dict
         means what it meant. The weights stay FP8 weights: a new FP8AdamW takes their storage again. Gradients not
-        stepped yet are dropped (``zero_grad`` first-hand: they had the storage's dtype and scale).
+        stepped yet are dropped (they had the storage's dtype and scale): call it after a step.
 
         For handing the model to other code after FP8 training: another optimizer or precision (the storage would
         otherwise hold ``weight * scale`` in fp16, which they would train as the weight), code that reads

@@ -260,9 +260,9 @@ class _FP8LMPrecisionLogic:
         mu is a power of two, so for fp32 and bf16 gradients both multiplications are exact. fp16 gradients (the FP8
         weights' at O2) are not: mu is there for the values fp16 cannot hold unscaled (below 2^-24, above 65504),
         which the division would round away or overflow. Their scaled values are kept meanwhile and put back where
-        nothing inside changed the gradient (its version counter), so the step sees exactly what it would have
-        without this region; a gradient changed inside is multiplied back (rounded once). With mu == 1 (the common
-        case) this costs nothing.
+        the code inside left the values as the division made them (:class:`~lightning_fp8.integrations.clipping.
+        UnscaledGradients`), so a hook that only reads changes nothing of the step; values changed inside are
+        multiplied back (rounded once). With mu == 1 (the common case) this costs nothing.
         """
         mu = self.grad_scaler.loss_scale  # the backward's mu
         if not enabled or self._unscaled is not None or mu == 1.0:
