@@ -73,8 +73,9 @@ def convert(
     kept = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear)
     if not converted:
         warn_once(
-            f"lightning_fp8: no linear layer of {type(model).__name__} was converted to FP8 (feature sizes must be "
-            "multiples of 16, and LIGHTNING_FP8_EXCLUDE / fp8_module_filter must not exclude them)"
+            f"lightning_fp8: no linear layer of {type(model).__name__} was converted to FP8: convert_to_fp8's warnings "
+            "name the layers it left in high precision and why (feature sizes not multiples of 16, tied weights, "
+            "transformers' Conv1D, ...); LIGHTNING_FP8_EXCLUDE / fp8_module_filter must not exclude them either"
         )
     reason = emulation_reason(device)
     if reason is not None:

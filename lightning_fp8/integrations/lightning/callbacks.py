@@ -178,8 +178,8 @@ class FP8ScaleMonitor(_LoggingCallback):
         if not stats["layers"]:
             if getattr(trainer.precision_plugin, "precision", None) == "fp8-lm":
                 warn_once(
-                    "FP8ScaleMonitor: the model has no FP8 layers: precision='fp8-lm' found no nn.Linear to convert "
-                    "(feature sizes must be multiples of 16, and module_filter_fn must not exclude them)"
+                    "FP8ScaleMonitor: the model has no FP8 layers: precision='fp8-lm' converted no linear layer "
+                    "(convert_to_fp8's warnings say why for each)"
                 )
             else:
                 warn_once("FP8ScaleMonitor: the model has no FP8 layers; use Trainer(precision='fp8-lm')")
