@@ -140,10 +140,10 @@ class _FP8LMPrecisionLogic:
             convert_to_fp8(module, self.recipe, self.module_filter_fn)
             if not fp8_modules(module):
                 warn_once(
-                    f"precision='fp8-lm': no linear layer of {type(module).__name__} was converted to FP8, so it trains "
-                    "without FP8 GEMMs: convert_to_fp8's warnings name the layers it left in high precision and why "
-                    "(feature sizes not multiples of 16, tied weights, transformers' Conv1D, ...); module_filter_fn "
-                    "must not exclude them either"
+                    f"precision='fp8-lm': no linear layer of {type(module).__name__} was converted to FP8, so it "
+                    "trains without FP8 GEMMs: convert_to_fp8's warnings name the layers it left in high precision "
+                    "and why (feature sizes not multiples of 16, tied weights, transformers' Conv1D, ...); "
+                    "module_filter_fn must not exclude them either"
                 )
             if self._will_adopt_masters() and _is_ddp(module):
                 strategy = module.trainer.strategy
