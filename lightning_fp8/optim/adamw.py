@@ -398,12 +398,17 @@ class FP8AdamW(torch.optim.Optimizer):
 
         For handing the model to other code after FP8 training: another optimizer or precision (the storage would
         otherwise hold ``weight * scale`` in fp16, which they would train as the weight), code that reads
-        ``param.data``. The Lightning plugin calls it when a fit ends, ``Accelerator.free_memory`` likewise."""
+        ``param.data``. The Lightning plugin calls it when a fit ends, ``Accelerator.free_memory`` likewise.
+        Afterwards the masters are the optimizer's own: ``model.load_state_dict`` no longer reaches them (load the
+        optimizer's state too, or build a new optimizer), and each weight's dtype has changed, so call it on a model
+        no DDP wrapper will run again (DDP's hooks sit on the old gradient accumulators)."""
         self._grad_casts.flush(self)
+        released = False
         for p in list(self._low_precision):
             scale = master.master_scale(p)
             if scale is None or p in self._moments_only:
                 continue
+            released = True
             handle = self._hooks.pop(p, None)  # fp8_grads: only adopted weights are hooked
             if handle is not None:
                 handle.remove()
@@ -411,7 +416,10 @@ class FP8AdamW(torch.optim.Optimizer):
             stored, amax, state = p.detach(), getattr(p, master.AMAX_ATTR), self.state.get(p)
             master.release(p)  # (param.grad too: it had the storage's dtype)
             if state:  # stepped: the stored master, its scale and amax now live in the state (else _init_state)
-                state.update(master=stored, master_scale=scale, master_amax=amax)
+                # (on the master's device: Lightning's teardown moves the model and the states, not the attributes)
+                state.update(master=stored, master_scale=scale.to(stored.device), master_amax=amax.to(stored.device))
+        if released and self.grad_scaler is not None:  # the dropped gradients' casts no longer count for a step
+            self.grad_scaler._discard(self)
 
     # ------------------------------------------------------------------------------------------------ gradients
     def accumulate_fp8_grad(self, p: torch.Tensor, grad: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:

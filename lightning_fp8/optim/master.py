@@ -194,7 +194,8 @@ def export(param: torch.Tensor) -> torch.Tensor:
     scale = master_scale(param)
     if scale is None:
         return param.detach()
-    return (param.detach().float() / scale).to(getattr(param, DTYPE_ATTR, torch.float32))
+    # The scale is an attribute, which a module's .to()/.cpu() does not move with the parameter.
+    return (param.detach().float() / scale.to(param.device)).to(getattr(param, DTYPE_ATTR, torch.float32))
 
 
 # --------------------------------------------------------------------------------- FP8Linear state_dict hooks

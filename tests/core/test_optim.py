@@ -386,6 +386,24 @@ def test_release_weights_gives_the_model_its_weights_and_keeps_the_optimizer():
     assert model[0].weight.dtype == torch.float16  # a new FP8AdamW takes the storage again
 
 
+def test_release_weights_drops_the_pending_gradients_casts_from_the_scaler():
+    """The FP8 gradients release_weights drops (a non-finite backward not stepped) still counted in the scaler: the next
+    clean step was skipped and mu halved (found reviewing release_weights)."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+    scaler = FP8GradScaler(init_scale=2.0**4)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, fp8_grads=True)
+    x, y = torch.randn(24, 32), torch.randn(24, 16)
+    scaler.scale_loss(((model(x) - y) ** 2).mean() * float("inf")).backward()
+    opt.release_weights()
+    model.zero_grad()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler.scale_loss(((model(x) - y) ** 2).mean()).backward()
+    opt.step()
+    assert scaler.skipped_steps == 0 and scaler.get_scale() == 2.0**4
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_param_groups_and_lr_scheduler_match_adamw_at_o1():
     torch.manual_seed(0)
     base = _Regression()

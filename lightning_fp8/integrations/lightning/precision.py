@@ -56,6 +56,7 @@ from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import SCALED_GRADIENTS_MARK, _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
+from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.state import check_fp8_state_dict, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
@@ -176,6 +177,9 @@ class _FP8LMPrecisionLogic:
             release = getattr(_unwrap_optimizer(optimizer), "release_weights", None)
             if release is not None:
                 release()
+        for weight in self._early_masters:  # adopted before DDP wrapped the model, held by no optimizer (frozen)
+            if master.master_scale(weight) is not None:
+                master.release(weight)
         super().teardown()
 
     def _will_adopt_masters(self) -> bool:
