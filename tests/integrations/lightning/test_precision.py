@@ -708,3 +708,20 @@ def test_a_second_fit_trains_the_weights_the_first_left(second):
     _fit(module, max_steps=3, precision=second)
     losses = module.losses[first:]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < module.losses[0]
+
+
+def test_teardown_releases_early_masters_no_optimizer_holds():
+    """Under DDP the plugin adopts the FP8 weights before DDP wraps the model; a frozen layer's weight, in no
+    optimizer, stayed fp16 x 2**18 after the fit and a second fit under another precision went NaN (found reviewing
+    the teardown release, 2 gloo processes). The teardown releases those too."""
+    from lightning_fp8.optim import master
+
+    layer = convert_to_fp8(nn.Linear(32, 32))
+    weight = layer.weight.detach().clone()
+    master.adopt(layer.weight, torch.float16)  # what adopt_masters_early does before DDP wraps the model
+    assert layer.weight.dtype == torch.float16
+    plugin = FP8LMPrecision()
+    plugin._early_masters = [layer.weight]
+    plugin.teardown()
+    assert layer.weight.dtype == torch.float32 and master.master_scale(layer.weight) is None
+    torch.testing.assert_close(layer.weight.detach(), weight, rtol=2**-10, atol=0)  # the fp16 master's rounding
