@@ -80,7 +80,7 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
     # transformers.pytorch_utils.Conv1D (GPT-2 and its kin): y = x @ weight + bias with weight (nx, nf).
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(module, nn.Module)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _kept_in_fp32(module: nn.Module) -> frozenset[str]:

@@ -19,6 +19,7 @@ Every file holds plain tensors, numbers, lists and dicts: it loads with ``torch.
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -164,15 +165,14 @@ def restore(
             f"{len(models)} FP8 model(s) were prepared: prepare the same models as the run that saved it"
         )
     loads_fp8 = saved.same_scaling(recipe)
-    loads_scaler = grad_scaler is not None and state["grad_scaler"] is not None
-    loads_health = health is not None and state["health"] is not None
-    for model, model_state in zip(models, state["models"], strict=True):
-        if loads_fp8:
-            check_fp8_state_dict(model, model_state)
-    if loads_scaler:
-        grad_scaler.check_state_dict(state["grad_scaler"])
-    if loads_health:
-        health.check_state_dict(state["health"])
+    # (check, load) of each part: every check runs before the first load.
+    parts = [(partial(check_fp8_state_dict, model, model_state), partial(load_fp8_state_dict, model, model_state))
+             for model, model_state in zip(models, state["models"], strict=True) if loads_fp8]  # fmt: skip
+    for owner, key in ((grad_scaler, "grad_scaler"), (health, "health")):
+        if owner is not None and state[key] is not None:
+            parts.append((partial(owner.check_state_dict, state[key]), partial(owner.load_state_dict, state[key])))
+    for check, _ in parts:
+        check()
     if saved != recipe:
         what = "loaded" if loads_fp8 else (
             "not loaded (written under other scaling settings): each FP8 layer's first casts compute their scales "
@@ -181,13 +181,8 @@ def restore(
             f"accelerator.load_state: the checkpoint was trained with FP8 recipe {state['recipe']}, this run uses "
             f"{recipe.to_dict()}; the saved scaling state is {what}"
         )
-    for model, model_state in zip(models, state["models"], strict=True):
-        if loads_fp8:
-            load_fp8_state_dict(model, model_state)
-    if loads_scaler:
-        grad_scaler.load_state_dict(state["grad_scaler"])
-    if loads_health:
-        health.load_state_dict(state["health"])
+    for _, load in parts:
+        load()
 
 
 def _check_entries(state: dict[str, Any], source: str) -> None:
