@@ -282,18 +282,24 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
     if nccl:
         q8 = grads.to(E5M2)
         variants.append(("all_reduce", "comm only: all_reduce float8", lambda: dist.all_reduce(q8), 1, None))
-        sym = SymmetricRows(None, device)
+        sym = SymmetricRows(None, device)  # the transport's defaults: pushing on one high-priority copy stream
+        pull = SymmetricRows(None, device, push=False, priority=0)  # pulling at default priority (before)
         for slices in [1, 2, *args.slices]:
             fn = lambda slices=slices: all_reduce_fp8_gather(grads, layout, None, E5M2, slices=slices, rows=sym,  # noqa: E731
                                                              **kw)[0]  # fmt: skip
             variants.append(("all_reduce", f"FP8 gather e5m2 (copy engines), {slices} slice(s)", fn, world / 2, fn))
+        for slices in args.slices:
+            fn = lambda slices=slices: all_reduce_fp8_gather(grads, layout, None, E5M2, slices=slices, rows=pull,  # noqa: E731
+                                                             **kw)[0]  # fmt: skip
+            variants.append(("all_reduce", f"FP8 gather e5m2 (copy engines, pulling), {slices} slice(s)", fn,
+                             world / 2, None))  # fmt: skip
         one = all_reduce_plan(layout, world, dist.get_rank(), 1, True, device)
 
         def raw_copy_engines():  # the signals and copies alone, without the cast and the sum
             sym.begin(one, device)
             sym.received(0, sym.send(0))
 
-        variants.append(("all_reduce", "comm only: copy-engine pull of N-1 rows", raw_copy_engines, world / 2, None))
+        variants.append(("all_reduce", "comm only: copy-engine copies of N-1 rows", raw_copy_engines, world / 2, None))
     u8 = torch.randint(0, 120, (args.numel - args.numel % world,), device=device, dtype=torch.uint8)
     recv, shard = torch.empty_like(u8), u8[: u8.numel() // world]
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -54,7 +54,8 @@ _AUTO_NATIVE_MAX_RANKS = {"nccl": 2}
 # it was faster than native and more accurate (one rounding: 25.6 vs 22.1 dB), docs/benchmarks.md. Each rank
 # receives N - 1 bytes per element, so on more ranks it moves more than a ring: not measured there, not chosen.
 _AUTO_GATHER_MAX_RANKS = {"nccl": 2}
-# The copy-engine transport's settings (exchange.SymmetricRows), from the sweeps on 2 H200s (docs/benchmarks.md).
+# The copy-engine transport's settings (exchange.SymmetricRows): its defaults (pushing on one high-priority copy
+# stream), the fastest in the sweeps on 2 H200s (docs/benchmarks.md, "Twenty-first session").
 _SYMMETRIC_ROWS: dict = {}
 
 # Binades the native path may add to its pre-scale headroom after overflows (each overflow adds one).

@@ -54,8 +54,9 @@ def _worker(rank: int, world: int) -> dict:
 
     device = torch.device("cuda", rank)
     res: dict = {}
-    transports = {"pull": SymmetricRows(None, device), "push": SymmetricRows(None, device, push=True, copy_streams=2),
-                  "pull3": SymmetricRows(None, device, copy_streams=3, priority=-1)}  # fmt: skip
+    transports = {"push": SymmetricRows(None, device), "pull": SymmetricRows(None, device, push=False, priority=0),
+                  "push2": SymmetricRows(None, device, copy_streams=2),
+                  "pull3": SymmetricRows(None, device, push=False, copy_streams=3)}  # fmt: skip
     for scale in (1, 512):  # the second bucket (5.6 MB of rows) outgrows the first allocation (1 MiB)
         xs = [t.to(device).repeat(scale) for t in _bucket(rank)]
         layout = SegmentLayout.per_tensor([t.numel() for t in xs])
