@@ -49,7 +49,7 @@ from lightning_fp8.distributed import (
     all_reduce_fp8_native,
     reduce_scatter_fp8,
 )
-from lightning_fp8.distributed.exchange import SymmetricRows
+from lightning_fp8.distributed.exchange import SymmetricChunks, SymmetricRows
 from lightning_fp8.distributed.layout import all_reduce_plan
 from lightning_fp8.formats import E4M3, E5M2
 
@@ -157,6 +157,11 @@ def check_kernels(device: torch.device, world: int) -> None:
         got = [all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=s, rows=sym)[0] for s in (3, 3, 1, 8)]
         same = all(torch.equal(g.view(torch.int16), want.view(torch.int16)) for g in got)
         results.append(f"gather through symmetric memory (4 calls, 1-8 slices): {'bit-exact' if same else 'MISMATCH'}")
+        chunks = SymmetricChunks(None, device)
+        portable = [(all_reduce_fp8(x, layout, None, E5M2, fused=True, slices=s, chunks=chunks)[0],
+                     all_reduce_fp8(x, layout, None, E5M2, fused=True, slices=s)[0]) for s in (3, 1, 8)]  # fmt: skip
+        same = all(torch.equal(got, want) for got, want in portable)
+        results.append(f"portable through symmetric memory (1-8 slices): {'bit-exact' if same else 'MISMATCH'}")
     log("Triton kernels vs PyTorch references (16M elements, 16 tensors): " + "; ".join(results))
 
 
@@ -293,6 +298,10 @@ def bench_reduction(args, device: torch.device, rows: list[tuple]) -> None:
                                                              **kw)[0]  # fmt: skip
             variants.append(("all_reduce", f"FP8 gather e5m2 (copy engines, pulling), {slices} slice(s)", fn,
                              world / 2, None))  # fmt: skip
+        chunks = SymmetricChunks(None, device)  # the portable path (2 (N - 1) / N bytes received per element)
+        for slices in args.slices:
+            fn = lambda slices=slices: all_reduce_fp8(grads, layout, None, E5M2, slices=slices, chunks=chunks, **kw)[0]  # noqa: E731
+            variants.append(("all_reduce", f"FP8 portable e5m2 (copy engines), {slices} slice(s)", fn, 1, fn))
         one = all_reduce_plan(layout, world, dist.get_rank(), 1, True, device)
 
         def raw_copy_engines():  # the signals and copies alone, without the cast and the sum

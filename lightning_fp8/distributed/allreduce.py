@@ -36,14 +36,11 @@ import torch.distributed as dist
 
 from lightning_fp8.distributed.comm import (
     CastStats,
-    all_gather_bytes,
     all_reduce_max,
-    all_to_all_bytes,
     cast_stats,
-    send_buffer,
     wait,
 )
-from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
+from lightning_fp8.distributed.exchange import CollectiveChunks, CollectiveRows, SymmetricChunks, SymmetricRows
 from lightning_fp8.distributed.layout import SegmentLayout, SlicePlan, all_reduce_plan
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import check_fp8_dtype
@@ -68,10 +65,10 @@ def check_amax_group(group: dist.ProcessGroup | None, amax_group: dist.ProcessGr
     return amax_group
 
 
-def check_rows_group(group: dist.ProcessGroup | None, rows: CollectiveRows | SymmetricRows) -> None:
-    """Raise ValueError if ``rows`` (the gather's transport) exchanges over other ranks than ``group``, or in another
-    order: rows would be summed as other ranks' or missed. No collective: each rank compares the groups' global ranks,
-    so every rank of ``group`` gets the same answer (a rank outside ``rows.group`` too)."""
+def check_rows_group(group: dist.ProcessGroup | None, rows) -> None:
+    """Raise ValueError if ``rows`` (a transport of :mod:`~.exchange`) exchanges over other ranks than ``group``, or in
+    another order: rows would be summed as other ranks' or missed. No collective: each rank compares the groups'
+    global ranks, so every rank of ``group`` gets the same answer (a rank outside ``rows.group`` too)."""
     world = dist.group.WORLD
     mine, theirs = group if group is not None else world, rows.group if rows.group is not None else world
     if theirs is mine:
@@ -83,9 +80,9 @@ def check_rows_group(group: dist.ProcessGroup | None, rows: CollectiveRows | Sym
         made_for = f"a group of the ranks {ranks}" if ranks is not None else "a group without this rank"
         kind = type(rows).__name__
         raise ValueError(
-            f"FP8 gather all-reduce: rows (a {kind}) was made for {made_for}, but group has the ranks {want}: the rows "
-            f"would be exchanged over the wrong ranks. Make the transport for this group ({kind}(group, ...)), or "
-            "leave rows out (an FP8 all-gather of group)"
+            f"FP8 all-reduce: the transport (a {kind}) was made for {made_for}, but group has the ranks {want}: the "
+            f"bytes would be exchanged over the wrong ranks. Make the transport for this group ({kind}(group, ...)), "
+            "or leave it out (the collectives of group)"
         )
 
 
@@ -155,6 +152,7 @@ def all_reduce_fp8(
     slices: int = 1,
     out: torch.Tensor | None = None,
     amax_group: dist.ProcessGroup | None = None,
+    chunks: CollectiveChunks | SymmetricChunks | None = None,
 ) -> tuple[torch.Tensor, CastStats]:
     """Mean over ranks of flat ``x`` through FP8 bytes (portable: FP8 all-to-all, fp32 sum, FP8 all-gather).
 
@@ -170,36 +168,41 @@ def all_reduce_fp8(
         amax_group: run the amaxes' MAX all-reduces on this group (the same ranks as ``group``: a second NCCL
             communicator, whose stream runs them beside the data collectives of earlier slices instead of queued
             between them); default ``group``.
+        chunks: what moves the bytes (:mod:`~lightning_fp8.distributed.exchange`): the all-to-all and all-gather
+            of ``group`` (the default), or copy-engine copies out of CUDA symmetric memory
+            (:class:`~lightning_fp8.distributed.exchange.SymmetricChunks`, NCCL ranks of one host).
 
     Returns:
         ``(mean, stats)``; every rank gets the same bytes.
+
+    Raises:
+        ValueError: for ``chunks`` made for a group of other ranks than ``group`` (:func:`check_rows_group`).
     """
+    if chunks is not None:
+        check_rows_group(group, chunks)
     flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, False, amax_group)
     world, kernels = dist.get_world_size(group), shared.kernels
     common = {"margin": margin}
+    chunks = CollectiveChunks(group) if chunks is None else chunks
+    chunks.begin(plans, flat.device)
 
     def start(k):  # cast with the shared scales, all-to-all of the chunks
         shared.wait(k)
-        send = send_buffer(plans[k], world, flat.device)
-        kernels.quantize(flat, plans[k].cast, shared.amax, fp8_dtype, send, n_sat, **common)
-        return all_to_all_bytes(send, group)
+        kernels.quantize(flat, plans[k].cast, shared.amax, fp8_dtype, chunks.chunks(k), n_sat, **common)
+        return chunks.scatter(k)
 
     def middle(k, flight):  # sum this rank's chunk, requantize its mean per piece, all-gather
-        received, work = flight
-        wait(work)
-        plan = plans[k]
-        rows = received.view(world, plan.row)
-        send = torch.empty(plan.gather_row_bytes, dtype=torch.uint8, device=flat.device)
+        plan, rows = plans[k], chunks.scattered(k, flight)
+        send = chunks.row(k)
         piece_amax = send[plan.amax_offset :].view(torch.float32).zero_()  # travels beside the bytes
         mean = {"inv_divisor": 1.0 / world, **common}
         kernels.rows_amax(rows, plan.sum, shared.amax, piece_amax, fp8_dtype, **mean)
         kernels.rows_quantize(rows, plan.sum, shared.amax, piece_amax, fp8_dtype, send, n_sat, **mean)
-        return all_gather_bytes(send, group, async_op=True)
+        return chunks.gather(k)
 
     def finish(k, flight):  # decode every chunk with the piece amaxes that came with it
-        gathered, work = flight
-        wait(work)
-        amaxes = gathered.view(-1).view(torch.float32)
+        gathered = chunks.gathered(k, flight)
+        amaxes = gathered.reshape(-1).view(torch.float32)
         kernels.dequantize(gathered, plans[k].decode, amaxes, fp8_dtype, out, **common)
 
     _pipeline(len(plans), shared, start, finish, middle)

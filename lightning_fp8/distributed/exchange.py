@@ -28,7 +28,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from lightning_fp8.distributed.comm import all_gather_bytes, wait
+from lightning_fp8.distributed.comm import all_gather_bytes, all_to_all_bytes, send_buffer, wait
 from lightning_fp8.kernels.comm_table import ALIGN
 
 # Signal-pad channel 0 is the start-of-call barrier; slices signal on channels 1 .. _CHANNELS, reused cyclically (a
@@ -144,32 +144,30 @@ def _any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device)
     return bool(value.item())
 
 
-class SymmetricRows:
-    """Each slice's rows in CUDA symmetric memory, peers' rows pulled by copy-engine copies (see the module).
+class _SymmetricBuffer:
+    """A byte buffer in CUDA symmetric memory shared by ``group``'s ranks, and side streams for the copies into it.
 
-    One buffer of ``world`` rows per slice, grown (a collective rendezvous, on every rank at the same call) when a
-    call needs more; kept between calls.
+    Grown (a collective rendezvous, on every rank at the same call) when a call needs more; kept between calls.
+    ``views[r]`` is rank ``r``'s buffer as this rank sees it (its own included).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, *, push: bool = True, priority: int = -1,
-        copy_streams: int = 1,
+        self, group: dist.ProcessGroup | None, device: torch.device, *, priority: int, copy_streams: int, what: str,
+        instead: str,
     ) -> None:  # fmt: skip
         reason = symmetric_memory_error(group)
         if reason is not None:
-            raise ValueError(f"FP8 gather all-reduce over symmetric memory: {reason}; use CollectiveRows")
+            raise ValueError(f"{what} over symmetric memory: {reason}; use {instead} (the collectives of the group)")
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.device = device
-        self.push = push
-        # Each row's copy is cut into one piece per stream: copies on several streams can run on several copy engines.
+        # Each copy is cut into one piece per stream: copies on several streams can run on several copy engines.
         self.streams = [torch.cuda.Stream(device, priority=priority) for _ in range(copy_streams)]
         self.buffer: torch.Tensor | None = None
         self.handle = None
         self.allocations = 0  # symmetric buffers made so far (each a collective rendezvous)
         self.peers: dict[int, torch.Tensor] = {}
-        self._rows: list[torch.Tensor] = []
-        self._offsets: list[int] = []
+        self.views: dict[int, torch.Tensor] = {}
 
     def _allocate(self, numel: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -184,46 +182,82 @@ class SymmetricRows:
         self.peers = {
             r: self.handle.get_buffer(r, (numel,), torch.uint8) for r in range(self.world) if r != self.rank
         }
+        self.views = {**self.peers, self.rank: self.buffer}
 
-    def begin(self, plans, device: torch.device) -> None:
-        sizes = row_bytes(plans)
-        need = self.world * sum(sizes)
+    def _start_call(self, need: int) -> None:
+        """Grow the buffer to ``need`` bytes if needed; then the start-of-call barrier: every peer is done with the
+        previous call's bytes before anyone writes this call's."""
         if self.buffer is None or self.buffer.numel() < need:
             self._allocate(need)
-        self._rows, self._offsets, offset = [], [], 0
-        for n in sizes:
-            self._rows.append(self.buffer[offset : offset + self.world * n].view(self.world, n))
-            self._offsets.append(offset)
-            offset += self.world * n
-        self.handle.barrier(channel=0)  # every peer is done with the previous call's rows
+        self.handle.barrier(channel=0)
         for stream in self.streams:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def mine(self, k: int) -> torch.Tensor:
-        return self._rows[k][self.rank]
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         cuts = [n * i // len(self.streams) // ALIGN * ALIGN for i in range(len(self.streams))] + [n]
         return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
 
+    def _push(self, sources: dict[int, torch.Tensor], offset: int, channel: int) -> torch.cuda.Event:
+        """Once the current stream's work is done, copy ``sources[r]`` into rank ``r``'s buffer at byte ``offset``
+        (``r`` may be this rank) on the side streams, then signal each peer among them on ``channel``. Returns an
+        event after the copies (what this rank's own copy is waited on by)."""
+        current = torch.cuda.current_stream(self.device)
+        if not sources:
+            return current.record_event()
+        n = next(iter(sources.values())).numel()
+        pieces = list(zip(self.streams, self._pieces(n), strict=False))
+        for stream, (a, b) in pieces:
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for r, source in sources.items():
+                    self.views[r][offset + a : offset + b].copy_(source[a:b])
+        first = pieces[0][0]
+        for stream, _ in pieces[1:]:
+            first.wait_stream(stream)
+        with torch.cuda.stream(first):
+            for r in sources:
+                if r != self.rank:
+                    self.handle.put_signal(r, channel=channel)
+        return first.record_event()
+
+    def _wait_peers(self, channel: int) -> None:
+        """The current stream waits for every peer's signal on ``channel``."""
+        for r in self.peers:
+            self.handle.wait_signal(r, channel=channel)
+
+
+class SymmetricRows(_SymmetricBuffer):
+    """Each slice's rows in CUDA symmetric memory, moved by copy-engine copies (see the module)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, *, push: bool = True, priority: int = -1,
+        copy_streams: int = 1,
+    ) -> None:  # fmt: skip
+        super().__init__(group, device, priority=priority, copy_streams=copy_streams,
+                         what="FP8 gather all-reduce", instead="CollectiveRows")  # fmt: skip
+        self.push = push
+        self._rows: list[torch.Tensor] = []
+        self._offsets: list[int] = []
+
+    def begin(self, plans, device: torch.device) -> None:
+        sizes = row_bytes(plans)
+        self._start_call(self.world * sum(sizes))
+        self._rows, self._offsets, offset = [], [], 0
+        for n in sizes:
+            self._rows.append(self.buffer[offset : offset + self.world * n].view(self.world, n))
+            self._offsets.append(offset)
+            offset += self.world * n
+
+    def mine(self, k: int) -> torch.Tensor:
+        return self._rows[k][self.rank]
+
     def send(self, k: int) -> list[torch.cuda.Event] | None:
         channel, n = 1 + k % _CHANNELS, self._rows[k].shape[1]
-        current = torch.cuda.current_stream(self.device)
-        pieces = list(zip(self.streams, self._pieces(n), strict=False))
         if self.push:  # copy this rank's row into every peer's buffer, then signal it
-            mine, start = self.mine(k), self._offsets[k] + self.rank * n
-            for stream, (a, b) in pieces:
-                stream.wait_stream(current)
-                with torch.cuda.stream(stream):
-                    for peer in self.peers.values():
-                        peer[start + a : start + b].copy_(mine[a:b])
-            first = pieces[0][0]
-            for stream, _ in pieces[1:]:
-                first.wait_stream(stream)
-            with torch.cuda.stream(first):
-                for r in self.peers:
-                    self.handle.put_signal(r, channel=channel)
+            mine = self.mine(k)
+            self._push({r: mine for r in self.peers}, self._offsets[k] + self.rank * n, channel)
             return None
+        pieces = list(zip(self.streams, self._pieces(n), strict=False))
         for r in self.peers:
             self.handle.put_signal(r, channel=channel)
         first = pieces[0][0]
@@ -244,9 +278,114 @@ class SymmetricRows:
 
     def received(self, k: int, flight: list[torch.cuda.Event] | None) -> torch.Tensor:
         if flight is None:  # pushed: wait for every peer's signal
-            for r in self.peers:
-                self.handle.wait_signal(r, channel=1 + k % _CHANNELS)
+            self._wait_peers(1 + k % _CHANNELS)
         else:
             for event in flight:
                 torch.cuda.current_stream(self.device).wait_event(event)
         return self._rows[k]
+
+
+class CollectiveChunks:
+    """The portable all-reduce's two exchanges per slice through collectives of ``group`` (any backend): an
+    all-to-all of the cast chunks, then an all-gather of each rank's requantized mean."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self._send: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def begin(self, plans, device: torch.device) -> None:
+        self._plans, self._device = plans, device
+        self._send, self._rows = {}, {}
+
+    def chunks(self, k: int) -> torch.Tensor:
+        """Slice ``k``'s send buffer: ``world`` chunks of ``row`` bytes, chunk ``r`` for rank ``r`` (padding zeroed)."""
+        self._send[k] = send_buffer(self._plans[k], self.world, self._device)
+        return self._send[k]
+
+    def scatter(self, k: int):
+        return all_to_all_bytes(self._send.pop(k), self.group)
+
+    def scattered(self, k: int, flight) -> torch.Tensor:
+        """The ``(world, row)`` chunks every rank sent to this one."""
+        received, work = flight
+        wait(work)
+        return received.view(self.world, self._plans[k].row)
+
+    def row(self, k: int) -> torch.Tensor:
+        """This rank's row of slice ``k`` for the all-gather (``gather_row_bytes``)."""
+        self._rows[k] = torch.empty(self._plans[k].gather_row_bytes, dtype=torch.uint8, device=self._device)
+        return self._rows[k]
+
+    def gather(self, k: int):
+        return all_gather_bytes(self._rows.pop(k), self.group, async_op=True)
+
+    def gathered(self, k: int, flight) -> torch.Tensor:
+        gathered, work = flight
+        wait(work)
+        return gathered
+
+
+class SymmetricChunks(_SymmetricBuffer):
+    """:class:`CollectiveChunks`' exchanges by copy-engine copies into CUDA symmetric memory (NCCL groups of one
+    host, see the module): each rank pushes chunk ``r`` of its cast slice into rank ``r``'s buffer and signals it,
+    then pushes its requantized mean row into every peer's buffer and signals again. Each rank receives
+    ``2 (N - 1) / N`` bytes per element, as a ring all-reduce of FP8 bytes does, without multiprocessors."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, *, priority: int = -1, copy_streams: int = 1
+    ) -> None:
+        super().__init__(group, device, priority=priority, copy_streams=copy_streams,
+                         what="FP8 portable all-reduce", instead="CollectiveChunks")  # fmt: skip
+        self._plans = ()
+        self._at: list[tuple[int, int, int]] = []  # per slice: offsets of its send chunks, received chunks, rows
+
+    def begin(self, plans, device: torch.device) -> None:
+        # Per slice: this rank's send chunks, the chunks it receives, every rank's row; rows and chunks are
+        # vector-aligned (all_reduce_plan), so every offset is too.
+        self._plans, self._at, offset = plans, [], 0
+        for plan in plans:
+            chunks = self.world * plan.row
+            self._at.append((offset, offset + chunks, offset + 2 * chunks))
+            offset += 2 * chunks + self.world * plan.gather_row_bytes
+        self._start_call(offset)
+
+    def _chunk(self, k: int, which: int, r: int) -> torch.Tensor:
+        row = self._plans[k].row
+        start = self._at[k][which] + r * row
+        return self.buffer[start : start + row]
+
+    def _own_row(self, k: int) -> tuple[int, int]:
+        width = self._plans[k].gather_row_bytes
+        return self._at[k][2] + self.rank * width, width
+
+    def chunks(self, k: int) -> torch.Tensor:
+        plan = self._plans[k]
+        send = self.buffer[self._at[k][0] : self._at[k][0] + self.world * plan.row]
+        for offset, length in plan.pad:
+            send[offset : offset + length].zero_()
+        return send
+
+    def scatter(self, k: int) -> torch.cuda.Event:
+        sources = {r: self._chunk(k, 0, r) for r in range(self.world)}
+        return self._push(sources, self._at[k][1] + self.rank * self._plans[k].row, 1 + (2 * k) % _CHANNELS)
+
+    def scattered(self, k: int, own: torch.cuda.Event) -> torch.Tensor:
+        self._wait_peers(1 + (2 * k) % _CHANNELS)
+        torch.cuda.current_stream(self.device).wait_event(own)  # this rank's own chunk, copied on a side stream
+        row = self._plans[k].row
+        return self.buffer[self._at[k][1] : self._at[k][1] + self.world * row].view(self.world, row)
+
+    def row(self, k: int) -> torch.Tensor:
+        start, width = self._own_row(k)
+        return self.buffer[start : start + width]
+
+    def gather(self, k: int) -> None:
+        start, width = self._own_row(k)
+        self._push({r: self.buffer[start : start + width] for r in self.peers}, start, 1 + (2 * k + 1) % _CHANNELS)
+
+    def gathered(self, k: int, flight: None) -> torch.Tensor:
+        self._wait_peers(1 + (2 * k + 1) % _CHANNELS)
+        width = self._plans[k].gather_row_bytes
+        return self.buffer[self._at[k][2] : self._at[k][2] + self.world * width].view(self.world, width)

@@ -41,7 +41,7 @@ def one_rounding_mean(xs: list[torch.Tensor], fp8_dtype: torch.dtype, dtype: tor
 
 def _worker(rank: int, world: int) -> dict:
     from lightning_fp8.distributed import SegmentLayout, all_reduce_fp8, all_reduce_fp8_gather
-    from lightning_fp8.distributed.exchange import CollectiveRows, SymmetricRows
+    from lightning_fp8.distributed.exchange import CollectiveChunks, CollectiveRows, SymmetricChunks, SymmetricRows
 
     res: dict = {}
     xs = _bucket(rank)
@@ -107,6 +107,19 @@ def _worker(rank: int, world: int) -> dict:
     res["same_ranks_rows_exact"] = torch.equal(
         all_reduce_fp8_gather(x, layout, None, E5M2, rows=CollectiveRows(same_ranks))[0], want
     )
+    # The portable path's transport (CollectiveChunks, its default): the same checks, the same bytes as without it.
+    try:
+        all_reduce_fp8(x, layout, None, E5M2, chunks=CollectiveChunks(half))
+    except ValueError as e:
+        res["foreign_chunks_refused"] = str(e)
+    portable = all_reduce_fp8(x, layout, None, E5M2, slices=3)[0]
+    res["same_ranks_chunks_exact"] = torch.equal(
+        all_reduce_fp8(x, layout, None, E5M2, slices=3, chunks=CollectiveChunks(same_ranks))[0], portable
+    )
+    try:
+        SymmetricChunks(None, torch.device("cpu"))
+    except ValueError as e:
+        res["symmetric_chunks_refused"] = str(e)
     return res
 
 
@@ -169,6 +182,7 @@ def test_symmetric_memory_transport_refuses_gloo(results):
     _, per_rank = results
     for r in per_rank:
         assert "not NCCL" in r["symmetric_refused"] and "CollectiveRows" in r["symmetric_refused"]
+        assert "not NCCL" in r["symmetric_chunks_refused"] and "CollectiveChunks" in r["symmetric_chunks_refused"]
 
 
 def test_gather_refuses_a_transport_made_for_another_group(results):
@@ -181,6 +195,8 @@ def test_gather_refuses_a_transport_made_for_another_group(results):
         assert f"group has the ranks {list(range(world))}" in r["foreign_rows_refused"]
         assert "CollectiveRows(group, ...)" in r["foreign_rows_refused"]
         assert r["same_ranks_rows_exact"]
+        assert made_for in r["foreign_chunks_refused"] and "CollectiveChunks(group, ...)" in r["foreign_chunks_refused"]
+        assert r["same_ranks_chunks_exact"]
 
 
 @pytest.mark.parametrize(

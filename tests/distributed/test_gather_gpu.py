@@ -48,12 +48,13 @@ def _train(rank: int, rows_kind: str) -> list[float]:
 
 
 def _worker(rank: int, world: int) -> dict:
-    from lightning_fp8.distributed import SegmentLayout, all_reduce_fp8_gather
-    from lightning_fp8.distributed.exchange import SymmetricRows
+    from lightning_fp8.distributed import SegmentLayout, all_reduce_fp8, all_reduce_fp8_gather
+    from lightning_fp8.distributed.exchange import SymmetricChunks, SymmetricRows
     from tests.distributed.test_gather import one_rounding_mean
 
     device = torch.device("cuda", rank)
     res: dict = {}
+    chunks = SymmetricChunks(None, device)
     transports = {"push": SymmetricRows(None, device), "pull": SymmetricRows(None, device, push=False, priority=0),
                   "push2": SymmetricRows(None, device, copy_streams=2),
                   "pull3": SymmetricRows(None, device, push=False, copy_streams=3)}  # fmt: skip
@@ -64,6 +65,14 @@ def _worker(rank: int, world: int) -> dict:
         want = one_rounding_mean([t.bfloat16() for t in xs], E5M2, torch.bfloat16)
         collective = all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=3)[0]
         res[f"x{scale}_collective_exact"] = torch.equal(collective, want)
+        # The portable path through copy engines (SymmetricChunks) against its collectives, slice count by slice count
+        # (the requantization's pieces depend on where the chunks fall).
+        same = True
+        for n in (1, 3, 3, 20):
+            want_portable = all_reduce_fp8(x, layout, None, E5M2, fused=True, slices=n)[0]
+            got = all_reduce_fp8(x, layout, None, E5M2, fused=True, slices=n, chunks=chunks)[0]
+            same &= torch.equal(got, want_portable) and _same_everywhere(got)
+        res[f"x{scale}_chunks_exact"] = same
         for name, rows in transports.items():
             got = [all_reduce_fp8_gather(x, layout, None, E5M2, fused=True, slices=n, rows=rows)[0]
                    for n in (1, 3, 3, 20)]  # fmt: skip  # 20 slices: the 15 signal channels are reused
@@ -71,6 +80,7 @@ def _worker(rank: int, world: int) -> dict:
             res[f"x{scale}_{name}_identical"] = all(_same_everywhere(g) for g in got)
     res["buffer_bytes"] = min(rows.buffer.numel() for rows in transports.values())
     res["grown"] = all(rows.allocations == 2 for rows in transports.values())
+    res["chunks_grown"] = chunks.allocations == 2
     from lightning_fp8.distributed import FP8CommState
 
     auto = FP8CommState()  # two ranks of one host with peer access: "auto" takes the gather path, copy engines
@@ -95,9 +105,15 @@ def test_symmetric_memory_gather_gives_the_reference_bytes(results):
     for r in results:
         for scale in (1, 512):
             assert r[f"x{scale}_collective_exact"], r
-            for name in ("pull", "push", "pull3"):  # one stream pulling, two pushing, three pulling
+            for name in ("push", "pull", "push2", "pull3"):  # pushing/pulling on one, two, three copy streams
                 assert r[f"x{scale}_{name}_exact"] and r[f"x{scale}_{name}_identical"], (name, r)
         assert r["buffer_bytes"] >= 2 * 512 * sum(SIZES) and r["grown"]  # grown once, for the larger bucket
+
+
+def test_symmetric_memory_portable_path_gives_its_collectives_bytes(results):
+    for r in results:
+        assert r["x1_chunks_exact"] and r["x512_chunks_exact"], r
+        assert r["chunks_grown"]
 
 
 def test_auto_takes_the_copy_engine_gather_on_two_gpus_of_one_host(results):
