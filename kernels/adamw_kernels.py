@@ -169,7 +169,7 @@ def _scale_source(
     else:  # reference_adamw.adamw_bound_ref, operation for operation
         a = tl.load(_addr(table_ptr, t, 7 + j, amax_out_ptr)) * SLACK
         if j == 0:
-            source = a * decay + max_update
+            source = a * tl.abs(decay) + max_update
         else:
             ga = tl.load(_addr(table_ptr, t, 13, amax_out_ptr)) * tl.abs(grad_unscale) * SLACK
             if j == 1:

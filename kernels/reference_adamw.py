@@ -61,12 +61,13 @@ def adamw_bound_ref(j: int, amax: torch.Tensor, grad_amax: torch.Tensor, c: Adam
     """Upper bound of the new ``max|x|`` of state ``j`` (0 master, 1 exp_avg, 2 exp_avg_sq), known before the update.
 
     From the stored amax of the state and ``grad_amax``, an amax of ``grad * grad_scale_inv`` (in fp32, in this order):
-    exp_avg ``<= A*S*b1 + G*(1-b1)``, exp_avg_sq ``<= A*S*b2 + G*G*(1-b2)``, master ``<= A*S*decay + max_update``,
-    with ``S = BOUND_SLACK`` and ``G = grad_amax * S``.
+    exp_avg ``<= A*S*b1 + G*(1-b1)``, exp_avg_sq ``<= A*S*b2 + G*G*(1-b2)``, master ``<= A*S*|decay| + max_update``,
+    with ``S = BOUND_SLACK`` and ``G = grad_amax * S`` (``decay = 1 - lr * weight_decay`` is negative where
+    ``lr * weight_decay > 1``: the decayed weight changes sign, its magnitude is ``|decay|`` times the old one).
     """
     a = amax.float() * BOUND_SLACK
     if j == 0:
-        return a * c.decay + c.max_update
+        return a * abs(c.decay) + c.max_update
     if j == 1:
         return a * c.beta1 + grad_amax * c.one_minus_beta1
     return a * c.beta2 + (grad_amax * grad_amax) * c.one_minus_beta2

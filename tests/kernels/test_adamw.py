@@ -199,6 +199,29 @@ def test_one_pass_scales_bound_the_new_amax():
     assert (bound["m"].float().abs() == 448.0).sum() == 0
 
 
+def test_one_pass_master_bound_when_weight_decay_flips_the_sign(monkeypatch):
+    # lr * weight_decay > 1 (valid for torch's AdamW): the decayed weight is 1 - lr * weight_decay < 0 times the old
+    # one. The bound used decay itself (negative), below the new amax: the fp16 master saturated
+    # at 65504 / scale. Now |decay|: no saturation, the same scales as two passes up to the bound's slack, and the
+    # kernel still the reference bit for bit.
+    monkeypatch.setitem(HYPER, "lr", 0.5)
+    monkeypatch.setitem(HYPER, "weight_decay", 7.0)  # decay = 1 - 3.5 = -2.5
+    tensors = _make("cpu", [(40, 24)], (F16, E4M3, F16, F32), scaled=True, fp8_grads=False, copies=False)
+    d = tensors[0]  # weights of amax ~20 stored at scale 2**11 (~40000 of fp16's 65504): decayed, 2.5 times that
+    d["scales"][0] = torch.tensor(2.0**11)
+    d["p"] = (d["p"].float() * 2**-16 * 100 * 2**11).half()
+    d["amaxes"][0] = (d["p"].float() * 2**-11).abs().max()
+    kw = {"scaled": True, "fp8_grads": False, "copies": False}
+    fresh = _run(adamw.adamw_step, tensors, two_pass=True, **kw)[0]
+    bound = _run(adamw.adamw_step, tensors, two_pass=False, **kw)[0]
+    _assert_same([_run(reference_adamw.adamw_step_ref, tensors, two_pass=False, **kw)[0]], [bound])
+    assert bound["amaxes"][0] * bound["scales"][0] <= 65504.0
+    assert fresh["scales"][0] / 4 <= bound["scales"][0] <= fresh["scales"][0]
+    want = fresh["p"].float() / fresh["scales"][0]  # two passes: the fresh amax's scale, never clamped
+    got = bound["p"].float() / bound["scales"][0]
+    assert (got - want).abs().max() <= 2**-8 * want.abs().max()  # fp16 rounding at scales <= 2 binades apart
+
+
 def test_one_pass_needs_gradient_amaxes():
     tensors = _make("cpu", [(8, 8)], (F16, E4M3, F16, F32), scaled=True, fp8_grads=False, copies=False)[0]
     with pytest.raises(ValueError, match="grad_amaxes"):
