@@ -62,6 +62,19 @@ _NO_AMSGRAD = (
 )
 
 
+def _check_supported_flags(flags: dict[str, Any]) -> None:
+    """Raise ValueError for ``amsgrad``, ``capturable`` or ``differentiable`` set true in the constructor's arguments
+    or a parameter group (a group would keep the flag and step without it)."""
+    if flags.get("amsgrad"):
+        raise ValueError(_NO_AMSGRAD)
+    for name in ("capturable", "differentiable"):
+        if flags.get(name):
+            raise ValueError(
+                f"FP8AdamW({name}=True) is not supported: FP8AdamW's step is a fused kernel over low-precision "
+                f"states; drop {name}, or use torch.optim.AdamW for the parameters that need it"
+            )
+
+
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
 # The attributes an adopted weight carries besides its scaled storage (master.adopt).
 _MASTER_ATTRS = (master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR)
@@ -144,8 +157,8 @@ class FP8AdamW(torch.optim.Optimizer):
         ValueError: for a negative or non-finite lr, eps or weight_decay, betas outside [0, 1), an unknown level or
             state dtype, a ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a
             parameter group, also one given to :meth:`add_param_group`), ``capturable=True`` or
-            ``differentiable=True``, ``fp8_grads=True`` where ``torch.distributed`` is initialized (a backward raises
-            RuntimeError once it is initialized after the optimizer was created with them).
+            ``differentiable=True`` (the same), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
+            backward raises RuntimeError once it is initialized after the optimizer was created with them).
         TypeError: for complex parameters.
 
     Example:
@@ -180,14 +193,7 @@ class FP8AdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        if amsgrad:
-            raise ValueError(_NO_AMSGRAD)
-        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
-            if value:
-                raise ValueError(
-                    f"FP8AdamW({name}=True) is not supported: FP8AdamW's step is a fused kernel over low-precision "
-                    f"states; drop {name}, or use torch.optim.AdamW for the parameters that need it"
-                )
+        _check_supported_flags({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
@@ -235,8 +241,8 @@ class FP8AdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------- param handling
     @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if isinstance(param_group, dict) and param_group.get("amsgrad"):
-            raise ValueError(_NO_AMSGRAD)
+        if isinstance(param_group, dict):
+            _check_supported_flags(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)

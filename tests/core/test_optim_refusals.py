@@ -44,6 +44,24 @@ def test_add_param_group_refuses_amsgrad_as_the_constructor_does():
     assert opt.param_groups[1]["params"] == [b]
 
 
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_add_param_group_refuses_capturable_and_differentiable_as_the_constructor_does(flag):
+    """Refused as constructor arguments, but kept in a group (given to the constructor or add_param_group), claimed
+    by the group and ignored by the step."""
+    a, b = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
+    message = f"FP8AdamW\\({flag}=True\\) is not supported"
+    with pytest.raises(ValueError, match=message):
+        FP8AdamW([a], **{flag: True})
+    with pytest.raises(ValueError, match=message):
+        FP8AdamW([{"params": [a]}, {"params": [b], flag: True}])
+    opt = FP8AdamW([a])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [b], flag: True})
+    assert len(opt.param_groups) == 1  # not kept
+    opt.add_param_group({"params": [b], flag: False})
+    assert opt.param_groups[1]["params"] == [b]
+
+
 @pytest.mark.parametrize("saved", ["amsgrad_adamw", "max_exp_avg_sq_only"])
 def test_load_state_dict_refuses_amsgrad_before_anything_changes(saved):
     """A torch.optim.AdamW(amsgrad=True) state dict loaded with its running maximum ('max_exp_avg_sq') dropped and
