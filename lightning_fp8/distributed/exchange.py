@@ -1,4 +1,4 @@
-"""How the gather all-reduce moves each rank's FP8 row of a slice to every rank.
+"""How the FP8 all-reduces move their bytes between ranks: the gather path's rows, the portable path's chunks.
 
 :func:`~lightning_fp8.distributed.allreduce.all_reduce_fp8_gather` casts slice ``k`` into this rank's row
 (:meth:`mine`), starts its exchange (:meth:`send`) and later sums the ``(world, row)`` bytes :meth:`received` returns,
@@ -19,6 +19,12 @@ in rank order. Two transports:
   "Twenty-first session", four interleaved rounds on one machine, 1B elements): pushing on one high-priority stream
   3.57 ms at 6 slices, 1.69x NCCL's bf16 all-reduce (1.61x at 4 slices); pulling on it 1.60x; pulling on a stream
   of default priority 1.51x; two or more streams no faster.
+
+:func:`~lightning_fp8.distributed.allreduce.all_reduce_fp8` (the portable path) exchanges twice per slice: an
+all-to-all of the cast chunks, then an all-gather of each rank's requantized mean. :class:`CollectiveChunks` runs
+them as collectives of the group (any backend, the default); :class:`SymmetricChunks` as pushes into CUDA symmetric
+memory by copy engines, as above (``2 (N - 1) / N`` bytes received per element: on more than two ranks fewer than
+the gather path's ``N - 1``).
 """
 
 from __future__ import annotations
