@@ -5,10 +5,13 @@ multiplied by mu; the optimizer divides it out again. mu is a power of two, so s
 
 - Every FP8 cast of a gradient that mu governs reports its amax and saturation count
   (:meth:`FP8GradScaler.record_gradient_cast`): the optimizer's gradient cast, the FP8 communication hooks.
-- Gradients that stay in high precision (no FP8 cast of them reported in a step, e.g. FP8AdamW with
-  ``fp8_grads=False`` and no FP8 communication) are measured by :meth:`~FP8GradScaler.step` itself, in one fused
-  amax reduction per device and dtype, against their own dtype's maximum (fp16: 65504). They cannot saturate (a
-  value past the maximum becomes inf, a non-finite step), so for them only the headroom and non-finite rules apply.
+- The optimizer's gradients in ``param.grad`` (high precision) are measured by :meth:`~FP8GradScaler.step` itself, in
+  one fused amax reduction per device and dtype, against their own dtype's maximum (fp16: 65504): all of them when
+  no FP8 cast was reported in the step (e.g. FP8AdamW with ``fp8_grads=False`` and no FP8 communication), else those
+  whose dtype has a narrower range than fp32 (fp16), the ones mu can overflow (see
+  :meth:`~FP8GradScaler._record_high_precision_grads`). They cannot saturate (a value past the maximum becomes inf, a
+  non-finite step), so for them only the headroom and non-finite rules apply; the saturated fraction is that of the
+  FP8 casts' values.
 - :meth:`~FP8GradScaler.step` checks the optimizer's own gradients (and what the communication hooks reported),
   agrees across data-parallel ranks with one small all-reduce, then skips that optimizer's step when any rank saw a
   non-finite value, else steps it (through its ``step()``, so LR schedulers and step hooks see it) with the
@@ -64,6 +67,11 @@ Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], 
 
 def _is_power_of_two(x: float) -> bool:
     return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
+def _narrower_than_fp32(dtype: torch.dtype) -> bool:
+    """Whether ``dtype``'s range is narrower than fp32's (fp16, FP8): fp32, bf16 and fp64 reach past 2**127."""
+    return torch.finfo(dtype).max < 2.0**127
 
 
 class _Counts:
@@ -321,23 +329,35 @@ class FP8GradScaler:
         """Forget the casts ``owner`` reported since its last step: it dropped those gradients (``zero_grad``)."""
         self._owned.pop(owner, None)
 
-    def _record_high_precision_grads(self, optimizer: torch.optim.Optimizer, counts: _Counts) -> None:
+    def _record_high_precision_grads(
+        self, optimizer: torch.optim.Optimizer, counts: _Counts, narrow_only: bool = False
+    ) -> None:
         """Add the headroom of ``optimizer``'s mu-scaled ``param.grad`` under their dtype's maximum to ``counts``.
 
         One ``_foreach_norm(inf)`` per (device, dtype) and no host synchronization: the per-step all-reduce in
-        :meth:`_agree` reads the counters. Counts as casts with no saturated values (high-precision values do not
-        clamp: past the maximum they become inf, which marks the step non-finite).
+        :meth:`_agree` reads the counters. Counted as measured values, not as cast ones (high-precision values do not
+        clamp: past the maximum they become inf, which marks the step non-finite), so they take part in the headroom
+        and non-finite rules but not in the saturated fraction.
+
+        ``narrow_only`` (FP8 casts were reported in this step, so mu's growth is judged on them already): only the
+        gradients whose dtype's range is narrower than fp32's (fp16) are measured. They are the ones mu can push past
+        their maximum (an fp16 gradient of 30 overflows at mu = 4096), and no cast reports them: the optimizer's FP8
+        gradients have left ``param.grad``. fp32, bf16 and fp64 gradients reach 3.4e38: no finite gradient times mu
+        (at most ``max_scale``) comes within the headroom of it, and an infinite one is caught by the step's
+        non-finite check of every ``param.grad`` anyway; measuring them would only add a pass over every gradient.
         """
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 grad = p.grad
-                if grad is None:
+                if grad is None or not grad.is_floating_point():
+                    continue
+                if narrow_only and not _narrower_than_fp32(grad.dtype):  # before any work on it
                     continue
                 if grad.is_sparse:  # its stored values (duplicates summed, as the dense gradient holds them)
                     grad = grad.coalesce()._values()
                 grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor: this rank's shard
-                if grad.numel() and grad.is_floating_point():
+                if grad.numel():
                     by_kind[(grad.device, grad.dtype)].append(grad)
         for (_, dtype), grads in by_kind.items():
             amax = torch.stack(ops.amaxes(grads))  # NaN counted as inf
@@ -379,15 +399,17 @@ class FP8GradScaler:
             3, dtype=torch.float64, device=device)  # fmt: skip
         flag = step_found.to(device, torch.float64).reshape(1) if step_found is not None else stats.new_zeros(1)
         numel = float(self._window.numel + self._shared.numel)
-        packed = torch.cat([flag, stats, torch.tensor([numel], dtype=torch.float64, device=device)])
+        cast_numel = float(self._window.cast_numel + self._shared.cast_numel)
+        packed = torch.cat([flag, stats, torch.tensor([numel, cast_numel], dtype=torch.float64, device=device)])
         if dist.is_available() and dist.is_initialized():
             group = self.process_group
             if dist.get_world_size(group) > 1:
                 if dist.get_backend(group) == "nccl" and packed.device.type != "cuda":
                     packed = packed.cuda()
                 dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        flag_sum, found, n_sat, no_headroom, numel = packed.tolist()
-        self._agreed = {"found": found, "n_saturated": n_sat, "numel": numel, "no_headroom": no_headroom}
+        flag_sum, found, n_sat, no_headroom, numel, cast_numel = packed.tolist()
+        self._agreed = {"found": found, "n_saturated": n_sat, "numel": numel, "cast_numel": cast_numel,
+                        "no_headroom": no_headroom}  # fmt: skip
         return flag_sum
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -407,16 +429,21 @@ class FP8GradScaler:
                 ``torch.amp.GradScaler``: its gradients would be unscaled twice). A step that raised (the error
                 propagates) does not count: it can be made again, with its gradients as they were left (a plain
                 optimizer's are not unscaled twice).
+            ValueError: when ``optimizer`` is not an FP8AdamW and has fp16 gradients (fp16 parameters), as
+                ``torch.amp.GradScaler`` refuses them: unscaling them in fp16 would turn the small gradients mu made
+                representable back to zero. Raised before anything is changed.
         """
         if any(stepped is optimizer for stepped, _ in self._stepped):
             raise RuntimeError(
                 f"FP8GradScaler.step(optimizer): step() has already been called since the last update() for this "
                 f"{type(optimizer).__name__}; call scaler.update() between two steps of one optimizer"
             )
+        fused = getattr(optimizer, "_fp8_step", None)
+        if fused is None:  # before anything changes
+            _refuse_fp16_grads(optimizer)
         self._last_optimizer = optimizer
         self._seen.add(optimizer)
         inv_scale = 1.0 / self.loss_scale
-        fused = getattr(optimizer, "_fp8_step", None)
         bound = getattr(optimizer, "grad_scaler", None)
         if fused is not None and bound is not self and optimizer not in self._seen_unbound:
             self._seen_unbound.add(optimizer)
@@ -430,8 +457,9 @@ class FP8GradScaler:
         found = optimizer._nonfinite_grads() if fused is not None else None  # flushes FP8AdamW's queued casts first
         reported = self._owned.pop(optimizer, None)
         own = _Counts() if reported is None else reported.copy()
-        if not (own.cast_numel or self._shared.cast_numel):  # no FP8 cast of its gradients: judge them in place
-            self._record_high_precision_grads(optimizer, own)
+        # Its param.grad, in place: every one when no FP8 cast was reported (they are all mu is judged on), else the
+        # fp16 ones (the casts do not see them, and they overflow as mu grows); see _record_high_precision_grads.
+        self._record_high_precision_grads(optimizer, own, narrow_only=bool(own.cast_numel or self._shared.cast_numel))
         if fused is None:  # unscaled once: a step made again after raising only checks them
             found = _unscale_in_place(optimizer, 1.0 if optimizer in self._unscaled else inv_scale)
             self._unscaled.add(optimizer)
@@ -525,8 +553,8 @@ class FP8GradScaler:
 
     def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
         self._count_nonfinite_runs(nonfinite=False)
-        numel = decision["numel"]
-        self._last_saturation = decision["n_saturated"] / numel if numel else 0.0
+        numel, cast_numel = decision["numel"], decision["cast_numel"]  # all values measured; those an FP8 cast held
+        self._last_saturation = decision["n_saturated"] / cast_numel if cast_numel else 0.0
         if self._last_saturation > self.saturation_threshold:
             self._growth_tracker = 0
             self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
@@ -713,17 +741,37 @@ def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float
         optimizer._fp8_unscale = None  # type: ignore[attr-defined]
 
 
+def _refuse_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Raise a ValueError if a plain optimizer has fp16 gradients, which :func:`_unscale_in_place` cannot unscale.
+
+    mu is there for the gradients fp16 cannot hold unscaled: ``g * mu`` is representable where ``g`` (below fp16's
+    smallest subnormal, 6e-8, or among its subnormals) is not, and multiplying by ``1 / mu`` in fp16 storage rounds
+    them to zero (or to a few bits) again, silently. ``torch.amp.GradScaler`` refuses them ("Attempting to unscale
+    FP16 gradients"); bf16 has fp32's range, so unscaling it by a power of two is exact."""
+    fp16 = [p for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None and p.grad.dtype == torch.float16]  # fmt: skip
+    if fp16:
+        raise ValueError(
+            f"FP8GradScaler.step: this {type(optimizer).__name__} has fp16 gradients ({len(fp16)} parameter(s) in "
+            f"fp16, e.g. one of shape {tuple(fp16[0].shape)}). Its gradients would be unscaled by 1/mu in place, in "
+            "fp16, which turns the small gradients that mu made representable (below ~6e-8 unscaled) back into zero, "
+            "silently; torch.amp.GradScaler refuses them too ('Attempting to unscale FP16 gradients'). Keep these "
+            "parameters in fp32 (compute in fp16/bf16 with torch.autocast), or train them with "
+            "lightning_fp8.FP8AdamW(..., grad_scaler=scaler), which unscales each gradient in fp32 inside its step "
+            "(and keeps fp16 masters with per-tensor scales for the FP8 weights at O2). Nothing was changed."
+        )
+
+
 def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> torch.Tensor:
     """Multiply every gradient of a plain optimizer by ``inv_scale``; return a 0-dim non-finite flag.
 
     A sparse gradient (``nn.Embedding(sparse=True)``) has its values unscaled in place, as in
-    ``torch.amp.GradScaler``; an fp16 one with repeated indices is coalesced first (put back in ``param.grad``):
-    the sums of its repeated values can overflow where its values do not, so the sums are checked."""
+    ``torch.amp.GradScaler``. fp16 gradients never come here (:func:`_refuse_fp16_grads`): fp32 and bf16 values are
+    unscaled exactly, and the sums of a sparse gradient's repeated values overflow only where its values nearly do
+    (past 1.7e38), so they are left uncoalesced, as torch.amp leaves them."""
     found = torch.zeros(())
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     for p in params:
-        if p.grad.is_sparse and p.grad.dtype == torch.float16 and not p.grad.is_coalesced():
-            p.grad = p.grad.coalesce()
         values = p.grad._values() if p.grad.is_sparse else p.grad
         values.mul_(inv_scale)
         bad = (~torch.isfinite(values)).any().float()

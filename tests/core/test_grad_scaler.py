@@ -189,19 +189,20 @@ def test_sparse_gradients_are_unscaled_and_checked_as_with_torch_amp():
     assert torch.equal(weight, ref_weight) and scale == ref_scale == 2.0**9
 
 
-def test_sparse_gradient_values_that_overflow_when_summed_skip_the_step():
-    # Two fp16 values at one index, each finite, sum past fp16's maximum (2 * 40000 > 65504): the step uses the sum,
-    # so the check must see it.
+def test_sparse_fp16_gradients_are_refused_as_with_torch_amp():
+    # fp16 gradients of a plain optimizer are refused (unscaling them in fp16 loses what mu made representable),
+    # sparse ones too, as torch.amp refuses them: uncoalesced, left as they were.
     emb = nn.Embedding(4, 2, sparse=True).half()
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     index = torch.tensor([[1, 1]])
     values = torch.full((2, 2), 40000.0, dtype=torch.float16)
-    assert 2 * 40000.0 > torch.finfo(torch.float16).max
     emb.weight.grad = torch.sparse_coo_tensor(index, values, emb.weight.shape, check_invariants=True)
     weight = emb.weight.detach().clone()
-    scaler = FP8GradScaler(init_scale=1.0, min_scale=2.0**-2)
-    assert scaler.step(opt) is False
-    assert torch.equal(emb.weight.detach(), weight)
+    scaler = FP8GradScaler(init_scale=2.0**4)
+    with pytest.raises(ValueError, match="fp16 gradients"):
+        scaler.step(opt)
+    assert torch.equal(emb.weight.detach(), weight) and not emb.weight.grad.is_coalesced()
+    assert torch.equal(emb.weight.grad._values(), values) and scaler.state_dict() == FP8GradScaler(2.0**4).state_dict()
 
 
 def test_sparse_gradients_alone_grow_mu_as_with_torch_amp():
@@ -243,9 +244,13 @@ def test_a_saved_scale_outside_this_scalers_bounds_is_brought_within_them():
 def test_high_precision_gradients_grow_mu_with_headroom_under_their_dtype(dtype):
     # No FP8 cast reports a gradient (a plain optimizer, or FP8AdamW with fp8_grads=False): the scaler measures the
     # gradients itself, so mu still doubles after growth_interval clean steps, and stops where fp16 would overflow.
+    # (fp16 parameters through FP8AdamW: a plain optimizer's fp16 gradients are refused.)
     lin = nn.Linear(8, 4).to(dtype)
-    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
     scaler = FP8GradScaler(init_scale=1.0, growth_interval=2)
+    if dtype == torch.float32:
+        opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    else:
+        opt = FP8AdamW(lin.parameters(), lr=0.0, grad_scaler=scaler, fp8_grads=False)
     for _ in range(4):
         opt.zero_grad()
         lin.weight.grad = torch.randn_like(lin.weight) * float(scaler.scale)

@@ -168,16 +168,15 @@ def test_fp8adamw_unscales_by_the_mu_of_its_backward_after_another_update():
     assert all(torch.equal(u, v) for u, v in zip(*results, strict=True))
 
 
-def test_headroom_of_every_plain_optimizer_is_judged():
+def test_headroom_of_every_optimizer_is_judged():
     # High-precision gradients (no FP8 cast reports them): the scaler measures each stepped optimizer's. The second
     # optimizer's gradient is less than 2x under fp16's maximum, so mu must not grow, as with one optimizer holding
-    # both parameters.
+    # both parameters. (fp16 parameters through FP8AdamW: a plain optimizer's fp16 gradients are refused.)
     def run(split: bool) -> list[float]:
         p, q = nn.Parameter(torch.zeros(4, dtype=torch.float16)), nn.Parameter(torch.zeros(4, dtype=torch.float16))
-        opts = (
-            [torch.optim.SGD([p], lr=0.0), torch.optim.SGD([q], lr=0.0)] if split else [torch.optim.SGD([p, q], lr=0.0)]
-        )
         scaler = FP8GradScaler(init_scale=1.0, growth_interval=1)
+        kwargs = {"lr": 0.0, "grad_scaler": scaler, "fp8_grads": False}
+        opts = [FP8AdamW([p], **kwargs), FP8AdamW([q], **kwargs)] if split else [FP8AdamW([p, q], **kwargs)]
         scales = []
         for _ in range(3):
             p.grad = torch.full_like(p, 1.0)
