@@ -39,7 +39,7 @@ from gpt import fp8_module_filter
 from lab_report import write_report
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from train_gpt import LitGPT, build_trainer, gpt_config, make_loaders
+from train_gpt import LitGPT, build_trainer, gpt_config, int_at_least, make_loaders
 from typing_extensions import override
 
 from lightning_fp8 import fp8_modules, fp8_stats
@@ -239,11 +239,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(VARIANTS)} (torchao is skipped when not installed)",
     )
     p.add_argument("--preset", choices=["toy", "small", "gpt125m"], help="model size (default: by device)")
-    for flag in "--width --depth --heads --seq-len --batch-size --max-steps --warmup-steps --val-every".split():
-        p.add_argument(flag, type=int)
+    count = int_at_least(1)  # sizes and step counts
+    for flag in "--width --depth --heads --seq-len --batch-size --max-steps --val-every".split():
+        p.add_argument(flag, type=count)
+    p.add_argument("--warmup-steps", type=int_at_least(0))
     p.add_argument("--lr", type=float)
-    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of the corpus")
-    p.add_argument("--val-batches", type=int, default=20, help="batches per validation (the final one too)")
+    p.add_argument("--max-bytes", type=count, help="read at most this many bytes of the corpus")
+    p.add_argument("--val-batches", type=count, default=20, help="batches per validation (the final one too)")
     p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's model")
     p.add_argument("--seed", type=int, default=1234)

@@ -9,9 +9,9 @@ gradient scale mu) for each FP8 variant.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,9 @@ def write_report(out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python examples/lab_report.py LAB_DIR")
-    print(write_report(Path(sys.argv[1])).read_text())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("lab_dir", type=Path, help="a directory lab.py wrote (its --out), holding runs/*.json")
+    lab_dir = parser.parse_args().lab_dir
+    if not any((lab_dir / "runs").glob("*.json")):
+        parser.error(f"no runs in {lab_dir}: expected {lab_dir / 'runs'}/<variant>.json, as lab.py --out writes")
+    print(write_report(lab_dir).read_text())

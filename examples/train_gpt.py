@@ -148,8 +148,22 @@ def describe_device(precision: str) -> str:
     return name
 
 
+def int_at_least(minimum: int) -> Any:
+    """An argparse ``type``: an integer >= ``minimum``; anything else is a usage error, not a traceback later."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid int value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    count = int_at_least(1)  # sizes and step counts
     p.add_argument(
         "--precision",
         default="fp8-lm",
@@ -157,18 +171,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--preset", choices=["toy", "small", "gpt125m"], help="model size (default: by device)")
     p.add_argument("--toy", action="store_true", help="the CPU toy settings on any device (quick check)")
-    p.add_argument("--width", type=int)
-    p.add_argument("--depth", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--max-steps", type=int)
+    p.add_argument("--width", type=count)
+    p.add_argument("--depth", type=count)
+    p.add_argument("--heads", type=count)
+    p.add_argument("--seq-len", type=count)
+    p.add_argument("--batch-size", type=count)
+    p.add_argument("--max-steps", type=count)
     p.add_argument("--lr", type=float)
-    p.add_argument("--warmup-steps", type=int, help="default: 5%% of --max-steps")
-    p.add_argument("--val-every", type=int, help="validate every N training steps")
-    p.add_argument("--val-batches", type=int, default=20, help="validation batches per validation")
+    p.add_argument("--warmup-steps", type=int_at_least(0), help="default: 5%% of --max-steps")
+    p.add_argument("--val-every", type=count, help="validate every N training steps")
+    p.add_argument("--val-batches", type=count, default=20, help="validation batches per validation")
     p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
-    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of the corpus")
+    p.add_argument("--max-bytes", type=count, help="read at most this many bytes of the corpus")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="runs/train_gpt", help="directory for logs, checkpoints, summary.json")

@@ -42,19 +42,27 @@ def evaluate(model: GPT, loader: DataLoader, device: torch.device, n_batches: in
     return sum(losses) / len(losses)
 
 
+def count(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (sizes and step counts); anything else is a usage error."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small" if gpu else "toy", choices=["toy", "small", "gpt125m"])
-    p.add_argument("--width", type=int)
-    p.add_argument("--depth", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--batch-size", type=int, default=32 if gpu else 16)
-    p.add_argument("--max-steps", type=int, default=1000 if gpu else 200)
+    p.add_argument("--width", type=count)
+    p.add_argument("--depth", type=count)
+    p.add_argument("--heads", type=count)
+    p.add_argument("--seq-len", type=count)
+    p.add_argument("--batch-size", type=count, default=32 if gpu else 16)
+    p.add_argument("--max-steps", type=count, default=1000 if gpu else 200)
     p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
     p.add_argument("--recipe", default="fp8-lm", help="an FP8 recipe name (fp8-lm, fp8-lm-o1, ...)")
-    p.add_argument("--val-batches", type=int, default=20)
+    p.add_argument("--val-batches", type=count, default=20)
     p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
     p.add_argument("--out", type=Path, default=Path("runs/train_plain"))
     args = p.parse_args(argv)

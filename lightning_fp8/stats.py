@@ -38,18 +38,37 @@ _INT_FIELDS = ("nonfinite_count", "casts")
 _SCALER_FIELDS = ("skipped_steps", "last_saturation", "nonfinite_events")
 
 
-def clean_name(name: str) -> str:
-    """``name`` without the path components that DDP/FSDP/compile wrappers add (a leading ``module``,
-    ``_fsdp_wrapped_module``, ...): whole components only ("my_orig_mod.fc" stays as it is)."""
+# The wrappers that register the model they wrap as their child "module" (whose names then start "module."):
+# torch's DistributedDataParallel and DataParallel (Accelerate and Lightning wrap with DDP), DeepSpeed's engine.
+_MODULE_WRAPPERS: tuple[type, ...] = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+_MODULE_WRAPPER_NAMES = ("DeepSpeedEngine",)
+
+
+def clean_name(name: str, strip_module: bool = True) -> str:
+    """``name`` without the path components that DDP/FSDP/compile wrappers add (``_fsdp_wrapped_module``,
+    ``_checkpoint_wrapped_module``, ``_orig_mod``, and with ``strip_module`` a leading ``module``): whole
+    components only ("my_orig_mod.fc" stays as it is). :func:`fp8_stats` strips the leading ``module`` only when
+    the model it is given is such a wrapper (:func:`wraps_as_module`), never a user's own child of that name."""
     parts = [part for part in name.split(".") if f"{part}." not in _WRAPPER_FRAGMENTS]
-    return ".".join(parts[1:] if parts[:1] == ["module"] else parts)
+    return ".".join(parts[1:] if strip_module and parts[:1] == ["module"] else parts)
 
 
-def _clean_names(names: Iterable[str]) -> dict[str, str]:
-    # clean_name of each, except where two names would become one (a layer of the user's own named "module" beside
-    # one that is not in it): those keep their full names, so that no layer's entries overwrite another's.
+def wraps_as_module(model: nn.Module) -> bool:
+    """Whether ``model`` (through torch.compile's ``_orig_mod``) is a DDP/DataParallel/DeepSpeed wrapper, whose
+    child ``module`` (the leading ``module.`` of the names) is the wrapped model."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+        model = model._orig_mod
+    child = model._modules.get("module")
+    if child is None:
+        return False
+    return isinstance(model, _MODULE_WRAPPERS) or any(c.__name__ in _MODULE_WRAPPER_NAMES for c in type(model).__mro__)
+
+
+def _clean_names(names: Iterable[str], strip_module: bool = True) -> dict[str, str]:
+    # clean_name of each, except where two names would become one: those keep their full names, so that no
+    # layer's entries overwrite another's.
     names = list(dict.fromkeys(names))
-    cleaned = {name: clean_name(name) for name in names}
+    cleaned = {name: clean_name(name, strip_module) for name in names}
     counts = collections.Counter(cleaned.values())
     return {name: short if counts[short] == 1 else name for name, short in cleaned.items()}
 
@@ -95,7 +114,7 @@ def _scaling_states(model: nn.Module) -> Iterable[tuple[str, str, ScalingState]]
     # Only a whole trailing "fp8_scaling" path component is dropped, never part of the user's own layer name
     # ("head_fp8_scaling" is a layer of that name); the model itself being the layer gives "root".
     states = [(name, module) for name, module in model.named_modules() if isinstance(module, ScalingState)]
-    short = _clean_names(name.rpartition(".")[0] for name, _ in states)
+    short = _clean_names((name.rpartition(".")[0] for name, _ in states), wraps_as_module(model))
     for name, module in states:
         parent, _, role = name.rpartition(".")
         path = short[parent].split(".") if parent else []
@@ -136,7 +155,7 @@ def _optimizer_handles(
     # Low-precision optimizer states carry one 0-dim fp32 scale per tensor (DESIGN.md "FP8AdamW": state layout);
     # they are recognised by name (a key containing "scale"), so any optimizer following that layout is covered.
     params = list(model.named_parameters())
-    short = _clean_names(n for n, _ in params)
+    short = _clean_names((n for n, _ in params), wraps_as_module(model))
     names = {id(p): short[n] for n, p in params}
     states: dict[str, dict[str, Any]] = {}
     for index, (param, state) in enumerate(optimizer.state.items()):
@@ -203,7 +222,9 @@ def fp8_stats(
     Read-only: nothing is modified, and the values are copies (Python numbers).
 
     Args:
-        model: a model converted with :func:`~lightning_fp8.convert_to_fp8` (wrapped by DDP/FSDP or not).
+        model: a model converted with :func:`~lightning_fp8.convert_to_fp8` (wrapped by DDP/FSDP/torch.compile or
+            not: the names are the wrapped model's own; a leading ``module`` is left out only when ``model`` is a
+            DDP, DataParallel or DeepSpeed wrapper, so a child of the user's own named ``module`` keeps its name).
         optimizer: an optimizer over ``model``'s parameters, e.g. :class:`~lightning_fp8.FP8AdamW`; its per-
             parameter 0-dim state entries whose key contains ``"scale"`` are reported.
         grad_scaler: a :class:`~lightning_fp8.FP8GradScaler` (anything whose ``scale`` attribute is mu: a number

@@ -225,3 +225,33 @@ def test_train_plain_toy(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert set(ckpt) == {"model", "fp8", "optimizer", "grad_scaler"}
     assert any(key.endswith("grad_output.amax_history") for key in ckpt["fp8"])
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "flag"),
+    [
+        ("train_gpt.py", ["--max-steps", "0"], "--max-steps"),
+        ("train_gpt.py", ["--val-every", "0"], "--val-every"),
+        ("train_gpt.py", ["--warmup-steps", "-1"], "--warmup-steps"),
+        ("train_plain.py", ["--max-steps", "0"], "--max-steps"),
+        ("train_plain.py", ["--val-batches", "-2"], "--val-batches"),
+        ("lab.py", ["--batch-size", "0"], "--batch-size"),
+        ("lab_report.py", [], "lab_dir"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(script, args, flag):
+    # Not a traceback from deep inside the run (ZeroDivisionError, FileNotFoundError): argparse's exit 2 naming it.
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "error:" in proc.stderr and flag in proc.stderr
+
+
+def test_lab_report_help_and_an_empty_directory(tmp_path):
+    helped = subprocess.run([sys.executable, str(EXAMPLES / "lab_report.py"), "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "lab_dir" in helped.stdout
+    empty = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lab_report.py"), str(tmp_path)], capture_output=True, text=True
+    )
+    assert empty.returncode == 2 and "no runs in" in empty.stderr and "Traceback" not in empty.stderr

@@ -525,6 +525,18 @@ class FP8AdamW(torch.optim.Optimizer):
         clipping ``param.grad`` would miss them."""
         return bool(self._hooks)
 
+    @torch.no_grad()
+    def fp8_grad_norms(self) -> dict[torch.Tensor, torch.Tensor]:
+        """``{param: norm}``: the L2 norm (0-dim fp32) of each gradient this optimizer holds in FP8 for its next
+        step (``fp8_grads``; ``param.grad`` is ``None`` for them), dequantized (the FP8 values times their
+        ``scale_inv``). They are in the units of the backward: they carry the gradient scaler's mu (the step unscales
+        them). Read-only: queued gradients are cast first, as the step would."""
+        self._grad_casts.flush(self)
+        return {
+            p: (torch.linalg.vector_norm(e.data.float()) * e.scale_inv.float()).reshape(())
+            for p, e in self._pending.items()
+        }
+
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; also drops the FP8 gradients this optimizer holds, which

@@ -124,7 +124,7 @@ def test_a_scaler_whose_scale_is_not_a_number_is_refused(scale, words):
 
 def test_wrapper_names_are_cleaned_and_bad_input_is_rejected():
     assert clean_name("module._fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn") == "blocks.0.attn"
-    assert set(fp8_stats(nn.ModuleDict({"module": _trained(1)}))["layers"]) == {"0", "2"}
+    assert set(fp8_stats(nn.DataParallel(_trained(1)))["layers"]) == {"0", "2"}  # DDP's "module." as well
     with pytest.raises(TypeError, match="nn.Module"):
         fp8_stats("model")
     with pytest.raises(TypeError, match="FP8GradScaler"):
@@ -156,7 +156,7 @@ def test_user_layer_names_ending_in_fp8_scaling_are_kept(wrap):
     # Reference: the FP8 layers named by named_modules(), each with its own buffers.
     expected = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     assert sorted(expected) == sorted(names)
-    wrapped = {"plain": model, "module": nn.ModuleDict({"module": model}), "compiled": torch.compile(model)}[wrap]
+    wrapped = {"plain": model, "module": nn.DataParallel(model), "compiled": torch.compile(model)}[wrap]
     layers = fp8_stats(wrapped)["layers"]
     assert sorted(layers) == sorted(names)
     for name, layer in expected.items():
@@ -170,7 +170,7 @@ def test_user_layer_names_ending_in_fp8_scaling_are_kept(wrap):
 def test_a_bare_fp8_layer_is_root(wrap):
     layer = FP8Linear(16, 16, recipe="fp8-lm")
     layer(torch.randn(4, 16))
-    wrapped = {"plain": layer, "module": nn.ModuleDict({"module": layer}), "compiled": torch.compile(layer)}[wrap]
+    wrapped = {"plain": layer, "module": nn.DataParallel(layer), "compiled": torch.compile(layer)}[wrap]
     assert list(fp8_stats(wrapped)["layers"]) == ["root"]
 
 
@@ -194,3 +194,39 @@ def test_layers_whose_clean_names_would_collide_keep_their_full_names():
     assert sorted(fp8_stats(model)["layers"]) == ["fc", "module.fc"]
     assert clean_name("my_orig_mod.fc") == "my_orig_mod.fc"
     assert clean_name("module._orig_mod.blocks.0._checkpoint_wrapped_module.fc") == "blocks.0.fc"
+
+
+def test_a_child_of_the_users_own_named_module_keeps_its_name(tmp_path):
+    """The leading "module." is left out for a wrapper (DDP, DataParallel, compiled or not) only: a model whose own
+    child is named "module" keeps it, in the layers and in the optimizer states."""
+    import torch.distributed as dist
+
+    from lightning_fp8 import FP8AdamW
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+        def forward(self, x):
+            return self.module(x)
+
+    model = convert_to_fp8(Model())
+    optimizer = FP8AdamW(model.parameters(), lr=1e-3, fp8_grads=False)
+    model(torch.randn(4, 16)).square().mean().backward()
+    optimizer.step()
+    own = ["module.0", "module.2"]
+    stats = fp8_stats(model, optimizer)
+    assert sorted(stats["layers"]) == own
+    assert sorted(stats["optimizer"]["states"]) == ["module.0.weight", "module.2.weight"]
+    assert sorted(fp8_stats(nn.ModuleDict({"module": model}))["layers"]) == [f"module.{n}" for n in own]
+    assert sorted(fp8_stats(torch.compile(model))["layers"]) == own
+    assert sorted(fp8_stats(nn.DataParallel(model))["layers"]) == own  # the wrapper's "module." only
+    assert sorted(fp8_stats(torch.compile(nn.DataParallel(model)))["layers"]) == own
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        assert sorted(fp8_stats(ddp)["layers"]) == own
+        assert sorted(fp8_stats(ddp, optimizer)["optimizer"]["states"]) == ["module.0.weight", "module.2.weight"]
+    finally:
+        dist.destroy_process_group()

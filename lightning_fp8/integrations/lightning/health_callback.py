@@ -62,9 +62,10 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     Every training batch that stepped it observes the loss (mean over the accumulated micro-batches), the global
     gradient norm over the parameters of the optimizers stepped (of the true gradients: under FP8LMPrecision the
-    norm of the gradients as they are, divided by the mu they carry), the parameter norm, the training throughput
-    and the memory in use; every ``log_every_n_steps`` such batches (counted as Lightning counts its own logging)
-    it logs, on global rank zero, at the ``global_step`` reached:
+    norm of the gradients as they are, divided by the mu they carry; those FP8AdamW holds in FP8 with ``fp8_grads``
+    included, dequantized; none for a batch without any gradient, as ``training_step`` returning ``None`` makes it),
+    the parameter norm, the training throughput and the memory in use; every ``log_every_n_steps`` such batches
+    (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached:
 
     - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN left
       out), ``health/grad_norm``, ``health/param_norm``;
@@ -77,7 +78,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     Alerts are warned on rank zero as they happen and kept in ``.monitor.events`` with the recovery action
     (a skipped step halves mu: ``"skip_step+lower_mu"``; when that step also ran the scaler's fallback, its action
     is added to the same event: ``"skip_step+lower_mu+lower_lr"``, ``"...+fallback_bf16"``). At the end of fit a PNG
-    of the series is written to ``plot_path`` (default ``<log_dir>/health.png``; needs matplotlib, else a warning).
+    of the series is written to ``plot_path`` (default ``<log_dir>/health.png``; needs matplotlib, else a warning)
+    and its path kept in ``.plot_file``; a fit that observed no step (``max_steps=0``) writes none (``None``).
 
     The series travel in the Trainer's checkpoints, so a resumed run's running means and alerts continue those of
     the run that saved it.
@@ -112,6 +114,7 @@ class TrainingHealthMonitor(_LoggingCallback):
         self.tokens_fn = tokens_fn or count_tokens
         self.plot = plot
         self.plot_path = plot_path
+        self.plot_file: str | None = None
         self._reset_window()
         self._t0: float | None = None
         self._paused_at: float | None = None
@@ -167,12 +170,29 @@ class TrainingHealthMonitor(_LoggingCallback):
         # of the batch up in _observe. All ranks: FSDP1's flat shards are reduced across ranks (FSDP2's DTensors
         # reduce themselves).
         sharded = any(cls.__name__ == "FSDPStrategy" for cls in type(trainer.strategy).__mro__)  # either namespace
-        params = [p for group in _unwrap_optimizer(optimizer).param_groups for p in group["params"]]
+        torch_optimizer = _unwrap_optimizer(optimizer)
+        params = [p for group in torch_optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
+        # The gradients FP8AdamW holds in FP8 (fp8_grads: their param.grad is None), dequantized; they carry the
+        # backward's mu whatever gradient_factor() says (an unscaled region divides param.grad only).
+        fp8_norms = list(getattr(torch_optimizer, "fp8_grad_norms", dict)().values())
+        if not grads and not fp8_norms and not sharded:
+            # No gradient at all (training_step returned None: Lightning skips the backward): no norm for this
+            # step, as no loss. Sharded runs take the norm on every rank (a collective) and decide after it.
+            return
         # Under FP8LMPrecision the gradients may still carry mu (reads_scaled_gradients: the plugin does not unscale
         # them, and round fp16 ones, for this callback alone): divide the fp32 norm instead.
-        factor = getattr(trainer.precision_plugin, "gradient_factor", lambda: 1.0)()
-        self._grad_norms[id(optimizer)] = global_norm(grads, sharded=sharded) / factor
+        plugin = trainer.precision_plugin
+        factor = getattr(plugin, "gradient_factor", lambda: 1.0)()
+        norm = global_norm(grads, sharded=sharded) / factor
+        if fp8_norms:
+            scaler = getattr(plugin, "grad_scaler", None) if hasattr(plugin, "gradient_factor") else None
+            mu = scaler.loss_scale if scaler is not None else 1.0
+            fp8_norm = torch.linalg.vector_norm(torch.stack([n.to(norm.device) for n in fp8_norms])) / mu
+            norm = torch.linalg.vector_norm(torch.stack([norm, fp8_norm]))
+        elif not grads and norm.item() == 0.0:  # sharded: no rank had a gradient (a skipped batch)
+            return
+        self._grad_norms[id(optimizer)] = norm
         self._param_norm = global_norm(pl_module.parameters(), sharded=sharded)
 
     @override
@@ -281,6 +301,8 @@ class TrainingHealthMonitor(_LoggingCallback):
             from lightning_fp8.integrations.lightning.health_plot import plot_health
         except ImportError:
             warn_once("TrainingHealthMonitor: matplotlib is not installed, so no health.png; pip install matplotlib")
+            return
+        if not any(self.monitor.series.values()):  # a fit that stepped no optimizer (max_steps=0): nothing to plot
             return
         plot_health(self.monitor, path)
         self.plot_file = path

@@ -21,10 +21,15 @@ _EVENT_COLORS = {
 
 
 def plot_health(monitor: HealthMonitor, path: str) -> str:
-    """Write the plot to ``path`` (directories are created); returns ``path``."""
+    """Write the plot to ``path`` (directories are created); returns ``path``.
+
+    A monitor that observed nothing (a fit that stepped no optimizer) gets one empty panel saying so.
+    """
     series = {name: points for name, points in monitor.series.items() if points}
     fig, axes = plt.subplots(max(len(series), 1), 1, figsize=(8, 2.2 * max(len(series), 1)), sharex=True, squeeze=False)
-    for ax, (name, points) in zip(axes[:, 0], series.items(), strict=True):
+    if not series:
+        axes[0, 0].text(0.5, 0.5, "no steps observed", ha="center", va="center", transform=axes[0, 0].transAxes)
+    for ax, (name, points) in zip(axes[: len(series), 0], series.items(), strict=True):
         steps, values = zip(*points, strict=True)
         ax.plot(steps, values, linewidth=1)
         ax.set_ylabel(name, fontsize=8)

@@ -1,6 +1,7 @@
 """FP8ScaleMonitor and TrainingHealthMonitor: the documented keys reach CSV and TensorBoard loggers with the
 values the core reports; alerts fire on injected spikes, NaNs and scale jumps; no logger warns once."""
 
+import copy
 import csv
 import math
 import time
@@ -492,3 +493,67 @@ def test_running_means_leave_out_nan_and_the_window_is_checked():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="smoothing_window"):
             TrainingHealthMonitor(smoothing_window=bad)
+
+
+def _fp32_grad_norm(module: GPTModule, batch) -> float:
+    # The independent reference: the same weights and batch through plain fp32 autograd, the norm in fp64.
+    module.zero_grad()
+    module.loss(batch).backward()
+    norms = [p.grad.double().norm() for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
+
+
+@pytest.mark.parametrize("fp8_grads", [True, False])
+def test_grad_norm_counts_the_gradients_fp8adamw_holds_in_fp8(tmp_path, fp8_grads):
+    # fp8_grads=True: FP8AdamW takes the FP8 weights' gradients out of param.grad (held in FP8 with a scale, and
+    # carrying mu = 256): the norm must still be the norm of all the true gradients.
+    torch.manual_seed(0)
+    module = GPTModule()
+    reference = _fp32_grad_norm(copy.deepcopy(module), next(iter(loader())))
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    plugin = FP8LMPrecision(fp8_grads=fp8_grads, grad_scaler={"init_scale": 2.0**8})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(module, tmp_path, [health], precision=None, plugins=[plugin], max_steps=1)
+    assert plugin.grad_scaler.get_scale() == 2.0**8
+    assert [step for step, _ in health.monitor.series["grad_norm"]] == [1]
+    # FP8 forward/backward rounding: a few percent from the fp32 norm (leaving the FP8 weights out: ~3x smaller).
+    assert health.monitor.series["grad_norm"][0][1] == pytest.approx(reference, rel=0.05)
+
+
+class SkipsBatches(GPTModule):
+    """Returns None (Lightning's documented skip: no backward) for the batches in ``SKIP``."""
+
+    SKIP = (1, 2, 4)
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.SKIP else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("precision", ["fp8-lm", "32-true"])
+def test_a_skipped_batch_records_no_grad_norm(tmp_path, precision):
+    # No gradient at all is no norm (not 0.0, which would also enter the spike baseline), as it is no loss.
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    _fit(SkipsBatches(), tmp_path, [health], precision=precision, max_steps=6)
+    series = health.monitor.series
+    assert len(series["grad_norm"]) == len(series["loss"]) == 6 - len(SkipsBatches.SKIP)
+    assert [s for s, _ in series["grad_norm"]] == [s for s, _ in series["loss"]]
+    assert all(value > 0 for _, value in series["grad_norm"])
+    assert 0.0 not in health.monitor._grad_norms
+
+
+@pytest.mark.parametrize("limits", [{"max_steps": 0}, {"max_steps": 4, "limit_train_batches": 0}])
+def test_a_fit_that_steps_nothing_ends_normally_without_a_plot(tmp_path, limits):
+    health = TrainingHealthMonitor()  # plot=True
+    _fit(GPTModule(), tmp_path, [health], **limits)
+    assert health.plot_file is None
+    assert not list(tmp_path.rglob("health.png"))
+
+
+def test_plot_health_of_an_empty_monitor_writes_an_empty_plot(tmp_path):
+    from lightning_fp8 import HealthMonitor
+    from lightning_fp8.integrations.lightning.health_plot import plot_health
+
+    path = tmp_path / "sub" / "empty.png"
+    assert plot_health(HealthMonitor(), str(path)) == str(path)
+    assert path.stat().st_size > 1000
