@@ -212,15 +212,19 @@ def grad_output_current(traced_flag: bool) -> bool | None:
     return traced_flag if torch.compiler.is_compiling() else None
 
 
-def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized; outside the autograd.Function,
-    where torch.compile allows Python state to change. A cast of an empty tensor (amax 0: no information, an MoE expert
-    without tokens) marks nothing: the next cast still uses its own amax."""
-    if x.numel() == 0:
+def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor, by_value: bool = True) -> None:
+    """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized where the cast's amax was
+    finite and > 0 (:meth:`ScalingState.note_cast`; ``by_value=False``: any cast of a non-empty tensor, the same on
+    every rank of a tensor-parallel group); outside the autograd.Function, where torch.compile allows Python state to
+    change. A cast of an empty or all-zero tensor (amax 0: no information; an MoE expert without tokens, the output
+    of a zero-initialized layer) or of a non-finite one marks nothing: the next cast still uses its own amax."""
+    n = x.numel()
+    if n == 0:
         return
-    scaling["input"].initialized = scaling["weight"].initialized = True
+    scaling["input"].note_cast(n, by_value)
+    scaling["weight"].note_cast(n, by_value)
     if torch.compiler.is_compiling() and y.requires_grad:  # see grad_output_current
-        scaling["grad_output"].initialized = True
+        scaling["grad_output"].note_cast(n, by_value)
 
 
 # ------------------------------------------------------------- a new weight Parameter: to_empty(), assign=True loads
@@ -336,6 +340,22 @@ def check_not_reparametrized(layer: FP8Linear) -> None:
         )
 
 
+def check_no_functorch(name: str) -> None:
+    """Raise if a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ``jvp``...) is active: FP8 layers cast
+    through autograd.Functions that update their scaling state in place, which functorch cannot transform (PyTorch's
+    own error says nothing of FP8). ``name``: the layer, for the message. Eagerly only (a C call per forward);
+    torch.compile traces its own way."""
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return
+    raise RuntimeError(
+        f"{name} does not support torch.func transforms (torch.func.grad, vmap, jacrev, jvp, ...): its FP8 casts "
+        "update the layer's scaling state in place, which functorch cannot transform. Compute gradients with "
+        "torch.autograd.grad or loss.backward() (per-sample gradients: one backward per sample, or "
+        "torch.func on a model without FP8 layers), or keep this layer in high precision: convert_to_fp8(model, "
+        "module_filter_fn=...) returning False for it leaves it an nn.Linear"
+    )
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     # Costs nothing without tensor parallelism: a DTensor exists only once torch.distributed.tensor is imported.
     dtensor = sys.modules.get("torch.distributed.tensor")
@@ -356,13 +376,15 @@ class FP8Linear(nn.Linear):
 
     The output dtype is the autocast dtype when autocast is on, else the input's dtype (bf16, fp16, fp32).
 
-    The first cast of each role that sees a non-empty tensor uses the tensor's own amax (no history yet): the
+    The casts of each role use the tensor's own amax until one sees a finite amax > 0 (no history yet: an empty or
+    all-zero tensor, or one with inf or NaN, carries no information; the output of a zero-initialized layer): the
     grad_output role decides so when its backward runs, so forwards without a backward before it (an evaluation pass,
     micro-batches before their one backward, a second use of the layer) do not use up its first cast. Eagerly only:
     under ``torch.compile`` the decision is taken when the forward is traced.
 
     The backward is differentiable once: a double backward through the layer (``create_graph=True``, a gradient
-    penalty) raises when the second-order term is needed, rather than dropping it.
+    penalty) raises when the second-order term is needed, rather than dropping it. ``torch.func`` transforms
+    (``grad``, ``vmap``...) are not supported: the forward raises RuntimeError under them.
 
     Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, which Lightning's and FSDP's
     activation checkpointing use): where one forward of the layer waits for its backward (per-block checkpoints, one
@@ -509,6 +531,7 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_not_reparametrized(self)
+        check_no_functorch("FP8Linear")
         weight = self.weight  # a Module.__getattr__ each time: read once (this runs for every layer and step)
         if _is_dtensor(weight):  # tensor parallel: FP8 GEMMs on the local shards
             from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward

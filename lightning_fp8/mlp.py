@@ -38,6 +38,7 @@ from lightning_fp8.linear import (
     FP8Linear,
     _is_dtensor,
     backward_gemms,
+    check_no_functorch,
     check_not_reparametrized,
     current_flags,
     forward_gemm,
@@ -268,6 +269,7 @@ class FP8MLP(nn.Module):
         fc, proj = self.fc, self.proj
         check_not_reparametrized(fc)
         check_not_reparametrized(proj)
+        check_no_functorch("FP8MLP")
         w1, w2 = fc.weight, proj.weight
         if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
             return proj(F.gelu(fc(x)))

@@ -174,8 +174,36 @@ def scaled_mm(
     with torch.autocast(a_fp8.device.type, enabled=False):
         out = (a_fp8.float() * a_scale_inv) @ (b_fp8.float() * b_scale_inv)
         if bias is not None:
-            out = out + bias.to(out_dtype).float()
+            out = out + rounded_to(bias, out_dtype)
     return out.to(out_dtype)
+
+
+def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` and back to fp32, also under torch.compile: inductor drops a conversion to bf16 and
+    back (unless ``config.emulate_precision_casts``), keeping the fp32 value unrounded; a bf16 tensor is widened
+    through its bits instead (:func:`widen_bf16`), so compiled code adds the values eager code adds."""
+    x = x.to(dtype)
+    if dtype == torch.bfloat16:
+        return widen_bf16(x)
+    return widen_fp16(x) if dtype == torch.float16 else x.float()
+
+
+def widen_fp16(x: torch.Tensor) -> torch.Tensor:
+    """:func:`widen_bf16` for an fp16 tensor: fp32 from its bits (normal numbers re-biased, subnormals as their
+    mantissa times 2**-24, inf and NaN kept), exactly ``x.float()``."""
+    h = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    sign, exponent, mantissa = (h & 0x8000) << 16, (h >> 10) & 0x1F, h & 0x3FF
+    exponent = torch.where(exponent == 0x1F, 0xFF, exponent + 112)  # inf, NaN; else fp16's bias 15 -> fp32's 127
+    normal = (sign | (exponent << 23) | (mantissa << 13)).view(torch.float32)
+    subnormal = (mantissa.float() * 2.0**-24).copysign(normal)  # +-0 and subnormals (normal has x's sign)
+    return torch.where((h & 0x7C00) == 0, subnormal, normal)
+
+
+def widen_bf16(x: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor as fp32, exactly, through its bits: a conversion inductor cannot fold into the fp32 value that was
+    rounded to ``x`` (it keeps a value converted to bf16 and back in fp32 without rounding it, unless
+    ``config.emulate_precision_casts``), while eagerly the bf16 tensor is rounded."""
+    return (x.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
 
 
 def _pad_last(t_fp8: torch.Tensor, pad: int) -> torch.Tensor:

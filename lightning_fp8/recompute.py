@@ -4,7 +4,9 @@ torch.utils.checkpoint (use_reentrant=False; Lightning's and FSDP's activation c
 saved for the backward and runs the forward again inside the backward. A delayed scale has moved since (the forward
 recorded its amax), so a plain second forward would cast the input with another scale than the one that produced
 the output, and record its statistics twice. Each eager forward that records a graph therefore keeps the scales its
-input casts used (:class:`ForwardCall`, held by the graph); a forward that runs inside a backward is such a recompute:
+input casts used (:class:`ForwardCall`, held by the graph); a forward that torch.utils.checkpoint runs inside a backward
+is such a recompute (a forward of the layer called otherwise inside a backward, in a tensor hook or a custom
+autograd.Function's backward, is an ordinary forward: it casts and records as any other):
 when exactly one forward of the layer is waiting for its backward, it is the one repeated, and the recompute casts
 with its scales and records nothing (per-block checkpointing with one backward per forward, with gradient
 accumulation, nested checkpoints). When several are waiting (micro-batch losses summed into one backward, pipeline
@@ -23,6 +25,7 @@ and warns too. Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -64,19 +67,22 @@ _OWN_AMAX = ForwardCall()
 
 def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     """``(call, replaying)`` for a forward of the layer whose input scaling state is ``state``: a new call to keep
-    (``replaying`` False) for an eager forward with grad enabled or inside a checkpointed region, outside a backward;
-    for a recompute (a forward inside a backward, or under torch.utils.checkpoint's recompute hooks) the call it
-    repeats (``replaying`` True), or :data:`_OWN_AMAX` where it cannot tell; ``(None, False)`` for a reentrant
-    recompute, under no_grad elsewhere and when traced (torch.compile recomputes inside its own graphs)."""
+    (``replaying`` False) for an eager forward with grad enabled or inside a checkpointed region that is not a
+    recompute (also one inside a backward: a tensor hook's); for a recompute (a forward that torch.utils.checkpoint
+    runs again in a backward) the call it repeats (``replaying`` True), or :data:`_OWN_AMAX` where it cannot tell;
+    ``(None, False)`` for a reentrant recompute, under no_grad elsewhere and when traced (torch.compile recomputes
+    inside its own graphs)."""
     if torch.compiler.is_compiling():
         return None, False
     region, unpack_hook = _checkpoint_region()
     grad = torch.is_grad_enabled()
     task = torch._C._current_graph_task_id()  # -1 outside a backward; torch.utils.checkpoint's recompute reads it too
     # torch.utils.checkpoint recomputes under enable_grad, but the region may turn grad off (a no_grad forward inside
-    # it is recomputed all the same): in a backward, such a forward is a recompute where the hooks say so, or cannot
-    # say (torch < 2.8). Outside torch.utils.checkpoint's hooks a no_grad forward in a backward (in a hook) is none.
-    if region == "recompute" or (task != -1 and (grad or region is not None)):
+    # it is recomputed all the same): in a backward, a forward is a recompute where the hooks say so, or where
+    # torch.utils.checkpoint is recomputing below it (_recomputing: a nested checkpoint's forward, other saved-tensor
+    # hooks on top, torch < 2.8, the reentrant variant). Any other forward in a backward (the layer called in a tensor
+    # hook or a custom autograd.Function's backward) is an ordinary one: it casts and records as outside a backward.
+    if region == "recompute" or (task != -1 and _recomputing()):
         return _recompute_call(state, task)
     if not grad and region != "forward":
         return None, False
@@ -132,6 +138,22 @@ def _checkpoint_region() -> tuple[str | None, Callable | None]:
     if qualname.startswith("_recomputation_hook."):
         return "recompute", None
     return None, None
+
+
+def _recomputing() -> bool:
+    # Inside a backward, where the top saved-tensor hooks are not torch.utils.checkpoint's recompute hooks: whether
+    # torch.utils.checkpoint recomputes a region all the same, below this forward. Reentrant: inside its backward node.
+    # Non-reentrant: its recompute_fn is on the Python stack (called by the region's unpack hook, on the thread that
+    # runs the backward); its hooks are not on top inside a nested checkpoint's forward, under other saved-tensor hooks
+    # the region pushed, and on torch < 2.8, which cannot show them. Walks the stack only for forwards in a backward.
+    if _in_reentrant_recompute():
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "recompute_fn" and frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_reentrant_recompute() -> bool:

@@ -18,10 +18,13 @@ cast's amax: one pass over the data. Current scaling computes the tensor's amax 
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import get_args
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import FP8_DTYPES, fp8_max
@@ -120,9 +123,10 @@ class ScalingState(nn.Module):
         self.margin = margin
         self.algo = algo
         self.delayed = delayed
-        # Python flag, not a tensor: the first delayed cast has no history and uses the tensor's own amax. A cast of an
-        # empty tensor (amax 0: no information) leaves it unset. Set again when a saved state is loaded
-        # (lightning_fp8.state).
+        # Python flag, not a tensor: the first delayed cast has no history and uses the tensor's own amax. Set by the
+        # first cast whose amax carries information, finite and > 0 (note_cast); a cast of an empty or all-zero tensor
+        # (amax 0) or of one with inf or NaN (recorded in the history as 0) leaves it unset. Set again when a saved
+        # state is loaded (lightning_fp8.state).
         self.initialized = False
         f32 = {"dtype": torch.float32, "device": device}
         i64 = {"dtype": torch.int64, "device": device}
@@ -145,6 +149,26 @@ class ScalingState(nn.Module):
         """True when the next cast must compute its own amax: current scaling, or no history yet."""
         return not self.delayed or not self.initialized
 
+    def note_cast(self, numel: int, by_value: bool = True) -> None:
+        """After a cast of ``numel`` elements that this state recorded: mark it :attr:`initialized` when the cast's
+        amax (the ``amax`` buffer) is finite and > 0. An amax of 0 (an empty or all-zero tensor: a zero-initialized
+        layer's output at step 0) or a non-finite one enters the history as 0 and carries no information: a delayed
+        scale from a history of zeros would stay 1, and the next cast must still use its own amax.
+
+        Eagerly this reads the amax (one device sync, only while the state is not initialized). Traced by
+        ``torch.compile`` the value cannot be read without a graph break: a cast of a non-empty tensor marks the
+        state, as the trace decides the next cast's path anyway. ``by_value=False`` keeps that rule eagerly too:
+        for casts whose path must be the same on every rank of a group (tensor parallelism, where a cast with its own
+        amax is a collective), which a rank's own amax could tell apart."""
+        if self.initialized or numel == 0:
+            return
+        amax = self._buffers["amax"]
+        if not by_value or torch.compiler.is_compiling() or amax.is_meta or _tracing(amax):
+            self.initialized = True
+            return
+        with _disable_current_modes():  # bookkeeping: selective checkpointing's modes must not see (or cache) it
+            self.initialized = 0.0 < float(amax) < math.inf  # False for NaN
+
     def quantize(
         self,
         x: torch.Tensor,
@@ -159,16 +183,16 @@ class ScalingState(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """Cast ``x`` to FP8 with this role's scale and record the cast's statistics.
 
-        Delayed scaling uses the scale from earlier casts (the very first cast of a non-empty tensor, with an empty
-        history, uses the tensor's own amax); current scaling computes this tensor's amax first.
+        Delayed scaling uses the scale from earlier casts (until a cast has seen a finite amax > 0, with no history
+        yet, a cast uses the tensor's own amax); current scaling computes this tensor's amax first.
 
         Args:
             x: the high-precision tensor (2-D when ``transpose``).
             transpose: also return the transposed FP8 copy.
             current: force (True) or forbid (False) computing this tensor's amax first. ``None`` decides
-                from :meth:`needs_current_scale` and marks the state initialized unless ``x`` is empty; code traced
-                by ``torch.compile`` inside an autograd.Function passes it explicitly and sets ``initialized``
-                outside.
+                from :meth:`needs_current_scale` and marks the state initialized when the cast's amax is finite and
+                > 0 (:meth:`note_cast`); code traced by ``torch.compile`` inside an autograd.Function passes it
+                explicitly and sets ``initialized`` outside.
             unscale: a 0-dim power of two when ``x`` holds ``t * unscale`` (FP8AdamW's scaled fp16 master in a
                 weight's storage): the cast reads ``x`` as it is, and the statistics, the scale and the returned
                 ``scale_inv`` describe ``t``. Only for a cast that computes its own scale (``current=True``, or
@@ -206,11 +230,30 @@ class ScalingState(nn.Module):
             activation_input = _check_activation(
                 x, activation, activation_input, activation_scale_inv, keep_input, column_sum
             )
-        if current is None:
+        note = current is None
+        if note:
             current = self.needs_current_scale()
-            # An empty tensor (a micro-batch or an MoE expert without tokens) has amax 0: it leaves the history as
-            # empty as it was, so the next cast must still use its own amax.
-            self.initialized = self.initialized or x.numel() > 0
+        out = self._quantize(
+            x, transpose, current, unscale, column_sum, activation, activation_input, activation_scale_inv, keep_input
+        )
+        if note:
+            # An empty tensor (a micro-batch or an MoE expert without tokens) or an all-zero one has amax 0: it leaves
+            # the history as empty as it was, so the next cast must still use its own amax (note_cast).
+            self.note_cast(x.numel())
+        return out
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        transpose: bool,
+        current: bool,
+        unscale: torch.Tensor | None,
+        column_sum: bool,
+        activation: str | None,
+        activation_input: torch.Tensor | None,
+        activation_scale_inv: torch.Tensor | None,
+        keep_input: bool,
+    ) -> tuple[torch.Tensor, ...]:
         x, mode = x.detach().contiguous(), (self.fp8_dtype, self.margin, self.algo == "max", self.delayed)
         if torch.compiler.is_compiling():
             buffers = self.cast_buffers()
@@ -265,6 +308,16 @@ class ScalingState(nn.Module):
         m.reset_parameters()``): ``to_empty`` leaves the buffers uninitialized memory, whose garbage amax history would
         set the scales."""
         self.reset()
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    # Whether t's value cannot be read: a FakeTensor, or a fake, proxy or functional mode on (torch.compile's and
+    # make_fx's tracing runs the eager code under them; a result of t would be fake).
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    if fake is not None and isinstance(t, fake.FakeTensor):
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
 
 
 def _check_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo: str) -> None:
@@ -408,7 +461,7 @@ def _widen_bf16(x: torch.Tensor) -> torch.Tensor:
     # x as fp32, exactly. Fused, inductor keeps a value that was converted to bf16 and back in fp32 without rounding
     # it (it drops the pair of conversions unless config.emulate_precision_casts), while eagerly the bf16 tensor is
     # rounded; through its bits the rounding stays, so the fused cast reads the values eager's cast reads.
-    return (x.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+    return ops.widen_bf16(x)
 
 
 @torch.library.custom_op("lightning_fp8::used_scale_ref", mutates_args=())

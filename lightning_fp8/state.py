@@ -20,8 +20,9 @@ SETTINGS = ("fp8_max", "margin", "delayed", "amax_compute_algo")
 _ALGOS = ("max", "most_recent")  # amax_compute_algo is saved as its index here
 
 # Whether the state's next delayed cast uses its history (ScalingState.initialized), saved as a 0-dim int64 1 or 0: the
-# buffers cannot tell it. A cast of an all-zero tensor sets it and leaves a history of zeros and a scale of 1, as a
-# state that never cast has. Checkpoints written before this entry existed lack it: it is then inferred (_inferred).
+# buffers cannot always tell it. A cast with a finite amax > 0 sets it; later casts of all-zero tensors may roll the
+# history back to zeros, and its scale may be 1, as a state that never cast has. Checkpoints written before this entry
+# existed lack it: it is then inferred (_inferred).
 INITIALIZED = "initialized"
 
 # The scales casts and FP8AdamW produce: pow2_scale_ref (kernels/reference.py) and the kernels clamp the exponent to
@@ -73,7 +74,7 @@ def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     ``"most_recent"``), the last three int64; on the state's device, like its buffers. :func:`load_fp8_state_dict`
     refuses a state saved with other settings. Beside them ``"<scaling-state fqn>.initialized"`` (int64, 1 or 0):
     whether the state's next delayed cast uses its history (:attr:`ScalingState.initialized`), which the buffers
-    cannot tell after casts of all-zero tensors.
+    cannot always tell (a history rolled back to zeros by casts of all-zero tensors, a scale of 1).
     """
     out: dict[str, torch.Tensor] = {}
     for name, state in module.named_modules():
@@ -203,8 +204,8 @@ def _check_mapping(state_dict: object) -> None:
 
 def _inferred(state: ScalingState) -> bool:
     # For checkpoints without the flag: initialized once a cast carried information, an amax in the history or a scale
-    # it left. A state whose casts were all of empty tensors (amax 0) has neither, and its next cast must still use its
-    # own amax; so has one whose casts were all of all-zero tensors, which was initialized (the saved flag tells).
+    # it left. A state whose casts were all of empty or all-zero tensors (amax 0) has neither, and its next cast must
+    # still use its own amax (as the live state's: ScalingState.note_cast).
     return bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
 
 

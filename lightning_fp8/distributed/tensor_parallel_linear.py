@@ -194,7 +194,7 @@ class TPLinearFn(torch.autograd.Function):
         current = grad_output_current(ctx.grad_current)
         if current is None:
             current = state.needs_current_scale()
-            state.initialized = state.initialized or dy.numel() > 0
+            state.note_cast(dy.numel(), by_value=False)  # the same on every rank (see dtensor_forward)
         # Bias gradient in fp32 from this rank's dy: its column shard (colwise), or its rows (rowwise, sequence
         # parallel: a partial sum that the caller marks as such), or all rows (rowwise, replicated output).
         db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
@@ -324,5 +324,6 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
         bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
     x_local = x.to_local()
     y = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
-    note_casts(fp8, x_local, y)
+    # The first-cast rule by size, not by value: the ranks' shards differ, and a cast with its own amax all-reduces it.
+    note_casts(fp8, x_local, y, by_value=False)
     return DTensor.from_local(y, mesh, [out_placement], run_check=False)

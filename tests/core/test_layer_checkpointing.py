@@ -263,3 +263,56 @@ def test_selective_checkpointing_equals_the_model_without_checkpointing(kind):
     model = _model(kind)
     ref = copy.deepcopy(model)
     _train(model, ref, lambda m, x, ckpt: selective(m, x) if ckpt else m(x))
+
+
+class _CallsLayerInBackward(torch.autograd.Function):
+    """Identity whose backward calls ``layer(z)`` with grad enabled (a hook-based regularizer, a custom backward)."""
+
+    @staticmethod
+    def forward(ctx, y, layer, z, out):
+        ctx.layer, ctx.z, ctx.out = layer, z, out
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.enable_grad():
+            ctx.out["y"] = ctx.layer(ctx.z).detach()
+        return g, None, None, None
+
+
+@pytest.mark.parametrize("where", ["tensor_hook", "autograd_function"])
+@pytest.mark.parametrize("recipe", ["fp8-lm-current", "fp8-lm"])
+def test_forward_inside_a_backward_is_not_a_recompute(recipe, where):
+    """An FP8 layer called with grad enabled inside a backward, not by torch.utils.checkpoint: an ordinary forward. It
+    casts with its own scale (current scaling: its own amax; not the scale of the layer's forward waiting for this
+    backward) and records its statistics, exactly as the same calls in the same order outside any backward."""
+    torch.manual_seed(0)
+    layer = FP8Linear(16, 16, bias=False, recipe=recipe)
+    twin = copy.deepcopy(layer)
+    x, z = torch.randn(8, 16), torch.randn(8, 16) * 100.0  # z: 100x x, cast inside the backward
+    got = {}
+    xg = x.clone().requires_grad_()
+    y = layer(xg)
+    if where == "tensor_hook":
+
+        def hook(g):
+            with torch.enable_grad():
+                got["y"] = layer(z).detach()
+            return g
+
+        y.register_hook(hook)
+    else:
+        y = _CallsLayerInBackward.apply(y, layer, z, got)
+    y.sum().backward()
+    # The twin: the same casts in the same order (forward of x, forward of z, backward of x), outside any backward.
+    xt = x.clone().requires_grad_()
+    yt = twin(xt)
+    want = twin(z).detach()
+    yt.sum().backward()
+    assert torch.equal(got["y"], want)
+    assert torch.equal(xg.grad, xt.grad) and torch.equal(layer.weight.grad, twin.weight.grad)
+    for name, buf in layer.named_buffers():
+        assert torch.equal(buf, twin.get_buffer(name)), name
+    if recipe == "fp8-lm-current":  # its own amax: FP8-accurate, not saturated at x's scale
+        ref = z.double() @ layer.weight.double().t()
+        assert ((got["y"].double() - ref).abs().max() / ref.abs().max()).item() < 0.1

@@ -1,9 +1,10 @@
 """The first cast of each role of an FP8 layer has no amax history and uses its tensor's own amax (DESIGN.md,
 docs/concepts/formats.md), whatever ran before it: forwards without a backward (an evaluation under no_grad, as
 Lightning's sanity check runs; a forward whose graph is dropped), a second use of the layer in one graph, several
-micro-batch forwards before one backward, and casts of empty tensors (an MoE expert without tokens), which carry no
-amax. The references: the FP8 step by definition (every operand cast with its own power-of-two scale, float64 math)
-and the high-precision layers."""
+micro-batch forwards before one backward, and casts of empty or all-zero tensors (an MoE expert without tokens, the
+output of a zero-initialized layer at step 0) or of non-finite ones, which carry no amax. The references: the FP8
+step by definition (every operand cast with its own power-of-two scale, float64 math) and the high-precision
+layers."""
 
 import math
 
@@ -63,10 +64,19 @@ def _before(layer: nn.Module, what: str, x: torch.Tensor) -> None:
     elif what == "empty_batch":  # an MoE expert that no token was routed to, forward and backward
         layer(x[:0].clone().requires_grad_()).sum().backward()
         layer.zero_grad()
+    elif what in ("zero_batch", "nonfinite_batch"):
+        # Fed by a zero-initialized layer (LoRA-B, adaLN-zero) at step 0: all-zero input and output gradient, amax 0;
+        # or an overflow upstream: inf in both. Neither tells a scale: the history records 0.
+        fill = 0.0 if what == "zero_batch" else float("inf")
+        y = layer(torch.full_like(x, fill).requires_grad_())
+        y.backward(torch.full_like(y, fill))
+        layer.zero_grad()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("before", [None, "no_grad_eval", "graph_without_backward", "empty_batch"])
+@pytest.mark.parametrize(
+    "before", [None, "no_grad_eval", "graph_without_backward", "empty_batch", "zero_batch", "nonfinite_batch"]
+)
 def test_first_step_casts_with_own_amax_whatever_ran_before(before, device):
     """The step's forward and backward are the FP8 step by definition: the same input (so that an earlier cast of it
     leaves the input's delayed scale at its own), output gradients of 1e-6. On a GPU: the Triton casts, real FP8
@@ -83,7 +93,9 @@ def test_first_step_casts_with_own_amax_whatever_ran_before(before, device):
     assert_gemm_close(y, y_ref)
     assert_gemm_close(xg.grad, dx_ref)
     assert_gemm_close(layer.weight.grad, dw_ref)
-    assert int(layer.fp8_scaling["grad_output"].casts) == 1 + (before == "empty_batch")
+    no_information = before in ("empty_batch", "zero_batch", "nonfinite_batch")  # a cast that did not count
+    assert int(layer.fp8_scaling["grad_output"].casts) == 1 + no_information
+    assert all(layer.fp8_scaling[role].initialized for role in ("input", "weight", "grad_output"))
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -130,6 +142,26 @@ def test_empty_first_batch_leaves_the_next_forward_its_own_amax():
         assert layer(torch.randn(0, 32)).shape == (0, 16)
         x = torch.randn(20, 32) * 1e-3
         y = layer(x)
+    y_ref = fp8_round(x, E4M3) @ fp8_round(layer.weight, E4M3).T
+    assert_gemm_close(y, y_ref)
+    assert sqnr(y, x @ layer.weight.T) > FORWARD_SQNR_DB
+
+
+@pytest.mark.parametrize("first", ["zeros", "nan"])
+def test_all_zero_first_input_leaves_the_next_delayed_cast_its_own_amax(first):
+    """A zero-initialized layer (LoRA-B, adaLN-zero) feeding an FP8 layer at step 0: its all-zero first input, like an
+    empty one, carries no amax; the next input, of ~1e-4 (all below E4M3's smallest subnormal at scale 1), is cast with
+    its own amax: the output agrees with the float64 FP8 reference, and is not flushed to zero."""
+    torch.manual_seed(0)
+    layer = FP8Linear(16, 16, bias=False)  # the default recipe: delayed scaling
+    with torch.no_grad():
+        layer(torch.full((8, 16), 0.0 if first == "zeros" else float("nan")))
+    state = layer.fp8_scaling["input"]
+    assert not state.initialized and int(state.casts) == 1
+    x = torch.randn(8, 16) * 1e-4
+    with torch.no_grad():
+        y = layer(x)
+    assert state.initialized
     y_ref = fp8_round(x, E4M3) @ fp8_round(layer.weight, E4M3).T
     assert_gemm_close(y, y_ref)
     assert sqnr(y, x @ layer.weight.T) > FORWARD_SQNR_DB

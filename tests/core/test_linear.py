@@ -222,6 +222,27 @@ def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
     assert torch.equal(eager.fp8_scaling["grad_output"].scale, compiled_src.fp8_scaling["grad_output"].scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_inductor_compiled_bias_is_rounded_to_the_output_dtype_as_eagerly(dtype):
+    """CPU (the emulated GEMM): with a bf16/fp16 output (autocast, or such an input into an fp32 layer) the fp32 bias is
+    rounded to the output dtype before it is added (ops.scaled_mm). Inductor drops a round trip fp32 -> bf16 -> fp32;
+    the compiled layer must still add the rounded bias: its output equals eager's bit for bit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = FP8Linear(16, 32, recipe="fp8-lm-current")
+    with torch.no_grad():
+        eager.bias.add_(torch.randn(32) * 1e-3 + 1.0)  # not representable in bf16/fp16: rounding it shows
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=dtype):
+            pairs = [(eager(x), compiled(x))]
+        pairs.append((eager(x.to(dtype)), compiled(x.to(dtype))))
+    for mode, (want, got) in zip(("autocast", "low-precision input"), pairs, strict=True):
+        assert want.dtype == got.dtype == dtype, mode
+        assert torch.equal(want, got), f"{mode}: {int((want != got).sum())} of {want.numel()} differ"
+
+
 class _ReluMLP(nn.Module):
     # Two FP8 linear layers without bias (every activation and gradient cast is fused under torch.compile) around an
     # exact activation (ReLU: inductor's and eager's agree bit for bit).
@@ -466,3 +487,22 @@ def test_torch_compile_single_token_and_empty_inputs(shape, device):
     with torch.no_grad():
         x = torch.ones(shape, device=device)
         assert torch.equal(compiled(x), eager(x))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jacrev"])
+def test_torch_func_transforms_raise_a_clear_error(transform):
+    """torch.func transforms cannot run the FP8 layer (autograd.Functions updating scaling state in place): a
+    RuntimeError that names the layer and what to do, instead of PyTorch's message about setup_context. Without a
+    transform, torch.func.functional_call works as for any module."""
+    layer = FP8Linear(16, 16)
+    params = {k: v.detach().clone() for k, v in layer.named_parameters()}
+    x = torch.randn(2, 16)
+    run = {
+        "grad": lambda: torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x,)).sum())(params),
+        "vmap": lambda: torch.vmap(layer)(torch.randn(3, 2, 16)),
+        "jacrev": lambda: torch.func.jacrev(layer)(x),
+    }[transform]
+    with pytest.raises(RuntimeError, match=r"FP8Linear does not support torch\.func transforms.*module_filter_fn"):
+        run()
+    y = torch.func.functional_call(layer, params, (x,))
+    assert torch.equal(y, layer(x))

@@ -558,3 +558,10 @@ def test_gpu_fp8_hidden_against_default_and_high_precision(compiled):
                                                                                               w2_hp.grad)):  # fmt: skip
         assert sqnr(got, hp_grad) > BACKWARD_SQNR_DB and sqnr(got, default_grad) > BACKWARD_SQNR_DB
         assert sqnr(got, hp_grad) >= sqnr(default_grad, hp_grad) - 1.0
+
+
+def test_torch_func_transform_raises_a_clear_error():
+    """FP8MLP under torch.func.vmap: a RuntimeError naming the module and the way out, not PyTorch's internal one."""
+    mlp = FP8MLP(16, 32)
+    with pytest.raises(RuntimeError, match=r"FP8MLP does not support torch\.func transforms"):
+        torch.vmap(mlp)(torch.randn(3, 2, 16))

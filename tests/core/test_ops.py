@@ -33,3 +33,16 @@ def test_has_fp8_gemm_compiles_without_the_lru_cache_warning(capability, monkeyp
     finally:
         ops._device_has_fp8_gemm.cache_clear()  # nor afterwards
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounded_to_widens_every_bit_pattern_exactly(dtype):
+    """ops.rounded_to (the bias of the emulated GEMM): through the bits of a bf16/fp16 tensor, exactly ``.float()``
+    for every one of the 65536 bit patterns (zeros and subnormals with their sign, inf, NaN)."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    got, want = ops.rounded_to(x, dtype), x.float()
+    assert got.dtype == torch.float32
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), x[~same][:8]
+    y = torch.randn(1000) * 1e3
+    assert torch.equal(ops.rounded_to(y, dtype), y.to(dtype).float())

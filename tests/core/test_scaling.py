@@ -131,6 +131,21 @@ def test_empty_cast_does_not_use_up_the_first_cast():
     assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan")])
+def test_all_zero_or_nonfinite_cast_does_not_use_up_the_first_cast(fill):
+    """An all-zero tensor has amax 0 and a non-finite one enters the history as 0: like an empty one, neither tells a
+    scale, and the next delayed cast uses its own amax (a history of zeros would keep scale 1, flushing 1e-4 to 0)."""
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    s.quantize(torch.full((8, 16), fill))
+    assert not s.initialized and s.casts.item() == 1
+    x = torch.randn(8, 16) * 1e-4
+    x_fp8, _, scale_inv = s.quantize(x)
+    expected = _scale_by_definition(x.abs().amax().item(), fp8_max(E4M3), 0)
+    assert 1 / scale_inv.item() == expected and s.initialized
+    ref, _, _, _ = cast_to_fp8_ref(x, torch.tensor(expected), E4M3)
+    assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
+
+
 def test_reset_parameters_starts_over_from_uninitialized_memory():
     """Meta-device materialization calls reset_parameters() after to_empty(): the state is then a fresh one."""
     with torch.device("meta"):

@@ -147,7 +147,7 @@ def _gather_all(t: torch.Tensor) -> list[torch.Tensor]:
 def _two_rank_worker(rank: int, world: int, checkpoint_dir: str) -> dict:
     parts: dict[str, Callable[[], object]] = {f"parity:{case}": partial(_parity, case) for case in PARITY_CASES}
     parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync,
-              "uneven_sequence": _uneven_sequence}  # fmt: skip
+              "uneven_sequence": _uneven_sequence, "zero_shard": _zero_shard}  # fmt: skip
     return run_parts(parts)
 
 
@@ -485,6 +485,30 @@ def test_sequence_parallel_refuses_an_uneven_sequence_on_every_rank(two_ranks):
             assert lengths[seq].startswith("apply_fp8_tensor_parallel(sequence_parallel=True)"), lengths[seq]
             assert f"sequence length (dim 1) of {seq}" in lengths[seq] and f"(e.g. {fix})" in lengths[seq]
         assert lengths[8] == "no error"
+
+
+def _zero_shard() -> dict:
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+
+    block, _, _ = _block_and_references()
+    apply_fp8_tensor_parallel(block, _tp_mesh(), plan="gpt")
+    flags = []
+    for step in range(2):  # the first step's input is all zeros on rank 0 only (its shards of every cast: zero)
+        x = torch.randn(BATCH, 8, D, generator=torch.Generator().manual_seed(step + dist.get_rank()))
+        if step == 0 and dist.get_rank() == 0:
+            x = torch.zeros_like(x)
+        block(x).square().mean().backward()
+        flags.append({n: s.initialized for n, s in block.named_modules() if isinstance(s, ScalingState)})
+    return {"flags": flags}
+
+
+def test_ranks_decide_the_first_casts_alike_when_one_ranks_shard_is_zero(two_ranks):
+    """A state is initialized by the first cast whose amax is finite and > 0, except in tensor parallelism: there
+    a cast with its own amax all-reduces it, and ranks whose shards differ (one all zero) would take different paths
+    (a collective on one rank only). Each TP state is initialized by its first non-empty cast on every rank alike."""
+    reports = part_results(two_ranks, "zero_shard")
+    assert reports[0]["flags"] == reports[1]["flags"]
+    assert all(all(step.values()) for step in reports[0]["flags"])
 
 
 def test_2d_mesh_trains_gpt():
