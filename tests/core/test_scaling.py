@@ -117,26 +117,16 @@ def test_zero_tensor_keeps_scale():
     assert s.scale.item() == before and x_fp8.float().eq(0).all()
 
 
-def test_empty_cast_does_not_use_up_the_first_cast():
-    """An empty tensor has amax 0 (no information): the next cast is still the first with data, and uses its own
-    amax (delayed scaling has nothing else to go on)."""
+@pytest.mark.parametrize(
+    "first", [torch.randn(0, 16), torch.zeros(8, 16), torch.full((8, 16), float("inf")), torch.full((8, 16), math.nan)],
+    ids=["empty", "zeros", "inf", "nan"],
+)
+def test_a_cast_without_information_does_not_use_up_the_first_cast(first):
+    """An empty or all-zero tensor has amax 0 and a non-finite one enters the history as 0: none tells a scale, and
+    the next delayed cast is still the first with data, with its own amax (a history of zeros would keep scale 1,
+    flushing 1e-4 to 0)."""
     s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
-    s.quantize(torch.randn(0, 16), transpose=True)
-    assert not s.initialized and s.casts.item() == 1
-    x = torch.randn(8, 16) * 1e-3
-    x_fp8, _, scale_inv = s.quantize(x)
-    expected = _scale_by_definition(x.abs().amax().item(), fp8_max(E4M3), 0)
-    assert 1 / scale_inv.item() == expected and s.initialized
-    ref, _, _, _ = cast_to_fp8_ref(x, torch.tensor(expected), E4M3)
-    assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
-
-
-@pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan")])
-def test_all_zero_or_nonfinite_cast_does_not_use_up_the_first_cast(fill):
-    """An all-zero tensor has amax 0 and a non-finite one enters the history as 0: like an empty one, neither tells a
-    scale, and the next delayed cast uses its own amax (a history of zeros would keep scale 1, flushing 1e-4 to 0)."""
-    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
-    s.quantize(torch.full((8, 16), fill))
+    s.quantize(first, transpose=first.numel() == 0)
     assert not s.initialized and s.casts.item() == 1
     x = torch.randn(8, 16) * 1e-4
     x_fp8, _, scale_inv = s.quantize(x)
