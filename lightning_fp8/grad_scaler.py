@@ -240,6 +240,12 @@ class FP8GradScaler:
         :meth:`update` may have changed :attr:`scale` since), else mu. What unscaling them divides by."""
         return self._loss_scale if self._loss_scale is not None else self._scale
 
+    @property
+    def loss_was_scaled(self) -> bool:
+        """Whether :meth:`scale_loss` was called (since construction or the last :meth:`load_state_dict`): the
+        gradients then carry :attr:`loss_scale`; a loop that never scales its loss leaves them unscaled."""
+        return self._loss_scale is not None
+
     def get_scale(self) -> float:
         """mu as a Python float (``torch.amp.GradScaler.get_scale``'s spelling; the loss is scaled by
         :meth:`scale_loss`, since ``scale`` is this property)."""

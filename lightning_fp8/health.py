@@ -416,7 +416,9 @@ def _unscale_factor(t: torch.Tensor) -> torch.Tensor | None:
     return scale.full_tensor() if _is_dtensor(scale) else scale
 
 
-def global_norm(tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False) -> torch.Tensor:
+def global_norm(
+    tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
     """L2 norm over all ``tensors`` as a 0-dim fp32 tensor (inf/NaN if any value is).
 
     A parameter whose storage is an O2 master of :class:`~lightning_fp8.FP8AdamW` (it holds ``weight * scale``,
@@ -429,22 +431,28 @@ def global_norm(tensors: Iterable[torch.Tensor], group: Any | None = None, shard
             DTensors (FSDP2, tensor parallel) are reduced over their mesh by the DTensor norm itself.
         group: the process group plain-tensor shards live in (default: the world), used when ``sharded``.
         sharded: each rank holds a different shard of the plain tensors (FSDP1's flat parameters): sum the squares
-            across ranks. Replicated tensors (DDP, single device) must not be reduced.
+            across ranks (a collective on every rank, also one that holds none of them). Replicated tensors (DDP,
+            single device) must not be reduced.
+        device: where the norm is computed when ``tensors`` is empty (default: the CPU; under ``sharded`` with NCCL,
+            the rank's GPU).
     """
     plain, distributed = [], []
     for t in tensors:
         # The scale hangs on the parameter itself: look it up before detach() drops the attribute.
         (distributed if _is_dtensor(t) else plain).append((t.detach(), _unscale_factor(t)))
-    device = (plain or distributed)[0][0].device if (plain or distributed) else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if plain or distributed:
+        device = (plain or distributed)[0][0].device
+    sq = torch.zeros((), dtype=torch.float32, device=device if device is not None else "cpu")
     for t, scale in plain:
         t_sq = t.float().square().sum()
-        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(device)
-    if sharded and plain and dist.is_available() and dist.is_initialized():
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
+    # Every rank joins the sum, also one without tensors (a rank whose shards of an optimizer's parameters got no
+    # gradient): skipping it paired the others' all-reduce with the next collective.
+    if sharded and dist.is_available() and dist.is_initialized():
         dist.all_reduce(sq, group=group)
     for t, scale in distributed:
         t_sq = torch.linalg.vector_norm(t.float()).full_tensor().square()
-        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(device)
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
     return sq.sqrt()
 
 

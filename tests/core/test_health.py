@@ -217,6 +217,26 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
     assert a.series == b.series and a.events == b.events
 
 
+def _sharded_norm_worker(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    # Rank 1 holds no shard of these tensors (FSDP1's flat parameter with use_orig_params: an optimizer's params
+    # all on rank 0); the collective that follows must still pair with its own on every rank.
+    mine = [torch.full((4,), 3.0)] if rank == 0 else []
+    norm = global_norm(mine, sharded=True)
+    after = torch.tensor([10.0 + rank])
+    dist.all_reduce(after)
+    return [norm.item(), after.item()]
+
+
+def test_sharded_global_norm_is_a_collective_on_every_rank():
+    """A rank without tensors skipped the all-reduce: the others' sum paired with the next collective."""
+    from tests.distributed.launch import run_workers
+
+    for norm, after in run_workers(_sharded_norm_worker, 2, timeout=60):
+        assert norm == 6.0 and after == 21.0
+
+
 def test_global_norm_matches_torch():
     tensors = [torch.randn(13, 7), torch.randn(5), torch.randn(3, 2, 9).bfloat16()]
     expected = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in tensors]))

@@ -176,24 +176,28 @@ class TrainingHealthMonitor(_LoggingCallback):
         # The gradients FP8AdamW holds in FP8 (fp8_grads: their param.grad is None), dequantized; they carry the
         # backward's mu whatever gradient_factor() says (an unscaled region divides param.grad only).
         fp8_norms = list(getattr(torch_optimizer, "fp8_grad_norms", dict)().values())
+        self._param_norm = global_norm(pl_module.parameters(), sharded=sharded, device=pl_module.device)
         if not grads and not fp8_norms and not sharded:
             # No gradient at all (training_step returned None: Lightning skips the backward): no norm for this
             # step, as no loss. Sharded runs take the norm on every rank (a collective) and decide after it.
             return
         # Under FP8LMPrecision the gradients may still carry mu (reads_scaled_gradients: the plugin does not unscale
-        # them, and round fp16 ones, for this callback alone): divide the fp32 norm instead.
+        # them, and round fp16 ones, for this callback alone): divide the fp32 norm instead. Under another
+        # precision, a loop that scales its loss with its optimizer's FP8GradScaler leaves that mu in them.
         plugin = trainer.precision_plugin
-        factor = getattr(plugin, "gradient_factor", lambda: 1.0)()
-        norm = global_norm(grads, sharded=sharded) / factor
+        if hasattr(plugin, "gradient_factor"):
+            factor, scaler = plugin.gradient_factor(), getattr(plugin, "grad_scaler", None)
+            mu = scaler.loss_scale if scaler is not None else 1.0  # what the FP8-held gradients carry
+        else:
+            scaler = getattr(torch_optimizer, "grad_scaler", None)
+            factor = mu = scaler.loss_scale if getattr(scaler, "loss_was_scaled", False) else 1.0
+        norm = global_norm(grads, sharded=sharded, device=pl_module.device) / factor
         if fp8_norms:
-            scaler = getattr(plugin, "grad_scaler", None) if hasattr(plugin, "gradient_factor") else None
-            mu = scaler.loss_scale if scaler is not None else 1.0
             fp8_norm = torch.linalg.vector_norm(torch.stack([n.to(norm.device) for n in fp8_norms])) / mu
             norm = torch.linalg.vector_norm(torch.stack([norm, fp8_norm]))
         elif not grads and norm.item() == 0.0:  # sharded: no rank had a gradient (a skipped batch)
             return
         self._grad_norms[id(optimizer)] = norm
-        self._param_norm = global_norm(pl_module.parameters(), sharded=sharded)
 
     @override
     def on_train_batch_end(

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_fp8.warnings
-from lightning_fp8 import fp8_stats
+from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_stats
 from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
 from lightning_fp8.health import HealthConfig
 from lightning_fp8.integrations.lightning import FP8LMPrecision
@@ -521,6 +521,36 @@ def test_grad_norm_counts_the_gradients_fp8adamw_holds_in_fp8(tmp_path, fp8_grad
     assert health.monitor.series["grad_norm"][0][1] == pytest.approx(reference, rel=0.05)
 
 
+class ScalesItsOwnLoss(GPTModule):
+    """A user's own FP8AdamW and FP8GradScaler under a precision without FP8 (the model converted by hand); the
+    module scales its loss itself."""
+
+    fp8_grads = True
+
+    def configure_optimizers(self):
+        self.scaler = FP8GradScaler(init_scale=2.0**10, growth_interval=10**6)
+        return FP8AdamW(self.parameters(), lr=1e-2, fp8_grads=self.fp8_grads, grad_scaler=self.scaler)
+
+    def backward(self, loss, *args, **kwargs):
+        self.scaler.scale_loss(loss).backward()
+
+
+@pytest.mark.parametrize("fp8_grads", [True, False])
+def test_grad_norm_divides_out_the_mu_of_a_loss_scaled_by_the_users_own_scaler(tmp_path, fp8_grads):
+    # Outside FP8LMPrecision the norm took the gradients as they were: 1024x the true norm here.
+    torch.manual_seed(0)
+    module = ScalesItsOwnLoss()
+    module.fp8_grads = fp8_grads
+    reference = _fp32_grad_norm(copy.deepcopy(module), next(iter(loader())))
+    convert_to_fp8(module)
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(module, tmp_path, [health], precision="32-true", max_steps=1)
+    assert module.scaler.loss_was_scaled and module.scaler.get_scale() == 2.0**10
+    assert health.monitor.series["grad_norm"][0][1] == pytest.approx(reference, rel=0.05)
+
+
 class SkipsBatches(GPTModule):
     """Returns None (Lightning's documented skip: no backward) for the batches in ``SKIP``."""
 
@@ -537,6 +567,7 @@ def test_a_skipped_batch_records_no_grad_norm(tmp_path, precision):
     _fit(SkipsBatches(), tmp_path, [health], precision=precision, max_steps=6)
     series = health.monitor.series
     assert len(series["grad_norm"]) == len(series["loss"]) == 6 - len(SkipsBatches.SKIP)
+    assert len(series["param_norm"]) == 6  # the parameters are there all the same
     assert [s for s, _ in series["grad_norm"]] == [s for s, _ in series["loss"]]
     assert all(value > 0 for _, value in series["grad_norm"])
     assert 0.0 not in health.monitor._grad_norms
