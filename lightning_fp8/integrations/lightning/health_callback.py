@@ -62,7 +62,8 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     Every training batch that stepped it observes the loss (mean over the accumulated micro-batches), the global
     gradient norm over the parameters of the optimizers stepped (of the true gradients: under FP8LMPrecision the
-    norm of the gradients as they are, divided by the mu they carry; those FP8AdamW holds in FP8 with ``fp8_grads``
+    norm of the gradients as they are, divided by the mu they carry; under another precision, divided by the mu of
+    a loss the user scaled with the optimizer's FP8GradScaler; those FP8AdamW holds in FP8 with ``fp8_grads``
     included, dequantized; none for a batch without any gradient, as ``training_step`` returning ``None`` makes it),
     the parameter norm, the training throughput and the memory in use; every ``log_every_n_steps`` such batches
     (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached:
