@@ -222,7 +222,7 @@ def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor, by_valu
     if n == 0:
         return
     scaling["input"].note_cast(n, by_value)
-    scaling["weight"].note_cast(n, by_value)
+    scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
     if torch.compiler.is_compiling() and y.requires_grad:  # see grad_output_current
         scaling["grad_output"].note_cast(n, by_value)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import get_args
 
 import torch
@@ -147,7 +148,18 @@ class ScalingState(nn.Module):
 
     def needs_current_scale(self) -> bool:
         """True when the next cast must compute its own amax: current scaling, or no history yet."""
-        return not self.delayed or not self.initialized
+        if not self.delayed:
+            return True
+        if not self.initialized:
+            self._take_seen_amax()
+        return not self.initialized
+
+    def _take_seen_amax(self) -> None:
+        # An earlier cast's amax on its way to the host (note_cast): taken once it arrived, never waited for.
+        pending = _SEEN_AMAX.get(self)
+        if pending is not None and pending[1].query():
+            del _SEEN_AMAX[self]
+            self.initialized = 0.0 < float(pending[0]) < math.inf  # False for NaN
 
     def note_cast(self, numel: int, by_value: bool = True) -> None:
         """After a cast of ``numel`` elements that this state recorded: mark it :attr:`initialized` when the cast's
@@ -155,19 +167,30 @@ class ScalingState(nn.Module):
         layer's output at step 0) or a non-finite one enters the history as 0 and carries no information: a delayed
         scale from a history of zeros would stay 1, and the next cast must still use its own amax.
 
-        Eagerly this reads the amax (one device sync, only while the state is not initialized). Traced by
-        ``torch.compile`` the value cannot be read without a graph break: a cast of a non-empty tensor marks the
-        state, as the trace decides the next cast's path anyway. ``by_value=False`` keeps that rule eagerly too:
+        The amax read is the larger of the cast's and the history's (a history that an amax sync filled from other
+        ranks counts too). Eagerly on the CPU it is read at once; on a GPU it is copied to the host without waiting,
+        and a later :meth:`needs_current_scale` takes it once it arrived (until then the casts keep their own amax,
+        which is always right): no device sync, also for a role that sees only zeros for good. Traced by
+        ``torch.compile`` or captured in a CUDA graph the value cannot be read: a cast of a non-empty tensor marks
+        the state, as the trace decides the next cast's path anyway. ``by_value=False`` keeps that rule eagerly too:
         for casts whose path must be the same on every rank of a group (tensor parallelism, where a cast with its own
         amax is a collective), which a rank's own amax could tell apart."""
         if self.initialized or numel == 0:
             return
         amax = self._buffers["amax"]
-        if not by_value or torch.compiler.is_compiling() or amax.is_meta or _tracing(amax):
+        if not by_value or torch.compiler.is_compiling() or amax.is_meta or _tracing(amax) or _capturing(amax):
             self.initialized = True
             return
         with _disable_current_modes():  # bookkeeping: selective checkpointing's modes must not see (or cache) it
-            self.initialized = 0.0 < float(amax) < math.inf  # False for NaN
+            seen = torch.maximum(amax, self._buffers["amax_history"].amax())  # NaN stays NaN
+            if seen.device.type != "cuda":
+                self.initialized = 0.0 < float(seen) < math.inf
+                return
+            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            host.copy_(seen, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(seen.device))
+            _SEEN_AMAX[self] = (host, event)
 
     def quantize(
         self,
@@ -300,6 +323,7 @@ class ScalingState(nn.Module):
                 getattr(self, name).zero_()
             self.scale.fill_(1.0)
         self.initialized = False
+        _SEEN_AMAX.pop(self, None)
 
     def reset_parameters(self) -> None:
         """:meth:`reset`, under the name that meta-device materialization calls on every module with buffers after
@@ -308,6 +332,16 @@ class ScalingState(nn.Module):
         m.reset_parameters()``): ``to_empty`` leaves the buffers uninitialized memory, whose garbage amax history would
         set the scales."""
         self.reset()
+
+
+# ScalingState -> (pinned host copy of an amax, the event after its copy): note_cast's reads on their way (kept off
+# the module, which is deep-copied and pickled).
+_SEEN_AMAX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    # Inside CUDA graph capture no value can be read (nor a copy to the host waited for).
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _tracing(t: torch.Tensor) -> bool:

@@ -55,26 +55,6 @@ _ALLOWED = {
 # parameter makes the model unpicklable.
 GRAD_OWNER_ATTR = "_lightning_fp8_grad_owner"
 _GRAD_OWNER_IDS = itertools.count(1)
-# The constructor's and add_param_group's (a group would keep amsgrad=True and step without it).
-_NO_AMSGRAD = (
-    "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or use "
-    "torch.optim.AdamW(amsgrad=True) for these parameters"
-)
-
-
-def _check_supported_flags(flags: dict[str, Any]) -> None:
-    """Raise ValueError for ``amsgrad``, ``capturable`` or ``differentiable`` set true in the constructor's arguments
-    or a parameter group (a group would keep the flag and step without it)."""
-    if flags.get("amsgrad"):
-        raise ValueError(_NO_AMSGRAD)
-    for name in ("capturable", "differentiable"):
-        if flags.get(name):
-            raise ValueError(
-                f"FP8AdamW({name}=True) is not supported: FP8AdamW's step is a fused kernel over low-precision "
-                f"states; drop {name}, or use torch.optim.AdamW for the parameters that need it"
-            )
-
-
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
 # The attributes an adopted weight carries besides its scaled storage (master.adopt).
 _MASTER_ATTRS = (master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR)
@@ -193,7 +173,7 @@ class FP8AdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        _check_supported_flags({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
+        step_.check_supported_flags({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
@@ -242,7 +222,7 @@ class FP8AdamW(torch.optim.Optimizer):
     @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
-            _check_supported_flags(param_group)
+            step_.check_supported_flags(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)

@@ -195,12 +195,14 @@ def _check_no_amsgrad(state_dict: dict[str, Any]) -> None:
 
 def _check_groups(groups: Any) -> None:
     """Raise ValueError for a saved group whose lr, betas, eps or weight_decay the constructor would refuse (NaN, inf,
-    out of range, not a number): the base class would restore them as they are."""
+    out of range, not a number), or with ``capturable``/``differentiable`` true: the base class would restore them as
+    they are."""
     for i, group in enumerate(groups):
         if not isinstance(group, dict):
             continue  # torch.optim.Optimizer.load_state_dict says what is wrong
         try:
             step_.check_hyper_parameters(*(group.get(name) for name in ("lr", "betas", "eps", "weight_decay")))
+            step_.check_supported_flags(group)
         except (TypeError, ValueError) as error:
             raise ValueError(
                 f"FP8AdamW.load_state_dict: parameter group {i} of the state dict: {error}. Correct it in "

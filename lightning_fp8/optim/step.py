@@ -92,6 +92,26 @@ def _check_number(name: str, value: Any, tensor_ok: bool = False) -> None:
         raise TypeError(f"FP8AdamW: {name} must be a number, got {type(value).__name__} {value!r}")
 
 
+# The constructor's and add_param_group's (a group would keep amsgrad=True and step without it).
+_NO_AMSGRAD = (
+    "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or use "
+    "torch.optim.AdamW(amsgrad=True) for these parameters"
+)
+
+
+def check_supported_flags(flags: dict[str, Any]) -> None:
+    """Raise ValueError for ``amsgrad``, ``capturable`` or ``differentiable`` set true in the constructor's arguments,
+    a parameter group or a saved group (a group would keep the flag and step without it)."""
+    if flags.get("amsgrad"):
+        raise ValueError(_NO_AMSGRAD)
+    for name in ("capturable", "differentiable"):
+        if flags.get(name):
+            raise ValueError(
+                f"FP8AdamW({name}=True) is not supported: FP8AdamW's step is a fused kernel over low-precision "
+                f"states; drop {name}, or use torch.optim.AdamW for the parameters that need it"
+            )
+
+
 def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix); also refuses an lr, eps or
     weight_decay that is not finite (torch accepts inf, which makes every weight NaN or 0)."""

@@ -60,6 +60,16 @@ def test_add_param_group_refuses_capturable_and_differentiable_as_the_constructo
     assert len(opt.param_groups) == 1  # not kept
     opt.add_param_group({"params": [b], flag: False})
     assert opt.param_groups[1]["params"] == [b]
+    # And from a saved group (torch.optim.AdamW's state dict carries both flags), before anything changes.
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=3e-3)
+    _step(model, opt)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0][flag] = True
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=f"parameter group 0 of the state dict: {message}"):
+        opt.load_state_dict(saved)
+    assert_same(_snapshot(model, opt), before)
 
 
 @pytest.mark.parametrize("saved", ["amsgrad_adamw", "max_exp_avg_sq_only"])

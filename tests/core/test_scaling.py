@@ -136,6 +136,38 @@ def test_a_cast_without_information_does_not_use_up_the_first_cast(first):
     assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
 
 
+def test_a_history_synced_from_other_ranks_initializes_the_state():
+    """Data parallel with enable_fp8_amax_sync: a rank whose own casts saw only zeros holds the other ranks' amaxes
+    in its history after a sync; its next cast must take the shared delayed scale as theirs do, not its own amax."""
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    s.quantize(torch.zeros(8, 16))
+    assert not s.initialized
+    s.amax_history[1] = 4e-3  # what the MAX all-reduce of the histories leaves
+    s.quantize(torch.zeros(8, 16))
+    assert s.initialized and not s.needs_current_scale()
+
+
+@pytest.mark.gpu
+def test_first_cast_rule_reads_amaxes_without_a_device_sync():
+    """On a GPU the rule reads the amax without waiting (a role that sees only zeros, e.g. the output gradient of an
+    auxiliary head weighted 0, would sync the device at every cast): the read is taken by a later cast once it
+    arrived, and until then the casts keep their own amax."""
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True, device="cuda")
+    x = torch.randn(64, 64, device="cuda") * 1e-4
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+    try:
+        for _ in range(3):
+            s.quantize(torch.zeros(64, 64, device="cuda"))
+            assert s.needs_current_scale()  # zeros: still its own amax
+        s.quantize(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()  # the read has arrived: the next cast is delayed, with the history's scale
+    assert not s.needs_current_scale() and s.initialized
+    x_fp8, _, scale_inv = s.quantize(x)
+    assert 1 / scale_inv.item() == _scale_by_definition(x.abs().amax().item(), fp8_max(E4M3), 0)
+
+
 def test_reset_parameters_starts_over_from_uninitialized_memory():
     """Meta-device materialization calls reset_parameters() after to_empty(): the state is then a fresh one."""
     with torch.device("meta"):
