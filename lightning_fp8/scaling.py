@@ -154,9 +154,18 @@ class ScalingState(nn.Module):
             self._take_seen_amax()
         return not self.initialized
 
-    def _take_seen_amax(self) -> None:
-        # An earlier cast's amax on its way to the host (note_cast): taken once it arrived, never waited for.
+    def settle(self) -> bool:
+        """:attr:`initialized` once an amax read of :meth:`note_cast` still on its way has arrived (waits for it: for
+        a checkpoint, which must save what the next cast will do)."""
+        if not self.initialized:
+            self._take_seen_amax(wait=True)
+        return self.initialized
+
+    def _take_seen_amax(self, wait: bool = False) -> None:
+        # An earlier cast's amax on its way to the host (note_cast): taken once it arrived, never waited for in a step.
         pending = _SEEN_AMAX.get(self)
+        if pending is not None and wait:
+            pending[1].synchronize()
         if pending is not None and pending[1].query():
             del _SEEN_AMAX[self]
             self.initialized = 0.0 < float(pending[0]) < math.inf  # False for NaN

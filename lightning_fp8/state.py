@@ -84,7 +84,7 @@ def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{name}.{buf_name}"] = buf.detach().clone()
             for setting, value in _settings(state).items():
                 out[f"{name}.{setting}"] = value
-            out[f"{name}.{INITIALIZED}"] = torch.tensor(int(state.initialized), dtype=torch.int64, device=device)
+            out[f"{name}.{INITIALIZED}"] = torch.tensor(int(state.settle()), dtype=torch.int64, device=device)
     return out
 
 
