@@ -474,8 +474,8 @@ def _fused_quantize(
     fmax = fp8_max(fp8_dtype)
     scale = buffers[1]
     triton = ops.use_triton(x)
-    if x.dtype == torch.bfloat16:  # widened through its bits: see _widen_bf16
-        x = _widen_bf16(x)
+    if x.dtype == torch.bfloat16:  # widened through its bits (ops.widen_bf16): the fused cast reads what eager's reads
+        x = ops.widen_bf16(x)
     if triton:
         from lightning_fp8.kernels import record
 
@@ -498,13 +498,6 @@ def _fused_quantize(
             amax, n_saturated, x.numel(), used, *buffers, fmax, margin, algo_max, delayed
         )
     return x_fp8, x_fp8_t, scale_inv
-
-
-def _widen_bf16(x: torch.Tensor) -> torch.Tensor:
-    # x as fp32, exactly. Fused, inductor keeps a value that was converted to bf16 and back in fp32 without rounding
-    # it (it drops the pair of conversions unless config.emulate_precision_casts), while eagerly the bf16 tensor is
-    # rounded; through its bits the rounding stays, so the fused cast reads the values eager's cast reads.
-    return ops.widen_bf16(x)
 
 
 @torch.library.custom_op("lightning_fp8::used_scale_ref", mutates_args=())

@@ -106,7 +106,11 @@ def wait(work) -> None:
 
 def send_buffer(plan, world: int, device: torch.device) -> torch.Tensor:
     """The FP8 send buffer of a slice (``world`` rows of ``plan.row`` bytes), its padding zeroed."""
-    send = torch.empty(world * plan.row, dtype=torch.uint8, device=device)
+    return zero_padding(torch.empty(world * plan.row, dtype=torch.uint8, device=device), plan)
+
+
+def zero_padding(send: torch.Tensor, plan) -> torch.Tensor:
+    """``send`` (a slice's ``world`` rows of ``plan.row`` bytes), the padding after its last chunk zeroed."""
     for offset, length in plan.pad:
         send[offset : offset + length].zero_()
     return send

@@ -34,7 +34,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from lightning_fp8.distributed.comm import all_gather_bytes, all_to_all_bytes, send_buffer, wait
+from lightning_fp8.distributed.comm import all_gather_bytes, all_to_all_bytes, send_buffer, wait, zero_padding
 from lightning_fp8.kernels.comm_table import ALIGN
 
 # Signal-pad channel 0 is the start-of-call barrier; slices signal on channels 1 .. _CHANNELS, reused cyclically (a
@@ -368,10 +368,7 @@ class SymmetricChunks(_SymmetricBuffer):
 
     def chunks(self, k: int) -> torch.Tensor:
         plan = self._plans[k]
-        send = self.buffer[self._at[k][0] : self._at[k][0] + self.world * plan.row]
-        for offset, length in plan.pad:
-            send[offset : offset + length].zero_()
-        return send
+        return zero_padding(self.buffer[self._at[k][0] : self._at[k][0] + self.world * plan.row], plan)
 
     def scatter(self, k: int) -> torch.cuda.Event:
         sources = {r: self._chunk(k, 0, r) for r in range(self.world)}

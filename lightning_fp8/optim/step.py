@@ -92,7 +92,7 @@ def _check_number(name: str, value: Any, tensor_ok: bool = False) -> None:
         raise TypeError(f"FP8AdamW: {name} must be a number, got {type(value).__name__} {value!r}")
 
 
-# The constructor's and add_param_group's (a group would keep amsgrad=True and step without it).
+# The constructor's, add_param_group's and a saved group's (a group would keep amsgrad=True and step without it).
 _NO_AMSGRAD = (
     "FP8AdamW(amsgrad=True) is not supported: FP8AdamW implements AdamW without AMSGrad; drop amsgrad, or use "
     "torch.optim.AdamW(amsgrad=True) for these parameters"

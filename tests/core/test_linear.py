@@ -301,7 +301,7 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     scale they use an op the backward keeps (the partitioner recomputes casts from what it saves). Bit for bit eager's
     results while every scale moves; the input and gradient casts are not the opaque cast op (the weights' are).
     Under bf16 autocast the second layer's input is the first one's bf16 output, rounded to bf16 inside the fused
-    kernel, where inductor would keep it in fp32 but for scaling._widen_bf16."""
+    kernel, where inductor would keep it in fp32 but for ops.widen_bf16."""
     from lightning_fp8 import scaling
 
     monkeypatch.setattr(scaling, "FUSED_CASTS", True)
