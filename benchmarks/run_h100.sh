@@ -20,7 +20,8 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/icache/inductor TRITON_CACHE_DIR=/tmp/icache
 if [ -n "${CACHE_IN:-}" ] && ls "$CACHE_IN"/icache.tgz.part-* > /dev/null 2>&1; then
   cat "$CACHE_IN"/icache.tgz.part-* | tar xz -C /tmp
 fi
-trap 'tar czf - -C /tmp icache 2> /dev/null | split -b 15M - "$OUT/icache.tgz.part-"' EXIT
+# CACHE_OUT=0: keep the caches on the machine only (a warm machine's next call still finds them under /tmp).
+[ "${CACHE_OUT:-1}" = 1 ] && trap 'tar czf - -C /tmp icache 2> /dev/null | split -b 15M - "$OUT/icache.tgz.part-"' EXIT
 for what in "$@"; do
   case $what in
     check) timeout 200 python3 benchmarks/check_compile.py > "$OUT/check_compile.log" 2>&1; tail -4 "$OUT/check_compile.log";;
@@ -96,5 +97,7 @@ for what in "$@"; do
     # timed at d=1024 (o2m against o2mw, BF16 in the same call; compiling an FP8 variant there takes 160-200 s).
     s14emit) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_weight_cache.py tests/core/test_linear.py > "$OUT/gputests.log" 2>&1; echo "gputests rc=$?" >> "$OUT/gputests.log"; tail -2 "$OUT/gputests.log"
              timeout 440 python3 benchmarks/train_step.py --sizes ${SIZES:-1024x12} --compile yes --variants bf16,o2m,o2mw --steps 8 --warmup 3 --timeout 210 --json "$OUT/train_emit_c.json" > "$OUT/train_emit_c.log" 2>&1; tail -4 "$OUT/train_emit_c.log";;
+    # Session 22 (H200): the end-to-end table, one train_step.py call per size in SIZES, the variants in VARIANTS.
+    e2e) for s in ${SIZES:-2048x16}; do timeout ${T:-570} python3 benchmarks/train_step.py --sizes $s --compile yes --variants ${VARIANTS:-bf16,torchao,o2m,o2mh} --steps ${STEPS:-8} --warmup 3 --timeout ${TC:-280} --json "$OUT/train_$s.json" > "$OUT/train_$s.log" 2>&1; tail -5 "$OUT/train_$s.log"; done;;
   esac
 done

@@ -166,7 +166,15 @@ def run_one(args) -> dict:
         "last_loss": losses[-1],
         # compiled forwards served by the weights' FP8 copies per timed step (emitting variants; 0 eagerly)
         "copy_hits": (_copy_hits() - hits) / args.steps,
+        # compiled: graph breaks and graphs dynamo made (a break splits the step, a recompile compiles it again)
+        **_dynamo_counts(),
     }
+
+
+def _dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
 
 
 def _copy_hits() -> int:

@@ -150,7 +150,12 @@ class ScalingState(nn.Module):
         """True when the next cast must compute its own amax: current scaling, or no history yet."""
         if not self.delayed:
             return True
-        if not self.initialized:
+        if torch.compiler.is_compiling():
+            # Traced, the path is baked into the graph and `initialized` becomes a guard: every read still on its
+            # way is taken now, at trace time, before dynamo reads any state's flag (tracing the event's query
+            # would break the graph at every layer).
+            _settle_seen_amaxes()
+        elif not self.initialized:
             self._take_seen_amax()
         return not self.initialized
 
@@ -346,6 +351,16 @@ class ScalingState(nn.Module):
 # ScalingState -> (pinned host copy of an amax, the event after its copy): note_cast's reads on their way (kept off
 # the module, which is deep-copied and pickled).
 _SEEN_AMAX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _settle_seen_amaxes() -> bool:
+    # Called by a traced needs_current_scale: dynamo runs it at trace time instead of tracing it (its result is
+    # a constant of the graph), so the first compiled call after eager steps sees the flags those steps' casts set.
+    with _disable_current_modes():
+        for state in list(_SEEN_AMAX.keys()):
+            state.settle()
+    return True
 
 
 def _capturing(t: torch.Tensor) -> bool:

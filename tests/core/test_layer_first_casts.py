@@ -204,3 +204,46 @@ def test_one_eager_step_then_compile_compiles_once(eval_first, module):
     for _ in range(3):
         compiled(torch.randn(24, 32)).square().sum().backward()
     assert counter.frame_count == 1
+
+
+class _InFlightRead:
+    """Stands in for the CUDA event after a first cast's amax copy to the host (ScalingState.note_cast on a GPU): the
+    copy has not arrived until someone waits for it."""
+
+    def __init__(self) -> None:
+        self.arrived = False
+
+    def synchronize(self) -> None:
+        self.arrived = True
+
+    def query(self) -> bool:
+        return self.arrived
+
+
+@pytest.mark.parametrize("module", ["linear", "mlp"])
+def test_compile_after_an_eager_step_whose_amax_reads_are_on_their_way(module):
+    """On a GPU the eager step's first-cast amaxes reach the host asynchronously: the first compiled call takes them
+    at trace time (one graph, no break, compiled once) instead of tracing the event's query, which broke the graph
+    at every layer of a compiled GPT and ran it partly eager. Emulated on CPU by handing each state's read back as
+    in flight."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from lightning_fp8 import scaling
+
+    torch._dynamo.reset()
+    model = FP8Linear(32, 48) if module == "linear" else FP8MLP(32, 64)
+    model(torch.randn(8, 32)).square().sum().backward()  # the eager step
+    states = [m for m in model.modules() if isinstance(m, scaling.ScalingState) and m.delayed]
+    reads = []
+    for state in states:  # as on a GPU: the flags wait for reads on their way
+        assert state.initialized
+        state.initialized = False
+        reads.append(_InFlightRead())
+        scaling._SEEN_AMAX[state] = (state.amax_history.amax().clone(), reads[-1])
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for _ in range(3):
+        compiled(torch.randn(24, 32)).square().sum().backward()
+    assert counter.frame_count == 1
+    assert all(r.arrived for r in reads) and all(s.initialized for s in states)
+    assert not any(s in scaling._SEEN_AMAX for s in states)
