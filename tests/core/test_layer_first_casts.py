@@ -186,23 +186,25 @@ def test_state_saved_after_empty_casts_only_loads_without_history():
     assert_gemm_close(xg.grad, dx_ref)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("eval_first", [False, True])
 @pytest.mark.parametrize("module", ["linear", "mlp"])
-def test_one_eager_step_then_compile_compiles_once(eval_first, module):
+def test_one_eager_step_then_compile_compiles_once(eval_first, module, device):
     """The benchmarks run one eager training step before torch.compile so that the model compiles once (the first-cast
-    flags are dynamo guards): still so when an evaluation under no_grad came first."""
+    flags are dynamo guards): still so when an evaluation under no_grad came first. On a GPU the eager step's amax
+    reads are still on their way when the trace starts (the test below emulates that on CPU)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    model = FP8Linear(32, 48) if module == "linear" else FP8MLP(32, 64)
+    model = (FP8Linear(32, 48) if module == "linear" else FP8MLP(32, 64)).to(device)
     if eval_first:
         with torch.no_grad():
-            model(torch.randn(8, 32))
-    model(torch.randn(8, 32)).square().sum().backward()  # the eager step
+            model(torch.randn(8, 32, device=device))
+    model(torch.randn(8, 32, device=device)).square().sum().backward()  # the eager step
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     for _ in range(3):
-        compiled(torch.randn(24, 32)).square().sum().backward()
+        compiled(torch.randn(24, 32, device=device)).square().sum().backward()
     assert counter.frame_count == 1
 
 
