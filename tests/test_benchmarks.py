@@ -46,7 +46,8 @@ def test_train_step_toy_compiled_cast_variants(tmp_path):
     """The compiled variants that change how casts are made (o2fc: fused by inductor, lightning_fp8.scaling.FUSED_CASTS;
     o2ri: inputs cast again in the backward, lightning_fp8.linear.SAVE_INPUT_TRANSPOSE_COMPILED; o2w: the weights'
     FP8 copies written by the optimizer, lightning_fp8/weight_cache.py) train a toy GPT with LayerNorms and GELUs as
-    the default does: the same first (eager) step, losses within float noise after it."""
+    the default does: the same first (eager) step, losses within float noise after it, each compiled as one graph
+    (a graph break or a recompile after the eager step would run part of the step eagerly)."""
     variants = ["o2", "o2fc", "o2ri", "o2w"]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--toy", "--compile", "yes", "--variants",
@@ -60,6 +61,7 @@ def test_train_step_toy_compiled_cast_variants(tmp_path):
         assert rows[name]["first_loss"] == rows["o2"]["first_loss"], name
         assert rows[name]["last_loss"] == pytest.approx(rows["o2"]["last_loss"], rel=1e-3), name
         assert rows[name]["last_loss"] < rows[name]["first_loss"], name
+        assert (rows[name]["graph_breaks"], rows[name]["graphs"]) == (0, 1), name
 
 
 def test_memory_breakdown_replays_the_allocator_trace():
