@@ -166,6 +166,12 @@ class ScalingState(nn.Module):
             self._take_seen_amax(wait=True)
         return self.initialized
 
+    def set_initialized(self, flag: bool) -> None:
+        """Set :attr:`initialized` from outside the casts (a checkpoint's saved flag): an amax read of
+        :meth:`note_cast` still on its way belongs to the casts before and is dropped, not taken by the next cast."""
+        _SEEN_AMAX.pop(self, None)
+        self.initialized = bool(flag)
+
     def _take_seen_amax(self, wait: bool = False) -> None:
         # An earlier cast's amax on its way to the host (note_cast): taken once it arrived, never waited for in a step.
         pending = _SEEN_AMAX.get(self)

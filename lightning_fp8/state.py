@@ -118,7 +118,7 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
     for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
         initialized[state_name] = _inferred(states[state_name])
     for state_name, flag in initialized.items():
-        states[state_name].initialized = flag
+        states[state_name].set_initialized(flag)
 
 
 def check_fp8_state_dict(

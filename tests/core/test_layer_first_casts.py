@@ -249,3 +249,20 @@ def test_compile_after_an_eager_step_whose_amax_reads_are_on_their_way(module):
     assert counter.frame_count == 1
     assert all(r.arrived for r in reads) and all(s.initialized for s in states)
     assert not any(s in scaling._SEEN_AMAX for s in states)
+
+
+def test_loaded_flag_drops_a_first_cast_read_from_before_the_load():
+    """A checkpoint's flag says what the next cast does: an amax read still on its way from a cast before the load
+    (a GPU's asynchronous first-cast read) must not mark the loaded state initialized afterwards."""
+    from lightning_fp8 import scaling
+
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16)
+    state = layer.fp8_scaling["input"]
+    checkpoint = fp8_state_dict(FP8Linear(32, 16))  # a fresh layer's: no role initialized
+    read = _InFlightRead()
+    scaling._SEEN_AMAX[state] = (torch.tensor(3.0), read)  # a cast of amax 3 before the load, its read on its way
+    load_fp8_state_dict(layer, checkpoint)
+    read.synchronize()  # it arrives after the load
+    assert state.needs_current_scale() and not state.initialized
+    assert state not in scaling._SEEN_AMAX
