@@ -8,6 +8,7 @@ The scale convention (DESIGN.md): ``x_fp8 = saturate(x * scale)``, ``x ~= x_fp8.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -266,7 +267,9 @@ def quantize_ref(
         scale_inv = scale_inv / unscale
         last_amax.div_(unscale)
         amax_history.div_(unscale)
-        scale.mul_(unscale)
+        # An amax of 0 or inf kept the stored scale, which describes t already (multiplied again, an all-zero
+        # weight's scale grew by 1 / unscale at every cast, to inf).
+        scale.copy_(torch.where((amax > 0) & (amax < math.inf), scale * unscale, scale))
     if column_sum:
         return x_fp8, x_fp8_t, scale_inv, column_sum_ref(x)
     if keep_input:

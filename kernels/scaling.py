@@ -67,7 +67,9 @@ def _record(
             ref = a_info
         new_scale = _pow2_scale(ref, used_scale, MAX_EXP, MAX_MANT, MARGIN)
     if UNSCALE:
-        tl.store(scale_ptr, new_scale * unscale)
+        # An amax of 0 or inf kept the stored scale, which describes t already (the cast read x = t * unscale).
+        informative = finite & (a > 0)
+        tl.store(scale_ptr, tl.where(informative, new_scale * unscale, tl.load(scale_ptr)))
     elif DELAYED:
         tl.store(scale_ptr, new_scale)
 

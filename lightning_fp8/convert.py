@@ -53,6 +53,11 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "would drop from the state_dict and from .to()",
         "to run them in FP8, make it a parameter that needs no gradient: nn.Parameter(tensor, requires_grad=False)",
     ),
+    "added_state": (
+        "they hold parameters, buffers or submodules besides weight and bias (registered on the layer itself), which "
+        "an FP8 layer would drop from the state_dict, .to() and the optimizer",
+        "to run them in FP8, keep those in a module beside the layer",
+    ),
     "fast_path": (
         "they belong to an nn.TransformerEncoderLayer, whose inference fast path (eval under no_grad) reads their "
         "weights itself, bypassing the layer (at O2 it would read FP8AdamW's scaled fp16 master)",
@@ -135,6 +140,8 @@ def _reason_refused(layer: nn.Linear) -> str | None:
         return "subclass"
     if _holds_non_parameters(layer):
         return "not_parameters"
+    if set(layer._parameters) - {"weight", "bias"} or layer._buffers or layer._modules:
+        return "added_state"
     if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or "forward" in vars(layer):
         return "state_dict_hooks"
     return None
@@ -211,8 +218,9 @@ def convert_to_fp8(
     computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning, ``torch.nn.utils.parametrize``),
     state_dict hooks or an instance ``forward``, ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
     inference path reads their weights itself), subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s
-    ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer), the layers a Hugging Face model keeps in
-    float32 (``_keep_in_fp32_modules``: T5's ``wo``). transformers' ``Conv1D`` projections (GPT-2) are not
+    ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer), parameters, buffers or submodules
+    registered on the layer besides weight and bias (plain attributes go with it), the layers a Hugging Face model
+    keeps in float32 (``_keep_in_fp32_modules``: T5's ``wo``). transformers' ``Conv1D`` projections (GPT-2) are not
     ``nn.Linear`` and are named in a warning too. State dict keys do not change, so
     checkpoints load into the model before or after conversion.
 

@@ -42,6 +42,8 @@ from lightning_fp8.recompute import (
 from lightning_fp8.scaling import ScalingState
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What every nn.Linear holds in its __dict__; FP8Linear.from_linear carries any other plain attribute over.
+_LINEAR_ATTRS = frozenset(vars(nn.Linear(16, 16, device="meta")))
 # Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
 # instead of a separate dy.sum(0) pass over dy. The cast walks GROUP_M row tiles of a column block, adds them in
 # registers and reduces once per group (kernels/cast_kernels.py). H100, 16384 x 4096 bf16 -> E5M2 (bench_cast.py
@@ -452,6 +454,7 @@ class FP8Linear(nn.Linear):
             TypeError: if ``linear`` is not an ``nn.Linear``.
             ValueError: for a layer that :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is
                 (a reparametrized weight, a subclass of ``nn.Linear``, a weight or bias that is not a parameter,
+                parameters, buffers or submodules besides weight and bias,
                 state_dict hooks or an instance ``forward``: the FP8 layer would drop them), or feature sizes that are
                 not multiples of 16.
         """
@@ -469,6 +472,9 @@ class FP8Linear(nn.Linear):
         new.train(linear.training)
         new._init_scaling(linear.weight.device)
         convert.share_hooks(linear, new)
+        for name, value in vars(linear).items():  # the user's own plain attributes (a tag, a flag read elsewhere)
+            if name not in _LINEAR_ATTRS and name not in vars(new):
+                new.__dict__[name] = value
         return new
 
     def reset_parameters(self) -> None:

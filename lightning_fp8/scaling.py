@@ -261,14 +261,18 @@ class ScalingState(nn.Module):
             input_fp8)``, ``input_fp8``'s scale_inv being ``kernels.reference.kept_input_scale_inv(scale_inv)``.
 
         Raises:
-            ValueError: for ``column_sum`` of a tensor that is not 2-D; for ``unscale`` with a cast that does not
-                compute its own scale (``current=False``, or ``None`` on a delayed-scaling state) or a history
-                longer than 1.
+            ValueError: for ``column_sum`` or ``transpose`` of a tensor that is not 2-D (nothing is changed); for
+                ``unscale`` with a cast that does not compute its own scale (``current=False``, or ``None`` on a
+                delayed-scaling state) or a history longer than 1.
         """
         if unscale is not None:
             _check_unscale(self, current)
-        if column_sum and x.dim() != 2:
-            raise ValueError(f"ScalingState.quantize(column_sum=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
+        for flag, name in ((column_sum, "column_sum"), (transpose, "transpose")):
+            if flag and x.dim() != 2:
+                raise ValueError(
+                    f"ScalingState.quantize({name}=True) needs a 2-D tensor, got shape {tuple(x.shape)}: reshape it to "
+                    "(rows, columns) first"
+                )
         if activation is not None or keep_input:
             activation_input = _check_activation(
                 x, activation, activation_input, activation_scale_inv, keep_input, column_sum

@@ -272,7 +272,9 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
         what = "a power of two from 2**-126 to 2**127 (the scales casts produce)"
     elif buf_name == "saturation":
         bad, what = not ((v >= 0) & (v <= 1)).all(), "in [0, 1]"
-    else:  # amax, amax_history (inf is a recorded overflow), nonfinite_count, casts
+    elif buf_name == "amax_history":  # a cast records a non-finite amax as 0 here (no information)
+        bad, what = not ((v >= 0) & (v < float("inf"))).all(), "finite and non-negative"
+    else:  # amax (inf is a recorded overflow), nonfinite_count, casts
         bad, what = not (v >= 0).all(), "non-negative"
     if bad:
         raise ValueError(f"FP8 scaling state {key!r} holds {value.tolist()}, but it must be {what}: {fix}")

@@ -76,6 +76,8 @@ def _scaling_checkpoint():
      ("0.fp8_scaling.input.scale", torch.tensor(-2.0), ValueError),
      ("0.fp8_scaling.input.scale", torch.tensor(3.0), ValueError),
      ("2.fp8_scaling.grad_output.amax_history", torch.full((16,), float("nan")), ValueError),
+     # a cast records a non-finite amax as 0: an inf in the history would keep the delayed scale for 16 casts
+     ("0.fp8_scaling.input.amax_history", torch.tensor([float("inf")] + [1.0] * 15), ValueError),
      ("2.fp8_scaling.input.saturation", torch.tensor(1.5), ValueError),
      ("2.fp8_scaling.input.casts", torch.tensor(-1), ValueError),
      ("2.fp8_scaling.input.casts", torch.tensor(1.0), TypeError),

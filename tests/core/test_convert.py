@@ -355,6 +355,24 @@ def test_weight_or_bias_that_is_not_a_parameter_stays_in_high_precision(fresh_wa
     assert model[0].weight.dtype == model[1].bias.dtype == torch.bfloat16
 
 
+def test_layers_with_added_state_stay_in_high_precision_and_plain_attributes_carry_over(fresh_warnings):
+    """A parameter, buffer or submodule registered on a plain nn.Linear besides weight and bias (a mask, a gain) would
+    leave the state_dict, .to() and the optimizer in an FP8Linear: such layers stay, named. A plain attribute (a tag
+    other code reads) goes with the layer into its FP8Linear."""
+    masked, gained, plain = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+    masked.register_buffer("mask", torch.ones(32, 32))
+    gained.gain = nn.Parameter(torch.full((32,), 2.0))
+    plain.tag = "keep-me"
+    model = nn.Sequential(masked, gained, plain)
+    keys, n_params = list(model.state_dict()), len(list(model.parameters()))
+    with pytest.warns(UserWarning, match=r"parameters, buffers or submodules besides weight and bias.*: 0, 1; to run"):
+        convert_to_fp8(model)
+    assert set(fp8_modules(model)) == {"2"} and model[2].tag == "keep-me"
+    assert list(model.state_dict()) == keys and len(list(model.parameters())) == n_params
+    with pytest.raises(ValueError, match="besides weight and bias"):
+        FP8Linear.from_linear(masked)
+
+
 class Conv1D(nn.Module):
     """transformers.pytorch_utils.Conv1D's shape (GPT-2's projections): y = x @ weight + bias, weight (nx, nf)."""
 

@@ -222,3 +222,28 @@ def test_fp8_grads_of_an_optimizer_made_before_torch_distributed_refuse_the_firs
         with pytest.raises(RuntimeError, match="was created before torch.distributed was initialized"):
             ddp(torch.randn(8, 32)).square().mean().backward()
         assert not opt._pending  # nothing taken
+
+
+def test_an_adopted_weight_zeroed_in_place_gives_the_bias_and_keeps_its_scale():
+    """At O2 the weight's storage is FP8AdamW's scaled fp16 master (weight * master_scale). Zeroed in place (pruned,
+    re-initialized by hand), its casts see amax 0, which keeps the stored scale (DESIGN.md): the output is the bias,
+    as nn.Linear's, at every forward, and the state saves and loads. Before, each forward multiplied the stored scale
+    by the master scale again, to inf, and the outputs became NaN."""
+    from lightning_fp8 import fp8_state_dict, load_fp8_state_dict
+
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=1e-3)
+    x = _batches(1)[0]
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    layer, state = model[0], model[0].fp8_scaling["weight"]
+    assert getattr(layer.weight, master.SCALE_ATTR) != 1  # the storage holds the weight times a master scale
+    with torch.no_grad():
+        layer.weight.zero_()
+        kept = state.scale.clone()
+        for _ in range(8):
+            y = layer(x)
+            torch.testing.assert_close(y, layer.bias.expand_as(y), rtol=0, atol=0)
+            assert torch.equal(state.scale, kept)
+    load_fp8_state_dict(model, fp8_state_dict(model))

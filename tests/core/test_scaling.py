@@ -244,6 +244,16 @@ def test_bad_cast_under_current_scaling_uses_and_keeps_the_previous_scale(kind):
 # -- ScalingState.quantize(unscale=...) -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("flag", ["transpose", "column_sum"])
+def test_quantize_refuses_a_transposed_or_summed_cast_of_a_tensor_that_is_not_2d_and_changes_nothing(flag):
+    s = ScalingState(torch.float8_e4m3fn, 4, 0, "max", delayed=False)
+    before = {k: v.clone() for k, v in s.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"quantize\({flag}=True\) needs a 2-D tensor, got shape \(2, 3, 16\)"):
+        s.quantize(torch.randn(2, 3, 16) * 10, **{flag: True})
+    assert all(torch.equal(v, s.state_dict()[k]) for k, v in before.items())
+    assert not s.initialized
+
+
 @pytest.mark.parametrize(
     ("delayed", "history_len", "current"),
     [(True, 4, None), (True, 4, False), (True, 1, None), (False, 1, False), (False, 4, None), (True, 4, True)],

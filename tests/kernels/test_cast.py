@@ -4,6 +4,8 @@ On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py); on a GP
 compiled kernels, and the ``gpu`` tests add sizes, torch.compile and the custom-op checks.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -373,6 +375,32 @@ def test_speculative_current_scaling(monkeypatch, shape, transpose, column_sum, 
         assert ({4, 6} <= set(guessed_wrong)) == (unscale is not None), guessed_wrong
         if not redo:
             assert wrong == guessed_wrong
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("unscale", [2.0**-7, 2.0**18])
+def test_casts_of_zeros_with_unscale_keep_the_stored_scale(monkeypatch, speculative, unscale):
+    """A weight held as t * unscale (FP8AdamW's scaled master) that becomes all zero: its casts (amax 0) keep the
+    scale stored for t, as any cast of zeros keeps the scale (DESIGN.md), in both the one-pass and the two-pass
+    current scaling, bit for bit the reference; a later nonzero weight gets its own scale again. Before, each cast of
+    zeros multiplied the stored scale by unscale once more (an all-zero weight's scale reached inf: NaN outputs)."""
+    from lightning_fp8.kernels.reference import quantize_ref
+
+    monkeypatch.setattr(quantize, "SPECULATIVE_CURRENT_SCALING", speculative)
+    got_state, ref_state = _state(1, 2.0**-3), _state(1, 2.0**-3)
+    ms = torch.tensor(unscale, device=DEVICE)
+    args = (torch.float8_e4m3fn, 0, True, False, True, True, ms, False)
+    t = torch.randn(48, 32, generator=torch.Generator().manual_seed(5))
+    for step, x in enumerate([t * 3.0] + [torch.zeros(48, 32)] * 3 + [t * 0.01]):
+        x = (x * unscale).to(torch.bfloat16).to(DEVICE)
+        got = quantize.quantize_(x, *got_state, *args)
+        ref = quantize_ref(x, *ref_state, *args)
+        assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8)), step
+        assert all(torch.equal(g, r) for g, r in zip(got_state, ref_state, strict=True)), step
+        want = 448.0 / (3.0 * t.abs().max()) if step < 4 else 448.0 / (0.01 * t.abs().max())
+        want = 2.0 ** math.floor(math.log2(want))  # t's own power-of-two scale (the zeros' casts keep step 0's)
+        assert got_state[1].item() == want, (step, got_state[1].item(), want)
+        assert torch.isfinite(got[2]).all() and (got[0].float() == 0).all() == (1 <= step <= 3), step
 
 
 @pytest.mark.parametrize(
