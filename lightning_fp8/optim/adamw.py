@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2, fp8_max, is_fp8
 from lightning_fp8.kernels.reference_grad_cast import grad_cast_state_buffers
-from lightning_fp8.optim import checkpoint, grad_cast, master, shards
+from lightning_fp8.optim import apart, checkpoint, grad_cast, master, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 
@@ -208,6 +208,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._hooks: dict[torch.Tensor, Any] = {}
         self._grad_owner_id = next(_GRAD_OWNER_IDS)  # see GRAD_OWNER_ATTR
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
+        self._master_marks: dict[torch.Tensor, tuple[int, int] | None] = {}  # masters kept apart: optim/apart.py
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
         self._fp8_unscale: float | None = None  # set while FP8GradScaler.step(self) runs the update through step()
         self._fp8_in_step = False  # step() is routing through self.grad_scaler (which then updates directly)
@@ -232,6 +233,12 @@ class FP8AdamW(torch.optim.Optimizer):
                     raise TypeError(
                         f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
                         "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
+                    )
+                if p.dtype == torch.float64:
+                    raise TypeError(
+                        f"FP8AdamW got a float64 parameter of shape {tuple(p.shape)}: it steps in fp32 arithmetic, "
+                        "which would drop the updates float64 keeps; convert the model to float32 first "
+                        "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
                     )
                 # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
                 master.check_not_reparametrized(p, f"parameter {i} of parameter group {len(self.param_groups) - 1}")
@@ -385,9 +392,9 @@ class FP8AdamW(torch.optim.Optimizer):
         For handing the model to other code after FP8 training: another optimizer or precision (the storage would
         otherwise hold ``weight * scale`` in fp16, which they would train as the weight), code that reads
         ``param.data``. The Lightning plugin calls it when a fit ends, ``Accelerator.free_memory`` likewise.
-        Afterwards the masters are the optimizer's own: ``model.load_state_dict`` no longer reaches them (load the
-        optimizer's state too, or build a new optimizer), and each weight's dtype has changed, so call it on a model
-        no DDP wrapper will run again (DDP's hooks sit on the old gradient accumulators)."""
+        Afterwards the masters are the optimizer's own, kept apart: a write to a weight (``model.load_state_dict``)
+        reaches its master at the next step (:mod:`lightning_fp8.optim.apart`). Each weight's dtype has changed, so
+        call it on a model no DDP wrapper will run again (DDP's hooks sit on the old gradient accumulators)."""
         self._grad_casts.flush(self)
         released = False
         for p in list(self._low_precision):
@@ -404,6 +411,7 @@ class FP8AdamW(torch.optim.Optimizer):
             if state:  # stepped: the stored master, its scale and amax now live in the state (else _init_state)
                 # (on the master's device: Lightning's teardown moves the model and the states, not the attributes)
                 state.update(master=stored, master_scale=scale.to(stored.device), master_amax=amax.to(stored.device))
+                self._master_marks[p] = apart.mark(p)  # writes to the released weight from now on reach the master
         if released and self.grad_scaler is not None:  # the dropped gradients' casts no longer count for a step
             self.grad_scaler._discard(self)
 
@@ -575,6 +583,8 @@ class FP8AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     self._init_state(p, state)
+                elif "master" in state:  # kept apart: what was written to p since the last step comes first
+                    apart.take_writes(p, state, self._master_marks.get(p))
                 live.append([p, state, grad, grad_scale_inv, grad_amax])
             # The amaxes of high-precision gradients with low-precision states: a few launches for all of them.
             measured = [e for e in live if e[4] is None and e[0] in self._low_precision]
@@ -587,6 +597,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 batches[(p.device, step, *item[-1])].append(item[:-1])
             for key, items in batches.items():
                 step_.launch(self, group, key[1], items, grad_unscale, emit=key[-1])
+            self._master_marks.update((e[0], apart.mark(e[0])) for e in live if "master" in e[1])
         self._stepped_fp8_grads = list(self._pending)
         self._pending.clear()
 
@@ -647,6 +658,9 @@ class FP8AdamW(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_hooked" not in state:  # torch.optim.Optimizer.load_state_dict updates state and param_groups this way
             super().__setstate__(state)
+            for group in self.param_groups:  # as torch.optim.AdamW: a loaded torch.optim.Adam group's L2 flag
+                if "decoupled_weight_decay" in group:
+                    group["decoupled_weight_decay"] = True
             return
         state = dict(state)
         masters, hooked = state.pop("_masters"), state.pop("_hooked")
@@ -661,7 +675,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._grad_cast_states = {p: (packed, grad_cast_state_buffers(packed)) for p, packed in cast_states.items()}
         self._pending, self._stepped_fp8_grads = {}, []
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
-        self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
+        self._hooks, self._grad_owner_id, self._master_marks = {}, next(_GRAD_OWNER_IDS), {}
         for p in hooked:
             self._register_grad_hook(p)
 
@@ -696,6 +710,7 @@ class FP8AdamW(torch.optim.Optimizer):
         """
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)
+        self._master_marks.clear()  # the loaded masters, not what the parameters held, are where the next step starts
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict with fp32 moments (no lock-in).
