@@ -102,7 +102,7 @@ def _store(ptr, v, mask, EXACT_BF16: tl.constexpr):
         v = _clamp_abs(v, 65504.0)
     elif ptr.dtype.element_ty == tl.bfloat16:
         v = _clamp_abs(v, 3.3895313892515355e38)
-    elif ptr.dtype.element_ty == tl.float32:
+    elif ptr.dtype.element_ty == tl.float32 or ptr.dtype.element_ty == tl.float64:  # v is fp32: fp32's max
         v = _clamp_abs(v, 3.4028234663852886e38)
     if EXACT_BF16:
         bits = v.to(tl.uint32, bitcast=True)

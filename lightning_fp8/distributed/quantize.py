@@ -73,8 +73,9 @@ def _cast(y: torch.Tensor, finite: torch.Tensor, fp8_dtype: torch.dtype) -> tupl
 
 def _to_out(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Saturated at the dtype's largest finite value (NaN stays NaN): the FP8 rounding of a mean of finite values can
-    # reach the next power of two above the dtype's range (the kernels' _store).
-    limit = torch.finfo(dtype).max
+    # reach the next power of two above the dtype's range (the kernels' _store). y is fp32: a float64 output is
+    # saturated at fp32's (its own would not convert to y's dtype).
+    limit = min(torch.finfo(dtype).max, torch.finfo(y.dtype).max)
     return y.clamp(-limit, limit).to(dtype)
 
 
