@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import sys
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -103,6 +104,18 @@ class HealthEvent:
         return asdict(self)
 
 
+def _as_step(step: object, caller: str) -> int:
+    # Steps are stored as Python ints, so that state_dict() loads with torch.load(weights_only=True) (a NumPy integer
+    # would not) and load_state_dict takes it back (a tensor would not).
+    try:
+        return int(operator.index(step))
+    except TypeError:
+        raise TypeError(
+            f"HealthMonitor.{caller}(step={step!r}): the step must be an integer (a Python or NumPy int, or a 0-dim "
+            "integer tensor)"
+        ) from None
+
+
 def _memory_value(value: Any) -> float | None:
     # observe(memory_gib=...) takes a number of GiB or what memory_gib() returns (its "peak" entry).
     if isinstance(value, Mapping):
@@ -177,8 +190,10 @@ class HealthMonitor:
                 entry is recorded (present on CPU and CUDA).
 
         Raises:
-            TypeError: if ``memory_gib`` is neither a number nor a mapping with a ``"peak"`` entry.
+            TypeError: if ``memory_gib`` is neither a number nor a mapping with a ``"peak"`` entry, or ``step`` is not
+                an integer (a Python, NumPy or 0-dim tensor integer, stored as a Python int).
         """
+        step = _as_step(step, "observe")
         memory_gib = _memory_value(memory_gib)
         self._observations += 1
         events: list[HealthEvent] = []
@@ -226,7 +241,7 @@ class HealthMonitor:
         for part in action.split("+"):
             if part not in ACTIONS:
                 raise ValueError(f"record_nonfinite(action={action!r}): each part must be one of {list(ACTIONS)}")
-        event = self._nonfinite_event(step, source, value, action)
+        event = self._nonfinite_event(_as_step(step, "record_nonfinite"), source, float(value), action)
         self.events.append(event)
         return event
 

@@ -217,6 +217,25 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
     assert a.series == b.series and a.events == b.events
 
 
+def test_numpy_and_tensor_steps_and_tensor_values_round_trip(tmp_path):
+    """Steps from np.arange or a 0-dim tensor, and a tensor loss given to record_nonfinite, are stored as Python
+    numbers: the state dict loads with torch.load(weights_only=True) and load_state_dict takes it back (a NumPy step
+    failed the load, a tensor step or value the checks)."""
+    np = pytest.importorskip("numpy")
+    a = HealthMonitor()
+    for step in np.arange(3):
+        a.observe(step, loss=torch.tensor(2.0), grad_norm=1.0)
+    a.observe(torch.tensor(3), loss=2.0, grad_norm=1.0)
+    a.record_nonfinite(np.int64(4), "loss", "skip_step", value=torch.tensor(float("nan")))
+    assert [type(s) for s, _ in a.series["loss"]] == [int] * 4 and type(a.events[-1].step) is int
+    torch.save(a.state_dict(), tmp_path / "health.pt")
+    b = HealthMonitor()
+    b.load_state_dict(torch.load(tmp_path / "health.pt", weights_only=True))
+    assert b.series == a.series and len(b.events) == 1 and math.isnan(b.events[0].value)
+    with pytest.raises(TypeError, match=r"observe\(step=2.5\): the step must be an integer"):
+        a.observe(2.5, loss=1.0)
+
+
 def _sharded_norm_worker(rank: int, world: int) -> list[float]:
     import torch.distributed as dist
 
