@@ -117,7 +117,31 @@ def _parser() -> argparse.ArgumentParser:
         help=f"Tensor-parallel plan applied with --parallelism_config_tp_size > 1: one of {list(TP_PLANS)}. "
         f"Overrides the config file's `{CONFIG_KEY}.tp_plan`.",
     )
+    # Accelerate's help formatter lists only its own argument groups: ours go first, wherever -h/--help was given.
+    accelerate_help = parser.format_help
+    ours = f"{FP8_OPTIONS}\nAll other options are those of `accelerate launch`:\n\n"
+    parser.format_help = lambda: ours + accelerate_help()
     return parser
+
+
+# Accelerate's own FP8 options (for its TransformerEngine, MS-AMP and torchao backends), which lightning_fp8's
+# Accelerator replaces: accepted by its parser, they would do nothing here.
+def _accelerate_fp8_options(parser: argparse.ArgumentParser) -> dict[str, str]:
+    return {opt: action.option_strings[0] for action in parser._actions if action.dest.startswith("fp8_")
+            for opt in action.option_strings}  # fmt: skip
+
+
+def _check_no_accelerate_fp8_options(parser: argparse.ArgumentParser, argv: list[str], script: str) -> None:
+    """Raise for an ``accelerate launch`` FP8 option (``--fp8_margin``...) given before the training script."""
+    options = _accelerate_fp8_options(parser)
+    launcher_args = argv[: argv.index(script)] if script in argv else argv
+    given = sorted({options[a.split("=")[0]] for a in launcher_args if a.split("=")[0] in options})
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: options of Accelerate's own FP8 backends (TransformerEngine, MS-AMP, torchao), which "
+            f"lightning_fp8's Accelerator replaces, so they would do nothing. Set FP8-LM's with --fp8-recipe (see "
+            f"`lightning-fp8 recipes`) or the config file's `{CONFIG_KEY}:` section (docs/accelerate.md)"
+        )
 
 
 def launch(argv: list[str]) -> int:
@@ -125,10 +149,8 @@ def launch(argv: list[str]) -> int:
     from accelerate.commands.config.config_args import default_config_file
     from accelerate.commands.launch import launch_command
 
-    if any(arg in ("-h", "--help") for arg in argv[:1]):
-        # Accelerate's help formatter only lists its own argument groups: say ours first.
-        print(f"{FP8_OPTIONS}\nAll other options are those of `accelerate launch`:\n")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     recipe_flag = vars(args).pop("lightning_fp8_recipe")
     exclude_flag = vars(args).pop("lightning_fp8_exclude")
     tp_plan_flag = vars(args).pop("lightning_fp8_tp_plan")
@@ -144,6 +166,7 @@ def launch(argv: list[str]) -> int:
     if has_section and section is None:  # `lightning_fp8:` with nothing under it: every key at its default
         section = {}
     try:
+        _check_no_accelerate_fp8_options(parser, argv, args.training_script)
         if read:
             _check_accelerate_keys(config, config_path)
         settings = _resolve(section, recipe_flag, exclude_flag, config_path, tp_plan_flag)
@@ -161,6 +184,12 @@ def launch(argv: list[str]) -> int:
         except subprocess.CalledProcessError as err:
             return err.returncode or 1
     return 0
+
+
+def _normalized(key: str) -> str:
+    # lightning-fp8, Lightning_FP8, lightning fp8, lightningfp8 -> lightning_fp8
+    flat = "".join(c for c in key.lower() if c.isalnum())
+    return "lightning_fp8" if flat == "lightningfp8" else key
 
 
 _PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
@@ -188,8 +217,12 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 def _check_accelerate_keys(config: dict[str, Any], path: str) -> None:
-    """Accelerate requires ``distributed_type`` in every config file (and fails with a traceback without it):
-    say what to add before anything is launched."""
+    """Accelerate requires ``distributed_type`` in every config file (and fails with a traceback without it), and
+    refuses unknown keys (a mis-spelled ``lightning_fp8`` section with a traceback that suggests upgrading it): say
+    what to change before anything is launched."""
+    near = [key for key in config if isinstance(key, str) and key != CONFIG_KEY and _normalized(key) == CONFIG_KEY]
+    if near:
+        raise ValueError(f"config file {path} has a section `{near[0]}`: the FP8-LM section is named `{CONFIG_KEY}`")
     if "distributed_type" in config:
         return
     raise ValueError(

@@ -75,6 +75,9 @@ def _write(path, data):
         (None, ["--fp8-recipe", "e4m3"], r"--fp8-recipe='e4m3' is not a known FP8 recipe: choose one of"),
         ({"tp_plan": "megatron"}, [], r"tp_plan='megatron' is not a tensor-parallel plan: choose one of \['gpt'"),
         (None, ["--fp8-tp-plan", "row"], r"--fp8-tp-plan='row' is not a tensor-parallel plan: choose one of"),
+        # Accelerate's own FP8 options: its parser takes them, lightning_fp8's Accelerator would ignore them
+        (None, ["--fp8_margin", "2", "--fp8-opt-level=O1"], r"error: --fp8_margin, --fp8_opt_level: options of "
+         r"Accelerate's own FP8 backends .* Set FP8-LM's with --fp8-recipe"),
     ],
 )
 def test_bad_settings_fail_before_launching(tmp_path, capsys, section, flags, expected):
@@ -155,6 +158,9 @@ def test_launch_passes_the_shell_exclude_on_with_a_recipe_flag(tmp_path):
         ({"lightning_fp8": "fp8-lm-o1", "use_cpu": True}, r"has no `distributed_type`"),
         ({"distributed_type": "NO", "lightning_fp8": {"recipe": None}}, r"\.recipe is empty: write a recipe name"),
         ({"distributed_type": "NO", "lightning_fp8": False}, r"got False \(YAML reads off/no/false as False"),
+        # Accelerate refuses the unknown key with a traceback that suggests upgrading it
+        ({"distributed_type": "NO", "lightning-fp8": {"recipe": "fp8-lm-o1"}},
+         r"error: config file .* has a section `lightning-fp8`: the FP8-LM section is named `lightning_fp8`"),
     ],
 )
 def test_config_file_edge_values_fail_before_launching_with_what_to_write(tmp_path, capsys, config, expected):
@@ -176,3 +182,22 @@ def test_an_empty_section_means_the_defaults_and_is_removed_from_accelerates_cop
     monkeypatch.setattr("accelerate.commands.launch.launch_command", launch_command)
     assert cli.main(["launch", "--config_file", str(path), "train.py"]) == 0
     assert seen == {"config": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO"}, "recipe": "fp8-lm"}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--cpu", "--help"], ["--config_file", "c.yaml", "-h"]])
+def test_launch_help_lists_the_fp8_options_wherever_help_is_asked(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", *argv])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.index("--fp8-recipe NAME") < out.index("All other options are those of `accelerate launch`")
+    assert "--fp8-exclude PATTERNS" in out and "--fp8-tp-plan PLAN" in out and "--num_processes" in out
+
+
+def test_a_script_argument_named_like_an_accelerate_fp8_option_is_the_scripts(tmp_path, monkeypatch):
+    """Only options before the training script are the launcher's: the script's own --fp8_margin passes through."""
+    seen = {}
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: seen.update(vars(args)))
+    script = str(tmp_path / "train.py")
+    assert cli.main(["launch", "--cpu", script, "--fp8_margin", "2"]) == 0
+    assert seen["training_script"] == script and seen["training_script_args"] == ["--fp8_margin", "2"]
