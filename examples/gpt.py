@@ -17,18 +17,23 @@ Python source is plenty for models up to ~100M parameters and a few thousand ste
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-__all__ = ["GPT", "ByteWindows", "Corpus", "GPTConfig", "fp8_module_filter", "load_corpus", "stdlib_dir"]
+__all__ = [
+    "GPT", "ByteWindows", "Corpus", "GPTConfig", "check_batches", "fp8_module_filter", "int_at_least", "load_corpus",
+    "stdlib_dir",
+]  # fmt: skip
 
 _PRESETS: dict[str, dict[str, int]] = {
     # Runs in a couple of minutes on a laptop CPU (FP8 emulated).
@@ -282,6 +287,34 @@ def load_corpus(
             f"{_MIN_SPLIT_BYTES} (too few: {' and '.join(short)}); {todo}"
         )
     return corpus
+
+
+def check_batches(corpus: Corpus, seq_len: int, batch_size: int, splits: tuple[str, ...] = ("train", "val")) -> None:
+    """Raise ``ValueError`` unless each of ``splits`` holds a full batch of ``seq_len`` windows (the loaders drop a
+    last partial batch: a split without one would train or validate on nothing)."""
+    for name, data in (("training", corpus.train), ("validation", corpus.val)):
+        if name[:3] not in {split[:3] for split in splits}:
+            continue
+        windows = (data.numel() - 1) // seq_len
+        if windows < batch_size:
+            raise ValueError(
+                f"the {name} split of {corpus.source} ({data.numel()} bytes) holds {windows} windows of --seq-len "
+                f"{seq_len}, fewer than one batch of --batch-size {batch_size}: give more text, or a smaller "
+                "--batch-size or --seq-len"
+            )
+
+
+def int_at_least(minimum: int) -> Any:
+    """An argparse ``type``: an integer >= ``minimum``; anything else is a usage error, not a traceback later."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid int value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
 
 
 class ByteWindows(Dataset):

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from gpt import GPT, ByteWindows, GPTConfig, fp8_module_filter, load_corpus
+from gpt import GPT, ByteWindows, GPTConfig, check_batches, fp8_module_filter, int_at_least, load_corpus
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
@@ -112,6 +112,7 @@ class LossHistory(Callback):
 def make_loaders(args: argparse.Namespace, seq_len: int) -> tuple[DataLoader, DataLoader]:
     """Shuffled training windows and fixed validation windows of the corpus chosen by ``--data``."""
     corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    check_batches(corpus, seq_len, args.batch_size)
     pin = torch.cuda.is_available()
     train = DataLoader(
         ByteWindows(corpus.train, seq_len), args.batch_size, shuffle=True, drop_last=True, pin_memory=pin
@@ -148,20 +149,7 @@ def describe_device(precision: str) -> str:
     return name
 
 
-def int_at_least(minimum: int) -> Any:
-    """An argparse ``type``: an integer >= ``minimum``; anything else is a usage error, not a traceback later."""
-
-    def parse(text: str) -> int:
-        value = int(text)  # a ValueError: argparse says "invalid int value"
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     count = int_at_least(1)  # sizes and step counts
     p.add_argument(
@@ -187,7 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="runs/train_gpt", help="directory for logs, checkpoints, summary.json")
     p.add_argument("--no-progress-bar", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = make_parser().parse_args(argv)
     defaults = GPU_DEFAULTS if torch.cuda.is_available() and not args.toy else CPU_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -223,8 +215,11 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Callback], loggers: 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
-    cfg = gpt_config(args)
-    train_loader, val_loader = make_loaders(args, cfg.seq_len)
+    try:  # a model or data that cannot be: a usage error before anything trains, not a traceback
+        cfg = gpt_config(args)
+        train_loader, val_loader = make_loaders(args, cfg.seq_len)
+    except ValueError as err:
+        make_parser().error(str(err))
     lit = LitGPT(asdict(cfg), lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
     if args.compile:
         lit.model.compile()
@@ -244,7 +239,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.precision in FP8_PRECISIONS:
         callbacks += [FP8ScaleMonitor(), TrainingHealthMonitor()]  # fp8/* and health/* metrics, health.png
     # --8<-- [end:callbacks]
-    trainer = build_trainer(args, callbacks, loggers)
+    try:
+        trainer = build_trainer(args, callbacks, loggers)
+    except ValueError as err:  # a precision Lightning does not know
+        make_parser().error(f"--precision {args.precision!r}: {err}")
     trainer.fit(lit, train_loader, val_loader)
 
     val_loss = trainer.validate(lit, val_loader, verbose=False)[0]["val_loss"]

@@ -16,10 +16,18 @@ import time
 from pathlib import Path
 
 import torch
-from gpt import GPT, ByteWindows, GPTConfig, fp8_module_filter, load_corpus
+from gpt import GPT, ByteWindows, GPTConfig, check_batches, fp8_module_filter, int_at_least, load_corpus
 from torch.utils.data import DataLoader
 
-from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
+from lightning_fp8 import (
+    FP8AdamW,
+    FP8GradScaler,
+    FP8Recipe,
+    convert_to_fp8,
+    fp8_state_dict,
+    fp8_stats,
+    load_fp8_state_dict,
+)
 
 
 def batches(loader: DataLoader, device: torch.device):
@@ -42,17 +50,10 @@ def evaluate(model: GPT, loader: DataLoader, device: torch.device, n_batches: in
     return sum(losses) / len(losses)
 
 
-def count(text: str) -> int:
-    """An argparse ``type``: an integer >= 1 (sizes and step counts); anything else is a usage error."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    count = int_at_least(1)  # sizes and step counts
     p.add_argument("--preset", default="small" if gpu else "toy", choices=["toy", "small", "gpt125m"])
     p.add_argument("--width", type=count)
     p.add_argument("--depth", type=count)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--batch-size", type=count, default=32 if gpu else 16)
     p.add_argument("--max-steps", type=count, default=1000 if gpu else 200)
     p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
-    p.add_argument("--recipe", default="fp8-lm", help="an FP8 recipe name (fp8-lm, fp8-lm-o1, ...)")
+    p.add_argument("--recipe", default="fp8-lm", choices=FP8Recipe.names(), help="an FP8 recipe name")
     p.add_argument("--val-batches", type=count, default=20)
     p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
     p.add_argument("--out", type=Path, default=Path("runs/train_plain"))
@@ -69,8 +70,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(1234)
     device = torch.device("cuda" if gpu else "cpu")
 
-    cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
-    corpus = load_corpus(args.data)
+    try:  # a model or data that cannot be: a usage error before anything trains, not a traceback
+        cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
+        corpus = load_corpus(args.data)
+        check_batches(corpus, cfg.seq_len, args.batch_size)
+    except ValueError as err:
+        p.error(str(err))
     train_loader = DataLoader(ByteWindows(corpus.train, cfg.seq_len), args.batch_size, shuffle=True, drop_last=True)
     val_loader = DataLoader(ByteWindows(corpus.val, cfg.seq_len), args.batch_size, drop_last=True)
 

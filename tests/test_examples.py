@@ -237,6 +237,14 @@ def test_train_plain_toy(tmp_path):
         ("train_plain.py", ["--val-batches", "-2"], "--val-batches"),
         ("lab.py", ["--batch-size", "0"], "--batch-size"),
         ("lab_report.py", [], "lab_dir"),
+        ("train_plain.py", ["--recipe", "fp8-lmm"], "--recipe"),
+        ("train_plain.py", ["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
+        ("train_gpt.py", ["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
+        ("train_gpt.py", ["--precision", "bogus", "--max-bytes", "60000"], "--precision 'bogus'"),
+        ("accelerate/train_gpt.py", ["--log-every", "0"], "--log-every"),
+        ("accelerate/train_gpt.py", ["--grad-accum", "0"], "--grad-accum"),
+        ("accelerate/train_gpt.py", ["--preset", "tiny"], "--preset"),
+        ("accelerate/train_gpt.py", ["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
     ],
 )
 def test_bad_arguments_are_usage_errors(script, args, flag):
@@ -255,3 +263,19 @@ def test_lab_report_help_and_an_empty_directory(tmp_path):
         [sys.executable, str(EXAMPLES / "lab_report.py"), str(tmp_path)], capture_output=True, text=True
     )
     assert empty.returncode == 2 and "no runs in" in empty.stderr and "Traceback" not in empty.stderr
+
+
+@pytest.mark.parametrize("script", ["train_plain.py", "train_gpt.py"])
+def test_a_corpus_too_short_for_one_validation_batch_is_a_usage_error_before_training(tmp_path, script):
+    """load_corpus takes a 25 KB file, whose validation split (about 1250 bytes) holds fewer windows than one batch:
+    the loaders (drop_last) gave no batch, and the final validation failed after training (ZeroDivisionError,
+    IndexError). Now the script stops first, saying what to change."""
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i}: some text to train on\n" for i in range(800)))
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--data", str(text), "--batch-size", "16", "--out", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "the validation split" in proc.stderr, proc.stderr[-2000:]
+    assert "fewer than one batch of --batch-size 16" in proc.stderr

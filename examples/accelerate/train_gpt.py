@@ -33,7 +33,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py
-from gpt import GPT, ByteWindows, GPTConfig, load_corpus  # noqa: E402
+from gpt import GPT, ByteWindows, GPTConfig, check_batches, int_at_least, load_corpus  # noqa: E402
 
 from lightning_fp8.accelerate import Accelerator  # noqa: E402  (was: from accelerate import Accelerator)
 
@@ -76,29 +76,41 @@ class TrainState:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="toy", help="GPTConfig preset: toy, small, gpt125m")
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16, help="per process")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    count, at_least_0 = int_at_least(1), int_at_least(0)  # sizes and step counts; 0 allowed
+    p.add_argument("--preset", default="toy", choices=["toy", "small", "gpt125m"], help="GPTConfig preset")
+    p.add_argument("--depth", type=count, default=None)
+    p.add_argument("--width", type=count, default=None)
+    p.add_argument("--heads", type=count, default=None)
+    p.add_argument("--seq-len", type=count, default=None)
+    p.add_argument("--batch-size", type=count, default=16, help="per process")
+    p.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=count, default=200, help="optimizer steps")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=at_least_0, default=20)
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to read (stdlib source)")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=0, help="save_state every N steps (0: only at the end)")
+    p.add_argument("--max-bytes", type=count, default=2_000_000, help="corpus bytes to read (stdlib source)")
+    p.add_argument("--log-every", type=count, default=10)
+    p.add_argument("--save-every", type=at_least_0, default=0, help="save_state every N steps (0: only at the end)")
     p.add_argument("--out", type=Path, default=Path("runs/accelerate_gpt"))
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint folder written by save_state")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # a model that cannot be: a usage error now, not a traceback later
+        model_config(args)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig.preset(args.preset, depth=args.depth, width=args.width, heads=args.heads, seq_len=args.seq_len)
 
 
 def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, DataLoader, Any, torch.Generator]:
-    cfg = GPTConfig.preset(args.preset, depth=args.depth, width=args.width, heads=args.heads, seq_len=args.seq_len)
+    cfg = model_config(args)
+    corpus = load_corpus(max_bytes=args.max_bytes)
+    check_batches(corpus, cfg.seq_len, args.batch_size, splits=("train",))
     model = GPT(cfg)
     # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -116,7 +128,6 @@ def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, DataLoa
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    corpus = load_corpus(max_bytes=args.max_bytes)
     # The shuffle generator is re-seeded every epoch (seed + epoch): an epoch's order is the same whether the
     # run was resumed or not.
     generator = torch.Generator()
@@ -141,7 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the process count
     )
     accelerator.init_trackers("train_gpt", config={k: str(v) for k, v in vars(args).items()})
-    model, optimizer, loader, scheduler, generator = build(args)
+    try:
+        model, optimizer, loader, scheduler, generator = build(args)
+    except ValueError as err:  # data too short for one batch: say so, not a traceback
+        raise SystemExit(f"{Path(__file__).name}: error: {err}") from None
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
