@@ -675,9 +675,14 @@ class FP8AdamW(torch.optim.Optimizer):
         self._grad_cast_states = {p: (packed, grad_cast_state_buffers(packed)) for p, packed in cast_states.items()}
         self._pending, self._stepped_fp8_grads = {}, []
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
-        self._hooks, self._grad_owner_id, self._master_marks = {}, next(_GRAD_OWNER_IDS), {}
+        self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
+        self._mark_masters()
         for p in hooked:
             self._register_grad_hook(p)
+
+    def _mark_masters(self) -> None:
+        # Masters kept apart (optim/apart.py) as they are now: a write to their parameters from here on reaches them.
+        self._master_marks = {p: apart.mark(p) for p, state in self.state.items() if "master" in state}
 
     # ------------------------------------------------------------------------------------------ state and stats
     @override
@@ -710,7 +715,7 @@ class FP8AdamW(torch.optim.Optimizer):
         """
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)
-        self._master_marks.clear()  # the loaded masters, not what the parameters held, are where the next step starts
+        self._mark_masters()  # the loaded masters, not what the parameters held, are where the next step starts
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict with fp32 moments (no lock-in).

@@ -148,3 +148,31 @@ def test_a_torch_adam_state_dict_loads_with_decoupled_weight_decay_as_into_torch
     opt.load_state_dict(adam.state_dict())
     assert [g.get("decoupled_weight_decay") for g in opt.param_groups] == [True]
     assert [g["decoupled_weight_decay"] for g in want.param_groups] == [True]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "load_state_dict"])
+def test_writes_after_a_copy_or_a_load_of_the_optimizer_are_kept(how):
+    """A deep-copied, unpickled or loaded optimizer watches its masters from then on: a write after it (a rollback,
+    fill_) is where its next step starts, as without the copy. Before, the first step after it overwrote the write."""
+    import copy
+    import io
+
+    model = _bf16_model()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    for seed in range(3):
+        _step(model, opt, seed)
+    if how == "deepcopy":
+        model, opt = copy.deepcopy((model, opt))
+    elif how == "pickle":
+        buf = io.BytesIO()
+        torch.save((model, opt), buf)
+        buf.seek(0)
+        model, opt = torch.load(buf, weights_only=False)
+    else:
+        opt.load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    _tiny_lr(opt)
+    _step(model, opt, 3)
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in model.parameters())
