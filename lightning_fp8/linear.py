@@ -124,7 +124,7 @@ class _FP8Matmul(torch.autograd.Function):
             need_wgrad, ctx.dtypes,
         )  # fmt: skip
         if need_bgrad:
-            db = (db[0] if fused else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
+            db = ops.narrowed(db[0] if fused else dy.sum(0, dtype=torch.float32), ctx.bias_dtype)
         else:
             db = None
         return dx, dw, db, None, None, None, None, None, None

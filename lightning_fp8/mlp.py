@@ -150,8 +150,8 @@ class _FP8GeluMLP(torch.autograd.Function):
                 (dh_fp8, dh_fp8_t, dh_scale_inv), x_fp8_t, x_scale_inv, w1_saved, ctx.weight_metas[0], need_x,
                 need_w1, ctx.dtypes[:2],
             )  # fmt: skip
-            db1 = db1.to(ctx.bias_dtypes[0]) if need_b1 else None
-        db2 = db2.to(ctx.bias_dtypes[1]) if need_b2 else None
+            db1 = ops.narrowed(db1, ctx.bias_dtypes[0]) if need_b1 else None
+        db2 = ops.narrowed(db2, ctx.bias_dtypes[1]) if need_b2 else None
         return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None
 
 

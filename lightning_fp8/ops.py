@@ -175,7 +175,17 @@ def scaled_mm(
         out = (a_fp8.float() * a_scale_inv) @ (b_fp8.float() * b_scale_inv)
         if bias is not None:
             out = out + rounded_to(bias, out_dtype)
-    return out.to(out_dtype)
+    return narrowed(out, out_dtype)
+
+
+def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, rounded as eagerly also under torch.compile: inductor fuses a conversion to bf16/fp16 into the
+    ops that consume its result and drops the rounding (unless ``config.emulate_precision_casts``: a residual add or
+    a sum of two gradients then adds unrounded values); traced, ``x`` is rounded through the bits first
+    (:func:`rounded_to`), so the conversion left is exact."""
+    if torch.compiler.is_compiling() and dtype in (torch.bfloat16, torch.float16) and x.dtype != dtype:
+        x = rounded_to(x, dtype)
+    return x.to(dtype)
 
 
 def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 from lightning_fp8.kernels.reference import cast_to_fp8_ref, column_sum_ref
 from torch import nn
 
-from lightning_fp8 import FP8Linear, FP8Recipe, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.scaling import compute_scale
 from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 from tests.numerics import BACKWARD_E4M3_SQNR_DB, BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
@@ -241,6 +241,44 @@ def test_inductor_compiled_bias_is_rounded_to_the_output_dtype_as_eagerly(dtype)
     for mode, (want, got) in zip(("autocast", "low-precision input"), pairs, strict=True):
         assert want.dtype == got.dtype == dtype, mode
         assert torch.equal(want, got), f"{mode}: {int((want != got).sum())} of {want.numel()} differ"
+
+
+class _SharedResidual(nn.Module):
+    # A layer used twice (its two gradients summed) and a residual add: ops that consume the layers' bf16/fp16 results.
+    # (Every sum here has two terms: inductor adds three in fp32 and rounds once, as it does for any bf16 model.)
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin = FP8Linear(32, 32, dtype=dtype)
+        self.mlp = FP8MLP(32, 64, dtype=dtype)
+
+    def forward(self, x):
+        return self.mlp(x + self.lin(torch.relu(self.lin(x))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_inductor_compiled_results_consumed_in_the_graph_are_rounded_as_eagerly(dtype):
+    """CPU (the emulated GEMM): the layers' bf16/fp16 outputs and gradients are fp32 results converted to that dtype.
+    Inductor fused the conversion into what consumes them (a residual add, the sum of a shared layer's two gradients)
+    and dropped its rounding: a quarter of the elements differed from eager. ops.narrowed rounds through the bits."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _SharedResidual(dtype)
+    eager(torch.randn(8, 32, dtype=dtype)).float().square().sum().backward()  # the eager step before compiling
+    eager.zero_grad()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True)
+    for magnitude in (1.0, 2.0**6, 1.0):
+        x = (torch.randn(24, 32) * magnitude).to(dtype)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = eager(xa), compiled(xb)
+        assert torch.equal(ya, yb), f"{int((ya != yb).sum())} of {ya.numel()} outputs differ"
+        ya.float().square().sum().backward()
+        yb.float().square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), name
+        eager.zero_grad()
+        model.zero_grad()
 
 
 class _ReluMLP(nn.Module):
