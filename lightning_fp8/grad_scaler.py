@@ -592,7 +592,9 @@ class FP8GradScaler:
             what = [recovery.lower_lr(opt, self.lr_factor) for opt in targets][-1]
             what += f" in {len(targets)} optimizers" if len(targets) > 1 else ""
         elif fallback == "bf16":  # every optimizer stepped with this scaler: each gives back the masters it holds
-            what = recovery.fallback_to_high_precision(self.model, [*self._seen] or optimizer, self.lr_factor)
+            what = recovery.fallback_to_high_precision(
+                self.model, [*self._seen] or optimizer, self.lr_factor, skipped=skipped or [optimizer]
+            )
         else:
             what = str(fallback(self, optimizer))
         reason = f"{self.fallback_after} consecutive non-finite steps"

@@ -71,34 +71,49 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     return f"lowered the learning rate by {factor}x"
 
 
-def _offending_layers(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
-    # A layer offends when the last backward's grad_output cast saw a non-finite amax, or its weight's last FP8
-    # gradient (kept by FP8AdamW until the step) was non-finite.
-    bad_params = {
-        p for opt in optimizers for p, amax in getattr(opt, "skipped_grad_amax", {}).items()
-        if not bool(torch.isfinite(amax))
-    }  # fmt: skip
+def _offending_layers(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], skipped: list[torch.optim.Optimizer]
+) -> list[str]:
+    # A layer offends when a gradient of the skipped step was non-finite: its weight's or bias's in param.grad (the
+    # accumulated gradient: any micro-batch of the step, not only the last backward), or its weight's FP8 gradient that
+    # a skipped FP8AdamW kept (skipped_grad_amax; an optimizer that stepped since keeps an older one); or when its last
+    # grad_output cast saw a non-finite amax and the layer took part in the step (a gradient of it is there, or its
+    # weight is frozen): the amax of a layer unused since an earlier bad step stays inf.
+    kept = {p: amax for opt in skipped for p, amax in getattr(opt, "skipped_grad_amax", {}).items()}
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, FP8Linear):
             continue
-        grad_state = module.fp8_scaling["grad_output"]
-        if not bool(torch.isfinite(grad_state.amax)) or module.weight in bad_params:
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        if not all(_all_finite(g) for g in [*grads, *(kept[p] for p in params if p in kept)]):
+            names.append(name)
+            continue
+        took_part = grads or any(p in kept for p in params) or not module.weight.requires_grad
+        if took_part and not bool(torch.isfinite(module.fp8_scaling["grad_output"].amax)):
             names.append(name)
     return names
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # This rank's values (a DTensor's shard: the fallback refuses sharded layers anyway, naming them).
+    return bool(torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all())
 
 
 def fallback_to_high_precision(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     lr_factor: float = 0.5,
+    skipped: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
 ) -> str:
     """Replace the offending FP8 layers of ``model`` by ``nn.Linear`` layers with the same parameters
-    (:func:`put_back_to_high_precision`).
+    (:func:`put_back_to_high_precision`): those whose gradients of the skipped step were non-finite.
 
     When no layer can be blamed (the non-finite values came from elsewhere), lower the learning rate instead.
     ``optimizer``: the optimizer, or every optimizer over the model's weights (several FP8AdamW at O2 each hold
-    their weights' masters, which must come back from the one that holds them).
+    their weights' masters, which must come back from the one that holds them). ``skipped``: the optimizers whose
+    step was skipped (default: all of ``optimizer``): their kept FP8 gradients count, and only their learning rate
+    is lowered.
 
     Returns:
         What was done, for the scaler's history.
@@ -108,9 +123,10 @@ def fallback_to_high_precision(
             :func:`put_back_to_high_precision`): DTensor parameters, or DistributedDataParallel.
     """
     optimizers = _as_list(optimizer)
-    names = _offending_layers(model, optimizers)
+    skipped = optimizers if skipped is None else _as_list(skipped)
+    names = _offending_layers(model, optimizers, skipped)
     if not names:
-        what = [lower_lr(opt, lr_factor) for opt in optimizers][-1] if optimizers else "nothing (no optimizer)"
+        what = [lower_lr(opt, lr_factor) for opt in skipped][-1] if skipped else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
     put_back_to_high_precision(model, names, optimizers)
     return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"

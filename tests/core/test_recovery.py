@@ -306,7 +306,8 @@ def _sharded_mlp_fallback() -> dict:
     model = _mlp(fused=True)
     fully_shard(model[0])
     fully_shard(model)
-    model[0].proj.fp8_scaling["grad_output"].amax.fill_(math.inf)
+    model[0].proj.fp8_scaling["grad_output"].amax.fill_(math.inf)  # as a backward with a non-finite gradient left it
+    model[0].proj.weight.grad = torch.zeros_like(model[0].proj.weight)  # the layer took part in that step
     try:
         fallback_to_high_precision(model, None)
         error = None
@@ -417,3 +418,63 @@ def test_a_layer_an_fp8mlp_shares_with_another_module_takes_the_fp8mlp_with_it()
     y = model(x)
     ref = model.mlp.proj(torch.nn.functional.gelu(model.extra(x))) + model.extra(x)
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------- whom the "bf16" fallback blames
+def _two_optimizers(fallback: str = "bf16", fp8_grads: bool = True):
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.ModuleDict({"a": nn.Linear(32, 32), "b": nn.Linear(32, 32), "head": nn.Linear(32, 10)}))
+    scaler = FP8GradScaler(nonfinite_fallback=model if fallback == "bf16" else fallback, fallback_after=2)
+    opt_a = FP8AdamW([*model["a"].parameters(), *model["head"].parameters()], lr=1e-3, grad_scaler=scaler,
+                     fp8_grads=fp8_grads)  # fmt: skip
+    opt_b = FP8AdamW(model["b"].parameters(), lr=1e-3, grad_scaler=scaler, fp8_grads=fp8_grads)
+    return model, scaler, opt_a, opt_b
+
+
+def _step(opt, scaler, loss) -> None:
+    opt.zero_grad()
+    scaler.scale_loss(loss).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("fp8_grads", [True, False])
+def test_the_fallback_blames_only_the_layers_of_the_steps_that_triggered_it(fp8_grads):
+    """b had one non-finite step long before and is clean since; a fails twice in a row: only a goes back (b was
+    blamed too: its optimizer kept that old FP8 gradient, and its grad_output amax stayed inf)."""
+    model, scaler, opt_a, opt_b = _two_optimizers(fp8_grads=fp8_grads)
+    for step in range(7):
+        x = torch.randn(8, 32)
+        _step(opt_a, scaler, model["a"](x).square().mean() * (math.nan if step in (5, 6) else 1.0))
+        _step(opt_b, scaler, model["b"](x).square().mean() * (math.nan if step == 1 else 1.0))
+    assert fallen_back_layers(model) == ["a"]
+    assert isinstance(model["b"], FP8Linear)
+
+
+def test_a_fallback_without_a_layer_to_blame_lowers_the_learning_rate_of_the_skipped_optimizer_only():
+    """Non-finite values from the high-precision head (no FP8 layer to put back): the learning rate of the optimizer
+    that was skipped is lowered, as nonfinite_fallback="lower_lr" does, not that of every optimizer."""
+    model, scaler, opt_a, opt_b = _two_optimizers()
+    for step in range(4):
+        x = torch.randn(8, 32)
+        _step(opt_a, scaler, model["head"](x).square().mean() * (math.nan if step in (2, 3) else 1.0))
+        _step(opt_b, scaler, model["b"](x).square().mean())
+    assert fallen_back_layers(model) == []
+    assert (opt_a.param_groups[0]["lr"], opt_b.param_groups[0]["lr"]) == (5e-4, 1e-3)
+
+
+@pytest.mark.parametrize("bad", ["first", "last"])
+def test_with_accumulation_the_fallback_blames_the_layers_of_any_micro_batch(bad):
+    """The non-finite micro-batch first or last of an accumulated step: the same layers go back (with the NaN first,
+    the last backward's grad_output amaxes were finite and nothing was blamed: the learning rate was lowered)."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)))
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2)
+    opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler, fp8_grads=False)
+    for _ in range(2):
+        opt.zero_grad()
+        for micro in range(2):
+            loss = model(torch.randn(8, 32)).square().mean()
+            scaler.scale_loss(loss * (math.nan if (micro == 0) == (bad == "first") else 1.0)).backward()
+        opt.step()
+    assert fallen_back_layers(model) == ["0", "2"]
+    assert opt.param_groups[0]["lr"] == 1e-3
