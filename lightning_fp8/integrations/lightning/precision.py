@@ -333,6 +333,14 @@ class _FP8LMPrecisionLogic:
         clip = getattr(self._wrapped_model, "clip_grad_norm_", None)
         if clip is not None and comm.is_fsdp1_root(self._wrapped_model):
             # FSDP1 shards gradients: only the root computes the global norm (in fp32); max_norm=inf clips nothing.
+            if self._wrapped_model.training_state.name != "IDLE":  # inside its forward: manual optimization
+                raise ValueError(
+                    "clip_gradients(gradient_clip_algorithm='norm') inside training_step cannot run under "
+                    "strategy='fsdp_fp8': FSDP1 computes the global norm only outside its root module's forward, and "
+                    "manual optimization's training_step runs inside it. Clip by value there, clip with automatic "
+                    "optimization (Trainer(gradient_clip_val=...)), or use FSDP2 (ModelParallelStrategy), which clips "
+                    "by norm in training_step"
+                )
             total = clip(float("inf"))
             mul_grads_by_(optimizer_grads(optimizer), clip_factor(total, clip_val, mu))
             return

@@ -138,6 +138,50 @@ def _refused_bf16_fallback(out: str) -> None:
         json.dump(result, f)
 
 
+class _ManualClipMLP(L.LightningModule):
+    # Every parameter in a linear layer that FSDP1 wraps on its own (with parameters at its root, FSDP1 fails a
+    # backward run inside the root's forward, as manual optimization's is, before any clipping).
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.net(batch).square().mean())
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.randn(16, 32), batch_size=4)
+
+
+def _manual_norm_clip(out: str) -> None:
+    """strategy="fsdp_fp8" with manual optimization clipping by norm in training_step (inside FSDP1's root forward,
+    where FSDP1 cannot compute the norm): each rank's error to ``<out>/rank<r>.json``."""
+    from lightning_fp8 import FP8FSDPStrategy
+
+    torch.manual_seed(0)
+    module = _ManualClipMLP()
+    trainer = L.Trainer(
+        precision="fp8-lm", accelerator="cpu", devices=2, strategy=FP8FSDPStrategy(auto_wrap_policy={torch.nn.Linear}),
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    error = None
+    try:
+        trainer.fit(module)
+    except ValueError as err:
+        error = str(err)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"rank": trainer.global_rank, "error": error, "steps": trainer.global_step}, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True, choices=["ddp", "ddp_spawn", "fsdp_fp8", "model_parallel"])
@@ -148,9 +192,13 @@ def main() -> None:
         "--health", action="store_true", help="with a TrainingHealthMonitor logging every step, plotting to <out>"
     )
     parser.add_argument("--bf16-fallback", action="store_true", help="only: fit with nonfinite_fallback='bf16'")
+    parser.add_argument("--manual-norm-clip", action="store_true", help="only: fsdp_fp8, manual clip by norm")
     args = parser.parse_args()
     if args.bf16_fallback:
         _refused_bf16_fallback(args.out)
+        return
+    if args.manual_norm_clip:
+        _manual_norm_clip(args.out)
         return
 
     # The plot goes to the Trainer's log_dir (no logger: default_root_dir), which every rank must ask for.

@@ -103,3 +103,13 @@ def test_bf16_fallback_under_ddp_is_refused_before_the_first_step(tmp_path):
         assert "nonfinite_fallback='bf16') cannot run under DDPStrategy" in r["error"]
         assert "nonfinite_fallback='lower_lr'" in r["error"]
         assert r["steps"] == 0 and r["losses"] == []
+
+
+@pytest.mark.slow
+def test_manual_norm_clipping_under_fsdp_fp8_is_refused_clearly(tmp_path):
+    # Manual optimization clips inside training_step, inside FSDP1's root forward, where FSDP1 cannot compute the
+    # global norm: torch raised "expected to be in states [IDLE]"; now each rank says what works instead.
+    ranks = _run("fsdp_fp8", tmp_path, False, "--manual-norm-clip", timeout=TIMEOUT_S / 2)
+    for r in ranks:
+        assert "cannot run under strategy='fsdp_fp8'" in r["error"] and "Clip by value there" in r["error"]
+        assert r["steps"] == 0
