@@ -41,6 +41,11 @@ from lightning_fp8.optim.master import master_scale
 
 EVENT_KINDS = ("grad_norm_spike", "loss_plateau", "nonfinite_loss", "nonfinite_grad")
 ACTIONS = ("none", "skip_step", "lower_mu", "lower_lr", "fallback_bf16")
+# The recovery of a step FP8GradScaler skipped: no update, mu halved.
+SKIP_ACTION = "skip_step+lower_mu"
+# FP8GradScaler's fallback descriptions -> action names.
+_FALLBACK_ACTIONS = (("learning rate", "lower_lr"), ("lr", "lower_lr"), ("high precision", "fallback_bf16"),
+                     ("bf16", "fallback_bf16"))  # fmt: skip
 SERIES = ("loss", "grad_norm", "param_norm", "samples_per_sec", "tokens_per_sec", "memory_gib")
 
 
@@ -102,6 +107,24 @@ class HealthEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def scaler_fallbacks(history: Iterable[Mapping[str, Any]], after_step: int) -> tuple[list[str], int]:
+    """The action names (:data:`ACTIONS`) of the fallbacks an ``FP8GradScaler.history`` records after scaler step
+    ``after_step``, and the step of the last one (``after_step`` when there is none): what the integrations add to
+    the event of the skipped step that ran them (``"skip_step+lower_mu+lower_lr"``)."""
+    actions, last = [], after_step
+    for entry in history:
+        if entry.get("action") == "fallback" and entry.get("step", 0) > last:
+            reason = str(entry.get("reason", "")).lower()
+            actions.append(next((a for key, a in _FALLBACK_ACTIONS if key in reason), "none"))
+            last = entry["step"]
+    return actions, last
+
+
+def skipped_step_action(fallbacks: Iterable[str]) -> str:
+    """The action of a skipped step's event: :data:`SKIP_ACTION` and the fallbacks it ran."""
+    return "+".join([SKIP_ACTION, *(a for a in fallbacks if a != "none")])
 
 
 def _as_step(step: object, caller: str) -> int:

@@ -30,7 +30,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_fp8.convert import fp8_modules
-from lightning_fp8.health import HealthMonitor
+from lightning_fp8.health import HealthMonitor, scaler_fallbacks, skipped_step_action
 from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
@@ -109,6 +109,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_swapped: dict[int, torch.optim.Optimizer] = {}
         self._fp8_wrapped: set[int] = set()
         self._fp8_steps = 0
+        self._fp8_fallback_seen = -1  # the scaler step of the last fallback reported to fp8_health
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
@@ -375,7 +376,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
         self._fp8_models, self._fp8_swapped, self._fp8_wrapped, self._fp8_tp_mapping = [], {}, set(), {}
-        self._fp8_loss, self._fp8_grad_norm, self._fp8_steps = [], None, 0
+        self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
         if self.fp8_lm_config is not None:
             self.fp8_health = HealthMonitor()
         return result
@@ -435,8 +436,13 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         step = self._fp8_steps
         self._fp8_steps += 1
         loss = torch.stack(self._fp8_loss).float().mean() if self._fp8_loss else None
-        if not stepped:
-            self.fp8_health.record_nonfinite(step, "grad", "skip_step+lower_mu")
+        if not stepped:  # the event says what the scaler did: skipped, mu lowered, and a fallback it ran then
+            fallbacks = []
+            if self.fp8_grad_scaler is not None:
+                fallbacks, self._fp8_fallback_seen = scaler_fallbacks(
+                    self.fp8_grad_scaler.history, self._fp8_fallback_seen
+                )
+            self.fp8_health.record_nonfinite(step, "grad", skipped_step_action(fallbacks))
         grad_norm = self._fp8_grad_norm
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()

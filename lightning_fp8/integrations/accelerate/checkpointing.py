@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_fp8.health import scaler_fallbacks
 from lightning_fp8.integrations.accelerate import tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpoint import build_state, load, rank_file, restore, save
 
@@ -67,3 +68,5 @@ class CheckpointMixin:
         recipe = self.fp8_lm_config.recipe
         restore(state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
         self._fp8_steps = int(state["optimizer_steps"])
+        if self.fp8_grad_scaler is not None:  # fallbacks before the checkpoint were reported then
+            self._fp8_fallback_seen = scaler_fallbacks(self.fp8_grad_scaler.history, -1)[1]

@@ -19,7 +19,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from lightning_fp8.health import HealthConfig, HealthMonitor, global_norm, memory_gib
+from lightning_fp8.health import (
+    SKIP_ACTION,
+    HealthConfig,
+    HealthMonitor,
+    global_norm,
+    memory_gib,
+    scaler_fallbacks,
+    skipped_step_action,
+)
 from lightning_fp8.integrations.lightning.callbacks import (
     _LoggingCallback,
     _unwrap_optimizer,
@@ -27,16 +35,6 @@ from lightning_fp8.integrations.lightning.callbacks import (
     reads_scaled_gradients,
 )
 from lightning_fp8.warnings import warn_once
-
-# The recovery a skipped step implies: FP8GradScaler skips the update and halves mu.
-_SKIP_ACTION = "skip_step+lower_mu"
-# FP8GradScaler fallback descriptions -> HealthMonitor action names.
-_FALLBACK_ACTIONS = (
-    ("learning rate", "lower_lr"),
-    ("lr", "lower_lr"),
-    ("high precision", "fallback_bf16"),
-    ("bf16", "fallback_bf16"),
-)
 
 
 def _first_token_tensor(batch: Any) -> torch.Tensor | None:
@@ -265,17 +263,11 @@ class TrainingHealthMonitor(_LoggingCallback):
         fallbacks = self._new_fallback_actions(scaler)
         if skipped <= 0:  # not expected from FP8GradScaler; still shown, as its own event
             return [self.monitor.record_nonfinite(step, "grad", action) for action in fallbacks]
-        events = [self.monitor.record_nonfinite(step, "grad", _SKIP_ACTION) for _ in range(skipped - 1)]
-        last = "+".join([_SKIP_ACTION, *(a for a in fallbacks if a != "none")])
-        return [*events, self.monitor.record_nonfinite(step, "grad", last)]
+        events = [self.monitor.record_nonfinite(step, "grad", SKIP_ACTION) for _ in range(skipped - 1)]
+        return [*events, self.monitor.record_nonfinite(step, "grad", skipped_step_action(fallbacks))]
 
     def _new_fallback_actions(self, scaler: Any) -> list[str]:
-        actions = []
-        for entry in scaler.history:
-            if entry.get("action") == "fallback" and entry.get("step", 0) > self._fallback_seen:
-                reason = str(entry.get("reason", "")).lower()
-                actions.append(next((a for key, a in _FALLBACK_ACTIONS if key in reason), "none"))
-                self._fallback_seen = entry["step"]
+        actions, self._fallback_seen = scaler_fallbacks(scaler.history, self._fallback_seen)
         return actions
 
     def _metrics(self) -> dict[str, float]:

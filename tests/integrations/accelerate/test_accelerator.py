@@ -224,6 +224,9 @@ def test_save_and_load_state_after_a_bf16_fallback_continue_like_the_uninterrupt
 
     full, full_model, full_optimizer, full_losses = run(range(6))
     assert type(full_model.fc2) is nn.Linear and isinstance(full_model.fc1, FP8Linear)  # the fallback ran
+    # The skipped step's health event names the fallback it ran, as Lightning's TrainingHealthMonitor does.
+    grad_events = [(e.step, e.action) for e in full.fp8_health.events if e.kind == "nonfinite_grad"]
+    assert grad_events == [(1, "skip_step+lower_mu+fallback_bf16")]
     run(range(3), save=tmp_path / "ckpt")
     state = torch.load(tmp_path / "ckpt" / "lightning_fp8" / "rank0.pt", weights_only=True)
     assert state["fallen_back_layers"] == [["fc2"]]
@@ -236,6 +239,7 @@ def test_save_and_load_state_after_a_bf16_fallback_continue_like_the_uninterrupt
         torch.testing.assert_close(value, expected, **EXACT, msg=name)
     assert fp8_state_dict(model).keys() == fp8_state_dict(full_model).keys()
     assert resumed.fp8_grad_scaler.state_dict() == full.fp8_grad_scaler.state_dict()
+    assert [e.action for e in resumed.fp8_health.events] == [e.action for e in full.fp8_health.events]
     state, full_state = optimizer.state_dict()["state"], full_optimizer.state_dict()["state"]
     assert state.keys() == full_state.keys()
     for index, entries in state.items():
