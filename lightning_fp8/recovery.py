@@ -71,9 +71,7 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     return f"lowered the learning rate by {factor}x"
 
 
-def _offending_layers(
-    model: nn.Module, optimizers: list[torch.optim.Optimizer], skipped: list[torch.optim.Optimizer]
-) -> list[str]:
+def _offending_layers(model: nn.Module, skipped: list[torch.optim.Optimizer]) -> list[str]:
     # A layer offends when a gradient of the skipped step was non-finite: its weight's or bias's in param.grad (the
     # accumulated gradient: any micro-batch of the step, not only the last backward), or its weight's FP8 gradient that
     # a skipped FP8AdamW kept (skipped_grad_amax; an optimizer that stepped since keeps an older one); or when its last
@@ -124,7 +122,7 @@ def fallback_to_high_precision(
     """
     optimizers = _as_list(optimizer)
     skipped = optimizers if skipped is None else _as_list(skipped)
-    names = _offending_layers(model, optimizers, skipped)
+    names = _offending_layers(model, skipped)
     if not names:
         what = [lower_lr(opt, lr_factor) for opt in skipped][-1] if skipped else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
