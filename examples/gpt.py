@@ -289,12 +289,13 @@ def load_corpus(
     return corpus
 
 
-def check_batches(corpus: Corpus, seq_len: int, batch_size: int, splits: tuple[str, ...] = ("train", "val")) -> None:
+def check_batches(
+    corpus: Corpus, seq_len: int, batch_size: int, splits: tuple[str, ...] = ("training", "validation")
+) -> None:
     """Raise ``ValueError`` unless each of ``splits`` holds a full batch of ``seq_len`` windows (the loaders drop a
     last partial batch: a split without one would train or validate on nothing)."""
-    for name, data in (("training", corpus.train), ("validation", corpus.val)):
-        if name[:3] not in {split[:3] for split in splits}:
-            continue
+    for name in splits:
+        data = {"training": corpus.train, "validation": corpus.val}[name]
         windows = (data.numel() - 1) // seq_len
         if windows < batch_size:
             raise ValueError(

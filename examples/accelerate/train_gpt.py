@@ -110,7 +110,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, DataLoader, Any, torch.Generator]:
     cfg = model_config(args)
     corpus = load_corpus(max_bytes=args.max_bytes)
-    check_batches(corpus, cfg.seq_len, args.batch_size, splits=("train",))
+    check_batches(corpus, cfg.seq_len, args.batch_size, splits=("training",))
     model = GPT(cfg)
     # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
     decay = [p for p in model.parameters() if p.dim() >= 2]

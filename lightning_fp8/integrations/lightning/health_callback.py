@@ -136,8 +136,7 @@ class TrainingHealthMonitor(_LoggingCallback):
         self._paused_at = None
         scaler = grad_scaler_of(trainer)
         self._skipped_seen = scaler.skipped_steps if scaler is not None else 0
-        fallbacks = [e["step"] for e in scaler.history if e.get("action") == "fallback"] if scaler is not None else []
-        self._fallback_seen = max(fallbacks, default=-1)
+        self._fallback_seen = scaler_fallbacks(scaler.history, -1)[1] if scaler is not None else -1
 
     # -- the training clock: validation and checkpoint saving are not training time --------------------------
 
