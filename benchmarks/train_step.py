@@ -168,7 +168,26 @@ def run_one(args) -> dict:
         "copy_hits": (_copy_hits() - hits) / args.steps,
         # compiled: graph breaks and graphs dynamo made (a break splits the step, a recompile compiles it again)
         **_dynamo_counts(),
+        "compile_s": _compile_phases(),
     }
+
+
+def _compile_phases() -> dict:
+    """Compiled: seconds in the phases of dynamo, AOTAutograd and inductor that do not nest in one another (the
+    tracing, the joint graph and its partition, lowering, scheduling and code generation, the kernels' compilation):
+    where the warm-up's compile time goes."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    times = dict(zip(names, (float(v) for v in values), strict=True))
+    return {name: round(times[name], 1) for name in _PHASES if times.get(name, 0.0) >= 0.05}
+
+
+_PHASES = (
+    "bytecode_tracing", "aot_trace_joint_graph", "_recursive_joint_graph_passes", "min_cut_rematerialization_partition",
+    "_recursive_post_grad_passes", "GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen",
+    "async_compile.wait", "PyCodeCache.load_by_key_path", "compile_file", "build_guards",
+)  # fmt: skip
 
 
 def _dynamo_counts() -> dict:
