@@ -3,8 +3,8 @@
     python benchmarks/step_phases.py --size 1024x12 --variants bf16,o2m [--compile-mode reduce-overhead]
     python benchmarks/step_phases.py --toy            # CPU smoke run (tests use it)
 
-The model is built and compiled as ``train_step.py`` builds it (``--no-compile``: eager). Two passes of ``--steps``
-steps each, medians per phase:
+The model is built and compiled as ``train_step.py`` builds it (``--compile-mode eager``: not compiled). Two passes
+of ``--steps`` steps each, medians per phase:
 
 - free-running, one synchronization per step as ``train_step.py`` times it: ``step`` is its wall time, ``host`` the
   time each phase's Python call took to return (to enqueue its work);

@@ -139,7 +139,8 @@ class FP8AdamW(torch.optim.Optimizer):
             parameter group, also one given to :meth:`add_param_group`), ``capturable=True`` or
             ``differentiable=True`` (the same), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
             backward raises RuntimeError once it is initialized after the optimizer was created with them).
-        TypeError: for complex parameters.
+        TypeError: for complex or float64 parameters (the step computes in fp32: use ``torch.optim.AdamW`` for
+            float64 ones).
 
     Example:
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(64, 64)))

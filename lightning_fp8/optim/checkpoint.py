@@ -165,6 +165,15 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
     params = _param_order(opt)
     if len(saved_ids) != len(params):
         return []  # torch.optim.Optimizer.load_state_dict says what does not match, before it changes anything
+    listed = set(saved_ids)
+    strays = [key for key in state_dict["state"] if key not in listed]
+    if strays:  # e.g. keys turned into strings by a JSON round trip: every state would silently start again
+        raise ValueError(
+            f"FP8AdamW.load_state_dict: the state dict has states under {[repr(k) for k in strays[:5]]}, which no "
+            f"parameter group lists (the groups list {saved_ids[:5]}{'...' if len(saved_ids) > 5 else ''}): those "
+            f"states would be dropped. Load the dict that state_dict() returned as it was saved "
+            f"(integer keys), or {_FIX}"
+        )
     entries = []
     for index, p in zip(saved_ids, params, strict=True):
         saved = state_dict["state"].get(index)
@@ -453,16 +462,16 @@ def _load_adopted_master(p: torch.Tensor, saved: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------------------------------- export, stats
 def to_adamw(opt: FP8AdamW) -> dict[str, Any]:
-    """The state as ``torch.optim.AdamW`` keeps it: fp32 moments, ``step``; groups with AdamW's keys."""
+    """The state as ``torch.optim.AdamW`` keeps it: fp32 moments, ``step``; groups with AdamW's keys added."""
     return adamw_state_dict(torch.optim.Optimizer.state_dict(opt))  # the states as kept (0-dim scales)
 
 
 def adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A saved :class:`~lightning_fp8.FP8AdamW` state dict (``optimizer.state_dict()``, a Lightning checkpoint's
     ``optimizer_states`` entry) as ``torch.optim.AdamW``'s: fp32 moments, each low-precision one divided by its scale,
-    ``step``; groups with AdamW's keys. For resuming without FP8: ``torch.optim.AdamW.load_state_dict`` takes an
-    FP8AdamW state dict without a word but reads its scaled moments as they are stored (``x * scale``, the scales
-    dropped), and Adam's steps are then off until the moments decay."""
+    ``step``; groups with AdamW's keys added to theirs (a scheduler's keys stay). For resuming without FP8:
+    ``torch.optim.AdamW.load_state_dict`` takes an FP8AdamW state dict without a word but reads its scaled moments as
+    they are stored (``x * scale``, the scales dropped), and Adam's steps are then off until the moments decay."""
     state = {
         index: {
             key: (saved[key].detach().cpu().clone() if key == "step" else dequantize(saved, key))
@@ -472,10 +481,8 @@ def adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         for index, saved in state_dict["state"].items()
     }
     adamw_defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
-    groups = [
-        {**adamw_defaults, **{k: v for k, v in group.items() if k in adamw_defaults or k == "params"}}
-        for group in state_dict["param_groups"]
-    ]
+    # Every key a group holds stays: an LR scheduler's (initial_lr, max_lr, ...) and the user's own as well.
+    groups = [{**adamw_defaults, **group} for group in state_dict["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 

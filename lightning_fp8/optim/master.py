@@ -215,6 +215,9 @@ def load_state_dict_pre_hook(
     Raises:
         RuntimeError: for ``load_state_dict(..., assign=True)`` into an adopted weight, before anything of this layer
             is loaded: the new Parameter would not be the one FP8AdamW steps (nor hold its scaled master).
+        ValueError: for a weight holding inf or NaN loaded into an fp16 master (O2), before anything of this layer is
+            loaded: the scaled fp16 storage would saturate inf to 65504 without a word. (fp32 and bf16 storage, O1,
+            takes the values as they are, as torch does.)
     """
     key = prefix + "weight"
     weight = getattr(module, "weight", None)
@@ -231,6 +234,12 @@ def load_state_dict_pre_hook(
     incoming = state_dict[key]
     if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape:
         return  # the default loader reports the mismatch
+    if weight.dtype == torch.float16 and incoming.is_floating_point() and not bool(torch.isfinite(incoming).all()):
+        raise ValueError(
+            f"load_state_dict: the weight {key!r} of shape {tuple(weight.shape)} holds inf or NaN. FP8AdamW (O2) keeps "
+            "it as a scaled fp16 master, which cannot hold them (inf would become 65504, silently). Load a checkpoint "
+            "from before the values went non-finite. This layer was not changed"
+        )
     with torch.no_grad():
         incoming = incoming.to(weight.device)
         if weight.dtype == torch.float16:

@@ -137,6 +137,24 @@ def test_bad_group_setting_raises_and_changes_nothing(case):
     _assert_unchanged(before, _snapshot(model, opt))
 
 
+@pytest.mark.parametrize("case", ["string_keys", "extra_index"])
+def test_states_no_group_lists_are_refused(case):
+    """States under keys the groups do not list would be dropped: keys made strings by a JSON round trip (every
+    parameter would restart its moments), or an index past the parameters."""
+    saved = _saved()
+    bad = copy.deepcopy(saved)
+    if case == "string_keys":
+        bad["state"] = {str(k): v for k, v in bad["state"].items()}
+    else:
+        bad["state"][99] = bad["state"][0]
+    model, opt = _trained(seed=1)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="which no parameter group lists") as error:
+        opt.load_state_dict(bad)
+    assert ("'0'" if case == "string_keys" else "99") in str(error.value)
+    _assert_unchanged(before, _snapshot(model, opt))
+
+
 def test_an_understated_amax_deleted_is_measured_on_loading():
     """What the refusal of an understated amax says to do: without the amax, the values load and it is measured."""
     saved = _saved()

@@ -117,3 +117,23 @@ def test_load_with_assign_into_a_weight_fp8adamw_holds_is_refused():
     assert model[0].weight is weight
     assert torch.equal(weight.detach(), before[0]) and torch.equal(master.master_scale(weight), before[1])
     model.load_state_dict(_plain().state_dict())  # assign=False goes on working
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_weight_loaded_into_an_fp16_master_is_refused(bad):
+    """Found by the twenty-third session's sweep: at O2 the loaded weight is stored as the scaled fp16 master, and inf
+    came back from state_dict() as 65504 (NaN loaded silently too). Refused with what to do; the layer keeps its
+    storage and master scale. At O1 the storage is the weight itself, which takes the values as torch does."""
+    model = convert_to_fp8(_plain())
+    FP8AdamW(model.parameters(), lr=1e-2)
+    weight = model[0].weight
+    before = (weight.detach().clone(), master.master_scale(weight).clone())
+    state = _plain().state_dict()
+    state["0.weight"][0, 0] = bad
+    with pytest.raises(ValueError, match=r"'0\.weight'.*holds inf or NaN.*Load a checkpoint"):
+        model.load_state_dict(state)
+    assert torch.equal(weight.detach(), before[0]) and torch.equal(master.master_scale(weight), before[1])
+    o1 = convert_to_fp8(_plain(), "fp8-lm-o1")
+    FP8AdamW(o1.parameters(), lr=1e-2, opt_level="O1")
+    o1.load_state_dict(state)
+    torch.testing.assert_close(o1.state_dict()["0.weight"], state["0.weight"], rtol=0, atol=0, equal_nan=True)

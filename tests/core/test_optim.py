@@ -344,6 +344,37 @@ def test_a_saved_state_dict_converts_for_torch_adamw():
         assert float(adamw.state[p]["step"]) == 3.0
 
 
+@pytest.mark.parametrize("export", ["adamw_state_dict", "to_adamw_state_dict"])
+def test_an_exported_state_dict_keeps_the_scheduler_keys_of_its_groups(export):
+    """A scheduler's keys in the groups (OneCycleLR: initial_lr, max_lr, min_lr, base_momentum, max_momentum) and a
+    user's own survive the export: a resume into torch.optim.AdamW with the scheduler's state goes on as the
+    uninterrupted FP8AdamW run's schedule does (the export used to keep only AdamW's keys: KeyError 'initial_lr')."""
+    from lightning_fp8.optim import adamw_state_dict
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+    model = convert_to_fp8(copy.deepcopy(plain))
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    opt.param_groups[0]["note"] = "kept"
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        sched.step()
+    exported = opt.to_adamw_state_dict() if export == "to_adamw_state_dict" else adamw_state_dict(opt.state_dict())
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1.0)  # as Lightning resumes: both built, then both loaded
+    resumed = torch.optim.lr_scheduler.OneCycleLR(adamw, max_lr=1e-2, total_steps=10)
+    adamw.load_state_dict(exported)
+    resumed.load_state_dict(sched.state_dict())
+    for _ in range(3):
+        sched.step()
+        resumed.step()
+        for key in ("lr", "betas"):
+            assert adamw.param_groups[0][key] == opt.param_groups[0][key]
+    assert adamw.param_groups[0]["note"] == "kept"
+
+
 def test_release_weights_gives_the_model_its_weights_and_keeps_the_optimizer():
     """Found by the twentieth session's sweep with Hugging Face models: after O2 training the FP8 weights held the fp16
     master times 2**18, which any later optimizer or precision trained as the weight (no update at all, or NaN from
