@@ -93,7 +93,8 @@ class ScalingState(nn.Module):
     - ``scale``: the scale the next delayed cast uses (0-dim fp32, a power of two);
     - ``amax_history``: the last ``amax_history_len`` amaxes, most recent first (0 where unknown, and for a cast
       whose amax was 0 or non-finite: see the module docstring);
-    - ``amax``: the amax of the last cast; ``saturation``: fraction of its values at the FP8 maximum;
+    - ``amax``: the amax of the last cast (inf where it held a NaN); ``saturation``: fraction of its values whose
+      scaled magnitude reached the FP8 maximum (clamped to it; non-finite values become NaN and do not count);
     - ``nonfinite_count``: casts whose amax was inf or NaN; ``casts``: number of casts.
 
     Args:

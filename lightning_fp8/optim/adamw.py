@@ -718,6 +718,11 @@ class FP8AdamW(torch.optim.Optimizer):
         checkpoint.load(self, state_dict)
         self._mark_masters()  # the loaded masters, not what the parameters held, are where the next step starts
 
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
+        several parts (a model, its optimizer, the FP8 state) can check every part before it loads any."""
+        checkpoint.check(self, state_dict)
+
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict with fp32 moments (no lock-in).
 

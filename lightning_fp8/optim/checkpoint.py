@@ -146,6 +146,11 @@ def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
         _load_one(opt, p, saved)
 
 
+def check(opt: FP8AdamW, state_dict: Any) -> None:
+    """Body of :meth:`FP8AdamW.check_state_dict`."""
+    _check(opt, state_dict)
+
+
 def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str, Any]]]:
     """Each saved state as this rank's part (DTensors as their local shards) beside its parameter.
 
@@ -161,10 +166,17 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
         )
     _check_no_amsgrad(state_dict)
     _check_groups(state_dict["param_groups"])
-    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    groups = state_dict["param_groups"]
+    saved = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None for g in groups]
+    own = [len(group["params"]) for group in opt.param_groups]
+    if saved != own:  # as torch.optim.Optimizer.load_state_dict would refuse them, said before anything changes
+        raise ValueError(
+            f"FP8AdamW.load_state_dict: the state dict's parameter groups hold {saved} parameters, this optimizer's "
+            f"{own}: it was saved for another model or another grouping of its parameters; build the optimizer as "
+            f"the run that saved it did, or {_FIX}"
+        )
+    saved_ids = [i for group in groups for i in group["params"]]
     params = _param_order(opt)
-    if len(saved_ids) != len(params):
-        return []  # torch.optim.Optimizer.load_state_dict says what does not match, before it changes anything
     listed = set(saved_ids)
     strays = [key for key in state_dict["state"] if key not in listed]
     if strays:  # e.g. keys turned into strings by a JSON round trip: every state would silently start again

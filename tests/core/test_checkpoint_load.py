@@ -106,10 +106,13 @@ def test_bad_state_raises_and_changes_nothing(case):
     change(bad["state"][index])
     model, opt = _trained(seed=1)
     before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.check_state_dict(bad)  # what load_state_dict raises, without loading
     with pytest.raises(ValueError, match=match) as error:
         opt.load_state_dict(bad)
     assert f"parameter {index}" in str(error.value)
     _assert_unchanged(before, _snapshot(model, opt))
+    opt.check_state_dict(saved)
     opt.load_state_dict(saved)  # the intact checkpoint loads
     (model(torch.randn(8, 32)) ** 2).mean().backward()
     opt.step()
@@ -135,6 +138,16 @@ def test_bad_group_setting_raises_and_changes_nothing(case):
         opt.load_state_dict(bad)
     assert "parameter group 0" in str(error.value) and "param_groups'][0]" in str(error.value)
     _assert_unchanged(before, _snapshot(model, opt))
+
+
+def test_groups_of_other_sizes_are_refused_before_anything_changes():
+    saved = _saved()
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48)))
+    opt = FP8AdamW([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"parameter groups hold \[4\] parameters, this optimizer's \[2, 2\]"):
+        opt.check_state_dict(saved)
+    with pytest.raises(ValueError, match="another grouping of its parameters"):
+        opt.load_state_dict(saved)
 
 
 @pytest.mark.parametrize("case", ["string_keys", "extra_index"])

@@ -12,7 +12,8 @@ comes from the launch (``lightning-fp8 launch``, or ``LIGHTNING_FP8_RECIPE``, se
   prepared optimizer's ``step`` skips the update on every rank when a gradient was non-finite, and Accelerate's
   scheduler wrapper then does not advance; ``accumulate`` works as in Accelerate;
 - ``clip_grad_norm_`` clips and returns the norm of the *unscaled* gradients;
-- ``save_state``/``load_state`` also save/restore the FP8 scaling state, mu and the health history;
+- ``save_state``/``load_state`` also save/restore the FP8 scaling state, mu and the health history; ``load_state``
+  checks the whole checkpoint before it changes anything;
 - ``log`` adds the FP8 and health statistics (:mod:`.metrics`) to what the script logs; ``log_fp8_stats`` logs
   them on their own.
 """
@@ -31,7 +32,7 @@ from typing_extensions import override
 
 from lightning_fp8.convert import fp8_modules
 from lightning_fp8.health import HealthMonitor, scaler_fallbacks, skipped_step_action
-from lightning_fp8.integrations.accelerate import checkpoint, conversion, parallel, tensor_parallel
+from lightning_fp8.integrations.accelerate import conversion, parallel, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
@@ -123,16 +124,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_check_supported()
         self.fp8_health = HealthMonitor()
         self.fp8_report["recipe"] = self.fp8_lm_config.recipe.to_dict()
+        # load_state is overridden instead (CheckpointMixin): Accelerate's load hooks run after FSDP's model and
+        # optimizer were loaded, and before its other files are, while lightning_fp8's state must be checked first
+        # and loaded last.
         self.register_save_state_pre_hook(self._fp8_save_hook)
-        # Hooks run in the order registered: layers that fell back are put back before the FP8 state loads.
-        self.register_load_state_pre_hook(self._fp8_put_back_hook)
-        self.register_load_state_pre_hook(self._fp8_load_hook)
-
-    def _fp8_put_back_hook(self, models: list[nn.Module], input_dir: str) -> None:
-        """Layers the saved run's ``"bf16"`` fallback put back to ``nn.Linear`` are FP8 again in the models prepared
-        for this run: put them back before the FP8, model and optimizer states are loaded into them."""
-        optimizers = [self._fp8_optimizer.optimizer] if self._fp8_optimizer is not None else []
-        checkpoint.put_back_fallen_back_layers(input_dir, self.process_index, self._fp8_models, optimizers)
 
     @property
     def fp8_lm_enabled(self) -> bool:

@@ -9,9 +9,12 @@ save/load hooks, one file per rank in ``<checkpoint>/lightning_fp8/rank<R>.pt``:
   activation gradients are per rank;
 - the gradient scaler mu and its counters, and the health monitor's history;
 - the names of the layers that ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``. A model
-  prepared afresh has them in FP8 again: :func:`put_back_fallen_back_layers` puts them back before any state is
-  loaded into it (FP8 scaling state, weights, optimizer states), as Lightning's plugin does in
-  ``on_load_checkpoint``.
+  prepared afresh has them in FP8 again: :func:`put_back` puts them back before any state is loaded into it (FP8
+  scaling state, weights, optimizer states), as Lightning's plugin does in ``on_load_checkpoint``.
+
+Loading is in three calls, so that a bad file changes nothing: :func:`load` reads and checks the file's layout,
+:func:`check` checks every part against the prepared models before any layer is put back, and after the weights and
+optimizer states are in, :func:`restore` loads the parts.
 
 Every file holds plain tensors, numbers, lists and dicts: it loads with ``torch.load(weights_only=True)``.
 """
@@ -19,6 +22,7 @@ Every file holds plain tensors, numbers, lists and dicts: it loads with ``torch.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -121,26 +125,40 @@ def _state_file(directory: str | os.PathLike, rank: int) -> Path | None:
     return None
 
 
-def put_back_fallen_back_layers(
-    directory: str | os.PathLike, rank: int, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+def check(
+    state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
 ) -> None:
+    """Raise what :func:`restore` would raise for ``state`` (from :func:`load`) once :func:`put_back` has run, changing
+    nothing.
+
+    Call it before :func:`put_back` (which checks on its own, before changing anything, that the layers can be put
+    back): the layers that fell back in the saved run are still FP8 layers of the unwrapped ``models`` then, and the
+    checkpoint has no scaling state for them.
+
+    Raises:
+        KeyError: when the state lacks an entry that :func:`build_state` writes.
+        ValueError: for a different number of models, fallen-back layers the models do not have, and what
+            :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict`` and
+            ``HealthMonitor.load_state_dict`` raise for their parts.
+    """
+    for check_part, _ in _parts(state, recipe, models, grad_scaler, health):
+        check_part()
+
+
+def put_back(state: dict[str, Any], models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
     """Put the layers that had fallen back to ``nn.Linear`` in the saved run back in the unwrapped ``models``.
 
-    Call it before anything is loaded into them: ``convert_to_fp8`` made those layers FP8 again and FP8AdamW (O2)
-    took their weights' storage, so neither the FP8 scaling state nor the optimizer state of the checkpoint fits
-    them. Putting them back releases their weights from ``optimizers`` (fp32 states, as saved); the weights' values
-    are the checkpoint's once Accelerate loads the model. Nothing happens for a checkpoint written before the names
-    were saved, or without FP8 state.
+    Call it after :func:`check` and before anything is loaded into them: ``convert_to_fp8`` made those layers FP8
+    again and FP8AdamW (O2) took their weights' storage, so neither the FP8 scaling state nor the optimizer state of
+    the checkpoint fits them. Putting them back releases their weights from ``optimizers`` (fp32 states, as saved);
+    the weights' values are the checkpoint's once Accelerate loads the model. Nothing happens for a checkpoint written
+    before the names were saved.
 
     Raises:
         ValueError: when a layer cannot be put back (see :func:`lightning_fp8.recovery.put_back_to_high_precision`:
             e.g. the model is wrapped by DistributedDataParallel), before anything is changed.
     """
-    path = _state_file(directory, rank)
-    if path is None:
-        return
-    saved = _read(path).get("fallen_back_layers") or []
-    for model, names in zip(models, saved, strict=False):  # a count mismatch is reported by restore()
+    for model, names in zip(models, _fallen_back(state, models), strict=True):
         if names:
             recovery.put_back_to_high_precision(model, names, optimizers)
 
@@ -148,15 +166,33 @@ def put_back_fallen_back_layers(
 def restore(
     state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
 ) -> None:
-    """Load ``state`` (from :func:`load`) into the unwrapped ``models``, the scaler and the health monitor. Every part
-    is checked before any is loaded: a bad entry anywhere in the file changes nothing.
+    """Load ``state`` (from :func:`load`) into the unwrapped ``models`` (their fallen-back layers put back), the scaler
+    and the health monitor. Every part is checked before any is loaded: a bad entry anywhere in the file changes
+    nothing.
 
     Raises:
-        KeyError: when the state lacks an entry that :func:`build_state` writes.
-        ValueError: when the checkpoint holds FP8 state for a different number of models; and what
-            :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict`` and
-            ``HealthMonitor.load_state_dict`` raise for their parts.
+        KeyError, ValueError: as :func:`check`.
     """
+    parts = _parts(state, recipe, models, grad_scaler, health)
+    for check_part, _ in parts:
+        check_part()
+    saved = FP8Recipe.from_dict(state["recipe"])
+    if saved != recipe:
+        what = "loaded" if saved.same_scaling(recipe) else (
+            "not loaded (written under other scaling settings): each FP8 layer's first casts compute their scales "
+            "from the tensors themselves")  # fmt: skip
+        warn_once(
+            f"accelerator.load_state: the checkpoint was trained with FP8 recipe {state['recipe']}, this run uses "
+            f"{recipe.to_dict()}; the saved scaling state is {what}"
+        )
+    for _, load_part in parts:
+        load_part()
+
+
+def _parts(
+    state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
+) -> list[tuple[Callable[[], None], Callable[[], None]]]:
+    """``(check, load)`` of each part of ``state``: each model's scaling state, mu, the health history."""
     _check_entries(state, "the FP8 state")
     saved = FP8Recipe.from_dict(state["recipe"])
     if len(state["models"]) != len(models):
@@ -164,25 +200,41 @@ def restore(
             f"accelerator.load_state: the checkpoint has FP8 state for {len(state['models'])} model(s) but "
             f"{len(models)} FP8 model(s) were prepared: prepare the same models as the run that saved it"
         )
-    loads_fp8 = saved.same_scaling(recipe)
-    # (check, load) of each part: every check runs before the first load.
-    parts = [(partial(check_fp8_state_dict, model, model_state), partial(load_fp8_state_dict, model, model_state))
-             for model, model_state in zip(models, state["models"], strict=True) if loads_fp8]  # fmt: skip
+    parts = []
+    if saved.same_scaling(recipe):
+        for model, model_state, names in zip(models, state["models"], _fallen_back(state, models), strict=True):
+            # Layers still to be put back have no scaling state in the checkpoint (once put back, they have none).
+            modules = dict(model.named_modules())
+            check_part = partial(check_fp8_state_dict, model, model_state, leaving_out=[modules[n] for n in names])
+            parts.append((check_part, partial(load_fp8_state_dict, model, model_state)))
     for owner, key in ((grad_scaler, "grad_scaler"), (health, "health")):
         if owner is not None and state[key] is not None:
             parts.append((partial(owner.check_state_dict, state[key]), partial(owner.load_state_dict, state[key])))
-    for check, _ in parts:
-        check()
-    if saved != recipe:
-        what = "loaded" if loads_fp8 else (
-            "not loaded (written under other scaling settings): each FP8 layer's first casts compute their scales "
-            "from the tensors themselves")  # fmt: skip
-        warn_once(
-            f"accelerator.load_state: the checkpoint was trained with FP8 recipe {state['recipe']}, this run uses "
-            f"{recipe.to_dict()}; the saved scaling state is {what}"
+    return parts
+
+
+def _fallen_back(state: dict[str, Any], models: list[nn.Module]) -> list[list[str]]:
+    """The names of each model's layers that fell back in the saved run (none in checkpoints written before the names
+    were saved), checked to name layers of ``models``."""
+    saved = state.get("fallen_back_layers") or [[] for _ in models]
+    well_formed = isinstance(saved, list) and len(saved) == len(models) and all(
+        isinstance(names, list) and all(isinstance(name, str) for name in names) for names in saved
+    )  # fmt: skip
+    if not well_formed:
+        raise ValueError(
+            f"the FP8 state's 'fallen_back_layers' is {repr(saved)[:200]}, not one list of layer names per prepared "
+            f"model ({len(models)}): the file is corrupt. Load an earlier checkpoint, or delete this folder's "
+            "lightning_fp8/ files to start the FP8 scales and mu fresh"
         )
-    for _, load in parts:
-        load()
+    for model, names in zip(models, saved, strict=True):
+        unknown = [name for name in names if name not in dict(model.named_modules())]
+        if unknown:
+            raise ValueError(
+                f"the FP8 state names layers {unknown[:5]} that fell back to nn.Linear in the saved run, which the "
+                f"prepared {type(model).__name__} does not have: the checkpoint was written for another model. "
+                "Prepare the model that saved it"
+            )
+    return saved
 
 
 def _check_entries(state: dict[str, Any], source: str) -> None:

@@ -1,21 +1,23 @@
 """``accelerator.save_state`` / ``load_state`` of the FP8 Accelerator: the FP8 state files and tensor parallelism.
 
 :class:`CheckpointMixin` is a base class of :class:`~lightning_fp8.accelerate.Accelerator` (it uses the
-accelerator's FP8 attributes); the per-rank FP8 state file is :mod:`.checkpoint`, the tensor-parallel checkpoint
-layout :mod:`.tensor_parallel`.
+accelerator's FP8 attributes); the per-rank FP8 state file is :mod:`.checkpoint`, the checks of Accelerate's own files
+:mod:`.load_checks`, the tensor-parallel checkpoint layout :mod:`.tensor_parallel`.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from torch import nn
 from typing_extensions import override
 
 from lightning_fp8.health import scaler_fallbacks
-from lightning_fp8.integrations.accelerate import tensor_parallel
-from lightning_fp8.integrations.accelerate.checkpoint import build_state, load, rank_file, restore, save
+from lightning_fp8.integrations.accelerate import checkpoint, load_checks, tensor_parallel
 
 
 class CheckpointMixin:
@@ -47,7 +49,7 @@ class CheckpointMixin:
         return self._fp8_models[0], self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
 
     def _fp8_save_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
-        state = build_state(
+        state = checkpoint.build_state(
             self.fp8_lm_config.recipe,
             self._fp8_models,
             self.num_processes,
@@ -55,18 +57,101 @@ class CheckpointMixin:
             self.fp8_health,
             self._fp8_steps,
         )
-        save(output_dir, self.process_index, state)
+        checkpoint.save(output_dir, self.process_index, state)
         if self._fp8_tp_enabled:
-            tensor_parallel.save_sharded(rank_file(output_dir, 0).parent, *self._fp8_sharded_checkpoint())
+            tensor_parallel.save_sharded(checkpoint.rank_file(output_dir, 0).parent, *self._fp8_sharded_checkpoint())
 
-    def _fp8_load_hook(self, models: list[nn.Module], input_dir: str) -> None:
+    @override
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any
+    ) -> None:
+        """Accelerate's ``load_state``, and lightning_fp8's state: the FP8 scaling states, mu and its counters, the
+        health history, the layers the ``"bf16"`` fallback had put back to ``nn.Linear``. All or nothing.
+
+        Before anything changes, every process reads and checks the checkpoint: lightning_fp8's file
+        (``lightning_fp8/rank<R>.pt``) against the prepared models, mu and health monitor, and Accelerate's model,
+        optimizer (FP8AdamW's states), scheduler and custom object files (:mod:`.load_checks`); the processes then
+        agree that each found its part good. Only then are the fallen-back layers put back to ``nn.Linear``, does
+        Accelerate load its files, and is lightning_fp8's state restored.
+
+        What the checks cannot see, and which fails part-way (the run is then part-loaded: load a good checkpoint or
+        start again): a weight a layer's own ``load_state_dict`` refuses, a value a scheduler's or custom object's
+        ``load_state_dict`` refuses, a data sampler's file, FSDP2's model and optimizer folders and the
+        tensor-parallel sharded checkpoint (torch.distributed.checkpoint reads them straight in).
+
+        Raises:
+            FileNotFoundError, ValueError, KeyError: for a missing, unreadable or corrupt file, or one written for
+                other models or optimizers; the message names the file and says what to do. Nothing was loaded.
+            RuntimeError: when another process found its part bad (its own error says why), or for another number
+                of custom checkpoints than registered objects. Nothing was loaded.
+        """
+        directory = self._fp8_input_dir(input_dir) if self.fp8_lm_config is not None else None
+        if directory is None:  # FP8-LM off, or Accelerate's own error (no such folder)
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        try:
+            state = self._fp8_checked_state(directory, load_kwargs, load_model_func_kwargs.get("strict", True))
+        except Exception:
+            self._fp8_any_process_failed(True)
+            raise
+        if self._fp8_any_process_failed(False):
+            raise RuntimeError(
+                f"accelerator.load_state({directory!r}): another process found its part of the checkpoint bad (its "
+                "error says which file and why). Nothing was loaded on any process"
+            )
+        # Every part is known good: from here on the run changes.
+        optimizers = [self._fp8_optimizer.optimizer] if self._fp8_optimizer is not None else []
+        if state is not None:
+            checkpoint.put_back(state, self._fp8_models, optimizers)
         if self._fp8_tp_enabled:
-            tensor_parallel.load_sharded(rank_file(input_dir, 0).parent, *self._fp8_sharded_checkpoint())
-        state = load(input_dir, self.process_index, self.num_processes)
+            tensor_parallel.load_sharded(checkpoint.rank_file(directory, 0).parent, *self._fp8_sharded_checkpoint())
+        super().load_state(directory, load_kwargs, **load_model_func_kwargs)
         if state is None:
             return
-        recipe = self.fp8_lm_config.recipe
-        restore(state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
+        checkpoint.restore(state, self.fp8_lm_config.recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
         self._fp8_steps = int(state["optimizer_steps"])
         if self.fp8_grad_scaler is not None:  # fallbacks before the checkpoint were reported then
             self._fp8_fallback_seen = scaler_fallbacks(self.fp8_grad_scaler.history, -1)[1]
+
+    def _fp8_input_dir(self, input_dir: str | None) -> str | None:
+        """The folder Accelerate's ``load_state`` reads (Accelerate 1.15's rules: ``input_dir``, or the last of the
+        automatically named checkpoints), or ``None`` where it raises."""
+        if input_dir is not None:
+            input_dir = os.path.expanduser(input_dir)
+            return input_dir if os.path.isdir(input_dir) else None
+        if not self.project_configuration.automatic_checkpoint_naming:
+            return None
+        parent = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted(
+            (os.path.join(parent, name) for name in os.listdir(parent)),
+            key=lambda folder: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)[0]),
+        )
+        return folders[-1]
+
+    def _fp8_checked_state(self, directory: str, load_kwargs: dict[str, Any] | None, strict: bool) -> Any:
+        """This process's FP8 state (``None`` when the checkpoint has none), once every part of the checkpoint this
+        process loads was checked against the prepared objects; raises for a bad part, changing nothing."""
+        state = checkpoint.load(directory, self.process_index, self.num_processes)
+        if state is not None:
+            recipe = self.fp8_lm_config.recipe
+            checkpoint.check(state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
+        if self._fp8_tp_enabled:
+            tensor_parallel.sharded_path(checkpoint.rank_file(directory, 0).parent)
+        accelerate_files = self.distributed_type != DistributedType.FSDP  # FSDP's are DCP folders, not checked
+        load_checks.check_files(
+            directory,
+            self._models if accelerate_files else None,
+            self._optimizers if accelerate_files else None,
+            self._schedulers,
+            len(self._custom_objects),
+            strict=strict,
+            load_kwargs=load_kwargs,
+        )
+        return state
+
+    def _fp8_any_process_failed(self, failed: bool) -> bool:
+        """Whether this or another process failed its checks (every process calls it once per load_state)."""
+        if self.num_processes == 1 or not torch.distributed.is_initialized():
+            return failed
+        flag = torch.tensor([int(failed)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())

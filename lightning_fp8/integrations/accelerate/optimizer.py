@@ -17,7 +17,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from typing_extensions import override
 
-from lightning_fp8.optim import swap
+from lightning_fp8.optim import FP8AdamW, swap
 
 _OPT_OUT = "launch with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
 
@@ -65,16 +65,54 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._is_placeholder(state_dict):
+            return  # the accelerator's load_state restored the states already
+        super().load_state_dict(state_dict)
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing, so that
+        ``accelerator.load_state`` can check the optimizer file before it loads the model.
+
+        Raises:
+            ValueError: for a tensor-parallel placeholder outside tensor parallelism, a dict that is not an optimizer's
+                ``state_dict()``, parameter groups of other sizes than this optimizer's (torch's
+                ``Optimizer.load_state_dict`` refuses them), and what ``FP8AdamW.load_state_dict`` refuses.
+        """
+        if self._is_placeholder(state_dict):
+            return
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                 for g in groups)):  # fmt: skip
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"expected an optimizer's state_dict() (a dict with 'state' and 'param_groups', each group listing its "
+                f"'params'), got {got}: the file is corrupt or not an optimizer checkpoint"
+            )
+        saved = [len(group["params"]) for group in groups]
+        own = [len(group["params"]) for group in self.optimizer.param_groups]
+        if saved != own:
+            raise ValueError(
+                f"the checkpoint has parameter groups of {saved} parameters, the prepared optimizer's are {own}: it "
+                "was saved for another model or another grouping of its parameters; prepare the optimizer as the run "
+                "that saved it did"
+            )
+        if isinstance(self.optimizer, FP8AdamW):
+            # What FP8AdamW.load_state_dict checks before it loads anything. It looks at each parameter's shape and
+            # sharding only, which putting fallen-back layers back to nn.Linear (before the load) does not change.
+            self.optimizer.check_state_dict(state_dict)
+
+    def _is_placeholder(self, state_dict: Any) -> bool:
+        """Whether ``state_dict`` is the tensor-parallel placeholder (the states are in the sharded checkpoint)."""
         from lightning_fp8.integrations.accelerate.tensor_parallel import is_placeholder
 
-        if is_placeholder(state_dict):
-            if not self.sharded_states:
-                raise ValueError(
-                    "this optimizer checkpoint was saved by a tensor-parallel run (its states are sharded in "
-                    "<checkpoint>/lightning_fp8/tensor_parallel): load it with the same tensor-parallel launch"
-                )
-            return  # the accelerator's load hook restored the states already
-        super().load_state_dict(state_dict)
+        if not (isinstance(state_dict, dict) and is_placeholder(state_dict)):
+            return False
+        if not self.sharded_states:
+            raise ValueError(
+                "this optimizer checkpoint was saved by a tensor-parallel run (its states are sharded in "
+                "<checkpoint>/lightning_fp8/tensor_parallel): load it with the same tensor-parallel launch"
+            )
+        return True
 
     @override
     def step(self, closure: Callable[[], Any] | None = None) -> None:

@@ -179,11 +179,12 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(Path(directory) / DCP_DIR))
 
 
-def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load what :func:`save_sharded` wrote into the prepared model and optimizer."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+def sharded_path(directory: str | Path) -> Path:
+    """Where :func:`save_sharded` wrote into ``directory``.
 
+    Raises:
+        FileNotFoundError: when the checkpoint has no sharded states.
+    """
     path = Path(directory) / DCP_DIR
     if not path.is_dir():
         raise FileNotFoundError(
@@ -191,6 +192,19 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
             "lightning_fp8's Accelerator, so the optimizer's sharded states cannot be restored. Load the model "
             "weights alone with model.load_state_dict (the model file holds full weights)"
         )
+    return path
+
+
+def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load what :func:`save_sharded` wrote into the prepared model and optimizer.
+
+    Not all or nothing: torch.distributed.checkpoint reads into a template whose tensors may be the model's own, and
+    fails (e.g. on a truncated shard file) part-way.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = sharded_path(directory)
     state = _sharded_state(model, optimizer)  # the template: shapes, placements, this rank's shards
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:

@@ -1,0 +1,171 @@
+"""The checks of Accelerate's own checkpoint files that ``accelerator.load_state`` runs before it changes anything.
+
+Accelerate 1.15's ``load_state`` loads the model files, then the optimizer files, then the schedulers' and the custom
+objects' files, each straight into the live objects: a file that fails to load leaves those before it loaded (the
+checkpoint's weights beside the run's own optimizer states), and torch's ``load_state_dict`` copies every tensor that
+fits before it reports those that do not. The FP8 Accelerator reads and checks them first (:func:`check_files`):
+
+- every model file can be read, and holds the model's keys (unless ``strict=False``) with the model's shapes;
+- every optimizer file can be read and passes the prepared optimizer's checks
+  (:meth:`~lightning_fp8.integrations.accelerate.optimizer.FP8AcceleratedOptimizer.check_state_dict`: its parameter
+  groups, FP8AdamW's states);
+- every scheduler file and custom object file can be read, and there are as many custom object files as registered
+  objects.
+
+Not checked: FSDP's model and optimizer folders (torch.distributed.checkpoint), the data samplers' files, and the
+values a scheduler's or custom object's own ``load_state_dict`` refuses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import load as accelerate_load
+from accelerate.utils.constants import MODEL_NAME, OPTIMIZER_NAME, SAFE_MODEL_NAME, SCHEDULER_NAME
+from safetensors import safe_open
+from torch import nn
+
+_CORRUPT = "the checkpoint is corrupt or was not completely written. Nothing was loaded; load an earlier checkpoint"
+
+
+def check_files(
+    directory: str | os.PathLike,
+    models: list[nn.Module] | None,
+    optimizers: list[Any] | None,
+    schedulers: list[Any],
+    custom_objects: int,
+    strict: bool = True,
+    load_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Raise, naming the file, for a file of ``directory`` that Accelerate's ``load_state`` would fail to load.
+
+    Args:
+        directory: the checkpoint folder.
+        models, optimizers, schedulers: the prepared objects, as the accelerator lists them (``None``: their files
+            are not Accelerate's plain ones, e.g. FSDP's folders, and are not checked).
+        custom_objects: how many objects were registered with ``register_for_checkpointing``.
+        strict, load_kwargs: as passed to ``load_state`` (``strict`` is ``load_state_dict``'s).
+
+    Raises:
+        FileNotFoundError: for a missing file.
+        ValueError: for a file that cannot be read, or whose content does not fit its object.
+        RuntimeError: for another number of custom object files than registered objects (Accelerate's error).
+    """
+    directory, load_kwargs = Path(directory), load_kwargs or {}
+    for i, model in enumerate(models or []):
+        ending = f"_{i}" if i > 0 else ""
+        safetensors_file = directory / f"{SAFE_MODEL_NAME}{ending}.safetensors"  # Accelerate's choice of file
+        if safetensors_file.exists():
+            _check_model_file(safetensors_file, _safetensors_shapes(safetensors_file), model, strict, tied_ok=True)
+        else:
+            path = directory / f"{MODEL_NAME}{ending}.bin"
+            saved = _read(path, accelerate_load, map_location="cpu", mmap=True)
+            shapes = saved if not isinstance(saved, dict) else {
+                key: tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                for key, value in saved.items()
+            }  # fmt: skip
+            _check_model_file(path, shapes, model, strict, tied_ok=False)
+    for i, optimizer in enumerate(optimizers or []):
+        path = directory / (f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin")
+        # A second read of the file (Accelerate reads it again to load it), memory-mapped: the check reads each
+        # state once and keeps no copy of the file.
+        state_dict = _read(path, accelerate_load, map_location="cpu", **{"mmap": True, **load_kwargs})
+        if hasattr(optimizer, "check_state_dict"):
+            try:
+                optimizer.check_state_dict(state_dict)
+            except ValueError as error:
+                raise ValueError(f"accelerator.load_state: {path}: {error}") from None
+    for i, _ in enumerate(schedulers):
+        path = directory / (f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin")
+        _read(path, accelerate_load, **load_kwargs)
+    _check_custom_files(directory, custom_objects)
+
+
+def _read(path: Path, read: Callable[..., Any], **kwargs: Any) -> Any:
+    """``read(path, **kwargs)``, or an error naming the file and saying what to do."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"accelerator.load_state: {path} is missing: the checkpoint is incomplete, or was saved with other "
+            "prepared objects. Nothing was loaded; load a checkpoint saved by this script"
+        )
+    try:
+        return read(path, **kwargs)
+    except Exception as error:  # a truncated or corrupt file: torch and safetensors raise zip, pickle, EOF errors
+        raise ValueError(
+            f"accelerator.load_state: {path} cannot be read ({type(error).__name__}: {str(error)[:300]}): {_CORRUPT}"
+        ) from error
+
+
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors' shapes from the file's header (no tensor is read; a file shorter than the header says fails)."""
+    return _read(path, _header_shapes)
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(path, framework="pt") as f:
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+
+
+def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, tied_ok: bool) -> None:
+    """Raise ValueError where ``model.load_state_dict`` would fail on the file's ``saved`` shapes by key.
+
+    ``tied_ok``: a key missing from the file is fine when its tensor is another key's that the file has (safetensors
+    files hold tied weights once; safetensors' ``load_model`` ties them back).
+    """
+    if not isinstance(saved, dict):
+        raise ValueError(f"accelerator.load_state: {path} holds a {type(saved).__name__}, not a state dict: {_CORRUPT}")
+    # The state dict Accelerate's loaders compare against too (safetensors' load_model computes it as well).
+    expected = {
+        key: value for key, value in model.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)
+    }
+    wrong = [(key, saved[key], tuple(value.shape)) for key, value in expected.items()
+             if key in saved and not _loads_into(saved[key], value)]  # fmt: skip
+    if wrong:
+        key, got, own = wrong[0]
+        raise ValueError(
+            f"accelerator.load_state: {path} holds {key!r} of shape {got}, the prepared {type(model).__name__} has "
+            f"{own} ({len(wrong)} such tensor(s)): the checkpoint was saved for another model; prepare the model that "
+            "saved it. Nothing was loaded"
+        )
+    if not strict:
+        return
+    missing = [key for key in expected if key not in saved and not (tied_ok and _tied_to_saved(key, expected, saved))]
+    unexpected = [key for key in saved if key not in expected]
+    if missing or unexpected:
+        raise ValueError(
+            f"accelerator.load_state: {path} does not hold the prepared {type(model).__name__}'s weights: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}: the checkpoint was saved for another model; prepare the "
+            "model that saved it (or pass strict=False to load_state). Nothing was loaded"
+        )
+
+
+def _loads_into(shape: tuple[int, ...], value: torch.Tensor) -> bool:
+    # torch's _load_from_state_dict: shapes must match, except a one-element 1-d tensor loads into a 0-dim one, and a
+    # lazy (uninitialized) parameter takes any shape.
+    own = tuple(value.shape) if not isinstance(value, nn.parameter.UninitializedTensorMixin) else None
+    return own is None or shape == own or (own == () and shape == (1,))
+
+
+def _tied_to_saved(key: str, expected: dict[str, torch.Tensor], saved: dict[str, Any]) -> bool:
+    tensor = expected[key]
+    return any(other in saved and other_tensor is tensor for other, other_tensor in expected.items() if other != key)
+
+
+def _check_custom_files(directory: Path, count: int) -> None:
+    # Accelerate compares the number of custom_checkpoint_<i>.pkl files with the registered objects only after it
+    # loaded everything else; it then loads them with weights_only=False, as read here.
+    found = [f for f in os.listdir(directory) if re.search(r"^custom_checkpoint_\d+\.pkl$", f) is not None]
+    if len(found) != count:
+        raise RuntimeError(
+            f"accelerator.load_state: {directory} holds {len(found)} custom checkpoint(s) (custom_checkpoint_<i>.pkl) "
+            f"and {count} object(s) are registered with register_for_checkpointing: register the objects the run "
+            "that saved it registered. Nothing was loaded"
+        )
+    for index in range(count):
+        path = directory / f"custom_checkpoint_{index}.pkl"
+        _read(path, accelerate_load, map_location="cpu", weights_only=False)
