@@ -23,21 +23,10 @@ from lightning_fp8 import FP8Linear
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.optim import master
+from tests.integrations.accelerate.test_accelerator import Net
 
 FP8_FILE = Path("lightning_fp8") / "rank0.pt"
 WORKER = Path(__file__).with_name("load_state_worker.py")
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(48, 80)
-        self.norm = nn.LayerNorm(80)
-        self.fc2 = nn.Linear(80, 48)
-        self.head = nn.Linear(48, 10)  # 10 outputs: not a multiple of 16, stays nn.Linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc2(self.norm(torch.relu(self.fc1(x))))))
 
 
 def _fresh_state() -> None:
