@@ -20,7 +20,8 @@ REDUCE_SCATTER_E5M2_SQNR_DB = 22.0
 BROKEN_SQNR_DB = 3.0
 
 # Bytes on the wire per gradient element for the reduction, normalized so that an all-reduce of dtype d counts
-# itemsize(d) (4.0 for fp32): FP8 data is 1.0, padding to a multiple of the world size and the scales add the rest.
+# itemsize(d) (4.0 for fp32): FP8 data is 1.0, the chunks' padding to an aligned size and the scales add the rest
+# (a few bytes per element for buckets of a few elements; the tests' buckets are large enough for 1.1).
 MAX_WIRE_BYTES_PER_ELEMENT = 1.1
 
 # Training 50 steps with FP8 communication against fp32 communication (same data, same init): the loss curves
