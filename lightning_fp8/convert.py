@@ -42,6 +42,10 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "to run them in FP8, remove the reparametrization first (torch.nn.utils.parametrize.remove_parametrizations, "
         "torch.nn.utils.remove_weight_norm, ...)",
     ),
+    "lazy": (
+        "they are nn.LazyLinear layers not initialized yet (their input size is known after their first forward)",
+        "to run them in FP8, run one forward first (they then become nn.Linear) and call convert_to_fp8 again",
+    ),
     "subclass": (
         "they are subclasses of nn.Linear (a LoRA layer, nn.MultiheadAttention's out_proj, ...), whose forward, added "
         "parameters or own use of the weight (nn.MultiheadAttention reads out_proj's weight itself) an FP8 layer would "
@@ -136,6 +140,8 @@ def _reason_refused(layer: nn.Linear) -> str | None:
     # the registered parameter by a tensor that a forward pre-hook recomputes from the real parameters.
     if any(vars(layer).get(name) is not None for name in ("weight", "bias")):
         return "reparametrized"
+    if isinstance(layer, nn.LazyLinear):  # once initialized it is an nn.Linear (LazyLinear.cls_to_become)
+        return "lazy"
     if type(layer) is not nn.Linear:
         return "subclass"
     if _holds_non_parameters(layer):

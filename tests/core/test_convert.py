@@ -330,6 +330,18 @@ def test_linear_subclasses_stay_in_high_precision_named(fresh_warnings):
     assert type(model["lora"]) is LoRALinear and type(model["tagged"]) is TaggedLinear
 
 
+def test_an_uninitialized_lazy_linear_is_named_with_what_to_do_and_converts_once_initialized(fresh_warnings):
+    """A LazyLinear is a subclass of nn.Linear until its first forward: the warning says to run one, after which a
+    second convert_to_fp8 converts it (it is an nn.Linear then)."""
+    model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 16))
+    with pytest.warns(UserWarning, match=r"nn.LazyLinear layers not initialized yet.*: 0; to run them in FP8, run one"):
+        convert_to_fp8(model)
+    assert set(fp8_modules(model)) == {"2"}
+    model(torch.randn(4, 48))
+    convert_to_fp8(model)
+    assert set(fp8_modules(model)) == {"0", "2"} and model[0].in_features == 48
+
+
 def _frozen_as_buffer(layer: nn.Linear, name: str) -> nn.Linear:
     tensor = getattr(layer, name).detach().clone()
     delattr(layer, name)
