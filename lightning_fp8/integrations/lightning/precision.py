@@ -160,6 +160,10 @@ class _FP8LMPrecisionLogic:
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         self._wrapped_model = model
         self._device_type = _first_device_type(model)
+        if comm.fsdp2_modules(model):  # before FP8AdamW is created: fully_shard's new Parameters lack the FP8 mark
+            from lightning_fp8.distributed.fsdp2 import mark_fp8_weights
+
+            mark_fp8_weights(model)
         if self.replace_optimizers:
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
         _refuse_bf16_fallback_under_ddp(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler

@@ -213,12 +213,21 @@ def main() -> None:
         resumed_losses = resumed.losses
     plugin = trainer.precision_plugin
     params = _full_params(module, args.strategy)
+    optimizer = trainer.optimizers[0]
+    fp8_weights = [m.weight for m in module.modules() if isinstance(m, FP8Linear)]
+    moments = {
+        f"{k}:{optimizer.state[w][k].dtype}"
+        for w in fp8_weights
+        if w in optimizer.state
+        for k in ("exp_avg", "exp_avg_sq")
+    }
     result = {
         "rank": trainer.global_rank,
         "losses": module.losses,
         "checksum": float(sum(p.detach().double().sum() for p in params)),
         "fp8_layers": sum(isinstance(m, FP8Linear) for m in module.modules()),
-        "optimizer": type(trainer.optimizers[0]).__name__,
+        "optimizer": type(optimizer).__name__,
+        "fp8_moment_dtypes": sorted(moments),  # O2: E4M3 and fp16 (fp32 ones: the weights were not seen as FP8)
         "comm": plugin.comm_hooks,
         "reductions": getattr(plugin.comm_state, "reductions", 0),
         "skipped_steps": plugin.grad_scaler.skipped_steps,

@@ -75,6 +75,8 @@ def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
     ranks = _run(strategy, tmp_path, resume=strategy != "model_parallel")
     for r in ranks:
         assert r["fp8_layers"] == 9 and r["optimizer"] == "FP8AdamW"
+        # ModelParallelStrategy gave the FP8 weights fp32 moments before the plugin marked fully_shard's Parameters
+        assert r["fp8_moment_dtypes"] == ["exp_avg:torch.float8_e4m3fn", "exp_avg_sq:torch.float16"]
         assert r["comm"] == comm and r["reductions"] > 0  # gradients went through the FP8 collectives
         assert r["finite"] and r["skipped_steps"] == 0 and len(r["losses"]) == STEPS
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the replicas (or the gathered shards) agree exactly
