@@ -449,7 +449,16 @@ class _FP8LMPrecisionLogic:
         # Imported here: strategy.py imports this module.
         from lightning_fp8.integrations.lightning.strategy import check_optimizer_states
 
-        check_optimizer_states(checkpoint["optimizer_states"], trainer.strategy)
+        states = checkpoint["optimizer_states"]
+        check_optimizer_states(states, trainer.strategy)
+        # Where the strategy hands each saved state to its optimizer's load_state_dict as it is (single device, DDP;
+        # FSDP's are keyed by parameter name, resharded by the strategy), FP8AdamW checks it now: a corrupt one then
+        # raises before the FP8 state, mu and fallen-back layers load, not after.
+        if type(trainer.strategy).load_optimizer_state_dict.__qualname__ == "Strategy.load_optimizer_state_dict":
+            for optimizer, state in zip(self._optimizers, states, strict=False):  # a count mismatch: Lightning's error
+                check = getattr(_unwrap_optimizer(optimizer), "check_state_dict", None)
+                if check is not None:
+                    check(state)
 
     def _put_back(self, names: list[str]) -> None:
         """Put the layers ``names`` back to ``nn.Linear`` (no-op for those already put back), releasing their weights

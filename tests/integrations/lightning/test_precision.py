@@ -242,6 +242,25 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     assert trainer.precision_plugin.grad_scaler.scale == first.precision_plugin.grad_scaler.scale
 
 
+def test_a_corrupt_optimizer_state_is_refused_before_the_plugin_state_loads(tmp_path):
+    """FP8AdamW checks the checkpoint's optimizer state in the plugin's on_load_checkpoint: a corrupt one raises before
+    mu and the FP8 scaling state are loaded (Lightning loads the weights before any plugin hook; they are not
+    checked here)."""
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    _fit(_module(), max_steps=4, callbacks=[every], enable_checkpointing=True, default_root_dir=tmp_path)
+    checkpoint = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=True)
+    saved = checkpoint["optimizer_states"][0]["state"][0]
+    saved["exp_avg_sq"] = (-saved["exp_avg_sq"].float() - 1).to(saved["exp_avg_sq"].dtype)
+    torch.save(checkpoint, tmp_path / "bad.ckpt")
+    module = _module()
+    trainer = _trainer(max_steps=8, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="parameter 0's 'exp_avg_sq' holds negative values"):
+        trainer.fit(module, loader(), ckpt_path=tmp_path / "bad.ckpt")
+    plugin = trainer.precision_plugin
+    assert plugin.grad_scaler.state_dict()["steps"] == 0  # not the checkpoint's 4
+    assert all(int(state.casts) == 0 for name, state in module.named_modules() if name.endswith("fp8_scaling.input"))
+
+
 class HeadPoisoned(StepIndexed):
     """At the steps in ``poisoned``, only the output head gets gradients, and they are non-finite: the scaler skips
     those steps, and with ``fallback_after=2`` its ``"bf16"`` fallback puts the head (only) back to nn.Linear."""
