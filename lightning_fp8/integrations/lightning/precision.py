@@ -135,7 +135,12 @@ class _FP8LMPrecisionLogic:
 
             te.convert_to_te(module, self.recipe, self.module_filter_fn)
         elif comm.fsdp2_modules(module):  # ModelParallelStrategy: configure_model already ran fully_shard
+            from lightning_fp8.distributed.fsdp2 import mark_fp8_weights
+
             comm.check_converted_before_sharding(module)
+            # fully_shard's new Parameters lack the FP8 mark: set it before configure_optimizers creates any FP8AdamW
+            # (the user's or the plugin's), which would give unmarked FP8 weights fp32 states.
+            mark_fp8_weights(module)
         else:
             _refuse_bf16_fallback_under_ddp(self.grad_scaler, module)
             convert_to_fp8(module, self.recipe, self.module_filter_fn)
@@ -160,10 +165,6 @@ class _FP8LMPrecisionLogic:
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         self._wrapped_model = model
         self._device_type = _first_device_type(model)
-        if comm.fsdp2_modules(model):  # before FP8AdamW is created: fully_shard's new Parameters lack the FP8 mark
-            from lightning_fp8.distributed.fsdp2 import mark_fp8_weights
-
-            mark_fp8_weights(model)
         if self.replace_optimizers:
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
         _refuse_bf16_fallback_under_ddp(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
@@ -198,6 +199,13 @@ class _FP8LMPrecisionLogic:
         if comm.is_fsdp1_root(self._wrapped_model):
             fp8_kwargs["fp8_params"] = optimizer_swap.keep_masters_apart(self._wrapped_model)
         new = optimizer_swap.to_fp8_optimizer(optimizer, **fp8_kwargs)
+        if new is optimizer and "fp8_params" in fp8_kwargs and _holds_masters_in_storage(new):
+            raise ValueError(
+                "strategy='fsdp_fp8': the FP8AdamW returned by configure_optimizers keeps its fp16 masters in the FP8 "
+                "weights' storage, which under FSDP is a view into FSDP's flat parameter (its first step would fail). "
+                "Return torch.optim.AdamW (or Adam) from configure_optimizers: FP8LMPrecision replaces it with an "
+                "FP8AdamW that keeps its masters apart, with FP8 and fp16 states sharded by FSDP"
+            )
         if self._early_masters and getattr(new, "master_dtype", None) != torch.float16:
             raise ValueError(
                 f"the FP8AdamW from configure_optimizers keeps {new.master_dtype} masters, but under DDP "
@@ -466,6 +474,11 @@ class _FP8LMPrecisionLogic:
         if self._module is None:
             raise RuntimeError("FP8LMPrecision: no converted model yet to put layers back in (call convert_module)")
         recovery.put_back_to_high_precision(self._module, names, self._optimizers)
+
+
+def _holds_masters_in_storage(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` (an FP8AdamW at O2) took any parameter's storage for its scaled fp16 master."""
+    return any(master.master_scale(p) is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _clean_name(name: str) -> str:

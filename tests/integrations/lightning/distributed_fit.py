@@ -87,9 +87,10 @@ def _fit(
     ckpt_path: str | None = None,
     callbacks: list | None = None,
     root_dir: str | None = None,
+    optimizer: str = "adamw",
 ) -> tuple[GPTModule, L.Trainer]:
     torch.manual_seed(seed)
-    module = ShardedGPT() if strategy == "model_parallel" else DataParallelGPT()
+    module = (ShardedGPT if strategy == "model_parallel" else DataParallelGPT)(optimizer=optimizer)
     trainer = L.Trainer(
         precision="fp8-lm",
         accelerator="cpu",
@@ -192,6 +193,7 @@ def main() -> None:
         "--health", action="store_true", help="with a TrainingHealthMonitor logging every step, plotting to <out>"
     )
     parser.add_argument("--bf16-fallback", action="store_true", help="only: fit with nonfinite_fallback='bf16'")
+    parser.add_argument("--own-fp8adamw", action="store_true", help="configure_optimizers returns an FP8AdamW")
     parser.add_argument("--manual-norm-clip", action="store_true", help="only: fsdp_fp8, manual clip by norm")
     args = parser.parse_args()
     if args.bf16_fallback:
@@ -203,7 +205,16 @@ def main() -> None:
 
     # The plot goes to the Trainer's log_dir (no logger: default_root_dir), which every rank must ask for.
     health = TrainingHealthMonitor(log_every_n_steps=1) if args.health else None
-    module, trainer = _fit(args.strategy, args.steps, callbacks=[health] if health else None, root_dir=args.out)
+    optimizer = "fp8adamw" if args.own_fp8adamw else "adamw"
+    try:
+        module, trainer = _fit(args.strategy, args.steps, callbacks=[health] if health else None, root_dir=args.out,
+                               optimizer=optimizer)  # fmt: skip
+    except ValueError as error:  # a refusal at setup: each rank reports it
+        os.makedirs(args.out, exist_ok=True)
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "error": str(error)}, f)
+        return
     resumed_losses = None
     if args.resume:
         half, first = _fit(args.strategy, args.steps // 2)

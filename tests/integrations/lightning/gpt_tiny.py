@@ -158,6 +158,10 @@ class GPTModule(L.LightningModule):
             opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, amsgrad=True)
         elif self.optimizer_name == "sgd":
             opt = torch.optim.SGD(self.model.parameters(), lr=self.lr)
+        elif self.optimizer_name == "fp8adamw":  # the user's own: the plugin keeps it
+            from lightning_fp8 import FP8AdamW
+
+            opt = FP8AdamW(groups, lr=self.lr, betas=(0.9, 0.95), eps=1e-8)
         else:
             raise ValueError(self.optimizer_name)
         if not self.use_scheduler:

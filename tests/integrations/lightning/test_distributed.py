@@ -67,6 +67,23 @@ def single_process_losses() -> list[float]:
 
 
 @pytest.mark.slow
+def test_fsdp2_fit_with_the_users_own_fp8adamw_gives_o2_states(tmp_path):
+    """ModelParallelStrategy runs configure_optimizers before the plugin's connect: the plugin marks fully_shard's new
+    FP8 weight Parameters when it converts the module, so the user's own FP8AdamW gives them O2 states too."""
+    for r in _run("model_parallel", tmp_path, False, "--own-fp8adamw"):
+        assert r["optimizer"] == "FP8AdamW" and r["finite"] and len(r["losses"]) == STEPS
+        assert r["fp8_moment_dtypes"] == ["exp_avg:torch.float8_e4m3fn", "exp_avg_sq:torch.float16"]
+
+
+@pytest.mark.slow
+def test_fsdp_fp8_refuses_the_users_own_fp8adamw_saying_what_to_return(tmp_path):
+    """Under FSDP1 an FP8AdamW built in configure_optimizers keeps its masters in the weights' storage, views into
+    FSDP's flat parameters: its first step failed with a message about a cast model. Refused at setup instead."""
+    for r in _run("fsdp_fp8", tmp_path, False, "--own-fp8adamw"):
+        assert "Return torch.optim.AdamW (or Adam) from configure_optimizers" in r["error"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "comm"),
     [("ddp", "ddp"), ("fsdp_fp8", "fsdp1"), ("model_parallel", "fsdp2")],
