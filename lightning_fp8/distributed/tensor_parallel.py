@@ -118,13 +118,7 @@ class FP8ColwiseParallel(_FP8Style, ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
-        world = device_mesh.size()
-        _check_even(module.out_features, world, f"out_features of {module}")
-        if (module.out_features // world) % 16:
-            raise ValueError(
-                f"FP8ColwiseParallel over {world} ranks gives {module} {module.out_features // world} output features "
-                "per rank; FP8 GEMMs need a multiple of 16: use fewer ranks or keep this layer in high precision"
-            )
+        _check_shard(module, module.out_features, device_mesh.size(), "FP8ColwiseParallel", "output")
         module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm)
         _parallelize(
             module,
@@ -155,7 +149,8 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
-        _check_even(module.in_features, device_mesh.size(), f"in_features of {module}")
+        # The input features per rank are the N of both backward GEMMs (dgrad's output, wgrad's columns).
+        _check_shard(module, module.in_features, device_mesh.size(), "FP8RowwiseParallel", "input")
         module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm, output_layout=self.output_layouts[0])
         _parallelize(
             module,
@@ -167,6 +162,18 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
             use_local_output=self.use_local_output,
         )
         return module
+
+
+def _check_shard(module: FP8Linear, features: int, world: int, style: str, kind: str) -> None:
+    """Raise ValueError unless ``features`` split evenly over ``world`` ranks into multiples of 16 (FP8 GEMMs need
+    them: on a GPU a shard of 24 features fails in the backward's ``torch._scaled_mm``, on a CPU it would run)."""
+    layer = f"FP8Linear(in_features={module.in_features}, out_features={module.out_features})"
+    _check_even(features, world, f"{kind}_features of {layer}")
+    if (features // world) % 16:
+        raise ValueError(
+            f"{style} over {world} ranks gives {layer} {features // world} {kind} features per rank; FP8 GEMMs need "
+            "a multiple of 16: use fewer ranks or keep this layer in high precision"
+        )
 
 
 # -------------------------------------------------------------------------------------------- the Megatron plan

@@ -596,3 +596,21 @@ def test_plan_finds_blocks_and_rejects_bad_plans():
         _find_blocks(GPT(), _resolve_plan("llama"))
     with pytest.raises(TypeError, match="only nn.Linear"):
         _find_blocks(Block(), {"ln_1": "colwise"})
+
+
+@pytest.mark.parametrize(("style", "shape", "kind"), [("FP8RowwiseParallel", (48, 64), "input"),
+                                                      ("FP8ColwiseParallel", (64, 48), "output")])  # fmt: skip
+def test_a_shard_not_a_multiple_of_16_features_is_refused_as_the_style_is_applied(style, shape, kind):
+    """Found by the twenty-third session's sweep: FP8RowwiseParallel took FP8Linear(48, 64) over 2 ranks (24 input
+    features per rank, the N of both backward GEMMs) and failed in the first backward on a GPU (torch._scaled_mm);
+    the CPU emulation has no such limit. Refused before anything is sharded, as FP8ColwiseParallel refuses its own."""
+    from types import SimpleNamespace
+
+    from lightning_fp8 import FP8Linear
+    from lightning_fp8.distributed import tensor_parallel
+
+    layer = FP8Linear(*shape)
+    mesh = SimpleNamespace(size=lambda: 2)  # the check runs before the mesh is used
+    with pytest.raises(ValueError, match=rf"{style} over 2 ranks gives .* 24 {kind} features per rank.*multiple of 16"):
+        getattr(tensor_parallel, style)()._apply(layer, mesh)
+    assert not isinstance(layer.weight, DTensor)
