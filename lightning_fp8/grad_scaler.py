@@ -592,6 +592,15 @@ class FP8GradScaler:
             what = [recovery.lower_lr(opt, self.lr_factor) for opt in targets][-1]
             what += f" in {len(targets)} optimizers" if len(targets) > 1 else ""
         elif fallback == "bf16":  # every optimizer stepped with this scaler: each gives back the masters it holds
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # Every rank gets here at the same step (the skip decision is agreed); each would pick the layers from
+                # its own gradients or shard, and the ranks' models would differ: refuse on every rank alike.
+                raise ValueError(
+                    f"FP8GradScaler(nonfinite_fallback='bf16') cannot run with {dist.get_world_size()} processes: each "
+                    "rank would choose the layers to put back from its own gradients, and wrapped or sharded models "
+                    "(DDP, FSDP, tensor parallelism) cannot swap layers. Use nonfinite_fallback='lower_lr' (or a "
+                    "callable) in multi-process training; 'bf16' works in one process"
+                )
             what = recovery.fallback_to_high_precision(
                 self.model, [*self._seen] or optimizer, self.lr_factor, skipped=skipped or [optimizer]
             )

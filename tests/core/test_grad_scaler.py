@@ -391,6 +391,28 @@ def test_bf16_fallback_puts_offending_layer_back_to_high_precision():
     assert opt.state[model[2].weight]["exp_avg"].dtype == torch.float32
 
 
+def test_bf16_fallback_with_several_processes_is_refused_on_every_rank_alike(monkeypatch):
+    """Found by the twenty-third session's sweep: under DDP/FSDP each rank chose the layers to put back from its own
+    gradients (one rank lowered the LR, another swapped a layer, then the ranks hung). The fallback runs at the same
+    step on every rank (the skip decision is agreed), and there it now raises on every rank, changing no layer."""
+    import lightning_fp8.grad_scaler as grad_scaler_module
+
+    model = _fp8_model()
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=1)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    x = torch.randn(24, 32)
+    scaler.scale_loss(model(x).sum() * float("inf")).backward()
+    # As on rank r of 2 whose peer saw the same (the agreeing all-reduce then sums one rank's counts: enough here).
+    dist = grad_scaler_module.dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)
+    with pytest.raises(ValueError, match=r"nonfinite_fallback='bf16'\) cannot run with 2 processes.*'lower_lr'"):
+        opt.step()
+    assert all(isinstance(model[i], FP8Linear) for i in (0, 2))
+
+
 def test_state_dict_round_trip_with_weights_only():
     scaler = FP8GradScaler(init_scale=2.0**6, growth_interval=2)
     _record(scaler, float("nan"))

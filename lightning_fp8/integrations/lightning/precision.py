@@ -142,7 +142,7 @@ class _FP8LMPrecisionLogic:
             # (the user's or the plugin's), which would give unmarked FP8 weights fp32 states.
             mark_fp8_weights(module)
         else:
-            _refuse_bf16_fallback_under_ddp(self.grad_scaler, module)
+            _refuse_bf16_fallback_in_data_parallel(self.grad_scaler, module)
             convert_to_fp8(module, self.recipe, self.module_filter_fn)
             if not fp8_modules(module):
                 warn_once(
@@ -167,7 +167,7 @@ class _FP8LMPrecisionLogic:
         self._device_type = _first_device_type(model)
         if self.replace_optimizers:
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
-        _refuse_bf16_fallback_under_ddp(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
+        _refuse_bf16_fallback_in_data_parallel(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
         self._optimizers = list(optimizers)
@@ -533,20 +533,30 @@ def _is_ddp(module: nn.Module) -> bool:
     return any(cls.__name__ == "DDPStrategy" for cls in type(strategy).__mro__)
 
 
-def _refuse_bf16_fallback_under_ddp(grad_scaler: Any, module: nn.Module | None) -> None:
+def _is_multi_process(module: nn.Module) -> bool:
+    # DDP (also on one device: it hooked the parameters), FSDP and ModelParallelStrategy, or any run of several ranks.
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    families = ("DDPStrategy", "FSDPStrategy", "ModelParallelStrategy")
+    return any(cls.__name__ in families for cls in type(strategy).__mro__) or getattr(trainer, "world_size", 1) > 1
+
+
+def _refuse_bf16_fallback_in_data_parallel(grad_scaler: Any, module: nn.Module | None) -> None:
     """Raise now, rather than after ``fallback_after`` non-finite steps, when the ``"bf16"`` fallback could only fail.
 
     DDP hooked the model's parameters and buffers when it wrapped it, so putting a layer back to ``nn.Linear`` is
     refused under DDP (:func:`lightning_fp8.recovery.put_back_to_high_precision`).
     """
-    if module is None or getattr(grad_scaler, "nonfinite_fallback", None) != "bf16" or not _is_ddp(module):
+    if module is None or getattr(grad_scaler, "nonfinite_fallback", None) != "bf16" or not _is_multi_process(module):
         return
     strategy = type(module.trainer.strategy).__name__
     raise ValueError(
         f"FP8LMPrecision: FP8GradScaler(nonfinite_fallback='bf16') cannot run under {strategy}: putting layers back "
-        "to nn.Linear is refused under DistributedDataParallel (it hooked the model's parameters and buffers), so "
-        "this fallback could only ever fail, after `fallback_after` non-finite steps. Use "
-        "FP8GradScaler(nonfinite_fallback='lower_lr') (or a callable) under DDP; 'bf16' works on a single device"
+        "to nn.Linear is refused under DistributedDataParallel (it hooked the model's parameters and buffers) and "
+        "cannot swap FSDP's sharded layers, and each rank would choose the layers from its own gradients, so this "
+        "fallback could only ever fail, after `fallback_after` non-finite steps. Use "
+        "FP8GradScaler(nonfinite_fallback='lower_lr') (or a callable) under DDP and FSDP; 'bf16' works on a single "
+        "device"
     )
 
 

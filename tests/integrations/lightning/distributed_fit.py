@@ -110,9 +110,9 @@ def _fit(
     return module, trainer
 
 
-def _refused_bf16_fallback(out: str) -> None:
-    """DDP with ``FP8GradScaler(nonfinite_fallback="bf16")``: fit must refuse it before any step; writes each rank's
-    error and the steps it ran to ``<out>/rank<r>.json``."""
+def _refused_bf16_fallback(out: str, strategy: str = "ddp") -> None:
+    """DDP or fsdp_fp8 with ``FP8GradScaler(nonfinite_fallback="bf16")``: fit must refuse it before any step; writes
+    each rank's error and the steps it ran to ``<out>/rank<r>.json``."""
     torch.manual_seed(0)
     module = DataParallelGPT()
     plugin = FP8LMPrecision(grad_scaler=FP8GradScaler(nonfinite_fallback=module, fallback_after=1))
@@ -120,7 +120,7 @@ def _refused_bf16_fallback(out: str) -> None:
         plugins=[plugin],
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=_strategy(strategy),
         max_steps=4,
         logger=False,
         enable_checkpointing=False,
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--manual-norm-clip", action="store_true", help="only: fsdp_fp8, manual clip by norm")
     args = parser.parse_args()
     if args.bf16_fallback:
-        _refused_bf16_fallback(args.out)
+        _refused_bf16_fallback(args.out, args.strategy)
         return
     if args.manual_norm_clip:
         _manual_norm_clip(args.out)
