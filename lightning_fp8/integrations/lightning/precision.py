@@ -196,10 +196,11 @@ class _FP8LMPrecisionLogic:
             "grad_scaler": self.grad_scaler,
             "fp8_grads": self.fp8_grads,
         }
-        if comm.is_fsdp1_root(self._wrapped_model):
+        fsdp1 = comm.is_fsdp1_root(self._wrapped_model)
+        if fsdp1:
             fp8_kwargs["fp8_params"] = optimizer_swap.keep_masters_apart(self._wrapped_model)
         new = optimizer_swap.to_fp8_optimizer(optimizer, **fp8_kwargs)
-        if new is optimizer and "fp8_params" in fp8_kwargs and _holds_masters_in_storage(new):
+        if new is optimizer and fsdp1 and _holds_masters_in_storage(new):
             raise ValueError(
                 "strategy='fsdp_fp8': the FP8AdamW returned by configure_optimizers keeps its fp16 masters in the FP8 "
                 "weights' storage, which under FSDP is a view into FSDP's flat parameter (its first step would fail). "
