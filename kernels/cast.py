@@ -276,6 +276,14 @@ def _unread(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=x.dtype, device=x.device)
 
 
+def scalar_output(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element tensor for a kernel to write a scalar into (its caller returns ``.view(())``). Traced, a 0-dim
+    ``torch.empty`` costs a launch: inductor lowers every ``empty`` as a fill that it skips only when the tensor has
+    a dimension (``torch/_inductor/lowering.py: empty_strided``), so each 0-dim output a compiled step allocates was
+    a tiny kernel writing 0 before the cast overwrote it; one element with a dimension costs none."""
+    return torch.empty(1, dtype=dtype, device=device)
+
+
 def column_partials(x: torch.Tensor) -> torch.Tensor:
     """The buffer of the transposed cast's partial column sums of 2-D ``x``: one fp32 row per row group of GROUP_M
     tiles (``_cast_impl`` fills it; a replay of that launch is given a fresh one)."""
@@ -328,9 +336,10 @@ def _cast_transposed_op(
 ) -> torch.Tensor:
     # The transposed copy alone, statistics dropped (the backward's weight recast, FP8MLP's GELU output recomputed,
     # under torch.compile; kernels/quantize.py: recast_transposed): non-empty 2-D contiguous x on a CUDA device. Fresh
-    # accumulators: a graph cannot hold on to a global buffer its kernels mutate.
-    acc = torch.zeros((), dtype=torch.float32, device=x.device)
-    stats = (acc, acc.new_zeros((), dtype=torch.int64), *(acc,) * 8, 1, x.numel())
+    # accumulators (a graph cannot hold on to a global buffer its kernels mutate), not zeroed: nothing reads them, and
+    # zeroed ones cost two launches per recast in a compiled step (inductor's fill of each, then its copy of it).
+    acc = scalar_output(torch.float32, x.device)
+    stats = (acc, scalar_output(torch.int64, x.device), *(acc,) * 8, 1, x.numel())
     return _cast_impl(x, scale, fp8_dtype, True, stats, _NO_RECORD, eager=False, write_x=False, activation=activation,
                       dequant_scale_inv=x_scale_inv)[1]  # fmt: skip
 

@@ -229,7 +229,11 @@ def _quantize_impl(
         flags = {"EVEN": x.numel() % cfg["BLOCK"] == 0, "INDEX_64": _index_64(blocks * cfg["BLOCK"])}
         _launch(_amax_kernel, x, blocks, cfg, x, ws, ws, scale, x.numel(), eager=eager, CURRENT_SCALE=True,
                 **flags, **fields)  # fmt: skip
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    # Eagerly the launch gets the 0-dim view itself (the replays find their tensors by identity: _remember); traced,
+    # the one-element tensor, viewed once written (cast.scalar_output: no fill launch; a kernel writing into a view
+    # would have functionalization copy it back into its base).
+    scale_inv = cast.scalar_output(torch.float32, x.device)
+    scale_inv = scale_inv.view(()) if eager else scale_inv
     h = amax_history.numel()
     stats = (ws, ws, ws, amax_history, scale_inv, last_amax, saturation, nonfinite_count, casts,
              ws if unscale is None else unscale, h, x.numel())  # fmt: skip
@@ -240,7 +244,7 @@ def _quantize_impl(
         x, scale, fp8_dtype, transpose, stats, record, eager, column_sum, activation=activation or "",
         activation_input=activation_input, dequant_scale_inv=activation_scale_inv, pre=pre,
     )  # fmt: skip
-    return x_fp8, x_fp8_t, scale_inv, partials, pre
+    return x_fp8, x_fp8_t, scale_inv if eager else scale_inv.view(()), partials, pre
 
 
 @torch.library.triton_op(

@@ -16,7 +16,7 @@ buffers there are lost (tests/core/test_linear.py).
 import torch
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.cast import _launchable
+from lightning_fp8.kernels.cast import _launchable, scalar_output
 from lightning_fp8.kernels.quantize import _next_power_of_2, _record_fields
 from lightning_fp8.kernels.scaling import _record
 
@@ -76,10 +76,10 @@ def record_op(
     """
     if numel < 1:
         raise ValueError(f"record_op(numel={numel}): a cast of an empty tensor records nothing; use quantize_ref")
-    scale_inv = torch.empty((), dtype=torch.float32, device=amax.device)
+    scale_inv = scalar_output(torch.float32, amax.device)  # viewed as 0-dim once written
     h = amax_history.numel()
     _launchable(_record_kernel)[(1,)](
         amax, n_saturated, used_scale, amax_history, scale, scale_inv, last_amax, saturation, nonfinite_count, casts,
         numel, h, BLOCK_H=_next_power_of_2(h), ALGO_MAX=algo_max, DELAYED=delayed, **_record_fields(fp8_dtype, margin),
     )  # fmt: skip
-    return scale_inv
+    return scale_inv.view(())
