@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.convert import check_wrappable
@@ -44,6 +43,7 @@ from lightning_fp8.linear import (
     forward_gemm,
     grad_output_current,
     note_casts,
+    once_differentiable,
     output_dtype,
 )
 from lightning_fp8.optim import master

@@ -34,13 +34,19 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_fp8 import ops
 from lightning_fp8.distributed.amax_sync import claim_shared_scale, localize_buffers
-from lightning_fp8.linear import FP8Linear, current_flags, grad_output_current, note_casts, output_dtype
+from lightning_fp8.linear import (
+    FP8Linear,
+    current_flags,
+    grad_output_current,
+    note_casts,
+    once_differentiable,
+    output_dtype,
+)
 from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState, compute_scale
 

@@ -501,6 +501,42 @@ def test_double_backward_raises_instead_of_dropping_the_second_order_term():
         (y.sum() + g.pow(2).sum()).backward()
 
 
+def test_double_backward_raises_when_the_output_gradient_is_constant_too():
+    """A loss linear in the layer's output gives its backward a constant output gradient, but dx still depends on
+    the weight: nn.Linear's penalty reaches the weight through it; FP8Linear raised nothing and silently dropped that
+    term (torch's once_differentiable only looked at the incoming gradient). A backward with create_graph=True whose
+    result is never differentiated again gives the plain backward's gradients."""
+    torch.manual_seed(0)
+    ref = nn.Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    (g,) = torch.autograd.grad(ref(x).sum(), x, create_graph=True)
+    (10 * g.pow(2).sum()).backward()
+    assert ref.weight.grad.abs().sum() > 0  # the reference's second-order term is there
+    fp8 = FP8Linear(32, 16)
+    (g_plain,) = torch.autograd.grad(fp8(x).sum(), x)
+    (g,) = torch.autograd.grad(fp8(x).sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), g_plain)
+    with pytest.raises(RuntimeError, match="differentiate twice an FP8 layer's backward"):
+        (10 * g.pow(2).sum()).backward()
+
+
+@pytest.mark.parametrize("how", ["is_grads_batched", "jacobian"])
+def test_batched_backward_raises_a_clear_error_and_records_nothing(how):
+    """torch's vmap of a backward (no torch.func transform in the forward) reached the casts and failed in a batching
+    rule; it is refused by name, and the grad_output state is unchanged."""
+    fp8 = FP8Linear(32, 16)
+    x = torch.randn(4, 32, requires_grad=True)
+    y = fp8(x)
+    grad_state = fp8.fp8_scaling["grad_output"]
+    before = {k: v.clone() for k, v in grad_state.named_buffers()}
+    with pytest.raises(RuntimeError, match="does not support batched gradients"):
+        if how == "is_grads_batched":
+            torch.autograd.grad(y, x, torch.randn(3, 4, 16), is_grads_batched=True)
+        else:  # its own forward records the input's statistics, as any forward
+            torch.autograd.functional.jacobian(fp8, x[:1].detach(), vectorize=True)
+    assert all(torch.equal(before[k], v) for k, v in grad_state.named_buffers())
+
+
 @pytest.mark.parametrize(
     "device", [pytest.param("cpu", marks=XFAIL_TORCH_211_CPU_COMPILE), pytest.param("cuda", marks=pytest.mark.gpu)]
 )
