@@ -341,7 +341,7 @@ class _LayerMark:
     ``FP8Linear.from_linear`` and ``convert_to_fp8`` mark the weight of the ``nn.Linear`` they wrap. Where the new
     layer is dropped (``convert_to_fp8(model[2])`` not assigned back), the weight is an ordinary parameter again: an
     FP8AdamW must not make its storage a scaled fp16 master, which the model's ``nn.Linear`` would compute with.
-    Pickled empty, FP8Linear.__setstate__ marks itself again; deep-copied, it marks the copies of its layers.
+    Pickled as an empty set, FP8Linear.__setstate__ marks itself again; deep-copied, it marks the copies of its layers.
     """
 
     __slots__ = ("_layers",)
@@ -359,7 +359,10 @@ class _LayerMark:
         return any(ref() is not None for ref in self._layers)
 
     def __reduce__(self) -> tuple:
-        return _LayerMark, ()  # a weak reference cannot be pickled: the unpickled layers mark themselves again
+        # A weak reference cannot be pickled: unpickled, the mark is an empty set (false: no layer holds the weight)
+        # and the unpickled layers mark themselves again. A set, not this class: a pickled Parameter carries its
+        # attributes, and torch.load(weights_only=True) reads no class of ours (it allows a set).
+        return set, ()
 
     def __deepcopy__(self, memo: dict) -> _LayerMark:
         return _LayerMark(memo[id(layer)] for layer in self.layers() if id(layer) in memo)

@@ -247,3 +247,24 @@ def test_an_adopted_weight_zeroed_in_place_gives_the_bias_and_keeps_its_scale():
             torch.testing.assert_close(y, layer.bias.expand_as(y), rtol=0, atol=0)
             assert torch.equal(state.scale, kept)
     load_fp8_state_dict(model, fp8_state_dict(model))
+
+
+@pytest.mark.parametrize("what", ["trainable_parameters", "keep_vars", "one_weight"])
+def test_saved_fp8_weight_parameters_load_with_weights_only(what, tmp_path):
+    """A saved Parameter carries its attributes: the FP8 weight's layer mark was a class of this package, which
+    torch.load(weights_only=True) refused (nn.Linear's parameters load). It loads now, as an ordinary parameter with
+    the same values; the layers it came from keep their mark."""
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)))
+    if what == "trainable_parameters":
+        obj = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    elif what == "keep_vars":
+        obj = model.state_dict(keep_vars=True)
+    else:
+        obj = model[0].weight
+    torch.save(obj, tmp_path / "p.pt")
+    loaded = torch.load(tmp_path / "p.pt", weights_only=True)
+    pairs = [(loaded, obj)] if what == "one_weight" else [(loaded[k], v) for k, v in obj.items()]
+    for got, want in pairs:
+        assert torch.equal(got, want)
+        assert not master.is_fp8_weight(got)  # no layer holds the loaded copy
+    assert master.is_fp8_weight(model[0].weight) and master.is_fp8_weight(model[2].weight)
