@@ -4,10 +4,11 @@ A plain Accelerate script changes one line (``from lightning_fp8.accelerate impo
 comes from the launch (``lightning-fp8 launch``, or ``LIGHTNING_FP8_RECIPE``, see :mod:`.config`). Then:
 
 - ``prepare(model, ...)`` converts the model's linear layers to FP8 (:func:`~lightning_fp8.convert_to_fp8`),
-  replaces ``AdamW``/``Adam`` by :class:`~lightning_fp8.FP8AdamW` (hyper-parameters and param groups kept,
-  LR schedulers rebound), installs the FP8 gradient all-reduce hook on DDP models and the FP8 all-gather /
-  reduce-scatter on FSDP2 models; with Accelerate's tensor parallelism (``ParallelismConfig(tp_size=N)``) it
-  shards the model with lightning_fp8's Megatron-style plan first (:mod:`.tensor_parallel`);
+  replaces ``AdamW``/``Adam`` by :class:`~lightning_fp8.FP8AdamW` (hyper-parameters and param groups kept; the LR
+  schedulers built on the AdamW drive it, prepared or not, in any prepare order), installs the FP8 gradient
+  all-reduce hook on DDP models and the FP8 all-gather / reduce-scatter on FSDP2 models; with Accelerate's tensor
+  parallelism (``ParallelismConfig(tp_size=N)``) it shards the model with lightning_fp8's Megatron-style plan first
+  (:mod:`.tensor_parallel`);
 - ``backward`` multiplies the loss by the gradient scale mu (:class:`~lightning_fp8.FP8GradScaler`); the
   prepared optimizer's ``step`` skips the update on every rank when a gradient was non-finite, and Accelerate's
   scheduler wrapper then does not advance; ``accumulate`` works as in Accelerate;
@@ -107,7 +108,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_user_filter = fp8_module_filter
         self._fp8_models: list[nn.Module] = []
         self._fp8_optimizer: FP8AcceleratedOptimizer | None = None
-        self._fp8_swapped: dict[int, torch.optim.Optimizer] = {}
+        self._fp8_swaps: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []  # (script's AdamW, FP8AdamW)
         self._fp8_wrapped: set[int] = set()
         self._fp8_steps = 0
         self._fp8_fallback_seen = -1  # the scaler step of the last fallback reported to fp8_health
@@ -219,15 +220,24 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         device_placement = self.device_placement if device_placement is None else device_placement
         prepared = FP8AcceleratedOptimizer(optimizer, device_placement, self._fp8_scaler(), self._fp8_on_step)
         prepared.sharded_states = self._fp8_tp_enabled
+        for old, new in self._fp8_swaps:
+            if new is optimizer:  # schedulers built on the old one, prepared or not, drive the FP8AdamW
+                prepared.take_over(old)
         self._optimizers.append(prepared)
         self._fp8_optimizer = prepared
         return prepared
 
     @override
     def prepare_scheduler(self, scheduler: Any) -> Any:
-        if self._fp8_swapped:
-            rebind_scheduler(scheduler, self._fp8_swapped)
+        # Prepared after the optimizer, a scheduler is pointed at the FP8AdamW. Prepared before it (or never), it keeps
+        # the script's AdamW, whose param groups are then the FP8AdamW's (FP8AcceleratedOptimizer.take_over).
+        if self._fp8_swaps:
+            rebind_scheduler(scheduler, self._fp8_swapped())
         return super().prepare_scheduler(scheduler)
+
+    def _fp8_swapped(self) -> dict[int, torch.optim.Optimizer]:
+        """``{id(the script's optimizer): the FP8AdamW that replaced it}``, as ``rebind_scheduler`` takes it."""
+        return {id(old): new for old, new in self._fp8_swaps}
 
     def _fp8_convert(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
         """Once per model: on the device, converted to FP8, and sharded under tensor parallelism."""
@@ -267,7 +277,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
 
     def _fp8_swap(self, optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer`` as FP8AdamW (AdamW/Adam), or unchanged (with a warning for other types)."""
-        if any(new is optimizer for new in self._fp8_swapped.values()):
+        if any(new is optimizer for _, new in self._fp8_swaps):
             return optimizer
         self._fp8_require_model(optimizer)
         name = type(optimizer).__name__
@@ -287,7 +297,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
                 fp8_grads=False,
                 **fp8_kwargs,
             )
-            self._fp8_swapped[id(optimizer)] = new
+            self._fp8_swaps.append((optimizer, new))
         elif isinstance(optimizer, FP8AdamW):
             _check_built_after_conversion(optimizer)
             new = optimizer
@@ -321,8 +331,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         old = prepared.optimizer
         fp8_weights = [layer.weight for model in self._fp8_models for layer in fp8_modules(model).values()]
         prepared.optimizer = self._fp8_swap(old, fp8_params=fp8_weights)
+        prepared.take_over(old)
         for scheduler in self._schedulers:
-            rebind_scheduler(getattr(scheduler, "scheduler", scheduler), self._fp8_swapped)
+            rebind_scheduler(getattr(scheduler, "scheduler", scheduler), self._fp8_swapped())
 
     def _fp8_sync_initial_weights(self) -> None:
         # FP8AdamW derives each FP8 weight's master scale from the weight itself. DDP would broadcast rank 0's
@@ -370,7 +381,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         result = super().free_memory(*objects)
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
-        self._fp8_models, self._fp8_swapped, self._fp8_wrapped, self._fp8_tp_mapping = [], {}, set(), {}
+        self._fp8_models, self._fp8_swaps, self._fp8_wrapped, self._fp8_tp_mapping = [], [], set(), {}
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
         if self.fp8_lm_config is not None:
             self.fp8_health = HealthMonitor()

@@ -2,10 +2,12 @@
 
 ``accelerator.prepare`` receives the user's ``torch.optim.AdamW`` (or ``Adam``). :func:`to_fp8_optimizer`
 builds an :class:`~lightning_fp8.FP8AdamW` with the same hyper-parameters and param groups (extra group keys
-such as ``initial_lr`` or a group ``name`` are kept); :func:`rebind_scheduler` points an LR scheduler built on the
-old optimizer at the new one. :class:`FP8AcceleratedOptimizer` is Accelerate's optimizer wrapper with the step
+such as ``initial_lr`` or a group ``name`` are kept); :func:`rebind_scheduler` points an LR scheduler prepared
+after the swap at the new one. :class:`FP8AcceleratedOptimizer` is Accelerate's optimizer wrapper with the step
 routed through the :class:`~lightning_fp8.FP8GradScaler`: the step is skipped on every rank when any rank saw a
-non-finite gradient, and ``step_was_skipped`` tells Accelerate's scheduler wrapper not to advance.
+non-finite gradient, and ``step_was_skipped`` tells Accelerate's scheduler wrapper not to advance. Through
+:meth:`FP8AcceleratedOptimizer.take_over`, the schedulers still built on the replaced AdamW (never prepared, or
+prepared before the optimizer) drive the FP8AdamW too.
 """
 
 from __future__ import annotations
@@ -54,6 +56,26 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         # Tensor parallelism: the states are DTensor shards, saved by the accelerator's checkpoint hooks with
         # torch.distributed.checkpoint; Accelerate's own optimizer file then holds a placeholder.
         self.sharded_states = False
+        self.replaced: list[torch.optim.Optimizer] = []  # the script's optimizers that self.optimizer replaced
+
+    def take_over(self, replaced: torch.optim.Optimizer) -> None:
+        """Make the LR schedulers built on ``replaced`` (the script's AdamW, which ``self.optimizer`` replaced in
+        ``prepare``) drive ``self.optimizer``, whether they were prepared or not and in any prepare order.
+
+        A scheduler reads and writes its optimizer's ``param_groups`` (``lr``, ``initial_lr``, OneCycleLR's ``betas``,
+        ReduceLROnPlateau's reductions): ``replaced`` gets the very list of group dicts that ``self.optimizer`` steps
+        with, again whenever a ``load_state_dict`` gives ``self.optimizer`` new ones. torch's check that a scheduler
+        did not step before its optimizer reads ``replaced._opt_called``, which :meth:`step` sets. ``replaced`` can
+        no longer step (its ``step`` raises: another update of the same weights).
+        """
+        self.replaced.append(replaced)
+        replaced.param_groups = self.optimizer.param_groups
+
+        def share_param_groups(optimizer: torch.optim.Optimizer) -> None:
+            replaced.param_groups = optimizer.param_groups
+
+        self.optimizer.register_load_state_dict_post_hook(share_param_groups)
+        replaced.step = _replaced_step(replaced, self.optimizer)  # type: ignore[method-assign]
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -125,7 +147,26 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
             return
         stepped = bool(self.grad_scaler.step(self.optimizer))
         self.grad_scaler.update()
-        # The scaler calls FP8AdamW's update directly, past the optimizer.step that LR schedulers watch.
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        # What the LR schedulers watch (torch's wrapper of optimizer.step sets it), also when the scaler skipped the
+        # step and on the optimizers it replaced, whose schedulers drive this one (take_over).
+        for optimizer in (self.optimizer, *self.replaced):
+            optimizer._opt_called = True  # type: ignore[attr-defined]
         self._is_overflow = not stepped
         self._on_step(stepped)
+
+
+def _replaced_step(replaced: torch.optim.Optimizer, new: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The ``step`` of an optimizer that ``prepare`` replaced: an error that says which optimizer to step."""
+    name, new_name = type(replaced).__name__, type(new).__name__
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"this {name} was replaced by {new_name} in accelerator.prepare (FP8-LM) and no longer steps: step the "
+            f"optimizer that prepare returned (`model, optimizer = accelerator.prepare(model, optimizer)`). LR "
+            f"schedulers built on the {name} need no change: they drive the {new_name}"
+        )
+
+    # torch's LR schedulers wrap an optimizer's step to watch it, unless it carries this mark; without it they also
+    # warn that the step "has been overridden after learning rate scheduler initialization".
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
