@@ -634,3 +634,13 @@ class FP8Linear(nn.Linear):
                 f"FP8Linear input is on {x.device} but the layer's weight is on {weight.device}: "
                 "move the input or the model to the same device"
             )
+        bias = self.bias
+        if weight.shape != (self.out_features, self.in_features) or (
+            bias is not None and bias.shape != (self.out_features,)
+        ):  # checked before the casts record anything
+            got = f"weight {tuple(weight.shape)}" + ("" if bias is None else f" and bias {tuple(bias.shape)}")
+            raise ValueError(
+                f"FP8Linear(in_features={self.in_features}, out_features={self.out_features}) holds a {got}: a "
+                f"parameter was replaced by one of another shape. Give it weight ({self.out_features}, "
+                f"{self.in_features}) and bias ({self.out_features},), or build a new FP8Linear of the new size"
+            )

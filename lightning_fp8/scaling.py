@@ -132,12 +132,16 @@ class ScalingState(nn.Module):
         self.initialized = False
         f32 = {"dtype": torch.float32, "device": device}
         i64 = {"dtype": torch.int64, "device": device}
-        self.register_buffer("scale", torch.ones((), **f32), persistent=False)
-        self.register_buffer("amax_history", torch.zeros(history_len, **f32), persistent=False)
-        self.register_buffer("amax", torch.zeros((), **f32), persistent=False)
-        self.register_buffer("saturation", torch.zeros((), **f32), persistent=False)
-        self.register_buffer("nonfinite_count", torch.zeros((), **i64), persistent=False)
-        self.register_buffer("casts", torch.zeros((), **i64), persistent=False)
+        # Ordinary tensors even when the layer is built under torch.inference_mode(): every forward updates them in
+        # place, which torch refuses for inference tensors outside inference mode (nn.Linear, which only reads its
+        # parameters, runs there).
+        with torch.inference_mode(False):
+            self.register_buffer("scale", torch.ones((), **f32), persistent=False)
+            self.register_buffer("amax_history", torch.zeros(history_len, **f32), persistent=False)
+            self.register_buffer("amax", torch.zeros((), **f32), persistent=False)
+            self.register_buffer("saturation", torch.zeros((), **f32), persistent=False)
+            self.register_buffer("nonfinite_count", torch.zeros((), **i64), persistent=False)
+            self.register_buffer("casts", torch.zeros((), **i64), persistent=False)
 
     def extra_repr(self) -> str:
         kind = "delayed" if self.delayed else "current"

@@ -160,3 +160,42 @@ def test_monitoring_guide_loop_observes_the_true_gradient_norm(monkeypatch):
     true_norm = global_norm([p.grad for p in ref.parameters()]).item()
     ((step, observed),) = namespace["monitor"].series["grad_norm"]
     assert step == 0 and observed == pytest.approx(true_norm, rel=0.02)  # FP8 GEMMs: ~0.3% here
+
+
+def test_layer_built_under_inference_mode_runs_outside_it():
+    """Its scaling buffers were inference tensors, which every forward updates in place: outside inference mode
+    torch refused that. nn.Linear, the reference, runs there; so does the FP8 layer now, with the same result as a
+    layer built normally."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        built = FP8Linear(32, 16)
+        built(torch.randn(2, 32))
+    normal = FP8Linear(32, 16)
+    with torch.no_grad():
+        normal.weight.copy_(built.weight)
+        normal.bias.copy_(built.bias)
+    normal(torch.randn(2, 32))  # a first forward as the built layer's (only the history's position matters here)
+    normal.fp8_scaling.load_state_dict(built.fp8_scaling.state_dict())
+    for state in ("input", "weight", "grad_output"):
+        normal.fp8_scaling[state].amax_history.copy_(built.fp8_scaling[state].amax_history)
+        normal.fp8_scaling[state].scale.copy_(built.fp8_scaling[state].scale)
+    x = torch.randn(4, 32)
+    with torch.no_grad():  # training is out of reach for both: the parameters are inference tensors, as nn.Linear's
+        assert torch.equal(built(x), normal(x))
+        assert torch.equal(built(x), normal(x))  # and the in-place updates of the second forward agree too
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_parameter_of_another_shape_is_refused_before_any_cast(which):
+    """A parameter replaced by one of another shape failed in the GEMM or bias add, after the casts had recorded
+    the input's and weight's statistics: refused first now, the scaling state unchanged."""
+    layer = FP8Linear(32, 16)
+    layer(torch.randn(4, 32))
+    if which == "weight":
+        layer.weight = nn.Parameter(torch.randn(16, 48))
+    else:
+        layer.bias = nn.Parameter(torch.zeros(8))
+    before = {k: v.clone() for k, v in layer.named_buffers()}
+    with pytest.raises(ValueError, match="a parameter was replaced by one of another shape"):
+        layer(torch.randn(4, 32))
+    assert all(torch.equal(before[k], v) for k, v in layer.named_buffers())
