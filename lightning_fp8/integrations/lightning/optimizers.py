@@ -46,18 +46,22 @@ def rebind_schedulers(schedulers: Iterable[Any], old: torch.optim.Optimizer, new
 
 
 def adopt_masters_early(module: nn.Module, device: torch.device) -> list[nn.Parameter]:
-    """Turn the FP8 layers' weights into FP8AdamW's O2 fp16 masters now (on ``device``); returns them.
+    """Turn the trainable FP8 layers' weights into FP8AdamW's O2 fp16 masters now (on ``device``); returns them.
 
     FP8AdamW at O2 keeps each FP8 weight's master in the weight's own storage, changing its dtype. DDP hooks the
     parameters' gradient accumulators when it wraps the model, and a later dtype change silently detaches them
     ("parameters that were not used in producing the loss"), so under DDP the storage must change before the
     wrapper is built. FP8AdamW then takes the adopted masters over as they are.
+
+    Frozen weights (``requires_grad=False``) keep their storage, as FP8AdamW leaves them: DDP hooks no accumulator of
+    theirs, and adopting them would only round them to fp16 for good. Unfrozen later, they train as on one device:
+    FP8AdamW adopts one added in a new param group then, and keeps the master of one it already held apart.
     """
     from lightning_fp8.convert import fp8_modules
     from lightning_fp8.optim import master
 
     module.to(device)  # the master's scale lives beside the weight: adopt where the weight will stay
-    weights = [layer.weight for layer in fp8_modules(module).values()]
+    weights = [layer.weight for layer in fp8_modules(module).values() if layer.weight.requires_grad]
     for weight in weights:
         if master.master_scale(weight) is None:
             master.adopt(weight, torch.float16)

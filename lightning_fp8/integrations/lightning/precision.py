@@ -25,8 +25,10 @@ What it does, hook by hook (Lightning calls them in this order):
   optimizer states this run's strategy cannot load (``strategy="fsdp_fp8"``'s per-rank shards elsewhere).
 
 Gradient accumulation needs nothing special: mu only changes after an optimizer step, so every micro-batch of
-an accumulation window is scaled alike. Manual optimization works the same way (``manual_backward`` scales,
-``optimizer.step()`` unscales and steps; ``self.clip_gradients`` clips as if the gradients were unscaled).
+an accumulation window is scaled alike. A window whose last ``training_step`` returns None steps on what the earlier
+micro-batches accumulated, as with ``precision="bf16-mixed"``. Manual optimization works the same way
+(``manual_backward`` scales, ``optimizer.step()`` unscales and steps; ``self.clip_gradients`` clips as if the
+gradients were unscaled).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class _FP8LMPrecisionLogic:
         self._wrapped_model: nn.Module | None = None  # the same, as wrapped by the strategy (DDP, FSDP)
         self._device_type: str | None = None
         self._unscaled: UnscaledGradients | None = None  # the gradients unscaled in place for the hooks, while they run
-        self._early_masters: list[nn.Parameter] = []  # FP8 weights turned into fp16 masters before DDP wrapped
+        self._early_masters: list[nn.Parameter] = []  # trainable FP8 weights made fp16 masters before DDP wrapped
         self._optimizers: list[torch.optim.Optimizer] = []  # as connect() handed them to the strategy
         self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
         self.comm_state: Any = None  # the hooks' FP8CommState
@@ -151,7 +153,8 @@ class _FP8LMPrecisionLogic:
                     "and why (feature sizes not multiples of 16, tied weights, transformers' Conv1D, ...); "
                     "module_filter_fn must not exclude them either"
                 )
-            if self._will_adopt_masters() and _is_ddp(module):
+            # DDP wraps only to fit (validate, test and predict run the bare model, with no optimizer to adopt them)
+            if self._will_adopt_masters() and _is_ddp(module) and module.trainer.state.fn == "fit":
                 strategy = module.trainer.strategy
                 self._early_masters = optimizer_swap.adopt_masters_early(module, strategy.root_device)
         self._module = module
@@ -182,9 +185,10 @@ class _FP8LMPrecisionLogic:
             release = getattr(_unwrap_optimizer(optimizer), "release_weights", None)
             if release is not None:
                 release()
-        for weight in self._early_masters:  # adopted before DDP wrapped the model, held by no optimizer (frozen)
+        for weight in self._early_masters:  # adopted before DDP wrapped the model, held by no optimizer
             if master.master_scale(weight) is not None:
                 master.release(weight)
+        self._early_masters = []
         super().teardown()
 
     def _will_adopt_masters(self) -> bool:
@@ -256,13 +260,15 @@ class _FP8LMPrecisionLogic:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("precision='fp8-lm' cannot step LBFGS (its closure re-evaluates the loss): use AdamW")
         closure_result = closure()
-        # training_step returned None in automatic optimization: no backward ran, nothing to step.
-        skipped_backward = closure_result is None and model.automatic_optimization
-        with self.unscaled_gradients(optimizer, enabled=not skipped_backward and _hooks_read_gradients(model)):
+        # training_step returned None in automatic optimization: no backward ran for this micro-batch. The earlier ones
+        # of its accumulation window may have left gradients, which are stepped, as torch.optim steps them under
+        # precision="bf16-mixed"; with none, there is nothing to step.
+        nothing_to_step = closure_result is None and model.automatic_optimization and not _holds_gradients(optimizer)
+        with self.unscaled_gradients(optimizer, enabled=not nothing_to_step and _hooks_read_gradients(model)):
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + gradient clipping
         if kwargs:
             raise TypeError(f"precision='fp8-lm' steps through FP8GradScaler.step(optimizer); got extra {list(kwargs)}")
-        if skipped_backward:
+        if nothing_to_step:
             return closure_result
         if getattr(optimizer, "grad_scaler", None) is self.grad_scaler:
             optimizer.step()  # FP8AdamW routes through the scaler: skip or step (unscaling in its kernel), update mu
@@ -571,6 +577,15 @@ def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dic
                 value = model_state.get(f"{_clean_name(name)}.{param_name}")
                 if value is not None:
                     param.copy_(value)
+
+
+def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has any gradient to step on: a ``param.grad``, or one an FP8AdamW holds in FP8
+    (``fp8_grads``: those leave ``param.grad`` as backward produces them)."""
+    if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        return True
+    fp8_grad_norms = getattr(_unwrap_optimizer(optimizer), "fp8_grad_norms", None)
+    return fp8_grad_norms is not None and bool(fp8_grad_norms())
 
 
 def _hooks_read_gradients(model: Any) -> bool:

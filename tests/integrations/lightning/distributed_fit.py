@@ -183,6 +183,88 @@ def _manual_norm_clip(out: str) -> None:
         json.dump({"rank": trainer.global_rank, "error": error, "steps": trainer.global_step}, f)
 
 
+class _PartlyFrozen(L.LightningModule):
+    """Three FP8 layers: ``frozen`` never trains, ``late`` trains from the second epoch on (:class:`_UnfreezeLate`),
+    ``head`` throughout. configure_optimizers takes the parameters that require gradients, as finetuning code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen, self.late, self.head = (torch.nn.Linear(32, 32) for _ in range(3))
+        self.frozen.requires_grad_(False)
+        self.head_dtype_at_start = self.late_dtype_at_end = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.late(torch.relu(self.frozen(x)))))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).float().square().mean()
+
+    validation_step = test_step = training_step
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch)
+
+    def on_train_start(self) -> None:
+        self.head_dtype_at_start = str(self.head.weight.dtype)
+
+    def on_train_end(self) -> None:  # before the plugin's teardown gives the weights their storage back
+        self.late_dtype_at_end = str(self.late.weight.dtype)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _unfreeze_late_callback() -> L.Callback:
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class _UnfreezeLate(BaseFinetuning):
+        def freeze_before_training(self, module: _PartlyFrozen) -> None:
+            self.freeze(module.late)
+
+        def finetune_function(self, module: _PartlyFrozen, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+            if epoch == 1:  # a new param group (lr 1e-3): FP8AdamW adopts the weight now, as on one device
+                self.unfreeze_and_add_param_group(module.late, optimizer)
+
+    return _UnfreezeLate()
+
+
+def _frozen_and_evaluation(out: str) -> None:
+    """DDP with FP8 weights that no optimizer trains: ``trainer.validate/test/predict`` without a fit, then a fit with
+    a frozen layer and one unfrozen in the second epoch. Writes, per rank, whether each kept its initial weights bit
+    for bit, and how the trained ones were held, to ``<out>/rank<r>.json``."""
+    torch.manual_seed(0)
+    module = _PartlyFrozen()
+    initial = {name: value.clone() for name, value in module.state_dict().items()}
+    data = DataLoader(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)), batch_size=4)
+    kwargs = {"precision": "fp8-lm", "accelerator": "cpu", "devices": 2, "strategy": "ddp", "logger": False,
+              "enable_progress_bar": False, "enable_model_summary": False}  # fmt: skip
+    evaluation = {}
+    for stage in ("validate", "test", "predict"):
+        getattr(L.Trainer(**kwargs), stage)(module, data)
+        evaluation[stage] = all(torch.equal(initial[n], v) for n, v in module.state_dict().items())
+    trainer = L.Trainer(**kwargs, max_epochs=2, enable_checkpointing=False, callbacks=[_unfreeze_late_callback()])
+    trainer.fit(module, data)
+    path = os.path.join(out, "fit.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    state = module.state_dict()
+    late_state = trainer.optimizers[0].state[module.late.weight]
+    result = {
+        "rank": trainer.global_rank,
+        "evaluation_kept_weights": evaluation,
+        "frozen_kept": all(torch.equal(initial[n], state[n]) for n in ("frozen.weight", "frozen.bias")),
+        "frozen_saved_kept": all(torch.equal(initial[n], saved[n]) for n in ("frozen.weight", "frozen.bias")),
+        "head_dtype_at_start": module.head_dtype_at_start,
+        "late_dtype_at_end": module.late_dtype_at_end,
+        "late_exp_avg_dtype": str(late_state["exp_avg"].dtype),
+        "late_change": float((state["late.weight"] - initial["late.weight"]).abs().max()),
+        "finite": all(bool(torch.isfinite(v).all()) for v in state.values()),
+        "comm": trainer.precision_plugin.comm_hooks,
+    }
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True, choices=["ddp", "ddp_spawn", "fsdp_fp8", "model_parallel"])
@@ -195,7 +277,12 @@ def main() -> None:
     parser.add_argument("--bf16-fallback", action="store_true", help="only: fit with nonfinite_fallback='bf16'")
     parser.add_argument("--own-fp8adamw", action="store_true", help="configure_optimizers returns an FP8AdamW")
     parser.add_argument("--manual-norm-clip", action="store_true", help="only: fsdp_fp8, manual clip by norm")
+    parser.add_argument("--frozen", action="store_true", help="only: ddp, frozen weights and evaluation-only runs")
     args = parser.parse_args()
+    if args.frozen:
+        os.makedirs(args.out, exist_ok=True)
+        _frozen_and_evaluation(args.out)
+        return
     if args.bf16_fallback:
         _refused_bf16_fallback(args.out, args.strategy)
         return

@@ -134,3 +134,29 @@ def test_manual_norm_clipping_under_fsdp_fp8_is_refused_clearly(tmp_path):
     for r in ranks:
         assert "cannot run under strategy='fsdp_fp8'" in r["error"] and "Clip by value there" in r["error"]
         assert r["steps"] == 0
+
+
+@pytest.fixture(scope="module")
+def frozen_ranks(tmp_path_factory) -> list[dict]:
+    return _run("ddp", tmp_path_factory.mktemp("frozen"), False, "--frozen", timeout=TIMEOUT_S / 2)
+
+
+def test_ddp_evaluation_without_fit_keeps_the_weights_bit_for_bit(frozen_ranks):
+    """trainer.validate/test/predict under DDP: the plugin made every FP8 weight an fp16 master for the optimizer
+    before DDP wrapped, though these stages wrap nothing and have no optimizer; the teardown gave the weights back
+    rounded to fp16 (found by a sweep). Only a fit adopts them now."""
+    for r in frozen_ranks:
+        assert r["evaluation_kept_weights"] == {"validate": True, "test": True, "predict": True}
+
+
+def test_ddp_fit_keeps_frozen_weights_and_trains_one_unfrozen_later(frozen_ranks):
+    """A layer with requires_grad=False, in no optimizer, came out of a DDP fit (and its checkpoint) rounded to fp16:
+    the plugin adopted every FP8 weight before DDP wrapped. Frozen ones are left alone now; trainable ones are still
+    adopted early (fp16 masters from the start), and a layer unfrozen later (BaseFinetuning adding a param group)
+    is adopted by FP8AdamW then, as on one device, and trains with O2 states."""
+    for r in frozen_ranks:
+        assert r["frozen_kept"] and r["frozen_saved_kept"]
+        assert r["head_dtype_at_start"] == "torch.float16" and r["comm"] == "ddp"
+        assert r["late_dtype_at_end"] == "torch.float16" and r["late_exp_avg_dtype"] == "torch.float8_e4m3fn"
+        # Two AdamW steps at lr 1e-3 move it by ~2e-3, far beyond the 6e-5 of a rounding to fp16
+        assert r["late_change"] > 1e-3 and r["finite"]

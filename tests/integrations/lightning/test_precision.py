@@ -122,6 +122,52 @@ def test_plugin_matches_the_hand_written_loop(accumulate, clip, init_scale):
     assert module.losses == _reference_run(4, accumulate, clip, init_scale)
 
 
+class _FilteredBatches(L.LightningModule):
+    """Bias-free linear layers only (with ``fp8_grads`` every gradient then leaves ``param.grad`` for FP8AdamW);
+    ``training_step`` returns None for the batches in ``SKIPPED`` (filtered out), and each batch records whether the
+    weights changed. With 3 micro-batches per step: the second window ends on a skipped batch after two that left
+    gradients, the third is skipped whole."""
+
+    SKIPPED = (5, 6, 7, 8)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU(), nn.Linear(32, 32, bias=False))
+        self.changed: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.SKIPPED else self.net(batch).float().square().mean()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._before = [p.detach().clone() for p in self.parameters()]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        after = [p.detach() for p in self.parameters()]
+        self.changed.append(any(not torch.equal(a, b) for a, b in zip(self._before, after, strict=True)))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _filtered_batches_fit(**kwargs) -> list[bool]:
+    torch.manual_seed(0)
+    module = _FilteredBatches()
+    data = torch.utils.data.DataLoader(torch.randn(36, 32, generator=torch.Generator().manual_seed(0)), batch_size=4)
+    _trainer(max_steps=3, accumulate_grad_batches=3, **kwargs).fit(module, data)
+    return module.changed
+
+
+@pytest.mark.parametrize("fp8_grads", [False, True])
+def test_a_window_ending_on_a_skipped_batch_steps_on_its_gradients_as_bf16_mixed(fp8_grads):
+    """training_step returning None on the last micro-batch of an accumulation window dropped the window's step (the
+    plugin took None for "no backward, nothing to step"); bf16-mixed steps on the gradients the earlier micro-batches
+    accumulated, and steps nothing when the whole window was skipped. Found by a sweep."""
+    reference = _filtered_batches_fit(precision="bf16-mixed")
+    assert reference == [False, False, True, False, False, True, False, False, False]
+    fp8 = _filtered_batches_fit(precision=None, plugins=[FP8LMPrecision(fp8_grads=fp8_grads)])
+    assert fp8 == reference
+
+
 class _ReadsGradients(GPTModule):
     """A loss times ``loss_factor``, and an ``on_before_optimizer_step`` hook that reads the gradients (as gradient
     norm logging does): the plugin unscales them for it."""
@@ -730,9 +776,9 @@ def test_a_second_fit_trains_the_weights_the_first_left(second):
 
 
 def test_teardown_releases_early_masters_no_optimizer_holds():
-    """Under DDP the plugin adopts the FP8 weights before DDP wraps the model; a frozen layer's weight, in no
-    optimizer, stayed fp16 x 2**18 after the fit and a second fit under another precision went NaN (found reviewing
-    the teardown release, 2 gloo processes). The teardown releases those too."""
+    """Under DDP the plugin adopts the trainable FP8 weights before DDP wraps the model; one in no optimizer (then
+    also a frozen layer's) stayed fp16 x 2**18 after the fit and a second fit under another precision went NaN (found
+    reviewing the teardown release, 2 gloo processes). The teardown releases those too."""
     from lightning_fp8.optim import master
 
     layer = convert_to_fp8(nn.Linear(32, 32))
