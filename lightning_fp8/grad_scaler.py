@@ -277,9 +277,24 @@ class FP8GradScaler:
     # ------------------------------------------------------------------------------------------------- recording
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * mu``: call ``.backward()`` on the result. The gradients are later unscaled by this mu, even when
-        another optimizer's :meth:`update` has changed mu before their step."""
+        another optimizer's :meth:`update` has changed mu before their step; gradients summed over several backwards
+        are all unscaled by the last one's mu (see docs/concepts/gradient-scaling.md)."""
         self._loss_scale = self._scale
         return loss * self._scale
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` (L2) of gradients that carry this scaler's mu
+        (:attr:`loss_scale`), applied as if they did not: the plain-PyTorch spelling of unscale-then-clip, between
+        the backward and the step. Each ``param.grad`` is multiplied by ``min(1, max_norm / (true norm + 1e-6))``;
+        returns the true total norm (of the unscaled gradients), a 0-dim fp32 tensor. The norm is summed in fp32:
+        ``torch.nn.utils.clip_grad_norm_(params, mu * max_norm)`` on O2's fp16 gradients computes each tensor's norm
+        in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. Only
+        ``param.grad`` is clipped: with ``FP8AdamW(fp8_grads=True)`` the FP8 weights' gradients are held by the
+        optimizer (``param.grad`` None); build it with ``fp8_grads=False`` to clip them."""
+        from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_  # torch only (no Lightning import)
+
+        mu = self.loss_scale
+        return clip_scaled_grad_norm_(parameters, max_norm, mu).float() / mu
 
     def record_gradient_cast(
         self,

@@ -556,3 +556,29 @@ def test_stepping_an_fp8adamw_that_reports_elsewhere_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert scaler.step(bound)
+
+
+def test_clip_grad_norm_clips_the_true_gradients_where_torchs_fp16_norm_overflows():
+    """O2's fp16 gradients carrying mu: torch.nn.utils.clip_grad_norm_ at mu * max_norm (what the guide said) sums
+    each norm in fp16, gets inf and multiplies every gradient by 0. The scaler's clip_grad_norm_ clips them as
+    torch clips the true fp32 gradients (the reference), and returns the true norm."""
+    torch.manual_seed(0)
+    mu = 2.0**16
+    true = [torch.randn(64, 64) * 0.1, torch.randn(32) * 0.1]  # each element finite in fp16 times mu, each norm not
+    ref = [torch.nn.Parameter(t.clone()) for t in true]
+    for p, t in zip(ref, true, strict=True):
+        p.grad = t.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    naive = [torch.nn.Parameter(torch.zeros_like(t, dtype=torch.float16)) for t in true]
+    for p, t in zip(naive, true, strict=True):
+        p.grad = (t * mu).half()
+    torch.nn.utils.clip_grad_norm_(naive, mu * 1.0)
+    assert all(p.grad.eq(0).all() for p in naive)  # the overflow the guide's old recipe hit
+    scaler = FP8GradScaler(init_scale=mu)
+    params = [torch.nn.Parameter(torch.zeros_like(t, dtype=torch.float16)) for t in true]
+    for p, t in zip(params, true, strict=True):
+        p.grad = (t * mu).half()
+    norm = scaler.clip_grad_norm_(params, 1.0)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-3, atol=0)
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.grad.float() / mu, r.grad, rtol=2e-3, atol=1e-6)
