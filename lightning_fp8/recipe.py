@@ -7,6 +7,7 @@ precision (opt level O1 or O2, see DESIGN.md "Optimization levels").
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
@@ -95,6 +96,10 @@ class FP8Recipe:
     opt_level: OptLevel = "O2"
 
     def __post_init__(self) -> None:
+        for name in ("amax_history_len", "margin"):  # a NumPy integer (a config file's, an array's) is taken as an int
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
         check_settings(
             "FP8Recipe",
             {name: (getattr(self, name), allowed) for name, allowed in _ALLOWED.items()},

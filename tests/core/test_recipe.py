@@ -99,3 +99,13 @@ def test_from_dict_refuses_what_is_not_a_mapping(values):
     assert FP8Recipe.from_dict(types.MappingProxyType({"margin": 1})) == FP8Recipe(margin=1)
     with pytest.raises(ValueError, match=r"unknown FP8Recipe field\(s\) \['a', 1\]"):  # keys of two types
         FP8Recipe.from_dict({1: 0, "a": 0})
+
+
+def test_numpy_integers_are_taken_as_ints():
+    """A count read from a NumPy array or config was refused as "must be an int"; it is taken as the int it is (a
+    NumPy float still is not)."""
+    np = pytest.importorskip("numpy")
+    recipe = FP8Recipe(amax_history_len=np.int64(4), margin=np.int32(1))
+    assert recipe == FP8Recipe(amax_history_len=4, margin=1) and type(recipe.margin) is int
+    with pytest.raises(ValueError, match="must be an int"):
+        FP8Recipe(margin=np.float64(1.0))
