@@ -478,6 +478,11 @@ class FP8Linear(nn.Linear):
                     f"FP8Linear({name}={size}): FP8 GEMMs need feature sizes that are multiples of 16; "
                     "keep this layer as nn.Linear (convert_to_fp8 does so automatically)"
                 )
+        if dtype is not None and dtype not in _ACTIVATION_DTYPES:  # as the first forward would refuse it, but now
+            raise TypeError(
+                f"FP8Linear(dtype={dtype}): FP8 layers keep float32, bfloat16 or float16 parameters; keep a "
+                f"{dtype} layer as nn.Linear (convert_to_fp8 leaves such layers as they are)"
+            )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = resolve_recipe(recipe)
         self._init_scaling(self.weight.device)

@@ -199,3 +199,11 @@ def test_parameter_of_another_shape_is_refused_before_any_cast(which):
     with pytest.raises(ValueError, match="a parameter was replaced by one of another shape"):
         layer(torch.randn(4, 32))
     assert all(torch.equal(before[k], v) for k, v in layer.named_buffers())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.int32])
+def test_unsupported_parameter_dtype_is_refused_at_construction(dtype):
+    """FP8Linear(dtype=torch.float64) was built and refused only at its first forward."""
+    with pytest.raises(TypeError, match="FP8 layers keep float32, bfloat16 or float16 parameters"):
+        FP8Linear(32, 16, dtype=dtype)
+    assert FP8Linear(32, 16, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
