@@ -590,8 +590,8 @@ class FP8Linear(nn.Linear):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        if isinstance(getattr(self._parameters.get("weight"), master.MARKER, None), _LayerMark):
-            _mark_weight(self)  # unpickled (torch.load of a pickled model): the mark came back empty
+        if isinstance(getattr(self._parameters.get("weight"), master.MARKER, None), (_LayerMark, set)):
+            _mark_weight(self)  # unpickled (torch.load of a pickled model): the mark came back as an empty set
 
     def extra_repr(self) -> str:
         r = self.recipe
