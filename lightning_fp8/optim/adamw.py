@@ -242,7 +242,9 @@ class FP8AdamW(torch.optim.Optimizer):
                         "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
                     )
                 # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
-                master.check_not_reparametrized(p, f"parameter {i} of parameter group {len(self.param_groups) - 1}")
+                where = f"parameter {i} of parameter group {len(self.param_groups) - 1}"
+                master.check_not_reparametrized(p, where)
+                master.check_shareable(p, where, self._settings(), self._storage_master_dtype(p))
             self._check_grad_hooks_allowed(group["params"])
         except (TypeError, ValueError):
             self.param_groups.pop()
@@ -263,6 +265,15 @@ class FP8AdamW(torch.optim.Optimizer):
         if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:
             return (self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 3
         return self.low_precision_moments == "all" and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 2
+
+    def _storage_master_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype of the master this optimizer would keep in the storage of ``p``, an FP8 weight (``master_dtype``),
+        or ``None`` where ``p`` itself is the master (fp32 states: O1)."""
+        return self.master_dtype if self._wants_low_precision(p) else None
+
+    def _settings(self) -> str:
+        """This optimizer's level and master dtype, as its error messages name it."""
+        return f"FP8AdamW(opt_level={self.opt_level!r}, master_dtype={self.master_dtype})"
 
     def _takes_storage(self, p: torch.Tensor) -> bool:
         """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype."""
@@ -573,7 +584,7 @@ class FP8AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _fp8_step(self, grad_unscale: float) -> None:
         """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
-        master.check_storage_dtypes(self._low_precision, self.master_dtype)  # before anything is written
+        self._check_storages()  # before anything is written
         self._grad_casts.flush(self)
         for group in self.param_groups:
             live = []
@@ -601,6 +612,20 @@ class FP8AdamW(torch.optim.Optimizer):
             self._master_marks.update((e[0], apart.mark(e[0])) for e in live if "master" in e[1])
         self._stepped_fp8_grads = list(self._pending)
         self._pending.clear()
+
+    def _check_storages(self) -> None:
+        """Raise RuntimeError for a weight whose storage holds a master (:func:`master.adopt`) that this optimizer does
+        not step there: another FP8AdamW took it after this one was created (:func:`master.check_not_taken`), or the
+        model was cast to another dtype since (:func:`master.check_storage_dtypes`)."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if master.master_scale(p) is not None:  # (a getattr: a few tens of nanoseconds per parameter)
+                    # This optimizer steps the storage as its master where p has O2 states and no master kept apart
+                    # (after release_weights(), or for a weight frozen when this one was built: see _init_state).
+                    in_storage = p in self._low_precision and p not in self._moments_only
+                    in_storage = in_storage and "master" not in self.state.get(p, ())
+                    master.check_not_taken(p, f"parameter {i} of parameter group {g}", in_storage)
+        master.check_storage_dtypes(self._low_precision, self.master_dtype)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32)
@@ -702,9 +727,13 @@ class FP8AdamW(torch.optim.Optimizer):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of FP8AdamW (any level, sharded or not) or of ``torch.optim.AdamW`` (converted: the master
-        stays the parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales).
+        stays the parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales; the
+        fp16 moments of an fp16 model's AdamW, which carry no scale, load as their values).
 
-        Everything is checked before anything is loaded: on an error, the optimizer and the weights are unchanged.
+        Everything is checked before anything is loaded: on an error, the optimizer and the weights are unchanged. As in
+        ``torch.optim.Optimizer``, the hooks of ``register_load_state_dict_pre_hook`` run first, on a shallow copy of
+        ``state_dict`` (the dict one returns is what the next gets, and what is checked and loaded), and those of
+        ``register_load_state_dict_post_hook`` once everything is loaded.
 
         Raises:
             ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``) or hold settings the
@@ -714,14 +743,20 @@ class FP8AdamW(torch.optim.Optimizer):
                 to do. Also for a state dict of AMSGrad (a group with ``amsgrad=True``, a state with
                 ``max_exp_avg_sq``), which FP8AdamW would continue without it.
         """
+        state_dict = checkpoint.run_load_pre_hooks(self, state_dict)
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)
         self._mark_masters()  # the loaded masters, not what the parameters held, are where the next step starts
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
-        several parts (a model, its optimizer, the FP8 state) can check every part before it loads any."""
-        checkpoint.check(self, state_dict)
+        several parts (a model, its optimizer, the FP8 state) can check every part before it loads any.
+
+        The load_state_dict pre-hooks run first, as :meth:`load_state_dict` runs them, and the dict they return is
+        checked: a check then a load runs them twice (they should only transform the dict they are given)."""
+        checkpoint.check(self, checkpoint.run_load_pre_hooks(self, state_dict))
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict with fp32 moments (no lock-in).

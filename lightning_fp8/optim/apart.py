@@ -11,6 +11,14 @@ So each step notes such a parameter's version counter and storage after writing 
 takes what was written since (:func:`take_writes`): where the parameter's values differ from the master's rounded to
 the parameter's dtype, the master takes the parameter's; the other elements keep the master's precision, so putting
 the same values back (an EMA swap for evaluation) changes nothing. DTensor (FSDP2) parameters are not tracked.
+
+An in-place write through ``p.data`` (``p.data.clamp_(...)``) is not seen: ``.data`` is an alias with a version counter
+of its own, in the same storage, so the mark does not change, and the next step overwrites the write. Comparing every
+watched parameter with its master at every step would see it, exactly, but in torch ops that is a pass of its own
+(round the master, compare, select: nearly the bytes of these parameters' step). The fused step kernel could do it
+with one more read of the parameter where the master is fp32; a scaled fp16 master is not the parameter's value
+rounded (the step writes the parameter from the unrounded update), so it would stay with the marks.
+docs/concepts/optimizer.md documents the exception.
 """
 
 from __future__ import annotations

@@ -16,12 +16,16 @@ element: its scales are exported one per rank, which reloads only on the mesh th
 Loading is by value: each saved state is dequantized to fp32 and stored in this optimizer's dtypes with a fresh
 scale, except where dtype and scale already match (one scale for all of this rank's values), which copies the bits
 (a resumed run continues bit-identically). So a ``torch.optim.AdamW`` state dict, an O1 one and an O2 one all load
-anywhere. Everything is checked before anything is loaded: a bad checkpoint raises and changes nothing.
+anywhere. A state with ``torch.optim.AdamW``'s keys only (``step``, ``exp_avg``, ``exp_avg_sq``) holds the values
+themselves, in the parameter's dtype: fp16 moments (an fp16 model's) load as they are, with scale 1; FP8AdamW writes
+no fp16 or FP8 state without its scale, and refuses one in a state with its own keys. Everything is checked before
+anything is loaded: a bad checkpoint raises and changes nothing.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,12 +138,31 @@ def _export_scalar(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
+def run_load_pre_hooks(opt: FP8AdamW, state_dict: Any) -> Any:
+    """``state_dict`` as the hooks of ``opt.register_load_state_dict_pre_hook`` leave it, as
+    ``torch.optim.Optimizer.load_state_dict`` runs them: each gets the dict (a shallow copy of the caller's) and may
+    return another, which the next one gets and which is loaded."""
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
 def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
-    """Body of :meth:`FP8AdamW.load_state_dict` (see the module docstring)."""
+    """Body of :meth:`FP8AdamW.load_state_dict` (see the module docstring), after its pre-hooks ran."""
     entries = _check(opt, state_dict)  # before anything is loaded: a bad checkpoint changes nothing
     # The base class validates the groups and restores their hyper-parameters; the states are loaded here,
-    # because the base class would cast every state to the parameter's dtype.
-    torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": state_dict["param_groups"]})
+    # because the base class would cast every state to the parameter's dtype. Its load hooks stay out of this part
+    # of the load: FP8AdamW.load_state_dict runs them around the whole of it.
+    hooks = opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks
+    opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks = OrderedDict(), OrderedDict()
+    try:
+        torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": state_dict["param_groups"]})
+    finally:
+        opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks = hooks
     for group in opt.param_groups:
         group.setdefault("maximize", False)
     for p, saved in entries:
@@ -235,15 +258,19 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
     """Raise ValueError for a state its parameter cannot take: not a dict; some of AdamW's step and moments without the
     others; a moment or master that is not a floating-point tensor of the parameter's (shard's) shape, or is sharded
     where the parameter is not, or has a dtype FP8AdamW does not store; an FP8 or fp16 moment or master without its
-    scale; a scale or amax of a shape that fits neither one number nor one per row (column) of its state, a scale
-    outside 2**-126 to 2**127, an amax that is not finite and >= 0; bad values (:func:`_check_values`); a step that is
-    not a whole number from 0 to 2**24 (:func:`_check_step`). Returns the state with DTensors as local shards."""
+    scale (except the fp16 moments of a state with torch.optim.AdamW's keys only, which hold their values); a scale or
+    amax of a shape that fits neither one number nor one per row (column) of its state, a scale outside 2**-126 to
+    2**127, an amax that is not finite and >= 0; bad values (:func:`_check_values`); a step that is not a whole number
+    from 0 to 2**24 (:func:`_check_step`). Returns the state with DTensors as local shards."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
     present = [key for key in _ADAMW_KEYS if key in saved]
     if present and len(present) != len(_ADAMW_KEYS):
         missing = [key for key in _ADAMW_KEYS if key not in saved]
         raise ValueError(f"{where}'s state has {present} without {missing}: {_FIX}")
+    # torch.optim.AdamW's state (its keys only) keeps the moments in the parameter's dtype, fp16 for an fp16 model,
+    # without a scale: they hold the values themselves. A state of FP8AdamW has more keys (master, scales, amaxes).
+    adamw = set(saved) <= set(_ADAMW_KEYS)
     local = {key: shards.local(value) if shards.is_dtensor(value) else value for key, value in saved.items()}
     shard_shape = tuple(shards.local(p).shape)
     for key in _KEYS:
@@ -267,9 +294,15 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
                 f"to fp32 values (stored / scale in the format's own convention) and delete '{key}_scale' and "
                 f"'{key}_amax', or {_FIX}"
             )
-        # FP8AdamW writes no scaled master without its scale: read without one, it would be the weight times the scale.
-        if dtype in SCALED_STATE_MAX and f"{key}_scale" not in saved:
-            raise ValueError(f"{what} is {dtype} without its '{key}_scale' (it is stored as value * scale): {_FIX}")
+        # FP8AdamW writes no scaled state without its scale: read without one, it would be the value times the scale.
+        if dtype in SCALED_STATE_MAX and f"{key}_scale" not in saved and not (dtype == torch.float16 and adamw):
+            whose = "torch.optim.AdamW keeps no FP8 moments"
+            if not adamw:
+                keys = sorted(map(str, saved))
+                whose = f"the state has {keys}: FP8AdamW's, not torch.optim.AdamW's (fp16 moments as values)"
+            raise ValueError(
+                f"{what} is {dtype} without its '{key}_scale' (FP8AdamW stores it as value * scale; {whose}): {_FIX}"
+            )
         for name in (f"{key}_scale", f"{key}_amax"):
             if name in saved:
                 _check_scalar(f"{where}'s {name!r}", saved[name], local[name], local[key], p, name.endswith("scale"))

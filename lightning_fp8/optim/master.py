@@ -161,6 +161,52 @@ def check_adoptable(param: torch.Tensor) -> None:
         )
 
 
+def check_shareable(param: torch.Tensor, where: str, optimizer: str, master_dtype: torch.dtype | None) -> None:
+    """Raise ValueError if ``param``'s storage already holds a master (:func:`adopt`, by another FP8AdamW at O2) that
+    the FP8AdamW being built would not step as it is: it keeps ``master_dtype`` masters in the storage of FP8 weights,
+    or (``None``) the parameter itself is its unscaled master (O1). At O1 it would step the stored ``weight * scale``
+    as the weight, each update ``scale`` times too small against it; with another ``master_dtype`` its first step
+    would refuse the storage's dtype as a cast of the model (:func:`check_storage_dtypes`). ``where`` names ``param``
+    in the message and ``optimizer`` the FP8AdamW."""
+    if master_scale(param) is None or param.dtype == master_dtype:
+        return
+    keeps = (
+        f"keeps {master_dtype} masters there"
+        if master_dtype is not None
+        else "keeps its master in the weight, unscaled"
+    )
+    share = (
+        "; or create this one with opt_level='O2' and master_dtype=torch.float16 (the defaults): it takes them over as "
+        "they are"
+        if param.dtype == torch.float16
+        else ""
+    )
+    raise ValueError(
+        f"{optimizer} got {where}, an FP8 weight of shape {tuple(param.shape)} whose {param.dtype} storage holds an O2 "
+        "master (the weight times a power-of-two scale) that another FP8AdamW took (or FP8LMPrecision, at O2 under "
+        f"DDP): this optimizer {keeps}, so it would step the stored values as the weight. Call release_weights() on "
+        "that FP8AdamW before creating this one (the weights get their own storage back, unscaled, in the model's "
+        f"dtype; should it be gone, FP8AdamW(those weights).release_weights() does it){share}. Under FP8LMPrecision, "
+        "use recipe='fp8-lm-o1' for O1. Nothing was changed"
+    )
+
+
+def check_not_taken(param: torch.Tensor, where: str, master_in_storage: bool) -> None:
+    """Raise RuntimeError if ``param``'s storage holds a master (:func:`adopt`) and the FP8AdamW about to step keeps its
+    master of ``param`` elsewhere (kept apart, or ``param`` itself as its unscaled master: not
+    ``master_in_storage``): an FP8AdamW created after it took the storage (at O2), and the step would take the stored
+    ``weight * scale`` for the weight, or write its own master over it. ``where`` names ``param`` in the message."""
+    if master_scale(param) is None or master_in_storage:
+        return
+    raise RuntimeError(
+        f"FP8AdamW: {where}, an FP8 weight of shape {tuple(param.shape)}, now holds in its {param.dtype} storage the "
+        "master weight of another FP8AdamW, created after this one (at O2: it took the weight's storage, times a "
+        "power-of-two scale), where this optimizer's own master is not: its step would take the stored values for "
+        "the weight. Step only the FP8AdamW that took the weights, or call its release_weights() before stepping this "
+        "one again; nothing was stepped"
+    )
+
+
 def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dtype) -> None:
     """Raise if a parameter whose storage holds its master (:func:`adopt`) is no longer stored in ``master_dtype``:
     the model was cast to another dtype after the optimizer took the storage, which would silently break every update.

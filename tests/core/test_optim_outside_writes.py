@@ -176,3 +176,38 @@ def test_writes_after_a_copy_or_a_load_of_the_optimizer_are_kept(how):
     _tiny_lr(opt)
     _step(model, opt, 3)
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+WRITES = {
+    "no_grad": lambda p, value: p.copy_(value),
+    "detach": lambda p, value: p.detach().copy_(value),
+    "assign_data": lambda p, value: setattr(p, "data", value.clone()),
+    "in_place_through_data": lambda p, value: p.data.copy_(value),
+}
+
+
+@pytest.mark.parametrize("how", list(WRITES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_which_writes_the_next_step_starts_from_as_torch_adamw_does(how, dtype):
+    """torch.optim.AdamW steps from the parameter however it was written. FP8AdamW's fp32 master of a bf16 parameter,
+    kept apart, sees writes through the parameter (its version counter) and p.data = t (its storage), but not an
+    in-place write through p.data, an alias with a version counter of its own (docs/concepts/optimizer.md says so and
+    why): the step overwrites it. An fp32 parameter is its own master: every write is where its step starts."""
+    torch.manual_seed(0)
+    written = torch.randn(64).clamp(-0.01, 0.01).to(dtype)
+    after = {}
+    for cls in (torch.optim.AdamW, FP8AdamW):
+        torch.manual_seed(1)
+        p = nn.Parameter(torch.randn(64).to(dtype))
+        opt = cls([p], lr=1e-2, weight_decay=0.0)
+        p.grad = torch.randn(64).to(dtype)
+        opt.step()
+        with torch.no_grad():
+            WRITES[how](p, written)
+        _tiny_lr(opt)
+        p.grad = torch.randn(64).to(dtype)
+        opt.step()
+        after[cls] = p.detach().clone()
+    assert torch.equal(after[torch.optim.AdamW], written)
+    seen = dtype == torch.float32 or how != "in_place_through_data"
+    assert torch.equal(after[FP8AdamW], written) == seen
