@@ -15,8 +15,8 @@ from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.optim import FP8AdamW
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state  # noqa: F401 (autouse fixture)
 
 STEPS = 6
 # ReduceLROnPlateau reads a metric: a fixed sequence (not the loss, which FP8 changes) that plateaus at once.
@@ -58,17 +58,6 @@ PREPARE_ORDERS = {
     "prepare(scheduler); prepare(model, optimizer)": _prepare_scheduler_then_all,
     "prepare(model, scheduler); prepare(optimizer)": _prepare_model_and_scheduler_then_optimizer,
 }
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _setup(fp8: bool, scheduler: str, prepare: Callable):
