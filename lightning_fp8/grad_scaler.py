@@ -290,11 +290,20 @@ class FP8GradScaler:
         ``torch.nn.utils.clip_grad_norm_(params, mu * max_norm)`` on O2's fp16 gradients computes each tensor's norm
         in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. Only
         ``param.grad`` is clipped: with ``FP8AdamW(fp8_grads=True)`` the FP8 weights' gradients are held by the
-        optimizer (``param.grad`` None); build it with ``fp8_grads=False`` to clip them."""
+        optimizer (``param.grad`` None), and this raises ValueError: build it with ``fp8_grads=False`` to clip."""
         from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_  # torch only (no Lightning import)
+        from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        held = [p for p in params if p.grad is None and getattr(p, GRAD_OWNER_ATTR, None) is not None]
+        if held:  # an FP8AdamW(fp8_grads=True) took their gradients in FP8 as they were computed
+            raise ValueError(
+                f"FP8GradScaler.clip_grad_norm_ would miss the gradients of {len(held)} FP8 weight(s) (the first of "
+                f"shape {tuple(held[0].shape)}), which FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad "
+                "as soon as they are computed): create the FP8AdamW with fp8_grads=False to clip, or do not clip"
+            )
         mu = self.loss_scale
-        return clip_scaled_grad_norm_(parameters, max_norm, mu).float() / mu
+        return clip_scaled_grad_norm_(params, max_norm, mu).float() / mu
 
     def record_gradient_cast(
         self,
