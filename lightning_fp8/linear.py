@@ -639,10 +639,15 @@ class FP8Linear(nn.Linear):
                 f"FP8Linear input is on {x.device} but the layer's weight is on {weight.device}: "
                 "move the input or the model to the same device"
             )
+        self._check_shapes(weight)
+
+    def _check_shapes(self, weight: torch.Tensor) -> None:
+        """Raise ValueError if ``weight`` (this layer's) or the bias is not of the layer's shape: checked before the
+        casts record anything."""
         bias = self.bias
         if weight.shape != (self.out_features, self.in_features) or (
             bias is not None and bias.shape != (self.out_features,)
-        ):  # checked before the casts record anything
+        ):
             got = f"weight {tuple(weight.shape)}" + ("" if bias is None else f" and bias {tuple(bias.shape)}")
             raise ValueError(
                 f"FP8Linear(in_features={self.in_features}, out_features={self.out_features}) holds a {got}: a "

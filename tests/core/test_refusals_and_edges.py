@@ -14,6 +14,7 @@ from torch import nn
 import lightning_fp8 as lf
 from lightning_fp8 import (
     E4M3,
+    FP8MLP,
     FP8AdamW,
     FP8Linear,
     FP8Recipe,
@@ -207,3 +208,16 @@ def test_unsupported_parameter_dtype_is_refused_at_construction(dtype):
     with pytest.raises(TypeError, match="FP8 layers keep float32, bfloat16 or float16 parameters"):
         FP8Linear(32, 16, dtype=dtype)
     assert FP8Linear(32, 16, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("which", ["fc", "proj"])
+def test_fp8mlp_parameter_of_another_shape_is_refused_before_any_cast(which):
+    """FP8MLP's fused path checked fc's input only: a proj weight of another shape gave an output of the wrong width
+    (bias=False) or torch's error after the casts had recorded statistics."""
+    mlp = FP8MLP.from_modules(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+    layer = getattr(mlp, which)
+    layer.weight = nn.Parameter(torch.randn(48, layer.in_features))
+    before = {k: v.clone() for k, v in mlp.named_buffers()}
+    with pytest.raises(ValueError, match="a parameter was replaced by one of another shape"):
+        mlp(torch.randn(4, 32))
+    assert all(torch.equal(before[k], v) for k, v in mlp.named_buffers())
