@@ -81,7 +81,7 @@ class WeightCache:
         # Pickling the parameter (torch.save(model)) drops the copy: its record is int64 with float32 views, which
         # torch.save refuses, and a copy is valid for one parameter object only. The next emitting step writes a new
         # one; until then the forward casts.
-        return _dropped, ()
+        return set, ()  # a class torch.load(weights_only=True) reads: unpickled, an empty set stands for no copy
 
     def renew(self) -> None:
         """Make the copy invalid before the step writes it again: a fresh record (the last forward's ``scale_inv``, a
@@ -125,15 +125,17 @@ class WeightCache:
             torch._foreach_add_([nonfinite_count, casts], [counts[0], counts[1]])
 
 
-def _dropped() -> None:
-    return None  # an unpickled WeightCache: no copy (see WeightCache.__reduce__)
+def _cache_of(param: torch.Tensor) -> WeightCache | None:
+    """``param``'s copy object, if any (an unpickled one is an empty set: see WeightCache.__reduce__)."""
+    cache = getattr(param, ATTR, None)
+    return cache if isinstance(cache, WeightCache) else None
 
 
 def drop(param: torch.Tensor) -> None:
     """Invalidate ``param``'s FP8 copy (its next forward casts): call it after writing the weight in place through
     ``param.data``, which no version counter records (module docstring). The copy object stays, to be written again
     by the next emitting step (its key, which compiled code holds, stays the same)."""
-    cache = getattr(param, ATTR, None)
+    cache = _cache_of(param)
     if cache is not None:
         cache.invalidate()
 
@@ -144,7 +146,7 @@ def drop_all(params: list[torch.Tensor]) -> None:
     compiles once more then). Nothing to do (no attribute lookups) until some step has emitted a copy."""
     if _any_sealed:
         for p in params:
-            cache = getattr(p, ATTR, None)
+            cache = _cache_of(p)
             if cache is not None:
                 cache.invalidate()
                 setattr(p, ATTR, None)
@@ -153,7 +155,7 @@ def drop_all(params: list[torch.Tensor]) -> None:
 def allocate(param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> WeightCache:
     """``param``'s copy, not valid until :func:`seal`, for the step to write: the one it has when that one fits (its
     bytes are written in place), else a new one."""
-    cache = getattr(param, ATTR, None)
+    cache = _cache_of(param)
     fits = cache is not None and cache.margin == margin and cache.data.dtype == fp8_dtype
     if fits and cache.data.shape == param.shape and cache.data.device == param.device:
         cache.renew()
@@ -188,7 +190,7 @@ def lookup(param: torch.Tensor, state: torch.nn.Module) -> WeightCache | None:
         return None
     if state.amax_history.numel() != 1:
         return None
-    return _serving(getattr(param, ATTR, None), param, getattr(param, master.SCALE_ATTR, None), state.fp8_dtype,
+    return _serving(_cache_of(param), param, getattr(param, master.SCALE_ATTR, None), state.fp8_dtype,
                     state.margin)  # fmt: skip
 
 

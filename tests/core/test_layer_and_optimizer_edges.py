@@ -179,7 +179,7 @@ def test_model_pickled_after_an_emitting_step_loads_and_casts():
     opt = FP8AdamW(model.parameters(), lr=1e-2, emit_fp8_weights=True)
     _steps(model, opt, _batches(1))
     loaded = _round_trip(model, "torch.save")
-    assert getattr(loaded[0].weight, weight_cache.ATTR) is None
+    assert weight_cache._cache_of(loaded[0].weight) is None  # pickled, the copy was dropped
     for p in model.parameters():
         weight_cache.drop(p)
     x = torch.randn(8, 32)
@@ -268,3 +268,18 @@ def test_saved_fp8_weight_parameters_load_with_weights_only(what, tmp_path):
         assert torch.equal(got, want)
         assert not master.is_fp8_weight(got)  # no layer holds the loaded copy
     assert master.is_fp8_weight(model[0].weight) and master.is_fp8_weight(model[2].weight)
+
+
+def test_weights_with_emitted_copies_save_and_load_with_weights_only(tmp_path):
+    """A weight whose FP8 copy FP8AdamW(emit_fp8_weights=True) wrote pickled the copy as a function of this package,
+    which torch.load(weights_only=True) refused; it loads now, without the copy, with the same values."""
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)))
+    opt = FP8AdamW(model.parameters(), lr=1e-3, emit_fp8_weights=True)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    assert weight_cache._cache_of(model[0].weight) is not None
+    params = {n: p for n, p in model.named_parameters()}
+    torch.save(params, tmp_path / "p.pt")
+    loaded = torch.load(tmp_path / "p.pt", weights_only=True)
+    for name, p in params.items():
+        assert torch.equal(loaded[name], p) and weight_cache._cache_of(loaded[name]) is None
