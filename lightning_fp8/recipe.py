@@ -65,6 +65,14 @@ def check_settings(
         )
 
 
+def as_count(value: Any) -> Any:
+    """``value`` as an ``int`` if it is a NumPy (or other ``numbers.Integral``) integer, not a bool; else unchanged,
+    for :func:`check_settings` to judge."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8Recipe:
     """How FP8 training casts, scales and stores tensors.
@@ -96,10 +104,8 @@ class FP8Recipe:
     opt_level: OptLevel = "O2"
 
     def __post_init__(self) -> None:
-        for name in ("amax_history_len", "margin"):  # a NumPy integer (a config file's, an array's) is taken as an int
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
-                object.__setattr__(self, name, int(value))
+        for name in ("amax_history_len", "margin"):
+            object.__setattr__(self, name, as_count(getattr(self, name)))
         check_settings(
             "FP8Recipe",
             {name: (getattr(self, name), allowed) for name, allowed in _ALLOWED.items()},

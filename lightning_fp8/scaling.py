@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from lightning_fp8 import ops
 from lightning_fp8.formats import FP8_DTYPES, fp8_max
 from lightning_fp8.kernels import reference
-from lightning_fp8.recipe import MAX_MARGIN, AmaxComputeAlgo, check_settings
+from lightning_fp8.recipe import MAX_MARGIN, AmaxComputeAlgo, as_count, check_settings
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -120,6 +120,7 @@ class ScalingState(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        history_len, margin = as_count(history_len), as_count(margin)
         _check_settings(fp8_dtype, history_len, margin, algo)
         self.fp8_dtype = fp8_dtype
         self.margin = margin
@@ -337,6 +338,13 @@ class ScalingState(nn.Module):
             old = before.get(name)
             if new is not None and old is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        # Made under torch.inference_mode() (.to(device), to_empty() there), they would be inference tensors, which
+        # the in-place updates of every forward cannot touch outside it (see __init__): ordinary copies instead.
+        if any(b is not None and b.is_inference() for b in self._buffers.values()):
+            with torch.inference_mode(False):
+                for name, buf in self._buffers.items():
+                    if buf is not None and buf.is_inference():
+                        self._buffers[name] = buf.clone()
         # Off the meta device (to_empty(), FSDP's materialization) the buffers are uninitialized memory: a garbage amax
         # history would set the scales of the next casts. load_state_dict does not fill them (they are not in the
         # state_dict) and reset_parameters() is not always called: start from a fresh state, as on a real device.

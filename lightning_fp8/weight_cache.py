@@ -235,7 +235,6 @@ def quantize_weight(
     return cache.data, data_t, cache.scale_inv
 
 
-
 def recast_weight_t(
     weight: torch.Tensor, master_scale: torch.Tensor | None, w_scale_inv: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:

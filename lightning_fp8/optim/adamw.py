@@ -619,7 +619,7 @@ class FP8AdamW(torch.optim.Optimizer):
         model was cast to another dtype since (:func:`master.check_storage_dtypes`)."""
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if master.master_scale(p) is not None:  # (a getattr: a few tens of nanoseconds per parameter)
+                if master.master_scale(p) is not None:  # (about 0.3 us of host time per parameter and step)
                     # This optimizer steps the storage as its master where p has O2 states and no master kept apart
                     # (after release_weights(), or for a weight frozen when this one was built: see _init_state).
                     in_storage = p in self._low_precision and p not in self._moments_only

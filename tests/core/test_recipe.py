@@ -3,7 +3,7 @@ import types
 import pytest
 import torch
 
-from lightning_fp8 import FP8Recipe
+from lightning_fp8 import FP8Recipe, ScalingState
 from lightning_fp8.recipe import resolve_recipe
 
 
@@ -109,3 +109,5 @@ def test_numpy_integers_are_taken_as_ints():
     assert recipe == FP8Recipe(amax_history_len=4, margin=1) and type(recipe.margin) is int
     with pytest.raises(ValueError, match="must be an int"):
         FP8Recipe(margin=np.float64(1.0))
+    state = ScalingState(torch.float8_e4m3fn, np.int64(8), np.int32(1), "max", True)
+    assert state.amax_history.shape == (8,) and type(state.margin) is int

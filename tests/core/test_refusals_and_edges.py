@@ -186,6 +186,20 @@ def test_layer_built_under_inference_mode_runs_outside_it():
         assert torch.equal(built(x), normal(x))  # and the in-place updates of the second forward agree too
 
 
+def test_layer_materialized_under_inference_mode_runs_outside_it():
+    """Built on the meta device and materialized under inference mode (to_empty, or load_state_dict(assign=True)),
+    the scaling buffers were inference tensors again (made by Module._apply there)."""
+    with torch.device("meta"):
+        layer = FP8Linear(32, 16)
+    with torch.inference_mode():
+        layer.to_empty(device="cpu")
+        nn.init.normal_(layer.weight)
+        nn.init.zeros_(layer.bias)
+    with torch.no_grad():
+        assert torch.isfinite(layer(torch.randn(4, 32))).all()
+    assert not any(b.is_inference() for b in layer.buffers())
+
+
 @pytest.mark.parametrize("which", ["weight", "bias"])
 def test_parameter_of_another_shape_is_refused_before_any_cast(which):
     """A parameter replaced by one of another shape failed in the GEMM or bias add, after the casts had recorded
