@@ -282,7 +282,26 @@ def convert_to_fp8(
     _replace_children(module, convert)
     for message in _left_messages(left):
         warn_once(message)
+    keep_scaling_states_per_rank(module)
     return module
+
+
+def keep_scaling_states_per_rank(module: nn.Module) -> None:
+    """Name the FP8 scaling buffers under ``module`` in ``module._ddp_params_and_buffers_to_ignore`` (kept with what
+    it named before), which ``DistributedDataParallel(module)`` reads when it is built: DDP broadcasts a model's
+    buffers from rank 0 before every forward (``broadcast_buffers=True``, its default), which overwrote each rank's
+    amax history and scales with rank 0's, so a rank whose activations or gradients run larger cast them with rank
+    0's scales and saturated, silently, and ``enable_fp8_amax_sync`` took the maximum of histories already made equal.
+    Each rank keeps its own now (amax sync, when enabled, makes them the maximum over ranks). ``convert_to_fp8`` calls
+    it on the module it converts; for a DDP wrapping another (a parent) module, call it on that one first."""
+    from lightning_fp8.scaling import ScalingState
+
+    names = {f"{prefix}.{name}" if prefix else name
+             for prefix, sub in module.named_modules() if isinstance(sub, ScalingState)
+             for name, _ in sub.named_buffers(recurse=False)}  # fmt: skip
+    if names:
+        before = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+        module._ddp_params_and_buffers_to_ignore = sorted(set(before) | names)
 
 
 def _check_converted_recipes(module: nn.Module, recipe: FP8Recipe, module_filter_fn: ModuleFilter | None) -> None:

@@ -99,6 +99,21 @@ def _amax_two_forwards() -> list[dict[str, torch.Tensor]]:
     return seen[2:]  # from step 1 on: after a backward
 
 
+def _ddp_amax_from_every_rank() -> dict[str, torch.Tensor]:
+    """DDP with its default broadcast_buffers=True broadcast rank 0's scaling buffers before every forward: the last
+    rank's larger inputs never reached the synced history (its casts used rank 0's scale and saturated)."""
+    from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
+
+    rank = dist.get_rank()
+    model = _fp8_model()
+    ddp = DDP(model)
+    enable_fp8_amax_sync(model)
+    seen = _snapshot_training_forwards(model)
+    for step in range(3):
+        ddp(_batch(rank, step, 100.0 if rank == dist.get_world_size() - 1 else 1.0)).sum().backward()
+    return seen[-1]  # at the third forward: the first two steps' amaxes, synced
+
+
 def _amax_skipped_layer() -> list[dict[str, torch.Tensor]]:
     """A layer skipped on one rank in one step (a data-dependent branch), then sync_fp8_amax after each step."""
     from lightning_fp8.distributed.amax_sync import sync_fp8_amax
@@ -181,6 +196,7 @@ def _three_rank_worker(rank: int, world: int) -> dict:
         "amax_two_forwards": _amax_two_forwards,
         "amax_skipped_layer": _amax_skipped_layer,
         "amax_rank0_evaluation": _amax_rank0_evaluation,
+        "ddp_amax_from_every_rank": _ddp_amax_from_every_rank,
         "ddp_fp16": _ddp_fp16_grads,
     }
     return run_parts(parts)
@@ -224,6 +240,18 @@ def test_amax_sync_leaves_identical_histories_and_scales(three_ranks, part):
                 assert torch.equal(first[name], other[name]), (rank, name, first[name], other[name])
     for first in reports[0]:  # histories with older entries to compare
         assert any(int((h[1:] > 0).sum()) >= 2 for h in first.values())
+
+
+def test_ddp_default_buffer_broadcast_keeps_every_ranks_amax(three_ranks):
+    """Under DDP(model) (broadcast_buffers=True) with amax sync, layer 0's input history holds the largest input of
+    any rank at each step (the reference: the batches' amaxes recomputed here), on every rank."""
+
+    def largest(step: int) -> float:
+        return max(float(_batch(r, step, 100.0 if r == FP16_WORLD - 1 else 1.0).abs().max()) for r in range(FP16_WORLD))
+
+    for report in part_results(three_ranks, "ddp_amax_from_every_rank"):
+        history = report["0.fp8_scaling.input"][1:]  # after the scale
+        assert sorted(history[history > 0].tolist()) == sorted([largest(0), largest(1)]), history
 
 
 def test_ddp_hook_fp16_gradients_match_torch_default_hook(three_ranks):
