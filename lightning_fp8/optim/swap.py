@@ -3,8 +3,8 @@
 The Lightning precision plugin and the Accelerate integration both receive ordinary AdamW optimizers and hand
 FP8AdamW to the training loop. :func:`to_fp8_adamw` builds it with the same hyper-parameters and param groups
 (extra keys such as ``initial_lr`` or a group ``name`` are kept); :func:`rebind_scheduler` points an LR scheduler
-built on the old optimizer at the new one. Anything that would silently change the update rule (AMSGrad,
-``maximize``, Adam's coupled L2 weight decay, existing state) is an error that says what to do instead.
+built on the old optimizer at the new one (``maximize`` carries over, per group). Anything that would silently change
+the update rule (AMSGrad, Adam's coupled L2 weight decay, existing state) is an error that says what to do instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 # torch.optim.Adam(W) group keys that select an implementation, not the update rule: FP8AdamW has its own.
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-_DROPPED_KEYS = (*_IMPLEMENTATION_KEYS, "amsgrad", "maximize")
+_DROPPED_KEYS = (*_IMPLEMENTATION_KEYS, "amsgrad")
 
 
 def is_replaceable(optimizer: torch.optim.Optimizer) -> bool:
@@ -40,11 +40,10 @@ def check_replaceable(optimizer: torch.optim.Optimizer, *, source: str, opt_out:
             f"replace a fresh optimizer: create it before training starts (its state is restored afterwards)"
         )
     for i, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(
-                    f"{name}(param_groups[{i}] {flag}=True) has no FP8AdamW equivalent: set {flag}=False, or {opt_out}"
-                )
+        if group.get("amsgrad"):
+            raise ValueError(
+                f"{name}(param_groups[{i}] amsgrad=True) has no FP8AdamW equivalent: set amsgrad=False, or {opt_out}"
+            )
         coupled_l2 = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
         if coupled_l2 and group.get("weight_decay", 0) != 0:
             raise ValueError(

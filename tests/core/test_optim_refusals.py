@@ -178,3 +178,25 @@ def test_constructor_refuses_a_layer_reparametrized_after_conversion_before_anyt
     opt = FP8AdamW(model.parameters())
     assert master.master_scale(model[0].weight) is not None
     _step(model, opt)
+
+
+def test_swapped_adamw_keeps_maximize_per_group():
+    """Lightning and Accelerate refused AdamW(maximize=True) as having "no FP8AdamW equivalent", which FP8AdamW has:
+    the swap keeps it, per group, and the swapped optimizer steps as torch's (O1, fp32 gradients: the reference)."""
+    from lightning_fp8.optim.swap import to_fp8_adamw
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(16, 16)), torch.nn.Parameter(torch.randn(16))
+    a2, b2 = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    ref = torch.optim.AdamW([{"params": [a], "maximize": True}, {"params": [b]}], lr=1e-2)
+    swapped = to_fp8_adamw(torch.optim.AdamW([{"params": [a2], "maximize": True}, {"params": [b2]}], lr=1e-2),
+                           opt_level="O1", fp8_grads=False)  # fmt: skip
+    assert [g["maximize"] for g in swapped.param_groups] == [True, False]
+    for _ in range(3):
+        for p, q in ((a, a2), (b, b2)):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
+        swapped.step()
+    torch.testing.assert_close(a2, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b2, b, rtol=1e-5, atol=1e-6)
