@@ -14,7 +14,6 @@ copies, not the high-precision input: activation memory for linear inputs halves
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 import weakref
 from collections.abc import Iterable
@@ -28,6 +27,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_fp8 import ops, weight_cache
+from lightning_fp8.autograd_rules import check_no_functorch, once_differentiable
 from lightning_fp8.optim import master
 from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
@@ -63,60 +63,6 @@ SAVE_WEIGHT_TRANSPOSE = False
 # for its backward) or recomputes it from what it keeps (a LayerNorm's or a GELU's output), one byte per element less
 # at the peak for one more pass in the backward. Eagerly the copy is always kept (the input itself may be 4 bytes).
 SAVE_INPUT_TRANSPOSE_COMPILED = True
-
-
-def once_differentiable(backward):
-    """``torch.autograd.function.once_differentiable`` for the FP8 layers' backwards, which also refuses the double
-    backward that torch's decorator lets through: torch's marks the gradients it returns as not differentiable again
-    only when a gradient it receives requires grad, but dx depends on the weight and dW on the input, so with
-    ``create_graph=True`` a gradient computed from a constant output gradient (a loss linear in the layer's output, a
-    gradient penalty taken right after the last FP8 layer) has a second-order term too, which torch's decorator
-    silently dropped. Here every backward run with ``create_graph=True`` returns gradients whose own backward raises;
-    a backward under vmap (a ``torch.func`` transform, ``autograd.grad(..., is_grads_batched=True)``, a vectorized
-    jacobian) raises a clear error instead of a batching rule's."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx: Any, *grads: Any) -> Any:
-        if torch.compiler.is_compiling():  # dynamo traces the backward with grad mode off: torch's decorator's path
-            with torch.no_grad():
-                return backward(ctx, *grads)
-        check_no_functorch("an FP8 layer's backward")
-        if _is_legacy_batched is not None and any(isinstance(g, torch.Tensor) and _is_legacy_batched(g) for g in grads):
-            raise RuntimeError(
-                "an FP8 layer's backward does not support batched gradients (torch.autograd.grad(..., "
-                "is_grads_batched=True), torch.autograd.functional.jacobian/hessian(vectorize=True)): its FP8 casts "
-                "update the layer's scaling state in place, which vmap cannot batch. Take one backward per row of "
-                "grad_outputs (vectorize=False), or keep the layer in high precision: convert_to_fp8(model, "
-                "module_filter_fn=...) returning False for it leaves it an nn.Linear"
-            )
-        with torch.no_grad():
-            outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():  # create_graph=False: the engine runs backwards without grad mode
-            return outputs
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        error = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(outputs))
-
-        def differentiable_alias(t):  # DelayedError needs an input that requires grad to give its outputs a grad_fn
-            if t is None:
-                return None
-            t = t.detach()
-            t.requires_grad_(True)
-            return t
-
-        return error(*[differentiable_alias(t) for t in outputs])
-
-    return wrapper
-
-
-# torch's own vmap of a backward (is_grads_batched=True, vectorized jacobians) is not a torch.func transform: its
-# gradients are "legacy" batched tensors.
-_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
-_DOUBLE_BACKWARD = (
-    b"trying to differentiate twice an FP8 layer's backward: its FP8 casts are not differentiable, so a double "
-    b"backward through FP8Linear / FP8MLP (create_graph=True and a gradient penalty or another second-order term) "
-    b"cannot be computed. Keep the layers the second-order term goes through in high precision: convert_to_fp8("
-    b"model, module_filter_fn=...) returning False for them leaves them nn.Linear"
-)
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -397,22 +343,6 @@ def check_not_reparametrized(layer: FP8Linear) -> None:
             "precision: reparametrize the nn.Linear before convert_to_fp8, which leaves such layers as they are (or "
             "leave it out with module_filter_fn)"
         )
-
-
-def check_no_functorch(name: str) -> None:
-    """Raise if a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ``jvp``...) is active: FP8 layers cast
-    through autograd.Functions that update their scaling state in place, which functorch cannot transform (PyTorch's
-    own error says nothing of FP8). ``name``: the layer, for the message. Eagerly only (a C call per forward);
-    torch.compile traces its own way."""
-    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
-        return
-    raise RuntimeError(
-        f"{name} does not support torch.func transforms (torch.func.grad, vmap, jacrev, jvp, ...): its FP8 casts "
-        "update the layer's scaling state in place, which functorch cannot transform. Compute gradients with "
-        "torch.autograd.grad or loss.backward() (per-sample gradients: one backward per sample, or "
-        "torch.func on a model without FP8 layers), or keep this layer in high precision: convert_to_fp8(model, "
-        "module_filter_fn=...) returning False for it leaves it an nn.Linear"
-    )
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

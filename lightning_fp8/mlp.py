@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8 import ops, weight_cache
+from lightning_fp8.autograd_rules import check_no_functorch, once_differentiable
 from lightning_fp8.convert import check_wrappable
 from lightning_fp8.kernels.reference import kept_input_scale_inv
 from lightning_fp8.linear import (
@@ -37,13 +38,11 @@ from lightning_fp8.linear import (
     FP8Linear,
     _is_dtensor,
     backward_gemms,
-    check_no_functorch,
     check_not_reparametrized,
     current_flags,
     forward_gemm,
     grad_output_current,
     note_casts,
-    once_differentiable,
     output_dtype,
 )
 from lightning_fp8.optim import master

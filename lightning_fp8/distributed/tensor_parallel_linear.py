@@ -38,13 +38,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_fp8 import ops
+from lightning_fp8.autograd_rules import once_differentiable
 from lightning_fp8.distributed.amax_sync import claim_shared_scale, localize_buffers
 from lightning_fp8.linear import (
     FP8Linear,
     current_flags,
     grad_output_current,
     note_casts,
-    once_differentiable,
     output_dtype,
 )
 from lightning_fp8.optim import master
