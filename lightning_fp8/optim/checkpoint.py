@@ -278,13 +278,16 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
             continue
         what = f"{where}'s {key!r}"
         _check_tensor(what, saved[key], p)
+        # Whatever its shape: a rank whose shard has the whole parameter's shape (fewer rows than ranks) must refuse
+        # as the others do, or it would load and run on while they raise.
+        if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
+            raise ValueError(
+                f"{what} is a plain tensor of shape {tuple(local[key].shape)} and its parameter is sharded (a DTensor, "
+                f"this rank's shard {shard_shape}): a full (unsharded) state dict loads into sharded parameters through "
+                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(..., "
+                "options=StateDictOptions(full_state_dict=True))"
+            )
         if tuple(local[key].shape) != shard_shape:
-            if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
-                raise ValueError(
-                    f"{what} has shape {tuple(local[key].shape)}, this rank's shard of its parameter {shard_shape}: "
-                    "a full (unsharded) state dict loads into sharded parameters through torch.distributed.checkpoint."
-                    "state_dict.set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))"
-                )
             raise ValueError(f"{what} has shape {tuple(local[key].shape)}, its parameter {shard_shape}: {_FIX}")
         dtype = local[key].dtype
         if dtype not in SCALED_STATE_MAX and dtype not in _UNSCALED:

@@ -252,6 +252,44 @@ def _fsdp2_marked_without_fp8_params(rank: int) -> dict:
     }
 
 
+def _fsdp2_full_state_into_shards(rank: int) -> dict:
+    """An unsharded FP8AdamW state dict given to a sharded one's load_state_dict. The 1-row weight's shard on rank 0
+    has the whole weight's shape (rank 1's is empty): every rank must refuse, none load and run on alone."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8 import FP8AdamW
+
+    def build(shard: bool) -> tuple[nn.Module, FP8AdamW]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 1, bias=False))
+        if shard:
+            fully_shard(model)
+        return model, FP8AdamW(model.parameters(), lr=1e-2)
+
+    def step(model: nn.Module, opt: FP8AdamW) -> None:
+        model(torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    unsharded, unsharded_opt = build(False)
+    step(unsharded, unsharded_opt)
+    model, opt = build(True)
+    step(model, opt)
+    (p,) = model.parameters()
+
+    def local(value: torch.Tensor) -> torch.Tensor:
+        return value.to_local() if hasattr(value, "to_local") else value
+
+    before = {key: local(value).clone() for key, value in opt.state[p].items()}
+    try:
+        opt.load_state_dict(unsharded_opt.state_dict())
+        error = None
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(local(value), before[key]) for key, value in opt.state[p].items())
+    return {"shard_shape": list(p.to_local().shape), "error": error, "unchanged": unchanged}
+
+
 def _guarded(fn, *args) -> dict:
     try:
         return {"ok": True, **fn(*args)}
@@ -272,6 +310,7 @@ def _worker(rank: int, world: int) -> dict:
             "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
             "fsdp2_marked": _guarded(_fsdp2_marked_without_fp8_params, rank),
+            "fsdp2_full_into_shards": _guarded(_fsdp2_full_state_into_shards, rank),
         }
     finally:
         dist.barrier()
@@ -334,6 +373,14 @@ def test_enable_fp8_fsdp2_marks_sharded_fp8_weights_for_fp8_adamw(results):
         assert run["unmarked_low_precision"] == 0  # what fully_shard alone leaves (the failure this guards against)
         assert run["low_precision"] == [0, 1, 2] and run["exp_avg_dtypes"] == ["torch.float8_e4m3fn"], run
         assert all(math.isfinite(v) for v in run["losses"]) and run["losses"][-1] < run["losses"][0], run
+
+
+def test_full_state_dict_into_fsdp2_shards_is_refused_on_every_rank(results):
+    runs = [_ok(r, "fsdp2_full_into_shards") for r in results]
+    assert [run["shard_shape"] for run in runs] == [[1, 32], [0, 32]]  # rank 0's shard has the whole shape
+    for run in runs:
+        assert run["error"] is not None and "set_optimizer_state_dict" in run["error"], run
+        assert run["unchanged"]
 
 
 def test_fp8_adamw_o2_on_fsdp2_dtensor_shards(results):
