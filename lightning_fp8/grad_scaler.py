@@ -821,11 +821,13 @@ def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> tor
 
 
 def _rescale_grad_output_states(model: nn.Module, ratio: float) -> None:
-    """mu changed by ``ratio`` (a power of two), so every loss gradient did too: keep delayed scales exact."""
+    """mu changed by ``ratio`` (a power of two), so every loss gradient did too: keep delayed scales exact, within
+    the range :func:`lightning_fp8.compute_scale` clamps to (a scale at 2**127, a tiny gradient's, would become inf
+    when mu halves, and every later gradient NaN)."""
     from lightning_fp8.scaling import ScalingState
 
     for name, state in model.named_modules():
         if isinstance(state, ScalingState) and name.endswith("grad_output"):
             state.amax_history.mul_(ratio)
             state.amax.mul_(ratio)
-            state.scale.div_(ratio)
+            state.scale.div_(ratio).clamp_(2.0**-126, 2.0**127)

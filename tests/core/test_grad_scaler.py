@@ -292,6 +292,33 @@ def test_mu_change_rescales_grad_output_states_exactly():
     assert torch.equal(state.amax_history, history / 2) and torch.equal(state.scale, scale * 2)
 
 
+def test_mu_change_keeps_grad_output_scales_in_range():
+    # Output gradients of about 1e-36 (finite, normal fp32) give the grad_output scale compute_scale's upper clamp,
+    # 2**127. A non-finite step halves mu; dividing that scale by 1/2 made it inf, every later gradient NaN and every
+    # later step skipped. The scale stays at the clamp, as compute_scale would give for the halved history.
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    scaler = FP8GradScaler(init_scale=1.0, model=model)
+    opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler, fp8_grads=False)
+    state = model[0].fp8_scaling["grad_output"]
+
+    def step(factor: float) -> None:
+        scaler.scale_loss(model(torch.randn(4, 16)).sum() * 1e-36 * factor).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step(1.0)
+    assert float(state.scale) == 2.0**127
+    step(float("inf"))
+    assert scaler.skipped_steps == 1 and float(scaler.scale) == 0.5
+    assert float(state.scale) == 2.0**127
+    for _ in range(3):
+        step(1.0)
+    assert scaler.skipped_steps == 1  # the clean steps are taken
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_lower_lr_fallback_after_repeated_nonfinite_steps():
     p = nn.Parameter(torch.randn(4))
     opt = torch.optim.SGD([p], lr=0.1)
