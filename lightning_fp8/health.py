@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import re
 import sys
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -43,9 +44,9 @@ EVENT_KINDS = ("grad_norm_spike", "loss_plateau", "nonfinite_loss", "nonfinite_g
 ACTIONS = ("none", "skip_step", "lower_mu", "lower_lr", "fallback_bf16")
 # The recovery of a step FP8GradScaler skipped: no update, mu halved.
 SKIP_ACTION = "skip_step+lower_mu"
-# FP8GradScaler's fallback descriptions -> action names.
-_FALLBACK_ACTIONS = (("learning rate", "lower_lr"), ("lr", "lower_lr"), ("high precision", "fallback_bf16"),
-                     ("bf16", "fallback_bf16"))  # fmt: skip
+# FP8GradScaler's fallback descriptions -> action names: the phrase that comes first in the description names the
+# action (the built-in fallbacks' descriptions begin with it; layer names after it may hold "lr" or "bf16").
+_FALLBACK_ACTIONS = re.compile(r"(learning rate|\blr\b)|(high precision|\bbf16\b)")
 SERIES = ("loss", "grad_norm", "param_norm", "samples_per_sec", "tokens_per_sec", "memory_gib")
 
 
@@ -116,8 +117,8 @@ def scaler_fallbacks(history: Iterable[Mapping[str, Any]], after_step: int) -> t
     actions, last = [], after_step
     for entry in history:
         if entry.get("action") == "fallback" and entry.get("step", 0) > last:
-            reason = str(entry.get("reason", "")).lower()
-            actions.append(next((a for key, a in _FALLBACK_ACTIONS if key in reason), "none"))
+            found = _FALLBACK_ACTIONS.search(str(entry.get("reason", "")).lower())
+            actions.append("none" if found is None else "lower_lr" if found.group(1) else "fallback_bf16")
             last = entry["step"]
     return actions, last
 

@@ -335,3 +335,23 @@ def test_load_state_dict_refuses_a_bad_entry_and_changes_nothing(entry, value, e
     assert monitor.state_dict() == before
     monitor.load_state_dict(saved.state_dict())  # the good state still loads
     assert monitor.state_dict() == saved.state_dict()
+
+
+@pytest.mark.parametrize("fallback", ["bf16", "lower_lr"])
+@pytest.mark.parametrize("name", ["proj", "lr_proj", "lr", "bf16"])
+def test_scaler_fallbacks_name_the_action_taken_whatever_the_layer_names(fallback, name):
+    # The action is read from the scaler's description of what it did; a layer named "lr_proj" (listed in the
+    # bf16 fallback's description) made a put-back read as a lowered learning rate.
+    from lightning_fp8 import FP8GradScaler
+    from lightning_fp8.health import scaler_fallbacks
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.ModuleDict({name: nn.Linear(16, 16)})))
+    scaler = FP8GradScaler(nonfinite_fallback=fallback, model=model, fallback_after=1)
+    opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler)
+    scaler.scale_loss(model[0][name](torch.randn(4, 16)).square().mean() * float("inf")).backward()
+    opt.step()
+    put_back = type(model[0][name]) is nn.Linear
+    lowered = opt.param_groups[0]["lr"] < 1e-3
+    assert put_back != lowered  # the fallback did one of the two
+    assert scaler_fallbacks(scaler.history, -1)[0] == ["fallback_bf16" if put_back else "lower_lr"]
