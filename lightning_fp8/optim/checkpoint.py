@@ -283,8 +283,8 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
         if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
             raise ValueError(
                 f"{what} is a plain tensor of shape {tuple(local[key].shape)} and its parameter is sharded (a DTensor, "
-                f"this rank's shard {shard_shape}): a full (unsharded) state dict loads into sharded parameters through "
-                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(..., "
+                f"this rank's shard {shard_shape}): a full (unsharded) state dict loads into sharded parameters "
+                "through torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(..., "
                 "options=StateDictOptions(full_state_dict=True))"
             )
         if tuple(local[key].shape) != shard_shape:
