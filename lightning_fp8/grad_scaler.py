@@ -305,6 +305,40 @@ class FP8GradScaler:
         mu = self.loss_scale
         return clip_scaled_grad_norm_(params, max_norm, mu).float() / mu
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by mu in place, as ``torch.amp.GradScaler.unscale_`` does, for clipping or
+        reading them between the backward and :meth:`step` (which then steps on them as they are, checking them for
+        non-finite values again). At most once per optimizer between two :meth:`update` calls, and not after its
+        step.
+
+        For optimizers other than :class:`~lightning_fp8.FP8AdamW`, with fp32 or bf16 gradients (fp16 gradients are
+        refused, as by :meth:`step`).
+
+        Raises:
+            ValueError: for an FP8AdamW, which unscales each gradient in fp32 inside its fused step (at O2 its FP8
+                weights' gradients are fp16, which only mu keeps representable, or held in FP8 by the optimizer):
+                clip with :meth:`clip_grad_norm_`, read true values as ``param.grad / scaler.loss_scale``. Also for
+                fp16 gradients.
+            RuntimeError: when called twice for one optimizer since the last :meth:`update`, or after its step.
+        """
+        if getattr(optimizer, "_fp8_step", None) is not None:
+            raise ValueError(
+                f"FP8GradScaler.unscale_({type(optimizer).__name__}): FP8AdamW unscales each gradient in fp32 inside "
+                "its fused step, and its FP8 weights' gradients (fp16 at O2, or held in FP8 with fp8_grads=True) "
+                "cannot be unscaled in place without losing the values only mu keeps representable. To clip, call "
+                "scaler.clip_grad_norm_(parameters, max_norm) between the backward and the step; to read a true "
+                "gradient, divide param.grad by scaler.loss_scale"
+            )
+        if any(stepped is optimizer for stepped, _ in self._stepped):
+            raise RuntimeError("FP8GradScaler.unscale_(optimizer) is being called after step(): call it before")
+        if optimizer in self._unscaled:
+            raise RuntimeError(
+                "FP8GradScaler.unscale_(optimizer) has already been called on this optimizer since the last update()"
+            )
+        _refuse_fp16_grads(optimizer, "unscale_")
+        _unscale_in_place(optimizer, 1.0 / self.loss_scale)
+        self._unscaled.add(optimizer)
+
     def record_gradient_cast(
         self,
         amax: torch.Tensor,
@@ -489,6 +523,8 @@ class FP8GradScaler:
         own = _Counts() if reported is None else reported.copy()
         # Its param.grad, in place: every one when no FP8 cast was reported (they are all mu is judged on), else the
         # fp16 ones (the casts do not see them, and they overflow as mu grows); see _record_high_precision_grads.
+        # (After unscale_ they are measured unscaled: only fp32 and bf16 ones, which no finite gradient times mu brings
+        # near their maximum, so the headroom rule decides the same; their non-finite check is the same.)
         self._record_high_precision_grads(optimizer, own, narrow_only=bool(own.cast_numel or self._shared.cast_numel))
         if fused is None:  # unscaled once: a step made again after raising only checks them
             found = _unscale_in_place(optimizer, 1.0 if optimizer in self._unscaled else inv_scale)
@@ -530,6 +566,7 @@ class FP8GradScaler:
         ``update()`` is harmless). The counters are reset also when the fallback raises (the error propagates).
         """
         if not self._active:
+            self._unscaled = weakref.WeakSet()  # unscale_ without a step: the next backward's gradients are scaled
             return
         if not self._stepped:  # reports without a step: judge them all
             for counts in list(self._owned.values()):
@@ -782,7 +819,7 @@ def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float
         optimizer._fp8_unscale = None  # type: ignore[attr-defined]
 
 
-def _refuse_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_fp16_grads(optimizer: torch.optim.Optimizer, caller: str = "step") -> None:
     """Raise a ValueError if a plain optimizer has fp16 gradients, which :func:`_unscale_in_place` cannot unscale.
 
     mu is there for the gradients fp16 cannot hold unscaled: ``g * mu`` is representable where ``g`` (below fp16's
@@ -793,7 +830,7 @@ def _refuse_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
             if p.grad is not None and p.grad.dtype == torch.float16]  # fmt: skip
     if fp16:
         raise ValueError(
-            f"FP8GradScaler.step: this {type(optimizer).__name__} has fp16 gradients ({len(fp16)} parameter(s) in "
+            f"FP8GradScaler.{caller}: this {type(optimizer).__name__} has fp16 gradients ({len(fp16)} parameter(s) in "
             f"fp16, e.g. one of shape {tuple(fp16[0].shape)}). Its gradients would be unscaled by 1/mu in place, in "
             "fp16, which turns the small gradients that mu made representable (below ~6e-8 unscaled) back into zero, "
             "silently; torch.amp.GradScaler refuses them too ('Attempting to unscale FP16 gradients'). Keep these "

@@ -626,3 +626,76 @@ def test_clip_grad_norm_refuses_gradients_fp8adamw_holds_in_fp8():
     scaler.scale_loss(model2(torch.randn(4, 32)).sum()).backward()
     assert not opt2.fp8_grad_norms()
     assert torch.isfinite(scaler.clip_grad_norm_(model2.parameters(), 1.0))
+
+
+def _clipped_sgd_run(unscale: bool, steps: int = 4, bad_step: int | None = None) -> tuple[list[torch.Tensor], object]:
+    """SGD with gradient clipping at 1.0: through the scaler (torch.amp's unscale_-then-clip pattern), or with the
+    plain loss (the reference)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = FP8GradScaler(init_scale=2.0**10, growth_interval=1000)
+    snapshots = []
+    for step in range(steps):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().sum() * (float("inf") if step == bad_step else 1.0)
+        if unscale:
+            scaler.scale_loss(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        elif step != bad_step:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        opt.zero_grad()
+        snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    return snapshots, scaler
+
+
+@pytest.mark.parametrize("bad_step", [None, 1])
+def test_unscale_then_clip_trains_as_clipping_the_true_gradients(bad_step):
+    got, scaler = _clipped_sgd_run(unscale=True, bad_step=bad_step)
+    ref, _ = _clipped_sgd_run(unscale=False, bad_step=bad_step)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # mu = 2**10 unscales exactly
+    assert scaler.skipped_steps == (0 if bad_step is None else 1)
+
+
+def test_unscale_refusals():
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = FP8GradScaler(init_scale=4.0)
+    scaler.scale_loss(p.sum()).backward()
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.ones(4))
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    assert torch.equal(p.detach(), torch.full((4,), 0.9))  # stepped on the gradients unscaled once
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(opt)
+    scaler.update()
+    opt.zero_grad()
+    # unscale_ and an update without a step: the next iteration's gradients are unscaled again
+    scaler.scale_loss(p.sum()).backward()
+    scaler.unscale_(opt)
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale_loss(p.sum()).backward()
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.ones(4))
+
+    half = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    half_opt = torch.optim.SGD([half], lr=0.1)
+    scaler.scale_loss(half.float().sum()).backward()
+    with pytest.raises(ValueError, match="unscale_: this SGD has fp16 gradients"):
+        scaler.unscale_(half_opt)
+    assert torch.equal(half.grad, torch.full((4,), 4.0, dtype=torch.float16))  # left as it was
+
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    fp8_opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler)
+    scaler.scale_loss(model(torch.randn(4, 16)).sum()).backward()
+    with pytest.raises(ValueError, match="clip_grad_norm_"):
+        scaler.unscale_(fp8_opt)
