@@ -129,15 +129,20 @@ class _FP8FSDPStrategyLogic:
                 f"strategy='{STRATEGY_NAME}' loads full (single-file) checkpoints; {str(path)!r} is not one"
             )
         checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        states = checkpoint.get("optimizer_states")
+        resume = states is not None and self.lightning_module.trainer.state.fn == "fit"
+        if resume:  # before anything is loaded
+            check_optimizer_states(states, self, str(path))
+            if len(states) != len(self.optimizers):
+                raise ValueError(
+                    f"the checkpoint {str(path)!r} holds the states of {len(states)} optimizer(s) and this run has "
+                    f"{len(self.optimizers)} (configure_optimizers): resume with the optimizers that wrote it"
+                )
         with self._full_state_dict(rank0_only=False):
             self.model.load_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
-        states = checkpoint.get("optimizer_states")
-        fitting = self.lightning_module.trainer.state.fn == "fit"
-        if states is None or not fitting:
-            return checkpoint
-        check_optimizer_states(states, self, str(path))
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(state[PER_RANK][self.global_rank])
+        if resume:
+            for optimizer, state in zip(self.optimizers, states, strict=True):
+                optimizer.load_state_dict(state[PER_RANK][self.global_rank])
         return checkpoint
 
 

@@ -123,6 +123,16 @@ def test_fsdp_fp8_refuses_optimizer_states_of_another_strategy_saying_so(tmp_pat
         _fit(FP8FSDPStrategy(), steps=3, ckpt_path=path)
 
 
+def test_fsdp_fp8_refuses_a_checkpoint_of_another_number_of_optimizers(tmp_path):
+    path = tmp_path / "fsdp.ckpt"
+    _fit(_wrapped(), steps=2).save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["optimizer_states"] = []  # as a run without an optimizer writes it
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=r"holds the states of 0 optimizer\(s\) and this run has 1"):
+        _fit(_wrapped(), steps=3, ckpt_path=path)
+
+
 def test_fallen_back_layers_resume_under_another_wrapping():
     """The layers the bf16 fallback put back to nn.Linear are saved under clean names, as the model's state_dict and
     the FP8 state are: a resume under another wrapping (here: checkpoint_wrapper on the saving side only) puts them
