@@ -184,6 +184,18 @@ def _checked(
         buf = getattr(states[state_name], buf_name)
         _check_value(key, buf_name, value, buf)
         loads.append((state_name, buf, value))
+    # A flag of 1 says the state's next delayed cast uses its history: loaded without that history (strict=False,
+    # a hand-made dict), a fresh state would cast with scale 1 and saturate.
+    loaded = {(state_name, buf_name) for state_name, buf_name in (key.rpartition(".")[::2] for key in state_dict)}
+    orphans = sorted(name for name, flag in initialized.items()
+                     if flag and not {(name, "amax_history"), (name, "scale")} <= loaded)  # fmt: skip
+    if orphans:
+        raise ValueError(
+            f"FP8 scaling state {orphans[0]!r}{f' (and {len(orphans) - 1} more)' if len(orphans) > 1 else ''} has "
+            "'initialized' = 1 without its 'amax_history' and 'scale' in the same dict: the flag says the next cast "
+            "uses that history, which this load would not give it. Load the whole state fp8_state_dict() saved, or "
+            "leave the flag out"
+        )
     return states, loads, initialized
 
 

@@ -99,3 +99,26 @@ def test_optimizer_load_refuses_a_step_that_is_no_count_of_steps_and_changes_not
     opt.load_state_dict(saved)
     opt.load_state_dict(copy.deepcopy(adamw.state_dict()))
     assert float(opt.state[model[0].weight]["step"]) == 1.0
+
+
+def test_an_initialized_flag_without_its_history_is_refused_and_changes_nothing():
+    # strict=False with the flag alone: a fresh state told "use your history" would cast with scale 1 and saturate.
+    from lightning_fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    src = FP8Linear(32, 16)
+    src(torch.randn(4, 32) * 1000)
+    saved = fp8_state_dict(src)
+    dst = FP8Linear(32, 16)
+    before = fp8_state_dict(dst)
+    for keep in (("input.initialized",), ("input.initialized", "input.scale"), ("input.initialized", "input.amax")):
+        partial = {k: v for k, v in saved.items() if k.endswith(keep)}
+        with pytest.raises(ValueError, match="'initialized' = 1 without its 'amax_history' and 'scale'"):
+            load_fp8_state_dict(dst, partial, strict=False)
+        assert all(torch.equal(v, before[k]) for k, v in fp8_state_dict(dst).items())
+        assert not dst.fp8_scaling["input"].initialized
+    # with its history and scale, or a flag of 0, the partial load goes through
+    load_fp8_state_dict(dst, {k: v for k, v in saved.items() if ".input." in k}, strict=False)
+    assert dst.fp8_scaling["input"].initialized
+    assert torch.equal(dst.fp8_scaling["input"].scale, src.fp8_scaling["input"].scale)
+    load_fp8_state_dict(FP8Linear(32, 16), {"fp8_scaling.input.initialized": torch.tensor(0)}, strict=False)
