@@ -9,6 +9,7 @@ Triton even on CPU tensors (tests under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -61,7 +62,9 @@ def amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         else:
             by_device.setdefault(t.device, []).append(i)
     for device, indices in by_device.items():
-        with torch.autocast(device.type, enabled=False):  # an optimizer step may run under autocast (fp16 grads)
+        # An optimizer step may run under autocast (fp16 grads); the meta device has no autocast to turn off.
+        off = torch.autocast(device.type, enabled=False) if device.type != "meta" else contextlib.nullcontext()
+        with off:
             norms = torch.stack(torch._foreach_norm([tensors[i].detach() for i in indices], float("inf"))).float()
         for i, value in zip(indices, torch.where(torch.isnan(norms), torch.inf, norms).unbind(), strict=True):
             out[i] = value  # max |x| is exact in any dtype; NaN counts as inf, as in amax

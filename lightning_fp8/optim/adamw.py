@@ -154,6 +154,7 @@ class FP8AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,  # positional as in torch.optim.AdamW; refused when true
         *,
         recipe: FP8Recipe | str | None = None,
         opt_level: str | None = None,
@@ -165,7 +166,6 @@ class FP8AdamW(torch.optim.Optimizer):
         fp8_grads: bool | None = None,
         scale_update: ScaleUpdate = "one_pass",
         maximize: bool = False,
-        amsgrad: bool = False,
         emit_fp8_weights: bool = False,
         grad_cast_bucket_mb: float = 0,
         low_precision_moments: LowPrecisionMoments = "fp8_weights",
@@ -216,6 +216,7 @@ class FP8AdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
         super().__init__(params, defaults)
+        self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
         adopting, self._adopting = self._adopting, None
         self._adopt_all(adopting)
         self._register_o1_grad_hooks([p for group in self.param_groups for p in group["params"]])
@@ -225,6 +226,12 @@ class FP8AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
             step_.check_supported_flags(param_group)
+            if param_group.get("decoupled_weight_decay", True) is False:  # torch's AdamW would honour it: L2 decay
+                raise ValueError(
+                    "FP8AdamW.add_param_group: decoupled_weight_decay=False (Adam's L2 weight decay, added to the "
+                    "gradient) is not supported: FP8AdamW decays the weights decoupled, as AdamW. Drop the flag, or "
+                    "use torch.optim.Adam(weight_decay=...) for these parameters"
+                )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)
@@ -722,7 +729,12 @@ class FP8AdamW(torch.optim.Optimizer):
         another number of ranks (:mod:`~lightning_fp8.optim.checkpoint`). Loads with ``torch.load(weights_only=True)``.
         """
         self._grad_casts.flush(self)
-        return checkpoint.shard_scalars(self, checkpoint.with_masters(self, super().state_dict()))
+        return super().state_dict()  # with _export_states first among the post-hooks
+
+    def _export_states(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # The first state-dict post-hook (registered in __init__ as a plain function, called with the optimizer), so
+        # that the user's see the masters and the sharded scales as they are saved.
+        return checkpoint.shard_scalars(self, checkpoint.with_masters(self, state_dict))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -52,14 +52,14 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
     params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes, grad_amaxes, owners = (
         list(x) for x in zip(*items, strict=True)
     )
-    beta1, beta2 = group["betas"]
+    beta1, beta2 = (float(beta) for beta in group["betas"])  # tensor betas (torch allows them) as numbers
     # One pass bounds the new amaxes with Adam's step bound (needs beta1**2 < beta2) and the gradient amaxes.
     two_pass = opt.scale_update == "two_pass" or beta1**2 >= beta2 or scales[0] is None
     # lr 0 leaves the weights as they are, as in torch.optim.AdamW (the copy would be the rounded master;
     # torch.distributed.checkpoint creates the states of a resumed run with such a step).
     write_copies = copies[0] is not None and float(group["lr"]) != 0.0
     kwargs = {
-        "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": group["eps"],
+        "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": group["eps"],
         "weight_decay": group["weight_decay"], "step": step,
         "grad_unscale": -grad_unscale if group.get("maximize", False) else grad_unscale,
         "two_pass": two_pass, "grad_amaxes": None if two_pass else grad_amaxes,

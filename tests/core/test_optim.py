@@ -618,3 +618,74 @@ def test_compiled_model_trains_like_eager_with_adopted_weights():
     assert eager[0].weight.dtype == torch.float16
     for a, b in zip(eager.parameters(), compiled_src.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_tensor_betas_reach_the_step_kernel_as_numbers(monkeypatch):
+    """torch allows tensor betas; with beta1**2 >= beta2 the kernel's two-pass flag (a compile-time constant of the
+    Triton kernel) was a 0-dim tensor. The step with tensor betas equals the one with the same numbers."""
+    from lightning_fp8.optim import step as step_module
+
+    seen = []
+    real = step_module.reference_adamw.adamw_step_ref
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("beta1", "beta2", "two_pass")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module.reference_adamw, "adamw_step_ref", spy)
+    runs = []
+    for betas in ((0.99, 0.9), (torch.tensor(0.99, dtype=torch.float64), torch.tensor(0.9, dtype=torch.float64))):
+        torch.manual_seed(0)
+        model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+        opt = FP8AdamW(model.parameters(), lr=1e-2, betas=betas)
+        for _ in range(2):
+            model(torch.randn(4, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(type(s["two_pass"]) is bool and type(s["beta1"]) is float for s in seen), seen
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_post_hooks_see_the_saved_masters():
+    """The masters (and sharded scales) were added after the user's state-dict post-hooks ran, so a hook that filters
+    or converts the states missed them."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+    opt = FP8AdamW(model.parameters(), lr=1e-2, opt_level="O2")
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    seen = {}
+
+    def hook(optimizer, state_dict):
+        seen.update({index: sorted(state) for index, state in state_dict["state"].items()})
+        state_dict["state"][0] = {k: v for k, v in state_dict["state"][0].items() if k != "master"}
+        return state_dict
+
+    opt.register_state_dict_post_hook(hook)
+    saved = opt.state_dict()
+    assert "master" in seen[0]
+    assert "master" not in saved["state"][0]  # what the user's hook returned is what state_dict gives
+    copy.deepcopy(opt)  # the registered hook is a plain function: the optimizer still copies and pickles
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_on_the_meta_device_makes_the_states_a_real_step_makes(opt_level):
+    """torch.optim.AdamW steps meta parameters (shapes only, e.g. to size the states); FP8AdamW's O2 step raised in
+    the amax of its low-precision states (autocast has no meta device)."""
+
+    def stepped(device: str) -> dict:
+        with torch.device(device):
+            model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+        model = convert_to_fp8(model)
+        opt = FP8AdamW(model.parameters(), opt_level=opt_level, low_precision_moments="all")
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        return {(i, key): (value.dtype, value.shape, value.device.type)
+                for i, p in enumerate(model.parameters()) for key, value in opt.state[p].items()}  # fmt: skip
+
+    meta, cpu = stepped("meta"), stepped("cpu")
+    assert meta.keys() == cpu.keys()
+    assert all(meta[k][:2] == cpu[k][:2] and meta[k][2] == ("cpu" if k[1] == "step" else "meta") for k in cpu)

@@ -44,6 +44,31 @@ def test_add_param_group_refuses_amsgrad_as_the_constructor_does():
     assert opt.param_groups[1]["params"] == [b]
 
 
+def test_add_param_group_refuses_coupled_weight_decay_that_torch_adamw_would_honour():
+    """torch.optim.AdamW applies Adam's L2 decay to a group with decoupled_weight_decay=False; FP8AdamW kept the flag
+    and decayed the group decoupled."""
+    a, b = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
+    opt = FP8AdamW([a])
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False .* is not supported"):
+        opt.add_param_group({"params": [b], "decoupled_weight_decay": False})
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        FP8AdamW([{"params": [a]}, {"params": [b], "decoupled_weight_decay": False}])
+    assert len(opt.param_groups) == 1  # not kept
+    opt.add_param_group({"params": [b], "decoupled_weight_decay": True})  # AdamW's own, spelled out
+    # a torch.optim.Adam state dict (its groups say False) still loads, as into torch.optim.AdamW: decoupled
+    adam = torch.optim.Adam([a, b])
+    loaded = FP8AdamW([a, b])
+    loaded.load_state_dict(adam.state_dict())
+    assert loaded.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_amsgrad_is_the_sixth_positional_argument_as_in_torch():
+    a = nn.Parameter(torch.randn(16))
+    FP8AdamW([a], 1e-3, (0.9, 0.999), 1e-8, 0.01, False)
+    with pytest.raises(ValueError, match=NO_AMSGRAD):
+        FP8AdamW([a], 1e-3, (0.9, 0.999), 1e-8, 0.01, True)
+
+
 @pytest.mark.parametrize("flag", ["capturable", "differentiable"])
 def test_add_param_group_refuses_capturable_and_differentiable_as_the_constructor_does(flag):
     """Refused as constructor arguments, but kept in a group (given to the constructor or add_param_group), claimed
