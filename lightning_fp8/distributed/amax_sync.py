@@ -35,9 +35,10 @@ from torch.utils.hooks import RemovableHandle
 from lightning_fp8.scaling import ScalingState, compute_scale
 from lightning_fp8.warnings import warn_once
 
-# Scaling states whose scale is known to be identical on every rank: synchronized since their last cast.
-# Tensor-parallel layers that gather FP8 data from several ranks consume this token (see claim_shared_scale).
-_synced: weakref.WeakSet[ScalingState] = weakref.WeakSet()
+# Scaling states synchronized since their last cast -> the global ranks that now agree on their scale (None: every
+# rank). Tensor-parallel layers that gather FP8 data from several ranks consume this token (see claim_shared_scale).
+_synced: weakref.WeakKeyDictionary[ScalingState, frozenset[int] | None] = weakref.WeakKeyDictionary()
+_NOT_SYNCED = object()
 _HOOK_ATTR = "_lightning_fp8_amax_sync_hook"
 
 
@@ -79,6 +80,7 @@ class AmaxSync:
         for state in self.states:
             groups[(state.fp8_dtype, state.margin, state.algo, state.amax_history.numel())].append(state)
         self._groups = list(groups.items())
+        self._ranks: frozenset[int] | None = None  # the process group's global ranks, known once it is initialized
 
     def __len__(self) -> int:
         return len(self.states)
@@ -105,7 +107,9 @@ class AmaxSync:
             prev = torch.stack([s.scale for s in states])
             _copy_all([s.amax_history for s in states], list(history.unbind(0)))
             _copy_all([s.scale for s in states], list(compute_scale(ref, fp8_dtype, margin, prev).unbind(0)))
-        _synced.update(self.states)
+        if self.process_group is not None and self._ranks is None:
+            self._ranks = frozenset(dist.get_process_group_ranks(self.process_group))
+        _synced.update(dict.fromkeys(self.states, self._ranks))
 
 
 def sync_fp8_amax(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
@@ -161,18 +165,32 @@ def claim_shared_scale(state: ScalingState, process_group: dist.ProcessGroup | N
     amax, after which the scale may differ again until the next sync.
 
     Normally the root's amax sync (:func:`enable_fp8_amax_sync`) already made it so, and this costs nothing.
-    Otherwise (no sync enabled, or the layer runs twice between syncs, e.g. under activation recomputation) the
-    state's whole amax history is MAX-reduced over ``process_group`` here: correct, but one small collective per
-    layer.
+    Otherwise (no sync enabled, a sync group that leaves out some ranks of ``process_group``, or the layer runs twice
+    between syncs, e.g. under activation recomputation) the state's whole amax history is MAX-reduced over
+    ``process_group`` here: correct, but one small collective per layer.
     """
-    if state in _synced:
-        _synced.discard(state)
+    synced_over = _synced.pop(state, _NOT_SYNCED)
+    if synced_over is None:  # synced over the whole world (the default): no rank lookup on the common path
         return
-    warn_once(
-        "lightning_fp8: a tensor-parallel FP8 layer had to synchronize its amax on its own (one small collective per "
-        "layer): call lightning_fp8.distributed.amax_sync.enable_fp8_amax_sync(model) on the root module (done by "
-        "apply_fp8_tensor_parallel) so that one batched collective per step does it"
-    )
+    if synced_over is not _NOT_SYNCED:
+        ranks = frozenset(dist.get_process_group_ranks(process_group))
+        if ranks <= synced_over:
+            return
+        # E.g. amax_sync_group=mesh["dp"].get_group(): the data-parallel ranks agree, this layer's TP ranks do not,
+        # and each would decode the others' gathered FP8 bytes with its own scale_inv.
+        warn_once(
+            f"lightning_fp8: the FP8 amax sync group (ranks {sorted(synced_over)}) does not contain this "
+            f"tensor-parallel layer's ranks {sorted(ranks)}, which must cast with identical scales: each such layer "
+            "synchronizes its amax over its tensor-parallel group on its own (one small collective per layer); sync "
+            "over the whole world (apply_fp8_tensor_parallel's default amax_sync_group=None) or a group that contains "
+            "the tensor-parallel ranks"
+        )
+    else:
+        warn_once(
+            "lightning_fp8: a tensor-parallel FP8 layer had to synchronize its amax on its own (one small collective "
+            "per layer): call lightning_fp8.distributed.amax_sync.enable_fp8_amax_sync(model) on the root module "
+            "(done by apply_fp8_tensor_parallel) so that one batched collective per step does it"
+        )
     with torch.no_grad():
         dist.all_reduce(state.amax_history, op=dist.ReduceOp.MAX, group=process_group)
         ref = state.amax_history.amax() if state.algo == "max" else state.amax_history[0]

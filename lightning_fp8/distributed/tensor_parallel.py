@@ -137,8 +137,9 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
 
     The layer reduces its partial sums itself: all-reduce for a replicated output, reduce-scatter (activation
     dtype) for ``output_layouts=Shard(seq_dim)``, whose backward all-gathers the output gradient as FP8 that the
-    dgrad and wgrad GEMMs consume directly. A plain ``nn.Linear`` or ``nn.Embedding`` is parallelized exactly as
-    ``RowwiseParallel`` does.
+    dgrad and wgrad GEMMs consume directly. ``Shard(-1)`` (the output features) works the same way, each rank adding
+    its slice of the bias. A plain ``nn.Linear`` or ``nn.Embedding`` is parallelized exactly as ``RowwiseParallel``
+    does.
 
     Args:
         input_layouts, output_layouts, use_local_output: as ``RowwiseParallel``.
@@ -336,6 +337,9 @@ def apply_fp8_tensor_parallel(
         amax_sync: sync the delayed-scaling amaxes of ``module`` once per forward in one collective
             (:func:`~lightning_fp8.distributed.amax_sync.enable_fp8_amax_sync`); skipped on a single rank.
         amax_sync_group: the ranks that must agree on scales; default: the whole world (data x tensor parallel).
+            A group without the tensor-parallel ranks (e.g. ``mesh["dp"].get_group()``) stays correct, but the
+            layers that gather FP8 then sync their amaxes over ``tp_mesh`` themselves: one more small collective per
+            such layer and step.
 
     Returns:
         ``module``, parallelized in place.

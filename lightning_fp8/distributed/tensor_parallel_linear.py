@@ -174,7 +174,9 @@ class TPLinearFn(torch.autograd.Function):
         fused = b if comm.kind == "colwise" else None
         y = ops.linear_forward_mm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias=fused)
         y = y.reshape(*lead_shape, -1)
-        if comm.kind == "rowwise":  # partial sums over the input-feature shards; the bias is added once, after
+        # rowwise: partial sums over the input-feature shards; the bias is added once, after the reduction (with a
+        # feature-sharded output, this rank's slice of it)
+        if comm.kind == "rowwise":
             if comm.dim is None:
                 dist.all_reduce(y, group=group)
             else:
@@ -201,8 +203,9 @@ class TPLinearFn(torch.autograd.Function):
         if current is None:
             current = state.needs_current_scale()
             state.note_cast(dy.numel(), by_value=False)  # the same on every rank (see dtensor_forward)
-        # Bias gradient in fp32 from this rank's dy: its column shard (colwise), or its rows (rowwise, sequence
-        # parallel: a partial sum that the caller marks as such), or all rows (rowwise, replicated output).
+        # Bias gradient in fp32 from this rank's dy: its column shard (colwise, or rowwise with a feature-sharded
+        # output: the caller gathers the slices), or its rows (rowwise, sequence parallel: a partial sum that the
+        # caller marks as such), or all rows (rowwise, replicated output).
         db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
         dy_fp8_t = None
         if comm.kind == "rowwise" and comm.dim is not None and comm.fp8:
@@ -325,8 +328,12 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     out_dtype = output_dtype(x)
     master_scale = getattr(weight, master.SCALE_ATTR, None)
     bias = layer.bias
-    if bias is not None:
-        # Rowwise bias is replicated; with a sequence-sharded output, each rank's gradient sums its rows only.
+    if bias is not None and kind == "rowwise" and dim == x.ndim - 1:
+        # Rowwise bias is replicated; a feature-sharded output takes this rank's slice of it (a local chunk, no
+        # communication), whose gradient the backward all-gathers into the replicated bias's.
+        bias = bias.redistribute(mesh, [Shard(0)]).to_local()
+    elif bias is not None:
+        # With a sequence-sharded output, each rank's bias gradient sums its rows only: a partial sum.
         bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
     x_local = x.to_local()
     y = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)

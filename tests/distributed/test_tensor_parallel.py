@@ -148,6 +148,7 @@ def _two_rank_worker(rank: int, world: int, checkpoint_dir: str) -> dict:
     parts: dict[str, Callable[[], object]] = {f"parity:{case}": partial(_parity, case) for case in PARITY_CASES}
     parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync,
               "uneven_sequence": _uneven_sequence, "zero_shard": _zero_shard}  # fmt: skip
+    parts |= {f"rowwise_feature_shard:{case}": partial(_rowwise_feature_shard, case) for case in FEATURE_SHARD_CASES}
     return run_parts(parts)
 
 
@@ -511,6 +512,58 @@ def test_ranks_decide_the_first_casts_alike_when_one_ranks_shard_is_zero(two_ran
     assert all(all(step.values()) for step in reports[0]["flags"])
 
 
+# ----------------------------------------------------------------- a row-parallel output sharded on its features
+FEATURE_SHARD_CASES = {"shard_-1_fp8_comm": (-1, True), "shard_2_hp_comm": (2, False)}  # (output dim, fp8_comm)
+
+
+def _rowwise_feature_shard(case: str) -> dict:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_fp8 import FP8Linear
+    from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
+    from lightning_fp8.distributed.tensor_parallel import FP8RowwiseParallel
+
+    out_dim, fp8_comm = FEATURE_SHARD_CASES[case]
+    torch.manual_seed(0)
+    layer = FP8Linear(D, 80)  # a bias; 48 input and 40 output features per rank
+    _equalize_shard_amax(layer, WORLD)
+    ref = copy.deepcopy(layer)
+    style = FP8RowwiseParallel(output_layouts=Shard(out_dim), fp8_comm=fp8_comm)  # input: Shard(-1), as torch's
+    parallelize_module(layer, _tp_mesh(), style)
+    enable_fp8_amax_sync(layer)
+    rank, gen, steps = dist.get_rank(), torch.Generator().manual_seed(5), []
+    for _ in range(3):  # step 0 casts with current scaling, later steps with the synced delayed scales
+        x = torch.randn(BATCH, SEQ, D, generator=gen)
+        grad = torch.randn(BATCH, SEQ, 80, generator=gen)
+        x_ref, x_shard = x.clone().requires_grad_(), x.chunk(WORLD, -1)[rank].clone().requires_grad_()
+        y_ref, y_shard = ref(x_ref), layer(x_shard)
+        y_ref.backward(grad)
+        y_shard.backward(grad.chunk(WORLD, -1)[rank])
+        compared = {
+            "out": (y_shard, y_ref.chunk(WORLD, -1)[rank]),
+            "x.grad": (x_shard.grad, x_ref.grad.chunk(WORLD, -1)[rank]),
+            "weight": (_full(layer.weight.grad), ref.weight.grad),
+            "bias": (_full(layer.bias.grad), ref.bias.grad),
+        }
+        assert all(a.shape == b.shape for a, b in compared.values()), {k: a.shape for k, (a, _) in compared.items()}
+        steps.append({k: sqnr(a, b) for k, (a, b) in compared.items()})
+        layer.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    return {"steps": steps}
+
+
+@pytest.mark.parametrize("case", list(FEATURE_SHARD_CASES))
+def test_rowwise_output_sharded_on_features_matches_single_process(two_ranks, case):
+    """Found by the sweep of tensor-parallel styles: FP8RowwiseParallel(output_layouts=Shard(-1)) added the whole
+    bias to each rank's slice of the output features (a shape error), where torch's RowwiseParallel adds its slice.
+    Output, input, weight and bias gradients against the unsharded layer."""
+    for rank, report in enumerate(part_results(two_ranks, f"rowwise_feature_shard:{case}")):
+        for step, sqnrs in enumerate(report["steps"]):
+            bad = {k: round(v, 1) for k, v in sqnrs.items() if v < TP_PARITY_SQNR_DB}
+            assert not bad, f"{case}, rank {rank}, step {step}: SQNR vs the unsharded layer: {bad}"
+
+
 def test_2d_mesh_trains_gpt():
     """data x tensor parallel (2 x 2 on 4 processes): 30 steps of a 2-block FP8 GPT against one process."""
     for report in run_workers(_train_2d_worker, 4, 2, 30):
@@ -519,6 +572,75 @@ def test_2d_mesh_trains_gpt():
         for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
             assert got == pytest.approx(want, rel=TRAINING_LOSS_RTOL), f"step {step}: {got} vs {want}"
         assert report["scales_identical"]
+
+
+def _amax_sync_group_worker(rank: int, world: int) -> dict:
+    """A sequence-parallel MLP on a 2 x 2 (dp x tp) mesh, its amaxes synced over the world or over mesh['dp'] only,
+    against the unparallelized FP8 MLP and the fp32 MLP on this rank's data-parallel batch."""
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    report = {}
+    for name, group in (("world", None), ("dp", mesh["dp"].get_group())):
+        torch.manual_seed(0)
+        mlp_hp = MLP(D)
+        _equalize_shard_amax(mlp_hp, mesh["tp"].size())
+        mlp = convert_to_fp8(copy.deepcopy(mlp_hp))
+        ref = copy.deepcopy(mlp)
+        apply_fp8_tensor_parallel(mlp, mesh["tp"], plan={"fc": "colwise", "proj": "rowwise"}, amax_sync_group=group)
+        gen, steps = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank()), []
+        for _ in range(3):  # step 0 casts with current scaling, later steps with the synced delayed scales
+            x = torch.randn(BATCH, SEQ, D, generator=gen)
+            x[:, SEQ // 2 :] *= 4  # the second TP rank's half of the sequence: larger amaxes than the first's
+            xs = [x.clone().requires_grad_() for _ in range(3)]
+            counter = _CommBytes()
+            with counter:
+                y = mlp(xs[0])
+                y.square().mean().backward()
+            ys = [y] + [model(xi) for model, xi in zip((ref, mlp_hp), xs[1:], strict=True)]
+            for y in ys[1:]:
+                y.square().mean().backward()
+            # SQNR of (TP vs single-process FP8, TP vs fp32, single-process FP8 vs fp32) per tensor
+            compared = {"out": ys, "x.grad": [xi.grad for xi in xs]}
+            for (n, p), p_ref, p_hp in zip(mlp.named_parameters(), ref.parameters(), mlp_hp.parameters(), strict=True):
+                compared[n] = [_full(p.grad), p_ref.grad, p_hp.grad]
+            steps.append({k: (sqnr(a, b), sqnr(a, c), sqnr(b, c)) for k, (a, b, c) in compared.items()})
+            for model in (mlp, ref, mlp_hp):
+                model.zero_grad(set_to_none=True)
+        histories = [s.amax_history for s in _delayed_states(mlp).values()]
+        report[name] = {
+            "steps": steps,
+            # c10d all-reduces of the last step: the root's batched amax sync, plus any layer syncing on its own
+            "allreduce_bytes": counter.bytes.get("c10d.allreduce_", 0),
+            "root_sync_bytes": sum(h.numel() * h.element_size() for h in histories),
+            "history_bytes": histories[0].numel() * histories[0].element_size(),
+        }
+    return report
+
+
+def test_amax_sync_over_the_data_parallel_group_keeps_tensor_parallel_scales_shared():
+    """Found by a sweep of 2-D meshes: with amax_sync_group=mesh['dp'] the root's sync marked every state as synced,
+    the TP layers trusted the mark, and the two TP ranks decoded each other's gathered FP8 bytes with their own
+    scales (weight gradients 70% off from step 1, silently). A sync group that leaves out TP ranks now makes the
+    gathering layers sync over their TP group (one small all-reduce each); the world sync costs nothing more."""
+    for rank, report in enumerate(run_workers(_amax_sync_group_worker, 4)):
+        for name, r in report.items():
+            for step, sqnrs in enumerate(r["steps"]):
+                where = f"amax sync over {name}, rank {rank}, step {step}"
+                if name == "world":  # the forward and the weight gradients come before the FP8 reduce-scatter
+                    exact = {k: round(v[0], 1) for k, v in sqnrs.items() if k != "x.grad" and v[0] < TP_PARITY_SQNR_DB}
+                    assert not exact, f"{where}: SQNR vs the single-process FP8 model: {exact}"
+                # Over mesh['dp'] the casts that are not gathered (fc's output gradient, proj's input) keep each TP
+                # rank's own scale, so they round differently from one process: held to FP8 noise against fp32.
+                worse = {
+                    k: v for k, v in sqnrs.items() if v[0] < TP_PARITY_SQNR_DB and v[1] < v[2] - FP8_COMM_EXTRA_NOISE_DB
+                }
+                assert not worse, f"{where}: more than FP8 noise (tp vs fp8, tp vs fp32, fp8 vs fp32): {worse}"
+        world, dp = report["world"], report["dp"]
+        # The root's one batched sync, and the fp32 amax of the FP8 reduce-scatter of fc's input gradient.
+        assert world["allreduce_bytes"] == world["root_sync_bytes"] + 4, world
+        # Over mesh['dp'] also fc's input and proj's output gradient, the FP8 gathers: each syncs over the TP group.
+        assert dp["allreduce_bytes"] == dp["root_sync_bytes"] + 4 + 2 * dp["history_bytes"], dp
 
 
 def _checkpoint(checkpoint_dir: str) -> dict:
