@@ -31,7 +31,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedType
 from torch import nn
 from typing_extensions import override
 
-from lightning_fp8.convert import fp8_modules
+from lightning_fp8.convert import FALLBACK_ATTR, fp8_modules
 from lightning_fp8.health import HealthMonitor, scaler_fallbacks, skipped_step_action
 from lightning_fp8.integrations.accelerate import conversion, parallel, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
@@ -39,6 +39,8 @@ from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_lau
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
 from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
+from lightning_fp8.linear import FP8Linear
+from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import FP8AdamW, master
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
@@ -107,6 +109,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self.fp8_report: dict[str, Any] = {}
         self._fp8_user_filter = fp8_module_filter
         self._fp8_models: list[nn.Module] = []
+        self._fp8_conversions: list[dict[str, Any]] = []  # conversion.convert's report of each of _fp8_models
         self._fp8_optimizer: FP8AcceleratedOptimizer | None = None
         self._fp8_swaps: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []  # (script's AdamW, FP8AdamW)
         self._fp8_wrapped: set[int] = set()
@@ -165,6 +168,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # parameters, so the optimizer built on them stays valid.
         if device_placement is not None and len(device_placement) != len(args):
             return super().prepare(*args, device_placement=device_placement)  # Accelerate's error for it
+        self._fp8_check_before_optimizer([obj for obj in args if isinstance(obj, nn.Module)])
         placements = device_placement if device_placement is not None else [None] * len(args)
         args = tuple(
             self._fp8_convert(obj, placed) if isinstance(obj, nn.Module) else obj
@@ -192,6 +196,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     ) -> nn.Module:
         if self.fp8_lm_config is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._fp8_check_before_optimizer([model])
         model = self._fp8_convert(model, device_placement)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if not evaluation_mode:
@@ -252,7 +257,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             model = model.to(self.device)
         model, report = conversion.convert(model, self.fp8_lm_config, self._fp8_user_filter, self.device)
         self._fp8_models.append(model)
-        self.fp8_report.update(report)
+        self._fp8_conversions.append(report)
+        self.fp8_report.update(conversion.combined_report(self._fp8_conversions))
+        if self.fp8_grad_scaler is not None:  # a model prepared after the optimizer (one it does not train)
+            self.fp8_grad_scaler.model = self._fp8_scaler_model()
         self._fp8_info(
             f"lightning_fp8: converted {report['converted_layers']} linear layer(s) of {type(model).__name__} to FP8 "
             f"(recipe {self.fp8_lm_config.recipe.to_dict()}); kept {len(report['high_precision_linears'])} in high "
@@ -270,10 +278,63 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if self.fp8_grad_scaler is None:  # created at the first prepare that needs it, after the model's conversion
             from lightning_fp8.grad_scaler import FP8GradScaler
 
-            # With one FP8 model, the scaler keeps its grad_output scales exact when mu changes.
-            model = self._fp8_models[0] if len(self._fp8_models) == 1 else None
-            self.fp8_grad_scaler = FP8GradScaler(model=model)
+            self.fp8_grad_scaler = FP8GradScaler(model=self._fp8_scaler_model())
         return self.fp8_grad_scaler
+
+    def _fp8_scaler_model(self) -> nn.Module:
+        """The scaler's ``model``: the FP8 model, or with several, a container holding them as ``model<i>`` (the
+        logged statistics' names). Every FP8 layer that casts a mu-scaled gradient must be in it: the scaler rescales
+        their ``grad_output`` scaling states when mu changes, else their next casts saturate (mu doubled) or lose
+        precision (mu halved). Its ``"bf16"`` fallback finds the layers to put back there too."""
+        if len(self._fp8_models) == 1:  # the layer names the fallback reports are the model's own
+            return self._fp8_models[0]
+        return nn.ModuleDict({f"model{i}": model for i, model in enumerate(self._fp8_models)})
+
+    def _fp8_check_before_optimizer(self, models: list[nn.Module]) -> None:
+        """Raise ValueError, before any of ``models`` is converted, if the FP8AdamW (O2) of an earlier prepare trains
+        weights of their linear layers: it took them for ordinary parameters, and once they become FP8 weights it
+        would keep training them with fp32 states and no fp16 master, without a word (as an FP8AdamW built before the
+        conversion would: :func:`_check_built_after_conversion`). Every ``nn.Linear`` weight it holds counts, also one
+        the conversion will leave in high precision (its sizes, a tied weight): only converting decides that, and the
+        fix, one prepare order, suits every model."""
+        optimizers = [new for _, new in self._fp8_swaps]
+        if self._fp8_optimizer is not None:
+            optimizers.append(self._fp8_optimizer.optimizer)
+        held = {id(p) for opt in optimizers if isinstance(opt, FP8AdamW) and opt.opt_level == "O2"
+                for group in opt.param_groups for p in group["params"] if p not in opt._low_precision}  # fmt: skip
+        # The weights of the models prepared already are known to the optimizer as they are (e.g. a high-precision
+        # head, or the same model prepared again).
+        held -= {id(p) for model in self._fp8_models for p in model.parameters()}
+        for model in models:
+            late = [name for name, m in model.named_modules() if type(m) is nn.Linear and id(m.weight) in held
+                    and not getattr(m, FALLBACK_ATTR, False)]  # fmt: skip
+            if late:
+                raise ValueError(
+                    f"accelerator.prepare({type(model).__name__}) after the optimizer that trains it: the FP8AdamW "
+                    f"that an earlier prepare built took the weights of its linear layers {late[:5]} for ordinary "
+                    "parameters, so those that prepare makes FP8 weights would train with fp32 states and no fp16 "
+                    "master. Prepare every model the optimizer trains before the optimizer or in the same call "
+                    "(accelerator.prepare(model1, model2, optimizer)). Nothing was converted"
+                )
+
+    def _fp8_check_fallback(self) -> None:
+        """Raise ValueError if the scaler's ``"bf16"`` fallback could put back a prepared model itself.
+
+        With several models it searches the container of :meth:`_fp8_scaler_model`, where a model that is itself an
+        FP8 layer (or FP8MLP, which would become an UnfusedMLP) would be replaced in the container only: the script
+        would train on with the FP8 module the fallback released. With one model the fallback refuses it itself.
+        """
+        if self.fp8_grad_scaler.nonfinite_fallback != "bf16" or len(self._fp8_models) < 2:
+            return
+        roots = [f"model{i} ({type(m).__name__})" for i, m in enumerate(self._fp8_models)
+                 if isinstance(m, (FP8Linear, FP8MLP))]  # fmt: skip
+        if roots:
+            raise ValueError(
+                f"FP8GradScaler(nonfinite_fallback='bf16') cannot put back {', '.join(roots)}: a prepared model that "
+                "is itself an FP8Linear or FP8MLP cannot be replaced in place (your script holds that object). Wrap "
+                "it in a module before accelerator.prepare (e.g. nn.Sequential(layer)), or set the scaler's "
+                "nonfinite_fallback to 'lower_lr'. Nothing was changed"
+            )
 
     def _fp8_swap(self, optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer`` as FP8AdamW (AdamW/Adam), or unchanged (with a warning for other types)."""
@@ -382,6 +443,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
         self._fp8_models, self._fp8_swaps, self._fp8_wrapped, self._fp8_tp_mapping = [], [], set(), {}
+        self._fp8_conversions = []
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
         if self.fp8_lm_config is not None:
             self.fp8_health = HealthMonitor()
@@ -391,6 +453,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.fp8_grad_scaler is not None:
+            self._fp8_check_fallback()  # before a step can run it
             self._fp8_loss.append(loss.detach())
             loss = self.fp8_grad_scaler.scale_loss(loss)
         super().backward(loss, **kwargs)

@@ -1,4 +1,5 @@
-"""Which linear layers of a prepared model become FP8, and whether their GEMMs run in FP8 or in emulation."""
+"""Which linear layers of a prepared model become FP8, whether their GEMMs run in FP8 or in emulation, and the report
+of it (``accelerator.fp8_report``)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,18 @@ def convert(
             "dequantizing to fp32 (same numerics, no speed-up)"
         )
     return model, {"converted_layers": len(converted), "high_precision_linears": kept, "emulated_gemm": bool(reason)}
+
+
+def combined_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report for every prepared model (``reports``: :func:`convert`'s, in prepare order): the converted layers
+    summed, and with several models each high-precision layer named ``model<i>.<name>``, as the logged statistics
+    name the models (``fp8/model<i>/...``)."""
+    if len(reports) == 1:
+        return dict(reports[0])
+    kept = [f"model{i}.{name}" if name else f"model{i}"  # "": the model is itself a layer kept in high precision
+            for i, report in enumerate(reports) for name in report["high_precision_linears"]]  # fmt: skip
+    return {
+        "converted_layers": sum(report["converted_layers"] for report in reports),
+        "high_precision_linears": kept,
+        "emulated_gemm": any(report["emulated_gemm"] for report in reports),
+    }
