@@ -491,6 +491,14 @@ class FP8Linear(nn.Linear):
             for state in scaling.values():
                 state.reset()
 
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        super().register_parameter(name, param)
+        # A weight registered after construction is this layer's weight too: torch's own parallel styles
+        # (ColwiseParallel's distribute_module), load_state_dict(assign=True) and `layer.weight = ...` register a new
+        # Parameter, which without the mark an FP8AdamW would train as a plain one (fp32 states, no O2 master).
+        if name == "weight" and param is not None and "fp8_scaling" in self._modules:
+            _mark_weight(self)
+
     def _apply(self, fn, recurse: bool = True):
         # to_empty() from the meta device gives the weight a new Parameter object, swap_module_params_on_conversion
         # new contents: keep what FP8 training set on it (see _WEIGHT_MARKS).

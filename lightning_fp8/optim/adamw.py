@@ -712,6 +712,8 @@ class FP8AdamW(torch.optim.Optimizer):
         self._mark_masters()
         for p in hooked:
             self._register_grad_hook(p)
+        # torch.optim.Optimizer pickles no hooks (a copy starts without the user's): register the export again.
+        self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
 
     def _mark_masters(self) -> None:
         # Masters kept apart (optim/apart.py) as they are now: a write to their parameters from here on reaches them.

@@ -96,3 +96,29 @@ def test_another_dtype_after_adoption_is_refused_saying_what_is_accepted(cast):
     model(torch.randn(4, 32, dtype=model[0].bias.dtype)).float().sum().backward()
     with pytest.raises(RuntimeError, match=r"must stay torch.float16 \(a cast to torch.float16 is accepted\)"):
         opt.step()
+
+
+@pytest.mark.parametrize("how", ["assign", "load_assign", "register_parameter"])
+def test_a_weight_registered_after_construction_is_an_fp8_weight(how):
+    """torch's own parallel styles (ColwiseParallel's distribute_module), load_state_dict(assign=True) and plain
+    assignment give an FP8Linear a new weight Parameter; without the FP8-weight mark an O2 FP8AdamW trained it as an
+    ordinary parameter (fp32 states, no fp16 master), silently."""
+    from lightning_fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16)
+    new = nn.Parameter(torch.randn(16, 32) * 0.1)
+    if how == "assign":
+        layer.weight = new
+    elif how == "load_assign":
+        layer.load_state_dict({"weight": new.detach().clone(), "bias": layer.bias.detach().clone()}, assign=True)
+    else:
+        layer.register_parameter("weight", new)
+    assert master.is_fp8_weight(layer.weight)
+    opt = FP8AdamW(layer.parameters(), lr=1e-3, opt_level="O2")
+    layer(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    assert layer.weight in opt._low_precision and opt.state[layer.weight]["exp_avg"].dtype == torch.float8_e4m3fn
+    plain = nn.Linear(32, 16)
+    plain.weight = nn.Parameter(torch.randn(16, 32))
+    assert not master.is_fp8_weight(plain.weight)  # only FP8 layers mark their weights

@@ -149,6 +149,7 @@ def _two_rank_worker(rank: int, world: int, checkpoint_dir: str) -> dict:
     parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync,
               "uneven_sequence": _uneven_sequence, "zero_shard": _zero_shard}  # fmt: skip
     parts |= {f"rowwise_feature_shard:{case}": partial(_rowwise_feature_shard, case) for case in FEATURE_SHARD_CASES}
+    parts["torch_colwise_o2"] = _torch_colwise_o2
     return run_parts(parts)
 
 
@@ -562,6 +563,41 @@ def test_rowwise_output_sharded_on_features_matches_single_process(two_ranks, ca
         for step, sqnrs in enumerate(report["steps"]):
             bad = {k: round(v, 1) for k, v in sqnrs.items() if v < TP_PARITY_SQNR_DB}
             assert not bad, f"{case}, rank {rank}, step {step}: SQNR vs the unsharded layer: {bad}"
+
+
+def _torch_colwise_o2() -> dict:
+    """torch's own ColwiseParallel on an FP8Linear, trained by an O2 FP8AdamW, against FP8ColwiseParallel."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_fp8 import FP8AdamW, FP8Linear
+    from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel
+
+    runs = {}
+    for style in (ColwiseParallel(), FP8ColwiseParallel()):
+        torch.manual_seed(0)
+        layer = parallelize_module(FP8Linear(32, 64), _tp_mesh(), style)
+        opt = FP8AdamW(layer.parameters(), lr=1e-2, opt_level="O2")
+        for step in range(3):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+            _full(layer(x)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.state[layer.weight]
+        runs[type(style).__name__] = {
+            "states": sorted(f"{k}:{v.dtype}" for k, v in state.items() if k in ("master", "exp_avg", "exp_avg_sq")),
+            "weight": _full(layer.state_dict()["weight"]),  # the true weight (the state dict's, unscaled)
+        }
+    return runs
+
+
+def test_torch_colwise_parallel_on_an_fp8_linear_trains_as_fp8_colwise_parallel(two_ranks):
+    """Found by a sweep: torch's ColwiseParallel (documented to work on an FP8Linear) registers a new weight Parameter
+    without the FP8-weight mark, so an O2 FP8AdamW gave it fp32 states and no fp16 master, silently."""
+    for report in part_results(two_ranks, "torch_colwise_o2"):
+        torch_style, fp8_style = report["ColwiseParallel"], report["FP8ColwiseParallel"]
+        assert torch_style["states"] == fp8_style["states"]
+        assert "master:torch.float16" in fp8_style["states"]
+        assert torch.equal(torch_style["weight"], fp8_style["weight"])
 
 
 def test_2d_mesh_trains_gpt():
