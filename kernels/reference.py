@@ -32,8 +32,9 @@ def cast_to_fp8_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Saturating scaled cast to FP8, with an optional transposed copy, the amax and a saturation count.
 
-    ``y = x.float() * scale``; finite ``y`` is clamped to ``[-fp8_max, fp8_max]`` and rounded to nearest
-    even; a non-finite ``x`` becomes NaN (so overflow is never hidden by the clamp).
+    ``y = x.float() * scale``; ``y`` of a finite ``x`` is clamped to ``[-fp8_max, fp8_max]`` (also where a float64
+    ``x`` beyond fp32's range made it inf) and rounded to nearest even; a non-finite ``x`` becomes NaN (so overflow is
+    never hidden by the clamp).
 
     Args:
         x: a floating-point tensor (any shape; 2-D when ``transpose``).
@@ -49,7 +50,7 @@ def cast_to_fp8_ref(
     fp8_max = _FP8_MAX[fp8_dtype]
     x32 = x.detach().float()
     y = x32 * scale
-    finite = torch.isfinite(x32)
+    finite = torch.isfinite(x.detach())  # of x itself: a finite float64 past fp32's range saturates
     n_saturated = ((y.abs() >= fp8_max) & finite).sum()
     y = torch.where(finite, y.clamp(-fp8_max, fp8_max), torch.nan)
     x_fp8 = y.to(fp8_dtype)

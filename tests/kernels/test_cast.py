@@ -796,3 +796,15 @@ def test_traced_quantize_op_keeps_the_input():
     got = quantize.quantize_op(x, *got_state, *args)
     ref = reference.quantize_ref(x, *ref_state, *args)
     assert _bytes_equal(got[3], ref[3]) and torch.equal(got[2], ref[2])
+
+
+def test_reference_cast_saturates_finite_float64_beyond_fp32_range():
+    """The CPU path's cast of a finite float64 above fp32's maximum gave NaN (x.float() is inf, which the finiteness
+    test saw) where every other finite value saturates; a non-finite x is NaN still."""
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = torch.finfo(fp8_dtype).max
+        x = torch.tensor([1e300, -1e300, 1e39, 448.0, float("inf"), float("nan")], dtype=torch.float64)
+        x_fp8, _, _, n_saturated = cast_to_fp8_ref(x, torch.tensor(2.0**-126), fp8_dtype)
+        got = x_fp8.float()
+        assert got[:3].tolist() == [fmax, -fmax, fmax]
+        assert got[4:].isnan().all() and int(n_saturated) == 3
