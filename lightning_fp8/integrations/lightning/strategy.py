@@ -138,12 +138,35 @@ class _FP8FSDPStrategyLogic:
                     f"the checkpoint {str(path)!r} holds the states of {len(states)} optimizer(s) and this run has "
                     f"{len(self.optimizers)} (configure_optimizers): resume with the optimizers that wrote it"
                 )
+            self._check_shards_fit(states, path)
         with self._full_state_dict(rank0_only=False):
             self.model.load_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
         if resume:
             for optimizer, state in zip(self.optimizers, states, strict=True):
                 optimizer.load_state_dict(state[PER_RANK][self.global_rank])
         return checkpoint
+
+
+    def _check_shards_fit(self, states: list[Any], path: Path) -> None:
+        """Raise ValueError on every rank, before anything is loaded, unless each rank's optimizer state shards fit
+        its optimizers' parameters: flat parameters of another ``auto_wrap_policy`` (or model) have other shapes."""
+        error = None
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            check = getattr(optimizer, "check_state_dict", None)
+            try:
+                if check is not None:
+                    check(state[PER_RANK][self.global_rank])
+            except ValueError as e:
+                error = str(e)
+                break
+        if self.reduce_boolean_decision(error is None, all=True):
+            return
+        raise ValueError(
+            f"the optimizer state of the checkpoint {str(path)!r} does not fit this run's sharded parameters "
+            f"({f'rank {self.global_rank}: {error}' if error else 'on another rank'}). strategy='{STRATEGY_NAME}' "
+            "saves each rank's shards of FSDP's flat parameters: resume with the same model, auto_wrap_policy and "
+            "number of processes. Nothing was loaded"
+        )
 
 
 class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):

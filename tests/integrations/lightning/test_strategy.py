@@ -133,6 +133,21 @@ def test_fsdp_fp8_refuses_a_checkpoint_of_another_number_of_optimizers(tmp_path)
         _fit(_wrapped(), steps=3, ckpt_path=path)
 
 
+def test_fsdp_fp8_optimizer_shards_that_do_not_fit_are_refused_before_loading(tmp_path):
+    """Each rank's optimizer shards fit the shards of another wrapping (auto_wrap_policy) or model only by chance: the
+    error named a corrupt checkpoint, on the ranks whose shards did not fit, after the weights were loaded."""
+    from lightning_fp8.integrations.lightning.strategy import PER_RANK
+
+    path = tmp_path / "fsdp.ckpt"
+    _fit(_wrapped(), steps=2).save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    state = checkpoint["optimizer_states"][0][PER_RANK][0]["state"][0]
+    state["exp_avg"] = torch.cat([state["exp_avg"], state["exp_avg"]])  # another shard's size
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=r"does not fit this run's sharded parameters .*same model, auto_wrap_policy"):
+        _fit(_wrapped(), steps=3, ckpt_path=path)
+
+
 def test_fallen_back_layers_resume_under_another_wrapping():
     """The layers the bf16 fallback put back to nn.Linear are saved under clean names, as the model's state_dict and
     the FP8 state are: a resume under another wrapping (here: checkpoint_wrapper on the saving side only) puts them
