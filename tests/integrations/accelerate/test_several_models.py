@@ -9,8 +9,10 @@ from torch import nn
 
 from lightning_fp8 import FP8Linear, fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
-from tests.integrations.accelerate.test_accelerator import Net
+from tests.integrations.accelerate.test_accelerator import (
+    Net,
+    _fresh_accelerate_state,  # noqa: F401 (autouse fixture)
+)
 
 
 class Both(nn.Module):
@@ -28,14 +30,6 @@ def _fresh_state() -> None:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    _fresh_state()
-    yield
-    _fresh_state()
 
 
 def _models(frozen_net: bool = False) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
