@@ -493,10 +493,12 @@ class FP8Linear(nn.Linear):
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         super().register_parameter(name, param)
-        # A weight registered after construction is this layer's weight too: torch's own parallel styles
-        # (ColwiseParallel's distribute_module), load_state_dict(assign=True) and `layer.weight = ...` register a new
-        # Parameter, which without the mark an FP8AdamW would train as a plain one (fp32 states, no O2 master).
-        if name == "weight" and param is not None and "fp8_scaling" in self._modules:
+        # torch's own parallel styles (ColwiseParallel's distribute_module) register the layer's weight again as a
+        # DTensor, which without the mark an FP8AdamW would train as a plain parameter (fp32 states, no O2 master).
+        # Only those: a plain Parameter assigned here may be another module's (weights tied after conversion, e.g.
+        # Hugging Face's tie_weights()), whose storage an O2 master must not take (convert_to_fp8 leaves tied layers
+        # in high precision for that reason).
+        if name == "weight" and _is_dtensor(param) and "fp8_scaling" in self._modules:
             _mark_weight(self)
 
     def _apply(self, fn, recurse: bool = True):
