@@ -290,7 +290,8 @@ class FP8GradScaler:
         ``torch.nn.utils.clip_grad_norm_(params, mu * max_norm)`` on O2's fp16 gradients computes each tensor's norm
         in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. Only
         ``param.grad`` is clipped: with ``FP8AdamW(fp8_grads=True)`` the FP8 weights' gradients are held by the
-        optimizer (``param.grad`` None), and this raises ValueError: build it with ``fp8_grads=False`` to clip."""
+        optimizer (``param.grad`` None), and this raises ValueError: build it with ``fp8_grads=False`` to clip.
+        Gradients that :meth:`unscale_` unscaled already are clipped as they are (:meth:`grad_factor`)."""
         from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_  # torch only (no Lightning import)
         from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 
@@ -302,8 +303,27 @@ class FP8GradScaler:
                 f"shape {tuple(held[0].shape)}), which FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad "
                 "as soon as they are computed): create the FP8AdamW with fp8_grads=False to clip, or do not clip"
             )
-        mu = self.loss_scale
+        mu = self.grad_factor(params)
         return clip_scaled_grad_norm_(params, max_norm, mu).float() / mu
+
+    def grad_factor(self, parameters: Any) -> float:
+        """The factor the gradients of ``parameters`` (a tensor or an iterable of them) carry now: :attr:`loss_scale`
+        (mu), or 1 where :meth:`unscale_` has unscaled them (their optimizer's, since the last :meth:`update`).
+
+        Raises:
+            ValueError: when some of the gradients are unscaled and others are not: clip or read the two sets
+                separately.
+        """
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        unscaled = {id(p) for opt in list(self._unscaled) for group in opt.param_groups for p in group["params"]}
+        kinds = {id(p) in unscaled for p in params if p.grad is not None}
+        if kinds == {True, False}:
+            raise ValueError(
+                "FP8GradScaler: some of these gradients were unscaled by unscale_(optimizer) and others still carry "
+                "mu; clip the two sets separately (torch.nn.utils.clip_grad_norm_ for the unscaled ones, the scaler's "
+                "clip_grad_norm_ for the others), or unscale_ none of them"
+            )
+        return 1.0 if kinds == {True} else self.loss_scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by mu in place, as ``torch.amp.GradScaler.unscale_`` does, for clipping or
@@ -321,6 +341,8 @@ class FP8GradScaler:
                 fp16 gradients.
             RuntimeError: when called twice for one optimizer since the last :meth:`update`, or after its step.
         """
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # Accelerate's and Lightning's wrappers step the one inside
         if getattr(optimizer, "_fp8_step", None) is not None:
             raise ValueError(
                 f"FP8GradScaler.unscale_({type(optimizer).__name__}): FP8AdamW unscales each gradient in fp32 inside "
@@ -336,8 +358,8 @@ class FP8GradScaler:
                 "FP8GradScaler.unscale_(optimizer) has already been called on this optimizer since the last update()"
             )
         _refuse_fp16_grads(optimizer, "unscale_")
-        _unscale_in_place(optimizer, 1.0 / self.loss_scale)
-        self._unscaled.add(optimizer)
+        # step() adds the flag to its own check: clipping may have made the gradients finite since.
+        self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale)
 
     def record_gradient_cast(
         self,
@@ -433,7 +455,8 @@ class FP8GradScaler:
         self._shared = _Counts()  # reports no optimizer owns (communication hooks): every step heeds them
         self._window = _Counts()  # the stepped optimizers' own reports and checks: what update() judges
         self._stepped: list[tuple[torch.optim.Optimizer, bool]] = []  # (optimizer, skipped) since the last update
-        self._unscaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # plain ones, grads unscaled
+        # Plain optimizers whose gradients are unscaled (by unscale_ or a step that raised) -> their non-finite flag.
+        self._unscaled: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor] = weakref.WeakKeyDictionary()
         self._agreed: dict[str, float] | None = None  # the totals of the last all-reduce, while no report came since
 
     # What every source reported since the last update (for tests and debugging: each reads the device).
@@ -527,8 +550,10 @@ class FP8GradScaler:
         # near their maximum, so the headroom rule decides the same; their non-finite check is the same.)
         self._record_high_precision_grads(optimizer, own, narrow_only=bool(own.cast_numel or self._shared.cast_numel))
         if fused is None:  # unscaled once: a step made again after raising only checks them
-            found = _unscale_in_place(optimizer, 1.0 if optimizer in self._unscaled else inv_scale)
-            self._unscaled.add(optimizer)
+            earlier = self._unscaled.get(optimizer)
+            found = _unscale_in_place(optimizer, 1.0 if earlier is not None else inv_scale)
+            found = found if earlier is None else found + earlier.to(found.device)
+            self._unscaled[optimizer] = found
         own.add((found > 0).float())
         step_found = own.found() if self._shared.stats is None else own.found() + self._shared.found().to(
             own.found().device)  # fmt: skip
@@ -566,7 +591,7 @@ class FP8GradScaler:
         ``update()`` is harmless). The counters are reset also when the fallback raises (the error propagates).
         """
         if not self._active:
-            self._unscaled = weakref.WeakSet()  # unscale_ without a step: the next backward's gradients are scaled
+            self._unscaled = weakref.WeakKeyDictionary()  # unscale_ without a step: the next backward's are scaled
             return
         if not self._stepped:  # reports without a step: judge them all
             for counts in list(self._owned.values()):
@@ -691,7 +716,7 @@ class FP8GradScaler:
         self._owned = weakref.WeakKeyDictionary()
         self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
         self._nonfinite_runs = weakref.WeakKeyDictionary()
-        self._unscaled = weakref.WeakSet()
+        self._unscaled = weakref.WeakKeyDictionary()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (loads with ``torch.load(weights_only=True)``). ``consecutive_nonfinite`` is the

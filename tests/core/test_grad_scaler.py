@@ -699,3 +699,54 @@ def test_unscale_refusals():
     scaler.scale_loss(model(torch.randn(4, 16)).sum()).backward()
     with pytest.raises(ValueError, match="clip_grad_norm_"):
         scaler.unscale_(fp8_opt)
+
+
+def test_unscale_keeps_its_nonfinite_flag_when_clipping_makes_the_gradients_finite():
+    """torch.amp.GradScaler skips the step: unscale_ found the inf, which clip_grad_value_ turned into 1.0 before
+    step() checked the gradients again. The flag was dropped and the step taken."""
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = FP8GradScaler(init_scale=2.0**10)
+    scaler.scale_loss((p * torch.tensor([1.0, 1.0, 1.0, float("inf")])).sum()).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_value_([p], 1.0)
+    assert torch.isfinite(p.grad).all()
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert torch.equal(p.detach(), torch.ones(4)) and scaler.get_scale() == 2.0**9
+
+
+def test_unscale_through_an_optimizer_wrapper_unscales_once():
+    """Accelerate's and Lightning's optimizer wrappers step the optimizer inside (scaler.step(wrapper.optimizer)):
+    unscale_(wrapper) recorded the wrapper, and the step unscaled the gradients a second time."""
+
+    class Wrapper(torch.optim.Optimizer):  # as accelerate.optimizer.AcceleratedOptimizer: .optimizer inside
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = FP8GradScaler(init_scale=2.0**8)
+    scaler.scale_loss(p.sum()).backward()
+    scaler.unscale_(Wrapper(opt))
+    scaler.step(opt)
+    assert torch.equal(p.detach(), torch.full((4,), 0.9))
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    with pytest.raises(ValueError, match="FP8AdamW unscales each gradient"):
+        scaler.unscale_(Wrapper(FP8AdamW(model.parameters())))
+
+
+def test_clip_grad_norm_after_unscale_clips_the_true_gradients():
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    sgd = torch.optim.SGD([a], lr=0.1)  # b's optimizer is not unscaled
+    scaler = FP8GradScaler(init_scale=2.0**6)
+    scaler.scale_loss((a * 12.0).sum() + (b * 12.0).sum()).backward()  # each true gradient norm 24
+    scaler.unscale_(sgd)
+    assert scaler.grad_factor([a]) == 1.0 and scaler.grad_factor([b]) == 2.0**6
+    with pytest.raises(ValueError, match="some of these gradients were unscaled"):
+        scaler.clip_grad_norm_([a, b], 1.0)
+    norm = scaler.clip_grad_norm_([a], 1.0)
+    assert float(norm) == pytest.approx(24.0) and float(a.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    norm = scaler.clip_grad_norm_([b], 1.0)  # still scaled: clipped in true units
+    assert float(norm) == pytest.approx(24.0) and float(b.grad.norm()) == pytest.approx(2.0**6, rel=1e-5)

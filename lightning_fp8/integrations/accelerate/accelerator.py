@@ -470,7 +470,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self._check_clippable()
-        mu = self.fp8_grad_scaler.loss_scale
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        mu = self.fp8_grad_scaler.grad_factor(parameters)  # 1 after fp8_grad_scaler.unscale_(optimizer)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
             total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
@@ -485,7 +486,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if self.fp8_grad_scaler is None or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
         self._check_clippable()
-        clip_grad_value_keeping_overflow_(parameters, clip_value * self.fp8_grad_scaler.loss_scale)
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        clip_grad_value_keeping_overflow_(parameters, clip_value * self.fp8_grad_scaler.grad_factor(parameters))
 
     def _check_clippable(self) -> None:
         """Raise if the prepared FP8AdamW holds FP8 weights' gradients outside ``param.grad`` (``fp8_grads=True``, a

@@ -460,3 +460,31 @@ def test_free_memory_gives_the_model_its_weights_back():
     _loss(model, _batch()).backward()
     plain.step()
     torch.testing.assert_close((model.fc1.weight - before).abs().max(), torch.tensor(1e-2), rtol=0.05, atol=0)
+
+
+def test_unscale_of_a_prepared_optimizer_then_clip_steps_on_the_clipped_true_gradients():
+    """torch.amp's pattern through the prepared optimizer: scaler.unscale_(opt) recorded the wrapper, the wrapper's
+    step unscaled the gradients a second time, and accelerator.clip_grad_norm_ took the unscaled gradients for
+    mu-scaled ones (clipping mu times too loose)."""
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.fp8_grad_scaler._scale = 2.0**8  # mu = 256
+    x = torch.randn(8, 32)
+    accelerator.backward(model(x).float().square().mean())
+    accelerator.fp8_grad_scaler.unscale_(opt)
+    norm = accelerator.clip_grad_norm_(model.parameters(), 0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    clipped = [p.grad.detach().clone() for p in model.parameters()]
+    opt.step()
+    for w0, g, p in zip(before, clipped, model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), w0 - 0.1 * g)  # stepped on the clipped gradients, unscaled once
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in clipped]))
+    assert float(total) == pytest.approx(0.01, rel=1e-3)  # clipped in true units
+    reference(x).float().square().mean().backward()  # the true gradients' norm (FP8 forward aside): same size
+    true_grads = [torch.linalg.vector_norm(p.grad) for p in reference.parameters()]
+    true_norm = torch.linalg.vector_norm(torch.stack(true_grads))
+    assert float(norm) == pytest.approx(float(true_norm), rel=0.1)
