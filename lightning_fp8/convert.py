@@ -187,6 +187,10 @@ def check_wrappable(layer: nn.Module, caller: str) -> None:
 
 def _label(layer: nn.Module, fqn: str, reason: str) -> str:
     name = fqn or "<root>"
+    if reason == "not_linear":  # transformers' Conv1D
+        return f"{name} ({layer.weight.shape[0]}->{layer.nf})"
+    if reason == "keep_in_fp32":
+        return fqn
     if reason == "sizes":
         return f"{name} ({layer.in_features}->{layer.out_features})"
     if reason == "dtype":
@@ -259,18 +263,9 @@ def convert_to_fp8(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        conv1d = _is_hf_conv1d(child)
-        if not (_is_linear_to_convert(child) or conv1d):
+        reason = _why_left(child, fqn, module_filter_fn, keep_fp32, shared, fast_path)
+        if reason == _NOT_ASKED:
             return child
-        if module_filter_fn is not None and not module_filter_fn(child, fqn):
-            return child
-        if conv1d:
-            left["not_linear"].append(f"{fqn or '<root>'} ({child.weight.shape[0]}->{child.nf})")
-            return child
-        if keep_fp32 and keep_fp32.intersection(fqn.split(".")):
-            left["keep_in_fp32"].append(fqn)
-            return child
-        reason = _reason_left(child, shared, fast_path)
         if reason is not None:
             left[reason].append(_label(child, fqn, reason))
             return child
@@ -284,6 +279,40 @@ def convert_to_fp8(
         warn_once(message)
     keep_scaling_states_per_rank(module)
     return module
+
+
+_NOT_ASKED = "not_asked"  # not a linear layer to convert, or the filter leaves it out: named in no warning
+
+
+def _why_left(
+    child: nn.Module,
+    fqn: str,
+    module_filter_fn: ModuleFilter | None,
+    keep_fp32: frozenset[str],
+    shared: set[int],
+    fast_path: frozenset[int],
+) -> str | None:
+    """Why :func:`convert_to_fp8` leaves ``child`` as it is (:data:`_NOT_ASKED` or a key of :data:`_LEFT_BECAUSE`), or
+    None where it converts it."""
+    conv1d = _is_hf_conv1d(child)
+    if not (_is_linear_to_convert(child) or conv1d):
+        return _NOT_ASKED
+    if module_filter_fn is not None and not module_filter_fn(child, fqn):
+        return _NOT_ASKED
+    if conv1d:
+        return "not_linear"
+    if keep_fp32 and keep_fp32.intersection(fqn.split(".")):
+        return "keep_in_fp32"
+    return _reason_left(child, shared, fast_path)
+
+
+def convertible_linears(module: nn.Module, module_filter_fn: ModuleFilter | None = None) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` layers of ``module`` that :func:`convert_to_fp8` with this filter would convert, by name,
+    without converting anything (a layer registered under several names: under its first)."""
+    shared, keep_fp32 = _shared_parameter_ids(module), _kept_in_fp32(module)
+    fast_path = frozenset(_fast_path_children(module))
+    return {fqn: m for fqn, m in module.named_modules()
+            if _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path) is None}  # fmt: skip
 
 
 def keep_scaling_states_per_rank(module: nn.Module) -> None:

@@ -226,11 +226,15 @@ class FP8AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
             step_.check_supported_flags(param_group)
-            if param_group.get("decoupled_weight_decay", True) is False:  # torch's AdamW would honour it: L2 decay
+            # torch's AdamW honours a group's decoupled_weight_decay=False (Adam's L2 decay); without decay the two
+            # are the same (a group copied from torch.optim.Adam(weight_decay=0)).
+            coupled = not param_group.get("decoupled_weight_decay", True)
+            if coupled and param_group.get("weight_decay", self.defaults.get("weight_decay", 0.0)):
                 raise ValueError(
-                    "FP8AdamW.add_param_group: decoupled_weight_decay=False (Adam's L2 weight decay, added to the "
-                    "gradient) is not supported: FP8AdamW decays the weights decoupled, as AdamW. Drop the flag, or "
-                    "use torch.optim.Adam(weight_decay=...) for these parameters"
+                    "FP8AdamW: a parameter group with decoupled_weight_decay=False and weight_decay "
+                    f"{param_group.get('weight_decay', self.defaults.get('weight_decay'))} (Adam's L2 weight decay, "
+                    "added to the gradient) is not supported: FP8AdamW decays the weights decoupled, as AdamW. Drop "
+                    "the flag (or the decay), or use torch.optim.Adam(weight_decay=...) for these parameters"
                 )
         super().add_param_group(param_group)
         group = self.param_groups[-1]

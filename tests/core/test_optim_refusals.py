@@ -49,12 +49,13 @@ def test_add_param_group_refuses_coupled_weight_decay_that_torch_adamw_would_hon
     and decayed the group decoupled."""
     a, b = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
     opt = FP8AdamW([a])
-    with pytest.raises(ValueError, match="decoupled_weight_decay=False .* is not supported"):
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False and weight_decay 0.01 .* is not supported"):
         opt.add_param_group({"params": [b], "decoupled_weight_decay": False})
     with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
         FP8AdamW([{"params": [a]}, {"params": [b], "decoupled_weight_decay": False}])
     assert len(opt.param_groups) == 1  # not kept
     opt.add_param_group({"params": [b], "decoupled_weight_decay": True})  # AdamW's own, spelled out
+    FP8AdamW([a]).add_param_group({"params": [b], "decoupled_weight_decay": False, "weight_decay": 0})  # no decay
     # a torch.optim.Adam state dict (its groups say False) still loads, as into torch.optim.AdamW: decoupled
     adam = torch.optim.Adam([a, b])
     loaded = FP8AdamW([a, b])

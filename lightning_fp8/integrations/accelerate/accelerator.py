@@ -31,7 +31,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedType
 from torch import nn
 from typing_extensions import override
 
-from lightning_fp8.convert import FALLBACK_ATTR, fp8_modules
+from lightning_fp8.convert import fp8_modules
 from lightning_fp8.health import HealthMonitor, scaler_fallbacks, skipped_step_action
 from lightning_fp8.integrations.accelerate import conversion, parallel, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
@@ -294,9 +294,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         """Raise ValueError, before any of ``models`` is converted, if the FP8AdamW (O2) of an earlier prepare trains
         weights of their linear layers: it took them for ordinary parameters, and once they become FP8 weights it
         would keep training them with fp32 states and no fp16 master, without a word (as an FP8AdamW built before the
-        conversion would: :func:`_check_built_after_conversion`). Every ``nn.Linear`` weight it holds counts, also one
-        the conversion will leave in high precision (its sizes, a tied weight): only converting decides that, and the
-        fix, one prepare order, suits every model."""
+        conversion would: :func:`_check_built_after_conversion`). Only the layers the conversion will convert count
+        (:func:`conversion.to_convert`): one it leaves in high precision (its sizes, a tied weight, the filters)
+        trains as before."""
         optimizers = [new for _, new in self._fp8_swaps]
         if self._fp8_optimizer is not None:
             optimizers.append(self._fp8_optimizer.optimizer)
@@ -305,9 +305,11 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # The weights of the models prepared already are known to the optimizer as they are (e.g. a high-precision
         # head, or the same model prepared again).
         held -= {id(p) for model in self._fp8_models for p in model.parameters()}
+        if not held:
+            return
         for model in models:
-            late = [name for name, m in model.named_modules() if type(m) is nn.Linear and id(m.weight) in held
-                    and not getattr(m, FALLBACK_ATTR, False)]  # fmt: skip
+            layers = conversion.to_convert(model, self.fp8_lm_config, self._fp8_user_filter)
+            late = [name for name, m in layers.items() if id(m.weight) in held]
             if late:
                 raise ValueError(
                     f"accelerator.prepare({type(model).__name__}) after the optimizer that trains it: the FP8AdamW "

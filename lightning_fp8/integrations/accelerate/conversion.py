@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import ops
-from lightning_fp8.convert import convert_to_fp8, fp8_modules
+from lightning_fp8.convert import convert_to_fp8, convertible_linears, fp8_modules
 from lightning_fp8.integrations.accelerate.config import FP8LaunchConfig
 from lightning_fp8.warnings import warn_once
 
@@ -59,6 +59,11 @@ def emulation_reason(device: torch.device) -> str | None:
         return "LIGHTNING_FP8_EMULATE_GEMM=1"
     major, minor = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 GEMMs need 8.9+"
+
+
+def to_convert(model: nn.Module, config: FP8LaunchConfig, user_filter: ModuleFilter | None) -> dict[str, nn.Linear]:
+    """The linear layers of ``model`` that :func:`convert` would make FP8 layers, by name; nothing is converted."""
+    return convertible_linears(model, module_filter(config, user_filter, linears_with_shared_weights(model)))
 
 
 def convert(

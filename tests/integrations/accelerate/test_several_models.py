@@ -172,13 +172,32 @@ def test_model_prepared_after_the_optimizer_that_trains_it_is_an_error():
     accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
     enc, net, optimizer = _models()
     enc, optimizer = accelerator.prepare(enc, optimizer)
-    with pytest.raises(ValueError, match=r"prepare\(Net\) after the optimizer.*\['fc1', 'fc2', 'head'\].*same call"):
+    with pytest.raises(ValueError, match=r"prepare\(Net\) after the optimizer.*\['fc1', 'fc2'\] .*same call"):
         accelerator.prepare(net)
     with pytest.raises(ValueError, match=r"prepare\(Net\) after the optimizer"):
         accelerator.prepare_model(net)
     assert type(net.fc1) is nn.Linear and type(net.fc2) is nn.Linear  # nothing was converted
     assert accelerator.fp8_report["converted_layers"] == 2
     assert accelerator.prepare(enc) is enc  # a model prepared already may be prepared again
+
+
+@pytest.mark.parametrize("why", ["sizes", "filter"])
+def test_a_model_whose_layers_stay_in_high_precision_may_be_prepared_after_the_optimizer(why):
+    """Only the layers the conversion converts count (the review of the refusal above): a late head of 10 outputs, or
+    one the user's filter leaves out, trains as an ordinary parameter either way, as it did before the refusal."""
+    kwargs = {"fp8_module_filter": lambda m, fqn: False} if why == "filter" else {}
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", **kwargs)
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48))
+    head = nn.Sequential(nn.Linear(48, 10 if why == "sizes" else 16))
+    optimizer = torch.optim.AdamW([*enc.parameters(), *head.parameters()], lr=1e-3)
+    enc, optimizer = accelerator.prepare(enc, optimizer)
+    head = accelerator.prepare(head)
+    assert type(head[0]) is nn.Linear
+    before = head[0].weight.detach().clone()
+    accelerator.backward(head(enc(torch.randn(8, 48))).float().square().mean())
+    optimizer.step()
+    assert not torch.equal(head[0].weight.detach(), before)
 
 
 def test_models_prepared_with_the_optimizer_get_o2_states():
