@@ -171,6 +171,8 @@ class _FP8LMPrecisionLogic:
         if self.replace_optimizers:
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
         _refuse_bf16_fallback_in_data_parallel(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
+        if self._will_adopt_masters():
+            _refuse_weight_averaging(self._module)
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
         self._optimizers = list(optimizers)
@@ -586,6 +588,22 @@ def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
         return True
     fp8_grad_norms = getattr(_unwrap_optimizer(optimizer), "fp8_grad_norms", None)
     return fp8_grad_norms is not None and bool(fp8_grad_norms())
+
+
+def _refuse_weight_averaging(module: nn.Module | None) -> None:
+    """Raise ValueError if the Trainer has Lightning's StochasticWeightAveraging: it averages ``module.parameters()``,
+    which at O2 hold each FP8 weight's fp16 master times a power-of-two scale that changes from step to step, so the
+    average (and the weights it puts back) would be wrong, silently."""
+    trainer = getattr(module, "_trainer", None)
+    averaging = [type(cb).__name__ for cb in getattr(trainer, "callbacks", None) or []
+                 if any(cls.__name__ == "StochasticWeightAveraging" for cls in type(cb).__mro__)]  # fmt: skip
+    if averaging:
+        raise ValueError(
+            f"precision='fp8-lm' (O2) cannot run with {averaging[0]}: it averages the parameters' storage, which at O2 "
+            "holds each FP8 weight's fp16 master times a scale that changes between steps, so the averaged weights "
+            "would be wrong. Use the O1 recipe (FP8LMPrecision(recipe='fp8-lm-o1'): the weights keep their own "
+            "storage), or average the unscaled weights of model.state_dict() in a callback of your own"
+        )
 
 
 def _hooks_read_gradients(model: Any) -> bool:
