@@ -272,7 +272,8 @@ def convert_to_fp8(
         return FP8Linear.from_linear(child, recipe)  # takes over the layer's forward and backward hooks
 
     root = convert(module, "")
-    if root is not module:
+    if root is not module:  # a bare nn.Linear: its new FP8Linear
+        keep_scaling_states_per_rank(root)
         return root
     _replace_children(module, convert)
     for message in _left_messages(left):

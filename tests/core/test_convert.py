@@ -420,3 +420,13 @@ def test_hugging_face_layers_kept_in_fp32_and_conv1d_are_left_and_named(monkeypa
     assert isinstance(model.wi, FP8Linear) and type(model.wo) is nn.Linear and type(model.proj) is Conv1D
     assert any("keeps them in float32" in m and ": wo" in m for m in messages), messages
     assert any("transformers' Conv1D" in m and "proj (32->32)" in m for m in messages), messages
+
+
+def test_a_bare_linear_converted_keeps_its_scaling_buffers_out_of_ddps_broadcast():
+    """convert_to_fp8(nn.Linear) returned the new layer before naming its scaling buffers for DDP to leave alone (as
+    it does for a model): DDP(layer) then overwrote every rank's amax history with rank 0's (found by a sweep)."""
+    layer = convert_to_fp8(nn.Linear(32, 16))
+    in_model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+    expected = {name.removeprefix("0.") for name in in_model._ddp_params_and_buffers_to_ignore}
+    scaling = {name for name, _ in layer.named_buffers() if "fp8_scaling" in name}
+    assert scaling and set(layer._ddp_params_and_buffers_to_ignore) == expected >= scaling
