@@ -124,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Accelerate's own FP8 options (for its TransformerEngine, MS-AMP and torchao backends), which lightning_fp8's
-# Accelerator replaces: accepted by its parser, they would do nothing here.
+# Accelerate's own FP8 options (for its TransformerEngine and torchao backends, MS-AMP's before 1.16), which
+# lightning_fp8's Accelerator replaces: accepted by its parser, they would do nothing here.
 def _accelerate_fp8_options(parser: argparse.ArgumentParser) -> dict[str, str]:
     return {opt: action.option_strings[0] for action in parser._actions if action.dest.startswith("fp8_")
             for opt in action.option_strings}  # fmt: skip
@@ -138,7 +138,7 @@ def _check_no_accelerate_fp8_options(parser: argparse.ArgumentParser, argv: list
     given = sorted({options[a.split("=")[0]] for a in launcher_args if a.split("=")[0] in options})
     if given:
         raise ValueError(
-            f"{', '.join(given)}: options of Accelerate's own FP8 backends (TransformerEngine, MS-AMP, torchao), which "
+            f"{', '.join(given)}: options of Accelerate's own FP8 backends (TransformerEngine, torchao), which "
             f"lightning_fp8's Accelerator replaces, so they would do nothing. Set FP8-LM's with --fp8-recipe (see "
             f"`lightning-fp8 recipes`) or the config file's `{CONFIG_KEY}:` section (docs/accelerate.md)"
         )

@@ -76,8 +76,9 @@ def _write(path, data):
         ({"tp_plan": "megatron"}, [], r"tp_plan='megatron' is not a tensor-parallel plan: choose one of \['gpt'"),
         (None, ["--fp8-tp-plan", "row"], r"--fp8-tp-plan='row' is not a tensor-parallel plan: choose one of"),
         # Accelerate's own FP8 options: its parser takes them, lightning_fp8's Accelerator would ignore them
-        (None, ["--fp8_margin", "2", "--fp8-opt-level=O1"], r"error: --fp8_margin, --fp8_opt_level: options of "
-         r"Accelerate's own FP8 backends .* Set FP8-LM's with --fp8-recipe"),
+        # (options every Accelerate since 1.0 has: 1.16 dropped MS-AMP's --fp8_opt_level)
+        (None, ["--fp8_margin", "2", "--fp8-amax-history-len=8"], r"error: --fp8_amax_history_len, --fp8_margin: "
+         r"options of Accelerate's own FP8 backends .* Set FP8-LM's with --fp8-recipe"),
     ],
 )
 def test_bad_settings_fail_before_launching(tmp_path, capsys, section, flags, expected):
