@@ -64,6 +64,7 @@ def compute_scale(
         TypeError: if ``amax`` is neither a floating-point tensor nor a number, or ``margin`` is not an int.
         ValueError: if ``margin`` is outside ``[0, MAX_MARGIN]`` or ``fp8_dtype`` is not a supported format.
     """
+    margin = as_count(margin)  # a NumPy integer as FP8Recipe and ScalingState take it
     if isinstance(margin, bool) or not isinstance(margin, int):
         raise TypeError(
             f"compute_scale(margin={margin!r}) must be an int (binades of headroom), got {type(margin).__name__}"
@@ -122,6 +123,12 @@ class ScalingState(nn.Module):
         super().__init__()
         history_len, margin = as_count(history_len), as_count(margin)
         _check_settings(fp8_dtype, history_len, margin, algo)
+        if type(delayed).__name__ not in ("bool", "bool_"):  # a Python or NumPy bool
+            raise TypeError(
+                f"ScalingState(delayed={delayed!r}) must be a bool: True for delayed scaling (FP8Recipe "
+                "scaling='delayed'), False for current scaling"
+            )
+        delayed = bool(delayed)
         self.fp8_dtype = fp8_dtype
         self.margin = margin
         self.algo = algo

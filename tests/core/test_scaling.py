@@ -335,3 +335,16 @@ def test_compute_scale_of_float64_amaxes_beyond_fp32():
     assert compute_scale(torch.tensor(1e50, dtype=torch.float64), E4M3, 0, prev).item() == 8.0
     # Below fp32's smallest subnormal: rounded up to it (not to 0): the largest scale, 2**127.
     assert compute_scale(torch.tensor(1e-50, dtype=torch.float64), E4M3, 0, prev).item() == 2.0**127
+
+
+def test_scaling_state_refuses_a_delayed_flag_that_is_not_a_bool_and_compute_scale_takes_numpy_margins():
+    """A sweep found ScalingState(delayed="current") built a delayed state (and fp8_state_dict failed later), and
+    compute_scale refusing the NumPy margins FP8Recipe and ScalingState take."""
+    np = pytest.importorskip("numpy")
+    from lightning_fp8 import E4M3, ScalingState, compute_scale
+
+    for bad in ("current", 1, None):
+        with pytest.raises(TypeError, match="must be a bool"):
+            ScalingState(E4M3, 4, 0, "max", delayed=bad)
+    assert ScalingState(E4M3, 4, 0, "max", delayed=np.bool_(False)).delayed is False
+    assert torch.equal(compute_scale(torch.tensor(3.0), E4M3, np.int64(2)), compute_scale(torch.tensor(3.0), E4M3, 2))
