@@ -146,7 +146,6 @@ class _FP8FSDPStrategyLogic:
                 optimizer.load_state_dict(state[PER_RANK][self.global_rank])
         return checkpoint
 
-
     def _check_shards_fit(self, states: list[Any], path: Path) -> None:
         """Raise ValueError on every rank, before anything is loaded, unless each rank's optimizer state shards fit
         its optimizers' parameters: flat parameters of another ``auto_wrap_policy`` (or model) have other shapes."""
