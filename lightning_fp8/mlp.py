@@ -46,7 +46,7 @@ from lightning_fp8.linear import (
     output_dtype,
 )
 from lightning_fp8.optim import master
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.recompute import (
     ForwardCall,
     backward_ran,
@@ -226,14 +226,16 @@ class FP8MLP(nn.Module):
         after another, so that they run).
 
         Raises:
-            TypeError: if a layer is not an ``nn.Linear``.
-            ValueError: if ``fc``'s output size is not ``proj``'s input size, a size is not a multiple of 16, or a layer
-                to wrap is one :meth:`FP8Linear.from_linear` refuses (a reparametrized weight, a subclass of
-                ``nn.Linear`` such as a LoRA layer, ...: the FP8 layer would drop what it adds).
+            TypeError: if a layer is not an ``nn.Linear``, or ``recipe`` is not a recipe, a recipe name or None.
+            ValueError: for an unknown recipe name (also where both layers are FP8Linear already), if ``fc``'s
+                output size is not ``proj``'s input size, a size is not a multiple of 16, or a layer to wrap is one
+                :meth:`FP8Linear.from_linear` refuses (a reparametrized weight, a subclass of ``nn.Linear`` such as a
+                LoRA layer, ...: the FP8 layer would drop what it adds).
         """
         for name, layer in (("fc", fc), ("proj", proj)):
             if not isinstance(layer, nn.Linear):
                 raise TypeError(f"FP8MLP.from_modules: {name} must be an nn.Linear (or FP8Linear), got {type(layer)}")
+        recipe = resolve_recipe(recipe)  # a bad recipe is refused even where both layers are FP8Linear already
         if fc.out_features != proj.in_features:
             raise ValueError(
                 f"FP8MLP.from_modules: fc gives {fc.out_features} features but proj takes {proj.in_features}; "

@@ -23,6 +23,9 @@ OptLevel = Literal["O1", "O2"]
 
 # The largest margin a recipe takes (binades of headroom; E4M3 spans about 18 binades, subnormals included).
 MAX_MARGIN = 16
+# The longest amax history a recipe takes: the cast kernels hold the whole window in one block of a program
+# (kernels/scaling.py), and Transformer Engine's longest recommended window is 1024.
+MAX_AMAX_HISTORY_LEN = 4096
 _ALLOWED: dict[str, tuple[str, ...]] = {
     "fp8_format": ("hybrid", "e4m3"),
     "scaling": ("delayed", "current"),
@@ -43,8 +46,9 @@ def check_settings(
     type_error: type[TypeError] = TypeError,
 ) -> None:
     """Raise for a bad scaling setting of ``owner`` (an FP8Recipe, a ScalingState): each of ``choices`` (name:
-    ``(value, allowed strings)``), then each of ``counts`` (name: ``(value, lowest int)``), and a ``"margin"`` count
-    above :data:`MAX_MARGIN`. ``type_error`` for a value of the wrong type, ValueError for one out of range."""
+    ``(value, allowed strings)``), then each of ``counts`` (name: ``(value, lowest int)``), a ``"margin"`` count
+    above :data:`MAX_MARGIN` and an ``"amax_history_len"`` or ``"history_len"`` count above
+    :data:`MAX_AMAX_HISTORY_LEN`. ``type_error`` for a value of the wrong type, ValueError for one out of range."""
     for name, (value, allowed) in choices.items():
         if not isinstance(value, str):
             raise type_error(
@@ -63,6 +67,12 @@ def check_settings(
             f"{owner}(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans about 18 "
             "binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
         )
+    for name in ("amax_history_len", "history_len"):
+        if name in counts and counts[name][0] > MAX_AMAX_HISTORY_LEN:
+            raise ValueError(
+                f"{owner}({name}={counts[name][0]}) must be <= {MAX_AMAX_HISTORY_LEN}: the cast kernels keep the whole "
+                "window in one block (16 to 1024 is usual)"
+            )
 
 
 def as_count(value: Any) -> Any:
@@ -82,7 +92,7 @@ class FP8Recipe:
         scaling: ``"delayed"`` (scale from the amax history of earlier steps; one pass per cast) or
             ``"current"`` (scale from this tensor's own amax; two passes). Weights always use their
             current amax, which is exact and cheap.
-        amax_history_len: length of the amax history window for delayed scaling (>= 1).
+        amax_history_len: length of the amax history window for delayed scaling (1 to :data:`MAX_AMAX_HISTORY_LEN`).
         amax_compute_algo: ``"max"`` over the history window, or ``"most_recent"`` entry.
         margin: the scale is ``2 ** (floor(log2(fp8_max / amax)) - margin)``; a margin of 1 leaves one
             binade of headroom (0 to :data:`MAX_MARGIN`).

@@ -128,6 +128,11 @@ def test_from_modules_shares_parameters_and_keys():
         FP8MLP.from_modules(fc, nn.Conv1d(128, 32, 1))
     with pytest.raises(ValueError, match="multiples of 16"):
         FP8MLP.from_modules(nn.Linear(32, 120), nn.Linear(120, 32))
+    # A bad recipe is refused where nothing would be wrapped with it, too (it was ignored there).
+    with pytest.raises(ValueError, match="fp8-lmm"):
+        FP8MLP.from_modules(FP8Linear(32, 128), FP8Linear(128, 32), recipe="fp8-lmm")
+    with pytest.raises(TypeError, match="recipe must be"):
+        FP8MLP.from_modules(FP8Linear(32, 128), FP8Linear(128, 32), recipe={"scaling": "current"})
 
 
 def test_hooks_run_unfused():

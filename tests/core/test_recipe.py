@@ -48,6 +48,7 @@ def test_frozen_and_keyword_only():
         ("opt_level", 2, "opt_level=2"),
         ("amax_history_len", 0, "amax_history_len=0.*>= 1"),
         ("amax_history_len", 4.0, "amax_history_len=4.0.*must be an int"),
+        ("amax_history_len", 2**40, "amax_history_len=1099511627776.*<= 4096"),
         ("margin", -1, "margin=-1"),
         ("margin", True, "margin=True.*must be an int"),
     ],
@@ -111,3 +112,18 @@ def test_numpy_integers_are_taken_as_ints():
         FP8Recipe(margin=np.float64(1.0))
     state = ScalingState(torch.float8_e4m3fn, np.int64(8), np.int32(1), "max", True)
     assert state.amax_history.shape == (8,) and type(state.margin) is int
+
+
+def test_history_len_bounds_are_the_same_for_recipe_and_scaling_state():
+    # The longest window is accepted (and builds its state); one more is refused by both, before any allocation.
+    from lightning_fp8.formats import E4M3
+    from lightning_fp8.recipe import MAX_AMAX_HISTORY_LEN
+    from lightning_fp8.scaling import ScalingState
+
+    FP8Recipe(amax_history_len=MAX_AMAX_HISTORY_LEN)
+    state = ScalingState(E4M3, history_len=MAX_AMAX_HISTORY_LEN, margin=0, algo="max", delayed=True)
+    assert state.amax_history.numel() == MAX_AMAX_HISTORY_LEN
+    with pytest.raises(ValueError, match="amax_history_len=4097"):
+        FP8Recipe(amax_history_len=MAX_AMAX_HISTORY_LEN + 1)
+    with pytest.raises(ValueError, match="history_len=4097"):
+        ScalingState(E4M3, history_len=MAX_AMAX_HISTORY_LEN + 1, margin=0, algo="max", delayed=True)
