@@ -168,6 +168,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # parameters, so the optimizer built on them stays valid.
         if device_placement is not None and len(device_placement) != len(args):
             return super().prepare(*args, device_placement=device_placement)  # Accelerate's error for it
+        self._fp8_check_one_optimizer(args)
         self._fp8_check_before_optimizer([obj for obj in args if isinstance(obj, nn.Module)])
         placements = device_placement if device_placement is not None else [None] * len(args)
         args = tuple(
@@ -208,11 +209,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if self.fp8_lm_config is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         self._fp8_require_model(optimizer)
-        if self._fp8_optimizer is not None:
-            raise ValueError(
-                "FP8-LM under Accelerate trains with one optimizer (one gradient scale mu): put all parameters in "
-                "param groups of a single AdamW"
-            )
+        self._fp8_check_one_optimizer((optimizer,))
         if not self.is_fsdp2:
             if self._fp8_tp_enabled:  # built on the unsharded parameters of a model prepared on its own before
                 tensor_parallel.remap_optimizer(optimizer, self._fp8_tp_mapping)
@@ -289,6 +286,19 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if len(self._fp8_models) == 1:  # the layer names the fallback reports are the model's own
             return self._fp8_models[0]
         return nn.ModuleDict({f"model{i}": model for i, model in enumerate(self._fp8_models)})
+
+    def _fp8_check_one_optimizer(self, args: tuple[Any, ...]) -> None:
+        """Raise ValueError, before anything of ``args`` is converted or swapped, if they would make a second
+        optimizer: one gradient scale mu steps one optimizer (a second one prepared in the same call was found only
+        after the model had been converted and the first optimizer replaced)."""
+        fresh = [type(obj).__name__ for obj in args if _fresh_optimizer(obj)]
+        if self._fp8_optimizer is not None:
+            fresh.insert(0, f"{type(self._fp8_optimizer.optimizer).__name__} (prepared before)")
+        if len(fresh) > 1:
+            raise ValueError(
+                f"FP8-LM under Accelerate trains with one optimizer (one gradient scale mu), got {', '.join(fresh)}: "
+                "put all parameters in param groups of a single AdamW. Nothing was converted"
+            )
 
     def _fp8_check_before_optimizer(self, models: list[nn.Module]) -> None:
         """Raise ValueError, before any of ``models`` is converted, if the FP8AdamW (O2) of an earlier prepare trains

@@ -380,6 +380,23 @@ def test_free_memory_lets_a_new_training_prepare_again():
         accelerator.prepare(torch.optim.AdamW(Net().parameters()))
 
 
+def test_two_optimizers_in_one_prepare_are_refused_before_anything_changes():
+    # The second optimizer was found only after the model had been converted and the first one replaced.
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    net = Net()
+    weights = {name: p.detach().clone() for name, p in net.named_parameters()}
+    opt1 = torch.optim.AdamW([net.fc1.weight, net.fc2.weight])
+    opt2 = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="trains with one optimizer.*AdamW, SGD.*Nothing was converted"):
+        accelerator.prepare(net, opt1, opt2)
+    assert type(net.fc1) is nn.Linear and type(net.fc2) is nn.Linear and "converted_layers" not in accelerator.fp8_report
+    assert all(torch.equal(p, weights[name]) and p.dtype == torch.float32 for name, p in net.named_parameters())
+    assert not opt1.state and accelerator.fp8_grad_scaler is None
+    # One optimizer then prepares as usual.
+    model, optimizer = accelerator.prepare(net, opt1)
+    assert isinstance(model.fc1, FP8Linear) and isinstance(optimizer.optimizer, FP8AdamW)
+
+
 def test_other_optimizers_are_kept_and_stepped_with_unscaled_gradients():
     accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
     net = Net()
