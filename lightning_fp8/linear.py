@@ -39,7 +39,7 @@ from lightning_fp8.recompute import (
     replay_scales,
     restore_buffers,
 )
-from lightning_fp8.scaling import ScalingState
+from lightning_fp8.scaling import ScalingState, check_castable
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What every nn.Linear holds in its __dict__; FP8Linear.from_linear carries any other plain attribute over.
@@ -195,8 +195,7 @@ def backward_gemms(
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of an FP8 layer's output for input ``x``: autocast's where autocast is on, else ``x``'s."""
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    return ops.autocast_dtype(x.device) or x.dtype
 
 
 def current_flags(scaling: nn.ModuleDict) -> tuple[bool, bool]:
@@ -559,24 +558,25 @@ class FP8Linear(nn.Linear):
         note_casts(scaling, x_2d, y)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _check_input(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"FP8Linear expects a tensor input, got {type(x).__name__}")
+            raise TypeError(f"{owner} expects a tensor input, got {type(x).__name__}")
         if x.dtype not in _ACTIVATION_DTYPES:
             raise TypeError(
-                f"FP8Linear received an input of dtype {x.dtype}: FP8 layers take floating-point activations "
+                f"{owner} received an input of dtype {x.dtype}: FP8 layers take floating-point activations "
                 f"in {[str(d) for d in _ACTIVATION_DTYPES]}; cast the input first (e.g. x.float() or x.bfloat16())"
             )
+        check_castable(x, owner)  # a sparse or nested input
         if weight.dtype not in _ACTIVATION_DTYPES:
             raise TypeError(f"FP8Linear weight has dtype {weight.dtype}: use float32, bfloat16 or float16 parameters")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"FP8Linear(in_features={self.in_features}) received an input of shape {tuple(x.shape)}: "
+                f"{owner}(in_features={self.in_features}) received an input of shape {tuple(x.shape)}: "
                 f"its last dimension must be {self.in_features}"
             )
         if x.device != weight.device:
             raise ValueError(
-                f"FP8Linear input is on {x.device} but the layer's weight is on {weight.device}: "
+                f"{owner} input is on {x.device} but the layer's weight is on {weight.device}: "
                 "move the input or the model to the same device"
             )
         self._check_shapes(weight)

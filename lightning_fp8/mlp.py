@@ -274,7 +274,7 @@ class FP8MLP(nn.Module):
         w1, w2 = fc.weight, proj.weight
         if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
             return proj(F.gelu(fc(x)))
-        fc._check_input(x, w1)
+        fc._check_input(x, w1, "FP8MLP")
         proj._check_shapes(w2)
         if w2.dtype not in _ACTIVATION_DTYPES:  # fc's is checked with the input
             raise TypeError(f"FP8MLP proj's weight has dtype {w2.dtype}: use float32, bfloat16 or float16 parameters")

@@ -52,6 +52,19 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return reference.amax_ref(x)
 
 
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast turned off on ``device``'s type; nothing on the meta device, which has no autocast (shape
+    propagation, ``torch.device("meta")`` models)."""
+    return torch.autocast(device.type, enabled=False) if device.type != "meta" else contextlib.nullcontext()
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device``'s type, or None where it is off (or the device is meta)."""
+    if device.type == "meta" or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
 def amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`amax` of each tensor (the same values), in a few launches per device instead of one or two per tensor."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -62,9 +75,7 @@ def amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         else:
             by_device.setdefault(t.device, []).append(i)
     for device, indices in by_device.items():
-        # An optimizer step may run under autocast (fp16 grads); the meta device has no autocast to turn off.
-        off = torch.autocast(device.type, enabled=False) if device.type != "meta" else contextlib.nullcontext()
-        with off:
+        with autocast_off(device):  # an optimizer step may run under autocast (fp16 grads)
             norms = torch.stack(torch._foreach_norm([tensors[i].detach() for i in indices], float("inf"))).float()
         for i, value in zip(indices, torch.where(torch.isnan(norms), torch.inf, norms).unbind(), strict=True):
             out[i] = value  # max |x| is exact in any dtype; NaN counts as inf, as in amax
@@ -174,7 +185,7 @@ def scaled_mm(
         return _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum)
     # Emulation: FP8 values and power-of-two scales are exact in fp32, so this is the exact product
     # up to fp32 accumulation order. Autocast must not downcast the fp32 matmul.
-    with torch.autocast(a_fp8.device.type, enabled=False):
+    with autocast_off(a_fp8.device):
         out = (a_fp8.float() * a_scale_inv) @ (b_fp8.float() * b_scale_inv)
         if bias is not None:
             out = out + rounded_to(bias, out_dtype)

@@ -19,6 +19,7 @@ cast's amax: one pass over the data. Current scaling computes the tensor's amax 
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import weakref
 from typing import get_args
@@ -58,11 +59,13 @@ def compute_scale(
         amax: a 0-dim (or any-shape, elementwise) floating-point tensor of absolute maxima, or a Python number.
         fp8_dtype: the format the scale targets (an FP8 dtype, or ``torch.float16`` for scaled fp16 storage).
         margin: binades of headroom: an int from 0 to :data:`lightning_fp8.recipe.MAX_MARGIN`.
-        prev_scale: the scale to keep when ``amax`` carries no information.
+        prev_scale: the scale to keep where ``amax`` carries no information (taken as fp32; 0-dim or of ``amax``'s
+            shape).
 
     Raises:
         TypeError: if ``amax`` is neither a floating-point tensor nor a number, or ``margin`` is not an int.
-        ValueError: if ``margin`` is outside ``[0, MAX_MARGIN]`` or ``fp8_dtype`` is not a supported format.
+        ValueError: if ``margin`` is outside ``[0, MAX_MARGIN]``, ``fp8_dtype`` is not a supported format, or
+            ``prev_scale`` does not broadcast to ``amax``'s shape.
     """
     margin = as_count(margin)  # a NumPy integer as FP8Recipe and ScalingState take it
     if isinstance(margin, bool) or not isinstance(margin, int):
@@ -71,7 +74,7 @@ def compute_scale(
         )
     if not 0 <= margin <= MAX_MARGIN:
         raise ValueError(f"compute_scale(margin={margin}) must be in [0, {MAX_MARGIN}] (binades of headroom)")
-    if isinstance(amax, (int, float)) and not isinstance(amax, bool):
+    if isinstance(amax, numbers.Real) and not isinstance(amax, bool):  # NumPy numbers too
         amax = torch.tensor(float(amax), dtype=torch.float64)
     if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
         kind = f"a {amax.dtype} tensor" if isinstance(amax, torch.Tensor) else type(amax).__name__
@@ -82,6 +85,12 @@ def compute_scale(
         amax = torch.where(a32.double() < amax, torch.nextafter(a32, torch.full_like(a32, torch.inf)), a32)
     if prev_scale is None:
         prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
+    prev_scale = torch.as_tensor(prev_scale, dtype=torch.float32, device=amax.device)
+    if torch.broadcast_shapes(prev_scale.shape, amax.shape) != amax.shape:
+        raise ValueError(
+            f"compute_scale(prev_scale=...) of shape {tuple(prev_scale.shape)} does not fit amax's shape "
+            f"{tuple(amax.shape)}: pass one scale (0-dim) or one per amax"
+        )
     return reference.pow2_scale_ref(amax, fmax, margin, prev_scale)
 
 
@@ -274,10 +283,14 @@ class ScalingState(nn.Module):
             input_fp8)``, ``input_fp8``'s scale_inv being ``kernels.reference.kept_input_scale_inv(scale_inv)``.
 
         Raises:
+            TypeError: for ``x`` that is not a dense (strided) tensor of float16, bfloat16, float32 or float64
+                (nothing is changed).
             ValueError: for ``column_sum`` or ``transpose`` of a tensor that is not 2-D (nothing is changed); for
                 ``unscale`` with a cast that does not compute its own scale (``current=False``, or ``None`` on a
                 delayed-scaling state) or a history longer than 1.
         """
+        if not torch.compiler.is_compiling():  # traced, x comes from a checked layer (a backward may not read layout)
+            check_castable(x, "ScalingState.quantize")
         if unscale is not None:
             _check_unscale(self, current)
         for flag, name in ((column_sum, "column_sum"), (transpose, "transpose")):
@@ -406,6 +419,24 @@ def _tracing(t: torch.Tensor) -> bool:
         return True
     keys = torch._C._TorchDispatchModeKey
     return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
+def check_castable(x: object, caller: str) -> None:
+    """Raise TypeError unless ``x`` is a dense tensor of a floating dtype a cast reads (float16 to float64): integer,
+    bool and complex values would be cast as numbers they are not, an FP8 tensor is cast already, and a sparse or
+    nested tensor has no dense rows for the kernels."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{caller} expects a tensor, got {type(x).__name__}")
+    if x.is_nested or x.layout != torch.strided:
+        layout = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
+        raise TypeError(f"{caller} takes dense tensors, got {layout}: pass x.to_dense() (or the padded values)")
+    if x.dtype in FP8_DTYPES:
+        raise TypeError(f"{caller} got an FP8 tensor ({x.dtype}): it is cast already; use it with its scale_inv")
+    if not x.is_floating_point() or x.dtype.itemsize < 2:
+        raise TypeError(
+            f"{caller} casts float16, bfloat16, float32 or float64 values, got {x.dtype}: convert the tensor first "
+            "(e.g. x.float())"
+        )
 
 
 def _check_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo: str) -> None:

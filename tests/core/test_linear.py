@@ -466,11 +466,17 @@ def test_gpu_inductor_matches_eager_and_launches_the_casts_itself(monkeypatch, t
         (torch.randn(4, 32, dtype=torch.float64), TypeError, "float64"),
         (torch.randn(4, 31), ValueError, r"shape \(4, 31\).*last dimension must be 32"),
         (torch.tensor(1.0), ValueError, "shape"),
+        (torch.randn(4, 32).to_sparse(), TypeError, "takes dense tensors, got a torch.sparse_coo tensor"),
+        (torch.nested.nested_tensor([torch.randn(2, 32), torch.randn(3, 32)], layout=torch.jagged), TypeError,
+         "takes dense tensors, got a nested tensor"),
     ],
-)
+)  # fmt: skip
 def test_bad_inputs_have_clear_errors(x, exc, match):
+    layer = FP8Linear(32, 16)
+    before = {name: buf.clone() for name, buf in layer.fp8_scaling.named_buffers()}
     with pytest.raises(exc, match=match):
-        FP8Linear(32, 16)(x)
+        layer(x)
+    assert all(torch.equal(buf, before[name]) for name, buf in layer.fp8_scaling.named_buffers())
 
 
 def test_feature_sizes_must_be_multiples_of_16():

@@ -54,3 +54,27 @@ def test_to_empty_then_load_equals_cpu_conversion(monkeypatch, assign):
     for key, value in got.items():
         assert torch.equal(value, want[key]), key
     assert int(model[0].fp8_scaling["input"].casts) == 4 and int(model[0].fp8_scaling["input"].nonfinite_count) == 0
+
+
+@pytest.mark.parametrize("under_autocast", [False, True])
+def test_forward_and_backward_on_meta_give_nn_linears_shapes_and_dtypes(under_autocast):
+    # Shape propagation through a model built on the meta device (a parameter count, a memory estimate before
+    # materializing): nn.Linear runs there, and so must the FP8 layers (they asked the meta device for its autocast).
+    from lightning_fp8 import FP8MLP
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        plain = _plain()
+        fp8 = convert_to_fp8(_plain())
+        mlp = FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32))
+        x = torch.randn(2, 5, 32, requires_grad=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if under_autocast else torch.autocast("cpu", enabled=False)
+    for model in (plain, fp8, mlp):
+        with ctx:
+            y = model(x)
+        y.sum().backward()
+        expected = (2, 5, 32 if model is mlp else 16)
+        assert (y.device.type, tuple(y.shape), y.dtype) == ("meta", expected, torch.float32)
+        assert x.grad.shape == x.shape and x.grad.is_meta
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+        x.grad = None

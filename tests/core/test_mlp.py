@@ -195,10 +195,12 @@ def test_parametrized_after_construction_is_refused():
 
 def test_bad_input_is_named():
     mlp = FP8MLP(32, 64)
-    with pytest.raises(ValueError, match="last dimension must be 32"):
+    with pytest.raises(ValueError, match=r"FP8MLP\(in_features=32\).*last dimension must be 32"):
         mlp(torch.randn(4, 16))
-    with pytest.raises(TypeError, match="dtype torch.int64"):
+    with pytest.raises(TypeError, match="FP8MLP received an input of dtype torch.int64"):
         mlp(torch.ones(4, 32, dtype=torch.int64))
+    with pytest.raises(TypeError, match="FP8MLP takes dense tensors, got a torch.sparse_coo tensor"):
+        mlp(torch.randn(4, 32).to_sparse())
     with pytest.raises(ValueError, match="multiples of 16"):
         FP8MLP(32, 100)
 

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 from lightning_fp8.kernels.reference import cast_to_fp8_ref
@@ -348,3 +349,45 @@ def test_scaling_state_refuses_a_delayed_flag_that_is_not_a_bool_and_compute_sca
             ScalingState(E4M3, 4, 0, "max", delayed=bad)
     assert ScalingState(E4M3, 4, 0, "max", delayed=np.bool_(False)).delayed is False
     assert torch.equal(compute_scale(torch.tensor(3.0), E4M3, np.int64(2)), compute_scale(torch.tensor(3.0), E4M3, 2))
+
+
+@pytest.mark.parametrize("amax", [np.float32(5.0), np.float64(5.0), np.int64(5)])
+def test_compute_scale_takes_numpy_numbers(amax):
+    assert compute_scale(amax, E4M3).item() == _scale_by_definition(5.0, 448.0, 0)
+
+
+def test_compute_scale_result_is_fp32_of_amaxs_shape_whatever_prev_scale_is():
+    got = compute_scale(torch.tensor(5.0), E4M3, prev_scale=torch.tensor(2.0, dtype=torch.float64))
+    assert got.dtype == torch.float32 and got.shape == () and got.item() == _scale_by_definition(5.0, 448.0, 0)
+    amax = torch.tensor([5.0, 0.0, float("nan")])
+    got = compute_scale(amax, E4M3, prev_scale=torch.tensor([1.0, 4.0, 8.0], dtype=torch.float64))
+    assert got.dtype == torch.float32 and got.tolist() == [_scale_by_definition(5.0, 448.0, 0), 4.0, 8.0]
+    with pytest.raises(ValueError, match=r"prev_scale.*shape \(2,\) does not fit amax's shape \(\)"):
+        compute_scale(torch.tensor(5.0), E4M3, prev_scale=torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("x", "match"),
+    [
+        (torch.arange(16.0).reshape(4, 4).int(), "casts float16, bfloat16, float32 or float64 values, got torch.int32"),
+        (torch.ones(4, 4, dtype=torch.bool), "casts .* got torch.bool"),
+        (torch.ones(4, 4, dtype=torch.complex64), "casts .* got torch.complex64"),
+        (torch.ones(4, 4).to(E4M3), "got an FP8 tensor .*cast already"),
+        (torch.ones(4, 4).to_sparse(), "takes dense tensors, got a torch.sparse_coo tensor"),
+    ],
+)
+def test_quantize_refuses_what_it_cannot_cast_and_changes_nothing(x, match):
+    # Integer, bool and complex values were cast as numbers (an int32 3 became FP8 384.0 with scale 128).
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    before = {k: v.clone() for k, v in s.state_dict().items()}
+    with pytest.raises(TypeError, match=f"ScalingState.quantize {match}"):
+        s.quantize(x)
+    assert all(torch.equal(v, s.state_dict()[k]) for k, v in before.items())
+
+
+def test_quantize_casts_float64_as_the_reference_does():
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=False)
+    x = torch.randn(8, 16, dtype=torch.float64) * 3
+    x_fp8, _, scale_inv = s.quantize(x)
+    ref, _, _, _ = cast_to_fp8_ref(x, 1 / scale_inv, E4M3)
+    assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))

@@ -389,7 +389,8 @@ def test_two_optimizers_in_one_prepare_are_refused_before_anything_changes():
     opt2 = torch.optim.SGD(net.head.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="trains with one optimizer.*AdamW, SGD.*Nothing was converted"):
         accelerator.prepare(net, opt1, opt2)
-    assert type(net.fc1) is nn.Linear and type(net.fc2) is nn.Linear and "converted_layers" not in accelerator.fp8_report
+    assert type(net.fc1) is nn.Linear and type(net.fc2) is nn.Linear
+    assert "converted_layers" not in accelerator.fp8_report
     assert all(torch.equal(p, weights[name]) and p.dtype == torch.float32 for name, p in net.named_parameters())
     assert not opt1.state and accelerator.fp8_grad_scaler is None
     # One optimizer then prepares as usual.
