@@ -127,3 +127,13 @@ def test_history_len_bounds_are_the_same_for_recipe_and_scaling_state():
         FP8Recipe(amax_history_len=MAX_AMAX_HISTORY_LEN + 1)
     with pytest.raises(ValueError, match="history_len=4097"):
         ScalingState(E4M3, history_len=MAX_AMAX_HISTORY_LEN + 1, margin=0, algo="max", delayed=True)
+
+
+def test_same_scaling_compares_the_scaling_fields_of_recipes_and_names():
+    assert FP8Recipe().same_scaling("fp8-lm") and FP8Recipe().same_scaling(FP8Recipe(opt_level="O1"))
+    assert FP8Recipe().same_scaling("fp8-lm-o1")  # the optimizer level is not a scaling setting
+    assert not FP8Recipe().same_scaling("fp8-lm-current") and not FP8Recipe().same_scaling(FP8Recipe(margin=1))
+    with pytest.raises(ValueError, match="fp8-lmm"):
+        FP8Recipe().same_scaling("fp8-lmm")
+    with pytest.raises(TypeError, match="same_scaling takes a recipe or a recipe name, got NoneType"):
+        FP8Recipe().same_scaling(None)
