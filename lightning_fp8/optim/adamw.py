@@ -204,6 +204,7 @@ class FP8AdamW(torch.optim.Optimizer):
         self._moments_only: set[torch.Tensor] = set()  # those of them whose master is high precision (the param)
         self._master_amax: dict[torch.Tensor, torch.Tensor] = {}  # their master's amax, which the kernel writes
         self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
+        self._held: set[torch.Tensor] | None = None  # the parameters of all groups: see _holds
         self._stepped_fp8_grads: list[torch.Tensor] = []  # the params the last step took an FP8 gradient of
         self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
         self._hooks: dict[torch.Tensor, Any] = {}
@@ -240,6 +241,7 @@ class FP8AdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)
             step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            step_.plain_hyper_parameters(group)
             for i, p in enumerate(group["params"]):
                 if p.is_complex():
                     raise TypeError(
@@ -367,10 +369,12 @@ class FP8AdamW(torch.optim.Optimizer):
         self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
 
     def release(self, p: torch.Tensor) -> None:
-        """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision").
+        """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision"): fp32
+        moments, and an fp32 master kept apart where ``p`` is not fp32, as for any parameter of that dtype. A gradient
+        not stepped yet is handed back to ``p.grad`` (a pending FP8 one dequantized), in ``p``'s dtype.
 
         At O1 (fp32 states already) it only stops holding ``p``'s gradient in FP8: the hook is removed and a pending
-        FP8 gradient is handed back to ``p.grad`` (dequantized, in ``p``'s dtype).
+        FP8 gradient is handed back.
         """
         if p not in self._low_precision:
             handle = self._hooks.pop(p, None)
@@ -378,11 +382,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 return
             handle.remove()
             self._grad_casts.flush(self)
-            entry = self._pending.pop(p, None)
-            if entry is not None:
-                with torch.no_grad():
-                    grad = (entry.data.float() * entry.scale_inv).to(p.dtype)
-                    p.grad = grad if p.grad is None else p.grad + grad
+            self._hand_back_grad(p, self._pending.pop(p, None))
             return
         self._grad_casts.flush(self)
         state = self.state[p]
@@ -392,18 +392,44 @@ class FP8AdamW(torch.optim.Optimizer):
             self._moments_only.discard(p)
             self._master_amax.pop(p, None)
         else:
-            kept = {"step": state["step"]} if "step" in state else {}
-            if "master" in state:
-                with torch.no_grad():
-                    p.copy_(checkpoint.dequantize(state, "master"))
-            handle = self._hooks.pop(p, None)
-            if handle is not None:
-                handle.remove()
-            self._pending.pop(p, None)
-            master.release(p)
-            setattr(p, master.MARKER, False)
+            kept = self._release_master(p, state)
         self._low_precision.discard(p)
         self.state[p] = {**kept, **moments}
+
+    def _release_master(self, p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """Give the FP8 weight ``p`` its own storage back, in its own dtype, holding its master's value, and its
+        gradient back to ``p.grad`` in that dtype. Returns what of ``state`` it keeps as a plain parameter: ``step``
+        and, where ``p`` is not fp32, the master in fp32, kept apart as :meth:`_init_state` keeps it (in bf16 storage
+        alone, updates below the weight's rounding would be lost)."""
+        kept: dict[str, Any] = {"step": state["step"]} if "step" in state else {}
+        value = None  # the master, unscaled fp32
+        if "master" in state:  # kept apart: what was written to p since the last step comes first, as in a step
+            apart.take_writes(p, state, self._master_marks.get(p))
+            value = checkpoint.dequantize(state, "master")
+            with torch.no_grad():
+                p.copy_(value)
+        elif master.master_scale(p) is not None:  # in p's storage (the scale is not moved by module.to(), see export)
+            value = p.detach().float() / master.master_scale(p).to(p.device)
+        handle = self._hooks.pop(p, None)
+        if handle is not None:
+            handle.remove()
+        grad, entry = p.grad, self._pending.pop(p, None)  # master.release drops p.grad (in the storage's dtype)
+        master.release(p)
+        setattr(p, master.MARKER, False)
+        if grad is not None:
+            p.grad = grad.to(p.dtype)
+        self._hand_back_grad(p, entry)
+        if "step" in kept and value is not None and p.dtype != _FP32:
+            kept["master"] = value
+            self._master_marks[p] = apart.mark(p)  # a write to p from now on reaches the master at the next step
+        return kept
+
+    def _hand_back_grad(self, p: torch.Tensor, entry: _FP8Grad | None) -> None:
+        """Add the pending FP8 gradient ``entry`` of ``p`` (if any) to ``p.grad``, dequantized in ``p``'s dtype."""
+        if entry is not None:
+            with torch.no_grad():
+                grad = (entry.data.float() * entry.scale_inv).to(p.dtype)
+                p.grad = grad if p.grad is None else p.grad + grad
 
     def release_weights(self) -> None:
         """Give every FP8 weight whose storage holds this optimizer's fp16 master its own storage back: the unscaled
@@ -447,8 +473,15 @@ class FP8AdamW(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: for a sparse gradient.
-            ValueError: for an FP8 gradient without ``scale_inv``, or a shape that is not ``p``'s.
+            ValueError: for a ``p`` in none of this optimizer's parameter groups, an FP8 gradient without
+                ``scale_inv``, or a shape that is not ``p``'s.
         """
+        if not self._holds(p):  # its gradient would never be stepped, yet count in the scaler's non-finite check
+            raise ValueError(
+                f"accumulate_fp8_grad: the parameter of shape {tuple(p.shape)} is in none of this FP8AdamW's parameter "
+                "groups, so its gradient would never be applied. Hand it to the optimizer that holds the parameter, "
+                "or add the parameter first (optimizer.add_param_group({'params': [p]})); nothing was accumulated"
+            )
         if grad.is_sparse:
             raise RuntimeError("FP8AdamW does not support sparse gradients")
         if grad.shape != p.shape:
@@ -476,6 +509,14 @@ class FP8AdamW(torch.optim.Optimizer):
                 n_saturated = (g.abs() >= fp8_max(self.grad_dtype)).sum()
                 self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype, owner=self)
             self._pending[p] = _FP8Grad(data, scale_inv, amax)
+
+    def _holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is in one of the parameter groups: a set lookup (this runs per parameter and backward), the
+        set built again on a miss (a group added since)."""
+        held = self._held
+        if held is None or p not in held:
+            held = self._held = {q for group in self.param_groups for q in group["params"]}
+        return p in held
 
     def _grad_cast_state(self, p: torch.Tensor) -> list[torch.Tensor]:
         """The buffers of the FP8 gradient cast of ``p`` (as a ``ScalingState``'s, history of one): created once."""
@@ -710,7 +751,7 @@ class FP8AdamW(torch.optim.Optimizer):
                     setattr(p, attr, value)
         self._extra_fp8_params = {id(p) for p in extra}
         self._grad_cast_states = {p: (packed, grad_cast_state_buffers(packed)) for p, packed in cast_states.items()}
-        self._pending, self._stepped_fp8_grads = {}, []
+        self._pending, self._stepped_fp8_grads, self._held = {}, [], None
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
         self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
         self._mark_masters()

@@ -165,6 +165,7 @@ def load(opt: FP8AdamW, state_dict: dict[str, Any]) -> None:
         opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks = hooks
     for group in opt.param_groups:
         group.setdefault("maximize", False)
+        step_.plain_hyper_parameters(group)  # checked by _check_groups
     for p, saved in entries:
         _load_one(opt, p, saved)
 
@@ -211,8 +212,9 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
         )
     entries = []
     for index, p in zip(saved_ids, params, strict=True):
-        saved = state_dict["state"].get(index)
-        if saved is not None:
+        # An absent index is a parameter without state yet; a present one must be a state (None is no dict).
+        if index in state_dict["state"]:
+            saved = state_dict["state"][index]
             entries.append((p, _check_entry(f"FP8AdamW.load_state_dict: parameter {index}", p, saved)))
     return entries
 

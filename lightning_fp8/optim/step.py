@@ -8,6 +8,7 @@ and those that do not go to separate launches (one ``EMIT`` constexpr per launch
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -88,8 +89,24 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
 def _check_number(name: str, value: Any, tensor_ok: bool = False) -> None:
     if isinstance(value, torch.Tensor) and tensor_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: NumPy scalars too (np.float32(1e-3) from a config), as torch.optim.AdamW takes them for lr, eps and
+    # weight_decay.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"FP8AdamW: {name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _as_float(value: Any) -> Any:
+    # A NumPy scalar as a Python float (np.float64 too, a subclass of float); Python numbers and tensors as they are.
+    return float(value) if isinstance(value, numbers.Real) and type(value) not in (int, float) else value
+
+
+def plain_hyper_parameters(group: dict[str, Any]) -> None:
+    """Store the NumPy scalars among ``group``'s checked lr, betas, eps and weight_decay as Python floats: the state
+    dict saves the groups, and ``torch.load(weights_only=True)`` refuses NumPy scalars."""
+    for name in ("lr", "eps", "weight_decay"):
+        group[name] = _as_float(group[name])
+    if any(_as_float(beta) is not beta for beta in group["betas"]):
+        group["betas"] = tuple(_as_float(beta) for beta in group["betas"])
 
 
 # The constructor's, add_param_group's and a saved group's (a group would keep amsgrad=True and step without it).

@@ -1,0 +1,119 @@
+"""What FP8AdamW takes from its caller besides parameters, as torch.optim.AdamW takes it: NumPy scalar
+hyper-parameters (stored as Python floats); a gradient handed to accumulate_fp8_grad only for a parameter it holds; a
+state dict whose per-parameter states are dicts (a corrupt one is refused before anything changes)."""
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8
+from tests.numerics import assert_same
+
+# FP8AdamW's fp32 step (parameters that are not FP8 weights) against torch.optim.AdamW's: the same formula in another
+# operation order, a few fp32 ulp per step; 1e-6 bounds these few steps with margin.
+ADAMW_ATOL = 1e-6
+
+
+def _fp8_layer(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return convert_to_fp8(nn.Linear(32, 48))
+
+
+def _plain_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 8))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(8, 24, generator=gen)).square().mean().backward()
+    opt.step()
+
+
+def test_numpy_scalar_hyper_parameters_step_as_in_torch_adamw_and_are_stored_as_floats():
+    """np.float32 ones (from a config or an array) were refused with TypeError; torch.optim.AdamW takes them (its
+    betas only as floats or tensors: it gets the same values as floats)."""
+    kwargs = {"lr": np.float32(1e-2), "eps": np.float32(1e-6), "weight_decay": np.float32(0.1)}
+    betas = (np.float32(0.8), np.float64(0.99))
+    model, ref = _plain_model(), _plain_model()
+    opt = FP8AdamW(model.parameters(), betas=betas, **kwargs)
+    ref_opt = torch.optim.AdamW(ref.parameters(), betas=tuple(float(beta) for beta in betas), **kwargs)
+    for seed in range(5):
+        _step(model, opt, seed)
+        _step(ref, ref_opt, seed)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=ADAMW_ATOL)
+    extra = nn.Parameter(torch.randn(7))
+    opt.add_param_group({"params": [extra], "lr": np.float32(1e-3), "betas": (np.float32(0.9), 0.999)})
+    for group in opt.param_groups:
+        assert all(type(group[name]) is float for name in ("lr", "eps", "weight_decay"))
+        assert all(type(beta) is float for beta in group["betas"])
+    # Python floats, so the state dict loads where NumPy scalars are refused.
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == float(np.float32(1e-2))
+    # A state dict whose groups hold NumPy scalars (torch.optim.AdamW keeps them as given) loads as floats.
+    loaded = FP8AdamW(_plain_model().parameters())
+    loaded.load_state_dict(ref_opt.state_dict())
+    assert type(loaded.param_groups[0]["lr"]) is float and type(loaded.param_groups[0]["betas"][0]) is float
+    with pytest.raises(TypeError, match="lr must be a number, got bool"):
+        FP8AdamW(model.parameters(), lr=True)
+
+
+def test_accumulate_fp8_grad_refuses_a_parameter_the_optimizer_does_not_hold():
+    """It kept the gradient, which no step applied, and counted it in the scaler's non-finite check (an inf one
+    skipped the steps of the parameters it holds)."""
+    held, other = _fp8_layer(0), _fp8_layer(1)
+    scaler = FP8GradScaler()
+    opt = FP8AdamW(held.parameters(), lr=1e-2, grad_scaler=scaler)
+    with pytest.raises(ValueError, match="in none of this FP8AdamW's parameter groups.*add_param_group"):
+        opt.accumulate_fp8_grad(other.weight, torch.full(other.weight.shape, float("inf")))
+    before = held.state_dict()["weight"].clone()
+    scaler.scale_loss(held(torch.randn(8, 32)).square().mean()).backward()
+    opt.step()
+    assert scaler.skipped_steps == 0 and not torch.equal(held.state_dict()["weight"], before)
+    # Once added, its gradient is applied as by an optimizer that held it from the start.
+    twin = copy.deepcopy(other)
+    twin_opt = FP8AdamW(twin.parameters(), lr=1e-2)
+    opt.zero_grad()
+    opt.add_param_group({"params": list(other.parameters())})
+    grad = torch.randn(other.weight.shape)
+    opt.accumulate_fp8_grad(other.weight, grad)
+    twin_opt.accumulate_fp8_grad(twin.weight, grad)
+    opt.step()
+    twin_opt.step()
+    assert_same(other.state_dict()["weight"], twin.state_dict()["weight"])
+
+
+@pytest.mark.parametrize("corrupt", [None, []])
+def test_a_per_parameter_state_that_is_not_a_dict_is_refused_before_anything_changes(corrupt):
+    """A state None loaded without a word and that parameter's Adam state started again from zero;
+    torch.optim.AdamW fails on it."""
+    source = _plain_model(1)
+    source_opt = FP8AdamW(source.parameters(), lr=1e-2)
+    _step(source, source_opt, 0)
+    saved = source_opt.state_dict()
+    saved["state"][0] = corrupt
+    model = _plain_model()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, 1)
+    before = copy.deepcopy((opt.state_dict(), model.state_dict()))
+    message = f"parameter 0's state is a {type(corrupt).__name__}, not a dict"
+    with pytest.raises(ValueError, match=message):
+        opt.check_state_dict(saved)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    assert_same((opt.state_dict(), model.state_dict()), before)
+    if corrupt is None:
+        with pytest.raises(TypeError):
+            torch.optim.AdamW(_plain_model().parameters()).load_state_dict(saved)
+    # An absent state is a parameter not stepped yet (as torch.optim.AdamW's state dict leaves it out): it loads.
+    del saved["state"][0]
+    opt.load_state_dict(saved)
+    assert 0 not in opt.state_dict()["state"] and 1 in opt.state_dict()["state"]

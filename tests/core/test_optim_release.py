@@ -1,0 +1,116 @@
+"""FP8AdamW.release (the recovery "back to high precision", put_back_to_high_precision): the weight becomes a plain
+parameter whose states are those of any parameter of its dtype (a bf16 one keeps an fp32 master apart), and a gradient
+not stepped yet is handed back to param.grad, at O1 and O2. Checked against torch.optim.AdamW continuing from the
+released state."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, convert_to_fp8
+from lightning_fp8.optim import master
+from lightning_fp8.recovery import put_back_to_high_precision
+from tests.numerics import assert_same
+
+# FP8AdamW's fp32 step against torch.optim.AdamW's: the same formula in another operation order, a few fp32 ulp per
+# step; 1e-6 bounds it over these 40 steps with margin, against weights of magnitude ~0.25.
+ADAMW_ATOL = 1e-6
+# Rounding to nearest with p significant bits: |round(x) - x| <= |x| * 2**-p (the unit roundoff); bf16 has 8, fp16 11.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+FP16_UNIT_ROUNDOFF = 2.0**-11
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))).to(dtype)
+
+
+def _backward(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 32, generator=gen).to(model[0].weight.dtype)
+    model(x).float().square().mean().backward()
+
+
+def _adamw_from(weight: torch.Tensor, state: dict, lr: float) -> tuple[nn.Parameter, torch.optim.AdamW]:
+    """torch.optim.AdamW over an fp32 copy of ``weight`` (values), continuing from FP8AdamW's released ``state``."""
+    ref = nn.Parameter(weight.detach().float().clone())
+    opt = torch.optim.AdamW([ref], lr=lr)
+    opt.state[ref] = {key: state[key].detach().float().clone() for key in ("step", "exp_avg", "exp_avg_sq")}
+    return ref, opt
+
+
+@pytest.mark.parametrize("master_at", ["storage", "apart"])
+def test_a_released_bf16_weight_keeps_an_fp32_master_and_steps_as_torch_adamw(master_at):
+    """It kept no master: its bf16 storage rounded away each update smaller than half a unit in the last place (20
+    steps at lr 1e-4 moved 30 of 256 elements; a bf16 nn.Linear weight of a fresh FP8AdamW moved 229)."""
+    lr = 1e-4
+    model = _model(torch.bfloat16)
+    opt = FP8AdamW(model.parameters(), lr=lr)
+    weight = model[0].weight
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    if master_at == "apart":
+        opt.release_weights()  # the fp16 master moves into the optimizer's state
+        expected = opt.state[weight]["master"].float() / opt.state[weight]["master_scale"]
+    else:
+        expected = weight.detach().float() / master.master_scale(weight)
+    put_back_to_high_precision(model, ["0"], opt)
+    state = opt.state[weight]
+    assert weight.dtype == torch.bfloat16
+    ref, ref_opt = _adamw_from(expected, state, lr)  # from the O2 master, unrounded
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        grad = (torch.randn(weight.shape, generator=gen) * 1e-2).to(torch.bfloat16)
+        weight.grad, ref.grad = grad, grad.float()
+        opt.step()
+        ref_opt.step()
+    # The weight is within bf16's rounding of torch's fp32 trajectory: the rounding of an fp32 master's.
+    error = (weight.detach().float() - ref.detach()).abs()
+    assert bool((error <= ref.detach().abs() * BF16_UNIT_ROUNDOFF + ADAMW_ATOL).all())
+    assert state["master"].dtype == torch.float32
+    torch.testing.assert_close(state["master"], ref.detach(), rtol=0, atol=ADAMW_ATOL)
+
+
+@pytest.mark.parametrize("fp8_grads", [True, False])
+def test_release_at_o2_hands_the_gradient_not_stepped_yet_back(fp8_grads):
+    """At O2 the gradient of the backward before the put-back was dropped (the FP8 one the optimizer held, or the fp16
+    param.grad): the weight skipped that step. At O1 it was handed back."""
+    lr = 1e-2
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=lr, fp8_grads=fp8_grads)
+    weight = model[0].weight
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, 1)
+    if fp8_grads:
+        assert weight.grad is None
+        entry = opt._pending[weight]
+        expected = entry.data.float() * entry.scale_inv  # the FP8 gradient, dequantized
+    else:
+        expected = weight.grad.float()
+    put_back_to_high_precision(model, ["0"], opt)
+    assert weight.dtype == torch.float32
+    assert_same(weight.grad, expected)
+    ref, ref_opt = _adamw_from(weight, opt.state[weight], lr)
+    ref.grad = expected.clone()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(weight.detach(), ref.detach(), rtol=0, atol=ADAMW_ATOL)
+
+
+def test_a_write_to_a_released_weight_before_the_put_back_is_kept():
+    """After release_weights() the master is kept apart (fp16, scaled) and a write to the weight reaches it at the next
+    step; the put-back copied the master over the weight and lost the write."""
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    _backward(model, 0)
+    opt.step()
+    opt.release_weights()
+    written = torch.randn(model[0].weight.shape)
+    with torch.no_grad():
+        model[0].weight.copy_(written)
+    put_back_to_high_precision(model, ["0"], opt)
+    # As the next step would have taken it: into the fp16 master (values of a few units: no subnormals at its scale).
+    torch.testing.assert_close(model[0].weight.detach(), written, rtol=FP16_UNIT_ROUNDOFF, atol=0)
