@@ -16,11 +16,13 @@ from lightning_fp8.health import global_norm
 def clip_grad_value_keeping_overflow_(parameters: Any, limit: float) -> None:
     """``torch.nn.utils.clip_grad_value_(parameters, limit)``, but infinities stay: clamped, an overflow would pass
     for a large finite gradient and the gradient scaler would take the step instead of skipping it (NaN stays NaN
-    either way)."""
+    either way). The limit is capped at each gradient's largest finite value: ``clip_val * mu`` passes fp16's 65504
+    once mu grows, which ``clamp`` refuses to convert, and every finite fp16 value is within that cap anyway."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
     with torch.no_grad():
         for grad in (p.grad for p in params if p.grad is not None):
-            grad.copy_(torch.where(grad.isinf(), grad, grad.clamp(-limit, limit)))
+            cap = min(limit, torch.finfo(grad.dtype).max)
+            grad.copy_(torch.where(grad.isinf(), grad, grad.clamp(-cap, cap)))
 
 
 def clip_scaled_grad_norm_(parameters: Any, max_norm: float, mu: float = 1.0) -> Tensor:

@@ -9,6 +9,7 @@ Logged keys (``fp8/`` and ``health/`` prefixes), see the class docstrings.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +101,31 @@ class _LoggingCallback(Callback):
         since the previous one (so a batch that stepped nothing does not make the callback miss its turn)."""
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         return self._batch // every > self._previous_batch // every or trainer.should_stop
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Each instance files its state under its own key, as ModelCheckpoint does (Lightning refused a second instance
+        # sharing one: a summary every step beside all layers every 100). The key names only the settings that differ
+        # from the defaults, so a monitor with default settings keeps the class name, the key older versions wrote.
+        changed = {name: value for name, (value, default) in self._settings().items() if value != default}
+        return self._generate_state_key(**changed) if changed else type(self).__qualname__
+
+    def _settings(self) -> dict[str, tuple[Any, Any]]:
+        """The constructor arguments that tell two instances apart: ``{name: (value, default)}``."""
+        return {"log_every_n_steps": (self.log_every_n_steps, None)}
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Older versions filed the state under the class name whatever the settings: a checkpoint holding that key
+        # alone for this class is one of them (or of a default monitor), and its state is this monitor's to resume.
+        # Lightning loads only the state under state_key, right after this hook.
+        states = checkpoint.get("callbacks") or {}
+        name = type(self).__qualname__
+        legacy = states.get(name)
+        others = [key for key in states if isinstance(key, str) and key.startswith(name + "{")]
+        if self.state_key not in states and legacy and not others:
+            self.load_state_dict(copy.deepcopy(legacy))
 
     def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         self.last_metrics = metrics
@@ -233,6 +259,11 @@ class FP8ScaleMonitor(_LoggingCallback):
             f"{scale:g}; {meaning}. Later scale {kind}s are not warned: they are counted in "
             f"fp8/alerts/scale_{kind}s and kept in FP8ScaleMonitor.alerts"
         )
+
+    @override
+    def _settings(self) -> dict[str, tuple[Any, Any]]:
+        return {**super()._settings(), "all_layers": (self.all_layers, False), "jump_factor": (self.jump_factor, 16.0),
+                "alert_after_steps": (self.alert_after_steps, 100)}  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:

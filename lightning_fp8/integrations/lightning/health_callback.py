@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_fp8.health import (
@@ -46,6 +47,19 @@ def _first_token_tensor(batch: Any) -> torch.Tensor | None:
         found = _first_token_tensor(value)
         if found is not None:
             return found
+    return None
+
+
+def count_samples(batch: Any) -> int | None:
+    """Samples in ``batch``: Lightning's batch size (the first dimension of its first tensor), else the length of a
+    flat list or tuple (a list of strings, as a dataset of raw text collates), else ``None``."""
+    try:
+        return extract_batch_size(batch)
+    except (MisconfigurationException, RecursionError):  # no tensor in it
+        pass
+    # Only a flat sequence's length counts samples: a dict's is its keys, [texts, labels]'s is 2.
+    if isinstance(batch, (list, tuple)) and not any(isinstance(x, (list, tuple, dict)) for x in batch):
+        return len(batch)
     return None
 
 
@@ -122,7 +136,7 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     def _reset_window(self) -> None:
         self._losses: list[torch.Tensor] = []
-        self._samples = 0
+        self._samples: int | None = 0  # None once a batch of the window had no size to count
         self._tokens: int | None = None
         # This batch's gradient norm of each optimizer stepped (keyed by id), and the parameter norm; kept as
         # tensors until the step is observed.
@@ -206,7 +220,13 @@ class TrainingHealthMonitor(_LoggingCallback):
             if pl_module.automatic_optimization:  # Lightning divided it by accumulate_grad_batches: undo that
                 loss = loss.detach().float() * trainer.accumulate_grad_batches
             self._losses.append(loss.detach().float())
-        self._samples += extract_batch_size(batch)
+        samples = count_samples(batch)
+        if samples is None:
+            warn_once(
+                f"TrainingHealthMonitor: cannot count the samples of a {type(batch).__name__} batch (it holds no "
+                "tensor and is not a flat list), so health/samples_per_sec is left out"
+            )
+        self._samples = None if samples is None or self._samples is None else self._samples + samples
         tokens = self.tokens_fn(batch)
         if tokens is not None:
             self._tokens = (self._tokens or 0) + tokens
@@ -302,6 +322,11 @@ class TrainingHealthMonitor(_LoggingCallback):
             return
         plot_health(self.monitor, path)
         self.plot_file = path
+
+    @override
+    def _settings(self) -> dict[str, tuple[Any, Any]]:
+        return {**super()._settings(), "config": (self.monitor.config, HealthConfig()),
+                "smoothing_window": (self.smoothing_window, 20)}  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:

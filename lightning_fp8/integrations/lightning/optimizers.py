@@ -39,6 +39,12 @@ def to_fp8_optimizer(optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> tor
     return swap.to_fp8_adamw(optimizer, source="configure_optimizers", opt_out=_OPT_OUT, **fp8_kwargs)
 
 
+def is_mock_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is Lightning's stand-in for ``configure_optimizers`` returning None (either namespace):
+    it holds none of the model's parameters and steps nothing, so there is nothing to replace or scale for it."""
+    return any(cls.__name__ == "_MockOptimizer" for cls in type(optimizer).__mro__)
+
+
 def rebind_schedulers(schedulers: Iterable[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
     """Point every scheduler that references ``old`` (nested ones too) at ``new``."""
     for scheduler in schedulers:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Generator
 from typing import Any, Literal
 
@@ -71,6 +72,9 @@ _WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_
 # The names Lightning files the plugin's state under in a checkpoint: the class's __qualname__, in the ``lightning``
 # flavour and in the ``pytorch_lightning`` one (precision_class).
 _STATE_KEYS = ("FP8LMPrecision", "FP8LMPrecisionPL")
+# Where the code calling the plugin's hooks lives, in either namespace: the Trainer's strategies, or Fabric.
+_TRAINER_PACKAGES = ("lightning.pytorch.", "pytorch_lightning.")
+_FABRIC_PACKAGES = ("lightning.fabric.", "lightning_fabric.")
 
 
 class _FP8LMPrecisionLogic:
@@ -132,6 +136,7 @@ class _FP8LMPrecisionLogic:
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the linear layers for FP8 layers, in place (strategies may ignore the return value)."""
+        _refuse_fabric()
         if self.backend == "te":
             from lightning_fp8.integrations.lightning import te
 
@@ -197,6 +202,8 @@ class _FP8LMPrecisionLogic:
         return self.backend == "native" and self.replace_optimizers and self.recipe.opt_level == "O2"
 
     def _replace_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler_configs: list[Any]) -> Any:
+        if optimizer_swap.is_mock_optimizer(optimizer):  # configure_optimizers returned None: kept, as Lightning does
+            return optimizer
         fp8_kwargs: dict[str, Any] = {
             "recipe": self.recipe,
             "grad_scaler": self.grad_scaler,
@@ -270,7 +277,8 @@ class _FP8LMPrecisionLogic:
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + gradient clipping
         if kwargs:
             raise TypeError(f"precision='fp8-lm' steps through FP8GradScaler.step(optimizer); got extra {list(kwargs)}")
-        if nothing_to_step:
+        # Lightning's stand-in optimizer (configure_optimizers returned None) steps nothing: mu stays as it is.
+        if nothing_to_step or optimizer_swap.is_mock_optimizer(optimizer):
             return closure_result
         if getattr(optimizer, "grad_scaler", None) is self.grad_scaler:
             optimizer.step()  # FP8AdamW routes through the scaler: skip or step (unscaling in its kernel), update mu
@@ -513,6 +521,29 @@ def _to_module_names(module: nn.Module, fp8_state: dict[str, Any]) -> dict[str, 
     names = _to_layer_names(module, [state_name for state_name, _, _ in split])
     values = fp8_state.values()
     return {f"{name}.{field}": value for name, (_, _, field), value in zip(names, split, values, strict=True)}
+
+
+def _refuse_fabric() -> None:
+    """Raise TypeError when Lightning Fabric, not a Trainer, calls the plugin (``fabric.setup`` converting the model).
+
+    Fabric accepts any Lightning precision plugin, but this one's backward, step and clipping hooks need the Trainer
+    (its LightningModule, optimizer loop and callbacks): under Fabric the model was converted, then ``fabric.backward``
+    failed with an AttributeError. The nearest Lightning caller decides: a Trainer's strategy (whatever module it
+    passes, attached to a Trainer or not) or Fabric; a call from neither (tests, scripts) is left alone.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        if name.startswith(_TRAINER_PACKAGES):
+            return
+        if name.startswith(_FABRIC_PACKAGES):
+            raise TypeError(
+                "FP8LMPrecision is a plugin for the Lightning Trainer (Trainer(precision='fp8-lm') or "
+                "Trainer(plugins=[FP8LMPrecision()])); Lightning Fabric is not supported: its backward and step "
+                "hooks need a Trainer. Drop it from Fabric(plugins=...) and use the plain-PyTorch API in your Fabric "
+                "loop: lightning_fp8.convert_to_fp8(model), FP8AdamW and FP8GradScaler (docs/guides/pytorch.md)"
+            )
+        frame = frame.f_back
 
 
 def _make_grad_scaler(grad_scaler: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fp8.convert import _shared_parameter_ids
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
@@ -71,24 +72,39 @@ def convert_to_te(
 ) -> nn.Module:
     """Replace ``module``'s ``nn.Linear`` layers by ``te.pytorch.Linear`` in place (weights copied).
 
-    As :func:`~lightning_fp8.convert_to_fp8`: layers whose sizes are not multiples of 16, or that
-    ``module_filter_fn`` rejects, stay ``nn.Linear``.
+    As :func:`~lightning_fp8.convert_to_fp8`: layers whose sizes are not multiples of 16, whose weight another module
+    also holds (tied weights), or that ``module_filter_fn`` rejects, stay ``nn.Linear``.
     """
     te = require_transformer_engine()
-    skipped = []
+    # A TE layer gets a copy of the weight: a tied one (an output head sharing the token embedding) would be untied.
+    shared = _shared_parameter_ids(module)
+    skipped: list[str] = []
+    tied: list[str] = []
+    done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one TE layer (decided once)
     for parent_name, parent in list(module.named_modules()):
         for name, child in list(parent.named_children()):
             fqn = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
-                continue
-            if child.in_features % 16 or child.out_features % 16:
-                skipped.append(fqn)
-                continue
-            setattr(parent, name, _to_te_linear(te, child))
+            if id(child) not in done:
+                done[id(child)] = child
+                if type(child) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
+                    continue
+                if child.in_features % 16 or child.out_features % 16:
+                    skipped.append(fqn)
+                elif id(child.weight) in shared:
+                    tied.append(fqn)
+                else:
+                    done[id(child)] = _to_te_linear(te, child)
+            if done[id(child)] is not child:
+                setattr(parent, name, done[id(child)])
     if skipped:
         warn_once(
             f"backend='te' left {len(skipped)} linear layer(s) in high precision (sizes not multiples of 16): "
             f"{', '.join(skipped)}"
+        )
+    if tied:
+        warn_once(
+            f"backend='te' left {len(tied)} linear layer(s) in high precision because their weight is shared with "
+            f"another module (tied weights): {', '.join(tied)}"
         )
     return module
 

@@ -456,7 +456,7 @@ def test_a_resumed_run_logs_what_the_uninterrupted_run_logs(tmp_path):
     saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     full_rows, full_health, full_scales = run("full", saving=[saving])
     ckpt = tmp_path / "epoch=0-step=4.ckpt"
-    assert torch.load(ckpt, weights_only=True)["callbacks"]["FP8ScaleMonitor"]["previous_scales"]
+    assert torch.load(ckpt, weights_only=True)["callbacks"][full_scales.state_key]["previous_scales"]
     rows, health, scales = run("resumed", ckpt)
 
     keys = ["health/loss", "health/loss_smooth", "health/grad_norm", "fp8/alerts/scale_drops",
@@ -470,6 +470,60 @@ def test_a_resumed_run_logs_what_the_uninterrupted_run_logs(tmp_path):
     # Throughput is timing (not reproducible), but its running mean at step 5 spans steps 2..5 across the resume.
     throughput = dict(health.monitor.series["samples_per_sec"])
     assert _column(rows, "health/samples_per_sec")[5] == pytest.approx(sum(throughput[s] for s in (2, 3, 4, 5)) / 4)
+
+
+def _two_of_each() -> list[Callback]:
+    # A summary every step and all layers every other step; two health monitors logging at other periods.
+    return [
+        FP8ScaleMonitor(log_every_n_steps=1, jump_factor=2, alert_after_steps=0),
+        FP8ScaleMonitor(log_every_n_steps=2, all_layers=True, jump_factor=2, alert_after_steps=0),
+        TrainingHealthMonitor(log_every_n_steps=1, plot=False, smoothing_window=4),
+        TrainingHealthMonitor(log_every_n_steps=2, plot=False, config=HealthConfig(warmup_steps=0)),
+    ]
+
+
+def test_two_monitors_of_a_kind_with_other_settings_both_log_and_resume(tmp_path):
+    """Two FP8ScaleMonitors (or TrainingHealthMonitors) in one Trainer failed at construction: both filed their state
+    under the class name, and Lightning refuses stateful callbacks sharing a state_key. Each has its own key now,
+    logs, and resumes its own state; a default monitor keeps the class name, the key of older checkpoints."""
+    assert FP8ScaleMonitor().state_key == "FP8ScaleMonitor"
+    assert TrainingHealthMonitor(plot=False).state_key == "TrainingHealthMonitor"
+
+    def run(name, ckpt_path=None, saving=()):
+        torch.manual_seed(0 if ckpt_path is None else 123)
+        callbacks = _two_of_each()
+        _fit(StepIndexed(), tmp_path / name, [*callbacks, *saving], max_steps=8, ckpt_path=ckpt_path,
+             log_every_n_steps=1, enable_checkpointing=bool(saving))  # fmt: skip
+        return callbacks
+
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    full = run("full", saving=[saving])
+    ckpt = tmp_path / "epoch=0-step=4.ckpt"
+    assert set(torch.load(ckpt, weights_only=True)["callbacks"]) >= {cb.state_key for cb in full}
+    assert full[0].alerts != full[1].alerts  # other periods compare other scales: the states differ
+    assert any(key.startswith("fp8/layers/") for key in full[1].last_metrics)
+    assert not any(key.startswith("fp8/layers/") for key in full[0].last_metrics)
+    assert all(health.last_metrics["health/loss"] > 0 for health in full[2:])
+
+    resumed = run("resumed", ckpt)
+    for got, expected in zip(resumed[:2], full[:2], strict=True):
+        assert got.alerts == expected.alerts and got.state_dict() == expected.state_dict()
+    for got, expected in zip(resumed[2:], full[2:], strict=True):
+        assert len(got.monitor.series["loss"]) == 8  # 4 resumed from the checkpoint
+        assert got.monitor.series["loss"] == expected.monitor.series["loss"]
+
+    # A checkpoint of an older version: one state per class, under the class name, resumes a non-default monitor.
+    checkpoint = torch.load(ckpt, weights_only=True)
+    states = checkpoint["callbacks"]
+    checkpoint["callbacks"] = {"FP8ScaleMonitor": states[full[0].state_key],
+                               "TrainingHealthMonitor": states[full[2].state_key]}  # fmt: skip
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    scales, health = _two_of_each()[0], _two_of_each()[2]
+    torch.manual_seed(123)
+    _fit(StepIndexed(), tmp_path / "old", [scales, health], max_steps=8, ckpt_path=tmp_path / "old.ckpt",
+         log_every_n_steps=1)  # fmt: skip
+    assert scales.alerts == full[0].alerts
+    assert health.monitor.series["loss"] == full[2].monitor.series["loss"]
 
 
 def test_scale_monitor_state_carries_the_last_scales_to_the_next_comparison():
@@ -588,3 +642,36 @@ def test_plot_health_of_an_empty_monitor_writes_an_empty_plot(tmp_path):
     path = tmp_path / "sub" / "empty.png"
     assert plot_health(HealthMonitor(), str(path)) == str(path)
     assert path.stat().st_size > 1000
+
+
+class RawText(GPTModule):
+    """Batches of strings (a dataset of raw text), tokenized in training_step: no tensor in the batch."""
+
+    def training_step(self, batch, batch_idx):
+        texts = batch["text"] if isinstance(batch, dict) else batch
+        ids = torch.tensor([[ord(c) % self.cfg.vocab_size for c in text] for text in texts])
+        return super().training_step((ids[:, :-1], ids[:, 1:]), batch_idx)
+
+
+def _texts(n: int = 36) -> list[str]:
+    return ["".join(chr(65 + (i * 3 + j) % 26) for j in range(25)) for i in range(n)]  # 24 tokens + target
+
+
+def test_health_monitor_counts_a_batch_of_strings_and_leaves_out_what_it_cannot_count(tmp_path, monkeypatch):
+    """A batch without a tensor crashed the fit: Lightning's extract_batch_size raised about self.log. A list of
+    strings counts by its length; a batch with no size to count logs no samples/sec, with a warning, and the rest."""
+    from torch.utils.data import DataLoader
+
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    trainer = _fit(RawText(), tmp_path / "list", [health], max_steps=3, data=DataLoader(_texts(), batch_size=6))
+    assert len(health.monitor.series["samples_per_sec"]) == 3 and not health.monitor.series["tokens_per_sec"]
+    assert sorted(_column(_rows(trainer), "health/samples_per_sec")) == [1, 2, 3]
+
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    health = TrainingHealthMonitor(log_every_n_steps=1, plot=False)
+    as_dict = DataLoader(_texts(), batch_size=6, collate_fn=lambda items: {"text": items, "lang": ["en"] * len(items)})
+    with pytest.warns(UserWarning, match="cannot count the samples of a dict batch"):
+        trainer = _fit(RawText(), tmp_path / "dict", [health], max_steps=3, data=as_dict)
+    assert not health.monitor.series["samples_per_sec"] and len(health.monitor.series["loss"]) == 3
+    rows = _rows(trainer)
+    assert "health/samples_per_sec" not in rows[-1] and len(_column(rows, "health/loss")) == 3

@@ -443,6 +443,30 @@ def test_a_user_fp8adamw_is_kept_and_other_optimizers_are_errors():
     assert sgd.losses == pytest.approx(sgd32.losses, rel=FP32_LOSS_RTOL)
 
 
+class _NoOptimizer(GPTModule):
+    def configure_optimizers(self):
+        return None  # Lightning warns and trains nothing
+
+
+@pytest.mark.parametrize("replace_optimizers", [True, False])
+def test_configure_optimizers_returning_none_fits_as_with_bf16_mixed(replace_optimizers):
+    """Lightning steps its _MockOptimizer when configure_optimizers returns None; the plugin took it for the user's
+    optimizer and refused it ("return torch.optim.AdamW ..."). The fit runs, steps nothing and leaves mu alone."""
+    from lightning_fp8.callbacks import FP8ScaleMonitor, TrainingHealthMonitor
+
+    module = _module(_NoOptimizer)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    plugin = FP8LMPrecision(replace_optimizers=replace_optimizers)
+    callbacks = [FP8ScaleMonitor(log_every_n_steps=1), TrainingHealthMonitor(log_every_n_steps=1, plot=False)]
+    with pytest.warns(UserWarning, match="configure_optimizers` returned `None`"):
+        _, trainer = _fit(module, max_steps=3, precision=None, plugins=[plugin], callbacks=callbacks)
+    assert trainer.global_step == 3 and len(module.losses) == 3
+    assert all(isinstance(m, FP8Linear) for m in module.model.blocks[0].mlp if isinstance(m, nn.Linear))
+    assert plugin.grad_scaler.state_dict()["steps"] == 0  # no step counted, mu left as it was
+    after = module.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="backend='tensorrt'"):
         FP8LMPrecision(backend="tensorrt")
@@ -454,6 +478,22 @@ def test_bad_arguments_are_rejected():
         FP8LMPrecision(module_filter_fn="net.4")
     with pytest.raises(TypeError, match=r"autocast='yes'\): must be True or False"):
         FP8LMPrecision(autocast="yes")
+
+
+@pytest.mark.parametrize("namespace", ["lightning", "pytorch_lightning"])
+@pytest.mark.parametrize("setup", ["setup", "setup_module"])
+def test_fabric_is_refused_before_the_model_is_converted(namespace, setup):
+    """Fabric accepts the plugin: it converted the model in setup, then fabric.backward failed with AttributeError
+    'NoneType' object has no attribute 'trainer'. It is refused in setup now, saying what to use instead."""
+    from lightning_fp8.integrations.lightning.precision import precision_class
+
+    fabric_cls = L.Fabric if namespace == "lightning" else pytest.importorskip("lightning_fabric").Fabric
+    fabric = fabric_cls(accelerator="cpu", devices=1, plugins=[precision_class(namespace)()])
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    args = (model, torch.optim.AdamW(model.parameters())) if setup == "setup" else (model,)
+    with pytest.raises(TypeError, match=r"Trainer.*Fabric is not supported.*convert_to_fp8.*docs/guides/pytorch.md"):
+        getattr(fabric, setup)(*args)
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
 
 
 def test_a_model_without_convertible_linear_layers_warns(monkeypatch):
@@ -530,6 +570,30 @@ def test_transformer_engine_backend_with_te_mocked(monkeypatch):
     FP8LMPrecision(backend="te").convert_module(fresh)
     for key, value in fresh.model.state_dict().items():  # same keys, weights copied over
         assert torch.equal(value, reference[key])
+
+
+class _TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(80, 48)
+        self.body = nn.Linear(48, 48)
+        self.head = nn.Linear(48, 80, bias=False)
+        self.head.weight = self.embedding.weight  # tied, as GPT-2's output head
+        self.twice = nn.ModuleList([self.body])  # the same layer under a second name
+
+
+def test_transformer_engine_backend_keeps_tied_weights_tied(monkeypatch):
+    """backend='te' copied the tied head's weight into a new TE layer: the head no longer read the embedding (and
+    trained apart from it), without a word. It stays nn.Linear, as with the native backend, with a warning; a layer
+    registered under two names becomes one TE layer."""
+    for name, module in _fake_transformer_engine([]).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    model = _TiedHead()
+    with pytest.warns(UserWarning, match=r"backend='te' left 1 .*shared with another module \(tied weights\): head"):
+        FP8LMPrecision(backend="te").convert_module(model)
+    assert type(model.head) is nn.Linear and model.head.weight is model.embedding.weight
+    assert type(model.body) is sys.modules["transformer_engine.pytorch"].Linear and model.twice[0] is model.body
 
 
 def test_transformer_engine_missing_says_how_to_install(monkeypatch):
@@ -741,6 +805,15 @@ def test_clipping_does_not_hide_an_overflow(algorithm):
          gradient_clip_algorithm=algorithm)  # fmt: skip
     assert plugin.grad_scaler.skipped_steps == 2
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_clipping_by_value_once_the_limit_times_mu_passes_fp16s_range():
+    """gradient_clip_val * mu = 2^17 is past fp16's 65504: clamping the O2 weights' fp16 gradients crashed the fit
+    (value cannot be converted to type c10::Half) once mu had grown that far."""
+    plugin = _fixed_mu(2.0**17)
+    _, trainer = _fit(max_steps=2, precision=None, plugins=[plugin], gradient_clip_val=1.0,
+                      gradient_clip_algorithm="value")  # fmt: skip
+    assert trainer.global_step == 2
 
 
 @pytest.mark.parametrize("mu", [1.0, 2.0**-20, 2.0**10])
