@@ -38,6 +38,7 @@ from lightning_fp8.distributed.comm import (
     CastStats,
     all_reduce_max,
     cast_stats,
+    check_dtypes,
     wait,
 )
 from lightning_fp8.distributed.exchange import CollectiveChunks, CollectiveRows, SymmetricChunks, SymmetricRows
@@ -46,7 +47,9 @@ from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import check_fp8_dtype
 
 
-def _check(x: torch.Tensor, layout: SegmentLayout, out: torch.Tensor | None) -> torch.Tensor:
+def _check(x: torch.Tensor, layout: SegmentLayout, out: torch.Tensor | None, fp8_dtype: torch.dtype) -> torch.Tensor:
+    # Before any collective: an integer buffer would otherwise pass the amax all-reduce and fail in the decode.
+    check_dtypes("FP8 all-reduce", fp8_dtype, x=x.dtype, out=None if out is None else out.dtype)
     if layout.numel != x.numel():
         raise ValueError(f"FP8 all-reduce: buffer of {x.numel()} elements but a layout of {layout.numel}")
     if out is not None and (out.numel() != x.numel() or not out.is_contiguous()):
@@ -131,10 +134,10 @@ def _pipeline(n: int, shared: _SharedAmax, start, finish, middle=None) -> None:
     finish(n - 1, second[n - 1])
 
 
-def _prepare(x, layout, group, out, fused: bool, slices: int, native: bool, amax_group):
+def _prepare(x, layout, group, out, fp8_dtype, fused: bool, slices: int, native: bool, amax_group):
     """What every all-reduce here starts with: the flat input, its slices' plans (native: one FP8 row per slice),
     the staged shared amaxes (their kernels: ``shared.kernels``), the output and the saturation counter."""
-    flat = _check(x, layout, out)
+    flat = _check(x, layout, out, fp8_dtype)
     plans = all_reduce_plan(layout, dist.get_world_size(group), dist.get_rank(group), slices, native, flat.device)
     shared = _SharedAmax(flat, plans, layout.num_groups, check_amax_group(group, amax_group), segment_kernels(fused))
     out = torch.empty_like(flat) if out is None else out.view(-1)
@@ -180,7 +183,7 @@ def all_reduce_fp8(
     """
     if chunks is not None:
         check_rows_group(group, chunks)
-    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, False, amax_group)
+    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fp8_dtype, fused, slices, False, amax_group)
     world, kernels = dist.get_world_size(group), shared.kernels
     common = {"margin": margin}
     chunks = CollectiveChunks(group) if chunks is None else chunks
@@ -234,7 +237,7 @@ def all_reduce_fp8_native(
     sums that overflowed (non-finite, or at the format maximum) are counted in ``n_saturated``; a non-finite
     sum marks ``found_nonfinite`` on every rank. Other arguments as :func:`all_reduce_fp8`.
     """
-    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, True, amax_group)
+    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fp8_dtype, fused, slices, True, amax_group)
     world, kernels = dist.get_world_size(group), shared.kernels
     counts = torch.zeros(2, dtype=torch.int64, device=flat.device)  # sums at/over the maximum, non-finite sums
     h = native_prescale_exponent(world)
@@ -291,7 +294,7 @@ def all_reduce_fp8_gather(
     check_fp8_dtype(fp8_dtype)  # before the exchange's start-of-call barrier
     if rows is not None:
         check_rows_group(group, rows)
-    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fused, slices, True, amax_group)
+    flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fp8_dtype, fused, slices, True, amax_group)
     world, kernels = dist.get_world_size(group), shared.kernels
     rows = CollectiveRows(group) if rows is None else rows
     rows.begin(plans, flat.device)

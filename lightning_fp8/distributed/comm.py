@@ -33,7 +33,12 @@ import torch.distributed as dist
 from lightning_fp8 import ops
 from lightning_fp8.distributed.layout import SegmentLayout, reduce_scatter_plan
 from lightning_fp8.distributed.quantize import segment_kernels
+from lightning_fp8.formats import check_fp8_dtype
 from lightning_fp8.kernels.comm_table import ALIGN, BlockTable, block_table
+
+# What the collectives read and write: the high-precision values around the FP8 bytes on the wire (the decode
+# saturates at the output dtype's finite range, which only floating-point dtypes have).
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,25 @@ class CastStats:
 
 
 # ---------------------------------------------------------------------------------------------------- building blocks
+def check_dtypes(caller: str, fp8_dtype: torch.dtype, **dtypes: torch.dtype | None) -> None:
+    """Raise before any collective runs (every rank gets the same answer) unless ``fp8_dtype`` is an FP8 format and
+    each of ``dtypes`` (``name=dtype``; None: not given) one of :data:`HIGH_PRECISION_DTYPES`.
+
+    Raises:
+        ValueError: for an ``fp8_dtype`` that is not E4M3 or E5M2.
+        TypeError: for an integer, complex, bool or FP8 buffer or output dtype.
+    """
+    check_fp8_dtype(fp8_dtype)
+    for name, dtype in dtypes.items():
+        if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
+            allowed = ", ".join(str(d) for d in HIGH_PRECISION_DTYPES)
+            raise TypeError(
+                f"{caller}: {name} is {dtype}, but FP8 collectives read and write high-precision floating-point values "
+                f"({allowed}) and do the casts to and from {fp8_dtype} themselves: pass one of those dtypes (convert "
+                "an integer or FP8 tensor first, e.g. x.float())"
+            )
+
+
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -147,7 +171,11 @@ def reduce_scatter_fp8(
 
     Returns:
         ``(chunk_sum, stats)``: this rank's chunk summed over ranks, divided by ``divisor``.
+
+    Raises:
+        TypeError, ValueError: for dtypes :func:`check_dtypes` refuses, sizes that do not match; before any collective.
     """
+    check_dtypes("reduce_scatter_fp8", fp8_dtype, x=x.dtype, out=None if out is None else out.dtype)
     world, rank = _world(group)
     if layout.numel != x.numel() or x.numel() % world:
         raise ValueError(
@@ -246,7 +274,11 @@ def all_gather_fp8(
     Returns:
         ``(full, n_saturated)``: the whole buffer (``layout.numel`` elements) in ``out_dtype``, and the
         saturation count of this rank's cast.
+
+    Raises:
+        TypeError, ValueError: for dtypes :func:`check_dtypes` refuses, sizes that do not match; before any collective.
     """
+    check_dtypes("all_gather_fp8", fp8_dtype, chunk=chunk.dtype, out_dtype=out_dtype)
     world, rank = _world(group)
     if layout.numel != world * chunk.numel():
         raise ValueError(f"all_gather_fp8: a chunk of {chunk.numel()} elements and a layout of {layout.numel}")

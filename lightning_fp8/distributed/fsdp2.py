@@ -22,9 +22,12 @@
   without any further communication.
 
 Both hooks work on the module's flat buffers and need each parameter's place in them; they read it from
-FSDP2's parameter group (``FSDPParam.padded_sharded_param_size``). Where that does not match the buffer (e.g.
-a parameter left without a gradient), the reduce-scatter falls back to one scale per block and the
-all-gather to FSDP's default, with a warning.
+FSDP2's parameter group (``FSDPParam.padded_sharded_param_size``). Where that does not match the buffer, the
+all-gather falls back to FSDP's default, with a warning. So does the reduce-scatter where FSDP leaves out the
+gradients of parameters that got none in the backward (an unused submodule; unless
+``set_reduce_scatter_unused_params(True)``, which sends zeros for them): with ``fp8_params`` naming some of the
+module's parameters it reduces all its gradients in their own dtype (those outside ``fp8_params`` must not go
+through FP8), else through FP8 with one scale per block.
 """
 
 from __future__ import annotations
@@ -103,25 +106,46 @@ class FP8ReduceScatter(ReduceScatter):
         chunk = output_tensor.numel()
         params = [p for p in self.param_group.fsdp_params if p.sharded_param.requires_grad]
         columns = [_shard_numel(p) for p in params]
-        if sum(columns) != chunk:
-            warn_once(
-                f"FP8ReduceScatter: the gradients of {len(columns)} parameters do not fill the buffer of {chunk} "
-                f"elements per rank (some parameter without a gradient?); using one FP8 scale per block of "
-                f"{_FALLBACK_BLOCK} elements for it"
-            )
-            params, columns = [], []
         fp8 = [self.state.is_fp8(p.sharded_param) for p in params]
         out = output_tensor.view(-1)
-        if not params or all(fp8):
-            layout = SegmentLayout.rows(world, columns) if params else SegmentLayout.blocks(world * chunk,
-                                                                                             _FALLBACK_BLOCK)
-            _, stats = self._fp8(input_tensor.view(-1), layout, group, out, divide)
+        if sum(columns) != chunk:  # FSDP left out the gradients of parameters that got none: which, is not known
+            if all(fp8):  # every gradient of the module travels in FP8 anyway
+                self._warn_unplaced(chunk, f"sent through FP8 with one scale per block of {_FALLBACK_BLOCK} elements")
+                layout = SegmentLayout.blocks(world * chunk, _FALLBACK_BLOCK)
+                _, stats = self._fp8(input_tensor.view(-1), layout, group, out, divide)
+            else:  # never quantize the gradients fp8_params leaves out ("reduced in their own dtype")
+                self._warn_unplaced(chunk, "reduce-scattered in their own dtype, the FP8Linear weights' too")
+                stats = _reduce_scatter_high_precision(out, input_tensor.view(-1), group, divide)
+        elif all(fp8):
+            _, stats = self._fp8(input_tensor.view(-1), SegmentLayout.rows(world, columns), group, out, divide)
         elif not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head): no FP8 weight
             stats = _reduce_scatter_high_precision(out, input_tensor.view(-1), group, divide)
         else:
             stats = self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
         self._record(stats)
         return None
+
+    def _warn_unplaced(self, chunk: int, instead: str) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        fqn = getattr(self.param_group, "_module_fqn", None)  # "" for the root module
+        module = "" if fqn is None else f" ({fqn or 'the root module'})"
+        # Not set by enable_fp8_fsdp2: FSDP then gives such parameters zero gradients instead of None, which an
+        # optimizer does not skip (weight decay and momentum move them), unlike plain FSDP2.
+        flag = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+        fix = (
+            "call model.set_reduce_scatter_unused_params(True) (such parameters then get zero gradients instead "
+            "of None: weight decay and momentum still move them), or "
+            if flag
+            else ""
+        )
+        warn_once(
+            f"FP8ReduceScatter{module}: some parameters of this FSDP module got no gradient in the backward (an "
+            f"unused submodule?), and FSDP left them out of the reduce-scatter buffer ({chunk} elements per rank), so "
+            f"the place of each gradient in it is not known: this module's gradients are {instead}, not each with "
+            f"its own FP8 scale. To keep the FP8 reduce-scatter, {fix}call requires_grad_(False) on the parameters "
+            "that take no part in training"
+        )
 
     def _fp8(self, flat: torch.Tensor, layout: SegmentLayout, group, out, divide: float,
              other_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, CastStats]:  # fmt: skip

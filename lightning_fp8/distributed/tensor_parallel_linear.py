@@ -48,6 +48,14 @@ from lightning_fp8.linear import (
     output_dtype,
 )
 from lightning_fp8.optim import master
+from lightning_fp8.recompute import (
+    ForwardCall,
+    backward_ran,
+    cast_current,
+    forward_call,
+    replay_scales,
+    restore_buffers,
+)
 from lightning_fp8.scaling import ScalingState, compute_scale
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -111,16 +119,24 @@ def _reduce_scatter_fp8(
 
 
 def _cast(
-    state: ScalingState, t: torch.Tensor, transpose: bool, group: dist.ProcessGroup, current: bool, layout: Layout
+    state: ScalingState,
+    t: torch.Tensor,
+    transpose: bool,
+    group: dist.ProcessGroup,
+    current: bool,
+    layout: Layout,
+    replaying: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``state.quantize(t)`` with a scale identical on every rank of ``group`` wherever ``layout`` needs one."""
+    """``state.quantize(t)`` with a scale identical on every rank of ``group`` wherever ``layout`` needs one.
+    ``replaying``: an activation-checkpointing recompute casting with its forward's scale, which every rank shares
+    already (the forward made sure of it): nothing to claim, no collective."""
     if current:  # the amax of the whole (distributed) tensor, as a single process would compute it
         with torch.no_grad():
             amax = ops.amax(t)
             if layout != "replicated":
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             state.scale.copy_(compute_scale(amax, state.fp8_dtype, state.margin, state.scale))
-    elif layout == "gathered":
+    elif layout == "gathered" and not replaying:
         claim_shared_scale(state, group)
     return state.quantize(t, transpose, current=False)
 
@@ -152,13 +168,20 @@ class TPLinearFn(torch.autograd.Function):
         out_dtype: torch.dtype,
         current: tuple[bool, bool],
         master_scale: torch.Tensor | None,
+        call: tuple[ForwardCall | None, bool] = (None, False),
     ):
-        # current: (input, grad_output) compute their own amax this call; master_scale: see FP8Linear.forward
+        # current: (input, grad_output) compute their own amax this call; master_scale: see FP8Linear.forward;
+        # call: see recompute.forward_call. A recompute under activation checkpointing casts with the scales its
+        # forward used and records nothing (as FP8Linear): the same FP8 bytes, hence the same gradients, and no amax
+        # recorded twice; replay_scales saves the buffers, restore_buffers puts them back after the casts.
         need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
         state, group, k = fp8["input"], comm.group, x.shape[-1]
+        record, replaying = call
+        saved = replay_scales(record, (state, fp8["weight"])) if replaying else None
+        x_current = cast_current(current[0], call)
         x_fp8_t = None  # transposed copy for wgrad; made in backward from a gathered FP8 copy
         if comm.kind == "colwise" and comm.dim is not None and comm.fp8:
-            x_fp8, _, x_scale_inv = _cast(state, x, False, group, current[0], "gathered")
+            x_fp8, _, x_scale_inv = _cast(state, x, False, group, x_current, "gathered", replaying)
             x_fp8 = _all_gather(x_fp8, comm.dim, group)  # the GEMM operand itself: no second cast
             lead_shape, x_fp8 = x_fp8.shape[:-1], x_fp8.reshape(-1, k)
         else:
@@ -166,9 +189,14 @@ class TPLinearFn(torch.autograd.Function):
                 x = _all_gather(x, comm.dim, group)
             layout = "sharded" if comm.kind == "rowwise" else "replicated"
             lead_shape = x.shape[:-1]
-            x_fp8, x_fp8_t, x_scale_inv = _cast(state, x.reshape(-1, k), need_wgrad, group, current[0], layout)
+            x_2d = x.reshape(-1, k)
+            x_fp8, x_fp8_t, x_scale_inv = _cast(state, x_2d, need_wgrad, group, x_current, layout, replaying)
         # per shard; at O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales
         w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True, master_scale)
+        restore_buffers(saved)
+        if record is not None and not replaying:
+            record.scale_invs = (x_scale_inv,)
+        ctx.record = None if replaying else record
         # forward GEMM, fast accumulation (forward only) as in FP8Linear; a column shard's bias is fused into it
         b = None if bias is None else bias.to(out_dtype)
         fused = b if comm.kind == "colwise" else None
@@ -194,7 +222,8 @@ class TPLinearFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the FP8 casts are not differentiable: a double backward raises (no silent 0)
     def backward(ctx: Any, dy: torch.Tensor):
-        x_saved, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors
+        x_saved, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors  # under torch.utils.checkpoint: recomputed here
+        backward_ran(ctx.record)
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         comm, group, state = ctx.comm, ctx.comm.group, ctx.grad_state
         # As FP8Linear (linear.grad_output_current): eagerly the grad_output role decides its first cast when the
@@ -234,7 +263,7 @@ class TPLinearFn(torch.autograd.Function):
             if dy_fp8_t is None:
                 dy_fp8_t = dy_fp8.t().contiguous()
             dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, ctx.dtypes[1])
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------ the DTensor forward
@@ -336,7 +365,8 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
         # With a sequence-sharded output, each rank's bias gradient sums its rows only: a partial sum.
         bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
     x_local = x.to_local()
-    y = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale)
+    call = forward_call(fp8["input"])
+    y = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale, call)
     # The first-cast rule by size, not by value: the ranks' shards differ, and a cast with its own amax all-reduces it.
     note_casts(fp8, x_local, y, by_value=False)
     return DTensor.from_local(y, mesh, [out_placement], run_check=False)

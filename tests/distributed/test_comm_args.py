@@ -1,0 +1,109 @@
+"""The public FP8 collectives refuse integer, complex and FP8 buffers and outputs before any collective runs.
+
+An integer buffer used to pass the size checks, run the amax all-reduce and the all-to-all, and fail in the decode
+(``torch.finfo() requires a floating point input type``): by then the ranks had exchanged data, and a rank that
+failed alone would leave the others waiting. Every collective of ``torch.distributed`` is spied on here (the
+collectives look them up there at call time); a valid call shows the spy sees them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.launch import run_workers
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+TENSORS = (6, 10)  # one layout of 16 elements: 8 per rank
+COLLECTIVES = (
+    "all_reduce", "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "broadcast", "barrier",
+)  # fmt: skip
+
+
+def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
+    """``{case: (the exception's type and message, or "ok"; the collectives it called)}``."""
+    from lightning_fp8.distributed import (
+        SegmentLayout,
+        all_gather_fp8,
+        all_reduce_fp8,
+        all_reduce_fp8_gather,
+        all_reduce_fp8_native,
+        reduce_scatter_fp8,
+    )
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    layout = SegmentLayout.per_tensor(TENSORS)
+    x = torch.randn(sum(TENSORS), generator=torch.Generator().manual_seed(rank))
+    ints = torch.arange(sum(TENSORS)) * (rank + 1)
+    chunk = x[: x.numel() // world]
+    cases = {
+        "all_reduce_fp8(valid)": lambda: all_reduce_fp8(x, layout, None, e5m2),
+        "all_reduce_fp8(int x)": lambda: all_reduce_fp8(ints, layout, None, e5m2),
+        "all_reduce_fp8(fp8 x)": lambda: all_reduce_fp8(x.to(e4m3), layout, None, e5m2),
+        "all_reduce_fp8(complex x)": lambda: all_reduce_fp8(x.to(torch.complex64), layout, None, e5m2),
+        "all_reduce_fp8(int out)": lambda: all_reduce_fp8(x, layout, None, e5m2, out=ints.int()),
+        "all_reduce_fp8_gather(int x)": lambda: all_reduce_fp8_gather(ints, layout, None, e5m2),
+        "all_reduce_fp8_native(int x)": lambda: all_reduce_fp8_native(ints, layout, None, e5m2),
+        "all_gather_fp8(int out_dtype)": lambda: all_gather_fp8(chunk, layout, None, e4m3, torch.int32),
+        "all_gather_fp8(int chunk)": lambda: all_gather_fp8(ints[: chunk.numel()], layout, None, e4m3, torch.float32),
+        "reduce_scatter_fp8(int out)": lambda: reduce_scatter_fp8(
+            x, layout, None, e5m2, out=torch.empty(chunk.numel(), dtype=torch.int32)
+        ),
+        "reduce_scatter_fp8(int x)": lambda: reduce_scatter_fp8(ints, layout, None, e5m2),
+    }
+    called: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            called.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    results = {}
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, spy(name, fn))
+        for case, fn in cases.items():
+            called.clear()
+            try:
+                fn()
+                outcome = "ok"
+            except Exception as e:
+                outcome = f"{type(e).__name__}: {e}"
+            results[case] = (outcome, list(called))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_workers(_calls, WORLD, timeout=180)
+
+
+def test_a_valid_call_is_seen_by_the_spy(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        outcome, called = results["all_reduce_fp8(valid)"]
+        assert outcome == "ok" and "all_reduce" in called and "all_to_all_single" in called, (rank, outcome, called)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "all_reduce_fp8(int x)", "all_reduce_fp8(fp8 x)", "all_reduce_fp8(complex x)", "all_reduce_fp8(int out)",
+        "all_reduce_fp8_gather(int x)", "all_reduce_fp8_native(int x)", "all_gather_fp8(int out_dtype)",
+        "all_gather_fp8(int chunk)", "reduce_scatter_fp8(int out)", "reduce_scatter_fp8(int x)",
+    ],
+)  # fmt: skip
+def test_non_float_buffers_are_refused_before_any_collective(two_ranks, case):
+    for rank, results in enumerate(two_ranks):
+        outcome, called = results[case]
+        assert called == [], f"rank {rank}: {case} ran {called} before failing with {outcome}"
+        assert outcome.startswith("TypeError:") and "high-precision floating-point" in outcome, (rank, outcome)
