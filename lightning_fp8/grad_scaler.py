@@ -626,6 +626,10 @@ class FP8GradScaler:
         since the last update (a skipped one's run grows, a stepped one's restarts), or, with no step, all."""
         runs = self._nonfinite_runs
         if self._stepped:
+            if any(opt in runs for opt, _ in self._stepped):
+                # An optimizer counted before since the restore: every optimizer the restored run may belong to has
+                # been counted (updated with its own step), so it no longer applies (to an optimizer built later).
+                self._restored_run = 0
             skipped = [opt for opt, was_skipped in self._stepped if was_skipped]
             for opt, _ in self._stepped:
                 failed = nonfinite and (opt in skipped or not skipped)  # none skipped: a report came after the steps
@@ -673,7 +677,9 @@ class FP8GradScaler:
         skipped = list({id(opt): opt for opt, was_skipped in self._stepped if was_skipped}.values())
         optimizer = skipped[-1] if skipped else self._last_optimizer
         fallback = self.nonfinite_fallback
-        if fallback == "lower_lr":
+        if optimizer is None and fallback in ("lower_lr", "bf16"):  # reports alone (record_nonfinite), no step yet
+            what = "no optimizer has stepped through this scaler: nothing to change"
+        elif fallback == "lower_lr":
             targets = skipped or [optimizer]
             what = [recovery.lower_lr(opt, self.lr_factor) for opt in targets][-1]
             what += f" in {len(targets)} optimizers" if len(targets) > 1 else ""

@@ -152,6 +152,8 @@ def _memory_value(value: Any) -> float | None:
     if value is None:
         return None
     try:
+        if isinstance(value, (str, bytes)):  # float("1") would take a string for a number
+            raise TypeError
         return float(value)
     except (TypeError, ValueError):
         raise TypeError(

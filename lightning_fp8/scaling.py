@@ -86,7 +86,11 @@ def compute_scale(
     if prev_scale is None:
         prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
     prev_scale = torch.as_tensor(prev_scale, dtype=torch.float32, device=amax.device)
-    if torch.broadcast_shapes(prev_scale.shape, amax.shape) != amax.shape:
+    try:
+        fits = torch.broadcast_shapes(prev_scale.shape, amax.shape) == amax.shape
+    except RuntimeError:  # not broadcastable at all
+        fits = False
+    if not fits:
         raise ValueError(
             f"compute_scale(prev_scale=...) of shape {tuple(prev_scale.shape)} does not fit amax's shape "
             f"{tuple(amax.shape)}: pass one scale (0-dim) or one per amax"

@@ -124,14 +124,17 @@ class FP8CommState:
         check_fp8_dtype(fp8_dtype)
         if algorithm not in _ALGORITHMS:
             raise ValueError(f"FP8CommState(algorithm={algorithm!r}) is not supported: choose one of {_ALGORITHMS}")
-        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        for name, value in (("margin", margin), ("slice_numel", slice_numel)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"FP8CommState({name}={value!r}) must be an int, got {type(value).__name__}")
+        if margin < 0:
             raise ValueError(f"FP8CommState(margin={margin!r}): must be an int >= 0 (binades of headroom)")
         if margin > MAX_MARGIN:
             raise ValueError(
                 f"FP8CommState(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans "
                 "about 18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
             )
-        if isinstance(slice_numel, bool) or not isinstance(slice_numel, int) or slice_numel < 1:
+        if slice_numel < 1:
             raise ValueError(f"FP8CommState(slice_numel={slice_numel!r}): must be an int >= 1 (elements per slice)")
         if grad_scaler is not None and not hasattr(grad_scaler, "record_gradient_cast"):
             raise TypeError(

@@ -569,6 +569,9 @@ class FP8AdamW(torch.optim.Optimizer):
         # Kept (0-dim, on device) so that a recovery action can tell which weights had non-finite gradients.
         self._grad_casts.flush(self)
         self.skipped_grad_amax = {p: entry.amax.clone() for p, entry in self._pending.items()}
+        # They had gradients, as after a step taken: zero_grad(set_to_none=False) gives them zero ones (torch.optim's
+        # rule), so that the next step still decays and moves them where their next backward does not reach them.
+        self._stepped_fp8_grads = list(self._pending)
         self._pending.clear()
 
     @property

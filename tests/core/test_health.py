@@ -149,6 +149,8 @@ def test_observe_takes_what_memory_gib_returns():
         monitor.observe(2, memory_gib={"allocated": 1.0})
     with pytest.raises(TypeError, match="memory_gib.*list"):
         monitor.observe(3, memory_gib=[1.0])
+    with pytest.raises(TypeError, match="memory_gib.*str"):  # a numeric string is not a number of GiB
+        monitor.observe(3, memory_gib="1")
     assert len(monitor.series["memory_gib"]) == 2 and monitor._observations == 2  # a refused call records nothing
 
 

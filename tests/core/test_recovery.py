@@ -479,3 +479,73 @@ def test_with_accumulation_the_fallback_blames_the_layers_of_any_micro_batch(bad
         opt.step()
     assert fallen_back_layers(model) == ["0", "2"]
     assert opt.param_groups[0]["lr"] == 1e-3
+
+
+def _scaler_model():
+    torch.manual_seed(0)
+    return convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)))
+
+
+def _scaled_step(model, scaler, optimizer, x, y, bad=False):
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y) * (math.nan if bad else 1.0)
+    scaler.scale_loss(loss).backward()
+    optimizer.step()
+
+
+def test_a_restored_nonfinite_run_expires_once_its_optimizers_stepped_cleanly():
+    # The run saved with the scaler applied to every optimizer counted for the first time, however many clean steps
+    # had come since: a new optimizer's first non-finite step, 20 clean steps after the resume, lowered the lr.
+    model, (x, y) = _scaler_model(), (torch.randn(8, 32), torch.randn(8, 4))
+    scaler = FP8GradScaler(nonfinite_fallback="lower_lr", model=model, fallback_after=3)
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    for _ in range(2):
+        _scaled_step(model, scaler, optimizer, x, y, bad=True)
+    resumed = FP8GradScaler(nonfinite_fallback="lower_lr", model=model, fallback_after=3)
+    resumed.load_state_dict(scaler.state_dict())
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=resumed)
+    _scaled_step(model, resumed, optimizer, x, y, bad=True)  # the restored run goes on: 3, the fallback
+    assert optimizer.param_groups[0]["lr"] == 5e-3
+    resumed.load_state_dict(scaler.state_dict())  # the run of 2 again, then clean steps
+    for _ in range(20):
+        _scaled_step(model, resumed, optimizer, x, y)
+    later, skipped = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=resumed), resumed.skipped_steps
+    _scaled_step(model, resumed, later, x, y, bad=True)
+    assert later.param_groups[0]["lr"] == 1e-2 and resumed.skipped_steps == skipped + 1  # a run of 1: a skip alone
+    assert [h for h in resumed.history if h["action"] == "fallback"] == []
+
+
+def test_zero_grad_keeping_gradients_after_a_skipped_step_keeps_the_fp8_weights_zero_gradients():
+    # torch.optim's rule: a parameter that had a gradient keeps a zero one, and the next step decays and moves it where
+    # the backward does not reach it. After a skipped step the FP8 weights' gradients (held by FP8AdamW) were lost.
+    x, y = torch.randn(8, 32), torch.randn(8, 4)
+    moved = {}
+    for skip in (False, True):
+        model = _scaler_model()
+        scaler = FP8GradScaler(model=model)
+        optimizer = FP8AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, grad_scaler=scaler)
+        _scaled_step(model, scaler, optimizer, x, y)
+        optimizer.zero_grad(set_to_none=False)
+        scaler.scale_loss(F.mse_loss(model(x), y) * (math.nan if skip else 1.0)).backward()
+        optimizer.step()
+        assert scaler.skipped_steps == int(skip)
+        optimizer.zero_grad(set_to_none=False)
+        first = model[0].weight
+        assert first.grad is not None and not first.grad.any()
+        before = first.detach().clone()
+        with torch.no_grad():  # this backward does not reach the first layer
+            hidden = model[1](model[0](x))
+        scaler.scale_loss(F.mse_loss(model[2:](hidden), y)).backward()
+        optimizer.step()
+        moved[skip] = not torch.equal(before, first.detach())
+    assert moved == {False: True, True: True}
+
+
+@pytest.mark.parametrize("fallback", ["lower_lr", "bf16"])
+def test_a_fallback_due_before_any_optimizer_stepped_records_that_it_had_nothing_to_change(fallback):
+    scaler = FP8GradScaler(nonfinite_fallback=fallback, model=_scaler_model(), fallback_after=2)
+    for _ in range(2):
+        scaler.record_nonfinite(torch.tensor(1.0))
+        scaler.update()
+    assert scaler.skipped_steps == 2
+    assert scaler.history[-1]["action"] == "fallback" and "nothing to change" in scaler.history[-1]["reason"]

@@ -364,6 +364,8 @@ def test_compute_scale_result_is_fp32_of_amaxs_shape_whatever_prev_scale_is():
     assert got.dtype == torch.float32 and got.tolist() == [_scale_by_definition(5.0, 448.0, 0), 4.0, 8.0]
     with pytest.raises(ValueError, match=r"prev_scale.*shape \(2,\) does not fit amax's shape \(\)"):
         compute_scale(torch.tensor(5.0), E4M3, prev_scale=torch.ones(2))
+    with pytest.raises(ValueError, match=r"prev_scale.*shape \(3,\) does not fit amax's shape \(2,\)"):
+        compute_scale(torch.tensor([1.0, 2.0]), E4M3, prev_scale=torch.ones(3))
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,9 @@ def test_comm_state_rejects_bad_arguments():
         FP8CommState(grad_scaler=object())
     with pytest.raises(ValueError, match="slice_numel"):
         FP8CommState(slice_numel=0)
+    for name, value in (("margin", 1.5), ("margin", "1"), ("slice_numel", 2.0), ("slice_numel", True)):
+        with pytest.raises(TypeError, match=f"{name}=.*must be an int"):  # as the docstring says (was ValueError)
+            FP8CommState(**{name: value})
     with pytest.raises(TypeError, match="amax_group"):
         FP8CommState(amax_group="world")
     with pytest.raises(TypeError, match="process_group=.*str"):

@@ -552,6 +552,12 @@ def _make_grad_scaler(grad_scaler: Any) -> Any:
     if grad_scaler is None:
         return FP8GradScaler()
     if isinstance(grad_scaler, dict):
+        if grad_scaler.get("nonfinite_fallback") == "bf16" and grad_scaler.get("model") is None:
+            # The scaler needs the model for this fallback; the plugin gives it the LightningModule when the fit
+            # converts it (convert_module), which a dict written before the Trainer exists cannot name.
+            scaler = FP8GradScaler(**{**grad_scaler, "nonfinite_fallback": None})
+            scaler.nonfinite_fallback = "bf16"
+            return scaler
         return FP8GradScaler(**grad_scaler)
     if isinstance(grad_scaler, FP8GradScaler):
         return grad_scaler

@@ -337,6 +337,25 @@ def _fit_from(ckpt, batches, tmp_path) -> tuple[GPTModule, L.Trainer]:
     return resumed, trainer
 
 
+def test_bf16_fallback_from_a_dict_of_scaler_arguments_is_the_fallback_of_a_scaler_given_the_module():
+    # A dict written before the Trainer exists cannot name the model: FP8LMPrecision(grad_scaler={...
+    # "nonfinite_fallback": "bf16"}) was refused ("needs the model"); the plugin gives the scaler its module.
+    batches = list(loader())
+    runs = []
+    for make_plugin in (_fallback_plugin, lambda module: FP8LMPrecision(grad_scaler={
+            "nonfinite_fallback": "bf16", "fallback_after": 2, "init_scale": 2.0**4, "growth_interval": 2},
+            fp8_grads=True)):  # fmt: skip
+        module = _module(HeadPoisoned)
+        module.batches = batches
+        _, trainer = _fit(module, max_steps=6, precision=None, plugins=[make_plugin(module)])
+        runs.append((module, trainer.precision_plugin.grad_scaler))
+    (given, given_scaler), (from_dict, dict_scaler) = runs
+    assert type(from_dict.model.lm_head) is nn.Linear and type(given.model.lm_head) is nn.Linear
+    assert dict_scaler.model is from_dict and dict_scaler.skipped_steps == given_scaler.skipped_steps == 2
+    for (name, a), (_, b) in zip(given.named_parameters(), from_dict.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_resume_after_bf16_fallback_keeps_fallen_back_layers_in_high_precision(tmp_path):
     batches = list(loader())
     full = _module(HeadPoisoned)
