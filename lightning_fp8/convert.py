@@ -68,9 +68,10 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "to run them in FP8, build the block from its own nn.Linear layers",
     ),
     "state_dict_hooks": (
-        "they have state_dict hooks or an instance forward, which an FP8 layer cannot take over (its own state_dict "
-        "hooks export the O2 master weight)",
-        "to run them in FP8, register those after convert_to_fp8 (or FP8Linear.from_linear)",
+        "they have state_dict hooks, an instance forward or were compiled in place (layer.compile()), which an FP8 "
+        "layer cannot take over (its own state_dict hooks export the O2 master weight; a compiled call runs the "
+        "nn.Linear)",
+        "to run them in FP8, register those (or call .compile()) after convert_to_fp8 (or FP8Linear.from_linear)",
     ),
     "keep_in_fp32": (
         "the model keeps them in float32 (Hugging Face's _keep_in_fp32_modules, e.g. T5's wo): such models cast the "
@@ -148,7 +149,9 @@ def _reason_refused(layer: nn.Linear) -> str | None:
         return "not_parameters"
     if set(layer._parameters) - {"weight", "bias"} or layer._buffers or layer._modules:
         return "added_state"
-    if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or "forward" in vars(layer):
+    # An instance forward, or nn.Module.compile()'s compiled call of the layer itself (which Module.__call__ would
+    # keep running: the nn.Linear's forward, not the FP8 one).
+    if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or {"forward", "_compiled_call_impl"} & set(vars(layer)):
         return "state_dict_hooks"
     return None
 
@@ -224,9 +227,11 @@ def convert_to_fp8(
     FP8Linear under all of them. The FP8Linear takes over the layer's
     forward and backward hooks (:func:`share_hooks`: the handles keep working). Some layers stay
     ``nn.Linear`` and are named in one warning per reason: feature sizes that are not multiples of 16, parameters
-    that are not float32, bfloat16 or float16 (float64), a weight shared with another module (tied weights), a weight
-    computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning, ``torch.nn.utils.parametrize``),
-    state_dict hooks or an instance ``forward``, ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
+    that are not float32, bfloat16 or float16 (float64), a weight shared with another module of ``module`` (tied
+    weights: only ``module``'s own modules are seen, so convert the whole model, not the head alone, where the head's
+    weight is the embedding's), a weight computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning,
+    ``torch.nn.utils.parametrize``), state_dict hooks, an instance ``forward`` or a layer compiled in place
+    (``layer.compile()``: compile after converting), ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
     inference path reads their weights itself), subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s
     ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer), parameters, buffers or submodules
     registered on the layer besides weight and bias (plain attributes go with it), the layers a Hugging Face model
@@ -353,7 +358,10 @@ def _check_converted_recipes(module: nn.Module, recipe: FP8Recipe, module_filter
 
 
 def _replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.Module]) -> None:
-    """Put ``convert(child, fqn)`` in place of each module inside ``module``, under every name the child has."""
+    """Put ``convert(child, fqn)`` in place of each module inside ``module``, under every name the child has; ``fqn``
+    is the child's first name in ``named_modules()`` order (the name filters and reports use), whichever name the
+    walk meets first."""
+    first_name = {id(m): fqn for fqn, m in module.named_modules()}
     for parent_name, parent in list(module.named_modules()):
         if isinstance(parent, FP8Linear):
             continue
@@ -362,7 +370,7 @@ def _replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
-            new = convert(child, f"{parent_name}.{name}" if parent_name else name)
+            new = convert(child, first_name.get(id(child), f"{parent_name}.{name}" if parent_name else name))
             if new is not child:
                 setattr(parent, name, new)
 

@@ -440,13 +440,16 @@ class FP8Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str | None = None) -> FP8Linear:
         """Wrap an existing ``nn.Linear``, sharing its parameter objects (optimizers that hold them keep working) and
         its forward and backward hooks (:func:`lightning_fp8.convert.share_hooks`: their handles keep working).
+        It cannot see other modules: a weight tied to another module's (an embedding's) is not refused here, as
+        :func:`~lightning_fp8.convert_to_fp8` of the whole model would; at O2 FP8AdamW would then keep its fp16 master
+        in the storage the other module reads.
 
         Raises:
             TypeError: if ``linear`` is not an ``nn.Linear``.
             ValueError: for a layer that :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is
                 (a reparametrized weight, a subclass of ``nn.Linear``, a weight or bias that is not a parameter,
-                parameters, buffers or submodules besides weight and bias,
-                state_dict hooks or an instance ``forward``: the FP8 layer would drop them), or feature sizes that are
+                parameters, buffers or submodules besides weight and bias, state_dict hooks, an instance ``forward``
+                or a compiled call (``layer.compile()``): the FP8 layer would drop them), or feature sizes that are
                 not multiples of 16.
         """
         from lightning_fp8 import convert  # here: convert.py imports this module
@@ -460,8 +463,8 @@ class FP8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.recipe = resolve_recipe(recipe)
-        new.train(linear.training)
         new._init_scaling(linear.weight.device)
+        new.train(linear.training)  # after the scaling states exist: they take the layer's mode too
         convert.share_hooks(linear, new)
         for name, value in vars(linear).items():  # the user's own plain attributes (a tag, a flag read elsewhere)
             if name not in _LINEAR_ATTRS and name not in vars(new):

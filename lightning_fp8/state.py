@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.scaling import ScalingState, _format_max
+from lightning_fp8.stats import clean_name
 
 # What the values of a scaling state mean, saved beside its buffers as 0-dim tensors so that a checkpoint written
 # under other recipe settings is refused (a scale computed for E5M2 saturates every E4M3 cast). Checkpoints written
@@ -139,6 +140,19 @@ def check_fp8_state_dict(
     _checked(module, state_dict, strict, leaving_out)
 
 
+def _in_model_names(state_dict: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """``state_dict`` keyed as the model names its states, where the two differ only by what wrappers add to names
+    (DDP's leading ``module.``, torch.compile's ``_orig_mod.``, FSDP1's and activation checkpointing's: a state saved
+    from ``DDP(model)`` loads into ``model``, and the other way round); as it is where that would be ambiguous."""
+    if set(state_dict) <= expected:
+        return state_dict
+    model_key = {clean_name(key): key for key in expected}
+    renamed = {model_key.get(clean_name(key), key): value for key, value in state_dict.items()}
+    if len(model_key) != len(expected) or len(renamed) != len(state_dict):  # two names would become one
+        return state_dict
+    return renamed
+
+
 def _checked(
     module: nn.Module, state_dict: object, strict: bool, leaving_out: Collection[nn.Module]
 ) -> tuple[dict[str, ScalingState], list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, bool]]:
@@ -154,6 +168,7 @@ def _checked(
             "the model first (model.to_empty(device=...), then its reset_parameters()), then load its FP8 state"
         )
     expected = {f"{name}.{field}" for name, state in states.items() for field in _fields(state)}
+    state_dict = _in_model_names(state_dict, expected)
     settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
     flags = {key for key in expected if key.rpartition(".")[2] == INITIALIZED}
     if strict:
@@ -162,7 +177,8 @@ def _checked(
         if missing or unexpected:
             raise KeyError(
                 f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-                "was the checkpoint written for a model converted with the same layers and recipe?"
+                "was the checkpoint written for a model converted with the same layers and recipe? (Names that differ "
+                "only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
             )
     meta = sorted(key for key, v in state_dict.items() if key in expected and isinstance(v, torch.Tensor) and v.is_meta)
     if meta:

@@ -269,8 +269,8 @@ def test_layers_with_state_dict_hooks_or_an_instance_forward_stay_in_high_precis
     model[0].register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.update({prefix + "step": torch.tensor(3)}))
     model[1].forward = functools.partial(lambda m, x: nn.Linear.forward(m, x) * 3, model[1])  # e.g. accelerate's
     plain = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match=r"state_dict hooks or an instance forward.*: 0, 1; to run them in FP8, "
-                      "register those after convert_to_fp8"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"state_dict hooks, an instance forward.*: 0, 1; to run them in FP8, "
+                      r"register those \(or call .compile\(\)\) after convert_to_fp8"):  # fmt: skip
         convert_to_fp8(model)
     assert set(fp8_modules(model)) == {"2"}
     assert model.state_dict().keys() == plain.state_dict().keys() and "0.step" in model.state_dict()
@@ -430,3 +430,33 @@ def test_a_bare_linear_converted_keeps_its_scaling_buffers_out_of_ddps_broadcast
     expected = {name.removeprefix("0.") for name in in_model._ddp_params_and_buffers_to_ignore}
     scaling = {name for name, _ in layer.named_buffers() if "fp8_scaling" in name}
     assert scaling and set(layer._ddp_params_and_buffers_to_ignore) == expected >= scaling
+
+
+def test_a_layer_compiled_in_place_is_left_in_high_precision_and_refused_by_from_linear():
+    # nn.Module.compile() keeps a compiled call of the nn.Linear in the instance, which the FP8Linear took over as a
+    # plain attribute: it ran the nn.Linear (no cast recorded), and at O2 read the scaled fp16 master as the weight.
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+    model[0].compile()
+    with pytest.warns(UserWarning, match=r"compiled in place \(layer.compile\(\)\).*: 0; to run them in FP8"):
+        convert_to_fp8(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[2], FP8Linear)
+    with pytest.raises(ValueError, match=r"compiled in place.*call \.compile\(\)\) after convert_to_fp8"):
+        FP8Linear.from_linear(model[0])
+
+
+def test_a_layer_under_two_names_is_asked_about_under_its_first_name_in_named_modules():
+    # The walk met the layer first under its shallower name ("b"), where named_modules() (and convertible_linears,
+    # which the Accelerate report uses) names it "a.lin".
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.lin = nn.Linear(32, 32)
+    model.b = model.a.lin
+    asked = []
+    convert_to_fp8(model, module_filter_fn=lambda m, fqn: asked.append(fqn) or fqn != "a.lin")
+    assert asked == ["a.lin"] and type(model.a.lin) is nn.Linear and model.b is model.a.lin
+
+
+def test_conversion_in_eval_mode_leaves_every_new_module_in_eval_mode():
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU()).eval()
+    convert_to_fp8(model)
+    assert {name: m.training for name, m in model.named_modules() if m.training} == {}

@@ -122,3 +122,27 @@ def test_an_initialized_flag_without_its_history_is_refused_and_changes_nothing(
     assert dst.fp8_scaling["input"].initialized
     assert torch.equal(dst.fp8_scaling["input"].scale, src.fp8_scaling["input"].scale)
     load_fp8_state_dict(FP8Linear(32, 16), {"fp8_scaling.input.initialized": torch.tensor(0)}, strict=False)
+
+
+def test_a_state_saved_through_a_wrapper_loads_into_the_plain_model_and_back():
+    # fp8_state_dict of DDP(model) or torch.compile(model) names the states "module.0..." / "_orig_mod.0...": strict,
+    # the load failed with a "same layers and recipe?" KeyError; strict=False loaded nothing, without a word.
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)))
+    for _ in range(3):
+        model(torch.randn(8, 32)).sum().backward()
+    wrapped = nn.Module()
+    wrapped.module = nn.Module()
+    wrapped.module._orig_mod = model  # the names DDP(torch.compile(model)) gives
+    saved = fp8_state_dict(wrapped)
+    assert next(iter(saved)).startswith("module._orig_mod.0.fp8_scaling")
+    for strict in (True, False):
+        fresh = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)))
+        load_fp8_state_dict(fresh, saved, strict=strict)
+        assert_same(fp8_state_dict(fresh), fp8_state_dict(model))
+    back = copy.deepcopy(wrapped)
+    for state in back.modules():
+        if hasattr(state, "amax_history"):
+            state.amax_history.zero_()
+    load_fp8_state_dict(back, fp8_state_dict(model))
+    assert_same(fp8_state_dict(back), saved)
