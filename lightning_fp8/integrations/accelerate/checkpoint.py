@@ -74,6 +74,15 @@ def save(directory: str | os.PathLike, rank: int, state: dict[str, Any]) -> Path
     return path
 
 
+def remove_stale(directory: str | os.PathLike, world_size: int) -> None:
+    """Delete the files of ranks ``world_size`` and up: left by an earlier save into the same folder with more
+    processes, they would otherwise outlive this checkpoint. Call it on one process, once every rank has saved."""
+    for path in (Path(directory) / SUBDIR).glob("rank*.pt"):
+        rank = path.stem.removeprefix("rank")
+        if rank.isdigit() and int(rank) >= world_size:
+            path.unlink(missing_ok=True)
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -95,7 +104,7 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
     (weights and mu are the same on every rank; only activation statistics differ, and they re-adapt in
     ``amax_history_len`` steps).
     """
-    path = _state_file(directory, rank)
+    path = state_file(directory, rank)
     if path is None:
         warn_once(
             f"accelerator.load_state({str(directory)!r}): the checkpoint has no FP8 state ({SUBDIR}/ is missing; "
@@ -117,16 +126,33 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
     return state
 
 
-def _state_file(directory: str | os.PathLike, rank: int) -> Path | None:
-    """This rank's file, else rank 0's (a checkpoint written by fewer processes), else ``None``."""
-    for path in (rank_file(directory, rank), rank_file(directory, 0)):
+def state_file(directory: str | os.PathLike, rank: int) -> Path | None:
+    """This rank's file, else rank 0's (a checkpoint written by fewer processes), else ``None``.
+
+    A rank at or past the number of processes that rank 0's file records takes rank 0's file even when it has its
+    own: that one is stale, left by an earlier save into the same folder with more processes (before
+    :func:`remove_stale` deleted such files), and would give this rank another mu and step count than rank 0's.
+    """
+    own, first = rank_file(directory, rank), rank_file(directory, 0)
+    if rank != 0 and own.is_file() and first.is_file():
+        saved_world_size = _read(first).get("world_size")
+        if isinstance(saved_world_size, int) and rank >= saved_world_size:
+            return first
+    for path in (own, first):
         if path.is_file():
             return path
     return None
 
 
 def check(
-    state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
+    state: dict[str, Any],
+    recipe: FP8Recipe,
+    models: list[nn.Module],
+    grad_scaler: Any | None,
+    health: Any | None,
+    *,
+    strict: bool = True,
+    source: str = "the FP8 state",
 ) -> None:
     """Raise what :func:`restore` would raise for ``state`` (from :func:`load`) once :func:`put_back` has run, changing
     nothing.
@@ -135,14 +161,23 @@ def check(
     back): the layers that fell back in the saved run are still FP8 layers of the unwrapped ``models`` then, and the
     checkpoint has no scaling state for them.
 
+    Args:
+        strict: ``load_state``'s: with ``False`` the scaling states of layers only the checkpoint or only the models
+            have are left out, as Accelerate leaves out their weights.
+        source: where ``state`` was read from (the rank file), named in the errors.
+
     Raises:
         KeyError: when the state lacks an entry that :func:`build_state` writes.
         ValueError: for a different number of models, fallen-back layers the models do not have, and what
             :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict`` and
             ``HealthMonitor.load_state_dict`` raise for their parts.
     """
-    for check_part, _ in _parts(state, recipe, models, grad_scaler, health):
-        check_part()
+    for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict):
+        try:
+            check_part()
+        except (KeyError, ValueError) as error:
+            message = error.args[0] if len(error.args) == 1 else str(error)  # KeyError's str() is a repr
+            raise type(error)(f"{source}: {message}") from error
 
 
 def put_back(state: dict[str, Any], models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -164,7 +199,13 @@ def put_back(state: dict[str, Any], models: list[nn.Module], optimizers: list[to
 
 
 def restore(
-    state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
+    state: dict[str, Any],
+    recipe: FP8Recipe,
+    models: list[nn.Module],
+    grad_scaler: Any | None,
+    health: Any | None,
+    *,
+    strict: bool = True,
 ) -> None:
     """Load ``state`` (from :func:`load`) into the unwrapped ``models`` (their fallen-back layers put back), the scaler
     and the health monitor. Every part is checked before any is loaded: a bad entry anywhere in the file changes
@@ -173,7 +214,7 @@ def restore(
     Raises:
         KeyError, ValueError: as :func:`check`.
     """
-    parts = _parts(state, recipe, models, grad_scaler, health)
+    parts = _parts(state, recipe, models, grad_scaler, health, strict)
     for check_part, _ in parts:
         check_part()
     saved = FP8Recipe.from_dict(state["recipe"])
@@ -190,7 +231,12 @@ def restore(
 
 
 def _parts(
-    state: dict[str, Any], recipe: FP8Recipe, models: list[nn.Module], grad_scaler: Any | None, health: Any | None
+    state: dict[str, Any],
+    recipe: FP8Recipe,
+    models: list[nn.Module],
+    grad_scaler: Any | None,
+    health: Any | None,
+    strict: bool,
 ) -> list[tuple[Callable[[], None], Callable[[], None]]]:
     """``(check, load)`` of each part of ``state``: each model's scaling state, mu, the health history."""
     _check_entries(state, "the FP8 state")
@@ -205,8 +251,9 @@ def _parts(
         for model, model_state, names in zip(models, state["models"], _fallen_back(state, models), strict=True):
             # Layers still to be put back have no scaling state in the checkpoint (once put back, they have none).
             modules = dict(model.named_modules())
-            check_part = partial(check_fp8_state_dict, model, model_state, leaving_out=[modules[n] for n in names])
-            parts.append((check_part, partial(load_fp8_state_dict, model, model_state)))
+            leaving_out = [modules[n] for n in names]
+            check_part = partial(check_fp8_state_dict, model, model_state, strict, leaving_out=leaving_out)
+            parts.append((check_part, partial(load_fp8_state_dict, model, model_state, strict)))
     for owner, key in ((grad_scaler, "grad_scaler"), (health, "health")):
         if owner is not None and state[key] is not None:
             parts.append((partial(owner.check_state_dict, state[key]), partial(owner.load_state_dict, state[key])))

@@ -58,6 +58,11 @@ class CheckpointMixin:
             self._fp8_steps,
         )
         checkpoint.save(output_dir, self.process_index, state)
+        # A folder saved before by more processes still holds their ranks' files: once every rank has written its
+        # own, delete those, so that a later load cannot mix this checkpoint with an older one.
+        self.wait_for_everyone()
+        if self.is_main_process:
+            checkpoint.remove_stale(output_dir, self.num_processes)
         if self._fp8_tp_enabled:
             tensor_parallel.save_sharded(checkpoint.rank_file(output_dir, 0).parent, *self._fp8_sharded_checkpoint())
 
@@ -88,8 +93,9 @@ class CheckpointMixin:
         directory = self._fp8_input_dir(input_dir) if self.fp8_lm_config is not None else None
         if directory is None:  # FP8-LM off, or Accelerate's own error (no such folder)
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        strict = load_model_func_kwargs.get("strict", True)
         try:
-            state = self._fp8_checked_state(directory, load_kwargs, load_model_func_kwargs.get("strict", True))
+            state = self._fp8_checked_state(directory, load_kwargs, strict)
         except Exception:
             self._fp8_any_process_failed(True)
             raise
@@ -107,7 +113,9 @@ class CheckpointMixin:
         super().load_state(directory, load_kwargs, **load_model_func_kwargs)
         if state is None:
             return
-        checkpoint.restore(state, self.fp8_lm_config.recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
+        checkpoint.restore(
+            state, self.fp8_lm_config.recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict
+        )
         self._fp8_steps = int(state["optimizer_steps"])
         if self.fp8_grad_scaler is not None:  # fallbacks before the checkpoint were reported then
             self._fp8_fallback_seen = scaler_fallbacks(self.fp8_grad_scaler.history, -1)[1]
@@ -132,8 +140,10 @@ class CheckpointMixin:
         process loads was checked against the prepared objects; raises for a bad part, changing nothing."""
         state = checkpoint.load(directory, self.process_index, self.num_processes)
         if state is not None:
-            recipe = self.fp8_lm_config.recipe
-            checkpoint.check(state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health)
+            recipe, source = self.fp8_lm_config.recipe, str(checkpoint.state_file(directory, self.process_index))
+            checkpoint.check(
+                state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict, source=source
+            )
         if self._fp8_tp_enabled:
             tensor_parallel.sharded_path(checkpoint.rank_file(directory, 0).parent)
         accelerate_files = self.distributed_type != DistributedType.FSDP  # FSDP's are DCP folders, not checked

@@ -178,7 +178,10 @@ def launch(argv: list[str]) -> int:
         if has_section:  # Accelerate rejects unknown keys: it gets the file without our section
             args.config_file = _write_config(config, Path(tmp) / Path(config_path).name)
         os.environ.update(settings)
-        _launch_cpu_processes_with_torchrun(args, config)
+        if _launch_cpu_processes_with_torchrun(args, config) and args.config_file is None:
+            # With --cpu off, Accelerate would read its default config file, which --cpu kept out (unfiltered: our
+            # section fails it, its mixed_precision would leak in): it gets the command line's CPU launch instead.
+            args.config_file = _write_config(_cpu_launch_config(args), Path(tmp) / "cpu_launch.yaml")
         try:
             launch_command(args)
         except subprocess.CalledProcessError as err:
@@ -300,7 +303,8 @@ def _set_from_flag_or_environment(section: dict[str, Any], key: str, flag: str |
     section[key] = value
 
 
-def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[str, Any]) -> None:
+def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[str, Any]) -> bool:
+    """Turn a multi-process CPU launch without an mpirun hostfile into a torchrun launch; whether it did."""
     # accelerate launch on CPU starts N processes only through mpirun (--mpirun_hostfile); without it, it starts
     # one. torchrun (Accelerate's multi-GPU launcher) starts N, and ACCELERATE_USE_CPU makes each a gloo rank.
     cpu = args.cpu or config.get("use_cpu", False) or config.get("distributed_type") == "MULTI_CPU"
@@ -308,7 +312,7 @@ def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[s
     num_machines = args.num_machines if args.num_machines is not None else config.get("num_machines", 1)
     hostfile = args.mpirun_hostfile or (config.get("mpirun_config") or {}).get("mpirun_hostfile")
     if not cpu or hostfile or (num_processes or 1) <= 1 or (num_machines or 1) > 1:
-        return
+        return False
     print(
         f"lightning-fp8 launch: {num_processes} CPU processes without an mpirun hostfile: starting them with "
         "torchrun (ACCELERATE_USE_CPU=true, gloo backend)",
@@ -318,6 +322,21 @@ def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[s
     args.cpu = False
     args.multi_gpu = True
     args.num_processes = num_processes
+    return True
+
+
+def _cpu_launch_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The Accelerate config of a one-machine CPU launch of ``args.num_processes`` processes; the flags given on the
+    command line override it, as they override any config file."""
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "MULTI_CPU",
+        "use_cpu": True,
+        "num_processes": args.num_processes,
+        "num_machines": 1,
+        "mixed_precision": "no",
+        "debug": False,
+    }
 
 
 if __name__ == "__main__":

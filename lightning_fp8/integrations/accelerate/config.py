@@ -223,15 +223,20 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
     ``LIGHTNING_FP8_TP_PLAN`` of the environment, whether or not it also sets ``LIGHTNING_FP8_RECIPE``.
 
     Raises:
-        ValueError: for an unknown recipe name (in ``recipe`` or the environment).
+        ValueError: for an unknown recipe name in ``recipe``, or in the environment when ``recipe`` is ``None``.
     """
-    launched = FP8LaunchConfig.from_env()
     if recipe is None:
-        return launched
+        return FP8LaunchConfig.from_env()
     if recipe == OFF:
         return None
     recipe = resolve_recipe(recipe)
-    if launched is not None and launched.recipe != recipe:
-        warn_once(f"Accelerator(fp8_lm_recipe=...) overrides the launch's {ENV_RECIPE}={os.environ[ENV_RECIPE]!r}")
+    # The launch's recipe is overridden, not used: one that does not parse is no error here.
+    launched = os.environ.get(ENV_RECIPE, "").strip()
+    try:
+        launched_recipe = FP8LaunchConfig.from_env({ENV_RECIPE: launched})
+    except ValueError:
+        launched_recipe = None
+    if launched and launched != OFF and (launched_recipe is None or launched_recipe.recipe != recipe):
+        warn_once(f"Accelerator(fp8_lm_recipe=...) overrides the launch's {ENV_RECIPE}={launched!r}")
     exclude = _exclude_tuple(os.environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
     return FP8LaunchConfig(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(os.environ))

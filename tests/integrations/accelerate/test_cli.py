@@ -202,3 +202,26 @@ def test_a_script_argument_named_like_an_accelerate_fp8_option_is_the_scripts(tm
     script = str(tmp_path / "train.py")
     assert cli.main(["launch", "--cpu", script, "--fp8_margin", "2"]) == 0
     assert seen["training_script"] == script and seen["training_script_args"] == ["--fp8_margin", "2"]
+
+
+@pytest.mark.parametrize("section", ["lightning_fp8:\n  recipe: fp8-lm-o1\n", ""], ids=["with section", "without"])
+def test_a_cpu_launch_through_torchrun_keeps_accelerates_default_config_file_out(tmp_path, monkeypatch, section):
+    # --cpu keeps Accelerate's default config file out; the switch to torchrun turned --cpu off, and Accelerate then
+    # read that file, unfiltered: our section failed it, or its mixed_precision leaked into the CPU launch.
+    import accelerate.commands.launch as accelerate_launch
+
+    default = tmp_path / "default_config.yaml"
+    accelerate_keys = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: fp16\n"
+    default.write_text(accelerate_keys + section)
+    monkeypatch.setattr("accelerate.commands.config.config_args.default_config_file", str(default))
+    monkeypatch.setattr(accelerate_launch, "default_config_file", str(default))
+    seen = {}
+
+    def launch_command(args):  # accelerate launch's checks and defaults, without the launch
+        args, _, _ = accelerate_launch._validate_launch_command(args)
+        seen.update(vars(args), recipe=os.environ[ENV_RECIPE])
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", launch_command)
+    assert cli.main(["launch", "--cpu", "--num_processes", "2", str(tmp_path / "train.py")]) == 0
+    assert (seen["mixed_precision"], seen["num_processes"], seen["multi_gpu"]) == ("no", 2, True)
+    assert seen["recipe"] == "fp8-lm" and os.environ["ACCELERATE_USE_CPU"] == "true"

@@ -103,3 +103,19 @@ def test_a_recipe_from_code_keeps_the_shell_exclude_even_without_a_launch_recipe
     monkeypatch.setenv(ENV_RECIPE, "fp8-lm")
     with pytest.warns(UserWarning, match=r"overrides the launch's LIGHTNING_FP8_RECIPE='fp8-lm'"):
         assert resolve_launch_config("fp8-lm-o1").exclude_modules == ("lm_head", "*.proj")
+
+
+@pytest.mark.parametrize("code", ["none", "fp8-lm-o1"])
+def test_a_recipe_from_code_overrides_a_launch_recipe_that_does_not_parse(monkeypatch, code):
+    # The environment was parsed first: a bad LIGHTNING_FP8_RECIPE in the shell failed Accelerator(fp8_lm_recipe=...).
+    from lightning_fp8.integrations.accelerate.config import resolve_launch_config
+
+    monkeypatch.setenv(ENV_RECIPE, f"fp8-lmm-{code}")
+    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
+    if code == "none":
+        assert resolve_launch_config(code) is None
+    else:
+        with pytest.warns(UserWarning, match=rf"overrides the launch's LIGHTNING_FP8_RECIPE='fp8-lmm-{code}'"):
+            assert resolve_launch_config(code).recipe == FP8Recipe.from_name(code)
+    with pytest.raises(ValueError, match="is not a known FP8 recipe"):
+        resolve_launch_config(None)
