@@ -3,28 +3,16 @@ scaling state (lightning_fp8/integrations/accelerate/checkpoint.py, checkpointin
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fp8 import fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate import checkpoint
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from tests.integrations.accelerate.test_accelerator import Net
-
-
-def _fresh_state() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    _fresh_state()
-    yield
-    _fresh_state()
+from tests.integrations.accelerate.test_load_state_atomic import (  # noqa: F401 (the autouse fixture)
+    _fresh_accelerate_state,
+    _fresh_state,
+)
 
 
 def _prepared(model: nn.Module) -> tuple[Accelerator, nn.Module]:
