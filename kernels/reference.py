@@ -47,7 +47,7 @@ def cast_to_fp8_ref(
         transposed copy or an empty tensor; ``amax`` is :func:`amax_ref` of ``x`` (unscaled); ``n_saturated``
         is a 0-dim int64 count of finite elements with ``|x * scale| >= fp8_max``.
     """
-    fp8_max = _FP8_MAX[fp8_dtype]
+    fp8_max = torch.finfo(fp8_dtype).max  # not _FP8_MAX[...]: dynamo failed on that lookup in dynamic-shape backwards
     x32 = x.detach().float()
     y = x32 * scale
     finite = torch.isfinite(x.detach())  # of x itself: a finite float64 past fp32's range saturates
@@ -250,7 +250,7 @@ def quantize_ref(
         ``(x_fp8, x_fp8_t, scale_inv, input_fp8)``, ``input_fp8``'s scale_inv being ``scale_inv`` times
         ``2**PRE_ACTIVATION_HEADROOM``.
     """
-    fmax = _FP8_MAX[fp8_dtype]
+    fmax = torch.finfo(fp8_dtype).max  # see cast_to_fp8_ref
     pre = x
     x = activation_ref(x, activation, activation_input, activation_scale_inv)
     if current:

@@ -213,18 +213,22 @@ def grad_output_current(traced_flag: bool) -> bool | None:
     return traced_flag if torch.compiler.is_compiling() else None
 
 
-def note_casts(scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor, by_value: bool = True) -> None:
+def note_casts(
+    scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor, by_value: bool = True, backward: bool | None = None
+) -> None:
     """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized where the cast's amax was
     finite and > 0 (:meth:`ScalingState.note_cast`; ``by_value=False``: any cast of a non-empty tensor, the same on
     every rank of a tensor-parallel group); outside the autograd.Function, where torch.compile allows Python state to
-    change. A cast of an empty or all-zero tensor (amax 0: no information; an MoE expert without tokens, the output
+    change. ``backward``: whether a backward will cast this layer's output gradient (default: ``y`` needs a
+    gradient; an FP8MLP's fc has none where neither its input nor its parameters need one). A cast of an empty or
+    all-zero tensor (amax 0: no information; an MoE expert without tokens, the output
     of a zero-initialized layer) or of a non-finite one marks nothing: the next cast still uses its own amax."""
     n = x.numel()
     if n == 0:
         return
     scaling["input"].note_cast(n, by_value)
     scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
-    if torch.compiler.is_compiling() and y.requires_grad:  # see grad_output_current
+    if torch.compiler.is_compiling() and (y.requires_grad if backward is None else backward):  # grad_output_current
         scaling["grad_output"].note_cast(n, by_value)
 
 

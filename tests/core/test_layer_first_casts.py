@@ -6,6 +6,7 @@ output of a zero-initialized layer at step 0) or of non-finite ones, which carry
 step by definition (every operand cast with its own power-of-two scale, float64 math) and the high-precision
 layers."""
 
+import copy
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from lightning_fp8 import FP8MLP, FP8Linear, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.formats import E4M3, E5M2, fp8_max
-from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
+from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, assert_same, sqnr
 
 # Output gradients far below E5M2's smallest subnormal (2**-16): a cast with the initial scale 1 flushes them all to
 # zero, a cast with their own amax keeps them.
@@ -266,3 +267,40 @@ def test_loaded_flag_drops_a_first_cast_read_from_before_the_load():
     read.synchronize()  # it arrives after the load
     assert state.needs_current_scale() and not state.initialized
     assert state not in scaling._SEEN_AMAX
+
+
+def test_compiled_mlp_with_a_frozen_fc_leaves_fcs_gradient_role_uninitialized_as_eagerly():
+    # Only proj trains (fc frozen, the input needs no gradient): fc's output gradient is never cast, yet a traced
+    # forward marked fc's grad_output role initialized, so fc's first gradient cast after unfreezing used the delayed
+    # scale of an empty history.
+    torch.manual_seed(0)
+    eager = FP8MLP(32, 64)
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, backend="aot_eager", fullgraph=True)
+    for module in (eager, compiled_src):
+        module.fc.requires_grad_(False)
+    x = torch.randn(8, 32)
+    for model in (eager, compiled):
+        model(x).sum().backward()
+    assert not eager.fc.fp8_scaling["grad_output"].initialized
+    assert not compiled_src.fc.fp8_scaling["grad_output"].initialized
+    assert compiled_src.proj.fp8_scaling["grad_output"].initialized == eager.proj.fp8_scaling["grad_output"].initialized
+
+
+def test_stacked_layers_compile_with_dynamic_shapes_as_eager():
+    # The backward's weight recast of the second of two FP8Linears failed in dynamo with dynamic shapes (a dict lookup
+    # of the format maximum in the traced reference cast): "lift_tracked_freevar_to_input should not be called on root".
+    torch.manual_seed(0)
+    eager = nn.Sequential(FP8Linear(32, 64), FP8Linear(64, 32), FP8MLP(32, 64))
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (5, 7):
+        x = torch.randn(3, rows, 32)
+        x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_eager, y_compiled = eager(x_eager), compiled(x_compiled)
+        y_eager.sum().backward()
+        y_compiled.sum().backward()
+        assert torch.equal(y_eager, y_compiled) and torch.equal(x_eager.grad, x_compiled.grad)
+        for (name, p), (_, q) in zip(eager.named_parameters(), compiled_src.named_parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    assert_same(fp8_state_dict(eager), fp8_state_dict(compiled_src))
