@@ -257,7 +257,7 @@ def convert_to_fp8(
     recipe = resolve_recipe(recipe)
     _check_converted_recipes(module, recipe, module_filter_fn)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
-    shared = _shared_parameter_ids(module)
+    shared = shared_parameter_ids(module)
     fast_path = frozenset(_fast_path_children(module))
     keep_fp32 = _kept_in_fp32(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
@@ -280,7 +280,7 @@ def convert_to_fp8(
     if root is not module:  # a bare nn.Linear: its new FP8Linear
         keep_scaling_states_per_rank(root)
         return root
-    _replace_children(module, convert)
+    replace_children(module, convert)
     for message in _left_messages(left):
         warn_once(message)
     keep_scaling_states_per_rank(module)
@@ -315,7 +315,7 @@ def _why_left(
 def convertible_linears(module: nn.Module, module_filter_fn: ModuleFilter | None = None) -> dict[str, nn.Linear]:
     """The ``nn.Linear`` layers of ``module`` that :func:`convert_to_fp8` with this filter would convert, by name,
     without converting anything (a layer registered under several names: under its first)."""
-    shared, keep_fp32 = _shared_parameter_ids(module), _kept_in_fp32(module)
+    shared, keep_fp32 = shared_parameter_ids(module), _kept_in_fp32(module)
     fast_path = frozenset(_fast_path_children(module))
     return {fqn: m for fqn, m in module.named_modules()
             if _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path) is None}  # fmt: skip
@@ -357,7 +357,7 @@ def _check_converted_recipes(module: nn.Module, recipe: FP8Recipe, module_filter
         )
 
 
-def _replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.Module]) -> None:
+def replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.Module]) -> None:
     """Put ``convert(child, fqn)`` in place of each module inside ``module``, under every name the child has; ``fqn``
     is the child's first name in ``named_modules()`` order (the name filters and reports use), whichever name the
     walk meets first."""
@@ -385,7 +385,9 @@ def _left_messages(left: dict[str, list[str]]) -> list[str]:
     return messages
 
 
-def _shared_parameter_ids(module: nn.Module) -> set[int]:
+def shared_parameter_ids(module: nn.Module) -> set[int]:
+    """The ids of the parameters that two or more modules of ``module`` hold (tied weights), which a conversion
+    must leave alone (only ``module``'s own modules are seen)."""
     owners: dict[int, int] = {}
     for sub in module.modules():
         for p in sub.parameters(recurse=False):

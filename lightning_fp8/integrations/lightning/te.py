@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fp8.convert import _shared_parameter_ids
+from lightning_fp8.convert import replace_children, shared_parameter_ids
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
@@ -77,25 +77,28 @@ def convert_to_te(
     """
     te = require_transformer_engine()
     # A TE layer gets a copy of the weight: a tied one (an output head sharing the token embedding) would be untied.
-    shared = _shared_parameter_ids(module)
+    shared = shared_parameter_ids(module)
     skipped: list[str] = []
     tied: list[str] = []
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one TE layer (decided once)
-    for parent_name, parent in list(module.named_modules()):
-        for name, child in list(parent.named_children()):
-            fqn = f"{parent_name}.{name}" if parent_name else name
-            if id(child) not in done:
-                done[id(child)] = child
-                if type(child) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
-                    continue
-                if child.in_features % 16 or child.out_features % 16:
-                    skipped.append(fqn)
-                elif id(child.weight) in shared:
-                    tied.append(fqn)
-                else:
-                    done[id(child)] = _to_te_linear(te, child)
-            if done[id(child)] is not child:
-                setattr(parent, name, done[id(child)])
+
+    def convert(child: nn.Module, fqn: str) -> nn.Module:
+        if id(child) not in done:
+            done[id(child)] = _convert_one(child, fqn)
+        return done[id(child)]
+
+    def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
+        if type(child) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
+            return child
+        if child.in_features % 16 or child.out_features % 16:
+            skipped.append(fqn)
+        elif id(child.weight) in shared:
+            tied.append(fqn)
+        else:
+            return _to_te_linear(te, child)
+        return child
+
+    replace_children(module, convert)
     if skipped:
         warn_once(
             f"backend='te' left {len(skipped)} linear layer(s) in high precision (sizes not multiples of 16): "
