@@ -8,6 +8,10 @@
   (:func:`adamw_state_dict`: a saved FP8AdamW state dict as AdamW's, to resume without FP8).
 - :mod:`lightning_fp8.optim.grad_cast`: the FP8 casts of the weights' gradients, queued by the gradient hooks and
   cast together.
+- :mod:`lightning_fp8.optim.adoption`: which parameters get low-precision states (adopted weights), their release
+  back to high precision, and the creation of their states.
+- :mod:`lightning_fp8.optim.fp8_grads`: the gradient hooks and the FP8 gradients FP8AdamW holds for its step.
+- :mod:`lightning_fp8.optim.pickling`: what ``torch.save(optimizer)`` and ``copy.deepcopy`` keep.
 """
 
 from lightning_fp8.optim.adamw import FP8AdamW

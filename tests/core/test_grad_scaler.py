@@ -66,6 +66,13 @@ def test_scale_is_clamped_to_its_bounds():
         _record(scaler, 1.0)
         scaler.update()
     assert float(scaler.scale) == 1.0
+    # The history holds what happened: the skip (also at min_scale), then the two doublings up to max_scale; the
+    # doublings held at max_scale did not happen and are not recorded.
+    assert [(e["action"], e["scale"]) for e in scaler.history] == [("skip", 0.25), ("double", 0.5), ("double", 1.0)]
+    scaler = FP8GradScaler(init_scale=2.0**-2, min_scale=2.0**-2, saturation_threshold=1e-3)
+    _record(scaler, 57344.0, n_saturated=5, numel=1000)
+    scaler.update()
+    assert scaler.history == ()
 
 
 def _fp8_model(seed=0):
@@ -422,7 +429,7 @@ def test_bf16_fallback_with_several_processes_is_refused_on_every_rank_alike(mon
     """Found by the twenty-third session's sweep: under DDP/FSDP each rank chose the layers to put back from its own
     gradients (one rank lowered the LR, another swapped a layer, then the ranks hung). The fallback runs at the same
     step on every rank (the skip decision is agreed), and there it now raises on every rank, changing no layer."""
-    import lightning_fp8.grad_scaler as grad_scaler_module
+    import lightning_fp8.grad_scaling.rules as scale_rules_module
 
     model = _fp8_model()
     scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=1)
@@ -430,7 +437,7 @@ def test_bf16_fallback_with_several_processes_is_refused_on_every_rank_alike(mon
     x = torch.randn(24, 32)
     scaler.scale_loss(model(x).sum() * float("inf")).backward()
     # As on rank r of 2 whose peer saw the same (the agreeing all-reduce then sums one rank's counts: enough here).
-    dist = grad_scaler_module.dist
+    dist = scale_rules_module.dist
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")

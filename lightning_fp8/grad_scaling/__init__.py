@@ -1,0 +1,8 @@
+"""The bases of :class:`~lightning_fp8.FP8GradScaler` (:mod:`lightning_fp8.grad_scaler`), one concern each.
+
+- :mod:`~lightning_fp8.grad_scaling.reports`: what the gradient casts and checks report per source, agreed across
+  data-parallel ranks.
+- :mod:`~lightning_fp8.grad_scaling.rules`: how ``update()`` halves or doubles mu and runs the fallback.
+- :mod:`~lightning_fp8.grad_scaling.unscaling`: clipping and unscaling gradients outside FP8AdamW's fused step.
+- :mod:`~lightning_fp8.grad_scaling.state`: the scaler's state dict, checked, and pickling.
+"""

@@ -1,0 +1,126 @@
+"""How :meth:`FP8GradScaler.update <lightning_fp8.FP8GradScaler.update>` moves mu once it has agreed on a step.
+
+A non-finite step halves mu and counts toward the ``nonfinite_fallback`` (run after ``fallback_after`` consecutive
+non-finite steps of one optimizer); a finite one halves mu when the saturated fraction passed
+``saturation_threshold``, and doubles it after ``growth_interval`` steps with headroom. Every change of mu rescales the
+``grad_output`` scaling states of the model's FP8 layers by the same power of two, so their delayed scales stay exact.
+:class:`_ScaleRules` is a base of the scaler and reads its settings and counters.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+
+class _ScaleRules:
+    """The update rules of mu (see the module docstring); the attributes are ``FP8GradScaler``'s."""
+
+    def _back_off(self) -> None:
+        """A skipped (non-finite) step: halve mu, count it, and run the fallback when due."""
+        self._skipped_steps += 1
+        self._nonfinite_events += 1
+        self._count_nonfinite_runs(nonfinite=True)
+        self._growth_tracker = 0
+        self._set_scale(self._scale / 2, "skip", "non-finite gradient")
+        if self._longest_nonfinite_run() >= self.fallback_after and self.nonfinite_fallback is not None:
+            self._nonfinite_runs.clear()  # also when the fallback raises: every count starts again
+            self._consecutive_nonfinite = self._restored_run = 0
+            self._run_fallback()
+
+    def _count_nonfinite_runs(self, nonfinite: bool) -> None:
+        """Count this update in the runs of consecutive non-finite steps of the optimizers it judges: those stepped
+        since the last update (a skipped one's run grows, a stepped one's restarts), or, with no step, all."""
+        runs = self._nonfinite_runs
+        if self._stepped:
+            if any(opt in runs for opt, _ in self._stepped):
+                # An optimizer counted before since the restore: every optimizer the restored run may belong to has
+                # been counted (updated with its own step), so it no longer applies (to an optimizer built later).
+                self._restored_run = 0
+            skipped = [opt for opt, was_skipped in self._stepped if was_skipped]
+            for opt, _ in self._stepped:
+                failed = nonfinite and (opt in skipped or not skipped)  # none skipped: a report came after the steps
+                start = max(self._restored_run, self._consecutive_nonfinite)  # an optimizer not counted yet
+                runs[opt] = runs.get(opt, start) + 1 if failed else 0
+            self._consecutive_nonfinite = 0
+        else:
+            for opt in list(runs):
+                runs[opt] = runs[opt] + 1 if nonfinite else 0
+            self._consecutive_nonfinite = self._consecutive_nonfinite + 1 if nonfinite else 0
+
+    def _longest_nonfinite_run(self) -> int:
+        """The most consecutive non-finite steps of any one optimizer (what ``fallback_after`` is compared with); the
+        restored run while no optimizer has been counted since the restore."""
+        runs = self._nonfinite_runs
+        return max((*runs.values(), self._consecutive_nonfinite, 0 if runs else self._restored_run))
+
+    def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
+        self._count_nonfinite_runs(nonfinite=False)
+        numel, cast_numel = decision["numel"], decision["cast_numel"]  # all values measured; those an FP8 cast held
+        self._last_saturation = decision["n_saturated"] / cast_numel if cast_numel else 0.0
+        if self._last_saturation > self.saturation_threshold:
+            self._growth_tracker = 0
+            self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
+        elif numel and decision["no_headroom"] == 0:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._growth_tracker = 0
+                self._set_scale(self._scale * 2, "double", f"headroom for {self.growth_interval} steps")
+        else:
+            self._growth_tracker = 0
+
+    def _set_scale(self, new_scale: float, action: str, reason: str) -> None:
+        new_scale = min(max(new_scale, self.min_scale), self.max_scale)
+        ratio = new_scale / self._scale
+        self._scale = new_scale
+        # A skip is an event whatever mu does; a halving or doubling held at min_scale / max_scale did not happen,
+        # and recording it every growth_interval steps would push the real entries out of the history.
+        if action == "skip" or ratio != 1.0:
+            self._history.append({"step": self._steps, "action": action, "reason": reason, "scale": new_scale})
+        if ratio != 1.0 and self.model is not None:
+            _rescale_grad_output_states(self.model, ratio)
+
+    def _run_fallback(self) -> None:
+        from lightning_fp8 import recovery
+
+        # The optimizers skipped since the last update (several where several share this scaler); else the last one.
+        skipped = list({id(opt): opt for opt, was_skipped in self._stepped if was_skipped}.values())
+        optimizer = skipped[-1] if skipped else self._last_optimizer
+        fallback = self.nonfinite_fallback
+        if optimizer is None and fallback in ("lower_lr", "bf16"):  # reports alone (record_nonfinite), no step yet
+            what = "no optimizer has stepped through this scaler: nothing to change"
+        elif fallback == "lower_lr":
+            targets = skipped or [optimizer]
+            what = [recovery.lower_lr(opt, self.lr_factor) for opt in targets][-1]
+            what += f" in {len(targets)} optimizers" if len(targets) > 1 else ""
+        elif fallback == "bf16":  # every optimizer stepped with this scaler: each gives back the masters it holds
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # Every rank gets here at the same step (the skip decision is agreed); each would pick the layers from
+                # its own gradients or shard, and the ranks' models would differ: refuse on every rank alike.
+                raise ValueError(
+                    f"FP8GradScaler(nonfinite_fallback='bf16') cannot run with {dist.get_world_size()} processes: each "
+                    "rank would choose the layers to put back from its own gradients, and wrapped or sharded models "
+                    "(DDP, FSDP, tensor parallelism) cannot swap layers. Use nonfinite_fallback='lower_lr' (or a "
+                    "callable) in multi-process training; 'bf16' works in one process"
+                )
+            what = recovery.fallback_to_high_precision(
+                self.model, [*self._seen] or optimizer, self.lr_factor, skipped=skipped or [optimizer]
+            )
+        else:
+            what = str(fallback(self, optimizer))
+        reason = f"{self.fallback_after} consecutive non-finite steps"
+        self._history.append({"step": self._steps, "action": "fallback", "reason": f"{reason}: {what}",
+                              "scale": self._scale})
+
+
+def _rescale_grad_output_states(model: nn.Module, ratio: float) -> None:
+    """mu changed by ``ratio`` (a power of two), so every loss gradient did too: keep delayed scales exact, within
+    the range :func:`lightning_fp8.compute_scale` clamps to (a scale at 2**127, a tiny gradient's, would become inf
+    when mu halves, and every later gradient NaN)."""
+    from lightning_fp8.scaling import ScalingState
+
+    for name, state in model.named_modules():
+        if isinstance(state, ScalingState) and name.endswith("grad_output"):
+            state.amax_history.mul_(ratio)
+            state.amax.mul_(ratio)
+            state.scale.div_(ratio).clamp_(2.0**-126, 2.0**127)

@@ -1,0 +1,159 @@
+"""The checkpoint state of :class:`~lightning_fp8.FP8GradScaler`: its state dict, checked entry by entry, and pickling.
+
+``state_dict()`` holds plain Python values (mu, the counters, the last saturation and the history of actions), so it
+loads with ``torch.load(weights_only=True)``. ``load_state_dict()`` checks every entry before it loads any, with
+errors that name the entry and what was expected. Pickling (Lightning's spawned processes pickle the precision plugin
+and its scaler) leaves out the per-process weak collections of optimizers. :class:`_ScalerState` is a base of the
+scaler and reads its attributes.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import numbers
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# Actions kept in `history` (oldest dropped first): enough for monitoring, bounded for long runs.
+_HISTORY_LEN = 1000
+# The state dict entries that count (ints >= 0).
+_COUNTERS = ("growth_tracker", "skipped_steps", "nonfinite_events", "consecutive_nonfinite", "steps")
+
+
+def _is_power_of_two(x: float) -> bool:
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
+class _ScalerState:
+    """``state_dict``, ``load_state_dict`` and pickling of the scaler (see the module docstring)."""
+
+    # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
+    # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
+    # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
+    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_unscaled")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._WEAK:
+            state.pop(name, None)
+        state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
+        state["_restored_run"] = self._longest_nonfinite_run()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_restored_run", 0)
+        self._owned = weakref.WeakKeyDictionary()
+        self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
+        self._nonfinite_runs = weakref.WeakKeyDictionary()
+        self._unscaled = weakref.WeakKeyDictionary()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python values (loads with ``torch.load(weights_only=True)``). ``consecutive_nonfinite`` is the
+        longest run of non-finite steps of any optimizer: where every optimizer's run starts after a load."""
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,
+            "skipped_steps": self._skipped_steps,
+            "nonfinite_events": self._nonfinite_events,
+            "consecutive_nonfinite": self._longest_nonfinite_run(),
+            "steps": self._steps,
+            "last_saturation": self._last_saturation,
+            "history": [dict(entry) for entry in self._history],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved. Every entry is checked before any is loaded: on an error the
+        scaler is left as it was.
+
+        Raises:
+            KeyError: when an entry is missing (not an FP8GradScaler state dict).
+            TypeError: when ``state_dict`` is not a dict, or for an entry of the wrong type (e.g. a counter that is
+                not an int).
+            ValueError: for an entry out of range (a scale that is not a positive power of two, a negative counter,
+                a saturation outside [0, 1]).
+
+        A scale outside this scaler's ``[min_scale, max_scale]`` (saved under other bounds) is brought within them,
+        with a warning.
+        """
+        scale, counters, saturation, history = self._checked_state(state_dict)
+        if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
+            bounded = min(max(scale, self.min_scale), self.max_scale)
+            warnings.warn(
+                f"FP8GradScaler.load_state_dict: the saved scale {scale} is outside this scaler's [min_scale, "
+                f"max_scale] = [{self.min_scale}, {self.max_scale}]; resuming from {bounded}",
+                stacklevel=2,
+            )
+            scale = bounded
+        self._scale = scale
+        self._loss_scale = None  # a loss scaled before the load no longer tells the gradients' mu
+        self._growth_tracker = counters["growth_tracker"]
+        self._skipped_steps = counters["skipped_steps"]
+        self._nonfinite_events = counters["nonfinite_events"]
+        self._nonfinite_runs.clear()  # the saved run (the longest) is where every optimizer's run starts
+        self._restored_run, self._consecutive_nonfinite = counters["consecutive_nonfinite"], 0
+        self._steps = counters["steps"]
+        self._last_saturation = saturation
+        self._history = collections.deque(history, maxlen=_HISTORY_LEN)
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
+        several parts (mu, the FP8 scaling state, ...) checks every part before it loads any."""
+        self._checked_state(state_dict)
+
+    def _checked_state(self, state_dict: Any) -> tuple[float, dict[str, int], float, list[dict[str, Any]]]:
+        """``state_dict``'s scale, counters, saturation and history, checked (see :meth:`load_state_dict`)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"FP8GradScaler.load_state_dict: got {type(state_dict).__name__}, expected the dict that "
+                "FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
+            )
+        missing = sorted(set(self.state_dict()) - set(state_dict))
+        if missing:
+            raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
+        scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
+        counters = {name: _checked_entry(name, state_dict[name], numbers.Integral, "an int >= 0", lambda n: n >= 0)
+                    for name in _COUNTERS}  # fmt: skip
+        saturation = _checked_entry("last_saturation", state_dict["last_saturation"], numbers.Real,
+                                    "a fraction in [0, 1]", lambda x: 0.0 <= x <= 1.0)  # fmt: skip
+        return scale, counters, saturation, _checked_history(state_dict["history"])
+
+
+def _checked_entry(name: str, value: Any, kind: type, expected: str, valid: Callable[[Any], bool]) -> Any:
+    """``value`` as an int (``kind`` ``numbers.Integral``) or a float (``numbers.Real``) when it is one and
+    ``valid``; else a TypeError or ValueError that names the state dict entry ``name``."""
+    error = TypeError if isinstance(value, bool) or not isinstance(value, kind) else None
+    if error is None:
+        value = int(value) if kind is numbers.Integral else float(value)
+        error = None if valid(value) else ValueError
+    if error is not None:
+        raise error(
+            f"FP8GradScaler.load_state_dict: entry {name!r} is {repr(value)[:200]}, expected {expected}; load the dict "
+            "that FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
+        )
+    return value
+
+
+def _checked_history(history: Any) -> list[dict[str, Any]]:
+    """The ``history`` entry of a state dict, checked: a list of ``{"step", "action", "reason", "scale"}``."""
+    keys = ["action", "reason", "scale", "step"]
+    shaped = isinstance(history, (list, tuple)) and all(
+        isinstance(e, dict) and sorted(e) == keys and isinstance(e["action"], str) and isinstance(e["reason"], str)
+        for e in history
+    )
+    if not shaped:
+        raise TypeError(
+            f"FP8GradScaler.load_state_dict: entry 'history' is {repr(history)[:200]}, expected a list of dicts "
+            f"with keys {keys} (action and reason strings); load the dict that FP8GradScaler.state_dict() returned "
+            "(the checkpoint may be corrupt). Nothing was loaded."
+        )
+    return [
+        {"step": _checked_entry("history step", e["step"], numbers.Integral, "an int >= 0", lambda n: n >= 0),
+         "action": e["action"], "reason": e["reason"],
+         "scale": _checked_entry("history scale", e["scale"], numbers.Real, "a positive power of two",
+                                 _is_power_of_two)}
+        for e in history
+    ]  # fmt: skip

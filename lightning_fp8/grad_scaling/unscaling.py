@@ -1,0 +1,148 @@
+"""Gradients that :class:`~lightning_fp8.FP8GradScaler` unscales outside FP8AdamW's fused step.
+
+An :class:`~lightning_fp8.FP8AdamW` unscales each gradient in fp32 inside its step. Any other optimizer has its
+``param.grad`` divided by mu in place, as ``torch.amp.GradScaler`` does: by :meth:`_Unscaling.unscale_` (to clip or
+read them before the step) or by the scaler's ``step()``; fp16 gradients are refused, since unscaling them in fp16
+would flush the small values mu made representable. Clipping gradients that still carry mu
+(:meth:`_Unscaling.clip_grad_norm_`) works for both kinds. :class:`_Unscaling` is a base of the scaler and reads
+its state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class _Unscaling:
+    """Clipping and unscaling of gradients that carry mu (see the module docstring)."""
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` (L2) of gradients that carry this scaler's mu
+        (:attr:`loss_scale`), applied as if they did not: the plain-PyTorch spelling of unscale-then-clip, between
+        the backward and the step. Each ``param.grad`` is multiplied by ``min(1, max_norm / (true norm + 1e-6))``;
+        returns the true total norm (of the unscaled gradients), a 0-dim fp32 tensor. The norm is summed in fp32:
+        ``torch.nn.utils.clip_grad_norm_(params, mu * max_norm)`` on O2's fp16 gradients computes each tensor's norm
+        in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. Only
+        ``param.grad`` is clipped: with ``FP8AdamW(fp8_grads=True)`` the FP8 weights' gradients are held by the
+        optimizer (``param.grad`` None), and this raises ValueError: build it with ``fp8_grads=False`` to clip.
+        Gradients that :meth:`unscale_` unscaled already are clipped as they are (:meth:`grad_factor`)."""
+        from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_  # torch only (no Lightning import)
+        from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
+
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        held = [p for p in params if p.grad is None and getattr(p, GRAD_OWNER_ATTR, None) is not None]
+        if held:  # an FP8AdamW(fp8_grads=True) took their gradients in FP8 as they were computed
+            raise ValueError(
+                f"FP8GradScaler.clip_grad_norm_ would miss the gradients of {len(held)} FP8 weight(s) (the first of "
+                f"shape {tuple(held[0].shape)}), which FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad "
+                "as soon as they are computed): create the FP8AdamW with fp8_grads=False to clip, or do not clip"
+            )
+        mu = self.grad_factor(params)
+        return clip_scaled_grad_norm_(params, max_norm, mu).float() / mu
+
+    def grad_factor(self, parameters: Any) -> float:
+        """The factor the gradients of ``parameters`` (a tensor or an iterable of them) carry now: :attr:`loss_scale`
+        (mu), or 1 where :meth:`unscale_` has unscaled them (their optimizer's, since the last :meth:`update`).
+
+        Raises:
+            ValueError: when some of the gradients are unscaled and others are not: clip or read the two sets
+                separately.
+        """
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        unscaled = {id(p) for opt in list(self._unscaled) for group in opt.param_groups for p in group["params"]}
+        kinds = {id(p) in unscaled for p in params if p.grad is not None}
+        if kinds == {True, False}:
+            raise ValueError(
+                "FP8GradScaler: some of these gradients were unscaled by unscale_(optimizer) and others still carry "
+                "mu; clip the two sets separately (torch.nn.utils.clip_grad_norm_ for the unscaled ones, the scaler's "
+                "clip_grad_norm_ for the others), or unscale_ none of them"
+            )
+        return 1.0 if kinds == {True} else self.loss_scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by mu in place, as ``torch.amp.GradScaler.unscale_`` does, for clipping or
+        reading them between the backward and :meth:`step` (which then steps on them as they are, checking them for
+        non-finite values again). At most once per optimizer between two :meth:`update` calls, and not after its
+        step.
+
+        For optimizers other than :class:`~lightning_fp8.FP8AdamW`, with fp32 or bf16 gradients (fp16 gradients are
+        refused, as by :meth:`step`).
+
+        Raises:
+            ValueError: for an FP8AdamW, which unscales each gradient in fp32 inside its fused step (at O2 its FP8
+                weights' gradients are fp16, which only mu keeps representable, or held in FP8 by the optimizer):
+                clip with :meth:`clip_grad_norm_`, read true values as ``param.grad / scaler.loss_scale``. Also for
+                fp16 gradients.
+            RuntimeError: when called twice for one optimizer since the last :meth:`update`, or after its step.
+        """
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # Accelerate's and Lightning's wrappers step the one inside
+        if getattr(optimizer, "_fp8_step", None) is not None:
+            raise ValueError(
+                f"FP8GradScaler.unscale_({type(optimizer).__name__}): FP8AdamW unscales each gradient in fp32 inside "
+                "its fused step, and its FP8 weights' gradients (fp16 at O2, or held in FP8 with fp8_grads=True) "
+                "cannot be unscaled in place without losing the values only mu keeps representable. To clip, call "
+                "scaler.clip_grad_norm_(parameters, max_norm) between the backward and the step; to read a true "
+                "gradient, divide param.grad by scaler.loss_scale"
+            )
+        if any(stepped is optimizer for stepped, _ in self._stepped):
+            raise RuntimeError("FP8GradScaler.unscale_(optimizer) is being called after step(): call it before")
+        if optimizer in self._unscaled:
+            raise RuntimeError(
+                "FP8GradScaler.unscale_(optimizer) has already been called on this optimizer since the last update()"
+            )
+        _refuse_fp16_grads(optimizer, "unscale_")
+        # step() adds the flag to its own check: clipping may have made the gradients finite since.
+        self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale)
+
+
+def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:
+    """Run an FP8AdamW's update through its ``step()``, as torch.amp runs ``optimizer.step()``: an LR scheduler's
+    wrapper then marks the optimizer as stepped (no "lr_scheduler.step() before optimizer.step()" warning), and
+    optimizer step hooks and the profiler see the step. ``_fp8_unscale`` tells that step to unscale by
+    ``inv_scale`` and not to route through a gradient scaler again."""
+    optimizer._fp8_unscale = inv_scale  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        optimizer._fp8_unscale = None  # type: ignore[attr-defined]
+
+
+def _refuse_fp16_grads(optimizer: torch.optim.Optimizer, caller: str = "step") -> None:
+    """Raise a ValueError if a plain optimizer has fp16 gradients, which :func:`_unscale_in_place` cannot unscale.
+
+    mu is there for the gradients fp16 cannot hold unscaled: ``g * mu`` is representable where ``g`` (below fp16's
+    smallest subnormal, 6e-8, or among its subnormals) is not, and multiplying by ``1 / mu`` in fp16 storage rounds
+    them to zero (or to a few bits) again, silently. ``torch.amp.GradScaler`` refuses them ("Attempting to unscale
+    FP16 gradients"); bf16 has fp32's range, so unscaling it by a power of two is exact."""
+    fp16 = [p for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None and p.grad.dtype == torch.float16]  # fmt: skip
+    if fp16:
+        raise ValueError(
+            f"FP8GradScaler.{caller}: this {type(optimizer).__name__} has fp16 gradients ({len(fp16)} parameter(s) in "
+            f"fp16, e.g. one of shape {tuple(fp16[0].shape)}). Its gradients would be unscaled by 1/mu in place, in "
+            "fp16, which turns the small gradients that mu made representable (below ~6e-8 unscaled) back into zero, "
+            "silently; torch.amp.GradScaler refuses them too ('Attempting to unscale FP16 gradients'). Keep these "
+            "parameters in fp32 (compute in fp16/bf16 with torch.autocast), or train them with "
+            "lightning_fp8.FP8AdamW(..., grad_scaler=scaler), which unscales each gradient in fp32 inside its step "
+            "(and keeps fp16 masters with per-tensor scales for the FP8 weights at O2). Nothing was changed."
+        )
+
+
+def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> torch.Tensor:
+    """Multiply every gradient of a plain optimizer by ``inv_scale``; return a 0-dim non-finite flag.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) has its values unscaled in place, as in
+    ``torch.amp.GradScaler``. fp16 gradients never come here (:func:`_refuse_fp16_grads`): fp32 and bf16 values are
+    unscaled exactly, and the sums of a sparse gradient's repeated values overflow only where its values nearly do
+    (past 1.7e38), so they are left uncoalesced, as torch.amp leaves them."""
+    found = torch.zeros(())
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for p in params:
+        values = p.grad._values() if p.grad.is_sparse else p.grad
+        values.mul_(inv_scale)
+        bad = (~torch.isfinite(values)).any().float()
+        found = found.to(bad.device) + bad
+    return found

@@ -1,0 +1,202 @@
+"""Which parameters of :class:`~lightning_fp8.optim.FP8AdamW` get low-precision states, and where their masters live.
+
+At O2 an FP8 linear weight is *adopted*: its storage becomes the fp16 master, scaled by a power of two
+(:mod:`~lightning_fp8.optim.master`), and its moments are low precision; with ``low_precision_moments="all"`` every
+other parameter gets the low-precision moments only. :meth:`_Adoption.release` and
+:meth:`_Adoption.release_weights` undo it (the recovery "back to high precision", and handing the model to other code);
+:meth:`_Adoption._init_state` creates each parameter's states at its first step, and
+:meth:`_Adoption._check_storages` refuses a step whose weights' storages no longer hold this optimizer's masters.
+:class:`_Adoption` is a base of FP8AdamW and reads its settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_fp8.optim import apart, checkpoint, master, shards
+from lightning_fp8.optim.grad_cast import FP8Grad as _FP8Grad
+
+_FP32 = torch.float32
+
+
+class _Adoption:
+    """Adoption of parameters, their release, and the creation of their states (see the module docstring)."""
+
+    def _wants_low_precision(self, p: torch.Tensor) -> bool:
+        if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:
+            return (self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 3
+        return self.low_precision_moments == "all" and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (_FP32,) * 2
+
+    def _storage_master_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype of the master this optimizer would keep in the storage of ``p``, an FP8 weight (``master_dtype``),
+        or ``None`` where ``p`` itself is the master (fp32 states: O1)."""
+        return self.master_dtype if self._wants_low_precision(p) else None
+
+    def _settings(self) -> str:
+        """This optimizer's level and master dtype, as its error messages name it."""
+        return f"FP8AdamW(opt_level={self.opt_level!r}, master_dtype={self.master_dtype})"
+
+    def _takes_storage(self, p: torch.Tensor) -> bool:
+        """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype."""
+        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p) and p.requires_grad
+        return shareable and master.master_scale(p) is None and p.dtype != self.master_dtype
+
+    def _adopt_all(self, params: list[torch.Tensor]) -> None:
+        """:meth:`_adopt` each of ``params``, once all are known to take it (else RuntimeError, nothing changed)."""
+        for p in params:
+            if self._takes_storage(p):
+                master.check_adoptable(p)  # under DDP's hooks: raise before any weight changes
+        for p in params:
+            self._adopt(p)
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master."""
+        # No entry in self.state before the first step: torch.distributed.checkpoint creates the states of an
+        # optimizer whose ``state`` is empty (a zero-gradient step); a non-empty one is taken as initialized, and
+        # its state dict then lacks every other parameter (the load of a sharded checkpoint fails).
+        # A frozen weight (requires_grad=False) keeps its storage, as torch.optim leaves it untouched; should it get
+        # gradients later, its master is kept apart (see _init_state).
+        self._low_precision.add(p)
+        if not (master.is_fp8_weight(p) or id(p) in self._extra_fp8_params):
+            self._moments_only.add(p)  # low_precision_moments="all": only the moments
+            return
+        if self._takes_storage(p):
+            master.adopt(p, self.master_dtype)
+        if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
+            self._register_grad_hook(p)
+
+    def release(self, p: torch.Tensor) -> None:
+        """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision"): fp32
+        moments, and an fp32 master kept apart where ``p`` is not fp32, as for any parameter of that dtype. A gradient
+        not stepped yet is handed back to ``p.grad`` (a pending FP8 one dequantized), in ``p``'s dtype.
+
+        At O1 (fp32 states already) it only stops holding ``p``'s gradient in FP8: the hook is removed and a pending
+        FP8 gradient is handed back.
+        """
+        if p not in self._low_precision:
+            handle = self._hooks.pop(p, None)
+            if handle is None:
+                return
+            handle.remove()
+            self._grad_casts.flush(self)
+            self._hand_back_grad(p, self._pending.pop(p, None))
+            return
+        self._grad_casts.flush(self)
+        state = self.state[p]
+        moments = {key: checkpoint.dequantize(state, key) for key in ("exp_avg", "exp_avg_sq") if key in state}
+        if p in self._moments_only:  # its master already is what a plain parameter's is (the param, or fp32 apart)
+            kept = {key: state[key] for key in ("step", "master") if key in state}
+            self._moments_only.discard(p)
+            self._master_amax.pop(p, None)
+        else:
+            kept = self._release_master(p, state)
+        self._low_precision.discard(p)
+        self.state[p] = {**kept, **moments}
+
+    def _release_master(self, p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """Give the FP8 weight ``p`` its own storage back, in its own dtype, holding its master's value, and its
+        gradient back to ``p.grad`` in that dtype. Returns what of ``state`` it keeps as a plain parameter: ``step``
+        and, where ``p`` is not fp32, the master in fp32, kept apart as :meth:`_init_state` keeps it (in bf16 storage
+        alone, updates below the weight's rounding would be lost)."""
+        kept: dict[str, Any] = {"step": state["step"]} if "step" in state else {}
+        value = None  # the master, unscaled fp32
+        if "master" in state:  # kept apart: what was written to p since the last step comes first, as in a step
+            apart.take_writes(p, state, self._master_marks.get(p))
+            value = checkpoint.dequantize(state, "master")
+            with torch.no_grad():
+                p.copy_(value)
+        elif master.master_scale(p) is not None:  # in p's storage (the scale is not moved by module.to(), see export)
+            value = p.detach().float() / master.master_scale(p).to(p.device)
+        handle = self._hooks.pop(p, None)
+        if handle is not None:
+            handle.remove()
+        grad, entry = p.grad, self._pending.pop(p, None)  # master.release drops p.grad (in the storage's dtype)
+        master.release(p)
+        setattr(p, master.MARKER, False)
+        if grad is not None:
+            p.grad = grad.to(p.dtype)
+        self._hand_back_grad(p, entry)
+        if "step" in kept and value is not None and p.dtype != _FP32:
+            kept["master"] = value
+            self._master_marks[p] = apart.mark(p)  # a write to p from now on reaches the master at the next step
+        return kept
+
+    def _hand_back_grad(self, p: torch.Tensor, entry: _FP8Grad | None) -> None:
+        """Add the pending FP8 gradient ``entry`` of ``p`` (if any) to ``p.grad``, dequantized in ``p``'s dtype."""
+        if entry is not None:
+            with torch.no_grad():
+                grad = (entry.data.float() * entry.scale_inv).to(p.dtype)
+                p.grad = grad if p.grad is None else p.grad + grad
+
+    def release_weights(self) -> None:
+        """Give every FP8 weight whose storage holds this optimizer's fp16 master its own storage back: the unscaled
+        weight, in the model's dtype. The masters move into the optimizer's state, kept apart from the parameters (as
+        for sharded weights), so the optimizer can go on (each step then also writes the weights) and its state dict
+        means what it meant. The weights stay FP8 weights: a new FP8AdamW takes their storage again. Gradients not
+        stepped yet are dropped (they had the storage's dtype and scale): call it after a step.
+
+        For handing the model to other code after FP8 training: another optimizer or precision (the storage would
+        otherwise hold ``weight * scale`` in fp16, which they would train as the weight), code that reads
+        ``param.data``. The Lightning plugin calls it when a fit ends, ``Accelerator.free_memory`` likewise.
+        Afterwards the masters are the optimizer's own, kept apart: a write to a weight (``model.load_state_dict``)
+        reaches its master at the next step (:mod:`lightning_fp8.optim.apart`). Each weight's dtype has changed, so
+        call it on a model no DDP wrapper will run again (DDP's hooks sit on the old gradient accumulators)."""
+        self._grad_casts.flush(self)
+        released = False
+        for p in list(self._low_precision):
+            scale = master.master_scale(p)
+            if scale is None or p in self._moments_only:
+                continue
+            released = True
+            handle = self._hooks.pop(p, None)  # fp8_grads: only adopted weights are hooked
+            if handle is not None:
+                handle.remove()
+            self._pending.pop(p, None)  # a gradient not stepped yet is dropped, as release() drops it
+            stored, amax, state = p.detach(), getattr(p, master.AMAX_ATTR), self.state.get(p)
+            master.release(p)  # (param.grad too: it had the storage's dtype)
+            if state:  # stepped: the stored master, its scale and amax now live in the state (else _init_state)
+                # (on the master's device: Lightning's teardown moves the model and the states, not the attributes)
+                state.update(master=stored, master_scale=scale.to(stored.device), master_amax=amax.to(stored.device))
+                self._master_marks[p] = apart.mark(p)  # writes to the released weight from now on reach the master
+        if released and self.grad_scaler is not None:  # the dropped gradients' casts no longer count for a step
+            self.grad_scaler._discard(self)
+
+    def _check_storages(self) -> None:
+        """Raise RuntimeError for a weight whose storage holds a master (:func:`master.adopt`) that this optimizer does
+        not step there: another FP8AdamW took it after this one was created (:func:`master.check_not_taken`), or the
+        model was cast to another dtype since (:func:`master.check_storage_dtypes`)."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if master.master_scale(p) is not None:  # (about 0.3 us of host time per parameter and step)
+                    # This optimizer steps the storage as its master where p has O2 states and no master kept apart
+                    # (after release_weights(), or for a weight frozen when this one was built: see _init_state).
+                    in_storage = p in self._low_precision and p not in self._moments_only
+                    in_storage = in_storage and "master" not in self.state.get(p, ())
+                    master.check_not_taken(p, f"parameter {i} of parameter group {g}", in_storage)
+        master.check_storage_dtypes(self._low_precision, self.master_dtype)
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        if p not in self._low_precision:
+            state["exp_avg"] = torch.zeros_like(p, dtype=_FP32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=_FP32, memory_format=torch.preserve_format)
+            if p.dtype != _FP32:
+                state["master"] = p.detach().float()
+            return
+        for key, dtype in (("exp_avg", self.exp_avg_dtype), ("exp_avg_sq", self.exp_avg_sq_dtype)):
+            # zeros_like: a sharded (DTensor) parameter gets states sharded the same way
+            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state[f"{key}_scale"] = torch.ones((), dtype=_FP32, device=p.device)
+            state[f"{key}_amax"] = torch.zeros((), dtype=_FP32, device=p.device)
+        if p in self._moments_only:  # the master is the parameter, or an fp32 copy as for plain parameters
+            if p.dtype != _FP32:
+                state["master"] = p.detach().float()
+        elif master.master_scale(p) is not None:  # the parameter's storage is the master (see _adopt)
+            state["master_scale"] = master.master_scale(p)
+            state["master_amax"] = getattr(p, master.AMAX_ATTR)
+        else:  # the master is kept apart from the parameter (this rank's shard of it)
+            local = shards.local(p).detach().float()
+            checkpoint.store(state, "master", local, self.master_dtype, local.shape, local.device)
+            state["master"] = shards.like(p, state["master"])
