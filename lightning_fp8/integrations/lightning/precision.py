@@ -178,6 +178,7 @@ class _FP8LMPrecisionLogic:
         _refuse_bf16_fallback_in_data_parallel(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
         if self._will_adopt_masters():
             _refuse_weight_averaging(self._module)
+        _refuse_pruning_of_converted_layers(self._module)
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
         self._optimizers = list(optimizers)
@@ -627,20 +628,52 @@ def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return fp8_grad_norms is not None and bool(fp8_grad_norms())
 
 
-def _refuse_weight_averaging(module: nn.Module | None) -> None:
-    """Raise ValueError if the Trainer has Lightning's StochasticWeightAveraging: it averages ``module.parameters()``,
-    which at O2 hold each FP8 weight's fp16 master times a power-of-two scale that changes from step to step, so the
-    average (and the weights it puts back) would be wrong, silently."""
+# Lightning's callbacks that average ``module.parameters()`` (by class name, across Lightning versions: the
+# ``WeightAveraging`` base and its ``EMAWeightAveraging`` came with Lightning 2.6).
+_AVERAGING_CALLBACKS = ("StochasticWeightAveraging", "WeightAveraging")
+
+
+def _callbacks_of(module: nn.Module | None, names: tuple[str, ...]) -> list[Any]:
+    """The Trainer's callbacks whose class is, or derives from, a class named in ``names``."""
     trainer = getattr(module, "_trainer", None)
-    averaging = [type(cb).__name__ for cb in getattr(trainer, "callbacks", None) or []
-                 if any(cls.__name__ == "StochasticWeightAveraging" for cls in type(cb).__mro__)]  # fmt: skip
+    return [cb for cb in getattr(trainer, "callbacks", None) or []
+            if any(cls.__name__ in names for cls in type(cb).__mro__)]  # fmt: skip
+
+
+def _refuse_weight_averaging(module: nn.Module | None) -> None:
+    """Raise ValueError if the Trainer has one of Lightning's weight-averaging callbacks (StochasticWeightAveraging,
+    EMAWeightAveraging or another WeightAveraging): they average ``module.parameters()``, which at O2 hold each FP8
+    weight's fp16 master times a power-of-two scale that changes from step to step, so the average (and the weights
+    it puts back or saves in checkpoints) would be wrong, silently."""
+    averaging = _callbacks_of(module, _AVERAGING_CALLBACKS)
     if averaging:
         raise ValueError(
-            f"precision='fp8-lm' (O2) cannot run with {averaging[0]}: it averages the parameters' storage, which at O2 "
-            "holds each FP8 weight's fp16 master times a scale that changes between steps, so the averaged weights "
-            "would be wrong. Use the O1 recipe (FP8LMPrecision(recipe='fp8-lm-o1'): the weights keep their own "
-            "storage), or average the unscaled weights of model.state_dict() in a callback of your own"
+            f"precision='fp8-lm' (O2) cannot run with {type(averaging[0]).__name__}: it averages the parameters' "
+            "storage, which at O2 holds each FP8 weight's fp16 master times a scale that changes between steps, so "
+            "the averaged weights would be wrong. Use the O1 recipe (FP8LMPrecision(recipe='fp8-lm-o1'): the "
+            "weights keep their own storage), or average the unscaled weights of model.state_dict() in a callback "
+            "of your own"
         )
+
+
+def _refuse_pruning_of_converted_layers(module: nn.Module | None) -> None:
+    """Raise ValueError if Lightning's ModelPruning will prune a layer that the conversion replaced: it collects its
+    modules in ``setup``, before the plugin converts them, so its masks would go to the replaced ``nn.Linear`` while
+    its forward pre-hook (shared with the FP8Linear, convert.py's hook registries) runs on the FP8 layer, which has no
+    mask: the next forward failed deep inside torch.nn.utils.prune."""
+    if module is None:
+        return
+    present = {id(m) for m in module.modules()}
+    for callback in _callbacks_of(module, ("ModelPruning",)):
+        gone = [m for m, _ in getattr(callback, "_parameters_to_prune", None) or []
+                if isinstance(m, nn.Module) and id(m) not in present]  # fmt: skip
+        if gone:
+            raise ValueError(
+                f"precision='fp8-lm' cannot run {type(callback).__name__} on layers it converts to FP8Linear (here "
+                f"{gone[0]!r} and {len(gone) - 1} more): the callback collected them before the conversion, so its "
+                "masks would never reach the FP8 layers. Leave the layers to prune in high precision "
+                "(FP8LMPrecision(module_filter_fn=...) returning False for them), or prune before training"
+            )
 
 
 def _hooks_read_gradients(model: Any) -> bool:

@@ -901,3 +901,50 @@ def test_stochastic_weight_averaging_is_refused_at_o2_and_runs_at_o1():
         max_epochs=2,
     )
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_ema_weight_averaging_is_refused_at_o2_and_averages_the_true_weights_at_o1(tmp_path):
+    """Found by a sweep: Lightning 2.6's EMAWeightAveraging (a WeightAveraging, not a StochasticWeightAveraging) got
+    past the refusal at O2 and saved the average of the scaled fp16 masters (|max| 43072 against 0.62: a validation
+    loss of 8e18 after load_from_checkpoint)."""
+    callbacks = pytest.importorskip("lightning.pytorch.callbacks")
+    if not hasattr(callbacks, "EMAWeightAveraging"):
+        pytest.skip("EMAWeightAveraging needs Lightning >= 2.6")
+    with pytest.raises(ValueError, match="cannot run with EMAWeightAveraging.*fp8-lm-o1"):
+        _fit(callbacks=[callbacks.EMAWeightAveraging(decay=0.5)], max_steps=2)
+
+    class Recording(callbacks.EMAWeightAveraging):  # the true weights after each step, to average by hand
+        def __init__(self) -> None:
+            super().__init__(decay=0.5, update_starting_at_step=0)
+            self.seen: list[dict[str, torch.Tensor]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            super().on_train_batch_end(trainer, pl_module, *args)
+            self.seen.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    ema = Recording()
+    module, _ = _fit(callbacks=[ema], precision=None, plugins=[FP8LMPrecision(recipe="fp8-lm-o1")], max_steps=4)
+    name = "model.blocks.0.mlp.0.weight"
+    expected = ema.seen[0][name]
+    for seen in ema.seen[1:]:  # AveragedModel's EMA: avg <- decay * avg + (1 - decay) * new
+        expected = 0.5 * expected + 0.5 * seen[name]
+    torch.testing.assert_close(module.state_dict()[name], expected)  # the fit ends with the average swapped in
+
+
+def test_model_pruning_of_converted_layers_is_refused_and_runs_on_layers_left_in_high_precision():
+    """Found by a sweep: ModelPruning collects its layers in setup, before the plugin converts them; its mask went to
+    the replaced nn.Linear while its pre-hook ran on the FP8Linear (AttributeError 'weight_mask' in the next
+    forward, deep inside torch.nn.utils.prune)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    with pytest.raises(ValueError, match="cannot run ModelPruning on layers it converts.*module_filter_fn"):
+        _fit(callbacks=[ModelPruning("l1_unstructured", amount=0.3)], max_epochs=1, max_steps=-1)
+    module = _module()
+    head = module.model.lm_head
+    pruning = ModelPruning("l1_unstructured", amount=0.5, parameters_to_prune=[(head, "weight")],
+                           make_pruning_permanent=False)  # fmt: skip
+    plugin = FP8LMPrecision(module_filter_fn=lambda layer, name: not name.endswith("lm_head"))
+    _fit(module, callbacks=[pruning], precision=None, plugins=[plugin], max_epochs=1, max_steps=-1)
+    assert module.model.lm_head is head and not isinstance(head, FP8Linear)
+    assert isinstance(module.model.blocks[0].mlp[0], FP8Linear)
+    assert (head.weight == 0).float().mean().item() == pytest.approx(0.5, abs=0.01)
