@@ -174,14 +174,19 @@ def check_wrappable(layer: nn.Module, caller: str) -> None:
 
     Raises:
         TypeError: if ``layer`` is not an ``nn.Linear``.
-        ValueError: for such a layer, naming the reason and what to do.
+        ValueError: for such a layer, naming the reason and what to do, or for an FP8Linear (already one).
     """
     if not isinstance(layer, nn.Linear):
         raise TypeError(f"{caller} takes an nn.Linear, got {type(layer).__name__}")
+    layer_repr = f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features})"
+    if isinstance(layer, FP8Linear):  # else refused as a subclass of nn.Linear, for a reason that does not apply
+        raise ValueError(
+            f"{caller}: {layer_repr} is already an FP8Linear; use it as it is (convert_to_fp8 leaves FP8 layers as "
+            "they are). For another recipe, convert the original nn.Linear, or build a new FP8Linear(..., recipe=...)"
+        )
     reason = _reason_refused(layer)
     if reason is not None:
         because, fix = _LEFT_BECAUSE[reason]
-        layer_repr = f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features})"
         raise ValueError(
             f"{caller}: {layer_repr} cannot become an FP8Linear; convert_to_fp8 leaves such layers in high precision "
             f"because {because}" + (f"; {fix}" if fix else "")

@@ -80,10 +80,13 @@ class _FP8Matmul(torch.autograd.Function):
         master_scale: torch.Tensor | None = None,
         cache_key: int | None = None,
         call: tuple[ForwardCall | None, bool] = (None, False),
+        grad_enabled: bool = True,
     ):
         # `current`: (input, grad_output) compute their tensor's own amax (current scaling, or no history yet); the
         # backward uses the second only when traced (see backward). `call`: see recompute.forward_call.
-        need_dgrad, need_wgrad = x.requires_grad, weight.requires_grad
+        # `grad_enabled`: torch.is_grad_enabled() of the caller (always False in here). Without it no backward runs
+        # (no_grad, inference_mode, use_reentrant=True checkpointing's first forward): nothing is cast for one.
+        need_dgrad, need_wgrad = x.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
         record, replaying = call
         # Without the transposed copy the backward casts x again (SAVE_INPUT_TRANSPOSE_COMPILED).
         ctx.recast_input = need_wgrad and not SAVE_INPUT_TRANSPOSE_COMPILED and torch.compiler.is_compiling()
@@ -127,7 +130,7 @@ class _FP8Matmul(torch.autograd.Function):
             db = ops.narrowed(db[0] if fused else dy.sum(0, dtype=torch.float32), ctx.bias_dtype)
         else:
             db = None
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def forward_gemm(
@@ -191,6 +194,12 @@ def backward_gemms(
     if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
         dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, dtypes[1])
     return dx, dw
+
+
+def tokens_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., features) as (tokens, features). The token count is given, not inferred: ``reshape(-1, 0)`` cannot
+    infer it (any count of empty rows has 0 elements), and a layer with ``in_features=0`` works as ``nn.Linear``'s."""
+    return x.reshape(x.shape[:-1].numel(), x.shape[-1])
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -417,8 +426,23 @@ class FP8Linear(nn.Linear):
                 f"{dtype} layer as nn.Linear (convert_to_fp8 leaves such layers as they are)"
             )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = resolve_recipe(recipe)
+        self._recipe = resolve_recipe(recipe)
         self._init_scaling(self.weight.device)
+
+    @property
+    def recipe(self) -> FP8Recipe:
+        """The recipe the layer was built or converted with; read-only: its scaling states were built from it."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, value: Any) -> None:
+        # The casts read the scaling states (format, delayed or current, margin, history), not this attribute: a new
+        # value would change the repr and convert_to_fp8's recipe check but not one cast.
+        raise AttributeError(
+            f"FP8Linear.recipe cannot be set (got {value!r}): the layer's scaling states were built from the recipe "
+            f"it was converted with ({self._recipe}), and the casts would keep using them. Convert a fresh nn.Linear "
+            "(FP8Linear.from_linear or convert_to_fp8 with the new recipe) or build a new FP8Linear(..., recipe=...)"
+        )
 
     def _init_scaling(self, device: torch.device) -> None:
         r = self.recipe
@@ -450,11 +474,11 @@ class FP8Linear(nn.Linear):
 
         Raises:
             TypeError: if ``linear`` is not an ``nn.Linear``.
-            ValueError: for a layer that :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is
-                (a reparametrized weight, a subclass of ``nn.Linear``, a weight or bias that is not a parameter,
-                parameters, buffers or submodules besides weight and bias, state_dict hooks, an instance ``forward``
-                or a compiled call (``layer.compile()``): the FP8 layer would drop them), or feature sizes that are
-                not multiples of 16.
+            ValueError: for an FP8Linear (already one: use it as it is), for a layer that
+                :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is (a reparametrized weight,
+                a subclass of ``nn.Linear``, a weight or bias that is not a parameter, parameters, buffers or
+                submodules besides weight and bias, state_dict hooks, an instance ``forward`` or a compiled call
+                (``layer.compile()``): the FP8 layer would drop them), or feature sizes that are not multiples of 16.
         """
         from lightning_fp8 import convert  # here: convert.py imports this module
 
@@ -466,7 +490,7 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16")
         new.weight = linear.weight
         new.bias = linear.bias
-        new.recipe = resolve_recipe(recipe)
+        new._recipe = resolve_recipe(recipe)
         new._init_scaling(linear.weight.device)
         new.train(linear.training)  # after the scaling states exist: they take the layer's mode too
         convert.share_hooks(linear, new)
@@ -535,6 +559,8 @@ class FP8Linear(nn.Linear):
         return new
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "recipe" in state:  # pickled before ``recipe`` became a read-only property over ``_recipe``
+            state["_recipe"] = state.pop("recipe")
         super().__setstate__(state)
         if isinstance(getattr(self._parameters.get("weight"), master.MARKER, None), (_LayerMark, set)):
             _mark_weight(self)  # unpickled (torch.load of a pickled model): the mark came back as an empty set
@@ -554,14 +580,15 @@ class FP8Linear(nn.Linear):
         self._check_input(x, weight)
         out_dtype = output_dtype(x)
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
-        x_2d = x if flat else x.reshape(-1, self.in_features)
+        x_2d = x if flat else tokens_2d(x)
         scaling = self.fp8_scaling
         master_scale = getattr(weight, master.SCALE_ATTR, None)
         key = weight_cache.compiled_key(weight, scaling["weight"])
         call = forward_call(scaling["input"])
         y = _FP8Matmul.apply(
-            x_2d, weight, self.bias, scaling, out_dtype, current_flags(scaling), master_scale, key, call
-        )
+            x_2d, weight, self.bias, scaling, out_dtype, current_flags(scaling), master_scale, key, call,
+            torch.is_grad_enabled(),
+        )  # fmt: skip
         note_casts(scaling, x_2d, y)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 

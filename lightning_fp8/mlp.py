@@ -15,10 +15,11 @@ need, as two FP8Linears would.
 The two layers are ordinary :class:`~lightning_fp8.FP8Linear` modules (``fc``, ``proj``): their parameters, scaling
 states, state_dict keys, FP8AdamW's O2 masters and weight copies, statistics and callbacks are those of the unfused
 layers. Where the fused path cannot run the module calls them one after another (``proj(gelu(fc(x)))``): DTensor
-weights (tensor parallelism), or forward hooks on ``fc`` or ``proj`` (FSDP2's ``fully_shard`` of one of them, say),
-which the fused path would skip. The fused path always keeps the input's transposed FP8 copy for the backward and
-always takes the bias gradients from the gradient casts (linear.py's SAVE_INPUT_TRANSPOSE_COMPILED and FUSED_BIAS_GRAD,
-benchmark switches of FP8Linear, do not apply to it).
+weights (tensor parallelism), forward hooks on ``fc`` or ``proj`` (FSDP2's ``fully_shard`` of one of them, say),
+which the fused path would skip, or a layer replaced by a plain ``nn.Linear`` (kept in high precision). The fused path
+always keeps the input's transposed FP8 copy for the backward and always takes the bias gradients from the gradient
+casts (linear.py's SAVE_INPUT_TRANSPOSE_COMPILED and FUSED_BIAS_GRAD, benchmark switches of FP8Linear, do not apply to
+it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from lightning_fp8.linear import (
     grad_output_current,
     note_casts,
     output_dtype,
+    tokens_2d,
 )
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
@@ -79,22 +81,25 @@ class _FP8GeluMLP(torch.autograd.Function):
         cache_key_proj: int | None = None,
         call: tuple[ForwardCall | None, bool] = (None, False),
         fp8_hidden: bool = False,
+        grad_enabled: bool = True,
     ):
         # `current_*`: that layer's (input, grad_output) casts use their tensor's own amax (linear.current_flags).
         # `call`: recompute.forward_call (an activation-checkpoint recompute repeats the forward's casts).
         # `fp8_hidden`: keep h in FP8 for the backward, which recomputes gelu(h)'s transposed copy from it.
+        # `grad_enabled`: as _FP8Matmul's: without it no backward runs, and nothing is cast for one.
         record, replaying = call
-        need_h = x.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad)
+        need_x, need_w1, need_w2 = (t.requires_grad and grad_enabled for t in (x, w1, w2))
+        need_h = need_x or need_w1 or (b1 is not None and b1.requires_grad and grad_enabled)
         states = (fc["input"], proj["input"], fc["weight"], proj["weight"])
         saved = replay_scales(record, states) if replaying else None
-        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, w1.requires_grad, cast_current(current_fc[0], call))
+        x_fp8, x_fp8_t, x_scale_inv = fc["input"].quantize(x, need_w1, cast_current(current_fc[0], call))
         h, w1_saved, w1_meta = forward_gemm(
-            x_fp8, x_scale_inv, w1, b1, fc, x.requires_grad, master_scale_fc, out_dtype, cache_key_fc
+            x_fp8, x_scale_inv, w1, b1, fc, need_x, master_scale_fc, out_dtype, cache_key_fc
         )
         # gelu(h), cast as it is computed: the GELU's high-precision output is never written.
         keep = fp8_hidden and need_h  # without fc's gradients only gelu(h)'s copy is kept: one byte already
         a_fp8, a_fp8_t, a_scale_inv, *kept = proj["input"].quantize(
-            h, w2.requires_grad and not keep, cast_current(current_proj[0], call), activation="gelu", keep_input=keep
+            h, need_w2 and not keep, cast_current(current_proj[0], call), activation="gelu", keep_input=keep
         )
         y, w2_saved, w2_meta = forward_gemm(
             a_fp8, a_scale_inv, w2, b2, proj, need_h, master_scale_proj, out_dtype, cache_key_proj
@@ -151,7 +156,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             )  # fmt: skip
             db1 = ops.narrowed(db1, ctx.bias_dtypes[0]) if need_b1 else None
         db2 = ops.narrowed(db2, ctx.bias_dtypes[1]) if need_b2 else None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -169,9 +174,10 @@ class FP8MLP(nn.Module):
     exact one (``nn.GELU()``, ``approximate="none"``), computed in fp32 by the casts: its output is never rounded to the
     activation dtype before its FP8 cast. Build one from an existing MLP's layers with :meth:`from_modules`.
 
-    Where the fused path cannot run (DTensor weights, forward or backward hooks on ``fc`` or ``proj``), the module
-    computes ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double
-    backward and activation checkpointing behave as in :class:`~lightning_fp8.FP8Linear` (see there).
+    Where the fused path cannot run (DTensor weights, forward or backward hooks on ``fc`` or ``proj``, a layer that is
+    not an FP8Linear: ``mlp.fc = nn.Linear(...)`` keeps it in high precision), the module computes
+    ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double backward and
+    activation checkpointing behave as in :class:`~lightning_fp8.FP8Linear` (see there).
 
     ``fp8_hidden=True`` keeps less for the backward: the GELU's input ``h`` (tokens x hidden) in FP8 (the GELU output's
     format, its scale divided by ``2**4`` and at most ``2**5``: negative inputs down to -16 times that scale's amax, and
@@ -268,6 +274,10 @@ class FP8MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc, proj = self.fc, self.proj
+        # A layer put back to nn.Linear (kept in high precision): the fused path needs two FP8Linear layers.
+        # Each FP8Linear checks itself (reparametrization, functorch) in its own forward.
+        if not (isinstance(fc, FP8Linear) and isinstance(proj, FP8Linear)):
+            return proj(F.gelu(fc(x)))
         check_not_reparametrized(fc)
         check_not_reparametrized(proj)
         check_no_functorch("FP8MLP")
@@ -281,7 +291,7 @@ class FP8MLP(nn.Module):
         if w2.device != w1.device:
             raise ValueError(f"FP8MLP: fc's weight is on {w1.device} but proj's on {w2.device}; move the module")
         out_dtype = output_dtype(x)
-        x_2d = x if x.dim() == 2 else x.reshape(-1, fc.in_features)
+        x_2d = x if x.dim() == 2 else tokens_2d(x)
         fc_states, proj_states = fc.fp8_scaling, proj.fp8_scaling
         current = (current_flags(fc_states), current_flags(proj_states))
         scales = (getattr(w1, master.SCALE_ATTR, None), getattr(w2, master.SCALE_ATTR, None))
@@ -290,7 +300,7 @@ class FP8MLP(nn.Module):
         call = forward_call(fc_states["input"])
         y = _FP8GeluMLP.apply(
             x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *current, *scales, *keys, call,
-            self.fp8_hidden,
+            self.fp8_hidden, torch.is_grad_enabled(),
         )  # fmt: skip
         # proj's input (the GELU's output) is empty when x is. fc's output gradient is cast only where its input or
         # parameters need gradients (_FP8GeluMLP's need_h): else a traced forward must not use up its first cast.

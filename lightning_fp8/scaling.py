@@ -64,7 +64,8 @@ def compute_scale(
 
     Raises:
         TypeError: if ``amax`` is neither a floating-point tensor nor a number, or ``margin`` is not an int.
-        ValueError: if ``margin`` is outside ``[0, MAX_MARGIN]``, ``fp8_dtype`` is not a supported format, or
+        ValueError: if ``amax`` is a negative number (a tensor's values are not checked: that would synchronize with
+            the device), ``margin`` is outside ``[0, MAX_MARGIN]``, ``fp8_dtype`` is not a supported format, or
             ``prev_scale`` does not broadcast to ``amax``'s shape.
     """
     margin = as_count(margin)  # a NumPy integer as FP8Recipe and ScalingState take it
@@ -75,6 +76,11 @@ def compute_scale(
     if not 0 <= margin <= MAX_MARGIN:
         raise ValueError(f"compute_scale(margin={margin}) must be in [0, {MAX_MARGIN}] (binades of headroom)")
     if isinstance(amax, numbers.Real) and not isinstance(amax, bool):  # NumPy numbers too
+        if amax < 0:  # a tensor's sign is not checked: that would wait for the device (a host sync per cast)
+            raise ValueError(
+                f"compute_scale(amax={amax!r}): amax is an absolute maximum (max |x|, >= 0), got a negative number; "
+                "pass the largest magnitude, e.g. x.abs().max()"
+            )
         amax = torch.tensor(float(amax), dtype=torch.float64)
     if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
         kind = f"a {amax.dtype} tensor" if isinstance(amax, torch.Tensor) else type(amax).__name__

@@ -460,3 +460,21 @@ def test_conversion_in_eval_mode_leaves_every_new_module_in_eval_mode():
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU()).eval()
     convert_to_fp8(model)
     assert {name: m.training for name, m in model.named_modules() if m.training} == {}
+
+
+def test_recipe_is_read_only_after_conversion():
+    """The scaling states are built from the recipe at conversion: assigning another recipe to layer.recipe changed the
+    repr and fooled convert_to_fp8's recipe check while every cast kept the old states. It is refused now."""
+    model = nn.Sequential(nn.Linear(32, 16))
+    convert_to_fp8(model)  # fp8-lm: hybrid, delayed
+    layer = model[0]
+    before = layer.recipe
+    with pytest.raises(AttributeError, match=r"scaling states were built from the recipe.*Convert a fresh nn.Linear"):
+        layer.recipe = "fp8-lm-current"
+    assert layer.recipe is before and "scaling=delayed" in repr(layer)
+    with pytest.raises(ValueError, match="already an FP8 layer"):  # the check still sees the recipe the states have
+        convert_to_fp8(model, "fp8-lm-current")
+    for copied in (copy.deepcopy(layer), FP8Linear.from_linear(nn.Linear(32, 16), "fp8-lm-current")):
+        with pytest.raises(AttributeError, match="cannot be set"):
+            copied.recipe = before
+    assert copy.deepcopy(layer).recipe == before

@@ -316,3 +316,44 @@ def test_forward_inside_a_backward_is_not_a_recompute(recipe, where):
     if recipe == "fp8-lm-current":  # its own amax: FP8-accurate, not saturated at x's scale
         ref = z.double() @ layer.weight.double().t()
         assert ((got["y"].double() - ref).abs().max() / ref.abs().max()).item() < 0.1
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_forward_without_grad_casts_no_transposed_copy_and_the_recompute_does(monkeypatch, kind, use_reentrant):
+    """The input's transposed FP8 copy (the wgrad operand) is made only where autograd records the forward: not by
+    use_reentrant=True's first forward (under no_grad), but by each recompute (grad enabled). Gradients are bit for
+    bit those without checkpointing (current scaling: the reentrant recompute casts with its own amax either way)."""
+    torch.manual_seed(0)
+    if kind == "linear":
+        model = nn.Sequential(FP8Linear(32, 64, recipe="fp8-lm-current"), nn.GELU(), FP8Linear(64, 32))
+    else:
+        model = nn.Sequential(FP8MLP(32, 64, recipe="fp8-lm-current"), nn.LayerNorm(32), FP8Linear(32, 32))
+    ref = copy.deepcopy(model)
+    made = []
+    inputs = [m for name, m in model[0].named_modules() if name.endswith("input")]
+    quantize = ScalingState.quantize
+
+    def spy(self, x, transpose=False, *args, **kwargs):
+        out = quantize(self, x, transpose, *args, **kwargs)
+        if self in inputs:  # the checkpointed layer's input roles (and the MLP's GELU output)
+            made.append(out[1].numel() > 0)
+        return out
+
+    monkeypatch.setattr(ScalingState, "quantize", spy)
+    for magnitude in MAGNITUDES[:3]:
+        x = torch.randn(24, 32) * magnitude
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        made.clear()
+        y = checkpoint(model[0], xs[0], use_reentrant=use_reentrant)
+        forward_casts = list(made)
+        model[2](model[1](y)).square().mean().backward()
+        ref(xs[1]).square().mean().backward()
+        recompute_casts = made[len(forward_casts) :]
+        assert len(forward_casts) == len(recompute_casts) == len(inputs)
+        assert all(recompute_casts) and (not any(forward_casts) if use_reentrant else all(forward_casts))
+        assert torch.equal(xs[0].grad, xs[1].grad)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+        model.zero_grad()
+        ref.zero_grad()

@@ -586,3 +586,51 @@ def test_torch_func_transforms_raise_a_clear_error(transform):
         run()
     y = torch.func.functional_call(layer, params, (x,))
     assert torch.equal(y, layer(x))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # nn.Linear's init of the empty weight
+@pytest.mark.parametrize("shape", [(2, 3, 0), (0,), (6, 0)], ids=["3d", "1d", "2d"])
+def test_zero_in_features_computes_the_bias_as_nn_linear(shape):
+    """in_features=0 passes the multiple-of-16 check, and convert_to_fp8 converts such a layer: inputs that are not
+    2-D failed in reshape(-1, 0), which cannot infer the token count. nn.Linear gives the bias (an empty sum is 0)."""
+    fp8, ref = _pair(0, 32)
+    with torch.no_grad():
+        fp8.bias.normal_()  # nn.Linear's init makes it 0 without inputs (fan_in 0)
+        ref.bias.copy_(fp8.bias)
+    dy = torch.randn(*shape[:-1], 32)
+    got, want = _run(fp8, torch.randn(shape), dy), _run(ref, torch.randn(shape), dy)
+    assert got[0].shape == want[0].shape == (*shape[:-1], 32) and torch.equal(got[0], want[0])
+    assert got[1].shape == shape and got[2].shape == (32, 0)
+    torch.testing.assert_close(got[3], want[3])  # the bias gradient: dy summed over the tokens
+
+
+@pytest.mark.parametrize("module", ["linear", "mlp", "mlp_fp8_hidden"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_forward_casts_nothing_for_a_backward(monkeypatch, module, mode):
+    """Under no_grad or inference_mode no backward runs: the forward writes no transposed FP8 copy of its inputs (the
+    wgrad operand), where it wrote one whenever the weight required a gradient. Its output and the statistics it
+    records are bit for bit those of the same forward with gradients enabled."""
+    from lightning_fp8.scaling import ScalingState
+
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 48) if module == "linear" else FP8MLP(32, 64, fp8_hidden=module == "mlp_fp8_hidden")
+    ref = copy.deepcopy(layer)
+    transposed = []
+    quantize = ScalingState.quantize
+
+    def spy(self, x, transpose=False, *args, **kwargs):
+        out = quantize(self, x, transpose, *args, **kwargs)
+        transposed.append(out[1].numel() > 0)
+        return out
+
+    monkeypatch.setattr(ScalingState, "quantize", spy)
+    for step in range(3):  # the first casts use their own amax, the later ones the delayed scales
+        x = torch.randn(8, 32) * 4.0**step
+        with mode():
+            y = layer(x)
+        assert transposed and not any(transposed), step
+        transposed.clear()
+        assert torch.equal(y, ref(x)) and any(transposed)  # with gradients enabled: the copy is made
+        transposed.clear()
+    for (name, buf), ref_buf in zip(layer.named_buffers(), ref.buffers(), strict=True):
+        assert torch.equal(buf, ref_buf), name

@@ -128,3 +128,11 @@ def test_parametrized_after_conversion_at_o2_raises_instead_of_computing_garbage
     parametrize.register_parametrization(model[0], "weight", _Half())
     with pytest.raises(RuntimeError, match=REPARAMETRIZED_AFTER), torch.no_grad():
         model(torch.randn(8, 32))
+
+
+def test_from_linear_of_an_fp8_linear_says_it_is_one_already():
+    """It was refused as a subclass of nn.Linear (a LoRA layer...), a reason that does not apply."""
+    layer = FP8Linear(32, 16)
+    with pytest.raises(ValueError, match=r"FP8Linear\(in_features=32, out_features=16\) is already an FP8Linear; use"):
+        FP8Linear.from_linear(layer)
+    assert convert_to_fp8(layer) is layer  # what convert_to_fp8 does with one

@@ -1,4 +1,5 @@
 import math
+import re
 
 import numpy as np
 import pytest
@@ -393,3 +394,12 @@ def test_quantize_casts_float64_as_the_reference_does():
     x_fp8, _, scale_inv = s.quantize(x)
     ref, _, _, _ = cast_to_fp8_ref(x, 1 / scale_inv, E4M3)
     assert torch.equal(x_fp8.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("amax", [-3.0, -1, np.float32(-3.0), float("-inf")])
+def test_compute_scale_refuses_a_negative_number(amax):
+    """A negative amax gave prev_scale (1.0) silently, as if it carried no information. Tensors are not checked: that
+    would wait for the device."""
+    with pytest.raises(ValueError, match=re.escape(f"compute_scale(amax={amax!r}): amax is an absolute maximum")):
+        compute_scale(amax, E4M3)
+    assert compute_scale(-0.0, E4M3, prev_scale=torch.tensor(8.0)).item() == 8.0  # -0.0 is 0: no information
