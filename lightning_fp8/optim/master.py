@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from lightning_fp8 import ops
+from lightning_fp8.formats import FP8_DTYPES
 from lightning_fp8.scaling import compute_scale
 
 MARKER = "_lightning_fp8_weight"  # set by FP8Linear on its weight
@@ -278,8 +279,10 @@ def load_state_dict_pre_hook(
             "optimizer after loading. This layer was not changed"
         )
     incoming = state_dict[key]
-    if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape:
-        return  # the default loader reports the mismatch
+    if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape or incoming.is_meta:
+        return  # the default loader reports the mismatch (a meta tensor: it warns that the copy is a no-op)
+    if incoming.dtype in FP8_DTYPES:  # torch copies FP8 values into a wider parameter; isfinite has no FP8 kernel
+        incoming = incoming.float()
     if weight.dtype == torch.float16 and incoming.is_floating_point() and not bool(torch.isfinite(incoming).all()):
         raise ValueError(
             f"load_state_dict: the weight {key!r} of shape {tuple(weight.shape)} holds inf or NaN. FP8AdamW (O2) keeps "

@@ -137,3 +137,26 @@ def test_a_non_finite_weight_loaded_into_an_fp16_master_is_refused(bad):
     FP8AdamW(o1.parameters(), lr=1e-2, opt_level="O1")
     o1.load_state_dict(state)
     torch.testing.assert_close(o1.state_dict()["0.weight"], state["0.weight"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_and_meta_weights_load_into_an_fp16_master_as_torch_loads_them_into_nn_linear():
+    """Found by a sweep: at O2 an FP8 tensor in the state dict failed in the load hook with "isfinite not implemented
+    for Float8_e4m3fn", and a meta tensor with "Tensor.item() cannot be called on meta tensors"; torch copies FP8
+    values into an nn.Linear's weight, and refuses a meta tensor with its own error."""
+    state = _plain().state_dict()
+    state["0.weight"] = state["0.weight"].to(torch.float8_e4m3fn)
+    reference = _plain()
+    reference.load_state_dict(state)  # torch: the FP8 values, widened
+    model = convert_to_fp8(_plain())
+    FP8AdamW(model.parameters(), lr=1e-2)
+    model.load_state_dict(state)
+    assert model[0].weight.dtype == torch.float16  # still the scaled master
+    torch.testing.assert_close(model.state_dict()["0.weight"], reference[0].weight.detach(), rtol=0, atol=0)
+
+    before = model.state_dict()["0.weight"].clone()
+    meta = dict(state, **{"0.weight": torch.empty(state["0.weight"].shape, device="meta")})
+    with pytest.raises(RuntimeError, match="Cannot copy out of meta tensor"):  # torch's own error, as for nn.Linear
+        reference.load_state_dict(meta)
+    with pytest.raises(RuntimeError, match="Cannot copy out of meta tensor"):
+        model.load_state_dict(meta)
+    assert torch.equal(model.state_dict()["0.weight"], before)
