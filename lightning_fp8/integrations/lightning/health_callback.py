@@ -80,8 +80,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     the parameter norm, the training throughput and the memory in use; every ``log_every_n_steps`` such batches
     (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached:
 
-    - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN left
-      out), ``health/grad_norm``, ``health/param_norm``;
+    - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN and
+      inf left out), ``health/grad_norm``, ``health/param_norm``;
     - ``health/samples_per_sec`` and, when batches carry token ids (or ``tokens_fn`` is given),
       ``health/tokens_per_sec`` (running means). Validation and checkpoint saving are not training: the clock
       stops when they start and restarts with the next training batch;
@@ -339,6 +339,7 @@ class TrainingHealthMonitor(_LoggingCallback):
 
 
 def _running_mean(points: list[tuple[int, float]], window: int) -> float:
-    """Mean of the values of the last ``window`` points, NaN ones left out (NaN if all are)."""
-    values = [value for _, value in points[-window:] if not math.isnan(value)]
+    """Mean of the values of the last ``window`` points, non-finite ones left out (NaN if all are): one inf loss (a
+    step the scaler skips) must not hide the curve for a whole window."""
+    values = [value for _, value in points[-window:] if math.isfinite(value)]
     return sum(values) / len(values) if values else math.nan

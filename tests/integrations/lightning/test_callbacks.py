@@ -544,6 +544,11 @@ def test_running_means_leave_out_nan_and_the_window_is_checked():
         health.monitor.observe(step, loss=loss)
     health._last_step = 4
     assert health._metrics()["health/loss_smooth"] == 1.0  # the last 2 steps, NaN left out
+    # An inf loss (a step the scaler skips) is left out too: it hid the smoothed curve for a whole window (a sweep).
+    for step, loss in enumerate([math.inf, -math.inf, 3.0], start=5):
+        health.monitor.observe(step, loss=loss)
+    health._last_step = 7
+    assert health._metrics()["health/loss_smooth"] == 3.0
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="smoothing_window"):
             TrainingHealthMonitor(smoothing_window=bad)
