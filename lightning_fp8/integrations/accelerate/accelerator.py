@@ -519,20 +519,21 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         step = self._fp8_steps
         self._fp8_steps += 1
         loss = torch.stack(self._fp8_loss).float().mean() if self._fp8_loss else None
+        events = []
         if not stepped:  # the event says what the scaler did: skipped, mu lowered, and a fallback it ran then
             fallbacks = []
             if self.fp8_grad_scaler is not None:
                 fallbacks, self._fp8_fallback_seen = scaler_fallbacks(
                     self.fp8_grad_scaler.history, self._fp8_fallback_seen
                 )
-            self.fp8_health.record_nonfinite(step, "grad", skipped_step_action(fallbacks))
+            events.append(self.fp8_health.record_nonfinite(step, "grad", skipped_step_action(fallbacks)))
         grad_norm = self._fp8_grad_norm
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
-        events = self.fp8_health.observe(step, loss=loss, grad_norm=grad_norm if stepped else None)
+        events += self.fp8_health.observe(step, loss=loss, grad_norm=grad_norm if stepped else None)
         for event in events:
             if self.is_main_process:
-                logger.warning(f"lightning_fp8 health: {event.message}")
+                logger.warning(f"lightning_fp8 health: {event.message} (action: {event.action})")
         self._fp8_loss, self._fp8_grad_norm = [], None
 
 

@@ -12,7 +12,7 @@ from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optim
 ``fp8/optimizer/<key>/min|max``        scales of the FP8AdamW states (``exp_avg_scale``...) over all parameters
 ``fp8/grad_scaler/<stat>``             ``scale`` (mu), ``skipped_steps``, ``last_saturation``,
                                        ``nonfinite_events``
-``health/<series>``                    last ``loss``, ``grad_norm`` (unscaled) seen by the accelerator
+``health/<series>``                    ``loss``, ``grad_norm`` (unscaled) of the last optimizer step (absent where it had none)
 ``health/events/<kind>``               counts of ``grad_norm_spike``, ``loss_plateau``, ``nonfinite_loss``,
                                        ``nonfinite_grad``
 =====================================  ==========================================================================
@@ -45,8 +45,11 @@ def fp8_log_values(
     grad_scaler: Any | None = None,
     health: Any | None = None,
     layers: bool = False,
+    health_step: int | None = None,
 ) -> dict[str, float | int]:
-    """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``)."""
+    """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); ``health/{loss,
+    grad_norm}`` only where ``health`` has a value at ``health_step`` (the last optimizer step: a step that was not
+    clipped or was skipped has no gradient norm, and the one of an earlier step is not logged as its own)."""
     values: dict[str, float | int] = {}
     for i, model in enumerate(models):
         prefix = "fp8" if len(models) == 1 else f"fp8/model{i}"
@@ -64,7 +67,8 @@ def fp8_log_values(
                 values[f"{prefix}/grad_scaler/{key}"] = _number(value)
     if health is not None:
         summary = health.summary()
-        values.update({f"health/{k}": v for k, v in summary["last"].items()})
+        values.update({f"health/{name}": points[-1][1] for name, points in health.series.items()
+                       if points and points[-1][0] == health_step})  # fmt: skip
         values.update({f"health/events/{k}": v for k, v in summary["events"].items()})
     return values
 
@@ -78,7 +82,10 @@ class LoggingMixin:
         if self.fp8_lm_config is None or not self._fp8_models:
             return {}
         inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
-        return fp8_log_values(self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers)
+        return fp8_log_values(
+            self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers,
+            health_step=self._fp8_steps - 1,
+        )  # fmt: skip
 
     def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:
         """Log the FP8 and health statistics to the trackers (main process) and return them.

@@ -2,6 +2,7 @@
 checkpoints do with FP8-LM on, checked against plain torch computations."""
 
 import copy
+import logging
 import math
 
 import pytest
@@ -126,9 +127,17 @@ def test_clip_grad_norm_acts_on_unscaled_gradients():
     assert "health/grad_norm" not in accelerator.fp8_log_values()
     optimizer.step()  # the health monitor sees the unscaled norm once the step is taken
     assert math.isclose(accelerator.fp8_log_values()["health/grad_norm"], float(expected), rel_tol=1e-6)
+    # A later step without clipping has no norm: the earlier step's is not logged as its own (found by a sweep)
+    optimizer.zero_grad()
+    loss = _loss(model, _batch())
+    accelerator.backward(loss)
+    optimizer.step()
+    values = accelerator.fp8_log_values()
+    assert "health/grad_norm" not in values and math.isclose(values["health/loss"], float(loss), rel_tol=1e-6)
 
 
-def test_nonfinite_gradient_skips_step_halves_mu_and_holds_the_scheduler():
+def test_nonfinite_gradient_skips_step_halves_mu_and_holds_the_scheduler(caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_fp8.accelerate")
     accelerator, model, optimizer, scheduler = _setup()
     accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 2.0**10})
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
@@ -142,6 +151,8 @@ def test_nonfinite_gradient_skips_step_halves_mu_and_holds_the_scheduler():
     assert scheduler.scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1e-2
     stats = accelerator.fp8_log_values()
     assert stats["fp8/grad_scaler/skipped_steps"] == 1 and stats["health/events/nonfinite_grad"] == 1
+    # The skipped step is warned with what was done (found by a sweep: only observe()'s events were warned)
+    assert any("non-finite grad" in r.getMessage() and "skip_step" in r.getMessage() for r in caplog.records)
     optimizer.zero_grad()
     accelerator.backward(_loss(model, _batch()))
     optimizer.step()
