@@ -114,6 +114,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_swaps: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []  # (script's AdamW, FP8AdamW)
         self._fp8_wrapped: set[int] = set()
         self._fp8_steps = 0
+        self._fp8_saving: str | None = None  # the folder save_state is writing (CheckpointMixin)
         self._fp8_fallback_seen = -1  # the scaler step of the last fallback reported to fp8_health
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []

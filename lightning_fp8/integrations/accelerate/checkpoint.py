@@ -1,8 +1,8 @@
 """FP8 training state in ``accelerator.save_state`` / ``load_state``: scaling states, mu, health history.
 
 Accelerate saves the model weights, the optimizer (FP8AdamW's low-precision states and their scales are
-ordinary optimizer state), schedulers, RNG and data samplers. What it does not know about is saved here, by
-save/load hooks, one file per rank in ``<checkpoint>/lightning_fp8/rank<R>.pt``:
+ordinary optimizer state), schedulers, RNG and data samplers. What it does not know about is saved here, once
+Accelerate's files are written, one file per rank in ``<checkpoint>/lightning_fp8/rank<R>.pt``:
 
 - the FP8 scaling state of every prepared model (scales, amax histories, counters: non-persistent buffers, so
   they are not in the model's ``state_dict``); per rank, because delayed-scaling histories of activations and
@@ -15,6 +15,10 @@ save/load hooks, one file per rank in ``<checkpoint>/lightning_fp8/rank<R>.pt``:
 Loading is in three calls, so that a bad file changes nothing: :func:`load` reads and checks the file's layout,
 :func:`check` checks every part against the prepared models before any layer is put back, and after the weights and
 optimizer states are in, :func:`restore` loads the parts.
+
+A save marks the folder incomplete (:func:`begin_save`) before Accelerate writes its first file, and removes the mark
+(:func:`end_save`) once every rank's FP8 state is written: a save that fails part-way leaves a folder :func:`load`
+refuses, instead of one mixing new and old files.
 
 Every file holds plain tensors, numbers, lists and dicts: it loads with ``torch.load(weights_only=True)``.
 """
@@ -37,6 +41,8 @@ from lightning_fp8.warnings import warn_once
 
 FORMAT_VERSION = 1
 SUBDIR = "lightning_fp8"
+# Present in a checkpoint folder from the start of a save_state until every rank wrote its FP8 state (begin_save).
+SAVE_IN_PROGRESS = "save_in_progress"
 
 
 def rank_file(directory: str | os.PathLike, rank: int) -> Path:
@@ -74,13 +80,42 @@ def save(directory: str | os.PathLike, rank: int, state: dict[str, Any]) -> Path
     return path
 
 
-def remove_stale(directory: str | os.PathLike, world_size: int) -> None:
-    """Delete the files of ranks ``world_size`` and up: left by an earlier save into the same folder with more
-    processes, they would otherwise outlive this checkpoint. Call it on one process, once every rank has saved."""
-    for path in (Path(directory) / SUBDIR).glob("rank*.pt"):
-        rank = path.stem.removeprefix("rank")
-        if rank.isdigit() and int(rank) >= world_size:
+def begin_save(directory: str | os.PathLike, rank: int) -> None:
+    """Mark ``directory`` as being saved into, before Accelerate writes any of its files there, and delete the rank's
+    FP8 state file a former save left (rank 0 deletes every rank's): the folder no longer holds a whole checkpoint, and
+    :func:`load` refuses it until :func:`end_save` (once every rank's new file is written) removes the mark.
+
+    Every rank calls it (the ranks write Accelerate's files unsynchronized): the mark is written whole or not at all.
+    """
+    marker = Path(directory) / SUBDIR / SAVE_IN_PROGRESS
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    if not marker.is_file():
+        partial = marker.with_name(f"{marker.name}.{rank}.partial")
+        partial.write_text(
+            "lightning_fp8: accelerator.save_state is writing this checkpoint, or stopped before it was complete "
+            "(load_state refuses the folder). Load an earlier checkpoint, or save into this folder again.\n"
+        )
+        os.replace(partial, marker)
+    rank_file(directory, rank).unlink(missing_ok=True)
+    if rank == 0:
+        for path in marker.parent.glob("rank*.pt"):
             path.unlink(missing_ok=True)
+
+
+def end_save(directory: str | os.PathLike) -> None:
+    """Remove :func:`begin_save`'s mark: call it on one process, once every rank has written its file."""
+    (Path(directory) / SUBDIR / SAVE_IN_PROGRESS).unlink(missing_ok=True)
+
+
+def check_complete(directory: str | os.PathLike) -> None:
+    """Raise ValueError when ``directory`` holds :func:`begin_save`'s mark: a save into it did not complete."""
+    marker = Path(directory) / SUBDIR / SAVE_IN_PROGRESS
+    if marker.exists():
+        raise ValueError(
+            f"accelerator.load_state: {marker} exists: a save_state into {str(directory)!r} started and did not "
+            "complete, so the folder mixes files of two checkpoints or misses some. Nothing was loaded; load an "
+            "earlier checkpoint"
+        )
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -103,8 +138,15 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
     A checkpoint written with another number of processes has no file for some ranks: those ranks take rank 0's
     (weights and mu are the same on every rank; only activation statistics differ, and they re-adapt in
     ``amax_history_len`` steps).
+
+    Raises:
+        ValueError: for a folder a save did not complete (:func:`check_complete`), or whose FP8 state misses the
+            file of a rank that saved it; for a corrupt file or one of another format.
     """
+    check_complete(directory)
     path = state_file(directory, rank)
+    if path is None and any((Path(directory) / SUBDIR).glob("rank*.pt")):
+        _incomplete(directory, rank_file(directory, 0))
     if path is None:
         warn_once(
             f"accelerator.load_state({str(directory)!r}): the checkpoint has no FP8 state ({SUBDIR}/ is missing; "
@@ -118,6 +160,8 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
             f"{FORMAT_VERSION}: load it with the lightning_fp8 version that wrote it"
         )
     _check_entries(state, str(path))
+    if path != rank_file(directory, rank) and rank < state["world_size"]:  # a rank that saved, without its file
+        _incomplete(directory, rank_file(directory, rank))
     if state["world_size"] != world_size:
         warn_once(
             f"accelerator.load_state: the FP8 state was saved by {state['world_size']} process(es) and is loaded "
@@ -126,12 +170,20 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
     return state
 
 
+def _incomplete(directory: str | os.PathLike, missing: Path) -> None:
+    raise ValueError(
+        f"accelerator.load_state: {missing} is missing while other ranks' FP8 state files of {str(directory)!r} are "
+        "there: the checkpoint is incomplete (a save that did not complete, or a deleted file). Nothing was loaded; "
+        "load an earlier checkpoint"
+    )
+
+
 def state_file(directory: str | os.PathLike, rank: int) -> Path | None:
     """This rank's file, else rank 0's (a checkpoint written by fewer processes), else ``None``.
 
     A rank at or past the number of processes that rank 0's file records takes rank 0's file even when it has its
     own: that one is stale, left by an earlier save into the same folder with more processes (before
-    :func:`remove_stale` deleted such files), and would give this rank another mu and step count than rank 0's.
+    :func:`begin_save` deleted such files), and would give this rank another mu and step count than rank 0's.
     """
     own, first = rank_file(directory, rank), rank_file(directory, 0)
     if rank != 0 and own.is_file() and first.is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +35,67 @@ class CheckpointMixin:
 
     @override
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        if self.fp8_lm_config is not None and self._fp8_tp_enabled:
+        """Accelerate's ``save_state``, and lightning_fp8's state (``lightning_fp8/rank<R>.pt``), written last.
+
+        A save that fails part-way (a full disk while Accelerate writes the optimizer file) must not leave a folder
+        that loads as a mix of this save's files and an earlier save's: the folder is marked incomplete before
+        Accelerate writes its first file (:func:`.checkpoint.begin_save`, on every rank: here for a folder the script
+        names, and in the save pre-hook for the one automatic checkpoint naming picks, which Accelerate creates itself),
+        the FP8 state files are written once every rank wrote Accelerate's files, and the mark goes once every rank
+        wrote its FP8 state. ``load_state`` refuses a marked folder.
+
+        Raises:
+            RuntimeError: when another process failed to write its part (its own error says why). The folder stays
+                marked incomplete.
+        """
+        if self.fp8_lm_config is None:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if self._fp8_tp_enabled:
             # Under tensor parallelism the model file holds the full weights; safetensors' loader inspects the
             # storage of every parameter of the model, which a DTensor has none of: torch.save them instead.
             safe_serialization = False
-        return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if output_dir is not None and not self.project_configuration.automatic_checkpoint_naming:
+            # Before Accelerate saves FSDP2's model and optimizer folders, which it does before its pre-hooks run.
+            checkpoint.begin_save(output_dir, self.process_index)
+        self._fp8_saving = None
+        location = self._fp8_on_every_process(
+            "writing Accelerate's files", lambda: super(CheckpointMixin, self).save_state(
+                output_dir, safe_serialization=safe_serialization, **kwargs
+            )
+        )  # fmt: skip
+        directory, self._fp8_saving = self._fp8_saving, None
+        state = checkpoint.build_state(
+            self.fp8_lm_config.recipe,
+            self._fp8_models,
+            self.num_processes,
+            self.fp8_grad_scaler,
+            self.fp8_health,
+            self._fp8_steps,
+        )
+        self._fp8_on_every_process(
+            "writing its FP8 state", lambda: checkpoint.save(directory, self.process_index, state)
+        )
+        if self._fp8_tp_enabled:  # a collective: complete on rank 0 once every rank's shards are written
+            tensor_parallel.save_sharded(checkpoint.rank_file(directory, 0).parent, *self._fp8_sharded_checkpoint())
+        if self.is_main_process:
+            checkpoint.end_save(directory)
+        self.wait_for_everyone()  # no process goes on (to load it, say) before the checkpoint is complete
+        return location
+
+    def _fp8_on_every_process(self, action: str, write: Callable[[], Any]) -> Any:
+        """``write()``, raising on every process when it raised on any (a barrier: a process does not wait forever
+        for one that failed)."""
+        try:
+            result = write()
+        except Exception:
+            self._fp8_any_process_failed(True)
+            raise
+        if self._fp8_any_process_failed(False):
+            raise RuntimeError(
+                f"accelerator.save_state: another process failed while {action} (its error says why). The checkpoint "
+                "is incomplete and load_state refuses it: fix the cause and save again, or load an earlier checkpoint"
+            )
+        return result
 
     def _fp8_sharded_checkpoint(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if len(self._fp8_models) != 1:
@@ -49,22 +106,10 @@ class CheckpointMixin:
         return self._fp8_models[0], self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
 
     def _fp8_save_hook(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
-        state = checkpoint.build_state(
-            self.fp8_lm_config.recipe,
-            self._fp8_models,
-            self.num_processes,
-            self.fp8_grad_scaler,
-            self.fp8_health,
-            self._fp8_steps,
-        )
-        checkpoint.save(output_dir, self.process_index, state)
-        # A folder saved before by more processes still holds their ranks' files: once every rank has written its
-        # own, delete those, so that a later load cannot mix this checkpoint with an older one.
-        self.wait_for_everyone()
-        if self.is_main_process:
-            checkpoint.remove_stale(output_dir, self.num_processes)
-        if self._fp8_tp_enabled:
-            tensor_parallel.save_sharded(checkpoint.rank_file(output_dir, 0).parent, *self._fp8_sharded_checkpoint())
+        """Accelerate's save pre-hook: the folder it saves into (automatic naming picks it), marked incomplete before
+        Accelerate writes its files there; :meth:`save_state` writes the FP8 state after them."""
+        checkpoint.begin_save(output_dir, self.process_index)
+        self._fp8_saving = output_dir
 
     @override
     def load_state(
@@ -73,11 +118,12 @@ class CheckpointMixin:
         """Accelerate's ``load_state``, and lightning_fp8's state: the FP8 scaling states, mu and its counters, the
         health history, the layers the ``"bf16"`` fallback had put back to ``nn.Linear``. All or nothing.
 
-        Before anything changes, every process reads and checks the checkpoint: lightning_fp8's file
-        (``lightning_fp8/rank<R>.pt``) against the prepared models, mu and health monitor, and Accelerate's model,
-        optimizer (FP8AdamW's states), scheduler and custom object files (:mod:`.load_checks`); the processes then
-        agree that each found its part good. Only then are the fallen-back layers put back to ``nn.Linear``, does
-        Accelerate load its files, and is lightning_fp8's state restored.
+        Before anything changes, every process reads and checks the checkpoint: that its save completed (see
+        :meth:`save_state`), lightning_fp8's file (``lightning_fp8/rank<R>.pt``) against the prepared models, mu and
+        health monitor, and Accelerate's model, optimizer (FP8AdamW's states), scheduler, custom object and random
+        states files (:mod:`.load_checks`); the processes then agree that each found its part good. Only then are the
+        fallen-back layers put back to ``nn.Linear``, does Accelerate load its files, and is lightning_fp8's state
+        restored.
 
         What the checks cannot see, and which fails part-way (the run is then part-loaded: load a good checkpoint or
         start again): a weight a layer's own ``load_state_dict`` refuses, a value a scheduler's or custom object's
@@ -85,8 +131,9 @@ class CheckpointMixin:
         tensor-parallel sharded checkpoint (torch.distributed.checkpoint reads them straight in).
 
         Raises:
-            FileNotFoundError, ValueError, KeyError: for a missing, unreadable or corrupt file, or one written for
-                other models or optimizers; the message names the file and says what to do. Nothing was loaded.
+            FileNotFoundError, ValueError, KeyError: for a folder whose save did not complete, a missing, unreadable
+                or corrupt file, or one written for other models or optimizers; the message names the file and says
+                what to do. Nothing was loaded.
             RuntimeError: when another process found its part bad (its own error says why), or for another number
                 of custom checkpoints than registered objects. Nothing was loaded.
         """
@@ -156,6 +203,8 @@ class CheckpointMixin:
             strict=strict,
             load_kwargs=load_kwargs,
         )
+        saved_processes = state["world_size"] if state is not None else None
+        load_checks.check_random_states(directory, self.process_index, saved_processes)
         return state
 
     def _fp8_any_process_failed(self, failed: bool) -> bool:

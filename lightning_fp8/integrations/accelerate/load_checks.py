@@ -10,7 +10,10 @@ fits before it reports those that do not. The FP8 Accelerator reads and checks t
   (:meth:`~lightning_fp8.integrations.accelerate.optimizer.FP8AcceleratedOptimizer.check_state_dict`: its parameter
   groups, FP8AdamW's states);
 - every scheduler file and custom object file can be read, and there are as many custom object files as registered
-  objects.
+  objects;
+- this process's random states file (``random_states_<R>.pkl``) can be read and holds the Python, NumPy and torch
+  states (:func:`check_random_states`): Accelerate only logs a file it cannot load, and the run goes on with its own
+  random states.
 
 Not checked: FSDP's model and optimizer folders (torch.distributed.checkpoint), the data samplers' files, and the
 values a scheduler's or custom object's own ``load_state_dict`` refuses.
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import load as accelerate_load
-from accelerate.utils.constants import MODEL_NAME, OPTIMIZER_NAME, SAFE_MODEL_NAME, SCHEDULER_NAME
+from accelerate.utils.constants import MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_MODEL_NAME, SCHEDULER_NAME
 from safetensors import safe_open
 from torch import nn
 
@@ -84,6 +87,39 @@ def check_files(
         path = directory / (f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin")
         _read(path, accelerate_load, **load_kwargs)
     _check_custom_files(directory, custom_objects)
+
+
+# What Accelerate 1.16's save_accelerator_state always writes, and load_accelerator_state sets the random states from.
+_RANDOM_STATES = ("random_state", "numpy_random_seed", "torch_manual_seed")
+
+
+def check_random_states(directory: str | os.PathLike, process_index: int, saved_processes: int | None) -> None:
+    """Raise, naming the file, when this process's random states file is missing or cannot be loaded.
+
+    Every process that saves writes its own (``random_states_<R>.pkl``); a process that did not save (a run resumed on
+    more processes) has none, and keeps its own random states, as in Accelerate.
+
+    Args:
+        directory: the checkpoint folder.
+        process_index: this process's index.
+        saved_processes: how many processes saved the checkpoint (its FP8 state says); ``None``: unknown, then
+            taken as one more than the highest process index among the folder's random states files.
+
+    Raises:
+        FileNotFoundError: for a missing file of a process that saved.
+        ValueError: for a file that cannot be read, or misses a random state.
+    """
+    directory = Path(directory)
+    if saved_processes is None:
+        found = [re.fullmatch(rf"{RNG_STATE_NAME}_(\d+)\.pkl", name) for name in os.listdir(directory)]
+        saved_processes = 1 + max((int(match[1]) for match in found if match is not None), default=0)
+    if process_index >= saved_processes:
+        return
+    path = directory / f"{RNG_STATE_NAME}_{process_index}.pkl"
+    states = _read(path, accelerate_load)  # as Accelerate reads it
+    missing = [key for key in _RANDOM_STATES if key not in states] if isinstance(states, dict) else list(_RANDOM_STATES)
+    if missing:
+        raise ValueError(f"accelerator.load_state: {path} does not hold the random states {missing}: {_CORRUPT}")
 
 
 def _read(path: Path, read: Callable[..., Any], **kwargs: Any) -> Any:

@@ -12,7 +12,8 @@ from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optim
 ``fp8/optimizer/<key>/min|max``        scales of the FP8AdamW states (``exp_avg_scale``...) over all parameters
 ``fp8/grad_scaler/<stat>``             ``scale`` (mu), ``skipped_steps``, ``last_saturation``,
                                        ``nonfinite_events``
-``health/<series>``                    ``loss``, ``grad_norm`` (unscaled) of the last optimizer step (absent where it had none)
+``health/<series>``                    ``loss``, ``grad_norm`` (unscaled) of the last optimizer step (a key is
+                                       absent where that step had none)
 ``health/events/<kind>``               counts of ``grad_norm_spike``, ``loss_plateau``, ``nonfinite_loss``,
                                        ``nonfinite_grad``
 =====================================  ==========================================================================
