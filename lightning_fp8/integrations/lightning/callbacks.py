@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -237,9 +238,11 @@ class FP8ScaleMonitor(_LoggingCallback):
                 if role not in roles:
                     continue
                 scale = roles[role]["scale"]
+                if not math.isfinite(scale) or scale <= 0:  # no ratio to take, now or at the next log
+                    continue
                 previous = self._previous_scales.get((layer, role))
                 self._previous_scales[(layer, role)] = scale
-                if previous is None or step < self.alert_after_steps or not math.isfinite(scale) or scale <= 0:
+                if previous is None or step < self.alert_after_steps:
                     continue
                 ratio = scale / previous
                 if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
@@ -274,6 +277,83 @@ class FP8ScaleMonitor(_LoggingCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.alerts = [dict(a) for a in state_dict.get("alerts", [])]
-        # Absent from checkpoints written before it was saved: the first comparison after resuming is then skipped.
-        self._previous_scales = {(layer, role): float(s) for layer, role, s in state_dict.get("previous_scales", [])}
+        """Restore what :meth:`state_dict` saved. Every entry is checked before any is loaded: on an error the monitor
+        is left as it was.
+
+        Raises:
+            TypeError: when ``state_dict`` is not a dict, or an entry has the wrong type (an alert that is not a dict
+                of the fields ``.alerts`` holds, a previous scale that is not a ``[layer, role, scale]`` triple).
+            ValueError: for an entry it does not hold, or a value out of range (an unknown role or alert kind, a
+                scale that is not a finite positive number).
+        """
+        alerts, previous = _checked_scale_state(state_dict)
+        self.alerts = alerts
+        self._previous_scales = previous
+
+
+# The fields of an alert in FP8ScaleMonitor.alerts (_alert writes them) and the kinds of jump.
+_ALERT_FIELDS = ("step", "layer", "role", "kind", "from", "to")
+_ALERT_KINDS = ("drop", "rise")
+
+
+def _scale_state_error(kind: type[Exception], what: str) -> Exception:
+    return kind(
+        f"FP8ScaleMonitor.load_state_dict: {what}; load the dict that FP8ScaleMonitor.state_dict() returned (the "
+        "checkpoint may be corrupt). Nothing was loaded."
+    )
+
+
+def _checked_scale(value: Any, where: str) -> float:
+    """``value`` as a float, or raise naming ``where``: scales are finite positive numbers (powers of two)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _scale_state_error(TypeError, f"{where} is {repr(value)[:100]}, expected a number")
+    if not math.isfinite(value) or value <= 0:
+        raise _scale_state_error(ValueError, f"{where} is {value}, expected a finite positive scale")
+    return float(value)
+
+
+def _checked_role(role: Any, where: str) -> str:
+    if role not in ROLES:
+        raise _scale_state_error(ValueError, f"{where} has role {repr(role)[:100]}, expected one of {list(ROLES)}")
+    return role
+
+
+def _checked_alert(index: int, alert: Any) -> dict[str, Any]:
+    where = f"alert {index}"
+    if not isinstance(alert, dict) or set(alert) != set(_ALERT_FIELDS):
+        raise _scale_state_error(TypeError, f"{where} is {repr(alert)[:100]}, expected a dict with keys "
+                                 f"{list(_ALERT_FIELDS)}")  # fmt: skip
+    step, layer, kind = alert["step"], alert["layer"], alert["kind"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(layer, str):
+        raise _scale_state_error(TypeError, f"{where} has step {step!r} and layer {repr(layer)[:100]}, expected an "
+                                 "int >= 0 and a layer name")  # fmt: skip
+    if kind not in _ALERT_KINDS:
+        raise _scale_state_error(ValueError, f"{where} has kind {repr(kind)[:100]}, expected one of "
+                                 f"{list(_ALERT_KINDS)}")  # fmt: skip
+    return {"step": step, "layer": layer, "role": _checked_role(alert["role"], where), "kind": kind,
+            "from": _checked_scale(alert["from"], f"the 'from' scale of {where}"),
+            "to": _checked_scale(alert["to"], f"the 'to' scale of {where}")}  # fmt: skip
+
+
+def _checked_scale_state(state: Any) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float]]:
+    """The alerts and previous scales of an :meth:`FP8ScaleMonitor.state_dict`, checked and converted; raises as
+    :meth:`FP8ScaleMonitor.load_state_dict` documents."""
+    if not isinstance(state, dict):
+        raise _scale_state_error(TypeError, f"got {type(state).__name__}, expected a dict")
+    unknown = sorted(set(state) - {"alerts", "previous_scales"}, key=repr)
+    if unknown:
+        raise _scale_state_error(ValueError, f"unknown entries {unknown}, expected 'alerts' and 'previous_scales'")
+    # Both may be absent: 'previous_scales' from checkpoints written before it was saved (the first comparison after
+    # resuming is then skipped).
+    alerts, previous = state.get("alerts", []), state.get("previous_scales", [])
+    for key, value in (("alerts", alerts), ("previous_scales", previous)):
+        if not isinstance(value, (list, tuple)):
+            raise _scale_state_error(TypeError, f"'{key}' is {repr(value)[:100]}, expected a list")
+    checked = {}
+    for index, entry in enumerate(previous):
+        where = f"entry {index} of 'previous_scales'"
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
+            raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale]")
+        layer, role, scale = entry
+        checked[(layer, _checked_role(role, where))] = _checked_scale(scale, f"the scale of {where}")
+    return [_checked_alert(i, alert) for i, alert in enumerate(alerts)], checked

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_fp8 import recovery
-from lightning_fp8.convert import convert_to_fp8, fp8_modules
+from lightning_fp8.convert import FALLBACK_ATTR, convert_to_fp8, fp8_modules
 from lightning_fp8.integrations.clipping import (
     UnscaledGradients,
     clip_factor,
@@ -59,16 +59,15 @@ from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import SCALED_GRADIENTS_MARK, _unwrap_optimizer
 from lightning_fp8.integrations.lightning.flavour import build_flavour
+from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.state import check_fp8_state_dict, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.stats import clean_name
 from lightning_fp8.warnings import warn_once
 
 Backend = Literal["native", "te"]
 _BACKENDS = ("native", "te")
-# The path components that FSDP1 (auto_wrap_policy), activation checkpointing and torch.compile insert into the
-# names of the modules they wrap; the model's own state_dict drops them (torch's clean_tensor_name).
-_WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 # The names Lightning files the plugin's state under in a checkpoint: the class's __qualname__, in the ``lightning``
 # flavour and in the ``pytorch_lightning`` one (precision_class).
 _STATE_KEYS = ("FP8LMPrecision", "FP8LMPrecisionPL")
@@ -409,12 +408,15 @@ class _FP8LMPrecisionLogic:
         if key is None:
             return
         state = checkpoint[key]
-        self._checked(state)  # before any layer is put back
-        names = _to_layer_names(self._module, state.get("fallen_back_layers", []))
+        _, names, _ = self._checked(state)  # before any layer is put back
         model_state = checkpoint.get("state_dict")
         if names and model_state is not None:
-            self._put_back(names)
-            _load_layer_parameters(self._module, names, model_state)
+            # Checked too before any layer is put back: once put back, a layer has left its FP8 form and optimizer.
+            values = _layer_parameter_values(self._module, names, model_state)
+            self._put_back(names)  # checks every layer before it changes any
+            with torch.no_grad():
+                for param, value in values:
+                    param.copy_(value)
         if key != own:  # Lightning only loads the state filed under this class's own name
             self.load_state_dict(state)
 
@@ -447,24 +449,55 @@ class _FP8LMPrecisionLogic:
                 "precision='fp8-lm' run, or load only the model's weights (e.g. LightningModule.load_from_checkpoint)"
             )
         saved = FP8Recipe.from_dict(state_dict["recipe"])
-        # Absent from checkpoints written before it was saved
-        names = state_dict.get("fallen_back_layers", [])
-        names = _to_layer_names(self._module, names) if names and self._module is not None else names
+        names = self._checked_fallen_back(state_dict.get("fallen_back_layers", []))  # absent from older checkpoints
         self.grad_scaler.check_state_dict(state_dict["grad_scaler"])
+        per_rank = state_dict.get("fp8_per_rank")  # written by runs of several processes only
+        well_formed = per_rank is None or (
+            isinstance(per_rank, (list, tuple)) and len(per_rank) > 0 and all(isinstance(s, dict) for s in per_rank)
+        )
+        if not well_formed:
+            raise TypeError(
+                f"FP8LMPrecision: the checkpoint's 'fp8_per_rank' is {repr(per_rank)[:200]}, not a list of one FP8 "
+                "scaling state (a dict) per process of the run that saved it: the checkpoint is corrupt. Resume from "
+                "an earlier checkpoint, or load only the model's weights (e.g. LightningModule.load_from_checkpoint)"
+            )
         if "fp8" not in state_dict or not saved.same_scaling(self.recipe):
             return saved, names, None
         if self._module is None:
             raise RuntimeError("FP8LMPrecision.load_state_dict: no converted model yet (call convert_module)")
         fp8_state = state_dict["fp8"]
-        per_rank = state_dict.get("fp8_per_rank")
-        if per_rank is not None and len(per_rank) == _world_size():
-            fp8_state = per_rank[torch.distributed.get_rank()]
+        if per_rank is not None and len(per_rank) == _world_size():  # else every rank resumes from rank 0's state
+            fp8_state = per_rank[_rank()]
         if isinstance(fp8_state, dict):  # else check_fp8_state_dict says what it is
             fp8_state = _to_module_names(self._module, fp8_state)
         layers = dict(self._module.named_modules())
         # The layers about to be put back have no scaling state in the checkpoint
         check_fp8_state_dict(self._module, fp8_state, leaving_out=[layers[n] for n in names if n in layers])
         return saved, names, fp8_state
+
+    def _checked_fallen_back(self, names: Any) -> list[str]:
+        """The saved ``fallen_back_layers``, checked to be names of this model's FP8 layers (or of layers already put
+        back), as this model names them."""
+        if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+            raise TypeError(
+                f"FP8LMPrecision: the checkpoint's 'fallen_back_layers' is {repr(names)[:200]}, not a list of layer "
+                "names (strings): the checkpoint is corrupt. Resume from an earlier checkpoint, or load only the "
+                "model's weights (e.g. LightningModule.load_from_checkpoint)"
+            )
+        if not names or self._module is None:  # without a model, _put_back says to convert it first
+            return list(names)
+        names = _to_layer_names(self._module, list(names))
+        layers = dict(self._module.named_modules())
+        # The root cannot be put back in place; a layer put back already (a second load) is an nn.Linear again.
+        bad = [name for name in names if not name or not _fp8_or_put_back(layers.get(name))]
+        if bad:
+            raise ValueError(
+                f"FP8LMPrecision: the checkpoint names layers {bad[:5]} as fallen back to nn.Linear in the saved run, "
+                f"but this {type(self._module).__name__} has no FP8 layer of that name (its FP8 layers: "
+                f"{_first(list(fp8_modules(self._module)))}): the checkpoint was written for another model or is "
+                "corrupt. Resume with the model (and module_filter_fn) that saved it. Nothing was changed"
+            )
+        return names
 
     def _check_optimizer_states(self, checkpoint: dict[str, Any]) -> None:
         # Before the optimizer and FP8 states are loaded (Lightning has loaded the weights by then): FP8FSDPStrategy's
@@ -500,10 +533,10 @@ def _holds_masters_in_storage(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _clean_name(name: str) -> str:
-    """``name`` without the path components that wrappers insert (``net._fsdp_wrapped_module.0`` -> ``net.0``)."""
-    for fragment in _WRAPPER_FRAGMENTS:
-        name = name.replace(fragment, "")
-    return name
+    """``name`` without the path components that FSDP1 (auto_wrap_policy), activation checkpointing and torch.compile
+    insert (``net._fsdp_wrapped_module.0`` -> ``net.0``): whole components only, so ``net_orig_mod.0`` stays. A child
+    of the user's own named ``module`` stays too (the plugin gets the LightningModule, not a DDP wrapper)."""
+    return clean_name(name, strip_module=False)
 
 
 def _to_layer_names(module: nn.Module, names: list[str]) -> list[str]:
@@ -573,6 +606,19 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _first(names: list[str], count: int = 5) -> str:
+    return ", ".join(map(repr, names[:count])) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+def _fp8_or_put_back(layer: nn.Module | None) -> bool:
+    return isinstance(layer, FP8Linear) or getattr(layer, FALLBACK_ATTR, False)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _is_ddp(module: nn.Module) -> bool:
     # The DDP family of either namespace (ddp, ddp_spawn, ddp_fork...): it wraps the model before connect().
     trainer = getattr(module, "_trainer", None)
@@ -607,16 +653,35 @@ def _refuse_bf16_fallback_in_data_parallel(grad_scaler: Any, module: nn.Module |
     )
 
 
-def _load_layer_parameters(module: nn.Module, names: list[str], model_state: dict[str, Any]) -> None:
-    """Copy ``model_state``'s values (keyed as ``module.state_dict()``: without wrapper names) into the parameters of
-    the layers ``names``."""
+def _layer_parameter_values(
+    module: nn.Module, names: list[str], model_state: dict[str, Any]
+) -> list[tuple[nn.Parameter, Tensor]]:
+    """``(parameter, checkpoint value)`` for each parameter of the layers ``names`` that ``model_state`` (the
+    checkpoint's model state, keyed with or without wrapper names) holds, each checked to fit its parameter; one it
+    lacks keeps its value (the model was loaded with ``strict=False``)."""
+    if not isinstance(model_state, dict):
+        raise TypeError(
+            f"FP8LMPrecision: the checkpoint's 'state_dict' is a {type(model_state).__name__}, not the model's state "
+            "dict: the checkpoint is corrupt. Resume from an earlier checkpoint. Nothing was changed"
+        )
+    keys = {_clean_name(key): key for key in model_state if isinstance(key, str)}
     layers = dict(module.named_modules())
-    with torch.no_grad():
-        for name in names:
-            for param_name, param in layers[name].named_parameters(recurse=False):
-                value = model_state.get(f"{_clean_name(name)}.{param_name}")
-                if value is not None:
-                    param.copy_(value)
+    values = []
+    for name in names:
+        for param_name, param in layers[name].named_parameters(recurse=False):
+            key = keys.get(_clean_name(f"{name}.{param_name}"))
+            if key is None:
+                continue
+            value = model_state[key]
+            if not isinstance(value, Tensor) or value.shape != param.shape:
+                got = f"a {tuple(value.shape)} tensor" if isinstance(value, Tensor) else repr(value)[:100]
+                raise ValueError(
+                    f"FP8LMPrecision: the checkpoint's {key!r} is {got}, but {name!r}, a layer that fell back to "
+                    f"nn.Linear in the saved run, has a {tuple(param.shape)} {param_name}: the checkpoint is corrupt "
+                    "or was written for another model. Resume with the model that saved it. Nothing was changed"
+                )
+            values.append((param, value))
+    return values
 
 
 def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:

@@ -538,6 +538,70 @@ def test_scale_monitor_state_carries_the_last_scales_to_the_next_comparison():
     assert resumed.alerts == uninterrupted.alerts and len(resumed.alerts) == 1
 
 
+def _scale_monitor_state() -> dict:
+    monitor = FP8ScaleMonitor(jump_factor=16, alert_after_steps=0)
+    monitor._metrics(_layer_stats(2.0**10, 2.0**3), 1)
+    monitor._metrics(_layer_stats(2.0**4, 2.0**3), 2)  # a drop: one alert
+    return copy.deepcopy(monitor.state_dict())
+
+
+def test_scale_monitor_loads_its_own_state_and_the_older_ones():
+    state = _scale_monitor_state()
+    assert len(state["alerts"]) == 1 and len(state["previous_scales"]) == 2
+    for older in (state, {"alerts": state["alerts"]}, {}):  # before 'previous_scales' was saved; a default Callback's
+        monitor = FP8ScaleMonitor()
+        monitor.load_state_dict(copy.deepcopy(older))
+        assert monitor.state_dict() == {"alerts": older.get("alerts", []),
+                                        "previous_scales": older.get("previous_scales", [])}  # fmt: skip
+
+
+def _alerted(**fields) -> dict:
+    alert = {"step": 2, "layer": "fc", "role": "input", "kind": "drop", "from": 1024.0, "to": 16.0}
+    return {"alerts": [{**alert, **fields}], "previous_scales": []}
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([1, 2], TypeError, "got list, expected a dict"),
+        ({"foo": 1}, ValueError, r"unknown entries \['foo'\]"),
+        ({"alerts": None}, TypeError, "'alerts' is None, expected a list"),
+        ({"alerts": [1, 2]}, TypeError, "alert 0 is 1, expected a dict with keys"),
+        (_alerted(kind="jump"), ValueError, "alert 0 has kind 'jump'"),
+        (_alerted(role="bias"), ValueError, "alert 0 has role 'bias'"),
+        (_alerted(step="3"), TypeError, "alert 0 has step '3'"),
+        (_alerted(to=math.inf), ValueError, "the 'to' scale of alert 0 is inf, expected a finite positive scale"),
+        ({"previous_scales": "x"}, TypeError, "'previous_scales' is 'x', expected a list"),
+        ({"previous_scales": [["fc", 8.0]]}, TypeError, "entry 0 of 'previous_scales' is .*, expected \\[layer, role"),
+        ({"previous_scales": [["fc", "input", "abc"]]}, TypeError, "is 'abc', expected a number"),
+        ({"previous_scales": [["fc", "input", math.nan]]}, ValueError, "is nan, expected a finite positive scale"),
+        ({"previous_scales": [["fc", "input", -4.0]]}, ValueError, "is -4.0, expected a finite positive scale"),
+        ({"previous_scales": [["fc", "input", 0]]}, ValueError, "is 0, expected a finite positive scale"),
+        ({"previous_scales": [["fc", "amax", 8.0]]}, ValueError, "has role 'amax'"),
+    ],
+)
+def test_scale_monitor_refuses_a_corrupt_state_and_keeps_its_own(state, error, match):
+    # The alerts were replaced, then unpacking 'previous_scales' failed: half a state loaded. NaN and negative
+    # scales loaded as they were, and a wrong dict loaded as an empty state.
+    monitor = FP8ScaleMonitor()
+    monitor.load_state_dict(_scale_monitor_state())
+    before = copy.deepcopy(monitor.state_dict())
+    with pytest.raises(error, match=match) as raised:
+        monitor.load_state_dict(copy.deepcopy(state))
+    assert "Nothing was loaded" in str(raised.value)
+    assert monitor.state_dict() == before
+
+
+def test_scale_monitor_does_not_compare_against_a_scale_it_cannot_divide_by():
+    # A non-finite or zero scale was remembered, to be divided by at the next log (ZeroDivisionError) and saved.
+    monitor = FP8ScaleMonitor(jump_factor=16, alert_after_steps=0)
+    monitor._metrics(_layer_stats(2.0**10, 2.0**3), 1)
+    monitor._metrics(_layer_stats(0.0, math.nan), 2)
+    assert monitor.state_dict()["previous_scales"] == [["fc", "input", 2.0**10], ["fc", "grad_output", 2.0**3]]
+    FP8ScaleMonitor().load_state_dict(monitor.state_dict())
+    assert monitor._metrics(_layer_stats(2.0**4, 2.0**3), 3)["fp8/alerts/scale_drops"] == 1
+
+
 def test_running_means_leave_out_nan_and_the_window_is_checked():
     health = TrainingHealthMonitor(smoothing_window=2, plot=False)
     for step, loss in enumerate([4.0, 2.0, math.nan, 1.0], start=1):

@@ -81,3 +81,137 @@ def test_a_state_without_a_required_entry_says_so(missing):
     plugin, _ = _plugin()
     with pytest.raises(KeyError, match=rf"precision-plugin state lacks \['{missing}'\].*precision='fp8-lm' run"):
         plugin.load_state_dict(state)
+
+
+class _Net(nn.Module):
+    """Children whose names end in, and differ only by, a wrapper's name fragment (torch.compile's ``_orig_mod``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net_orig_mod = nn.Sequential(nn.Linear(32, 64))
+        self.net0 = nn.Linear(64, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net0(self.net_orig_mod(x))
+
+
+def test_a_layer_name_holding_a_wrapper_fragment_is_kept_whole():
+    # '_orig_mod.' was stripped from anywhere in a name: 'net_orig_mod.0' became 'net0', the other layer's name, so
+    # one layer's scaling state overwrote the other's in the checkpoint and the resume failed.
+    def plugin(seed: int) -> tuple:
+        torch.manual_seed(seed)
+        module = _Net()
+        plugin = FP8LMPrecision()
+        plugin.convert_module(module)
+        module(torch.randn(8, 32) * (seed + 1)).square().mean().backward()
+        return plugin, module
+
+    saver, saved_module = plugin(0)
+    put_back_to_high_precision(saved_module, ["net_orig_mod.0"])
+    state = copy.deepcopy(saver.state_dict())
+    assert state["fp8"].keys() == fp8_state_dict(saved_module).keys()
+    assert state["fallen_back_layers"] == ["net_orig_mod.0"]
+    weights = copy.deepcopy(saved_module.state_dict())
+
+    loader, module = plugin(1)
+    loader.on_load_checkpoint({"FP8LMPrecision": state, "state_dict": weights})
+    loader.load_state_dict(state)
+    assert fallen_back_layers(module) == ["net_orig_mod.0"]
+    assert torch.equal(module.net_orig_mod[0].weight, weights["net_orig_mod.0.weight"])
+    loaded = fp8_state_dict(module)
+    assert loaded.keys() == state["fp8"].keys()
+    assert all(torch.equal(value, state["fp8"][key]) for key, value in loaded.items())
+
+
+def test_a_state_saved_under_wrapper_names_loads_by_whole_components():
+    # Older checkpoints hold the names under the wrapping that saved them: '_orig_mod' components are dropped.
+    state = _saved_state()
+    state["fp8"] = {f"_orig_mod.{key}": value for key, value in state["fp8"].items()}
+    state["fallen_back_layers"] = ["_orig_mod.2"]
+    plugin, module = _plugin()
+    plugin.load_state_dict(state)
+    assert fallen_back_layers(module) == ["2"]
+
+
+def _connected_plugin() -> tuple:
+    """A plugin with its model and its FP8AdamW (O2: the FP8 weights' storage holds the optimizer's masters)."""
+    plugin, module = _plugin()
+    _, [optimizer], _ = plugin.connect(module, [torch.optim.AdamW(module.parameters())], [])
+    return plugin, module, optimizer
+
+
+def _model_snapshot(plugin: FP8LMPrecision, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    layers = [type(m).__name__ for m in module.modules()]
+    params = {name: (p, p.detach().clone()) for name, p in module.named_parameters()}
+    groups = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+    return layers, params, groups, _snapshot(plugin, module)
+
+
+def _assert_unchanged(before: tuple, after: tuple) -> None:
+    assert before[0] == after[0]  # layer types: none put back
+    assert before[1].keys() == after[1].keys()
+    for name, (param, value) in before[1].items():
+        assert after[1][name][0] is param and after[1][name][1].dtype == value.dtype
+        assert torch.equal(after[1][name][1], value), name
+    assert before[2] == after[2]  # the optimizer still holds the same parameters (none released)
+    assert before[3][:2] == after[3][:2]
+    assert all(torch.equal(value, after[3][2][key]) for key, value in before[3][2].items())
+
+
+def _set(key: str, value: object):
+    def corrupt(state: dict) -> None:
+        state[key] = value
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error", "match"),
+    [
+        (_set("fallen_back_layers", None), TypeError, "'fallen_back_layers' is None, not a list of layer names"),
+        (_set("fallen_back_layers", 5), TypeError, "'fallen_back_layers' is 5, not a list"),
+        (_set("fallen_back_layers", "2"), TypeError, "'fallen_back_layers' is '2', not a list"),  # not '2' as chars
+        (_set("fallen_back_layers", [2]), TypeError, r"'fallen_back_layers' is \[2\], not a list of layer names"),
+        (_set("fallen_back_layers", ["7"]), ValueError, r"names layers \['7'\] .* has no FP8 layer of that name"),
+        (_set("fallen_back_layers", ["1"]), ValueError, r"names layers \['1'\]"),  # the GELU
+        (_set("fallen_back_layers", [""]), ValueError, r"names layers \[''\]"),  # the model itself
+        (_set("fp8_per_rank", "x"), TypeError, "'fp8_per_rank' is 'x', not a list of one FP8 scaling state"),
+        (_set("fp8_per_rank", [None]), TypeError, r"'fp8_per_rank' is \[None\]"),
+        (_set("fp8_per_rank", []), TypeError, r"'fp8_per_rank' is \[\]"),
+    ],
+)
+@pytest.mark.parametrize("hook", ["load_state_dict", "on_load_checkpoint"])
+def test_a_corrupt_layer_list_or_per_rank_state_is_refused_before_anything_changes(corrupt, error, match, hook):
+    state = _saved_state()
+    corrupt(state)
+    plugin, module, optimizer = _connected_plugin()
+    before = _model_snapshot(plugin, module, optimizer)
+    with pytest.raises(error, match=match):
+        if hook == "load_state_dict":
+            plugin.load_state_dict(state)
+        else:
+            plugin.on_load_checkpoint({"FP8LMPrecision": state, "state_dict": {}})
+    _assert_unchanged(before, _model_snapshot(plugin, module, optimizer))
+
+
+@pytest.mark.parametrize("value", [torch.zeros(3, 3), [1.0]], ids=["wrong-shape", "not-a-tensor"])
+def test_a_bad_weight_of_a_fallen_back_layer_is_refused_before_the_layer_is_put_back(value):
+    # The layer was put back to nn.Linear (and its weight released from FP8AdamW) before the copy of its weight failed.
+    state = _saved_state()
+    plugin, module, optimizer = _connected_plugin()
+    weights = {**copy.deepcopy(module.state_dict()), "2.weight": value}
+    before = _model_snapshot(plugin, module, optimizer)
+    with pytest.raises(ValueError, match=r"checkpoint's '2.weight' is .* has a \(48, 64\) weight"):
+        plugin.on_load_checkpoint({"FP8LMPrecision": state, "state_dict": weights})
+    _assert_unchanged(before, _model_snapshot(plugin, module, optimizer))
+
+
+def test_a_fallen_back_layer_gets_the_checkpoints_weight_with_an_optimizer():
+    saver, saved_module = _plugin(seed=1)
+    put_back_to_high_precision(saved_module, ["2"])
+    state, weights = copy.deepcopy(saver.state_dict()), copy.deepcopy(saved_module.state_dict())
+    plugin, module, optimizer = _connected_plugin()
+    plugin.on_load_checkpoint({"FP8LMPrecision": state, "state_dict": weights})
+    assert fallen_back_layers(module) == ["2"] and type(module[2]) is nn.Linear
+    assert torch.equal(module[2].weight, weights["2.weight"]) and torch.equal(module[2].bias, weights["2.bias"])
+    assert module[2].weight in {p for group in optimizer.param_groups for p in group["params"]}
