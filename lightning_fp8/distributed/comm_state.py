@@ -103,7 +103,8 @@ class FP8CommState:
     Raises:
         ValueError: for an unknown algorithm, a non-FP8 dtype, a margin outside 0 to ``MAX_MARGIN``, and, once
             ``torch.distributed`` is initialized, ``algorithm="native"`` on a backend other than NCCL or an
-            ``amax_group`` of other ranks than ``process_group``.
+            ``amax_group`` of other ranks than ``process_group``, or a ``process_group`` or ``amax_group`` that this
+            rank is not a member of (``new_group``'s marker for the ranks it leaves out).
         TypeError: for an ``fp8_params`` that is not an iterable of tensors (e.g. names or modules), and for
             arguments of the wrong type.
     """
@@ -141,6 +142,13 @@ class FP8CommState:
                 f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
                 "(it needs record_gradient_cast and record_nonfinite)"
             )
+        for name, group in (("process_group", process_group), ("amax_group", amax_group)):
+            if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() gives the ranks it leaves out
+                raise ValueError(
+                    f"FP8CommState({name}=...): this rank ({dist.get_rank()}) is not a member of the group (new_group "
+                    "gave it torch's NON_GROUP_MEMBER marker): build the FP8CommState and register the hook only on "
+                    "the ranks of the group whose gradients it reduces"
+                )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"FP8CommState(process_group=...) got a {type(process_group).__name__}: pass a process group "

@@ -27,6 +27,7 @@ COLLECTIVES = (
 def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
     """``{case: (the exception's type and message, or "ok"; the collectives it called)}``."""
     from lightning_fp8.distributed import (
+        FP8CommState,
         SegmentLayout,
         all_gather_fp8,
         all_reduce_fp8,
@@ -40,7 +41,10 @@ def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
     x = torch.randn(sum(TENSORS), generator=torch.Generator().manual_seed(rank))
     ints = torch.arange(sum(TENSORS)) * (rank + 1)
     chunk = x[: x.numel() // world]
+    only_rank0 = dist.new_group([0])  # every rank calls it; rank 1 gets torch's NON_GROUP_MEMBER marker
     cases = {
+        "FP8CommState(group of rank 0)": lambda: FP8CommState(only_rank0),
+        "FP8CommState(amax_group of rank 0)": lambda: FP8CommState(amax_group=only_rank0),
         "all_reduce_fp8(valid)": lambda: all_reduce_fp8(x, layout, None, e5m2),
         "all_reduce_fp8(int x)": lambda: all_reduce_fp8(ints, layout, None, e5m2),
         "all_reduce_fp8(fp8 x)": lambda: all_reduce_fp8(x.to(e4m3), layout, None, e5m2),
@@ -107,3 +111,13 @@ def test_non_float_buffers_are_refused_before_any_collective(two_ranks, case):
         outcome, called = results[case]
         assert called == [], f"rank {rank}: {case} ran {called} before failing with {outcome}"
         assert outcome.startswith("TypeError:") and "high-precision floating-point" in outcome, (rank, outcome)
+
+
+def test_a_group_without_this_rank_is_named_as_such(two_ranks):
+    """Found by a sweep: on a rank that new_group() left out, FP8CommState said it "got a int" and to pass a group
+    from torch.distributed.new_group, which the user had done."""
+    assert two_ranks[0]["FP8CommState(group of rank 0)"][0] == "ok"
+    for case in ("FP8CommState(group of rank 0)", "FP8CommState(amax_group of rank 0)"):
+        outcome, called = two_ranks[1][case]
+        assert outcome.startswith("ValueError:") and "rank (1) is not a member" in outcome, outcome
+        assert called == []
