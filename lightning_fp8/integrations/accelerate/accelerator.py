@@ -113,6 +113,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_optimizer: FP8AcceleratedOptimizer | None = None
         self._fp8_swaps: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []  # (script's AdamW, FP8AdamW)
         self._fp8_wrapped: set[int] = set()
+        self._fp8_ddp_weights: set[int] = set()  # ids of the FP8 weights of the models prepare wrapped in DDP
         self._fp8_steps = 0
         self._fp8_saving: str | None = None  # the folder save_state is writing (CheckpointMixin)
         self._fp8_fallback_seen = -1  # the scaler step of the last fallback reported to fp8_health
@@ -183,6 +184,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if not self.is_fsdp2:
             # FP8AdamW (O2) takes over the FP8 weights' storage as its fp16 master: that has to happen before
             # DDP builds its gradient buckets. Under FSDP2 it happens after sharding (_fp8_swap_after_sharding).
+            self._fp8_check_not_after_ddp([obj for obj in args if _fresh_optimizer(obj)])
             args = tuple(self._fp8_swap(obj) if _fresh_optimizer(obj) else obj for obj in args)
         result = super().prepare(*args, device_placement=device_placement)
         if self.is_fsdp2:
@@ -419,11 +421,29 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             for model in self._fp8_models:
                 parallel.broadcast_parameters(model)
 
+    def _fp8_check_not_after_ddp(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Raise ValueError, before anything changes, if an optimizer to become FP8AdamW (O2) trains FP8 weights of a
+        model an earlier ``prepare`` wrapped in DDP: taking over their storage as fp16 masters would detach DDP's
+        gradient hooks (FP8AdamW refuses it, with advice for plain PyTorch; here the fix is the prepare call)."""
+        if not self._fp8_ddp_weights:
+            return
+        for optimizer in optimizers:
+            level = optimizer.opt_level if isinstance(optimizer, FP8AdamW) else self.fp8_lm_config.recipe.opt_level
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            if level == "O2" and any(id(p) in self._fp8_ddp_weights for p in params):
+                raise ValueError(
+                    f"accelerator.prepare({type(optimizer).__name__}) under DDP after the model it trains was prepared "
+                    "in an earlier call: at O2 FP8AdamW keeps each FP8 weight's fp16 master in the weight's own "
+                    "storage, which has to happen before DDP wraps the model. Prepare the model and its optimizer in "
+                    "the same call: model, optimizer = accelerator.prepare(model, optimizer). Nothing was changed"
+                )
+
     def _fp8_after_wrap(self, model: nn.Module) -> None:
         if id(model) in self._fp8_wrapped:
             return
         self._fp8_wrapped.add(id(model))
         if isinstance(model, nn.parallel.DistributedDataParallel):
+            self._fp8_ddp_weights |= {id(m.weight) for m in model.module.modules() if isinstance(m, FP8Linear)}
             comm_hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
             if comm_hook != DDPCommunicationHookType.NO:
                 warn_once(
@@ -456,6 +476,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
         self._fp8_models, self._fp8_swaps, self._fp8_wrapped, self._fp8_tp_mapping = [], [], set(), {}
+        self._fp8_ddp_weights = set()
         self._fp8_conversions = []
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
         if self.fp8_lm_config is not None:
