@@ -4,9 +4,6 @@ checkpoints do with FP8-LM on, checked against plain torch computations."""
 import copy
 import logging
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8, fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.optim import FP8AdamW
+from tests.integrations.accelerate.torchrun import run_two_processes
 
 # Multiplying the loss by a power of two multiplies every fp32 gradient by it exactly (no overflow here).
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -527,11 +525,5 @@ def test_unscale_of_a_prepared_optimizer_then_clip_steps_on_the_clipped_true_gra
 def test_an_optimizer_prepared_after_its_ddp_model_is_refused_with_the_fix(tmp_path):
     """Found by a sweep: model = prepare(model); optimizer = prepare(optimizer) under DDP failed inside FP8AdamW with
     advice for plain PyTorch (create FP8AdamW before wrapping in DDP), which an Accelerate script does not do."""
-    worker = Path(__file__).with_name("prepare_order_worker.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_FP8_", "ACCELERATE_"))}
-    env.update({"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path)})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-6000:]
+    log = run_two_processes(Path(__file__).with_name("prepare_order_worker.py"), tmp_path)
     assert "rank 0: prepare order ok" in log and "rank 1: prepare order ok" in log, log[-3000:]

@@ -7,10 +7,7 @@ a `"bf16"` fallback (fc2 put back to `nn.Linear`, while the live run has it in F
 
 import copy
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.optim import master
 from tests.integrations.accelerate.test_accelerator import Net
+from tests.integrations.accelerate.torchrun import run_two_processes
 
 FP8_FILE = Path("lightning_fp8") / "rank0.pt"
 WORKER = Path(__file__).with_name("load_state_worker.py")
@@ -269,10 +267,5 @@ def test_after_a_refused_checkpoint_the_run_goes_on_as_if_never_loaded_and_loads
 def test_a_checkpoint_bad_on_one_process_is_refused_by_every_process(tmp_path):
     # Each rank has its own FP8 state file: with rank 1's corrupt, rank 0 (whose parts are all good) must not load its
     # parts either, or the ranks would train on different weights. See load_state_worker.py.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_FP8_", "ACCELERATE_"))}
-    env.update({"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path)})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    out = subprocess.run([*cmd, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=300)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-6000:]
+    log = run_two_processes(WORKER, tmp_path, str(tmp_path / "ckpt"))
     assert "rank 0: refused ok" in log and "rank 1: refused ok" in log, log[-3000:]

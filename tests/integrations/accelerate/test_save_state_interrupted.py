@@ -3,8 +3,6 @@ states file (lightning_fp8/integrations/accelerate/checkpointing.py, checkpoint.
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import accelerate.checkpointing
@@ -24,6 +22,7 @@ from tests.integrations.accelerate.test_load_state_atomic import (  # noqa: F401
     _steps,
     _train,
 )
+from tests.integrations.accelerate.torchrun import run_two_processes
 
 WORKER = Path(__file__).with_name("save_state_worker.py")
 MARKER = Path("lightning_fp8") / "save_in_progress"
@@ -179,10 +178,5 @@ def test_only_the_processes_that_saved_need_a_random_states_file(tmp_path):
 @pytest.mark.slow
 def test_a_save_failing_on_one_process_raises_on_every_process_and_is_refused_by_every_process(tmp_path):
     # See save_state_worker.py: also a random states file missing on rank 1 only.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_FP8_", "ACCELERATE_"))}
-    env.update({"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path)})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    out = subprocess.run([*cmd, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=300)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-6000:]
+    log = run_two_processes(WORKER, tmp_path, str(tmp_path / "ckpt"))
     assert "rank 0: save/load ok" in log and "rank 1: save/load ok" in log, log[-3000:]
