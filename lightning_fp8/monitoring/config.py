@@ -1,0 +1,55 @@
+"""The thresholds of :class:`~lightning_fp8.health.HealthMonitor`: when a gradient norm is a spike and a loss a
+plateau, and how long the monitor waits before it judges either.
+
+A frozen, keyword-only dataclass, checked when it is built, so that a monitor never runs on a threshold it cannot use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    """Thresholds of :class:`HealthMonitor`.
+
+    Args:
+        window: steps of recent history the spike test compares against.
+        warmup_steps: observations before any spike or plateau alert (early training is noisy by nature).
+        spike_zscore: a gradient norm is a spike when it exceeds the window's mean by this many standard
+            deviations ...
+        spike_ratio: ... and is also this many times the window's mean (a z-score alone fires when the norm
+            is nearly constant). While the window's mean is 0 (zero gradient norms only) there is no level to
+            compare against, and no norm is a spike.
+        spike_patience: spikes in a row after which the gradient norm is taken to have settled at a new level.
+            A spike stays out of the baseline; when ``spike_patience`` consecutive observed gradient norms are
+            all spikes (each reported), the baseline window is replaced by those values, so the steps after
+            them are judged against the new level. A lasting change of level is thus reported on its first
+            ``spike_patience`` steps, an isolated spike once (it never enters the baseline). An ordinary
+            (non-spike) gradient norm resets the count; steps without a finite gradient norm neither count nor
+            reset it.
+        plateau_window: steps over which the loss must improve; the halves of the window are compared.
+        plateau_min_improvement: relative loss improvement between the halves below which the loss has plateaued.
+        plateau_grad_norm_drop: a plateau is only reported if the gradient norm fell by less than this fraction
+            between the halves (a falling gradient norm means convergence).
+    """
+
+    window: int = 50
+    warmup_steps: int = 20
+    spike_zscore: float = 6.0
+    spike_ratio: float = 3.0
+    spike_patience: int = 5
+    plateau_window: int = 200
+    plateau_min_improvement: float = 0.01
+    plateau_grad_norm_drop: float = 0.1
+
+    def __post_init__(self) -> None:
+        minimum = {"window": 2, "warmup_steps": 0, "plateau_window": 2, "spike_patience": 1}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low}")
+        for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"HealthConfig({name}={value!r}) must be a non-negative number")

@@ -1,0 +1,86 @@
+"""What :class:`~lightning_fp8.health.HealthMonitor` is given to watch, measured: the global L2 norm of gradients or
+parameters (:func:`global_norm`, also what gradient clipping uses) and memory use (:func:`memory_gib`).
+
+The norm reads an O2 master weight of FP8AdamW unscaled, and reduces sharded tensors (DTensors, FSDP1's flat
+parameters) over their ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_fp8.optim.master import master_scale
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def _unscale_factor(t: torch.Tensor) -> torch.Tensor | None:
+    """The scale an O2 master weight's storage carries (FP8AdamW keeps ``weight * scale`` in fp16), else None."""
+    scale = master_scale(t)
+    if scale is None:
+        return None
+    return scale.full_tensor() if _is_dtensor(scale) else scale
+
+
+def global_norm(
+    tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
+    """L2 norm over all ``tensors`` as a 0-dim fp32 tensor (inf/NaN if any value is).
+
+    A parameter whose storage is an O2 master of :class:`~lightning_fp8.FP8AdamW` (it holds ``weight * scale``,
+    the power-of-two scale attached to the parameter, see :mod:`lightning_fp8.optim.master`) counts with its
+    unscaled value ``weight``, so a parameter norm neither reads ~``scale`` times too large nor jumps when the
+    scale changes. Gradients carry no such scale and are taken as they are.
+
+    Args:
+        tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]`` or ``model.parameters()``.
+            DTensors (FSDP2, tensor parallel) are reduced over their mesh by the DTensor norm itself.
+        group: the process group plain-tensor shards live in (default: the world), used when ``sharded``.
+        sharded: each rank holds a different shard of the plain tensors (FSDP1's flat parameters): sum the squares
+            across ranks (a collective on every rank, also one that holds none of them). Replicated tensors (DDP,
+            single device) must not be reduced.
+        device: where the norm is computed when ``tensors`` is empty (default: the CPU; under ``sharded`` with NCCL,
+            the rank's GPU).
+    """
+    plain, distributed = [], []
+    for t in tensors:
+        # The scale hangs on the parameter itself: look it up before detach() drops the attribute.
+        (distributed if _is_dtensor(t) else plain).append((t.detach(), _unscale_factor(t)))
+    if plain or distributed:
+        device = (plain or distributed)[0][0].device
+    sq = torch.zeros((), dtype=torch.float32, device=device if device is not None else "cpu")
+    for t, scale in plain:
+        t_sq = t.float().square().sum()
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
+    # Every rank joins the sum, also one without tensors (a rank whose shards of an optimizer's parameters got no
+    # gradient): skipping it paired the others' all-reduce with the next collective.
+    if sharded and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sq, group=group)
+    for t, scale in distributed:
+        t_sq = torch.linalg.vector_norm(t.float()).full_tensor().square()
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
+    return sq.sqrt()
+
+
+def memory_gib(device: torch.device | str) -> dict[str, float]:
+    """Memory in GiB: allocated, reserved and peak on a CUDA device; the process's peak RSS on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        gib = 2.0**30
+        return {
+            "allocated": torch.cuda.memory_allocated(device) / gib,
+            "reserved": torch.cuda.memory_reserved(device) / gib,
+            "peak": torch.cuda.max_memory_allocated(device) / gib,
+        }
+    import resource  # POSIX only; imported here so the core imports everywhere
+
+    # ru_maxrss is in KiB on Linux and bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"peak": peak / 2.0**30}

@@ -1,0 +1,271 @@
+"""The checks of a state dict before :class:`~lightning_fp8.optim.FP8AdamW` loads any of it.
+
+Everything is checked before anything is loaded, so that a bad checkpoint raises and changes nothing: the dict's form
+and parameter groups (their number, sizes and hyper-parameters, no AMSGrad), and each parameter's state (its keys,
+each tensor's dtype, shape and sharding, its scale and amax, its values and step), with errors that say what is wrong
+and what to do. :func:`_check` returns each state as this rank's part beside its parameter, for
+:mod:`~lightning_fp8.optim.checkpoint` to load.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_fp8.kernels.reference_adamw import BOUND_SLACK, SCALED_STATE_MAX
+from lightning_fp8.optim import shards
+from lightning_fp8.optim import step as step_
+from lightning_fp8.optim.shard_scales import _exported_shapes
+from lightning_fp8.optim.state_layout import _ADAMW_KEYS, _KEYS, _UNSCALED, _param_order, dequantize
+from lightning_fp8.state import MAX_SCALE, MIN_SCALE
+
+if TYPE_CHECKING:
+    from lightning_fp8.optim.adamw import FP8AdamW
+
+_FIX = "the checkpoint is corrupt or was written for another model"
+
+
+def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """Each saved state as this rank's part (DTensors as their local shards) beside its parameter.
+
+    Raises:
+        ValueError: for anything the load could not take as it is (see :func:`_check_entry`).
+    """
+    well_formed = isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+    if not (well_formed and "param_groups" in state_dict):
+        got = list(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"FP8AdamW.load_state_dict expects a dict with 'state' and 'param_groups' (an optimizer's state_dict()), "
+            f"got {got}"
+        )
+    _check_no_amsgrad(state_dict)
+    _check_groups(state_dict["param_groups"])
+    groups = state_dict["param_groups"]
+    saved = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None for g in groups]
+    own = [len(group["params"]) for group in opt.param_groups]
+    if saved != own:  # as torch.optim.Optimizer.load_state_dict would refuse them, said before anything changes
+        raise ValueError(
+            f"FP8AdamW.load_state_dict: the state dict's parameter groups hold {saved} parameters, this optimizer's "
+            f"{own}: it was saved for another model or another grouping of its parameters; build the optimizer as "
+            f"the run that saved it did, or {_FIX}"
+        )
+    saved_ids = [i for group in groups for i in group["params"]]
+    params = _param_order(opt)
+    listed = set(saved_ids)
+    strays = [key for key in state_dict["state"] if key not in listed]
+    if strays:  # e.g. keys turned into strings by a JSON round trip: every state would silently start again
+        raise ValueError(
+            f"FP8AdamW.load_state_dict: the state dict has states under {[repr(k) for k in strays[:5]]}, which no "
+            f"parameter group lists (the groups list {saved_ids[:5]}{'...' if len(saved_ids) > 5 else ''}): those "
+            f"states would be dropped. Load the dict that state_dict() returned as it was saved "
+            f"(integer keys), or {_FIX}"
+        )
+    entries = []
+    for index, p in zip(saved_ids, params, strict=True):
+        # An absent index is a parameter without state yet; a present one must be a state (None is no dict).
+        if index in state_dict["state"]:
+            saved = state_dict["state"][index]
+            entries.append((p, _check_entry(f"FP8AdamW.load_state_dict: parameter {index}", p, saved)))
+    return entries
+
+
+def _check_no_amsgrad(state_dict: dict[str, Any]) -> None:
+    """Raise ValueError for a state dict of AMSGrad (``torch.optim.AdamW(amsgrad=True)``): FP8AdamW would drop the
+    running maximum of the second moment and go on without it. ``amsgrad: False`` (torch's groups have it) loads."""
+    groups = state_dict["param_groups"]
+    amsgrad = [i for i, group in enumerate(groups) if isinstance(group, dict) and group.get("amsgrad")]
+    with_max = [i for i, saved in state_dict["state"].items() if isinstance(saved, dict) and "max_exp_avg_sq" in saved]
+    if amsgrad:
+        found = f"parameter group {amsgrad[0]} has amsgrad=True"
+    elif with_max:
+        found = f"parameter {with_max[0]}'s state has 'max_exp_avg_sq'"
+    else:
+        return
+    raise ValueError(
+        f"FP8AdamW.load_state_dict: {found} (torch.optim.AdamW(amsgrad=True)'s state): FP8AdamW implements AdamW "
+        "without AMSGrad and would drop the running maximum of the second moment ('max_exp_avg_sq'). Keep training "
+        "these parameters with torch.optim.AdamW(amsgrad=True), or, to go on without AMSGrad, set every group's "
+        "'amsgrad' to False and delete each state's 'max_exp_avg_sq' in the state dict before loading it"
+    )
+
+
+def _check_groups(groups: Any) -> None:
+    """Raise ValueError for a saved group whose lr, betas, eps or weight_decay the constructor would refuse (NaN, inf,
+    out of range, not a number), or with ``capturable``/``differentiable`` true: the base class would restore them as
+    they are."""
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            continue  # torch.optim.Optimizer.load_state_dict says what is wrong
+        try:
+            step_.check_hyper_parameters(*(group.get(name) for name in ("lr", "betas", "eps", "weight_decay")))
+            step_.check_supported_flags(group)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"FP8AdamW.load_state_dict: parameter group {i} of the state dict: {error}. Correct it in "
+                f"state_dict['param_groups'][{i}] before loading, or {_FIX}"
+            ) from None
+
+
+def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
+    """Raise ValueError for a state its parameter cannot take: not a dict; some of AdamW's step and moments without the
+    others; a moment or master that is not a floating-point tensor of the parameter's (shard's) shape, or is sharded
+    where the parameter is not, or has a dtype FP8AdamW does not store; an FP8 or fp16 moment or master without its
+    scale (except the fp16 moments of a state with torch.optim.AdamW's keys only, which hold their values); a scale or
+    amax of a shape that fits neither one number nor one per row (column) of its state, a scale outside 2**-126 to
+    2**127, an amax that is not finite and >= 0; bad values (:func:`_check_values`); a step that is not a whole number
+    from 0 to 2**24 (:func:`_check_step`). Returns the state with DTensors as local shards."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
+    present = [key for key in _ADAMW_KEYS if key in saved]
+    if present and len(present) != len(_ADAMW_KEYS):
+        missing = [key for key in _ADAMW_KEYS if key not in saved]
+        raise ValueError(f"{where}'s state has {present} without {missing}: {_FIX}")
+    # torch.optim.AdamW's state (its keys only) keeps the moments in the parameter's dtype, fp16 for an fp16 model,
+    # without a scale: they hold the values themselves. A state of FP8AdamW has more keys (master, scales, amaxes).
+    adamw = set(saved) <= set(_ADAMW_KEYS)
+    local = {key: shards.local(value) if shards.is_dtensor(value) else value for key, value in saved.items()}
+    shard_shape = tuple(shards.local(p).shape)
+    for key in _KEYS:
+        if key not in saved:
+            continue
+        what = f"{where}'s {key!r}"
+        _check_tensor(what, saved[key], p)
+        # Whatever its shape: a rank whose shard has the whole parameter's shape (fewer rows than ranks) must refuse
+        # as the others do, or it would load and run on while they raise.
+        if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
+            raise ValueError(
+                f"{what} is a plain tensor of shape {tuple(local[key].shape)} and its parameter is sharded (a DTensor, "
+                f"this rank's shard {shard_shape}): a full (unsharded) state dict loads into sharded parameters "
+                "through torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(..., "
+                "options=StateDictOptions(full_state_dict=True))"
+            )
+        if tuple(local[key].shape) != shard_shape:
+            raise ValueError(f"{what} has shape {tuple(local[key].shape)}, its parameter {shard_shape}: {_FIX}")
+        dtype = local[key].dtype
+        if dtype not in SCALED_STATE_MAX and dtype not in _UNSCALED:
+            raise ValueError(
+                f"{what} is {dtype}, which FP8AdamW does not store (it stores {list(_UNSCALED)} as they are, "
+                f"{list(SCALED_STATE_MAX)} as value * '{key}_scale') and so cannot read. Convert it in the state dict "
+                f"to fp32 values (stored / scale in the format's own convention) and delete '{key}_scale' and "
+                f"'{key}_amax', or {_FIX}"
+            )
+        # FP8AdamW writes no scaled state without its scale: read without one, it would be the value times the scale.
+        if dtype in SCALED_STATE_MAX and f"{key}_scale" not in saved and not (dtype == torch.float16 and adamw):
+            whose = "torch.optim.AdamW keeps no FP8 moments"
+            if not adamw:
+                keys = sorted(map(str, saved))
+                whose = f"the state has {keys}: FP8AdamW's, not torch.optim.AdamW's (fp16 moments as values)"
+            raise ValueError(
+                f"{what} is {dtype} without its '{key}_scale' (FP8AdamW stores it as value * scale; {whose}): {_FIX}"
+            )
+        for name in (f"{key}_scale", f"{key}_amax"):
+            if name in saved:
+                _check_scalar(f"{where}'s {name!r}", saved[name], local[name], local[key], p, name.endswith("scale"))
+        _check_values(where, key, local)
+    if "step" in saved:
+        _check_step(where, saved["step"])
+    return local
+
+
+def _check_tensor(what: str, value: Any, p: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        kind = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        raise ValueError(f"{what} is {kind}, not a floating-point tensor: {_FIX}")
+    if shards.is_dtensor(value) and not shards.is_dtensor(p):
+        raise ValueError(
+            f"{what} is sharded (a DTensor) and its parameter is not: load a sharded checkpoint into the model sharded "
+            "the same way, or gather it first (torch.distributed.checkpoint.state_dict.get_optimizer_state_dict with "
+            "StateDictOptions(full_state_dict=True))"
+        )
+
+
+def _check_scalar(what: str, value: Any, local: Any, state: torch.Tensor, p: torch.Tensor, is_scale: bool) -> None:
+    _check_tensor(what, value, p)
+    if shards.is_dtensor(value):  # every rank sees the same global shape: all of them raise, none waits for the others
+        ranks, shapes = _exported_shapes(p)
+        if tuple(value.shape) not in shapes:
+            raise ValueError(
+                f"{what} has shape {tuple(value.shape)}, and its parameter {tuple(p.shape)}, sharded {p.placements} "
+                f"over {ranks} rank(s), takes {' or '.join(str(s) for s in shapes)}: the checkpoint was saved with "
+                "another sharding, and the scales of a parameter sharded on several dimensions reshard with nothing "
+                "else; load it into the model sharded as it was saved, on as many ranks"
+            )
+    fits = local.numel() == 1 or (
+        local.dim() == state.dim() and all(n in (1, size) for n, size in zip(local.shape, state.shape, strict=True))
+    )
+    if not fits:
+        raise ValueError(
+            f"{what} has shape {tuple(local.shape)}, which is neither one number nor one per row (column) of its state "
+            f"{tuple(state.shape)}: it holds one number per rank of a sharded run (a parameter sharded on several "
+            "dimensions, or a checkpoint written before lightning_fp8 saved sharded scales per row). Load it into the "
+            "model sharded as it was saved, on as many ranks, through torch.distributed.checkpoint.state_dict."
+            "set_optimizer_state_dict"
+        )
+    if is_scale:  # the range FP8AdamW writes (see MIN_SCALE): the step multiplies by 1 / scale, inf for 2**-130
+        bad = ~((local >= MIN_SCALE) & (local <= MAX_SCALE))  # NaN too
+        wanted = "finite and positive, from 2**-126 to 2**127 (the scales FP8AdamW writes)"
+    else:
+        bad = ~torch.isfinite(local) | (local < 0)
+        wanted = "finite and >= 0"
+    if bool(bad.any()):
+        raise ValueError(f"{what} has the value {local[bad].reshape(-1)[0].item()}, not {wanted}: {_FIX}")
+
+
+def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
+    """Raise ValueError when this rank's part of state ``key`` holds inf or NaN, is a negative ``exp_avg_sq``, is
+    unscaled with a scale other than 1 (FP8AdamW writes 1, and an adopted weight's forward would divide by it), or
+    exceeds its amax by more than the rounding of its storage (``BOUND_SLACK``).
+
+    The amax is not measured again on loading (a resumed run continues bit-identically): the one-pass scale update
+    bounds the next values of the state from it, and an understated one makes the next step saturate the state.
+    """
+    what, x = f"{where}'s {key!r}", dequantize(local, key)  # fp32, unscaled
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            f"{what} holds inf or NaN: the run had diverged (or the file is corrupt) when it was saved; resume from an "
+            "earlier checkpoint"
+        )
+    if key == "exp_avg_sq" and bool((x < 0).any()):
+        raise ValueError(f"{what} holds negative values (a second moment is a mean of squares, >= 0): {_FIX}")
+    scale, amax = local.get(f"{key}_scale"), local.get(f"{key}_amax")
+    if scale is not None and local[key].dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
+        raise ValueError(
+            f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {local[key].dtype} state, which FP8AdamW "
+            f"stores unscaled (scale 1): {_FIX}"
+        )
+    if amax is not None:  # per row for per-row amaxes, plus the storage's smallest normal (a subnormal's rounding)
+        dtype, amax = local[key].dtype, _broadcast(amax, x)
+        scale = _broadcast(scale, x) if scale is not None and dtype in SCALED_STATE_MAX else 1.0
+        if bool((x.abs() > amax * BOUND_SLACK + torch.finfo(dtype).smallest_normal / scale).any()):
+            raise ValueError(
+                f"{where}'s '{key}_amax' is below the largest value of {key!r} ({x.abs().max().item()}, amax "
+                f"{amax.min().item()}): the next step would pick a scale too large from it and saturate the state. "
+                f"The checkpoint is corrupt or was edited; to load its values anyway, delete '{key}_amax' from the "
+                "state: it is then measured from them"
+            )
+
+
+def _broadcast(scalar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A scale or amax (one number, or one per row) on ``x``'s device, to broadcast against ``x``."""
+    return (scalar.reshape(()) if scalar.numel() == 1 else scalar).to(x.device)
+
+
+# The step is kept as torch.optim.AdamW keeps it, in a float32 tensor, whose ``step += 1`` is exact up to 2**24 (16.8
+# million steps, far more than a training run takes) and then stops counting: no run saves a larger step.
+_MAX_STEP = 2**24
+
+
+def _check_step(where: str, step: Any) -> None:
+    """Raise ValueError unless ``step`` is a number of steps: an integer value from 0 to :data:`_MAX_STEP`, as a Python
+    number or a one-element real tensor (torch.optim.AdamW saves a 0-dim float32 one). Not a bool: True loaded as 1."""
+    try:
+        value = torch.as_tensor(step)
+        count = float(value) if value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool) else None
+    except (TypeError, ValueError, RuntimeError):
+        count = None
+    if count is None or not (0 <= count <= _MAX_STEP and count.is_integer()):  # NaN fails the comparisons
+        raise ValueError(
+            f"{where}'s step is {step!r}, not a whole number of steps from 0 to 2**24 (a float32 step counts no "
+            f"further): {_FIX}"
+        )
