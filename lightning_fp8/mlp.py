@@ -16,10 +16,10 @@ The two layers are ordinary :class:`~lightning_fp8.FP8Linear` modules (``fc``, `
 states, state_dict keys, FP8AdamW's O2 masters and weight copies, statistics and callbacks are those of the unfused
 layers. Where the fused path cannot run the module calls them one after another (``proj(gelu(fc(x)))``): DTensor
 weights (tensor parallelism), forward hooks on ``fc`` or ``proj`` (FSDP2's ``fully_shard`` of one of them, say),
-which the fused path would skip, or a layer replaced by a plain ``nn.Linear`` (kept in high precision). The fused path
-always keeps the input's transposed FP8 copy for the backward and always takes the bias gradients from the gradient
-casts (linear.py's SAVE_INPUT_TRANSPOSE_COMPILED and FUSED_BIAS_GRAD, benchmark switches of FP8Linear, do not apply to
-it).
+which the fused path would skip, a layer replaced by a plain ``nn.Linear`` (kept in high precision), or one layer
+serving as both ``fc`` and ``proj``. The fused path always keeps the input's transposed FP8 copy for the backward and
+always takes the bias gradients from the gradient casts (linear.py's SAVE_INPUT_TRANSPOSE_COMPILED and
+FUSED_BIAS_GRAD, benchmark switches of FP8Linear, do not apply to it).
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class FP8MLP(nn.Module):
     activation dtype before its FP8 cast. Build one from an existing MLP's layers with :meth:`from_modules`.
 
     Where the fused path cannot run (DTensor weights, forward or backward hooks on ``fc`` or ``proj``, a layer that is
-    not an FP8Linear: ``mlp.fc = nn.Linear(...)`` keeps it in high precision), the module computes
+    not an FP8Linear: ``mlp.fc = nn.Linear(...)`` keeps it in high precision, one layer as both ``fc`` and ``proj``),
+    the module computes
     ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double backward and
     activation checkpointing behave as in :class:`~lightning_fp8.FP8Linear` (see there).
 
@@ -275,8 +276,10 @@ class FP8MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc, proj = self.fc, self.proj
         # A layer put back to nn.Linear (kept in high precision): the fused path needs two FP8Linear layers.
-        # Each FP8Linear checks itself (reparametrization, functorch) in its own forward.
-        if not (isinstance(fc, FP8Linear) and isinstance(proj, FP8Linear)):
+        # Each FP8Linear checks itself (reparametrization, functorch) in its own forward. One layer as both fc and
+        # proj: the fused path's two input casts would share one scaling state (an activation-checkpoint recompute
+        # replayed both with the last one's scale); called twice, the layer records and recomputes each call.
+        if fc is proj or not (isinstance(fc, FP8Linear) and isinstance(proj, FP8Linear)):
             return proj(F.gelu(fc(x)))
         check_not_reparametrized(fc)
         check_not_reparametrized(proj)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lightning_fp8.warnings
 from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, ScalingState
 from tests.core.test_linear_wrapping import LoRALinear
 from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
@@ -589,6 +590,38 @@ def test_a_layer_put_back_to_nn_linear_runs_unfused(plain):
     y_ref, dx_ref, grads_ref = run(unfused, ref, x)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
     assert all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+
+
+@pytest.mark.parametrize("fp8_hidden", [False, True])
+def test_one_layer_as_fc_and_proj_runs_unfused_and_checkpoints_within_fp8_accuracy(fp8_hidden, monkeypatch):
+    """Found by a sweep: FP8MLP.from_modules(f, f) fused both input casts into one scaling state; a non-reentrant
+    checkpoint's recompute replayed x's cast with gelu(h)'s scale (saturating): fc's weight gradient 20% off, no
+    warning. The shared layer runs unfused: exactly f(gelu(f(x))), and checkpointed within FP8 accuracy (the recompute
+    of a layer called twice casts with its own amax, with a warning, as FP8Linear documents)."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())  # the recompute's warning is once per process
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 32)
+    with torch.no_grad():
+        linear.weight.mul_(0.05)
+        linear.bias.fill_(3.0)  # x's and gelu(h)'s scales differ
+    f = FP8Linear.from_linear(linear)
+    mlp = FP8MLP.from_modules(f, f, fp8_hidden=fp8_hidden)
+    ref = copy.deepcopy(mlp)
+    x = torch.randn(8, 32) * 50
+    y, dx, grads = run(lambda m, v: m(v), mlp, x.clone().requires_grad_())
+    y_ref, dx_ref, grads_ref = run(unfused, ref, x.clone().requires_grad_())
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+
+    checkpointed = copy.deepcopy(ref)
+    plain = copy.deepcopy(ref)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    weights = torch.linspace(-1, 1, 32)
+    with pytest.warns(UserWarning):  # the layer is called twice in the checkpointed region
+        (torch.utils.checkpoint.checkpoint(checkpointed, xa, use_reentrant=False) * weights).sum().backward()
+    (plain(xb) * weights).sum().backward()
+    assert sqnr(checkpointed.fc.weight.grad, plain.fc.weight.grad) > SAME_CASTS_SQNR_DB
+    assert sqnr(xa.grad, xb.grad) > SAME_CASTS_SQNR_DB
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # nn.Linear's init of the empty weight
