@@ -48,6 +48,7 @@ This module holds the scaler's public surface and its step; its bases, one conce
 from __future__ import annotations
 
 import collections
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable
@@ -72,6 +73,13 @@ _FALLBACKS = ("lower_lr", "bf16")
 Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], str]
 
 
+def _check_number(name: str, value: object, allowed: str, integer: bool = False) -> None:
+    """Raise a ``TypeError`` naming ``name`` unless ``value`` is a real number (an int when ``integer``), not a bool:
+    ``True`` would pass the range checks as 1 and a string would fail them with a bare comparison error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        raise TypeError(f"FP8GradScaler({name}={value!r}): must be {allowed}, got {type(value).__name__}")
+
+
 def _check_arguments(
     init_scale: float, growth_interval: int, saturation_threshold: float, headroom: float,
     min_scale: float, max_scale: float, nonfinite_fallback: Fallback | None, fallback_after: int, lr_factor: float,
@@ -88,6 +96,11 @@ def _check_arguments(
         raise ValueError(
             f"FP8GradScaler: need min_scale <= init_scale <= max_scale, got {min_scale}, {init_scale}, {max_scale}"
         )
+    _check_number("growth_interval", growth_interval, "an int >= 1", integer=True)
+    _check_number("fallback_after", fallback_after, "an int >= 1", integer=True)
+    _check_number("saturation_threshold", saturation_threshold, "a number in [0, 1)")
+    _check_number("headroom", headroom, "a number >= 1")
+    _check_number("lr_factor", lr_factor, "a number in (0, 1)")
     if not isinstance(growth_interval, int) or growth_interval < 1:
         raise ValueError(f"FP8GradScaler(growth_interval={growth_interval!r}): must be an int >= 1")
     if not 0.0 <= saturation_threshold < 1.0:

@@ -534,6 +534,23 @@ def test_bad_arguments_raise(kwargs, match):
         FP8GradScaler(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"growth_interval": True}, "growth_interval=True.*an int >= 1"),
+        ({"fallback_after": True}, "fallback_after=True.*an int >= 1"),
+        ({"headroom": True}, "headroom=True.*a number >= 1"),
+        ({"saturation_threshold": "0.1"}, r"saturation_threshold='0.1'.*a number in \[0, 1\)"),
+        ({"lr_factor": "0.5"}, r"lr_factor='0.5'.*a number in \(0, 1\)"),
+        ({"headroom": "2"}, "headroom='2'.*a number >= 1"),
+    ],
+)
+def test_bool_and_string_arguments_raise_type_errors_naming_the_field(kwargs, match):
+    # True would pass the range checks as 1; a string would fail them with a bare comparison TypeError.
+    with pytest.raises(TypeError, match=match):
+        FP8GradScaler(**kwargs)
+
+
 _DIST_WORKER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist

@@ -268,8 +268,9 @@ def _resolve(
         check_recipe_name(recipe_flag, "--fp8-recipe")
     if tp_plan_flag is not None:
         check_tp_plan(tp_plan_flag, "--fp8-tp-plan")
-    if section is None and recipe_flag is None and os.environ.get(ENV_RECIPE):
-        # Set in the shell: validate it as the training processes will, then pass it on.
+    if section is None and recipe_flag is None and os.environ.get(ENV_RECIPE, "").strip():
+        # Set in the shell: validate it as the training processes will, then pass it on. A blank value counts as
+        # unset, as it does for the training processes: the launcher's default fp8-lm, not FP8-LM off.
         exclude = exclude_flag if exclude_flag is not None else os.environ.get(ENV_EXCLUDE, "")
         tp_plan = tp_plan_flag if tp_plan_flag is not None else os.environ.get(ENV_TP_PLAN, "")
         env = {ENV_RECIPE: os.environ[ENV_RECIPE], ENV_EXCLUDE: exclude, ENV_TP_PLAN: tp_plan}

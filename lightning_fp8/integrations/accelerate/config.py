@@ -14,7 +14,8 @@ and FP8 backend values, so FP8-LM never travels through them. Instead:
                            object of :class:`~lightning_fp8.FP8Recipe` fields, optionally with ``"name"`` as
                            the base recipe: ``{"name": "fp8-lm", "margin": 1}``
 ``LIGHTNING_FP8_EXCLUDE``  comma-separated module name patterns (``fnmatch``) kept in high precision, matched
-                           against each linear layer's qualified name and its last component: ``lm_head``
+                           against each linear layer's qualified name and its last component: ``lm_head``; or a
+                           JSON array of patterns, for patterns with a comma: ``["blocks.[0,1].fc"]``
 ``LIGHTNING_FP8_TP_PLAN``  with Accelerate's tensor parallelism (``ParallelismConfig(tp_size=N)``): the plan the
                            Accelerator applies (``gpt``, the default; ``llama``; ``gpt-no-sp`` / ``llama-no-sp``
                            without sequence parallelism), or ``none`` when the script parallelizes the model itself
@@ -80,12 +81,26 @@ def _named_recipe(name: object, source: str) -> FP8Recipe:
 
 def _exclude_tuple(value: object, source: str) -> tuple[str, ...]:
     if isinstance(value, str):
-        value = [p for p in value.split(",")]
+        value = _exclude_from_json(value) or value.split(",")
     if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
         raise ValueError(
             f"{source}={value!r} must be a list of module name patterns (or a comma-separated string), e.g. ['lm_head']"
         )
     return tuple(p.strip() for p in value if p.strip())
+
+
+def _exclude_from_json(value: str) -> list[str] | None:
+    """The patterns of a JSON array of strings (how :meth:`FP8LaunchConfig.to_env` carries patterns with a comma,
+    such as ``blocks.[0,1].fc``); ``None`` for anything else, read as a comma-separated list."""
+    if not value.strip().startswith("["):
+        return None
+    try:
+        patterns = json.loads(value)
+    except json.JSONDecodeError:
+        return None  # a plain pattern such as ``[ab]c``
+    if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
+        return patterns
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +162,8 @@ class FP8LaunchConfig:
                 f"{source} must be a recipe name or a mapping with keys {list(_SECTION_KEYS)}, got {section!r}"
                 f"{_YAML_BOOL_HINT if isinstance(section, bool) else ''}"
             )
-        unknown = sorted(set(section) - set(_SECTION_KEYS))
+        # YAML reads keys such as `on:` as booleans: sort by repr so mixed types reach the error below.
+        unknown = sorted(set(section) - set(_SECTION_KEYS), key=repr)
         if unknown:
             raise ValueError(f"{source} has unknown key(s) {unknown}: allowed keys are {list(_SECTION_KEYS)}")
         name = section.get("recipe", "fp8-lm")
@@ -156,9 +172,9 @@ class FP8LaunchConfig:
                 f"{source}.recipe is empty: write a recipe name (one of {FP8Recipe.names()}), {OFF!r} to turn FP8-LM "
                 "off, or leave the key out for the default fp8-lm"
             )
-        if name == OFF:
-            return None
-        recipe = _named_recipe(name, f"{source}.recipe")
+        # With `recipe: none` the other values are still checked (against fp8-lm): a broken section is reported
+        # when it is written, not when FP8-LM is switched back on.
+        recipe = _named_recipe("fp8-lm" if name == OFF else name, f"{source}.recipe")
         overrides = {k: v for k, v in section.items() if k in _RECIPE_FIELDS}
         try:
             recipe = recipe.replace(**overrides)
@@ -167,6 +183,8 @@ class FP8LaunchConfig:
         exclude = _exclude_tuple(section.get("exclude_modules", ()), f"{source}.exclude_modules")
         tp_plan = section.get("tp_plan", "gpt")
         check_tp_plan(tp_plan, f"{source}.tp_plan")
+        if name == OFF:
+            return None
         return cls(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan)
 
     # --- environment variables ---------------------------------------------------------------------------
@@ -176,7 +194,11 @@ class FP8LaunchConfig:
         named = {n: FP8Recipe.from_name(n) for n in FP8Recipe.names()}
         name = next((n for n, r in named.items() if r == self.recipe), None)
         recipe = name if name is not None else json.dumps(self.recipe.to_dict(), sort_keys=True)
-        return {ENV_RECIPE: recipe, ENV_EXCLUDE: ",".join(self.exclude_modules), ENV_TP_PLAN: self.tp_plan}
+        exclude = ",".join(self.exclude_modules)
+        if any("," in p for p in self.exclude_modules) or exclude.startswith("["):
+            # A comma inside a pattern (`blocks.[0,1].fc`) would split it: send a JSON array instead.
+            exclude = json.dumps(list(self.exclude_modules))
+        return {ENV_RECIPE: recipe, ENV_EXCLUDE: exclude, ENV_TP_PLAN: self.tp_plan}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FP8LaunchConfig | None:
@@ -190,12 +212,15 @@ class FP8LaunchConfig:
         value = environ.get(ENV_RECIPE, "").strip()
         if not value or value == OFF:
             return None
-        if value.startswith("{"):
+        if value.startswith(("{", "[")):
             recipe = _recipe_from_json(value)
         else:
             recipe = _named_recipe(value, ENV_RECIPE)
         exclude = _exclude_tuple(environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
         return cls(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(environ))
+
+
+_JSON_EXAMPLE = '{"name": "fp8-lm", "margin": 1}'
 
 
 def _recipe_from_json(value: str) -> FP8Recipe:
@@ -204,9 +229,17 @@ def _recipe_from_json(value: str) -> FP8Recipe:
     except json.JSONDecodeError as err:
         raise ValueError(f"{ENV_RECIPE}={value!r} is not valid JSON ({err}): give a recipe name or an object") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{ENV_RECIPE}={value!r} must be a JSON object of FP8Recipe fields")
+        raise ValueError(
+            f"{ENV_RECIPE}={value!r} must be a JSON object of FP8Recipe fields (e.g. {_JSON_EXAMPLE}) or a recipe "
+            f"name, one of {FP8Recipe.names()} (or {OFF!r} to turn FP8-LM off)"
+        )
     name = data.pop("name", "fp8-lm")
-    base = _named_recipe(name, f"{ENV_RECIPE} name")
+    if not isinstance(name, str) or name not in FP8Recipe.names():
+        raise ValueError(
+            f"{ENV_RECIPE}={value!r} has \"name\": {json.dumps(name)}, which is not a base recipe: choose one of "
+            f"{FP8Recipe.names()}; to turn FP8-LM off set {ENV_RECIPE}={OFF} (a name, not a JSON object)"
+        )
+    base = FP8Recipe.from_name(name)
     unknown = sorted(set(data) - set(_RECIPE_FIELDS))
     if unknown:
         raise ValueError(f"{ENV_RECIPE} has unknown FP8Recipe field(s) {unknown}: allowed are {list(_RECIPE_FIELDS)}")

@@ -117,6 +117,15 @@ def _as_list(plugins: Any) -> list[Any]:
     return list(plugins) if isinstance(plugins, Iterable) and not isinstance(plugins, (str, bytes)) else [plugins]
 
 
+def _precision_label(precision: Any, plugin: Any) -> str:
+    """How an error names the FP8 precision the user asked for: ``precision='fp8-lm-o1'``, or the plugin with the
+    name of its recipe when it is a named one."""
+    if isinstance(precision, str) and precision in precision_names():
+        return f"precision={precision!r}"
+    name = next((n for n in FP8Recipe.names() if FP8Recipe.from_name(n) == plugin.recipe), None)
+    return f"{type(plugin).__name__}(recipe={name!r})" if name is not None else f"{type(plugin).__name__}(...)"
+
+
 def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any) -> tuple[Any, Any]:
     """``(precision, plugins)`` as Lightning should see them: our precision strings become a plugin instance."""
     from lightning_fp8.integrations.lightning import precision as precision_mod
@@ -126,7 +135,10 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
     plugin_list = _as_list(plugins)
     base_precision = importlib.import_module(_plugins_module(namespace)).Precision
     user_precision = [p for p in plugin_list if isinstance(p, base_precision)]
-    wants_fp8_strategy = strategy == STRATEGY_NAME or isinstance(strategy, strategy_mod.strategy_class(namespace))
+    # Lightning lowercases strategy names (strategy="FSDP_FP8" is ours too), as check_supported_strategy does.
+    wants_fp8_strategy = (isinstance(strategy, str) and strategy.lower() == STRATEGY_NAME) or isinstance(
+        strategy, strategy_mod.strategy_class(namespace)
+    )
     if getattr(strategy, "_precision_plugin", None) is not None:  # a strategy instance that brings its own plugin
         user_precision.append(strategy._precision_plugin)
 
@@ -137,6 +149,7 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
             f"Trainer(precision={precision!r}) is not a known precision: did you mean {close[0]!r}? The FP8 "
             f"precisions are {list(precision_names())}"
         )
+    requested = precision
     if isinstance(precision, str) and precision in precision_names():
         if user_precision:
             raise ValueError(
@@ -154,7 +167,7 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
         plugin_list.append(precision_cls())
     fp8 = [p for p in plugin_list if isinstance(p, precision_cls)]
     if fp8:
-        strategy_mod.check_supported_strategy(strategy, namespace)
+        strategy_mod.check_supported_strategy(strategy, namespace, _precision_label(requested, fp8[0]))
     return precision, (plugin_list or plugins)
 
 

@@ -260,21 +260,24 @@ _UNSUPPORTED = {
 }
 
 
-def check_supported_strategy(strategy: Any, namespace: str = "lightning") -> None:
+def check_supported_strategy(
+    strategy: Any, namespace: str = "lightning", precision: str = "the FP8-LM precision"
+) -> None:
     """Raise a ``ValueError`` naming the alternative if FP8-LM cannot run under ``strategy`` (a name or instance).
 
     Supported: ``"auto"``, single device, the DDP family, ``"fsdp_fp8"`` and ``ModelParallelStrategy``.
+    ``precision`` names what the user passed in the message (``"precision='fp8-lm-o1'"``).
     """
     if isinstance(strategy, str):
         name = strategy.lower()
         for family, message in _UNSUPPORTED.items():
             if family in name and name != STRATEGY_NAME:
-                raise ValueError(f"precision='fp8-lm' does not support strategy={strategy!r}: {message}")
+                raise ValueError(f"{precision} does not support strategy={strategy!r}: {message}")
         return
     if isinstance(strategy, strategy_class(namespace)):
         return
     for family, types in _strategy_types(namespace).items():
         if isinstance(strategy, types):
             raise ValueError(
-                f"precision='fp8-lm' does not support strategy={type(strategy).__name__}(...): {_UNSUPPORTED[family]}"
+                f"{precision} does not support strategy={type(strategy).__name__}(...): {_UNSUPPORTED[family]}"
             )

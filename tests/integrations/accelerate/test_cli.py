@@ -12,7 +12,7 @@ import yaml
 
 from lightning_fp8 import FP8Recipe
 from lightning_fp8.integrations.accelerate import cli
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN, FP8LaunchConfig
 
 
 @pytest.fixture(autouse=True)
@@ -225,3 +225,24 @@ def test_a_cpu_launch_through_torchrun_keeps_accelerates_default_config_file_out
     assert cli.main(["launch", "--cpu", "--num_processes", "2", str(tmp_path / "train.py")]) == 0
     assert (seen["mixed_precision"], seen["num_processes"], seen["multi_gpu"]) == ("no", 2, True)
     assert seen["recipe"] == "fp8-lm" and os.environ["ACCELERATE_USE_CPU"] == "true"
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t"])
+def test_a_blank_shell_recipe_counts_as_unset_not_as_off(monkeypatch, blank):
+    # Under the launcher an unset LIGHTNING_FP8_RECIPE means fp8-lm: a blank one must not turn FP8-LM off.
+    monkeypatch.setenv(ENV_RECIPE, blank)
+    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "", ENV_TP_PLAN: "gpt"}
+
+
+def test_a_section_pattern_with_a_comma_reaches_the_training_processes_whole(monkeypatch):
+    monkeypatch.delenv(ENV_RECIPE, raising=False)
+    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
+    env = cli._resolve({"exclude_modules": ["blocks.[0,1].fc", "lm_head"]}, None, None, "c.yaml")
+    assert FP8LaunchConfig.from_env(env).exclude_modules == ("blocks.[0,1].fc", "lm_head")
+
+
+def test_a_yaml_boolean_key_in_the_section_is_reported_as_unknown(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("distributed_type: 'NO'\nlightning_fp8:\n  recipe: fp8-lm\n  on: true\n  marg1n: 1\n")
+    assert cli.main(["launch", "--config_file", str(path), str(tmp_path / "missing.py")]) == 2
+    assert re.search(r"unknown key\(s\) \['marg1n', True\]: allowed keys are", capsys.readouterr().err)

@@ -119,3 +119,57 @@ def test_a_recipe_from_code_overrides_a_launch_recipe_that_does_not_parse(monkey
             assert resolve_launch_config(code).recipe == FP8Recipe.from_name(code)
     with pytest.raises(ValueError, match="is not a known FP8 recipe"):
         resolve_launch_config(None)
+
+
+@pytest.mark.parametrize("patterns", [("blocks.[0,1].fc",), ("lm_head", "h[a,b]"), ("[ab]c",), ("lm_head", "fc")])
+def test_exclude_patterns_with_a_comma_reach_the_training_processes_whole(patterns):
+    # An fnmatch class may hold a comma: the launch sends such patterns as a JSON array, not split on commas.
+    cfg = FP8LaunchConfig(recipe=FP8Recipe(), exclude_modules=patterns)
+    env = cfg.to_env()
+    assert FP8LaunchConfig.from_env(env).exclude_modules == patterns
+    if not any("," in p or p.startswith("[") for p in patterns):
+        assert env[ENV_EXCLUDE] == ",".join(patterns)  # plain lists stay comma-separated, as documented
+
+
+def test_exclude_environment_takes_a_json_array_or_a_comma_list():
+    read = FP8LaunchConfig.from_env
+    assert read({ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: '["blocks.[0,1].fc", "lm_head"]'}).exclude_modules == (
+        "blocks.[0,1].fc",
+        "lm_head",
+    )
+    assert read({ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "[ab]c, lm_head"}).exclude_modules == ("[ab]c", "lm_head")
+
+
+def test_unknown_keys_of_mixed_types_are_reported():
+    # YAML reads `on:` as the key True: sorting it with string keys must not raise a bare TypeError.
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['marg1n', True\]: allowed keys are"):
+        FP8LaunchConfig.from_section({"recipe": "fp8-lm", True: True, "marg1n": 1})
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ('{"name": "none", "margin": 1}', r"LIGHTNING_FP8_RECIPE=.* has \"name\": \"none\", which is not a base recipe"
+         r": choose one of \['fp8-lm'.*to turn FP8-LM off set LIGHTNING_FP8_RECIPE=none"),
+        ('[{"margin": 1}]', r"LIGHTNING_FP8_RECIPE='\[\{\"margin\": 1\}\]' must be a JSON object of FP8Recipe fields"),
+        (" [1]", r"LIGHTNING_FP8_RECIPE='\[1\]' must be a JSON object of FP8Recipe fields"),
+    ],
+)
+def test_json_environment_errors_name_the_variable_and_what_is_allowed(value, match):
+    with pytest.raises(ValueError, match=match):
+        FP8LaunchConfig.from_env({ENV_RECIPE: value})
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"recipe": "none", "margin": -5}, r"margin=-5"),
+        ({"recipe": "none", "opt_level": "O9"}, r"opt_level='O9'"),
+        ({"recipe": "none", "tp_plan": "nope"}, r"tp_plan='nope' is not a tensor-parallel plan"),
+        ({"recipe": "none", "exclude_modules": 3}, r"exclude_modules=3 must be a list"),
+    ],
+)
+def test_a_section_turned_off_is_still_checked(section, match):
+    # A broken section is reported when it is written, not when FP8-LM is switched back on.
+    with pytest.raises(ValueError, match=match):
+        FP8LaunchConfig.from_section(section)

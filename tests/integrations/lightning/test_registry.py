@@ -171,3 +171,26 @@ def test_moved_internals_warn_instead_of_breaking_the_import(monkeypatch):
     with pytest.warns(UserWarning, match=r"could not register precision='fp8-lm'.*plugins=\[lightning_fp8"):
         registry.register()
     assert not getattr(Connector._check_config_and_set_final_flags, registry._MARK, False)
+
+
+@pytest.mark.parametrize("name", ["FSDP_FP8", "Fsdp_Fp8"])
+def test_fsdp_fp8_strategy_name_is_case_insensitive_as_in_lightning(name):
+    # Lightning lowercases strategy names: "FSDP_FP8" is fsdp_fp8 and implies the FP8 precision as well.
+    trainer = L.Trainer(strategy=name, devices=1, **TRAINER)
+    assert isinstance(trainer.strategy, FP8FSDPStrategy)
+    assert isinstance(trainer.precision_plugin, FP8LMPrecision)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "fp8-lm-o1", "strategy": "deepspeed"}, r"^precision='fp8-lm-o1' does not support strategy="),
+        ({"plugins": [FP8LMPrecision("fp8-lm-e4m3")], "strategy": "fsdp"},
+         r"^FP8LMPrecision\(recipe='fp8-lm-e4m3'\) does not support strategy='fsdp'"),
+        ({"plugins": [FP8LMPrecision(FP8Recipe(margin=3))], "strategy": FSDPStrategy()},
+         r"^FP8LMPrecision\(\.\.\.\) does not support strategy=FSDPStrategy\(\.\.\.\)"),
+    ],
+)
+def test_unsupported_strategy_errors_name_the_precision_that_was_passed(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(**kwargs, **TRAINER)

@@ -176,3 +176,10 @@ def test_fallen_back_layers_resume_under_another_wrapping():
         fc = module.model.blocks[1].mlp[0]
         assert type(fc) is nn.Linear
         assert torch.equal(fc.weight, checkpoint["state_dict"]["model.blocks.1.mlp.0.weight"])
+
+
+def test_unsupported_strategy_error_without_the_precision_is_neutral():
+    from lightning_fp8.integrations.lightning.strategy import check_supported_strategy
+
+    with pytest.raises(ValueError, match=r"^the FP8-LM precision does not support strategy='deepspeed': DeepSpeed"):
+        check_supported_strategy("deepspeed")
