@@ -289,6 +289,12 @@ class FP8MLP(nn.Module):
             return proj(F.gelu(fc(x)))
         fc._check_input(x, w1, "FP8MLP")
         proj._check_shapes(w2)
+        if fc.out_features != proj.in_features:  # a layer replaced by one of another size (checked before any cast)
+            raise ValueError(
+                f"FP8MLP: fc gives {fc.out_features} features but proj takes {proj.in_features} (a layer was replaced "
+                f"by one of another size); give proj in_features={fc.out_features}, or fc out_features="
+                f"{proj.in_features}"
+            )
         if w2.dtype not in _ACTIVATION_DTYPES:  # fc's is checked with the input
             raise TypeError(f"FP8MLP proj's weight has dtype {w2.dtype}: use float32, bfloat16 or float16 parameters")
         if w2.device != w1.device:

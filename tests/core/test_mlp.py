@@ -206,6 +206,18 @@ def test_bad_input_is_named():
         FP8MLP(32, 100)
 
 
+def test_proj_of_another_size_is_refused_before_any_cast():
+    """A proj replaced by one that does not take fc's output size: a clear error, and no scaling state records a
+    cast (the unfused path's FP8Linear check would name proj's input; the fused path must not reach its GEMM)."""
+    mlp = FP8MLP(32, 64)
+    mlp.proj = FP8Linear(48, 32)
+    with pytest.raises(ValueError, match="fc gives 64 features but proj takes 48"):
+        mlp(torch.randn(4, 32))
+    for layer in (mlp.fc, mlp.proj):
+        for state in layer.fp8_scaling.values():
+            assert state.casts.item() == 0 and not state.amax_history.any()
+
+
 def test_quantize_activation_arguments_are_checked():
     s = ScalingState(torch.float8_e5m2, 4, 0, "max", delayed=True)
     g = torch.randn(8, 16)
