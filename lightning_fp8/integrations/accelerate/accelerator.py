@@ -171,6 +171,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if device_placement is not None and len(device_placement) != len(args):
             return super().prepare(*args, device_placement=device_placement)  # Accelerate's error for it
         self._fp8_check_one_optimizer(args)
+        self._fp8_check_scaler(args)
         self._fp8_check_before_optimizer([obj for obj in args if isinstance(obj, nn.Module)])
         placements = device_placement if device_placement is not None else [None] * len(args)
         args = tuple(
@@ -213,6 +214,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         self._fp8_require_model(optimizer)
         self._fp8_check_one_optimizer((optimizer,))
+        self._fp8_check_scaler((optimizer,))
         if not self.is_fsdp2:
             if self._fp8_tp_enabled:  # built on the unsharded parameters of a model prepared on its own before
                 tensor_parallel.remap_optimizer(optimizer, self._fp8_tp_mapping)
@@ -303,6 +305,24 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
                 "put all parameters in param groups of a single AdamW. Nothing was converted"
             )
 
+    def _fp8_check_scaler(self, args: tuple[Any, ...]) -> None:
+        """Raise ValueError, before anything of ``args`` is converted or swapped, if an FP8AdamW among them brought a
+        gradient scaler (``grad_scaler=``) other than the accelerator's, or two FP8AdamW brought different ones: one
+        gradient scale mu scales the loss and unscales the gradients. With no accelerator scaler yet, the
+        FP8AdamW's own one is adopted (:meth:`_fp8_swap`)."""
+        scalers = [] if self.fp8_grad_scaler is None else [self.fp8_grad_scaler]
+        for obj in args:
+            own = getattr(obj, "grad_scaler", None) if isinstance(obj, FP8AdamW) else None
+            if own is not None and not any(own is s for s in scalers):
+                scalers.append(own)
+        if len(scalers) > 1:
+            raise ValueError(
+                "FP8-LM under Accelerate scales the loss by one gradient scaler, and the FP8AdamW passed to prepare "
+                "brought another one (grad_scaler=) than the accelerator's (accelerator.fp8_grad_scaler, or that of an "
+                "FP8AdamW prepared before): create the FP8AdamW without grad_scaler= (it then reports to the "
+                "accelerator's), or share one FP8GradScaler. Nothing was converted"
+            )
+
     def _fp8_check_before_optimizer(self, models: list[nn.Module]) -> None:
         """Raise ValueError, before any of ``models`` is converted, if the FP8AdamW (O2) of an earlier prepare trains
         weights of their linear layers: it took them for ordinary parameters, and once they become FP8 weights it
@@ -377,8 +397,13 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         elif isinstance(optimizer, FP8AdamW):
             _check_built_after_conversion(optimizer)
             new = optimizer
+            self._fp8_check_scaler((new,))
             if new.grad_scaler is None:  # its gradient casts report to the accelerator's mu
                 new.grad_scaler = self._fp8_scaler()
+            elif self.fp8_grad_scaler is None:  # the user's FP8AdamW brought its own scaler: scale by that mu
+                self.fp8_grad_scaler = new.grad_scaler  # (as FP8LMPrecision does); saved and loaded with the state
+                if self.fp8_grad_scaler.model is None:
+                    self.fp8_grad_scaler.model = self._fp8_scaler_model()
         else:
             new = optimizer
             warn_once(

@@ -128,7 +128,8 @@ class _FP8FSDPStrategyLogic:
             raise ValueError(
                 f"strategy='{STRATEGY_NAME}' loads full (single-file) checkpoints; {str(path)!r} is not one"
             )
-        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        # None (Lightning's default) loads with weights_only=True, as torch>=2.6 does; an explicit False is kept.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
         states = checkpoint.get("optimizer_states")
         resume = states is not None and self.lightning_module.trainer.state.fn == "fit"
         if resume:  # before anything is loaded
