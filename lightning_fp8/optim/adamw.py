@@ -208,6 +208,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         adopting, self._adopting = self._adopting, None
         self._adopt_all(adopting)
         self._register_o1_grad_hooks([p for group in self.param_groups for p in group["params"]])
+        self._claim_grads([p for group in self.param_groups for p in group["params"]])
 
     # -------------------------------------------------------------------------------------------- param handling
     @override
@@ -260,6 +261,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._register_o1_grad_hooks(group["params"])
+        self._claim_grads(group["params"])
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -23,9 +23,9 @@ from lightning_fp8.formats import fp8_max, is_fp8
 from lightning_fp8.optim import grad_cast, master, shards
 
 # The attribute of an FP8 weight naming (by a number of its own) the FP8AdamW whose gradient hook takes its gradients:
-# a later FP8AdamW over the same weight takes them over. A plain int: a weak reference to the parameter (a weak-keyed
-# table) makes torch.utils.swap_tensors refuse it (swap_module_params_on_conversion), one to the optimizer on the
-# parameter makes the model unpicklable.
+# a later FP8AdamW over the same weight takes them over (one that does not hook it clears the mark: _claim_grads). A
+# plain int: a weak reference to the parameter (a weak-keyed table) makes torch.utils.swap_tensors refuse it
+# (swap_module_params_on_conversion), one to the optimizer on the parameter makes the model unpicklable.
 GRAD_OWNER_ATTR = "_lightning_fp8_grad_owner"
 _GRAD_OWNER_IDS = itertools.count(1)
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
@@ -73,6 +73,14 @@ class _FP8Grads:
             if p in self._hooks or not master.is_fp8_weight(p) or not p.requires_grad or shards.is_dtensor(p):
                 continue
             self._register_grad_hook(p)
+
+    def _claim_grads(self, params: Iterable[torch.Tensor]) -> None:
+        """Take the gradients of those of ``params`` this optimizer does not hook (``fp8_grads=False``, frozen,
+        sharded) from an older FP8AdamW's hook: its owner mark is cleared, so that hook leaves them in ``param.grad``
+        for this optimizer's step (and the scaler's ``clip_grad_norm_`` does not count them as held in FP8)."""
+        for p in params:
+            if p not in self._hooks and getattr(p, GRAD_OWNER_ATTR, None) is not None:
+                setattr(p, GRAD_OWNER_ATTR, None)
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
         owner, owner_id = weakref.ref(self), self._grad_owner_id
@@ -185,7 +193,8 @@ class _FP8Grads:
         dense = [shards.local(p.grad) for p in params]
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for grad in dense:
-            by_device[grad.device].append(grad)
+            if grad.numel():  # an empty one is finite, and _foreach_norm(inf) refuses it
+                by_device[grad.device].append(grad)
         for grads in by_device.values():
             norms = torch._foreach_norm(grads, float("inf"))
             flags.append((~torch.isfinite(torch.stack([n.float() for n in norms]))).float())
