@@ -6,13 +6,15 @@ these two functions put it into (and take it out of) a checkpoint beside the mod
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
 
 from lightning_fp8.scaling import ScalingState, _format_max
-from lightning_fp8.stats import clean_name
+from lightning_fp8.stats import clean_name, wraps_as_module
 
 # What the values of a scaling state mean, saved beside its buffers as 0-dim tensors so that a checkpoint written
 # under other recipe settings is refused (a scale computed for E5M2 saturates every E4M3 cast). Checkpoints written
@@ -30,6 +32,39 @@ INITIALIZED = "initialized"
 # [-126, 127], so a scale is a normal fp32 number with a finite reciprocal. Below, it is subnormal, and from 2**-128
 # down its reciprocal is inf: the next cast, or the next optimizer step, writes NaN.
 MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
+
+
+# The grad_output states a checkpoint load filled and not yet matched with the other load of the same checkpoint: by
+# which load ("fp8": load_fp8_state_dict, "scaler": FP8GradScaler.load_state_dict) and the state's cast count then. A
+# scaler load rescales the live grad_output states to its mu, except those an FP8 state load filled since their last
+# cast: those already match the mu saved beside them. So a scaler and the FP8 state of one checkpoint load in either
+# order (Lightning's plugin loads the scaler first, Accelerate the FP8 state). A cast since the load ends the match.
+_PENDING_LOADS: weakref.WeakKeyDictionary[ScalingState, tuple[str, int | None]] = weakref.WeakKeyDictionary()
+
+
+def _cast_count(state: ScalingState) -> int | None:
+    return None if state.casts.is_meta else int(state.casts)
+
+
+def _is_grad_output(name: str) -> bool:
+    return name.endswith("grad_output")
+
+
+def _scaler_loaded(state: ScalingState) -> bool:
+    """A scaler state was loaded: whether ``state`` (a grad_output state) was filled by an FP8 state load since its
+    last cast, and so already matches the loaded mu (it is then not rescaled). Either way the two loads are paired
+    now, or this one waits for an FP8 state load to pair with."""
+    casts = _cast_count(state)
+    if _PENDING_LOADS.get(state) == ("fp8", casts):
+        del _PENDING_LOADS[state]
+        return True
+    _PENDING_LOADS[state] = ("scaler", casts)
+    return False
+
+
+def _forget_loads(state: ScalingState) -> None:
+    """mu changed and ``state`` was rescaled with it: no earlier load is still to be paired."""
+    _PENDING_LOADS.pop(state, None)
 
 
 def _setting_values(state: ScalingState) -> dict[str, float]:
@@ -91,7 +126,14 @@ def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load what :func:`fp8_state_dict` saved. Every value is checked before any is loaded: a bad checkpoint changes
-    nothing. With ``strict=False`` keys the model does not have are ignored and missing ones keep their values.
+    nothing. With ``strict=False`` keys the model does not have are ignored and missing ones keep their values; when
+    no saved key names a state of the model's (nothing would load), a warning says so.
+
+    Names may differ by a wrapper's: a state saved from ``DDP(model)`` or ``DataParallel(model)`` loads into
+    ``model`` and the other way round, also where the model has a child of its own named ``module``.
+
+    Loaded together with an :class:`~lightning_fp8.FP8GradScaler` state from the same checkpoint, in either order,
+    the ``grad_output`` states match the loaded mu (see ``FP8GradScaler.load_state_dict``).
 
     The settings a state was saved with (its format, margin, delayed or current scaling, amax_compute_algo) must be
     the model's: its scale and history mean nothing under others, with or without ``strict``. Checkpoints written
@@ -112,10 +154,18 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
             buffer's dtype (fp32, int64) cannot hold exactly (a float64 scale of 2**200 would be inf in fp32); or
             if the model's scaling state or a saved value is on the ``meta`` device (it holds no data).
     """
-    states, loads, initialized = _checked(module, state_dict, strict, ())
+    states, loads, initialized = _checked(module, state_dict, strict, (), warn=True)
+    grad_outputs = {name for name, _, _ in loads if _is_grad_output(name)}
+    # Loaded right after the scaler (no cast between), from the same checkpoint: the pair is complete.
+    paired = {n for n in grad_outputs if _PENDING_LOADS.get(states[n]) == ("scaler", _cast_count(states[n]))}
     with torch.no_grad():
         for _, buf, value in loads:
             buf.copy_(value)
+    for name in grad_outputs:
+        if name in paired:
+            del _PENDING_LOADS[states[name]]
+        else:  # matches the mu of the scaler state loaded next (if one is, before the next cast)
+            _PENDING_LOADS[states[name]] = ("fp8", _cast_count(states[name]))
     for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
         initialized[state_name] = _inferred(states[state_name])
     for state_name, flag in initialized.items():
@@ -140,24 +190,40 @@ def check_fp8_state_dict(
     _checked(module, state_dict, strict, leaving_out)
 
 
-def _in_model_names(state_dict: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
-    """``state_dict`` keyed as the model names its states, where the two differ only by what wrappers add to names
-    (DDP's leading ``module.``, torch.compile's ``_orig_mod.``, FSDP1's and activation checkpointing's: a state saved
-    from ``DDP(model)`` loads into ``model``, and the other way round); as it is where that would be ambiguous."""
+def _in_model_names(
+    module: nn.Module, state_dict: dict[str, torch.Tensor], expected: set[str]
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` keyed as ``module`` names its states (``expected``), where the two differ only by what wrappers
+    add to names (DDP's leading ``module.``, torch.compile's ``_orig_mod.``, FSDP1's and activation checkpointing's: a
+    state saved from ``DDP(model)`` loads into ``model``, and the other way round); as it is where that would be
+    ambiguous.
+
+    The model's names lose a leading ``module.`` when ``module`` is such a wrapper (``wraps_as_module``), not when
+    it is a child of the user's named ``module`` (an EMA wrapper's): the saved keys are read as they are, or without
+    one leading wrapper ``module.``, and the reading that maps the most keys to the model's states (every one, for a
+    whole state) is taken, the keys as they are on a tie. Only where neither maps more keys than that are the model's
+    names taken without their leading ``module.`` too (a wrapper that ``wraps_as_module`` does not know)."""
     if set(state_dict) <= expected:
         return state_dict
-    model_key = {clean_name(key): key for key in expected}
-    renamed = {model_key.get(clean_name(key), key): value for key, value in state_dict.items()}
-    if len(model_key) != len(expected) or len(renamed) != len(state_dict):  # two names would become one
-        return state_dict
-    return renamed
+    wrapped = wraps_as_module(module)
+    best, matched = state_dict, len(set(state_dict) & expected)
+    for model_strip, saved_strip in ((wrapped, False), (wrapped, True), (True, False), (True, True)):
+        model_key = {clean_name(key, strip_module=model_strip): key for key in expected}
+        if len(model_key) != len(expected):  # two names would become one
+            continue
+        renamed = {model_key.get(clean_name(key, saved_strip), key): value for key, value in state_dict.items()}
+        count = len(set(renamed) & expected)
+        if len(renamed) == len(state_dict) and count > matched:  # else two names would become one
+            best, matched = renamed, count
+    return best
 
 
 def _checked(
-    module: nn.Module, state_dict: object, strict: bool, leaving_out: Collection[nn.Module]
+    module: nn.Module, state_dict: object, strict: bool, leaving_out: Collection[nn.Module], warn: bool = False
 ) -> tuple[dict[str, ScalingState], list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, bool]]:
     """Check ``state_dict`` against ``module``; return its scaling states by name, the ``(state name, buffer, value)``
-    copies to make and the ``initialized`` flags saved, by state name."""
+    copies to make and the ``initialized`` flags saved, by state name. With ``warn``, warn when ``strict`` is off and
+    no key of a non-empty ``state_dict`` names a state of the model's (the load would change nothing)."""
     _check_mapping(state_dict)
     skipped = {id(m) for layer in leaving_out for m in layer.modules()}
     states = {n: m for n, m in module.named_modules() if isinstance(m, ScalingState) and id(m) not in skipped}
@@ -168,7 +234,15 @@ def _checked(
             "the model first (model.to_empty(device=...), then its reset_parameters()), then load its FP8 state"
         )
     expected = {f"{name}.{field}" for name, state in states.items() for field in _fields(state)}
-    state_dict = _in_model_names(state_dict, expected)
+    state_dict = _in_model_names(module, state_dict, expected)
+    if warn and not strict and state_dict and expected and not set(state_dict) & expected:
+        warnings.warn(
+            f"load_fp8_state_dict(strict=False): none of the {len(state_dict)} saved keys (e.g. "
+            f"{next(iter(state_dict))!r}) names an FP8 scaling state of this model (e.g. {min(expected)!r}), so "
+            "nothing was loaded. Load the fp8_state_dict() of this model (or of it wrapped in DDP/DataParallel), or "
+            "pass strict=True to see the missing and unexpected keys",
+            stacklevel=3,
+        )
     settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
     flags = {key for key in expected if key.rpartition(".")[2] == INITIALIZED}
     if strict:

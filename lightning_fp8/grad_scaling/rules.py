@@ -113,14 +113,25 @@ class _ScaleRules:
                               "scale": self._scale})
 
 
-def _rescale_grad_output_states(model: nn.Module, ratio: float) -> None:
+def _rescale_grad_output_states(model: nn.Module, ratio: float, loading: bool = False) -> None:
     """mu changed by ``ratio`` (a power of two), so every loss gradient did too: keep delayed scales exact, within
     the range :func:`lightning_fp8.compute_scale` clamps to (a scale at 2**127, a tiny gradient's, would become inf
-    when mu halves, and every later gradient NaN)."""
+    when mu halves, and every later gradient NaN).
+
+    With ``loading`` (a scaler state was loaded), a state that :func:`~lightning_fp8.load_fp8_state_dict` filled since
+    its last cast is left as it is: it was saved beside that mu (the same checkpoint) and matches it already."""
     from lightning_fp8.scaling import ScalingState
+    from lightning_fp8.state import _forget_loads, _is_grad_output, _scaler_loaded
 
     for name, state in model.named_modules():
-        if isinstance(state, ScalingState) and name.endswith("grad_output"):
+        if isinstance(state, ScalingState) and _is_grad_output(name):
+            if loading:
+                if _scaler_loaded(state):
+                    continue
+            else:
+                _forget_loads(state)
+            if ratio == 1.0:
+                continue
             state.amax_history.mul_(ratio)
             state.amax.mul_(ratio)
             state.scale.div_(ratio).clamp_(2.0**-126, 2.0**127)

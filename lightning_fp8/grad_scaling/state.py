@@ -17,6 +17,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lightning_fp8.grad_scaling.rules import _rescale_grad_output_states
+
 # Actions kept in `history` (oldest dropped first): enough for monitoring, bounded for long runs.
 _HISTORY_LEN = 1000
 # The state dict entries that count (ints >= 0).
@@ -78,6 +80,12 @@ class _ScalerState:
 
         A scale outside this scaler's ``[min_scale, max_scale]`` (saved under other bounds) is brought within them,
         with a warning.
+
+        With ``model``, the ``grad_output`` scaling states of its FP8 layers are rescaled from the old mu to the loaded
+        one, as for every change of mu, so that the next backward casts with the right scale. The model's FP8 state
+        (:func:`~lightning_fp8.load_fp8_state_dict`) loaded from the same checkpoint goes with it in either order:
+        loaded after this, it overwrites the rescaled states with the saved ones; loaded before this (with no backward
+        between), its states already match the saved mu and are not rescaled (a state that has cast since is).
         """
         scale, counters, saturation, history = self._checked_state(state_dict)
         if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
@@ -88,6 +96,8 @@ class _ScalerState:
                 stacklevel=2,
             )
             scale = bounded
+        if self.model is not None:  # before any gradient is cast with the new mu (see above)
+            _rescale_grad_output_states(self.model, scale / self._scale, loading=True)
         self._scale = scale
         self._loss_scale = None  # a loss scaled before the load no longer tells the gradients' mu
         self._growth_tracker = counters["growth_tracker"]
