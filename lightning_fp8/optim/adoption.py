@@ -39,8 +39,11 @@ class _Adoption:
         return f"FP8AdamW(opt_level={self.opt_level!r}, master_dtype={self.master_dtype})"
 
     def _takes_storage(self, p: torch.Tensor) -> bool:
-        """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype."""
-        shareable = master.is_fp8_weight(p) and not shards.is_dtensor(p) and p.requires_grad
+        """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype. Not a sharded weight: a
+        DTensor, or one FSDP1 flattened (``use_orig_params=True``: a view of its flat parameter, which every forward
+        puts back in the flat parameter's dtype); their masters are kept apart."""
+        sharded = shards.is_dtensor(p) or getattr(p, "_fsdp_flattened", False)
+        shareable = master.is_fp8_weight(p) and not sharded and p.requires_grad
         return shareable and master.master_scale(p) is None and p.dtype != self.master_dtype
 
     def _adopt_all(self, params: list[torch.Tensor]) -> None:
