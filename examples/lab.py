@@ -268,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    if args.report_only and not any((args.out / "runs").glob("*.json")):  # before anything is written
+        p.error(f"--report-only: no runs in {args.out}: expected {args.out / 'runs'}/<variant>.json (lab.py --out)")
     return args
 
 

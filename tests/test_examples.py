@@ -263,6 +263,13 @@ def test_lab_report_help_and_an_empty_directory(tmp_path):
         [sys.executable, str(EXAMPLES / "lab_report.py"), str(tmp_path)], capture_output=True, text=True
     )
     assert empty.returncode == 2 and "no runs in" in empty.stderr and "Traceback" not in empty.stderr
+    # lab.py --report-only on a folder without runs: the same usage error, and nothing created there
+    out = tmp_path / "no_lab"
+    lab = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lab.py"), "--report-only", "--out", str(out)], capture_output=True, text=True
+    )
+    assert lab.returncode == 2 and "no runs in" in lab.stderr and "Traceback" not in lab.stderr
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("script", ["train_plain.py", "train_gpt.py"])

@@ -51,5 +51,5 @@ class HealthConfig:
                 raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low}")
         for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value >= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"HealthConfig({name}={value!r}) must be a non-negative number")

@@ -70,7 +70,9 @@ class _LoggingCallback(Callback):
     and logging with or without loggers."""
 
     def __init__(self, log_every_n_steps: int | None) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
             raise ValueError(f"{type(self).__name__}(log_every_n_steps={log_every_n_steps!r}) must be an int >= 1")
         self.log_every_n_steps = log_every_n_steps
         self.last_metrics: dict[str, float] = {}

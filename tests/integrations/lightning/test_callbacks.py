@@ -227,8 +227,13 @@ def test_scale_jumps_are_flagged_both_ways():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="alert_after_steps"):
             FP8ScaleMonitor(alert_after_steps=bad)
-    with pytest.raises(ValueError, match="log_every_n_steps"):
-        TrainingHealthMonitor(log_every_n_steps=0)
+    for bad in (0, True):  # a bool is not a period (True would log every step, and name the state key after it)
+        for monitor_cls in (TrainingHealthMonitor, FP8ScaleMonitor):
+            with pytest.raises(ValueError, match="log_every_n_steps"):
+                monitor_cls(log_every_n_steps=bad)
+    for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
+        with pytest.raises(ValueError, match=name):
+            HealthConfig(**{name: True})
 
 
 def test_scale_jumps_are_not_alerted_during_the_warm_up(recwarn, monkeypatch):
