@@ -76,11 +76,17 @@ def test_fsdp2_fit_with_the_users_own_fp8adamw_gives_o2_states(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_fp8_refuses_the_users_own_fp8adamw_saying_what_to_return(tmp_path):
-    """Under FSDP1 an FP8AdamW built in configure_optimizers keeps its masters in the weights' storage, views into
-    FSDP's flat parameters: its first step failed with a message about a cast model. Refused at setup instead."""
-    for r in _run("fsdp_fp8", tmp_path, False, "--own-fp8adamw"):
-        assert "Return torch.optim.AdamW (or Adam) from configure_optimizers" in r["error"]
+def test_fsdp_fp8_trains_the_users_own_fp8adamw_with_o2_states(tmp_path, single_process_losses):
+    """Under FSDP1 (use_orig_params=True) an FP8AdamW built in configure_optimizers sees the FP8 weights as views into
+    FSDP's flat parameters: it keeps their fp16 masters apart (it once put them in the weights' storage, and its
+    first step failed; the plugin then refused it), and trains as the plugin's own FP8AdamW does."""
+    ranks = _run("fsdp_fp8", tmp_path, False, "--own-fp8adamw")
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+        assert r["optimizer"] == "FP8AdamW" and r["finite"] and len(r["losses"]) == STEPS
+        assert r["fp8_moment_dtypes"] == ["exp_avg:torch.float8_e4m3fn", "exp_avg_sq:torch.float16"]
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    assert mean_losses == pytest.approx(single_process_losses, rel=DATA_PARALLEL_LOSS_RTOL)
 
 
 @pytest.mark.slow
