@@ -207,8 +207,9 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
         adopting, self._adopting = self._adopting, None
         self._adopt_all(adopting)
-        self._register_o1_grad_hooks([p for group in self.param_groups for p in group["params"]])
-        self._claim_grads([p for group in self.param_groups for p in group["params"]])
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._register_o1_grad_hooks(params)
+        self._claim_grads(params)
 
     # -------------------------------------------------------------------------------------------- param handling
     @override

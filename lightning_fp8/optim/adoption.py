@@ -39,10 +39,9 @@ class _Adoption:
         return f"FP8AdamW(opt_level={self.opt_level!r}, master_dtype={self.master_dtype})"
 
     def _takes_storage(self, p: torch.Tensor) -> bool:
-        """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype. Not a sharded weight: a
-        DTensor, or one FSDP1 flattened (``use_orig_params=True``: a view of its flat parameter, which every forward
-        puts back in the flat parameter's dtype); their masters are kept apart."""
-        sharded = shards.is_dtensor(p) or getattr(p, "_fsdp_flattened", False)
+        """Whether :meth:`_adopt` makes ``p``'s storage the master, changing its dtype. Not a sharded weight (a
+        DTensor, or a view of FSDP1's flat parameter): their masters are kept apart."""
+        sharded = shards.is_dtensor(p) or shards.is_fsdp1_view(p)
         shareable = master.is_fp8_weight(p) and not sharded and p.requires_grad
         return shareable and master.master_scale(p) is None and p.dtype != self.master_dtype
 

@@ -13,6 +13,12 @@ def is_dtensor(t: object) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
+def is_fsdp1_view(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an original parameter FSDP1 flattened (``use_orig_params=True``): a view of its flat
+    parameter, which every forward puts back in the flat parameter's dtype."""
+    return bool(getattr(p, "_fsdp_flattened", False))
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (``t`` itself when it is not a DTensor)."""
     return t.to_local() if is_dtensor(t) else t
