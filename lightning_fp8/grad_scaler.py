@@ -60,7 +60,7 @@ from torch import nn
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
-from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _is_power_of_two, _ScalerState
+from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _is_power_of_two, _ScalerState
 from lightning_fp8.grad_scaling.unscaling import (
     _refuse_fp16_grads,
     _step_through_public_step,
@@ -202,6 +202,12 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         # an optimizer that is dropped with gradients pending is not kept alive.
         self._owned: weakref.WeakKeyDictionary[Any, _Counts] = weakref.WeakKeyDictionary()
         self._loss_scale: float | None = None  # mu of the last scale_loss: the one the gradients carry
+        # The last one-value losses scale_loss returned, detached (the value alone: no graph is kept), each with its
+        # serial number and mu; _losses_scaled counts the calls. See scaled_losses.
+        self._scaled_losses: collections.deque[tuple[int, torch.Tensor, float]] = collections.deque(
+            maxlen=_SCALED_LOSSES_KEPT
+        )
+        self._losses_scaled = 0
         self._reset_step_counters()
 
     # ----------------------------------------------------------------------------------------------- read-only stats
@@ -256,7 +262,26 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         another optimizer's :meth:`update` has changed mu before their step; gradients summed over several backwards
         are all unscaled by the last one's mu (see docs/concepts/gradient-scaling.md)."""
         self._loss_scale = self._scale
-        return loss * self._scale
+        scaled = loss * self._scale
+        self._losses_scaled += 1
+        if scaled.numel() == 1:  # a loss; a larger tensor (backward with a gradient) is not kept
+            self._scaled_losses.append((self._losses_scaled, scaled.detach(), self._scale))
+        return scaled
+
+    @property
+    def losses_scaled(self) -> int:
+        """How many times :meth:`scale_loss` was called: a mark to pass to :meth:`scaled_losses` later."""
+        return self._losses_scaled
+
+    def scaled_losses(self, since: int = 0) -> list[tuple[torch.Tensor, float]]:
+        """The one-value losses :meth:`scale_loss` returned after :attr:`losses_scaled` was ``since`` (the last 8 at
+        most), oldest first, each detached (its value: no graph is kept) with the mu it was multiplied by.
+
+        How a reader handed a loss tells whether it carries mu, and which mu, whatever mu is by then: a
+        ``training_step`` that returns ``scaler.scale_loss(loss)`` hands Lightning's callbacks a copy of that value
+        (``TrainingHealthMonitor`` divides it by its mu), one that scales in ``backward`` hands them the loss unscaled.
+        """
+        return [(scaled, mu) for serial, scaled, mu in self._scaled_losses if serial > since]
 
     def record_gradient_cast(
         self,

@@ -21,6 +21,8 @@ from lightning_fp8.grad_scaling.rules import _rescale_grad_output_states
 
 # Actions kept in `history` (oldest dropped first): enough for monitoring, bounded for long runs.
 _HISTORY_LEN = 1000
+# Losses kept by `scaled_losses` (values only): the few scaled since a reader's mark, one or two a step.
+_SCALED_LOSSES_KEPT = 8
 # The state dict entries that count (ints >= 0).
 _COUNTERS = ("growth_tracker", "skipped_steps", "nonfinite_events", "consecutive_nonfinite", "steps")
 
@@ -43,11 +45,14 @@ class _ScalerState:
             state.pop(name, None)
         state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
         state["_restored_run"] = self._longest_nonfinite_run()
+        state["_scaled_losses"] = collections.deque(maxlen=_SCALED_LOSSES_KEPT)  # tensors of this process's steps
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_restored_run", 0)
+        self.__dict__.setdefault("_scaled_losses", collections.deque(maxlen=_SCALED_LOSSES_KEPT))
+        self.__dict__.setdefault("_losses_scaled", 0)
         self._owned = weakref.WeakKeyDictionary()
         self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
         self._nonfinite_runs = weakref.WeakKeyDictionary()

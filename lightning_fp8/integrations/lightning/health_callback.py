@@ -69,10 +69,43 @@ def count_tokens(batch: Any) -> int | None:
     return None if tokens is None else tokens.numel()
 
 
+def _grad_scalers(trainer: Trainer) -> list[Any]:
+    """Every FP8GradScaler of the run: the precision plugin's and the optimizers' (``grad_scaler``), once each."""
+    found = [getattr(trainer.precision_plugin, "grad_scaler", None)]
+    found += [getattr(_unwrap_optimizer(optimizer), "grad_scaler", None) for optimizer in trainer.optimizers]
+    scalers: list[Any] = []
+    for scaler in found:
+        if hasattr(scaler, "scaled_losses") and not any(scaler is seen for seen in scalers):
+            scalers.append(scaler)
+    return scalers
+
+
+def _true_loss(loss: torch.Tensor, normalize: int, scaled_losses: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """``loss * normalize`` in fp32, divided by mu when ``loss`` is ``scaled / normalize`` for one of
+    ``scaled_losses`` (an FP8GradScaler's ``scale_loss`` results, each with the mu it applied); the newest match wins.
+
+    Lightning hands callbacks ``(training_step's loss / normalize).detach().clone()`` (manual optimization: the loss
+    detached), never the tensor scale_loss returned, so the loss is known by its value. mu is a power of two, so where
+    it is not 1 a loss that does not carry it is 2x off at least; a few ulps tell them apart. On the device (no host
+    synchronization).
+    """
+    base = loss.float() * normalize
+    if not loss.is_floating_point():
+        return base
+    rtol = 4 * torch.finfo(loss.dtype).eps
+    true_loss = base
+    for scaled, mu in scaled_losses:
+        if scaled.shape == loss.shape and scaled.dtype == loss.dtype and scaled.device == loss.device:
+            carries_mu = torch.isclose(loss, scaled / normalize, rtol=rtol, atol=0.0)
+            true_loss = torch.where(carries_mu, base / mu, true_loss)
+    return true_loss
+
+
 class TrainingHealthMonitor(_LoggingCallback):
     """Logs training health and alerts on gradient-norm spikes, loss plateaus and non-finite steps.
 
-    Every training batch that stepped it observes the loss (mean over the accumulated micro-batches), the global
+    Every training batch that stepped it observes the loss (mean over the accumulated micro-batches; one that
+    ``training_step`` returned from an FP8GradScaler's ``scale_loss`` divided by the mu that call applied), the global
     gradient norm over the parameters of the optimizers stepped (of the true gradients: under FP8LMPrecision the
     norm of the gradients as they are, divided by the mu they carry; under another precision, divided by the mu of
     a loss the user scaled with the optimizer's FP8GradScaler; those FP8AdamW holds in FP8 with ``fp8_grads``
@@ -133,6 +166,7 @@ class TrainingHealthMonitor(_LoggingCallback):
         self._paused_at: float | None = None
         self._skipped_seen = 0
         self._fallback_seen = -1
+        self._scaling_marks: list[tuple[Any, int]] = []  # each scaler's losses_scaled when the batch started
 
     def _reset_window(self) -> None:
         self._losses: list[torch.Tensor] = []
@@ -167,6 +201,8 @@ class TrainingHealthMonitor(_LoggingCallback):
         if self._paused_at is not None:  # restart the clock where it stopped
             self._t0 = (self._t0 or self._paused_at) + time.perf_counter() - self._paused_at
             self._paused_at = None
+        # A loss training_step scales is scaled after this: on_train_batch_end looks for it among those alone.
+        self._scaling_marks = [(scaler, scaler.losses_scaled) for scaler in _grad_scalers(trainer)]
 
     def _pause_clock(self) -> None:
         if self._t0 is not None and self._paused_at is None:  # the sanity check runs before the clock starts
@@ -217,9 +253,12 @@ class TrainingHealthMonitor(_LoggingCallback):
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            if pl_module.automatic_optimization:  # Lightning divided it by accumulate_grad_batches: undo that
-                loss = loss.detach().float() * trainer.accumulate_grad_batches
-            self._losses.append(loss.detach().float())
+            # Automatic optimization: Lightning divided it by accumulate_grad_batches, undone here. A loss that
+            # training_step returned scaled (scaler.scale_loss(loss)) carries mu; one scaled in backward (an
+            # overridden backward, FP8LMPrecision) does not, and no scale_loss returned its value.
+            normalize = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            scaled = [record for scaler, mark in self._scaling_marks for record in scaler.scaled_losses(since=mark)]
+            self._losses.append(_true_loss(loss.detach(), normalize, scaled))
         samples = count_samples(batch)
         if samples is None:
             warn_once(
