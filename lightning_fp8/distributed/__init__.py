@@ -1,6 +1,7 @@
 """FP8 gradient communication with shared power-of-two scales, and FP8 weight all-gather for FSDP.
 
-- DDP: ``ddp.register_comm_hook(FP8CommState(), fp8_allreduce_hook)``.
+- DDP: ``enable_fp8_ddp(ddp)`` registers :func:`fp8_allreduce_hook` (``ddp.register_comm_hook(state,
+  fp8_allreduce_hook)`` without the check that the state's group is DDP's).
 - FSDP1 (``FullyShardedDataParallel``): ``enable_fp8_fsdp1(model)`` registers :func:`fp8_reduce_scatter_hook`.
 - FSDP2 (``fully_shard``): ``enable_fp8_fsdp2(model)`` installs :class:`FP8ReduceScatter` (gradients) and
   :class:`FP8WeightAllGather` (FP8Linear weights in E4M3).
@@ -13,7 +14,7 @@ See DESIGN.md "FP8 gradient communication" for the numerics.
 from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
 from lightning_fp8.distributed.comm import CastStats, all_gather_fp8, reduce_scatter_fp8
 from lightning_fp8.distributed.comm_state import FP8CommState
-from lightning_fp8.distributed.ddp import fp8_allreduce_hook
+from lightning_fp8.distributed.ddp import enable_fp8_ddp, fp8_allreduce_hook
 from lightning_fp8.distributed.fsdp import enable_fp8_fsdp1, fp8_reduce_scatter_hook
 from lightning_fp8.distributed.fsdp2 import FP8ReduceScatter, FP8WeightAllGather, enable_fp8_fsdp2
 from lightning_fp8.distributed.layout import SegmentLayout
@@ -28,6 +29,7 @@ __all__ = [
     "all_reduce_fp8",
     "all_reduce_fp8_gather",
     "all_reduce_fp8_native",
+    "enable_fp8_ddp",
     "enable_fp8_fsdp1",
     "enable_fp8_fsdp2",
     "fp8_allreduce_hook",

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.allreduce import check_amax_group
-from lightning_fp8.distributed.comm import CastStats, cast_stats, local_amax
+from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax
 from lightning_fp8.distributed.exchange import (
     CollectiveRows,
     SymmetricRows,
@@ -39,6 +39,9 @@ from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.formats import E5M2, check_fp8_dtype
 from lightning_fp8.recipe import MAX_MARGIN
 from lightning_fp8.warnings import warn_once
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Algorithm = Literal["auto", "portable", "native", "gather"]
 _ALGORITHMS = ("auto", "portable", "native", "gather")
@@ -66,7 +69,9 @@ class FP8CommState:
     """State of the FP8 gradient communication hooks (DDP, FSDP1, FSDP2).
 
     Args:
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group (default: the world). Under DDP and FSDP1 it must have the ranks
+            of the wrapper's ``process_group`` (:func:`~.ddp.enable_fp8_ddp` and :func:`~.fsdp.enable_fp8_fsdp1`
+            check it); FSDP2 passes its own groups.
         fp8_dtype: the wire format of gradients. E5M2 (the default, the gradient format of the ``"hybrid"``
             recipe) keeps 32 binades of range inside each tensor; E4M3 has one more mantissa bit (about 6 dB
             more SQNR) but flushes values below ``amax / 2**17`` to zero.
@@ -183,6 +188,10 @@ class FP8CommState:
         # FSDP1: parameter boundaries of each unit's flat gradient, by its size (see fsdp.enable_fp8_fsdp1).
         self._fsdp1_layouts: dict[int, SegmentLayout] = {}
         self.reductions = 0  # collectives run through this state (a Python counter: no sync)
+        # What check_step MAX-reduces the step's flag over, beyond the groups the hooks agree it in (FSDP2 with tensor
+        # parallelism, see _agree_over_mesh); empty: the hooks' groups hold every rank of the model, no collective.
+        self._step_groups: list[dist.ProcessGroup] = []
+        self._step_device = torch.device("cpu")
         if dist.is_available() and dist.is_initialized():
             self._check_groups()
 
@@ -304,11 +313,52 @@ class FP8CommState:
         """True when every gradient reduced since the last call was finite on every rank; clears the flag.
 
         The answer is the same on every rank (the non-finite check rides on the shared-amax all-reduce), so
-        ranks that skip, skip together. Reads one device value (a host synchronization).
+        ranks that skip, skip together. Reads one device value (a host synchronization). Under FSDP2 with tensor
+        parallelism, FSDP's collectives do not reach the tensor-parallel peers, so the flag is also MAX-reduced over
+        the whole mesh here (one all-reduce of one value when the mesh is the world): every rank must call it.
         """
         found = self._found
         self._found = None
+        if self._step_groups:
+            flag = torch.zeros((), device=self._step_device) if found is None else found.float()
+            for group in self._step_groups:
+                all_reduce_max(flag, group)
+            found = flag > 0
         return found is None or not bool(found)
+
+    def _agree_over_mesh(self, mesh: DeviceMesh) -> None:
+        """Make :meth:`check_step` agree over every rank of ``mesh`` (a DeviceMesh), not only over the groups of the
+        hooks' collectives: one MAX all-reduce over the world where ``mesh`` spans it, else one per mesh dimension
+        (a MAX over each dimension in turn is the MAX over the whole mesh)."""
+        if mesh.size() == dist.get_world_size():
+            self._step_groups = [dist.group.WORLD]
+        else:
+            self._step_groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+        self._step_device = torch.device(mesh.device_type)
+
+    def check_wrapper_group(self, group: dist.ProcessGroup | None, wrapper: str) -> None:
+        """Raise if this state reduces over other ranks than ``group``, the process group of the wrapper (DDP,
+        FSDP1) whose gradients it reduces: the gradients would be averaged, and their scales shared, over the
+        wrong ranks. No collective: each rank compares global ranks, so every rank gets the same answer.
+
+        Raises:
+            ValueError: when the groups' ranks differ (in set or order). A different group of the same ranks (e.g. a
+                communicator with high-priority streams) is accepted.
+        """
+        world = dist.group.WORLD
+        mine = self.process_group if self.process_group is not None else world
+        theirs = group if group is not None else world
+        if mine is theirs:
+            return
+        ranks, want = dist.get_process_group_ranks(mine), dist.get_process_group_ranks(theirs)
+        if ranks != want:
+            given = "the default (the world)" if self.process_group is None else "a group"
+            raise ValueError(
+                f"{wrapper}: FP8CommState(process_group=...) is {given} of the ranks {ranks}, but the model's "
+                f"wrapper reduces its gradients over the ranks {want}: the FP8 scales and the mean would be taken "
+                "over the wrong ranks. Build the state with the wrapper's group, FP8CommState(model.process_group, "
+                "...), or pass no state (one is built on it)"
+            )
 
     def reset(self) -> None:
         """Clear the step flag without reading it."""

@@ -2,11 +2,10 @@
 
 ::
 
-    from lightning_fp8.distributed import FP8CommState, fp8_allreduce_hook
+    from lightning_fp8.distributed import enable_fp8_ddp
 
     ddp = DistributedDataParallel(model)
-    state = FP8CommState()
-    ddp.register_comm_hook(state, fp8_allreduce_hook)
+    state = enable_fp8_ddp(ddp)        # ddp.register_comm_hook(FP8CommState(ddp.process_group), fp8_allreduce_hook)
 
 A DDP bucket is one flat buffer holding several parameters' gradients back to back. Each parameter is its own
 scale group (boundaries from ``bucket.parameters()``); the amaxes of the whole bucket travel in one MAX
@@ -32,7 +31,8 @@ _FALLBACK_BLOCK = 1 << 16
 def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a DDP gradient bucket across ranks with FP8 on the wire (1 byte per element plus scales).
 
-    Register with ``ddp.register_comm_hook(FP8CommState(), fp8_allreduce_hook)``. The result is the mean over
+    Register with :func:`enable_fp8_ddp` (which checks that the state's group is DDP's) or
+    ``ddp.register_comm_hook(FP8CommState(ddp.process_group), fp8_allreduce_hook)``. The result is the mean over
     ranks, identical on every rank. A non-finite gradient on any rank sets ``state.found_nonfinite`` on every
     rank (and is reported to ``state.grad_scaler``); see :meth:`FP8CommState.check_step`.
 
@@ -61,6 +61,37 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
         )
         future.set_result(buffer)
     return future
+
+
+def enable_fp8_ddp(model: torch.nn.Module, state: FP8CommState | None = None) -> FP8CommState:
+    """Register :func:`fp8_allreduce_hook` on a DDP model, with a state that reduces over the model's own group.
+
+    ``ddp.register_comm_hook(state, fp8_allreduce_hook)`` does the same without the check: the hook cannot see
+    which group DDP uses, and a state over other ranks averages the gradients over those ranks, with their scales.
+
+    Args:
+        model: a ``torch.nn.parallel.DistributedDataParallel`` module.
+        state: the communication state (default: ``FP8CommState(model.process_group)``).
+
+    Returns:
+        The state (call ``check_step`` per step, or give it a grad scaler).
+
+    Raises:
+        TypeError: if ``model`` is not a DistributedDataParallel module.
+        ValueError: if ``state.process_group`` (the world when not given) has other ranks than
+            ``model.process_group``; raised before the hook is registered.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"enable_fp8_ddp expects a DistributedDataParallel module, got {type(model).__name__}; for "
+            "FullyShardedDataParallel use enable_fp8_fsdp1, for fully_shard (FSDP2) enable_fp8_fsdp2"
+        )
+    state = state if state is not None else FP8CommState(model.process_group)
+    state.check_wrapper_group(model.process_group, "enable_fp8_ddp")
+    model.register_comm_hook(state, fp8_allreduce_hook)
+    return state
 
 
 def _check_fp8_params(state: FP8CommState, bucket: dist.GradBucket) -> None:

@@ -32,8 +32,9 @@ _FALLBACK_BLOCK = 1 << 16
 def fp8_reduce_scatter_hook(state: FP8CommState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
     """FSDP1 communication hook: reduce-scatter (or, without ``output``, all-reduce) ``grad`` through FP8.
 
-    Register through :func:`enable_fp8_fsdp1` (per-parameter scales) or directly with
-    ``fsdp_model.register_comm_hook(FP8CommState(), fp8_reduce_scatter_hook)`` (per-block scales).
+    Register through :func:`enable_fp8_fsdp1` (per-parameter scales; it checks that the state's group is the
+    model's) or directly with ``fsdp_model.register_comm_hook(FP8CommState(fsdp_model.process_group),
+    fp8_reduce_scatter_hook)`` (per-block scales; a state over a group of another size raises at the first backward).
 
     Args:
         state: the :class:`FP8CommState`.
@@ -51,6 +52,14 @@ def fp8_reduce_scatter_hook(state: FP8CommState, grad: torch.Tensor, output: tor
     common = {"margin": state.margin, "fused": state.use_fused(grad.device), "slices": slices}
     group = state.process_group
     world = torch.distributed.get_world_size(group)
+    if output is not None and grad.numel() != world * output.numel():
+        # Registered directly with a state over a group of another size than FSDP's (enable_fp8_fsdp1 checks ranks).
+        raise ValueError(
+            f"fp8_reduce_scatter_hook: FSDP hands a gradient of {grad.numel()} elements for a shard of "
+            f"{output.numel()}, a group of {grad.numel() // max(output.numel(), 1)} ranks, but FP8CommState("
+            f"process_group=...) has {world}: build the state with the model's group, "
+            "FP8CommState(model.process_group), or register through enable_fp8_fsdp1(model)"
+        )
     if output is None:
         _, stats = all_reduce_fp8(grad.view(-1), layout, group, state.fp8_dtype, out=grad.view(-1), **common)
     else:
@@ -86,6 +95,8 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
 
     Raises:
         TypeError: if ``model`` is not an FSDP1 module.
+        ValueError: if ``state.process_group`` (the world when not given) has other ranks than
+            ``model.process_group``; raised before the hook is registered.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -95,6 +106,7 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
             "for fully_shard (FSDP2) models use enable_fp8_fsdp2"
         )
     state = state if state is not None else FP8CommState(model.process_group)
+    state.check_wrapper_group(model.process_group, "enable_fp8_fsdp1")
     world = torch.distributed.get_world_size(state.process_group)
     layouts: dict[int, SegmentLayout] = {}
     for unit in FSDP.fsdp_modules(model):

@@ -343,9 +343,11 @@ def enable_fp8_fsdp2(
     the sharded model.
 
     Every rank agrees on ``state.check_step()``: with HSDP (a 2-D replicate x shard mesh) the step's flag is also
-    reduced over the replicas (one value per module and step). Where the shard group has one rank (one process,
-    or HSDP with a shard size of 1), FSDP runs no reduce-scatter; the gradients are checked in FSDP's all-reduce
-    hook instead (``set_all_reduce_hook``: do not set another one on these modules).
+    reduced over the replicas (one value per module and step); with tensor parallelism (parameters that are DTensors
+    over a data x tensor parallel mesh) ``check_step()`` reduces it over that whole mesh (one value per step), so
+    every rank of the mesh must call it. Where the shard group has one rank (one process, or HSDP with a shard size
+    of 1), FSDP runs no reduce-scatter; the gradients are checked in FSDP's all-reduce hook instead
+    (``set_all_reduce_hook``: do not set another one on these modules).
 
     Args:
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
@@ -381,6 +383,7 @@ def enable_fp8_fsdp2(
     _check_state(model, state)
     mark_fp8_weights(model)
     weights = fp8_linear_weights(model)
+    wider: list = []  # meshes of parameters spread beyond FSDP's groups (tensor parallel)
     for module in fsdp_modules:
         groups = _param_groups(module)
         if not groups:
@@ -392,10 +395,26 @@ def enable_fp8_fsdp2(
             )
         if reduce_scatter:
             _install_reduce_scatter(module, groups[0], state)
+            wider += _mesh_beyond_fsdp(groups[0])
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
             fused = state.use_fused(groups[0].fsdp_params[0].sharded_param.device)
             module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, fused))
+    if wider:
+        state._agree_over_mesh(max(wider, key=lambda mesh: mesh.size()))
     return state
+
+
+def _mesh_beyond_fsdp(param_group) -> list:
+    """``[mesh]``: the device mesh of the group's parameters where it holds more ranks than FSDP's own (the data
+    parallel x tensor parallel mesh of FSDP2 + TP), else ``[]``. FSDP's collectives, and so the non-finite flag
+    riding on them, reach only the ranks of FSDP's mesh; the tensor-parallel peers hold other pieces of the same
+    gradients and must take the same decision."""
+    fsdp_size = param_group.mesh_info.mesh.size()
+    for fsdp_param in param_group.fsdp_params:
+        mesh = getattr(fsdp_param.sharded_param, "device_mesh", None)  # a DTensor over FSDP's mesh, or FSDP + TP's
+        if mesh is not None and mesh.size() > fsdp_size:
+            return [mesh]
+    return []
 
 
 def _check_state(model: nn.Module, state: FP8CommState) -> None:

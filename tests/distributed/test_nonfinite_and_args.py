@@ -1,9 +1,10 @@
 """Non-finite gradients seen on every rank whatever their path, and arguments refused before they can do harm.
 
-- A NaN in a gradient reduced in its own dtype (outside ``fp8_params``), on a one-rank FSDP2 shard group, or in
-  HSDP: ``check_step()`` is False on every rank.
+- A NaN in a gradient reduced in its own dtype (outside ``fp8_params``), on a one-rank FSDP2 shard group, in
+  HSDP, or on one tensor-parallel rank of FSDP2 + TP: ``check_step()`` is False on every rank.
 - Arguments that the hooks could only trip over mid-backward (a backend without FP8 sums, fp8_params that name
-  nothing, a margin past the formats' range, the bf16 fallback of a sharded model) raise where they are given,
+  nothing, a margin past the formats' range, the bf16 fallback of a sharded model, a state over other ranks than
+  the DDP or FSDP1 wrapper's group) raise where they are given,
   with what to do. (A sequence that does not split over the tensor-parallel ranks: test_tensor_parallel.py.)
 
 The multi-process scenarios run in the shared spawns of ``conftest.py`` (worlds 1, 2 and 4); each part reports its
@@ -215,11 +216,101 @@ def _hsdp_gradients(rank: int, world: int, mesh) -> dict:
     return {"w_sqnr": sqnr(w, mean_w), "b_exact": torch.allclose(b, mean_b, rtol=1e-6, atol=0)}
 
 
+class _TPMLP(nn.Module):
+    """fc column-parallel, proj row-parallel: each tensor-parallel rank holds its own half of fc's gradients."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(nn.functional.gelu(self.fc(x)))
+
+
+def _fsdp2_tp_steps(rank: int, mesh) -> dict:
+    """``check_step()`` of FSDP2 (over mesh['dp']) + tensor parallel (over mesh['tp']) after one backward, with a NaN
+    planted in the gradient of fc's output shard of one rank: only the ranks of its data-parallel group see it in
+    FSDP's collectives. The input needs no gradient, so the NaN reaches no tensor-parallel collective either."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8 import convert_to_fp8
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+
+    def plant_nan(_module, _inputs, y: torch.Tensor) -> None:
+        y.register_hook(lambda g: g.index_fill(-1, torch.tensor([3]), math.nan))
+
+    out = {}
+    for nan_rank in (None, 1):
+        torch.manual_seed(0)
+        model = convert_to_fp8(_TPMLP())
+        apply_fp8_tensor_parallel(model, mesh["tp"], plan={"fc": "colwise", "proj": "rowwise"})
+        fully_shard(model, mesh=mesh["dp"])
+        state = enable_fp8_fsdp2(model)
+        if rank == nan_rank:
+            model.fc.register_forward_hook(plant_nan)  # after TP's hook: y is fc's local output shard
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
+        model(x).square().mean().backward()
+        out[nan_rank] = state.check_step()
+    return out
+
+
+def _wrapper_groups(rank: int) -> dict:
+    """enable_fp8_ddp / enable_fp8_fsdp1 given a state over other ranks than the wrapper's group, or over the same."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_fp8.distributed import enable_fp8_ddp, enable_fp8_fsdp1, fp8_reduce_scatter_hook
+
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
+    half, same_ranks = halves[rank // 2], dist.new_group([0, 1, 2, 3])
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def fsdp1(group=None) -> nn.Module:
+        return FSDP(model(), process_group=group, device_id=torch.device("cpu"), use_orig_params=True)
+
+    def backward(wrapped: nn.Module) -> torch.Tensor:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        wrapped(x).square().mean().backward()
+        return wrapped.module[0].weight.grad  # DDP: the mean over the wrapper's group
+
+    def ddp_mean_over_half() -> bool:
+        ddp = DDP(model(), process_group=half)
+        state = enable_fp8_ddp(ddp)  # no state: one is built on DDP's group
+        grad = backward(ddp)
+        ref = model()
+        ref(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+        mean = ref[0].weight.grad.clone()
+        dist.all_reduce(mean, group=half)
+        return state.check_step() and sqnr(grad, mean / 2) >= tol.ALLREDUCE_E5M2_SQNR_DB
+
+    def fsdp1_direct_hook() -> None:
+        wrapped = fsdp1()
+        wrapped.register_comm_hook(FP8CommState(half), fp8_reduce_scatter_hook)
+        backward(wrapped)
+
+    return {
+        "ddp_other_ranks": _error(lambda: enable_fp8_ddp(DDP(model()), FP8CommState(half))),
+        "ddp_default_state_world": _error(lambda: enable_fp8_ddp(DDP(model(), process_group=half), FP8CommState())),
+        "ddp_same_ranks": _error(lambda: enable_fp8_ddp(DDP(model()), FP8CommState(same_ranks))),
+        "ddp_default_state": _error(lambda: enable_fp8_ddp(DDP(model()), FP8CommState())),
+        "ddp_mean_over_half": ddp_mean_over_half(),
+        "fsdp1_other_ranks": _error(lambda: enable_fp8_fsdp1(fsdp1(), FP8CommState(half))),
+        "fsdp1_default_state_world": _error(lambda: enable_fp8_fsdp1(fsdp1(half), FP8CommState())),
+        "fsdp1_same_group": _error(lambda: enable_fp8_fsdp1(fsdp1(half), FP8CommState(half))),
+        "fsdp1_direct_hook_other_size": _error(fsdp1_direct_hook),
+    }
+
+
 def _worker4(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replicas = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     cases = [(None, "w"), (3, "w"), (3, "b")]
     pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 pass it as an amax group of 4 ranks
     return run_parts({
@@ -227,6 +318,8 @@ def _worker4(rank: int, world: int) -> dict:
         "hsdp_mixed_unit": lambda: _fsdp2_steps(rank, _shard_both, lambda m: [m.w.p], cases, hsdp),
         "hsdp_one_shard": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], cases, replicas),
         "hsdp_gradients": lambda: _hsdp_gradients(rank, world, hsdp),
+        "fsdp2_tp": lambda: _fsdp2_tp_steps(rank, dp_tp),
+        "wrapper_groups": lambda: _wrapper_groups(rank),
         "amax_group_of_other_ranks": lambda: _error(lambda: FP8CommState(amax_group=pair)) if rank < 2 else None,
     })  # fmt: skip
 
@@ -271,6 +364,35 @@ def test_hsdp_every_rank_agrees_on_a_nan_of_one_rank(four, case):
     """A NaN on rank 3 of a (2 replicas x 2 shards) mesh: ranks 0 and 1 share no shard group with it."""
     for r in part_results(four, case):
         assert r == {(None, "w"): True, (3, "w"): False, (3, "b"): False}
+
+
+@pytest.mark.slow
+def test_fsdp2_with_tensor_parallel_every_rank_agrees_on_a_nan_of_one_rank(four):
+    """A NaN in fc's gradient shard on rank 1 of a (2 dp x 2 tp) mesh: FSDP's collectives reach rank 3 (its data
+    parallel peer) but not ranks 0 and 2, which hold the other halves of the same gradients. Before check_step
+    reduced over the mesh, ranks 0 and 2 stepped while 1 and 3 skipped: replicas diverged silently."""
+    assert part_results(four, "fsdp2_tp") == [{None: True, 1: False}] * 4
+
+
+@pytest.mark.slow
+def test_a_state_over_other_ranks_than_the_wrappers_group_is_refused(four):
+    """DDP and FSDP1 given an FP8CommState over other ranks than their own group: found by review, it averaged the
+    gradients and shared their scales over the state's ranks without a word."""
+    for rank, r in enumerate(part_results(four, "wrapper_groups")):
+        half = [0, 1] if rank < 2 else [2, 3]
+        for wrapper in ("ddp", "fsdp1"):
+            other, default = r[f"{wrapper}_other_ranks"], r[f"{wrapper}_default_state_world"]
+            assert other.startswith(f"ValueError: enable_fp8_{wrapper}: FP8CommState(process_group=...) is a group "
+                                    f"of the ranks {half}, but the model's wrapper reduces its gradients over the "
+                                    "ranks [0, 1, 2, 3]"), other  # fmt: skip
+            assert "FP8CommState(model.process_group" in other
+            assert default.startswith(f"ValueError: enable_fp8_{wrapper}: FP8CommState(process_group=...) is the "
+                                      f"default (the world) of the ranks [0, 1, 2, 3], but the model's wrapper "
+                                      f"reduces its gradients over the ranks {half}"), default  # fmt: skip
+        assert r["ddp_same_ranks"] == r["ddp_default_state"] == r["fsdp1_same_group"] == "no error"
+        assert r["ddp_mean_over_half"]
+        direct = r["fsdp1_direct_hook_other_size"]
+        assert "a group of 4 ranks, but FP8CommState(process_group=...) has 2" in direct, direct
 
 
 @pytest.mark.slow
