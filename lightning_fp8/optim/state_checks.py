@@ -91,12 +91,20 @@ def _check_no_amsgrad(state_dict: dict[str, Any]) -> None:
 
 
 def _check_groups(groups: Any) -> None:
-    """Raise ValueError for a saved group whose lr, betas, eps or weight_decay the constructor would refuse (NaN, inf,
-    out of range, not a number), or with ``capturable``/``differentiable`` true: the base class would restore them as
-    they are."""
+    """Raise ValueError for a saved group without lr, betas, eps or weight_decay (another optimizer's), whose values the
+    constructor would refuse (NaN, inf, out of range, not a number), or with ``capturable``/``differentiable`` true:
+    the base class would restore them as they are."""
     for i, group in enumerate(groups):
         if not isinstance(group, dict):
             continue  # torch.optim.Optimizer.load_state_dict says what is wrong
+        missing = [name for name in ("lr", "betas", "eps", "weight_decay") if name not in group]
+        if missing:  # another optimizer's groups (SGD's have no betas or eps): not "eps must be a number"
+            raise ValueError(
+                f"FP8AdamW.load_state_dict: parameter group {i} of the state dict has no {missing}: it is not the "
+                "state of an AdamW (another optimizer's, e.g. torch.optim.SGD's, saved it). FP8AdamW loads the state "
+                "dicts of FP8AdamW and torch.optim.AdamW; to switch from another optimizer, start FP8AdamW from its "
+                "fresh state instead of loading that one"
+            )
         try:
             step_.check_hyper_parameters(*(group.get(name) for name in ("lr", "betas", "eps", "weight_decay")))
             step_.check_supported_flags(group)

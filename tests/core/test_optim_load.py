@@ -156,3 +156,20 @@ def test_fp16_moments_without_scales_in_a_state_of_fp8adamw_stay_refused():
     adamw_keys_only = {0: {k: saved["state"][0][k] for k in ("step", "exp_avg", "exp_avg_sq")}}
     with pytest.raises(ValueError, match="without its 'exp_avg_scale'.*torch.optim.AdamW keeps no FP8 moments"):
         opt.load_state_dict({**saved, "state": adamw_keys_only})
+
+
+@pytest.mark.parametrize("other", ["sgd", "rmsprop"])
+def test_another_optimizers_state_dict_is_refused_as_such_and_nothing_changes(other):
+    # SGD's groups have no betas or eps (RMSprop's no betas): refused as another optimizer's state, not with a
+    # complaint about one hyper-parameter, and the FP8AdamW keeps its own state and groups.
+    model, opt = _trained("fp8_adamw_o2")
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "rmsprop": lambda p: torch.optim.RMSprop(p)}
+    foreign = make[other](_model(1).parameters())
+    (_model(1)(torch.randn(4, 32)) ** 2).mean().backward()
+    before = io.BytesIO()
+    torch.save(opt.state_dict(), before)
+    with pytest.raises(ValueError, match="not the state of an AdamW"):
+        opt.load_state_dict(foreign.state_dict())
+    after = io.BytesIO()
+    torch.save(opt.state_dict(), after)
+    assert before.getvalue() == after.getvalue()
