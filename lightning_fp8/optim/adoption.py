@@ -78,10 +78,8 @@ class _Adoption:
         FP8 gradient is handed back.
         """
         if p not in self._low_precision:
-            handle = self._hooks.pop(p, None)
-            if handle is None:
+            if not self._unhook(p):
                 return
-            handle.remove()
             self._grad_casts.flush(self)
             self._hand_back_grad(p, self._pending.pop(p, None))
             return
@@ -111,9 +109,7 @@ class _Adoption:
                 p.copy_(value)
         elif master.master_scale(p) is not None:  # in p's storage (the scale is not moved by module.to(), see export)
             value = p.detach().float() / master.master_scale(p).to(p.device)
-        handle = self._hooks.pop(p, None)
-        if handle is not None:
-            handle.remove()
+        self._unhook(p)
         grad, entry = p.grad, self._pending.pop(p, None)  # master.release drops p.grad (in the storage's dtype)
         master.release(p)
         setattr(p, master.MARKER, False)
@@ -152,9 +148,7 @@ class _Adoption:
             if scale is None or p in self._moments_only:
                 continue
             released = True
-            handle = self._hooks.pop(p, None)  # fp8_grads: only adopted weights are hooked
-            if handle is not None:
-                handle.remove()
+            self._unhook(p)  # fp8_grads: only adopted weights are hooked
             self._pending.pop(p, None)  # a gradient not stepped yet is dropped, as release() drops it
             stored, amax, state = p.detach(), getattr(p, master.AMAX_ATTR), self.state.get(p)
             master.release(p)  # (param.grad too: it had the storage's dtype)

@@ -82,6 +82,18 @@ class _FP8Grads:
             if p not in self._hooks and getattr(p, GRAD_OWNER_ATTR, None) is not None:
                 setattr(p, GRAD_OWNER_ATTR, None)
 
+    def _unhook(self, p: torch.Tensor) -> bool:
+        """Stop holding ``p``'s gradient in FP8: remove the hook and this optimizer's owner mark (a later backward
+        leaves the gradient in ``param.grad``, and the scaler's ``clip_grad_norm_`` no longer counts ``p`` as held).
+        Returns whether ``p`` was hooked."""
+        handle = self._hooks.pop(p, None)
+        if handle is None:
+            return False
+        handle.remove()
+        if getattr(p, GRAD_OWNER_ATTR, None) == self._grad_owner_id:
+            setattr(p, GRAD_OWNER_ATTR, None)
+        return True
+
     def _register_grad_hook(self, p: torch.Tensor) -> None:
         owner, owner_id = weakref.ref(self), self._grad_owner_id
         setattr(p, GRAD_OWNER_ATTR, owner_id)

@@ -114,3 +114,23 @@ def test_a_write_to_a_released_weight_before_the_put_back_is_kept():
     put_back_to_high_precision(model, ["0"], opt)
     # As the next step would have taken it: into the fp16 master (values of a few units: no subnormals at its scale).
     torch.testing.assert_close(model[0].weight.detach(), written, rtol=FP16_UNIT_ROUNDOFF, atol=0)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_released_weight_is_no_longer_counted_as_held_in_fp8(opt_level):
+    # After release (or release_weights), the optimizer no longer holds the weight's gradient: a backward leaves it in
+    # param.grad, and the scaler's clip_grad_norm_ must not refuse the weight as "held in FP8" when its gradient is
+    # None (here: before any backward), as it still did while the owner mark stayed on the weight.
+    from lightning_fp8 import FP8GradScaler
+
+    model = _model()
+    scaler = FP8GradScaler()
+    opt = FP8AdamW(model.parameters(), lr=1e-3, opt_level=opt_level, fp8_grads=True, grad_scaler=scaler)
+    with pytest.raises(ValueError, match="would miss"):
+        scaler.clip_grad_norm_([model[0].weight], 1.0)
+    opt.release(model[0].weight)
+    assert float(scaler.clip_grad_norm_([model[0].weight], 1.0)) == 0.0  # no gradient: norm 0, not refused
+    _backward(model, 1)
+    assert model[0].weight.grad is not None  # the gradient stays in param.grad
+    with pytest.raises(ValueError, match="would miss"):  # the other weight is still held
+        scaler.clip_grad_norm_([model[2].weight], 1.0)
