@@ -7,12 +7,12 @@ these two functions put it into (and take it out of) a checkpoint beside the mod
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
 
+from lightning_fp8 import load_pairing
 from lightning_fp8.scaling import ScalingState, _format_max
 from lightning_fp8.stats import clean_name, wraps_as_module
 
@@ -32,39 +32,6 @@ INITIALIZED = "initialized"
 # [-126, 127], so a scale is a normal fp32 number with a finite reciprocal. Below, it is subnormal, and from 2**-128
 # down its reciprocal is inf: the next cast, or the next optimizer step, writes NaN.
 MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
-
-
-# The grad_output states a checkpoint load filled and not yet matched with the other load of the same checkpoint: by
-# which load ("fp8": load_fp8_state_dict, "scaler": FP8GradScaler.load_state_dict) and the state's cast count then. A
-# scaler load rescales the live grad_output states to its mu, except those an FP8 state load filled since their last
-# cast: those already match the mu saved beside them. So a scaler and the FP8 state of one checkpoint load in either
-# order (Lightning's plugin loads the scaler first, Accelerate the FP8 state). A cast since the load ends the match.
-_PENDING_LOADS: weakref.WeakKeyDictionary[ScalingState, tuple[str, int | None]] = weakref.WeakKeyDictionary()
-
-
-def _cast_count(state: ScalingState) -> int | None:
-    return None if state.casts.is_meta else int(state.casts)
-
-
-def _is_grad_output(name: str) -> bool:
-    return name.endswith("grad_output")
-
-
-def _scaler_loaded(state: ScalingState) -> bool:
-    """A scaler state was loaded: whether ``state`` (a grad_output state) was filled by an FP8 state load since its
-    last cast, and so already matches the loaded mu (it is then not rescaled). Either way the two loads are paired
-    now, or this one waits for an FP8 state load to pair with."""
-    casts = _cast_count(state)
-    if _PENDING_LOADS.get(state) == ("fp8", casts):
-        del _PENDING_LOADS[state]
-        return True
-    _PENDING_LOADS[state] = ("scaler", casts)
-    return False
-
-
-def _forget_loads(state: ScalingState) -> None:
-    """mu changed and ``state`` was rescaled with it: no earlier load is still to be paired."""
-    _PENDING_LOADS.pop(state, None)
 
 
 def _setting_values(state: ScalingState) -> dict[str, float]:
@@ -155,17 +122,14 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
             if the model's scaling state or a saved value is on the ``meta`` device (it holds no data).
     """
     states, loads, initialized = _checked(module, state_dict, strict, (), warn=True)
-    grad_outputs = {name for name, _, _ in loads if _is_grad_output(name)}
+    grad_outputs = {name for name, _, _ in loads if load_pairing.is_grad_output(name)}
     # Loaded right after the scaler (no cast between), from the same checkpoint: the pair is complete.
-    paired = {n for n in grad_outputs if _PENDING_LOADS.get(states[n]) == ("scaler", _cast_count(states[n]))}
+    paired = {name for name in grad_outputs if load_pairing.scaler_load_pending(states[name])}
     with torch.no_grad():
         for _, buf, value in loads:
             buf.copy_(value)
     for name in grad_outputs:
-        if name in paired:
-            del _PENDING_LOADS[states[name]]
-        else:  # matches the mu of the scaler state loaded next (if one is, before the next cast)
-            _PENDING_LOADS[states[name]] = ("fp8", _cast_count(states[name]))
+        load_pairing.fp8_state_loaded(states[name], paired=name in paired)
     for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
         initialized[state_name] = _inferred(states[state_name])
     for state_name, flag in initialized.items():

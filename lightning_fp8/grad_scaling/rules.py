@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fp8 import load_pairing
+
 
 class _ScaleRules:
     """The update rules of mu (see the module docstring); the attributes are ``FP8GradScaler``'s."""
@@ -121,15 +123,14 @@ def _rescale_grad_output_states(model: nn.Module, ratio: float, loading: bool = 
     With ``loading`` (a scaler state was loaded), a state that :func:`~lightning_fp8.load_fp8_state_dict` filled since
     its last cast is left as it is: it was saved beside that mu (the same checkpoint) and matches it already."""
     from lightning_fp8.scaling import ScalingState
-    from lightning_fp8.state import _forget_loads, _is_grad_output, _scaler_loaded
 
     for name, state in model.named_modules():
-        if isinstance(state, ScalingState) and _is_grad_output(name):
+        if isinstance(state, ScalingState) and load_pairing.is_grad_output(name):
             if loading:
-                if _scaler_loaded(state):
+                if load_pairing.scaler_loaded(state):
                     continue
             else:
-                _forget_loads(state)
+                load_pairing.forget_loads(state)
             if ratio == 1.0:
                 continue
             state.amax_history.mul_(ratio)
