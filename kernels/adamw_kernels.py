@@ -13,23 +13,13 @@ The finalize launch then writes, per weight, the statistics the forward records 
 import triton
 import triton.language as tl
 from lightning_fp8.kernels.cast_kernels import _round_to_fp8_grid
+from lightning_fp8.kernels.scaling import _pow2_scale
 
 # Table columns (int64 [T, NCOL] per launch; see kernels/adamw.py): element offsets of param, grad, exp_avg,
 # exp_avg_sq (from the first tensor of each list), addresses of their 3 scales, their 3 amaxes and the grad's
 # scale_inv, the element offset of the high-precision copy, the element count, the address of the grad's amax,
 # the element offset of the FP8 weight copy and the address of its statistics record.
 NCOL = 16
-
-
-@triton.jit
-def _pow2_scale(amax, prev, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr):
-    # 2 ** (floor(log2(fmax / amax)) - margin) from the bit patterns; prev where amax is 0 or not finite.
-    bits = amax.to(tl.int32, bitcast=True)
-    k = (MAX_EXP - ((bits >> 23) & 0xFF)) - ((bits & 0x7FFFFF) > MAX_MANT).to(tl.int32) - MARGIN
-    k = tl.minimum(tl.maximum(k, -126), 127)
-    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    valid = (amax > 0) & (amax < float("inf"))
-    return tl.where(valid, scale, prev)
 
 
 @triton.jit

@@ -151,7 +151,15 @@ def pow2_scale_ref(amax: torch.Tensor, fmax: float, margin: int, prev: torch.Ten
     max_exp, max_mant = float32_exponent_mantissa(fmax)
     a = amax.float()
     bits = a.view(torch.int32)
-    k = (max_exp - ((bits >> 23) & 0xFF)) - ((bits & 0x7FFFFF) > max_mant).to(torch.int32) - margin
+    exp, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    # An fp32 subnormal (exponent field 0) is mant * 2**-149: mant as an fp32 (exact below 2**24) has its normalized
+    # exponent (biased, plus 149) and mantissa. Without it every subnormal read as 2**-127 (a scale 2x or more too
+    # small once the margin brings it under the clamp).
+    sub = mant.float().view(torch.int32)
+    normal = exp != 0
+    exp = torch.where(normal, exp, ((sub >> 23) & 0xFF) - 149)
+    mant = torch.where(normal, mant, sub & 0x7FFFFF)
+    k = (max_exp - exp) - (mant > max_mant).to(torch.int32) - margin
     scale = ((k.clamp(-126, 127) + 127) << 23).view(torch.float32)
     return torch.where(torch.isfinite(a) & (a > 0), scale, prev)
 

@@ -26,8 +26,13 @@ import triton.language as tl
 def _pow2_scale(a, prev, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr):
     # a >= 0 (an amax; NaN was already mapped to inf). Largest k with a * 2**k <= fmax, from exponents then mantissas.
     bits = a.to(tl.int32, bitcast=True)
-    exp = (bits >> 23) & 0xFF
-    k = (MAX_EXP - exp) - ((bits & 0x7FFFFF) > MAX_MANT).to(tl.int32) - MARGIN
+    exp, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    # An fp32 subnormal: its normalized exponent and mantissa from mant as an fp32 (reference.pow2_scale_ref).
+    sub = mant.to(tl.float32).to(tl.int32, bitcast=True)
+    normal = exp != 0
+    exp = tl.where(normal, exp, ((sub >> 23) & 0xFF) - 149)
+    mant = tl.where(normal, mant, sub & 0x7FFFFF)
+    k = (MAX_EXP - exp) - (mant > MAX_MANT).to(tl.int32) - MARGIN
     k = tl.minimum(tl.maximum(k, -126), 127)
     scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
     valid = (a > 0) & (a < float("inf"))

@@ -403,3 +403,15 @@ def test_compute_scale_refuses_a_negative_number(amax):
     with pytest.raises(ValueError, match=re.escape(f"compute_scale(amax={amax!r}): amax is an absolute maximum")):
         compute_scale(amax, E4M3)
     assert compute_scale(-0.0, E4M3, prev_scale=torch.tensor(8.0)).item() == 8.0  # -0.0 is 0: no information
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16])
+@pytest.mark.parametrize("margin", [0, 8, 9, 16])
+def test_compute_scale_of_a_subnormal_amax_matches_definition(dtype, margin):
+    # fp32 subnormals (exponent field 0) have their own exponent: read as 2**-127 they gave a scale 2x-128x too small
+    # once the margin brought it under the 2**127 clamp. The definition in float64 (where they are normal), clamped.
+    fmax = fp8_max(dtype) if dtype != torch.float16 else 65504.0
+    for a in [1e-40, 1.4e-45, 5e-39, 1.1754942e-38, 2.0**-140, 3 * 2.0**-149]:
+        a32 = torch.tensor(a, dtype=torch.float32).item()  # the fp32 value
+        want = min(max(_scale_by_definition(a32, fmax, margin), 2.0**-126), 2.0**127)
+        assert compute_scale(torch.tensor(a32), dtype, margin).item() == want, (a32, margin)

@@ -12,8 +12,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from lightning_fp8.kernels import cast, quantize, reference  # noqa: E402
 from lightning_fp8.kernels.reference import amax_ref, cast_to_fp8_ref, column_sum_ref  # noqa: E402
+from lightning_fp8.kernels.scaling import _pow2_scale  # noqa: E402
 
 from lightning_fp8 import FP8Linear, ops  # noqa: E402
 
@@ -808,3 +811,27 @@ def test_reference_cast_saturates_finite_float64_beyond_fp32_range():
         got = x_fp8.float()
         assert got[:3].tolist() == [fmax, -fmax, fmax]
         assert got[4:].isnan().all() and int(n_saturated) == 3
+
+
+@triton.jit
+def _scales(amax_ptr, out_ptr, n, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr,
+            BLOCK: tl.constexpr):  # fmt: skip
+    # _pow2_scale of each amax (prev 3.0), for the test below.
+    offs = tl.arange(0, BLOCK)
+    a = tl.load(amax_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, _pow2_scale(a, 3.0, MAX_EXP, MAX_MANT, MARGIN), mask=offs < n)
+
+
+def test_pow2_scale_kernel_matches_reference_for_subnormal_amaxes():
+    """kernels/scaling.py's _pow2_scale (every fused cast, FP8AdamW's and the communication kernels' scales) against
+    reference.pow2_scale_ref, bit for bit, over normal and fp32-subnormal amaxes, 0 and inf, at margins that bring
+    the subnormals' scales under the 2**127 clamp (where reading them as 2**-127 showed)."""
+    amax = torch.tensor([1e-40, 1.4e-45, 5e-39, 2.0**-140, 1.1754942e-38, 1e-30, 0.7, 448.0, 0.0, float("inf")])
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = torch.finfo(fp8_dtype).max
+        max_exp, max_mant = reference.float32_exponent_mantissa(fmax)
+        for margin in (0, 9, 16):
+            got = torch.empty(16, device=DEVICE)
+            _scales[(1,)](amax.to(DEVICE), got, amax.numel(), max_exp, max_mant, margin, BLOCK=16)
+            want = reference.pow2_scale_ref(amax, fmax, margin, torch.tensor(3.0))
+            assert torch.equal(got[: amax.numel()].cpu(), want), (fp8_dtype, margin, got, want)
