@@ -17,6 +17,8 @@ comes from the launch (``lightning-fp8 launch``, or ``LIGHTNING_FP8_RECIPE``, se
   checks the whole checkpoint before it changes anything;
 - ``log`` adds the FP8 and health statistics (:mod:`.metrics`) to what the script logs; ``log_fp8_stats`` logs
   them on their own.
+
+The setups it refuses before anything is converted are in :mod:`.refusals`.
 """
 
 from __future__ import annotations
@@ -33,15 +35,14 @@ from typing_extensions import override
 
 from lightning_fp8.convert import fp8_modules
 from lightning_fp8.health import HealthMonitor, scaler_fallbacks, skipped_step_action
-from lightning_fp8.integrations.accelerate import conversion, parallel, tensor_parallel
+from lightning_fp8.integrations.accelerate import conversion, parallel, refusals, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
 from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
 from lightning_fp8.linear import FP8Linear
-from lightning_fp8.mlp import FP8MLP
-from lightning_fp8.optim import FP8AdamW, master
+from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
 from lightning_fp8.recipe import FP8Recipe
@@ -50,23 +51,9 @@ from lightning_fp8.warnings import warn_once
 logger = logging.getLogger("lightning_fp8.accelerate")
 
 
-def _fresh_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) and not getattr(obj, "_is_accelerate_prepared", False)
-
-
 def _same_device(a: torch.device, b: torch.device) -> bool:
     # Accelerate's CPU device is "cpu:0", a CPU tensor's "cpu".
     return a.type == b.type and (a.type == "cpu" or a.index == b.index)
-
-
-def _check_mixed_precision(mixed_precision: Any) -> None:
-    value = str(getattr(mixed_precision, "value", mixed_precision)).lower()  # a string or a PrecisionType
-    if value in ("fp16", "fp8"):
-        raise ValueError(
-            f"mixed_precision={value!r} cannot be combined with FP8-LM: 'fp16' brings a second loss "
-            "scaler and 'fp8' selects Accelerate's own FP8 backends. Use mixed_precision 'bf16' (the usual FP8-LM "
-            f"setting) or 'no', with the recipe from {ENV_RECIPE} / `lightning-fp8 launch`"
-        )
 
 
 class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
@@ -101,7 +88,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if self.fp8_lm_config is not None:  # before Accelerate sets up its process-wide state with it
             # Accelerate's own order: the argument (third positional), else ACCELERATE_MIXED_PRECISION.
             mixed_precision = kwargs.get("mixed_precision", args[2] if len(args) > 2 else None)
-            _check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
+            refusals.check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
         super().__init__(*args, **kwargs)
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None
@@ -127,7 +114,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
                     f"on with `lightning-fp8 launch ...` or {ENV_RECIPE}=fp8-lm (set {ENV_RECIPE}=none to silence this)"
                 )
             return
-        self._fp8_check_supported()
+        refusals.check_supported(self.mixed_precision, self.distributed_type, self.is_fsdp2, self._fp8_tp_enabled)
         self.fp8_health = HealthMonitor()
         self.fp8_report["recipe"] = self.fp8_lm_config.recipe.to_dict()
         # load_state is overridden instead (CheckpointMixin): Accelerate's load hooks run after FSDP's model and
@@ -144,19 +131,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def fp8_lm_recipe(self) -> FP8Recipe | None:
         return self.fp8_lm_config.recipe if self.fp8_lm_config is not None else None
 
-    def _fp8_check_supported(self) -> None:
-        _check_mixed_precision(self.mixed_precision)  # e.g. from an Accelerate config file
-        unsupported = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
-        if self.distributed_type in unsupported:
-            raise ValueError(
-                f"FP8-LM under Accelerate supports single process, DDP and FSDP2, not {self.distributed_type.value}: "
-                f"launch without it, or set {ENV_RECIPE}=none"
-            )
-        if self.distributed_type == DistributedType.FSDP and not self.is_fsdp2:
-            raise ValueError("FP8-LM under Accelerate supports FSDP2 only: set `fsdp_version: 2` in the fsdp_config")
-        if self._fp8_tp_enabled:
-            tensor_parallel.check_fsdp2_combination(self.is_fsdp2)
-
     @property
     def _fp8_tp_enabled(self) -> bool:
         return bool(self.parallelism_config and self.parallelism_config.tp_enabled)
@@ -170,8 +144,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # parameters, so the optimizer built on them stays valid.
         if device_placement is not None and len(device_placement) != len(args):
             return super().prepare(*args, device_placement=device_placement)  # Accelerate's error for it
-        self._fp8_check_one_optimizer(args)
-        self._fp8_check_scaler(args)
+        refusals.check_one_optimizer(args, self._fp8_prepared_optimizer())
+        refusals.check_scaler(args, self.fp8_grad_scaler)
         self._fp8_check_before_optimizer([obj for obj in args if isinstance(obj, nn.Module)])
         placements = device_placement if device_placement is not None else [None] * len(args)
         args = tuple(
@@ -180,13 +154,14 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         )
         if self._fp8_tp_enabled:  # the optimizers were built on the unsharded parameters
             for obj in args:
-                if _fresh_optimizer(obj):
+                if refusals.is_fresh_optimizer(obj):
                     tensor_parallel.remap_optimizer(obj, self._fp8_tp_mapping)
         if not self.is_fsdp2:
             # FP8AdamW (O2) takes over the FP8 weights' storage as its fp16 master: that has to happen before
             # DDP builds its gradient buckets. Under FSDP2 it happens after sharding (_fp8_swap_after_sharding).
-            self._fp8_check_not_after_ddp([obj for obj in args if _fresh_optimizer(obj)])
-            args = tuple(self._fp8_swap(obj) if _fresh_optimizer(obj) else obj for obj in args)
+            optimizers = [obj for obj in args if refusals.is_fresh_optimizer(obj)]
+            refusals.check_not_after_ddp(optimizers, self._fp8_ddp_weights, self.fp8_lm_config.recipe.opt_level)
+            args = tuple(self._fp8_swap(obj) if refusals.is_fresh_optimizer(obj) else obj for obj in args)
         result = super().prepare(*args, device_placement=device_placement)
         if self.is_fsdp2:
             self._fp8_swap_after_sharding()
@@ -212,9 +187,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         if self.fp8_lm_config is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
-        self._fp8_require_model(optimizer)
-        self._fp8_check_one_optimizer((optimizer,))
-        self._fp8_check_scaler((optimizer,))
+        refusals.check_model_prepared(optimizer, self._fp8_models)
+        refusals.check_one_optimizer((optimizer,), self._fp8_prepared_optimizer())
+        refusals.check_scaler((optimizer,), self.fp8_grad_scaler)
         if not self.is_fsdp2:
             if self._fp8_tp_enabled:  # built on the unsharded parameters of a model prepared on its own before
                 tensor_parallel.remap_optimizer(optimizer, self._fp8_tp_mapping)
@@ -292,90 +267,28 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return self._fp8_models[0]
         return nn.ModuleDict({f"model{i}": model for i, model in enumerate(self._fp8_models)})
 
-    def _fp8_check_one_optimizer(self, args: tuple[Any, ...]) -> None:
-        """Raise ValueError, before anything of ``args`` is converted or swapped, if they would make a second
-        optimizer: one gradient scale mu steps one optimizer (a second one prepared in the same call was found only
-        after the model had been converted and the first optimizer replaced)."""
-        fresh = [type(obj).__name__ for obj in args if _fresh_optimizer(obj)]
-        if self._fp8_optimizer is not None:
-            fresh.insert(0, f"{type(self._fp8_optimizer.optimizer).__name__} (prepared before)")
-        if len(fresh) > 1:
-            raise ValueError(
-                f"FP8-LM under Accelerate trains with one optimizer (one gradient scale mu), got {', '.join(fresh)}: "
-                "put all parameters in param groups of a single AdamW. Nothing was converted"
-            )
-
-    def _fp8_check_scaler(self, args: tuple[Any, ...]) -> None:
-        """Raise ValueError, before anything of ``args`` is converted or swapped, if an FP8AdamW among them brought a
-        gradient scaler (``grad_scaler=``) other than the accelerator's, or two FP8AdamW brought different ones: one
-        gradient scale mu scales the loss and unscales the gradients. With no accelerator scaler yet, the
-        FP8AdamW's own one is adopted (:meth:`_fp8_swap`)."""
-        scalers = [] if self.fp8_grad_scaler is None else [self.fp8_grad_scaler]
-        for obj in args:
-            own = getattr(obj, "grad_scaler", None) if isinstance(obj, FP8AdamW) else None
-            if own is not None and not any(own is s for s in scalers):
-                scalers.append(own)
-        if len(scalers) > 1:
-            raise ValueError(
-                "FP8-LM under Accelerate scales the loss by one gradient scaler, and the FP8AdamW passed to prepare "
-                "brought another one (grad_scaler=) than the accelerator's (accelerator.fp8_grad_scaler, or that of an "
-                "FP8AdamW prepared before): create the FP8AdamW without grad_scaler= (it then reports to the "
-                "accelerator's), or share one FP8GradScaler. Nothing was converted"
-            )
+    def _fp8_prepared_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer inside the prepared FP8AcceleratedOptimizer, if one was prepared."""
+        return self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
 
     def _fp8_check_before_optimizer(self, models: list[nn.Module]) -> None:
-        """Raise ValueError, before any of ``models`` is converted, if the FP8AdamW (O2) of an earlier prepare trains
-        weights of their linear layers: it took them for ordinary parameters, and once they become FP8 weights it
-        would keep training them with fp32 states and no fp16 master, without a word (as an FP8AdamW built before the
-        conversion would: :func:`_check_built_after_conversion`). Only the layers the conversion will convert count
-        (:func:`conversion.to_convert`): one it leaves in high precision (its sizes, a tied weight, the filters)
-        trains as before."""
+        # The optimizers of earlier prepares: FP8AdamW (O2) ones must not train the linear weights of ``models``.
         optimizers = [new for _, new in self._fp8_swaps]
         if self._fp8_optimizer is not None:
-            optimizers.append(self._fp8_optimizer.optimizer)
-        held = {id(p) for opt in optimizers if isinstance(opt, FP8AdamW) and opt.opt_level == "O2"
-                for group in opt.param_groups for p in group["params"] if p not in opt._low_precision}  # fmt: skip
-        # The weights of the models prepared already are known to the optimizer as they are (e.g. a high-precision
-        # head, or the same model prepared again).
-        held -= {id(p) for model in self._fp8_models for p in model.parameters()}
-        if not held:
-            return
-        for model in models:
-            layers = conversion.to_convert(model, self.fp8_lm_config, self._fp8_user_filter)
-            late = [name for name, m in layers.items() if id(m.weight) in held]
-            if late:
-                raise ValueError(
-                    f"accelerator.prepare({type(model).__name__}) after the optimizer that trains it: the FP8AdamW "
-                    f"that an earlier prepare built took the weights of its linear layers {late[:5]} for ordinary "
-                    "parameters, so those that prepare makes FP8 weights would train with fp32 states and no fp16 "
-                    "master. Prepare every model the optimizer trains before the optimizer or in the same call "
-                    "(accelerator.prepare(model1, model2, optimizer)). Nothing was converted"
-                )
-
-    def _fp8_check_fallback(self) -> None:
-        """Raise ValueError if the scaler's ``"bf16"`` fallback could put back a prepared model itself.
-
-        With several models it searches the container of :meth:`_fp8_scaler_model`, where a model that is itself an
-        FP8 layer (or FP8MLP, which would become an UnfusedMLP) would be replaced in the container only: the script
-        would train on with the FP8 module the fallback released. With one model the fallback refuses it itself.
-        """
-        if self.fp8_grad_scaler.nonfinite_fallback != "bf16" or len(self._fp8_models) < 2:
-            return
-        roots = [f"model{i} ({type(m).__name__})" for i, m in enumerate(self._fp8_models)
-                 if isinstance(m, (FP8Linear, FP8MLP))]  # fmt: skip
-        if roots:
-            raise ValueError(
-                f"FP8GradScaler(nonfinite_fallback='bf16') cannot put back {', '.join(roots)}: a prepared model that "
-                "is itself an FP8Linear or FP8MLP cannot be replaced in place (your script holds that object). Wrap "
-                "it in a module before accelerator.prepare (e.g. nn.Sequential(layer)), or set the scaler's "
-                "nonfinite_fallback to 'lower_lr'. Nothing was changed"
-            )
+            optimizers.append(self._fp8_prepared_optimizer())
+        refusals.check_before_optimizer(
+            models,
+            optimizers=optimizers,
+            prepared_models=self._fp8_models,
+            config=self.fp8_lm_config,
+            user_filter=self._fp8_user_filter,
+        )
 
     def _fp8_swap(self, optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer`` as FP8AdamW (AdamW/Adam), or unchanged (with a warning for other types)."""
         if any(new is optimizer for _, new in self._fp8_swaps):
             return optimizer
-        self._fp8_require_model(optimizer)
+        refusals.check_model_prepared(optimizer, self._fp8_models)
         name = type(optimizer).__name__
         if is_swappable(optimizer):
             if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in self._models):
@@ -395,9 +308,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             )
             self._fp8_swaps.append((optimizer, new))
         elif isinstance(optimizer, FP8AdamW):
-            _check_built_after_conversion(optimizer)
+            refusals.check_built_after_conversion(optimizer)
             new = optimizer
-            self._fp8_check_scaler((new,))
+            refusals.check_scaler((new,), self.fp8_grad_scaler)
             if new.grad_scaler is None:  # its gradient casts report to the accelerator's mu
                 new.grad_scaler = self._fp8_scaler()
             elif self.fp8_grad_scaler is None:  # the user's FP8AdamW brought its own scaler: scale by that mu
@@ -413,15 +326,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self.fp8_report["optimizer"] = f"{name} -> {type(new).__name__}" if new is not optimizer else name
         self._fp8_info(f"lightning_fp8: optimizer {self.fp8_report['optimizer']}")
         return new
-
-    def _fp8_require_model(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._fp8_models:  # FP8AdamW would keep fp32 states, and the scaler would not know the model
-            raise ValueError(
-                f"accelerator.prepare({type(optimizer).__name__}) before the model: FP8-LM converts the model's linear "
-                "layers first and builds the FP8 optimizer and its gradient scaler on them. Prepare the model first "
-                "(accelerator.prepare(model), then the optimizer) or both together (accelerator.prepare(model, "
-                "optimizer))"
-            )
 
     def _fp8_swap_after_sharding(self) -> None:
         # FSDP2: FP8AdamW is built on the sharded (DTensor) parameters; fully_shard made new parameter objects,
@@ -445,23 +349,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         if distributed and not self.is_fsdp2 and not self._fp8_tp_enabled:
             for model in self._fp8_models:
                 parallel.broadcast_parameters(model)
-
-    def _fp8_check_not_after_ddp(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Raise ValueError, before anything changes, if an optimizer to become FP8AdamW (O2) trains FP8 weights of a
-        model an earlier ``prepare`` wrapped in DDP: taking over their storage as fp16 masters would detach DDP's
-        gradient hooks (FP8AdamW refuses it, with advice for plain PyTorch; here the fix is the prepare call)."""
-        if not self._fp8_ddp_weights:
-            return
-        for optimizer in optimizers:
-            level = optimizer.opt_level if isinstance(optimizer, FP8AdamW) else self.fp8_lm_config.recipe.opt_level
-            params = (p for group in optimizer.param_groups for p in group["params"])
-            if level == "O2" and any(id(p) in self._fp8_ddp_weights for p in params):
-                raise ValueError(
-                    f"accelerator.prepare({type(optimizer).__name__}) under DDP after the model it trains was prepared "
-                    "in an earlier call: at O2 FP8AdamW keeps each FP8 weight's fp16 master in the weight's own "
-                    "storage, which has to happen before DDP wraps the model. Prepare the model and its optimizer in "
-                    "the same call: model, optimizer = accelerator.prepare(model, optimizer). Nothing was changed"
-                )
 
     def _fp8_after_wrap(self, model: nn.Module) -> None:
         if id(model) in self._fp8_wrapped:
@@ -494,7 +381,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         # Training is over: the FP8 weights get their own storage back (unscaled, the model's dtype), as a later
         # optimizer, Accelerator or precision would otherwise train their fp16 masters times a scale.
-        optimizer = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
+        optimizer = self._fp8_prepared_optimizer()
         if isinstance(optimizer, FP8AdamW):
             optimizer.release_weights()
         result = super().free_memory(*objects)
@@ -512,7 +399,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.fp8_grad_scaler is not None:
-            self._fp8_check_fallback()  # before a step can run it
+            refusals.check_fallback(self.fp8_grad_scaler, self._fp8_models)  # before a step can run it
             self._fp8_loss.append(loss.detach())
             loss = self.fp8_grad_scaler.scale_loss(loss)
         super().backward(loss, **kwargs)
@@ -528,7 +415,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        self._check_clippable()
+        refusals.check_clippable(self._fp8_prepared_optimizer())
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         mu = self.fp8_grad_scaler.grad_factor(parameters)  # 1 after fp8_grad_scaler.unscale_(optimizer)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
@@ -544,22 +431,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.fp8_grad_scaler is None or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
-        self._check_clippable()
+        refusals.check_clippable(self._fp8_prepared_optimizer())
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         clip_grad_value_keeping_overflow_(parameters, clip_value * self.fp8_grad_scaler.grad_factor(parameters))
-
-    def _check_clippable(self) -> None:
-        """Raise if the prepared FP8AdamW holds FP8 weights' gradients outside ``param.grad`` (``fp8_grads=True``, a
-        user's own optimizer): clipping would miss them."""
-        optimizer = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
-        if getattr(optimizer, "holds_fp8_grads", False):
-            raise ValueError(
-                "accelerator.clip_grad_norm_/clip_grad_value_ would miss the FP8 weights' gradients, which the "
-                "prepared "
-                "FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed): create "
-                "it with fp8_grads=False (or pass a torch AdamW, which prepare() swaps with fp8_grads=False), or do "
-                "not clip"
-            )
 
     def _fp8_on_step(self, stepped: bool) -> None:
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.
@@ -582,23 +456,3 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             if self.is_main_process:
                 logger.warning(f"lightning_fp8 health: {event.message} (action: {event.action})")
         self._fp8_loss, self._fp8_grad_norm = [], None
-
-
-def _check_built_after_conversion(optimizer: FP8AdamW) -> None:
-    """Raise ValueError if ``optimizer`` (O2) was built before the model's linear layers became FP8 (prepare converts
-    them): it took their weights for ordinary parameters, and would train them with fp32 states and no fp16 master,
-    without a word."""
-    if optimizer.opt_level != "O2":  # O1 gives every parameter fp32 states: the FP8 weights differ by no state
-        return
-    missed = [
-        p for group in optimizer.param_groups for p in group["params"]
-        if master.is_fp8_weight(p) and p not in optimizer._low_precision
-    ]  # fmt: skip
-    if missed:
-        raise ValueError(
-            f"accelerator.prepare got an FP8AdamW built before the model's conversion: {len(missed)} of its "
-            "parameters became FP8 weights afterwards (the first of shape "
-            f"{tuple(missed[0].shape)}), which it keeps with fp32 states instead of O2's. Build it after "
-            "convert_to_fp8(model) or after accelerator.prepare(model), or pass a torch.optim.AdamW, which prepare() "
-            "replaces with an FP8AdamW"
-        )
