@@ -107,6 +107,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
+        self._fp8_clipping = False  # in Accelerate's clip_grad_norm_ (its unscale_gradients call is not the script's)
         if self.fp8_lm_config is None:
             if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
                 warn_once(
@@ -400,9 +401,47 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.fp8_grad_scaler is not None:
             refusals.check_fallback(self.fp8_grad_scaler, self._fp8_models)  # before a step can run it
+            if self._fp8_optimizer is not None:  # gradients unscale_gradients unscaled carry mu again
+                self._fp8_optimizer.scale_back()
             self._fp8_loss.append(loss.detach())
             loss = self.fp8_grad_scaler.scale_loss(loss)
         super().backward(loss, **kwargs)
+
+    @override
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Under FP8-LM: divide the prepared optimizer's gradients by mu in place, the true gradients for the
+        script's own clipping or reading (as Accelerate's fp16 ``GradScaler.unscale_``). They carry mu again from
+        the next ``backward`` or the step on (the step unscales inside FP8AdamW's fused kernel; fp16 gradients get
+        their scaled values back where nothing changed them); a second call before then changes nothing.
+        ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` clip the true gradients either way.
+
+        Raises:
+            ValueError: when the prepared FP8AdamW holds the FP8 weights' gradients outside ``param.grad``
+                (``fp8_grads=True``: a script's own clipping would miss them), or for an ``optimizer`` that was not
+                prepared by this accelerator.
+        """
+        if self.fp8_grad_scaler is None or self._fp8_clipping:  # Accelerate's clip_grad_norm_ calls it: mu is ours
+            return super().unscale_gradients(optimizer)
+        prepared = self._fp8_optimizer
+        given = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        strays = [opt for opt in given if prepared is None or opt not in (prepared, prepared.optimizer)]
+        if strays:
+            raise ValueError(
+                f"accelerator.unscale_gradients: the {type(strays[0]).__name__} given was not prepared by this "
+                "accelerator (under FP8-LM the gradients carry mu for the prepared optimizer's step): pass the "
+                "optimizer accelerator.prepare returned, or none"
+            )
+        if prepared is not None:
+            refusals.check_clippable(prepared.optimizer, "accelerator.unscale_gradients")
+            prepared.unscale(self.fp8_grad_scaler.loss_scale)
+        return None
+
+    def _fp8_grad_factor(self, parameters: list[torch.Tensor]) -> float:
+        """The factor ``parameters``' gradients carry: 1 while :meth:`unscale_gradients` has them unscaled, else the
+        scaler's (mu, or 1 after ``fp8_grad_scaler.unscale_``)."""
+        if self._fp8_optimizer is not None and self._fp8_optimizer.unscaled is not None:
+            return 1.0
+        return self.fp8_grad_scaler.grad_factor(parameters)
 
     @override
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
@@ -417,9 +456,13 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         refusals.check_clippable(self._fp8_prepared_optimizer())
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        mu = self.fp8_grad_scaler.grad_factor(parameters)  # 1 after fp8_grad_scaler.unscale_(optimizer)
+        mu = self._fp8_grad_factor(parameters)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
-            total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
+            self._fp8_clipping = True  # its unscale_gradients call leaves mu as it is
+            try:
+                total = super().clip_grad_norm_(parameters, max_norm * mu, norm_type)
+            finally:
+                self._fp8_clipping = False
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
             total = total / mu
         else:
@@ -433,7 +476,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
         refusals.check_clippable(self._fp8_prepared_optimizer())
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        clip_grad_value_keeping_overflow_(parameters, clip_value * self.fp8_grad_scaler.grad_factor(parameters))
+        clip_grad_value_keeping_overflow_(parameters, clip_value * self._fp8_grad_factor(parameters))
 
     def _fp8_on_step(self, stepped: bool) -> None:
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.

@@ -19,6 +19,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from typing_extensions import override
 
+from lightning_fp8.integrations.clipping import UnscaledGradients
 from lightning_fp8.optim import FP8AdamW, swap
 
 _OPT_OUT = "launch with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
@@ -57,6 +58,27 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         # torch.distributed.checkpoint; Accelerate's own optimizer file then holds a placeholder.
         self.sharded_states = False
         self.replaced: list[torch.optim.Optimizer] = []  # the script's optimizers that self.optimizer replaced
+        self.unscaled: UnscaledGradients | None = None  # accelerator.unscale_gradients's true gradients (unscale)
+
+    def unscale(self, mu: float) -> None:
+        """Divide the gradients by ``mu`` in place until :meth:`scale_back` (the next backward, or the step, which
+        unscales inside FP8AdamW's fused kernel): fp16 gradients keep their scaled values where nothing changes
+        them meanwhile (:class:`~lightning_fp8.integrations.clipping.UnscaledGradients`). Already unscaled, or mu 1:
+        nothing to do."""
+        if self.unscaled is None and mu != 1.0:
+            self.unscaled = UnscaledGradients(self.optimizer, mu)
+
+    def scale_back(self) -> None:
+        """End :meth:`unscale`: the gradients carry mu again (a no-op when they are not unscaled)."""
+        region, self.unscaled = self.unscaled, None
+        if region is not None:
+            region.scale_back()
+
+    @override
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.gradient_state.sync_gradients:  # Accelerate's zero_grad clears them then (not while accumulating)
+            self.unscaled = None
+        super().zero_grad(set_to_none)
 
     def take_over(self, replaced: torch.optim.Optimizer) -> None:
         """Make the LR schedulers built on ``replaced`` (the script's AdamW, which ``self.optimizer`` replaced in
@@ -143,6 +165,7 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
                 "FP8-LM optimizer steps take no closure: the loss is scaled by mu in accelerator.backward and the "
                 "step may be skipped on a non-finite gradient, which a closure re-evaluation cannot follow"
             )
+        self.scale_back()  # the step unscales by mu itself (and checks the gradients as they then are)
         if not self.gradient_state.sync_gradients:
             return
         stepped = bool(self.grad_scaler.step(self.optimizer))
