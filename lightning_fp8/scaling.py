@@ -22,18 +22,24 @@ import math
 import numbers
 import sys
 import weakref
-from typing import get_args
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_fp8 import ops
-from lightning_fp8.formats import FP8_DTYPES, fp8_max
+from lightning_fp8 import compiled_casts, ops
+from lightning_fp8.cast_checks import check_activation, check_castable, check_state_settings, check_unscale
+from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
-from lightning_fp8.recipe import MAX_MARGIN, AmaxComputeAlgo, as_count, check_settings
+from lightning_fp8.recipe import MAX_MARGIN, as_count
 
 ROLES = ("input", "weight", "grad_output")
+# How a cast is traced under torch.compile (lightning_fp8/compiled_casts.py says what each does and why the defaults):
+# True: the delayed casts of activations and gradients as tensor ops that inductor fuses into their input's producer.
+FUSED_CASTS = False
+# True: a CUDA tensor's cast as kernels/quantize.py's triton_op, launched from the generated code; False: one opaque
+# custom op per cast, as on the CPU.
+TRACE_TRITON_CASTS = True
 
 
 def _format_max(dtype: torch.dtype) -> float:
@@ -141,7 +147,7 @@ class ScalingState(nn.Module):
     ) -> None:
         super().__init__()
         history_len, margin = as_count(history_len), as_count(margin)
-        _check_settings(fp8_dtype, history_len, margin, algo)
+        check_state_settings(fp8_dtype, history_len, margin, algo)
         if type(delayed).__name__ not in ("bool", "bool_"):  # a Python or NumPy bool
             raise TypeError(
                 f"ScalingState(delayed={delayed!r}) must be a bool: True for delayed scaling (FP8Recipe "
@@ -302,7 +308,7 @@ class ScalingState(nn.Module):
         if not torch.compiler.is_compiling():  # traced, x comes from a checked layer (a backward may not read layout)
             check_castable(x, "ScalingState.quantize")
         if unscale is not None:
-            _check_unscale(self, current)
+            check_unscale(self, current)
         for flag, name in ((column_sum, "column_sum"), (transpose, "transpose")):
             if flag and x.dim() != 2:
                 raise ValueError(
@@ -310,7 +316,7 @@ class ScalingState(nn.Module):
                     "(rows, columns) first"
                 )
         if activation is not None or keep_input:
-            activation_input = _check_activation(
+            activation_input = check_activation(
                 x, activation, activation_input, activation_scale_inv, keep_input, column_sum
             )
         note = current is None
@@ -341,8 +347,8 @@ class ScalingState(nn.Module):
         if torch.compiler.is_compiling():
             buffers = self.cast_buffers()
             if FUSED_CASTS and self.delayed and unscale is None and not column_sum and activation is None and x.numel():
-                return _fused_quantize(x, buffers, *mode, current, transpose)
-            out = _traced_quantize(x)(
+                return compiled_casts.fused_quantize(x, buffers, *mode, current, transpose)
+            out = compiled_casts.quantize_op_for(x, TRACE_TRITON_CASTS)(
                 x, *buffers, *mode, current, transpose, unscale, column_sum, activation or "", activation_input,
                 activation_scale_inv, keep_input,
             )  # fmt: skip
@@ -429,234 +435,3 @@ def _tracing(t: torch.Tensor) -> bool:
         return True
     keys = torch._C._TorchDispatchModeKey
     return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
-
-
-def check_castable(x: object, caller: str) -> None:
-    """Raise TypeError unless ``x`` is a dense tensor of a floating dtype a cast reads (float16 to float64): integer,
-    bool and complex values would be cast as numbers they are not, an FP8 tensor is cast already, and a sparse or
-    nested tensor has no dense rows for the kernels."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{caller} expects a tensor, got {type(x).__name__}")
-    if x.is_nested or x.layout != torch.strided:
-        layout = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
-        raise TypeError(f"{caller} takes dense tensors, got {layout}: pass x.to_dense() (or the padded values)")
-    if x.dtype in FP8_DTYPES:
-        raise TypeError(f"{caller} got an FP8 tensor ({x.dtype}): it is cast already; use it with its scale_inv")
-    if not x.is_floating_point() or x.dtype.itemsize < 2:
-        raise TypeError(
-            f"{caller} casts float16, bfloat16, float32 or float64 values, got {x.dtype}: convert the tensor first "
-            "(e.g. x.float())"
-        )
-
-
-def _check_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo: str) -> None:
-    # ScalingState's arguments, by FP8Recipe's rules (recipe.py: __post_init__); the casts would otherwise fail only at
-    # the first cast (IndexError, KeyError) or silently do something else (an unknown algo as "most_recent").
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(
-            f"ScalingState(fp8_dtype={fp8_dtype}) is not supported: choose torch.float8_e4m3fn (E4M3) or "
-            "torch.float8_e5m2 (E5M2)"
-        )
-    algos = get_args(AmaxComputeAlgo)
-    check_settings("ScalingState", {"algo": (algo, algos)}, {"history_len": (history_len, 1), "margin": (margin, 0)})
-
-
-def _check_unscale(state: ScalingState, current: bool | None) -> None:
-    # ScalingState.quantize(unscale=...): the kernels divide the recorded amaxes (the whole history) by unscale and
-    # multiply the stored scale by it, which is right only when every cast computes its scale from x itself and the
-    # history holds this cast's amax alone.
-    own_scale = bool(current) if current is not None else not state.delayed
-    if not own_scale or state.amax_history.numel() != 1:
-        why = (
-            f"a history of {state.amax_history.numel()} amaxes (each cast would divide all of them again)"
-            if own_scale
-            else f"current={current} on a {'delayed' if state.delayed else 'current'}-scaling state (the cast would "
-            "apply the scale stored for t to x = t * unscale)"
-        )
-        raise ValueError(
-            f"ScalingState.quantize(unscale=...) needs a cast that computes its own scale from x (current=True, or "
-            f"current=None on a current-scaling state) and a history of length 1, as weight states have; got {why}. "
-            "Pass x / unscale without unscale instead"
-        )
-
-
-def _check_activation(
-    x: torch.Tensor,
-    activation: str | None,
-    activation_input: torch.Tensor | None,
-    activation_scale_inv: torch.Tensor | None,
-    keep_input: bool,
-    column_sum: bool,
-) -> torch.Tensor | None:
-    # ScalingState.quantize's activation arguments, checked; returns activation_input detached and contiguous.
-    if keep_input and (activation != "gelu" or column_sum):
-        raise ValueError(
-            f"ScalingState.quantize(keep_input=True) keeps a GELU's input: it needs activation='gelu' and no "
-            f"column_sum, got activation={activation!r}, column_sum={column_sum}"
-        )
-    if activation not in reference.ACTIVATIONS:
-        raise ValueError(
-            f"ScalingState.quantize(activation={activation!r}): choose one of {reference.ACTIVATIONS} or None"
-        )
-    if x.dim() != 2:
-        raise ValueError(f"ScalingState.quantize(activation={activation!r}) needs a 2-D tensor, got {tuple(x.shape)}")
-    if activation != "gelu_backward":
-        if activation_input is not None or activation_scale_inv is not None:
-            raise ValueError(
-                f"ScalingState.quantize(activation={activation!r}) takes no activation_input or activation_scale_inv"
-            )
-        return None
-    if activation_input is None or activation_input.shape != x.shape or activation_input.device != x.device:
-        got = None if activation_input is None else (tuple(activation_input.shape), str(activation_input.device))
-        raise ValueError(
-            f"ScalingState.quantize(activation='gelu_backward') needs activation_input, the GELU's input, of the "
-            f"gradient's shape {tuple(x.shape)} on {x.device}; got {got}"
-        )
-    fp8_input = activation_input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if activation_input.dtype not in (torch.float32, torch.bfloat16, torch.float16) and not fp8_input:
-        raise TypeError(f"activation_input must be float32, bfloat16, float16 or FP8, got {activation_input.dtype}")
-    if fp8_input != (activation_scale_inv is not None):
-        raise ValueError(
-            "ScalingState.quantize: an FP8 activation_input needs its activation_scale_inv (and only an FP8 one takes "
-            f"it); got activation_input {activation_input.dtype}, activation_scale_inv {activation_scale_inv}"
-        )
-    s = activation_scale_inv
-    if fp8_input and (s.dtype != torch.float32 or s.numel() != 1 or s.device != x.device):
-        raise ValueError(
-            f"ScalingState.quantize: activation_scale_inv must be a one-element float32 tensor on {x.device}, got "
-            f"{s.dtype} of shape {tuple(s.shape)} on {s.device}"
-        )
-    return activation_input.detach().contiguous()
-
-
-# Under torch.compile, the casts of delayed scaling states (activations, gradients; not weights, not the grad casts
-# that sum a bias gradient) as tensor ops that inductor fuses into the kernel producing their input: a LayerNorm or a
-# GELU writes FP8 and folds the amax (DESIGN.md "Kernel fusion"). The transposed copy is a pass of its own
-# (kernels/transpose.py: transpose_op) and the bookkeeping one small launch (kernels/record.py). Off: it does not pay
-# on an H100 (benchmarks/train_step.py variant o2fc, compiled GPT d=1024 x 12, results/h100_s10.txt): 63.7-65.4 ms per
-# step against 53.7 ms with every cast one kernel. Hopper's FP8 GEMMs need both layouts of every activation and
-# gradient: fused into a row-wise kernel, inductor writes the transposed copy slowly (its kernel of a residual add,
-# LayerNorm and cast of 16384 x 1024, by the ops in its name: 363 us a call, 124 us without the transposed write); as
-# passes of their own the transposes take 4.9 ms per step (96 launches), as much as the fused producers save, and
-# inductor's kernels with the casts and their amax and saturation reductions took 19.8 ms per step against 12.9 ms
-# without them. True: every such compiled cast is fused.
-FUSED_CASTS = False
-
-
-def _fused_quantize(
-    x: torch.Tensor,
-    buffers: tuple[torch.Tensor, ...],
-    fp8_dtype: torch.dtype,
-    margin: int,
-    algo_max: bool,
-    delayed: bool,
-    current: bool,
-    transpose: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``reference.quantize_ref`` (no unscale, no column sums, non-empty ``x``) for torch.compile to trace: the data
-    pass as tensor ops, the scale it uses from an op the backward cannot recompute (``scale`` changes in the same
-    graph), the bookkeeping as one op. ``buffers``: the state's, in ``quantize_ref``'s order (``amax_history, scale,
-    last_amax, saturation, nonfinite_count, casts``)."""
-    fmax = fp8_max(fp8_dtype)
-    scale = buffers[1]
-    triton = ops.use_triton(x)
-    if x.dtype == torch.bfloat16:  # widened through its bits (ops.widen_bf16): the fused cast reads what eager's reads
-        x = ops.widen_bf16(x)
-    if triton:
-        from lightning_fp8.kernels import record
-
-        used = record.used_scale_op(scale)
-    else:
-        used = _used_scale(scale)
-    if current:
-        used = reference.pow2_scale_ref(reference.amax_ref(x), fmax, margin, used)
-    x_fp8, x_fp8_t, amax, n_saturated = reference.cast_to_fp8_ref(x, used, fp8_dtype, transpose and not triton)
-    if triton:
-        if transpose:  # a pass of its own: fused into a row-wise producer the transposed writes crawl
-            from lightning_fp8.kernels import transpose as fp8_transpose
-
-            x_fp8_t = fp8_transpose.transpose_op(x_fp8)
-        scale_inv = record.record_op(amax, n_saturated, used, *buffers, x.numel(), fp8_dtype, margin, algo_max, delayed)
-    else:
-        if current:
-            scale.copy_(used)
-        scale_inv = reference.record_cast_ref(
-            amax, n_saturated, x.numel(), used, *buffers, fmax, margin, algo_max, delayed
-        )
-    return x_fp8, x_fp8_t, scale_inv
-
-
-@torch.library.custom_op("lightning_fp8::used_scale_ref", mutates_args=())
-def _used_scale(scale: torch.Tensor) -> torch.Tensor:
-    # kernels/record.py: used_scale_op without Triton. A copy as an op: the partitioner recomputes a traced clone.
-    return scale.clone()
-
-
-@_used_scale.register_fake
-def _(scale):
-    return torch.empty_like(scale)
-
-
-# True: under torch.compile a cast of a CUDA tensor is the triton_op of kernels/quantize.py (inductor launches its
-# kernels from the generated code, no Python per cast); False: the opaque custom op below, as on CPU. Measured on an
-# H100 (benchmarks/results/h100_s5.txt, bench_linear.py --compile, 16384 x 4096 -> 4096 fwd+bwd): 1.47x nn.Linear with
-# the traced casts against 1.19x with the opaque op; tests/core/test_linear.py checks the compiled path bit for bit.
-TRACE_TRITON_CASTS = True
-
-
-def _traced_quantize(x: torch.Tensor):
-    # The op torch.compile records for a cast of x.
-    if TRACE_TRITON_CASTS and x.is_cuda and x.numel() > 0 and ops.use_triton(x):
-        from lightning_fp8.kernels import quantize as fused
-
-        return fused.quantize_op
-    return _quantize_op
-
-
-# One opaque op per cast: torch.compile saves its outputs for the backward instead of recomputing them from the scale
-# buffer, which this op updates (AOT autograd recomputes cheap ops from graph inputs after their mutation otherwise).
-@torch.library.custom_op(
-    "lightning_fp8::quantize",
-    mutates_args=("amax_history", "scale", "last_amax", "saturation", "nonfinite_count", "casts"),
-)
-def _quantize_op(
-    x: torch.Tensor,
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    last_amax: torch.Tensor,
-    saturation: torch.Tensor,
-    nonfinite_count: torch.Tensor,
-    casts: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    margin: int,
-    algo_max: bool,
-    delayed: bool,
-    current: bool,
-    transpose: bool,
-    unscale: torch.Tensor | None,
-    column_sum: bool,
-    activation: str = "",
-    activation_input: torch.Tensor | None = None,
-    activation_scale_inv: torch.Tensor | None = None,
-    keep_input: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # A fixed schema: the fourth output is the column sums, the kept input or empty; activation "" for none.
-    out = ops.quantize(
-        x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-        current, transpose, unscale, column_sum, activation or None, activation_input, activation_scale_inv,
-        keep_input,
-    )  # fmt: skip
-    return out if column_sum or keep_input else (*out, scale.new_empty((0,)))
-
-
-@_quantize_op.register_fake
-def _(x, amax_history, scale, last_amax, saturation, nonfinite_count, casts, fp8_dtype, margin, algo_max, delayed,
-      current, transpose, unscale, column_sum, activation="", activation_input=None, activation_scale_inv=None,
-      keep_input=False):  # fmt: skip
-    x_fp8 = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
-    t_shape = (x.shape[1], x.shape[0]) if transpose else (0,)
-    if keep_input:
-        fourth = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format)
-    else:
-        fourth = scale.new_empty((x.shape[1],) if column_sum else (0,))
-    return x_fp8, x.new_empty(t_shape, dtype=fp8_dtype), scale.new_empty(()), fourth

@@ -1,0 +1,118 @@
+"""Argument checks of the casts: what :class:`~lightning_fp8.scaling.ScalingState` and its ``quantize`` accept.
+
+Each raises before a cast records anything, with a message that names the argument, what was passed and what to do:
+a bad value would otherwise fail only at the first cast (IndexError, KeyError) or silently cast something else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, get_args
+
+import torch
+
+from lightning_fp8.formats import FP8_DTYPES
+from lightning_fp8.kernels import reference
+from lightning_fp8.recipe import AmaxComputeAlgo, check_settings
+
+if TYPE_CHECKING:
+    from lightning_fp8.scaling import ScalingState
+
+
+def check_castable(x: object, caller: str) -> None:
+    """Raise TypeError unless ``x`` is a dense tensor of a floating dtype a cast reads (float16 to float64): integer,
+    bool and complex values would be cast as numbers they are not, an FP8 tensor is cast already, and a sparse or
+    nested tensor has no dense rows for the kernels."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{caller} expects a tensor, got {type(x).__name__}")
+    if x.is_nested or x.layout != torch.strided:
+        layout = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
+        raise TypeError(f"{caller} takes dense tensors, got {layout}: pass x.to_dense() (or the padded values)")
+    if x.dtype in FP8_DTYPES:
+        raise TypeError(f"{caller} got an FP8 tensor ({x.dtype}): it is cast already; use it with its scale_inv")
+    if not x.is_floating_point() or x.dtype.itemsize < 2:
+        raise TypeError(
+            f"{caller} casts float16, bfloat16, float32 or float64 values, got {x.dtype}: convert the tensor first "
+            "(e.g. x.float())"
+        )
+
+
+def check_state_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo: str) -> None:
+    """Raise for ScalingState arguments that FP8Recipe's rules (recipe.py: __post_init__) refuse: the casts would
+    otherwise fail only at the first cast (IndexError, KeyError) or silently do something else (an unknown algo as
+    ``"most_recent"``)."""
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"ScalingState(fp8_dtype={fp8_dtype}) is not supported: choose torch.float8_e4m3fn (E4M3) or "
+            "torch.float8_e5m2 (E5M2)"
+        )
+    algos = get_args(AmaxComputeAlgo)
+    check_settings("ScalingState", {"algo": (algo, algos)}, {"history_len": (history_len, 1), "margin": (margin, 0)})
+
+
+def check_unscale(state: ScalingState, current: bool | None) -> None:
+    """Raise for ``state.quantize(unscale=...)`` unless the cast computes its own scale and the history has length 1:
+    the kernels divide the recorded amaxes (the whole history) by unscale and multiply the stored scale by it, which
+    is right only when every cast computes its scale from x itself and the history holds this cast's amax alone."""
+    own_scale = bool(current) if current is not None else not state.delayed
+    if not own_scale or state.amax_history.numel() != 1:
+        why = (
+            f"a history of {state.amax_history.numel()} amaxes (each cast would divide all of them again)"
+            if own_scale
+            else f"current={current} on a {'delayed' if state.delayed else 'current'}-scaling state (the cast would "
+            "apply the scale stored for t to x = t * unscale)"
+        )
+        raise ValueError(
+            f"ScalingState.quantize(unscale=...) needs a cast that computes its own scale from x (current=True, or "
+            f"current=None on a current-scaling state) and a history of length 1, as weight states have; got {why}. "
+            "Pass x / unscale without unscale instead"
+        )
+
+
+def check_activation(
+    x: torch.Tensor,
+    activation: str | None,
+    activation_input: torch.Tensor | None,
+    activation_scale_inv: torch.Tensor | None,
+    keep_input: bool,
+    column_sum: bool,
+) -> torch.Tensor | None:
+    """ScalingState.quantize's activation arguments, checked; returns ``activation_input`` detached and contiguous
+    (None unless ``activation="gelu_backward"``)."""
+    if keep_input and (activation != "gelu" or column_sum):
+        raise ValueError(
+            f"ScalingState.quantize(keep_input=True) keeps a GELU's input: it needs activation='gelu' and no "
+            f"column_sum, got activation={activation!r}, column_sum={column_sum}"
+        )
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(
+            f"ScalingState.quantize(activation={activation!r}): choose one of {reference.ACTIVATIONS} or None"
+        )
+    if x.dim() != 2:
+        raise ValueError(f"ScalingState.quantize(activation={activation!r}) needs a 2-D tensor, got {tuple(x.shape)}")
+    if activation != "gelu_backward":
+        if activation_input is not None or activation_scale_inv is not None:
+            raise ValueError(
+                f"ScalingState.quantize(activation={activation!r}) takes no activation_input or activation_scale_inv"
+            )
+        return None
+    if activation_input is None or activation_input.shape != x.shape or activation_input.device != x.device:
+        got = None if activation_input is None else (tuple(activation_input.shape), str(activation_input.device))
+        raise ValueError(
+            f"ScalingState.quantize(activation='gelu_backward') needs activation_input, the GELU's input, of the "
+            f"gradient's shape {tuple(x.shape)} on {x.device}; got {got}"
+        )
+    fp8_input = activation_input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if activation_input.dtype not in (torch.float32, torch.bfloat16, torch.float16) and not fp8_input:
+        raise TypeError(f"activation_input must be float32, bfloat16, float16 or FP8, got {activation_input.dtype}")
+    if fp8_input != (activation_scale_inv is not None):
+        raise ValueError(
+            "ScalingState.quantize: an FP8 activation_input needs its activation_scale_inv (and only an FP8 one takes "
+            f"it); got activation_input {activation_input.dtype}, activation_scale_inv {activation_scale_inv}"
+        )
+    s = activation_scale_inv
+    if fp8_input and (s.dtype != torch.float32 or s.numel() != 1 or s.device != x.device):
+        raise ValueError(
+            f"ScalingState.quantize: activation_scale_inv must be a one-element float32 tensor on {x.device}, got "
+            f"{s.dtype} of shape {tuple(s.shape)} on {s.device}"
+        )
+    return activation_input.detach().contiguous()
