@@ -170,6 +170,11 @@ def launch(argv: list[str]) -> int:
         if read:
             _check_accelerate_keys(config, config_path)
         settings = _resolve(section, recipe_flag, exclude_flag, config_path, tp_plan_flag)
+        if settings.get(ENV_RECIPE) != OFF:  # Accelerate's launcher would fail on fp8 first, with a traceback
+            from lightning_fp8.integrations.accelerate import refusals
+
+            mixed_precision = args.mixed_precision or (config.get("mixed_precision") if read else None)
+            refusals.check_mixed_precision(mixed_precision)
     except ValueError as err:
         print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
         return 2

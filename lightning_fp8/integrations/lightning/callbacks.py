@@ -169,7 +169,8 @@ class FP8ScaleMonitor(_LoggingCallback):
         log_every_n_steps: log period in training batches that stepped, i.e. in optimizer steps with one optimizer
             (default: ``Trainer(log_every_n_steps=...)``).
         all_layers: also log every layer, not only the summary.
-        jump_factor: scale ratio between two logs that counts as sudden (a power of two; default 2**4).
+        jump_factor: scale ratio between two logs that counts as sudden, > 1 (default 2**4; scales move in powers of
+            two, so a power of two reads naturally).
         alert_after_steps: warm-up, in optimizer steps, before scale drops and rises are alerted (default 100;
             0 alerts from the first comparison).
     """

@@ -113,6 +113,7 @@ def _refuse_pruning_of_converted_layers(module: nn.Module | None) -> None:
     for callback in _callbacks_of(module, ("ModelPruning",)):
         gone = [m for m, _ in getattr(callback, "_parameters_to_prune", None) or []
                 if isinstance(m, nn.Module) and id(m) not in present]  # fmt: skip
+        gone = list({id(m): m for m in gone}.values())  # a layer per (module, "weight"), (module, "bias") pair: once
         if gone:
             raise ValueError(
                 f"precision='fp8-lm' cannot run {type(callback).__name__} on layers it converts to FP8Linear (here "

@@ -246,3 +246,26 @@ def test_a_yaml_boolean_key_in_the_section_is_reported_as_unknown(tmp_path, caps
     path.write_text("distributed_type: 'NO'\nlightning_fp8:\n  recipe: fp8-lm\n  on: true\n  marg1n: 1\n")
     assert cli.main(["launch", "--config_file", str(path), str(tmp_path / "missing.py")]) == 2
     assert re.search(r"unknown key\(s\) \['marg1n', True\]: allowed keys are", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("where", ["flag", "config"])
+@pytest.mark.parametrize("value", ["fp8", "fp16"])
+def test_accelerates_fp8_or_fp16_mixed_precision_fails_before_launching(tmp_path, capsys, monkeypatch, where, value):
+    # mixed_precision fp8 selects Accelerate's own FP8 backends (its launcher failed with a traceback when none was
+    # installed), fp16 a second loss scaler: refused as the Accelerator refuses them, nothing launched. With FP8-LM
+    # off (recipe none) they are Accelerate's business and pass on.
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: launched.append(args))
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1}
+    flags = ["--mixed_precision", value] if where == "flag" else []
+    if where == "config":
+        config["mixed_precision"] = value
+    path = _write(tmp_path / "c.yaml", config)
+    script = str(tmp_path / "train.py")
+    assert cli.main(["launch", "--config_file", path, *flags, script]) == 2
+    err = capsys.readouterr().err
+    expected = rf"lightning-fp8 launch: error: mixed_precision='{value}' cannot be combined with FP8-LM"
+    assert re.search(expected, err), err
+    assert not launched
+    assert cli.main(["launch", "--config_file", path, *flags, "--fp8-recipe", "none", script]) == 0
+    assert len(launched) == 1

@@ -937,8 +937,13 @@ def test_model_pruning_of_converted_layers_is_refused_and_runs_on_layers_left_in
     forward, deep inside torch.nn.utils.prune)."""
     from lightning.pytorch.callbacks import ModelPruning
 
-    with pytest.raises(ValueError, match="cannot run ModelPruning on layers it converts.*module_filter_fn"):
-        _fit(callbacks=[ModelPruning("l1_unstructured", amount=0.3)], max_epochs=1, max_steps=-1)
+    module = _module()
+    with pytest.raises(ValueError, match="cannot run ModelPruning on layers it converts.*module_filter_fn") as err:
+        _fit(module, callbacks=[ModelPruning("l1_unstructured", amount=0.3)], max_epochs=1, max_steps=-1)
+    # It names one layer and counts the others: the converted ones (all 9 linears), not ModelPruning's (layer, name)
+    # pairs (weight and bias: it said "and 17 more")
+    assert sum(isinstance(m, FP8Linear) for m in module.modules()) == 9
+    assert " and 8 more)" in str(err.value)
     module = _module()
     head = module.model.lm_head
     pruning = ModelPruning("l1_unstructured", amount=0.5, parameters_to_prune=[(head, "weight")],
