@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, ops
-from lightning_fp8 import linear as fp8_linear
+from lightning_fp8 import matmul as fp8_matmul
 from lightning_fp8 import scaling as fp8_scaling
 
 SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]
@@ -105,17 +105,17 @@ def bench_shape(tokens, k, n, args, device):
             fp8_scaling.TRACE_TRITON_CASTS = default_trace
         row[name] = (t_bf16, t_fp8, flops / t_bf16 / 1e9, flops / t_fp8 / 1e9)
         if name == "eager":  # the bias gradient the other way (fused into the grad cast, or a separate dy.sum(0))
-            default = fp8_linear.FUSED_BIAS_GRAD
-            fp8_linear.FUSED_BIAS_GRAD = not default
+            default = fp8_matmul.FUSED_BIAS_GRAD
+            fp8_matmul.FUSED_BIAS_GRAD = not default
             t_alt = median_ms(make_step(fp8, x, dy, device), device, grads)
-            fp8_linear.FUSED_BIAS_GRAD = default
+            fp8_matmul.FUSED_BIAS_GRAD = default
             row["eager, db " + ("unfused" if default else "fused")] = (t_bf16, t_alt, flops / t_bf16 / 1e9,
                                                                        flops / t_alt / 1e9)  # fmt: skip
             # The weight's transposed FP8 copy kept from the forward instead of cast again in the backward.
-            default = fp8_linear.SAVE_WEIGHT_TRANSPOSE
-            fp8_linear.SAVE_WEIGHT_TRANSPOSE = not default
+            default = fp8_matmul.SAVE_WEIGHT_TRANSPOSE
+            fp8_matmul.SAVE_WEIGHT_TRANSPOSE = not default
             t_alt = median_ms(make_step(fp8, x, dy, device), device, grads)
-            fp8_linear.SAVE_WEIGHT_TRANSPOSE = default
+            fp8_matmul.SAVE_WEIGHT_TRANSPOSE = default
             label = "eager, " + ("weight recast" if default else "weight T saved")
             row[label] = (t_bf16, t_alt, flops / t_bf16 / 1e9, flops / t_alt / 1e9)
             if device.type == "cuda":  # the weight's current scaling in one pass over it (kernels/quantize.py)
@@ -231,7 +231,7 @@ def main():
         print(f"  {tokens}x{k}->{n} ...", flush=True)
         rows.append(bench_shape(tokens, k, n, args, device))
         print_table(rows[-1:], partial=True)  # each shape as soon as it is measured: a time limit keeps them
-    print(f"# FP8Linear bias gradient: {'fused into the grad cast' if fp8_linear.FUSED_BIAS_GRAD else 'dy.sum(0)'}")
+    print(f"# FP8Linear bias gradient: {'fused into the grad cast' if fp8_matmul.FUSED_BIAS_GRAD else 'dy.sum(0)'}")
     print_table(rows)
 
 

@@ -139,14 +139,14 @@ def main() -> None:
         report(f"FP8Linear {args.shape}", linear_case(*args.shape), rows=args.rows)
     if "linear_compile" in what:  # torch.compile: what the compiled step adds or removes
         report(f"FP8Linear {args.shape}, torch.compile", linear_case(*args.shape, compile=True), rows=args.rows)
-    for fused in (True, False):  # the bias gradient from the grad cast or dy.sum(0) (lightning_fp8/linear.py)
+    for fused in (True, False):  # the bias gradient from the grad cast or dy.sum(0) (lightning_fp8/matmul.py)
         if ("linear_fused" if fused else "linear_unfused") in what:
-            from lightning_fp8 import linear as fp8_linear
+            from lightning_fp8 import matmul as fp8_matmul
 
-            default, fp8_linear.FUSED_BIAS_GRAD = fp8_linear.FUSED_BIAS_GRAD, fused
+            default, fp8_matmul.FUSED_BIAS_GRAD = fp8_matmul.FUSED_BIAS_GRAD, fused
             label = "fused bias gradient" if fused else "bias gradient by dy.sum(0)"
             report(f"FP8Linear {args.shape}, {label}", linear_case(*args.shape), rows=args.rows)
-            fp8_linear.FUSED_BIAS_GRAD = default
+            fp8_matmul.FUSED_BIAS_GRAD = default
     if "linear_bf16" in what:  # the baseline: nn.Linear under bf16 autocast
         report(f"nn.Linear {args.shape}", linear_case(*args.shape, fp8=False), rows=args.rows)
     if "gpt" in what:

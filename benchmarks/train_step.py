@@ -16,7 +16,7 @@ instead of casting; compiled, through lightning_fp8/weight_cache.py's ops), ``o2
 ``o2op`` (O2 with each cast an opaque custom op under torch.compile instead of the triton_op that inductor launches
 itself: lightning_fp8/scaling.py TRACE_TRITON_CASTS; the same as ``o2`` eagerly), ``o2fc`` (O2 with the compiled
 casts of activations and gradients fused by inductor into the kernels around them: lightning_fp8/scaling.py
-FUSED_CASTS), ``o2ri`` (O2 compiled with the inputs' FP8 casts made again in the backward: lightning_fp8/linear.py
+FUSED_CASTS), ``o2ri`` (O2 compiled with the inputs' FP8 casts made again in the backward: lightning_fp8/matmul.py
 SAVE_INPUT_TRANSPOSE_COMPILED), ``o2se`` (O2 with
 speculative current scaling for eager casts only, the default before the eleventh session: kernels/quantize.py),
 ``o2bt`` (O2 with FP8AdamW's gradient casts batched: ``grad_cast_bucket_mb=64``), ``o2m`` (O2 with low-precision
@@ -72,9 +72,9 @@ def build(variant: str, width: int, depth: int, seq: int, vocab: int, device: st
         if variant == "o2fc":
             scaling.FUSED_CASTS = True
         if variant == "o2ri":
-            from lightning_fp8 import linear
+            from lightning_fp8 import matmul
 
-            linear.SAVE_INPUT_TRANSPOSE_COMPILED = False
+            matmul.SAVE_INPUT_TRANSPOSE_COMPILED = False
         if variant == "o2se" and device == "cuda":
             from lightning_fp8.kernels import quantize
 

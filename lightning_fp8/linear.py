@@ -9,14 +9,15 @@
 ``torch._scaled_mm`` wants its first operand row-major and its second column-major, so the casts also
 write transposed FP8 copies (one read of the input, see kernels/cast.py). The backward keeps the FP8
 copies, not the high-precision input: activation memory for linear inputs halves.
+
+The autograd function and its GEMMs live in ``matmul.py`` (with the switches of what the forward keeps for the
+backward); what FP8 training sets on the weight Parameter, and how it survives a new one, in ``weight_marks.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
-import weakref
-from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,173 +28,23 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_fp8 import ops, weight_cache
-from lightning_fp8.autograd_rules import check_no_functorch, once_differentiable
+from lightning_fp8.autograd_rules import check_no_functorch
+from lightning_fp8.cast_checks import check_castable
+from lightning_fp8.matmul import _FP8Matmul, current_flags, note_casts
+
+# Re-exported: mlp.py and distributed/tensor_parallel_linear.py import these from here.
+from lightning_fp8.matmul import backward_gemms as backward_gemms
+from lightning_fp8.matmul import forward_gemm as forward_gemm
+from lightning_fp8.matmul import grad_output_current as grad_output_current
 from lightning_fp8.optim import master
-from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
-from lightning_fp8.recompute import (
-    ForwardCall,
-    backward_ran,
-    cast_current,
-    forward_call,
-    replay_scales,
-    restore_buffers,
-)
-from lightning_fp8.scaling import ScalingState, check_castable
+from lightning_fp8.recompute import forward_call
+from lightning_fp8.scaling import ScalingState
+from lightning_fp8.weight_marks import LayerMark, after_load, before_load, mark_weight, put_back_marks, weight_marks
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What every nn.Linear holds in its __dict__; FP8Linear.from_linear carries any other plain attribute over.
 _LINEAR_ATTRS = frozenset(vars(nn.Linear(16, 16, device="meta")))
-# Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
-# instead of a separate dy.sum(0) pass over dy. The cast walks GROUP_M row tiles of a column block, adds them in
-# registers and reduces once per group (kernels/cast_kernels.py). H100, 16384 x 4096 bf16 -> E5M2 (bench_cast.py
-# --sum-groups, results/h100_s8.txt): cast 116.9 us + dy.sum(0) 70.8 us against 145.9 us fused; 16384 x 16384: 611 us
-# against 512 us. In FP8Linear 16384 x 4096 -> 4096 (profile_step.py): GPU busy 1.493 -> 1.470 ms per forward +
-# backward. bench_linear.py times the other choice beside the default.
-FUSED_BIAS_GRAD = True
-# Keep the weight's transposed FP8 copy (the dgrad operand) from the forward to the backward (True), or cast the weight
-# again in the backward with the forward's scale, which gives the same bytes (False, the default, as torchao does).
-# Recasting costs one more pass over the weight per backward and saves a byte per weight element from the forward to
-# the backward, at the peak of a training step's memory. A weight copy written by FP8AdamW(emit_fp8_weights=True) keeps
-# its transpose either way.
-SAVE_WEIGHT_TRANSPOSE = False
-# Under torch.compile, keep the input's transposed FP8 copy (the wgrad operand) from the forward to the backward (True),
-# or keep nothing of the input's cast and cast the input again in the backward with the forward's scale, the same bytes
-# (False): the partitioner then keeps the high-precision input where another op keeps it anyway (an attention output
-# for its backward) or recomputes it from what it keeps (a LayerNorm's or a GELU's output), one byte per element less
-# at the peak for one more pass in the backward. Eagerly the copy is always kept (the input itself may be 4 bytes).
-SAVE_INPUT_TRANSPOSE_COMPILED = True
-
-
-class _FP8Matmul(torch.autograd.Function):
-    """``y = x @ w^T`` with FP8 operands; ``x`` is 2-D (tokens, in_features)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        fp8: nn.ModuleDict,
-        out_dtype: torch.dtype,
-        current: tuple[bool, bool],
-        master_scale: torch.Tensor | None = None,
-        cache_key: int | None = None,
-        call: tuple[ForwardCall | None, bool] = (None, False),
-        grad_enabled: bool = True,
-    ):
-        # `current`: (input, grad_output) compute their tensor's own amax (current scaling, or no history yet); the
-        # backward uses the second only when traced (see backward). `call`: see recompute.forward_call.
-        # `grad_enabled`: torch.is_grad_enabled() of the caller (always False in here). Without it no backward runs
-        # (no_grad, inference_mode, use_reentrant=True checkpointing's first forward): nothing is cast for one.
-        need_dgrad, need_wgrad = x.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
-        record, replaying = call
-        # Without the transposed copy the backward casts x again (SAVE_INPUT_TRANSPOSE_COMPILED).
-        ctx.recast_input = need_wgrad and not SAVE_INPUT_TRANSPOSE_COMPILED and torch.compiler.is_compiling()
-        saved = replay_scales(record, (fp8["input"], fp8["weight"])) if replaying else None
-        x_fp8, x_fp8_t, x_scale_inv = fp8["input"].quantize(
-            x, need_wgrad and not ctx.recast_input, cast_current(current[0], call)
-        )
-        ctx.input_fp8_dtype = x_fp8.dtype
-        y, w_saved, ctx.weight_meta = forward_gemm(
-            x_fp8, x_scale_inv, weight, bias, fp8, need_dgrad, master_scale, out_dtype, cache_key
-        )
-        restore_buffers(saved)
-        if record is not None and not replaying:
-            record.scale_invs = (x_scale_inv,)
-        ctx.record = None if replaying else record
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(x if ctx.recast_input else x_fp8_t, x_scale_inv, *w_saved)
-        ctx.grad_state = fp8["grad_output"]
-        ctx.grad_current = current[1]
-        ctx.dtypes = (x.dtype, weight.dtype)
-        return y
-
-    @staticmethod
-    @once_differentiable  # the FP8 casts are not differentiable: differentiating dx or dw again raises (no silent 0)
-    def backward(ctx: Any, dy: torch.Tensor):
-        x_fp8_t, x_scale_inv, *w_saved = ctx.saved_tensors  # under torch.utils.checkpoint: recomputed here
-        backward_ran(ctx.record)
-        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-        if ctx.recast_input and need_wgrad:  # x_fp8_t holds x: its forward cast again, the same bytes
-            x_fp8_t = ops.recast_transposed(x_fp8_t.detach(), torch.reciprocal(x_scale_inv), ctx.input_fp8_dtype)
-        # With FUSED_BIAS_GRAD the bias gradient (fp32 column sums of dy) comes from the cast, which reads dy anyway.
-        fused = FUSED_BIAS_GRAD and need_bgrad
-        dy_fp8, dy_fp8_t, dy_scale_inv, *db = ctx.grad_state.quantize(
-            dy.contiguous(), need_wgrad, grad_output_current(ctx.grad_current), column_sum=fused
-        )
-        dx, dw = backward_gemms(
-            (dy_fp8, dy_fp8_t, dy_scale_inv), x_fp8_t, x_scale_inv, w_saved, ctx.weight_meta, need_dgrad,
-            need_wgrad, ctx.dtypes,
-        )  # fmt: skip
-        if need_bgrad:
-            db = ops.narrowed(db[0] if fused else dy.sum(0, dtype=torch.float32), ctx.bias_dtype)
-        else:
-            db = None
-        return dx, dw, db, None, None, None, None, None, None, None
-
-
-def forward_gemm(
-    x_fp8: torch.Tensor,
-    x_scale_inv: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    fp8: nn.ModuleDict,
-    need_dgrad: bool,
-    master_scale: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    cache_key: int | None = None,
-) -> tuple[torch.Tensor, tuple, tuple[torch.dtype, int | None, int | None]]:
-    """The forward GEMM of an FP8 linear layer from its input's FP8 copy: the weight's cast (``fp8``: the layer's
-    scaling states), ``x @ w^T + bias``. ``cache_key``: :func:`weight_cache.compiled_key` of the weight. Returns
-    ``(y, saved, weight_meta)``, ``saved`` being what :func:`backward_gemms` needs of the weight (tensors, or None, for
-    ``save_for_backward``) and ``weight_meta`` the rest (Python values)."""
-    b = None if bias is None else bias.to(out_dtype)
-    if cache_key is not None:  # traced, a weight with an FP8 copy: the copy's validity is checked as the code runs
-        state = fp8["weight"]
-        y, w_scale_inv = weight_cache.compiled_forward_gemm(
-            x_fp8, x_scale_inv, weight, master_scale, b, state, out_dtype, cache_key
-        )
-        saved = (w_scale_inv.new_empty((0,)), w_scale_inv, *((weight, master_scale) if need_dgrad else ()))
-        return y, saved, (state.fp8_dtype, state.margin, cache_key)
-    # At O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales its record.
-    # The FP8 copy that FP8AdamW(emit_fp8_weights=True) wrote in its step replaces the cast while it is valid.
-    w_fp8, w_fp8_t, w_scale_inv = weight_cache.quantize_weight(
-        fp8["weight"], weight, need_dgrad, master_scale, keep_transpose=SAVE_WEIGHT_TRANSPOSE
-    )
-    y = ops.linear_forward_mm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias=b)  # bias fused
-    # No transposed copy from the forward (weight_cache made none): the backward casts the weight again.
-    recast = (weight, master_scale) if need_dgrad and w_fp8_t.numel() == 0 else ()
-    return y, (w_fp8_t, w_scale_inv, *recast), (w_fp8.dtype, None, None)
-
-
-def backward_gemms(
-    dy_cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    x_fp8_t: torch.Tensor,
-    x_scale_inv: torch.Tensor,
-    w_saved: list | tuple,
-    weight_meta: tuple[torch.dtype, int | None, int | None],
-    need_dgrad: bool,
-    need_wgrad: bool,
-    dtypes: tuple[torch.dtype, torch.dtype],
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dgrad and wgrad of an FP8 linear layer from its output gradient's cast ``(dy_fp8, dy_fp8_t, dy_scale_inv)``, its
-    input's transposed FP8 copy and what :func:`forward_gemm` saved and returned of the weight; ``dtypes``: of ``dx``
-    and ``dw``."""
-    dy_fp8, dy_fp8_t, dy_scale_inv = dy_cast
-    w_fp8_t, w_scale_inv, *recast = w_saved
-    fp8_dtype, margin, cache_key = weight_meta
-    dx = dw = None
-    if need_dgrad and cache_key is not None:  # traced, with the weight's FP8 copy (see forward_gemm)
-        dx = weight_cache.compiled_dgrad(dy_fp8, dy_scale_inv, *recast, w_scale_inv, fp8_dtype, dtypes[0], margin,
-                                         cache_key)  # fmt: skip
-    elif need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
-        if recast:
-            w_fp8_t = weight_cache.recast_weight_t(*recast, w_scale_inv, fp8_dtype)
-        dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, dtypes[0])
-    if need_wgrad:  # wgrad: (N, M) @ (M, K), x as column-major = x_fp8_t^T
-        dw = ops.scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_scale_inv, x_scale_inv, dtypes[1])
-    return dx, dw
 
 
 def tokens_2d(x: torch.Tensor) -> torch.Tensor:
@@ -205,134 +56,6 @@ def tokens_2d(x: torch.Tensor) -> torch.Tensor:
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of an FP8 layer's output for input ``x``: autocast's where autocast is on, else ``x``'s."""
     return ops.autocast_dtype(x.device) or x.dtype
-
-
-def current_flags(scaling: nn.ModuleDict) -> tuple[bool, bool]:
-    """Whether a layer's ``(input, grad_output)`` casts compute their tensor's own amax: current scaling, or no
-    history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced."""
-    return scaling["input"].needs_current_scale(), scaling["grad_output"].needs_current_scale()
-
-
-def grad_output_current(traced_flag: bool) -> bool | None:
-    """The ``current`` argument of a backward's grad_output cast. Eagerly ``None``: the role decides from its own state
-    when the backward runs, and a cast of a non-empty gradient marks it initialized. Forwards without a backward
-    (evaluation under no_grad, a second use of the layer, micro-batches before their one backward) do not use up its
-    first cast. Traced, the backward cannot change Python state: the flag the forward read (:func:`current_flags`),
-    and :func:`note_casts` marks the role after a traced forward that has a backward."""
-    return traced_flag if torch.compiler.is_compiling() else None
-
-
-def note_casts(
-    scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor, by_value: bool = True, backward: bool | None = None
-) -> None:
-    """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized where the cast's amax was
-    finite and > 0 (:meth:`ScalingState.note_cast`; ``by_value=False``: any cast of a non-empty tensor, the same on
-    every rank of a tensor-parallel group); outside the autograd.Function, where torch.compile allows Python state to
-    change. ``backward``: whether a backward will cast this layer's output gradient (default: ``y`` needs a
-    gradient; an FP8MLP's fc has none where neither its input nor its parameters need one). A cast of an empty or
-    all-zero tensor (amax 0: no information; an MoE expert without tokens, the output
-    of a zero-initialized layer) or of a non-finite one marks nothing: the next cast still uses its own amax."""
-    n = x.numel()
-    if n == 0:
-        return
-    scaling["input"].note_cast(n, by_value)
-    scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
-    if torch.compiler.is_compiling() and (y.requires_grad if backward is None else backward):  # grad_output_current
-        scaling["grad_output"].note_cast(n, by_value)
-
-
-# ------------------------------------------------------------- a new weight Parameter: to_empty(), assign=True loads
-# Some flows put a new Parameter object in place of the weight: ``to_empty()`` from the meta device (and other
-# ``_apply`` conversions between tensor types), ``load_state_dict(assign=True)``. torch.__future__'s
-# swap_module_params_on_conversion keeps the object but swaps its contents (torch.utils.swap_tensors), for every
-# ``_apply`` (``.to()``, ``.half()``) and load: its attributes and the registration of its post-accumulate-grad hooks
-# stay with the discarded tensor. What FP8 training set on the old object would be lost: the FP8-weight marker
-# (FP8AdamW would then give the weight fp32 states and no FP8 gradient), at O2 the master scale its storage holds the
-# weight times (the forward would read the scaled fp16 storage), FP8AdamW's FP8 gradient hook and the FP8 weight copy.
-# FP8Linear._apply and the load hooks below put them back. (assign=True into an adopted O2 weight is refused before
-# anything is loaded: master.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta
-# device, the weight becomes real but the scaling buffers (not in the state_dict) would stay on meta: the post-hook
-# makes them fresh ones on the weight's device, as converting there would have.
-_WEIGHT_MARKS = (
-    master.MARKER, master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR, GRAD_OWNER_ATTR, weight_cache.ATTR,
-    weight_cache.KEY_ATTR,
-)  # fmt: skip
-
-
-def _weight_marks(module: nn.Module) -> tuple[torch.Tensor | None, dict[str, Any], Any]:
-    """``(weight, its marks, its post-accumulate-grad hooks)``, for :func:`_put_back_marks`."""
-    weight = module._parameters.get("weight")
-    marks = {a: getattr(weight, a) for a in _WEIGHT_MARKS if hasattr(weight, a)}
-    return weight, marks, None if weight is None else weight._post_accumulate_grad_hooks
-
-
-def _put_back_marks(module: nn.Module, saved: tuple[torch.Tensor | None, dict[str, Any], Any]) -> None:
-    old, marks, hooks = saved
-    weight = module._parameters.get("weight")
-    if weight is None:
-        return
-    for attr, value in marks.items():
-        if not hasattr(weight, attr):
-            setattr(weight, attr, value)
-    if weight is old and hooks is not None:  # registers the same hooks again (swapped or not: they fire once)
-        weight._post_accumulate_grad_hooks = hooks
-
-
-def _before_load(module: nn.Module, *args: Any) -> None:
-    module.__dict__["_fp8_weight_marks"] = _weight_marks(module)  # not an attribute nn.Module tracks; popped below
-
-
-def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    _put_back_marks(module, module.__dict__.pop("_fp8_weight_marks", (None, {}, None)))
-    weight = module._parameters.get("weight")
-    scaling = module._modules.get("fp8_scaling")
-    if weight is None or scaling is None:
-        return
-    if not weight.is_meta and any(b.is_meta for b in scaling.buffers()):
-        scaling.to_empty(device=weight.device)  # fresh states: ScalingState._apply resets them off the meta device
-
-
-class _LayerMark:
-    """The FP8-weight marker (:data:`master.MARKER`) of an FP8Linear's weight: true while an FP8Linear holding it
-    exists (weak references, so the mark keeps no layer alive).
-
-    ``FP8Linear.from_linear`` and ``convert_to_fp8`` mark the weight of the ``nn.Linear`` they wrap. Where the new
-    layer is dropped (``convert_to_fp8(model[2])`` not assigned back), the weight is an ordinary parameter again: an
-    FP8AdamW must not make its storage a scaled fp16 master, which the model's ``nn.Linear`` would compute with.
-    Pickled as an empty set, FP8Linear.__setstate__ marks itself again; deep-copied, it marks the copies of its layers.
-    """
-
-    __slots__ = ("_layers",)
-
-    def __init__(self, layers: Iterable[nn.Module] = ()) -> None:
-        self._layers = [weakref.ref(layer) for layer in layers]
-
-    def layers(self) -> list[nn.Module]:
-        return [layer for ref in self._layers if (layer := ref()) is not None]
-
-    def add(self, layer: nn.Module) -> None:
-        self._layers = [weakref.ref(live) for live in self.layers() if live is not layer] + [weakref.ref(layer)]
-
-    def __bool__(self) -> bool:
-        return any(ref() is not None for ref in self._layers)
-
-    def __reduce__(self) -> tuple:
-        # A weak reference cannot be pickled: unpickled, the mark is an empty set (false: no layer holds the weight)
-        # and the unpickled layers mark themselves again. A set, not this class: a pickled Parameter carries its
-        # attributes, and torch.load(weights_only=True) reads no class of ours (it allows a set).
-        return set, ()
-
-    def __deepcopy__(self, memo: dict) -> _LayerMark:
-        return _LayerMark(memo[id(layer)] for layer in self.layers() if id(layer) in memo)
-
-
-def _mark_weight(layer: nn.Module) -> None:
-    """Mark ``layer``'s weight as an FP8 layer's (see :class:`_LayerMark`); a weight two FP8 layers share keeps both."""
-    mark = getattr(layer.weight, master.MARKER, None)
-    if isinstance(mark, _LayerMark):
-        mark.add(layer)
-    else:
-        setattr(layer.weight, master.MARKER, _LayerMark([layer]))
 
 
 # The forward pre-hooks of the hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, nn.utils.prune): each
@@ -450,11 +173,11 @@ class FP8Linear(nn.Linear):
         common = {"margin": r.margin, "algo": r.amax_compute_algo, "device": device}
         # FP8AdamW (O2) recognises the weight by this marker and may keep its fp16 master in the weight's storage,
         # scaled: the hooks export and import the unscaled weight (lightning_fp8/optim/master.py).
-        _mark_weight(self)
+        mark_weight(self)
         self.register_state_dict_post_hook(master.state_dict_hook)
         self.register_load_state_dict_pre_hook(master.load_state_dict_pre_hook)
-        self.register_load_state_dict_pre_hook(_before_load)
-        self.register_load_state_dict_post_hook(_after_load)
+        self.register_load_state_dict_pre_hook(before_load)
+        self.register_load_state_dict_post_hook(after_load)
         self.fp8_scaling = nn.ModuleDict(
             {
                 "input": ScalingState(r.forward_dtype, r.amax_history_len, delayed=delayed, **common),
@@ -529,14 +252,14 @@ class FP8Linear(nn.Linear):
         # Hugging Face's tie_weights()), whose storage an O2 master must not take (convert_to_fp8 leaves tied layers
         # in high precision for that reason).
         if name == "weight" and _is_dtensor(param) and "fp8_scaling" in self._modules:
-            _mark_weight(self)
+            mark_weight(self)
 
     def _apply(self, fn, recurse: bool = True):
         # to_empty() from the meta device gives the weight a new Parameter object, swap_module_params_on_conversion
-        # new contents: keep what FP8 training set on it (see _WEIGHT_MARKS).
-        marks = _weight_marks(self)
+        # new contents: keep what FP8 training set on it (see lightning_fp8/weight_marks.py).
+        marks = weight_marks(self)
         super()._apply(fn, recurse)
-        _put_back_marks(self, marks)
+        put_back_marks(self, marks)
         return self
 
     def __deepcopy__(self, memo: dict) -> FP8Linear:
@@ -562,8 +285,8 @@ class FP8Linear(nn.Linear):
         if "recipe" in state:  # pickled before ``recipe`` became a read-only property over ``_recipe``
             state["_recipe"] = state.pop("recipe")
         super().__setstate__(state)
-        if isinstance(getattr(self._parameters.get("weight"), master.MARKER, None), (_LayerMark, set)):
-            _mark_weight(self)  # unpickled (torch.load of a pickled model): the mark came back as an empty set
+        if isinstance(getattr(self._parameters.get("weight"), master.MARKER, None), (LayerMark, set)):
+            mark_weight(self)  # unpickled (torch.load of a pickled model): the mark came back as an empty set
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -44,7 +44,7 @@ def test_train_step_toy_runs_every_variant(tmp_path):
 
 def test_train_step_toy_compiled_cast_variants(tmp_path):
     """The compiled variants that change how casts are made (o2fc: fused by inductor, lightning_fp8.scaling.FUSED_CASTS;
-    o2ri: inputs cast again in the backward, lightning_fp8.linear.SAVE_INPUT_TRANSPOSE_COMPILED; o2w: the weights'
+    o2ri: inputs cast again in the backward, lightning_fp8.matmul.SAVE_INPUT_TRANSPOSE_COMPILED; o2w: the weights'
     FP8 copies written by the optimizer, lightning_fp8/weight_cache.py) train a toy GPT with LayerNorms and GELUs as
     the default does: the same first (eager) step, losses within float noise after it, each compiled as one graph
     (a graph break or a recompile after the eager step would run part of the step eagerly)."""

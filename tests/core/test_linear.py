@@ -97,9 +97,9 @@ def test_autocast_output_dtype_and_fp32_weight_grad():
 def test_saves_fp8_copies_not_the_input(monkeypatch, save_weight_transpose):
     # Besides the parameters, the backward keeps only FP8 copies: the input's transpose, and the weight's only with
     # SAVE_WEIGHT_TRANSPOSE (otherwise the backward casts the weight again).
-    from lightning_fp8 import linear
+    from lightning_fp8 import matmul
 
-    monkeypatch.setattr(linear, "SAVE_WEIGHT_TRANSPOSE", save_weight_transpose)
+    monkeypatch.setattr(matmul, "SAVE_WEIGHT_TRANSPOSE", save_weight_transpose)
     fp8 = FP8Linear(64, 32)
     x = torch.randn(16, 64, requires_grad=True)
     saved = []
@@ -118,13 +118,13 @@ def test_saves_fp8_copies_not_the_input(monkeypatch, save_weight_transpose):
 def test_recast_weight_in_backward_gives_the_saved_transpose_bit_for_bit(monkeypatch, master_scaled, device):
     """The backward's recast of the weight (the default) and the forward's saved transposed copy give identical
     gradients, including at O2 where the weight's storage holds the fp16 master times its power-of-two scale."""
-    from lightning_fp8 import FP8AdamW, linear
+    from lightning_fp8 import FP8AdamW, matmul
     from lightning_fp8.optim import master
 
     layer_dtype = master_scale = None
 
     def grads(save: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(linear, "SAVE_WEIGHT_TRANSPOSE", save)
+        monkeypatch.setattr(matmul, "SAVE_WEIGHT_TRANSPOSE", save)
         torch.manual_seed(0)
         layer = FP8Linear(48, 80, device=device)
         if master_scaled:  # O2: FP8AdamW adopts the weight (fp16 master, scaled) and steps once
@@ -162,9 +162,9 @@ def test_no_input_grad_skips_dgrad_and_frozen_weight_skips_wgrad():
 def test_bias_grad_comes_from_the_grad_cast(monkeypatch, frozen_weight):
     # With FUSED_BIAS_GRAD the backward takes the bias gradient from the grad_output cast (in column_sum_ref's order),
     # with or without the transposed copy of dy (a frozen weight needs no wgrad); it is the fp32 column sum of dy.
-    from lightning_fp8 import linear
+    from lightning_fp8 import matmul
 
-    monkeypatch.setattr(linear, "FUSED_BIAS_GRAD", True)
+    monkeypatch.setattr(matmul, "FUSED_BIAS_GRAD", True)
     fp8 = FP8Linear(48, 32)
     fp8.weight.requires_grad_(not frozen_weight)
     x, dy = torch.randn(150, 48), torch.randn(150, 32)
@@ -202,9 +202,9 @@ def test_load_fp8_state_rejects_other_model():
 @XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("fused_bias_grad", [False, True])
 def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
-    from lightning_fp8 import linear
+    from lightning_fp8 import matmul
 
-    monkeypatch.setattr(linear, "FUSED_BIAS_GRAD", fused_bias_grad)
+    monkeypatch.setattr(matmul, "FUSED_BIAS_GRAD", fused_bias_grad)
     eager = FP8Linear(32, 48)
     compiled_src = FP8Linear(32, 48)
     compiled_src.load_state_dict(eager.state_dict())
@@ -357,12 +357,12 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
 
 @XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_input_recast_matches_eager(monkeypatch):
-    """linear.SAVE_INPUT_TRANSPOSE_COMPILED off: compiled, the backward casts each layer's input again with the
+    """matmul.SAVE_INPUT_TRANSPOSE_COMPILED off: compiled, the backward casts each layer's input again with the
     forward's scale instead of keeping the forward's transposed FP8 copy; bit for bit eager's results while every
     scale moves (benchmarks/train_step.py variant o2ri measures what it saves)."""
-    from lightning_fp8 import linear
+    from lightning_fp8 import matmul
 
-    monkeypatch.setattr(linear, "SAVE_INPUT_TRANSPOSE_COMPILED", False)
+    monkeypatch.setattr(matmul, "SAVE_INPUT_TRANSPOSE_COMPILED", False)
     torch._dynamo.reset()
     eager = _ReluMLP()
     compiled_src = _ReluMLP()
@@ -373,9 +373,9 @@ def test_compiled_input_recast_matches_eager(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_compiled_input_recast_matches_eager(monkeypatch):
     """test_compiled_input_recast_matches_eager with inductor's Triton and the cast kernels (the recast a triton_op)."""
-    from lightning_fp8 import linear
+    from lightning_fp8 import matmul
 
-    monkeypatch.setattr(linear, "SAVE_INPUT_TRANSPOSE_COMPILED", False)
+    monkeypatch.setattr(matmul, "SAVE_INPUT_TRANSPOSE_COMPILED", False)
     torch._dynamo.reset()
     eager = _ReluMLP("cuda")
     compiled_src = _ReluMLP("cuda")

@@ -267,9 +267,9 @@ def _linear_step(seed, monkeypatch, kernels):
 
 @pytest.mark.parametrize("fused_bias_grad", [False, True])
 def test_fp8_linear_triton_equals_reference(monkeypatch, fused_bias_grad):
-    from lightning_fp8 import linear
+    from lightning_fp8 import matmul
 
-    monkeypatch.setattr(linear, "FUSED_BIAS_GRAD", fused_bias_grad)
+    monkeypatch.setattr(matmul, "FUSED_BIAS_GRAD", fused_bias_grad)
     got = _linear_step(7, monkeypatch, "triton")
     ref = _linear_step(7, monkeypatch, "reference")
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
