@@ -56,7 +56,7 @@ def cast_to_fp8_ref(
     x_fp8 = y.to(fp8_dtype)
     if transpose:
         # A copy always: for one row or column (or none) ``.t().contiguous()`` is a view of x_fp8, and the cast ops
-        # that torch.compile sees (lightning_fp8/scaling.py: _quantize_op) must not return outputs that alias.
+        # that torch.compile sees (lightning_fp8/compiled_casts.py: quantize_op) must not return outputs that alias.
         x_fp8_t = x_fp8.t().clone(memory_format=torch.contiguous_format)
     else:
         x_fp8_t = torch.empty(0, dtype=fp8_dtype, device=x.device)

@@ -18,7 +18,7 @@ layers. Where the fused path cannot run the module calls them one after another 
 weights (tensor parallelism), forward hooks on ``fc`` or ``proj`` (FSDP2's ``fully_shard`` of one of them, say),
 which the fused path would skip, a layer replaced by a plain ``nn.Linear`` (kept in high precision), or one layer
 serving as both ``fc`` and ``proj``. The fused path always keeps the input's transposed FP8 copy for the backward and
-always takes the bias gradients from the gradient casts (linear.py's SAVE_INPUT_TRANSPOSE_COMPILED and
+always takes the bias gradients from the gradient casts (matmul.py's SAVE_INPUT_TRANSPOSE_COMPILED and
 FUSED_BIAS_GRAD, benchmark switches of FP8Linear, do not apply to it).
 """
 
@@ -86,7 +86,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         # `current_*`: that layer's (input, grad_output) casts use their tensor's own amax (linear.current_flags).
         # `call`: recompute.forward_call (an activation-checkpoint recompute repeats the forward's casts).
         # `fp8_hidden`: keep h in FP8 for the backward, which recomputes gelu(h)'s transposed copy from it.
-        # `grad_enabled`: as _FP8Matmul's: without it no backward runs, and nothing is cast for one.
+        # `grad_enabled`: as matmul._FP8Matmul's: without it no backward runs, and nothing is cast for one.
         record, replaying = call
         need_x, need_w1, need_w2 = (t.requires_grad and grad_enabled for t in (x, w1, w2))
         need_h = need_x or need_w1 or (b1 is not None and b1.requires_grad and grad_enabled)
