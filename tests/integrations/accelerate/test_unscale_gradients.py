@@ -8,20 +8,9 @@ from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state  # noqa: F401 (autouse fixture)
 
 MU = 2.0**10
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _setup(recipe: str, **optimizer_kwargs):
