@@ -261,27 +261,34 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """``loss * mu``: call ``.backward()`` on the result. The gradients are later unscaled by this mu, even when
         another optimizer's :meth:`update` has changed mu before their step; gradients summed over several backwards
         are all unscaled by the last one's mu (see docs/concepts/gradient-scaling.md)."""
-        self._loss_scale = self._scale
-        scaled = loss * self._scale
+        scaled = self._scale_for_backward(loss)
         self._losses_scaled += 1
         if scaled.numel() == 1:  # a loss; a larger tensor (backward with a gradient) is not kept
             self._scaled_losses.append((self._losses_scaled, scaled.detach(), self._scale))
         return scaled
+
+    def _scale_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """:meth:`scale_loss` without the record :meth:`scaled_losses` reads: for the integrations, which scale the
+        loss in their own backward (the loss the user's code returned stays unscaled, nothing to recognise)."""
+        self._loss_scale = self._scale
+        return loss * self._scale
 
     @property
     def losses_scaled(self) -> int:
         """How many times :meth:`scale_loss` was called: a mark to pass to :meth:`scaled_losses` later."""
         return self._losses_scaled
 
-    def scaled_losses(self, since: int = 0) -> list[tuple[torch.Tensor, float]]:
-        """The one-value losses :meth:`scale_loss` returned after :attr:`losses_scaled` was ``since`` (the last 8 at
-        most), oldest first, each detached (its value: no graph is kept) with the mu it was multiplied by.
+    def scaled_losses(self, since: int = 0, until: int | None = None) -> list[tuple[torch.Tensor, float]]:
+        """The one-value losses :meth:`scale_loss` returned after :attr:`losses_scaled` was ``since`` and until it was
+        ``until`` (None: until now; the last 32 at most), oldest first, each detached (its value: no graph is kept)
+        with the mu it was multiplied by.
 
         How a reader handed a loss tells whether it carries mu, and which mu, whatever mu is by then: a
         ``training_step`` that returns ``scaler.scale_loss(loss)`` hands Lightning's callbacks a copy of that value
         (``TrainingHealthMonitor`` divides it by its mu), one that scales in ``backward`` hands them the loss unscaled.
         """
-        return [(scaled, mu) for serial, scaled, mu in self._scaled_losses if serial > since]
+        return [(scaled, mu) for serial, scaled, mu in self._scaled_losses
+                if serial > since and (until is None or serial <= until)]  # fmt: skip
 
     def record_gradient_cast(
         self,

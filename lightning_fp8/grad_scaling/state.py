@@ -22,7 +22,7 @@ from lightning_fp8.grad_scaling.rules import _rescale_grad_output_states
 # Actions kept in `history` (oldest dropped first): enough for monitoring, bounded for long runs.
 _HISTORY_LEN = 1000
 # Losses kept by `scaled_losses` (values only): the few scaled since a reader's mark, one or two a step.
-_SCALED_LOSSES_KEPT = 8
+_SCALED_LOSSES_KEPT = 32
 # The state dict entries that count (ints >= 0).
 _COUNTERS = ("growth_tracker", "skipped_steps", "nonfinite_events", "consecutive_nonfinite", "steps")
 

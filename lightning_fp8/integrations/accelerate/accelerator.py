@@ -404,7 +404,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             if self._fp8_optimizer is not None:  # gradients unscale_gradients unscaled carry mu again
                 self._fp8_optimizer.scale_back()
             self._fp8_loss.append(loss.detach())
-            loss = self.fp8_grad_scaler.scale_loss(loss)
+            loss = self.fp8_grad_scaler._scale_for_backward(loss)
         super().backward(loss, **kwargs)
 
     @override

@@ -166,7 +166,8 @@ class TrainingHealthMonitor(_LoggingCallback):
         self._paused_at: float | None = None
         self._skipped_seen = 0
         self._fallback_seen = -1
-        self._scaling_marks: list[tuple[Any, int]] = []  # each scaler's losses_scaled when the batch started
+        # Each scaler's losses_scaled when the batch started and at its last backward (None: none yet)
+        self._scaling_marks: list[tuple[Any, int, int | None]] = []
 
     def _reset_window(self) -> None:
         self._losses: list[torch.Tensor] = []
@@ -201,8 +202,13 @@ class TrainingHealthMonitor(_LoggingCallback):
         if self._paused_at is not None:  # restart the clock where it stopped
             self._t0 = (self._t0 or self._paused_at) + time.perf_counter() - self._paused_at
             self._paused_at = None
-        # A loss training_step scales is scaled after this: on_train_batch_end looks for it among those alone.
-        self._scaling_marks = [(scaler, scaler.losses_scaled) for scaler in _grad_scalers(trainer)]
+        # A loss training_step scales is scaled after this and before the backward (on_before_backward): a loss the
+        # module's backward scales comes after, and is not the one training_step returned.
+        self._scaling_marks = [(scaler, scaler.losses_scaled, None) for scaler in _grad_scalers(trainer)]
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._scaling_marks = [(scaler, mark, scaler.losses_scaled) for scaler, mark, _ in self._scaling_marks]
 
     def _pause_clock(self) -> None:
         if self._t0 is not None and self._paused_at is None:  # the sanity check runs before the clock starts
@@ -254,10 +260,12 @@ class TrainingHealthMonitor(_LoggingCallback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             # Automatic optimization: Lightning divided it by accumulate_grad_batches, undone here. A loss that
-            # training_step returned scaled (scaler.scale_loss(loss)) carries mu; one scaled in backward (an
-            # overridden backward, FP8LMPrecision) does not, and no scale_loss returned its value.
+            # training_step returned scaled (scaler.scale_loss(loss)) carries mu; one scaled in backward does not
+            # (an overridden backward scales after on_before_backward, which ends the records looked at here;
+            # FP8LMPrecision's scaling records none).
             normalize = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            scaled = [record for scaler, mark in self._scaling_marks for record in scaler.scaled_losses(since=mark)]
+            scaled = [record for scaler, mark, until in self._scaling_marks
+                      for record in scaler.scaled_losses(since=mark, until=until)]  # fmt: skip
             self._losses.append(_true_loss(loss.detach(), normalize, scaled))
         samples = count_samples(batch)
         if samples is None:

@@ -41,7 +41,7 @@ class _PrecisionStep:
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        return super().pre_backward(self.grad_scaler.scale_loss(tensor), module)
+        return super().pre_backward(self.grad_scaler._scale_for_backward(tensor), module)
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:

@@ -29,12 +29,12 @@ class ScalesByHand(GPTModule):
     """The user's own FP8AdamW and FP8GradScaler; ``where`` says where the loss is scaled. ``self.losses`` keeps the
     unscaled losses (GPTModule records them in ``training_step`` before anything scales them)."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, init_scale: float = INIT_SCALE) -> None:
         super().__init__()
-        self.where = where
+        self.where, self.init_scale = where, init_scale
 
     def configure_optimizers(self):
-        self.scaler = FP8GradScaler(init_scale=INIT_SCALE, growth_interval=1)
+        self.scaler = FP8GradScaler(init_scale=self.init_scale, growth_interval=1)
         return FP8AdamW(self.parameters(), lr=1e-3, fp8_grads=False, grad_scaler=self.scaler)
 
     def training_step(self, batch, batch_idx):
@@ -72,35 +72,44 @@ def _true_losses(module: GPTModule, accumulate: int) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    ("where", "precision", "accumulate"),
+    ("where", "precision", "accumulate", "init_scale"),
     [
-        ("training_step", "32-true", 1),
-        ("training_step", "bf16-mixed", 2),
-        ("backward", "32-true", 1),
-        ("backward", "32-true", 2),
+        ("training_step", "32-true", 1, INIT_SCALE),
+        ("training_step", "bf16-mixed", 2, INIT_SCALE),
+        ("backward", "32-true", 1, INIT_SCALE),
+        ("backward", "32-true", 2, INIT_SCALE),
+        # mu == accumulate_grad_batches in the first step: a loss scaled in backward, (L / 2) * 2, divided by 2 is the
+        # L / 2 Lightning hands the callback, by value, and was taken for a returned scaled loss
+        ("backward", "32-true", 2, 2.0),
+        ("training_step", "32-true", 2, 2.0),
     ],
 )
-def test_health_loss_is_the_unscaled_loss_wherever_the_module_scales_it(tmp_path, where, precision, accumulate):
+def test_health_loss_is_the_unscaled_loss_wherever_the_module_scales_it(
+    tmp_path, where, precision, accumulate, init_scale
+):
     torch.manual_seed(0)
-    module = ScalesByHand(where)
+    module = ScalesByHand(where, init_scale)
     health = _fit(module, tmp_path, accumulate, precision=precision)
     # mu grew in every step, between the scale_loss and the batch end: each loss carries a different mu.
-    assert module.scaler.get_scale() == INIT_SCALE * 2**STEPS
+    assert module.scaler.get_scale() == init_scale * 2**STEPS
     logged = [value for _, value in health.monitor.series["loss"]]
     assert logged == pytest.approx(_true_losses(module, accumulate), rel=LOSS_RTOL)
     assert health._metrics()["health/loss"] == pytest.approx(logged[-1])
     assert health._metrics()["health/loss_smooth"] == pytest.approx(sum(logged) / len(logged), rel=LOSS_RTOL)
 
 
-def test_health_loss_under_fp8_lm_is_the_loss_before_the_plugin_scales_it(tmp_path):
-    # FP8LMPrecision scales the loss in its backward, after training_step: the loss handed to the callback is unscaled.
+@pytest.mark.parametrize(("accumulate", "init_scale"), [(1, INIT_SCALE), (2, 2.0), (4, 4.0)])
+def test_health_loss_under_fp8_lm_is_the_loss_before_the_plugin_scales_it(tmp_path, accumulate, init_scale):
+    # FP8LMPrecision scales the loss in its backward, after training_step: the loss handed to the callback is
+    # unscaled, also when mu equals accumulate_grad_batches (the plugin's scaled loss divided by it is, by value, the
+    # loss Lightning hands the callback: it was divided by mu).
     torch.manual_seed(0)
     module = GPTModule()
-    plugin = FP8LMPrecision(grad_scaler={"init_scale": INIT_SCALE, "growth_interval": 1})
-    health = _fit(module, tmp_path, plugins=[plugin])
-    assert plugin.grad_scaler.get_scale() == INIT_SCALE * 2**STEPS
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": init_scale, "growth_interval": 10**6})
+    health = _fit(module, tmp_path, accumulate, plugins=[plugin])
+    assert plugin.grad_scaler.get_scale() == init_scale
     logged = [value for _, value in health.monitor.series["loss"]]
-    assert logged == pytest.approx(_true_losses(module, 1), rel=LOSS_RTOL)
+    assert logged == pytest.approx(_true_losses(module, accumulate), rel=LOSS_RTOL)
 
 
 def test_the_scaler_keeps_no_graph_of_the_losses_it_scaled():
