@@ -32,7 +32,8 @@ from lightning_fp8.autograd_rules import check_no_functorch
 from lightning_fp8.cast_checks import check_castable
 from lightning_fp8.matmul import _FP8Matmul, current_flags, note_casts
 
-# Re-exported: mlp.py and distributed/tensor_parallel_linear.py import these from here.
+# Re-exported: mlp.py (forward_gemm, backward_gemms) and distributed/tensor_parallel_linear.py (grad_output_current)
+# import these from here.
 from lightning_fp8.matmul import backward_gemms as backward_gemms
 from lightning_fp8.matmul import forward_gemm as forward_gemm
 from lightning_fp8.matmul import grad_output_current as grad_output_current

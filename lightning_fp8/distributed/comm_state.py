@@ -5,8 +5,7 @@ every gradient cast to the gradient scaler, and keeps the step's non-finite flag
 
 Skipping a step without a gradient scaler::
 
-    state = FP8CommState()
-    ddp.register_comm_hook(state, fp8_allreduce_hook)
+    state = enable_fp8_ddp(ddp)     # FP8CommState(ddp.process_group), registered with fp8_allreduce_hook
     for batch in loader:
         ddp(batch).sum().backward()
         if state.check_step():        # False when any rank had a non-finite gradient (same answer everywhere)
@@ -326,10 +325,13 @@ class FP8CommState:
             found = flag > 0
         return found is None or not bool(found)
 
-    def _agree_over_mesh(self, mesh: DeviceMesh) -> None:
+    def _agree_over_mesh(self, mesh: DeviceMesh | None) -> None:
         """Make :meth:`check_step` agree over every rank of ``mesh`` (a DeviceMesh), not only over the groups of the
         hooks' collectives: one MAX all-reduce over the world where ``mesh`` spans it, else one per mesh dimension
-        (a MAX over each dimension in turn is the MAX over the whole mesh)."""
+        (a MAX over each dimension in turn is the MAX over the whole mesh). None: over the hooks' groups alone."""
+        if mesh is None:
+            self._step_groups = []
+            return
         if mesh.size() == dist.get_world_size():
             self._step_groups = [dist.group.WORLD]
         else:

@@ -46,7 +46,8 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     if not isinstance(state, FP8CommState):
         raise TypeError(
             f"fp8_allreduce_hook needs an FP8CommState as its state, got {type(state).__name__}: "
-            "ddp.register_comm_hook(FP8CommState(), fp8_allreduce_hook)"
+            "register it with enable_fp8_ddp(ddp), or ddp.register_comm_hook(FP8CommState(ddp.process_group), "
+            "fp8_allreduce_hook)"
         )
     buffer = bucket.buffer()
     if not state._fp8_params_checked:

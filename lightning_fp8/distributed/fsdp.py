@@ -45,7 +45,8 @@ def fp8_reduce_scatter_hook(state: FP8CommState, grad: torch.Tensor, output: tor
     if not isinstance(state, FP8CommState):
         raise TypeError(
             f"fp8_reduce_scatter_hook needs an FP8CommState as its state, got {type(state).__name__}: "
-            "use enable_fp8_fsdp1(model) or model.register_comm_hook(FP8CommState(), fp8_reduce_scatter_hook)"
+            "use enable_fp8_fsdp1(model) or model.register_comm_hook(FP8CommState(model.process_group), "
+            "fp8_reduce_scatter_hook)"
         )
     layout = _layout_for(state, grad.numel())
     slices = state.slices(grad.numel())

@@ -33,6 +33,7 @@ through FP8), else through FP8 with one scale per block.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,10 @@ from lightning_fp8.kernels.comm_table import BlockTable, block_table
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
 from lightning_fp8.warnings import warn_once
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 try:  # the Comm interfaces are importable from here in torch 2.8+ (not re-exported publicly)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -383,7 +388,7 @@ def enable_fp8_fsdp2(
     _check_state(model, state)
     mark_fp8_weights(model)
     weights = fp8_linear_weights(model)
-    wider: list = []  # meshes of parameters spread beyond FSDP's groups (tensor parallel)
+    wider: list[DeviceMesh] = []  # meshes of parameters spread beyond FSDP's groups (tensor parallel)
     for module in fsdp_modules:
         groups = _param_groups(module)
         if not groups:
@@ -399,12 +404,12 @@ def enable_fp8_fsdp2(
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
             fused = state.use_fused(groups[0].fsdp_params[0].sharded_param.device)
             module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, fused))
-    if wider:
-        state._agree_over_mesh(max(wider, key=lambda mesh: mesh.size()))
+    # Over the widest mesh, or (a state used before on a tensor-parallel model) back to the hooks' groups alone
+    state._agree_over_mesh(max(wider, key=lambda mesh: mesh.size()) if wider else None)
     return state
 
 
-def _mesh_beyond_fsdp(param_group) -> list:
+def _mesh_beyond_fsdp(param_group: FSDPParamGroup) -> list[DeviceMesh]:
     """``[mesh]``: the device mesh of the group's parameters where it holds more ranks than FSDP's own (the data
     parallel x tensor parallel mesh of FSDP2 + TP), else ``[]``. FSDP's collectives, and so the non-finite flag
     riding on them, reach only the ranks of FSDP's mesh; the tensor-parallel peers hold other pieces of the same
