@@ -69,6 +69,20 @@ def test_from_linear_refuses_a_non_linear():
         FP8Linear.from_linear(nn.Conv1d(32, 32, 1))
 
 
+@pytest.mark.parametrize("double", ["weight", "bias"])
+def test_from_linear_and_from_modules_refuse_float64_parameters(double):
+    # As FP8Linear(dtype=torch.float64) does: the first forward would refuse the layer, convert_to_fp8 leaves it.
+    from lightning_fp8 import FP8MLP
+
+    layer = nn.Linear(32, 32)
+    getattr(layer, double).data = getattr(layer, double).data.double()
+    with pytest.raises(TypeError, match=r"FP8Linear.from_linear: Linear\(in_features=32.* has torch.float64 param"):
+        FP8Linear.from_linear(layer)
+    with pytest.raises(TypeError, match=r"FP8MLP.from_modules \(proj\): .* has torch.float64 parameters"):
+        FP8MLP.from_modules(nn.Linear(32, 32), layer)
+    assert getattr(layer, double).dtype == torch.float64
+
+
 def test_from_linear_carries_the_hooks_over():
     torch.manual_seed(0)
     layer = nn.Linear(32, 32)
