@@ -121,6 +121,8 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         self._optimizers: list[torch.optim.Optimizer] = []  # as connect() handed them to the strategy
         self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
         self.comm_state: Any = None  # the hooks' FP8CommState
+        # (scaler, module): the model this plugin made a scaler's `model` (re-pointed at the next conversion)
+        self._scaler_model_given: tuple[Any, nn.Module] | None = None
 
     def __repr__(self) -> str:
         return f"FP8LMPrecision(recipe={self.recipe!r}, backend={self.backend!r})"
@@ -157,8 +159,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
                 strategy = module.trainer.strategy
                 self._early_masters = optimizer_swap.adopt_masters_early(module, strategy.root_device)
         self._module = module
-        if self.grad_scaler.model is None:  # lets mu changes rescale the FP8 layers' grad_output scales exactly
-            self.grad_scaler.model = module
+        self._give_scaler_the_model()
         return module
 
     @override
@@ -228,9 +229,19 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
             new.grad_scaler = self.grad_scaler  # the user's FP8AdamW: unscale by our mu, report its casts to it
         else:
             self.grad_scaler = new.grad_scaler  # the user's FP8AdamW brought its own scaler: scale by that mu
-            if self.grad_scaler.model is None:
-                self.grad_scaler.model = self._module
+            self._give_scaler_the_model()
         return new
+
+    def _give_scaler_the_model(self) -> None:
+        """Make the module this stage converted the scaler's ``model``, so that mu changes rescale the grad_output
+        scales of its FP8 layers exactly and ``nonfinite_fallback="bf16"`` finds its layers: where the scaler has no
+        model, or the one this plugin gave it at an earlier conversion (a Trainer fitting a second model re-points
+        it). A ``model=`` the user gave the scaler (or set since) is the user's and stays."""
+        scaler, module = self.grad_scaler, self._module
+        given = self._scaler_model_given
+        if scaler.model is None or (given is not None and given[0] is scaler and given[1] is scaler.model):
+            scaler.model = module
+            self._scaler_model_given = (scaler, module)
 
     # -- forward ----------------------------------------------------------------------------------------------
 

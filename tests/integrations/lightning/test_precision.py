@@ -867,6 +867,121 @@ def test_a_second_fit_trains_the_weights_the_first_left(second):
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < module.losses[0]
 
 
+def _grad_output_states(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in fp8_state_dict(module).items()
+            if ".grad_output." in key and torch.is_tensor(value)}  # fmt: skip
+
+
+def _refit(trainer: L.Trainer, module: GPTModule, max_steps: int) -> None:
+    """Fit ``module`` with ``trainer``, which has fitted another model already, up to global step ``max_steps``."""
+    trainer.fit_loop.epoch_loop.max_steps = max_steps
+    trainer.fit(module, loader())
+
+
+def test_a_second_model_fitted_by_the_same_trainer_gets_the_grad_output_rescaling():
+    """Found by a sweep: after trainer.fit(first), trainer.fit(second) left the scaler's model at the first model, so
+    each change of mu during the second fit rescaled the first model's grad_output scales (silently changing it) and
+    never the second's (their delayed scales off by the ratio of mu). The second model must train as it would with a
+    fresh Trainer whose scaler starts from the same mu, and the first must be left alone."""
+    plugin = FP8LMPrecision(grad_scaler={"init_scale": 1.0, "growth_interval": 1})
+    first = _module()
+    trainer = _trainer(max_steps=3, precision=None, plugins=[plugin])
+    trainer.fit(first, loader())
+    mu = plugin.grad_scaler.get_scale()
+    first_states = _grad_output_states(first)
+    torch.manual_seed(1)
+    second = GPTModule()
+    _refit(trainer, second, max_steps=6)
+
+    torch.manual_seed(1)
+    reference = GPTModule()
+    fresh = FP8LMPrecision(grad_scaler={"init_scale": mu, "growth_interval": 1})
+    _fit(reference, max_steps=3, precision=None, plugins=[fresh])
+    assert plugin.grad_scaler.get_scale() == fresh.grad_scaler.get_scale() != mu  # mu moved during the second fit
+    states, expected = _grad_output_states(second), _grad_output_states(reference)
+    assert states.keys() == expected.keys() and states
+    for key, value in expected.items():
+        assert torch.equal(states[key], value), key
+    assert second.losses == reference.losses
+    for (name, a), (_, b) in zip(second.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for key, value in _grad_output_states(first).items():
+        assert torch.equal(value, first_states[key]), key
+    assert plugin.grad_scaler.model is second
+
+
+def _bf16_fallback_plugin() -> FP8LMPrecision:
+    scaler = {"nonfinite_fallback": "bf16", "fallback_after": 2, "init_scale": 2.0**4, "growth_interval": 2}
+    return FP8LMPrecision(grad_scaler=scaler, fp8_grads=True)
+
+
+def _linear_types(module: nn.Module) -> dict[str, type]:
+    return {name: type(m) for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+
+
+def test_the_bf16_fallback_of_a_second_fit_puts_back_the_second_models_layer():
+    """Found by a sweep: in trainer.fit(second) after trainer.fit(first), nonfinite_fallback="bf16" searched the first
+    model for layers with non-finite gradients, found none, and lowered the learning rate instead of putting the
+    second model's head back to nn.Linear, as a fresh Trainer does."""
+    batches = list(loader())
+    plugin = _bf16_fallback_plugin()
+    first = _module(HeadPoisoned)
+    first.batches, first.poisoned = batches, ()
+    trainer = _trainer(max_steps=3, precision=None, plugins=[plugin])
+    trainer.fit(first, loader())
+    first_layers = _linear_types(first)
+    torch.manual_seed(1)
+    second = HeadPoisoned()
+    second.batches, second.poisoned = batches, (4, 5)  # the fit's second and third steps, as (1, 2) in a fresh one
+    _refit(trainer, second, max_steps=7)
+
+    torch.manual_seed(1)
+    reference = HeadPoisoned()
+    reference.batches = batches[3:]
+    _, fresh = _fit(reference, max_steps=4, precision=None, plugins=[_bf16_fallback_plugin()])
+    assert type(reference.model.lm_head) is nn.Linear  # the reference: the head alone is put back, lr kept
+    assert _linear_types(second) == _linear_types(reference)
+    assert _linear_types(first) == first_layers  # all FP8Linear: the first model is left alone
+    assert all(kind is FP8Linear for kind in first_layers.values())
+    [fallback] = [entry for entry in plugin.grad_scaler.history if entry["action"] == "fallback"]
+    assert fallback["reason"].endswith("put 1 layer(s) back to high precision: model.lm_head")
+    lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]
+    assert lrs == [group["lr"] for group in fresh.optimizers[0].param_groups] == [1e-2, 1e-2]
+    assert plugin.state_dict()["fallen_back_layers"] == ["model.lm_head"]
+
+
+class _SharedScalerModule(GPTModule):
+    """Returns an FP8AdamW that brings ``scaler`` (the same one in every fit) from configure_optimizers."""
+
+    def configure_optimizers(self):
+        return FP8AdamW(self.param_groups(), lr=self.lr, grad_scaler=self.scaler)
+
+    def validation_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+
+def test_a_scaler_model_the_plugin_set_follows_each_fit_and_the_users_own_stays():
+    # The scaler an FP8AdamW of the user's brings, with no model: the plugin gives it one, and the next fit's model.
+    shared = FP8GradScaler()
+    trainer = _trainer(max_steps=1, precision=None, plugins=[FP8LMPrecision()])
+    modules = []
+    for max_steps in (1, 2):
+        module = _module(_SharedScalerModule)
+        module.scaler = shared
+        _refit(trainer, module, max_steps)
+        assert trainer.precision_plugin.grad_scaler is shared and shared.model is module
+        modules.append(module)
+    trainer.validate(modules[0], loader(n=12), verbose=False)  # a stage converts it again: it is the model now
+    assert shared.model is modules[0]
+    # A model the user gave the scaler is theirs: no fit changes it.
+    first = _module()
+    scaler = FP8GradScaler(model=first)
+    trainer = _trainer(max_steps=1, precision=None, plugins=[FP8LMPrecision(grad_scaler=scaler)])
+    trainer.fit(first, loader())
+    _refit(trainer, _module(), max_steps=2)
+    assert scaler.model is first
+
+
 def test_teardown_releases_early_masters_no_optimizer_holds():
     """Under DDP the plugin adopts the trainable FP8 weights before DDP wraps the model; one in no optimizer (then
     also a frozen layer's) stayed fp16 x 2**18 after the fit and a second fit under another precision went NaN (found
