@@ -93,7 +93,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None
         self.fp8_health: HealthMonitor | None = None
-        self.fp8_report: dict[str, Any] = {}
+        self.fp8_report: dict[str, Any] = self._fp8_initial_report()
         self._fp8_user_filter = fp8_module_filter
         self._fp8_models: list[nn.Module] = []
         self._fp8_conversions: list[dict[str, Any]] = []  # conversion.convert's report of each of _fp8_models
@@ -117,7 +117,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             return
         refusals.check_supported(self.mixed_precision, self.distributed_type, self.is_fsdp2, self._fp8_tp_enabled)
         self.fp8_health = HealthMonitor()
-        self.fp8_report["recipe"] = self.fp8_lm_config.recipe.to_dict()
         # load_state is overridden instead (CheckpointMixin): Accelerate's load hooks run after FSDP's model and
         # optimizer were loaded, and before its other files are, while lightning_fp8's state must be checked first
         # and loaded last.
@@ -131,6 +130,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
     @property
     def fp8_lm_recipe(self) -> FP8Recipe | None:
         return self.fp8_lm_config.recipe if self.fp8_lm_config is not None else None
+
+    def _fp8_initial_report(self) -> dict[str, Any]:
+        """``fp8_report`` before any prepare: the recipe (FP8-LM on), or nothing."""
+        return {"recipe": self.fp8_lm_config.recipe.to_dict()} if self.fp8_lm_config is not None else {}
 
     @property
     def _fp8_tp_enabled(self) -> bool:
@@ -391,6 +394,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         self._fp8_models, self._fp8_swaps, self._fp8_wrapped, self._fp8_tp_mapping = [], [], set(), {}
         self._fp8_ddp_weights = set()
         self._fp8_conversions = []
+        self.fp8_report = self._fp8_initial_report()  # what the next prepare does (no optimizer swap, comm hook, ...)
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
         if self.fp8_lm_config is not None:
             self.fp8_health = HealthMonitor()
@@ -403,8 +407,14 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
             refusals.check_fallback(self.fp8_grad_scaler, self._fp8_models)  # before a step can run it
             if self._fp8_optimizer is not None:  # gradients unscale_gradients unscaled carry mu again
                 self._fp8_optimizer.scale_back()
-            self._fp8_loss.append(loss.detach())
-            loss = self.fp8_grad_scaler._scale_for_backward(loss)
+            # The health loss: a one-value loss, as fp32 0-dim (micro-batch losses of shape () and (1,) average). A
+            # larger tensor (backward with a ``gradient=``) is not a loss and is not recorded, as FP8GradScaler's
+            # scale_loss does not keep one.
+            recorded = loss.detach().float().reshape(()) if loss.numel() == 1 else None
+            super().backward(self.fp8_grad_scaler._scale_for_backward(loss), **kwargs)
+            if recorded is not None:
+                self._fp8_loss.append(recorded)
+            return
         super().backward(loss, **kwargs)
 
     @override
@@ -482,7 +492,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.
         step = self._fp8_steps
         self._fp8_steps += 1
-        loss = torch.stack(self._fp8_loss).float().mean() if self._fp8_loss else None
+        # This step's records, taken and cleared first: an error below cannot leave them to the later steps.
+        losses, grad_norm = self._fp8_loss, self._fp8_grad_norm
+        self._fp8_loss, self._fp8_grad_norm = [], None
+        loss = torch.stack(losses).mean() if losses else None
         events = []
         if not stepped:  # the event says what the scaler did: skipped, mu lowered, and a fallback it ran then
             fallbacks = []
@@ -491,11 +504,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, accelerate.Accelerator):
                     self.fp8_grad_scaler.history, self._fp8_fallback_seen
                 )
             events.append(self.fp8_health.record_nonfinite(step, "grad", skipped_step_action(fallbacks)))
-        grad_norm = self._fp8_grad_norm
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
         events += self.fp8_health.observe(step, loss=loss, grad_norm=grad_norm if stepped else None)
         for event in events:
             if self.is_main_process:
                 logger.warning(f"lightning_fp8 health: {event.message} (action: {event.action})")
-        self._fp8_loss, self._fp8_grad_norm = [], None

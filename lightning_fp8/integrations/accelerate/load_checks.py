@@ -33,6 +33,7 @@ from accelerate.utils.constants import MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAM
 from safetensors import safe_open
 from torch import nn
 
+_EXTRA_STATE = "_extra_state"  # the key suffix of a module's get_extra_state in its state dict
 _CORRUPT = "the checkpoint is corrupt or was not completely written. Nothing was loaded; load an earlier checkpoint"
 
 
@@ -64,7 +65,7 @@ def check_files(
         ending = f"_{i}" if i > 0 else ""
         safetensors_file = directory / f"{SAFE_MODEL_NAME}{ending}.safetensors"  # Accelerate's choice of file
         if safetensors_file.exists():
-            _check_model_file(safetensors_file, _safetensors_shapes(safetensors_file), model, strict, tied_ok=True)
+            _check_model_file(safetensors_file, _safetensors_shapes(safetensors_file), model, strict, safetensors=True)
         else:
             path = directory / f"{MODEL_NAME}{ending}.bin"
             saved = _read(path, accelerate_load, map_location="cpu", mmap=True)
@@ -72,7 +73,7 @@ def check_files(
                 key: tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 for key, value in saved.items()
             }  # fmt: skip
-            _check_model_file(path, shapes, model, strict, tied_ok=False)
+            _check_model_file(path, shapes, model, strict, safetensors=False)
     for i, optimizer in enumerate(optimizers or []):
         path = directory / (f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin")
         # A second read of the file (Accelerate reads it again to load it), memory-mapped: the check reads each
@@ -147,19 +148,32 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
 
 
-def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, tied_ok: bool) -> None:
-    """Raise ValueError where ``model.load_state_dict`` would fail on the file's ``saved`` shapes by key.
+def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, safetensors: bool) -> None:
+    """Raise ValueError where Accelerate's load of the file into ``model`` would fail on the file's ``saved`` shapes by
+    key: ``model.load_state_dict`` for a ``.bin`` file, safetensors' ``load_model`` for a ``.safetensors`` one.
 
-    ``tied_ok``: a key missing from the file is fine when its tensor is another key's that the file has (safetensors
-    files hold tied weights once; safetensors' ``load_model`` ties them back).
+    The keys are compared with all of the model's state dict, its modules' extra state (``get_extra_state``) included;
+    the shapes only for its tensors other than extra state, which torch hands to ``set_extra_state`` as saved.
+    ``safetensors``: a key missing from the file is fine when its tensor is another key's that the file has
+    (safetensors files hold tied weights once; ``load_model`` ties them back), and a model whose state dict holds a
+    value other than a tensor is refused whatever ``strict`` is (``load_model`` fails on it).
     """
     if not isinstance(saved, dict):
         raise ValueError(f"accelerator.load_state: {path} holds a {type(saved).__name__}, not a state dict: {_CORRUPT}")
     # The state dict Accelerate's loaders compare against too (safetensors' load_model computes it as well).
-    expected = {
-        key: value for key, value in model.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)
-    }
-    wrong = [(key, saved[key], tuple(value.shape)) for key, value in expected.items()
+    expected = model.state_dict(keep_vars=True)
+    not_tensors = [key for key, value in expected.items() if not isinstance(value, torch.Tensor)]
+    if safetensors and not_tensors:
+        raise ValueError(
+            f"accelerator.load_state: {path} is a safetensors file, and the prepared {type(model).__name__}'s state "
+            f"dict holds {not_tensors[0]!r} ({type(expected[not_tensors[0]]).__name__}), not a tensor (extra state "
+            "from get_extra_state?): safetensors' load_model, which Accelerate loads the file with, takes tensors "
+            "only. Save the checkpoint with save_state(..., safe_serialization=False). Nothing was loaded"
+        )
+    extra_state = _extra_state_keys(model)
+    tensors = {key: value for key, value in expected.items()
+               if isinstance(value, torch.Tensor) and key not in extra_state}  # fmt: skip
+    wrong = [(key, saved[key], tuple(value.shape)) for key, value in tensors.items()
              if key in saved and not _loads_into(saved[key], value)]  # fmt: skip
     if wrong:
         key, got, own = wrong[0]
@@ -170,7 +184,8 @@ def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, ti
         )
     if not strict:
         return
-    missing = [key for key in expected if key not in saved and not (tied_ok and _tied_to_saved(key, expected, saved))]
+    missing = [key for key in expected
+               if key not in saved and not (safetensors and _tied_to_saved(key, tensors, saved))]  # fmt: skip
     unexpected = [key for key in saved if key not in expected]
     if missing or unexpected:
         raise ValueError(
@@ -180,6 +195,15 @@ def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, ti
         )
 
 
+def _extra_state_keys(model: nn.Module) -> set[str]:
+    """The state dict keys of ``model``'s modules' extra state (as ``Module.state_dict`` names them)."""
+    return {
+        f"{name}.{_EXTRA_STATE}" if name else _EXTRA_STATE
+        for name, module in model.named_modules(remove_duplicate=False)
+        if type(module).get_extra_state is not nn.Module.get_extra_state
+    }
+
+
 def _loads_into(shape: tuple[int, ...], value: torch.Tensor) -> bool:
     # torch's _load_from_state_dict: shapes must match, except a one-element 1-d tensor loads into a 0-dim one, and a
     # lazy (uninitialized) parameter takes any shape.
@@ -187,9 +211,11 @@ def _loads_into(shape: tuple[int, ...], value: torch.Tensor) -> bool:
     return own is None or shape == own or (own == () and shape == (1,))
 
 
-def _tied_to_saved(key: str, expected: dict[str, torch.Tensor], saved: dict[str, Any]) -> bool:
-    tensor = expected[key]
-    return any(other in saved and other_tensor is tensor for other, other_tensor in expected.items() if other != key)
+def _tied_to_saved(key: str, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> bool:
+    tensor = tensors.get(key)
+    return tensor is not None and any(
+        other in saved and other_tensor is tensor for other, other_tensor in tensors.items() if other != key
+    )
 
 
 def _check_custom_files(directory: Path, count: int) -> None:
