@@ -363,7 +363,10 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of FP8AdamW (any level, sharded or not) or of ``torch.optim.AdamW`` (converted: the master
         stays the parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales; the
-        fp16 moments of an fp16 model's AdamW, which carry no scale, load as their values).
+        fp16 moments of an fp16 model's AdamW, which carry no scale, load as their values). A ``torch.optim.Adam``
+        group loads as into ``torch.optim.AdamW``: its ``decoupled_weight_decay=False`` becomes True, so an L2
+        ``weight_decay`` continues as AdamW's decoupled decay (the constructor refuses such a group; set its decay to 0
+        in the state dict to drop it).
 
         Everything is checked before anything is loaded: on an error, the optimizer and the weights are unchanged. As in
         ``torch.optim.Optimizer``, the hooks of ``register_load_state_dict_pre_hook`` run first, on a shallow copy of
@@ -371,12 +374,12 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         ``register_load_state_dict_post_hook`` once everything is loaded.
 
         Raises:
-            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``) or hold settings the
-                constructor refuses, or a state does not fit its parameter (wrong shape or dtype, missing entries, a
-                scale or amax of the wrong shape or value, an amax below its state's values, inf or NaN values, a
-                negative second moment, a bad step); the message names the parameter's index and the entry, and what
-                to do. Also for a state dict of AMSGrad (a group with ``amsgrad=True``, a state with
-                ``max_exp_avg_sq``), which FP8AdamW would continue without it.
+            ValueError: when the parameter groups do not match (as ``torch.optim.Optimizer``) or hold values the
+                constructor refuses (NaN, out of range, ``capturable``), or a state does not fit its parameter (wrong
+                shape or dtype, missing entries, a scale or amax of the wrong shape or value, an amax below its state's
+                values, inf or NaN values, a negative second moment, a bad step); the message names the parameter's
+                index and the entry, and what to do. Also for a state dict of AMSGrad (a group with
+                ``amsgrad=True``, a state with ``max_exp_avg_sq``), which FP8AdamW would continue without it.
         """
         state_dict = checkpoint.run_load_pre_hooks(self, state_dict)
         self._grad_casts.flush(self)
