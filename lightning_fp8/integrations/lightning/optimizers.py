@@ -3,8 +3,9 @@
 ``configure_optimizers`` returns ordinary ``torch.optim.AdamW``/``Adam``; FP8-LM needs the precision-decoupled
 optimizer. :func:`to_fp8_optimizer` builds an ``FP8AdamW`` with the same hyper-parameters and param groups
 (extra keys such as ``initial_lr`` or a group ``name`` are kept), and :func:`rebind_schedulers` points the LR
-schedulers that referenced the old optimizer at the new one. Anything that would change the update rule
-silently (AMSGrad, ``maximize``, Adam's coupled L2 weight decay) is an error that says what to do instead.
+schedulers that referenced the old optimizer at the new one (``maximize`` carries over, per group). Anything that
+would change the update rule silently (AMSGrad, Adam's coupled L2 weight decay) is an error that says what to do
+instead.
 """
 
 from __future__ import annotations
