@@ -7,8 +7,8 @@ gradient scaler (one gradient scale mu scales the loss and unscales the gradient
 the model, or an FP8AdamW (O2) that took the model's linear weights for ordinary parameters before they became FP8
 weights; an FP8AdamW (O2) prepared after DDP wrapped its model; the ``"bf16"`` fallback with a prepared model that is
 itself an FP8 layer; and clipping that would miss gradients held in FP8.
-:mod:`~lightning_fp8.integrations.accelerate.accelerator` calls them from ``__init__``, ``prepare*``, ``backward``
-and the clipping methods.
+:mod:`~lightning_fp8.integrations.accelerate.accelerator` calls them from ``__init__`` and ``prepare*``,
+:mod:`~lightning_fp8.integrations.accelerate.gradients` from ``backward`` and the clipping methods.
 """
 
 from __future__ import annotations
