@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import accelerate
@@ -109,6 +110,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
+        # (scaler, model) weakly: the model this accelerator made a scaler's ``model`` (kept over free_memory)
+        self._fp8_scaler_given: tuple[weakref.ref, weakref.ref] | None = None
         self._fp8_clipping = False  # in Accelerate's clip_grad_norm_ (its unscale_gradients call is not the script's)
         if self.fp8_lm_config is None:
             if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
@@ -243,7 +246,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_conversions.append(report)
         self.fp8_report.update(conversion.combined_report(self._fp8_conversions))
         if self.fp8_grad_scaler is not None:  # a model prepared after the optimizer (one it does not train)
-            self.fp8_grad_scaler.model = self._fp8_scaler_model()
+            self._fp8_give_scaler_the_model()
         self._fp8_info(
             f"lightning_fp8: converted {report['converted_layers']} linear layer(s) of {type(model).__name__} to FP8 "
             f"(recipe {self.fp8_lm_config.recipe.to_dict()}); kept {len(report['high_precision_linears'])} in high "
@@ -261,8 +264,18 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         if self.fp8_grad_scaler is None:  # created at the first prepare that needs it, after the model's conversion
             from lightning_fp8.grad_scaler import FP8GradScaler
 
-            self.fp8_grad_scaler = FP8GradScaler(model=self._fp8_scaler_model())
+            self.fp8_grad_scaler = FP8GradScaler()
+            self._fp8_give_scaler_the_model()
         return self.fp8_grad_scaler
+
+    def _fp8_give_scaler_the_model(self) -> None:
+        """Make the prepared FP8 models (:meth:`_fp8_scaler_model`) the scaler's ``model`` where it has none or the one
+        this accelerator gave it (a later prepare, a new training after ``free_memory`` with the same scaler); a
+        ``model=`` the user gave the scaler is theirs and stays (as ``FP8LMPrecision`` does)."""
+        scaler, given = self.fp8_grad_scaler, self._fp8_scaler_given
+        if scaler.model is None or (given is not None and given[0]() is scaler and given[1]() is scaler.model):
+            scaler.model = self._fp8_scaler_model()
+            self._fp8_scaler_given = (weakref.ref(scaler), weakref.ref(scaler.model))
 
     def _fp8_scaler_model(self) -> nn.Module:
         """The scaler's ``model``: the FP8 model, or with several, a container holding them as ``model<i>`` (the
@@ -321,8 +334,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                 new.grad_scaler = self._fp8_scaler()
             elif self.fp8_grad_scaler is None:  # the user's FP8AdamW brought its own scaler: scale by that mu
                 self.fp8_grad_scaler = new.grad_scaler  # (as FP8LMPrecision does); saved and loaded with the state
-                if self.fp8_grad_scaler.model is None:
-                    self.fp8_grad_scaler.model = self._fp8_scaler_model()
+                self._fp8_give_scaler_the_model()
         else:
             new = optimizer
             warn_once(

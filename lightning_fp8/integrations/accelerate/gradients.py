@@ -33,10 +33,9 @@ class GradientsMixin:
             refusals.check_fallback(self.fp8_grad_scaler, self._fp8_models)  # before a step can run it
             if self._fp8_optimizer is not None:  # gradients unscale_gradients unscaled carry mu again
                 self._fp8_optimizer.scale_back()
-            # The health loss: a one-value loss, as fp32 0-dim (micro-batch losses of shape () and (1,) average). A
-            # larger tensor (backward with a ``gradient=``) is not a loss and is not recorded, as FP8GradScaler's
-            # scale_loss does not keep one.
-            recorded = loss.detach().float().reshape(()) if loss.numel() == 1 else None
+            # The health loss: the loss's mean as fp32 0-dim (micro-batch losses of any shape average, a tensor given
+            # with ``gradient=`` by its mean: a NaN in it is still a non-finite loss); an empty tensor records none.
+            recorded = loss.detach().float().mean() if loss.numel() else None
             super().backward(self.fp8_grad_scaler._scale_for_backward(loss), **kwargs)
             if recorded is not None:
                 self._fp8_loss.append(recorded)

@@ -152,8 +152,10 @@ def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, sa
     """Raise ValueError where Accelerate's load of the file into ``model`` would fail on the file's ``saved`` shapes by
     key: ``model.load_state_dict`` for a ``.bin`` file, safetensors' ``load_model`` for a ``.safetensors`` one.
 
-    The keys are compared with all of the model's state dict, its modules' extra state (``get_extra_state``) included;
-    the shapes only for its tensors other than extra state, which torch hands to ``set_extra_state`` as saved.
+    The keys are compared as torch's ``load_state_dict`` reports them (safetensors' ``load_model`` too): the model's
+    tensors, and the extra state of the modules that take one (``set_extra_state``; a module that only writes one,
+    ``get_extra_state``, has it unexpected); the shapes only for the tensors other than extra state, which torch hands
+    to ``set_extra_state`` as saved.
     ``safetensors``: a key missing from the file is fine when its tensor is another key's that the file has
     (safetensors files hold tied weights once; ``load_model`` ties them back), and a model whose state dict holds a
     value other than a tensor is refused whatever ``strict`` is (``load_model`` fails on it).
@@ -170,9 +172,13 @@ def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, sa
             "from get_extra_state?): safetensors' load_model, which Accelerate loads the file with, takes tensors "
             "only. Save the checkpoint with save_state(..., safe_serialization=False). Nothing was loaded"
         )
-    extra_state = _extra_state_keys(model)
+    written, taken = _extra_state_keys(model)
     tensors = {key: value for key, value in expected.items()
-               if isinstance(value, torch.Tensor) and key not in extra_state}  # fmt: skip
+               if isinstance(value, torch.Tensor) and key not in written}  # fmt: skip
+    # As torch's load_state_dict reports keys (safetensors' load_model takes its lists): a module's extra state is
+    # expected where the module takes one, unexpected where it only writes one.
+    expected = {key: value for key, value in expected.items() if key not in written}
+    expected.update(dict.fromkeys(taken))
     wrong = [(key, saved[key], tuple(value.shape)) for key, value in tensors.items()
              if key in saved and not _loads_into(saved[key], value)]  # fmt: skip
     if wrong:
@@ -195,13 +201,18 @@ def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, sa
         )
 
 
-def _extra_state_keys(model: nn.Module) -> set[str]:
-    """The state dict keys of ``model``'s modules' extra state (as ``Module.state_dict`` names them)."""
-    return {
-        f"{name}.{_EXTRA_STATE}" if name else _EXTRA_STATE
-        for name, module in model.named_modules(remove_duplicate=False)
-        if type(module).get_extra_state is not nn.Module.get_extra_state
-    }
+def _extra_state_keys(model: nn.Module) -> tuple[set[str], set[str]]:
+    """The state dict keys (as ``Module.state_dict`` names them) of the extra state ``model``'s modules write
+    (``get_extra_state`` overridden) and of the extra state they take (``set_extra_state`` overridden: torch's
+    ``_load_from_state_dict`` loads the key then, and reports it unexpected otherwise)."""
+    written, taken = set(), set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        key = f"{name}.{_EXTRA_STATE}" if name else _EXTRA_STATE
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            written.add(key)
+        if type(module).set_extra_state is not nn.Module.set_extra_state:
+            taken.add(key)
+    return written, taken
 
 
 def _loads_into(shape: tuple[int, ...], value: torch.Tensor) -> bool:

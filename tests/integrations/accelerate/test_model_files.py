@@ -162,3 +162,41 @@ def test_a_checkpoint_accelerate_cannot_load_is_refused_before_anything_changes(
     assert outcome == "refused" and unchanged
     assert isinstance(error, ValueError) and "Nothing was loaded" in str(error)
     assert re.search(match, str(error)), str(error)
+
+
+class WrittenOnlyExtraState(Net):
+    """Extra state written with the weights (a version tag) that the module does not take back: torch's strict load
+    reports its key unexpected."""
+
+    counter = 0
+
+    def get_extra_state(self):
+        return {"version": 2}
+
+
+class TakenOnlyExtraState(Net):
+    """Extra state the module takes but never writes: torch's strict load reports its key missing."""
+
+    counter = 0
+
+    def set_extra_state(self, state) -> None:
+        self.counter = state["counter"]
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "safe", "match"),
+    [
+        pytest.param(WrittenOnlyExtraState, False, r"unexpected \['_extra_state'\]", id="written only, torch file"),
+        pytest.param(TakenOnlyExtraState, False, r"missing \['_extra_state'\]", id="taken only, torch file"),
+        pytest.param(TakenOnlyExtraState, True, r"missing \['_extra_state'\]", id="taken only, safetensors"),
+    ],
+)
+def test_extra_state_keys_are_checked_as_torch_reports_them(tmp_path, model_cls, safe, match):
+    # Found by review: a key only get_extra_state writes passed the check (torch then failed part-way, the weights
+    # loaded); torch expects an extra state key where the module overrides set_extra_state, whatever it writes.
+    outcome, _, _ = _round_trip(False, model_cls, tmp_path / "plain", safe, True)
+    assert outcome == "refused"  # plain Accelerate fails on it, part-way
+    outcome, error, unchanged = _round_trip(True, model_cls, tmp_path / "fp8", safe, True)
+    assert outcome == "refused" and unchanged
+    assert isinstance(error, ValueError) and "Nothing was loaded" in str(error)
+    assert re.search(match, str(error)), str(error)

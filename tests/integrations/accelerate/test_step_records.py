@@ -1,6 +1,6 @@
-"""What the FP8 Accelerator records per optimizer step (the health monitor's loss) and per training (`fp8_report`):
-a backward with a tensor and `gradient=` steps like the scalar loss it stands for, a health-side error never makes
-later steps fail, and `free_memory` starts the report of the next training afresh."""
+"""What the FP8 Accelerator records per optimizer step (the health monitor's loss) and per training (`fp8_report`,
+the scaler's model): a backward with a tensor and `gradient=` steps like the scalar loss it stands for (its mean is the
+health loss), a health-side error never makes later steps fail, and `free_memory` starts the next training afresh."""
 
 import pytest
 import torch
@@ -94,10 +94,11 @@ def test_tensor_losses_of_different_shapes_step_like_their_scalar_means():
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"step {step}: {key}")
     assert tensor_scaler == scalar_scaler and tensor_scaler["steps"] == 3
-    # The health loss is the mean of the step's one-value losses; a tensor with a gradient is no loss: not recorded.
+    # The health loss is the mean of the step's losses, a tensor's by its mean (as before the fix, when the shapes
+    # matched; found by review: recording one-value losses only lost the tensor ones and their NaN events).
     expected = [(step, torch.tensor(window).mean().item()) for step, window in enumerate(scalar_losses)]
     _assert_series(scalar_health, expected)
-    assert tensor_health == scalar_health[1:]
+    _assert_series(tensor_health, expected)
 
 
 def test_one_value_losses_of_shapes_0_and_1_average_into_the_health_loss():
@@ -145,3 +146,38 @@ def test_free_memory_starts_the_report_of_the_next_training_afresh():
     reference.prepare(nn.Sequential(nn.Linear(32, 16)))
     assert "optimizer" not in accelerator.fp8_report
     assert accelerator.fp8_report == reference.fp8_report
+
+
+def test_a_non_finite_tensor_loss_is_a_non_finite_loss_event():
+    accelerator, model, optimizer = _setup(grad_accum=1)
+    for i, batch in enumerate(_data([4, 4, 4])):
+        with accelerator.accumulate(model):
+            per_sample = _per_sample(model, batch)
+            if i == 2:
+                per_sample = per_sample * float("nan")
+            accelerator.backward(per_sample, gradient=torch.full_like(per_sample, 0.25))
+            optimizer.step()
+            optimizer.zero_grad()
+    kinds = [(event.step, event.kind) for event in accelerator.fp8_health.events]
+    assert (2, "nonfinite_loss") in kinds and (2, "nonfinite_grad") in kinds
+
+
+def test_a_users_scaler_follows_the_next_training_after_free_memory_and_a_given_model_stays():
+    # Found by review: the scaler an FP8AdamW brings got the accelerator's model only where it had none, so the same
+    # scaler in a new training after free_memory kept the first model (its mu changes rescaled that one's states).
+    from lightning_fp8 import FP8AdamW, FP8GradScaler
+
+    _fresh_state()
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    shared = FP8GradScaler()
+    for _ in range(2):
+        model = accelerator.prepare(Net())
+        accelerator.prepare(FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=shared))
+        assert accelerator.fp8_grad_scaler is shared and shared.model is model
+        accelerator.free_memory()
+    first = Net()
+    own = FP8GradScaler(model=first)
+    model = accelerator.prepare(first)
+    accelerator.prepare(FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=own))
+    accelerator.prepare(Net())  # a model prepared later: the user's model= stays
+    assert own.model is first
