@@ -173,8 +173,8 @@ def check_wrappable(layer: nn.Module, caller: str) -> None:
     that :func:`convert_to_fp8` leaves in high precision for what it is (see :func:`_reason_refused`).
 
     Raises:
-        TypeError: if ``layer`` is not an ``nn.Linear``, or has parameters of a dtype FP8 layers do not keep (float64:
-            every forward would refuse them).
+        TypeError: if ``layer`` is not an ``nn.Linear``, or its weight has a dtype FP8 layers do not keep (float64:
+            every forward would refuse it).
         ValueError: for such a layer, naming the reason and what to do, or for an FP8Linear (already one).
     """
     if not isinstance(layer, nn.Linear):
@@ -185,11 +185,10 @@ def check_wrappable(layer: nn.Module, caller: str) -> None:
             f"{caller}: {layer_repr} is already an FP8Linear; use it as it is (convert_to_fp8 leaves FP8 layers as "
             "they are). For another recipe, convert the original nn.Linear, or build a new FP8Linear(..., recipe=...)"
         )
-    bad = sorted({str(p.dtype) for p in layer.parameters(recurse=False) if p.dtype not in _ACTIVATION_DTYPES})
-    if bad:
+    if layer.weight.dtype not in _ACTIVATION_DTYPES:  # as every forward would refuse it (a bias is cast)
         raise TypeError(
-            f"{caller}: {layer_repr} has {', '.join(bad)} parameters; FP8 layers keep float32, bfloat16 or float16 "
-            "parameters: cast the layer first (layer.float()) or keep it as nn.Linear (convert_to_fp8 leaves such "
+            f"{caller}: {layer_repr} has a {layer.weight.dtype} weight; FP8 layers keep float32, bfloat16 or float16 "
+            "weights: cast the layer first (layer.float()) or keep it as nn.Linear (convert_to_fp8 leaves such "
             "layers as they are)"
         )
     reason = _reason_refused(layer)

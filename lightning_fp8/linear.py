@@ -197,7 +197,7 @@ class FP8Linear(nn.Linear):
         in the storage the other module reads.
 
         Raises:
-            TypeError: if ``linear`` is not an ``nn.Linear``, or its parameters are not float32, bfloat16 or float16.
+            TypeError: if ``linear`` is not an ``nn.Linear``, or its weight is not float32, bfloat16 or float16.
             ValueError: for an FP8Linear (already one: use it as it is), for a layer that
                 :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is (a reparametrized weight,
                 a subclass of ``nn.Linear``, a weight or bias that is not a parameter, parameters, buffers or

@@ -233,8 +233,8 @@ class FP8MLP(nn.Module):
         after another, so that they run).
 
         Raises:
-            TypeError: if a layer is not an ``nn.Linear`` or has parameters that are not float32, bfloat16 or
-                float16, or ``recipe`` is not a recipe, a recipe name or None.
+            TypeError: if a layer is not an ``nn.Linear`` or has a weight that is not float32, bfloat16 or float16,
+                or ``recipe`` is not a recipe, a recipe name or None.
             ValueError: for an unknown recipe name (also where both layers are FP8Linear already), if ``fc``'s
                 output size is not ``proj``'s input size, a size is not a multiple of 16, or a layer to wrap is one
                 :meth:`FP8Linear.from_linear` refuses (a reparametrized weight, a subclass of ``nn.Linear`` such as a

@@ -69,18 +69,26 @@ def test_from_linear_refuses_a_non_linear():
         FP8Linear.from_linear(nn.Conv1d(32, 32, 1))
 
 
-@pytest.mark.parametrize("double", ["weight", "bias"])
-def test_from_linear_and_from_modules_refuse_float64_parameters(double):
-    # As FP8Linear(dtype=torch.float64) does: the first forward would refuse the layer, convert_to_fp8 leaves it.
+def test_from_linear_and_from_modules_refuse_a_float64_weight_and_take_a_float64_bias():
+    # As FP8Linear(dtype=torch.float64) does: every forward would refuse the weight (convert_to_fp8 leaves the layer).
+    # A float64 bias is cast to the output dtype by the forward: such a layer wraps and runs, as it did.
     from lightning_fp8 import FP8MLP
 
     layer = nn.Linear(32, 32)
-    getattr(layer, double).data = getattr(layer, double).data.double()
-    with pytest.raises(TypeError, match=r"FP8Linear.from_linear: Linear\(in_features=32.* has torch.float64 param"):
+    layer.weight.data = layer.weight.data.double()
+    with pytest.raises(TypeError, match=r"FP8Linear.from_linear: Linear\(in_features=32.* has a torch.float64 weight"):
         FP8Linear.from_linear(layer)
-    with pytest.raises(TypeError, match=r"FP8MLP.from_modules \(proj\): .* has torch.float64 parameters"):
+    with pytest.raises(TypeError, match=r"FP8MLP.from_modules \(proj\): .* has a torch.float64 weight"):
         FP8MLP.from_modules(nn.Linear(32, 32), layer)
-    assert getattr(layer, double).dtype == torch.float64
+    assert layer.weight.dtype == torch.float64
+    torch.manual_seed(0)
+    plain = nn.Linear(32, 32)
+    plain.bias.data = plain.bias.data.double()
+    wrapped = FP8Linear.from_linear(plain)
+    x = torch.randn(4, 32)
+    y = wrapped(x)
+    reference = x @ plain.weight.t() + plain.bias.float()
+    assert y.dtype == torch.float32 and sqnr(y, reference) > FORWARD_SQNR_DB
 
 
 def test_from_linear_carries_the_hooks_over():
