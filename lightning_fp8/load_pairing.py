@@ -9,6 +9,15 @@ were saved beside that mu and match it already. So that the two loads of one che
 state, that it waits for the other, with the state's cast count then: a cast since the load ends the match, as does
 mu changing outside a load.
 
+The scaler may resume from another mu than the saved one (a saved mu outside its ``[min_scale, max_scale]`` is brought
+within them): the states saved beside the saved mu are then rescaled, once, by the correction ``loaded mu / saved mu``,
+as for every change of mu. A scaler load passes the correction; the FP8 state load that completes the pair, or the
+scaler load itself when the FP8 state load came first, applies it (1 when mu was loaded as saved: nothing changes).
+
+Only an FP8 state load that fills every buffer a change of mu rescales (``amax_history``, ``amax``, ``scale``: the
+``RESCALED_BUFFERS`` of :mod:`lightning_fp8.grad_scaling.rules`) gives a state the saved mu's values; one that fills
+only some (``strict=False``) ends any pairing of that state (:func:`forget_loads`).
+
 :mod:`lightning_fp8.state` (the FP8 state load) and :mod:`lightning_fp8.grad_scaling.rules` (the scaler's
 rescaling) call these functions.
 """
@@ -22,8 +31,9 @@ if TYPE_CHECKING:
     from lightning_fp8.scaling import ScalingState
 
 # The grad_output states a checkpoint load filled and not yet matched with the other load of the same checkpoint: by
-# which load ("fp8": load_fp8_state_dict, "scaler": FP8GradScaler.load_state_dict) and the state's cast count then.
-_PENDING_LOADS: weakref.WeakKeyDictionary[ScalingState, tuple[str, int | None]] = weakref.WeakKeyDictionary()
+# which load ("fp8": load_fp8_state_dict, "scaler": FP8GradScaler.load_state_dict), the state's cast count then, and
+# (a scaler load's) the correction loaded mu / saved mu that the states saved beside the saved mu still need.
+_PENDING_LOADS: weakref.WeakKeyDictionary[ScalingState, tuple[str, int | None, float]] = weakref.WeakKeyDictionary()
 
 
 def _cast_count(state: ScalingState) -> int | None:
@@ -35,35 +45,44 @@ def is_grad_output(name: str) -> bool:
     return name.endswith("grad_output")
 
 
-def scaler_load_pending(state: ScalingState) -> bool:
-    """Whether a scaler state was loaded since ``state``'s last cast, waiting for an FP8 state load to pair with.
+def scaler_load_pending(state: ScalingState) -> float | None:
+    """The correction (loaded mu / saved mu) of a scaler state loaded since ``state``'s last cast, waiting for an FP8
+    state load to pair with; ``None`` when none is.
 
-    Asked before an FP8 state load copies its values into ``state`` (the copy changes the cast count)."""
-    return _PENDING_LOADS.get(state) == ("scaler", _cast_count(state))
+    Asked before an FP8 state load copies its values into ``state`` (the copy changes the cast count); the load
+    rescales the values it copied by the correction (when not 1)."""
+    pending = _PENDING_LOADS.get(state)
+    if pending is not None and pending[:2] == ("scaler", _cast_count(state)):
+        return pending[2]
+    return None
 
 
 def fp8_state_loaded(state: ScalingState, paired: bool) -> None:
-    """An FP8 state load filled ``state`` (a grad_output state). ``paired``: a scaler load was pending for it
-    (:func:`scaler_load_pending`, asked before the copy), and the pair is now complete. Otherwise ``state`` matches
-    the mu of the scaler state loaded next (if one is, before the next cast)."""
+    """An FP8 state load filled ``state`` (a grad_output state: every buffer a change of mu rescales). ``paired``: a
+    scaler load was pending for it (:func:`scaler_load_pending`, asked before the copy), and the pair is now complete.
+    Otherwise ``state`` matches the saved mu of the scaler state loaded next (if one is, before the next cast)."""
     if paired:
         del _PENDING_LOADS[state]
     else:
-        _PENDING_LOADS[state] = ("fp8", _cast_count(state))
+        _PENDING_LOADS[state] = ("fp8", _cast_count(state), 1.0)
 
 
-def scaler_loaded(state: ScalingState) -> bool:
-    """A scaler state was loaded: whether ``state`` (a grad_output state) was filled by an FP8 state load since its
-    last cast, and so already matches the loaded mu (it is then not rescaled). Either way the two loads are paired
-    now, or this one waits for an FP8 state load to pair with."""
+def scaler_loaded(state: ScalingState, ratio: float, correction: float) -> float:
+    """A scaler state was loaded, changing mu by ``ratio`` (loaded mu / mu before the load); ``correction`` is the
+    loaded mu / the saved mu. The factor to rescale ``state`` (a grad_output state) by now: ``correction`` when an FP8
+    state load filled it since its last cast (it holds the values saved beside the saved mu), else ``ratio`` (it holds
+    the live values, of the mu before the load). Either way the two loads are paired now, or this one waits for an
+    FP8 state load to pair with (which applies ``correction`` to the values it copies)."""
     casts = _cast_count(state)
-    if _PENDING_LOADS.get(state) == ("fp8", casts):
+    pending = _PENDING_LOADS.get(state)
+    if pending is not None and pending[:2] == ("fp8", casts):
         del _PENDING_LOADS[state]
-        return True
-    _PENDING_LOADS[state] = ("scaler", casts)
-    return False
+        return correction
+    _PENDING_LOADS[state] = ("scaler", casts, correction)
+    return ratio
 
 
 def forget_loads(state: ScalingState) -> None:
-    """mu changed and ``state`` was rescaled with it: no earlier load is still to be paired."""
+    """mu changed and ``state`` was rescaled with it, or an FP8 state load filled only some of the buffers a change of
+    mu rescales: no earlier load is still to be paired."""
     _PENDING_LOADS.pop(state, None)

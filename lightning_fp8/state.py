@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import load_pairing
+from lightning_fp8.grad_scaling.rules import RESCALED_BUFFERS, rescale_grad_output_state
 from lightning_fp8.scaling import ScalingState, _format_max
 from lightning_fp8.stats import clean_name, wraps_as_module
 
@@ -112,8 +113,9 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
 
     Raises:
         KeyError: with ``strict``, if buffer keys are missing or keys are unexpected (a different model).
-        TypeError: if ``state_dict`` is not a dict with string keys, a value is not a tensor of the buffer's kind
-            (floating point or integer; not bool), or an ``initialized`` entry is not one integer.
+        TypeError: if ``state_dict`` is not a dict with string keys, a value is not a plain (strided, not sparse or
+            nested) tensor of the buffer's kind (floating point or integer; not bool), a setting is not one number,
+            or an ``initialized`` entry is not one integer (not bool).
         ValueError: if a state was saved under other recipe settings (``fp8_format``, ``margin``, ``scaling``,
             ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
             cannot be a scaling state's: a scale that is not a power of two from 2**-126 to 2**127, a negative or NaN
@@ -122,18 +124,33 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
             if the model's scaling state or a saved value is on the ``meta`` device (it holds no data).
     """
     states, loads, initialized = _checked(module, state_dict, strict, (), warn=True)
-    grad_outputs = {name for name, _, _ in loads if load_pairing.is_grad_output(name)}
-    # Loaded right after the scaler (no cast between), from the same checkpoint: the pair is complete.
-    paired = {name for name in grad_outputs if load_pairing.scaler_load_pending(states[name])}
+    filled: dict[str, set[int]] = {}
+    for name, buf, _ in loads:
+        filled.setdefault(name, set()).add(id(buf))
+    grad_outputs = {name for name in filled if load_pairing.is_grad_output(name)}
+    # Filled in every buffer a change of mu rescales: the state now holds the values saved beside the saved mu. A load
+    # of only some (strict=False: counters alone, say) leaves live values, which follow the live mu.
+    whole = {n for n in grad_outputs if {id(getattr(states[n], b)) for b in RESCALED_BUFFERS} <= filled[n]}
+    # Loaded right after the scaler (no cast between), from the same checkpoint: the pair is complete, and the saved
+    # values take the scaler's correction (loaded mu / saved mu; 1 unless the scaler brought the saved mu within its
+    # bounds).
+    corrections = {n: c for n in whole if (c := load_pairing.scaler_load_pending(states[n])) is not None}
     with torch.no_grad():
         for _, buf, value in loads:
             buf.copy_(value)
     for name in grad_outputs:
-        load_pairing.fp8_state_loaded(states[name], paired=name in paired)
-    for state_name in {name for name, _, _ in loads} - set(initialized):  # saved without the flag
+        if name in whole:
+            load_pairing.fp8_state_loaded(states[name], paired=name in corrections)
+        else:
+            load_pairing.forget_loads(states[name])
+    for state_name in set(filled) - set(initialized):  # saved without the flag
         initialized[state_name] = _inferred(states[state_name])
     for state_name, flag in initialized.items():
         states[state_name].set_initialized(flag)
+    with torch.no_grad():  # after the inference above, which reads the saved values (as in the other order)
+        for name, correction in corrections.items():
+            if correction != 1.0:
+                rescale_grad_output_state(states[name], correction)
 
 
 def check_fp8_state_dict(
@@ -275,12 +292,37 @@ def _inferred(state: ScalingState) -> bool:
     return bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
 
 
+def _is_number_tensor(value: object) -> bool:
+    """Whether ``value`` is a plain (strided, not nested) tensor of real numbers: not bool, not complex."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and not value.is_nested
+        and value.dtype != torch.bool
+        and not value.is_complex()
+    )
+
+
+def _kind(value: object) -> str:
+    """What ``value`` is, for an error message."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    layout = "nested " if value.is_nested else "" if value.layout == torch.strided else f"{value.layout} "
+    return f"a {layout}{value.dtype} tensor"
+
+
+def _shape(value: object) -> str:
+    """``value``'s shape, for an error message (a nested tensor has none)."""
+    if not isinstance(value, torch.Tensor):
+        return "()"
+    return "(nested)" if value.is_nested else str(tuple(value.shape))
+
+
 def _check_initialized(key: str, value: object) -> bool:
     """The flag an ``initialized`` entry (``key``) holds; raise unless it is one integer, 0 or 1."""
     fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_floating_point() or value.is_complex():
-        kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
-        shape = tuple(getattr(value, "shape", ()))
+    if not _is_number_tensor(value) or value.numel() != 1 or value.is_floating_point():
+        kind, shape = _kind(value), _shape(value)
         raise TypeError(f"FP8 scaling state {key!r} is {kind} of shape {shape}, expected one integer, 1 or 0: {fix}")
     flag = int(value.detach().cpu().reshape(()))
     if flag not in (0, 1):
@@ -291,10 +333,9 @@ def _check_initialized(key: str, value: object) -> bool:
 def _check_setting(key: str, value: object, mine: float) -> None:
     """Raise unless the saved setting ``value`` (``"<state>.<setting>"`` = ``key``) equals the model's, ``mine``."""
     state_name, _, name = key.rpartition(".")
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_complex():
-        kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
+    if not _is_number_tensor(value) or value.numel() != 1:
         raise TypeError(
-            f"FP8 scaling state {key!r} is {kind} of shape {tuple(getattr(value, 'shape', ()))}, expected one number "
+            f"FP8 scaling state {key!r} is {_kind(value)} of shape {_shape(value)}, expected one number "
             "(what fp8_state_dict() saves): the checkpoint is corrupt or not an fp8_state_dict()"
         )
     saved = float(value.detach().double().cpu().reshape(()))
@@ -311,10 +352,8 @@ def _check_setting(key: str, value: object, mine: float) -> None:
 def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> None:
     """Raise if ``value`` cannot be loaded into the scaling-state buffer ``buf`` (named ``buf_name``)."""
     fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
-    kind_ok = isinstance(value, torch.Tensor) and value.dtype != torch.bool and not value.is_complex()
-    if not kind_ok or value.is_floating_point() != buf.is_floating_point():
-        kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor"
-        raise TypeError(f"FP8 scaling state {key!r} is {kind}, expected a {buf.dtype} tensor: {fix}")
+    if not _is_number_tensor(value) or value.is_floating_point() != buf.is_floating_point():
+        raise TypeError(f"FP8 scaling state {key!r} is {_kind(value)}, expected a {buf.dtype} tensor: {fix}")
     if buf.shape != value.shape:
         raise ValueError(
             f"FP8 scaling state {key!r} has shape {tuple(value.shape)} in the checkpoint but "

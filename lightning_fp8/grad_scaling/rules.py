@@ -9,10 +9,15 @@ non-finite steps of one optimizer); a finite one halves mu when the saturated fr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8 import load_pairing
+
+if TYPE_CHECKING:
+    from lightning_fp8.scaling import ScalingState
 
 
 class _ScaleRules:
@@ -111,28 +116,42 @@ class _ScaleRules:
         else:
             what = str(fallback(self, optimizer))
         reason = f"{self.fallback_after} consecutive non-finite steps"
-        self._history.append({"step": self._steps, "action": "fallback", "reason": f"{reason}: {what}",
-                              "scale": self._scale})
+        self._history.append(
+            {"step": self._steps, "action": "fallback", "reason": f"{reason}: {what}", "scale": self._scale}
+        )
 
 
-def _rescale_grad_output_states(model: nn.Module, ratio: float, loading: bool = False) -> None:
-    """mu changed by ``ratio`` (a power of two), so every loss gradient did too: keep delayed scales exact, within
-    the range :func:`lightning_fp8.compute_scale` clamps to (a scale at 2**127, a tiny gradient's, would become inf
-    when mu halves, and every later gradient NaN).
+# The buffers of a grad_output scaling state that a change of mu rescales (rescale_grad_output_state). An FP8 state
+# load that fills all of them gives the state the values saved beside the checkpoint's mu (lightning_fp8.load_pairing).
+RESCALED_BUFFERS = ("amax_history", "amax", "scale")
+
+
+def rescale_grad_output_state(state: ScalingState, ratio: float) -> None:
+    """mu changed by ``ratio`` (a power of two): rescale one ``grad_output`` state's :data:`RESCALED_BUFFERS`, its
+    scale within the range :func:`lightning_fp8.compute_scale` clamps to (a scale at 2**127, a tiny gradient's, would
+    become inf when mu halves, and every later gradient NaN). The one rescale of every change of mu, at runtime or
+    on a load (:func:`_rescale_grad_output_states`, :func:`lightning_fp8.load_fp8_state_dict`)."""
+    state.amax_history.mul_(ratio)
+    state.amax.mul_(ratio)
+    state.scale.div_(ratio).clamp_(2.0**-126, 2.0**127)
+
+
+def _rescale_grad_output_states(model: nn.Module, ratio: float, loading: bool = False, correction: float = 1.0) -> None:
+    """mu changed by ``ratio`` (a power of two), so every loss gradient did too: keep delayed scales exact
+    (:func:`rescale_grad_output_state`).
 
     With ``loading`` (a scaler state was loaded), a state that :func:`~lightning_fp8.load_fp8_state_dict` filled since
-    its last cast is left as it is: it was saved beside that mu (the same checkpoint) and matches it already."""
+    its last cast holds the values saved beside the checkpoint's mu (the same checkpoint): it is rescaled by
+    ``correction`` (the loaded mu over the saved one: 1 unless the saved mu was brought within this scaler's bounds)
+    instead of ``ratio``. An FP8 state load still to come does the same (:mod:`lightning_fp8.load_pairing`)."""
     from lightning_fp8.scaling import ScalingState
 
     for name, state in model.named_modules():
         if isinstance(state, ScalingState) and load_pairing.is_grad_output(name):
             if loading:
-                if load_pairing.scaler_loaded(state):
-                    continue
+                factor = load_pairing.scaler_loaded(state, ratio, correction)
             else:
                 load_pairing.forget_loads(state)
-            if ratio == 1.0:
-                continue
-            state.amax_history.mul_(ratio)
-            state.amax.mul_(ratio)
-            state.scale.div_(ratio).clamp_(2.0**-126, 2.0**127)
+                factor = ratio
+            if factor != 1.0:
+                rescale_grad_output_state(state, factor)

@@ -90,9 +90,12 @@ class _ScalerState:
         one, as for every change of mu, so that the next backward casts with the right scale. The model's FP8 state
         (:func:`~lightning_fp8.load_fp8_state_dict`) loaded from the same checkpoint goes with it in either order:
         loaded after this, it overwrites the rescaled states with the saved ones; loaded before this (with no backward
-        between), its states already match the saved mu and are not rescaled (a state that has cast since is).
+        between), its states already match the saved mu and are not rescaled (a state that has cast since is). Where
+        the saved mu was brought within the bounds, the saved states are rescaled from the saved mu to the loaded one,
+        in either order (:mod:`lightning_fp8.load_pairing`).
         """
         scale, counters, saturation, history = self._checked_state(state_dict)
+        saved_scale = scale
         if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
             bounded = min(max(scale, self.min_scale), self.max_scale)
             warnings.warn(
@@ -102,7 +105,7 @@ class _ScalerState:
             )
             scale = bounded
         if self.model is not None:  # before any gradient is cast with the new mu (see above)
-            _rescale_grad_output_states(self.model, scale / self._scale, loading=True)
+            _rescale_grad_output_states(self.model, scale / self._scale, loading=True, correction=scale / saved_scale)
         self._scale = scale
         self._loss_scale = None  # a loss scaled before the load no longer tells the gradients' mu
         self._growth_tracker = counters["growth_tracker"]

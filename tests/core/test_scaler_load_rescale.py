@@ -172,3 +172,80 @@ def test_lightning_plugin_loads_scaler_then_fp8_state():
     plugin.grad_scaler.load_state_dict(FP8GradScaler(init_scale=16.0).state_dict())
     _assert_rescaled(model, expected, 1 / 256)
     assert _backward(model, plugin.grad_scaler) < 0.01
+
+
+def _rescaled(states: dict[str, torch.Tensor], ratio: float) -> dict[str, torch.Tensor]:
+    """``states`` after mu changed by ``ratio``, computed here: amax history and last amax times ``ratio``, the scale
+    divided by it and kept within the scales casts produce (2**-126 to 2**127)."""
+    return {
+        key: (value / ratio).clamp(2.0**-126, 2.0**127) if key.endswith(".scale") else value * ratio
+        for key, value in states.items()
+    }
+
+
+def _load_checkpoint(model: nn.Module, scaler: FP8GradScaler, checkpoint: dict, scaler_first: bool) -> None:
+    with pytest.warns(UserWarning, match="outside this scaler's"):
+        if scaler_first:  # Lightning's plugin
+            scaler.load_state_dict(checkpoint["scaler"])
+            load_fp8_state_dict(model, checkpoint["fp8"])
+        else:  # Accelerate's load_state
+            load_fp8_state_dict(model, checkpoint["fp8"])
+            scaler.load_state_dict(checkpoint["scaler"])
+
+
+@pytest.mark.parametrize("scaler_first", [True, False], ids=["scaler_then_fp8", "fp8_then_scaler"])
+@pytest.mark.parametrize(("bounds", "resumed"), [({"max_scale": 256.0}, 256.0), ({"min_scale": 2.0**16}, 2.0**16)],
+                         ids=["above_max_scale", "below_min_scale"])  # fmt: skip
+def test_a_saved_mu_outside_the_bounds_rescales_the_checkpoint_states_to_the_resumed_mu(scaler_first, bounds, resumed):
+    # The checkpoint was saved at mu 4096; this scaler's bounds resume it at another mu: the grad_output states saved
+    # beside 4096 are rescaled to it, as a change of mu from 4096 to the resumed mu rescales them, in either order.
+    checkpoint, saved, model, _ = _checkpoint()
+    scaler = FP8GradScaler(init_scale=16.0 if "max_scale" in bounds else 2.0**17, growth_interval=10**6, model=model,
+                           **bounds)  # fmt: skip
+    _load_checkpoint(model, scaler, checkpoint, scaler_first)
+    assert scaler.scale == resumed
+    _assert_states(model, _rescaled(saved, resumed / 4096.0))
+    # The next backward casts the gradients of mu = resumed with scales that fit them (unrescaled, the scales of mu
+    # 4096 would saturate the 16x larger gradients below min_scale).
+    assert _backward(model, scaler) < 0.01
+
+
+@pytest.mark.parametrize("scaler_first", [True, False], ids=["scaler_then_fp8", "fp8_then_scaler"])
+def test_the_resume_rescale_clamps_the_scale_as_a_change_of_mu_does(scaler_first):
+    # A saved grad_output scale of 2**-120 at mu 4096, resumed at mu 2**20: divided by 256 it would be 2**-128, whose
+    # reciprocal is inf; the runtime rescale keeps it at 2**-126.
+    checkpoint, saved, model, _ = _checkpoint()
+    key = "2.fp8_scaling.grad_output.scale"
+    checkpoint["fp8"] = {**checkpoint["fp8"], key: torch.tensor(2.0**-120)}
+    saved[key] = torch.tensor(2.0**-120)
+    scaler = FP8GradScaler(init_scale=2.0**21, min_scale=2.0**20, growth_interval=10**6, model=model)
+    _load_checkpoint(model, scaler, checkpoint, scaler_first)
+    assert scaler.scale == 2.0**20
+    expected = _rescaled(saved, 256.0)
+    assert expected[key].item() == 2.0**-126
+    _assert_states(model, expected)
+
+
+@pytest.mark.parametrize("scaler_first", [True, False], ids=["scaler_then_fp8", "fp8_then_scaler"])
+def test_after_a_clamped_resume_a_later_mu_load_rescales_from_the_resumed_mu(scaler_first):
+    # The pair is complete once: a scaler state loaded next rescales from the resumed mu (256), not again from 4096.
+    checkpoint, saved, model, _ = _checkpoint()
+    scaler = FP8GradScaler(init_scale=16.0, max_scale=256.0, growth_interval=10**6, model=model)
+    _load_checkpoint(model, scaler, checkpoint, scaler_first)
+    scaler.load_state_dict(FP8GradScaler(init_scale=64.0).state_dict())  # 256 -> 64
+    _assert_states(model, _rescaled(saved, 64.0 / 4096.0))
+
+
+@pytest.mark.parametrize("keys", [("casts", "saturation"), ("casts", "saturation", "nonfinite_count"),
+                                  ("scale", "amax_history", "casts")],
+                         ids=["counters", "all_counters", "no_amax"])  # fmt: skip
+def test_a_partial_fp8_load_of_a_grad_output_state_does_not_pair_with_the_scaler_load(keys):
+    # strict=False, with only some of each grad_output state's buffers: the others keep their live values (of the live
+    # mu 16), so the state does not hold the saved mu's values, and the scaler load that follows rescales it.
+    checkpoint, _, model, scaler = _checkpoint()
+    partial = {k: v for k, v in checkpoint["fp8"].items() if ".grad_output." in k and k.rpartition(".")[2] in keys}
+    expected = _grad_outputs(model)
+    expected.update({k: v for k, v in partial.items() if k in expected})  # what the partial load replaces
+    load_fp8_state_dict(model, partial, strict=False)
+    scaler.load_state_dict(checkpoint["scaler"])  # 16 -> 4096
+    _assert_states(model, _rescaled(expected, 256.0))

@@ -55,6 +55,27 @@ def test_inputs_that_are_not_a_state_dict_are_refused_and_change_nothing(corrupt
     assert _unchanged(model, before)
 
 
+@pytest.mark.parametrize(("key", "value"), [
+    ("0.fp8_scaling.input.initialized", lambda v: torch.tensor(True)),
+    ("0.fp8_scaling.input.margin", lambda v: torch.tensor(False)),
+    ("0.fp8_scaling.input.delayed", lambda v: torch.tensor(True)),
+    ("0.fp8_scaling.input.amax_history", lambda v: v.to_sparse()),
+    ("0.fp8_scaling.input.amax_history", lambda v: v.reshape(1, -1).to_sparse_csr()),
+    ("0.fp8_scaling.input.margin", lambda v: v.reshape(1).to_sparse()),
+    ("0.fp8_scaling.input.initialized", lambda v: v.reshape(1).to_sparse()),
+    ("0.fp8_scaling.input.amax_history", lambda v: torch.nested.nested_tensor([v], layout=torch.jagged)),
+], ids=["bool initialized", "bool margin", "bool delayed", "sparse history", "sparse csr history", "sparse margin",
+        "sparse initialized", "nested history"])  # fmt: skip
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_bool_sparse_and_nested_values_are_refused_with_a_type_error(key, value):
+    # Equal to what the model has (a bool True is 1, a sparse tensor holds the same numbers): only their kind is wrong.
+    saved, model = fp8_state_dict(_model(0)), _model(1)
+    before = fp8_state_dict(model)
+    with pytest.raises(TypeError, match=f"FP8 scaling state '{key}' is a"):
+        load_fp8_state_dict(model, {**saved, key: value(saved[key])})
+    assert _unchanged(model, before)
+
+
 def test_check_raises_what_load_raises_and_changes_nothing():
     saved, model = fp8_state_dict(_model(0)), _model(1)
     before = fp8_state_dict(model)
