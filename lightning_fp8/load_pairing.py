@@ -14,9 +14,10 @@ within them): the states saved beside the saved mu are then rescaled, once, by t
 as for every change of mu. A scaler load passes the correction; the FP8 state load that completes the pair, or the
 scaler load itself when the FP8 state load came first, applies it (1 when mu was loaded as saved: nothing changes).
 
-Only an FP8 state load that fills every buffer a change of mu rescales (``amax_history``, ``amax``, ``scale``: the
-``RESCALED_BUFFERS`` of :mod:`lightning_fp8.grad_scaling.rules`) gives a state the saved mu's values; one that fills
-only some (``strict=False``) ends any pairing of that state (:func:`forget_loads`).
+Only an FP8 state load that fills a state's ``scale`` and ``amax_history`` (what its next casts use) gives it the saved
+mu's values; one that fills neither or only one of them (``strict=False``: counters alone, say) ends any pairing of
+that state (:func:`forget_loads`). A completed pair stays pending as a scaler load until the next cast, so that loading
+the FP8 state again takes the same correction.
 
 :mod:`lightning_fp8.state` (the FP8 state load) and :mod:`lightning_fp8.grad_scaling.rules` (the scaler's
 rescaling) call these functions.
@@ -57,12 +58,14 @@ def scaler_load_pending(state: ScalingState) -> float | None:
     return None
 
 
-def fp8_state_loaded(state: ScalingState, paired: bool) -> None:
-    """An FP8 state load filled ``state`` (a grad_output state: every buffer a change of mu rescales). ``paired``: a
-    scaler load was pending for it (:func:`scaler_load_pending`, asked before the copy), and the pair is now complete.
-    Otherwise ``state`` matches the saved mu of the scaler state loaded next (if one is, before the next cast)."""
-    if paired:
-        del _PENDING_LOADS[state]
+def fp8_state_loaded(state: ScalingState, correction: float | None) -> None:
+    """An FP8 state load filled ``state`` (a grad_output state: its scale and amax history). ``correction``: that of
+    the scaler load pending for it (:func:`scaler_load_pending`, asked before the copy), the pair now complete; None
+    where none was, and ``state`` matches the saved mu of the scaler state loaded next (if one is, before the next
+    cast). A completed pair stays as a scaler load pending: another FP8 state load of the same checkpoint before the
+    next cast takes the same correction."""
+    if correction is not None:
+        _PENDING_LOADS[state] = ("scaler", _cast_count(state), correction)
     else:
         _PENDING_LOADS[state] = ("fp8", _cast_count(state), 1.0)
 
@@ -76,7 +79,7 @@ def scaler_loaded(state: ScalingState, ratio: float, correction: float) -> float
     casts = _cast_count(state)
     pending = _PENDING_LOADS.get(state)
     if pending is not None and pending[:2] == ("fp8", casts):
-        del _PENDING_LOADS[state]
+        _PENDING_LOADS[state] = ("scaler", casts, correction)  # paired; another FP8 load next takes the correction
         return correction
     _PENDING_LOADS[state] = ("scaler", casts, correction)
     return ratio

@@ -13,9 +13,12 @@ import torch
 from torch import nn
 
 from lightning_fp8 import load_pairing
-from lightning_fp8.grad_scaling.rules import RESCALED_BUFFERS, rescale_grad_output_state
+from lightning_fp8.grad_scaling.rules import rescale_grad_output_state
 from lightning_fp8.scaling import ScalingState, _format_max
 from lightning_fp8.stats import clean_name, wraps_as_module
+
+# The buffers of a grad_output state whose load pairs it with a scaler load (lightning_fp8.load_pairing).
+PAIRED_BUFFERS = ("amax_history", "scale")
 
 # What the values of a scaling state mean, saved beside its buffers as 0-dim tensors so that a checkpoint written
 # under other recipe settings is refused (a scale computed for E5M2 saturates every E4M3 cast). Checkpoints written
@@ -128,9 +131,10 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
     for name, buf, _ in loads:
         filled.setdefault(name, set()).add(id(buf))
     grad_outputs = {name for name in filled if load_pairing.is_grad_output(name)}
-    # Filled in every buffer a change of mu rescales: the state now holds the values saved beside the saved mu. A load
-    # of only some (strict=False: counters alone, say) leaves live values, which follow the live mu.
-    whole = {n for n in grad_outputs if {id(getattr(states[n], b)) for b in RESCALED_BUFFERS} <= filled[n]}
+    # Filled in the buffers its next casts use (scale, amax history): the state now holds the values saved beside the
+    # saved mu. A load of neither or one (strict=False: counters alone, say) leaves live values, which follow the live
+    # mu. (A load without the last amax, a statistic, keeps that one as it was.)
+    whole = {n for n in grad_outputs if {id(getattr(states[n], b)) for b in PAIRED_BUFFERS} <= filled[n]}
     # Loaded right after the scaler (no cast between), from the same checkpoint: the pair is complete, and the saved
     # values take the scaler's correction (loaded mu / saved mu; 1 unless the scaler brought the saved mu within its
     # bounds).
@@ -140,7 +144,7 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
             buf.copy_(value)
     for name in grad_outputs:
         if name in whole:
-            load_pairing.fp8_state_loaded(states[name], paired=name in corrections)
+            load_pairing.fp8_state_loaded(states[name], corrections.get(name))
         else:
             load_pairing.forget_loads(states[name])
     for state_name in set(filled) - set(initialized):  # saved without the flag

@@ -121,8 +121,7 @@ class _ScaleRules:
         )
 
 
-# The buffers of a grad_output scaling state that a change of mu rescales (rescale_grad_output_state). An FP8 state
-# load that fills all of them gives the state the values saved beside the checkpoint's mu (lightning_fp8.load_pairing).
+# The buffers of a grad_output scaling state that a change of mu rescales (rescale_grad_output_state).
 RESCALED_BUFFERS = ("amax_history", "amax", "scale")
 
 

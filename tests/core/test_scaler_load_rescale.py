@@ -237,8 +237,8 @@ def test_after_a_clamped_resume_a_later_mu_load_rescales_from_the_resumed_mu(sca
 
 
 @pytest.mark.parametrize("keys", [("casts", "saturation"), ("casts", "saturation", "nonfinite_count"),
-                                  ("scale", "amax_history", "casts")],
-                         ids=["counters", "all_counters", "no_amax"])  # fmt: skip
+                                  ("scale", "casts"), ("amax_history", "saturation")],
+                         ids=["counters", "all_counters", "scale_only", "history_only"])  # fmt: skip
 def test_a_partial_fp8_load_of_a_grad_output_state_does_not_pair_with_the_scaler_load(keys):
     # strict=False, with only some of each grad_output state's buffers: the others keep their live values (of the live
     # mu 16), so the state does not hold the saved mu's values, and the scaler load that follows rescales it.
@@ -249,3 +249,34 @@ def test_a_partial_fp8_load_of_a_grad_output_state_does_not_pair_with_the_scaler
     load_fp8_state_dict(model, partial, strict=False)
     scaler.load_state_dict(checkpoint["scaler"])  # 16 -> 4096
     _assert_states(model, _rescaled(expected, 256.0))
+
+
+def test_a_partial_fp8_load_with_scale_and_history_pairs_and_keeps_them():
+    # Found by review: strict=False with scale and amax history but not the last amax (a statistic) gives the state
+    # what its next casts use as saved beside the checkpoint's mu: paired, not rescaled again by the scaler load
+    # (rescaling them made the next backward saturate); the last amax keeps its live value.
+    checkpoint, saved, model, scaler = _checkpoint()
+    partial = {k: v for k, v in checkpoint["fp8"].items()
+               if ".grad_output." in k and k.rpartition(".")[2] in ("scale", "amax_history", "casts")}  # fmt: skip
+    expected = _grad_outputs(model)
+    expected.update({k: v for k, v in saved.items() if k.rpartition(".")[2] in ("scale", "amax_history")})
+    load_fp8_state_dict(model, partial, strict=False)
+    scaler.load_state_dict(checkpoint["scaler"])  # 16 -> 4096: the checkpoint's mu
+    _assert_states(model, expected)
+    assert _backward(model, scaler) < 0.01
+
+
+@pytest.mark.parametrize("order", ["scaler_fp8_fp8", "fp8_scaler_fp8"])
+@pytest.mark.parametrize(("bounds", "resumed"), [({"max_scale": 256.0}, 256.0), ({"min_scale": 2.0**16}, 2.0**16)],
+                         ids=["above_max_scale", "below_min_scale"])  # fmt: skip
+def test_loading_the_fp8_state_again_after_a_clamped_resume_takes_the_correction_again(order, bounds, resumed):
+    # Found by review: once the pair was complete, a second FP8 state load of the same checkpoint (before any cast)
+    # kept the saved mu's values under the resumed mu.
+    checkpoint, saved, model, _ = _checkpoint()
+    scaler = FP8GradScaler(init_scale=16.0 if "max_scale" in bounds else 2.0**17, growth_interval=10**6, model=model,
+                           **bounds)  # fmt: skip
+    _load_checkpoint(model, scaler, checkpoint, order.startswith("scaler"))
+    load_fp8_state_dict(model, checkpoint["fp8"])
+    assert scaler.scale == resumed
+    _assert_states(model, _rescaled(saved, resumed / 4096.0))
+    assert _backward(model, scaler) < 0.01
