@@ -12,27 +12,12 @@ from pathlib import Path
 import accelerate
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from tests.integrations.accelerate.test_accelerator import Net
-
-
-def _fresh_state() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    _fresh_state()
-    yield
-    _fresh_state()
+from tests.integrations.accelerate.test_load_state_atomic import _fresh_accelerate_state, _fresh_state  # noqa: F401
 
 
 class DictExtraState(Net):
