@@ -181,7 +181,10 @@ def test_from_modules_carries_the_layers_hooks_over():
 
 def test_float64_proj_is_refused():
     """Only fc's weight was checked: a float64 proj ran through the fused path (FP8Linear alone refuses it)."""
-    mlp = FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32).double())
+    with pytest.raises(TypeError, match=r"from_modules \(proj\): .* has a torch.float64 weight"):  # up front now
+        FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32).double())
+    mlp = FP8MLP.from_modules(nn.Linear(32, 64), nn.Linear(64, 32))
+    mlp.proj.double()  # after construction: the forward refuses it
     with pytest.raises(TypeError, match="proj's weight has dtype torch.float64: use float32, bfloat16 or float16"):
         mlp(torch.randn(8, 32))
 
