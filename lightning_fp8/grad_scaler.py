@@ -48,83 +48,24 @@ This module holds the scaler's public surface and its step; its bases, one conce
 from __future__ import annotations
 
 import collections
-import numbers
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_fp8.formats import fp8_max
+from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
-from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _is_power_of_two, _ScalerState
+from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
 from lightning_fp8.grad_scaling.unscaling import (
     _refuse_fp16_grads,
     _step_through_public_step,
     _unscale_in_place,
     _Unscaling,
 )
-
-_FALLBACKS = ("lower_lr", "bf16")
-
-Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], str]
-
-
-def _check_number(name: str, value: object, allowed: str, integer: bool = False) -> None:
-    """Raise a ``TypeError`` naming ``name`` unless ``value`` is a real number (an int when ``integer``), not a bool:
-    ``True`` would pass the range checks as 1 and a string would fail them with a bare comparison error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        raise TypeError(f"FP8GradScaler({name}={value!r}): must be {allowed}, got {type(value).__name__}")
-
-
-def _check_arguments(
-    init_scale: float, growth_interval: int, saturation_threshold: float, headroom: float,
-    min_scale: float, max_scale: float, nonfinite_fallback: Fallback | None, fallback_after: int, lr_factor: float,
-    model: nn.Module | None,
-) -> None:
-    """Raise what ``FP8GradScaler(...)`` raises for its arguments (``nonfinite_fallback`` an ``nn.Module`` already
-    turned into ``"bf16"`` with that ``model``)."""
-    for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
-        if not _is_power_of_two(float(value)):
-            raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
-    if not min_scale <= init_scale <= max_scale:
-        raise ValueError(
-            f"FP8GradScaler: need min_scale <= init_scale <= max_scale, got {min_scale}, {init_scale}, {max_scale}"
-        )
-    _check_number("growth_interval", growth_interval, "an int >= 1", integer=True)
-    _check_number("fallback_after", fallback_after, "an int >= 1", integer=True)
-    _check_number("saturation_threshold", saturation_threshold, "a number in [0, 1)")
-    _check_number("headroom", headroom, "a number >= 1")
-    _check_number("lr_factor", lr_factor, "a number in (0, 1)")
-    if not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"FP8GradScaler(growth_interval={growth_interval!r}): must be an int >= 1")
-    if not 0.0 <= saturation_threshold < 1.0:
-        raise ValueError(f"FP8GradScaler(saturation_threshold={saturation_threshold!r}): must be in [0, 1)")
-    if not headroom >= 1.0:
-        raise ValueError(f"FP8GradScaler(headroom={headroom!r}): must be >= 1 (a factor under the format max)")
-    if not isinstance(fallback_after, int) or fallback_after < 1:
-        raise ValueError(f"FP8GradScaler(fallback_after={fallback_after!r}): must be an int >= 1")
-    if not 0.0 < lr_factor < 1.0:
-        raise ValueError(f"FP8GradScaler(lr_factor={lr_factor!r}): must be in (0, 1)")
-    if isinstance(nonfinite_fallback, str) and nonfinite_fallback not in _FALLBACKS:
-        raise ValueError(
-            f"FP8GradScaler(nonfinite_fallback={nonfinite_fallback!r}): choose one of {list(_FALLBACKS)}, "
-            "an nn.Module, a callable fn(scaler, optimizer) -> str, or None"
-        )
-    if nonfinite_fallback == "bf16" and model is None:
-        raise ValueError("FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well")
-    if nonfinite_fallback is not None and not isinstance(nonfinite_fallback, str) and not callable(
-        nonfinite_fallback
-    ):
-        raise TypeError(
-            f"FP8GradScaler(nonfinite_fallback=...) got a {type(nonfinite_fallback).__name__}: expected a string, "
-            "an nn.Module or a callable"
-        )
 
 
 class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
@@ -180,7 +121,8 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         self.process_group = process_group
         self.fallback_after = fallback_after
         self.lr_factor = float(lr_factor)
-        self.model = model
+        self._model = model
+        self._model_from_integration = False  # set by _take_model, cleared by setting model
         self._growth_tracker = 0
         self._skipped_steps = 0
         self._nonfinite_events = 0
@@ -189,7 +131,12 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         self._nonfinite_runs: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         # Consecutive non-finite updates that judged no step (reports alone).
         self._consecutive_nonfinite = 0
-        # Where the run of an optimizer not counted since load_state_dict (or unpickling) starts: the longest run saved.
+        # The order in which the optimizers were first counted (serial numbers; weak): the saved runs are in it.
+        self._run_order: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        # The saved runs of the optimizers not counted since load_state_dict (or unpickling), in the saved order: the
+        # next optimizer counted takes the first. A state dict without them (saved before they were) gave the
+        # longest run alone, where every optimizer's run starts: `_restored_run`.
+        self._restored_runs: list[int] = []
         self._restored_run = 0
         self._steps = 0
         self._last_saturation = 0.0
@@ -255,6 +202,27 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
     def history(self) -> tuple[dict[str, Any], ...]:
         """Actions taken, oldest first: ``{"step", "action", "reason", "scale"}`` (the last 1000)."""
         return tuple(dict(entry) for entry in self._history)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The FP8 model whose ``grad_output`` scaling states mu changes rescale, and where the ``"bf16"`` fallback
+        finds layers to put back (``model=``; the Lightning and Accelerate integrations give theirs where none
+        was given)."""
+        return self._model
+
+    @model.setter
+    def model(self, model: nn.Module | None) -> None:
+        self._model = model
+        self._model_from_integration = False
+
+    def _take_model(self, model: nn.Module) -> None:
+        """Make ``model``, an integration's FP8 model, this scaler's :attr:`model` where it has none or one an
+        integration gave it (a Trainer fitting a second model, a later ``prepare``, a new training after
+        ``free_memory``): mu changes then rescale the model being trained. A model the user gave (``model=``, or
+        set since) is the user's and stays."""
+        if self._model is None or self._model_from_integration:
+            self._model = model
+            self._model_from_integration = True
 
     # ------------------------------------------------------------------------------------------------- recording
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

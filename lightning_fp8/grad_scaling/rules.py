@@ -33,6 +33,7 @@ class _ScaleRules:
         if self._longest_nonfinite_run() >= self.fallback_after and self.nonfinite_fallback is not None:
             self._nonfinite_runs.clear()  # also when the fallback raises: every count starts again
             self._consecutive_nonfinite = self._restored_run = 0
+            self._restored_runs = [0] * len(self._restored_runs)
             self._run_fallback()
 
     def _count_nonfinite_runs(self, nonfinite: bool) -> None:
@@ -47,13 +48,24 @@ class _ScaleRules:
             skipped = [opt for opt, was_skipped in self._stepped if was_skipped]
             for opt, _ in self._stepped:
                 failed = nonfinite and (opt in skipped or not skipped)  # none skipped: a report came after the steps
+                if opt not in self._run_order:  # counted for the first time: it takes the next saved run
+                    self._run_order[opt] = len(self._run_order)
+                    if self._restored_runs:
+                        runs[opt] = self._restored_runs.pop(0)
                 start = max(self._restored_run, self._consecutive_nonfinite)  # an optimizer not counted yet
                 runs[opt] = runs.get(opt, start) + 1 if failed else 0
             self._consecutive_nonfinite = 0
         else:
             for opt in list(runs):
                 runs[opt] = runs[opt] + 1 if nonfinite else 0
+            self._restored_runs = [run + 1 if nonfinite else 0 for run in self._restored_runs]
             self._consecutive_nonfinite = self._consecutive_nonfinite + 1 if nonfinite else 0
+
+    def _runs_in_order(self) -> list[int]:
+        """Each optimizer's run of consecutive non-finite steps, in the order they were first counted (0 for one whose
+        run the fallback cleared), then the saved runs no optimizer has taken since the load: what is saved."""
+        order = sorted(self._run_order.items(), key=lambda item: item[1])
+        return [self._nonfinite_runs.get(opt, 0) for opt, _ in order] + self._restored_runs
 
     def _longest_nonfinite_run(self) -> int:
         """The most consecutive non-finite steps of any one optimizer (what ``fallback_after`` is compared with); the

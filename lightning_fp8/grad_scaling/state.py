@@ -37,36 +37,46 @@ class _ScalerState:
     # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
     # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
     # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
-    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_unscaled")
+    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_run_order", "_unscaled")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in self._WEAK:
             state.pop(name, None)
         state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
-        state["_restored_run"] = self._longest_nonfinite_run()
+        runs = self._runs_in_order()
+        state["_restored_runs"], state["_restored_run"] = runs, 0 if runs else self._longest_nonfinite_run()
         state["_scaled_losses"] = collections.deque(maxlen=_SCALED_LOSSES_KEPT)  # tensors of this process's steps
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "model" in state:  # pickled before `model` became a property
+            state = {**state, "_model": state["model"], "_model_from_integration": False}
+            del state["model"]
         self.__dict__.update(state)
         self.__dict__.setdefault("_restored_run", 0)
+        self.__dict__.setdefault("_restored_runs", [])
         self.__dict__.setdefault("_scaled_losses", collections.deque(maxlen=_SCALED_LOSSES_KEPT))
         self.__dict__.setdefault("_losses_scaled", 0)
         self._owned = weakref.WeakKeyDictionary()
         self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
-        self._nonfinite_runs = weakref.WeakKeyDictionary()
+        self._nonfinite_runs, self._run_order = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
         self._unscaled = weakref.WeakKeyDictionary()
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain Python values (loads with ``torch.load(weights_only=True)``). ``consecutive_nonfinite`` is the
-        longest run of non-finite steps of any optimizer: where every optimizer's run starts after a load."""
+        """Plain Python values (loads with ``torch.load(weights_only=True)``). ``nonfinite_runs`` are the optimizers'
+        runs of consecutive non-finite steps, in the order the optimizers were first stepped: after a load, the first
+        optimizer stepped continues the first run, and so on (a training loop steps its optimizers in the same order
+        after a resume). ``consecutive_nonfinite`` is the longest of them (a state dict saved without
+        ``nonfinite_runs`` starts every optimizer's run there)."""
+        runs = self._runs_in_order()
         return {
             "scale": self._scale,
             "growth_tracker": self._growth_tracker,
             "skipped_steps": self._skipped_steps,
             "nonfinite_events": self._nonfinite_events,
-            "consecutive_nonfinite": self._longest_nonfinite_run(),
+            "consecutive_nonfinite": max([self._longest_nonfinite_run(), *runs]),
+            "nonfinite_runs": runs,
             "steps": self._steps,
             "last_saturation": self._last_saturation,
             "history": [dict(entry) for entry in self._history],
@@ -94,7 +104,7 @@ class _ScalerState:
         the saved mu was brought within the bounds, the saved states are rescaled from the saved mu to the loaded one,
         in either order (:mod:`lightning_fp8.load_pairing`).
         """
-        scale, counters, saturation, history = self._checked_state(state_dict)
+        scale, counters, saturation, history, runs = self._checked_state(state_dict)
         saved_scale = scale
         if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
             bounded = min(max(scale, self.min_scale), self.max_scale)
@@ -111,8 +121,12 @@ class _ScalerState:
         self._growth_tracker = counters["growth_tracker"]
         self._skipped_steps = counters["skipped_steps"]
         self._nonfinite_events = counters["nonfinite_events"]
-        self._nonfinite_runs.clear()  # the saved run (the longest) is where every optimizer's run starts
-        self._restored_run, self._consecutive_nonfinite = counters["consecutive_nonfinite"], 0
+        self._nonfinite_runs.clear()
+        self._run_order.clear()
+        # Each optimizer continues its saved run; without them, every optimizer's run starts at the longest.
+        self._restored_runs = runs if runs is not None else []
+        self._restored_run = counters["consecutive_nonfinite"] if runs is None else 0
+        self._consecutive_nonfinite = 0
         self._steps = counters["steps"]
         self._last_saturation = saturation
         self._history = collections.deque(history, maxlen=_HISTORY_LEN)
@@ -122,14 +136,17 @@ class _ScalerState:
         several parts (mu, the FP8 scaling state, ...) checks every part before it loads any."""
         self._checked_state(state_dict)
 
-    def _checked_state(self, state_dict: Any) -> tuple[float, dict[str, int], float, list[dict[str, Any]]]:
-        """``state_dict``'s scale, counters, saturation and history, checked (see :meth:`load_state_dict`)."""
+    def _checked_state(
+        self, state_dict: Any
+    ) -> tuple[float, dict[str, int], float, list[dict[str, Any]], list[int] | None]:
+        """``state_dict``'s scale, counters, saturation, history and runs (``None`` where it has none: saved before
+        they were), checked (see :meth:`load_state_dict`)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"FP8GradScaler.load_state_dict: got {type(state_dict).__name__}, expected the dict that "
                 "FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
             )
-        missing = sorted(set(self.state_dict()) - set(state_dict))
+        missing = sorted(set(self.state_dict()) - set(state_dict) - {"nonfinite_runs"})
         if missing:
             raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
         scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
@@ -137,7 +154,17 @@ class _ScalerState:
                     for name in _COUNTERS}  # fmt: skip
         saturation = _checked_entry("last_saturation", state_dict["last_saturation"], numbers.Real,
                                     "a fraction in [0, 1]", lambda x: 0.0 <= x <= 1.0)  # fmt: skip
-        return scale, counters, saturation, _checked_history(state_dict["history"])
+        runs = state_dict.get("nonfinite_runs")
+        if runs is not None:
+            if not isinstance(runs, (list, tuple)):
+                raise TypeError(
+                    f"FP8GradScaler.load_state_dict: entry 'nonfinite_runs' is {repr(runs)[:200]}, expected a list of "
+                    "ints >= 0; load the dict that FP8GradScaler.state_dict() returned (the checkpoint may be "
+                    "corrupt). Nothing was loaded."
+                )
+            runs = [_checked_entry("nonfinite_runs", run, numbers.Integral, "an int >= 0", lambda n: n >= 0)
+                    for run in runs]  # fmt: skip
+        return scale, counters, saturation, _checked_history(state_dict["history"]), runs
 
 
 def _checked_entry(name: str, value: Any, kind: type, expected: str, valid: Callable[[Any], bool]) -> Any:

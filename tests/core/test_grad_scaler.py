@@ -4,6 +4,7 @@ and falls back after repeated non-finite steps."""
 import copy
 import io
 import os
+import pickle
 import socket
 import sys
 import textwrap
@@ -297,6 +298,39 @@ def test_mu_change_rescales_grad_output_states_exactly():
     scaler.update()
     assert float(scaler.scale) == 2.0**3
     assert torch.equal(state.amax_history, history / 2) and torch.equal(state.scale, scale * 2)
+
+
+def test_an_integrations_model_is_replaced_by_the_next_one_and_a_users_model_stays():
+    first, second, mine = _fp8_model(), _fp8_model(), _fp8_model()
+    scaler = FP8GradScaler()
+    scaler._take_model(first)
+    assert scaler.model is first
+    scaler._take_model(second)  # a second training: mu changes must rescale the model being trained
+    assert scaler.model is second
+    restored = pickle.loads(pickle.dumps(scaler))  # spawned processes keep the rule
+    restored._take_model(first)
+    assert restored.model is first
+    scaler.model = mine  # set by the user: stays
+    scaler._take_model(first)
+    assert scaler.model is mine
+    given = FP8GradScaler(model=mine)
+    given._take_model(first)
+    assert given.model is mine
+    given.model = None  # cleared by the user: the next integration's model is taken again
+    given._take_model(first)
+    assert given.model is first
+
+
+def test_a_scaler_pickled_before_model_was_a_property_loads():
+    scaler = FP8GradScaler()
+    state = scaler.__getstate__()
+    state["model"] = state.pop("_model")
+    del state["_model_from_integration"]
+    old = FP8GradScaler.__new__(FP8GradScaler)
+    old.__setstate__(state)
+    assert old.model is None
+    old._take_model(model := _fp8_model())
+    assert old.model is model
 
 
 def test_mu_change_keeps_grad_output_scales_in_range():

@@ -71,6 +71,15 @@ def _checkpoint():
     return checkpoint, _grad_outputs(saved_model), live_model, live_scaler
 
 
+def _load_in_order(model: nn.Module, scaler: FP8GradScaler, checkpoint: dict, scaler_first: bool) -> None:
+    if scaler_first:  # Lightning's plugin
+        scaler.load_state_dict(checkpoint["scaler"])
+        load_fp8_state_dict(model, checkpoint["fp8"])
+    else:  # Accelerate's load_state
+        load_fp8_state_dict(model, checkpoint["fp8"])
+        scaler.load_state_dict(checkpoint["scaler"])
+
+
 def _assert_states(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
     for key, value in _grad_outputs(model).items():
         assert torch.equal(value, expected[key]), key
@@ -85,12 +94,7 @@ def _assert_rescaled(model: nn.Module, before: dict[str, torch.Tensor], ratio: f
 @pytest.mark.parametrize("scaler_first", [True, False], ids=["scaler_then_fp8", "fp8_then_scaler"])
 def test_scaler_and_fp8_state_of_one_checkpoint_load_in_either_order(scaler_first):
     checkpoint, expected, model, scaler = _checkpoint()
-    if scaler_first:  # Lightning's plugin
-        scaler.load_state_dict(checkpoint["scaler"])
-        load_fp8_state_dict(model, checkpoint["fp8"])
-    else:  # Accelerate's load_state
-        load_fp8_state_dict(model, checkpoint["fp8"])
-        scaler.load_state_dict(checkpoint["scaler"])
+    _load_in_order(model, scaler, checkpoint, scaler_first)
     assert scaler.scale == 4096.0
     _assert_states(model, expected)  # not rescaled twice
     assert _backward(model, scaler) < 0.01
@@ -105,12 +109,7 @@ def test_scaler_and_fp8_state_of_one_checkpoint_load_in_either_order(scaler_firs
 @pytest.mark.parametrize("scaler_first", [True, False], ids=["scaler_then_fp8", "fp8_then_scaler"])
 def test_later_mu_load_after_a_paired_load_rescales(scaler_first):
     checkpoint, expected, model, scaler = _checkpoint()
-    if scaler_first:
-        scaler.load_state_dict(checkpoint["scaler"])
-        load_fp8_state_dict(model, checkpoint["fp8"])
-    else:
-        load_fp8_state_dict(model, checkpoint["fp8"])
-        scaler.load_state_dict(checkpoint["scaler"])
+    _load_in_order(model, scaler, checkpoint, scaler_first)
     scaler.load_state_dict(FP8GradScaler(init_scale=2.0**14).state_dict())  # 4096 -> 16384
     _assert_rescaled(model, expected, 4)
 
@@ -185,12 +184,7 @@ def _rescaled(states: dict[str, torch.Tensor], ratio: float) -> dict[str, torch.
 
 def _load_checkpoint(model: nn.Module, scaler: FP8GradScaler, checkpoint: dict, scaler_first: bool) -> None:
     with pytest.warns(UserWarning, match="outside this scaler's"):
-        if scaler_first:  # Lightning's plugin
-            scaler.load_state_dict(checkpoint["scaler"])
-            load_fp8_state_dict(model, checkpoint["fp8"])
-        else:  # Accelerate's load_state
-            load_fp8_state_dict(model, checkpoint["fp8"])
-            scaler.load_state_dict(checkpoint["scaler"])
+        _load_in_order(model, scaler, checkpoint, scaler_first)
 
 
 @pytest.mark.parametrize("scaler_first", [True, False], ids=["scaler_then_fp8", "fp8_then_scaler"])

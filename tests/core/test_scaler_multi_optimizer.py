@@ -251,6 +251,89 @@ def test_a_resumed_scaler_continues_the_longest_nonfinite_run(via, clean_first):
     assert (o1.param_groups[0]["lr"], o2.param_groups[0]["lr"]) == (0.1 * 0.5, 0.1)
 
 
+def _schedule(scaler: FP8GradScaler, schedule: list[tuple[bool, bool]], run: tuple | None = None) -> tuple:
+    """Two SGD optimizers each stepped and updated in turn (the integrations' spelling); per iteration ``(a fails, b
+    fails)``: that model's loss is NaN. Returns ``(a, b, [a's opt, b's opt])``, the ``run`` to continue."""
+    if run is None:
+        a, b = _pair()
+        run = a, b, [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)]
+    a, b, opts = run
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for bad_a, bad_b in schedule:
+        loss = a(x).square().mean() * (math.nan if bad_a else 1.0) + b(x).square().mean() * (math.nan if bad_b else 1.0)
+        scaler.scale_loss(loss).backward()
+        for opt in opts:
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return run
+
+
+def _resumed(scaler: FP8GradScaler, via: str, **kwargs) -> FP8GradScaler:
+    import io
+    import pickle
+
+    if via == "pickle":
+        return pickle.loads(pickle.dumps(scaler))
+    buf = io.BytesIO()
+    torch.save(scaler.state_dict(), buf)
+    buf.seek(0)
+    resumed = FP8GradScaler(**kwargs)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    return resumed
+
+
+FAILING = {"fallback_after": 3, "nonfinite_fallback": "lower_lr", "lr_factor": 0.5}
+
+
+@pytest.mark.parametrize("via", ["state_dict", "pickle"])
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ([(True, False), (True, False)], [(False, True)]),  # b's first failure after a's two: no fallback
+        ([(True, False), (True, False)], [(True, False)]),  # a's third: the fallback, on a's optimizer
+        ([(True, False)] * 3 + [(True, True)], [(False, True), (True, True)]),  # order kept over a fallback's clear
+        ([(False, True), (True, True)], [(True, True)]),  # b's run of 2 ahead of a's 1: b's optimizer falls back
+    ],
+    ids=["other_fails", "same_fails", "after_fallback", "b_longer"],
+)
+def test_a_resumed_scaler_continues_each_optimizers_own_run(via, before, after):
+    # Saved as the longest run alone, every optimizer's run started there after a load: an optimizer that had never
+    # failed fell back at its first non-finite step after a resume (lowering its learning rate, where the
+    # uninterrupted run did not). Each optimizer's run is saved now, in the order they were first stepped.
+    whole = FP8GradScaler(**FAILING)
+    _, _, expected = _schedule(whole, before + after)
+    first = FP8GradScaler(**FAILING)
+    run = _schedule(first, before)
+    resumed = _resumed(first, via, **FAILING)
+    _, _, opts = _schedule(resumed, after, run)  # the same models and optimizers, new to the resumed scaler
+    assert [o.param_groups[0]["lr"] for o in opts] == [o.param_groups[0]["lr"] for o in expected]
+    assert [h["action"] for h in resumed.history] == [h["action"] for h in whole.history]
+    assert resumed.state_dict()["nonfinite_runs"] == whole.state_dict()["nonfinite_runs"]
+
+
+def test_a_state_dict_saved_without_each_optimizers_run_starts_every_run_at_the_longest():
+    scaler = FP8GradScaler(**FAILING)
+    run = _schedule(scaler, [(True, False), (True, False)])
+    state = scaler.state_dict()
+    assert state["nonfinite_runs"] == [2, 0] and state["consecutive_nonfinite"] == 2
+    del state["nonfinite_runs"]  # as saved before the runs were
+    resumed = FP8GradScaler(**FAILING)
+    resumed.load_state_dict(state)
+    _, _, opts = _schedule(resumed, [(False, True)], run)
+    assert [o.param_groups[0]["lr"] for o in opts] == [0.1, 0.05]  # b's run started at 2: the old rule
+
+
+@pytest.mark.parametrize(("runs", "error"), [(3, TypeError), ([1, -1], ValueError), ([1, 2.5], TypeError),
+                                             ([True], TypeError)])  # fmt: skip
+def test_bad_saved_runs_are_refused_and_load_nothing(runs, error):
+    scaler = FP8GradScaler(init_scale=2.0)
+    state = FP8GradScaler(init_scale=8.0).state_dict() | {"nonfinite_runs": runs}
+    with pytest.raises(error, match="nonfinite_runs"):
+        scaler.load_state_dict(state)
+    assert scaler.get_scale() == 2.0
+
+
 class _FailsOnce(torch.optim.SGD):
     """SGD whose first step raises before changing anything (as FP8AdamW refusing a changed storage dtype)."""
 

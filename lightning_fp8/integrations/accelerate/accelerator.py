@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Any
 
 import accelerate
@@ -110,8 +109,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
-        # (scaler, model) weakly: the model this accelerator made a scaler's ``model`` (kept over free_memory)
-        self._fp8_scaler_given: tuple[weakref.ref, weakref.ref] | None = None
         self._fp8_clipping = False  # in Accelerate's clip_grad_norm_ (its unscale_gradients call is not the script's)
         if self.fp8_lm_config is None:
             if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
@@ -269,13 +266,10 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         return self.fp8_grad_scaler
 
     def _fp8_give_scaler_the_model(self) -> None:
-        """Make the prepared FP8 models (:meth:`_fp8_scaler_model`) the scaler's ``model`` where it has none or the one
-        this accelerator gave it (a later prepare, a new training after ``free_memory`` with the same scaler); a
-        ``model=`` the user gave the scaler is theirs and stays (as ``FP8LMPrecision`` does)."""
-        scaler, given = self.fp8_grad_scaler, self._fp8_scaler_given
-        if scaler.model is None or (given is not None and given[0]() is scaler and given[1]() is scaler.model):
-            scaler.model = self._fp8_scaler_model()
-            self._fp8_scaler_given = (weakref.ref(scaler), weakref.ref(scaler.model))
+        """Make the prepared FP8 models (:meth:`_fp8_scaler_model`) the scaler's ``model``
+        (:meth:`FP8GradScaler._take_model`: where it has none or one an integration gave it)."""
+        if self._fp8_models:
+            self.fp8_grad_scaler._take_model(self._fp8_scaler_model())
 
     def _fp8_scaler_model(self) -> nn.Module:
         """The scaler's ``model``: the FP8 model, or with several, a container holding them as ``model<i>`` (the

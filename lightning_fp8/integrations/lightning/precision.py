@@ -121,8 +121,6 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         self._optimizers: list[torch.optim.Optimizer] = []  # as connect() handed them to the strategy
         self.comm_hooks: str | None = None  # what connect() installed: "ddp", "fsdp1", "fsdp2" or None
         self.comm_state: Any = None  # the hooks' FP8CommState
-        # (scaler, module): the model this plugin made a scaler's `model` (re-pointed at the next conversion)
-        self._scaler_model_given: tuple[Any, nn.Module] | None = None
 
     def __repr__(self) -> str:
         return f"FP8LMPrecision(recipe={self.recipe!r}, backend={self.backend!r})"
@@ -233,15 +231,11 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         return new
 
     def _give_scaler_the_model(self) -> None:
-        """Make the module this stage converted the scaler's ``model``, so that mu changes rescale the grad_output
-        scales of its FP8 layers exactly and ``nonfinite_fallback="bf16"`` finds its layers: where the scaler has no
-        model, or the one this plugin gave it at an earlier conversion (a Trainer fitting a second model re-points
-        it). A ``model=`` the user gave the scaler (or set since) is the user's and stays."""
-        scaler, module = self.grad_scaler, self._module
-        given = self._scaler_model_given
-        if scaler.model is None or (given is not None and given[0] is scaler and given[1] is scaler.model):
-            scaler.model = module
-            self._scaler_model_given = (scaler, module)
+        """Make the module this stage converted the scaler's ``model`` (:meth:`FP8GradScaler._take_model`), so that
+        mu changes rescale the grad_output scales of its FP8 layers exactly and ``nonfinite_fallback="bf16"`` finds
+        its layers."""
+        if self._module is not None:
+            self.grad_scaler._take_model(self._module)
 
     # -- forward ----------------------------------------------------------------------------------------------
 

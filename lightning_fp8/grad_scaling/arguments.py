@@ -1,0 +1,78 @@
+"""The arguments of :class:`~lightning_fp8.FP8GradScaler`, checked: what ``FP8GradScaler(...)`` raises for each."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lightning_fp8.grad_scaling.state import _is_power_of_two
+
+if TYPE_CHECKING:
+    from lightning_fp8.grad_scaler import FP8GradScaler
+
+_FALLBACKS = ("lower_lr", "bf16")
+
+Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], str]
+
+
+def _check_number(name: str, value: object, allowed: str, integer: bool = False) -> None:
+    """Raise a ``TypeError`` naming ``name`` unless ``value`` is a real number (an int when ``integer``), not a bool:
+    ``True`` would pass the range checks as 1 and a string would fail them with a bare comparison error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        raise TypeError(f"FP8GradScaler({name}={value!r}): must be {allowed}, got {type(value).__name__}")
+
+
+def _check_arguments(
+    init_scale: float,
+    growth_interval: int,
+    saturation_threshold: float,
+    headroom: float,
+    min_scale: float,
+    max_scale: float,
+    nonfinite_fallback: Fallback | None,
+    fallback_after: int,
+    lr_factor: float,
+    model: nn.Module | None,
+) -> None:
+    """Raise what ``FP8GradScaler(...)`` raises for its arguments (``nonfinite_fallback`` an ``nn.Module`` already
+    turned into ``"bf16"`` with that ``model``)."""
+    for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
+        if not _is_power_of_two(float(value)):
+            raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
+    if not min_scale <= init_scale <= max_scale:
+        raise ValueError(
+            f"FP8GradScaler: need min_scale <= init_scale <= max_scale, got {min_scale}, {init_scale}, {max_scale}"
+        )
+    _check_number("growth_interval", growth_interval, "an int >= 1", integer=True)
+    _check_number("fallback_after", fallback_after, "an int >= 1", integer=True)
+    _check_number("saturation_threshold", saturation_threshold, "a number in [0, 1)")
+    _check_number("headroom", headroom, "a number >= 1")
+    _check_number("lr_factor", lr_factor, "a number in (0, 1)")
+    if not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"FP8GradScaler(growth_interval={growth_interval!r}): must be an int >= 1")
+    if not 0.0 <= saturation_threshold < 1.0:
+        raise ValueError(f"FP8GradScaler(saturation_threshold={saturation_threshold!r}): must be in [0, 1)")
+    if not headroom >= 1.0:
+        raise ValueError(f"FP8GradScaler(headroom={headroom!r}): must be >= 1 (a factor under the format max)")
+    if not isinstance(fallback_after, int) or fallback_after < 1:
+        raise ValueError(f"FP8GradScaler(fallback_after={fallback_after!r}): must be an int >= 1")
+    if not 0.0 < lr_factor < 1.0:
+        raise ValueError(f"FP8GradScaler(lr_factor={lr_factor!r}): must be in (0, 1)")
+    if isinstance(nonfinite_fallback, str) and nonfinite_fallback not in _FALLBACKS:
+        raise ValueError(
+            f"FP8GradScaler(nonfinite_fallback={nonfinite_fallback!r}): choose one of {list(_FALLBACKS)}, "
+            "an nn.Module, a callable fn(scaler, optimizer) -> str, or None"
+        )
+    if nonfinite_fallback == "bf16" and model is None:
+        raise ValueError("FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well")
+    if nonfinite_fallback is not None and not isinstance(nonfinite_fallback, str) and not callable(nonfinite_fallback):
+        raise TypeError(
+            f"FP8GradScaler(nonfinite_fallback=...) got a {type(nonfinite_fallback).__name__}: expected a string, "
+            "an nn.Module or a callable"
+        )
