@@ -212,8 +212,8 @@ class FP8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         if new.in_features % 16 or new.out_features % 16:
             raise ValueError(f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16")
-        new.weight = linear.weight
-        new.bias = linear.bias
+        new.register_parameter("weight", linear.weight)
+        new.register_parameter("bias", linear.bias)  # registered when None too, as nn.Linear(bias=False) does
         new._recipe = resolve_recipe(recipe)
         new._init_scaling(linear.weight.device)
         new.train(linear.training)  # after the scaling states exist: they take the layer's mode too

@@ -281,7 +281,8 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module], name: str, optimizers
     linear = nn.Linear.__new__(nn.Linear)
     nn.Module.__init__(linear)
     linear.in_features, linear.out_features = layer.in_features, layer.out_features
-    linear.weight, linear.bias = layer.weight, layer.bias
+    linear.register_parameter("weight", layer.weight)
+    linear.register_parameter("bias", layer.bias)  # registered when None too, as nn.Linear(bias=False) does
     linear.train(layer.training)
     share_hooks(layer, linear)  # not its state_dict hooks: FP8Linear's own, for the O2 master it no longer has
     setattr(linear, FALLBACK_ATTR, True)

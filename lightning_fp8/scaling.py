@@ -110,6 +110,19 @@ def compute_scale(
     return reference.pow2_scale_ref(amax, fmax, margin, prev_scale)
 
 
+def _holds_no_cast(buffers: dict[str, torch.Tensor | None]) -> bool:
+    """Whether a scaling state's buffers are those of :meth:`ScalingState.reset`: scale 1, everything else zero."""
+    names = ("amax_history", "scale", "amax", "saturation", "nonfinite_count", "casts")
+    if any(type(buffers.get(name)) is not torch.Tensor for name in names):  # missing, or a DTensor: not judged
+        return False
+    with torch.no_grad():
+        fresh = torch.stack([
+            buffers["scale"].eq(1).all(),
+            *(buffers[name].eq(0).all() for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts")),
+        ])  # fmt: skip
+        return bool(fresh.all())
+
+
 class ScalingState(nn.Module):
     """Scaling state of one tensor role (input, weight or grad_output) of one FP8 module.
 
@@ -387,6 +400,12 @@ class ScalingState(nn.Module):
         was_meta, is_meta = ([b.is_meta for b in d.values() if b is not None] for d in (before, self._buffers))
         if any(was_meta) and not any(is_meta):
             self.reset()
+        elif not any(is_meta) and any(new is not before.get(name) for name, new in self._buffers.items()):
+            # A module under two parents is applied once through each: to_empty()'s second visit replaces the state
+            # the first one reset with uninitialized memory again. A state that held no cast is made fresh again
+            # (what any faithful copy of it holds too).
+            if not self.initialized and _holds_no_cast(before):
+                self.reset()
         return self
 
     def reset(self) -> None:

@@ -78,3 +78,41 @@ def test_forward_and_backward_on_meta_give_nn_linears_shapes_and_dtypes(under_au
         assert x.grad.shape == x.shape and x.grad.is_meta
         assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
         x.grad = None
+
+
+class _TwoParents(nn.Module):
+    """One linear layer under two parents (``a.0`` and ``b.1``): ``Module._apply`` visits it once through each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(32, 32)
+        self.a = nn.Sequential(shared, nn.ReLU())
+        self.b = nn.Sequential(nn.ReLU(), shared)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_layer_under_two_parents_starts_fresh_after_to_empty(monkeypatch):
+    # to_empty()'s first visit reset the states it took off the meta device; its second visit replaced them with
+    # uninitialized memory again, which the states kept (a garbage amax history and counters).
+    with torch.device("meta"):
+        model = convert_to_fp8(_TwoParents())
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty_like", _garbage_empty_like)
+        model.to_empty(device="cpu")
+    model.load_state_dict(_TwoParents().state_dict())
+    for state in (m for m in model.modules() if isinstance(m, ScalingState)):
+        assert float(state.scale) == 1.0 and not state.amax_history.any() and int(state.casts) == 0
+        assert not state.initialized and int(state.nonfinite_count) == 0 and float(state.amax) == 0.0
+
+
+def test_a_state_that_cast_keeps_its_values_when_a_move_replaces_its_buffers():
+    model = convert_to_fp8(_TwoParents())
+    model(torch.randn(8, 32)).sum().backward()
+    before = fp8_state_dict(model)
+    model._apply(torch.clone)  # what a move to another device does: new buffers, the same values
+    after = fp8_state_dict(model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before if isinstance(before[k], torch.Tensor))
+    assert int(model.a[0].fp8_scaling["input"].casts) == 2  # the layer ran twice

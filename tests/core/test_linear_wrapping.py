@@ -158,3 +158,17 @@ def test_from_linear_of_an_fp8_linear_says_it_is_one_already():
     with pytest.raises(ValueError, match=r"FP8Linear\(in_features=32, out_features=16\) is already an FP8Linear; use"):
         FP8Linear.from_linear(layer)
     assert convert_to_fp8(layer) is layer  # what convert_to_fp8 does with one
+
+
+@pytest.mark.parametrize("how", ["from_linear", "convert_to_fp8"])
+def test_a_bias_less_layer_keeps_bias_registered_as_nn_linear_does(how):
+    # bias was set as a plain attribute (None): assigning a tensor then was accepted silently, added by the forward
+    # but missing from state_dict() and parameters() and left behind by .to(); nn.Linear refuses it.
+    plain = nn.Linear(32, 16, bias=False)
+    layer = FP8Linear.from_linear(plain) if how == "from_linear" else convert_to_fp8(nn.Sequential(plain))[0]
+    assert "bias" in layer._parameters and layer.bias is None
+    for module in (plain, layer):
+        with pytest.raises(TypeError, match="cannot assign"):
+            module.bias = torch.zeros(16)
+    layer.bias = nn.Parameter(torch.ones(16))  # as on nn.Linear: a parameter, in the state dict
+    assert "bias" in layer.state_dict() and any(p is layer.bias for p in layer.parameters())

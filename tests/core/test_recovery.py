@@ -105,6 +105,16 @@ def test_put_back_is_idempotent_and_checks_before_changing_anything():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.values(), strict=True))
 
 
+def test_a_bias_less_layer_put_back_keeps_bias_registered_as_nn_linear_does():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU(), nn.Linear(32, 16)))
+    put_back_to_high_precision(model, ["0"])
+    assert type(model[0]) is nn.Linear and "bias" in model[0]._parameters and model[0].bias is None
+    with pytest.raises(TypeError, match="cannot assign"):
+        model[0].bias = torch.zeros(32)
+    assert list(model.state_dict()) == list(nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU(),
+                                                          nn.Linear(32, 16)).state_dict())  # fmt: skip
+
+
 def test_layers_put_back_before_the_optimizer_exists_get_fp32_states():
     model = _model()
     put_back_to_high_precision(model, ["2"])
