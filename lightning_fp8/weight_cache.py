@@ -200,7 +200,12 @@ def _serving(
     # ``cache`` if it may replace the cast of ``weight`` (master scale ``scale``) in this format and margin.
     if cache is None or cache.data.dtype != fp8_dtype or cache.margin != margin:
         return None
-    return cache if cache.valid_for(weight, scale) else None
+    if cache.valid_for(weight, scale):
+        return cache
+    # Invalid until the next seal: let go of the storage it was made from (held while valid; a weight changed
+    # outside the optimizer, e.g. model.half(), would keep its old storage alive) and of its transposed copy.
+    cache.invalidate()
+    return None
 
 
 def _transpose(data: torch.Tensor) -> torch.Tensor:

@@ -159,6 +159,29 @@ def test_any_other_change_of_the_weight_invalidates_the_copy(change, kernels, mo
     assert model[0].fp8_scaling["weight"] in weight_casts
 
 
+@pytest.mark.parametrize("change", ["half", "data"])
+def test_a_copy_found_invalid_lets_go_of_the_old_weight_storage(change):
+    # The copy holds its weight's storage while valid (its address must not be reused); found invalid by a forward, it
+    # kept it: after model.half() the old fp32 weights stayed alive beside the new ones until the next emitting step.
+    model, opt, x = _emitted(opt_level="O1")
+    weight = model[0].weight
+    cache = getattr(weight, weight_cache.ATTR)
+    old = weight.untyped_storage()
+    assert cache._storage is not None and cache._storage.data_ptr() == old.data_ptr()
+    if change == "half":
+        model.half()
+        x = x.half()
+    else:
+        weight.data = weight.data.clone()
+    with torch.no_grad():
+        model(x)
+    assert cache._storage is None and cache.data_t is None and not _valid(model)[0]
+    if change == "data":  # the next emitting step seals the same copy again
+        ((model(x) - 1) ** 2).mean().backward()
+        opt.step()
+        assert getattr(weight, weight_cache.ATTR) is cache and _valid(model) == [True, True]
+
+
 @pytest.mark.parametrize("opt_level", ["O2", "O1"])
 def test_a_write_through_param_data_takes_effect_after_drop(opt_level, weight_casts):
     # An in-place write through param.data bumps no version counter PyTorch keeps (.data is a fresh alias each time):
