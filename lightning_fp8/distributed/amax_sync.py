@@ -118,6 +118,12 @@ def sync_fp8_amax(module: nn.Module, process_group: dist.ProcessGroup | None = N
     Afterwards every rank of ``process_group`` holds identical amax histories and scales. A no-op without an
     initialized process group or with one rank. Call it at the same point on every rank (it is a collective).
 
+    Call it on every rank right before saving a checkpoint that keeps one copy of the FP8 state: a
+    ``torch.distributed.checkpoint`` save of :func:`~lightning_fp8.fp8_state_dict` (plain tensors, which DCP writes
+    once), or a ``torch.save`` on rank 0. Until the next forward's sync (:func:`enable_fp8_amax_sync`) each rank holds
+    the amaxes of its own last casts; without this call the other ranks' are lost, and the resumed run casts with
+    other scales than the uninterrupted one (docs/guides/checkpoints.md, "Sharded checkpoints").
+
     Args:
         module: the model whose :class:`~lightning_fp8.FP8Linear` layers (any :class:`ScalingState`) to sync.
         process_group: the ranks that must agree; default: the whole world (data x tensor parallel).
@@ -125,6 +131,7 @@ def sync_fp8_amax(module: nn.Module, process_group: dist.ProcessGroup | None = N
     Example:
         >>> loss = model(batch).sum(); loss.backward(); optimizer.step()
         >>> sync_fp8_amax(model)   # or let enable_fp8_amax_sync(model) do it before every forward
+        >>> dcp.save({"model": ..., "fp8": fp8_state_dict(model)}, checkpoint_id=path)   # the same state on every rank
     """
     AmaxSync(module, process_group).sync()
 
@@ -171,6 +178,8 @@ def claim_shared_scale(state: ScalingState, process_group: dist.ProcessGroup | N
     """
     synced_over = _synced.pop(state, _NOT_SYNCED)
     if synced_over is None:  # synced over the whole world (the default): no rank lookup on the common path
+        return
+    if dist.get_world_size(process_group) == 1:  # one rank (a single process has no amax sync): nothing to share
         return
     if synced_over is not _NOT_SYNCED:
         ranks = frozenset(dist.get_process_group_ranks(process_group))

@@ -179,6 +179,7 @@ def _check_shard(module: FP8Linear, features: int, world: int, style: str, kind:
 
 # -------------------------------------------------------------------------------------------- the Megatron plan
 Role = Literal["colwise", "rowwise", "norm"]
+_SHARDABLE = (nn.Linear, nn.Embedding)  # what a colwise or rowwise plan entry can name
 
 # Submodule names inside one transformer block -> role. "gpt": a fused QKV projection whose output is laid out per
 # head ([q_h k_h v_h] for each head h, so a column shard holds whole heads), as in Megatron-LM.
@@ -223,22 +224,35 @@ def _resolve_plan(plan: str | Mapping[str, str]) -> dict[str, str]:
 
 
 def _find_blocks(module: nn.Module, roles: Mapping[str, str]) -> list[str]:
-    """Qualified names of the submodules (``module`` included) that contain every submodule the plan names."""
+    """Qualified names of the submodules (``module`` included) that contain every submodule the plan names, each
+    ``colwise`` or ``rowwise`` one an ``nn.Linear`` (FP8Linear) or ``nn.Embedding``.
 
-    def has_all(m: nn.Module) -> bool:
+    A submodule whose names match but whose targets cannot be sharded is not a block: an ``nn.Sequential`` of
+    ``nn.Sequential`` blocks has children ``"0"`` and ``"2"`` too, as each block does.
+
+    Raises:
+        ValueError: if no submodule contains every name of the plan.
+        TypeError: if some do, but none holds a shardable layer under each of them (the plan names another kind).
+    """
+    # refused: (unshardable targets, module, first such plan entry) of the closest match that is not a block
+    blocks, refused = [], None
+    for fqn, m in module.named_modules():
         try:
-            targets = [m.get_submodule(name) for name in roles]
+            targets = {name: m.get_submodule(name) for name in roles}
         except AttributeError:
-            return False
-        for name, target in zip(roles, targets, strict=True):
-            if roles[name] != "norm" and not isinstance(target, (nn.Linear, nn.Embedding)):
-                raise TypeError(
-                    f"apply_fp8_tensor_parallel: plan entry {name!r} ({roles[name]}) is a "
-                    f"{type(target).__name__}; only nn.Linear (FP8Linear) and nn.Embedding can be sharded"
-                )
-        return True
-
-    blocks = [fqn for fqn, m in module.named_modules() if has_all(m)]
+            continue
+        unshardable = [n for n, t in targets.items() if roles[n] != "norm" and not isinstance(t, _SHARDABLE)]
+        if not unshardable:
+            blocks.append(fqn)
+        elif refused is None or len(unshardable) < refused[0]:
+            refused = (len(unshardable), fqn, unshardable[0])
+    if not blocks and refused is not None:
+        _, fqn, name = refused
+        target = module.get_submodule(f"{fqn}.{name}" if fqn else name)
+        raise TypeError(
+            f"apply_fp8_tensor_parallel: plan entry {name!r} ({roles[name]}) is a {type(target).__name__} in "
+            f"{fqn or type(module).__name__}; only nn.Linear (FP8Linear) and nn.Embedding can be sharded"
+        )
     if not blocks:
         raise ValueError(
             f"apply_fp8_tensor_parallel: no submodule of {type(module).__name__} contains all of "
@@ -324,6 +338,12 @@ def apply_fp8_tensor_parallel(
     The attention code must use the local number of heads (``qkv.shape[-1] // (3 * head_dim)``), as with any
     tensor parallelism.
 
+    The FP8 scaling state stays per rank (each rank records the amaxes of its own shards; the amax sync makes the
+    delayed scales identical before each forward). Before a ``torch.distributed.checkpoint`` save of
+    :func:`~lightning_fp8.fp8_state_dict`, whose plain tensors DCP writes once, call
+    :func:`~lightning_fp8.distributed.amax_sync.sync_fp8_amax` on every rank, or the resumed run is not bit for bit the
+    uninterrupted one (docs/guides/checkpoints.md, "Sharded checkpoints").
+
     Args:
         module: a model or a single block, on the device of ``tp_mesh``, initialized identically on every rank.
         tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]`` of a 2-D data x tensor mesh).
@@ -346,6 +366,8 @@ def apply_fp8_tensor_parallel(
 
     Raises:
         ValueError: a mesh that is not 1-D, an unknown plan, or no block matching it.
+        TypeError: a plan whose ``colwise`` or ``rowwise`` entries name something other than ``nn.Linear`` or
+            ``nn.Embedding`` in every submodule that has all its names.
     """
     if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
         raise ValueError(f"apply_fp8_tensor_parallel(tp_mesh={tp_mesh}): pass a 1-D DeviceMesh (e.g. mesh['tp'])")

@@ -28,6 +28,7 @@ shard: a rank's GEMMs read only its shard, so the shard's own amax is exact and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,7 +57,7 @@ from lightning_fp8.recompute import (
     replay_scales,
     restore_buffers,
 )
-from lightning_fp8.scaling import ScalingState, compute_scale
+from lightning_fp8.scaling import ScalingState, _capturing, _tracing, compute_scale
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # How a cast operand is spread over the group: identical everywhere, a different slice per rank, or a slice whose
@@ -103,6 +104,8 @@ def _reduce_scatter_fp8(
     ``world`` dequantized chunks in fp32 cannot overflow either (DESIGN.md, FP8 gradient communication).
     """
     world = dist.get_world_size(group)
+    if world == 1:  # the sum over one rank is t itself: no cast (a single process's dx has no such rounding)
+        return t.to(out_dtype)
     with torch.no_grad():
         amax = ops.amax(t)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
@@ -126,19 +129,44 @@ def _cast(
     current: bool,
     layout: Layout,
     replaying: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``state.quantize(t)`` with a scale identical on every rank of ``group`` wherever ``layout`` needs one.
     ``replaying``: an activation-checkpointing recompute casting with its forward's scale, which every rank shares
-    already (the forward made sure of it): nothing to claim, no collective."""
+    already (the forward made sure of it): nothing to claim, no collective.
+
+    Returns:
+        ``(t_fp8, t_fp8_t, scale_inv, amax)``: ``amax`` is the whole tensor's (the same on every rank) where the cast
+        computed its own scale (``current``), else None; :func:`_note_first_cast` decides by it.
+    """
+    amax = None
     if current:  # the amax of the whole (distributed) tensor, as a single process would compute it
         with torch.no_grad():
             amax = ops.amax(t)
-            if layout != "replicated":
+            if layout != "replicated":  # replicated data is identical on every rank: so is its amax
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             state.scale.copy_(compute_scale(amax, state.fp8_dtype, state.margin, state.scale))
     elif layout == "gathered" and not replaying:
         claim_shared_scale(state, group)
-    return state.quantize(t, transpose, current=False)
+    return (*state.quantize(t, transpose, current=False), amax)
+
+
+def _note_first_cast(state: ScalingState, amax: torch.Tensor | None, numel: int) -> None:
+    """:meth:`ScalingState.note_cast` for a cast of a tensor-parallel layer, by a single process's rule: the state is
+    initialized by its first cast whose amax is finite and > 0; an empty, all-zero or non-finite one does not count.
+    ``amax`` is the whole tensor's, as :func:`_cast` returns it for a cast with its own scale (the only kind an
+    uninitialized state makes; None otherwise: nothing to decide). Every rank of the group holds the same value, so
+    the ranks agree about the next cast's path (a cast with its own amax all-reduces it), also where one rank's shard
+    is all zeros. Unlike a single process, the amax history is not counted: between amax syncs it is the rank's own.
+
+    Eagerly the amax is read at once (on a GPU a device sync, only while the state is not initialized: the first
+    step, as a rule). Where it cannot be read (traced by ``torch.compile``, captured in a CUDA graph) a cast of a
+    non-empty tensor counts, as with ``note_cast(by_value=False)``: the trace decides the next cast's path anyway."""
+    if state.initialized or numel == 0 or amax is None:
+        return
+    if torch.compiler.is_compiling() or _tracing(amax) or _capturing(amax):
+        state.note_cast(numel, by_value=False)
+        return
+    state.set_initialized(0.0 < float(amax) < math.inf)  # ops.amax gives inf for a NaN
 
 
 @dataclass(frozen=True)
@@ -155,7 +183,8 @@ class Comm:
 
 
 class TPLinearFn(torch.autograd.Function):
-    """``y = x @ w^T`` on local shards with FP8 operands and the tensor-parallel collectives of ``comm``."""
+    """``y = x @ w^T`` on local shards with FP8 operands and the tensor-parallel collectives of ``comm``; returns
+    ``(y, x_amax)``, ``x_amax`` the input cast's amax as :func:`_cast` returns it (not differentiable)."""
 
     @staticmethod
     def forward(
@@ -181,7 +210,7 @@ class TPLinearFn(torch.autograd.Function):
         x_current = cast_current(current[0], call)
         x_fp8_t = None  # transposed copy for wgrad; made in backward from a gathered FP8 copy
         if comm.kind == "colwise" and comm.dim is not None and comm.fp8:
-            x_fp8, _, x_scale_inv = _cast(state, x, False, group, x_current, "gathered", replaying)
+            x_fp8, _, x_scale_inv, x_amax = _cast(state, x, False, group, x_current, "gathered", replaying)
             x_fp8 = _all_gather(x_fp8, comm.dim, group)  # the GEMM operand itself: no second cast
             lead_shape, x_fp8 = x_fp8.shape[:-1], x_fp8.reshape(-1, k)
         else:
@@ -190,7 +219,7 @@ class TPLinearFn(torch.autograd.Function):
             layout = "sharded" if comm.kind == "rowwise" else "replicated"
             lead_shape = x.shape[:-1]
             x_2d = x.reshape(-1, k)
-            x_fp8, x_fp8_t, x_scale_inv = _cast(state, x_2d, need_wgrad, group, x_current, layout, replaying)
+            x_fp8, x_fp8_t, x_scale_inv, x_amax = _cast(state, x_2d, need_wgrad, group, x_current, layout, replaying)
         # per shard; at O2 the storage may hold weight * master_scale (FP8AdamW's fp16 master): the cast unscales
         w_fp8, w_fp8_t, w_scale_inv = fp8["weight"].quantize(weight, need_dgrad, True, master_scale)
         restore_buffers(saved)
@@ -217,28 +246,31 @@ class TPLinearFn(torch.autograd.Function):
         ctx.x_is_transposed = x_fp8_t is not None
         ctx.comm, ctx.grad_state, ctx.grad_current = comm, fp8["grad_output"], current[1]
         ctx.lead_shape, ctx.dtypes = lead_shape, (x.dtype, weight.dtype)
-        return y
+        if x_amax is not None:
+            ctx.mark_non_differentiable(x_amax)
+        return y, x_amax  # x_amax: the input cast's, for dtensor_forward's first-cast rule (_note_first_cast)
 
     @staticmethod
     @once_differentiable  # the FP8 casts are not differentiable: a double backward raises (no silent 0)
-    def backward(ctx: Any, dy: torch.Tensor):
+    def backward(ctx: Any, dy: torch.Tensor, _x_amax_grad: Any):
         x_saved, w_fp8_t, x_scale_inv, w_scale_inv = ctx.saved_tensors  # under torch.utils.checkpoint: recomputed here
         backward_ran(ctx.record)
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         comm, group, state = ctx.comm, ctx.comm.group, ctx.grad_state
         # As FP8Linear (linear.grad_output_current): eagerly the grad_output role decides its first cast when the
-        # backward runs (every rank alike: the same calls), so forwards without a backward do not use it up.
+        # backward runs (every rank alike: the same calls, and _note_first_cast below), so forwards without a backward
+        # do not use it up.
         current = grad_output_current(ctx.grad_current)
-        if current is None:
+        note = current is None
+        if note:
             current = state.needs_current_scale()
-            state.note_cast(dy.numel(), by_value=False)  # the same on every rank (see dtensor_forward)
         # Bias gradient in fp32 from this rank's dy: its column shard (colwise, or rowwise with a feature-sharded
         # output: the caller gathers the slices), or its rows (rowwise, sequence parallel: a partial sum that the
         # caller marks as such), or all rows (rowwise, replicated output).
         db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bgrad else None
         dy_fp8_t = None
         if comm.kind == "rowwise" and comm.dim is not None and comm.fp8:
-            dy_fp8, _, dy_scale_inv = _cast(state, dy.contiguous(), False, group, current, "gathered")
+            dy_fp8, _, dy_scale_inv, dy_amax = _cast(state, dy.contiguous(), False, group, current, "gathered")
             dy_fp8 = _all_gather(dy_fp8, comm.dim, group)
             dy_fp8 = dy_fp8.reshape(-1, dy_fp8.shape[-1])
         else:
@@ -246,7 +278,9 @@ class TPLinearFn(torch.autograd.Function):
                 dy = _all_gather(dy.contiguous(), comm.dim, group)
             layout = "sharded" if comm.kind == "colwise" else "replicated"
             dy_2d = dy.reshape(-1, dy.shape[-1]).contiguous()
-            dy_fp8, dy_fp8_t, dy_scale_inv = _cast(state, dy_2d, need_wgrad, group, current, layout)
+            dy_fp8, dy_fp8_t, dy_scale_inv, dy_amax = _cast(state, dy_2d, need_wgrad, group, current, layout)
+        if note:
+            _note_first_cast(state, dy_amax, dy.numel())
         dx = dw = None
         if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
             dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
@@ -366,7 +400,12 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
         bias = bias.to_local(grad_placements=[Partial()] if kind == "rowwise" and dim is not None else None)
     x_local = x.to_local()
     call = forward_call(fp8["input"])
-    y = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale, call)
-    # The first-cast rule by size, not by value: the ranks' shards differ, and a cast with its own amax all-reduces it.
-    note_casts(fp8, x_local, y, by_value=False)
+    y, x_amax = TPLinearFn.apply(x_local, weight.to_local(), bias, fp8, comm, out_dtype, current, master_scale, call)
+    if torch.compiler.is_compiling():
+        # Traced: a cast of a non-empty tensor counts (the trace decides the path), grad_output's too (see note_casts).
+        note_casts(fp8, x_local, y, by_value=False)
+    elif x_local.numel():
+        if not call[1]:  # a recompute records nothing
+            _note_first_cast(fp8["input"], x_amax, x_local.numel())
+        fp8["weight"].note_cast(x_local.numel(), by_value=False)  # current scaling every time
     return DTensor.from_local(y, mesh, [out_placement], run_check=False)

@@ -158,8 +158,6 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_workers(_two_rank_worker, WORLD, str(tmp_path_factory.mktemp("dcp")))
 
 
-
-
 # ------------------------------------------------------------------------------------------- amax sync
 def _amax_sync() -> dict:
     from lightning_fp8 import FP8Linear, FP8Recipe
@@ -505,9 +503,10 @@ def _zero_shard() -> dict:
 
 
 def test_ranks_decide_the_first_casts_alike_when_one_ranks_shard_is_zero(two_ranks):
-    """A state is initialized by the first cast whose amax is finite and > 0, except in tensor parallelism: there
-    a cast with its own amax all-reduces it, and ranks whose shards differ (one all zero) would take different paths
-    (a collective on one rank only). Each TP state is initialized by its first non-empty cast on every rank alike."""
+    """A state is initialized by the first cast whose amax is finite and > 0. In tensor parallelism a cast with its
+    own amax all-reduces it, so ranks whose shards differ (one all zero) must not take different paths (a collective
+    on one rank only): every rank decides by the whole tensor's amax, the same everywhere (test_tp_sweep_fixes.py
+    checks that an all-zero whole tensor does not count, as in one process)."""
     reports = part_results(two_ranks, "zero_shard")
     assert reports[0]["flags"] == reports[1]["flags"]
     assert all(all(step.values()) for step in reports[0]["flags"])
