@@ -131,12 +131,15 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         self._nonfinite_runs: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         # Consecutive non-finite updates that judged no step (reports alone).
         self._consecutive_nonfinite = 0
-        # The order in which the optimizers were first counted (serial numbers; weak): the saved runs are in it.
+        # Each counted optimizer's place among the saved runs (weak; see _serial): an integration's list index
+        # (_optimizer_index, kept over loads), else the order of first counting since the last load.
         self._run_order: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        # The saved runs of the optimizers not counted since load_state_dict (or unpickling), in the saved order: the
-        # next optimizer counted takes the first. A state dict without them (saved before they were) gave the
-        # longest run alone, where every optimizer's run starts: `_restored_run`.
-        self._restored_runs: list[int] = []
+        self._optimizer_index: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._next_serial = 0
+        # The saved runs no optimizer has taken since load_state_dict (or unpickling), by place: an optimizer counted
+        # there takes its own. A state dict without them (saved before they were) gave the longest run alone, where
+        # every optimizer's run starts: `_restored_run`.
+        self._restored_runs: dict[int, int] = {}
         self._restored_run = 0
         self._steps = 0
         self._last_saturation = 0.0
@@ -224,7 +227,12 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             self._model = model
             self._model_from_integration = True
 
-    # ------------------------------------------------------------------------------------------------- recording
+    def _set_optimizer_order(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The optimizers an integration steps with this scaler, in its order (Lightning's ``trainer.optimizers``):
+        each one's run of non-finite steps is saved at its index and resumed from there, however often each steps
+        (a GAN's critic stepping five times per generator step); otherwise by the order of first stepping."""
+        self._optimizer_index = weakref.WeakKeyDictionary({opt: i for i, opt in enumerate(optimizers)})
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * mu``: call ``.backward()`` on the result. The gradients are later unscaled by this mu, even when
         another optimizer's :meth:`update` has changed mu before their step; gradients summed over several backwards

@@ -33,7 +33,7 @@ class _ScaleRules:
         if self._longest_nonfinite_run() >= self.fallback_after and self.nonfinite_fallback is not None:
             self._nonfinite_runs.clear()  # also when the fallback raises: every count starts again
             self._consecutive_nonfinite = self._restored_run = 0
-            self._restored_runs = [0] * len(self._restored_runs)
+            self._restored_runs = dict.fromkeys(self._restored_runs, 0)
             self._run_fallback()
 
     def _count_nonfinite_runs(self, nonfinite: bool) -> None:
@@ -48,24 +48,38 @@ class _ScaleRules:
             skipped = [opt for opt, was_skipped in self._stepped if was_skipped]
             for opt, _ in self._stepped:
                 failed = nonfinite and (opt in skipped or not skipped)  # none skipped: a report came after the steps
-                if opt not in self._run_order:  # counted for the first time: it takes the next saved run
-                    self._run_order[opt] = len(self._run_order)
-                    if self._restored_runs:
-                        runs[opt] = self._restored_runs.pop(0)
+                if opt not in self._run_order:  # counted for the first time: it takes its saved run
+                    self._run_order[opt] = serial = self._serial(opt)
+                    if serial in self._restored_runs:
+                        runs[opt] = self._restored_runs.pop(serial)
                 start = max(self._restored_run, self._consecutive_nonfinite)  # an optimizer not counted yet
                 runs[opt] = runs.get(opt, start) + 1 if failed else 0
             self._consecutive_nonfinite = 0
         else:
             for opt in list(runs):
                 runs[opt] = runs[opt] + 1 if nonfinite else 0
-            self._restored_runs = [run + 1 if nonfinite else 0 for run in self._restored_runs]
+            self._restored_runs = {k: run + 1 if nonfinite else 0 for k, run in self._restored_runs.items()}
             self._consecutive_nonfinite = self._consecutive_nonfinite + 1 if nonfinite else 0
 
+    def _serial(self, optimizer: object) -> int:
+        """Where ``optimizer``'s run is saved: its index in the integration's list (:meth:`_set_optimizer_order`),
+        else the next place no optimizer holds, in the order they were first counted (since the last load)."""
+        index = self._optimizer_index.get(optimizer)
+        if index is not None:
+            return index
+        taken = {*self._run_order.values(), *self._optimizer_index.values()}
+        while self._next_serial in taken:
+            self._next_serial += 1
+        self._next_serial += 1
+        return self._next_serial - 1
+
     def _runs_in_order(self) -> list[int]:
-        """Each optimizer's run of consecutive non-finite steps, in the order they were first counted (0 for one whose
-        run the fallback cleared), then the saved runs no optimizer has taken since the load: what is saved."""
-        order = sorted(self._run_order.items(), key=lambda item: item[1])
-        return [self._nonfinite_runs.get(opt, 0) for opt, _ in order] + self._restored_runs
+        """Each optimizer's run of consecutive non-finite steps in the order of their places (:meth:`_serial`), with
+        the saved runs no optimizer has taken since the load in theirs: what is saved."""
+        start = max(self._restored_run, self._consecutive_nonfinite)  # where a cleared optimizer's run continues
+        runs = {serial: self._nonfinite_runs.get(opt, start) for opt, serial in self._run_order.items()}
+        runs.update(self._restored_runs)
+        return [runs[serial] for serial in sorted(runs)]
 
     def _longest_nonfinite_run(self) -> int:
         """The most consecutive non-finite steps of any one optimizer (what ``fallback_after`` is compared with); the

@@ -37,7 +37,7 @@ class _ScalerState:
     # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
     # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
     # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
-    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_run_order", "_unscaled")
+    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_run_order", "_optimizer_index", "_unscaled")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -45,7 +45,9 @@ class _ScalerState:
             state.pop(name, None)
         state["_last_optimizer"], state["_stepped"] = None, []  # the optimizers are not pickled with the scaler
         runs = self._runs_in_order()
-        state["_restored_runs"], state["_restored_run"] = runs, 0 if runs else self._longest_nonfinite_run()
+        state["_restored_runs"] = dict(enumerate(runs))
+        state["_restored_run"] = 0 if runs else self._longest_nonfinite_run()
+        state["_next_serial"] = 0
         state["_scaled_losses"] = collections.deque(maxlen=_SCALED_LOSSES_KEPT)  # tensors of this process's steps
         return state
 
@@ -55,12 +57,14 @@ class _ScalerState:
             del state["model"]
         self.__dict__.update(state)
         self.__dict__.setdefault("_restored_run", 0)
-        self.__dict__.setdefault("_restored_runs", [])
+        self.__dict__.setdefault("_restored_runs", {})
+        self.__dict__.setdefault("_next_serial", 0)
         self.__dict__.setdefault("_scaled_losses", collections.deque(maxlen=_SCALED_LOSSES_KEPT))
         self.__dict__.setdefault("_losses_scaled", 0)
         self._owned = weakref.WeakKeyDictionary()
         self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
         self._nonfinite_runs, self._run_order = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
+        self._optimizer_index = weakref.WeakKeyDictionary()
         self._unscaled = weakref.WeakKeyDictionary()
 
     def state_dict(self) -> dict[str, Any]:
@@ -122,11 +126,13 @@ class _ScalerState:
         self._skipped_steps = counters["skipped_steps"]
         self._nonfinite_events = counters["nonfinite_events"]
         self._nonfinite_runs.clear()
-        self._run_order.clear()
+        self._run_order.clear()  # (the integration's order stays: _set_optimizer_order)
+        self._next_serial = 0
         # Each optimizer continues its saved run; without them, every optimizer's run starts at the longest.
-        self._restored_runs = runs if runs is not None else []
+        self._restored_runs = dict(enumerate(runs)) if runs is not None else {}
         self._restored_run = counters["consecutive_nonfinite"] if runs is None else 0
-        self._consecutive_nonfinite = 0
+        # No optimizer counted when saved ([]): the saved run is the reports' own run (updates with no step).
+        self._consecutive_nonfinite = counters["consecutive_nonfinite"] if runs == [] else 0
         self._steps = counters["steps"]
         self._last_saturation = saturation
         self._history = collections.deque(history, maxlen=_HISTORY_LEN)

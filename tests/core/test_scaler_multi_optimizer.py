@@ -312,6 +312,72 @@ def test_a_resumed_scaler_continues_each_optimizers_own_run(via, before, after):
     assert resumed.state_dict()["nonfinite_runs"] == whole.state_dict()["nonfinite_runs"]
 
 
+def _events(scaler: FP8GradScaler, opts: list, events: list[tuple]) -> None:
+    """``("step", i, bad)``: optimizer i stepped (and updated) on a gradient of ones, or NaN where ``bad``;
+    ``("report",)``: a non-finite report alone (an FP8 communication hook), updated with no step."""
+    for kind, *args in events:
+        if kind == "report":
+            scaler.record_nonfinite(torch.tensor(1.0))
+        else:
+            (p,) = opts[args[0]].param_groups[0]["params"]
+            p.grad = torch.full_like(p, math.nan if args[1] else 1.0)
+            scaler.step(opts[args[0]])
+        scaler.update()
+
+
+_REPORTS_ALONE = (3, [("report",), ("report",)], [("step", 0, True)])  # no optimizer counted when saved
+_REPORT_AFTER_FALLBACK = (2, [("step", 0, True)] * 2 + [("report",)], [("step", 0, True)])
+# A critic stepping every iteration, a generator every second one, first in the loop: resumed where the generator does
+# not step, the critic comes first (by the order of first steps alone it would take the generator's run).
+_UNEVEN_STEPS = (3, [("step", 0, True), ("step", 1, False), ("step", 1, False), ("step", 0, True), ("step", 1, False)],
+                 [("step", 1, True), ("step", 0, False), ("step", 1, False)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("register", "case"),
+    [(False, _REPORTS_ALONE), (True, _REPORTS_ALONE), (False, _REPORT_AFTER_FALLBACK), (True, _REPORT_AFTER_FALLBACK),
+     (True, _UNEVEN_STEPS)],
+    ids=["reports_alone", "reports_alone_registered", "after_fallback_report", "after_fallback_report_registered",
+         "uneven_steps_registered"],
+)  # fmt: skip
+def test_a_resume_continues_runs_of_reports_and_of_optimizers_stepping_unevenly(register, case):
+    # Mends of the first version of the saved runs: a run of reports saved before any optimizer was counted was
+    # dropped, and one counted after a fallback cleared the runs saved as 0 (each resumed a failure behind); with
+    # the integration's order of optimizers (Lightning's trainer.optimizers) each one's run is saved at its index.
+    after, before, resumed = case
+    kwargs = {"fallback_after": after, "nonfinite_fallback": "lower_lr", "lr_factor": 0.5}
+
+    def optimizers(scaler):
+        opts = [torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1) for _ in range(2)]
+        if register:
+            scaler._set_optimizer_order(opts)
+        return opts
+
+    whole = FP8GradScaler(**kwargs)
+    expected = optimizers(whole)
+    _events(whole, expected, before + resumed)
+    first = FP8GradScaler(**kwargs)
+    opts = optimizers(first)
+    _events(first, opts, before)
+    again = _resumed(first, "state_dict", **kwargs)
+    if register:
+        again._set_optimizer_order(opts)
+    _events(again, opts, resumed)
+    assert [o.param_groups[0]["lr"] for o in opts] == [o.param_groups[0]["lr"] for o in expected]
+    assert [h["action"] for h in again.history] == [h["action"] for h in whole.history]
+
+
+def test_saved_runs_keep_the_order_of_first_steps_when_an_earlier_optimizer_is_gone():
+    scaler = FP8GradScaler(fallback_after=5)
+    opts = [torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1) for _ in range(4)]
+    _events(scaler, opts, [("step", 0, False), ("step", 1, False), ("step", 2, True), ("step", 3, False),
+                           ("step", 2, True)])  # fmt: skip
+    del opts[:2]  # the first two optimizers are collected; a new one is counted after the last two
+    opts.append(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1))
+    _events(scaler, opts, [("step", 2, True)])
+    assert scaler.state_dict()["nonfinite_runs"] == [2, 0, 1]
+
+
 def test_a_state_dict_saved_without_each_optimizers_run_starts_every_run_at_the_longest():
     scaler = FP8GradScaler(**FAILING)
     run = _schedule(scaler, [(True, False), (True, False)])

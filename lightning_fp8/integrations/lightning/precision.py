@@ -175,6 +175,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
         self._optimizers = list(optimizers)
+        self.grad_scaler._set_optimizer_order(self._optimizers)  # each optimizer's saved run, by its index
         return model, optimizers, lr_schedulers
 
     @override

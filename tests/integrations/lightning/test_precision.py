@@ -442,6 +442,8 @@ def test_a_user_fp8adamw_is_kept_and_other_optimizers_are_errors():
 
     module, trainer = _fit(_module(Own), max_steps=1)
     assert trainer.optimizers[0] is module.own and module.own.grad_scaler is trainer.precision_plugin.grad_scaler
+    # the optimizers' order, by which the scaler saves each one's run of non-finite steps
+    assert dict(module.own.grad_scaler._optimizer_index) == {module.own: 0}
     adam, trainer = _fit(_module(optimizer="adam"), max_steps=1)
     assert isinstance(trainer.optimizers[0], FP8AdamW) and trainer.optimizers[0].param_groups[0]["weight_decay"] == 0
     for name, match in (
