@@ -372,8 +372,10 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def _settings(self) -> dict[str, tuple[Any, Any]]:
+        # Left out: tokens_fn (a callable's repr is not the same from run to run: a resume would not find its state)
+        # and plot (on or off, the same monitor; keys of older checkpoints stay).
         return {**super()._settings(), "config": (self.monitor.config, HealthConfig()),
-                "smoothing_window": (self.smoothing_window, 20)}  # fmt: skip
+                "smoothing_window": (self.smoothing_window, 20), "plot_path": (self.plot_path, None)}  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:

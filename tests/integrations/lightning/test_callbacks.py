@@ -493,6 +493,9 @@ def test_two_monitors_of_a_kind_with_other_settings_both_log_and_resume(tmp_path
     logs, and resumes its own state; a default monitor keeps the class name, the key of older checkpoints."""
     assert FP8ScaleMonitor().state_key == "FP8ScaleMonitor"
     assert TrainingHealthMonitor(plot=False).state_key == "TrainingHealthMonitor"
+    # Monitors told apart by their plot's path alone: Lightning refused the second (one key for both).
+    paths = [TrainingHealthMonitor(plot_path=str(tmp_path / f"{name}.png")) for name in ("a", "b")]
+    assert paths[0].state_key != paths[1].state_key and "plot_path" in paths[0].state_key
 
     def run(name, ckpt_path=None, saving=()):
         torch.manual_seed(0 if ckpt_path is None else 123)
