@@ -112,9 +112,21 @@ def _emit(
 
 
 @triton.jit
+def _decay_progress(q, x, old_bits, beta1, FMAX: tl.constexpr):
+    # reference_adamw.decay_progress_ref, with the scale unchanged: q (FP8 exp_avg) rounded back to the stored code
+    # `old_bits` (not 0) while the exact `x` fell at least half the decay toward zero: one code toward zero.
+    x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
+    bits = q.to(tl.uint8, bitcast=True)
+    q32 = q.to(tl.float32)
+    held = (bits == old_bits) & (q32 != 0.0) & (tl.abs(x) <= tl.abs(q32) * ((1.0 + beta1) * 0.5))
+    bits = tl.where(held, bits - 1, bits)  # sign and magnitude: one code less is one step toward zero
+    return bits.to(q.dtype, bitcast=True)
+
+
+@triton.jit
 def _update(
     gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, mask, acc_p, acc_m, acc_v, acc_s,
-    ginv, w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+    ginv, w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1, m_s,
     MASKED: tl.constexpr, SCALED_P: tl.constexpr, SCALED_M: tl.constexpr, SCALED_V: tl.constexpr,
     P_MAX: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
     M_FP8: tl.constexpr, M_MBITS: tl.constexpr, M_MIN_EXP: tl.constexpr, HAS_COPY: tl.constexpr,
@@ -133,8 +145,11 @@ def _update(
     if WRITE:
         qp = _quantize(w, wp_s, p_ptr, SCALED_P, P_MAX, False, 0, 0, EXACT_ROUND)
         _store(p_ptr, offs, qp, mask, MASKED)
-        _store(m_ptr, offs, _quantize(m, wm_s, m_ptr, SCALED_M, M_MAX, M_FP8, M_MBITS, M_MIN_EXP, EXACT_ROUND),
-               mask, MASKED)  # fmt: skip
+        qm = _quantize(m, wm_s, m_ptr, SCALED_M, M_MAX, M_FP8, M_MBITS, M_MIN_EXP, EXACT_ROUND)
+        if M_FP8 and SCALED_M:
+            if wm_s == m_s:  # (a step that changes the scale moves every stored value)
+                qm = _decay_progress(qm, m * wm_s, mq.to(tl.uint8, bitcast=True), beta1, M_MAX)
+        _store(m_ptr, offs, qm, mask, MASKED)
         _store(v_ptr, offs, _quantize(v, wv_s, v_ptr, SCALED_V, V_MAX, False, 0, 0, EXACT_ROUND), mask, MASKED)
         if HAS_COPY:
             qc = _quantize(w, 1.0, c_ptr, False, 1.0, False, 0, 0, EXACT_ROUND)
@@ -273,7 +288,8 @@ def _adamw_kernel(
             mq, vq = tl.load(m_ptr + offs), tl.load(v_ptr + offs)
             acc_p, acc_m, acc_v, acc_s = _update(
                 gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, None, acc_p, acc_m, acc_v, acc_s, ginv,
-                w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+                w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1,
+                m_s,
                 False, SCALED_P, SCALED_M, SCALED_V, P_MAX, M_MAX, V_MAX, M_FP8, M_MBITS, M_MIN_EXP, HAS_COPY,
                 EMIT, E_MAX, E_MBITS, E_MIN_EXP, WRITE, ACCUM_AMAX, EXACT_ROUND, BLOCK, VEC,
             )  # fmt: skip
@@ -285,7 +301,8 @@ def _adamw_kernel(
             mq, vq = tl.load(m_ptr + offs, mask=mask, other=0.0), tl.load(v_ptr + offs, mask=mask, other=0.0)
             acc_p, acc_m, acc_v, acc_s = _update(
                 gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, mask, acc_p, acc_m, acc_v, acc_s, ginv,
-                w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+                w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1,
+                m_s,
                 True, SCALED_P, SCALED_M, SCALED_V, P_MAX, M_MAX, V_MAX, M_FP8, M_MBITS, M_MIN_EXP, HAS_COPY,
                 EMIT, E_MAX, E_MBITS, E_MIN_EXP, WRITE, ACCUM_AMAX, EXACT_ROUND, BLOCK, VEC,
             )  # fmt: skip

@@ -84,6 +84,22 @@ def _store_scaled_ref(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor) -
     dst.copy_(y.to(dst.dtype))
 
 
+def decay_progress_ref(dst: torch.Tensor, x_scaled: torch.Tensor, old: torch.Tensor, beta1: float) -> None:
+    """After ``dst`` (FP8 ``exp_avg``, written with the scale it was stored with) took ``x_scaled`` rounded to
+    nearest: where that gave back the stored value ``old`` (not 0) though the exact value fell at least half the decay
+    toward zero (``|x| <= |old| (1 + beta1) / 2``: the decay, not the gradient, drives it), step one code toward zero.
+    Without it a first moment whose gradient vanished stays at a small value for good (RNE(0.9 k) = k for k <= 4 of
+    E4M3's smallest steps) while the second moment decays: the update ``m / sqrt(v)`` would grow without end. A value
+    the gradient holds (a steady state within rounding) keeps its nearest rounding. A step that changes the scale
+    moves every stored value anyway."""
+    fmax = SCALED_STATE_MAX[dst.dtype]
+    half_decay = (1.0 + torch.tensor(beta1, dtype=torch.float32)) * 0.5
+    bits, old_bits = dst.view(torch.uint8), old.view(torch.uint8)
+    q = dst.float()
+    held = (bits == old_bits) & (q != 0) & (x_scaled.clamp(-fmax, fmax).abs() <= q.abs() * half_decay)
+    bits.copy_(torch.where(held, bits - 1, bits))  # sign and magnitude: one code less is one step toward zero
+
+
 def adamw_update_ref(g, w, m, v, factors, c: AdamWConstants):
     """One AdamW update in the operation order of the kernel; returns the new fp32 ``(w, m, v)``.
 
@@ -186,7 +202,12 @@ def adamw_step_ref(
                     g_amax = grad_amaxes[i].float() * abs(grad_unscale) * BOUND_SLACK
                     source = adamw_bound_ref(j, amaxes[i][j], g_amax, c)
                 write_scale = pow2_scale_ref(source, SCALED_STATE_MAX[dst.dtype], 0, state_scales[j].float())
+                same_scale = j == 1 and dst.dtype in _FP8_MAX and not dst.is_meta  # (meta: shapes only)
+                same_scale = same_scale and bool(write_scale == state_scales[j].float())
+                old = dst.clone() if same_scale else None
                 _store_scaled_ref(x, dst, write_scale)
+                if same_scale:
+                    decay_progress_ref(dst, x * write_scale, old, c.beta1)
                 state_scales[j].copy_(write_scale)
             else:
                 dst.copy_(x)

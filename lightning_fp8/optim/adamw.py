@@ -118,7 +118,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             parameter itself, or an fp32 copy for a bf16/fp16 one) and their gradient as it is, so an fp32
             embedding keeps 4 + 1 + 2 bytes of states per element instead of 4 + 4 + 4. The first moment of a
             parameter whose gradient spans more than E4M3's range in one tensor (an embedding's rare rows) loses
-            its smallest values to zero between steps (the step's own gradient still enters the update).
+            its smallest values to zero between steps (the step's own gradient still enters the update); a first
+            moment whose gradient vanished decays to zero, as in fp32 (docs/concepts/optimizer.md).
 
     Raises:
         ValueError: for a negative or non-finite lr, eps or weight_decay, betas outside [0, 1), an unknown level or

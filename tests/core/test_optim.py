@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.optim import checkpoint, master
 from tests.core.gpt_tiny import TinyGPT, batches, train
@@ -114,6 +114,34 @@ def _mlp_step(model, opt, scaler, x, y):
     loss = ((model(x) - y) ** 2).mean()
     scaler.scale_loss(loss).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("moments", ["fp8_weights", "all"])
+def test_a_weight_whose_gradient_vanished_stops_as_with_adamw(moments):
+    # The E4M3 first moment of an element whose gradient became zero stopped decaying at a small subnormal (rounded to
+    # nearest, 0.9 k of the smallest step k <= 4 gives k back) while its second moment decayed: the weight kept moving
+    # by m / sqrt(v), 200x further than torch.optim.AdamW's after 2000 steps, and never stopped. The first moment now
+    # decays to zero (its smallest values are lost, as documented), and the weight stops.
+    torch.manual_seed(0)
+    layer = FP8Linear(16, 16, bias=False) if moments == "fp8_weights" else nn.Embedding(16, 16)
+    reference = nn.Parameter(layer.weight.detach().double().clone())
+    start = reference.detach().clone()
+    opt = FP8AdamW(layer.parameters(), lr=1e-3, weight_decay=0.0, fp8_grads=False, low_precision_moments=moments)
+    torch_opt = torch.optim.AdamW([reference], lr=1e-3, weight_decay=0.0)
+    moved = []
+    for t in range(400):
+        g = torch.full((16, 16), 1e-2, dtype=torch.float64)  # every other element: a steady gradient
+        g[0, 0] = 1e-5 if t == 0 else 0.0  # one small gradient, then exactly zero
+        layer.weight.grad, reference.grad = g.to(layer.weight.dtype), g.clone()
+        opt.step()
+        torch_opt.step()
+        weight = layer.weight.detach().double()
+        if moments == "fp8_weights":  # O2: the storage holds the fp16 master times its scale
+            weight = weight / opt.state[layer.weight]["master_scale"].double()
+        moved.append(float(weight[0, 0] - start[0, 0]))
+    expected = float(reference[0, 0] - start[0, 0])  # about -0.006: Adam's steps shrink with the decaying moment
+    assert abs(moved[-1]) <= 1.5 * abs(expected) and moved[-1] * expected > 0
+    assert moved[-1] == moved[-100]  # stopped
 
 
 def test_o2_state_layout_and_bytes():

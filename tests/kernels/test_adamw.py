@@ -66,8 +66,8 @@ def _run(fn, tensors, *, scaled, fp8_grads, copies, two_pass, grad_unscale=0.5, 
         [tuple(d["scales"]) for d in t] if scaled else None,
         [tuple(d["amaxes"]) for d in t] if scaled else None,
         [d["gsi"] for d in t] if fp8_grads else None,
-        **HYPER, grad_unscale=grad_unscale, two_pass=two_pass, grad_amaxes=[d["gamax"] for d in t],
-        param_copies=[d["copy"] for d in t] if copies else None, **outputs, **extra,
+        **{**HYPER, **extra}, grad_unscale=grad_unscale, two_pass=two_pass, grad_amaxes=[d["gamax"] for d in t],
+        param_copies=[d["copy"] for d in t] if copies else None, **outputs,
     )  # fmt: skip
     return t
 
@@ -170,6 +170,52 @@ def _lists(tensors):
             [tuple(d["scales"]) for d in tensors], [tuple(d["amaxes"]) for d in tensors], None)  # fmt: skip
 
 
+def _decaying(device, m_dtype, beta1, repeat=1):
+    """States whose first moments (m_dtype, scale 2**10) hold every small code of the format, both signs, ``repeat``
+    times, and two large values last that fix the tensor's scale; the gradients are zero but for the large values'
+    and a few tiny ones."""
+    codes = torch.arange(1, 40, dtype=torch.uint8)
+    small = torch.cat([codes, codes | 0x80]).view(m_dtype).float() * 2.0**-10  # the stored codes, unscaled
+    g_small = torch.zeros_like(small)
+    g_small[10:13] = 1e-12  # a gradient far under the first moment's smallest step: the decay still moves it
+    m = torch.cat([small.repeat(repeat), torch.tensor([0.3, -0.3])])
+    g = torch.cat([g_small.repeat(repeat), torch.tensor([0.3, -0.3])])
+    n = m.numel()
+    return [{"p": (torch.full((n,), 0.05) * 2.0**16).half(), "m": (m * 2.0**10).to(m_dtype),
+             "v": (torch.full((n,), 1e-4) * 2.0**20).half(), "g": g,
+             "scales": [torch.tensor(2.0**k) for k in (16, 10, 20)],
+             "amaxes": [torch.tensor(0.05), m.abs().max(), torch.tensor(1e-4)], "gsi": torch.tensor(1.0),
+             "gamax": g.abs().max(), "copy": torch.zeros(n, dtype=BF16)}]  # fmt: skip
+
+
+def _decay_steps(device, m_dtype, beta1, steps, two_pass, repeat=1):
+    tensors = [{k: (v.to(device) if torch.is_tensor(v) else [x.to(device) for x in v]) for k, v in d.items()}
+               for d in _decaying(device, m_dtype, beta1, repeat)]  # fmt: skip
+    kw = {"scaled": True, "fp8_grads": False, "copies": False, "two_pass": two_pass, "beta1": beta1}
+    history = []
+    for _ in range(steps):
+        expected = _run(reference_adamw.adamw_step_ref, tensors, **kw)
+        _assert_same(expected, _run(adamw.adamw_step, tensors, **kw))
+        tensors = expected
+        history.append(tensors[0]["m"].float() / tensors[0]["scales"][1])
+    return history
+
+
+@pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize(("m_dtype", "beta1"), [(E4M3, 0.9), (E4M3, 0.95), (E5M2, 0.9)])
+def test_a_first_moment_whose_gradient_vanished_decays_to_zero(m_dtype, beta1, two_pass):
+    # Rounded to nearest, 0.9 k of E4M3's smallest step k <= 4 gave k back: such a first moment never decayed while
+    # the second did, and the weight kept moving by m / sqrt(v) (200x torch.optim.AdamW's total after 2000 steps).
+    # Now a stored value that the decay alone cannot move steps one code toward zero: every first moment whose
+    # gradient is (nearly) zero shrinks at each step and reaches 0, in the kernel as in the reference.
+    history = _decay_steps("cpu", m_dtype, beta1, steps=6 if beta1 == 0.9 else 4, two_pass=two_pass)
+    decaying = slice(0, -2)
+    for before, after in zip(history[:-1], history[1:], strict=True):
+        b, a = before[decaying].abs(), after[decaying].abs()
+        assert torch.all((a < b) | (b == 0)), "a first moment with a zero gradient did not shrink"
+        assert torch.all(torch.sign(after[decaying]) * torch.sign(before[decaying]) >= 0)  # toward zero, not past it
+
+
 @pytest.mark.parametrize("dtype", [F16, E4M3, E5M2])
 def test_reference_scale_equals_compute_scale(dtype):
     fmax = reference_adamw.SCALED_STATE_MAX[dtype]
@@ -246,6 +292,14 @@ def test_kernel_matches_reference_on_gpu(case, two_pass):
     tensors = _make("cuda", shapes, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
     _assert_same(_run(reference_adamw.adamw_step_ref, tensors, **kw), _run(adamw.adamw_step, tensors, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m_dtype", "beta1"), [(E4M3, 0.9), (E4M3, 0.95), (E5M2, 0.9)])
+def test_a_first_moment_whose_gradient_vanished_decays_to_zero_on_gpu(m_dtype, beta1):
+    # Each step: the kernel against the reference; 1000 repeats span several whole (unmasked) blocks of the kernel.
+    for two_pass in (False, True):
+        _decay_steps("cuda", m_dtype, beta1, steps=6, two_pass=two_pass, repeat=1000)
 
 
 @pytest.mark.gpu
