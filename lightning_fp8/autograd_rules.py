@@ -9,6 +9,7 @@ import functools
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 
 def once_differentiable(backward):
@@ -79,3 +80,18 @@ def check_no_functorch(name: str) -> None:
         "torch.func on a model without FP8 layers), or keep this layer in high precision: convert_to_fp8(model, "
         "module_filter_fn=...) returning False for it leaves it an nn.Linear"
     )
+
+
+def check_no_forward_ad(name: str, *tensors: torch.Tensor | None) -> None:
+    """Raise if one of ``tensors`` (an FP8 layer's input and parameters) carries a forward-mode AD tangent
+    (``torch.autograd.forward_ad``): the layers' autograd.Functions have no ``jvp``, and PyTorch would say so only after
+    the forward ran, its casts recorded in the scaling state. ``name``: the layer, for the message. Eagerly only."""
+    if forward_ad._current_level < 0 or torch.compiler.is_compiling():
+        return
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise RuntimeError(
+            f"{name} does not support forward-mode AD (torch.autograd.forward_ad dual tensors): its FP8 casts have no "
+            "jvp rule. Compute gradients with torch.autograd.grad or loss.backward() (reverse mode), or keep this "
+            "layer in high precision: convert_to_fp8(model, module_filter_fn=...) returning False for it leaves it "
+            "an nn.Linear"
+        )

@@ -28,7 +28,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_fp8 import ops, weight_cache
-from lightning_fp8.autograd_rules import check_no_functorch
+from lightning_fp8.autograd_rules import check_no_forward_ad, check_no_functorch
 from lightning_fp8.cast_checks import check_castable
 from lightning_fp8.matmul import _FP8Matmul, current_flags, note_casts
 
@@ -337,12 +337,22 @@ class FP8Linear(nn.Linear):
                 f"{owner} input is on {x.device} but the layer's weight is on {weight.device}: "
                 "move the input or the model to the same device"
             )
-        self._check_shapes(weight)
+        check_no_forward_ad(owner, x)
+        self._check_shapes(weight, owner)
 
-    def _check_shapes(self, weight: torch.Tensor) -> None:
-        """Raise ValueError if ``weight`` (this layer's) or the bias is not of the layer's shape: checked before the
-        casts record anything."""
+    def _check_shapes(self, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
+        """Raise ValueError if ``weight`` (this layer's) or the bias is not of the layer's shape, or the scaling state
+        is not on the weight's device; RuntimeError for forward-mode AD tangents: checked before the casts record
+        anything."""
         bias = self.bias
+        check_no_forward_ad(owner, weight, bias)
+        state_device = self.fp8_scaling["input"]._buffers["scale"].device
+        if state_device != weight.device:
+            raise ValueError(
+                f"{owner}: the weight is on {weight.device} but the FP8 scaling state on {state_device}: the "
+                "parameters were replaced without moving the module. Move the whole module (module.to(device); a "
+                "module built on the meta device: module.to_empty(device=...), then its reset_parameters())"
+            )
         if weight.shape != (self.out_features, self.in_features) or (
             bias is not None and bias.shape != (self.out_features,)
         ):

@@ -289,7 +289,7 @@ class FP8MLP(nn.Module):
         if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
             return proj(F.gelu(fc(x)))
         fc._check_input(x, w1, "FP8MLP")
-        proj._check_shapes(w2)
+        proj._check_shapes(w2, "FP8MLP")
         if fc.out_features != proj.in_features:  # a layer replaced by one of another size (checked before any cast)
             raise ValueError(
                 f"FP8MLP: fc gives {fc.out_features} features but proj takes {proj.in_features} (a layer was replaced "

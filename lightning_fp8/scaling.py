@@ -314,12 +314,18 @@ class ScalingState(nn.Module):
         Raises:
             TypeError: for ``x`` that is not a dense (strided) tensor of float16, bfloat16, float32 or float64
                 (nothing is changed).
-            ValueError: for ``column_sum`` or ``transpose`` of a tensor that is not 2-D (nothing is changed); for
+            ValueError: for ``x`` on another device than the state, ``column_sum`` or ``transpose`` of a tensor that
+                is not 2-D (nothing is changed); for
                 ``unscale`` with a cast that does not compute its own scale (``current=False``, or ``None`` on a
                 delayed-scaling state) or a history longer than 1.
         """
         if not torch.compiler.is_compiling():  # traced, x comes from a checked layer (a backward may not read layout)
             check_castable(x, "ScalingState.quantize")
+            if x.device != self._buffers["scale"].device:
+                raise ValueError(
+                    f"ScalingState.quantize: x is on {x.device} but the scaling state on "
+                    f"{self._buffers['scale'].device}: move x, or the state (with its module) to x's device"
+                )
         if unscale is not None:
             check_unscale(self, current)
         for flag, name in ((column_sum, "column_sum"), (transpose, "transpose")):

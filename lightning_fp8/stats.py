@@ -126,6 +126,11 @@ def _scaling_states(model: nn.Module) -> Iterable[tuple[str, str, ScalingState]]
 def _layer_handles(model: nn.Module, batch: _HostBatch) -> dict[str, dict[str, dict[str, Any]]]:
     layers: dict[str, dict[str, dict[str, Any]]] = {}
     for layer, role, state in _scaling_states(model):
+        if state.scale.is_meta:
+            raise ValueError(
+                f"fp8_stats: the FP8 scaling state of layer {layer!r} ({role}) is on the meta device (it holds no "
+                "data): materialize the model first (model.to_empty(device=...), then its reset_parameters())"
+            )
         entry = {f: batch.add(getattr(state, f)) for f in (*_FLOAT_FIELDS, *_INT_FIELDS)}
         entry["amax_history"] = batch.add(state.amax_history)
         layers.setdefault(layer, {})[role] = entry
@@ -240,6 +245,7 @@ def fp8_stats(
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``, or ``grad_scaler``'s ``scale`` is not a number or a
             one-element tensor (it has none, or it is a method, as ``torch.amp.GradScaler``'s).
+        ValueError: if a scaling state of ``model`` is on the meta device (not materialized yet).
 
     Examples:
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
