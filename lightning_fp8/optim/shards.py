@@ -19,6 +19,25 @@ def is_fsdp1_view(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_fsdp_flattened", False))
 
 
+def mesh(t: torch.Tensor) -> object | None:
+    """The device mesh of a DTensor ``t``; None for a plain tensor."""
+    return t.device_mesh if is_dtensor(t) else None
+
+
+def any_rank(meshes: list, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of ``meshes`` (every rank of them calls this, with its meshes in the same
+    order): a MAX all-reduce over each dimension of each mesh."""
+    import torch.distributed as dist
+
+    value = None
+    for m in meshes:
+        device = torch.device(m.device_type, torch.cuda.current_device()) if m.device_type == "cuda" else m.device_type
+        value = torch.tensor([int(flag)], device=device) if value is None else value.to(device)
+        for dim in range(m.ndim):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=m.get_group(dim))
+    return bool(value.item()) if value is not None else flag
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (``t`` itself when it is not a DTensor)."""
     return t.to_local() if is_dtensor(t) else t

@@ -29,9 +29,31 @@ _FIX = "the checkpoint is corrupt or was written for another model"
 def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str, Any]]]:
     """Each saved state as this rank's part (DTensors as their local shards) beside its parameter.
 
+    With sharded (DTensor) parameters every rank checks its own shards, and the ranks agree (one all-reduce per
+    dimension of each mesh): when one refuses its part, all raise, and none loads its own.
+
     Raises:
         ValueError: for anything the load could not take as it is (see :func:`_check_entry`).
     """
+    meshes = list({id(m): m for m in (shards.mesh(p) for p in _param_order(opt)) if m is not None}.values())
+    if not meshes:
+        return _check_here(opt, state_dict)
+    try:
+        entries, error = _check_here(opt, state_dict), None
+    except Exception as caught:  # every rank goes on to the agreement below, or the others would wait for it
+        entries, error = [], caught
+    if shards.any_rank(meshes, error is not None) and error is None:
+        raise ValueError(
+            "FP8AdamW.load_state_dict: another rank refused its part of the state dict (its error says why), so no "
+            "rank loads its own: nothing was changed"
+        )
+    if error is not None:
+        raise error
+    return entries
+
+
+def _check_here(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """:func:`_check` on this rank's parts."""
     well_formed = isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
     if not (well_formed and "param_groups" in state_dict):
         got = list(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -133,6 +155,12 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
     # without a scale: they hold the values themselves. A state of FP8AdamW has more keys (master, scales, amaxes).
     adamw = set(saved) <= set(_ADAMW_KEYS)
     local = {key: shards.local(value) if shards.is_dtensor(value) else value for key, value in saved.items()}
+    meta = [key for key, value in local.items() if isinstance(value, torch.Tensor) and value.is_meta]
+    if meta:
+        raise ValueError(
+            f"{where}'s {meta[:3]} are on the meta device (they hold no data): load the checkpoint with "
+            "torch.load(..., map_location='cpu') or the device of the model"
+        )
     shard_shape = tuple(shards.local(p).shape)
     for key in _KEYS:
         if key not in saved:
@@ -242,8 +270,21 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
             f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {local[key].dtype} state, which FP8AdamW "
             f"stores unscaled (scale 1): {_FIX}"
         )
+    dtype = local[key].dtype
+    if amax is not None and scale is not None and dtype in SCALED_STATE_MAX:
+        # FP8AdamW picks each scale so that amax * scale fits the storage; more means the values were cut at its
+        # maximum: a state saved in a wider format (fp16, E5M2) read into this optimizer's narrower one, as
+        # torch.distributed.checkpoint reads a checkpoint into the optimizer's own layout.
+        if bool((amax * scale.to(amax.device) > SCALED_STATE_MAX[dtype] * BOUND_SLACK).any()):
+            raise ValueError(
+                f"{where}'s {key!r} is {dtype}, and its '{key}_amax' times '{key}_scale' is above {dtype}'s maximum "
+                f"{SCALED_STATE_MAX[dtype]}: the values were saved in a wider format and cut to fit this one (a "
+                "torch.distributed.checkpoint load reads a checkpoint into the optimizer's own dtypes). Build the "
+                "FP8AdamW with the settings of the run that saved it (opt_level, low_precision_moments, exp_avg_dtype, "
+                f"...) to load it, or {_FIX}"
+            )
     if amax is not None:  # per row for per-row amaxes, plus the storage's smallest normal (a subnormal's rounding)
-        dtype, amax = local[key].dtype, _broadcast(amax, x)
+        amax = _broadcast(amax, x)
         scale = _broadcast(scale, x) if scale is not None and dtype in SCALED_STATE_MAX else 1.0
         if bool((x.abs() > amax * BOUND_SLACK + torch.finfo(dtype).smallest_normal / scale).any()):
             raise ValueError(
