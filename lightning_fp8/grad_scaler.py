@@ -410,17 +410,28 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """Halve or double mu as specified, run the fallback if due, and reset the per-step counters.
 
         Judges every optimizer stepped since the last update (mu halves if any was skipped) and what the
-        communication hooks reported; with no step since, everything reported. A call with nothing recorded and no
-        :meth:`step` since the last update does nothing (so calling both ``optimizer.step()``, which updates, and
-        ``update()`` is harmless). The counters are reset also when the fallback raises (the error propagates).
+        communication hooks reported; with no step since, everything reported. An optimizer whose gradients
+        :meth:`unscale_` checked and that was not stepped counts as ``torch.amp.GradScaler`` counts it: non-finite
+        there (a loop that skips its step on it), mu halves and the optimizer counts as skipped (its run of non-finite
+        steps, the fallback); finite, as a step. A call with nothing recorded, unscaled or stepped since the last
+        update does nothing (so calling both ``optimizer.step()``, which updates, and ``update()`` is harmless). The
+        counters are reset also when the fallback raises (the error propagates).
         """
-        if not self._active:
-            self._unscaled = weakref.WeakKeyDictionary()  # unscale_ without a step: the next backward's are scaled
+        unstepped = [(opt, flag) for opt, flag in list(self._unscaled.items())
+                     if not any(stepped is opt for stepped, _ in self._stepped)]  # fmt: skip
+        if not self._active and not unstepped:
             return
         if not self._stepped:  # reports without a step: judge them all
             for counts in list(self._owned.values()):
                 self._window = self._window.merge(counts)
             self._owned.clear()
+        for optimizer, flag in unstepped:  # checked by unscale_, not stepped: judged as a step skipped or made
+            counts = _Counts()
+            self._record_high_precision_grads(optimizer, counts)  # unscaled: fp32 / bf16 (unscale_ refuses fp16)
+            counts.add((flag > 0).float())
+            self._window = self._window.copy().merge(counts)
+            self._active, self._agreed = True, None
+            self._stepped.append((optimizer, self._agree(flag) > 0))
         if self._agreed is None:
             self._agree()
         decision = self._agreed
