@@ -64,10 +64,18 @@ class _Adoption:
         if not (master.is_fp8_weight(p) or id(p) in self._extra_fp8_params):
             self._moments_only.add(p)  # low_precision_moments="all": only the moments
             return
+        grad = None
         if self._takes_storage(p):
+            grad = p.grad  # of the old dtype: master.adopt drops it, kept below
             master.adopt(p, self.master_dtype)
         if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
             self._register_grad_hook(p)
+        if grad is not None:  # a backward before the optimizer took the weight: its next step applies it
+            if p in self._hooks:
+                self.accumulate_fp8_grad(p, grad)
+            else:
+                with torch.no_grad():
+                    p.grad = grad.to(p.dtype)  # in true units, as the layer's backward writes it (not the storage's)
 
     def release(self, p: torch.Tensor) -> None:
         """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision"): fp32

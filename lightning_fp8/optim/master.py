@@ -95,7 +95,7 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     """Make ``param``'s storage the master weight in ``master_dtype``; return its ``(scale, amax)`` (shared).
 
     fp16 storage is scaled; other dtypes (bf16) are stored unscaled with scale 1. Any existing gradient is
-    dropped (it has the old dtype).
+    dropped here (it has the old dtype); FP8AdamW's takeover hands it back (``_adopt``).
 
     Raises:
         RuntimeError: when the dtype would change under a wrapper that hooked the parameter's gradient accumulator
