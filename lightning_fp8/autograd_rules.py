@@ -86,7 +86,7 @@ def check_no_forward_ad(name: str, *tensors: torch.Tensor | None) -> None:
     """Raise if one of ``tensors`` (an FP8 layer's input and parameters) carries a forward-mode AD tangent
     (``torch.autograd.forward_ad``): the layers' autograd.Functions have no ``jvp``, and PyTorch would say so only after
     the forward ran, its casts recorded in the scaling state. ``name``: the layer, for the message. Eagerly only."""
-    if forward_ad._current_level < 0 or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or forward_ad._current_level < 0:  # (traced: no guard on the level)
         return
     if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise RuntimeError(

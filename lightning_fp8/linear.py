@@ -337,15 +337,13 @@ class FP8Linear(nn.Linear):
                 f"{owner} input is on {x.device} but the layer's weight is on {weight.device}: "
                 "move the input or the model to the same device"
             )
-        check_no_forward_ad(owner, x)
+        check_no_forward_ad(owner, x, weight, self.bias)
         self._check_shapes(weight, owner)
 
     def _check_shapes(self, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
         """Raise ValueError if ``weight`` (this layer's) or the bias is not of the layer's shape, or the scaling state
-        is not on the weight's device; RuntimeError for forward-mode AD tangents: checked before the casts record
-        anything."""
+        is not on the weight's device: checked before the casts record anything."""
         bias = self.bias
-        check_no_forward_ad(owner, weight, bias)
         state_device = self.fp8_scaling["input"]._buffers["scale"].device
         if state_device != weight.device:
             raise ValueError(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8 import ops, weight_cache
-from lightning_fp8.autograd_rules import check_no_functorch, once_differentiable
+from lightning_fp8.autograd_rules import check_no_forward_ad, check_no_functorch, once_differentiable
 from lightning_fp8.convert import check_wrappable
 from lightning_fp8.kernels.reference import kept_input_scale_inv
 from lightning_fp8.linear import (
@@ -289,6 +289,7 @@ class FP8MLP(nn.Module):
         if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
             return proj(F.gelu(fc(x)))
         fc._check_input(x, w1, "FP8MLP")
+        check_no_forward_ad("FP8MLP", w2, proj.bias)
         proj._check_shapes(w2, "FP8MLP")
         if fc.out_features != proj.in_features:  # a layer replaced by one of another size (checked before any cast)
             raise ValueError(

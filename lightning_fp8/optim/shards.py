@@ -19,23 +19,16 @@ def is_fsdp1_view(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_fsdp_flattened", False))
 
 
-def mesh(t: torch.Tensor) -> object | None:
-    """The device mesh of a DTensor ``t``; None for a plain tensor."""
-    return t.device_mesh if is_dtensor(t) else None
-
-
-def any_rank(meshes: list, flag: bool) -> bool:
+def any_rank(meshes: list, flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` is true on any rank of ``meshes`` (every rank of them calls this, with its meshes in the same
-    order): a MAX all-reduce over each dimension of each mesh."""
+    order): a MAX all-reduce over each dimension of each mesh, of a flag on ``device`` (a local shard's)."""
     import torch.distributed as dist
 
-    value = None
+    value = torch.tensor([int(flag)], device=device)
     for m in meshes:
-        device = torch.device(m.device_type, torch.cuda.current_device()) if m.device_type == "cuda" else m.device_type
-        value = torch.tensor([int(flag)], device=device) if value is None else value.to(device)
         for dim in range(m.ndim):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=m.get_group(dim))
-    return bool(value.item()) if value is not None else flag
+    return bool(value.item())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

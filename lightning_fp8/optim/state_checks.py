@@ -35,14 +35,17 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
     Raises:
         ValueError: for anything the load could not take as it is (see :func:`_check_entry`).
     """
-    meshes = list({id(m): m for m in (shards.mesh(p) for p in _param_order(opt)) if m is not None}.values())
-    if not meshes:
+    sharded = [p for p in _param_order(opt) if shards.is_dtensor(p)]
+    if not sharded:
         return _check_here(opt, state_dict)
+    meshes = list({id(p.device_mesh): p.device_mesh for p in sharded}.values())
     try:
         entries, error = _check_here(opt, state_dict), None
     except Exception as caught:  # every rank goes on to the agreement below, or the others would wait for it
         entries, error = [], caught
-    if shards.any_rank(meshes, error is not None) and error is None:
+    local = shards.local(sharded[0]).device
+    device = local if local.type == meshes[0].device_type else torch.device(meshes[0].device_type)  # CPU offload
+    if shards.any_rank(meshes, error is not None, device) and error is None:
         raise ValueError(
             "FP8AdamW.load_state_dict: another rank refused its part of the state dict (its error says why), so no "
             "rank loads its own: nothing was changed"

@@ -94,3 +94,26 @@ def test_fp8_stats_of_an_unmaterialized_model_says_so():
         model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
     with pytest.raises(ValueError, match=r"layer '0' \(input\) is on the meta device.*to_empty"):
         fp8_stats(model)
+
+
+def test_a_dual_level_without_tangents_compiles_no_new_graph():
+    """The forward-mode AD check reads torch.autograd.forward_ad's level only eagerly: traced, it read it first and
+    dynamo guarded on it, so a call inside an open dual level (no tangents) compiled the layer once more."""
+    compiled_graphs = []
+
+    def backend(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = FP8Linear(16, 16)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)  # the second compile: the first cast is made with current scaling (the state's initialized flag)
+        count = len(compiled_graphs)
+        with fwAD.dual_level():
+            compiled(x)
+        compiled(x)
+    assert len(compiled_graphs) == count
