@@ -259,25 +259,12 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
     The amax is not measured again on loading (a resumed run continues bit-identically): the one-pass scale update
     bounds the next values of the state from it, and an understated one makes the next step saturate the state.
     """
-    what, x = f"{where}'s {key!r}", dequantize(local, key)  # fp32, unscaled
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(
-            f"{what} holds inf or NaN: the run had diverged (or the file is corrupt) when it was saved; resume from an "
-            "earlier checkpoint"
-        )
-    if key == "exp_avg_sq" and bool((x < 0).any()):
-        raise ValueError(f"{what} holds negative values (a second moment is a mean of squares, >= 0): {_FIX}")
-    scale, amax = local.get(f"{key}_scale"), local.get(f"{key}_amax")
-    if scale is not None and local[key].dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
-        raise ValueError(
-            f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {local[key].dtype} state, which FP8AdamW "
-            f"stores unscaled (scale 1): {_FIX}"
-        )
-    dtype = local[key].dtype
+    dtype, scale, amax = local[key].dtype, local.get(f"{key}_scale"), local.get(f"{key}_amax")
     if amax is not None and scale is not None and dtype in SCALED_STATE_MAX:
         # FP8AdamW picks each scale so that amax * scale fits the storage; more means the values were cut at its
-        # maximum: a state saved in a wider format (fp16, E5M2) read into this optimizer's narrower one, as
-        # torch.distributed.checkpoint reads a checkpoint into the optimizer's own layout.
+        # maximum (torch 2.13) or made NaN (2.11): a state saved in a wider format (fp16, E5M2) read into this
+        # optimizer's narrower one, as torch.distributed.checkpoint reads a checkpoint into the optimizer's own layout.
+        # Checked before the values: it says why they are not finite.
         if bool((amax * scale.to(amax.device) > SCALED_STATE_MAX[dtype] * BOUND_SLACK).any()):
             raise ValueError(
                 f"{where}'s {key!r} is {dtype}, and its '{key}_amax' times '{key}_scale' is above {dtype}'s maximum "
@@ -286,6 +273,19 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
                 "FP8AdamW with the settings of the run that saved it (opt_level, low_precision_moments, exp_avg_dtype, "
                 f"...) to load it, or {_FIX}"
             )
+    what, x = f"{where}'s {key!r}", dequantize(local, key)  # fp32, unscaled
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            f"{what} holds inf or NaN: the run had diverged (or the file is corrupt) when it was saved; resume from an "
+            "earlier checkpoint"
+        )
+    if key == "exp_avg_sq" and bool((x < 0).any()):
+        raise ValueError(f"{what} holds negative values (a second moment is a mean of squares, >= 0): {_FIX}")
+    if scale is not None and local[key].dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
+        raise ValueError(
+            f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {local[key].dtype} state, which FP8AdamW "
+            f"stores unscaled (scale 1): {_FIX}"
+        )
     if amax is not None:  # per row for per-row amaxes, plus the storage's smallest normal (a subnormal's rounding)
         amax = _broadcast(amax, x)
         scale = _broadcast(scale, x) if scale is not None and dtype in SCALED_STATE_MAX else 1.0
