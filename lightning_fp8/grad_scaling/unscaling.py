@@ -142,7 +142,8 @@ def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> tor
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     for p in params:
         values = p.grad._values() if p.grad.is_sparse else p.grad
+        values = values.to_local() if hasattr(values, "to_local") else values  # a DTensor (FSDP2): this rank's shard
         values.mul_(inv_scale)
-        bad = (~torch.isfinite(values)).any().float()
+        bad = (~torch.isfinite(values)).any().float()  # the ranks agree on the sum (FP8GradScaler._agree)
         found = found.to(bad.device) + bad
     return found
