@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _build():
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lightning_fp8 import FP8AdamW, convert_to_fp8
@@ -24,9 +25,10 @@ def _build():
 
     torch.manual_seed(0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48)))
-    fully_shard(model[0])
-    fully_shard(model[2])
-    fully_shard(model)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))  # CPU also where CUDA is
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
     enable_fp8_fsdp2(model)
     return model, FP8AdamW(model.parameters(), lr=1e-2, exp_avg_dtype=torch.float16)  # gloo gathers no FP8
 

@@ -21,6 +21,7 @@ def _batch(rank):
 def _worker(rank: int, world: int, mode: str) -> dict:
     import copy
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lightning_fp8 import FP8GradScaler
@@ -28,7 +29,7 @@ def _worker(rank: int, world: int, mode: str) -> dict:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     reference = copy.deepcopy(plain)
-    model = fully_shard(plain)
+    model = fully_shard(plain, mesh=init_device_mesh("cpu", (world,)))  # CPU also where CUDA is
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = FP8GradScaler(init_scale=MU)
     scaler.scale_loss(model(_batch(rank)).square().mean()).backward()
