@@ -417,19 +417,27 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         update does nothing (so calling both ``optimizer.step()``, which updates, and ``update()`` is harmless). The
         counters are reset also when the fallback raises (the error propagates).
         """
-        unstepped = [(opt, flag) for opt, flag in list(self._unscaled.items())
+        self._update(judge_unstepped=True)
+
+    def _update(self, judge_unstepped: bool) -> None:
+        """:meth:`update`; the update run right after one optimizer's step (``FP8AdamW(grad_scaler=...).step()``, the
+        integrations) passes ``judge_unstepped=False``: another optimizer unscaled and not stepped yet keeps its
+        unscaled gradients and its check for its own step and update (judged there, and not unscaled twice)."""
+        unstepped = [(opt, flag, self._unscale_counts.get(opt)) for opt, flag in list(self._unscaled.items())
                      if not any(stepped is opt for stepped, _ in self._stepped)]  # fmt: skip
-        if not self._active and not unstepped:
+        judged, kept = (unstepped, []) if judge_unstepped else ([], unstepped)
+        if not self._active and not judged:
             return
         if not self._stepped:  # reports without a step: judge them all
             for counts in list(self._owned.values()):
                 self._window = self._window.merge(counts)
             self._owned.clear()
-        for optimizer, flag in unstepped:  # checked by unscale_, not stepped: judged as a step skipped or made
-            counts = _Counts()
-            self._record_high_precision_grads(optimizer, counts)  # unscaled: fp32 / bf16 (unscale_ refuses fp16)
-            counts.add((flag > 0).float())
-            self._window = self._window.copy().merge(counts)
+        for optimizer, flag, counts in judged:  # checked by unscale_, not stepped: judged as a step skipped or made
+            if counts is None:  # a step that raised after unscaling them: measured now
+                counts = _Counts()
+                self._record_high_precision_grads(optimizer, counts)  # unscaled: fp32 / bf16 (fp16 is refused)
+                counts.add((flag > 0).float())
+            self._window = self._window.copy().merge(counts.copy())
             self._active, self._agreed = True, None
             self._stepped.append((optimizer, self._agree(flag) > 0))
         if self._agreed is None:
@@ -443,6 +451,10 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
                 self._judge_saturation_and_headroom(decision)
         finally:
             self._reset_step_counters()
+            for optimizer, flag, counts in kept:
+                self._unscaled[optimizer] = flag
+                if counts is not None:
+                    self._unscale_counts[optimizer] = counts
 
     def __repr__(self) -> str:
         return (

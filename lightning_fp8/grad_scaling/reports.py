@@ -132,6 +132,8 @@ class _GradReports:
         self._stepped: list[tuple[torch.optim.Optimizer, bool]] = []  # (optimizer, skipped) since the last update
         # Plain optimizers whose gradients are unscaled (by unscale_ or a step that raised) -> their non-finite flag.
         self._unscaled: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor] = weakref.WeakKeyDictionary()
+        # What unscale_ measured of them (headroom, the flag): update() judges an optimizer not stepped on it.
+        self._unscale_counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Counts] = weakref.WeakKeyDictionary()
         self._agreed: dict[str, float] | None = None  # the totals of the last all-reduce, while no report came since
 
     # What every source reported since the last update (for tests and debugging: each reads the device).

@@ -37,7 +37,16 @@ class _ScalerState:
     # Pickling (Lightning's spawned processes pickle the precision plugin and its scaler): the weak collections of
     # optimizers are per-process bookkeeping that cannot be pickled; a copy starts with them empty, and every
     # optimizer's non-finite run there starts from the longest one (as after load_state_dict).
-    _WEAK = ("_owned", "_seen", "_seen_unbound", "_nonfinite_runs", "_run_order", "_optimizer_index", "_unscaled")
+    _WEAK = (
+        "_owned",
+        "_seen",
+        "_seen_unbound",
+        "_nonfinite_runs",
+        "_run_order",
+        "_optimizer_index",
+        "_unscaled",
+        "_unscale_counts",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -65,7 +74,7 @@ class _ScalerState:
         self._seen, self._seen_unbound = weakref.WeakSet(), weakref.WeakSet()
         self._nonfinite_runs, self._run_order = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
         self._optimizer_index = weakref.WeakKeyDictionary()
-        self._unscaled = weakref.WeakKeyDictionary()
+        self._unscaled, self._unscale_counts = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (loads with ``torch.load(weights_only=True)``). ``nonfinite_runs`` are the optimizers'

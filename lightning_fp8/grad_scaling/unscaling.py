@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lightning_fp8.grad_scaling.reports import _Counts
+
 
 class _Unscaling:
     """Clipping and unscaling of gradients that carry mu (see the module docstring)."""
@@ -95,7 +97,11 @@ class _Unscaling:
             )
         _refuse_fp16_grads(optimizer, "unscale_")
         # step() adds the flag to its own check: clipping may have made the gradients finite since.
-        self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale)
+        found = self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale)
+        counts = _Counts()  # for an update() without its step: measured now, before the loop may zero the gradients
+        self._record_high_precision_grads(optimizer, counts)  # unscaled: fp32 / bf16
+        counts.add((found > 0).float())
+        self._unscale_counts[optimizer] = counts
 
 
 def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:

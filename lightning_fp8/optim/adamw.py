@@ -304,7 +304,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
                 self.grad_scaler.step(self)
             finally:
                 self._fp8_in_step = False
-            self.grad_scaler.update()
+            self.grad_scaler._update(judge_unstepped=False)  # this step's update: others' unscale_ stay theirs
         else:
             self._fp8_step(1.0)
         return loss

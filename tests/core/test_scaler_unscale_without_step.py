@@ -62,3 +62,60 @@ def test_update_with_nothing_recorded_still_does_nothing():
     scaler.update()
     scaler.update()
     assert scaler.get_scale() == 8.0 and scaler.skipped_steps == 0
+
+
+def _shared_scaler_setup(poison):
+    from lightning_fp8 import FP8AdamW, convert_to_fp8
+
+    torch.manual_seed(0)
+    scaler = FP8GradScaler(init_scale=2.0**10, nonfinite_fallback="lower_lr", fallback_after=2, lr_factor=0.5)
+    fp8_model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    head = nn.Linear(16, 4)
+    fp8_opt = FP8AdamW(fp8_model.parameters(), lr=1e-3, grad_scaler=scaler)
+    sgd = torch.optim.SGD(head.parameters(), lr=1.0)
+    scaler.scale_loss(head(fp8_model(torch.randn(8, 16))).square().mean()).backward()
+    if poison:
+        head.weight.grad[0, 0] = float("inf")
+    return scaler, fp8_opt, sgd, head
+
+
+def test_another_optimizers_step_update_leaves_an_unscaled_optimizer_to_its_own_step():
+    """unscale_(sgd), then an FP8AdamW(grad_scaler=scaler).step() (which updates mu itself), then scaler.step(sgd) and
+    update(): the FP8AdamW's update judged the SGD too and forgot it was unscaled, so its step unscaled the gradients
+    a second time (the SGD stepped on g / mu), and an inf there halved mu twice and counted two failures."""
+    scaler, fp8_opt, sgd, head = _shared_scaler_setup(poison=False)
+    true_grads = [p.grad.clone() / 2.0**10 for p in head.parameters()]
+    start = [p.detach().clone() for p in head.parameters()]
+    scaler.unscale_(sgd)
+    fp8_opt.step()
+    assert scaler.step(sgd)
+    scaler.update()
+    for p, p0, g in zip(head.parameters(), start, true_grads, strict=True):
+        assert torch.allclose(p.detach(), p0 - g, rtol=1e-6, atol=1e-7)  # SGD, lr 1, on the true gradient
+
+    scaler, fp8_opt, sgd, head = _shared_scaler_setup(poison=True)
+    scaler.unscale_(sgd)
+    fp8_opt.step()
+    assert not scaler.step(sgd)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9 and scaler.skipped_steps == 1
+    assert sgd.param_groups[0]["lr"] == 1.0  # one failure: the fallback waits for two
+
+
+def test_growth_counts_a_finite_unscale_even_when_the_loop_zeroes_the_gradients_before_update():
+    scales = {}
+    for scaler in (FP8GradScaler(init_scale=2.0**10, growth_interval=2),
+                   torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)):  # fmt: skip
+        model, opt = _pair()
+        scales[scaler] = []
+        for i in range(6):
+            loss = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(i))).sum()
+            (scaler.scale(loss) if isinstance(scaler, torch.amp.GradScaler) else scaler.scale_loss(loss)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()  # the loop steps the unscaled gradients itself
+            opt.zero_grad()
+            scaler.update()
+            scales[scaler].append(float(scaler.get_scale()))
+    first, second = scales.values()
+    assert first == second == [1024.0, 2048.0, 2048.0, 4096.0, 4096.0, 8192.0], scales

@@ -169,7 +169,7 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         if not self.gradient_state.sync_gradients:
             return
         stepped = bool(self.grad_scaler.step(self.optimizer))
-        self.grad_scaler.update()
+        self.grad_scaler._update(judge_unstepped=False)  # this step's: another optimizer's unscale_ stays its own
         # What the LR schedulers watch (torch's wrapper of optimizer.step sets it), also when the scaler skipped the
         # step and on the optimizers it replaced, whose schedulers drive this one (take_over).
         for optimizer in (self.optimizer, *self.replaced):

@@ -63,7 +63,7 @@ class _PrecisionStep:
             optimizer.step()  # FP8AdamW routes through the scaler: skip or step (unscaling in its kernel), update mu
         else:
             self.grad_scaler.step(optimizer)  # skips on a non-finite gradient (agreed on all ranks)
-            self.grad_scaler.update()
+            self.grad_scaler._update(judge_unstepped=False)  # this step's: another's unscale_ stays its own
         return closure_result
 
     @contextlib.contextmanager
