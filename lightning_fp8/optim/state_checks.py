@@ -248,7 +248,10 @@ def _check_scalar(what: str, value: Any, local: Any, state: torch.Tensor, p: tor
         bad = ~torch.isfinite(local) | (local < 0)
         wanted = "finite and >= 0"
     if bool(bad.any()):
-        raise ValueError(f"{what} has the value {local[bad].reshape(-1)[0].item()}, not {wanted}: {_FIX}")
+        why = _FIX
+        if not is_scale and not bool(torch.isfinite(local).all()):  # a step's non-finite state records its amax so
+            why = f"the run had diverged when it was saved (resume from an earlier checkpoint), or {_FIX}"
+        raise ValueError(f"{what} has the value {local[bad].reshape(-1)[0].item()}, not {wanted}: {why}")
 
 
 def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
@@ -281,9 +284,9 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
         )
     if key == "exp_avg_sq" and bool((x < 0).any()):
         raise ValueError(f"{what} holds negative values (a second moment is a mean of squares, >= 0): {_FIX}")
-    if scale is not None and local[key].dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
+    if scale is not None and dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
         raise ValueError(
-            f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {local[key].dtype} state, which FP8AdamW "
+            f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {dtype} state, which FP8AdamW "
             f"stores unscaled (scale 1): {_FIX}"
         )
     if amax is not None:  # per row for per-row amaxes, plus the storage's smallest normal (a subnormal's rounding)

@@ -72,7 +72,9 @@ CORRUPTIONS = {
     "scale_per_rank": (2, lambda s: s.update(master_scale=_per_rank(s["master_scale"])), "one number per rank"),
     "moment_scale_per_rank": (0, lambda s: s.update(exp_avg_scale=_per_rank(s["exp_avg_scale"])), "as many ranks"),
     "amax_shape": (2, lambda s: s.update(exp_avg_sq_amax=torch.ones(3)), r"has shape \(3,\)"),
-    "amax_nan": (2, lambda s: s.update(exp_avg_amax=torch.tensor(float("nan"))), "not finite and >= 0"),
+    # A state a non-finite step wrote records a non-finite amax: the message says the run had diverged.
+    "amax_nan": (2, lambda s: s.update(exp_avg_amax=torch.tensor(float("nan"))), "not finite and >= 0: the run had di"),
+    "amax_negative": (2, lambda s: s.update(exp_avg_amax=torch.tensor(-1.0)), r">= 0: the checkpoint is"),
     "master_int": (2, lambda s: s.update(master=s["master"].to(torch.int16)), "not a floating-point tensor"),
     "transposed": (2, lambda s: s.update(exp_avg_sq=s["exp_avg_sq"].t().contiguous()), r"has shape \(64, 48\)"),
     "moment_missing": (2, lambda s: s.pop("exp_avg_sq"), r"without \['exp_avg_sq'\]"),
