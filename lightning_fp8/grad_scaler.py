@@ -434,9 +434,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             self._owned.clear()
         for optimizer, flag, counts in judged:  # checked by unscale_, not stepped: judged as a step skipped or made
             if counts is None:  # a step that raised after unscaling them: measured now
-                counts = _Counts()
-                self._record_high_precision_grads(optimizer, counts)  # unscaled: fp32 / bf16 (fp16 is refused)
-                counts.add((flag > 0).float())
+                counts = self._unscaled_counts(optimizer, flag)
             self._window = self._window.copy().merge(counts.copy())
             self._active, self._agreed = True, None
             self._stepped.append((optimizer, self._agree(flag) > 0))

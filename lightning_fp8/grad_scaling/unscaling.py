@@ -98,10 +98,16 @@ class _Unscaling:
         _refuse_fp16_grads(optimizer, "unscale_")
         # step() adds the flag to its own check: clipping may have made the gradients finite since.
         found = self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale)
-        counts = _Counts()  # for an update() without its step: measured now, before the loop may zero the gradients
-        self._record_high_precision_grads(optimizer, counts)  # unscaled: fp32 / bf16
+        # For an update() without its step: measured now, before the loop may zero the gradients.
+        self._unscale_counts[optimizer] = self._unscaled_counts(optimizer, found)
+
+    def _unscaled_counts(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> _Counts:
+        """What an update judges of ``optimizer`` unscaled and not stepped: the headroom of its unscaled gradients
+        (fp32 / bf16: fp16 ones are refused) and its non-finite flag ``found``."""
+        counts = _Counts()
+        self._record_high_precision_grads(optimizer, counts)
         counts.add((found > 0).float())
-        self._unscale_counts[optimizer] = counts
+        return counts
 
 
 def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:
