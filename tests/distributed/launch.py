@@ -45,6 +45,14 @@ def part_results(results: list[dict], name: str) -> list:
     return [reports[name][1] for reports in results]
 
 
+def cpu_mesh():
+    """A 1-D CPU device mesh over every rank: ``fully_shard``'s default mesh is CUDA wherever CUDA is, which these gloo
+    workers cannot use on a GPU machine."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import tolerances as tol
+from tests.distributed.launch import cpu_mesh
 from tests.numerics import sqnr
 
 STEPS = 50
@@ -36,8 +37,8 @@ def _shard(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in (model[0], model[3]):
-        fully_shard(layer)
-    fully_shard(model)  # the root group: LayerNorm and the head
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())  # the root group: LayerNorm and the head
     return model
 
 

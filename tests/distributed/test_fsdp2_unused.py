@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed.launch import part_results, run_parts, run_workers
+from tests.distributed.launch import cpu_mesh, part_results, run_parts, run_workers
 from tests.distributed.tolerances import REDUCE_SCATTER_E5M2_SQNR_DB
 from tests.numerics import sqnr
 
@@ -51,7 +51,7 @@ def _case(rank: int, fp8_weights_only: bool, reduce_unused: bool) -> dict:
     # Fresh data per rank, of different magnitudes: a block scale shared by small and large gradients would show.
     x = torch.randn(TOKENS, D_IN, generator=torch.Generator().manual_seed(rank)) * 10.0**rank
     ref(x).pow(2).mean().backward()
-    fully_shard(model)  # one unit: FP8Linear weights, biases, the norm and the unused layer
+    fully_shard(model, mesh=cpu_mesh())  # one unit: FP8Linear weights, biases, the norm and the unused layer
     if reduce_unused:
         if not hasattr(model, "set_reduce_scatter_unused_params"):
             return {"skip": f"torch {torch.__version__}'s FSDP2 has no set_reduce_scatter_unused_params"}

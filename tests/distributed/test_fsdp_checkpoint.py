@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed.launch import run_workers
+from tests.distributed.launch import cpu_mesh, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +43,9 @@ def _build(config: str, sharded: bool = True) -> tuple[nn.Module, torch.optim.Op
     torch.manual_seed(0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 48)))
     if sharded:
-        fully_shard(model[0])
-        fully_shard(model[3])
-        fully_shard(model)
+        fully_shard(model[0], mesh=cpu_mesh())
+        fully_shard(model[3], mesh=cpu_mesh())
+        fully_shard(model, mesh=cpu_mesh())
         enable_fp8_fsdp2(model)
     return model, FP8AdamW(model.parameters(), lr=LR, **CONFIGS[config])
 

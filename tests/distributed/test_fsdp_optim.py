@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.distributed.launch import cpu_mesh
+
 pytest.importorskip("lightning_fp8.optim", reason="FP8AdamW (lightning_fp8/optim) is not in this tree")
 
 
@@ -39,9 +41,9 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _fsdp2(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model[0])
-    fully_shard(model[3])
-    return fully_shard(model)
+    fully_shard(model[0], mesh=cpu_mesh())
+    fully_shard(model[3], mesh=cpu_mesh())
+    return fully_shard(model, mesh=cpu_mesh())
 
 
 def _fsdp1(model: nn.Module, use_orig_params: bool) -> nn.Module:
@@ -178,8 +180,8 @@ def _fsdp2_o2_tied_dcp_round_trip(rank: int, directory: str, moments: str = "fp8
     def build():
         torch.manual_seed(0)
         model = convert_to_fp8(_TiedLM())
-        fully_shard(model.block)
-        fully_shard(model)
+        fully_shard(model.block, mesh=cpu_mesh())
+        fully_shard(model, mesh=cpu_mesh())
         opt = FP8AdamW(model.parameters(), lr=3e-3, fp8_params=_fp8_weights(model), low_precision_moments=moments)
         return model, opt
 
@@ -289,7 +291,7 @@ def _fsdp2_full_state_into_shards(rank: int) -> dict:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 1, bias=False))
         if shard:
-            fully_shard(model)
+            fully_shard(model, mesh=cpu_mesh())
         return model, FP8AdamW(model.parameters(), lr=1e-2)
 
     def step(model: nn.Module, opt: FP8AdamW) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_fp8.distributed import FP8CommState
 from tests.distributed import tolerances as tol
-from tests.distributed.launch import part_results, run_parts
+from tests.distributed.launch import cpu_mesh, part_results, run_parts
 from tests.numerics import sqnr
 
 
@@ -91,9 +91,9 @@ def _fp8_model(shard: bool) -> nn.Module:
     torch.manual_seed(0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
     if shard:
-        fully_shard(model[0])
-        fully_shard(model[2])
-        fully_shard(model)
+        fully_shard(model[0], mesh=cpu_mesh())
+        fully_shard(model[2], mesh=cpu_mesh())
+        fully_shard(model, mesh=cpu_mesh())
     return model
 
 
@@ -135,7 +135,7 @@ def _fp8_params_before_fully_shard() -> str:
     model = _fp8_model(shard=False)
     before_shard = [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
     for layer in (model[0], model[2], model):  # the same model, sharded after its weights were collected
-        fully_shard(layer)
+        fully_shard(layer, mesh=cpu_mesh())
     return _error(lambda: enable_fp8_fsdp2(model, FP8CommState(fp8_params=before_shard)))
 
 
