@@ -118,6 +118,7 @@ class FP8ColwiseParallel(_FP8Style, ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
+        _check_not_parallel(module, "FP8ColwiseParallel")
         _check_shard(module, module.out_features, device_mesh.size(), "FP8ColwiseParallel", "output")
         module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm)
         _parallelize(
@@ -150,6 +151,7 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
+        _check_not_parallel(module, "FP8RowwiseParallel")
         # The input features per rank are the N of both backward GEMMs (dgrad's output, wgrad's columns).
         _check_shard(module, module.in_features, device_mesh.size(), "FP8RowwiseParallel", "input")
         module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm, output_layout=self.output_layouts[0])
@@ -163,6 +165,16 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
             use_local_output=self.use_local_output,
         )
         return module
+
+
+def _check_not_parallel(module: FP8Linear, style: str) -> None:
+    """Raise ValueError if ``module`` is parallelized already: a second style would add its layout hooks to the
+    first's (every later forward then fails on the first hook's local output)."""
+    if isinstance(module.weight, DTensor):
+        raise ValueError(
+            f"{style}: this FP8Linear is parallelized already (its weight is a DTensor with placements "
+            f"{tuple(module.weight.placements)}); apply one parallel style per layer, once, to the unsharded model"
+        )
 
 
 def _check_shard(module: FP8Linear, features: int, world: int, style: str, kind: str) -> None:
@@ -365,7 +377,7 @@ def apply_fp8_tensor_parallel(
         ``module``, parallelized in place.
 
     Raises:
-        ValueError: a mesh that is not 1-D, an unknown plan, or no block matching it.
+        ValueError: a mesh that is not 1-D, an unknown plan, no block matching it, or a model parallelized already.
         TypeError: a plan whose ``colwise`` or ``rowwise`` entries name something other than ``nn.Linear`` or
             ``nn.Embedding`` in every submodule that has all its names.
     """
@@ -379,6 +391,12 @@ def apply_fp8_tensor_parallel(
             style = _style(role, sequence_parallel, seq_dim, fp8_comm)
             if style is not None:
                 styles[f"{block}.{name}" if block else name] = style
+    for name in styles:  # before any layer changes: a second application would stack the styles' hooks
+        if isinstance(getattr(module.get_submodule(name), "weight", None), DTensor):
+            raise ValueError(
+                f"apply_fp8_tensor_parallel: {name!r} is parallelized already (its weight is a DTensor); apply it "
+                "once, to the unsharded model"
+            )
     parallelize_module(module, tp_mesh, styles)
     if sequence_parallel:
         _split_sequence_before(module.get_submodule(blocks[0]), tp_mesh, seq_dim)

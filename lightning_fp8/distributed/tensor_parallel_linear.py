@@ -230,7 +230,7 @@ class TPLinearFn(torch.autograd.Function):
         b = None if bias is None else bias.to(out_dtype)
         fused = b if comm.kind == "colwise" else None
         y = ops.linear_forward_mm(x_fp8, w_fp8, x_scale_inv, w_scale_inv, out_dtype, bias=fused)
-        y = y.reshape(*lead_shape, -1)
+        y = y.reshape(*lead_shape, y.shape[-1])  # an explicit width: -1 is ambiguous with no tokens
         # rowwise: partial sums over the input-feature shards; the bias is added once, after the reduction (with a
         # feature-sharded output, this rank's slice of it)
         if comm.kind == "rowwise":
@@ -284,7 +284,7 @@ class TPLinearFn(torch.autograd.Function):
         dx = dw = None
         if need_dgrad:  # dgrad: (M, N) @ (N, K), w as column-major = w_fp8_t^T
             dx = ops.scaled_mm(dy_fp8, w_fp8_t.t(), dy_scale_inv, w_scale_inv, ctx.dtypes[0])
-            dx = dx.reshape(*ctx.lead_shape, -1)
+            dx = dx.reshape(*ctx.lead_shape, dx.shape[-1])
             if comm.kind == "colwise":  # partial sums over the output-feature shards
                 if comm.dim is None:
                     dist.all_reduce(dx, group=group)

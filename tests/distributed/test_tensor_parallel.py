@@ -147,7 +147,8 @@ def _gather_all(t: torch.Tensor) -> list[torch.Tensor]:
 def _two_rank_worker(rank: int, world: int, checkpoint_dir: str) -> dict:
     parts: dict[str, Callable[[], object]] = {f"parity:{case}": partial(_parity, case) for case in PARITY_CASES}
     parts |= {"bytes": _bytes, "checkpoint": partial(_checkpoint, checkpoint_dir), "amax_sync": _amax_sync,
-              "uneven_sequence": _uneven_sequence, "zero_shard": _zero_shard}  # fmt: skip
+              "uneven_sequence": _uneven_sequence, "zero_shard": _zero_shard, "no_tokens": _no_tokens,
+              "applied_twice": _applied_twice}  # fmt: skip
     parts |= {f"rowwise_feature_shard:{case}": partial(_rowwise_feature_shard, case) for case in FEATURE_SHARD_CASES}
     parts["torch_colwise_o2"] = _torch_colwise_o2
     return run_parts(parts)
@@ -510,6 +511,83 @@ def test_ranks_decide_the_first_casts_alike_when_one_ranks_shard_is_zero(two_ran
     reports = part_results(two_ranks, "zero_shard")
     assert reports[0]["flags"] == reports[1]["flags"]
     assert all(all(step.values()) for step in reports[0]["flags"])
+
+
+def _no_tokens() -> dict:
+    """Each style's FP8Linear, and a sequence-parallel block, on inputs without tokens, then on a normal input."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_fp8 import FP8Linear
+    from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel
+
+    rank, out = dist.get_rank(), {}
+    for name, style in (("colwise", FP8ColwiseParallel()), ("rowwise", FP8RowwiseParallel())):
+        torch.manual_seed(0)
+        layer = FP8Linear(32, 64, recipe="fp8-lm-current")
+        ref = copy.deepcopy(layer)
+        parallelize_module(layer, _tp_mesh(), style)
+        for shape in ((0, 32), (2, 0, 32)):
+            x = torch.randn(shape, requires_grad=True)
+            x_in = x if name == "colwise" else x.chunk(WORLD, -1)[rank].detach().requires_grad_()
+            y = layer(x_in)
+            y.sum().backward()
+            out[f"{name}{shape}"] = (tuple(y.shape), tuple(x_in.grad.shape), layer.weight.grad.to_local().abs().max())
+            layer.zero_grad()
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+        x_in = x if name == "colwise" else x.chunk(WORLD, -1)[rank]
+        y_full = torch.cat(_gather_all(layer(x_in)), -1) if name == "colwise" else layer(x_in)
+        out[f"{name}_after"] = (y_full - ref(x)).abs().max()
+    from torch.distributed.tensor import Shard
+
+    pair = nn.Sequential(FP8Linear(32, 64), FP8Linear(64, 32))  # sequence parallel: tokens sharded on dim 1
+    plan = {"0": FP8ColwiseParallel(input_layouts=Shard(1)), "1": FP8RowwiseParallel(output_layouts=Shard(1))}
+    parallelize_module(pair, _tp_mesh(), plan)
+    x = torch.randn(0, 4, 32, requires_grad=True)  # no sequences: this rank's 4 of 8 positions
+    pair(x).sum().backward()
+    out["sequence_parallel"] = tuple(x.grad.shape)
+    return out
+
+
+def test_no_tokens_give_empty_outputs_and_gradients(two_ranks):
+    """As one FP8Linear: an input without tokens gives an empty output and input gradient and a zero weight gradient
+    (the reshapes back to the input's leading shape took -1, which no tokens leave undetermined), and the layer
+    then runs as before."""
+    for report in part_results(two_ranks, "no_tokens"):
+        for name, width in (("colwise", 32), ("rowwise", 64)):
+            assert report[f"{name}(0, 32)"] == ((0, width), (0, 32 // (1 if name == "colwise" else WORLD)), 0)
+            assert report[f"{name}(2, 0, 32)"][:2] == ((2, 0, width), (2, 0, 32 // (1 if name == "colwise" else 2)))
+            assert report[f"{name}_after"] == 0
+        assert report["sequence_parallel"] == (0, 4, 32)
+
+
+def _applied_twice() -> dict:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_fp8 import FP8Linear
+    from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel, apply_fp8_tensor_parallel
+
+    def second(model: nn.Module, apply: Callable[[], object], x: torch.Tensor) -> str:
+        try:
+            apply()
+        except ValueError as e:
+            model(x).sum().backward()  # the first application still works
+            return str(e)
+        return "no error"
+
+    layer = parallelize_module(FP8Linear(32, 64), _tp_mesh(), FP8ColwiseParallel())
+    block, _, _ = _block_and_references()
+    apply_fp8_tensor_parallel(block, _tp_mesh(), plan="gpt", sequence_parallel=False)  # FP8 layers only
+    restyle = partial(parallelize_module, layer, _tp_mesh(), FP8ColwiseParallel())
+    again = partial(apply_fp8_tensor_parallel, block, _tp_mesh(), plan="gpt", sequence_parallel=False)
+    return {"style": second(layer, restyle, torch.randn(4, 32)), "plan": second(block, again, torch.randn(BATCH, 8, D))}
+
+
+def test_a_second_parallel_style_on_a_layer_is_refused(two_ranks):
+    """A style applied to a parallelized layer added its layout hooks to the first's; every later forward then failed
+    with an AttributeError on the first hook's local output."""
+    for report in part_results(two_ranks, "applied_twice"):
+        assert "FP8ColwiseParallel: this FP8Linear is parallelized already" in report["style"], report
+        assert report["plan"].startswith("apply_fp8_tensor_parallel: 'attn.qkv' is parallelized already"), report
 
 
 # ----------------------------------------------------------------- a row-parallel output sharded on its features
