@@ -63,6 +63,8 @@ _REGION_CALLS: weakref.WeakKeyDictionary[Callable, list[ForwardCall]] = weakref.
 # A recompute that cannot be matched to its forward: no kept scales (replay_scales only saves the buffers), its input
 # casts use their own amax (cast_current).
 _OWN_AMAX = ForwardCall()
+# Written by every traced forward of an FP8 layer (forward_call): see there.
+_TRACED_FORWARDS = [False]
 
 
 def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
@@ -73,6 +75,11 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     ``(None, False)`` for a reentrant recompute, under no_grad elsewhere and when traced (torch.compile recomputes
     inside its own graphs)."""
     if torch.compiler.is_compiling():
+        # A Python side effect on purpose: dynamo traces a checkpointed region only where its body has none, and
+        # traced, the backward's recompute of the input cast would read the delayed scale that the forward has moved
+        # since (AOT recomputes from the buffer, not from the value the forward read). So the region runs eagerly,
+        # under the rule above; outside regions the store costs one Python assignment after the graph.
+        _TRACED_FORWARDS[0] = True
         return None, False
     region, unpack_hook = _checkpoint_region()
     grad = torch.is_grad_enabled()
