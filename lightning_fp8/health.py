@@ -44,6 +44,9 @@ from lightning_fp8.monitoring.events import (
 from lightning_fp8.monitoring.measures import global_norm, memory_gib
 from lightning_fp8.monitoring.state import _checked_state
 
+# What record_nonfinite records: a loss (a "nonfinite_loss" event) or a gradient ("nonfinite_grad").
+_NONFINITE_SOURCES = ("loss", "grad", "grad_norm")
+
 # The public API, documented with this module (docs/api/stats.md); the parts live in lightning_fp8.monitoring.
 __all__ = [
     "ACTIONS",
@@ -193,9 +196,13 @@ class HealthMonitor:
         """Record a non-finite ``source`` (``"loss"`` or ``"grad_norm"``/``"grad"``) and the recovery ``action``.
 
         Raises:
-            ValueError: for an unknown ``action`` (one of ``none``, ``skip_step``, ``lower_mu``, ``lower_lr``,
-                ``fallback_bf16``, or several joined by ``+``).
+            ValueError: for an unknown ``source`` or ``action`` (one of ``none``, ``skip_step``, ``lower_mu``,
+                ``lower_lr``, ``fallback_bf16``, or several joined by ``+``).
         """
+        if source not in _NONFINITE_SOURCES:
+            raise ValueError(f"record_nonfinite(source={source!r}): must be one of {list(_NONFINITE_SOURCES)}")
+        if not isinstance(action, str):
+            raise ValueError(f"record_nonfinite(action={action!r}): pass a string, e.g. 'skip_step' or 'lower_mu'")
         for part in action.split("+"):
             if part not in ACTIONS:
                 raise ValueError(f"record_nonfinite(action={action!r}): each part must be one of {list(ACTIONS)}")

@@ -208,12 +208,13 @@ def _check_grad_scaler(grad_scaler: Any) -> None:
 
 
 def _scaler_handles(grad_scaler: Any, batch: _HostBatch) -> tuple[dict[str, Any], dict[str, Any]]:
-    handles: dict[str, Any] = {"scale": batch.add(torch.as_tensor(grad_scaler.scale))}
+    # a one-element tensor of any shape is one number (mu, a counter), as a 0-dim one is
+    handles: dict[str, Any] = {"scale": batch.add(torch.as_tensor(grad_scaler.scale).reshape(()))}
     plain: dict[str, Any] = {}
     for field in _SCALER_FIELDS:
         value = getattr(grad_scaler, field, None)
         if isinstance(value, torch.Tensor):
-            handles[field] = batch.add(value)
+            handles[field] = batch.add(value.reshape(()) if value.numel() == 1 else value)
         elif value is not None:
             plain[field] = value
     return handles, plain

@@ -6,7 +6,10 @@ A frozen, keyword-only dataclass, checked when it is built, so that a monitor ne
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+from lightning_fp8.recipe import as_count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +49,12 @@ class HealthConfig:
     def __post_init__(self) -> None:
         minimum = {"window": 2, "warmup_steps": 0, "plateau_window": 2, "spike_patience": 1}
         for name, low in minimum.items():
-            value = getattr(self, name)
+            value = as_count(getattr(self, name))  # a NumPy integer (a config read with NumPy) as an int
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low}")
+            object.__setattr__(self, name, value)
         for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
                 raise ValueError(f"HealthConfig({name}={value!r}) must be a non-negative number")
+            object.__setattr__(self, name, float(value))

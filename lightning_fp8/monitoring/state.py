@@ -62,6 +62,12 @@ def _checked_state(state: Any) -> dict[str, Any]:
     for key in _WINDOWS:
         values = _as_list(state.get(key, []), repr(key))
         out[key] = [_number(v, f"an entry of {key!r}", finite=True) for v in values]
+    if len(out["plateau_loss"]) != len(out["plateau_grad"]):  # one entry of each per step: the plateau test pairs them
+        raise _state_error(
+            ValueError,
+            f"'plateau_loss' has {len(out['plateau_loss'])} entries but 'plateau_grad' {len(out['plateau_grad'])}, "
+            "expected one of each per step",
+        )
     return out
 
 

@@ -195,6 +195,29 @@ def test_nonfinite_values_and_recovery_actions():
         monitor.record_nonfinite(5, "grad", "reboot")
 
 
+@pytest.mark.parametrize(("source", "action", "words"), [
+    ("los", "skip_step", "source='los'"),  # was recorded as a non-finite gradient
+    ("weights", "skip_step", "source='weights'"),
+    ("grad", None, "action=None"),  # was an AttributeError from None.split
+])  # fmt: skip
+def test_record_nonfinite_refuses_an_unknown_source_or_a_non_string_action(source, action, words):
+    monitor = HealthMonitor()
+    with pytest.raises(ValueError, match="record_nonfinite") as info:
+        monitor.record_nonfinite(1, source, action)
+    assert words in str(info.value) and monitor.events == []
+    assert monitor.record_nonfinite(1, "grad_norm", "skip_step").kind == "nonfinite_grad"
+
+
+def test_config_takes_numpy_numbers_as_a_recipe_does():
+    import numpy as np
+
+    config = HealthConfig(window=np.int64(5), plateau_window=np.int32(8), spike_zscore=np.float32(2.5))
+    assert (config.window, config.plateau_window, config.spike_zscore) == (5, 8, 2.5)
+    assert type(config.window) is int and type(config.spike_zscore) is float  # plain numbers in a saved state
+    with pytest.raises(ValueError, match="window"):
+        HealthConfig(window=np.int64(1))
+
+
 def test_throughput_and_series():
     monitor = HealthMonitor()
     monitor.observe(1, loss=2.5, samples=24, tokens=24 * 37, seconds=0.5, memory_gib=1.25, param_norm=3.0)
@@ -318,6 +341,7 @@ def test_memory_and_config_validation():
     ("series", {"loss": [[1, 2.0, 3]]}, TypeError),
     ("series", {"lost": []}, ValueError),
     ("plateau_grad", None, KeyError),  # None: the entry is missing
+    ("plateau_grad", [1.0, 2.0], ValueError),  # 3 losses, 2 norms: the plateau test pairs them by step
 ])  # fmt: skip
 def test_load_state_dict_refuses_a_bad_entry_and_changes_nothing(entry, value, error):
     # It checked nothing: some bad values loaded, others raised after `series` had been replaced.

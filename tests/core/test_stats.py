@@ -94,6 +94,20 @@ def test_grad_scaler_stats():
     assert stats == {"scale": 1024.0, "skipped_steps": 3, "last_saturation": 2e-6, "nonfinite_events": 1}
 
 
+def test_one_element_tensors_of_any_shape_are_numbers():
+    """mu may be any one-element tensor (documented): one of shape (1,) came back as a list, which the Lightning
+    scale monitor then failed to log and the Accelerate log values dropped."""
+
+    class Scaler:
+        scale = torch.tensor([1024.0])
+        skipped_steps = torch.tensor([[3]])
+        nonfinite_events = torch.tensor(1)
+
+    stats = fp8_stats(_trained(1), grad_scaler=Scaler())["grad_scaler"]
+    assert stats == {"scale": 1024.0, "skipped_steps": 3, "nonfinite_events": 1}
+    assert all(type(v) in (int, float) for v in stats.values())
+
+
 def test_an_fp8_grad_scaler_is_read():
     stats = fp8_stats(_trained(1), grad_scaler=FP8GradScaler(init_scale=2.0**10))["grad_scaler"]
     assert stats == {"scale": 1024.0, "skipped_steps": 0, "last_saturation": 0.0, "nonfinite_events": 0}
