@@ -281,7 +281,9 @@ class ScalingState(nn.Module):
         yet, a cast uses the tensor's own amax); current scaling computes this tensor's amax first.
 
         Args:
-            x: the high-precision tensor (2-D when ``transpose``).
+            x: the high-precision tensor (2-D when ``transpose``). The cast computes ``x.float() * scale``: a
+                float64 ``x`` is rounded to fp32 first (a value within fp32 rounding of an FP8 midpoint can round
+                the other way than from its float64 value).
             transpose: also return the transposed FP8 copy.
             current: force (True) or forbid (False) computing this tensor's amax first. ``None`` decides
                 from :meth:`needs_current_scale` and marks the state initialized when the cast's amax is finite and
