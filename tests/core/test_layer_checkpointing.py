@@ -219,16 +219,18 @@ def test_compiled_checkpointed_model_equals_the_model_without_checkpointing():
     _train(model, ref, lambda m, x, ckpt: compiled(x) if ckpt else m(x))
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=XFAIL_TORCH_211_CPU_COMPILE), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("outside", [False, True], ids=["region_only", "layer_outside"])
-def test_compiled_checkpointed_region_stays_eager_after_a_recompile(kind, outside):
+def test_compiled_checkpointed_region_stays_eager_after_a_recompile(kind, outside, device):
     """A recompile (a new batch size) made dynamo trace the region: it had run it eagerly only because its body
     flipped the scaling states' first-cast flags, which no longer happens after the first step. Traced, the backward
     recomputed the input cast from the delayed scale the forward had moved since: weight gradients 6-43% off the
     unchecked run's. With an FP8 layer outside the region the first recompile came with its first delayed cast."""
     torch._dynamo.reset()
-    model = _model(kind)
+    model = _model(kind, device)
     ref = copy.deepcopy(model)
     region = model[1:] if outside else model
     compiled = torch.compile(lambda x: _ckpt(region, model[0](x) if outside else x), backend="aot_eager")
