@@ -94,8 +94,10 @@ def install_comm_hooks(model: nn.Module, grad_scaler: Any, recipe: FP8Recipe) ->
         model.register_comm_hook(state, fp8_allreduce_hook)
         return "ddp", state
     if is_fsdp1_root(model):
-        from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp1
+        from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp1, fp8_reduce_scatter_hook
 
+        if getattr(model, "_comm_hook", None) is fp8_reduce_scatter_hook:  # a fit's wrapper, reused by a later stage
+            return "fsdp1", model._comm_hook_state
         return "fsdp1", enable_fp8_fsdp1(model, comm_state(FP8CommState, model, grad_scaler, recipe))
     if fsdp2_modules(model):
         from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp2

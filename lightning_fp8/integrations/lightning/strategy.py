@@ -75,8 +75,28 @@ class _FP8FSDPStrategyLogic:
 
     @override
     def _setup_model(self, model: Any) -> Any:
-        if self.root_device.type != "cpu":
-            return super()._setup_model(model)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = self.__dict__.get("_fp8_root")
+        if root is not None and root.module is model:
+            # validate/test/predict after fit in the same Trainer: the fit's root wrapper. FSDPStrategy would wrap
+            # nothing (the units inside are FSDP already) and run the module bare, whose parameters outside the units
+            # are this rank's shard views.
+            return root
+        _check_not_sharded_by_another(model)
+        wrapped = super()._setup_model(model) if self.root_device.type != "cpu" else self._setup_model_on_cpu(model)
+        if isinstance(wrapped, FullyShardedDataParallel):
+            self._fp8_root = wrapped
+        return wrapped
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            _settle_after_manual_backward(self.model)
+        return out
+
+    def _setup_model_on_cpu(self, model: Any) -> Any:
         # FSDP1 only runs on CPU (gloo: tests, CI) when told device_id=cpu, which Lightning derives from
         # root_device.index (None on CPU); the rest is what FSDPStrategy._setup_model does.
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -180,6 +200,37 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
 
         trainer = L.Trainer(strategy=FP8FSDPStrategy(auto_wrap_policy={Block}), devices=8)
     """
+
+
+def _check_not_sharded_by_another(model: Any) -> None:
+    """Raise ValueError for a module whose FSDP units an earlier Trainer's fit made (a root wrapper gone with it): its
+    parameters outside those units are that fit's shard views of this rank, which no new wrapper can gather."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    inside = {id(p) for unit in units for p in unit.parameters()}
+    outside = [name for name, p in model.named_parameters() if id(p) not in inside]
+    if units and outside:
+        raise ValueError(
+            f"strategy='{STRATEGY_NAME}': this module was sharded by another Trainer's fit: its parameters outside "
+            f"the auto_wrap_policy units ({outside[:3]}{' ...' if len(outside) > 3 else ''}) hold only this rank's "
+            "shard. Validate, test or predict with the Trainer that ran fit, or load the checkpoint into a new module "
+            "(trainer.test(NewModule(), ckpt_path=...) or LitModule.load_from_checkpoint(...))"
+        )
+
+
+def _settle_after_manual_backward(root: Any) -> None:
+    """Put FSDP1's units back in their idle state after a manual-optimization step. Its backward ran inside the root's
+    forward, where FSDP1 queues no end-of-backward callback: the units' post-backward hooks reduced and resharded
+    their gradients, but their states stayed "after backward" (the next forward resets them), and FSDP's
+    state_dict (a checkpoint after such a step) refused them ("Expects the handle training to be IDLE")."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in FullyShardedDataParallel.fsdp_modules(root):
+        handle = getattr(unit, "_handle", None)
+        if handle is not None and handle._training_state.name == "BACKWARD_POST":
+            handle._training_state = type(handle._training_state).IDLE
+            unit.training_state = type(unit.training_state).IDLE
 
 
 def check_optimizer_states(states: list[Any], strategy: Any, path: str | None = None) -> None:
