@@ -93,13 +93,17 @@ def _block_table(numels: tuple[int, ...], chunk: int, device: torch.device) -> t
     return torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32).to(device)
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies) -> list[int]:
-    """Validate the lists (one pass each: this runs every step, per tensor); returns the element counts."""
+def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies, grad_scale_invs=None,
+           grad_amaxes=None) -> list[int]:  # fmt: skip
+    """Validate the lists (one pass each: this runs every step, per tensor); returns the element counts. The kernel
+    reads and writes every tensor by its address: a size or dtype it does not expect would reach other memory."""
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if param_copies is not None:
+        lists["param_copies"] = param_copies
     for name, tensors in lists.items():
         if len(tensors) != len(params):
             raise ValueError(f"adamw_step: {name} has {len(tensors)} tensors but params has {len(params)}")
-    for name, tensors in {"params": params, **lists, "param_copies": param_copies or []}.items():
+    for name, tensors in {"params": params, **lists}.items():
         dtype = tensors[0].dtype if tensors else None
         if not all([t.dtype == dtype and t.is_contiguous() for t in tensors]):
             raise ValueError(f"adamw_step: the tensors of {name} must be contiguous and share one dtype")
@@ -111,6 +115,18 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies) -
             raise ValueError(f"adamw_step: tensor {i} has states whose sizes differ from its param ({numels[i]})")
     if (scales is None) != (amaxes is None):
         raise ValueError("adamw_step: pass scales and amaxes together (both or neither)")
+    triples = {"scales": scales, "amaxes": amaxes}
+    for name, states in triples.items():
+        if states is not None and (len(states) != len(params) or not all([len(t) == 3 for t in states])):
+            raise ValueError(f"adamw_step: {name} must hold one tuple of 3 tensors per param ({len(params)})")
+    singles = {"grad_scale_invs": grad_scale_invs, "grad_amaxes": grad_amaxes}
+    for name, tensors in singles.items():
+        if tensors is not None and len(tensors) != len(params):
+            raise ValueError(f"adamw_step: {name} has {len(tensors)} tensors but params has {len(params)}")
+    scalars = [t for ts in (scales, amaxes) if ts is not None for triple in ts for t in triple]
+    scalars += [t for ts in singles.values() if ts is not None for t in ts]
+    if not all([t.dtype == torch.float32 and t.numel() == 1 for t in scalars]):
+        raise ValueError("adamw_step: scales, amaxes, grad_scale_invs and grad_amaxes must be one-element fp32 tensors")
     return numels
 
 
@@ -184,7 +200,7 @@ def adamw_step(
         ValueError: for lists of different lengths, sizes or mixed dtypes, ``scales`` without ``amaxes``, or a
             one-pass step without its bounds (see the reference).
     """
-    numels = _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies)
+    numels = _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies, grad_scale_invs, grad_amaxes)
     check_fp8_weights(params, fp8_weights, fp8_weight_stats)
     c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
     if not two_pass and scales is not None and (grad_amaxes is None or c.max_update is None):

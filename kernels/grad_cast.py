@@ -34,6 +34,7 @@ from lightning_fp8.kernels.adamw import _block_table
 from lightning_fp8.kernels.cast import _FP8, _interpreted
 from lightning_fp8.kernels.grad_cast_kernels import NCOL, _grad_amax_kernel, _grad_cast_kernel
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
+from lightning_fp8.kernels.reference_grad_cast import STATE_SLOTS
 
 # BLOCK elements per loop step (BLOCK / (32 NUM_WARPS) = 8 consecutive elements per thread: 16-byte fp16 loads, 8-byte
 # FP8 stores), ITERS loop steps per program (one chunk), NUM_WARPS per program: the AdamW kernels' config
@@ -63,10 +64,20 @@ def _check(grads, states, fp8_dtype, pending_data, pending_scale_inv) -> None:
     dtype = grads[0].dtype
     if dtype not in _INPUT_DTYPES or not all([g.dtype == dtype and g.is_contiguous() for g in grads]):
         raise TypeError("grad_cast: the gradients must be contiguous and share one dtype (float32, bfloat16, float16)")
+    # The kernel reads and writes each state and pending gradient by its address: a smaller one would reach other
+    # memory.
+    if not all([s.dtype == torch.int64 and s.numel() == STATE_SLOTS and s.is_contiguous() for s in states]):
+        raise TypeError(f"grad_cast: each state must be a contiguous int64 tensor of {STATE_SLOTS} elements "
+                        "(reference_grad_cast.new_grad_cast_state)")  # fmt: skip
     if pending_data is not None:
+        if len(pending_data) != len(grads) or len(pending_scale_inv) != len(grads):
+            raise ValueError(f"grad_cast: {len(pending_data)} pending gradients and {len(pending_scale_inv)} scale "
+                             f"inverses for {len(grads)} gradients; pass one of each per gradient")  # fmt: skip
         p_dtype = pending_data[0].dtype
         if p_dtype not in _FP8 or not all([d.dtype == p_dtype and d.is_contiguous() for d in pending_data]):
             raise TypeError("grad_cast: the pending gradients must be contiguous and share one FP8 dtype")
+        if [d.numel() for d in pending_data] != [g.numel() for g in grads]:
+            raise ValueError("grad_cast: each pending gradient must have its gradient's number of elements")
 
 
 def _table(grads, states, pending_data, pending_scale_inv, numels):

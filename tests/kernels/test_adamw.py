@@ -283,6 +283,31 @@ def test_kernel_rejects_mismatched_lists():
         adamw.adamw_step(p * 2, [p[0], p[0].half()], p * 2, p * 2, None, None, None, **HYPER)
 
 
+@pytest.mark.parametrize("bad", ["short_copy", "f64_scale", "two_scales", "short_gsi", "vector_amax"])
+def test_kernel_refuses_what_it_would_read_or_write_out_of_place(bad):
+    """The kernel reads and writes every tensor by its address: a copy smaller than its param was written past its end,
+    a float64 scale read as fp32 bits (NaN weights); now each is refused before the launch, nothing written."""
+    tensors = _make("cpu", [(8,)], (F16, E4M3, F16, E5M2), scaled=True, fp8_grads=True, copies=True)[0]
+    scales, amaxes, gsi, copy = list(tensors["scales"]), list(tensors["amaxes"]), [tensors["gsi"]], tensors["copy"]
+    if bad == "short_copy":
+        copy = torch.full((12,), 7.0, dtype=BF16)[:4]
+    elif bad == "f64_scale":
+        scales[0] = scales[0].double()
+    elif bad == "two_scales":
+        scales = scales[:2]
+    elif bad == "short_gsi":
+        gsi = []
+    else:
+        amaxes[1] = amaxes[1].expand(2)
+    before = [t.clone() for t in (tensors["p"], tensors["m"], tensors["v"], copy)]
+    with pytest.raises(ValueError, match="adamw_step"):
+        adamw.adamw_step([tensors["p"]], [tensors["g"]], [tensors["m"]], [tensors["v"]], [tuple(scales)],
+                         [tuple(amaxes)], gsi, **HYPER, grad_amaxes=[tensors["gamax"]],
+                         param_copies=[copy])  # fmt: skip
+    for t, b in zip((tensors["p"], tensors["m"], tensors["v"], copy), before, strict=True):
+        assert torch.equal(_bits(t), _bits(b))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "one_pass"])
 @pytest.mark.parametrize("case", list(CASES))

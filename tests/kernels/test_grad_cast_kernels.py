@@ -149,3 +149,25 @@ def test_bad_input():
         grad_cast.grad_cast(grads[:1], states[:1], E5M2, pending_data=[torch.zeros(8, dtype=E5M2)])
     with pytest.raises(ValueError, match="one state per gradient"):
         grad_cast.grad_cast(grads[:1], states, E5M2)
+
+
+@pytest.mark.parametrize(
+    "state", [torch.zeros(3, dtype=torch.int64), torch.zeros(4), torch.zeros(8, dtype=torch.int64)], ids=str
+)
+def test_a_state_of_another_size_or_dtype_is_refused(state):
+    """The kernel reads and writes the packed state by its address: a 3-element one had its count written past its
+    end (heap corruption), an fp32 one was read as the packed fields."""
+    buffer = torch.full((8,), -1, dtype=torch.int64)
+    state = buffer[:3] if state.numel() == 3 else state
+    with pytest.raises(TypeError, match="4 elements"):
+        grad_cast.grad_cast([torch.randn(4)], [state], E5M2)
+    assert buffer[3:].eq(-1).all()
+
+
+def test_pending_gradients_of_another_size_or_count_are_refused():
+    grads, states = [torch.randn(4)], _states(1)
+    scale_inv = [torch.tensor(1.0)]
+    with pytest.raises(ValueError, match="number of elements"):  # was read past its end
+        grad_cast.grad_cast(grads, states, E5M2, pending_data=[torch.zeros(2, dtype=E5M2)], pending_scale_inv=scale_inv)
+    with pytest.raises(ValueError, match="one of each per gradient"):
+        grad_cast.grad_cast(grads, states, E5M2, pending_data=[torch.zeros(4, dtype=E5M2)], pending_scale_inv=[])
