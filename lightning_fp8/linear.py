@@ -121,7 +121,8 @@ class FP8Linear(nn.Linear):
     (:mod:`lightning_fp8.recompute`). Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
     no_grad) recomputes with the current scale and records the casts again. ``torch.compile`` does not trace a
     checkpointed region holding FP8 layers (their traced forwards have a Python side effect): it runs the region
-    eagerly, with the rule above, also after a recompile.
+    eagerly, with the rule above, also after a recompile (``fullgraph=True`` cannot cover such a region). Compile
+    outside the checkpoint, not inside it (docs/concepts/gemms.md).
 
     Example:
         >>> layer = FP8Linear(64, 32)

@@ -80,6 +80,8 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
         # since (AOT recomputes from the buffer, not from the value the forward read). So the region runs eagerly,
         # under the rule above; outside regions the store costs one Python assignment after the graph.
         _TRACED_FORWARDS[0] = True
+        if getattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False):
+            _untraced_under_skipped_side_effects()
         return None, False
     region, unpack_hook = _checkpoint_region()
     grad = torch.is_grad_enabled()
@@ -99,6 +101,19 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     if region == "forward":
         _REGION_CALLS.setdefault(unpack_hook, []).append(call)
     return call, False
+
+
+@torch._dynamo.disable
+def _untraced_under_skipped_side_effects() -> None:
+    """A graph break in every traced FP8 forward while dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` is
+    set: that setting lets dynamo trace a checkpointed region past the forward's side effect, whose backward would
+    then recompute the casts from moved scales (wrong weight gradients). Broken there, a region runs eagerly."""
+    warn_once(
+        "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is set: FP8 layers break the compiled "
+        "graph at each forward (traced inside a checkpointed region, their backward would recompute the casts with "
+        "scales the forward has moved since). Unset it to compile them whole; dynamo then runs checkpointed regions "
+        "holding FP8 layers eagerly"
+    )
 
 
 def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None, bool]:
