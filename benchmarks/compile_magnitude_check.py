@@ -1,0 +1,55 @@
+"""A compiled FP8Linear pair against the same layers run eagerly, over steps whose input magnitude jumps (x4, x1/16).
+
+Each row is one variant (with/without torch.utils.checkpoint around the second layer, dynamic or static shapes,
+aot_eager or inductor); each step prints ``x=`` where the input gradient equals the eager one bit for bit (``x0``: all
+zeros, ``x!``: different), then ``=``/``!`` per parameter gradient. Found on the GPU machine (H200, torch 2.11, CUDA,
+2026-12-03): steps 2 and 3 gave a zero input gradient in every variant; torch 2.13 on the CPU matches at every step.
+
+    python benchmarks/compile_magnitude_check.py [cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_fp8 import FP8Linear
+
+STEPS = [(24, 1.0), (24, 1.0), (16, 4.0), (16, 0.25), (8, 0.25)]  # (rows, input magnitude)
+VARIANTS = ("nockpt", "nockpt_static", "ckpt", "ckpt_static", "ckpt_inductor")
+
+
+def _row(variant: str, device: str) -> str:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(FP8Linear(32, 64), nn.GELU(), FP8Linear(64, 32)).to(device)
+    ref = copy.deepcopy(model)
+    backend = "inductor" if "inductor" in variant else "aot_eager"
+    dynamic = False if "static" in variant else None
+    if variant.startswith("nockpt"):
+        f = torch.compile(lambda x: model[1:](model[0](x)), backend=backend, dynamic=dynamic)
+    else:
+        f = torch.compile(lambda x: checkpoint(model[1:], model[0](x), use_reentrant=False), backend=backend,
+                          dynamic=dynamic)  # fmt: skip
+    out = []
+    for i, (rows, magnitude) in enumerate(STEPS):
+        x = torch.randn(rows, 32, device=device) * magnitude
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        f(xa).square().mean().backward()
+        ref(xb).square().mean().backward()
+        mark = "=" if torch.equal(xa.grad, xb.grad) else ("0" if (xa.grad == 0).all() else "!")
+        grads = zip(model.parameters(), ref.parameters(), strict=True)
+        out.append(f"{i}:x{mark}" + "".join("=" if torch.equal(p.grad, q.grad) else "!" for p, q in grads))
+        model.zero_grad()
+        ref.zero_grad()
+    return f"{variant} " + " ".join(out)
+
+
+if __name__ == "__main__":
+    device = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+    for variant in VARIANTS:
+        print(_row(variant, device), flush=True)
