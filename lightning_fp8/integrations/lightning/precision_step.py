@@ -106,8 +106,10 @@ class _PrecisionStep:
     ) -> None:
         # Reached from inside optimizer_step's unscaled region (automatic optimization) or directly from
         # LightningModule.clip_gradients (manual optimization); the flag keeps the first from unscaling twice.
-        # The plugin's flag, or a user's own FP8AdamW holding FP8 gradients (its fp8_grads, at O1 or O2)
-        holds_fp8_grads = self.fp8_grads or getattr(_unwrap_optimizer(optimizer), "holds_fp8_grads", False)
+        # What the optimizer does (an FP8AdamW, the plugin's or the user's: its fp8_grads hooks, none for weights
+        # sharded by fully_shard), else the plugin's flag
+        inner = _unwrap_optimizer(optimizer)
+        holds_fp8_grads = inner.holds_fp8_grads if hasattr(inner, "holds_fp8_grads") else self.fp8_grads
         if clip_val > 0 and holds_fp8_grads:
             raise ValueError(
                 f"gradient clipping (clip_val={clip_val}) would miss the FP8 weights' gradients, which FP8AdamW "
@@ -141,13 +143,14 @@ class _PrecisionStep:
         clip = getattr(self._wrapped_model, "clip_grad_norm_", None)
         if clip is not None and comm.is_fsdp1_root(self._wrapped_model):
             # FSDP1 shards gradients: only the root computes the global norm (in fp32); max_norm=inf clips nothing.
-            if self._wrapped_model.training_state.name != "IDLE":  # inside its forward: manual optimization
+            # FSDP1 computes it only outside its root's forward or once a backward has finished: in training_step
+            # (inside that forward), FP8FSDPStrategy finishes each manual_backward as FSDP1 would.
+            if self._wrapped_model.training_state.name != "IDLE":
                 raise ValueError(
-                    "clip_gradients(gradient_clip_algorithm='norm') inside training_step cannot run under "
-                    "strategy='fsdp_fp8': FSDP1 computes the global norm only outside its root module's forward, and "
-                    "manual optimization's training_step runs inside it. Clip by value there, clip with automatic "
-                    "optimization (Trainer(gradient_clip_val=...)), or use FSDP2 (ModelParallelStrategy), which clips "
-                    "by norm in training_step"
+                    "clip_gradients(gradient_clip_algorithm='norm') under strategy='fsdp_fp8' ran inside the root "
+                    "module's forward with no finished backward (FSDP1 computes the global norm only outside it): "
+                    "call self.manual_backward(loss) first, with strategy='fsdp_fp8' (FP8FSDPStrategy), or clip by "
+                    "value"
                 )
             total = clip(float("inf"))
             mul_grads_by_(optimizer_grads(optimizer), clip_factor(total, clip_val, mu))

@@ -90,10 +90,10 @@ class _FP8FSDPStrategyLogic:
         return wrapped
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().training_step(*args, **kwargs)
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
         if not self.lightning_module.automatic_optimization:
-            _settle_after_manual_backward(self.model)
+            _finish_manual_backward(self.model)
         return out
 
     def _setup_model_on_cpu(self, model: Any) -> Any:
@@ -219,18 +219,20 @@ def _check_not_sharded_by_another(model: Any) -> None:
         )
 
 
-def _settle_after_manual_backward(root: Any) -> None:
-    """Put FSDP1's units back in their idle state after a manual-optimization step. Its backward ran inside the root's
-    forward, where FSDP1 queues no end-of-backward callback: the units' post-backward hooks reduced and resharded
-    their gradients, but their states stayed "after backward" (the next forward resets them), and FSDP's
-    state_dict (a checkpoint after such a step) refused them ("Expects the handle training to be IDLE")."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def _finish_manual_backward(root: Any) -> None:
+    """What FSDP1's end-of-backward callback does, after a manual-optimization backward (``manual_backward``).
 
-    for unit in FullyShardedDataParallel.fsdp_modules(root):
-        handle = getattr(unit, "_handle", None)
-        if handle is not None and handle._training_state.name == "BACKWARD_POST":
-            handle._training_state = type(handle._training_state).IDLE
-            unit.training_state = type(unit.training_state).IDLE
+    That backward runs inside the root's forward (training_step is called through it), where FSDP1 queues no
+    end-of-backward callback: each unit's reduced gradient shard stayed in its ``_saved_grad_shard``, so every later
+    backward added to it (the optimizer stepped on the sum of all gradients since the fit began whenever zero_grad came
+    after step), and the units stayed "after backward", which FSDP's state_dict refuses (every checkpoint failed)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._runtime_utils import _post_backward_final_callback
+
+    if not isinstance(root, FullyShardedDataParallel) or getattr(root, "_post_backward_callback_queued", False):
+        return
+    if any(u._handle is not None and u._handle._training_state.name == "BACKWARD_POST" for u in root._all_fsdp_states):
+        _post_backward_final_callback(root, root)
 
 
 def check_optimizer_states(states: list[Any], strategy: Any, path: str | None = None) -> None:

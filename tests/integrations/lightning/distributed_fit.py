@@ -140,17 +140,22 @@ def _refused_bf16_fallback(out: str, strategy: str = "ddp") -> None:
 
 
 class _ManualClipMLP(L.LightningModule):
-    # Every parameter in a linear layer that FSDP1 wraps on its own (with parameters at its root, FSDP1 fails a
-    # backward run inside the root's forward, as manual optimization's is, before any clipping).
-    def __init__(self) -> None:
+    # Every parameter in a linear layer that FSDP1 wraps on its own. ``manual``: clip by norm in training_step;
+    # otherwise automatic optimization (the Trainer clips).
+    def __init__(self, manual: bool = True) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
-        self.automatic_optimization = False
+        self.automatic_optimization = not manual
+        self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
+        loss = self.net(batch).square().mean()
+        self.losses.append(loss.item())
+        if self.automatic_optimization:
+            return loss
         opt = self.optimizers()
         opt.zero_grad()
-        self.manual_backward(self.net(batch).square().mean())
+        self.manual_backward(loss)
         self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
         opt.step()
 
@@ -162,25 +167,30 @@ class _ManualClipMLP(L.LightningModule):
 
 
 def _manual_norm_clip(out: str) -> None:
-    """strategy="fsdp_fp8" with manual optimization clipping by norm in training_step (inside FSDP1's root forward,
-    where FSDP1 cannot compute the norm): each rank's error to ``<out>/rank<r>.json``."""
+    """strategy="fsdp_fp8" with manual optimization clipping by norm in training_step, and the same model with
+    automatic optimization clipping at the same norm: each rank's losses and error to ``<out>/rank<r>.json``."""
     from lightning_fp8 import FP8FSDPStrategy
 
-    torch.manual_seed(0)
-    module = _ManualClipMLP()
-    trainer = L.Trainer(
-        precision="fp8-lm", accelerator="cpu", devices=2, strategy=FP8FSDPStrategy(auto_wrap_policy={torch.nn.Linear}),
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False,
-    )  # fmt: skip
-    error = None
-    try:
-        trainer.fit(module)
-    except ValueError as err:
-        error = str(err)
+    result = {}
+    for manual in (True, False):
+        torch.manual_seed(0)
+        module = _ManualClipMLP(manual)
+        trainer = L.Trainer(
+            precision="fp8-lm", accelerator="cpu", devices=2,
+            strategy=FP8FSDPStrategy(auto_wrap_policy={torch.nn.Linear}), max_steps=3, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, **({} if manual else {"gradient_clip_val": 0.05}),
+        )  # fmt: skip
+        error = None
+        try:
+            trainer.fit(module)
+        except ValueError as err:
+            error = str(err)
+        result["manual" if manual else "automatic"] = {"error": error, "steps": trainer.global_step,
+                                                       "losses": module.losses}  # fmt: skip
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"rank": trainer.global_rank, "error": error, "steps": trainer.global_step}, f)
+        json.dump(result, f)
 
 
 class _PartlyFrozen(L.LightningModule):

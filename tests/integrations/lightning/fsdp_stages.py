@@ -3,7 +3,8 @@
 ``--case eval``: a module with parameters outside the ``auto_wrap_policy`` units (a head at its root) is fitted,
 then validated with the same Trainer (the validation loss, and the same loss computed in fp32 from the gathered
 weights), then tested with a new Trainer (refused: what it says). ``--case manual``: manual optimization with a
-``ModelCheckpoint`` every 2 steps, then a new Trainer resumed from the checkpoint of step 2: both runs' losses.
+``ModelCheckpoint`` every 2 steps, then a new Trainer resumed from the checkpoint of step 2, then the same model with
+automatic optimization: the three runs' losses.
 Every rank writes ``<out>/rank<r>.json``.
 """
 
@@ -59,21 +60,23 @@ class RootHead(L.LightningModule):
 
 
 class ManualMLP(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, manual: bool = True) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
-        self.automatic_optimization = False
+        self.automatic_optimization = not manual
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         # step s trains on batch s, whatever the loader yields: Lightning restarts the epoch's data on a resume
         batch = list(_data(0))[self.trainer.global_step]
-        opt = self.optimizers()
-        opt.zero_grad()
         loss = self.net(batch).float().square().mean()
+        self.losses.append(loss.item())
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
         self.manual_backward(loss)
         opt.step()
-        self.losses.append(loss.item())
+        opt.zero_grad()  # after the step: the next backward must not add to this step's gradients
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -120,7 +123,10 @@ def _manual_case(out: str) -> dict:
     _trainer({nn.Linear}, max_steps=4, enable_checkpointing=False).fit(
         resumed, ckpt_path=os.path.join(out, "epoch=0-step=2.ckpt")
     )
-    return {"losses": module.losses, "resumed": resumed.losses}
+    torch.manual_seed(0)
+    automatic = ManualMLP(manual=False)
+    _trainer({nn.Linear}, max_steps=4, enable_checkpointing=False).fit(automatic)
+    return {"losses": module.losses, "resumed": resumed.losses, "automatic": automatic.losses}
 
 
 def main() -> None:

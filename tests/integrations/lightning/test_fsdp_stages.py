@@ -40,10 +40,13 @@ def test_validate_after_fit_with_parameters_outside_the_units(tmp_path):
 
 
 @pytest.mark.slow
-def test_manual_optimization_checkpoints_and_resumes(tmp_path):
-    """Manual optimization's backward runs inside FSDP1's root forward, which left the units in their post-backward
-    state: every checkpoint failed ("Expects the handle training to be IDLE"). Resumed from step 2's checkpoint, steps
-    3 and 4 are those of the uninterrupted run."""
+def test_manual_optimization_trains_checkpoints_and_resumes_as_automatic(tmp_path):
+    """Manual optimization's backward runs inside FSDP1's root forward, where FSDP1 runs no end of backward: each
+    unit's reduced gradient stayed pending, so every later backward added to it (with zero_grad after step, the
+    optimizer stepped on the sum of all gradients so far), and the units stayed in their post-backward state, which
+    failed every checkpoint ("Expects the handle training to be IDLE"). Now the losses are automatic optimization's,
+    and resumed from step 2's checkpoint, steps 3 and 4 are those of the uninterrupted run."""
     for rank in _run("manual", tmp_path):
         assert len(rank["losses"]) == 4 and len(rank["resumed"]) == 2, rank
+        assert rank["losses"] == rank["automatic"], rank
         assert rank["resumed"] == rank["losses"][2:], rank
