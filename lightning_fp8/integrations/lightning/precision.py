@@ -48,7 +48,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
-from lightning_fp8.convert import convert_to_fp8, fp8_modules
+from lightning_fp8.convert import _check_converted_recipes, convert_to_fp8, fp8_modules
 from lightning_fp8.integrations.clipping import UnscaledGradients
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
@@ -139,6 +139,14 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
             from lightning_fp8.distributed.fsdp2 import mark_fp8_weights
 
             comm.check_converted_before_sharding(module)
+            try:  # configure_model converted the layers: with this plugin's recipe, or they would keep theirs
+                _check_converted_recipes(module, self.recipe, self.module_filter_fn)
+            except ValueError as error:
+                raise ValueError(
+                    f"precision={self.recipe!r} under fully_shard: the layers were converted in configure_model with "
+                    "another recipe (convert there with this one: convert_to_fp8(model, "
+                    f"self.trainer.precision_plugin.recipe)). {error}"
+                ) from None
             # fully_shard's new Parameters lack the FP8 mark: set it before configure_optimizers creates any FP8AdamW
             # (the user's or the plugin's), which would give unmarked FP8 weights fp32 states.
             mark_fp8_weights(module)
@@ -309,7 +317,8 @@ class FP8LMPrecision(_FP8LMPrecisionLogic, Precision):
         fp8_grads: let FP8AdamW turn each FP8 weight's gradient into FP8 as soon as backward produces it (saves
             a byte or more per parameter). Off by default: those gradients then leave ``param.grad``, so gradient
             clipping, ``on_before_optimizer_step`` hooks and gradient-norm logging would not see them. Refused by
-            FP8AdamW under a multi-process strategy (DDP would average nothing: the gradients leave before it).
+            FP8AdamW under a multi-process strategy (DDP would average nothing: the gradients leave before it);
+            without effect on weights sharded by ``fully_shard`` (their gradients stay in ``param.grad``, and clip).
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`, a dict of its arguments, or ``None`` for defaults.
         module_filter_fn: ``fn(module, fqn) -> bool``; only linear layers where it returns True become FP8
             (e.g. ``lambda m, fqn: "lm_head" not in fqn``).

@@ -641,6 +641,10 @@ def test_fully_sharded_model_without_fp8_layers_says_convert_first(tmp_path):
         convert_to_fp8(converted.model)
         fully_shard(converted.model, mesh=init_device_mesh("cpu", (1,)))
         assert FP8LMPrecision().convert_module(converted) is converted  # already FP8: accepted as it is
+        # ... with the plugin's recipe: another one would have trained silently with the layers' own
+        with pytest.raises(ValueError, match="under fully_shard: the layers were converted in configure_model"):
+            FP8LMPrecision(recipe="fp8-lm-current").convert_module(converted)
+        assert all(m.recipe.scaling == "delayed" for m in converted.modules() if isinstance(m, FP8Linear))
     finally:
         dist.destroy_process_group()
 
@@ -685,6 +689,19 @@ def test_clipping_refuses_a_users_fp8adamw_holding_fp8_gradients(opt_level):
     with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
         plugin.clip_gradients(optimizer, clip_val=1.0)
     plugin.clip_gradients(FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level, fp8_grads=False), clip_val=1.0)
+
+
+def test_clipping_follows_what_the_fp8adamw_holds_not_the_plugins_flag():
+    """FP8LMPrecision(fp8_grads=True) whose FP8AdamW hooks no gradient (weights sharded by fully_shard keep theirs in
+    param.grad) clips them: it was refused after the first backward, saying that gradients were held in FP8."""
+    plugin = FP8LMPrecision(fp8_grads=True)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)))
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=False)  # as for DTensor weights: no hook
+    model[0].weight.grad = torch.full_like(model[0].weight, 1.0)
+    model[0].bias.grad = torch.zeros_like(model[0].bias)
+    plugin.clip_gradients(optimizer, clip_val=1.0)
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    assert norm == pytest.approx(1.0, rel=1e-3)  # mu is 1 here: the gradients as they are, clipped to norm 1
 
 
 def _clip_reference(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
