@@ -86,6 +86,7 @@ class _FP8FSDPStrategyLogic:
         _check_not_sharded_by_another(model)
         wrapped = super()._setup_model(model) if self.root_device.type != "cpu" else self._setup_model_on_cpu(model)
         if isinstance(wrapped, FullyShardedDataParallel):
+            _check_manual_optimization_units(wrapped, model)
             self._fp8_root = wrapped
         return wrapped
 
@@ -205,18 +206,42 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
 def _check_not_sharded_by_another(model: Any) -> None:
     """Raise ValueError for a module whose FSDP units an earlier Trainer's fit made (a root wrapper gone with it): its
     parameters outside those units are that fit's shard views of this rank, which no new wrapper can gather."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
-    inside = {id(p) for unit in units for p in unit.parameters()}
-    outside = [name for name, p in model.named_parameters() if id(p) not in inside]
+    units, outside = _units_and_outside(model)
     if units and outside:
         raise ValueError(
             f"strategy='{STRATEGY_NAME}': this module was sharded by another Trainer's fit: its parameters outside "
-            f"the auto_wrap_policy units ({outside[:3]}{' ...' if len(outside) > 3 else ''}) hold only this rank's "
+            f"the auto_wrap_policy units ({_names(outside)}) hold only this rank's "
             "shard. Validate, test or predict with the Trainer that ran fit, or load the checkpoint into a new module "
             "(trainer.test(NewModule(), ckpt_path=...) or LitModule.load_from_checkpoint(...))"
         )
+
+
+def _check_manual_optimization_units(root: Any, module: Any) -> None:
+    """Raise ValueError for manual optimization with parameters in the root unit: manual_backward runs inside the
+    root's forward, where FSDP1 cannot run the backward of the root's own parameters (it failed in the first
+    manual_backward with "Expects BACKWARD_PRE or BACKWARD_POST state")."""
+    if getattr(module, "automatic_optimization", True) or getattr(root, "_handle", None) is None:
+        return
+    _, outside = _units_and_outside(module)
+    raise ValueError(
+        f"strategy='{STRATEGY_NAME}' with manual optimization needs every parameter inside an auto_wrap_policy unit: "
+        f"{_names(outside)} would stay in the root unit, whose backward FSDP1 cannot run inside its forward (where "
+        "training_step and manual_backward run). Add their modules to auto_wrap_policy, use automatic "
+        "optimization, or use ModelParallelStrategy (FSDP2)"
+    )
+
+
+def _units_and_outside(module: Any) -> tuple[list[Any], list[str]]:
+    """The FSDP1 units inside ``module`` and the names of its parameters outside all of them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m is not module]
+    inside = {id(p) for unit in units for p in unit.parameters()}
+    return units, [name for name, p in module.named_parameters() if id(p) not in inside]
+
+
+def _names(names: list[str]) -> str:
+    return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
 
 
 def _finish_manual_backward(root: Any) -> None:

@@ -4,7 +4,8 @@
 then validated with the same Trainer (the validation loss, and the same loss computed in fp32 from the gathered
 weights), then tested with a new Trainer (refused: what it says). ``--case manual``: manual optimization with a
 ``ModelCheckpoint`` every 2 steps, then a new Trainer resumed from the checkpoint of step 2, then the same model with
-automatic optimization: the three runs' losses.
+automatic optimization: the three runs' losses. ``--case manual_root``: manual optimization of a module with a head in
+the root unit (refused at setup: what it says, and how many steps ran).
 Every rank writes ``<out>/rank<r>.json``.
 """
 
@@ -129,12 +130,37 @@ def _manual_case(out: str) -> dict:
     return {"losses": module.losses, "resumed": resumed.losses, "automatic": automatic.losses}
 
 
+class ManualRootHead(RootHead):
+    """RootHead (a head in the root unit) with manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        self.manual_backward(self.net(batch).float().square().mean())
+        self.optimizers().step()
+
+
+def _manual_root_case() -> dict:
+    torch.manual_seed(0)
+    module = ManualRootHead()
+    trainer = _trainer({Block}, max_steps=2, enable_checkpointing=False)
+    try:
+        trainer.fit(module, _data(0))
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return {"refusal": refusal, "steps": trainer.global_step}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", required=True, choices=["eval", "manual"])
+    parser.add_argument("--case", required=True, choices=["eval", "manual", "manual_root"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = _eval_case() if args.case == "eval" else _manual_case(args.out)
+    cases = {"eval": _eval_case, "manual": lambda: _manual_case(args.out), "manual_root": _manual_root_case}
+    result = cases[args.case]()
     rank = int(os.environ.get("LOCAL_RANK", 0))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -50,3 +50,13 @@ def test_manual_optimization_trains_checkpoints_and_resumes_as_automatic(tmp_pat
         assert len(rank["losses"]) == 4 and len(rank["resumed"]) == 2, rank
         assert rank["losses"] == rank["automatic"], rank
         assert rank["resumed"] == rank["losses"][2:], rank
+
+
+@pytest.mark.slow
+def test_manual_optimization_with_parameters_in_the_root_unit_is_refused_at_setup(tmp_path):
+    """FSDP1 cannot run the backward of the root unit's own parameters inside the root's forward, where
+    manual_backward runs: the first manual_backward failed in FSDP's internals ("Expects BACKWARD_PRE or
+    BACKWARD_POST state"). Refused before any step, naming the parameters and what to do."""
+    for rank in _run("manual_root", tmp_path):
+        assert "needs every parameter inside an auto_wrap_policy unit" in rank["refusal"], rank
+        assert "net.1.weight" in rank["refusal"] and rank["steps"] == 0, rank
