@@ -3,7 +3,12 @@
 Each row is one variant (with/without torch.utils.checkpoint around the second layer, dynamic or static shapes,
 aot_eager or inductor); each step prints ``x=`` where the input gradient equals the eager one bit for bit (``x0``: all
 zeros, ``x!``: different), then ``=``/``!`` per parameter gradient. Found on the GPU machine (H200, torch 2.11, CUDA,
-2026-12-03): steps 2 and 3 gave a zero input gradient in every variant; torch 2.13 on the CPU matches at every step.
+2026-12-03): steps 2 and 3 gave a zero input gradient in every variant, on torch 2.11's CPU every step did. The cause
+was not the magnitude but the output: torch 2.11's dynamo returns every intermediate of an autograd Function's traced
+forward as an extra output, and the FP8 layers' fp32 output was also one of them (a ``.to`` of a tensor that had the
+dtype already, after the CPU's emulated GEMM, and on the GPU after adding an fp32 bias whenever the token count needed
+no padding to 16: steps 2 and 3's 16 rows); its gradient went to the extra output. Fixed in ``ops.narrowed`` and
+``ops._scaled_mm_cuda``; tests/core/test_compiled_function_outputs.py checks the cause on any torch version.
 
     python benchmarks/compile_magnitude_check.py [cuda|cpu]
 """

@@ -196,8 +196,15 @@ def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, rounded as eagerly also under torch.compile: inductor fuses a conversion to bf16/fp16 into the
     ops that consume its result and drops the rounding (unless ``config.emulate_precision_casts``: a residual add or
     a sum of two gradients then adds unrounded values); traced, ``x`` is rounded through the bits first
-    (:func:`rounded_to`), so the conversion left is exact."""
-    if torch.compiler.is_compiling() and dtype in (torch.bfloat16, torch.float16) and x.dtype != dtype:
+    (:func:`rounded_to`), so the conversion left is exact.
+
+    ``x`` itself when it has ``dtype`` already, not ``x.to(dtype)`` (the same tensor, from another op): torch 2.11's
+    dynamo returns every intermediate of an autograd Function's traced forward as an extra output, and an output that
+    is also an intermediate tensor takes the gradient meant for the real one (the FP8 layers' input and weight
+    gradients were zero in compiled fp32 training). The FP8 layers' outputs end with this function."""
+    if x.dtype == dtype:  # no op at all: see below
+        return x
+    if torch.compiler.is_compiling() and dtype in (torch.bfloat16, torch.float16):
         x = rounded_to(x, dtype)
     return x.to(dtype)
 
@@ -270,6 +277,6 @@ def _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias=None
         out_dtype=out_dtype,
         use_fast_accum=use_fast_accum,
     )
-    if bias is not None and not fuse_bias:
-        out = (out.float() + bias.to(out_dtype).float()).to(out_dtype)
+    if bias is not None and not fuse_bias:  # an fp32 output
+        out = out + bias.float()
     return out[:m] if pad_m else out

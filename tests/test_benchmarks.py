@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
-
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
@@ -183,7 +181,6 @@ def test_kernel_trace_summary_counts_each_launch():
     assert "idle gaps over 20 us: 1/step, 0.18 ms/step; largest:" in report
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("variant", ["nockpt", "ckpt"])
 def test_compile_magnitude_check_matches_eager_on_cpu(variant):
     """benchmarks/compile_magnitude_check.py (the repro of a torch 2.11 CUDA fault): on this CPU every step's gradients

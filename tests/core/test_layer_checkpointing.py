@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_fp8 import FP8MLP, FP8Linear, ScalingState
-from tests.markers import XFAIL_TORCH_211_CPU_COMPILE, XFAIL_TORCH_211_CUDA_COMPILE_MAGNITUDE
 
 MAGNITUDES = (1.0, 1.0, 4.0, 0.25, 0.25, 8.0)  # the delayed scales move at most steps
 
@@ -208,7 +207,6 @@ def test_several_pending_forwards_warn_and_stay_fp8_accurate(order, monkeypatch)
     assert _sqnr_db(layer.weight.grad, ref.weight.grad) > _sqnr_db(plain.weight.grad, ref.weight.grad) - 3 > 10
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_checkpointed_model_equals_the_model_without_checkpointing():
     """A checkpointed region under torch.compile (which runs it eagerly: it does not trace the region) trains as the
     eager model without checkpointing."""
@@ -222,8 +220,8 @@ def test_compiled_checkpointed_model_equals_the_model_without_checkpointing():
 @pytest.mark.parametrize(
     "device",
     [
-        pytest.param("cpu", marks=XFAIL_TORCH_211_CPU_COMPILE),
-        pytest.param("cuda", marks=[pytest.mark.gpu, XFAIL_TORCH_211_CUDA_COMPILE_MAGNITUDE]),
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
@@ -244,7 +242,6 @@ def test_compiled_checkpointed_region_stays_eager_after_a_recompile(kind, outsid
     _train(model, ref, lambda m, x, ckpt: compiled(x) if ckpt else m(x), rows=(24, 24, 16, 16, 8, 8))
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_checkpointed_region_with_dynamos_side_effect_skipping_on(recwarn):
     """dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint (which its own error for fullgraph=True suggests) traced
     the region past the layers' side effect: weight gradients 15-22% off. FP8 forwards break the graph under it, so the

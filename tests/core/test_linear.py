@@ -7,7 +7,6 @@ from torch import nn
 
 from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.scaling import compute_scale
-from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 from tests.numerics import BACKWARD_E4M3_SQNR_DB, BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
 
 
@@ -199,7 +198,6 @@ def test_load_fp8_state_rejects_other_model():
         load_fp8_state_dict(fp8, fp8_state_dict(other))
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("fused_bias_grad", [False, True])
 def test_torch_compile_matches_eager(monkeypatch, fused_bias_grad):
     from lightning_fp8 import matmul
@@ -332,7 +330,6 @@ def _compiled_matches_eager(eager, compiled_src, compiled, device, steps=4, auto
     return code
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     """scaling.FUSED_CASTS: under inductor the delayed casts are tensor ops fused into the kernels around them, the
@@ -355,7 +352,6 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     assert "lightning_fp8.quantize.default(" not in backward and "lightning_fp8.used_scale_ref.default(" in backward
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_input_recast_matches_eager(monkeypatch):
     """matmul.SAVE_INPUT_TRANSPOSE_COMPILED off: compiled, the backward casts each layer's input again with the
     forward's scale instead of keeping the forward's transposed FP8 copy; bit for bit eager's results while every
@@ -543,9 +539,7 @@ def test_batched_backward_raises_a_clear_error_and_records_nothing(how):
     assert all(torch.equal(before[k], v) for k, v in grad_state.named_buffers())
 
 
-@pytest.mark.parametrize(
-    "device", [pytest.param("cpu", marks=XFAIL_TORCH_211_CPU_COMPILE), pytest.param("cuda", marks=pytest.mark.gpu)]
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("shape", [(1, 32), (1, 1, 32), (32,), (0, 32)], ids=["one_row", "one_row_3d", "1d", "empty"])
 def test_torch_compile_single_token_and_empty_inputs(shape, device):
     """One row (generation, a batch of one) or none (an MoE expert without tokens): the cast's transposed copy of one

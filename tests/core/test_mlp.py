@@ -12,7 +12,6 @@ from torch import nn
 import lightning_fp8.warnings
 from lightning_fp8 import FP8MLP, FP8Linear, FP8Recipe, ScalingState
 from tests.core.test_linear_wrapping import LoRALinear
-from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
 
 # fp32 activations: both paths cast the same fp32 GELU values (torch's and the casts' erf agree to an ulp or so, which
@@ -250,7 +249,6 @@ def test_non_finite_is_counted_as_the_unfused_cast_counts_it():
         assert int(s.nonfinite_count) == int(states(ref)[key].nonfinite_count), key
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_equals_eager():
     mlp = FP8MLP(32, 64)
     ref = copy.deepcopy(mlp)
@@ -349,7 +347,6 @@ def test_double_backward_raises_instead_of_dropping_the_second_order_term():
         (y.sum() + g.pow(2).sum()).backward()
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("shape", [(1, 1, 32), (32,), (0, 32)], ids=["one_row", "1d", "empty"])
 def test_compiled_single_token_and_empty_inputs(shape):
     """One row or none through the compiled fused MLP (its casts' transposed copies of one row are copies, not views):
@@ -454,7 +451,6 @@ def test_fp8_hidden_partial_gradients(frozen):
         assert g is None or sqnr(g, grads_ref[name]) > BACKWARD_SQNR_DB, name
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 def test_fp8_hidden_compiled_and_checkpointed_equal_eager():
     """torch.compile (the traced casts and the recomputed copy) and activation checkpointing (the recompute repeats
     the forward's scales) give eager's fp8_hidden results bit for bit."""

@@ -23,7 +23,6 @@ from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState
 from tests.core.gpt_tiny import TinyGPT, batches, train
 from tests.core.test_optim import _one_thread
-from tests.markers import XFAIL_TORCH_211_CPU_COMPILE
 
 __all__ = ["_one_thread"]  # the module-scoped fixture, re-used
 
@@ -279,7 +278,6 @@ def _compile_counted(model, backend):
     return torch.compile(model, backend=counter), counter
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("opt_level", ["O2", "O1"])
 def test_compiled_training_uses_the_copy_bit_for_bit(opt_level, backend):
@@ -314,7 +312,6 @@ def _change_by_halving(model, opt):
         model[0].weight.mul_(0.5)
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 @pytest.mark.parametrize("change", [_change_by_halving, _change_by_load_state_dict, _change_by_data],
                          ids=["mul_", "load_state_dict", "data"])  # fmt: skip
 def test_compiled_forward_casts_a_weight_changed_after_the_step(change):
@@ -387,7 +384,6 @@ def test_copies_persist_while_emitting_and_are_freed_when_emission_stops():
     assert [getattr(w, weight_cache.ATTR) for w in _weights(model)] == [None, None]
 
 
-@XFAIL_TORCH_211_CPU_COMPILE
 def test_compiled_fp8mlp_uses_the_copies_bit_for_bit():
     """FP8MLP (the GELU fused into its casts) compiled: its two layers' GEMMs go through the copy ops too, and training
     is bit for bit training that casts the weights."""
