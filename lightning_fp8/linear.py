@@ -308,7 +308,7 @@ class FP8Linear(nn.Linear):
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
         x_2d = x if flat else tokens_2d(x)
         scaling = self.fp8_scaling
-        master_scale = getattr(weight, master.SCALE_ATTR, None)
+        master_scale = master.forward_master_scale(weight, "FP8Linear")
         key = weight_cache.compiled_key(weight, scaling["weight"])
         call = forward_call(scaling["input"])
         y = _FP8Matmul.apply(

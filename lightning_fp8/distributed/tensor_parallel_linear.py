@@ -389,7 +389,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     fp8_comm = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).fp8_comm
     comm = Comm(kind, mesh.get_group(), dim, fp8_comm, layer.recipe.backward_dtype)
     out_dtype = output_dtype(x)
-    master_scale = getattr(weight, master.SCALE_ATTR, None)
+    master_scale = master.forward_master_scale(weight, "FP8Linear (tensor parallel)")
     bias = layer.bias
     if bias is not None and kind == "rowwise" and dim == x.ndim - 1:
         # Rowwise bias is replicated; a feature-sharded output takes this rank's slice of it (a local chunk, no

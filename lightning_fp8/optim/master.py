@@ -83,6 +83,22 @@ def master_scale(param: torch.Tensor) -> torch.Tensor | None:
     return getattr(param, SCALE_ATTR, None)
 
 
+def forward_master_scale(weight: torch.Tensor, owner: str) -> torch.Tensor | None:
+    """:func:`master_scale` for an FP8 layer's forward: refuses a scale left on another device than its weight, which
+    the module's ``to()``/``to_empty()`` after the FP8AdamW that adopted the weight leaves behind (the cast would read
+    it there, or fail deep inside)."""
+    scale = getattr(weight, SCALE_ATTR, None)
+    if scale is not None and scale.device != weight.device:
+        raise RuntimeError(
+            f"{owner}: the weight of shape {tuple(weight.shape)} is on {weight.device} but its fp16 master's scale "
+            f"(set by the FP8AdamW that holds it at O2) is on {scale.device}: the module was moved or materialized "
+            "(to(), to_empty() from the meta device) after that optimizer was created, whose states stayed where they "
+            "were. Create FP8AdamW after moving or materializing the model (to_empty() + "
+            "reset_parameters(), then the optimizer)"
+        )
+    return scale
+
+
 def quantize_fp16(w: torch.Tensor, prev_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``(w * scale)`` in fp16 with the power-of-two scale of ``max|w|``: returns ``(w_fp16, scale, amax)``."""
     w32 = w.detach().float()

@@ -8,7 +8,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8 import (
+    FP8MLP,
+    FP8AdamW,
+    FP8GradScaler,
+    FP8Linear,
+    convert_to_fp8,
+    fp8_state_dict,
+    load_fp8_state_dict,
+)
 from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.optim import checkpoint, master
 from tests.core.gpt_tiny import TinyGPT, batches, train
@@ -717,3 +725,43 @@ def test_a_step_on_the_meta_device_makes_the_states_a_real_step_makes(opt_level)
     meta, cpu = stepped("meta"), stepped("cpu")
     assert meta.keys() == cpu.keys()
     assert all(meta[k][:2] == cpu[k][:2] and meta[k][2] == ("cpu" if k[1] == "step" else "meta") for k in cpu)
+
+
+@pytest.mark.parametrize("layer", ["linear", "mlp"])
+def test_a_model_materialized_after_the_optimizer_was_created_is_refused_at_its_forward(layer):
+    """FP8AdamW over a model converted on the meta device, then to_empty() + reset_parameters(): the O2 master's scale
+    stayed on meta while the weight moved, and the forward failed deep in the cast ("Cannot copy out of meta tensor").
+    It says what happened and what to do; the documented order (materialize, then the optimizer) trains."""
+
+    def model():
+        if layer == "linear":
+            return convert_to_fp8(nn.Sequential(nn.Linear(16, 32)))
+        return nn.Sequential(FP8MLP(16, 32))
+
+    with torch.device("meta"):
+        early = model()
+    FP8AdamW(early.parameters(), lr=1e-2)
+    early.to_empty(device="cpu")
+    for m in early.modules():
+        if hasattr(m, "reset_parameters") and m is not early:
+            m.reset_parameters()
+    with pytest.raises(RuntimeError, match="moved or materialized.*Create FP8AdamW after"):
+        early(torch.randn(2, 16))
+
+    with torch.device("meta"):
+        late = model()
+    late.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in late.modules():
+        if hasattr(m, "reset_parameters") and m is not late:
+            m.reset_parameters()
+    opt = FP8AdamW(late.parameters(), lr=1e-2)
+    x = torch.randn(4, 16)
+    losses = []
+    for _ in range(3):
+        loss = late(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[2] < losses[1] < losses[0]
