@@ -213,6 +213,10 @@ class TPLinearFn(torch.autograd.Function):
             x_fp8, _, x_scale_inv, x_amax = _cast(state, x, False, group, x_current, "gathered", replaying)
             x_fp8 = _all_gather(x_fp8, comm.dim, group)  # the GEMM operand itself: no second cast
             lead_shape, x_fp8 = x_fp8.shape[:-1], x_fp8.reshape(-1, k)
+            if need_wgrad and torch.compiler.is_compiling():
+                # dynamo (torch 2.13) cannot save a view of the gather's buffer from the Function's traced forward
+                # for its backward ("aliases an input or output"): save the transposed copy the backward would make
+                x_fp8_t = x_fp8.t().contiguous()
         else:
             if comm.kind == "colwise" and comm.dim is not None:
                 x = _all_gather(x, comm.dim, group)
@@ -236,6 +240,11 @@ class TPLinearFn(torch.autograd.Function):
         if comm.kind == "rowwise":
             if comm.dim is None:
                 dist.all_reduce(y, group=group)
+                if b is None and torch.compiler.is_compiling():
+                    # dynamo traces the in-place call as a functional one and a copy_ back into y, whose result is y
+                    # itself: torch 2.11 also returns it as one of the Function's intermediates and gives the
+                    # output's gradient to that one (zero input and weight gradients). A new tensor ends the forward.
+                    y = y.clone()
             else:
                 y = _reduce_scatter(y, comm.dim, group)
             if b is not None:

@@ -15,35 +15,15 @@ import copy
 
 import pytest
 import torch
-import torch.fx
 
 from lightning_fp8 import FP8MLP, FP8Linear
+from tests.fx_outputs import forward_outputs
 
 
 @pytest.fixture
-def forward_bodies(monkeypatch):
-    """Patches the FX interpreter: each run whose output has an autograd Function forward's form (``(outputs,
-    saved)``) is recorded as (the first output, the number of the graph's nodes that evaluated to that tensor)."""
-    runs, values = [], {}
-    run, run_node = torch.fx.Interpreter.run, torch.fx.Interpreter.run_node
-
-    def recording_run_node(self, node):
-        out = run_node(self, node)
-        if isinstance(out, torch.Tensor) and node.op != "placeholder":
-            values.setdefault(id(self), []).append(out)
-        return out
-
-    def recording_run(self, *args, **kwargs):
-        out = run(self, *args, **kwargs)
-        nodes = values.pop(id(self), [])
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and out[0]:
-            y = out[0][0]
-            runs.append((y, sum(v is y for v in nodes)))
-        return out
-
-    monkeypatch.setattr(torch.fx.Interpreter, "run_node", recording_run_node)
-    monkeypatch.setattr(torch.fx.Interpreter, "run", recording_run)
-    return runs
+def forward_bodies():
+    with forward_outputs() as runs:
+        yield runs
 
 
 def _fp32_linear(bias):
