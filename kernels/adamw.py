@@ -226,7 +226,7 @@ def adamw_step(
     m_fmt = _FP8_FORMAT.get(exp_avgs[0].dtype, (0, 0))
     max_update = c.max_update if c.max_update is not None else 0.0
     hyper = (grad_unscale, c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2)
-    emit = _emit_constants(fp8_weights, fp8_margin, param_copies is not None, dtypes[0])
+    emit = _emit_constants(fp8_weights, fp8_margin, dtypes[0])
     common = {
         **formats, **emit,
         "P_MAX": SCALED_STATE_MAX.get(dtypes[0], 1.0), "M_MAX": SCALED_STATE_MAX.get(dtypes[1], 1.0),
@@ -257,8 +257,8 @@ def adamw_step(
                                          **fin_launch)  # fmt: skip
 
 
-def _emit_constants(fp8_weights, margin: int, has_copy: bool, param_dtype: torch.dtype) -> dict:
-    """The constexprs of the FP8 weight copy: its format and margin, and the max of the scaled storage it reads."""
+def _emit_constants(fp8_weights, margin: int, param_dtype: torch.dtype) -> dict:
+    """The constexprs of the FP8 weight copy: its format and margin, and the max of the master's scaled storage."""
     if fp8_weights is None:
         return {"EMIT": False, "E_MAX": 1.0, "E_EXP": 0, "E_MANT": 0, "E_MBITS": 0, "E_MIN_EXP": 0, "E_MARGIN": 0,
                 "SRC_MAX": 1.0}  # fmt: skip
@@ -268,6 +268,5 @@ def _emit_constants(fp8_weights, margin: int, has_copy: bool, param_dtype: torch
     fmax = _FP8_MAX[dtype]
     exp, mant = float32_exponent_mantissa(fmax)
     mbits, min_exp = _FP8_FORMAT[dtype]
-    src_max = 1.0 if has_copy else SCALED_STATE_MAX.get(param_dtype, 1.0)
     return {"EMIT": True, "E_MAX": fmax, "E_EXP": exp, "E_MANT": mant, "E_MBITS": mbits, "E_MIN_EXP": min_exp,
-            "E_MARGIN": margin, "SRC_MAX": src_max}  # fmt: skip
+            "E_MARGIN": margin, "SRC_MAX": SCALED_STATE_MAX.get(param_dtype, 1.0)}  # fmt: skip

@@ -6,7 +6,8 @@ master in the weight's storage, or the high-precision copy) with current scaling
 stored values the same way: ``x_fp8 = RNE(saturate(stored * s))`` with ``s = pow2_scale(a_stored)`` for the E4M3
 maximum and the recipe's margin, where ``a_stored`` is the amax of the stored values. Rounding to the storage format
 is monotonic, so ``a_stored`` is the stored image of the fp32 amax: exact from the fresh amax (two passes: the copy
-is the forward's cast bit for bit), or from the one-pass bound (a valid copy, its scale possibly lower).
+is the forward's cast bit for bit), or from the one-pass bound (a valid copy, its scale possibly lower). A
+high-precision copy holds the stored master unscaled, rounded to its dtype: its amax is that image again.
 The finalize launch then writes, per weight, the statistics the forward records into the layer's scaling state.
 """
 
@@ -126,7 +127,8 @@ def _decay_progress(q, x, old_bits, beta1, FMAX: tl.constexpr):
 @triton.jit
 def _update(
     gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, mask, acc_p, acc_m, acc_v, acc_s,
-    ginv, w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1, m_s,
+    ginv, w_mul, m_mul, v_mul, wp_s, wp_inv, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1,
+    m_s,
     MASKED: tl.constexpr, SCALED_P: tl.constexpr, SCALED_M: tl.constexpr, SCALED_V: tl.constexpr,
     P_MAX: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
     M_FP8: tl.constexpr, M_MBITS: tl.constexpr, M_MIN_EXP: tl.constexpr, HAS_COPY: tl.constexpr,
@@ -151,8 +153,11 @@ def _update(
                 qm = _decay_progress(qm, m * wm_s, mq.to(tl.uint8, bitcast=True), beta1, M_MAX)
         _store(m_ptr, offs, qm, mask, MASKED)
         _store(v_ptr, offs, _quantize(v, wv_s, v_ptr, SCALED_V, V_MAX, False, 0, 0, EXACT_ROUND), mask, MASKED)
-        if HAS_COPY:
-            qc = _quantize(w, 1.0, c_ptr, False, 1.0, False, 0, 0, EXACT_ROUND)
+        if HAS_COPY:  # the master as stored, unscaled (exact: a power-of-two scale), so the weight is the master
+            c = qp.to(tl.float32)
+            if SCALED_P:
+                c = c * wp_inv
+            qc = _quantize(c, 1.0, c_ptr, False, 1.0, False, 0, 0, EXACT_ROUND)
             _store(c_ptr, offs, qc, mask, MASKED)
             if EMIT:  # the forward reads the copy
                 acc_s = _emit(e_ptr, offs, mask, qc.to(tl.float32), e_s, acc_s, MASKED, E_MAX, E_MBITS, E_MIN_EXP,
@@ -231,7 +236,7 @@ def _adamw_kernel(
     EMIT: tl.constexpr,  # write the FP8 copy of the weight the forward reads (the copy, else the param's storage)
     E_MAX: tl.constexpr, E_EXP: tl.constexpr, E_MANT: tl.constexpr,  # its format: max and the max's fp32 fields,
     E_MBITS: tl.constexpr, E_MIN_EXP: tl.constexpr, E_MARGIN: tl.constexpr,  # mantissa bits, min normal exponent
-    SRC_MAX: tl.constexpr,  # the format max of the scaled storage the copy is cast from (SCALED_P without a copy)
+    SRC_MAX: tl.constexpr,  # the format max of the master's scaled storage (SCALED_P)
     WRITE: tl.constexpr,  # False: pass A (amax only)
     FRESH: tl.constexpr,  # write scales from amax_out (two-pass B) or from the bounds (one pass)
     ACCUM_AMAX: tl.constexpr,  # fold this pass's amax into amax_out
@@ -263,7 +268,7 @@ def _adamw_kernel(
     p_s, w_mul = _state_factors(table_ptr, t, 4, amax_out_ptr, decay, SCALED_P)
     m_s, m_mul = _state_factors(table_ptr, t, 5, amax_out_ptr, beta1, SCALED_M)
     v_s, v_mul = _state_factors(table_ptr, t, 6, amax_out_ptr, beta2, SCALED_V)
-    wp_s, wm_s, wv_s, e_s = p_s, m_s, v_s, 1.0
+    wp_s, wm_s, wv_s, e_s, wp_inv = p_s, m_s, v_s, 1.0, 1.0
     if WRITE:
         if SCALED_P:
             wp_s = _write_scale(table_ptr, amax_out_ptr, t, 0, p_s, grad_unscale, beta1, one_minus_beta1, beta2,
@@ -274,6 +279,7 @@ def _adamw_kernel(
         if SCALED_V:
             wv_s = _write_scale(table_ptr, amax_out_ptr, t, 2, v_s, grad_unscale, beta1, one_minus_beta1, beta2,
                                 one_minus_beta2, decay, max_update, V_EXP, V_MANT, FRESH, SLACK)  # fmt: skip
+        wp_inv = tl.div_rn(1.0, wp_s)  # exact: a power of two
         if EMIT:
             e_s = _emit_scale(table_ptr, amax_out_ptr, t, wp_s, p0, c0, grad_unscale, decay, max_update, SCALED_P,
                               HAS_COPY, SRC_MAX, E_EXP, E_MANT, E_MARGIN, FRESH, SLACK, EXACT_ROUND)  # fmt: skip
@@ -288,8 +294,8 @@ def _adamw_kernel(
             mq, vq = tl.load(m_ptr + offs), tl.load(v_ptr + offs)
             acc_p, acc_m, acc_v, acc_s = _update(
                 gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, None, acc_p, acc_m, acc_v, acc_s, ginv,
-                w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1,
-                m_s,
+                w_mul, m_mul, v_mul, wp_s, wp_inv, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+                beta1, m_s,
                 False, SCALED_P, SCALED_M, SCALED_V, P_MAX, M_MAX, V_MAX, M_FP8, M_MBITS, M_MIN_EXP, HAS_COPY,
                 EMIT, E_MAX, E_MBITS, E_MIN_EXP, WRITE, ACCUM_AMAX, EXACT_ROUND, BLOCK, VEC,
             )  # fmt: skip
@@ -301,8 +307,8 @@ def _adamw_kernel(
             mq, vq = tl.load(m_ptr + offs, mask=mask, other=0.0), tl.load(v_ptr + offs, mask=mask, other=0.0)
             acc_p, acc_m, acc_v, acc_s = _update(
                 gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, mask, acc_p, acc_m, acc_v, acc_s, ginv,
-                w_mul, m_mul, v_mul, wp_s, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1,
-                m_s,
+                w_mul, m_mul, v_mul, wp_s, wp_inv, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size,
+                beta1, m_s,
                 True, SCALED_P, SCALED_M, SCALED_V, P_MAX, M_MAX, V_MAX, M_FP8, M_MBITS, M_MIN_EXP, HAS_COPY,
                 EMIT, E_MAX, E_MBITS, E_MIN_EXP, WRITE, ACCUM_AMAX, EXACT_ROUND, BLOCK, VEC,
             )  # fmt: skip
@@ -319,6 +325,17 @@ def _adamw_kernel(
 
 
 @triton.jit
+def _emitted_amax(a, ms, p0, c0, SCALED_P: tl.constexpr, HAS_COPY: tl.constexpr, SRC_MAX: tl.constexpr,
+                  EXACT_ROUND: tl.constexpr):  # fmt: skip
+    # The amax of the values the FP8 copy is cast from, from the master's fp32 amax `a`: its stored image (scaled by
+    # `ms`), then, with a high-precision copy, that unscaled and rounded to the copy's dtype (every step monotonic).
+    a_s = _stored_amax(a, ms, p0, SCALED_P, SRC_MAX, EXACT_ROUND)
+    if HAS_COPY:
+        a_s = _stored_amax(a_s * tl.div_rn(1.0, ms), 1.0, c0, False, 1.0, EXACT_ROUND)
+    return a_s
+
+
+@triton.jit
 def _emit_scale(
     table_ptr, amax_out_ptr, t, ms, p0, c0, grad_unscale, decay, max_update,
     SCALED_P: tl.constexpr, HAS_COPY: tl.constexpr, SRC_MAX: tl.constexpr, E_EXP: tl.constexpr,
@@ -328,10 +345,7 @@ def _emit_scale(
     # amax (fresh) or of its one-pass bound. `ms`: the new master scale (used only for scaled storage).
     a = _scale_source(table_ptr, amax_out_ptr, t, 0, grad_unscale, 0.0, 0.0, 0.0, 0.0, decay, max_update, FRESH,
                       SLACK)  # fmt: skip
-    if HAS_COPY:
-        a_s = _stored_amax(a, 1.0, c0, False, 1.0, EXACT_ROUND)
-    else:
-        a_s = _stored_amax(a, ms, p0, SCALED_P, SRC_MAX, EXACT_ROUND)
+    a_s = _emitted_amax(a, ms, p0, c0, SCALED_P, HAS_COPY, SRC_MAX, EXACT_ROUND)
     return _pow2_scale(a_s, 1.0, E_EXP, E_MANT, E_MARGIN)
 
 
@@ -361,16 +375,14 @@ def _finalize_emit(
     # emit_fp8_weight_ref): fp32 [scale_inv, amax, scale, saturation, history], then int64 [nonfinite, 1] at byte 24.
     # Runs before the master's scale and amax are overwritten: it recomputes the scales the main pass used.
     ms = 1.0
-    if SCALED_P and not HAS_COPY:
+    if SCALED_P:
         ms = _write_scale(table_ptr, amax_out_ptr, t, 0, tl.load(_addr(table_ptr, t, 4, amax_out_ptr)), grad_unscale,
                           0.0, 0.0, 0.0, 0.0, decay, max_update, P_EXP, P_MANT, FRESH, SLACK)  # fmt: skip
     e_s = _emit_scale(table_ptr, amax_out_ptr, t, ms, p0, c0, grad_unscale, decay, max_update, SCALED_P, HAS_COPY,
                       SRC_MAX, E_EXP, E_MANT, E_MARGIN, FRESH, SLACK, EXACT_ROUND)  # fmt: skip
-    fresh = tl.load(amax_out_ptr + t * 4)
-    if HAS_COPY:
-        a_s = _stored_amax(fresh, 1.0, c0, False, 1.0, EXACT_ROUND)
-    else:
-        a_s = _stored_amax(fresh, ms, p0, SCALED_P, SRC_MAX, EXACT_ROUND)
+    a_s = _emitted_amax(tl.load(amax_out_ptr + t * 4), ms, p0, c0, SCALED_P, HAS_COPY, SRC_MAX, EXACT_ROUND)
+    if HAS_COPY:  # the copy is cast unscaled
+        ms = 1.0
     inv_ms = tl.div_rn(1.0, ms)  # exact: powers of two
     n = tl.load(table_ptr + t * 16 + 12).to(tl.float32)
     rec = _addr(table_ptr, t, 15, amax_out_ptr)

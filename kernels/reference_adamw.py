@@ -20,6 +20,7 @@ from lightning_fp8.kernels.reference import _FP8_MAX, amax_ref, cast_to_fp8_ref,
 #     w = w_stored * ((1 / w_scale) * (1 - lr * wd)) - (m / (sqrt(v) + eps_hat)) * step_size_hat
 #     state = RNE(saturate(x * new_scale))         new_scale = pow2_scale(a), a = the fresh amax (two_pass) or an upper
 #                                                  bound of it known before the update (one pass; see adamw_bound_ref)
+#     copy = RNE(state_p / new_p_scale)             a high-precision copy of the weight (if any): the stored master
 #
 # The per-tensor factors in parentheses are fp32 (1 / scale is exact: scales are powers of two); fp32/bf16 states are
 # unscaled (factor beta1, beta2, 1 - lr * wd). Bias correction is folded into two per-step constants, Adam's efficient
@@ -164,7 +165,8 @@ def adamw_step_ref(
         grad_amaxes: with ``two_pass=False`` and ``scales``: per tensor 0-dim fp32 ``max|grad * grad_scale_inv|``
             (before any FP8 rounding of the gradient); needs ``beta1**2 < beta2``.
         param_copies: optional high-precision tensors that receive the new unscaled weights (a model parameter that
-            is not the master's storage), in their own dtype.
+            is not the master's storage), in their own dtype: the master as stored, unscaled, so that the weight is
+            what the master holds (a state dict of the model and one of the optimizer agree).
         fp8_weights: optional FP8 tensors (one format), the params' shapes: receive the FP8 cast of the weight the
             model reads (``param_copies`` if given, else ``params``' storage, unscaled by its scale) exactly as an
             FP8Linear forward casts it (current scaling, see :func:`emit_fp8_weight_ref`).
@@ -213,14 +215,26 @@ def adamw_step_ref(
                 dst.copy_(x)
             if amaxes is not None:
                 amaxes[i][j].copy_(fresh[j])
-        if param_copies is not None:
-            param_copies[i].copy_(new[0])
+        p_scale = state_scales[0] if _is_scaled(p, state_scales[0]) else None  # the new one, after the store
+        if param_copies is not None:  # the master as stored (rounded), unscaled: the weight is what the master holds
+            param_copies[i].copy_(p.float() / p_scale if p_scale is not None else p.float())
         if fp8_weights is not None:
-            src, unscale = (param_copies[i], None) if param_copies is not None else (p, None)
-            if param_copies is None and _is_scaled(p, state_scales[0]):
-                unscale = state_scales[0]
+            src, unscale = (param_copies[i], None) if param_copies is not None else (p, p_scale)
+            if param_copies is not None and not two_pass:  # the copy's bound: the master's stored image, unscaled
+                emit_bound = stored_amax_ref(emit_bound, p.dtype, p_scale)
+                emit_bound = emit_bound / p_scale if p_scale is not None else emit_bound
             emit_fp8_weight_ref(src, unscale, None if two_pass else emit_bound, fp8_weights[i], fp8_weight_stats[i],
                                 fp8_margin)  # fmt: skip
+
+
+def stored_amax_ref(a: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """The amax of values stored in ``dtype`` (times ``scale``, a power of two, for scaled storage) whose fp32 amax
+    is ``a``: the storage's rounding is monotonic, so it is ``a``'s stored image (a scaled store saturates at the
+    format max; a non-finite ``a`` gives ``inf``). 0-dim fp32, scaled like the storage."""
+    y = a.float() * scale if scale is not None else a.float()
+    if scale is not None:  # as the scaled store: saturate at the format max, NaN for a non-finite value
+        y = torch.where(torch.isfinite(y), y.clamp(max=SCALED_STATE_MAX[dtype]), torch.nan)
+    return amax_ref(y.to(dtype))
 
 
 def fp8_weight_record_views(record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,13 +284,7 @@ def emit_fp8_weight_ref(
     An amax of 0 or a non-finite one gives scale 1 (the forward would keep its previous scale).
     """
     fmax = _FP8_MAX[out.dtype]
-    if bound is None:
-        a = amax_ref(src)
-    else:
-        y = bound.float() * unscale if unscale is not None else bound.float()
-        if unscale is not None:  # as the scaled store: saturate at the format max, NaN for a non-finite value
-            y = torch.where(torch.isfinite(y), y.clamp(max=SCALED_STATE_MAX[src.dtype]), torch.nan)
-        a = amax_ref(y.to(src.dtype))
+    a = amax_ref(src) if bound is None else stored_amax_ref(bound, src.dtype, unscale)
     scale = pow2_scale_ref(a, fmax, margin, torch.ones((), dtype=torch.float32, device=src.device))
     x_fp8, _, amax, n_saturated = cast_to_fp8_ref(src, scale, out.dtype)
     out.copy_(x_fp8.view(out.shape))

@@ -3,11 +3,13 @@ parameter whose states are those of any parameter of its dtype (a bf16 one keeps
 not stepped yet is handed back to param.grad, at O1 and O2. Checked against torch.optim.AdamW continuing from the
 released state."""
 
+import io
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_fp8 import FP8AdamW, convert_to_fp8
+from lightning_fp8 import FP8AdamW, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.optim import master
 from lightning_fp8.recovery import put_back_to_high_precision
 from tests.numerics import assert_same
@@ -27,7 +29,7 @@ def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
 
 def _backward(model: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(8, 32, generator=gen).to(model[0].weight.dtype)
+    x = torch.randn(8, 32, generator=gen).to(model[0].weight.device, model[0].weight.dtype)
     model(x).float().square().mean().backward()
 
 
@@ -134,3 +136,45 @@ def test_a_released_weight_is_no_longer_counted_as_held_in_fp8(opt_level):
     assert model[0].weight.grad is not None  # the gradient stays in param.grad
     with pytest.raises(ValueError, match="would miss"):  # the other weight is still held
         scaler.clip_grad_norm_([model[2].weight], 1.0)
+
+
+def _roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_weights_are_their_masters_and_a_resumed_run_continues_bit_for_bit(dtype, device):
+    """After release_weights() each step wrote the weight from the unrounded update while the master kept its fp16
+    rounding: the model's state dict and the optimizer's disagreed (up to an fp16 ulp), and a run resumed from them
+    (the master put back) left the uninterrupted run's path. Now the weight is the stored master, unscaled."""
+
+    def step(model, opt, seed):
+        _backward(model, seed)
+        opt.step()
+        opt.zero_grad()
+
+    model = _model(dtype).to(device)
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, 0)
+    opt.release_weights()
+    step(model, opt, 1)
+    for weight in (model[0].weight, model[2].weight):
+        state = opt.state[weight]
+        assert_same(weight.detach(), (state["master"].float() / state["master_scale"]).to(dtype))
+    saved = [_roundtrip(x) for x in (model.state_dict(), opt.state_dict(), fp8_state_dict(model))]
+    resumed = _model(dtype).to(device)
+    resumed.load_state_dict(saved[0])
+    load_fp8_state_dict(resumed, saved[2])
+    resumed_opt = FP8AdamW(resumed.parameters(), lr=1e-2)
+    resumed_opt.load_state_dict(saved[1])  # the masters back in the weights' storage
+    resumed_opt.release_weights()  # and apart again, as in the run saved
+    for seed in (2, 3, 4):
+        step(model, opt, seed)
+        step(resumed, resumed_opt, seed)
+        for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+            assert_same(p.detach(), q.detach())
+            assert all(torch.equal(opt.state[p][key], resumed_opt.state[q][key]) for key in opt.state[p])

@@ -26,7 +26,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _make(device, shapes, dtypes, *, scaled, fp8_grads, copies):
+def _make(device, shapes, dtypes, *, scaled, fp8_grads, copies, copy_dtype=BF16):
     """Random states of a few steps into training, stored as the optimizer stores them."""
     p_dt, m_dt, v_dt, g_dt = dtypes
     tensors = []
@@ -49,7 +49,7 @@ def _make(device, shapes, dtypes, *, scaled, fp8_grads, copies):
                 "amaxes": amaxes,
                 "gsi": torch.tensor(2.0**-10),
                 "gamax": (g * 2**10).abs().max() * 2.0**-10 if fp8_grads else g.abs().max(),
-                "copy": torch.zeros(shape, dtype=BF16),
+                "copy": torch.zeros(shape, dtype=copy_dtype),
             }
         )
     return [{k: (v.to(device) if torch.is_tensor(v) else [x.to(device) for x in v]) for k, v in t.items()}
@@ -88,6 +88,8 @@ CASES = {
     "o2_fp8_grad": ((F16, E4M3, F16, E5M2), True, True, False),
     "o2_fp16_grad": ((F16, E4M3, F16, F16), True, False, False),
     "o2_e5m2_moment_fp32_grad": ((F16, E5M2, F16, F32), True, False, False),
+    # O2 with the fp16 master kept apart from the weight (FP8AdamW.release_weights(), FSDP2 shards)
+    "o2_master_apart": ((F16, E4M3, F16, E5M2), True, True, True),
     "fp32": ((F32, F32, F32, F32), False, False, False),
     "fp32_master_bf16_param": ((F32, F32, F32, BF16), False, False, True),
     # FP8AdamW(low_precision_moments="all"): a high-precision master (its scale unused) with scaled moments
@@ -113,6 +115,21 @@ def test_kernel_matches_reference_bit_for_bit(case, two_pass):
     for d in expected:
         for s in d["scales"]:
             assert torch.frexp(s).mantissa.item() == 0.5
+
+
+@pytest.mark.parametrize("copy_dtype", [BF16, F32])
+@pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize("step", [adamw.adamw_step, reference_adamw.adamw_step_ref], ids=["kernel", "reference"])
+def test_a_weight_kept_apart_from_its_scaled_master_is_the_stored_master(step, two_pass, copy_dtype):
+    """The copy held the unrounded update while the fp16 master held its rounding: a model state dict and the
+    optimizer's disagreed by up to an fp16 ulp, and a run resumed from them (the master put back into the weight) left
+    the uninterrupted one's path."""
+    dtypes, scaled, fp8_grads, copies = CASES["o2_master_apart"]
+    tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies, copy_dtype=copy_dtype)
+    for d in _run(step, tensors, scaled=scaled, fp8_grads=fp8_grads, copies=copies, two_pass=two_pass):
+        stored = d["p"].float() / d["scales"][0]  # exact: a power-of-two scale
+        assert torch.equal(_bits(d["copy"]), _bits(stored.to(copy_dtype)))
+        assert not torch.equal(d["copy"], torch.zeros_like(d["copy"]))
 
 
 def _spoil(tensors, case):
