@@ -211,6 +211,8 @@ def _check_tensor(what: str, value: Any, p: torch.Tensor) -> None:
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         kind = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
         raise ValueError(f"{what} is {kind}, not a floating-point tensor: {_FIX}")
+    if value.layout != torch.strided:  # (the checks below would fail on it with NotImplementedError)
+        raise ValueError(f"{what} is a {value.layout} tensor; optimizer states are dense: load it with .to_dense()")
     if shards.is_dtensor(value) and not shards.is_dtensor(p):
         raise ValueError(
             f"{what} is sharded (a DTensor) and its parameter is not: load a sharded checkpoint into the model sharded "

@@ -80,6 +80,9 @@ CORRUPTIONS = {
     "moment_missing": (2, lambda s: s.pop("exp_avg_sq"), r"without \['exp_avg_sq'\]"),
     "step_vector": (0, lambda s: s.update(step=torch.tensor([1.0, 2.0])), "step is"),
     "scale_string": (2, lambda s: s.update(exp_avg_scale="1.0"), "not a floating-point tensor"),
+    # (the value checks raised NotImplementedError on it)
+    "moment_sparse": (3, lambda s: s.update(exp_avg=s["exp_avg"].to_sparse()), "sparse_coo tensor; optimizer states"),
+    "master_sparse": (2, lambda s: s.update(master=s["master"].float().to_sparse()), "sparse_coo tensor; optimizer st"),
     # The fp16 storage of an adopted master is weight * scale: without the scale it would load as 2**k times the weight.
     "master_without_scale": (2, lambda s: [s.pop("master_scale"), s.pop("master_amax")], "without its 'master_scale'"),
     "moment_nan": (2, lambda s: s.update(exp_avg=_filled(s["exp_avg"], "nan")), "holds inf or NaN"),
