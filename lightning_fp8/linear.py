@@ -119,7 +119,7 @@ class FP8Linear(nn.Linear):
     several wait (micro-batch losses summed into one backward, pipeline orders, the layer twice in one region), it
     warns and casts with the recomputed input's own amax, recording nothing: FP8-accurate, not bit for bit
     (:mod:`lightning_fp8.recompute`). Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
-    no_grad) recomputes with the current scale and records the casts again. ``torch.compile`` does not trace a
+    no_grad and keeps nothing) takes that path too, warning once. ``torch.compile`` does not trace a
     checkpointed region holding FP8 layers (their traced forwards have a Python side effect): it runs the region
     eagerly, with the rule above, also after a recompile (``fullgraph=True`` cannot cover such a region). Compile
     outside the checkpoint, not inside it (docs/concepts/gemms.md).

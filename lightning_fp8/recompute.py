@@ -19,8 +19,9 @@ later recomputes of the layer ambiguous. A forward inside a checkpointed region 
 graph of the layer (a frozen layer with an input that needs no gradient, a forward under no_grad, an output the region
 does not use): its call is also kept by the region, while the region's saved tensors live (torch >= 2.8, which shows
 the saved-tensor hooks; on older torch such a recompute finds no forward and takes the own-amax path). A
-non-reentrant recompute never records: where it finds no forward of the layer waiting, it casts with its own amax
-and warns too. Used by :class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
+recompute never records: where it finds no forward of the layer waiting, it casts with its own amax and warns too;
+so does a reentrant recompute (``use_reentrant=True``), whose forward ran under no_grad and kept nothing. Used by
+:class:`~lightning_fp8.FP8Linear` and :class:`~lightning_fp8.FP8MLP`.
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     """``(call, replaying)`` for a forward of the layer whose input scaling state is ``state``: a new call to keep
     (``replaying`` False) for an eager forward with grad enabled or inside a checkpointed region that is not a
     recompute (also one inside a backward: a tensor hook's); for a recompute (a forward that torch.utils.checkpoint
-    runs again in a backward) the call it repeats (``replaying`` True), or :data:`_OWN_AMAX` where it cannot tell;
-    ``(None, False)`` for a reentrant recompute, under no_grad elsewhere and when traced (torch.compile recomputes
-    inside its own graphs)."""
+    runs again in a backward) the call it repeats (``replaying`` True), or :data:`_OWN_AMAX` where it cannot tell
+    (always for a reentrant recompute: its forward kept nothing); ``(None, False)`` under no_grad elsewhere and when
+    traced (torch.compile recomputes inside its own graphs)."""
     if torch.compiler.is_compiling():
         # A Python side effect on purpose: dynamo traces a checkpointed region only where its body has none, and
         # traced, the backward's recompute of the input cast would read the delayed scale that the forward has moved
@@ -118,7 +119,13 @@ def _untraced_under_skipped_side_effects() -> None:
 
 def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None, bool]:
     if _in_reentrant_recompute():
-        return None, False
+        warn_once(
+            "activation checkpointing with use_reentrant=True: its forward ran under no_grad, so the recompute of an "
+            "FP8 layer cannot repeat that forward's casts: it casts with the recomputed input's own amax and records "
+            "nothing (the forward recorded). The gradients stay FP8-accurate, but are not bit for bit an unchecked "
+            "run's; use_reentrant=False (Lightning's and FSDP's activation checkpointing use it) gives those."
+        )
+        return _OWN_AMAX, True
     calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
     pending = [c for c in calls if task not in c.done]  # forwards this backward has not run through (retain_graph)
     if len(pending) == 1:

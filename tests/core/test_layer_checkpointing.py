@@ -255,16 +255,25 @@ def test_compiled_checkpointed_region_with_dynamos_side_effect_skipping_on(recwa
     assert any("skip_fwd_side_effects_in_bwd_under_checkpoint" in str(w.message) for w in recwarn)
 
 
-def test_reentrant_checkpoint_recomputes_with_the_current_scale_even_with_another_graph_alive():
-    """use_reentrant=True runs its forward under no_grad (nothing kept): its recompute casts with the current scale and
-    records the casts again, as documented, also while another forward of the layer waits for its backward (it once
-    replayed that other forward's scales)."""
+def test_reentrant_checkpoint_recomputes_with_its_own_amax_and_records_once():
+    """use_reentrant=True runs its forward under no_grad (nothing kept to repeat): its recompute recorded the casts a
+    second time (the amax history held each step twice) with the scale the forward had moved since; now it casts with
+    the recomputed input's own amax, records nothing and warns, also while another forward of the layer waits for its
+    backward (it once replayed that other forward's scales)."""
     layer = FP8Linear(32, 32)
     layer(torch.randn(8, 32)).sum().backward()  # delayed scales from now on
     pending = layer(torch.randn(8, 32) * 64).sum()  # another graph of the layer, alive, not backpropagated
-    casts = int(layer.fp8_scaling["input"].casts)
-    checkpoint(layer, torch.randn(8, 32, requires_grad=True), use_reentrant=True).sum().backward()
-    assert int(layer.fp8_scaling["input"].casts) == casts + 2  # the no_grad forward and the recompute
+    layer.zero_grad()
+    state = layer.fp8_scaling["input"]
+    casts = int(state.casts)
+    x = torch.randn(8, 32, requires_grad=True) * 3  # a range the delayed scale has not seen
+    x.retain_grad()
+    with pytest.warns(UserWarning, match="use_reentrant=True"):
+        checkpoint(layer, x, use_reentrant=True).sum().backward()
+    assert int(state.casts) == casts + 1  # the no_grad forward only
+    # The weight gradient of the recompute's cast (own amax, E4M3) against the fp32 one: within FP8's rounding.
+    exact = torch.ones(8, 32).t() @ x.detach()
+    torch.testing.assert_close(layer.weight.grad, exact, rtol=0.07, atol=0.07 * float(exact.abs().max()))
     del pending
 
 
