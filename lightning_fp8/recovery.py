@@ -32,6 +32,7 @@ from lightning_fp8.linear import FP8Linear
 from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import master
 from lightning_fp8.optim.shards import is_dtensor
+from lightning_fp8.stats import clean_name, wraps_as_module
 
 
 class UnfusedMLP(nn.Module):
@@ -127,7 +128,9 @@ def fallback_to_high_precision(
         what = [lower_lr(opt, lr_factor) for opt in skipped][-1] if skipped else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"
     put_back_to_high_precision(model, names, optimizers)
-    return f"put {len(names)} layer(s) back to high precision: {', '.join(names)}"
+    # The names as the user's model has them (not torch.compile's "_orig_mod." or a DDP/FSDP wrapper's path).
+    shown = [clean_name(name, strip_module=wraps_as_module(model)) for name in names]
+    return f"put {len(names)} layer(s) back to high precision: {', '.join(shown)}"
 
 
 def fallen_back_layers(model: nn.Module) -> list[str]:

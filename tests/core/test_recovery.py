@@ -473,6 +473,19 @@ def test_a_fallback_without_a_layer_to_blame_lowers_the_learning_rate_of_the_ski
     assert (opt_a.param_groups[0]["lr"], opt_b.param_groups[0]["lr"]) == (5e-4, 1e-3)
 
 
+def test_the_fallback_of_a_compiled_model_names_its_layers_as_the_model_does():
+    """The scaler's history named the layers of a torch.compile'd model by the wrapper's path ("_orig_mod.2"), not as
+    the model and the checkpoint's fallen_back_layers name them."""
+    model = _model()
+    compiled = torch.compile(model)  # (never called: only its module names matter here)
+    scaler = FP8GradScaler(nonfinite_fallback=compiled, fallback_after=2)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    for _ in range(2):
+        _step(opt, scaler, model(torch.randn(8, 32)).square().mean() * math.nan)
+    assert fallen_back_layers(model) == ["0", "2"]
+    assert scaler.history[-1]["reason"].endswith("put 2 layer(s) back to high precision: 0, 2")
+
+
 @pytest.mark.parametrize("bad", ["first", "last"])
 def test_with_accumulation_the_fallback_blames_the_layers_of_any_micro_batch(bad):
     """The non-finite micro-batch first or last of an accumulated step: the same layers go back (with the NaN first,
