@@ -112,7 +112,8 @@ def _check_fp8_params(state: FP8CommState, bucket: dist.GradBucket) -> None:
 
 
 def _param_numels(buffer: torch.Tensor, params: list) -> list:
-    numels = [p.numel() for p in params]
+    # A complex parameter's gradient lies in the bucket as its real view: two elements per value.
+    numels = [p.numel() * (2 if p.is_complex() else 1) for p in params]
     return numels if sum(numels) == buffer.numel() else None
 
 
