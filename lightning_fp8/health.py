@@ -75,6 +75,25 @@ def _as_step(step: object, caller: str) -> int:
         ) from None
 
 
+def _as_value(value: Any, name: str, expected: str) -> float | None:
+    """``value`` as a float (``None`` stays ``None``), or a TypeError naming ``observe(name=...)``: a number, a NumPy
+    number or a one-element tensor converts; a string does not (``float("1")`` would take it for a number), nor a
+    bool."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
+        raise TypeError(
+            f"HealthMonitor.observe({name}={repr(value)[:100]}) expects {expected}, got {type(value).__name__}"
+        ) from None
+
+
+_NUMBER = "a number (a Python or NumPy number, or a 0-dim tensor) or None"
+
+
 def _memory_value(value: Any) -> float | None:
     # observe(memory_gib=...) takes a number of GiB or what memory_gib() returns (its "peak" entry).
     if isinstance(value, Mapping):
@@ -84,17 +103,7 @@ def _memory_value(value: Any) -> float | None:
                 "pass a number of GiB or the dict memory_gib(device) returns"
             )
         value = value["peak"]
-    if value is None:
-        return None
-    try:
-        if isinstance(value, (str, bytes)):  # float("1") would take a string for a number
-            raise TypeError
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            "HealthMonitor.observe(memory_gib=...) expects a number of GiB or the dict memory_gib(device) returns, "
-            f"got {type(value).__name__}"
-        ) from None
+    return _as_value(value, "memory_gib", "a number of GiB or the dict memory_gib(device) returns")
 
 
 def _mean_std(values: Iterable[float]) -> tuple[float, float]:
@@ -151,18 +160,24 @@ class HealthMonitor:
                 entry is recorded (present on CPU and CUDA).
 
         Raises:
-            TypeError: if ``memory_gib`` is neither a number nor a mapping with a ``"peak"`` entry, or ``step`` is not
-                an integer (a Python, NumPy or 0-dim tensor integer, stored as a Python int).
+            TypeError: if a value is not a number (a string, a bool; ``None`` leaves it out), ``memory_gib`` is
+                neither a number nor a mapping with a ``"peak"`` entry, or ``step`` is not an integer (a Python, NumPy
+                or 0-dim tensor integer, stored as a Python int). Nothing is recorded then.
         """
         step = _as_step(step, "observe")
+        given = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "samples": samples, "tokens": tokens,
+                 "seconds": seconds}  # fmt: skip
+        converted = {name: _as_value(value, name, _NUMBER) for name, value in given.items()}
         memory_gib = _memory_value(memory_gib)
         self._observations += 1
         events: list[HealthEvent] = []
-        values = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "memory_gib": memory_gib}
+        values = {name: converted[name] for name in ("loss", "grad_norm", "param_norm")}
+        values["memory_gib"] = memory_gib
+        seconds, samples, tokens = converted["seconds"], converted["samples"], converted["tokens"]
         if seconds is not None and seconds > 0:
             values["samples_per_sec"] = None if samples is None else samples / seconds
             values["tokens_per_sec"] = None if tokens is None else tokens / seconds
-        values = {k: float(v) for k, v in values.items() if v is not None}
+        values = {k: v for k, v in values.items() if v is not None}
         for name, value in values.items():
             self.series[name].append((step, value))
         for name in ("loss", "grad_norm"):

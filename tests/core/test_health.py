@@ -154,6 +154,29 @@ def test_observe_takes_what_memory_gib_returns():
     assert len(monitor.series["memory_gib"]) == 2 and monitor._observations == 2  # a refused call records nothing
 
 
+@pytest.mark.parametrize(
+    ("values", "name"),
+    [
+        ({"loss": "1.0"}, "loss"),  # recorded as 1.0 before: a numeric string taken for a number
+        ({"grad_norm": True}, "grad_norm"),
+        ({"param_norm": [1.0, 2.0]}, "param_norm"),
+        ({"samples": "8", "seconds": 1.0}, "samples"),  # a raw "unsupported operand type(s) for /" before
+        ({"tokens": 8, "seconds": "1"}, "seconds"),
+        ({"tokens": torch.ones(3), "seconds": 1.0}, "tokens"),  # several values: not a count
+    ],
+)
+def test_observe_refuses_a_value_that_is_not_a_number_and_records_nothing(values, name):
+    monitor = HealthMonitor()
+    with pytest.raises(TypeError, match=rf"HealthMonitor.observe\({name}=.*expects a number"):
+        monitor.observe(0, **values)
+    assert not any(monitor.series.values()) and monitor._observations == 0
+    np = pytest.importorskip("numpy")
+    # Python, NumPy and one-element tensor numbers still go in.
+    monitor.observe(1, loss=np.float32(0.5), samples=np.int64(8), tokens=torch.tensor(16), seconds=0.5)
+    assert monitor.series["loss"] == [(1, 0.5)] and monitor.series["tokens_per_sec"] == [(1, 32.0)]
+    assert monitor.series["samples_per_sec"] == [(1, 16.0)]
+
+
 def test_no_spike_alerts_during_warmup_or_for_ordinary_noise():
     monitor = HealthMonitor(HealthConfig(window=20, warmup_steps=15))
     events = [monitor.observe(s, grad_norm=v) for s, v in enumerate([1.0, 50.0, 1.0] + _noisy(200, 1.0, 0.1))]

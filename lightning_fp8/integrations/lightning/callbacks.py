@@ -18,6 +18,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_fp8.recipe import as_count
+from lightning_fp8.recovery import fallen_back_layers
 from lightning_fp8.scaling import ROLES
 from lightning_fp8.stats import fp8_stats
 from lightning_fp8.warnings import warn_once
@@ -37,6 +39,31 @@ def reads_scaled_gradients(hook: Callable) -> Callable:
     overrides the hook is a reader again)."""
     setattr(hook, SCALED_GRADIENTS_MARK, True)
     return hook
+
+
+class MonitorArgumentTypeError(TypeError, ValueError):
+    """A monitor argument of the wrong type: a ``TypeError``, and a ``ValueError`` as the monitors raised for every bad
+    argument before (callers may catch either). A value of the right type out of range raises ``ValueError``."""
+
+
+def _check_count(owner: str, name: str, value: Any, low: int, meaning: str = "") -> int:
+    """``value`` as an ``int`` (a NumPy integer too, not a bool) of at least ``low``, or raise naming
+    ``owner(name=value)``: :class:`MonitorArgumentTypeError` for another type, ``ValueError`` below ``low``."""
+    value = as_count(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MonitorArgumentTypeError(
+            f"{owner}({name}={value!r}) must be an int >= {low}{meaning}, got {type(value).__name__}"
+        )
+    if value < low:
+        raise ValueError(f"{owner}({name}={value!r}) must be an int >= {low}{meaning}")
+    return value
+
+
+def _check_flag(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else raise :class:`MonitorArgumentTypeError` (``"no"`` is not False)."""
+    if not isinstance(value, bool):
+        raise MonitorArgumentTypeError(f"{owner}({name}={value!r}) must be True or False, got {type(value).__name__}")
+    return value
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -70,10 +97,8 @@ class _LoggingCallback(Callback):
     and logging with or without loggers."""
 
     def __init__(self, log_every_n_steps: int | None) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(f"{type(self).__name__}(log_every_n_steps={log_every_n_steps!r}) must be an int >= 1")
+        if log_every_n_steps is not None:
+            log_every_n_steps = _check_count(type(self).__name__, "log_every_n_steps", log_every_n_steps, 1)
         self.log_every_n_steps = log_every_n_steps
         self.last_metrics: dict[str, float] = {}
         self._last_step = -1
@@ -173,6 +198,13 @@ class FP8ScaleMonitor(_LoggingCallback):
             two, so a power of two reads naturally).
         alert_after_steps: warm-up, in optimizer steps, before scale drops and rises are alerted (default 100;
             0 alerts from the first comparison).
+
+    The counts take Python or NumPy integers, ``jump_factor`` any real number (a NumPy float too).
+
+    Raises:
+        TypeError: for an argument of the wrong type (not an integer, not a number, ``all_layers`` not a bool); it is
+            also a ``ValueError``, as these errors were before.
+        ValueError: for a value out of range (a count below its minimum, ``jump_factor`` not a finite number > 1).
     """
 
     def __init__(
@@ -183,14 +215,17 @@ class FP8ScaleMonitor(_LoggingCallback):
         alert_after_steps: int = 100,
     ) -> None:
         super().__init__(log_every_n_steps)
-        if isinstance(jump_factor, bool) or not isinstance(jump_factor, (int, float)) or not jump_factor > 1:
-            raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be > 1")
-        if isinstance(alert_after_steps, bool) or not isinstance(alert_after_steps, int) or alert_after_steps < 0:
-            raise ValueError(
-                f"FP8ScaleMonitor(alert_after_steps={alert_after_steps!r}) must be an int >= 0 (the warm-up in "
-                "optimizer steps before scale jumps are alerted)"
+        meaning = " (the scale ratio between two logs that counts as sudden)"
+        if isinstance(jump_factor, bool) or not isinstance(jump_factor, numbers.Real):
+            raise MonitorArgumentTypeError(
+                f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a number > 1{meaning}, got "
+                f"{type(jump_factor).__name__}"
             )
-        self.all_layers = all_layers
+        if not (math.isfinite(jump_factor) and jump_factor > 1):  # inf: no ratio reaches it, nothing would alert
+            raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a finite number > 1{meaning}")
+        alert_after_steps = _check_count("FP8ScaleMonitor", "alert_after_steps", alert_after_steps, 0,
+                                        " (the warm-up in optimizer steps before scale jumps are alerted)")  # fmt: skip
+        self.all_layers = _check_flag("FP8ScaleMonitor", "all_layers", all_layers)
         self.jump_factor = float(jump_factor)
         self.alert_after_steps = alert_after_steps
         self._warned_kinds: set[str] = set()
@@ -206,7 +241,14 @@ class FP8ScaleMonitor(_LoggingCallback):
         optimizer = _unwrap_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         stats = fp8_stats(pl_module, optimizer=optimizer, grad_scaler=grad_scaler_of(trainer))
         if not stats["layers"]:
-            if getattr(trainer.precision_plugin, "precision", None) == "fp8-lm":
+            fallen = fallen_back_layers(pl_module)
+            if fallen:  # converted, then all put back (FP8GradScaler(nonfinite_fallback="bf16")): not "converted none"
+                warn_once(
+                    f"FP8ScaleMonitor: all FP8 layers ({len(fallen)}) were put back to high precision by the "
+                    "gradient scaler's fallback (nonfinite_fallback='bf16'), so the model has no FP8 layers left: the "
+                    "fp8/{role}/* and fp8/layers/* series stop here"
+                )
+            elif getattr(trainer.precision_plugin, "precision", None) == "fp8-lm":
                 warn_once(
                     "FP8ScaleMonitor: the model has no FP8 layers: precision='fp8-lm' converted no linear layer "
                     "(convert_to_fp8's warnings say why for each)"

@@ -30,11 +30,15 @@ from lightning_fp8.health import (
     skipped_step_action,
 )
 from lightning_fp8.integrations.lightning.callbacks import (
+    MonitorArgumentTypeError,
+    _check_count,
+    _check_flag,
     _LoggingCallback,
     _unwrap_optimizer,
     grad_scaler_of,
     reads_scaled_gradients,
 )
+from lightning_fp8.integrations.lightning.health_args import _checked_plot_path, _checked_tokens, plot_file_for
 from lightning_fp8.warnings import warn_once
 
 
@@ -125,7 +129,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     (a skipped step halves mu: ``"skip_step+lower_mu"``; when that step also ran the scaler's fallback, its action
     is added to the same event: ``"skip_step+lower_mu+lower_lr"``, ``"...+fallback_bf16"``). At the end of fit a PNG
     of the series is written to ``plot_path`` (default ``<log_dir>/health.png``; needs matplotlib, else a warning)
-    and its path kept in ``.plot_file``; a fit that observed no step (``max_steps=0``) writes none (``None``).
+    and the path of the file written kept in ``.plot_file``; a fit that observed no step (``max_steps=0``) writes
+    none (``None``).
 
     The series travel in the Trainer's checkpoints, so a resumed run's running means and alerts continue those of
     the run that saved it.
@@ -135,10 +140,19 @@ class TrainingHealthMonitor(_LoggingCallback):
         log_every_n_steps: log period in training batches that stepped, i.e. in optimizer steps with one optimizer
             (default: the Trainer's).
         smoothing_window: steps of the running means (an int >= 1).
-        tokens_fn: ``fn(batch) -> int`` tokens in a batch (default: the size of the first integer tensor of rank
-            >= 2, if any).
-        plot: write the PNG at the end of fit.
-        plot_path: where to write it.
+        tokens_fn: ``fn(batch) -> int | None``, the tokens in a batch (a number or a one-element tensor; ``None``:
+            not known); default: the size of the first integer tensor of rank >= 2, if any.
+        plot: write the plot at the end of fit (True or False).
+        plot_path: where to write it (a str or ``os.PathLike``): a file (a name without suffix gets ``.png``, as
+            matplotlib adds it; another suffix chooses matplotlib's format, e.g. ``.svg``), or a folder (an existing
+            one, or a path ending in ``/``) to write ``health.png`` in. ``.plot_file`` is the file written.
+
+    Raises:
+        TypeError: for an argument of the wrong type (``tokens_fn`` not callable, ``plot`` not a bool, ``plot_path``
+            not a path, a count not an int); it is also a ``ValueError``, as these errors were before. During fit,
+            when ``tokens_fn`` returns something else than a count or ``None``.
+        ValueError: for a value out of range (a count below its minimum, a ``plot_path`` suffix matplotlib cannot
+            write); during fit, when ``tokens_fn`` returns a negative count.
     """
 
     def __init__(
@@ -148,17 +162,21 @@ class TrainingHealthMonitor(_LoggingCallback):
         smoothing_window: int = 20,
         tokens_fn: Callable[[Any], int | None] | None = None,
         plot: bool = True,
-        plot_path: str | None = None,
+        plot_path: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(log_every_n_steps)
-        if isinstance(smoothing_window, bool) or not isinstance(smoothing_window, int) or smoothing_window < 1:
-            raise ValueError(
-                f"TrainingHealthMonitor(smoothing_window={smoothing_window!r}) must be an int >= 1 (steps averaged)"
+        smoothing_window = _check_count("TrainingHealthMonitor", "smoothing_window", smoothing_window, 1,
+                                        " (steps averaged)")  # fmt: skip
+        if tokens_fn is not None and not callable(tokens_fn):
+            raise MonitorArgumentTypeError(
+                f"TrainingHealthMonitor(tokens_fn={tokens_fn!r}) must be a function batch -> number of tokens (or "
+                f"None), got {type(tokens_fn).__name__}"
             )
+        _checked_plot_path(plot_path)
         self.monitor = HealthMonitor(config)
         self.smoothing_window = smoothing_window
         self.tokens_fn = tokens_fn or count_tokens
-        self.plot = plot
+        self.plot = _check_flag("TrainingHealthMonitor", "plot", plot)
         self.plot_path = plot_path
         self.plot_file: str | None = None
         self._reset_window()
@@ -276,7 +294,7 @@ class TrainingHealthMonitor(_LoggingCallback):
         self._samples = None if samples is None or self._samples is None else self._samples + samples
         tokens = self.tokens_fn(batch)
         if tokens is not None:
-            self._tokens = (self._tokens or 0) + tokens
+            self._tokens = (self._tokens or 0) + _checked_tokens(tokens, self.tokens_fn)
         if self._stepped(trainer):
             self._observe(trainer, pl_module)
 
@@ -357,7 +375,10 @@ class TrainingHealthMonitor(_LoggingCallback):
             return
         # On every rank: Trainer.log_dir is a collective (it broadcasts rank zero's directory), so rank zero alone
         # reading it would wait for the other ranks forever (NCCL) or fail once they have left (gloo).
-        path = self.plot_path or os.path.join(trainer.log_dir or trainer.default_root_dir, "health.png")
+        if self.plot_path:
+            path = plot_file_for(self.plot_path)
+        else:  # the log directory may not exist yet: a folder by name, whatever plot_file_for would make of it
+            path = os.path.join(trainer.log_dir or trainer.default_root_dir, "health.png")
         if not trainer.is_global_zero:
             return
         try:
@@ -367,8 +388,7 @@ class TrainingHealthMonitor(_LoggingCallback):
             return
         if not any(self.monitor.series.values()):  # a fit that stepped no optimizer (max_steps=0): nothing to plot
             return
-        plot_health(self.monitor, path)
-        self.plot_file = path
+        self.plot_file = plot_health(self.monitor, path)
 
     @override
     def _settings(self) -> dict[str, tuple[Any, Any]]:

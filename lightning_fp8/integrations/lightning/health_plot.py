@@ -20,11 +20,15 @@ _EVENT_COLORS = {
 }
 
 
-def plot_health(monitor: HealthMonitor, path: str) -> str:
-    """Write the plot to ``path`` (directories are created); returns ``path``.
+def plot_health(monitor: HealthMonitor, path: str | os.PathLike[str]) -> str:
+    """Write the plot to ``path`` (directories are created; a name without suffix gets ``.png``, as ``savefig``
+    would add it); returns the path of the file written.
 
     A monitor that observed nothing (a fit that stepped no optimizer) gets one empty panel saying so.
     """
+    path = os.fspath(path)
+    if not os.path.splitext(path)[1]:
+        path += ".png"
     series = {name: points for name, points in monitor.series.items() if points}
     fig, axes = plt.subplots(max(len(series), 1), 1, figsize=(8, 2.2 * max(len(series), 1)), sharex=True, squeeze=False)
     if not series:

@@ -198,8 +198,61 @@ def test_gradient_accumulation_observes_each_optimizer_step_once(tmp_path):
 
 
 def test_scale_monitor_rejects_a_bad_jump_factor():
-    with pytest.raises(ValueError, match=r"jump_factor='x'\) must be > 1"):
+    with pytest.raises(TypeError, match=r"jump_factor='x'\) must be a number > 1 .*got str"):
         FP8ScaleMonitor(jump_factor="x")
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        # Types: a TypeError (also a ValueError, as these were) saying what is expected, not the range message.
+        (lambda: FP8ScaleMonitor(jump_factor="16"), TypeError, r"jump_factor='16'\) must be a number > 1"),
+        (lambda: FP8ScaleMonitor(log_every_n_steps=5.0), TypeError, r"log_every_n_steps=5.0\) must be an int >= 1"),
+        (lambda: FP8ScaleMonitor(alert_after_steps=2.5), TypeError, "alert_after_steps=2.5.*got float"),
+        (lambda: FP8ScaleMonitor(all_layers="no"), TypeError, r"all_layers='no'\) must be True or False"),
+        (lambda: TrainingHealthMonitor(tokens_fn=5), TypeError, r"tokens_fn=5\) must be a function"),
+        (lambda: TrainingHealthMonitor(plot_path=5), TypeError, r"plot_path=5\) must be a path"),
+        (lambda: TrainingHealthMonitor(plot="no"), TypeError, r"plot='no'\) must be True or False"),
+        (lambda: TrainingHealthMonitor(smoothing_window=2.0), TypeError, "smoothing_window=2.0.*got float"),
+        # Ranges: a ValueError. An infinite jump factor is never reached: nothing would ever alert.
+        (lambda: FP8ScaleMonitor(jump_factor=math.inf), ValueError, r"jump_factor=inf\) must be a finite number > 1"),
+        (lambda: FP8ScaleMonitor(jump_factor=math.nan), ValueError, "must be a finite number > 1"),
+        (lambda: FP8ScaleMonitor(alert_after_steps=-1), ValueError, r"alert_after_steps=-1\) must be an int >= 0"),
+        (lambda: TrainingHealthMonitor(plot_path="health.txt"), ValueError, r"cannot write a '\.txt' file"),
+    ],
+)
+def test_monitor_arguments_are_checked_when_the_monitor_is_built(make, error, match):
+    # Each was accepted (or refused with the range message) and failed mid-fit, at the end of fit, or never.
+    with pytest.raises(error, match=match) as raised:
+        make()
+    if error is TypeError:
+        assert isinstance(raised.value, ValueError)  # what the type errors raised before: callers may catch either
+    else:
+        assert not isinstance(raised.value, TypeError)
+
+
+def test_monitors_take_numpy_numbers_as_health_config_does():
+    np = pytest.importorskip("numpy")
+    # np.float32(4) was refused as "must be > 1", NumPy counts as not ints (HealthConfig takes them).
+    monitor = FP8ScaleMonitor(log_every_n_steps=np.int64(5), jump_factor=np.float32(4), alert_after_steps=np.int64(10))
+    assert (monitor.log_every_n_steps, monitor.jump_factor, monitor.alert_after_steps) == (5, 4.0, 10)
+    kinds = [type(monitor.log_every_n_steps), type(monitor.jump_factor), type(monitor.alert_after_steps)]
+    assert kinds == [int, float, int]  # plain Python numbers: the state key and the checkpoint hold them
+    assert monitor.state_key == FP8ScaleMonitor(log_every_n_steps=5, jump_factor=4, alert_after_steps=10).state_key
+    health = TrainingHealthMonitor(log_every_n_steps=np.int32(2), smoothing_window=np.int64(3))
+    assert (health.log_every_n_steps, health.smoothing_window) == (2, 3) and type(health.smoothing_window) is int
+
+
+def test_a_tokens_fn_that_returns_no_number_is_named_in_the_error(tmp_path):
+    # A raw "unsupported operand type(s) for +: 'int' and 'str'" after the first step before.
+    def tokens_of(batch):
+        return "24"
+
+    with pytest.raises(TypeError, match=r"tokens_fn=.*tokens_of\) returned '24' \(str\) for a batch: it must return"):
+        _fit(GPTModule(), tmp_path, [TrainingHealthMonitor(plot=False, tokens_fn=tokens_of)], max_steps=1)
+    health = TrainingHealthMonitor(plot=False, log_every_n_steps=1, tokens_fn=lambda batch: torch.tensor(10))
+    _fit(GPTModule(), tmp_path / "tensor", [health], max_steps=1)  # a one-element tensor is a count
+    assert len(health.monitor.series["tokens_per_sec"]) == 1
 
 
 def _layer_stats(scale_in, scale_grad):
@@ -712,6 +765,21 @@ def test_a_fit_that_steps_nothing_ends_normally_without_a_plot(tmp_path, limits)
     assert not list(tmp_path.rglob("health.png"))
 
 
+def test_plot_file_is_the_file_written_whatever_plot_path_names(tmp_path):
+    """A plot_path without suffix made matplotlib write `health.png` while .plot_file said `health` (no such file); a
+    folder made it write `<folder>.png` beside it. Now a name without suffix gets .png, and a folder (an existing one,
+    or a path ending in a separator) gets health.png inside it."""
+    (tmp_path / "existing").mkdir()
+    paths = [tmp_path / "plots" / "health", tmp_path / "existing", f"{tmp_path / 'new'}/", tmp_path / "curves.svg"]
+    monitors = [TrainingHealthMonitor(plot_path=path, log_every_n_steps=1) for path in paths]
+    _fit(GPTModule(), tmp_path / "run", monitors, max_steps=1)
+    expected = [tmp_path / "plots" / "health.png", tmp_path / "existing" / "health.png",
+                tmp_path / "new" / "health.png", tmp_path / "curves.svg"]  # fmt: skip
+    assert [monitor.plot_file for monitor in monitors] == [str(path) for path in expected]
+    assert all(path.stat().st_size > 1000 for path in expected)
+    assert not (tmp_path / "existing.png").exists() and not (tmp_path / "plots" / "health").exists()
+
+
 def test_plot_health_of_an_empty_monitor_writes_an_empty_plot(tmp_path):
     from lightning_fp8 import HealthMonitor
     from lightning_fp8.integrations.lightning.health_plot import plot_health
@@ -719,6 +787,21 @@ def test_plot_health_of_an_empty_monitor_writes_an_empty_plot(tmp_path):
     path = tmp_path / "sub" / "empty.png"
     assert plot_health(HealthMonitor(), str(path)) == str(path)
     assert path.stat().st_size > 1000
+
+
+def test_scale_monitor_says_the_fp8_layers_fell_back_not_that_none_were_converted(tmp_path, monkeypatch):
+    # After FP8GradScaler(nonfinite_fallback="bf16") put every layer back, it warned that fp8-lm converted none.
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    plugin = FP8LMPrecision(grad_scaler={"nonfinite_fallback": "bf16", "fallback_after": 2})
+    monitor = FP8ScaleMonitor(log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(NaNAt((1, 2)), tmp_path, [monitor], precision=None, plugins=[plugin], max_steps=5)
+    assert [e for e in plugin.grad_scaler.history if e["action"] == "fallback"]  # it did run
+    texts = [str(w.message) for w in record if "FP8ScaleMonitor" in str(w.message)]
+    assert not [text for text in texts if "converted no linear layer" in text], texts
+    fell_back = [text for text in texts if "put back to high precision by the gradient scaler's fallback" in text]
+    assert len(fell_back) == 1, texts  # once, although steps 4 and 5 logged without FP8 layers too
 
 
 class RawText(GPTModule):
