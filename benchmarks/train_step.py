@@ -36,6 +36,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -202,6 +203,11 @@ def _copy_hits() -> int:
     return weight_cache.compiled_hits
 
 
+def _params(millions: float) -> str:
+    """The params column: whole millions from 10M up, two decimals below (a toy model is not ``0M``)."""
+    return f"{millions:.0f}M" if millions >= 10 else f"{millions:.2f}M"
+
+
 def table(rows: list[dict]) -> str:
     base = {(r["size"], r["compiled"]): r for r in rows if r["variant"] == "bf16" and "error" not in r}
     lines = [
@@ -216,40 +222,60 @@ def table(rows: list[dict]) -> str:
         tok_ratio = r["tok_s"] / b["tok_s"] if b else float("nan")
         mem_ratio = r["peak_gib"] / b["peak_gib"] if b else float("nan")
         lines.append(
-            f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>15} {r['params_m']:>6.0f}M {r['step_ms']:>8.1f} "
+            f"{r['size']:>9} {r['variant']:>8} {r['compiled']!s:>15} {_params(r['params_m']):>7} {r['step_ms']:>8.1f} "
             f"{r['tok_s']:>9.0f} {tok_ratio:>6.2f} {r['peak_gib']:>8.2f} {mem_ratio:>6.2f} {r['last_loss']:>6.2f}"
         )
     return "\n".join(lines)
 
 
-def main() -> None:
+# The defaults of the flags --toy changes (argparse's defaults are None: a flag given wins over either set).
+DEFAULTS = {"sizes": "1024x12,2048x16,4096x8", "seq": 2048, "batch": 8, "vocab": 50304, "steps": 20, "warmup": 5,
+            "compile": "both"}  # fmt: skip
+TOY_DEFAULTS = {"sizes": "64x2", "seq": 64, "batch": 2, "vocab": 256, "steps": 2, "warmup": 1, "compile": "no"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from gpt import int_at_least
+
+    count, at_least_0 = int_at_least(1), int_at_least(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1024x12,2048x16,4096x8", help="comma list of WIDTHxDEPTH")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--compile", choices=("no", "yes", "both"), default="both")
+    toy_sizes = TOY_DEFAULTS["sizes"]
+    p.add_argument("--sizes", help=f"comma list of WIDTHxDEPTH; default: {DEFAULTS['sizes']} (--toy: {toy_sizes})")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants (default: all)")
+    p.add_argument("--compile", choices=("no", "yes", "both"), help="default: both (--toy: no)")
     p.add_argument(
         "--compile-mode",
         default=None,
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         help="torch.compile mode (reduce-overhead: CUDA graphs)",
     )
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    for key, kind in (("seq", count), ("batch", count), ("vocab", count), ("steps", count), ("warmup", at_least_0)):
+        p.add_argument(f"--{key}", type=kind, help=f"default: {DEFAULTS[key]} (--toy: {TOY_DEFAULTS[key]})")
+    p.add_argument("--timeout", type=count, default=900, help="seconds per configuration")
     p.add_argument("--json", type=Path, help="also write the rows here")
-    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test)")
+    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test); flags given win")
     # internal: run a single configuration and print its JSON row
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.toy:
-        args.sizes, args.seq, args.batch, args.vocab, args.steps, args.warmup = "64x2", 64, 2, 256, 2, 1
-        args.compile = "no" if args.compile == "both" else args.compile
+    args = p.parse_args(argv)
+    for key, value in (TOY_DEFAULTS if args.toy else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.one:
+        return args
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    bad = [s for s in args.sizes.split(",") if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", s)]
+    if bad:
+        p.error(f"--sizes: {bad} are not WIDTHxDEPTH (positive integers, e.g. 1024x12)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.one:
         print("ROW " + json.dumps(run_one(args)))
         return

@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 __all__ = [
-    "GPT", "ByteWindows", "Corpus", "GPTConfig", "check_batches", "fp8_module_filter", "int_at_least", "load_corpus",
-    "stdlib_dir",
+    "GPT", "ByteWindows", "Corpus", "GPTConfig", "check_batches", "float_at_least", "fp8_module_filter", "int_at_least",
+    "load_corpus", "stdlib_dir", "text_path",
 ]  # fmt: skip
 
 _PRESETS: dict[str, dict[str, int]] = {
@@ -305,17 +305,40 @@ def check_batches(
             )
 
 
-def int_at_least(minimum: int) -> Any:
-    """An argparse ``type``: an integer >= ``minimum``; anything else is a usage error, not a traceback later."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Any:
+    """An argparse ``type``: an integer >= ``minimum`` (and <= ``maximum``); anything else is a usage error, not a
+    traceback later."""
 
     def parse(text: str) -> int:
         value = int(text)  # a ValueError: argparse says "invalid int value"
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
         return value
 
     parse.__name__ = "int"
     return parse
+
+
+def float_at_least(minimum: float) -> Any:
+    """An argparse ``type``: a finite float >= ``minimum`` (a learning rate, a weight decay, a gradient norm)."""
+
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError: argparse says "invalid float value"
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum:g}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def text_path(text: str) -> str:
+    """An argparse ``type`` for ``--data``: a path that is a file or a directory (``load_corpus`` reads it)."""
+    if not (Path(text).is_file() or Path(text).is_dir()):
+        reason = "no such file or directory" if not Path(text).exists() else "neither a file nor a directory"
+        raise argparse.ArgumentTypeError(f"{text!r}: {reason}; give a text file or a directory of text files")
+    return text
 
 
 class ByteWindows(Dataset):

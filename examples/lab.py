@@ -35,7 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from gpt import fp8_module_filter
+from gpt import float_at_least, fp8_module_filter, text_path
 from lab_report import write_report
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
@@ -231,7 +231,7 @@ def environment(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--variants",
@@ -243,15 +243,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in "--width --depth --heads --seq-len --batch-size --max-steps --val-every".split():
         p.add_argument(flag, type=count)
     p.add_argument("--warmup-steps", type=int_at_least(0))
-    p.add_argument("--lr", type=float)
+    p.add_argument("--lr", type=float_at_least(0))
     p.add_argument("--max-bytes", type=count, help="read at most this many bytes of the corpus")
     p.add_argument("--val-batches", type=count, default=20, help="batches per validation (the final one too)")
-    p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
+    p.add_argument(
+        "--data", type=text_path, help="a text file or directory (default: Python's standard library source)"
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's model")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
     p.add_argument("--out", type=Path, default=Path("runs/lab"))
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out/runs/*.json")
     p.add_argument("--progress-bar", action="store_true")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     preset_given = args.preset is not None
     if args.lr is None and args.preset == "gpt125m":
@@ -275,12 +282,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    runs_dir = args.out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        cfg = gpt_config(args)
+        try:  # a model or data that cannot be: a usage error before anything is written, not a traceback
+            cfg = gpt_config(args)
+            loaders = make_loaders(args, cfg.seq_len)
+        except ValueError as err:
+            make_parser().error(str(err))
+        runs_dir = args.out / "runs"
+        runs_dir.mkdir(parents=True, exist_ok=True)
         env = environment(args, cfg)
-        loaders = make_loaders(args, cfg.seq_len)
         for name in args.variants.split(","):
             print(f"=== {name}: {VARIANTS[name]['label']} ===", flush=True)
             if VARIANTS[name].get("torchao") and importlib.util.find_spec("torchao") is None:

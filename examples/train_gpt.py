@@ -22,7 +22,17 @@ from typing import Any
 
 import lightning as L
 import torch
-from gpt import GPT, ByteWindows, GPTConfig, check_batches, fp8_module_filter, int_at_least, load_corpus
+from gpt import (
+    GPT,
+    ByteWindows,
+    GPTConfig,
+    check_batches,
+    float_at_least,
+    fp8_module_filter,
+    int_at_least,
+    load_corpus,
+    text_path,
+)
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
@@ -165,14 +175,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=count)
     p.add_argument("--batch-size", type=count)
     p.add_argument("--max-steps", type=count)
-    p.add_argument("--lr", type=float)
+    p.add_argument("--lr", type=float_at_least(0))
     p.add_argument("--warmup-steps", type=int_at_least(0), help="default: 5%% of --max-steps")
     p.add_argument("--val-every", type=count, help="validate every N training steps")
     p.add_argument("--val-batches", type=count, default=20, help="validation batches per validation")
-    p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
+    p.add_argument(
+        "--data", type=text_path, help="a text file or directory (default: Python's standard library source)"
+    )
     p.add_argument("--max-bytes", type=count, help="read at most this many bytes of the corpus")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
     p.add_argument("--out", default="runs/train_gpt", help="directory for logs, checkpoints, summary.json")
     p.add_argument("--no-progress-bar", action="store_true")
     return p

@@ -16,7 +16,17 @@ import time
 from pathlib import Path
 
 import torch
-from gpt import GPT, ByteWindows, GPTConfig, check_batches, fp8_module_filter, int_at_least, load_corpus
+from gpt import (
+    GPT,
+    ByteWindows,
+    GPTConfig,
+    check_batches,
+    float_at_least,
+    fp8_module_filter,
+    int_at_least,
+    load_corpus,
+    text_path,
+)
 from torch.utils.data import DataLoader
 
 from lightning_fp8 import (
@@ -61,10 +71,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--seq-len", type=count)
     p.add_argument("--batch-size", type=count, default=32 if gpu else 16)
     p.add_argument("--max-steps", type=count, default=1000 if gpu else 200)
-    p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
+    p.add_argument("--lr", type=float_at_least(0), default=1e-3 if gpu else 2e-3)
     p.add_argument("--recipe", default="fp8-lm", choices=FP8Recipe.names(), help="an FP8 recipe name")
     p.add_argument("--val-batches", type=count, default=20)
-    p.add_argument("--data", help="a text file or directory (default: Python's standard library source)")
+    p.add_argument(
+        "--data", type=text_path, help="a text file or directory (default: Python's standard library source)"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/train_plain"))
     args = p.parse_args(argv)
     torch.manual_seed(1234)

@@ -64,6 +64,48 @@ def test_train_step_toy_compiled_cast_variants(tmp_path):
         assert (rows[name]["graph_breaks"], rows[name]["graphs"]) == (0, 1), name
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--variants", "bf16,o2x"], "--variants: unknown ['o2x']"),  # ran as plain O2, named o2x
+        (["--variants", "o3"], "--variants: unknown ['o3']; choose from bf16, torchao, o1, o2,"),  # an FP8Recipe error
+        (["--sizes", "64x2,64"], "--sizes: ['64'] are not WIDTHxDEPTH"),
+        (["--steps", "0"], "argument --steps"),
+    ],
+)
+def test_train_step_bad_arguments_are_usage_errors(args, message):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--toy", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "error:" in proc.stderr and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_train_step_flags_given_win_over_toy_defaults():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_step
+
+    def settings(argv):
+        args = train_step.parse_args(argv)
+        return args.sizes, args.seq, args.batch, args.vocab, args.steps, args.warmup, args.compile
+
+    assert settings(["--toy"]) == ("64x2", 64, 2, 256, 2, 1, "no")
+    assert settings([]) == ("1024x12,2048x16,4096x8", 2048, 8, 50304, 20, 5, "both")
+    flags = ["--sizes", "32x1", "--seq", "16", "--batch", "3", "--steps", "4", "--warmup", "0", "--compile", "both"]
+    # --toy replaced them all; now only the vocabulary, not given, is the toy's
+    assert settings(["--toy", *flags]) == ("32x1", 16, 3, 256, 4, 0, "both")
+
+
+def test_train_step_table_shows_a_toy_models_parameters():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_step
+
+    row = {"size": "64x2", "compiled": False, "step_ms": 1.0, "tok_s": 128.0, "peak_gib": math.nan, "last_loss": 5.5}
+    rows = [{**row, "variant": "bf16", "params_m": 0.1234}, {**row, "variant": "o2", "params_m": 1234.4}]
+    lines = train_step.table(rows).splitlines()
+    assert lines[1].split()[3] == "0.12M" and lines[2].split()[3] == "1234M", lines  # was 0M for the toy model
+    assert len({len(line) for line in lines}) == 1  # the columns still line up
+
+
 def test_memory_breakdown_replays_the_allocator_trace():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory_breakdown import by_line, live_at_peak

@@ -32,6 +32,8 @@ FP8_VS_BF16_REL = 0.05
 # that it no longer does moves the loss by about as much as FP8 vs BF16 training.
 BF16_INFERENCE_REL = 0.05
 TOY = ["--width", "64", "--depth", "2", "--heads", "4", "--seq-len", "64", "--batch-size", "8"]
+# lab.py flags under which it neither trains nor writes, even with a bad flag accepted: a usage error either way
+LAB_NO_RUN = ["--report-only", "--out", "/nonexistent/lab"]
 
 
 def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -245,6 +247,20 @@ def test_train_plain_toy(tmp_path):
         ("accelerate/train_gpt.py", ["--grad-accum", "0"], "--grad-accum"),
         ("accelerate/train_gpt.py", ["--preset", "tiny"], "--preset"),
         ("accelerate/train_gpt.py", ["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
+        # a --data path that is not there: named in a usage error, not load_corpus's FileNotFoundError
+        ("train_gpt.py", ["--data", "/nonexistent/corpus"], "argument --data: '/nonexistent/corpus'"),
+        ("train_plain.py", ["--data", "/nonexistent/corpus"], "argument --data: '/nonexistent/corpus'"),
+        ("lab.py", ["--data", "/nonexistent/corpus", *LAB_NO_RUN], "argument --data: '/nonexistent/corpus'"),
+        # learning rates torch.optim refuses at fit time (-1, nan) or takes silently (inf): refused at parse time
+        ("train_gpt.py", ["--lr", "-1"], "argument --lr"),
+        ("train_plain.py", ["--lr", "-0.5"], "argument --lr"),
+        ("train_plain.py", ["--lr", "inf"], "argument --lr"),
+        ("lab.py", ["--lr", "-1", *LAB_NO_RUN], "argument --lr"),
+        ("train_gpt.py", ["--seed", "-1"], "argument --seed"),  # Lightning's seed_everything raised
+        ("accelerate/train_gpt.py", ["--weight-decay", "-0.1"], "argument --weight-decay"),
+        # --clip -1 turned clipping off silently (the help says 0 does)
+        ("accelerate/train_gpt.py", ["--clip", "-1"], "argument --clip"),
+        ("accelerate/train_gpt.py", ["--resume", "/nonexistent/checkpoint"], "--resume '/nonexistent/checkpoint'"),
     ],
 )
 def test_bad_arguments_are_usage_errors(script, args, flag):
@@ -269,6 +285,25 @@ def test_lab_report_help_and_an_empty_directory(tmp_path):
         [sys.executable, str(EXAMPLES / "lab.py"), "--report-only", "--out", str(out)], capture_output=True, text=True
     )
     assert lab.returncode == 2 and "no runs in" in lab.stderr and "Traceback" not in lab.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
+        (["--seq-len", "100000", "--max-bytes", "60000"], "fewer than one batch of --batch-size"),
+    ],
+)
+def test_lab_model_and_data_errors_are_usage_errors_before_anything_is_written(tmp_path, args, message):
+    """As in train_gpt.py: a model or data that cannot be is argparse's exit 2, and --out is not created."""
+    out = tmp_path / "lab"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lab.py"), *args, "--max-steps", "2", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "error:" in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()
 
 

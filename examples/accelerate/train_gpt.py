@@ -33,7 +33,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py
-from gpt import GPT, ByteWindows, GPTConfig, check_batches, int_at_least, load_corpus  # noqa: E402
+from gpt import GPT, ByteWindows, GPTConfig, check_batches, float_at_least, int_at_least, load_corpus  # noqa: E402
 
 from lightning_fp8.accelerate import Accelerator  # noqa: E402  (was: from accelerate import Accelerator)
 
@@ -85,21 +85,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=count, default=16, help="per process")
     p.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=count, default=200, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    non_negative = float_at_least(0)  # learning rate, weight decay, gradient norm
+    p.add_argument("--lr", type=non_negative, default=2e-3)
+    p.add_argument("--weight-decay", type=non_negative, default=0.1)
     p.add_argument("--warmup", type=at_least_0, default=20)
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    p.add_argument("--clip", type=non_negative, default=1.0, help="max gradient norm (0: no clipping)")
     p.add_argument("--max-bytes", type=count, default=2_000_000, help="corpus bytes to read (stdlib source)")
     p.add_argument("--log-every", type=count, default=10)
     p.add_argument("--save-every", type=at_least_0, default=0, help="save_state every N steps (0: only at the end)")
     p.add_argument("--out", type=Path, default=Path("runs/accelerate_gpt"))
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint folder written by save_state")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0)
     args = p.parse_args(argv)
     try:  # a model that cannot be: a usage error now, not a traceback later
         model_config(args)
     except ValueError as err:
         p.error(str(err))
+    if args.resume is not None and not args.resume.is_dir():
+        p.error(f"--resume {str(args.resume)!r}: no such directory; give a checkpoint folder written by save_state")
     return args
 
 
