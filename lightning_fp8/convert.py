@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from torch import nn
@@ -93,14 +94,24 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _kept_in_fp32(module: nn.Module) -> frozenset[str]:
-    """The module names a Hugging Face model keeps in float32 (``_keep_in_fp32_modules`` and its ``_strict`` form,
-    on any module of ``module``): a layer whose qualified name has one of them as a component is left out."""
+def _kept_in_fp32(module: nn.Module) -> re.Pattern[str] | None:
+    """What a Hugging Face model keeps in float32 (``_keep_in_fp32_modules`` and its ``_strict`` form, on any module
+    of ``module``), as a pattern of parameter names: an entry matches a run of whole name components ("wo",
+    "indexer.weights_proj", "gate.weight"; ``*`` any characters, as transformers reads it). None: nothing kept."""
     names: set[str] = set()
     for sub in module.modules():
         for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
             names.update(getattr(sub, attr, None) or ())
-    return frozenset(names)
+    if not names:
+        return None
+    entries = "|".join(re.escape(name).replace(r"\*", ".*") for name in sorted(names))
+    return re.compile(rf"(^|\.)({entries})(\.|$)")
+
+
+def _is_kept_in_fp32(fqn: str, keep_fp32: re.Pattern[str] | None) -> bool:
+    # The layer's parameter names, as transformers matches the entries against them.
+    prefix = f"{fqn}." if fqn else ""
+    return keep_fp32 is not None and any(keep_fp32.search(prefix + name) for name in ("weight", "bias"))
 
 
 def _is_linear_to_convert(module: nn.Module) -> bool:
@@ -306,7 +317,7 @@ def _why_left(
     child: nn.Module,
     fqn: str,
     module_filter_fn: ModuleFilter | None,
-    keep_fp32: frozenset[str],
+    keep_fp32: re.Pattern[str] | None,
     shared: set[int],
     fast_path: frozenset[int],
 ) -> str | None:
@@ -319,7 +330,7 @@ def _why_left(
         return _NOT_ASKED
     if conv1d:
         return "not_linear"
-    if keep_fp32 and keep_fp32.intersection(fqn.split(".")):
+    if _is_kept_in_fp32(fqn, keep_fp32):
         return "keep_in_fp32"
     return _reason_left(child, shared, fast_path)
 

@@ -422,6 +422,32 @@ def test_hugging_face_layers_kept_in_fp32_and_conv1d_are_left_and_named(monkeypa
     assert any("transformers' Conv1D" in m and "proj (32->32)" in m for m in messages), messages
 
 
+class _DottedKeep(nn.Module):
+    # As transformers' DeepSeek-V3.2 declares it: a dotted entry, matched against parameter names by whole components.
+    _keep_in_fp32_modules = ["indexer.weights_proj", "router.*.gate"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexer = nn.ModuleDict({"weights_proj": nn.Linear(32, 32), "q": nn.Linear(32, 32)})
+        self.other = nn.ModuleDict({"weights_proj": nn.Linear(32, 32)})  # not under "indexer": converted
+        self.router = nn.ModuleDict({"expert": nn.ModuleDict({"gate": nn.Linear(32, 32)})})
+        self.my_indexer = nn.ModuleDict({"weights_proj": nn.Linear(32, 32)})  # "my_indexer" is not "indexer"
+
+
+def test_a_dotted_keep_in_fp32_entry_leaves_the_layer_it_names(monkeypatch):
+    """An entry with a dot ("indexer.weights_proj") never equalled one name component, so the layer became FP8
+    (found by a sweep with a tiny DeepSeek-V3.2, whose forward casts that layer's input to its weight's dtype)."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    model = _DottedKeep()
+    with pytest.warns(UserWarning, match="keeps them in float32") as record:
+        convert_to_fp8(model)
+    kept = {"indexer.weights_proj", "router.expert.gate"}
+    for name, layer in model.named_modules():
+        if isinstance(layer, nn.Linear):
+            assert isinstance(layer, FP8Linear) == (name not in kept), name
+    assert any("indexer.weights_proj" in str(w.message) for w in record)
+
+
 def test_a_bare_linear_converted_keeps_its_scaling_buffers_out_of_ddps_broadcast():
     """convert_to_fp8(nn.Linear) returned the new layer before naming its scaling buffers for DDP to leave alone (as
     it does for a model): DDP(layer) then overwrote every rank's amax history with rank 0's (found by a sweep)."""
