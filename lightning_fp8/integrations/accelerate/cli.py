@@ -160,7 +160,11 @@ def launch(argv: list[str]) -> int:
         config_path = default_config_file
     # A missing file is left to Accelerate, which says what to do about it.
     read = bool(config_path and os.path.isfile(config_path))
-    config = _read_config(config_path) if read else {}
+    try:
+        config = _read_config(config_path) if read else {}
+    except ValueError as err:
+        print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
+        return 2
     has_section = CONFIG_KEY in config
     section = config.pop(CONFIG_KEY, None)
     if has_section and section is None:  # `lightning_fp8:` with nothing under it: every key at its default
@@ -175,6 +179,11 @@ def launch(argv: list[str]) -> int:
 
             mixed_precision = args.mixed_precision or (config.get("mixed_precision") if read else None)
             refusals.check_mixed_precision(mixed_precision)
+            if read and "fp8_config" in config:  # as the command line's --fp8_* options, refused there
+                raise ValueError(
+                    f"config file {config_path} has an `fp8_config` section: settings of Accelerate's own FP8 "
+                    f"backends, which FP8-LM does not read; remove it and set FP8-LM's in the `{CONFIG_KEY}` section"
+                )
     except ValueError as err:
         print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
         return 2
@@ -217,10 +226,14 @@ def _use_parallelism_config_if_sized(args: argparse.Namespace) -> None:
 
 
 def _read_config(path: str) -> dict[str, Any]:
+    """The config file's mapping; ValueError for a file that does not parse or holds no mapping."""
     with open(path, encoding="utf-8") as f:
-        data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+        try:
+            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ValueError(f"config file {path} does not parse: {err}") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"lightning-fp8 launch: error: config file {path} does not hold a mapping")
+        raise ValueError(f"config file {path} does not hold a mapping")
     return data
 
 

@@ -171,6 +171,28 @@ def test_config_file_edge_values_fail_before_launching_with_what_to_write(tmp_pa
     assert re.search(expected, err), err
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("bad.yaml", "distributed_type: NO\nlightning_fp8: {recipe: fp8\n", r"config file .*bad.yaml does not parse"),
+        ("bad.json", '{"distributed_type": "NO",', r"config file .*bad.json does not parse"),
+        ("list.yaml", "- distributed_type\n", r"config file .*list.yaml does not hold a mapping"),
+        # Accelerate's own FP8 settings, which FP8-LM does not read (its --fp8_* options are refused alike)
+        ("fp8.yaml", "distributed_type: 'NO'\nfp8_config:\n  backend: TE\n", r"has an `fp8_config` section"),
+    ],
+)
+def test_a_config_file_that_does_not_parse_or_holds_accelerates_fp8_section_is_a_usage_error(
+    tmp_path, capsys, name, text, expected
+):
+    """A malformed file raised the YAML/JSON parser's traceback (a list exited with status 1); Accelerate's
+    fp8_config section was launched with and silently unused (found by a sweep)."""
+    path = tmp_path / name
+    path.write_text(text)
+    assert cli.main(["launch", "--config_file", str(path), str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(expected, err), err
+
+
 def test_an_empty_section_means_the_defaults_and_is_removed_from_accelerates_copy(tmp_path, monkeypatch):
     path = tmp_path / "empty.yaml"
     path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nlightning_fp8:\n")
