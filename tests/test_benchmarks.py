@@ -191,7 +191,8 @@ def test_step_phases_toy_runs():
         step, cells, host_sum = float(row[1]), row[2:6], float(row[6])
         host, alone = zip(*(tuple(float(v) for v in c.split("/")) for c in cells), strict=True)
         assert all(v > 0 for v in host + alone[:3]), row
-        assert abs(host_sum - sum(host)) < 0.02 and step > 0.8 * host_sum, row
+        # Four phases and their sum, each printed to 2 decimals: up to 5 x 0.005 apart (0.02 was reached in CI).
+        assert abs(host_sum - sum(host)) <= 0.025 + 1e-9 and step > 0.8 * host_sum, row
 
 
 def test_kernel_trace_summary_counts_each_launch():
