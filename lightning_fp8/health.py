@@ -163,12 +163,20 @@ class HealthMonitor:
             TypeError: if a value is not a number (a string, a bool; ``None`` leaves it out), ``memory_gib`` is
                 neither a number nor a mapping with a ``"peak"`` entry, or ``step`` is not an integer (a Python, NumPy
                 or 0-dim tensor integer, stored as a Python int). Nothing is recorded then.
+            ValueError: if ``samples``, ``tokens`` or ``seconds`` is negative or not finite. Nothing is recorded
+                then. (``seconds=0`` records no throughput: there is no rate to compute.)
         """
         step = _as_step(step, "observe")
         given = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "samples": samples, "tokens": tokens,
                  "seconds": seconds}  # fmt: skip
         converted = {name: _as_value(value, name, _NUMBER) for name, value in given.items()}
         memory_gib = _memory_value(memory_gib)
+        for name in ("samples", "tokens", "seconds"):  # work and time: a negative or non-finite one is a mistake
+            if converted[name] is not None and not 0 <= converted[name] < math.inf:
+                raise ValueError(
+                    f"HealthMonitor.observe({name}={given[name]!r}) must be a finite number >= 0 (work done and "
+                    "wall time since the previous observation); nothing was recorded"
+                )
         self._observations += 1
         events: list[HealthEvent] = []
         values = {name: converted[name] for name in ("loss", "grad_norm", "param_norm")}

@@ -6,6 +6,7 @@ A frozen, keyword-only dataclass, checked when it is built, so that a monitor ne
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -55,6 +56,6 @@ class HealthConfig:
             object.__setattr__(self, name, value)
         for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-                raise ValueError(f"HealthConfig({name}={value!r}) must be a non-negative number")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ValueError(f"HealthConfig({name}={value!r}) must be a finite non-negative number")
             object.__setattr__(self, name, float(value))

@@ -177,6 +177,19 @@ def test_observe_refuses_a_value_that_is_not_a_number_and_records_nothing(values
     assert monitor.series["samples_per_sec"] == [(1, 16.0)]
 
 
+@pytest.mark.parametrize(("name", "value"), [("seconds", -1.0), ("seconds", float("inf")), ("tokens", -8),
+                                           ("samples", float("nan"))])
+def test_observe_refuses_negative_or_non_finite_work_and_records_nothing(name, value):
+    # seconds=-1 dropped the throughput silently; a negative count gave a negative rate.
+    monitor = HealthMonitor()
+    values = {"loss": 1.0, "samples": 4, "tokens": 64, "seconds": 0.5, name: value}
+    with pytest.raises(ValueError, match=rf"observe\({name}=.*finite number >= 0"):
+        monitor.observe(0, **values)
+    assert not any(monitor.series.values()) and monitor._observations == 0
+    monitor.observe(1, loss=1.0, tokens=64, seconds=0.0)  # no time elapsed: no rate, the rest is recorded
+    assert monitor.series["loss"] == [(1, 1.0)] and not monitor.series["tokens_per_sec"]
+
+
 def test_no_spike_alerts_during_warmup_or_for_ordinary_noise():
     monitor = HealthMonitor(HealthConfig(window=20, warmup_steps=15))
     events = [monitor.observe(s, grad_norm=v) for s, v in enumerate([1.0, 50.0, 1.0] + _noisy(200, 1.0, 0.1))]
@@ -348,6 +361,9 @@ def test_memory_and_config_validation():
         HealthConfig(window=1)
     with pytest.raises(ValueError, match="spike_ratio"):
         HealthConfig(spike_ratio=-1.0)
+    for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
+        with pytest.raises(ValueError, match=rf"HealthConfig\({name}=inf\) must be a finite"):
+            HealthConfig(**{name: float("inf")})  # spike_ratio=inf was taken (it turned spike alerts off)
     with pytest.raises(ValueError, match="spike_patience"):
         HealthConfig(spike_patience=0)
     with pytest.raises(TypeError, match="HealthConfig"):
