@@ -118,7 +118,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached:
 
     - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN and
-      inf left out), ``health/grad_norm``, ``health/param_norm``;
+      inf left out), ``health/grad_norm``, ``health/param_norm`` (both taken before the optimizer steps: the
+      norm of the parameters the batch's loss was computed with; ``FP8ScaleMonitor``'s ``fp8/*`` are read after it);
     - ``health/samples_per_sec`` and, when batches carry token ids (or ``tokens_fn`` is given),
       ``health/tokens_per_sec`` (running means). Validation and checkpoint saving are not training: the clock
       stops when they start and restarts with the next training batch;
