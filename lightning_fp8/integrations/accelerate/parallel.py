@@ -42,11 +42,26 @@ def install_fsdp2_collectives(model: nn.Module, recipe: FP8Recipe, grad_scaler: 
     return f"FSDP2 FP8 reduce-scatter ({recipe.backward_dtype}) and FP8 weight all-gather ({len(fp8_weights)} weights)"
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameter values to every rank (what DDP does when it wraps a model)."""
+def broadcast_parameters(model: nn.Module, src: int = 0, *, buffers: bool = False) -> None:
+    """Copy rank ``src``'s parameter values to every rank (what DDP does when it wraps a model).
+
+    ``buffers=True`` copies the model's buffers too (DDP does that itself when it wraps; tensor parallelism has no
+    wrapper to do it), except the FP8 layers' scaling states: each rank's own, and fresh before the first step.
+    """
+    from lightning_fp8.scaling import ScalingState
+
     with torch.no_grad():
         for param in model.parameters():
             dist.broadcast(param.data, src)
+        if not buffers:
+            return
+        for module in model.modules():
+            if not isinstance(module, ScalingState):
+                for buffer in module.buffers(recurse=False):
+                    data = buffer if buffer.is_contiguous() else buffer.contiguous()
+                    dist.broadcast(data, src)
+                    if data is not buffer:
+                        buffer.copy_(data)
 
 
 def clip_grad_norm_fp32(parameters: Any, max_norm: float, norm_type: float, grad_scale: float) -> torch.Tensor:

@@ -60,11 +60,11 @@ def prepare(
 def shard_model(model: nn.Module, tp_mesh: DeviceMesh, plan: str, sequence_parallel: bool) -> dict[int, nn.Parameter]:
     """Shard ``model`` over ``tp_mesh`` with ``plan``; return ``{id(old parameter): new parameter}``.
 
-    The ranks' weights are made equal first (rank 0's, as DDP would): the sharded weights are cut from rank 0's
-    values anyway, and the layers outside the blocks (embeddings, head, final norm) run replicated.
+    The ranks' weights and buffers are made equal first (rank 0's, as DDP would): the sharded weights are cut from
+    rank 0's values anyway, and the layers outside the blocks (embeddings, head, final norm) run replicated.
     """
     if torch.distributed.get_world_size() > 1:
-        broadcast_parameters(model)
+        broadcast_parameters(model, buffers=True)
     before = dict(model.named_parameters())
     apply_fp8_tensor_parallel(model, tp_mesh, plan=plan, sequence_parallel=sequence_parallel)
     after = dict(model.named_parameters())

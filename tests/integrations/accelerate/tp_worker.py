@@ -63,6 +63,7 @@ def main(checkpoint_dir: str, sharded_by: str) -> None:
     if sharded_by == "accelerator":
         torch.manual_seed(rank)  # rank 1 starts from other weights: prepare() must take rank 0's
         model = GPT(CONFIG)
+        model.register_buffer("noise", torch.randn(8), persistent=False)  # and other buffers (only the weights were)
     else:  # LIGHTNING_FP8_TP_PLAN=none: the script converts and shards, on Accelerate's mesh
         from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
 
@@ -91,6 +92,9 @@ def main(checkpoint_dir: str, sharded_by: str) -> None:
     # The optimizer holds exactly the sharded parameters, FP8 weights at O2 (FP8 first moment after a step).
     assert [id(p) for g in inner.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
 
+    if sharded_by == "accelerator":
+        noise = _gathered(model.noise)
+        assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], torch.zeros(8)), noise
     # rank 0's weights everywhere: replicated parameters equal, shards cut from rank 0's (= the reference's) weights
     for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
