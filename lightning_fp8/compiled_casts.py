@@ -54,8 +54,8 @@ def fused_quantize(
     fmax = fp8_max(fp8_dtype)
     scale = buffers[1]
     triton = ops.use_triton(x)
-    if x.dtype == torch.bfloat16:  # widened through its bits (ops.widen_bf16): the fused cast reads what eager's reads
-        x = ops.widen_bf16(x)
+    if x.dtype in (torch.bfloat16, torch.float16):  # widened through its bits (ops.rounded_to): the fused cast reads
+        x = ops.rounded_to(x, x.dtype)  # what eager's reads (inductor would drop a rounding of the fp32 producer)
     if triton:
         from lightning_fp8.kernels import record
 

@@ -43,9 +43,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+def _triton_cast(x: torch.Tensor) -> bool:
+    """Whether a cast of ``x`` runs in Triton: its kernels read 16- and 32-bit floats; float64 (a finite value past
+    fp32's range saturates, where fp32 would overflow to inf) takes the reference's ops, on any device."""
+    return x.dtype != torch.float64 and use_triton(x)
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max(|x|)`` as 0-dim fp32 (NaN counts as inf)."""
-    if use_triton(x):
+    if _triton_cast(x):
         from lightning_fp8.kernels import cast
 
         return cast.amax(x)
@@ -86,7 +92,7 @@ def cast_to_fp8(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Saturating scaled FP8 cast; see :func:`lightning_fp8.kernels.reference.cast_to_fp8_ref`."""
-    if use_triton(x):
+    if _triton_cast(x):
         from lightning_fp8.kernels import cast
 
         return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
@@ -96,7 +102,7 @@ def cast_to_fp8(
 def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """The transposed FP8 copy of 2-D ``x`` cast with ``scale``, statistics dropped: ``cast_to_fp8(x, scale, fp8_dtype,
     transpose=True)[1]`` with less work on the host (no zeroed accumulators; replayed launches)."""
-    if use_triton(x) and x.numel():
+    if _triton_cast(x) and x.numel():
         from lightning_fp8.kernels import quantize as fused
 
         return fused.recast_transposed(x.detach().contiguous(), scale.reshape(()), fp8_dtype)
@@ -123,7 +129,7 @@ def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     Triton fuses it into one launch (two with current scaling); the reference composes the kernels above.
     """
-    if use_triton(args[0]):
+    if _triton_cast(args[0]):
         from lightning_fp8.kernels import quantize as fused
 
         return fused.quantize_(*args, **kwargs)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8 import ops
+from lightning_fp8.cast_checks import check_castable
 from lightning_fp8.formats import fp8_max, is_fp8
 from lightning_fp8.optim import grad_cast, master, shards
 
@@ -40,6 +41,17 @@ def _distributed_fp8_grads(weights: str) -> str:
         "fp8_grads=False (its default once torch.distributed is initialized)"
     )
 
+
+def _one_scale_inv(scale_inv: object, grad: torch.Tensor) -> torch.Tensor:
+    """An FP8 gradient's ``scale_inv`` as the 0-dim fp32 tensor on its device that the optimizer's kernels read (a
+    one-element tensor of any shape and floating dtype goes in)."""
+    if scale_inv is None:
+        raise ValueError("accumulate_fp8_grad: an FP8 gradient needs its scale_inv (1 / the scale it was cast with)")
+    if not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1 or not scale_inv.is_floating_point():
+        got = f"a {tuple(scale_inv.shape)} {scale_inv.dtype} tensor" if isinstance(scale_inv, torch.Tensor) else (
+            type(scale_inv).__name__)
+        raise ValueError(f"accumulate_fp8_grad: scale_inv must be a one-element floating tensor, got {got}")
+    return scale_inv.detach().to(grad.device, torch.float32).reshape(())
 
 class _FP8Grads:
     """The gradient hooks and the FP8 gradients they hold (see the module docstring)."""
@@ -123,8 +135,11 @@ class _FP8Grads:
 
         Raises:
             RuntimeError: for a sparse gradient.
+            TypeError: for a high-precision gradient that is not float16, bfloat16, float32 or float64 (an
+                integer or complex tensor).
             ValueError: for a ``p`` in none of this optimizer's parameter groups, an FP8 gradient without
-                ``scale_inv``, or a shape that is not ``p``'s.
+                ``scale_inv`` (or with one that is not a one-element floating tensor), a ``scale_inv`` given with a
+                high-precision gradient, or a shape that is not ``p``'s.
         """
         if not self._holds(p):  # its gradient would never be stepped, yet count in the scaler's non-finite check
             raise ValueError(
@@ -136,15 +151,21 @@ class _FP8Grads:
             raise RuntimeError("FP8AdamW does not support sparse gradients")
         if grad.shape != p.shape:
             raise ValueError(f"accumulate_fp8_grad: gradient of shape {tuple(grad.shape)} for a {tuple(p.shape)} param")
-        if is_fp8(grad) and scale_inv is None:
-            raise ValueError("accumulate_fp8_grad: an FP8 gradient needs its scale_inv")
+        if is_fp8(grad):
+            scale_inv = _one_scale_inv(scale_inv, grad)
+        elif scale_inv is not None:
+            raise ValueError(
+                f"accumulate_fp8_grad: scale_inv goes with an FP8 gradient; this one is {grad.dtype} and is added as "
+                "it is. Multiply it by the factor first (or pass the FP8 gradient); nothing was accumulated"
+            )
+        else:
+            check_castable(grad, "accumulate_fp8_grad")  # an integer or complex gradient is no gradient to cast
         if p in self._grad_casts:  # its queued gradient comes first
             self._grad_casts.flush(self)
         with torch.no_grad():
             entry = self._pending.get(p)
             if is_fp8(grad) and entry is None:  # already FP8 (the caller reported its cast): keep it as it is
-                amax = ops.amax(grad.float()) * scale_inv
-                self._pending[p] = _FP8Grad(grad, scale_inv.float().reshape(()), amax)
+                self._pending[p] = _FP8Grad(grad, scale_inv, ops.amax(grad.float()) * scale_inv)
                 return
             g = grad.float() * scale_inv if is_fp8(grad) else grad
             if entry is not None:

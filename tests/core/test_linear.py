@@ -352,6 +352,30 @@ def test_fused_casts_under_inductor_match_eager(monkeypatch, autocast):
     assert "lightning_fp8.quantize.default(" not in backward and "lightning_fp8.used_scale_ref.default(" in backward
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_cast_of_a_half_tensor_made_in_the_graph_reads_it_rounded(monkeypatch, dtype):
+    """FUSED_CASTS: a delayed cast of an fp16 tensor produced in the same compiled graph read inductor's unrounded
+    fp32 value (only bf16 went through its bits): some bytes differed from the eager cast of the same tensor."""
+    from lightning_fp8 import ScalingState, scaling
+
+    monkeypatch.setattr(scaling, "FUSED_CASTS", True)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    a, b = ((torch.randn(32, 48, generator=gen) * k).to(dtype) for k in (3, 5))
+
+    def produce_and_cast(state, a, b):
+        x = a * b + a
+        return x, state.quantize(x)
+
+    compiled = torch.compile(produce_and_cast)
+    compiled_state, eager_state = (ScalingState(torch.float8_e4m3fn, 4, 0, "max", True) for _ in range(2))
+    for step in range(3):
+        x, (got, _, got_scale_inv) = compiled(compiled_state, a * (step + 1), b)
+        want, _, want_scale_inv = eager_state.quantize(x)  # the tensor the graph returned, cast eagerly
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), step
+        assert torch.equal(got_scale_inv, want_scale_inv), step
+
+
 def test_compiled_input_recast_matches_eager(monkeypatch):
     """matmul.SAVE_INPUT_TRANSPOSE_COMPILED off: compiled, the backward casts each layer's input again with the
     forward's scale instead of keeping the forward's transposed FP8 copy; bit for bit eager's results while every

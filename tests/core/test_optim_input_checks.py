@@ -117,3 +117,30 @@ def test_a_per_parameter_state_that_is_not_a_dict_is_refused_before_anything_cha
     del saved["state"][0]
     opt.load_state_dict(saved)
     assert 0 not in opt.state_dict()["state"] and 1 in opt.state_dict()["state"]
+
+
+def test_accumulate_fp8_grad_takes_any_one_element_scale_inv_and_refuses_what_it_cannot_use():
+    # A (1,)-shaped scale_inv was stored with a (1,)-shaped amax: the next step() failed on a broadcast; a scale_inv
+    # given with a high-precision gradient was ignored, and integer or complex gradients were cast as numbers.
+    results = []
+    for scale_inv in (torch.tensor(0.5), torch.tensor([0.5], dtype=torch.float64)):
+        torch.manual_seed(0)
+        model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+        opt = FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=True)
+        grad = (torch.randn(16, 32, generator=torch.Generator().manual_seed(1)) * 8).to(torch.float8_e5m2)
+        opt.accumulate_fp8_grad(model[0].weight, grad, scale_inv)
+        opt.step()
+        results.append(model[0].weight.detach().clone())
+    assert torch.equal(results[0], results[1])
+    weight = model[0].weight
+    for grad, scale_inv, error, match in [
+        (torch.ones(16, 32), torch.tensor(0.25), ValueError, "scale_inv goes with an FP8 gradient"),
+        (torch.ones(16, 32, dtype=torch.int64), None, TypeError, "casts float16, bfloat16, float32 or float64"),
+        (torch.ones(16, 32, dtype=torch.complex64), None, TypeError, "casts float16"),
+        (torch.ones(16, 32).to(torch.float8_e5m2), torch.ones(2), ValueError, "one-element floating tensor"),
+        (torch.ones(16, 32).to(torch.float8_e5m2), 0.5, ValueError, "one-element floating tensor"),
+        (torch.ones(16, 32).to(torch.float8_e5m2), None, ValueError, "needs its scale_inv"),
+    ]:
+        with pytest.raises(error, match=match):
+            opt.accumulate_fp8_grad(weight, grad, scale_inv)
+        assert weight not in opt._pending  # nothing was accumulated

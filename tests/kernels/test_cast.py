@@ -813,6 +813,25 @@ def test_reference_cast_saturates_finite_float64_beyond_fp32_range():
         assert got[4:].isnan().all() and int(n_saturated) == 3
 
 
+def test_triton_path_casts_float64_as_the_reference_does(monkeypatch):
+    """Float64 casts take the reference's ops on every path: Triton's kernels read fp32, where a finite float64 past
+    fp32's range became inf (a NaN byte, no saturation) and ops.amax / ops.cast_to_fp8 refused float64 outright."""
+    from lightning_fp8 import ScalingState
+
+    x = torch.tensor([1e300, -3.0, 1.0, 5e-40], dtype=torch.float64, device=DEVICE)
+    results = {}
+    for mode in ("triton", "reference"):
+        monkeypatch.setenv("LIGHTNING_FP8_KERNELS", mode)
+        state = ScalingState(torch.float8_e4m3fn, 1, 0, "max", delayed=False)
+        x_fp8, _, scale_inv = state.quantize(x)
+        results[mode] = (x_fp8.view(torch.uint8), scale_inv, state.saturation, state.nonfinite_count,
+                         ops.amax(x), ops.cast_to_fp8(x, torch.tensor(1.0, device=DEVICE), torch.float8_e5m2)[0])
+    assert results["reference"][0].view(torch.float8_e4m3fn).float()[0] == 448.0  # saturated, not NaN
+    for got, want in zip(results["triton"], results["reference"], strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e5m2 else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e5m2 else want)
+
+
 @triton.jit
 def _scales(amax_ptr, out_ptr, n, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MARGIN: tl.constexpr,
             BLOCK: tl.constexpr):  # fmt: skip
