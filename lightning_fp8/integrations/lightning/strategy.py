@@ -42,8 +42,10 @@ class _FP8FSDPStrategyLogic:
                 f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
                 "and the other ops run under bf16 autocast; drop the argument"
             )
+        _check_sharding_strategy(kwargs.get("sharding_strategy"))
         super().__init__(*args, **kwargs)
         self._check_state_dict_type()  # at construction, not at the first checkpoint
+        _check_sharding_strategy(self.sharding_strategy)  # also as a device_mesh made it
 
     def _check_state_dict_type(self) -> None:
         if self._state_dict_type != "full":
@@ -101,6 +103,12 @@ class _FP8FSDPStrategyLogic:
         # FSDP1 only runs on CPU (gloo: tests, CI) when told device_id=cpu, which Lightning derives from
         # root_device.index (None on CPU); the rest is what FSDPStrategy._setup_model does.
         from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.cpu_offload is not None and self.cpu_offload.offload_params:
+            raise ValueError(
+                f"{type(self).__name__}(cpu_offload=True) moves GPU parameters to the CPU, and this run is on "
+                "the CPU already (accelerator='cpu'): drop cpu_offload, or train on GPUs"
+            )
 
         fsdp_module = importlib.import_module(_fsdp_base(type(self)).__module__)
         if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
@@ -201,6 +209,26 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
 
         trainer = L.Trainer(strategy=FP8FSDPStrategy(auto_wrap_policy={Block}), devices=8)
     """
+
+
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def _check_sharding_strategy(value: Any) -> None:
+    # Lightning looks a string up in ShardingStrategy and fails with a bare KeyError ('BOGUS').
+    from torch.distributed.fsdp import ShardingStrategy
+
+    name = value.upper() if isinstance(value, str) else getattr(value, "name", None)
+    if isinstance(value, str) and name not in ShardingStrategy.__members__:
+        choices = ", ".join(repr(name) for name in ShardingStrategy.__members__ if name not in _HYBRID)
+        raise ValueError(f"strategy='{STRATEGY_NAME}': sharding_strategy={value!r} is not one of {choices}")
+    if name in _HYBRID:
+        raise ValueError(
+            f"strategy='{STRATEGY_NAME}' shards over all processes: use sharding_strategy 'FULL_SHARD', "
+            f"'SHARD_GRAD_OP' or 'NO_SHARD', got {name}. Hybrid sharding's groups are not those of the FP8 gradient "
+            "communication (FSDP takes no communication hook under it) nor of the FP8 optimizer states' checkpoints; "
+            "on CPUs torch even falls back to NO_SHARD within each process, training every rank apart"
+        )
 
 
 def _check_not_sharded_by_another(model: Any) -> None:

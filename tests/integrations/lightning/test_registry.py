@@ -9,6 +9,7 @@ import typing
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
 
@@ -93,6 +94,27 @@ def test_close_misses_of_fp8_precision_names_suggest_the_name(precision):
 def test_fsdp_fp8_strategy_rejects_sharded_checkpoints_when_built():
     with pytest.raises(ValueError, match=r"full \(single-file\) checkpoints; got state_dict_type='sharded'"):
         FP8FSDPStrategy(state_dict_type="sharded")
+
+
+@pytest.mark.parametrize("kwargs", [{"sharding_strategy": "HYBRID_SHARD"}, {"sharding_strategy": "_HYBRID_SHARD_ZERO2"},
+                                    {"sharding_strategy": "hybrid_shard"},
+                                    {"sharding_strategy": torch.distributed.fsdp.ShardingStrategy.HYBRID_SHARD}])
+def test_fsdp_fp8_strategy_refuses_hybrid_sharding_when_built(kwargs):
+    # Accepted before: on CPUs torch fell back to NO_SHARD in one-process groups and every rank trained apart (the
+    # FP8 hook reduced over the same group); on GPUs FSDP refused the hook with a bare AssertionError.
+    with pytest.raises(ValueError, match=r"shards over all processes: use sharding_strategy 'FULL_SHARD'"):
+        FP8FSDPStrategy(**kwargs)
+    with pytest.raises(ValueError, match=r"sharding_strategy='bogus' is not one of 'FULL_SHARD'"):
+        FP8FSDPStrategy(sharding_strategy="bogus")  # Lightning's own lookup: a bare KeyError('BOGUS')
+    for name in ("FULL_SHARD", "shard_grad_op", "NO_SHARD"):
+        assert FP8FSDPStrategy(sharding_strategy=name).sharding_strategy.name == name.upper()
+
+
+def test_fsdp_fp8_strategy_refuses_cpu_offload_on_the_cpu():
+    # torch failed deep in FSDP's setup ("Cannot access accelerator device when none is available").
+    strategy = FP8FSDPStrategy(cpu_offload=True)
+    with pytest.raises(ValueError, match=r"FP8FSDPStrategy\(cpu_offload=True\) moves GPU parameters to the CPU"):
+        strategy._setup_model_on_cpu(torch.nn.Linear(16, 16))
 
 
 def test_fsdp_fp8_strategy_implies_fp8_precision():
