@@ -151,6 +151,12 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         # each optimizer's step() also updates, one optimizer's update must not judge (and drop) another's. Weak:
         # an optimizer that is dropped with gradients pending is not kept alive.
         self._owned: weakref.WeakKeyDictionary[Any, _Counts] = weakref.WeakKeyDictionary()
+        # Per param.grad of an optimizer, a 0-dim flag (> 0: it held inf or NaN), taken when its step was skipped or
+        # its gradients unscaled by unscale_ (weak): the "bf16" fallback blames layers by those of the skipped
+        # optimizers, also where the loop zeroes the gradients before update().
+        self._nonfinite_grad_flags: weakref.WeakKeyDictionary[
+            torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]
+        ] = weakref.WeakKeyDictionary()
         self._loss_scale: float | None = None  # mu of the last scale_loss: the one the gradients carry
         # The last one-value losses scale_loss returned, detached (the value alone: no graph is kept), each with its
         # serial number and mu; _losses_scaled counts the calls. See scaled_losses.
@@ -246,6 +252,11 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
     def _scale_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """:meth:`scale_loss` without the record :meth:`scaled_losses` reads: for the integrations, which scale the
         loss in their own backward (the loss the user's code returned stays unscaled, nothing to recognise)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"FP8GradScaler.scale_loss takes the loss tensor (to call .backward() on the result), got "
+                f"{type(loss).__name__}; for several losses, scale each one (or their sum)"
+            )
         self._loss_scale = self._scale
         return loss * self._scale
 
@@ -323,6 +334,11 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
                 ``torch.amp.GradScaler``: its gradients would be unscaled twice). A step that raised (the error
                 propagates) does not count: it can be made again, with its gradients as they were left (a plain
                 optimizer's are not unscaled twice).
+            RuntimeError: also when ``optimizer`` holds gradients and no loss was scaled by this scaler since its
+                construction or its last :meth:`load_state_dict` (a ``loss.backward()`` in place of
+                ``scaler.scale_loss(loss).backward()``): the gradients do not carry mu, and unscaling them would make
+                the update 1/mu of what it should be (``torch.amp.GradScaler`` refuses this too). Raised before
+                anything is changed.
             ValueError: when ``optimizer`` is not an FP8AdamW and has fp16 gradients (fp16 parameters), as
                 ``torch.amp.GradScaler`` refuses them: unscaling them in fp16 would turn the small gradients mu made
                 representable back to zero. Raised before anything is changed.
@@ -335,6 +351,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         fused = getattr(optimizer, "_fp8_step", None)
         if fused is None:  # before anything changes
             _refuse_fp16_grads(optimizer)
+        self._refuse_unscaled_loss(optimizer, "step")
         self._last_optimizer = optimizer
         self._seen.add(optimizer)
         inv_scale = 1.0 / self.loss_scale
@@ -394,6 +411,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """Skip ``optimizer``'s step (dropping an FP8AdamW's pending FP8 gradients), or run it unscaled by
         ``inv_scale``. Returns whether it stepped."""
         if skip:
+            self._nonfinite_grad_flags[optimizer] = _nonfinite_flags(optimizer)
             skip_fn = getattr(optimizer, "_fp8_skip", None)
             if skip_fn is not None:
                 skip_fn()
@@ -437,7 +455,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
                 counts = self._unscaled_counts(optimizer, flag)
             self._window = self._window.copy().merge(counts.copy())
             self._active, self._agreed = True, None
-            self._stepped.append((optimizer, self._agree(flag) > 0))
+            self._stepped.append((optimizer, self._agree(flag) > 0))  # its flags: taken by unscale_
         if self._agreed is None:
             self._agree()
         decision = self._agreed
@@ -459,3 +477,20 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             f"FP8GradScaler(scale={self._scale}, growth_interval={self.growth_interval}, "
             f"skipped_steps={self._skipped_steps})"
         )
+
+
+def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """``{param: flag}``, a 0-dim flag (> 0 where it holds inf or NaN) for every ``param.grad`` of ``optimizer``:
+    this rank's values (a DTensor's shard, a sparse gradient's values). No host synchronization."""
+    flags = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                flags[p] = _nonfinite_flag(p.grad)
+    return flags
+
+
+def _nonfinite_flag(grad: torch.Tensor) -> torch.Tensor:
+    values = grad._values() if grad.is_sparse else grad
+    values = values.to_local() if hasattr(values, "to_local") else values
+    return (~torch.isfinite(values)).any().float()

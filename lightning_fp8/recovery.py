@@ -20,7 +20,8 @@ back in the new model before the checkpoint is loaded. The Lightning plugin does
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,20 +73,29 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     return f"lowered the learning rate by {factor}x"
 
 
-def _offending_layers(model: nn.Module, skipped: list[torch.optim.Optimizer]) -> list[str]:
+def _offending_layers(
+    model: nn.Module, skipped: list[torch.optim.Optimizer], nonfinite_grads: Mapping[torch.Tensor, torch.Tensor]
+) -> list[str]:
     # A layer offends when a gradient of the skipped step was non-finite: its weight's or bias's in param.grad (the
     # accumulated gradient: any micro-batch of the step, not only the last backward), or its weight's FP8 gradient that
     # a skipped FP8AdamW kept (skipped_grad_amax; an optimizer that stepped since keeps an older one); or when its last
     # grad_output cast saw a non-finite amax and the layer took part in the step (a gradient of it is there, or its
-    # weight is frozen): the amax of a layer unused since an earlier bad step stays inf.
-    kept = {p: amax for opt in skipped for p, amax in getattr(opt, "skipped_grad_amax", {}).items()}
+    # weight is frozen): the amax of a layer unused since an earlier bad step stays inf. `nonfinite_grads` (the
+    # scaler's flags of param.grad when it skipped the step) count like the kept FP8 gradients: the loop may have zeroed
+    # param.grad since.
+    kept: dict[torch.Tensor, list[torch.Tensor]] = {}
+    for opt in skipped:
+        for p, amax in getattr(opt, "skipped_grad_amax", {}).items():
+            kept.setdefault(p, []).append(amax)
+    for p, flag in nonfinite_grads.items():
+        kept.setdefault(p, []).append(torch.where(flag > 0, math.inf, 0.0))
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, FP8Linear):
             continue
         params = [p for p in (module.weight, module.bias) if p is not None]
         grads = [p.grad for p in params if p.grad is not None]
-        if not all(_all_finite(g) for g in [*grads, *(kept[p] for p in params if p in kept)]):
+        if not all(_all_finite(g) for g in [*grads, *(a for p in params for a in kept.get(p, []))]):
             names.append(name)
             continue
         took_part = grads or any(p in kept for p in params) or not module.weight.requires_grad
@@ -104,6 +114,8 @@ def fallback_to_high_precision(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     lr_factor: float = 0.5,
     skipped: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    nonfinite_grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> str:
     """Replace the offending FP8 layers of ``model`` by ``nn.Linear`` layers with the same parameters
     (:func:`put_back_to_high_precision`): those whose gradients of the skipped step were non-finite.
@@ -112,7 +124,9 @@ def fallback_to_high_precision(
     ``optimizer``: the optimizer, or every optimizer over the model's weights (several FP8AdamW at O2 each hold
     their weights' masters, which must come back from the one that holds them). ``skipped``: the optimizers whose
     step was skipped (default: all of ``optimizer``): their kept FP8 gradients count, and only their learning rate
-    is lowered.
+    is lowered. ``nonfinite_grads``: ``{param: flag}``, 0-dim flags taken when the step was skipped, > 0 where
+    ``param.grad`` held inf or NaN (what :class:`~lightning_fp8.FP8GradScaler` passes): they blame their layers also
+    where the loop has zeroed ``param.grad`` since.
 
     Returns:
         What was done, for the scaler's history.
@@ -123,7 +137,7 @@ def fallback_to_high_precision(
     """
     optimizers = _as_list(optimizer)
     skipped = optimizers if skipped is None else _as_list(skipped)
-    names = _offending_layers(model, skipped)
+    names = _offending_layers(model, skipped, nonfinite_grads or {})
     if not names:
         what = [lower_lr(opt, lr_factor) for opt in skipped][-1] if skipped else "nothing (no optimizer)"
         return f"no FP8 layer had non-finite gradients; {what}"

@@ -136,8 +136,10 @@ class _ScaleRules:
                     "(DDP, FSDP, tensor parallelism) cannot swap layers. Use nonfinite_fallback='lower_lr' (or a "
                     "callable) in multi-process training; 'bf16' works in one process"
                 )
+            targets = skipped or [optimizer]
+            flags = {p: f for opt in targets for p, f in self._nonfinite_grad_flags.get(opt, {}).items()}
             what = recovery.fallback_to_high_precision(
-                self.model, [*self._seen] or optimizer, self.lr_factor, skipped=skipped or [optimizer]
+                self.model, [*self._seen] or optimizer, self.lr_factor, skipped=targets, nonfinite_grads=flags
             )
         else:
             what = str(fallback(self, optimizer))

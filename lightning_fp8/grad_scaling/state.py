@@ -46,6 +46,7 @@ class _ScalerState:
         "_optimizer_index",
         "_unscaled",
         "_unscale_counts",
+        "_nonfinite_grad_flags",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -75,6 +76,7 @@ class _ScalerState:
         self._nonfinite_runs, self._run_order = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
         self._optimizer_index = weakref.WeakKeyDictionary()
         self._unscaled, self._unscale_counts = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
+        self._nonfinite_grad_flags = weakref.WeakKeyDictionary()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (loads with ``torch.load(weights_only=True)``). ``nonfinite_runs`` are the optimizers'

@@ -96,10 +96,26 @@ class _Unscaling:
                 "FP8GradScaler.unscale_(optimizer) has already been called on this optimizer since the last update()"
             )
         _refuse_fp16_grads(optimizer, "unscale_")
+        self._refuse_unscaled_loss(optimizer, "unscale_")
         # step() adds the flag to its own check: clipping may have made the gradients finite since.
-        found = self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale)
+        flags = self._nonfinite_grad_flags[optimizer] = {}  # per gradient: the "bf16" fallback's, if not stepped
+        found = self._unscaled[optimizer] = _unscale_in_place(optimizer, 1.0 / self.loss_scale, flags)
         # For an update() without its step: measured now, before the loop may zero the gradients.
         self._unscale_counts[optimizer] = self._unscaled_counts(optimizer, found)
+
+    def _refuse_unscaled_loss(self, optimizer: torch.optim.Optimizer, caller: str) -> None:
+        """Raise a RuntimeError if ``optimizer`` holds gradients and no loss was scaled by this scaler (since its
+        construction or last :meth:`load_state_dict`): they do not carry mu, and dividing them by it would make the
+        update 1/mu of what it should be, silently (``torch.amp.GradScaler`` refuses a step without ``scale()`` too).
+        """
+        if not self.loss_was_scaled and holds_gradients(optimizer):
+            raise RuntimeError(
+                f"FP8GradScaler.{caller}: no loss was scaled by this scaler (since it was created or its state was "
+                f"loaded), so the gradients of this {type(optimizer).__name__} do not carry mu ({self._scale:g}) and "
+                "unscaling them would shrink the update by that factor. Call scaler.scale_loss(loss).backward() "
+                "instead of loss.backward() (under Lightning's manual optimization: self.manual_backward(loss)). "
+                "Nothing was changed"
+            )
 
     def _unscaled_counts(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> _Counts:
         """What an update judges of ``optimizer`` unscaled and not stepped: the headroom of its unscaled gradients
@@ -108,6 +124,19 @@ class _Unscaling:
         self._record_high_precision_grads(optimizer, counts)
         counts.add((found > 0).float())
         return counts
+
+
+def holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` (or the optimizer a Lightning or Accelerate wrapper holds) has any gradient to step on: a
+    ``param.grad``, or one an FP8AdamW holds in FP8 (``fp8_grads``: those leave ``param.grad`` as backward produces
+    them; queued ones are cast first, as its step would)."""
+    if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        return True
+    inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # Accelerate's AcceleratedOptimizer
+    fp8_grad_norms = getattr(inner, "fp8_grad_norms", None)
+    return fp8_grad_norms is not None and bool(fp8_grad_norms())
 
 
 def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:
@@ -143,8 +172,11 @@ def _refuse_fp16_grads(optimizer: torch.optim.Optimizer, caller: str = "step") -
         )
 
 
-def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> torch.Tensor:
-    """Multiply every gradient of a plain optimizer by ``inv_scale``; return a 0-dim non-finite flag.
+def _unscale_in_place(
+    optimizer: torch.optim.Optimizer, inv_scale: float, flags: dict[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Multiply every gradient of a plain optimizer by ``inv_scale``; return a 0-dim non-finite flag (and put each
+    gradient's in ``flags``, when given).
 
     A sparse gradient (``nn.Embedding(sparse=True)``) has its values unscaled in place, as in
     ``torch.amp.GradScaler``. fp16 gradients never come here (:func:`_refuse_fp16_grads`): fp32 and bf16 values are
@@ -157,5 +189,7 @@ def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale: float) -> tor
         values = values.to_local() if hasattr(values, "to_local") else values  # a DTensor (FSDP2): this rank's shard
         values.mul_(inv_scale)
         bad = (~torch.isfinite(values)).any().float()  # the ranks agree on the sum (FP8GradScaler._agree)
+        if flags is not None:
+            flags[p] = bad
         found = found.to(bad.device) + bad
     return found

@@ -192,6 +192,8 @@ def test_readers_flush_the_queue(casts, reader):
     # Gradients queued outside a backward (no end-of-backward flush) are cast before anything reads them. One holds
     # values at the E5M2 maximum, which the scaler counts.
     (model_a, opt_a), (model_b, opt_b) = _pair(scaler=True)
+    for opt in (opt_a, opt_b):
+        opt.grad_scaler.scale_loss(torch.zeros(()))  # the gradients put here carry mu, as a scaled backward's do
     weights_a, weights_b = _weights(opt_a), _weights(opt_b)
     grads = [torch.randn(p.shape, dtype=p.dtype) for p in weights_a]
     grads[1].view(-1)[:2] = torch.tensor([60000.0, -57344.0])

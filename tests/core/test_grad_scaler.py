@@ -28,6 +28,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+def _planted_gradients_carry_mu(scaler):
+    """Gradients a test sets in ``param.grad`` stand for those of a scaled loss's backward: say that a loss was scaled
+    (its mu is the one they are unscaled by), or ``step()`` refuses them as gradients of an unscaled loss."""
+    scaler.scale_loss(torch.zeros(()))
+
+
 def _record(scaler, amax, n_saturated=0, numel=1000, dtype=E5M2):
     scaler.record_gradient_cast(torch.tensor(float(amax)), torch.tensor(n_saturated), numel, dtype)
 
@@ -255,6 +261,7 @@ def test_high_precision_gradients_grow_mu_with_headroom_under_their_dtype(dtype)
     # (fp16 parameters through FP8AdamW: a plain optimizer's fp16 gradients are refused.)
     lin = nn.Linear(8, 4).to(dtype)
     scaler = FP8GradScaler(init_scale=1.0, growth_interval=2)
+    _planted_gradients_carry_mu(scaler)
     if dtype == torch.float32:
         opt = torch.optim.SGD(lin.parameters(), lr=0.0)
     else:
@@ -364,6 +371,7 @@ def test_lower_lr_fallback_after_repeated_nonfinite_steps():
     p = nn.Parameter(torch.randn(4))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler = FP8GradScaler(nonfinite_fallback="lower_lr", fallback_after=3, lr_factor=0.5)
+    _planted_gradients_carry_mu(scaler)
     for i in range(3):
         p.grad = torch.full_like(p, float("inf"))
         assert scaler.step(opt) is False
@@ -385,6 +393,7 @@ def test_update_finishes_the_step_when_the_fallback_raises():
         p = nn.Parameter(torch.ones(4))
         opt = torch.optim.SGD([p], lr=0.1)
         scaler = FP8GradScaler(init_scale=2.0**4, nonfinite_fallback=fallback, fallback_after=1)
+        _planted_gradients_carry_mu(scaler)
         p.grad = torch.full_like(p, float("inf"))
         assert scaler.step(opt) is False
         if fallback is None:
@@ -594,6 +603,7 @@ _DIST_WORKER = textwrap.dedent(
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler = FP8GradScaler(init_scale=4.0)
+    scaler.scale_loss(torch.zeros(()))  # the planted gradients carry mu, as a scaled backward leaves them
     p.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)  # only rank 1 overflows
     stepped = scaler.step(opt)
     scaler.update()

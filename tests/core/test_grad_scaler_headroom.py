@@ -49,6 +49,7 @@ def test_fp16_gradients_are_measured_beside_communication_hook_casts():
     # none (40000 * 2 > 65504): mu must not grow. It grew every step, the fp16 gradient unmeasured.
     q = nn.Parameter(torch.zeros(8, dtype=torch.float16))
     scaler = FP8GradScaler(init_scale=1.0, growth_interval=1)
+    scaler.scale_loss(torch.zeros(()))  # the planted gradients carry mu, as a scaled backward's do
     opt = FP8AdamW([q], lr=0.0, grad_scaler=scaler, fp8_grads=False)
     for _ in range(3):
         scaler.record_gradient_cast(torch.tensor(1.0), torch.tensor(0), 100, E5M2)  # as fp8_allreduce_hook reports
@@ -71,6 +72,7 @@ def test_saturated_fraction_is_of_the_cast_values_alone():
     a, b = nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(4000))
     opt_a, opt_b = torch.optim.SGD([a], lr=0.0), torch.optim.SGD([b], lr=0.0)
     scaler = FP8GradScaler(init_scale=2.0**4, saturation_threshold=2e-3)
+    scaler.scale_loss(torch.zeros(()))  # the planted gradients carry mu, as a scaled backward's do
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     scaler.record_gradient_cast(torch.tensor(57344.0), torch.tensor(5), 1000, E5M2, owner=opt_a)
     assert scaler.step(opt_a) and scaler.step(opt_b)

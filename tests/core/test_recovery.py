@@ -281,7 +281,7 @@ def _ddp_fallback(rank: int, opt_level: str, blamed: tuple[str, ...], build=_mod
     optimizer = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, opt_level=opt_level)
     ddp = DDP(model)  # after the optimizer, as docs/guides/pytorch.md says
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))  # each rank its own data
-    ddp(x).square().mean().backward()
+    scaler.scale_loss(ddp(x).square().mean()).backward()
     layers = [model.get_submodule(name) for name in blamed]
     for layer in layers:
         layer.weight.grad.fill_(math.inf)
@@ -572,3 +572,51 @@ def test_a_fallback_due_before_any_optimizer_stepped_records_that_it_had_nothing
         scaler.update()
     assert scaler.skipped_steps == 2
     assert scaler.history[-1]["action"] == "fallback" and "nothing to change" in scaler.history[-1]["reason"]
+
+
+def _poisoned_loss(model: nn.Module, step: int) -> torch.Tensor:
+    """The loss of `_train`'s step: at the POISONED steps only the last layer gets (non-finite) gradients."""
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(24, 32, generator=gen), torch.randn(24, 16, generator=gen)
+    if step in POISONED:
+        return ((model[2](model[1](model[0](x)).detach()) - y) ** 2).mean() * math.inf
+    return ((model(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("kind", ["sgd", "fp8adamw", "fp8adamw-fp8-grads"])
+def test_the_fallback_blames_the_layers_when_the_loop_zeroes_the_gradients_before_update(kind, set_to_none):
+    """`scaler.step(opt); opt.zero_grad(); scaler.update()` (an order torch.amp.GradScaler takes): the fallback ran at
+    the update, read param.grad, found none (or zeros) and blamed no layer (the learning rate was lowered instead). The
+    reference is `_train`'s order, zero_grad first: the same layer goes back."""
+    model = _model()
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2, init_scale=2.0**4)
+    fp8_grads = kind == "fp8adamw-fp8-grads"
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-2) if kind == "sgd" else
+           FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, fp8_grads=fp8_grads))  # fmt: skip
+    for step in range(4):
+        scaler.scale_loss(_poisoned_loss(model, step)).backward()
+        scaler.step(opt)
+        opt.zero_grad(set_to_none=set_to_none)
+        scaler.update()
+    reference = _model()
+    _train(reference, *_training(reference), range(4))
+    assert fallen_back_layers(model) == fallen_back_layers(reference) == ["2"]
+    assert opt.param_groups[0]["lr"] == 1e-2
+    fallbacks = [entry["reason"] for entry in scaler.history if entry["action"] == "fallback"]
+    assert len(fallbacks) == 1 and fallbacks[0].endswith("put 1 layer(s) back to high precision: 2")
+
+
+def test_the_fallback_blames_the_layers_an_unscale_found_non_finite_when_the_loop_skips_its_step():
+    """unscale_, then the loop skips its own step on a non-finite gradient and zeroes the gradients before update."""
+    model = _model()
+    scaler = FP8GradScaler(nonfinite_fallback=model, fallback_after=2, init_scale=2.0**4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(4):
+        scaler.scale_loss(_poisoned_loss(model, step)).backward()
+        scaler.unscale_(opt)
+        if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None):
+            scaler.step(opt)
+        opt.zero_grad()
+        scaler.update()
+    assert fallen_back_layers(model) == ["2"] and opt.param_groups[0]["lr"] == 1e-2

@@ -175,6 +175,7 @@ def test_headroom_of_every_optimizer_is_judged():
     def run(split: bool) -> list[float]:
         p, q = nn.Parameter(torch.zeros(4, dtype=torch.float16)), nn.Parameter(torch.zeros(4, dtype=torch.float16))
         scaler = FP8GradScaler(init_scale=1.0, growth_interval=1)
+        scaler.scale_loss(torch.zeros(()))  # the gradients planted below carry mu, as a scaled backward's do
         kwargs = {"lr": 0.0, "grad_scaler": scaler, "fp8_grads": False}
         opts = [FP8AdamW([p], **kwargs), FP8AdamW([q], **kwargs)] if split else [FP8AdamW([p, q], **kwargs)]
         scales = []
@@ -321,6 +322,7 @@ def _events(scaler: FP8GradScaler, opts: list, events: list[tuple]) -> None:
         else:
             (p,) = opts[args[0]].param_groups[0]["params"]
             p.grad = torch.full_like(p, math.nan if args[1] else 1.0)
+            scaler.scale_loss(torch.zeros(()))  # (the planted gradient carries mu, as a scaled backward's does)
             scaler.step(opts[args[0]])
         scaler.update()
 
@@ -461,6 +463,7 @@ def _ranks_agree_per_optimizer(rank: int) -> dict:
     p, q = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
     o1, o2 = torch.optim.SGD([p], lr=0.1), torch.optim.SGD([q], lr=0.1)
     scaler = FP8GradScaler(init_scale=4.0)
+    scaler.scale_loss(torch.zeros(()))  # the planted gradients carry mu, as a scaled backward's do
     p.grad = torch.full((4,), 4.0)
     q.grad = torch.full((4,), math.inf if rank == 1 else 4.0)
     stepped = (scaler.step(o1), scaler.step(o2))

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_fp8.grad_scaling.unscaling import holds_gradients
 from lightning_fp8.integrations.clipping import (
     UnscaledGradients,
     clip_factor,
@@ -51,7 +52,7 @@ class _PrecisionStep:
         # training_step returned None in automatic optimization: no backward ran for this micro-batch. The earlier ones
         # of its accumulation window may have left gradients, which are stepped, as torch.optim steps them under
         # precision="bf16-mixed"; with none, there is nothing to step.
-        nothing_to_step = closure_result is None and model.automatic_optimization and not _holds_gradients(optimizer)
+        nothing_to_step = closure_result is None and model.automatic_optimization and not holds_gradients(optimizer)
         with self.unscaled_gradients(optimizer, enabled=not nothing_to_step and _hooks_read_gradients(model)):
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + gradient clipping
         if kwargs:
@@ -156,15 +157,6 @@ class _PrecisionStep:
             mul_grads_by_(optimizer_grads(optimizer), clip_factor(total, clip_val, mu))
             return
         clip_scaled_grad_norm_(self.main_params(optimizer), clip_val, mu)
-
-
-def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` has any gradient to step on: a ``param.grad``, or one an FP8AdamW holds in FP8
-    (``fp8_grads``: those leave ``param.grad`` as backward produces them)."""
-    if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
-        return True
-    fp8_grad_norms = getattr(_unwrap_optimizer(optimizer), "fp8_grad_norms", None)
-    return fp8_grad_norms is not None and bool(fp8_grad_norms())
 
 
 def _hooks_read_gradients(model: Any) -> bool:
