@@ -26,21 +26,13 @@ class _Unscaling:
         the backward and the step. Each ``param.grad`` is multiplied by ``min(1, max_norm / (true norm + 1e-6))``;
         returns the true total norm (of the unscaled gradients), a 0-dim fp32 tensor. The norm is summed in fp32:
         ``torch.nn.utils.clip_grad_norm_(params, mu * max_norm)`` on O2's fp16 gradients computes each tensor's norm
-        in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. Only
-        ``param.grad`` is clipped: with ``FP8AdamW(fp8_grads=True)`` the FP8 weights' gradients are held by the
-        optimizer (``param.grad`` None), and this raises ValueError: build it with ``fp8_grads=False`` to clip.
-        Gradients that :meth:`unscale_` unscaled already are clipped as they are (:meth:`grad_factor`)."""
+        in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. The gradients
+        an ``FP8AdamW(fp8_grads=True)`` holds in FP8 for these parameters (``param.grad`` None) count and are clipped
+        too, through their scales (their FP8 values stay as they are). Gradients that :meth:`unscale_` unscaled
+        already are clipped as they are (:meth:`grad_factor`)."""
         from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_  # torch only (no Lightning import)
-        from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        held = [p for p in params if p.grad is None and getattr(p, GRAD_OWNER_ATTR, None) is not None]
-        if held:  # an FP8AdamW(fp8_grads=True) took their gradients in FP8 as they were computed
-            raise ValueError(
-                f"FP8GradScaler.clip_grad_norm_ would miss the gradients of {len(held)} FP8 weight(s) (the first of "
-                f"shape {tuple(held[0].shape)}), which FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad "
-                "as soon as they are computed): create the FP8AdamW with fp8_grads=False to clip, or do not clip"
-            )
         mu = self.grad_factor(params)
         return clip_scaled_grad_norm_(params, max_norm, mu).float() / mu
 
@@ -52,9 +44,13 @@ class _Unscaling:
             ValueError: when some of the gradients are unscaled and others are not: clip or read the two sets
                 separately.
         """
+        from lightning_fp8.optim.fp8_grads import held_fp8_grads
+
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         unscaled = {id(p) for opt in list(self._unscaled) for group in opt.param_groups for p in group["params"]}
         kinds = {id(p) in unscaled for p in params if p.grad is not None}
+        if held_fp8_grads([p for p in params if p.grad is None]):
+            kinds.add(False)  # held in FP8 by an FP8AdamW, which unscale_ refuses: they carry mu
         if kinds == {True, False}:
             raise ValueError(
                 "FP8GradScaler: some of these gradients were unscaled by unscale_(optimizer) and others still carry "

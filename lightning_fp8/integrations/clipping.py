@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_fp8.health import global_norm
+from lightning_fp8.optim import fp8_grads
 
 
 def clip_grad_value_keeping_overflow_(parameters: Any, limit: float) -> None:
@@ -29,14 +30,30 @@ def clip_scaled_grad_norm_(parameters: Any, max_norm: float, mu: float = 1.0) ->
     """``torch.nn.utils.clip_grad_norm_`` (L2) of gradients that carry a factor ``mu``, as if they did not: each is
     multiplied by ``min(1, max_norm / (norm / mu + 1e-6))``, the norm summed in fp32 (their norm can be past fp16's
     range, which torch's fp16 norm would turn into inf and the factor into 0). Returns the norm of the gradients as
-    they are. DTensor gradients (FSDP2) are reduced over their mesh."""
+    they are. DTensor gradients (FSDP2) are reduced over their mesh. The gradients an FP8AdamW holds in FP8 for
+    these parameters (``fp8_grads``: ``param.grad`` is None) count and are clipped too, through their scales
+    (:func:`~lightning_fp8.optim.fp8_grads.scale_fp8_grads_`: the FP8 values stay as they are)."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    held = fp8_grads.held_fp8_grads(params)  # first: it folds a param.grad beside a held one into it
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and not held:
         return torch.zeros(())
-    total = global_norm(grads)
-    mul_grads_by_(grads, clip_factor(total, max_norm, mu))
+    total = with_held_norms(global_norm(grads) if grads else None, fp8_grads.fp8_grad_norms(held))
+    factor = clip_factor(total, max_norm, mu)
+    if grads:
+        mul_grads_by_(grads, factor)
+    fp8_grads.scale_fp8_grads_(held, factor)
     return total
+
+
+def with_held_norms(total: Tensor | None, held: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type`` norm of ``total`` (the norm of the other gradients, or None) and the held FP8 gradients'
+    norms ``held``, in fp32, on ``total``'s device (else the first held one's)."""
+    if not held and total is not None:
+        return total
+    parts = ([] if total is None else [total.float().reshape(())]) + [n.reshape(()) for n in held]
+    device = parts[0].device
+    return torch.linalg.vector_norm(torch.stack([t.to(device) for t in parts]), norm_type)
 
 
 def clip_factor(total: Tensor, max_norm: float, mu: float) -> Tensor:

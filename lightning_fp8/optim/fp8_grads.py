@@ -30,6 +30,8 @@ from lightning_fp8.optim import grad_cast, master, shards
 GRAD_OWNER_ATTR = "_lightning_fp8_grad_owner"
 _GRAD_OWNER_IDS = itertools.count(1)
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
+# Every FP8AdamW that may hold FP8 gradients (a hook registered, or one handed over): where held_fp8_grads looks. Weak.
+_HOLDERS: weakref.WeakSet[_FP8Grads] = weakref.WeakSet()
 
 
 def _distributed_fp8_grads(weights: str) -> str:
@@ -48,10 +50,14 @@ def _one_scale_inv(scale_inv: object, grad: torch.Tensor) -> torch.Tensor:
     if scale_inv is None:
         raise ValueError("accumulate_fp8_grad: an FP8 gradient needs its scale_inv (1 / the scale it was cast with)")
     if not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1 or not scale_inv.is_floating_point():
-        got = f"a {tuple(scale_inv.shape)} {scale_inv.dtype} tensor" if isinstance(scale_inv, torch.Tensor) else (
-            type(scale_inv).__name__)
+        got = (
+            f"a {tuple(scale_inv.shape)} {scale_inv.dtype} tensor"
+            if isinstance(scale_inv, torch.Tensor)
+            else (type(scale_inv).__name__)
+        )
         raise ValueError(f"accumulate_fp8_grad: scale_inv must be a one-element floating tensor, got {got}")
     return scale_inv.detach().to(grad.device, torch.float32).reshape(())
+
 
 class _FP8Grads:
     """The gradient hooks and the FP8 gradients they hold (see the module docstring)."""
@@ -107,6 +113,7 @@ class _FP8Grads:
         return True
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
+        _HOLDERS.add(self)
         owner, owner_id = weakref.ref(self), self._grad_owner_id
         setattr(p, GRAD_OWNER_ATTR, owner_id)
 
@@ -141,6 +148,7 @@ class _FP8Grads:
                 ``scale_inv`` (or with one that is not a one-element floating tensor), a ``scale_inv`` given with a
                 high-precision gradient, or a shape that is not ``p``'s.
         """
+        _HOLDERS.add(self)
         if not self._holds(p):  # its gradient would never be stepped, yet count in the scaler's non-finite check
             raise ValueError(
                 f"accumulate_fp8_grad: the parameter of shape {tuple(p.shape)} is in none of this FP8AdamW's parameter "
@@ -263,3 +271,36 @@ class _FP8Grads:
             p: (torch.linalg.vector_norm(e.data.float()) * e.scale_inv.float()).reshape(())
             for p, e in self._pending.items()
         }
+
+
+def held_fp8_grads(params: Iterable[torch.Tensor]) -> list[_FP8Grad]:
+    """The FP8 gradients that FP8AdamW optimizers hold for ``params`` (``fp8_grads``: taken out of ``param.grad``;
+    handed over by ``accumulate_fp8_grad``), each ``data * scale_inv`` and still carrying mu, for clipping them with
+    the others (:func:`~lightning_fp8.integrations.clipping.clip_scaled_grad_norm_`). Their queued casts are made
+    first, and a ``param.grad`` beside one is folded into it, as the step would do."""
+    wanted = {p for p in params}
+    entries = []
+    for optimizer in list(_HOLDERS):
+        if any(p in optimizer._grad_casts for p in wanted):
+            optimizer._grad_casts.flush(optimizer)
+        for p in [p for p in optimizer._pending if p in wanted]:
+            if p.grad is not None:  # a gradient in both places (a hook removed in between): one, as the step takes it
+                grad, p.grad = p.grad, None
+                optimizer.accumulate_fp8_grad(p, grad)
+            entries.append(optimizer._pending[p])
+    return entries
+
+
+def fp8_grad_norms(entries: list[_FP8Grad], norm_type: float = 2.0) -> list[torch.Tensor]:
+    """The ``norm_type`` norm (0-dim fp32) of each FP8 gradient of ``entries``, dequantized."""
+    return [torch.linalg.vector_norm(e.data.float(), norm_type) * e.scale_inv.float() for e in entries]
+
+
+def scale_fp8_grads_(entries: list[_FP8Grad], factor: torch.Tensor) -> None:
+    """Multiply each FP8 gradient of ``entries`` by ``factor`` (0-dim) through its ``scale_inv``: the FP8 values stay
+    as they are; its amax (the one-pass step's bound, the scaler's non-finite check) follows. New tensors: the amax is
+    the cast state's buffer, and the scaler's records may share it."""
+    for entry in entries:
+        f = factor.to(entry.scale_inv.device, torch.float32)
+        entry.scale_inv = entry.scale_inv * f
+        entry.amax = entry.amax * f

@@ -89,7 +89,6 @@ class GradientsMixin:
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        refusals.check_clippable(self._fp8_prepared_optimizer())
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         mu = self._fp8_grad_factor(parameters)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
@@ -109,7 +108,7 @@ class GradientsMixin:
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.fp8_grad_scaler is None or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
-        refusals.check_clippable(self._fp8_prepared_optimizer())
+        refusals.check_clippable(self._fp8_prepared_optimizer(), "accelerator.clip_grad_value_")
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         clip_grad_value_keeping_overflow_(parameters, clip_value * self._fp8_grad_factor(parameters))
 

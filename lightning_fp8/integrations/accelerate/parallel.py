@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.convert import fp8_modules
+from lightning_fp8.optim import fp8_grads
 from lightning_fp8.recipe import FP8Recipe
 
 
@@ -68,15 +69,20 @@ def clip_grad_norm_fp32(parameters: Any, max_norm: float, norm_type: float, grad
     """Clip gradients that carry a factor ``grad_scale`` as if they did not; return the unscaled norm.
 
     Replicated gradients (one process, DDP). Norms are computed in fp32 whatever the gradients' dtype; a
-    non-finite norm leaves non-finite gradients behind, which the gradient scaler then skips.
+    non-finite norm leaves non-finite gradients behind, which the gradient scaler then skips. The gradients an
+    FP8AdamW holds in FP8 for these parameters (``fp8_grads``) count and are clipped too, through their scales.
     """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    held = fp8_grads.held_fp8_grads(parameters)  # first: it folds a param.grad beside a held one into it
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and not held:
         return torch.zeros(())
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-    total = torch.linalg.vector_norm(norms, norm_type) / grad_scale
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    norms += fp8_grads.fp8_grad_norms(held, norm_type)
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type) / grad_scale
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    fp8_grads.scale_fp8_grads_(held, coef)
     return total

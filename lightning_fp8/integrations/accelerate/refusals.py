@@ -198,15 +198,13 @@ def check_fallback(grad_scaler: Any, models: list[nn.Module]) -> None:
         )
 
 
-def check_clippable(
-    optimizer: torch.optim.Optimizer | None, caller: str = "accelerator.clip_grad_norm_/clip_grad_value_"
-) -> None:
+def check_clippable(optimizer: torch.optim.Optimizer | None, caller: str) -> None:
     """Raise if the prepared FP8AdamW (``optimizer``) holds FP8 weights' gradients outside ``param.grad``
-    (``fp8_grads=True``, a user's own optimizer): clipping would miss them."""
+    (``fp8_grads=True``, a user's own optimizer): ``caller`` (clipping by value, unscaling) would miss them."""
     if getattr(optimizer, "holds_fp8_grads", False):
         raise ValueError(
             f"{caller} would miss the FP8 weights' gradients, which the prepared "
-            "FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed): create "
-            "it with fp8_grads=False (or pass a torch AdamW, which prepare() swaps with fp8_grads=False), or do "
-            "not clip"
+            "FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed; "
+            "accelerator.clip_grad_norm_ clips them too): create it with fp8_grads=False (or pass a torch AdamW, "
+            "which prepare() swaps with fp8_grads=False)"
         )

@@ -315,8 +315,9 @@ class FP8LMPrecision(_FP8LMPrecisionLogic, Precision):
             ``False`` the optimizers are kept as returned (any optimizer; fp32 states).
         fp8_communication: install the FP8 gradient communication hooks under DDP and FSDP (default).
         fp8_grads: let FP8AdamW turn each FP8 weight's gradient into FP8 as soon as backward produces it (saves
-            a byte or more per parameter). Off by default: those gradients then leave ``param.grad``, so gradient
-            clipping, ``on_before_optimizer_step`` hooks and gradient-norm logging would not see them. Refused by
+            a byte or more per parameter). Off by default: those gradients then leave ``param.grad``, so
+            ``on_before_optimizer_step`` hooks and clipping by value would not see them (clipping by norm counts
+            and clips them, through their scales; ``TrainingHealthMonitor`` counts them too). Refused by
             FP8AdamW under a multi-process strategy (DDP would average nothing: the gradients leave before it);
             without effect on weights sharded by ``fully_shard`` (their gradients stay in ``param.grad``, and clip).
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`, a dict of its arguments, or ``None`` for defaults.

@@ -111,12 +111,13 @@ class _PrecisionStep:
         # sharded by fully_shard), else the plugin's flag
         inner = _unwrap_optimizer(optimizer)
         holds_fp8_grads = inner.holds_fp8_grads if hasattr(inner, "holds_fp8_grads") else self.fp8_grads
-        if clip_val > 0 and holds_fp8_grads:
+        if clip_val > 0 and holds_fp8_grads and GradClipAlgorithmType(gradient_clip_algorithm) is not (
+                GradClipAlgorithmType.NORM):  # fmt: skip
             raise ValueError(
-                f"gradient clipping (clip_val={clip_val}) would miss the FP8 weights' gradients, which FP8AdamW "
-                "holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed): use "
-                "FP8LMPrecision(fp8_grads=False) (the default) and, for your own FP8AdamW, fp8_grads=False; or no "
-                "clipping"
+                f"gradient clipping by value (clip_val={clip_val}) would miss the FP8 weights' gradients, which "
+                "FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed; clipping "
+                "by norm clips them too, through their scales): clip by norm, or use FP8LMPrecision(fp8_grads=False) "
+                "(the default) and, for your own FP8AdamW, fp8_grads=False"
             )
         if clip_val <= 0:
             return

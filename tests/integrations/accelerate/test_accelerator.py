@@ -433,16 +433,24 @@ def test_adam_with_coupled_weight_decay_is_an_error():
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_clipping_refuses_an_fp8adamw_holding_fp8_gradients(opt_level):
+def test_clipping_by_norm_counts_the_gradients_an_fp8adamw_holds_in_fp8(opt_level):
     """A user's own FP8AdamW with fp8_grads=True (its default, O1 too) holds the FP8 weights' gradients outside
-    param.grad: accelerator.clip_grad_norm_ left them out of the norm without a word (7.2 instead of 19.0)."""
+    param.grad: accelerator.clip_grad_norm_ left them out of the norm without a word (7.2 instead of 19.0), then
+    refused them; now it counts them and clips them through their scales. Clipping by value is refused."""
     accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
     model = convert_to_fp8(Net())  # converted first, so that the user's FP8AdamW takes its FP8 weights as such
     model, optimizer = accelerator.prepare(model, FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level))
     accelerator.backward(_loss(model, _batch()))
-    with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-    with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
+    held = optimizer.optimizer.fp8_grad_norms()
+    assert len(held) == 2
+    mu = accelerator.fp8_grad_scaler.loss_scale
+    norms = [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters() if p.grad is not None]
+    want = torch.linalg.vector_norm(torch.stack(norms + [n.double() for n in held.values()])) / mu
+    norm = accelerator.clip_grad_norm_(model.parameters(), float(want) / 2)
+    torch.testing.assert_close(norm.double(), want, rtol=1e-5, atol=0)
+    for p, n in optimizer.optimizer.fp8_grad_norms().items():  # halved (up to torch's 1e-6 in the factor)
+        torch.testing.assert_close(n, held[p] / 2, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="clip_grad_value_ would miss the FP8 weights' gradients"):
         accelerator.clip_grad_value_(model.parameters(), 1.0)
 
 

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 import lightning_fp8.warnings
@@ -680,15 +681,42 @@ def test_resume_under_other_scaling_settings_starts_the_scales_afresh(tmp_path, 
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_clipping_refuses_a_users_fp8adamw_holding_fp8_gradients(opt_level):
+def test_clipping_a_users_fp8adamw_holding_fp8_gradients(opt_level):
     """A user's own FP8AdamW (kept by the plugin) with fp8_grads=True, its default (O1 too), holds the FP8 weights'
-    gradients outside param.grad: clipping left them out without a word (the plugin checked its own flag only)."""
+    gradients outside param.grad: clipping left them out without a word (the plugin checked its own flag only), then
+    was refused; by norm it now clips them too, through their scales; by value it is refused."""
     plugin = FP8LMPrecision()
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)))
-    optimizer = FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level)
-    with pytest.raises(ValueError, match="would miss the FP8 weights' gradients"):
-        plugin.clip_gradients(optimizer, clip_val=1.0)
-    plugin.clip_gradients(FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level, fp8_grads=False), clip_val=1.0)
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, opt_level=opt_level, grad_scaler=plugin.grad_scaler)
+    plugin.grad_scaler.scale_loss(model(torch.randn(8, 32)).square().mean()).backward()
+    mu = plugin.grad_scaler.loss_scale
+    (held,) = optimizer.fp8_grad_norms().values()
+    want = torch.linalg.vector_norm(torch.stack([held.double(), torch.linalg.vector_norm(model[0].bias.grad.double())]))
+    bias = model[0].bias.grad.clone()
+    plugin.clip_gradients(optimizer, clip_val=float(want / mu) / 4)
+    (clipped,) = optimizer.fp8_grad_norms().values()
+    torch.testing.assert_close(clipped, held / 4, rtol=1e-5, atol=0)
+    torch.testing.assert_close(model[0].bias.grad, bias / 4, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="clipping by value .* would miss the FP8 weights' gradients"):
+        plugin.clip_gradients(optimizer, clip_val=1.0, gradient_clip_algorithm=GradClipAlgorithmType.VALUE)
+
+
+def test_a_fit_clipping_by_norm_with_fp8_gradients_clips_them_as_with_gradients_in_param_grad():
+    """FP8LMPrecision(fp8_grads=True) with Trainer(gradient_clip_val=...) was refused; it clips the held FP8 gradients
+    through their scales. Clipped to a norm far under AdamW's eps, the FP8 weights barely move (eps dominates the
+    update; weight decay still moves them a little), as with fp8_grads=False, whose gradients stay in param.grad: a
+    held gradient left unclipped would move its weight at AdamW's full step."""
+    start = _module().state_dict()
+    for fp8_grads in (True, False):
+        moved = {}
+        for clip in (None, 1e-12):
+            module, trainer = _fit(precision=None, plugins=[FP8LMPrecision(fp8_grads=fp8_grads)], max_steps=3,
+                                   gradient_clip_val=clip)  # fmt: skip
+            assert trainer.optimizers[0].fp8_grads is fp8_grads and torch.isfinite(torch.tensor(module.losses)).all()
+            names = [f"{name}.weight" for name, m in module.named_modules() if isinstance(m, FP8Linear)]
+            state = module.state_dict()
+            moved[clip] = torch.stack([(state[n].float() - start[n].float()).abs().max() for n in names])
+        assert (moved[None] > 0).all() and (moved[1e-12] < 0.05 * moved[None]).all(), (fp8_grads, moved)
 
 
 def test_clipping_follows_what_the_fp8adamw_holds_not_the_plugins_flag():
