@@ -61,6 +61,7 @@ from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
 from lightning_fp8.grad_scaling.unscaling import (
+    _nonfinite_flags,
     _refuse_fp16_grads,
     _step_through_public_step,
     _unscale_in_place,
@@ -477,20 +478,3 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             f"FP8GradScaler(scale={self._scale}, growth_interval={self.growth_interval}, "
             f"skipped_steps={self._skipped_steps})"
         )
-
-
-def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
-    """``{param: flag}``, a 0-dim flag (> 0 where it holds inf or NaN) for every ``param.grad`` of ``optimizer``:
-    this rank's values (a DTensor's shard, a sparse gradient's values). No host synchronization."""
-    flags = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                flags[p] = _nonfinite_flag(p.grad)
-    return flags
-
-
-def _nonfinite_flag(grad: torch.Tensor) -> torch.Tensor:
-    values = grad._values() if grad.is_sparse else grad
-    values = values.to_local() if hasattr(values, "to_local") else values
-    return (~torch.isfinite(values)).any().float()

@@ -189,3 +189,20 @@ def _unscale_in_place(
             flags[p] = bad
         found = found.to(bad.device) + bad
     return found
+
+
+def _nonfinite_flags(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """``{param: flag}``, a 0-dim flag (> 0 where it holds inf or NaN) for every ``param.grad`` of ``optimizer``:
+    this rank's values (a DTensor's shard, a sparse gradient's values). No host synchronization."""
+    flags = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                flags[p] = _nonfinite_flag(p.grad)
+    return flags
+
+
+def _nonfinite_flag(grad: torch.Tensor) -> torch.Tensor:
+    values = grad._values() if grad.is_sparse else grad
+    values = values.to_local() if hasattr(values, "to_local") else values
+    return (~torch.isfinite(values)).any().float()
