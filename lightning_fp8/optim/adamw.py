@@ -38,7 +38,7 @@ from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.optim import apart, checkpoint, grad_cast, master, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.adoption import _Adoption
-from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _FP8Grad, _FP8Grads
+from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, _FP8Grad, _FP8Grads
 from lightning_fp8.optim.fp8_grads import GRAD_OWNER_ATTR as GRAD_OWNER_ATTR  # its import path before the split
 from lightning_fp8.optim.pickling import _Pickling
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
@@ -211,6 +211,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         self._register_o1_grad_hooks(params)
         self._claim_grads(params)
+        _OPTIMIZERS.add(self)  # (see held_fp8_grads)
 
     # -------------------------------------------------------------------------------------------- param handling
     @override

@@ -30,8 +30,8 @@ from lightning_fp8.optim import grad_cast, master, shards
 GRAD_OWNER_ATTR = "_lightning_fp8_grad_owner"
 _GRAD_OWNER_IDS = itertools.count(1)
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
-# Every FP8AdamW that may hold FP8 gradients (a hook registered, or one handed over): where held_fp8_grads looks. Weak.
-_HOLDERS: weakref.WeakSet[_FP8Grads] = weakref.WeakSet()
+# Every FP8AdamW (weak): where held_fp8_grads looks for the optimizer that holds a parameter's gradient.
+_OPTIMIZERS: weakref.WeakSet[_FP8Grads] = weakref.WeakSet()
 
 
 def _distributed_fp8_grads(weights: str) -> str:
@@ -113,7 +113,6 @@ class _FP8Grads:
         return True
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
-        _HOLDERS.add(self)
         owner, owner_id = weakref.ref(self), self._grad_owner_id
         setattr(p, GRAD_OWNER_ATTR, owner_id)
 
@@ -148,7 +147,6 @@ class _FP8Grads:
                 ``scale_inv`` (or with one that is not a one-element floating tensor), a ``scale_inv`` given with a
                 high-precision gradient, or a shape that is not ``p``'s.
         """
-        _HOLDERS.add(self)
         if not self._holds(p):  # its gradient would never be stepped, yet count in the scaler's non-finite check
             raise ValueError(
                 f"accumulate_fp8_grad: the parameter of shape {tuple(p.shape)} is in none of this FP8AdamW's parameter "
@@ -277,13 +275,22 @@ def held_fp8_grads(params: Iterable[torch.Tensor]) -> list[_FP8Grad]:
     """The FP8 gradients that FP8AdamW optimizers hold for ``params`` (``fp8_grads``: taken out of ``param.grad``;
     handed over by ``accumulate_fp8_grad``), each ``data * scale_inv`` and still carrying mu, for clipping them with
     the others (:func:`~lightning_fp8.integrations.clipping.clip_scaled_grad_norm_`). Their queued casts are made
-    first, and a ``param.grad`` beside one is folded into it, as the step would do."""
-    wanted = {p for p in params}
+    first, and a ``param.grad`` beside one is folded into it, as the step would do.
+
+    A parameter's gradient is the newest FP8AdamW's over it (a later one takes the gradients over, as its hooks do):
+    what an older one still holds of it (its backward before the newer one was made, never stepped) is not counted.
+    """
+    wanted = set(params)
+    newest: dict[torch.Tensor, _FP8Grads] = {}
+    for optimizer in sorted(_OPTIMIZERS, key=lambda opt: opt._grad_owner_id):  # created later: a larger number
+        held = {q for group in optimizer.param_groups for q in group["params"]}
+        newest.update((p, optimizer) for p in wanted & held)
     entries = []
-    for optimizer in list(_HOLDERS):
-        if any(p in optimizer._grad_casts for p in wanted):
+    for optimizer in {id(opt): opt for opt in newest.values()}.values():
+        mine = [p for p, opt in newest.items() if opt is optimizer]
+        if any(p in optimizer._grad_casts for p in mine):
             optimizer._grad_casts.flush(optimizer)
-        for p in [p for p in optimizer._pending if p in wanted]:
+        for p in [p for p in mine if p in optimizer._pending]:
             if p.grad is not None:  # a gradient in both places (a hook removed in between): one, as the step takes it
                 grad, p.grad = p.grad, None
                 optimizer.accumulate_fp8_grad(p, grad)

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_fp8.kernels.reference_grad_cast import grad_cast_state_buffers
 from lightning_fp8.optim import apart, grad_cast, master
-from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS
+from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS
 
 # The attributes an adopted weight carries besides its scaled storage (master.adopt).
 _MASTER_ATTRS = (master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR)
@@ -71,6 +71,7 @@ class _Pickling:
         self._pending, self._stepped_fp8_grads, self._held = {}, [], None
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
         self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
+        _OPTIMIZERS.add(self)
         self._mark_masters()
         for p in hooked:
             self._register_grad_hook(p)

@@ -106,3 +106,25 @@ def test_value_clipping_still_refuses_gradients_held_in_fp8():
     opt = FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=True)
     with pytest.raises(ValueError, match="clipping by value.*clip by norm"):
         FP8LMPrecision().clip_gradients(opt, clip_val=1.0, gradient_clip_algorithm="value")
+
+
+@pytest.mark.parametrize("new_fp8_grads", [True, False])
+def test_what_an_older_fp8adamw_still_holds_is_not_counted_nor_takes_the_new_gradients(new_fp8_grads):
+    """An FP8AdamW made again over the same weights (the older one kept alive with an FP8 gradient of a backward it
+    never stepped on) takes their gradients over: clipping counted the older one's too (a wrong norm and factor),
+    and with fp8_grads=False folded the new param.grad into it, so the new optimizer's step left the FP8 weights
+    alone."""
+    model = _model()
+    scaler = FP8GradScaler(init_scale=MU)
+    old = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler)
+    _backward(model, scaler, seed=0)
+    assert len(old.fp8_grad_norms()) == 2
+    new = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, fp8_grads=new_fp8_grads)
+    _backward(model, scaler, seed=1)
+    grads = _gradients(model, new)
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads.values()])) / MU
+    torch.testing.assert_close(scaler.clip_grad_norm_(model.parameters(), 1e9).double(), want, rtol=1e-5, atol=0)
+    assert (model[0].weight.grad is not None) is not new_fp8_grads  # the new gradient stays where the new one keeps it
+    weights = [p.detach().clone() for p in model.parameters()]
+    new.step()
+    assert all(not torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights, strict=True))
