@@ -265,10 +265,8 @@ class _FP8Grads:
         ``scale_inv``). They are in the units of the backward: they carry the gradient scaler's mu (the step unscales
         them). Read-only: queued gradients are cast first, as the step would."""
         self._grad_casts.flush(self)
-        return {
-            p: (torch.linalg.vector_norm(e.data.float()) * e.scale_inv.float()).reshape(())
-            for p, e in self._pending.items()
-        }
+        norms = fp8_grad_norms(list(self._pending.values()))
+        return {p: norm.reshape(()) for p, norm in zip(self._pending, norms, strict=True)}
 
 
 def held_fp8_grads(params: Iterable[torch.Tensor]) -> list[_FP8Grad]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.convert import fp8_modules
+from lightning_fp8.integrations.clipping import with_held_norms
 from lightning_fp8.optim import fp8_grads
 from lightning_fp8.recipe import FP8Recipe
 
@@ -78,9 +79,8 @@ def clip_grad_norm_fp32(parameters: Any, max_norm: float, norm_type: float, grad
     if not grads and not held:
         return torch.zeros(())
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-    norms += fp8_grads.fp8_grad_norms(held, norm_type)
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type) / grad_scale
+    others = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else None
+    total = with_held_norms(others, fp8_grads.fp8_grad_norms(held, norm_type), norm_type) / grad_scale
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
