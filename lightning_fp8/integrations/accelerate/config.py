@@ -103,6 +103,10 @@ def _exclude_from_json(value: str) -> list[str] | None:
     return None
 
 
+def _matches(fqn: str, pattern: str) -> bool:
+    return fnmatchcase(fqn, pattern) or fnmatchcase(fqn.rpartition(".")[2], pattern)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8LaunchConfig:
     """What the launch asked for: the recipe, the linear layers kept in high precision, the tensor-parallel plan.
@@ -137,8 +141,13 @@ class FP8LaunchConfig:
 
     def module_filter(self, module: nn.Module, fqn: str) -> bool:
         """``convert_to_fp8``'s ``module_filter_fn``: False for layers matched by :attr:`exclude_modules`."""
-        last = fqn.rpartition(".")[2]
-        return not any(fnmatchcase(fqn, p) or fnmatchcase(last, p) for p in self.exclude_modules)
+        return not any(_matches(fqn, p) for p in self.exclude_modules)
+
+    def unmatched_patterns(self, model: nn.Module) -> list[str]:
+        """The :attr:`exclude_modules` patterns that match no linear layer of ``model`` (a misspelt name keeps
+        nothing in high precision)."""
+        linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+        return [p for p in self.exclude_modules if not any(_matches(fqn, p) for fqn in linears)]
 
     # --- the config-file section -------------------------------------------------------------------------
 

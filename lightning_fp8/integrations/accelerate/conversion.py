@@ -71,8 +71,17 @@ def convert(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Convert ``model`` in place; return it and a report (converted count, high-precision layers, emulation).
 
-    Warns once when nothing was converted and once when the GEMMs are emulated on ``device``.
+    Warns once when an exclude pattern matches no linear layer, when nothing was converted and when the GEMMs are
+    emulated on ``device``.
     """
+    unmatched = config.unmatched_patterns(model)
+    if unmatched:
+        warn_once(
+            f"lightning_fp8: the exclude pattern(s) {unmatched} (LIGHTNING_FP8_EXCLUDE / --fp8-exclude / "
+            f"exclude_modules) match no linear layer of {type(model).__name__}, so they keep nothing in high "
+            "precision: a pattern matches a linear layer's qualified name (blocks.0.mlp.fc) or its last name "
+            "component (fc), with fnmatch wildcards; check the spelling against model.named_modules()"
+        )
     keep_fp8 = module_filter(config, user_filter, linears_with_shared_weights(model))
     model = convert_to_fp8(model, config.recipe, module_filter_fn=keep_fp8)
     converted = sorted(fp8_modules(model))

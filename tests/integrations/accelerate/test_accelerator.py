@@ -308,6 +308,16 @@ def test_tied_output_head_stays_high_precision(recwarn):
     assert any("2 stays in high precision because its weight is shared" in str(w.message) for w in recwarn)
 
 
+def test_an_exclude_pattern_that_matches_no_linear_layer_is_named_in_a_warning(monkeypatch, recwarn):
+    monkeypatch.setenv(ENV_EXCLUDE, "fc1,norm,*.fc_2")  # fc1 matches; norm is no linear layer; fc_2 is misspelt
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    model = Net()
+    model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert type(model.fc1) is nn.Linear and isinstance(model.fc2, FP8Linear)
+    messages = [str(w.message) for w in recwarn if "match no linear layer" in str(w.message)]
+    assert len(messages) == 1 and "['norm', '*.fc_2']" in messages[0] and "of Net" in messages[0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
