@@ -233,7 +233,15 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         try:  # a rejected group is not kept (nor stepped)
             step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             step_.plain_hyper_parameters(group)
+            seen: set[int] = set()
             for i, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    raise ValueError(
+                        f"FP8AdamW: parameter {i} of parameter group {len(self.param_groups) - 1} appears in the group "
+                        "more than once (torch.optim deprecates this and steps it once per listing): list each "
+                        "parameter once (e.g. list(dict.fromkeys(params)))"
+                    )
+                seen.add(id(p))
                 if p.is_complex():
                     raise TypeError(
                         f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "

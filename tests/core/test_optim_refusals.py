@@ -226,3 +226,21 @@ def test_swapped_adamw_keeps_maximize_per_group():
         swapped.step()
     torch.testing.assert_close(a2, a, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b2, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_parameter_listed_twice_in_a_group_is_refused_and_the_other_groups_stay(opt_level):
+    # torch.optim.AdamW warns (deprecated) and steps such a parameter twice; FP8AdamW advanced its one step counter
+    # twice and then applied both updates with the second step's bias correction (neither one AdamW step nor two).
+    model = _model()
+    first, second = model[0].weight, model[2].weight
+    with pytest.warns(UserWarning, match="duplicate parameters"), pytest.raises(ValueError, match="more than once"):
+        FP8AdamW([first, second, first], opt_level=opt_level)
+    assert first.dtype == torch.float32 and second.dtype == torch.float32  # nothing adopted at O2
+    opt = FP8AdamW([first], opt_level=opt_level)
+    before = _snapshot(model, opt)
+    with pytest.warns(UserWarning, match="duplicate parameters"), pytest.raises(ValueError, match="parameter 1 of"):
+        opt.add_param_group({"params": [second, second]})
+    assert len(opt.param_groups) == 1
+    assert_same(_snapshot(model, opt), before)
+    _step(model, opt)  # the optimizer still steps
