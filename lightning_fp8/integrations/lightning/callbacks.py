@@ -127,7 +127,9 @@ class _LoggingCallback(Callback):
     def _due(self, trainer: Trainer) -> bool:
         """Whether the step :meth:`_stepped` just observed is one to log: a multiple of the period was reached
         since the previous one (so a batch that stepped nothing does not make the callback miss its turn)."""
-        every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        if not every:  # Trainer(log_every_n_steps=0), or barebones=True: Lightning logs nothing, nor do we
+            return False
         return self._batch // every > self._previous_batch // every or trainer.should_stop
 
     @property

@@ -130,8 +130,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     (a skipped step halves mu: ``"skip_step+lower_mu"``; when that step also ran the scaler's fallback, its action
     is added to the same event: ``"skip_step+lower_mu+lower_lr"``, ``"...+fallback_bf16"``). At the end of fit a PNG
     of the series is written to ``plot_path`` (default ``<log_dir>/health.png``; needs matplotlib, else a warning)
-    and the path of the file written kept in ``.plot_file``; a fit that observed no step (``max_steps=0``) writes
-    none (``None``).
+    and the path of the file written kept in ``.plot_file``; a fit that observed no step (``max_steps=0``) and a
+    ``fast_dev_run`` (which suppresses logging) write none (``None``).
 
     The series travel in the Trainer's checkpoints, so a resumed run's running means and alerts continue those of
     the run that saved it.
@@ -249,7 +249,8 @@ class TrainingHealthMonitor(_LoggingCallback):
         # The gradients FP8AdamW holds in FP8 (fp8_grads: their param.grad is None), dequantized; they carry the
         # backward's mu whatever gradient_factor() says (an unscaled region divides param.grad only).
         fp8_norms = list(getattr(torch_optimizer, "fp8_grad_norms", dict)().values())
-        self._param_norm = global_norm(pl_module.parameters(), sharded=sharded, device=pl_module.device)
+        if self._param_norm is None:  # before the batch's first optimizer steps: the weights the loss came from
+            self._param_norm = global_norm(pl_module.parameters(), sharded=sharded, device=pl_module.device)
         if not grads and not fp8_norms and not sharded:
             # No gradient at all (training_step returned None: Lightning skips the backward): no norm for this
             # step, as no loss. Sharded runs take the norm on every rank (a collective) and decide after it.
@@ -372,7 +373,7 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self.plot:
+        if not self.plot or trainer.fast_dev_run:  # fast_dev_run suppresses logging: no file either
             return
         # On every rank: Trainer.log_dir is a collective (it broadcasts rank zero's directory), so rank zero alone
         # reading it would wait for the other ranks forever (NCCL) or fail once they have left (gloo).

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 
-import matplotlib
+# A Figure of its own, not pyplot: drawn to a file (no window on headless nodes, CI), and the process's matplotlib
+# backend (a notebook's inline one) stays the user's.
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # files only: never open a window (headless training nodes, CI)
-
-import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
-
-from lightning_fp8.health import HealthMonitor  # noqa: E402
+from lightning_fp8.health import HealthMonitor
 
 _EVENT_COLORS = {
     "grad_norm_spike": "tab:red",
@@ -30,7 +28,8 @@ def plot_health(monitor: HealthMonitor, path: str | os.PathLike[str]) -> str:
     if not os.path.splitext(path)[1]:
         path += ".png"
     series = {name: points for name, points in monitor.series.items() if points}
-    fig, axes = plt.subplots(max(len(series), 1), 1, figsize=(8, 2.2 * max(len(series), 1)), sharex=True, squeeze=False)
+    fig = Figure(figsize=(8, 2.2 * max(len(series), 1)))
+    axes = fig.subplots(max(len(series), 1), 1, sharex=True, squeeze=False)
     if not series:
         axes[0, 0].text(0.5, 0.5, "no steps observed", ha="center", va="center", transform=axes[0, 0].transAxes)
     for ax, (name, points) in zip(axes[: len(series), 0], series.items(), strict=True):
@@ -44,5 +43,4 @@ def plot_health(monitor: HealthMonitor, path: str | os.PathLike[str]) -> str:
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=80)
-    plt.close(fig)
     return path

@@ -4,6 +4,7 @@ values the core reports; alerts fire on injected spikes, NaNs and scale jumps; n
 import copy
 import csv
 import math
+import os
 import time
 import warnings
 
@@ -352,6 +353,7 @@ class TwoOptimizers(GPTModule):
     def __init__(self) -> None:
         super().__init__(manual=True)
         self.true_norms: dict[int, float] = {}
+        self.param_norms: dict[int, float] = {}
 
     def configure_optimizers(self):
         blocks = list(self.model.blocks.parameters())
@@ -366,6 +368,9 @@ class TwoOptimizers(GPTModule):
         mu = self.trainer.precision_plugin.grad_scaler.get_scale()
         norms = [p.grad.double().norm() / mu for p in self.parameters() if p.grad is not None]
         self.true_norms[self.global_step + 2] = torch.linalg.vector_norm(torch.stack(norms)).item()
+        state = self.state_dict()  # the weights the loss came from (O2's storage holds weight * master scale)
+        weights = [state[n].double().norm() for n, _ in self.named_parameters()]
+        self.param_norms[self.global_step + 2] = torch.linalg.vector_norm(torch.stack(weights)).item()
         first.step()
         second.step()
         first.zero_grad()
@@ -385,6 +390,11 @@ def test_grad_norm_with_two_optimizers_is_the_norm_of_the_unscaled_gradients(tmp
     assert sorted(logged) == [2, 4, 6, 8]
     for step, value in logged.items():
         assert value == pytest.approx(module.true_norms[step], rel=1e-5)
+    # The parameter norm is taken before the batch's first optimizer steps (the second's was after the first's step).
+    param_norms = dict(health.monitor.series["param_norm"])
+    assert sorted(param_norms) == [2, 4, 6, 8]
+    for step, value in param_norms.items():
+        assert value == pytest.approx(module.param_norms[step], rel=PARAM_NORM_RTOL)
 
 
 def test_log_period_counts_batches_as_lightnings_own_logging_does(tmp_path):
@@ -396,6 +406,23 @@ def test_log_period_counts_batches_as_lightnings_own_logging_does(tmp_path):
     assert lightning_logged == [4.0, 8.0, 12.0]  # batches 2, 4, 6
     assert sorted(_column(rows, "fp8/input/scale_min")) == lightning_logged
     assert sorted(_column(rows, "health/loss")) == lightning_logged
+
+
+def test_trainer_log_every_n_steps_zero_logs_nothing_as_lightning_does(tmp_path, monkeypatch):
+    # Trainer(log_every_n_steps=0) (and barebones=True) turns Lightning's logging off; the monitors took it as 1.
+    import lightning_fp8.integrations.lightning.callbacks as callbacks
+
+    calls = []
+    monkeypatch.setattr(callbacks, "fp8_stats", lambda *a, **k: calls.append(1) or fp8_stats(*a, **k))
+    scales, health = FP8ScaleMonitor(), TrainingHealthMonitor(plot=False)
+    trainer = _fit(TwoOptimizers(), tmp_path, [scales, health], log_every_n_steps=0)
+    rows = _rows(trainer) if (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").exists() else []
+    assert not [r for r in rows if any(k.startswith(("fp8/", "health/", "stepped_to")) and r[k] for k in r)]
+    assert not calls  # no statistics read (a host sync each) for logs nobody writes
+    assert len(health.monitor.series["loss"]) == 3  # the health checks still observe every batch
+    # A monitor's own period still logs (the callbacks write to the logger themselves).
+    trainer = _fit(TwoOptimizers(), tmp_path / "own", [FP8ScaleMonitor(log_every_n_steps=1)], log_every_n_steps=0)
+    assert sorted(_column(_rows(trainer), "fp8/input/scale_min")) == [2, 4, 6]
 
 
 class StepsEveryOtherBatch(GPTModule):
@@ -787,6 +814,24 @@ def test_plot_health_of_an_empty_monitor_writes_an_empty_plot(tmp_path):
     path = tmp_path / "sub" / "empty.png"
     assert plot_health(HealthMonitor(), str(path)) == str(path)
     assert path.stat().st_size > 1000
+
+
+def test_the_plot_leaves_matplotlibs_backend_alone_and_fast_dev_run_writes_none(tmp_path):
+    # The plot module switched the whole process to Agg when imported (a notebook lost its inline backend).
+    import matplotlib
+
+    matplotlib.use("pdf")
+    try:
+        health = TrainingHealthMonitor(log_every_n_steps=1)
+        _fit(GPTModule(), tmp_path, [health], max_steps=2)
+        assert health.plot_file is not None and os.path.getsize(health.plot_file) > 1000
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use("Agg")
+    quick = TrainingHealthMonitor()
+    _fit(GPTModule(), tmp_path / "quick", [quick], fast_dev_run=2, max_steps=-1)
+    assert quick.plot_file is None and not list((tmp_path / "quick").rglob("*.png"))
+    assert len(quick.monitor.series["loss"]) == 2  # observed all the same
 
 
 def test_scale_monitor_says_the_fp8_layers_fell_back_not_that_none_were_converted(tmp_path, monkeypatch):
