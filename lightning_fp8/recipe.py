@@ -65,7 +65,8 @@ def check_settings(
     if margin > MAX_MARGIN:
         raise ValueError(
             f"{owner}(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans about 18 "
-            "binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
+            "binades, 15 of them normal: from margin 15 every E4M3 value is subnormal, and past 16 few subnormals are "
+            "left (0 to 2 is usual)"
         )
     for name in ("amax_history_len", "history_len"):
         if name in counts and counts[name][0] > MAX_AMAX_HISTORY_LEN:

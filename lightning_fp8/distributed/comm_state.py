@@ -137,7 +137,8 @@ class FP8CommState:
         if margin > MAX_MARGIN:
             raise ValueError(
                 f"FP8CommState(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans "
-                "about 18 binades, so past 16 binades of headroom a cast leaves no normal values (0 to 2 is usual)"
+                "about 18 binades, 15 of them normal: from margin 15 every E4M3 value is subnormal, and past 16 few "
+                "subnormals are left (0 to 2 is usual)"
             )
         if slice_numel < 1:
             raise ValueError(f"FP8CommState(slice_numel={slice_numel!r}): must be an int >= 1 (elements per slice)")
