@@ -230,6 +230,11 @@ def _text_files(root: Path, default: bool) -> list[Path]:
     return files
 
 
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    # torch.frombuffer refuses an empty buffer (an empty file): its split gets load_corpus's size error instead.
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
 def load_corpus(
     path: str | os.PathLike | None = None, max_bytes: int | None = None, val_fraction: float = 0.05
 ) -> Corpus:
@@ -245,7 +250,7 @@ def load_corpus(
 
     Raises:
         FileNotFoundError: if ``path`` is neither a file nor a directory.
-        ValueError: if either split ends up with fewer than 1024 bytes: with a single
+        ValueError: if no text file is found there, or if either split ends up with fewer than 1024 bytes: with a single
             file, one under about ``1024 / min(val_fraction, 1 - val_fraction)`` bytes (20.5 KB at the default
             0.05); give more text, or a ``val_fraction`` nearer 0.5.
     """
@@ -269,7 +274,10 @@ def load_corpus(
         joined = b"\n".join(train + val)
         cut = int(len(joined) * (1 - val_fraction))
         train, val = [joined[:cut]], [joined[cut:]]
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)
+    if not n_files:
+        raise ValueError(f"load_corpus({str(root)!r}) found no text file there (binary files are skipped): give a "
+                         "text file or a directory holding some")  # fmt: skip
+    as_tensor = lambda parts: _bytes_tensor(b"\n".join(parts))
     corpus = Corpus(as_tensor(train), as_tensor(val), str(root), n_files)
     n_train, n_val = corpus.train.numel(), corpus.val.numel()
     if min(n_train, n_val) < _MIN_SPLIT_BYTES:

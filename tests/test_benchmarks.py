@@ -233,3 +233,19 @@ def test_compile_magnitude_check_matches_eager_on_cpu(variant):
 
     row = compile_magnitude_check._row(variant, "cpu")
     assert "!" not in row and "x0" not in row and row.count(":x=") == len(compile_magnitude_check.STEPS), row
+
+
+def test_bench_comm_toy_runs_on_two_gloo_processes(tmp_path):
+    # The docstring's CPU smoke test: the reductions, then the DDP and FSDP2 GPT steps (the DDP section built the
+    # NCCL-only FP8CommState(algorithm="native") before skipping it on gloo, and died there).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "bench_comm.py"), "--toy"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith(("DDP step", "FSDP2 step"))]
+    for variant in ("auto", "portable", "gather"):
+        assert sum(f"FP8 hook ({variant})" in line for line in steps) == 2, proc.stdout[-3000:]  # two bucket sizes
+    assert not [line for line in steps if "native" in line]  # NCCL's only
+    assert any("FP8 reduce_scatter" in line for line in steps)
+    assert (tmp_path / "bench_comm_gloo_2.log").stat().st_size > 0

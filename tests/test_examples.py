@@ -84,6 +84,19 @@ def test_user_data_file(tmp_path):
         load_corpus(tmp_path / "missing")
 
 
+def test_a_directory_without_text_and_an_empty_file_get_load_corpus_own_errors(tmp_path):
+    # torch.frombuffer's "both buffer length (0) and count (-1) must not be 0" came first.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "data.bin").write_bytes(b"\0\1\2" * 100)
+    for folder in (tmp_path / "bin", tmp_path / "bin" / "nothing"):
+        folder.mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match="found no text file there"):
+            load_corpus(folder)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="into 0 training and 0 validation bytes.*give more text"):
+        load_corpus(tmp_path / "empty.txt")
+
+
 @pytest.mark.parametrize(("size", "val_fraction"), [(20_000, 0.05), (20_480, 0.05), (1_500, 0.5), (1_500, 0.9)])
 def test_small_corpus_errors_say_which_split_is_short_and_what_to_do(tmp_path, size, val_fraction):
     (tmp_path / "one.txt").write_bytes(b"z" * size)
