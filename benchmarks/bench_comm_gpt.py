@@ -117,7 +117,7 @@ def bench_gpt(args, device: torch.device, rows: list[tuple], log, timed) -> None
 
     for bucket_mb in args.bucket_mb:
         # FP8CommState checks its backend when built: the native float8 all-reduce is NCCL's only.
-        algorithms = ("auto", "portable", "native", "gather") if dist.get_backend() == "nccl" else ("auto", "portable", "gather")
+        algorithms = ("auto", "portable", *(("native",) if dist.get_backend() == "nccl" else ()), "gather")
         for name, hook, state in (
             ("fp32 all_reduce", None, None),
             ("bf16 compress hook", bf16_hook, dist.group.WORLD),
