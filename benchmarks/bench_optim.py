@@ -107,11 +107,16 @@ def timed(fn, iters: int, device: torch.device, setup=None) -> float:
     return statistics.median(times)
 
 
-def mem(device: torch.device) -> tuple[int, int]:
+def mem(device: torch.device) -> tuple[int | None, int | None]:
+    """Allocated and peak bytes; None off CUDA, where torch keeps no memory counters."""
     if device.type != "cuda":
-        return 0, 0
+        return None, None
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def per_param(nbytes: int | None, n: int) -> str:
+    return "not measured (no CUDA memory counters)" if nbytes is None else f"{nbytes / n:.2f} B/param"
 
 
 def reset_peak(device: torch.device) -> None:
@@ -142,9 +147,9 @@ def memory_baseline(layers: int, hidden: int, tokens: int, device: torch.device,
     opt.step()
     _, peak_step = mem(device)
     log(lines, f"baseline bf16 autocast + AdamW(fused) fp32: {n / 1e9:.3f}B params")
-    log(lines, f"  params+grads+states after backward: {after_backward / n:.2f} B/param")
-    log(lines, f"  peak during fwd+bwd (with bf16 weight copies, activations): {peak_backward / n:.2f} B/param")
-    log(lines, f"  peak during optimizer.step: {peak_step / n:.2f} B/param")
+    log(lines, f"  params+grads+states after backward: {per_param(after_backward, n)}")
+    log(lines, f"  peak during fwd+bwd (with bf16 weight copies, activations): {per_param(peak_backward, n)}")
+    log(lines, f"  peak during optimizer.step: {per_param(peak_step, n)}")
 
 
 def memory_fp8(layers: int, hidden: int, tokens: int, device: torch.device, lines: list[str]) -> None:
@@ -173,12 +178,12 @@ def memory_fp8(layers: int, hidden: int, tokens: int, device: torch.device, line
     _, peak_step = mem(device)
     dtypes = {str(p.dtype) for p in model.parameters()}
     log(lines, f"FP8-LM O2 (FP8AdamW + FP8GradScaler): {n / 1e9:.3f}B params, parameter storage {dtypes}")
-    log(lines, f"  master+states between steps (no gradient): {persistent / n:.2f} B/param")
-    log(lines, f"  master+states+FP8 gradient after backward: {after_backward / n:.2f} B/param "
-               f"(gradient {grad_bytes / n:.2f})")  # fmt: skip
+    log(lines, f"  master+states between steps (no gradient): {per_param(persistent, n)}")
+    log(lines, f"  master+states+FP8 gradient after backward: {per_param(after_backward, n)} "
+               f"(gradient {grad_bytes / n:.2f} B/param)")  # fmt: skip
     log(lines, f"  peak during fwd+bwd (FP8 weight copies saved for backward, transient fp16 gradient of one "
-               f"layer, activations): {peak_backward / n:.2f} B/param")  # fmt: skip
-    log(lines, f"  peak during optimizer.step: {peak_step / n:.2f} B/param")
+               f"layer, activations): {per_param(peak_backward, n)}")  # fmt: skip
+    log(lines, f"  peak during optimizer.step: {per_param(peak_step, n)}")
 
 
 def copy_bandwidth(device: torch.device, numel: int, iters: int) -> float:

@@ -124,7 +124,7 @@ class LabRecorder(Callback):
         self.steps.append(step)
         self.step_seconds.append(time.perf_counter() - self._t0)
         self.train_loss.append(loss)
-        if step == 2:  # optimizer states exist after the first step
+        if step >= 1 and math.isnan(self.bytes_per_param["all"]):  # the states exist after the first step
             optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
             for key, linear_only in (("all", False), ("linear", True)):
                 self.bytes_per_param[key] = _bytes_per_param(pl_module.model, optimizer, linear_only)

@@ -334,3 +334,15 @@ def test_a_corpus_too_short_for_one_validation_batch_is_a_usage_error_before_tra
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "the validation split" in proc.stderr, proc.stderr[-2000:]
     assert "fewer than one batch of --batch-size 16" in proc.stderr
+
+
+def test_lab_one_step_records_bytes_per_param(tmp_path):
+    """A one-step lab run records the optimizer's bytes per parameter (it was taken at step 2 only, and a run of
+    one step reported none): 5 bytes per linear weight at O2 (fp16 master, E4M3 m, fp16 v)."""
+    out = tmp_path / "lab"
+    args = [*TOY, "--seq-len", "32", "--max-steps", "1", "--val-batches", "1", "--variants", "fp8-lm"]
+    _run("lab.py", [*args, "--out", str(out)], timeout=900)
+    run = json.loads((out / "runs" / "fp8-lm.json").read_text())
+    assert run["status"] == "ok" and run["series"]["steps"] == [1]
+    assert run["linear_bytes_per_param"] == pytest.approx(5.0, abs=0.01)
+    assert run["bytes_per_param"] > run["linear_bytes_per_param"]  # embeddings and norms keep fp32 AdamW states
