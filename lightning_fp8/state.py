@@ -220,7 +220,14 @@ def _checked(
         )
     expected = {f"{name}.{field}" for name, state in states.items() for field in _fields(state)}
     state_dict = _in_model_names(module, state_dict, expected)
-    if warn and not strict and state_dict and expected and not set(state_dict) & expected:
+    if warn and not strict and state_dict and not expected:
+        warnings.warn(
+            f"load_fp8_state_dict(strict=False): this model has no FP8 scaling state (no FP8 layer), so none of the "
+            f"{len(state_dict)} saved keys (e.g. {next(iter(state_dict))!r}) was loaded. Convert the model first "
+            "(convert_to_fp8, with the recipe and module filter it was trained with), then load its FP8 state",
+            stacklevel=3,
+        )
+    elif warn and not strict and state_dict and not set(state_dict) & expected:
         warnings.warn(
             f"load_fp8_state_dict(strict=False): none of the {len(state_dict)} saved keys (e.g. "
             f"{next(iter(state_dict))!r}) names an FP8 scaling state of this model (e.g. {min(expected)!r}), so "

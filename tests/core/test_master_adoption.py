@@ -46,6 +46,21 @@ def test_adoption_without_hooks_and_after_backward_goes_on():
     opt.step()
 
 
+def test_an_earlier_forwards_output_still_referenced_is_named_and_deleting_it_lets_adoption_go_on():
+    # The kept output holds the graph and its accumulators (after the backward too): the refusal names it and what
+    # to do, not only DDP; once it is deleted the same optimizer is built.
+    model = _model()
+    loss = model(torch.randn(4, 32)).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="an output of an earlier forward is still referenced") as info:
+        FP8AdamW(model.parameters(), lr=1e-3)
+    assert "`del` it first" in str(info.value)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    del loss
+    FP8AdamW(model.parameters(), lr=1e-3)
+    assert model[0].weight.dtype == torch.float16
+
+
 def test_o1_keeps_the_storage_under_hooks():
     model = _model()
     held = _hook_accumulator(model[0].weight, [])

@@ -82,3 +82,18 @@ def test_non_strict_load_that_matches_nothing_warns():
     assert _layer(model).fp8_scaling["input"].scale == 1
     with pytest.raises(KeyError):
         load_fp8_state_dict(model, saved)
+
+
+def test_non_strict_load_into_a_model_not_yet_converted_warns_and_says_to_convert():
+    # The likely mistake: loading the FP8 state before convert_to_fp8. The model has no scaling state at all, so
+    # nothing can load; that was silent (the warning above needed at least one state of the model's to compare).
+    saved = fp8_state_dict(_trained(_plain))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 32))
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    with pytest.warns(UserWarning, match="this model has no FP8 scaling state") as record:
+        load_fp8_state_dict(plain, saved, strict=False)
+    assert "Convert the model first" in str(record[0].message)
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
+    with pytest.raises(KeyError):  # strict: the unexpected keys, as before
+        load_fp8_state_dict(plain, saved)
