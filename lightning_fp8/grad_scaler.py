@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.formats import fp8_max
-from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments
+from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments, check_model
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
@@ -114,13 +114,13 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         _check_arguments(init_scale, growth_interval, saturation_threshold, headroom, min_scale, max_scale,
                          nonfinite_fallback, fallback_after, lr_factor, model)  # fmt: skip
         self._scale = float(init_scale)
-        self.growth_interval = growth_interval
+        self.growth_interval = int(growth_interval)
         self.saturation_threshold = float(saturation_threshold)
         self.headroom = float(headroom)
         self.min_scale, self.max_scale = float(min_scale), float(max_scale)
         self.nonfinite_fallback = nonfinite_fallback
         self.process_group = process_group
-        self.fallback_after = fallback_after
+        self.fallback_after = int(fallback_after)
         self.lr_factor = float(lr_factor)
         self._model = model
         self._model_from_integration = False  # set by _take_model, cleared by setting model
@@ -222,6 +222,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
 
     @model.setter
     def model(self, model: nn.Module | None) -> None:
+        check_model(model)
         self._model = model
         self._model_from_integration = False
 

@@ -21,6 +21,7 @@ back in the new model before the checkpoint is loaded. The Lightning plugin does
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -60,6 +61,7 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     A scheduler that recomputes the lr from its own stored base values overrides this at its next step; use a
     callable fallback that also adjusts the scheduler in that case.
     """
+    _check_factor("lower_lr(factor=...)", factor)
     lowered: set[int] = set()  # tensors already multiplied: torch puts one lr tensor in every group it was given to
     for group in optimizer.param_groups:
         for key in ("lr", "initial_lr"):
@@ -71,6 +73,15 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
                     lowered.add(id(value))
                     value.mul_(factor)
     return f"lowered the learning rate by {factor}x"
+
+
+def _check_factor(where: str, factor: object) -> None:
+    """Raise unless ``factor`` lowers a learning rate: a real number in (0, 1). A factor of 5 or -1 multiplied it
+    by that and the history still said "lowered"; NaN made it NaN."""
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(f"{where}: must be a number in (0, 1), got {type(factor).__name__}")
+    if not 0.0 < factor < 1.0:
+        raise ValueError(f"{where}: must be in (0, 1) (the learning rate is multiplied by it), got {factor!r}")
 
 
 def _offending_layers(
@@ -135,6 +146,7 @@ def fallback_to_high_precision(
         ValueError: before anything is changed, when an offending layer cannot be put back (see
             :func:`put_back_to_high_precision`): DTensor parameters, or DistributedDataParallel.
     """
+    _check_factor("fallback_to_high_precision(lr_factor=...)", lr_factor)
     optimizers = _as_list(optimizer)
     skipped = optimizers if skipped is None else _as_list(skipped)
     names = _offending_layers(model, skipped, nonfinite_grads or {})
@@ -196,6 +208,11 @@ def put_back_to_high_precision(
         optimizer.load_state_dict(ckpt["optimizer"])
         load_fp8_state_dict(model, ckpt["fp8"])
     """
+    if isinstance(names, str):
+        raise TypeError(
+            f"put_back_to_high_precision(names={names!r}): expected a list of layer names, got one string (its "
+            f"characters would be taken as names): pass [{names!r}]"
+        )
     optimizers = _as_list(optimizer)
     modules = dict(model.named_modules())
     names = [name for name in names if not getattr(modules.get(name), FALLBACK_ATTR, False)]

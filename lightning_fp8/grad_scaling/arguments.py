@@ -26,6 +26,16 @@ def _check_number(name: str, value: object, allowed: str, integer: bool = False)
         raise TypeError(f"FP8GradScaler({name}={value!r}): must be {allowed}, got {type(value).__name__}")
 
 
+def check_model(model: object) -> None:
+    """Raise a ``TypeError`` unless ``model`` is an ``nn.Module`` or None (it failed at the first change of mu, inside
+    ``update()``, with the scale already changed)."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"FP8GradScaler(model=...) got a {type(model).__name__}: expected the FP8 model (an nn.Module) or None; "
+            "for several models, pass the module that holds them all"
+        )
+
+
 def _check_arguments(
     init_scale: float,
     growth_interval: int,
@@ -54,13 +64,13 @@ def _check_arguments(
     _check_number("saturation_threshold", saturation_threshold, "a number in [0, 1)")
     _check_number("headroom", headroom, "a number >= 1")
     _check_number("lr_factor", lr_factor, "a number in (0, 1)")
-    if not isinstance(growth_interval, int) or growth_interval < 1:
+    if growth_interval < 1:
         raise ValueError(f"FP8GradScaler(growth_interval={growth_interval!r}): must be an int >= 1")
     if not 0.0 <= saturation_threshold < 1.0:
         raise ValueError(f"FP8GradScaler(saturation_threshold={saturation_threshold!r}): must be in [0, 1)")
     if not headroom >= 1.0:
         raise ValueError(f"FP8GradScaler(headroom={headroom!r}): must be >= 1 (a factor under the format max)")
-    if not isinstance(fallback_after, int) or fallback_after < 1:
+    if fallback_after < 1:
         raise ValueError(f"FP8GradScaler(fallback_after={fallback_after!r}): must be an int >= 1")
     if not 0.0 < lr_factor < 1.0:
         raise ValueError(f"FP8GradScaler(lr_factor={lr_factor!r}): must be in (0, 1)")
@@ -69,6 +79,7 @@ def _check_arguments(
             f"FP8GradScaler(nonfinite_fallback={nonfinite_fallback!r}): choose one of {list(_FALLBACKS)}, "
             "an nn.Module, a callable fn(scaler, optimizer) -> str, or None"
         )
+    check_model(model)
     if nonfinite_fallback == "bf16" and model is None:
         raise ValueError("FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well")
     if nonfinite_fallback is not None and not isinstance(nonfinite_fallback, str) and not callable(nonfinite_fallback):

@@ -594,6 +594,29 @@ def test_bool_and_string_arguments_raise_type_errors_naming_the_field(kwargs, ma
         FP8GradScaler(**kwargs)
 
 
+@pytest.mark.parametrize("model", [42, "net", [nn.Linear(4, 4)]], ids=["int", "str", "list"])
+def test_a_model_that_is_not_a_module_is_refused_when_given(model):
+    # It was kept, and the first change of mu failed inside update() ("'int' object has no attribute
+    # 'named_modules'") after the scale had changed.
+    with pytest.raises(TypeError, match=r"FP8GradScaler\(model=\.\.\.\) got a .*expected the FP8 model"):
+        FP8GradScaler(model=model)
+    scaler = FP8GradScaler()
+    with pytest.raises(TypeError, match="expected the FP8 model"):
+        scaler.model = model
+    assert scaler.model is None
+
+
+def test_integer_arguments_take_any_integral_type():
+    # numbers.Integral passed the type check, then `isinstance(x, int)` refused it: "growth_interval=np.int64(5):
+    # must be an int >= 1". Stored as int: the state dict stays plain Python.
+    np = pytest.importorskip("numpy")
+    scaler = FP8GradScaler(growth_interval=np.int64(5), fallback_after=np.int32(2))
+    assert scaler.growth_interval == 5 and type(scaler.growth_interval) is int
+    assert scaler.fallback_after == 2 and type(scaler.fallback_after) is int
+    with pytest.raises(ValueError, match="growth_interval"):
+        FP8GradScaler(growth_interval=np.int64(0))
+
+
 _DIST_WORKER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist

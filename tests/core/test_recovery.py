@@ -620,3 +620,27 @@ def test_the_fallback_blames_the_layers_an_unscale_found_non_finite_when_the_loo
         opt.zero_grad()
         scaler.update()
     assert fallen_back_layers(model) == ["2"] and opt.param_groups[0]["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("factor", [5.0, 1.0, 0.0, -1.0, float("nan"), "0.5", True])
+def test_recovery_factors_outside_0_1_are_refused_and_change_nothing(factor):
+    """The public recovery actions check the factor as FP8GradScaler(lr_factor=...) does: 5.0 raised the lr five-fold
+    while the history said "lowered", -1 made it negative, NaN made it NaN."""
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    error = TypeError if isinstance(factor, (str, bool)) else ValueError
+    with pytest.raises(error, match=r"lower_lr\(factor=\.\.\.\): must be"):
+        lower_lr(opt, factor)
+    with pytest.raises(error, match=r"fallback_to_high_precision\(lr_factor=\.\.\.\): must be"):
+        fallback_to_high_precision(model, opt, lr_factor=factor)
+    assert opt.param_groups[0]["lr"] == 0.1 and isinstance(model[0], FP8Linear)
+
+
+def test_put_back_given_one_name_as_a_string_says_to_pass_a_list():
+    # Iterated, a string gave 'n', 'e', 't', ... as names ("'n' is not an FP8Linear"), or, for a one-character
+    # name such as "0", silently worked.
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    with pytest.raises(TypeError, match=r"pass \['0'\]"):
+        put_back_to_high_precision(model, "0")
+    assert isinstance(model[0], FP8Linear)
+    assert put_back_to_high_precision(model, ["0"]) == ["0"] and type(model[0]) is nn.Linear
