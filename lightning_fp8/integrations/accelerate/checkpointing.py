@@ -139,6 +139,9 @@ class CheckpointMixin:
         """
         directory = self._fp8_input_dir(input_dir) if self.fp8_lm_config is not None else None
         if directory is None:  # FP8-LM off, or Accelerate's own error (no such folder)
+            plain = self._fp8_input_dir(input_dir) if self.fp8_lm_config is None else None
+            if plain is not None:
+                load_checks.check_plain_run_files(plain, self._optimizers, load_kwargs)
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         strict = load_model_func_kwargs.get("strict", True)
         try:

@@ -33,6 +33,10 @@ from accelerate.utils.constants import MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAM
 from safetensors import safe_open
 from torch import nn
 
+from lightning_fp8.integrations.accelerate.checkpoint import SUBDIR
+from lightning_fp8.optim import FP8AdamW
+from lightning_fp8.optim.state_layout import _KEYS
+
 _EXTRA_STATE = "_extra_state"  # the key suffix of a module's get_extra_state in its state dict
 _CORRUPT = "the checkpoint is corrupt or was not completely written. Nothing was loaded; load an earlier checkpoint"
 
@@ -88,6 +92,36 @@ def check_files(
         path = directory / (f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin")
         _read(path, accelerate_load, **load_kwargs)
     _check_custom_files(directory, custom_objects)
+
+
+def check_plain_run_files(
+    directory: str | os.PathLike, optimizers: list[Any], load_kwargs: dict[str, Any] | None
+) -> None:
+    """With FP8-LM off: raise, naming the file, when an optimizer file of an FP8 checkpoint holds FP8AdamW's scaled
+    moments (``exp_avg`` stored as ``value * exp_avg_scale``) for a prepared optimizer that is not an FP8AdamW.
+
+    ``torch.optim.AdamW.load_state_dict`` takes such a file without a word and reads the stored values as the moments
+    (a first moment of 0.0098 as 160). Only the folders of FP8 saves (their ``lightning_fp8/`` subfolder) are read;
+    a file converted with :func:`~lightning_fp8.optim.adamw_state_dict` passes.
+    """
+    directory = Path(directory)
+    if not (directory / SUBDIR).is_dir():
+        return
+    for i, optimizer in enumerate(optimizers):
+        path = directory / (f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin")
+        if isinstance(getattr(optimizer, "optimizer", optimizer), FP8AdamW) or not path.is_file():
+            continue  # an FP8AdamW of the script's own reads them; a missing file is Accelerate's error
+        state_dict = _read(path, accelerate_load, map_location="cpu", **{"mmap": True, **(load_kwargs or {})})
+        states = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+        if any(isinstance(state, dict) and f"{key}_scale" in state for state in states.values() for key in _KEYS):
+            raise ValueError(
+                f"accelerator.load_state: {path} holds FP8AdamW's optimizer states (moments stored as value * scale), "
+                f"but FP8-LM is off in this run and its {type(getattr(optimizer, 'optimizer', optimizer)).__name__} "
+                "would read the stored values as the moments. Launch with the recipe the checkpoint was saved with "
+                "(lightning-fp8 launch --fp8-recipe ...), or convert the file first (lightning_fp8.optim."
+                "adamw_state_dict: torch.save(adamw_state_dict(torch.load(path, weights_only=True)), path); see "
+                "docs/guides/checkpoints.md). Nothing was loaded"
+            )
 
 
 # What Accelerate 1.16's save_accelerator_state always writes, and load_accelerator_state sets the random states from.

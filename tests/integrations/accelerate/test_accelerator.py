@@ -14,7 +14,7 @@ from torch import nn
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8, fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
-from lightning_fp8.optim import FP8AdamW
+from lightning_fp8.optim import FP8AdamW, adamw_state_dict
 from tests.integrations.accelerate.torchrun import run_two_processes
 
 # Multiplying the loss by a power of two multiplies every fp32 gradient by it exactly (no overflow here).
@@ -545,3 +545,42 @@ def test_an_optimizer_prepared_after_its_ddp_model_is_refused_with_the_fix(tmp_p
     advice for plain PyTorch (create FP8AdamW before wrapping in DDP), which an Accelerate script does not do."""
     log = run_two_processes(Path(__file__).with_name("prepare_order_worker.py"), tmp_path)
     assert "rank 0: prepare order ok" in log and "rank 1: prepare order ok" in log, log[-3000:]
+
+
+def test_a_run_without_fp8_refuses_an_fp8_checkpoints_scaled_moments_until_converted(tmp_path, monkeypatch):
+    # A plain AdamW took FP8AdamW's file without a word and read its stored moments (value * scale) as the moments.
+    accelerator, model, optimizer, scheduler = _setup()
+    for _ in range(2):
+        accelerator.backward(_loss(model, _batch()))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    adamw_form = optimizer.optimizer.to_adamw_state_dict()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    monkeypatch.setenv(ENV_RECIPE, "none")
+    plain = Accelerator(cpu=True)
+    net = Net()
+    before = copy.deepcopy(net.state_dict())
+    groups = [
+        {"params": [net.fc1.weight, net.fc2.weight], "weight_decay": 0.1, "name": "matrices"},
+        {"params": [p for n, p in net.named_parameters() if not n.endswith(("fc1.weight", "fc2.weight"))]},
+    ]
+    net, adamw = plain.prepare(net, torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.95), eps=1e-7))
+    path = tmp_path / "ckpt" / "optimizer.bin"
+    with pytest.raises(ValueError, match="holds FP8AdamW's optimizer states") as info:
+        plain.load_state(str(tmp_path / "ckpt"))
+    assert str(path) in str(info.value) and "adamw_state_dict" in str(info.value)
+    for key, value in net.state_dict().items():  # nothing was loaded
+        torch.testing.assert_close(value, before[key], **EXACT)
+    assert not adamw.optimizer.state
+
+    torch.save(adamw_state_dict(torch.load(path, weights_only=True)), path)  # the documented conversion
+    plain.load_state(str(tmp_path / "ckpt"))
+    loaded = adamw.optimizer.state_dict()["state"]
+    assert loaded.keys() == adamw_form["state"].keys()
+    for index, state in adamw_form["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(loaded[index][key], state[key], **EXACT)
