@@ -43,6 +43,7 @@ class _FP8FSDPStrategyLogic:
                 "and the other ops run under bf16 autocast; drop the argument"
             )
         _check_sharding_strategy(kwargs.get("sharding_strategy"))
+        _check_device_mesh(kwargs.get("device_mesh"))
         super().__init__(*args, **kwargs)
         self._check_state_dict_type()  # at construction, not at the first checkpoint
         _check_sharding_strategy(self.sharding_strategy)  # also as a device_mesh made it
@@ -218,6 +219,11 @@ def _check_sharding_strategy(value: Any) -> None:
     # Lightning looks a string up in ShardingStrategy and fails with a bare KeyError ('BOGUS').
     from torch.distributed.fsdp import ShardingStrategy
 
+    if value is not None and not isinstance(value, (str, ShardingStrategy)):
+        raise TypeError(
+            f"strategy='{STRATEGY_NAME}': sharding_strategy must be a name or a "
+            f"torch.distributed.fsdp.ShardingStrategy, got {value!r} ({type(value).__name__})"
+        )
     name = value.upper() if isinstance(value, str) else getattr(value, "name", None)
     if isinstance(value, str) and name not in ShardingStrategy.__members__:
         choices = ", ".join(repr(name) for name in ShardingStrategy.__members__ if name not in _HYBRID)
@@ -228,6 +234,21 @@ def _check_sharding_strategy(value: Any) -> None:
             f"'SHARD_GRAD_OP' or 'NO_SHARD', got {name}. Hybrid sharding's groups are not those of the FP8 gradient "
             "communication (FSDP takes no communication hook under it) nor of the FP8 optimizer states' checkpoints; "
             "on CPUs torch even falls back to NO_SHARD within each process, training every rank apart"
+        )
+
+
+def _check_device_mesh(mesh: Any) -> None:
+    """Raise ValueError for a ``device_mesh`` that replicates over groups, ``(R, S)`` with R > 1 (a tuple or a 2-D
+    DeviceMesh): Lightning passes it to FSDP without making the strategy hybrid, and FSDP then shards over one mesh
+    dimension only, each group training apart (the FP8 hook reduces over the same group, so nothing says so)."""
+    if mesh is None:
+        return
+    shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else tuple(getattr(mesh, "shape", ()))
+    if len(shape) > 1 and any(size != 1 for size in shape[:-1]):
+        raise ValueError(
+            f"strategy='{STRATEGY_NAME}' shards over all processes, but device_mesh={shape} is (replication size, "
+            "sharding size) for hybrid sharding, which it does not support (see sharding_strategy): drop device_mesh "
+            "(or give (1, number of processes))"
         )
 
 

@@ -110,6 +110,18 @@ def test_fsdp_fp8_strategy_refuses_hybrid_sharding_when_built(kwargs):
         assert FP8FSDPStrategy(sharding_strategy=name).sharding_strategy.name == name.upper()
 
 
+def test_fsdp_fp8_strategy_refuses_a_replicating_device_mesh_and_a_sharding_strategy_of_another_type():
+    # Lightning passes device_mesh=(R, S) to FSDP with FULL_SHARD, which shards over one mesh dimension only: R
+    # groups trained apart without a word. An int sharding strategy failed in Lightning ("'int' object has no
+    # attribute 'name'").
+    for mesh in ((2, 4), [2, 1]):
+        with pytest.raises(ValueError, match=r"device_mesh=\(2, \d\) is \(replication size, sharding size\)"):
+            FP8FSDPStrategy(device_mesh=mesh)
+    assert FP8FSDPStrategy(device_mesh=(1, 2)).kwargs["device_mesh"] == (1, 2)  # no replication: every process
+    with pytest.raises(TypeError, match="sharding_strategy must be a name or a torch.distributed.fsdp.Sharding"):
+        FP8FSDPStrategy(sharding_strategy=7)
+
+
 def test_fsdp_fp8_strategy_refuses_cpu_offload_on_the_cpu():
     # torch failed deep in FSDP's setup ("Cannot access accelerator device when none is available").
     strategy = FP8FSDPStrategy(cpu_offload=True)
