@@ -63,7 +63,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (param groups, schedulers work as usual).
         recipe: an :class:`~lightning_fp8.FP8Recipe` or name; gives the default ``opt_level`` and the FP8 gradient
-            format (``recipe.backward_dtype``). Default ``"fp8-lm"`` (O2).
+            format (``recipe.backward_dtype``). Default ``"fp8-lm"`` (O2); a warning names FP8 layers among the
+            parameters that were converted with another opt level or gradient format (pass their recipe).
         opt_level: ``"O1"`` (fp32 master and moments everywhere; the FP8Linear weights' gradients in FP8, see
             ``fp8_grads``) or ``"O2"`` (low-precision states for FP8 linear weights); overrides the recipe's.
         master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
@@ -209,6 +210,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         adopting, self._adopting = self._adopting, None
         self._adopt_all(adopting)
         params = [p for group in self.param_groups for p in group["params"]]
+        if recipe is None and opt_level is None:
+            self._warn_if_layers_differ(params)
         self._register_o1_grad_hooks(params)
         self._claim_grads(params)
         _OPTIMIZERS.add(self)  # (see held_fp8_grads)

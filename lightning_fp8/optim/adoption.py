@@ -11,6 +11,7 @@ other parameter gets the low-precision moments only. :meth:`_Adoption.release` a
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -23,6 +24,24 @@ _FP32 = torch.float32
 
 class _Adoption:
     """Adoption of parameters, their release, and the creation of their states (see the module docstring)."""
+
+    def _warn_if_layers_differ(self, params: list[torch.Tensor]) -> None:
+        """Warn when FP8 layers among ``params`` were converted with another opt level or gradient format than the
+        default recipe this optimizer was built with (no ``recipe=``, no ``opt_level=``): a model converted with
+        ``"fp8-lm-o1"`` would otherwise get O2's fp16 masters without a word."""
+        unlike = {
+            f"opt level {r.opt_level}, gradients in {str(r.backward_dtype).removeprefix('torch.')}"
+            for r in master.layer_recipes(params)
+            if (r.opt_level, r.backward_dtype) != (self.opt_level, self.grad_dtype)
+        }
+        if unlike:
+            warnings.warn(
+                f"FP8AdamW was built without recipe= and so steps with the default recipe 'fp8-lm' (opt level "
+                f"{self.opt_level}, FP8 gradients in {str(self.grad_dtype).removeprefix('torch.')}), but FP8 layers "
+                f"among its parameters were converted with {' / '.join(sorted(unlike))}. Pass the layers' recipe "
+                "(FP8AdamW(..., recipe=recipe)) to match them, or recipe='fp8-lm' to keep the default and silence this",
+                stacklevel=3,
+            )
 
     def _wants_low_precision(self, p: torch.Tensor) -> bool:
         if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:

@@ -38,6 +38,15 @@ def is_fp8_weight(param: torch.Tensor) -> bool:
     return bool(getattr(param, MARKER, False))
 
 
+def layer_recipes(params: Iterable[torch.Tensor]) -> list[Any]:
+    """The recipes of the live FP8Linear layers that marked any of ``params`` (FSDP2's and TP's marks name none)."""
+    recipes = []
+    for param in params:
+        layers = getattr(getattr(param, MARKER, None), "layers", None)
+        recipes += [layer.recipe for layer in layers()] if callable(layers) else []
+    return recipes
+
+
 def check_not_reparametrized(param: torch.Tensor, where: str) -> None:
     """Raise ValueError if an FP8Linear that marked ``param`` now computes its weight from it: reparametrized after the
     conversion (``torch.nn.utils.parametrize``, pruning, ``spectral_norm``), the layer holds ``param`` under another

@@ -244,3 +244,25 @@ def test_a_parameter_listed_twice_in_a_group_is_refused_and_the_other_groups_sta
     assert len(opt.param_groups) == 1
     assert_same(_snapshot(model, opt), before)
     _step(model, opt)  # the optimizer still steps
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-e4m3"])
+def test_an_optimizer_built_without_a_recipe_names_layers_converted_with_another(name, recwarn):
+    # A model converted with "fp8-lm-o1" got O2's fp16 masters from FP8AdamW(params) without a word (the default
+    # recipe is "fp8-lm"); with "fp8-lm-e4m3" its FP8 gradients were E5M2. The default stays; a warning says so.
+    from lightning_fp8 import FP8Recipe
+
+    recipe = FP8Recipe.from_name(name)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)), recipe)
+    with pytest.warns(UserWarning, match="FP8AdamW was built without recipe=") as record:
+        opt = FP8AdamW(model.parameters(), lr=1e-3)
+    expected = "opt level O1, gradients in float8_e5m2" if name == "fp8-lm-o1" else "gradients in float8_e4m3fn"
+    assert expected in str(record[0].message) and record[0].filename == __file__
+    assert opt.opt_level == "O2" and model[0].weight.dtype == torch.float16  # the documented default, unchanged
+    for kwargs in ({"recipe": recipe}, {"recipe": "fp8-lm"}, {"opt_level": "O1"}):  # a choice made: no warning
+        recwarn.clear()
+        FP8AdamW(convert_to_fp8(nn.Sequential(nn.Linear(32, 48)), recipe).parameters(), lr=1e-3, **kwargs)
+        assert not [w for w in recwarn if "FP8AdamW was built without recipe=" in str(w.message)]
+    recwarn.clear()
+    FP8AdamW(_model().parameters(), lr=1e-3)  # layers of the default recipe
+    assert not [w for w in recwarn if "FP8AdamW was built without recipe=" in str(w.message)]
