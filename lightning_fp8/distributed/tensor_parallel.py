@@ -114,12 +114,17 @@ class FP8ColwiseParallel(_FP8Style, ColwiseParallel):
             all-gather and reduce-scatter.
     """
 
+    def check(self, module: nn.Module, world: int) -> None:
+        """Raise what :meth:`_apply` would raise for ``module`` over ``world`` ranks, changing nothing."""
+        if isinstance(module, FP8Linear):
+            _check_not_parallel(module, "FP8ColwiseParallel")
+            _check_shard(module, module.out_features, world, "FP8ColwiseParallel", "output")
+
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
-        _check_not_parallel(module, "FP8ColwiseParallel")
-        _check_shard(module, module.out_features, device_mesh.size(), "FP8ColwiseParallel", "output")
+        self.check(module, device_mesh.size())
         module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm)
         _parallelize(
             module,
@@ -147,13 +152,18 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
         fp8_comm: move FP8 (True) or the activation dtype (False) in the backward all-gather.
     """
 
+    def check(self, module: nn.Module, world: int) -> None:
+        """Raise what :meth:`_apply` would raise for ``module`` over ``world`` ranks, changing nothing."""
+        if isinstance(module, FP8Linear):
+            _check_not_parallel(module, "FP8RowwiseParallel")
+            # The input features per rank are the N of both backward GEMMs (dgrad's output, wgrad's columns).
+            _check_shard(module, module.in_features, world, "FP8RowwiseParallel", "input")
+
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
-        _check_not_parallel(module, "FP8RowwiseParallel")
-        # The input features per rank are the N of both backward GEMMs (dgrad's output, wgrad's columns).
-        _check_shard(module, module.in_features, device_mesh.size(), "FP8RowwiseParallel", "input")
+        self.check(module, device_mesh.size())
         module._fp8_tensor_parallel = _LayerSettings(fp8_comm=self.fp8_comm, output_layout=self.output_layouts[0])
         _parallelize(
             module,
@@ -391,12 +401,15 @@ def apply_fp8_tensor_parallel(
             style = _style(role, sequence_parallel, seq_dim, fp8_comm)
             if style is not None:
                 styles[f"{block}.{name}" if block else name] = style
-    for name in styles:  # before any layer changes: a second application would stack the styles' hooks
-        if isinstance(getattr(module.get_submodule(name), "weight", None), DTensor):
+    for name, style in styles.items():  # before any layer changes: a second application would stack the styles' hooks
+        target = module.get_submodule(name)
+        if isinstance(getattr(target, "weight", None), DTensor):
             raise ValueError(
                 f"apply_fp8_tensor_parallel: {name!r} is parallelized already (its weight is a DTensor); apply it "
                 "once, to the unsharded model"
             )
+        if hasattr(style, "check"):  # an FP8 layer's shard sizes, checked for every layer before the first changes
+            style.check(target, tp_mesh.size())
     parallelize_module(module, tp_mesh, styles)
     if sequence_parallel:
         _split_sequence_before(module.get_submodule(blocks[0]), tp_mesh, seq_dim)

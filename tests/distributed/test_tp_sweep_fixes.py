@@ -220,9 +220,42 @@ def test_plan_blocks_skip_outer_modules_that_share_their_names():
         _find_blocks(Block(), {"ln_1": "colwise"})
 
 
+def _refused_before_any_change() -> dict:
+    """apply_fp8_tensor_parallel on a block whose mlp.fc shards into 24 features per rank: refused, and (found by a
+    sweep) the layers before it were already sharded and hooked, so a retry without the MLP was refused as "parallelized
+    already"."""
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+
+    torch.manual_seed(0)
+    block = Block(32, 2)
+    block.mlp.fc, block.mlp.proj = nn.Linear(32, 48), nn.Linear(48, 32)  # mlp.fc: 24 output features per rank
+    model = convert_to_fp8(nn.Sequential(block))
+    hooks = {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in model.named_modules()}
+    try:
+        apply_fp8_tensor_parallel(model, _tp_mesh())
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    untouched = not any(isinstance(p, DTensor) for p in model.parameters()) and hooks == {
+        name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in model.named_modules()
+    }
+    plan = {"ln_1": "norm", "attn.qkv": "colwise", "attn.proj": "rowwise", "ln_2": "norm"}
+    apply_fp8_tensor_parallel(model, _tp_mesh(), plan=plan)  # the message's way out: the MLP left out
+    return {"error": error, "untouched": untouched, "qkv_sharded": isinstance(model[0].attn.qkv.weight, DTensor)}
+
+
+@pytest.mark.slow
+def test_a_plan_refused_for_one_layers_shard_size_changes_no_layer(two_ranks):
+    for report in part_results(two_ranks, "refused_before_any_change"):
+        assert report["error"] is not None and "24 output features per rank" in report["error"], report
+        assert report["untouched"], "layers were sharded or hooked before the refusal"
+        assert report["qkv_sharded"]
+
+
 # ------------------------------------------------------------------------- one spawn for the 2-rank checks
 def _two_rank_worker(rank: int, world: int) -> dict:
-    parts: dict[str, Callable[[], object]] = {"tp_mesh_of_one": _tp_mesh_of_one, "nested_plan": _nested_plan}
+    parts: dict[str, Callable[[], object]] = {"tp_mesh_of_one": _tp_mesh_of_one, "nested_plan": _nested_plan,
+                                              "refused_before_any_change": _refused_before_any_change}
     parts |= {f"zero:{case}": partial(_zero_first_casts, *args) for case, args in ZERO_CASES.items()}
     return run_parts(parts)
 
