@@ -244,8 +244,9 @@ def fp8_stats(
         "last_saturation", "nonfinite_events"}`` when those are given.
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Module``, or ``grad_scaler``'s ``scale`` is not a number or a
-            one-element tensor (it has none, or it is a method, as ``torch.amp.GradScaler``'s).
+        TypeError: if ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or ``grad_scaler``'s
+            ``scale`` is not a number or a one-element tensor (it has none, or it is a method, as
+            ``torch.amp.GradScaler``'s).
         ValueError: if a scaling state of ``model`` is on the meta device (not materialized yet).
 
     Examples:
@@ -256,6 +257,11 @@ def fp8_stats(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fp8_stats(model=...) expects an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"fp8_stats(optimizer=...) expects one torch.optim.Optimizer, got {type(optimizer).__name__}: for several, "
+            "call fp8_stats once per optimizer"
+        )
     if grad_scaler is not None:
         _check_grad_scaler(grad_scaler)
     batch = _HostBatch()

@@ -73,6 +73,11 @@ class AmaxSync:
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"AmaxSync expects an nn.Module, got {type(module).__name__}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"AmaxSync(process_group=...) got a {type(process_group).__name__}: pass a process group "
+                "(torch.distributed.new_group, or a DeviceMesh's get_group()), or None for the world"
+            )
         self.process_group = process_group
         # modules() visits in registration order, identical on every rank of an identically built model.
         self.states = [m for m in module.modules() if isinstance(m, ScalingState) and m.delayed]
@@ -153,10 +158,10 @@ def enable_fp8_amax_sync(module: nn.Module, process_group: dist.ProcessGroup | N
     Returns:
         The hook's handle (``handle.remove()`` turns the synchronization off).
     """
+    sync = AmaxSync(module, process_group)  # checks its arguments before the previous hook goes
     previous = getattr(module, _HOOK_ATTR, None)
     if previous is not None:  # one sync per step, whoever enables it (a strategy and apply_fp8_tensor_parallel)
         previous.remove()
-    sync = AmaxSync(module, process_group)
 
     def hook(_module: nn.Module, _args: tuple) -> None:
         sync.sync()

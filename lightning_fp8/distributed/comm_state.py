@@ -36,7 +36,7 @@ from lightning_fp8.distributed.exchange import (
 )
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.formats import E5M2, check_fp8_dtype
-from lightning_fp8.recipe import MAX_MARGIN
+from lightning_fp8.recipe import MAX_MARGIN, as_count
 from lightning_fp8.warnings import warn_once
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class FP8CommState:
         check_fp8_dtype(fp8_dtype)
         if algorithm not in _ALGORITHMS:
             raise ValueError(f"FP8CommState(algorithm={algorithm!r}) is not supported: choose one of {_ALGORITHMS}")
+        margin, slice_numel = as_count(margin), as_count(slice_numel)  # a NumPy integer as an int
         for name, value in (("margin", margin), ("slice_numel", slice_numel)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"FP8CommState({name}={value!r}) must be an int, got {type(value).__name__}")
@@ -142,7 +143,9 @@ class FP8CommState:
             )
         if slice_numel < 1:
             raise ValueError(f"FP8CommState(slice_numel={slice_numel!r}): must be an int >= 1 (elements per slice)")
-        if grad_scaler is not None and not hasattr(grad_scaler, "record_gradient_cast"):
+        if grad_scaler is not None and not all(
+            callable(getattr(grad_scaler, name, None)) for name in ("record_gradient_cast", "record_nonfinite")
+        ):
             raise TypeError(
                 f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
                 "(it needs record_gradient_cast and record_nonfinite)"
@@ -386,12 +389,27 @@ class FP8CommState:
             yield
 
 
+def check_state(state: object, where: str) -> None:
+    """Raise TypeError unless ``state`` is an FP8CommState (a process group passed positionally is the usual mistake:
+    FP8CommState's own first argument is the group)."""
+    if not isinstance(state, FP8CommState):
+        raise TypeError(
+            f"{where}(model, state=...) got a {type(state).__name__}: pass an FP8CommState (e.g. "
+            "FP8CommState(process_group)), or leave state out for the default"
+        )
+
+
 def _param_ids(fp8_params: Iterable[torch.Tensor]) -> set[int]:
     hint = "pass the parameters themselves, e.g. [m.weight for m in model.modules() if isinstance(m, FP8Linear)]"
     if isinstance(fp8_params, (torch.Tensor, nn.Module, str)) or not isinstance(fp8_params, Iterable):
         raise TypeError(f"FP8CommState(fp8_params=...) got a {type(fp8_params).__name__}, not an iterable of tensors: "
                         f"{hint}")  # fmt: skip
     params = list(fp8_params)
+    if not params:  # a list built from the model before convert_to_fp8 (or before fully_shard) is the usual cause
+        warn_once(
+            "FP8CommState(fp8_params=...) is empty: no gradient travels in FP8, each is reduced in its own dtype. If "
+            f"the model has FP8 layers, build the list after convert_to_fp8 (and after fully_shard): {hint}"
+        )
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"FP8CommState(fp8_params=...) holds a {type(p).__name__} ({p!r:.60}) at index {i}, not a "

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
-from lightning_fp8.distributed.comm_state import FP8CommState
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.warnings import warn_once
 
@@ -90,6 +90,7 @@ def enable_fp8_ddp(model: torch.nn.Module, state: FP8CommState | None = None) ->
             "FullyShardedDataParallel use enable_fp8_fsdp1, for fully_shard (FSDP2) enable_fp8_fsdp2"
         )
     state = state if state is not None else FP8CommState(model.process_group)
+    check_state(state, "enable_fp8_ddp")
     state.check_wrapper_group(model.process_group, "enable_fp8_ddp")
     model.register_comm_hook(state, fp8_allreduce_hook)
     return state

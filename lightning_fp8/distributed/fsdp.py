@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8
 from lightning_fp8.distributed.comm import reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.warnings import warn_once
 
@@ -107,6 +107,7 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
             "for fully_shard (FSDP2) models use enable_fp8_fsdp2"
         )
     state = state if state is not None else FP8CommState(model.process_group)
+    check_state(state, "enable_fp8_fsdp1")
     state.check_wrapper_group(model.process_group, "enable_fp8_fsdp1")
     world = torch.distributed.get_world_size(state.process_group)
     layouts: dict[int, SegmentLayout] = {}

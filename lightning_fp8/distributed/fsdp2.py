@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
@@ -385,6 +385,7 @@ def enable_fp8_fsdp2(
             f"this is torch {torch.__version__}"
         )
     state = state if state is not None else FP8CommState()
+    check_state(state, "enable_fp8_fsdp2")
     _check_state(model, state)
     mark_fp8_weights(model)
     weights = fp8_linear_weights(model)

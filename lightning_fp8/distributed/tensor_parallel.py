@@ -16,6 +16,7 @@ or, with Lightning's ``ModelParallelStrategy``, call it in the ``parallelize_fn`
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Literal
 
@@ -236,6 +237,11 @@ def _resolve_plan(plan: str | Mapping[str, str]) -> dict[str, str]:
                 "or a mapping from submodule name (inside a block) to 'colwise', 'rowwise' or 'norm'"
             )
         return dict(PLANS[plan])
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"apply_fp8_tensor_parallel(plan=...) got a {type(plan).__name__}: pass a plan name ({sorted(PLANS)}) or a "
+            "mapping from submodule name (inside a block) to 'colwise', 'rowwise' or 'norm'"
+        )
     bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise", "norm")}
     if bad or not plan:
         raise ValueError(
@@ -393,6 +399,18 @@ def apply_fp8_tensor_parallel(
     """
     if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
         raise ValueError(f"apply_fp8_tensor_parallel(tp_mesh={tp_mesh}): pass a 1-D DeviceMesh (e.g. mesh['tp'])")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"apply_fp8_tensor_parallel(module=...) got a {type(module).__name__}: pass the model")
+    for name, flag in (("sequence_parallel", sequence_parallel), ("fp8_comm", fp8_comm), ("amax_sync", amax_sync)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"apply_fp8_tensor_parallel({name}={flag!r}): must be True or False")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, numbers.Integral):
+        raise TypeError(f"apply_fp8_tensor_parallel(seq_dim={seq_dim!r}): must be an int (the sequence dimension)")
+    if amax_sync_group is not None and not isinstance(amax_sync_group, dist.ProcessGroup):
+        raise TypeError(
+            f"apply_fp8_tensor_parallel(amax_sync_group=...) got a {type(amax_sync_group).__name__}: pass a process "
+            "group, or None for the world"
+        )
     roles = _resolve_plan(plan)
     blocks = _find_blocks(module, roles)
     styles = {}

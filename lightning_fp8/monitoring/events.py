@@ -50,5 +50,7 @@ def scaler_fallbacks(history: Iterable[Mapping[str, Any]], after_step: int) -> t
 
 
 def skipped_step_action(fallbacks: Iterable[str]) -> str:
-    """The action of a skipped step's event: :data:`SKIP_ACTION` and the fallbacks it ran."""
+    """The action of a skipped step's event: :data:`SKIP_ACTION` and the fallbacks it ran (names of :data:`ACTIONS`)."""
+    if isinstance(fallbacks, str):  # one name: its characters would be taken as names
+        fallbacks = [fallbacks]
     return "+".join([SKIP_ACTION, *(a for a in fallbacks if a != "none")])

@@ -29,6 +29,10 @@ def _unscale_factor(t: torch.Tensor) -> torch.Tensor | None:
     return scale.full_tensor() if _is_dtensor(scale) else scale
 
 
+def _magnitudes(t: torch.Tensor) -> torch.Tensor:
+    return t.abs() if t.is_complex() else t
+
+
 def global_norm(
     tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -40,7 +44,8 @@ def global_norm(
     scale changes. Gradients carry no such scale and are taken as they are.
 
     Args:
-        tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]`` or ``model.parameters()``.
+        tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]`` or ``model.parameters()``
+            (``None`` entries are skipped; a complex tensor counts by its magnitudes).
             DTensors (FSDP2, tensor parallel) are reduced over their mesh by the DTensor norm itself.
         group: the process group plain-tensor shards live in (default: the world), used when ``sharded``.
         sharded: each rank holds a different shard of the plain tensors (FSDP1's flat parameters): sum the squares
@@ -49,10 +54,18 @@ def global_norm(
         device: where the norm is computed when ``tensors`` is empty (default: the CPU; under ``sharded`` with NCCL,
             the rank's GPU).
     """
+    if isinstance(tensors, (torch.Tensor, torch.nn.Module)):
+        raise TypeError(
+            f"global_norm takes an iterable of tensors, got a {type(tensors).__name__}: pass e.g. model.parameters() "
+            "or [p.grad for p in model.parameters() if p.grad is not None]"
+        )
     plain, distributed = [], []
     for t in tensors:
-        # The scale hangs on the parameter itself: look it up before detach() drops the attribute.
-        (distributed if _is_dtensor(t) else plain).append((t.detach(), _unscale_factor(t)))
+        if t is None:  # a parameter without a gradient ([p.grad for p in ...] with a frozen one) adds nothing
+            continue
+        # The scale hangs on the parameter itself: look it up before detach() drops the attribute. A complex tensor
+        # counts by its magnitudes (|z|^2), as torch.linalg.vector_norm does.
+        (distributed if _is_dtensor(t) else plain).append((_magnitudes(t.detach()), _unscale_factor(t)))
     if plain or distributed:
         device = (plain or distributed)[0][0].device
     sq = torch.zeros((), dtype=torch.float32, device=device if device is not None else "cpu")

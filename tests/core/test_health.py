@@ -317,6 +317,25 @@ def test_sharded_global_norm_is_a_collective_on_every_rank():
         assert norm == 6.0 and after == 21.0
 
 
+def test_global_norm_of_complex_tensors_and_missing_gradients_matches_torch():
+    # Found by a sweep: t.float() dropped the imaginary parts (|3+4j| counted as 3), a None gradient failed on
+    # .detach(), and a module was iterated as its children.
+    z, r = torch.tensor([3 + 4j, 1 - 2j]), torch.tensor([12.0, -1.0])
+    expected = torch.linalg.vector_norm(torch.cat([z.abs(), r]))
+    torch.testing.assert_close(global_norm([z, None, r]), expected)
+    torch.testing.assert_close(global_norm([z]), torch.linalg.vector_norm(z))
+    for wrong in (nn.Linear(2, 2), torch.ones(3)):
+        with pytest.raises(TypeError, match="global_norm takes an iterable of tensors"):
+            global_norm(wrong)
+
+
+def test_skipped_step_action_takes_one_fallback_name_as_well():
+    from lightning_fp8.health import skipped_step_action
+
+    assert skipped_step_action("lower_lr") == skipped_step_action(["lower_lr"]) == "skip_step+lower_mu+lower_lr"
+    assert skipped_step_action(["none"]) == "skip_step+lower_mu"
+
+
 def test_global_norm_matches_torch():
     tensors = [torch.randn(13, 7), torch.randn(5), torch.randn(3, 2, 9).bfloat16()]
     expected = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in tensors]))

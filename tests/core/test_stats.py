@@ -244,3 +244,11 @@ def test_a_child_of_the_users_own_named_module_keeps_its_name(tmp_path):
         assert sorted(fp8_stats(ddp, optimizer)["optimizer"]["states"]) == ["module.0.weight", "module.2.weight"]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("optimizer", [[], "adam", nn.Linear(2, 2)], ids=["list", "str", "module"])
+def test_an_optimizer_argument_that_is_no_optimizer_is_refused_naming_it(optimizer):
+    # A list of optimizers (or a scaler, a model) failed with a bare AttributeError: 'state'.
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+    with pytest.raises(TypeError, match=r"fp8_stats\(optimizer=\.\.\.\) expects one torch.optim.Optimizer"):
+        fp8_stats(model, optimizer=optimizer)

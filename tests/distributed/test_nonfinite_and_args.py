@@ -139,12 +139,32 @@ def _fp8_params_before_fully_shard() -> str:
     return _error(lambda: enable_fp8_fsdp2(model, FP8CommState(fp8_params=before_shard)))
 
 
+def _wrong_kinds_of_state_and_group() -> dict:
+    """Found by a sweep: a process group passed where the state goes (FP8CommState's own first argument is the group)
+    failed with "'ProcessGroup' object has no attribute 'check_wrapper_group'"; an amax-sync group that is no group
+    replaced the working hook, and every later forward failed deep in c10d."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_fp8.distributed import enable_fp8_ddp, enable_fp8_fsdp2
+    from lightning_fp8.distributed.amax_sync import _HOOK_ATTR, enable_fp8_amax_sync
+
+    model = _fp8_model(shard=False)
+    handle = enable_fp8_amax_sync(model)
+    return {
+        "ddp": _error(lambda: enable_fp8_ddp(DDP(_fp8_model(shard=False)), dist.group.WORLD)),
+        "fsdp2": _error(lambda: enable_fp8_fsdp2(_fp8_model(shard=True), dist.group.WORLD)),
+        "amax_group": _error(lambda: enable_fp8_amax_sync(model, "bad group")),
+        "hook_kept": getattr(model, _HOOK_ATTR) is handle and bool(model[0](torch.randn(2, 32)).isfinite().all()),
+    }
+
+
 def _worker1(rank: int, world: int) -> dict:
     return run_parts({
         # FSDP runs no reduce-scatter on one rank: the gradients are checked in its all-reduce hook.
         "fsdp2": lambda: _fsdp2_steps(rank, _shard_apart, lambda m: [m.w.p], [(None, "w"), (0, "w"), (0, "b")]),
         "native_on_gloo": lambda: _error(lambda: FP8CommState(algorithm="native")),
         "fp8_params_before_fully_shard": _fp8_params_before_fully_shard,
+        "wrong_kinds": _wrong_kinds_of_state_and_group,
         "fallback": lambda: _sharded_model_refuses_bf16_fallback(rank),
     })  # fmt: skip
 
@@ -436,6 +456,39 @@ def test_amax_group_of_other_ranks_is_refused_at_construction(four):
 def test_fsdp2_refuses_fp8_params_taken_before_fully_shard(one):
     message = part_results(one, "fp8_params_before_fully_shard")[0]
     assert message.startswith("ValueError: enable_fp8_fsdp2: none of the 2 tensors") and "after fully_shard" in message
+
+
+@pytest.mark.slow
+def test_a_group_given_as_the_state_or_a_bad_amax_group_is_refused_changing_nothing(one):
+    report = part_results(one, "wrong_kinds")[0]
+    for where in ("ddp", "fsdp2"):
+        assert report[where].startswith(f"TypeError: enable_fp8_{where}(model, state=...) got a ProcessGroup"), report
+    assert report["amax_group"].startswith("TypeError: AmaxSync(process_group=...) got a str"), report
+    assert report["hook_kept"], "the working amax-sync hook was replaced by the refused one"
+
+
+def test_comm_state_takes_numpy_integers_and_refuses_a_grad_scaler_missing_a_method(recwarn):
+    np = pytest.importorskip("numpy")
+    state = FP8CommState(margin=np.int64(2), slice_numel=np.int32(1024))
+    assert (state.margin, state.slice_numel) == (2, 1024) and type(state.margin) is int
+
+    class OnlyCasts:  # a DDP hook calling the missing record_nonfinite broke DDP's reducer for good
+        def record_gradient_cast(self, *args):
+            pass
+
+    with pytest.raises(TypeError, match=r"grad_scaler=\.\.\.\) got a OnlyCasts: pass an FP8GradScaler"):
+        FP8CommState(grad_scaler=OnlyCasts())
+
+
+def test_comm_state_with_empty_fp8_params_warns_that_nothing_travels_in_fp8(monkeypatch):
+    # [m.weight for m in model.modules() if isinstance(m, FP8Linear)] taken before convert_to_fp8 is empty: every
+    # gradient then went in its own dtype without a word.
+    import lightning_fp8.warnings
+
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    with pytest.warns(UserWarning, match=r"fp8_params=\.\.\.\) is empty: no gradient travels in FP8"):
+        state = FP8CommState(fp8_params=[])
+    assert not state.is_fp8(torch.zeros(1))
 
 
 @pytest.mark.slow

@@ -244,6 +244,39 @@ def _refused_before_any_change() -> dict:
     return {"error": error, "untouched": untouched, "qkv_sharded": isinstance(model[0].attn.qkv.weight, DTensor)}
 
 
+def _bad_arguments() -> dict:
+    """Found by a sweep: sequence_parallel="no" switched sequence parallelism on (a true string), an amax_sync_group
+    that is no group failed in c10d after every layer was sharded, plan=None and module=None raised AttributeErrors."""
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(Block(32, 2)))
+    errors = {}
+    for name, kwargs in {"sequence_parallel": {"sequence_parallel": "no"}, "fp8_comm": {"fp8_comm": None},
+                         "seq_dim": {"seq_dim": "1"}, "amax_sync_group": {"amax_sync_group": "x"},
+                         "plan": {"plan": None}}.items():  # fmt: skip
+        try:
+            apply_fp8_tensor_parallel(model, _tp_mesh(), **kwargs)
+            errors[name] = "no error"
+        except TypeError as exc:
+            errors[name] = str(exc)
+    try:
+        apply_fp8_tensor_parallel(None, _tp_mesh())
+    except TypeError as exc:
+        errors["module"] = str(exc)
+    return {"errors": errors, "untouched": not any(isinstance(p, DTensor) for p in model.parameters())}
+
+
+@pytest.mark.slow
+def test_bad_arguments_are_type_errors_naming_them_before_any_layer_changes(two_ranks):
+    for report in part_results(two_ranks, "bad_arguments"):
+        errors = report["errors"]
+        for name in ("sequence_parallel", "fp8_comm", "seq_dim", "amax_sync_group", "module"):
+            assert errors[name].startswith(f"apply_fp8_tensor_parallel({name}="), errors
+        assert errors["plan"].startswith("apply_fp8_tensor_parallel(plan=...) got a NoneType"), errors
+        assert report["untouched"]
+
+
 @pytest.mark.slow
 def test_a_plan_refused_for_one_layers_shard_size_changes_no_layer(two_ranks):
     for report in part_results(two_ranks, "refused_before_any_change"):
@@ -255,7 +288,8 @@ def test_a_plan_refused_for_one_layers_shard_size_changes_no_layer(two_ranks):
 # ------------------------------------------------------------------------- one spawn for the 2-rank checks
 def _two_rank_worker(rank: int, world: int) -> dict:
     parts: dict[str, Callable[[], object]] = {"tp_mesh_of_one": _tp_mesh_of_one, "nested_plan": _nested_plan,
-                                              "refused_before_any_change": _refused_before_any_change}
+                                              "refused_before_any_change": _refused_before_any_change,
+                                              "bad_arguments": _bad_arguments}
     parts |= {f"zero:{case}": partial(_zero_first_casts, *args) for case, args in ZERO_CASES.items()}
     return run_parts(parts)
 
