@@ -284,6 +284,10 @@ def convert_to_fp8(
     fast_path = frozenset(_fast_path_children(module))
     keep_fp32 = _kept_in_fp32(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
+    # Every layer's decision (the filter's answer too) before the first layer changes: a filter that raises leaves the
+    # model as it was. named_modules() gives each module once, under the first name, as replace_children asks.
+    reasons = {id(m): _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path)
+               for fqn, m in module.named_modules()}  # fmt: skip
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if id(child) not in done:
@@ -291,7 +295,7 @@ def convert_to_fp8(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        reason = _why_left(child, fqn, module_filter_fn, keep_fp32, shared, fast_path)
+        reason = reasons[id(child)]
         if reason == _NOT_ASKED:
             return child
         if reason is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -51,7 +52,7 @@ def _check_arguments(
     """Raise what ``FP8GradScaler(...)`` raises for its arguments (``nonfinite_fallback`` an ``nn.Module`` already
     turned into ``"bf16"`` with that ``model``)."""
     for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
         if not _is_power_of_two(float(value)):
             raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
@@ -68,8 +69,8 @@ def _check_arguments(
         raise ValueError(f"FP8GradScaler(growth_interval={growth_interval!r}): must be an int >= 1")
     if not 0.0 <= saturation_threshold < 1.0:
         raise ValueError(f"FP8GradScaler(saturation_threshold={saturation_threshold!r}): must be in [0, 1)")
-    if not headroom >= 1.0:
-        raise ValueError(f"FP8GradScaler(headroom={headroom!r}): must be >= 1 (a factor under the format max)")
+    if not 1.0 <= headroom < math.inf:  # inf (or NaN): mu could never grow
+        raise ValueError(f"FP8GradScaler(headroom={headroom!r}): must be finite and >= 1 (a factor under the FP8 max)")
     if fallback_after < 1:
         raise ValueError(f"FP8GradScaler(fallback_after={fallback_after!r}): must be an int >= 1")
     if not 0.0 < lr_factor < 1.0:

@@ -65,6 +65,27 @@ def test_idempotent():
     assert fp8_modules(model) == first
 
 
+def test_a_filter_that_raises_leaves_every_layer_as_it_was():
+    # Found by a sweep: the filter was asked layer by layer while converting, so one raising on the second layer left
+    # the first converted (a half-converted model, e.g. Accelerate's prepare with a filter of the wrong signature).
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def flaky(module, fqn):
+        if fqn == "2":
+            raise RuntimeError("the filter failed on '2'")
+        return True
+
+    with pytest.raises(RuntimeError, match="the filter failed on '2'"):
+        convert_to_fp8(model, module_filter_fn=flaky)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    with pytest.raises(TypeError):
+        convert_to_fp8(model, module_filter_fn=lambda module: True)  # the wrong signature
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert [type(m) for m in convert_to_fp8(model, module_filter_fn=lambda m, fqn: fqn != "2")] == [
+        FP8Linear, nn.ReLU, nn.Linear
+    ]
+
+
 def test_filter_fn_receives_fqn():
     model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 16)))
     seen = []

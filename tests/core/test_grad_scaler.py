@@ -606,6 +606,16 @@ def test_a_model_that_is_not_a_module_is_refused_when_given(model):
     assert scaler.model is None
 
 
+def test_numpy_scales_are_taken_and_an_infinite_headroom_is_refused():
+    # np.float32 / np.int64 scales were refused as "must be a number"; headroom=inf was taken, and mu never grew.
+    np = pytest.importorskip("numpy")
+    scaler = FP8GradScaler(init_scale=np.float32(2.0), min_scale=np.int64(1), max_scale=np.float32(2.0**10))
+    assert (scaler.get_scale(), scaler.min_scale, scaler.max_scale) == (2.0, 1.0, 1024.0)
+    for headroom in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"headroom=.*must be finite and >= 1"):
+            FP8GradScaler(headroom=headroom)
+
+
 def test_integer_arguments_take_any_integral_type():
     # numbers.Integral passed the type check, then `isinstance(x, int)` refused it: "growth_interval=np.int64(5):
     # must be an int >= 1". Stored as int: the state dict stays plain Python.

@@ -85,6 +85,13 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         **kwargs: Any,
     ) -> None:
         # Validate the launch first: a bad recipe name should fail before any process group is created.
+        if fp8_module_filter is not None and not callable(fp8_module_filter):
+            raise TypeError(
+                f"Accelerator(fp8_module_filter={fp8_module_filter!r}): must be a callable fn(module, fqn) -> bool "
+                "(True converts the layer), or None"
+            )
+        if not isinstance(fp8_stats_in_log, bool):
+            raise TypeError(f"Accelerator(fp8_stats_in_log={fp8_stats_in_log!r}): must be True or False")
         self.fp8_lm_config = resolve_launch_config(fp8_lm_recipe)
         tensor_parallel.check_launch(kwargs.get("parallelism_config"))
         if self.fp8_lm_config is not None:  # before Accelerate sets up its process-wide state with it

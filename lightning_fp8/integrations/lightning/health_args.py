@@ -4,6 +4,7 @@ checked)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from collections.abc import Callable
@@ -27,9 +28,10 @@ def _checked_tokens(tokens: Any, tokens_fn: Callable[[Any], Any]) -> Any:
             f"TrainingHealthMonitor(tokens_fn={name}) returned {repr(tokens)[:100]} ({type(tokens).__name__}) for a "
             "batch: it must return the number of tokens in the batch (an int, or a one-element tensor) or None"
         )
-    if not isinstance(tokens, torch.Tensor) and tokens < 0:
+    if not isinstance(tokens, torch.Tensor) and not (math.isfinite(tokens) and tokens >= 0):
         raise ValueError(
-            f"TrainingHealthMonitor(tokens_fn={name}) returned {tokens!r} tokens for a batch, expected >= 0"
+            f"TrainingHealthMonitor(tokens_fn={name}) returned {tokens!r} tokens for a batch, expected a finite "
+            "number >= 0"
         )
     return tokens
 

@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_fp8.integrations.lightning.comm import all_gather_state
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.integrations.lightning.precision import _FP8LMPrecisionLogic
+from lightning_fp8.warnings import warn_once
 
 STRATEGY_NAME = "fsdp_fp8"
 # The key of this strategy's optimizer states in its checkpoints: {"per_rank": [state of rank 0, of rank 1, ...]}.
@@ -37,6 +38,12 @@ class _FP8FSDPStrategyLogic:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("use_orig_params", True)
+        _check_use_orig_params(kwargs["use_orig_params"])
+        if "sharding_strategy" in kwargs and kwargs["sharding_strategy"] is None:
+            raise TypeError(
+                f"strategy='{STRATEGY_NAME}': sharding_strategy=None: give 'FULL_SHARD' (the default), 'SHARD_GRAD_OP' "
+                "or 'NO_SHARD', or leave it out"
+            )
         if kwargs.get("mixed_precision") is not None:
             raise ValueError(
                 f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
@@ -234,6 +241,19 @@ def _check_sharding_strategy(value: Any) -> None:
             f"'SHARD_GRAD_OP' or 'NO_SHARD', got {name}. Hybrid sharding's groups are not those of the FP8 gradient "
             "communication (FSDP takes no communication hook under it) nor of the FP8 optimizer states' checkpoints; "
             "on CPUs torch even falls back to NO_SHARD within each process, training every rank apart"
+        )
+
+
+def _check_use_orig_params(value: Any) -> None:
+    """Raise TypeError for a non-bool; warn for False: FP8AdamW then sees FSDP's flat parameters, cannot tell the FP8
+    weights inside them, and gives every parameter fp32 states (an O2 recipe trains with O1's optimizer, silently)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{STRATEGY_NAME}: use_orig_params={value!r} must be True or False")
+    if not value:
+        warn_once(
+            f"strategy='{STRATEGY_NAME}' with use_orig_params=False: FP8AdamW sees FSDP's flat parameters and cannot "
+            "tell the FP8 weights inside them, so every parameter gets fp32 optimizer states (an O2 recipe's fp16 "
+            "masters and FP8/fp16 moments are not used). Leave use_orig_params=True (the default) for them"
         )
 
 

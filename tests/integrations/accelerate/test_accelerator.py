@@ -330,6 +330,20 @@ def test_bad_configurations_are_errors(kwargs, match):
         Accelerator(cpu=True, **{"fp8_lm_recipe": "fp8-lm", **kwargs})
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fp8_module_filter": 3}, r"fp8_module_filter=3\): must be a callable fn\(module, fqn\) -> bool"),
+        ({"fp8_stats_in_log": "no"}, r"fp8_stats_in_log='no'\): must be True or False"),  # "no" is truthy: logged
+    ],
+)
+def test_bad_fp8_arguments_are_type_errors_before_accelerate_starts(kwargs, match):
+    # Accepted before: a filter that is no callable failed inside prepare ("'int' object is not callable").
+    with pytest.raises(TypeError, match=match):
+        Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", **kwargs)
+    assert not AcceleratorState._shared_state
+
+
 def test_rejected_mixed_precision_leaves_accelerate_state_untouched():
     with pytest.raises(ValueError, match=r"mixed_precision='fp16' cannot be combined with FP8-LM"):
         Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", mixed_precision="fp16")

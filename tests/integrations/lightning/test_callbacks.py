@@ -256,6 +256,19 @@ def test_a_tokens_fn_that_returns_no_number_is_named_in_the_error(tmp_path):
     assert len(health.monitor.series["tokens_per_sec"]) == 1
 
 
+@pytest.mark.parametrize("tokens", [float("nan"), float("inf"), -3.0])
+def test_a_tokens_fn_that_returns_a_non_finite_or_negative_count_is_named_in_the_error(tokens):
+    # NaN and inf reached HealthMonitor.observe, whose error did not name tokens_fn.
+    from lightning_fp8.integrations.lightning.health_args import _checked_tokens
+
+    def tokens_of(batch):
+        return tokens
+
+    with pytest.raises(ValueError, match=r"tokens_fn=.*tokens_of\) returned .* tokens for a batch, expected a finite"):
+        _checked_tokens(tokens_of(None), tokens_of)
+    assert _checked_tokens(24, tokens_of) == 24
+
+
 def _layer_stats(scale_in, scale_grad):
     layer = {
         "input": {"scale": scale_in, "amax": 1.0, "saturation": 0.0},

@@ -122,6 +122,24 @@ def test_fsdp_fp8_strategy_refuses_a_replicating_device_mesh_and_a_sharding_stra
         FP8FSDPStrategy(sharding_strategy=7)
 
 
+def test_fsdp_fp8_strategy_checks_use_orig_params_and_a_none_sharding_strategy(recwarn, monkeypatch):
+    # use_orig_params=False trained with fp32 states for every parameter (FP8AdamW cannot tell the FP8 weights inside
+    # flat parameters): an O2 recipe's states were dropped without a word; "no" was stored as given; an explicit
+    # sharding_strategy=None failed inside Lightning ("'NoneType' object has no attribute 'name'").
+    import lightning_fp8.warnings
+
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    with pytest.raises(TypeError, match=r"use_orig_params='no' must be True or False"):
+        FP8FSDPStrategy(use_orig_params="no")
+    FP8FSDPStrategy(use_orig_params=False)
+    assert [w for w in recwarn if "use_orig_params=False: FP8AdamW sees FSDP's flat parameters" in str(w.message)]
+    recwarn.clear()
+    assert FP8FSDPStrategy().kwargs["use_orig_params"] is True
+    assert not [w for w in recwarn if "use_orig_params" in str(w.message)]
+    with pytest.raises(TypeError, match="sharding_strategy=None: give 'FULL_SHARD'"):
+        FP8FSDPStrategy(sharding_strategy=None)
+
+
 def test_fsdp_fp8_strategy_refuses_cpu_offload_on_the_cpu():
     # torch failed deep in FSDP's setup ("Cannot access accelerator device when none is available").
     strategy = FP8FSDPStrategy(cpu_offload=True)
