@@ -62,6 +62,14 @@ def _setup(grad_accum: int = 1, lr: float = 1e-2, **kwargs):
     return accelerator, model, optimizer, scheduler
 
 
+def _train(accelerator, model, optimizer, scheduler, steps: int) -> None:
+    for _ in range(steps):
+        accelerator.backward(_loss(model, _batch()))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+
 def _batch(n: int = 12):
     return torch.randn(n, 48), torch.randint(0, 10, (n,))
 
@@ -178,11 +186,7 @@ def test_gradient_accumulation_steps_once_per_window():
 
 def test_save_and_load_state_restore_scaling_state_and_mu(tmp_path):
     accelerator, model, optimizer, scheduler = _setup()
-    for _ in range(3):
-        accelerator.backward(_loss(model, _batch()))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+    _train(accelerator, model, optimizer, scheduler, steps=3)
     accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 32.0})
     saved_fp8, saved_scaler = fp8_state_dict(model), accelerator.fp8_grad_scaler.state_dict()
     accelerator.save_state(str(tmp_path / "ckpt"))
@@ -564,11 +568,7 @@ def test_an_optimizer_prepared_after_its_ddp_model_is_refused_with_the_fix(tmp_p
 def test_a_run_without_fp8_refuses_an_fp8_checkpoints_scaled_moments_until_converted(tmp_path, monkeypatch):
     # A plain AdamW took FP8AdamW's file without a word and read its stored moments (value * scale) as the moments.
     accelerator, model, optimizer, scheduler = _setup()
-    for _ in range(2):
-        accelerator.backward(_loss(model, _batch()))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+    _train(accelerator, model, optimizer, scheduler, steps=2)
     adamw_form = optimizer.optimizer.to_adamw_state_dict()
     accelerator.save_state(str(tmp_path / "ckpt"))
     AcceleratorState._reset_state(True)
