@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.formats import fp8_max
-from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments, check_model
+from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments, check_model, warn_if_model_is_another
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
@@ -354,6 +354,8 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         if fused is None:  # before anything changes
             _refuse_fp16_grads(optimizer)
         self._refuse_unscaled_loss(optimizer, "step")
+        if optimizer not in self._seen:
+            warn_if_model_is_another(self._model, optimizer)
         self._last_optimizer = optimizer
         self._seen.add(optimizer)
         inv_scale = 1.0 / self.loss_scale

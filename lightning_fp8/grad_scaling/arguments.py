@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,25 @@ def check_model(model: object) -> None:
         raise TypeError(
             f"FP8GradScaler(model=...) got a {type(model).__name__}: expected the FP8 model (an nn.Module) or None; "
             "for several models, pass the module that holds them all"
+        )
+
+
+def warn_if_model_is_another(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    """Warn when ``model`` (the scaler's) holds none of ``optimizer``'s FP8 weights: a change of mu then rescales the
+    ``grad_output`` scaling states of a model that is not trained, and the trained one's delayed scales lag mu
+    (stale by the factor mu changed by, as if no model had been given). Checked at an optimizer's first step."""
+    from lightning_fp8.optim.master import is_fp8_weight
+
+    if model is None:
+        return
+    fp8 = [p for group in optimizer.param_groups for p in group["params"] if is_fp8_weight(p)]
+    if fp8 and not {id(p) for p in fp8} & {id(p) for p in model.parameters()}:
+        warnings.warn(
+            f"FP8GradScaler.step: none of this {type(optimizer).__name__}'s FP8 weights is a parameter of the scaler's "
+            f"model ({type(model).__name__}), so a change of mu rescales that model's grad_output scaling states, not "
+            "those of the model being trained (its delayed scales then lag mu). Give the trained model: "
+            "FP8GradScaler(model=model), or scaler.model = model",
+            stacklevel=4,
         )
 
 

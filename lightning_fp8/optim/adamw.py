@@ -165,6 +165,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     ) -> None:
         step_.check_supported_flags({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
+        step_.check_grad_scaler(grad_scaler)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
         if self.opt_level not in _LEVEL_DTYPES:

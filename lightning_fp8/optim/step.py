@@ -116,6 +116,20 @@ _NO_AMSGRAD = (
 )
 
 
+def check_grad_scaler(grad_scaler: Any) -> None:
+    """Raise TypeError unless ``grad_scaler`` is an :class:`~lightning_fp8.FP8GradScaler` or None: anything else failed
+    mid-backward (the FP8 gradient hook reports each cast to it, after taking the gradient out of ``param.grad``), or
+    in ``step()`` with torch.amp's own assertions."""
+    from lightning_fp8.grad_scaler import FP8GradScaler
+
+    if grad_scaler is not None and not isinstance(grad_scaler, FP8GradScaler):
+        what = "the FP8GradScaler class itself" if grad_scaler is FP8GradScaler else f"a {type(grad_scaler).__name__}"
+        raise TypeError(
+            f"FP8AdamW(grad_scaler=...) got {what}: pass an FP8GradScaler instance (torch.amp.GradScaler cannot "
+            "unscale FP8 gradients: FP8GradScaler replaces it), or None"
+        )
+
+
 def check_supported_flags(flags: dict[str, Any]) -> None:
     """Raise ValueError for ``amsgrad``, ``capturable`` or ``differentiable`` set true in the constructor's arguments,
     a parameter group or a saved group (a group would keep the flag and step without it)."""

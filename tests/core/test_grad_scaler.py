@@ -616,6 +616,26 @@ def test_numpy_scales_are_taken_and_an_infinite_headroom_is_refused():
             FP8GradScaler(headroom=headroom)
 
 
+def test_a_scaler_whose_model_holds_none_of_the_optimizers_fp8_weights_warns_at_its_first_step(recwarn):
+    # Found by a sweep: model= another model was taken silently; mu changes then rescaled that model's grad_output
+    # states, and the trained model's delayed scales lagged mu (as if no model had been given).
+    trained, other = _fp8_model(), _fp8_model(1)
+    scaler = FP8GradScaler(model=other)
+    opt = FP8AdamW(trained.parameters(), lr=1e-3, grad_scaler=scaler)
+    for _ in range(2):
+        scaler.scale_loss(trained(torch.randn(4, 32)).square().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    messages = [str(w.message) for w in recwarn if "is a parameter of the scaler's model" in str(w.message)]
+    assert len(messages) == 1 and "FP8AdamW's FP8 weights" in messages[0]  # once, at the first step
+    recwarn.clear()
+    scaler = FP8GradScaler(model=trained)
+    opt = FP8AdamW(trained.parameters(), lr=1e-3, grad_scaler=scaler)
+    scaler.scale_loss(trained(torch.randn(4, 32)).square().mean()).backward()
+    opt.step()
+    assert not [w for w in recwarn if "is a parameter of the scaler's model" in str(w.message)]
+
+
 def test_integer_arguments_take_any_integral_type():
     # numbers.Integral passed the type check, then `isinstance(x, int)` refused it: "growth_interval=np.int64(5):
     # must be an int >= 1". Stored as int: the state dict stays plain Python.

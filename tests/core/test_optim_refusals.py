@@ -266,3 +266,16 @@ def test_an_optimizer_built_without_a_recipe_names_layers_converted_with_another
     recwarn.clear()
     FP8AdamW(_model().parameters(), lr=1e-3)  # layers of the default recipe
     assert not [w for w in recwarn if "FP8AdamW was built without recipe=" in str(w.message)]
+
+
+@pytest.mark.parametrize("scaler", ["amp", "str", "class"])
+def test_a_grad_scaler_that_is_no_fp8gradscaler_is_refused_when_built(scaler):
+    # Taken before: the first backward's FP8 gradient hook took the gradient out of param.grad, then failed reporting
+    # the cast ("'GradScaler' object has no attribute 'record_gradient_cast'"): that gradient was lost.
+    from lightning_fp8 import FP8GradScaler
+
+    given = {"amp": torch.amp.GradScaler("cpu", enabled=False), "str": "fp8", "class": FP8GradScaler}[scaler]
+    model = _model()
+    with pytest.raises(TypeError, match=r"FP8AdamW\(grad_scaler=\.\.\.\) got .*: pass an FP8GradScaler instance"):
+        FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=given)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing adopted
