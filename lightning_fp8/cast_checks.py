@@ -36,6 +36,24 @@ def check_castable(x: object, caller: str) -> None:
         )
 
 
+def check_cast_arguments(x: object, scale: object, fp8_dtype: object, transpose: object, caller: str) -> None:
+    """Raise for arguments of a plain cast (``ops.cast_to_fp8`` on the reference path) that the Triton cast refuses
+    (kernels/cast.py): without these checks a complex input lost its imaginary part, a scale of shape (n,) scaled each
+    column apart, a non-FP8 ``fp8_dtype`` returned that dtype, and ``transpose`` of a 1-D tensor returned it as is."""
+    check_castable(x, caller)
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+        got = f"{scale.dtype}, shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"{caller}: scale must be a one-element float32 tensor (see compute_scale), got {got}")
+    if scale.device != x.device:
+        raise ValueError(f"{caller}: scale is on {scale.device} but x is on {x.device}; move the scale to x's")
+    if not isinstance(transpose, bool):
+        raise TypeError(f"{caller}(transpose={transpose!r}): must be True or False")
+    if transpose and x.dim() != 2:
+        raise ValueError(f"{caller}(transpose=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
+
+
 def check_state_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, algo: str) -> None:
     """Raise for ScalingState arguments that FP8Recipe's rules (recipe.py: __post_init__) refuse: the casts would
     otherwise fail only at the first cast (IndexError, KeyError) or silently do something else (an unknown algo as
@@ -49,10 +67,22 @@ def check_state_settings(fp8_dtype: torch.dtype, history_len: int, margin: int, 
     check_settings("ScalingState", {"algo": (algo, algos)}, {"history_len": (history_len, 1), "margin": (margin, 0)})
 
 
-def check_unscale(state: ScalingState, current: bool | None) -> None:
+def check_unscale(state: ScalingState, current: bool | None, unscale: object = None) -> None:
     """Raise for ``state.quantize(unscale=...)`` unless the cast computes its own scale and the history has length 1:
     the kernels divide the recorded amaxes (the whole history) by unscale and multiply the stored scale by it, which
-    is right only when every cast computes its scale from x itself and the history holds this cast's amax alone."""
+    is right only when every cast computes its scale from x itself and the history holds this cast's amax alone. And
+    ``unscale`` must be a one-element float32 tensor on the state's device (the reference broadcast a longer one after
+    the state was written; the kernels read its first element, or failed on a float64 or a Python number)."""
+    if unscale is not None and not (
+        isinstance(unscale, torch.Tensor) and unscale.dtype == torch.float32 and unscale.numel() == 1
+        and unscale.device == state.scale.device
+    ):  # fmt: skip
+        got = (f"{unscale.dtype}, shape {tuple(unscale.shape)} on {unscale.device}" if isinstance(unscale, torch.Tensor)
+               else type(unscale).__name__)  # fmt: skip
+        raise TypeError(
+            f"ScalingState.quantize(unscale=...) must be a one-element float32 tensor on the state's device "
+            f"({state.scale.device}), got {got}"
+        )
     own_scale = bool(current) if current is not None else not state.delayed
     if not own_scale or state.amax_history.numel() != 1:
         why = (

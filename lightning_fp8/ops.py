@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from lightning_fp8 import cast_checks
 from lightning_fp8.kernels import reference, reference_grad_cast
 
 # Looked up once, at import: torch.compile traces use_triton, and dynamo (torch 2.11) refuses to trace find_spec.
@@ -55,6 +56,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         from lightning_fp8.kernels import cast
 
         return cast.amax(x)
+    cast_checks.check_castable(x, "amax")  # the Triton path checks its own
     return reference.amax_ref(x)
 
 
@@ -96,6 +98,7 @@ def cast_to_fp8(
         from lightning_fp8.kernels import cast
 
         return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
+    cast_checks.check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")  # the Triton path checks its own
     return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
 
 

@@ -329,7 +329,7 @@ class ScalingState(nn.Module):
                     f"{self._buffers['scale'].device}: move x, or the state (with its module) to x's device"
                 )
         if unscale is not None:
-            check_unscale(self, current)
+            check_unscale(self, current, unscale)
         for flag, name in ((column_sum, "column_sum"), (transpose, "transpose")):
             if flag and x.dim() != 2:
                 raise ValueError(

@@ -1,5 +1,6 @@
 """ops.has_fp8_gemm under torch.compile: no Dynamo warning about its functools.cache (users saw one per compile on a
-GPU), the same answer as eagerly."""
+GPU), the same answer as eagerly; ops.cast_to_fp8 and ops.amax check their arguments on the reference path as the Triton
+path does."""
 
 import warnings
 
@@ -46,3 +47,31 @@ def test_rounded_to_widens_every_bit_pattern_exactly(dtype):
     assert bool(same.all()), x[~same][:8]
     y = torch.randn(1000) * 1e3
     assert torch.equal(ops.rounded_to(y, dtype), y.to(dtype).float())
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((torch.tensor([3 + 4j]), torch.tensor(1.0), torch.float8_e4m3fn), TypeError, "casts float16, bfloat16"),
+        ((torch.arange(4), torch.tensor(1.0), torch.float8_e4m3fn), TypeError, "casts float16, bfloat16"),
+        ((torch.ones(2, 2), torch.tensor([1.0, 64.0]), torch.float8_e4m3fn), TypeError, "one-element float32 tensor"),
+        ((torch.ones(2, 2), torch.tensor(1.0, dtype=torch.float64), torch.float8_e4m3fn), TypeError, "float32 tensor"),
+        ((torch.ones(2, 2), 1.0, torch.float8_e4m3fn), TypeError, "one-element float32 tensor.*got float"),
+        ((torch.ones(2, 2), torch.tensor(1.0), torch.float32), TypeError, "fp8_dtype must be torch.float8_e4m3fn"),
+        ((torch.ones(4), torch.tensor(1.0), torch.float8_e4m3fn, True), ValueError, r"transpose=True\) needs a 2-D"),
+        ((torch.ones(2, 2), torch.tensor(1.0), torch.float8_e4m3fn, "yes"), TypeError, "must be True or False"),
+    ],
+    ids=["complex", "int", "scale_per_column", "scale_float64", "scale_number", "not_fp8", "transpose_1d", "flag"],
+)
+def test_reference_cast_refuses_what_the_triton_cast_refuses(args, error, match, monkeypatch):
+    # Found by a sweep: on the CPU path a complex input lost its imaginary part, a (2,) scale scaled each column apart,
+    # float32 "FP8" came back as float32 and a 1-D "transpose" was returned as is.
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", "reference")
+    with pytest.raises(error, match=match):
+        ops.cast_to_fp8(*args)
+    with pytest.raises(TypeError, match="casts float16, bfloat16"):
+        ops.amax(torch.tensor([3 + 4j]))
+    x = torch.tensor([[1.0, -600.0], [0.5, 2.0]])
+    x_fp8, _, amax, saturated = ops.cast_to_fp8(x, torch.tensor(1.0), torch.float8_e4m3fn)
+    assert torch.equal(x_fp8.float(), x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert amax.item() == 600.0 and saturated.item() == 1

@@ -270,6 +270,17 @@ def test_unscale_is_refused_unless_the_cast_computes_its_own_scale_with_one_hist
     assert s.casts.item() == 0 and not s.amax_history.any()  # nothing recorded
 
 
+@pytest.mark.parametrize("unscale", [torch.tensor([2.0**10, 1.0]), torch.tensor(2.0**10, dtype=torch.float64), 1024.0],
+                         ids=["shape_2", "float64", "python_float"])  # fmt: skip
+def test_an_unscale_that_is_no_one_element_fp32_tensor_is_refused_before_anything_is_recorded(unscale):
+    # Found by a sweep: the reference path broadcast a (2,) unscale only after the state was written; the kernels read
+    # its first element, or failed inside Triton on a float64 or a Python number.
+    s = ScalingState(E4M3, history_len=1, margin=0, algo="max", delayed=False)
+    with pytest.raises(TypeError, match=r"quantize\(unscale=\.\.\.\) must be a one-element float32 tensor"):
+        s.quantize(torch.randn(16, 16), unscale=unscale)
+    assert s.casts.item() == 0 and not s.amax_history.any()  # nothing recorded
+
+
 @pytest.mark.parametrize(("delayed", "current"), [(False, None), (False, True), (True, True)])
 def test_unscale_describes_t_cast_after_cast(delayed, current):
     """x holds t * u: each cast's scale, statistics and scale_inv are t's, by the definition of the scale."""
