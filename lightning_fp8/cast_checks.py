@@ -48,8 +48,6 @@ def check_cast_arguments(x: object, scale: object, fp8_dtype: object, transpose:
         raise TypeError(f"{caller}: scale must be a one-element float32 tensor (see compute_scale), got {got}")
     if scale.device != x.device:
         raise ValueError(f"{caller}: scale is on {scale.device} but x is on {x.device}; move the scale to x's")
-    if not isinstance(transpose, bool):
-        raise TypeError(f"{caller}(transpose={transpose!r}): must be True or False")
     if transpose and x.dim() != 2:
         raise ValueError(f"{caller}(transpose=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
 
@@ -75,13 +73,13 @@ def check_unscale(state: ScalingState, current: bool | None, unscale: object = N
     the state was written; the kernels read its first element, or failed on a float64 or a Python number)."""
     if unscale is not None and not (
         isinstance(unscale, torch.Tensor) and unscale.dtype == torch.float32 and unscale.numel() == 1
-        and unscale.device == state.scale.device
-    ):  # fmt: skip
-        got = (f"{unscale.dtype}, shape {tuple(unscale.shape)} on {unscale.device}" if isinstance(unscale, torch.Tensor)
-               else type(unscale).__name__)  # fmt: skip
-        raise TypeError(
-            f"ScalingState.quantize(unscale=...) must be a one-element float32 tensor on the state's device "
-            f"({state.scale.device}), got {got}"
+    ):
+        got = f"{unscale.dtype}, shape {tuple(unscale.shape)}" if isinstance(unscale, torch.Tensor) else type(unscale)
+        raise TypeError(f"ScalingState.quantize(unscale=...) must be a one-element float32 tensor, got {got}")
+    if unscale is not None and unscale.device != state.scale.device:
+        raise ValueError(
+            f"ScalingState.quantize: unscale is on {unscale.device} but the scaling state on {state.scale.device}: "
+            "move unscale to the state's device"
         )
     own_scale = bool(current) if current is not None else not state.delayed
     if not own_scale or state.amax_history.numel() != 1:

@@ -314,10 +314,10 @@ class ScalingState(nn.Module):
             input_fp8)``, ``input_fp8``'s scale_inv being ``kernels.reference.kept_input_scale_inv(scale_inv)``.
 
         Raises:
-            TypeError: for ``x`` that is not a dense (strided) tensor of float16, bfloat16, float32 or float64
-                (nothing is changed).
-            ValueError: for ``x`` on another device than the state, ``column_sum`` or ``transpose`` of a tensor that
-                is not 2-D (nothing is changed); for
+            TypeError: for ``x`` that is not a dense (strided) tensor of float16, bfloat16, float32 or float64, or
+                an ``unscale`` that is not a one-element float32 tensor (nothing is changed).
+            ValueError: for ``x`` or ``unscale`` on another device than the state, ``column_sum`` or ``transpose``
+                of a tensor that is not 2-D (nothing is changed); for
                 ``unscale`` with a cast that does not compute its own scale (``current=False``, or ``None`` on a
                 delayed-scaling state) or a history longer than 1.
         """

@@ -183,6 +183,7 @@ class FP8CommState:
         self._fp8_param_ids = None if fp8_params is None else _param_ids(fp8_params)
         # DDP: whether some bucket of the first backward held one of fp8_params (see ddp._check_fp8_params).
         self._fp8_params_seen, self._fp8_params_checked = False, fp8_params is None
+        self._fp8_weights_left_out = False  # fp8_params empty, and the model has FP8 weights (see empty_fp8_params)
         self._found: torch.Tensor | None = None  # 0-dim bool on the gradients' device
         self._extra_headroom: torch.Tensor | None = None  # native path only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -245,6 +246,12 @@ class FP8CommState:
         """Whether ``fp8_params`` is unset or empty, or holds one of ``params`` (e.g. a model's parameters)."""
         ids = self._fp8_param_ids
         return not ids or any(id(p) in ids for p in params)
+
+    def leaves_out_fp8_weights(self, model_has_fp8_weights: bool) -> bool:
+        """Whether ``fp8_params`` is empty while the model has FP8 layers: a list taken before ``convert_to_fp8``
+        (``isinstance(m, FP8Linear)`` matched nothing yet) sends their gradients in their own dtype. An integration's
+        empty list for a model without FP8 layers is no mistake and passes."""
+        return self._fp8_param_ids is not None and not self._fp8_param_ids and model_has_fp8_weights
 
     def use_fused(self, device: torch.device) -> bool:
         """Whether the collectives on ``device`` run the Triton kernels."""
@@ -389,6 +396,14 @@ class FP8CommState:
             yield
 
 
+def empty_fp8_params_message(where: str) -> str:
+    return (
+        f"{where}: FP8CommState(fp8_params=...) is empty, but the model has FP8 layers: their gradients are reduced "
+        "in their own dtype, not in FP8. Build the list after convert_to_fp8 (and after fully_shard), e.g. "
+        "[m.weight for m in model.modules() if isinstance(m, FP8Linear)], or leave fp8_params out"
+    )
+
+
 def check_state(state: object, where: str) -> None:
     """Raise TypeError unless ``state`` is an FP8CommState (a process group passed positionally is the usual mistake:
     FP8CommState's own first argument is the group)."""
@@ -405,11 +420,6 @@ def _param_ids(fp8_params: Iterable[torch.Tensor]) -> set[int]:
         raise TypeError(f"FP8CommState(fp8_params=...) got a {type(fp8_params).__name__}, not an iterable of tensors: "
                         f"{hint}")  # fmt: skip
     params = list(fp8_params)
-    if not params:  # a list built from the model before convert_to_fp8 (or before fully_shard) is the usual cause
-        warn_once(
-            "FP8CommState(fp8_params=...) is empty: no gradient travels in FP8, each is reduced in its own dtype. If "
-            f"the model has FP8 layers, build the list after convert_to_fp8 (and after fully_shard): {hint}"
-        )
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"FP8CommState(fp8_params=...) holds a {type(p).__name__} ({p!r:.60}) at index {i}, not a "

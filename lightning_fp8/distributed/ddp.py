@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message
 from lightning_fp8.distributed.layout import SegmentLayout
+from lightning_fp8.optim import master
 from lightning_fp8.warnings import warn_once
 
 # Scale block when a bucket's parameter boundaries cannot be read (elements per scale).
@@ -100,10 +101,14 @@ def _check_fp8_params(state: FP8CommState, bucket: dist.GradBucket) -> None:
     # fp8_params that name no parameter of the model (tensors of another model, or of the model before it was
     # replaced) would send every gradient in its own dtype without a word. The first backward shows every bucket
     # once; a warning, not an error: an exception inside the hook would leave DDP's reducer mid-step.
-    state._fp8_params_seen |= state.names_fp8_params(bucket.parameters())
+    params = bucket.parameters()
+    state._fp8_params_seen |= state.names_fp8_params(params)
+    state._fp8_weights_left_out |= state.leaves_out_fp8_weights(any(map(master.is_fp8_weight, params)))
     if not bucket.is_last():
         return
     state._fp8_params_checked = True
+    if state._fp8_weights_left_out:
+        warn_once(empty_fp8_params_message("fp8_allreduce_hook"))
     if not state._fp8_params_seen:
         warn_once(
             f"fp8_allreduce_hook: none of the {len(state._fp8_param_ids)} tensors in FP8CommState(fp8_params=...) is a "

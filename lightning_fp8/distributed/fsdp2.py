@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
@@ -425,6 +425,8 @@ def _mesh_beyond_fsdp(param_group: FSDPParamGroup) -> list[DeviceMesh]:
 
 def _check_state(model: nn.Module, state: FP8CommState) -> None:
     # Both checked before anything is changed.
+    if state.leaves_out_fp8_weights(any(isinstance(m, FP8Linear) for m in model.modules())):
+        warn_once(empty_fp8_params_message("enable_fp8_fsdp2"))
     if not state.names_fp8_params(model.parameters()):
         raise ValueError(
             f"enable_fp8_fsdp2: none of the {len(state._fp8_param_ids)} tensors in FP8CommState(fp8_params=...) is a "

@@ -53,7 +53,7 @@ def warn_if_model_is_another(model: nn.Module | None, optimizer: torch.optim.Opt
             f"model ({type(model).__name__}), so a change of mu rescales that model's grad_output scaling states, not "
             "those of the model being trained (its delayed scales then lag mu). Give the trained model: "
             "FP8GradScaler(model=model), or scaler.model = model",
-            stacklevel=4,
+            stacklevel=3,
         )
 
 

@@ -29,10 +29,11 @@ class _Adoption:
         """Warn when FP8 layers among ``params`` were converted with another opt level or gradient format than the
         default recipe this optimizer was built with (no ``recipe=``, no ``opt_level=``): a model converted with
         ``"fp8-lm-o1"`` would otherwise get O2's fp16 masters without a word."""
+        # The gradient format matters only where this optimizer casts the gradients (fp8_grads).
         unlike = {
             f"opt level {r.opt_level}, gradients in {str(r.backward_dtype).removeprefix('torch.')}"
             for r in master.layer_recipes(params)
-            if (r.opt_level, r.backward_dtype) != (self.opt_level, self.grad_dtype)
+            if r.opt_level != self.opt_level or (self.fp8_grads and r.backward_dtype != self.grad_dtype)
         }
         if unlike:
             warnings.warn(

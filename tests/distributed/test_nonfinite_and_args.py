@@ -143,6 +143,7 @@ def _wrong_kinds_of_state_and_group() -> dict:
     """Found by a sweep: a process group passed where the state goes (FP8CommState's own first argument is the group)
     failed with "'ProcessGroup' object has no attribute 'check_wrapper_group'"; an amax-sync group that is no group
     replaced the working hook, and every later forward failed deep in c10d."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_fp8.distributed import enable_fp8_ddp, enable_fp8_fsdp2
@@ -150,7 +151,15 @@ def _wrong_kinds_of_state_and_group() -> dict:
 
     model = _fp8_model(shard=False)
     handle = enable_fp8_amax_sync(model)
+    with warnings.catch_warnings(record=True) as caught:  # warn_once: a fresh message per call site
+        warnings.simplefilter("always")
+        enable_fp8_fsdp2(_fp8_model(shard=True), FP8CommState(fp8_params=[]))
+        plain = nn.Sequential(nn.Linear(32, 16))
+        fully_shard(plain, mesh=cpu_mesh())
+        enable_fp8_fsdp2(plain, FP8CommState(fp8_params=[]))  # no FP8 layer: nothing is left out
+    empty = [str(w.message) for w in caught if "fp8_params=...) is empty" in str(w.message)]
     return {
+        "empty": empty,
         "ddp": _error(lambda: enable_fp8_ddp(DDP(_fp8_model(shard=False)), dist.group.WORLD)),
         "fsdp2": _error(lambda: enable_fp8_fsdp2(_fp8_model(shard=True), dist.group.WORLD)),
         "amax_group": _error(lambda: enable_fp8_amax_sync(model, "bad group")),
@@ -465,6 +474,8 @@ def test_a_group_given_as_the_state_or_a_bad_amax_group_is_refused_changing_noth
         assert report[where].startswith(f"TypeError: enable_fp8_{where}(model, state=...) got a ProcessGroup"), report
     assert report["amax_group"].startswith("TypeError: AmaxSync(process_group=...) got a str"), report
     assert report["hook_kept"], "the working amax-sync hook was replaced by the refused one"
+    empty = report["empty"]  # the FP8 model's call only
+    assert len(empty) == 1 and empty[0].startswith("enable_fp8_fsdp2: FP8CommState(fp8_params=...) is empty"), empty
 
 
 def test_comm_state_takes_numpy_integers_and_refuses_a_grad_scaler_missing_a_method(recwarn):
@@ -480,15 +491,14 @@ def test_comm_state_takes_numpy_integers_and_refuses_a_grad_scaler_missing_a_met
         FP8CommState(grad_scaler=OnlyCasts())
 
 
-def test_comm_state_with_empty_fp8_params_warns_that_nothing_travels_in_fp8(monkeypatch):
+def test_empty_fp8_params_are_a_mistake_only_where_the_model_has_fp8_layers(recwarn):
     # [m.weight for m in model.modules() if isinstance(m, FP8Linear)] taken before convert_to_fp8 is empty: every
-    # gradient then went in its own dtype without a word.
-    import lightning_fp8.warnings
-
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-    with pytest.warns(UserWarning, match=r"fp8_params=\.\.\.\) is empty: no gradient travels in FP8"):
-        state = FP8CommState(fp8_params=[])
-    assert not state.is_fp8(torch.zeros(1))
+    # gradient then went in its own dtype without a word. The integrations pass an empty list for a model whose
+    # layers are all excluded: no mistake, no warning (the hooks check against the model: see the "empty" part).
+    state = FP8CommState(fp8_params=[])
+    assert not [w for w in recwarn if "is empty" in str(w.message)] and not state.is_fp8(torch.zeros(1))
+    assert state.leaves_out_fp8_weights(True) and not state.leaves_out_fp8_weights(False)
+    assert not FP8CommState().leaves_out_fp8_weights(True)  # fp8_params not given: every gradient travels in FP8
 
 
 @pytest.mark.slow
