@@ -24,9 +24,13 @@ from typing_extensions import override
 from lightning_fp8.integrations.lightning.comm import all_gather_state
 from lightning_fp8.integrations.lightning.flavour import build_flavour
 from lightning_fp8.integrations.lightning.precision import _FP8LMPrecisionLogic
-from lightning_fp8.warnings import warn_once
+from lightning_fp8.integrations.lightning.strategy_args import (
+    STRATEGY_NAME,
+    check_device_mesh,
+    check_sharding_strategy,
+    check_use_orig_params,
+)
 
-STRATEGY_NAME = "fsdp_fp8"
 # The key of this strategy's optimizer states in its checkpoints: {"per_rank": [state of rank 0, of rank 1, ...]}.
 PER_RANK = "per_rank"
 
@@ -38,7 +42,7 @@ class _FP8FSDPStrategyLogic:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("use_orig_params", True)
-        _check_use_orig_params(kwargs["use_orig_params"])
+        check_use_orig_params(kwargs["use_orig_params"])
         if "sharding_strategy" in kwargs and kwargs["sharding_strategy"] is None:
             raise TypeError(
                 f"strategy='{STRATEGY_NAME}': sharding_strategy=None: give 'FULL_SHARD' (the default), 'SHARD_GRAD_OP' "
@@ -49,11 +53,11 @@ class _FP8FSDPStrategyLogic:
                 f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
                 "and the other ops run under bf16 autocast; drop the argument"
             )
-        _check_sharding_strategy(kwargs.get("sharding_strategy"))
-        _check_device_mesh(kwargs.get("device_mesh"))
+        check_sharding_strategy(kwargs.get("sharding_strategy"))
+        check_device_mesh(kwargs.get("device_mesh"))
         super().__init__(*args, **kwargs)
         self._check_state_dict_type()  # at construction, not at the first checkpoint
-        _check_sharding_strategy(self.sharding_strategy)  # also as a device_mesh made it
+        check_sharding_strategy(self.sharding_strategy)  # also as a device_mesh made it
 
     def _check_state_dict_type(self) -> None:
         if self._state_dict_type != "full":
@@ -217,59 +221,6 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
 
         trainer = L.Trainer(strategy=FP8FSDPStrategy(auto_wrap_policy={Block}), devices=8)
     """
-
-
-_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-
-
-def _check_sharding_strategy(value: Any) -> None:
-    # Lightning looks a string up in ShardingStrategy and fails with a bare KeyError ('BOGUS').
-    from torch.distributed.fsdp import ShardingStrategy
-
-    if value is not None and not isinstance(value, (str, ShardingStrategy)):
-        raise TypeError(
-            f"strategy='{STRATEGY_NAME}': sharding_strategy must be a name or a "
-            f"torch.distributed.fsdp.ShardingStrategy, got {value!r} ({type(value).__name__})"
-        )
-    name = value.upper() if isinstance(value, str) else getattr(value, "name", None)
-    if isinstance(value, str) and name not in ShardingStrategy.__members__:
-        choices = ", ".join(repr(name) for name in ShardingStrategy.__members__ if name not in _HYBRID)
-        raise ValueError(f"strategy='{STRATEGY_NAME}': sharding_strategy={value!r} is not one of {choices}")
-    if name in _HYBRID:
-        raise ValueError(
-            f"strategy='{STRATEGY_NAME}' shards over all processes: use sharding_strategy 'FULL_SHARD', "
-            f"'SHARD_GRAD_OP' or 'NO_SHARD', got {name}. Hybrid sharding's groups are not those of the FP8 gradient "
-            "communication (FSDP takes no communication hook under it) nor of the FP8 optimizer states' checkpoints; "
-            "on CPUs torch even falls back to NO_SHARD within each process, training every rank apart"
-        )
-
-
-def _check_use_orig_params(value: Any) -> None:
-    """Raise TypeError for a non-bool; warn for False: FP8AdamW then sees FSDP's flat parameters, cannot tell the FP8
-    weights inside them, and gives every parameter fp32 states (an O2 recipe trains with O1's optimizer, silently)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{STRATEGY_NAME}: use_orig_params={value!r} must be True or False")
-    if not value:
-        warn_once(
-            f"strategy='{STRATEGY_NAME}' with use_orig_params=False: FP8AdamW sees FSDP's flat parameters and cannot "
-            "tell the FP8 weights inside them, so every parameter gets fp32 optimizer states (an O2 recipe's fp16 "
-            "masters and FP8/fp16 moments are not used). Leave use_orig_params=True (the default) for them"
-        )
-
-
-def _check_device_mesh(mesh: Any) -> None:
-    """Raise ValueError for a ``device_mesh`` that replicates over groups, ``(R, S)`` with R > 1 (a tuple or a 2-D
-    DeviceMesh): Lightning passes it to FSDP without making the strategy hybrid, and FSDP then shards over one mesh
-    dimension only, each group training apart (the FP8 hook reduces over the same group, so nothing says so)."""
-    if mesh is None:
-        return
-    shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else tuple(getattr(mesh, "shape", ()))
-    if len(shape) > 1 and any(size != 1 for size in shape[:-1]):
-        raise ValueError(
-            f"strategy='{STRATEGY_NAME}' shards over all processes, but device_mesh={shape} is (replication size, "
-            "sharding size) for hybrid sharding, which it does not support (see sharding_strategy): drop device_mesh "
-            "(or give (1, number of processes))"
-        )
 
 
 def _check_not_sharded_by_another(model: Any) -> None:
