@@ -67,6 +67,8 @@ def _as_step(step: object, caller: str) -> int:
     # Steps are stored as Python ints, so that state_dict() loads with torch.load(weights_only=True) (a NumPy integer
     # would not) and load_state_dict takes it back (a tensor would not).
     try:
+        if isinstance(step, bool):  # operator.index(True) is 1
+            raise TypeError
         return int(operator.index(step))
     except TypeError:
         raise TypeError(
@@ -75,7 +77,7 @@ def _as_step(step: object, caller: str) -> int:
         ) from None
 
 
-def _as_value(value: Any, name: str, expected: str) -> float | None:
+def _as_value(value: Any, name: str, expected: str, caller: str = "observe") -> float | None:
     """``value`` as a float (``None`` stays ``None``), or a TypeError naming ``observe(name=...)``: a number, a NumPy
     number or a one-element tensor converts; a string does not (``float("1")`` would take it for a number), nor a
     bool."""
@@ -87,7 +89,7 @@ def _as_value(value: Any, name: str, expected: str) -> float | None:
         return float(value)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
         raise TypeError(
-            f"HealthMonitor.observe({name}={repr(value)[:100]}) expects {expected}, got {type(value).__name__}"
+            f"HealthMonitor.{caller}({name}={repr(value)[:100]}) expects {expected}, got {type(value).__name__}"
         ) from None
 
 
@@ -163,8 +165,8 @@ class HealthMonitor:
             TypeError: if a value is not a number (a string, a bool; ``None`` leaves it out), ``memory_gib`` is
                 neither a number nor a mapping with a ``"peak"`` entry, or ``step`` is not an integer (a Python, NumPy
                 or 0-dim tensor integer, stored as a Python int). Nothing is recorded then.
-            ValueError: if ``samples``, ``tokens`` or ``seconds`` is negative or not finite. Nothing is recorded
-                then. (``seconds=0`` records no throughput: there is no rate to compute.)
+            ValueError: if ``samples``, ``tokens`` or ``seconds`` is negative or not finite, or a norm is negative.
+                Nothing is recorded then. (``seconds=0`` records no throughput: there is no rate to compute.)
         """
         step = _as_step(step, "observe")
         given = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "samples": samples, "tokens": tokens,
@@ -176,6 +178,11 @@ class HealthMonitor:
                 raise ValueError(
                     f"HealthMonitor.observe({name}={given[name]!r}) must be a finite number >= 0 (work done and "
                     "wall time since the previous observation); nothing was recorded"
+                )
+        for name in ("grad_norm", "param_norm"):  # a norm is never negative (inf and NaN are non-finite events)
+            if converted[name] is not None and converted[name] < 0:
+                raise ValueError(
+                    f"HealthMonitor.observe({name}={given[name]!r}) must be >= 0 (a norm); nothing was recorded"
                 )
         self._observations += 1
         events: list[HealthEvent] = []
@@ -229,7 +236,10 @@ class HealthMonitor:
         for part in action.split("+"):
             if part not in ACTIONS:
                 raise ValueError(f"record_nonfinite(action={action!r}): each part must be one of {list(ACTIONS)}")
-        event = self._nonfinite_event(_as_step(step, "record_nonfinite"), source, float(value), action)
+        value = _as_value(value, "value", "a number", "record_nonfinite")  # the value seen (NaN when unknown)
+        if value is None:
+            raise TypeError("HealthMonitor.record_nonfinite(value=None): pass the value seen, or leave it out (NaN)")
+        event = self._nonfinite_event(_as_step(step, "record_nonfinite"), source, value, action)
         self.events.append(event)
         return event
 

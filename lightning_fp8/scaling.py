@@ -97,6 +97,10 @@ def compute_scale(
         amax = torch.where(a32.double() < amax, torch.nextafter(a32, torch.full_like(a32, torch.inf)), a32)
     if prev_scale is None:
         prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
+    elif isinstance(prev_scale, bool) or (
+        isinstance(prev_scale, numbers.Real) and not (0 < prev_scale < math.inf and math.frexp(prev_scale)[0] == 0.5)
+    ):  # a number is checked here (a tensor's value is not read: no device sync); it is returned as the scale
+        raise ValueError(f"compute_scale(prev_scale={prev_scale!r}): must be a positive power of two, or a tensor")
     prev_scale = torch.as_tensor(prev_scale, dtype=torch.float32, device=amax.device)
     try:
         fits = torch.broadcast_shapes(prev_scale.shape, amax.shape) == amax.shape

@@ -439,3 +439,21 @@ def test_scaler_fallbacks_name_the_action_taken_whatever_the_layer_names(fallbac
     lowered = opt.param_groups[0]["lr"] < 1e-3
     assert put_back != lowered  # the fallback did one of the two
     assert scaler_fallbacks(scaler.history, -1)[0] == ["fallback_bf16" if put_back else "lower_lr"]
+
+
+def test_bool_steps_negative_norms_and_bad_nonfinite_values_are_refused_recording_nothing():
+    # Found by a sweep: observe(step=True) was step 1 (every value refuses bools), a negative gradient norm was taken
+    # (and the next plateau check read "+120%"), record_nonfinite(value=None / "abc") failed in float().
+    monitor = HealthMonitor(HealthConfig(window=4, warmup_steps=0))
+    with pytest.raises(TypeError, match=r"observe\(step=True\): the step must be an integer"):
+        monitor.observe(True, loss=1.0)
+    for name in ("grad_norm", "param_norm"):
+        with pytest.raises(ValueError, match=rf"observe\({name}=-5.0\) must be >= 0 \(a norm\)"):
+            monitor.observe(1, **{name: -5.0})
+    with pytest.raises(TypeError, match=r"record_nonfinite\(value='abc'\) expects a number"):
+        monitor.record_nonfinite(1, "grad", "skip_step", value="abc")
+    with pytest.raises(TypeError, match=r"record_nonfinite\(value=None\)"):
+        monitor.record_nonfinite(1, "grad", "skip_step", value=None)
+    assert not any(monitor.series.values()) and not monitor.events
+    monitor.observe(1, grad_norm=float("nan"))  # non-finite norms are events, not refusals
+    assert [e.kind for e in monitor.events] == ["nonfinite_grad"]

@@ -426,3 +426,11 @@ def test_compute_scale_of_a_subnormal_amax_matches_definition(dtype, margin):
         a32 = torch.tensor(a, dtype=torch.float32).item()  # the fp32 value
         want = min(max(_scale_by_definition(a32, fmax, margin), 2.0**-126), 2.0**127)
         assert compute_scale(torch.tensor(a32), dtype, margin).item() == want, (a32, margin)
+
+
+@pytest.mark.parametrize("prev_scale", [float("nan"), 0.0, -4.0, 3.0, True, float("inf")])
+def test_compute_scale_refuses_a_number_prev_scale_that_is_no_positive_power_of_two(prev_scale):
+    # It is returned as the scale where amax carries no information (0, inf, NaN): 3, 0 or NaN became a cast's scale.
+    with pytest.raises(ValueError, match=r"compute_scale\(prev_scale=.*\): must be a positive power of two"):
+        compute_scale(torch.tensor(0.0), E4M3, prev_scale=prev_scale)
+    assert compute_scale(torch.tensor(0.0), E4M3, prev_scale=2.0**-3).item() == 2.0**-3
