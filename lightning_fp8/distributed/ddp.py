@@ -79,7 +79,7 @@ def enable_fp8_ddp(model: torch.nn.Module, state: FP8CommState | None = None) ->
         The state (call ``check_step`` per step, or give it a grad scaler).
 
     Raises:
-        TypeError: if ``model`` is not a DistributedDataParallel module.
+        TypeError: if ``model`` is not a DistributedDataParallel module, or ``state`` not an FP8CommState.
         ValueError: if ``state.process_group`` (the world when not given) has other ranks than
             ``model.process_group``; raised before the hook is registered.
     """

@@ -95,7 +95,7 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
         The state (read its ``found_nonfinite`` / call ``check_step`` per step, or give it a grad scaler).
 
     Raises:
-        TypeError: if ``model`` is not an FSDP1 module.
+        TypeError: if ``model`` is not an FSDP1 module, or ``state`` not an FP8CommState.
         ValueError: if ``state.process_group`` (the world when not given) has other ranks than
             ``model.process_group``; raised before the hook is registered.
     """

@@ -365,7 +365,7 @@ def enable_fp8_fsdp2(
         The state: per step, read ``state.check_step()`` or let its grad scaler decide.
 
     Raises:
-        TypeError: if no module of ``model`` was wrapped by ``fully_shard``.
+        TypeError: if no module of ``model`` was wrapped by ``fully_shard``, or ``state`` is not an FP8CommState.
         ValueError: if ``state.fp8_params`` holds none of ``model``'s parameters (e.g. taken before ``fully_shard``),
             or if ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the layers of a sharded
             model.

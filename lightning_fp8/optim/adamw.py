@@ -69,7 +69,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             ``fp8_grads``) or ``"O2"`` (low-precision states for FP8 linear weights); overrides the recipe's.
         master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
             (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale.
-        grad_scaler: an :class:`~lightning_fp8.FP8GradScaler`. Gradients are unscaled by its mu, the FP8 gradient
+        grad_scaler: an :class:`~lightning_fp8.FP8GradScaler` (or None; anything else, ``torch.amp.GradScaler``
+            among them, is a TypeError). Gradients are unscaled by its mu, the FP8 gradient
             casts report to it, and :meth:`step` routes through it (skip on non-finite, then ``update()``). Several
             optimizers may share one: each step then decides, and updates mu, on that optimizer's own gradients.
         fp8_params: more parameters to treat as FP8 linear weights (besides the weights FP8Linear marks); their
