@@ -245,7 +245,7 @@ def _recipe_from_json(value: str) -> FP8Recipe:
     name = data.pop("name", "fp8-lm")
     if not isinstance(name, str) or name not in FP8Recipe.names():
         raise ValueError(
-            f"{ENV_RECIPE}={value!r} has \"name\": {json.dumps(name)}, which is not a base recipe: choose one of "
+            f'{ENV_RECIPE}={value!r} has "name": {json.dumps(name)}, which is not a base recipe: choose one of '
             f"{FP8Recipe.names()}; to turn FP8-LM off set {ENV_RECIPE}={OFF} (a name, not a JSON object)"
         )
     base = FP8Recipe.from_name(name)
@@ -271,6 +271,12 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
         return FP8LaunchConfig.from_env()
     if recipe == OFF:
         return None
+    if not isinstance(recipe, (str, FP8Recipe)):
+        raise TypeError(
+            f"Accelerator(fp8_lm_recipe=...) must be an FP8Recipe, a recipe name ({FP8Recipe.names()} or "
+            f"{OFF!r}) or None, got {type(recipe).__name__}"
+            + (": e.g. FP8Recipe(**fields)" if isinstance(recipe, dict) else "")
+        )
     recipe = resolve_recipe(recipe)
     # The launch's recipe is overridden, not used: one that does not parse is no error here.
     launched = os.environ.get(ENV_RECIPE, "").strip()

@@ -174,6 +174,11 @@ class TrainingHealthMonitor(_LoggingCallback):
                 f"None), got {type(tokens_fn).__name__}"
             )
         _checked_plot_path(plot_path)
+        if config is not None and not isinstance(config, HealthConfig):
+            raise MonitorArgumentTypeError(
+                f"TrainingHealthMonitor(config=...) expects a HealthConfig, got {type(config).__name__}"
+                + (": e.g. HealthConfig(**config)" if isinstance(config, dict) else "")
+            )
         self.monitor = HealthMonitor(config)
         self.smoothing_window = smoothing_window
         self.tokens_fn = tokens_fn or count_tokens

@@ -348,6 +348,13 @@ def test_bad_fp8_arguments_are_type_errors_before_accelerate_starts(kwargs, matc
     assert not AcceleratorState._shared_state
 
 
+def test_a_recipe_of_another_type_is_named_as_the_accelerators_argument():
+    # It said "recipe must be an FP8Recipe, ..." without naming fp8_lm_recipe.
+    with pytest.raises(TypeError, match=r"fp8_lm_recipe=\.\.\.\) must be an FP8Recipe.*got dict: e\.g\. FP8Recipe"):
+        Accelerator(cpu=True, fp8_lm_recipe={"margin": 1})
+    assert not AcceleratorState._shared_state
+
+
 def test_rejected_mixed_precision_leaves_accelerate_state_untouched():
     with pytest.raises(ValueError, match=r"mixed_precision='fp16' cannot be combined with FP8-LM"):
         Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", mixed_precision="fp16")

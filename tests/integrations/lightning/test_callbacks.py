@@ -212,6 +212,8 @@ def test_scale_monitor_rejects_a_bad_jump_factor():
         (lambda: FP8ScaleMonitor(alert_after_steps=2.5), TypeError, "alert_after_steps=2.5.*got float"),
         (lambda: FP8ScaleMonitor(all_layers="no"), TypeError, r"all_layers='no'\) must be True or False"),
         (lambda: TrainingHealthMonitor(tokens_fn=5), TypeError, r"tokens_fn=5\) must be a function"),
+        (lambda: TrainingHealthMonitor(config={"window": 8}), TypeError,
+         r"TrainingHealthMonitor\(config=\.\.\.\) expects a HealthConfig, got dict: e.g. HealthConfig"),
         (lambda: TrainingHealthMonitor(plot_path=5), TypeError, r"plot_path=5\) must be a path"),
         (lambda: TrainingHealthMonitor(plot="no"), TypeError, r"plot='no'\) must be True or False"),
         (lambda: TrainingHealthMonitor(smoothing_window=2.0), TypeError, "smoothing_window=2.0.*got float"),
