@@ -48,7 +48,7 @@ from lightning_fp8.linear import (
     tokens_2d,
 )
 from lightning_fp8.optim import master
-from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 from lightning_fp8.recompute import (
     ForwardCall,
     backward_ran,
@@ -267,9 +267,7 @@ class FP8MLP(nn.Module):
 
     @fp8_hidden.setter
     def fp8_hidden(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"FP8MLP: fp8_hidden must be True or False, got {value!r}")
-        self._fp8_hidden = value
+        self._fp8_hidden = check_flag("FP8MLP", "fp8_hidden", value)
 
     def extra_repr(self) -> str:
         return "fp8_hidden=True" if self.fp8_hidden else ""

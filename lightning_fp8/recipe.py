@@ -76,6 +76,14 @@ def check_settings(
             )
 
 
+def check_flag(owner: str, name: str, value: Any, error: type[TypeError] = TypeError) -> bool:
+    """``value`` if it is a bool, else raise ``error`` naming ``owner(name=value)``: a truthy string such as ``"no"``
+    or a NumPy bool would otherwise switch a feature on (or off) against what was meant."""
+    if not isinstance(value, bool):
+        raise error(f"{owner}({name}={value!r}): must be True or False, got {type(value).__name__}")
+    return value
+
+
 def as_count(value: Any) -> Any:
     """``value`` as an ``int`` if it is a NumPy (or other ``numbers.Integral``) integer, not a bool; else unchanged,
     for :func:`check_settings` to judge."""

@@ -31,7 +31,7 @@ from lightning_fp8 import compiled_casts, ops
 from lightning_fp8.cast_checks import check_activation, check_castable, check_state_settings, check_unscale
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
-from lightning_fp8.recipe import MAX_MARGIN, as_count
+from lightning_fp8.recipe import MAX_MARGIN, as_count, check_flag
 
 ROLES = ("input", "weight", "grad_output")
 # How a cast is traced under torch.compile (lightning_fp8/compiled_casts.py says what each does and why the defaults):
@@ -224,8 +224,9 @@ class ScalingState(nn.Module):
     def set_initialized(self, flag: bool) -> None:
         """Set :attr:`initialized` from outside the casts (a checkpoint's saved flag): an amax read of
         :meth:`note_cast` still on its way belongs to the casts before and is dropped, not taken by the next cast."""
+        check_flag("ScalingState.set_initialized", "flag", flag)  # bool("False") is True
         _SEEN_AMAX.pop(self, None)
-        self.initialized = bool(flag)
+        self.initialized = flag
 
     def _take_seen_amax(self, wait: bool = False) -> None:
         # An earlier cast's amax on its way to the host (note_cast): taken once it arrived, never waited for in a step.

@@ -16,9 +16,7 @@ or, with Lightning's ``ModelParallelStrategy``, call it in the ``parallelize_fn`
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -43,6 +41,10 @@ from typing_extensions import override
 from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
 from lightning_fp8.distributed.tensor_parallel_linear import _check_even, _LayerSettings, _shard_dim
 from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward as dtensor_forward  # re-exported
+from lightning_fp8.distributed.tensor_parallel_plan import GPT_PLAN as GPT_PLAN  # re-exported
+from lightning_fp8.distributed.tensor_parallel_plan import LLAMA_PLAN as LLAMA_PLAN  # re-exported
+from lightning_fp8.distributed.tensor_parallel_plan import PLANS as PLANS  # re-exported
+from lightning_fp8.distributed.tensor_parallel_plan import check_arguments, find_blocks, resolve_plan
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
 
@@ -200,95 +202,6 @@ def _check_shard(module: FP8Linear, features: int, world: int, style: str, kind:
         )
 
 
-# -------------------------------------------------------------------------------------------- the Megatron plan
-Role = Literal["colwise", "rowwise", "norm"]
-_SHARDABLE = (nn.Linear, nn.Embedding)  # what a colwise or rowwise plan entry can name
-
-# Submodule names inside one transformer block -> role. "gpt": a fused QKV projection whose output is laid out per
-# head ([q_h k_h v_h] for each head h, so a column shard holds whole heads), as in Megatron-LM.
-GPT_PLAN: dict[str, Role] = {
-    "ln_1": "norm",
-    "attn.qkv": "colwise",
-    "attn.proj": "rowwise",
-    "ln_2": "norm",
-    "mlp.fc": "colwise",
-    "mlp.proj": "rowwise",
-}
-# Hugging Face Llama/Mistral names. Separate q/k/v (and gate/up) projections each gather their input.
-LLAMA_PLAN: dict[str, Role] = {
-    "input_layernorm": "norm",
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "post_attention_layernorm": "norm",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
-PLANS: dict[str, dict[str, Role]] = {"gpt": GPT_PLAN, "llama": LLAMA_PLAN}
-
-
-def _resolve_plan(plan: str | Mapping[str, str]) -> dict[str, str]:
-    if isinstance(plan, str):
-        if plan not in PLANS:
-            raise ValueError(
-                f"apply_fp8_tensor_parallel(plan={plan!r}): unknown plan; use one of {sorted(PLANS)} "
-                "or a mapping from submodule name (inside a block) to 'colwise', 'rowwise' or 'norm'"
-            )
-        return dict(PLANS[plan])
-    if not isinstance(plan, Mapping):
-        raise TypeError(
-            f"apply_fp8_tensor_parallel(plan=...) got a {type(plan).__name__}: pass a plan name ({sorted(PLANS)}) or a "
-            "mapping from submodule name (inside a block) to 'colwise', 'rowwise' or 'norm'"
-        )
-    bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise", "norm")}
-    if bad or not plan:
-        raise ValueError(
-            f"apply_fp8_tensor_parallel(plan={dict(plan)}): roles must be 'colwise', 'rowwise' or 'norm' "
-            f"(got {bad or 'an empty plan'})"
-        )
-    return dict(plan)
-
-
-def _find_blocks(module: nn.Module, roles: Mapping[str, str]) -> list[str]:
-    """Qualified names of the submodules (``module`` included) that contain every submodule the plan names, each
-    ``colwise`` or ``rowwise`` one an ``nn.Linear`` (FP8Linear) or ``nn.Embedding``.
-
-    A submodule whose names match but whose targets cannot be sharded is not a block: an ``nn.Sequential`` of
-    ``nn.Sequential`` blocks has children ``"0"`` and ``"2"`` too, as each block does.
-
-    Raises:
-        ValueError: if no submodule contains every name of the plan.
-        TypeError: if some do, but none holds a shardable layer under each of them (the plan names another kind).
-    """
-    # refused: (unshardable targets, module, first such plan entry) of the closest match that is not a block
-    blocks, refused = [], None
-    for fqn, m in module.named_modules():
-        try:
-            targets = {name: m.get_submodule(name) for name in roles}
-        except AttributeError:
-            continue
-        unshardable = [n for n, t in targets.items() if roles[n] != "norm" and not isinstance(t, _SHARDABLE)]
-        if not unshardable:
-            blocks.append(fqn)
-        elif refused is None or len(unshardable) < refused[0]:
-            refused = (len(unshardable), fqn, unshardable[0])
-    if not blocks and refused is not None:
-        _, fqn, name = refused
-        target = module.get_submodule(f"{fqn}.{name}" if fqn else name)
-        raise TypeError(
-            f"apply_fp8_tensor_parallel: plan entry {name!r} ({roles[name]}) is a {type(target).__name__} in "
-            f"{fqn or type(module).__name__}; only nn.Linear (FP8Linear) and nn.Embedding can be sharded"
-        )
-    if not blocks:
-        raise ValueError(
-            f"apply_fp8_tensor_parallel: no submodule of {type(module).__name__} contains all of "
-            f"{sorted(roles)}; pass plan= with the names your blocks use"
-        )
-    return blocks
-
-
 def _style(role: str, sequence_parallel: bool, seq_dim: int, fp8_comm: bool) -> ParallelStyle | None:
     seq = Shard(seq_dim)
     if role == "norm":  # without sequence parallelism norms run replicated: nothing to do
@@ -397,22 +310,10 @@ def apply_fp8_tensor_parallel(
         TypeError: a plan whose ``colwise`` or ``rowwise`` entries name something other than ``nn.Linear`` or
             ``nn.Embedding`` in every submodule that has all its names.
     """
-    if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
-        raise ValueError(f"apply_fp8_tensor_parallel(tp_mesh={tp_mesh}): pass a 1-D DeviceMesh (e.g. mesh['tp'])")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"apply_fp8_tensor_parallel(module=...) got a {type(module).__name__}: pass the model")
-    for name, flag in (("sequence_parallel", sequence_parallel), ("fp8_comm", fp8_comm), ("amax_sync", amax_sync)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"apply_fp8_tensor_parallel({name}={flag!r}): must be True or False")
-    if isinstance(seq_dim, bool) or not isinstance(seq_dim, numbers.Integral):
-        raise TypeError(f"apply_fp8_tensor_parallel(seq_dim={seq_dim!r}): must be an int (the sequence dimension)")
-    if amax_sync_group is not None and not isinstance(amax_sync_group, dist.ProcessGroup):
-        raise TypeError(
-            f"apply_fp8_tensor_parallel(amax_sync_group=...) got a {type(amax_sync_group).__name__}: pass a process "
-            "group, or None for the world"
-        )
-    roles = _resolve_plan(plan)
-    blocks = _find_blocks(module, roles)
+    flags = {"sequence_parallel": sequence_parallel, "fp8_comm": fp8_comm, "amax_sync": amax_sync}
+    check_arguments(module, tp_mesh, flags, seq_dim, amax_sync_group)
+    roles = resolve_plan(plan)
+    blocks = find_blocks(module, roles)
     styles = {}
     for block in blocks:
         for name, role in roles.items():

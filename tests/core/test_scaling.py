@@ -434,3 +434,14 @@ def test_compute_scale_refuses_a_number_prev_scale_that_is_no_positive_power_of_
     with pytest.raises(ValueError, match=r"compute_scale\(prev_scale=.*\): must be a positive power of two"):
         compute_scale(torch.tensor(0.0), E4M3, prev_scale=prev_scale)
     assert compute_scale(torch.tensor(0.0), E4M3, prev_scale=2.0**-3).item() == 2.0**-3
+
+
+@pytest.mark.parametrize("flag", ["False", 0, np.bool_(False)])
+def test_set_initialized_takes_a_bool_only(flag):
+    # bool("False") is True: the state then cast from an empty history (scale 1) as if it held earlier amaxes.
+    state = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    with pytest.raises(TypeError, match=r"set_initialized\(flag=.*\): must be True or False"):
+        state.set_initialized(flag)
+    assert state.initialized is False
+    state.set_initialized(True)
+    assert state.initialized is True

@@ -819,18 +819,18 @@ def test_checkpoint_roundtrip(two_ranks):
 
 # ------------------------------------------------------------------------------------ plan errors (in process)
 def test_plan_finds_blocks_and_rejects_bad_plans():
-    from lightning_fp8.distributed.tensor_parallel import GPT_PLAN, _find_blocks, _resolve_plan
+    from lightning_fp8.distributed.tensor_parallel_plan import GPT_PLAN, find_blocks, resolve_plan
 
-    assert _find_blocks(GPT(layers=3), _resolve_plan("gpt")) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert _find_blocks(Block(), GPT_PLAN) == [""]  # a single block is its own block
+    assert find_blocks(GPT(layers=3), resolve_plan("gpt")) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert find_blocks(Block(), GPT_PLAN) == [""]  # a single block is its own block
     with pytest.raises(ValueError, match="unknown plan"):
-        _resolve_plan("megatron")
+        resolve_plan("megatron")
     with pytest.raises(ValueError, match="roles must be"):
-        _resolve_plan({"attn.qkv": "columnwise"})
+        resolve_plan({"attn.qkv": "columnwise"})
     with pytest.raises(ValueError, match="no submodule of GPT contains"):
-        _find_blocks(GPT(), _resolve_plan("llama"))
+        find_blocks(GPT(), resolve_plan("llama"))
     with pytest.raises(TypeError, match="only nn.Linear"):
-        _find_blocks(Block(), {"ln_1": "colwise"})
+        find_blocks(Block(), {"ln_1": "colwise"})
 
 
 @pytest.mark.parametrize(("style", "shape", "kind"), [("FP8RowwiseParallel", (48, 64), "input"),

@@ -209,15 +209,15 @@ def test_a_plan_whose_names_the_outer_module_shares_shards_the_inner_blocks(two_
 
 
 def test_plan_blocks_skip_outer_modules_that_share_their_names():
-    from lightning_fp8.distributed.tensor_parallel import _find_blocks
+    from lightning_fp8.distributed.tensor_parallel_plan import find_blocks
 
-    assert _find_blocks(_nested(), {"0": "colwise", "2": "rowwise"}) == ["0", "1", "2"]
+    assert find_blocks(_nested(), {"0": "colwise", "2": "rowwise"}) == ["0", "1", "2"]
     # Where every module with the plan's names holds something else under one of them, the error names the closest
     # match's (a block's GELU, not the root's Sequentials).
     with pytest.raises(TypeError, match=r"plan entry '1' \(rowwise\) is a GELU in 0; only nn.Linear"):
-        _find_blocks(_nested(), {"0": "colwise", "1": "rowwise"})
+        find_blocks(_nested(), {"0": "colwise", "1": "rowwise"})
     with pytest.raises(TypeError, match=r"plan entry 'ln_1' \(colwise\) is a LayerNorm in Block; only nn.Linear"):
-        _find_blocks(Block(), {"ln_1": "colwise"})
+        find_blocks(Block(), {"ln_1": "colwise"})
 
 
 def _refused_before_any_change() -> dict:

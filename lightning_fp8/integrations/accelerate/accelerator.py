@@ -47,7 +47,7 @@ from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.recipe import FP8Recipe, check_flag
 from lightning_fp8.warnings import warn_once
 
 logger = logging.getLogger("lightning_fp8.accelerate")
@@ -90,8 +90,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                 f"Accelerator(fp8_module_filter={fp8_module_filter!r}): must be a callable fn(module, fqn) -> bool "
                 "(True converts the layer), or None"
             )
-        if not isinstance(fp8_stats_in_log, bool):
-            raise TypeError(f"Accelerator(fp8_stats_in_log={fp8_stats_in_log!r}): must be True or False")
+        check_flag("Accelerator", "fp8_stats_in_log", fp8_stats_in_log)
         self.fp8_lm_config = resolve_launch_config(fp8_lm_recipe)
         tensor_parallel.check_launch(kwargs.get("parallelism_config"))
         if self.fp8_lm_config is not None:  # before Accelerate sets up its process-wide state with it

@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_fp8.recipe import as_count
+from lightning_fp8.recipe import as_count, check_flag
 from lightning_fp8.recovery import fallen_back_layers
 from lightning_fp8.scaling import ROLES
 from lightning_fp8.stats import fp8_stats
@@ -56,13 +57,6 @@ def _check_count(owner: str, name: str, value: Any, low: int, meaning: str = "")
         )
     if value < low:
         raise ValueError(f"{owner}({name}={value!r}) must be an int >= {low}{meaning}")
-    return value
-
-
-def _check_flag(owner: str, name: str, value: Any) -> bool:
-    """``value`` if it is a bool, else raise :class:`MonitorArgumentTypeError` (``"no"`` is not False)."""
-    if not isinstance(value, bool):
-        raise MonitorArgumentTypeError(f"{owner}({name}={value!r}) must be True or False, got {type(value).__name__}")
     return value
 
 
@@ -223,11 +217,12 @@ class FP8ScaleMonitor(_LoggingCallback):
                 f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a number > 1{meaning}, got "
                 f"{type(jump_factor).__name__}"
             )
-        if not (math.isfinite(jump_factor) and jump_factor > 1):  # inf: no ratio reaches it, nothing would alert
+        too_big = isinstance(jump_factor, numbers.Integral) and jump_factor > sys.float_info.max  # float(): overflow
+        if too_big or not (math.isfinite(jump_factor) and jump_factor > 1):  # inf: no ratio reaches it, no alert
             raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a finite number > 1{meaning}")
         alert_after_steps = _check_count("FP8ScaleMonitor", "alert_after_steps", alert_after_steps, 0,
                                         " (the warm-up in optimizer steps before scale jumps are alerted)")  # fmt: skip
-        self.all_layers = _check_flag("FP8ScaleMonitor", "all_layers", all_layers)
+        self.all_layers = check_flag("FP8ScaleMonitor", "all_layers", all_layers, MonitorArgumentTypeError)
         self.jump_factor = float(jump_factor)
         self.alert_after_steps = alert_after_steps
         self._warned_kinds: set[str] = set()

@@ -32,13 +32,13 @@ from lightning_fp8.health import (
 from lightning_fp8.integrations.lightning.callbacks import (
     MonitorArgumentTypeError,
     _check_count,
-    _check_flag,
     _LoggingCallback,
     _unwrap_optimizer,
     grad_scaler_of,
     reads_scaled_gradients,
 )
 from lightning_fp8.integrations.lightning.health_args import _checked_plot_path, _checked_tokens, plot_file_for
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.warnings import warn_once
 
 
@@ -182,7 +182,7 @@ class TrainingHealthMonitor(_LoggingCallback):
         self.monitor = HealthMonitor(config)
         self.smoothing_window = smoothing_window
         self.tokens_fn = tokens_fn or count_tokens
-        self.plot = _check_flag("TrainingHealthMonitor", "plot", plot)
+        self.plot = check_flag("TrainingHealthMonitor", "plot", plot, MonitorArgumentTypeError)
         self.plot_path = plot_path
         self.plot_file: str | None = None
         self._reset_window()

@@ -64,7 +64,7 @@ from lightning_fp8.integrations.lightning.refusals import (
     _refuse_weight_averaging,
 )
 from lightning_fp8.optim import master
-from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 from lightning_fp8.warnings import warn_once
 
 Backend = Literal["native", "te"]
@@ -94,8 +94,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         flags = {"autocast": autocast, "replace_optimizers": replace_optimizers,
                  "fp8_communication": fp8_communication, "fp8_grads": fp8_grads}  # fmt: skip
         for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"FP8LMPrecision({name}={value!r}): must be True or False")
+            check_flag("FP8LMPrecision", name, value)
         if module_filter_fn is not None and not callable(module_filter_fn):
             raise TypeError(
                 f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, "

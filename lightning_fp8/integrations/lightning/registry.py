@@ -26,11 +26,11 @@ import inspect
 from collections.abc import Iterable
 from typing import Any, Literal, Union
 
+from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
 NAMESPACES = ("lightning", "pytorch_lightning")
-STRATEGY_NAME = "fsdp_fp8"
 _MARK = "_lightning_fp8_wrapped"
 _CONNECTOR = "{ns}.pytorch.trainer.connectors.accelerator_connector"
 _PL_CONNECTOR = "pytorch_lightning.trainer.connectors.accelerator_connector"

@@ -43,17 +43,13 @@ class _FP8FSDPStrategyLogic:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("use_orig_params", True)
         check_use_orig_params(kwargs["use_orig_params"])
-        if "sharding_strategy" in kwargs and kwargs["sharding_strategy"] is None:
-            raise TypeError(
-                f"strategy='{STRATEGY_NAME}': sharding_strategy=None: give 'FULL_SHARD' (the default), 'SHARD_GRAD_OP' "
-                "or 'NO_SHARD', or leave it out"
-            )
+        if "sharding_strategy" in kwargs:  # Lightning resolves one left out to FULL_SHARD
+            check_sharding_strategy(kwargs["sharding_strategy"])
         if kwargs.get("mixed_precision") is not None:
             raise ValueError(
                 f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
                 "and the other ops run under bf16 autocast; drop the argument"
             )
-        check_sharding_strategy(kwargs.get("sharding_strategy"))
         check_device_mesh(kwargs.get("device_mesh"))
         super().__init__(*args, **kwargs)
         self._check_state_dict_type()  # at construction, not at the first checkpoint

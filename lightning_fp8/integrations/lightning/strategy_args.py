@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.warnings import warn_once
 
 STRATEGY_NAME = "fsdp_fp8"
@@ -14,10 +15,17 @@ _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 def check_sharding_strategy(value: Any) -> None:
-    # Lightning looks a string up in ShardingStrategy and fails with a bare KeyError ('BOGUS').
+    """Raise for a sharding strategy ``strategy="fsdp_fp8"`` cannot train with: None or another type (TypeError), an
+    unknown name (Lightning looks a string up in ShardingStrategy and failed with a bare KeyError 'BOGUS') and the
+    hybrid ones (ValueError)."""
     from torch.distributed.fsdp import ShardingStrategy
 
-    if value is not None and not isinstance(value, (str, ShardingStrategy)):
+    if value is None:
+        raise TypeError(
+            f"strategy='{STRATEGY_NAME}': sharding_strategy=None: give 'FULL_SHARD' (the default), 'SHARD_GRAD_OP' "
+            "or 'NO_SHARD', or leave it out"
+        )
+    if not isinstance(value, (str, ShardingStrategy)):
         raise TypeError(
             f"strategy='{STRATEGY_NAME}': sharding_strategy must be a name or a "
             f"torch.distributed.fsdp.ShardingStrategy, got {value!r} ({type(value).__name__})"
@@ -38,9 +46,7 @@ def check_sharding_strategy(value: Any) -> None:
 def check_use_orig_params(value: Any) -> None:
     """Raise TypeError for a non-bool; warn for False: FP8AdamW then sees FSDP's flat parameters, cannot tell the FP8
     weights inside them, and gives every parameter fp32 states (an O2 recipe trains with O1's optimizer, silently)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{STRATEGY_NAME}: use_orig_params={value!r} must be True or False")
-    if not value:
+    if not check_flag("FP8FSDPStrategy", "use_orig_params", value):
         warn_once(
             f"strategy='{STRATEGY_NAME}' with use_orig_params=False: FP8AdamW sees FSDP's flat parameters and cannot "
             "tell the FP8 weights inside them, so every parameter gets fp32 optimizer states (an O2 recipe's fp16 "

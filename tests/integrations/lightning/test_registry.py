@@ -129,7 +129,7 @@ def test_fsdp_fp8_strategy_checks_use_orig_params_and_a_none_sharding_strategy(r
     import lightning_fp8.warnings
 
     monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-    with pytest.raises(TypeError, match=r"use_orig_params='no' must be True or False"):
+    with pytest.raises(TypeError, match=r"use_orig_params='no'\): must be True or False"):
         FP8FSDPStrategy(use_orig_params="no")
     FP8FSDPStrategy(use_orig_params=False)
     assert [w for w in recwarn if "use_orig_params=False: FP8AdamW sees FSDP's flat parameters" in str(w.message)]
