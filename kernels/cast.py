@@ -28,6 +28,8 @@ from lightning_fp8.kernels import launch
 from lightning_fp8.kernels.cast_kernels import _amax_kernel, _cast_flat_kernel, _cast_transpose_kernel
 from triton.runtime.jit import JITFunction
 
+from lightning_fp8.cast_checks import check_cast_arguments
+
 try:  # triton >= 3.3: host-side tensor descriptors (TMA on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -399,19 +401,9 @@ def cast_to_fp8(
         ValueError: for a ``scale`` that is not one element on ``x``'s device, or ``transpose`` of a tensor
             that is not 2-D.
     """
-    if x.dtype not in _INPUT_DTYPES:
+    check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")
+    if x.dtype not in _INPUT_DTYPES:  # float64: the reference path casts it (lightning_fp8.ops)
         raise TypeError(f"cast_to_fp8 expects a float32, bfloat16 or float16 tensor, got {x.dtype}; cast it first")
-    if fp8_dtype not in _FP8:
-        raise TypeError(f"cast_to_fp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
-    if scale.dtype != torch.float32 or scale.numel() != 1:
-        raise TypeError(
-            f"cast_to_fp8: scale must be a one-element float32 tensor, got {scale.dtype} of shape "
-            f"{tuple(scale.shape)}; use lightning_fp8.compute_scale"
-        )
-    if scale.device != x.device:
-        raise ValueError(f"cast_to_fp8: scale is on {scale.device} but x is on {x.device}; move the scale to x's")
-    if transpose and x.dim() != 2:
-        raise ValueError(f"cast_to_fp8(transpose=True) needs a 2-D tensor, got shape {tuple(x.shape)}")
     x, scale = x.detach().contiguous(), scale.reshape(())
     if torch.compiler.is_compiling():
         return _cast_to_fp8_op(x, scale, fp8_dtype, transpose)

@@ -24,7 +24,8 @@ def check_castable(x: object, caller: str) -> None:
     nested tensor has no dense rows for the kernels."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{caller} expects a tensor, got {type(x).__name__}")
-    if x.is_nested or x.layout != torch.strided:
+    # Traced (torch.compile), a backward may not read the layout, and a traced tensor is dense.
+    if not torch.compiler.is_compiling() and (x.is_nested or x.layout != torch.strided):
         layout = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
         raise TypeError(f"{caller} takes dense tensors, got {layout}: pass x.to_dense() (or the padded values)")
     if x.dtype in FP8_DTYPES:

@@ -56,8 +56,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         from lightning_fp8.kernels import cast
 
         return cast.amax(x)
-    if not torch.compiler.is_compiling():  # the Triton path checks its own; traced, a backward may not read layout
-        cast_checks.check_castable(x, "amax")
+    cast_checks.check_castable(x, "amax")  # the Triton path checks its own
     return reference.amax_ref(x)
 
 
@@ -99,8 +98,7 @@ def cast_to_fp8(
         from lightning_fp8.kernels import cast
 
         return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
-    if not torch.compiler.is_compiling():  # as in amax
-        cast_checks.check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")
+    cast_checks.check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")  # the Triton path's checks
     return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
 
 
