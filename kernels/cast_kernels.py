@@ -63,12 +63,16 @@ def _round_to_fp8_grid(y, MBITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SUB
 
 @triton.jit
 def _scale_saturate(x, scale, FP8_MAX: tl.constexpr):
-    # x: fp32 tile. Returns (y clamped to +-fp8_max, finite(x), |x| with NaN -> inf, saturated as int32 0/1).
+    # x: fp32 tile. Returns (y clamped to +-fp8_max, finite(x), |x| with NaN -> inf, saturated as int32 0/1). A NaN
+    # product of a finite x (a NaN scale, or 0 * inf) stays NaN, as torch.clamp leaves it in the reference: the
+    # NaN-propagating min/max (PTX max.NaN) cost what the plain ones do.
     ax = tl.abs(x)
     finite = ax < float("inf")  # False for inf and NaN
     y = x * scale
     sat = ((tl.abs(y) >= FP8_MAX) & finite).to(tl.int32)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = tl.minimum(
+        tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL
+    )
     ax = tl.where(ax == ax, ax, float("inf"))
     return y, finite, ax, sat
 
@@ -101,7 +105,8 @@ def _quantize_block(
     else:
         amax_acc = tl.maximum(amax_acc, tl.max(ax))
         nsat_acc += tl.sum(sat)
-    if EXACT_ROUND:  # non-finite lanes may come out as anything here: they are replaced below
+    if EXACT_ROUND:  # non-finite lanes (a NaN y too) may come out as anything here: they are replaced below
+        finite = finite & (y == y)
         y = _round_to_fp8_grid(y, MBITS, MIN_NORMAL_EXP, SUBNORMAL_MAGIC)
     q = tl.where(finite, _fp8_bytes(y, IS_E4M3), 0x7F).to(tl.uint8)
     return q, y, finite, amax_acc, nsat_acc

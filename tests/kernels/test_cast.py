@@ -236,6 +236,22 @@ def test_empty_tensors():
     )
 
 
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN * x under the interpreter
+def test_nan_products_of_finite_values_stay_nan(fp8_dtype, transpose):
+    """A NaN scale passed by hand, and 0 * inf, give NaN where torch.clamp keeps it (the reference); the kernel's
+    min/max wrote them as -fp8_max, a finite value in place of the NaN that tells of the bad scale."""
+    x = inputs((37, 53), torch.bfloat16, fp8_dtype, 1.0, planted=False)
+    x[0, :3] = torch.tensor([0.0, float("inf"), float("nan")])
+    for scale in (float("nan"), float("inf")):
+        s = torch.tensor(scale, device=DEVICE)
+        got, ref = cast.cast_to_fp8(x, s, fp8_dtype, transpose), cast_to_fp8_ref(x, s, fp8_dtype, transpose)
+        assert_cast_equal(got, ref)
+        nan = torch.isnan(ref[0].float())
+        assert nan.all() if scale != scale else nan[0, :3].all() and nan.sum() == 2 + int((x == 0).sum())
+
+
 def test_bad_arguments_are_named():
     x = torch.randn(4, 16, device=DEVICE)
     one = torch.tensor(1.0, device=DEVICE)
@@ -342,7 +358,9 @@ def test_speculative_current_scaling(monkeypatch, shape, transpose, column_sum, 
         if kw.get("SPECULATE") != 2:
             real_launch(kernel, x, work, cfg, *args, **kw)
 
-    for redo in (True, False):
+    # Without the redo launch only under the interpreter: on a GPU the later casts replay the first one's launches
+    # (kernels/launch.py), which the patched cast._launch does not see.
+    for redo in (True, False) if DEVICE == "cpu" else (True,):
         if not redo:
             monkeypatch.setattr(cast, "_launch", no_redo)
         got_state, ref_state = _state(1, 1.0), _state(1, 1.0)
@@ -822,7 +840,7 @@ def test_triton_path_casts_float64_as_the_reference_does(monkeypatch):
     results = {}
     for mode in ("triton", "reference"):
         monkeypatch.setenv("LIGHTNING_FP8_KERNELS", mode)
-        state = ScalingState(torch.float8_e4m3fn, 1, 0, "max", delayed=False)
+        state = ScalingState(torch.float8_e4m3fn, 1, 0, "max", delayed=False, device=DEVICE)
         x_fp8, _, scale_inv = state.quantize(x)
         results[mode] = (x_fp8.view(torch.uint8), scale_inv, state.saturation, state.nonfinite_count,
                          ops.amax(x), ops.cast_to_fp8(x, torch.tensor(1.0, device=DEVICE), torch.float8_e5m2)[0])
