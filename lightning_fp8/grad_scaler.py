@@ -18,7 +18,9 @@ multiplied by mu; the optimizer divides it out again. mu is a power of two, so s
   gradients unscaled by 1/mu.
 - :meth:`~FP8GradScaler.update` halves mu after a skipped step or when the saturated fraction exceeded
   ``saturation_threshold``; doubles it after ``growth_interval`` consecutive steps in which every gradient amax
-  stayed at least ``headroom`` times under the format maximum. ``fallback_after`` consecutive non-finite steps run
+  stayed at least ``headroom`` times under the format maximum, and at once while every fp16 gradient's amax is under
+  ``2**-8`` (O2's FP8 weights get their gradient in fp16 before it is cast: at a small mu its small values
+  underflow). ``fallback_after`` consecutive non-finite steps run
   the ``nonfinite_fallback`` action (lower the learning rate, or put the offending layers back to high precision).
 
 Usage, like ``torch.amp.GradScaler``::
@@ -57,7 +59,7 @@ from torch import nn
 
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments, check_model, warn_if_model_is_another
-from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
+from lightning_fp8.grad_scaling.reports import _Counts, _GradReports, fp16_amax_levels
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
 from lightning_fp8.grad_scaling.unscaling import (
@@ -288,6 +290,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         scale: torch.Tensor | float | None = None,
         *,
         owner: Any = None,
+        source_dtype: torch.dtype | None = None,
     ) -> None:
         """Report one FP8 cast of a gradient that mu governs (no host synchronization); or several at once.
 
@@ -303,15 +306,19 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             owner: the optimizer that holds the cast gradient and checks it in its own :meth:`step` (FP8AdamW):
                 the cast then counts for that optimizer's step alone. ``None`` (the communication hooks): every
                 optimizer stepped before the next :meth:`update` skips on a non-finite amax.
+            source_dtype: the dtype the gradient was stored in before the cast (``param.grad``'s). fp16 gradients
+                lose small values at a small mu: while every fp16 gradient's amax is under ``2**-8``, mu doubles at
+                each update (see :meth:`update`).
         """
         amax = amax.detach().float()
         scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
         found = (~torch.isfinite(amax)).float()
         n_saturated = n_saturated.detach().to(amax.device)
         no_headroom = scaled * self.headroom > fp8_max(fp8_dtype)
+        levels = fp16_amax_levels(amax, source_dtype)
         if amax.dim():  # several casts: sums of 0/1 flags and integer counts, exact in any order
             found, n_saturated, no_headroom = found.sum(), n_saturated.sum(), no_headroom.sum()
-        self._counts(owner).add(found, n_saturated, no_headroom, numel, cast=True)
+        self._counts(owner).add(found, n_saturated, no_headroom, numel, cast=True, fp16_levels=levels)
 
     def record_nonfinite(self, found: torch.Tensor) -> None:
         """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen. Every optimizer
@@ -432,7 +439,12 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """Halve or double mu as specified, run the fallback if due, and reset the per-step counters.
 
         Judges every optimizer stepped since the last update (mu halves if any was skipped) and what the
-        communication hooks reported; with no step since, everything reported. An optimizer whose gradients
+        communication hooks reported; with no step since, everything reported. A finite step without saturation
+        doubles mu at once, not after ``growth_interval`` steps, when there were fp16 gradients (in ``param.grad``, or
+        reported by an FP8 cast with ``source_dtype=torch.float16``: O2's FP8 weights, whose gradient the GEMM writes in
+        the fp16 storage) and the mu-scaled amax of every one of them was under ``2**-8``: fp16 keeps nothing under
+        2**-24, so their values more than 16 binades under their amax were lost, and mu = 1 with a small loss (or a
+        late, small gradient) flushed whole gradients to zero. An optimizer whose gradients
         :meth:`unscale_` checked and that was not stepped counts as ``torch.amp.GradScaler`` counts it: non-finite
         there (a loop that skips its step on it), mu halves and the optimizer counts as skipped (its run of non-finite
         steps, the fallback); finite, as a step. A call with nothing recorded, unscaled or stepped since the last

@@ -24,11 +24,28 @@ def _narrower_than_fp32(dtype: torch.dtype) -> bool:
     return torch.finfo(dtype).max < 2.0**127
 
 
+# An fp16 gradient (O2's FP8 weights: the GEMM writes it in the parameter's fp16, before any scale of its own) whose
+# mu-scaled amax is under this keeps no value more than 16 binades below its amax (fp16's smallest subnormal is
+# 2**-24), and loses mantissa bits from 6 binades below: mu then doubles at every update (FP8GradScaler.update).
+SMALL_FP16_AMAX = 2.0**-8
+
+
+def fp16_amax_levels(amax: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(small, large)``: how many of the gradient amaxes ``amax`` (mu-scaled, 0-dim or 1-D) of tensors stored in
+    ``dtype`` are under :data:`SMALL_FP16_AMAX` (0 too: a gradient flushed whole), and how many are finite and at or
+    above it; ``(None, None)`` for a dtype other than fp16 (fp32 and bf16 reach 2**-126 and below)."""
+    if dtype != torch.float16:
+        return None, None
+    small = amax < SMALL_FP16_AMAX
+    return small.sum(), (torch.isfinite(amax) & ~small).sum()
+
+
 class _Counts:
     """What the gradient casts and checks of one source reported since the last update, summed on the device (adding
     needs no host synchronization). ``stats``: float64 ``[non-finite flags, saturated values, casts without
-    headroom]`` (integers: exact in any order), ``None`` until something is reported; ``numel``: values measured;
-    ``cast_numel``: those of them that an FP8 cast reported."""
+    headroom, fp16 gradients with a small amax, fp16 gradients with a larger one]`` (integers: exact in any order; see
+    :func:`fp16_amax_levels`), ``None`` until something is reported; ``numel``: values measured; ``cast_numel``: those
+    of them that an FP8 cast reported."""
 
     __slots__ = ("stats", "numel", "cast_numel")
 
@@ -38,9 +55,10 @@ class _Counts:
         self.cast_numel = 0
 
     def add(self, found: torch.Tensor, n_saturated: torch.Tensor | None = None,
-            no_headroom: torch.Tensor | None = None, numel: int = 0, cast: bool = False) -> None:  # fmt: skip
+            no_headroom: torch.Tensor | None = None, numel: int = 0, cast: bool = False,
+            fp16_levels: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:  # fmt: skip
         """Add 0-dim counts (``None``: 0), all on one device."""
-        parts = (found, n_saturated, no_headroom)
+        parts = (found, n_saturated, no_headroom, *fp16_levels)
         zero = found.new_zeros((), dtype=torch.float64) if any(t is None for t in parts) else None
         row = torch.stack([zero if t is None else t.to(torch.float64) for t in parts])
         if self.stats is None:
@@ -123,7 +141,8 @@ class _GradReports:
         for (_, dtype), grads in by_kind.items():
             amax = torch.stack(ops.amaxes(grads))  # NaN counted as inf
             no_headroom = (amax * self.headroom > torch.finfo(dtype).max).sum()
-            counts.add((~torch.isfinite(amax)).any().float(), None, no_headroom, sum(g.numel() for g in grads))
+            counts.add((~torch.isfinite(amax)).any().float(), None, no_headroom, sum(g.numel() for g in grads),
+                       fp16_levels=fp16_amax_levels(amax, dtype))  # fmt: skip
 
     def _reset_step_counters(self) -> None:
         self._active = False  # something was recorded or stepped since the last update
@@ -159,7 +178,7 @@ class _GradReports:
         parts = [c.stats for c in (self._window, self._shared) if c.stats is not None]
         device = next((t.device for t in (step_found, *parts) if t is not None), torch.device("cpu"))
         stats = sum((p.to(device) for p in parts[1:]), parts[0].to(device)) if parts else torch.zeros(
-            3, dtype=torch.float64, device=device)  # fmt: skip
+            5, dtype=torch.float64, device=device)  # fmt: skip
         flag = step_found.to(device, torch.float64).reshape(1) if step_found is not None else stats.new_zeros(1)
         numel = float(self._window.numel + self._shared.numel)
         cast_numel = float(self._window.cast_numel + self._shared.cast_numel)
@@ -170,7 +189,7 @@ class _GradReports:
                 if dist.get_backend(group) == "nccl" and packed.device.type != "cuda":
                     packed = packed.cuda()
                 dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        flag_sum, found, n_sat, no_headroom, numel, cast_numel = packed.tolist()
+        flag_sum, found, n_sat, no_headroom, fp16_small, fp16_large, numel, cast_numel = packed.tolist()
         self._agreed = {"found": found, "n_saturated": n_sat, "numel": numel, "cast_numel": cast_numel,
-                        "no_headroom": no_headroom}  # fmt: skip
+                        "no_headroom": no_headroom, "fp16_small": fp16_small, "fp16_large": fp16_large}  # fmt: skip
         return flag_sum

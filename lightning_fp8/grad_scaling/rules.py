@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8 import load_pairing
+from lightning_fp8.grad_scaling.reports import SMALL_FP16_AMAX
 
 if TYPE_CHECKING:
     from lightning_fp8.scaling import ScalingState
@@ -94,6 +95,11 @@ class _ScaleRules:
         if self._last_saturation > self.saturation_threshold:
             self._growth_tracker = 0
             self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
+        elif numel and decision["no_headroom"] == 0 and decision["fp16_small"] and not decision["fp16_large"]:
+            # fp16 gradients underflow at this mu (reports.SMALL_FP16_AMAX): grow now, not after growth_interval, by
+            # 2**4 (their amaxes stay under 2**-4, far from fp16's 65504)
+            self._growth_tracker = 0
+            self._set_scale(self._scale * 16, "grow", f"every fp16 gradient amax under {SMALL_FP16_AMAX:g}")
         elif numel and decision["no_headroom"] == 0:
             self._growth_tracker += 1
             if self._growth_tracker >= self.growth_interval:

@@ -184,7 +184,8 @@ class _FP8Grads:
             amax = cast_state[2]  # the state's last amax: this gradient's, until its next cast
             if self.grad_scaler is not None:
                 n_saturated = (g.abs() >= fp8_max(self.grad_dtype)).sum()
-                self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype, owner=self)
+                self.grad_scaler.record_gradient_cast(amax, n_saturated, g.numel(), self.grad_dtype, owner=self,
+                                                      source_dtype=grad.dtype)  # fmt: skip
             self._pending[p] = _FP8Grad(data, scale_inv, amax)
 
     def _holds(self, p: torch.Tensor) -> bool:

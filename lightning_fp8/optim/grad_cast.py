@@ -162,7 +162,8 @@ def _cast_group(opt: FP8AdamW, group: list[tuple], accumulate: bool) -> None:
         pending_scale_inv=pending_scale_inv, margin=0, count_big=scaler is not None,
     )  # fmt: skip
     if scaler is not None:  # one report for the group: the scaler sums amax flags and counts (integers: exact)
-        scaler.record_gradient_cast(amax, n_big, sum(map(torch.Tensor.numel, grads)), opt.grad_dtype, owner=opt)
+        scaler.record_gradient_cast(amax, n_big, sum(map(torch.Tensor.numel, grads)), opt.grad_dtype, owner=opt,
+                                    source_dtype=grads[0].dtype)  # fmt: skip
     entries = opt._pending
     for p, d, s, (_, buffers) in zip(params, data, scale_inv.unbind(), states, strict=True):
         entries[p] = FP8Grad(d, s, buffers[2])

@@ -178,9 +178,10 @@ class FP8ScaleMonitor(_LoggingCallback):
     - ``fp8/optimizer/{key}/{min,max}`` over the parameters, for each scale the first optimizer keeps per
       parameter (FP8AdamW at O2: ``exp_avg_scale``, ``exp_avg_sq_scale``, ``master_scale``);
     - ``fp8/alerts/scale_drops`` and ``fp8/alerts/scale_rises``: layers whose scale moved by at least
-      ``jump_factor`` since the previous log. A drop means the amax jumped (overflow is near); a rise means it
-      collapsed (values underflow). Every alert is kept in ``.alerts``; the first drop and the first rise are
-      also warned, once, on rank zero (later ones only counted, so a long run does not warn every log).
+      ``jump_factor`` since the previous log (a ``grad_output`` scale times mu, which moves it without any amax
+      moving). A drop means the amax jumped (overflow is near); a rise means it collapsed (values underflow).
+      Every alert is kept in ``.alerts``; the first drop and the first rise are also warned, once, on rank zero
+      (later ones only counted, so a long run does not warn every log).
 
     Scales normally move a lot while training starts (activations and gradients find their range, the delayed
     amax history fills), so no alert is raised before global step ``alert_after_steps``; the scales are still
@@ -268,18 +269,22 @@ class FP8ScaleMonitor(_LoggingCallback):
         for key, bounds in stats.get("optimizer", {}).get("summary", {}).items():
             metrics[f"fp8/optimizer/{key}/min"] = float(bounds["min"])
             metrics[f"fp8/optimizer/{key}/max"] = float(bounds["max"])
-        drops, rises = self._flag_jumps(stats["layers"], step)
+        drops, rises = self._flag_jumps(stats["layers"], step, stats.get("grad_scaler", {}).get("scale"))
         metrics["fp8/alerts/scale_drops"] = float(drops)
         metrics["fp8/alerts/scale_rises"] = float(rises)
         return metrics
 
-    def _flag_jumps(self, layers: dict[str, dict[str, dict[str, Any]]], step: int) -> tuple[int, int]:
+    def _flag_jumps(
+        self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None
+    ) -> tuple[int, int]:
+        # A grad_output scale is compared times mu: a change of mu (16x while fp16 gradients underflow, halvings on
+        # skipped steps) moves it by 1 / the change without any amax moving.
         drops = rises = 0
         for layer, roles in layers.items():
             for role in ROLES:
                 if role not in roles:
                     continue
-                scale = roles[role]["scale"]
+                scale = roles[role]["scale"] * (mu if role == "grad_output" and mu else 1.0)
                 if not math.isfinite(scale) or scale <= 0:  # no ratio to take, now or at the next log
                     continue
                 previous = self._previous_scales.get((layer, role))

@@ -293,6 +293,9 @@ def test_scale_jumps_are_flagged_both_ways():
         ("fc", "grad_output", "rise"),
     ]
     assert monitor._metrics(stats(4.0, 2.0**16), 3)["fp8/alerts/scale_drops"] == 0  # 2x moves are ordinary
+    # mu grown 16x (fp16 gradients underflowing) moves every grad_output scale by 1/16: no amax moved, no alert
+    grown = {**stats(4.0, 2.0**12), "grad_scaler": {"scale": 16.0}}
+    assert monitor._metrics(grown, 4)["fp8/alerts/scale_drops"] == 0 and len(monitor.alerts) == 2
     with pytest.raises(ValueError, match="jump_factor"):
         FP8ScaleMonitor(jump_factor=1)
     for bad in (-1, 2.5, True):
