@@ -444,7 +444,8 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         reported by an FP8 cast with ``source_dtype=torch.float16``: O2's FP8 weights, whose gradient the GEMM writes in
         the fp16 storage) and the mu-scaled amax of every one of them was under ``2**-8``: fp16 keeps nothing under
         2**-24, so their values more than 16 binades under their amax were lost, and mu = 1 with a small loss (or a
-        late, small gradient) flushed whole gradients to zero. An optimizer whose gradients
+        late, small gradient) flushed whole gradients to zero. Within ``growth_interval`` updates of a halving (a
+        skipped step, saturation) it waits, as the usual growth does. An optimizer whose gradients
         :meth:`unscale_` checked and that was not stepped counts as ``torch.amp.GradScaler`` counts it: non-finite
         there (a loop that skips its step on it), mu halves and the optimizer counts as skipped (its run of non-finite
         steps, the fallback); finite, as a step. A call with nothing recorded, unscaled or stepped since the last

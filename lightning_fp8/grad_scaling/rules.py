@@ -95,7 +95,8 @@ class _ScaleRules:
         if self._last_saturation > self.saturation_threshold:
             self._growth_tracker = 0
             self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
-        elif numel and decision["no_headroom"] == 0 and decision["fp16_small"] and not decision["fp16_large"]:
+        elif (numel and decision["no_headroom"] == 0 and decision["fp16_small"] and not decision["fp16_large"]
+              and not self._backed_off_recently()):  # fmt: skip
             # fp16 gradients underflow at this mu (reports.SMALL_FP16_AMAX): grow now, not after growth_interval, by
             # 2**4 (their amaxes stay under 2**-4, far from fp16's 65504)
             self._growth_tracker = 0
@@ -107,6 +108,17 @@ class _ScaleRules:
                 self._set_scale(self._scale * 2, "double", f"headroom for {self.growth_interval} steps")
         else:
             self._growth_tracker = 0
+
+    def _backed_off_recently(self) -> bool:
+        """Whether mu was halved (a skipped step, saturation) within the last ``growth_interval`` updates: the fast
+        growth of underflowing fp16 gradients then waits, as the usual growth does, so that gradients which overflow
+        elsewhere at the grown mu (fp16 activations) do not make mu grow and fall back at every step."""
+        for entry in reversed(self._history):
+            if self._steps - entry["step"] >= self.growth_interval:
+                return False
+            if entry["action"] in ("skip", "halve"):
+                return True
+        return False
 
     def _set_scale(self, new_scale: float, action: str, reason: str) -> None:
         new_scale = min(max(new_scale, self.min_scale), self.max_scale)

@@ -36,6 +36,16 @@ def test_reported_fp16_amaxes_under_the_threshold_grow_mu_16x_and_others_do_not(
     assert _report(scaler, [float("nan")], torch.float16) == 64.0  # non-finite: skip and halve, as before
 
 
+def test_after_a_skipped_step_the_fast_growth_waits_growth_interval_updates():
+    # fp16 activations that overflow at the grown mu while the weight gradients stay small would otherwise make mu
+    # grow 16x and fall back at every step, every step skipped.
+    scaler = FP8GradScaler(growth_interval=3)
+    assert _report(scaler, [1e-3], torch.float16) == 16.0
+    assert _report(scaler, [float("inf")], torch.float16) == 8.0  # skipped, halved
+    assert [_report(scaler, [1e-3], torch.float16) for _ in range(3)] == [8.0, 8.0, 128.0]  # waits, then grows
+    assert scaler.skipped_steps == 1
+
+
 def _o2_run(opt_level, fp8_grads, loss_factor, steps):
     torch.manual_seed(0)
     model = convert_to_fp8(
