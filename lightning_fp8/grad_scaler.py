@@ -18,10 +18,11 @@ multiplied by mu; the optimizer divides it out again. mu is a power of two, so s
   gradients unscaled by 1/mu.
 - :meth:`~FP8GradScaler.update` halves mu after a skipped step or when the saturated fraction exceeded
   ``saturation_threshold``; doubles it after ``growth_interval`` consecutive steps in which every gradient amax
-  stayed at least ``headroom`` times under the format maximum, and at once while every fp16 gradient's amax is under
-  ``2**-8`` (O2's FP8 weights get their gradient in fp16 before it is cast: at a small mu its small values
-  underflow). ``fallback_after`` consecutive non-finite steps run
-  the ``nonfinite_fallback`` action (lower the learning rate, or put the offending layers back to high precision).
+  stayed at least ``headroom`` times under the format maximum; and multiplies it by 16 at each update while every
+  fp16 gradient's amax is under ``2**-8`` (O2's FP8 weights get their gradient in fp16 before it is cast: at a small
+  mu its small values underflow; see :meth:`~FP8GradScaler.update`). ``fallback_after`` consecutive non-finite steps
+  run the ``nonfinite_fallback`` action (lower the learning rate, or put the offending layers back to high
+  precision).
 
 Usage, like ``torch.amp.GradScaler``::
 
@@ -149,6 +150,10 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=_HISTORY_LEN)
         self._last_optimizer: torch.optim.Optimizer | None = None
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # every optimizer stepped (fallback)
+        # Whether the last finite update that judged fp16 gradients (or found no headroom) found a large one: where
+        # each optimizer's step() updates, one optimizer's underflowing fp16 gradients must not grow mu past another's
+        # (rules.py: _fp16_underflows). Saved in the state dict.
+        self._fp16_full = False
         self._seen_unbound: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # FP8AdamW not reporting here
         # The casts an optimizer reported of its own gradients (FP8AdamW's), kept for that optimizer's step: where
         # each optimizer's step() also updates, one optimizer's update must not judge (and drop) another's. Weak:
@@ -307,8 +312,8 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
                 the cast then counts for that optimizer's step alone. ``None`` (the communication hooks): every
                 optimizer stepped before the next :meth:`update` skips on a non-finite amax.
             source_dtype: the dtype the gradient was stored in before the cast (``param.grad``'s). fp16 gradients
-                lose small values at a small mu: while every fp16 gradient's amax is under ``2**-8``, mu doubles at
-                each update (see :meth:`update`).
+                lose small values at a small mu: while every fp16 gradient's amax is under ``2**-8``, each update
+                multiplies mu by 16 (see :meth:`update`).
         """
         amax = amax.detach().float()
         scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
@@ -436,16 +441,19 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         return True
 
     def update(self) -> None:
-        """Halve or double mu as specified, run the fallback if due, and reset the per-step counters.
+        """Halve or grow mu as specified, run the fallback if due, and reset the per-step counters.
 
         Judges every optimizer stepped since the last update (mu halves if any was skipped) and what the
         communication hooks reported; with no step since, everything reported. A finite step without saturation
-        doubles mu at once, not after ``growth_interval`` steps, when there were fp16 gradients (in ``param.grad``, or
-        reported by an FP8 cast with ``source_dtype=torch.float16``: O2's FP8 weights, whose gradient the GEMM writes in
-        the fp16 storage) and the mu-scaled amax of every one of them was under ``2**-8``: fp16 keeps nothing under
-        2**-24, so their values more than 16 binades under their amax were lost, and mu = 1 with a small loss (or a
-        late, small gradient) flushed whole gradients to zero. Within ``growth_interval`` updates of a halving (a
-        skipped step, saturation) it waits, as the usual growth does. An optimizer whose gradients
+        multiplies mu by 16 at once, not after ``growth_interval`` steps, when there were fp16 gradients (in
+        ``param.grad``, or reported by an FP8 cast with ``source_dtype=torch.float16``: O2's FP8 weights, whose
+        gradient the GEMM writes in the fp16 storage) and the mu-scaled amax of every one of them was under ``2**-8``
+        (``reports.SMALL_FP16_AMAX``; an all-zero gradient counts for neither side: flushed whole and gated off look
+        the same): fp16 keeps nothing under 2**-24, so their values more than 16 binades under their amax were lost,
+        and mu = 1 with a loss times 2**-14 flushed most of them to zero. It waits where the last update that judged
+        fp16 gradients (another optimizer's, where each optimizer's ``step()`` updates) found a larger one or no
+        headroom, and within ``growth_interval`` updates of a halving (a skipped step, saturation), as the usual
+        growth does. With gradient accumulation it judges the accumulated gradient. An optimizer whose gradients
         :meth:`unscale_` checked and that was not stepped counts as ``torch.amp.GradScaler`` counts it: non-finite
         there (a loop that skips its step on it), mu halves and the optimizer counts as skipped (its run of non-finite
         steps, the fallback); finite, as a step. A call with nothing recorded, unscaled or stepped since the last

@@ -24,26 +24,27 @@ def _narrower_than_fp32(dtype: torch.dtype) -> bool:
     return torch.finfo(dtype).max < 2.0**127
 
 
-# An fp16 gradient (O2's FP8 weights: the GEMM writes it in the parameter's fp16, before any scale of its own) whose
-# mu-scaled amax is under this keeps no value more than 16 binades below its amax (fp16's smallest subnormal is
-# 2**-24), and loses mantissa bits from 6 binades below: mu then doubles at every update (FP8GradScaler.update).
+# An fp16 gradient (O2's FP8 weights: the GEMM writes it in the parameter's fp16 storage, before any scale of its own)
+# whose mu-scaled amax is under this keeps no value more than 16 binades below its amax (fp16's smallest subnormal is
+# 2**-24), and loses mantissa bits from 6 binades below: FP8GradScaler.update then multiplies mu by 16.
 SMALL_FP16_AMAX = 2.0**-8
 
 
-def fp16_amax_levels(amax: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def fp16_amax_levels(amax: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
     """``(small, large)``: how many of the gradient amaxes ``amax`` (mu-scaled, 0-dim or 1-D) of tensors stored in
-    ``dtype`` are under :data:`SMALL_FP16_AMAX` (0 too: a gradient flushed whole), and how many are finite and at or
-    above it; ``(None, None)`` for a dtype other than fp16 (fp32 and bf16 reach 2**-126 and below)."""
+    ``dtype`` are positive and under :data:`SMALL_FP16_AMAX`, and how many are finite and at or above it; ``None``
+    each for a dtype other than fp16 (fp32 and bf16 reach 2**-126 and below). An amax of 0 is in neither: a gradient
+    flushed whole and one that is 0 (a branch gated off, a zero loss) cannot be told apart."""
     if dtype != torch.float16:
         return None, None
     small = amax < SMALL_FP16_AMAX
-    return small.sum(), (torch.isfinite(amax) & ~small).sum()
+    return (small & (amax > 0)).sum(), (torch.isfinite(amax) & ~small).sum()
 
 
 class _Counts:
     """What the gradient casts and checks of one source reported since the last update, summed on the device (adding
     needs no host synchronization). ``stats``: float64 ``[non-finite flags, saturated values, casts without
-    headroom, fp16 gradients with a small amax, fp16 gradients with a larger one]`` (integers: exact in any order; see
+    headroom, fp16 gradients with a small amax, with a larger one]`` (integers: exact in any order; see
     :func:`fp16_amax_levels`), ``None`` until something is reported; ``numel``: values measured; ``cast_numel``: those
     of them that an FP8 cast reported."""
 
@@ -56,7 +57,7 @@ class _Counts:
 
     def add(self, found: torch.Tensor, n_saturated: torch.Tensor | None = None,
             no_headroom: torch.Tensor | None = None, numel: int = 0, cast: bool = False,
-            fp16_levels: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:  # fmt: skip
+            fp16_levels: tuple[torch.Tensor | None, ...] = (None, None)) -> None:  # fmt: skip
         """Add 0-dim counts (``None``: 0), all on one device."""
         parts = (found, n_saturated, no_headroom, *fp16_levels)
         zero = found.new_zeros((), dtype=torch.float64) if any(t is None for t in parts) else None
@@ -182,7 +183,8 @@ class _GradReports:
         flag = step_found.to(device, torch.float64).reshape(1) if step_found is not None else stats.new_zeros(1)
         numel = float(self._window.numel + self._shared.numel)
         cast_numel = float(self._window.cast_numel + self._shared.cast_numel)
-        packed = torch.cat([flag, stats, torch.tensor([numel, cast_numel], dtype=torch.float64, device=device)])
+        numels = torch.tensor([numel, cast_numel], dtype=torch.float64, device=device)
+        packed = torch.cat([flag, stats, numels])
         if dist.is_available() and dist.is_initialized():
             group = self.process_group
             if dist.get_world_size(group) > 1:

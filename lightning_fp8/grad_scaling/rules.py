@@ -2,7 +2,8 @@
 
 A non-finite step halves mu and counts toward the ``nonfinite_fallback`` (run after ``fallback_after`` consecutive
 non-finite steps of one optimizer); a finite one halves mu when the saturated fraction passed
-``saturation_threshold``, and doubles it after ``growth_interval`` steps with headroom. Every change of mu rescales the
+``saturation_threshold``, multiplies it by 16 while fp16 gradients underflow (:meth:`_ScaleRules._fp16_underflows`),
+and doubles it after ``growth_interval`` steps with headroom. Every change of mu rescales the
 ``grad_output`` scaling states of the model's FP8 layers by the same power of two, so their delayed scales stay exact.
 :class:`_ScaleRules` is a base of the scaler and reads its settings and counters.
 """
@@ -88,15 +89,26 @@ class _ScaleRules:
         runs = self._nonfinite_runs
         return max((*runs.values(), self._consecutive_nonfinite, 0 if runs else self._restored_run))
 
+    def _fp16_underflows(self, decision: dict[str, float]) -> bool:
+        """Whether mu grows 16x at this finite update: there were fp16 gradients with a positive amax, every one
+        under ``SMALL_FP16_AMAX``; the last update that judged fp16 gradients (another optimizer's, where each
+        optimizer's step() updates) did not find a larger one or a gradient without headroom; and mu was not halved
+        within ``growth_interval`` updates. Notes this update's verdict for the next."""
+        full = bool(decision["fp16_large"] or decision["no_headroom"])  # no headroom anywhere: no room to grow
+        grows = bool(decision["fp16_small"]) and not full and not self._fp16_full and not self._backed_off_recently()
+        if decision["fp16_small"] or full:  # an update without fp16 gradients keeps the verdict it found
+            self._fp16_full = full
+        return grows
+
     def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
         self._count_nonfinite_runs(nonfinite=False)
+        underflows = self._fp16_underflows(decision)
         numel, cast_numel = decision["numel"], decision["cast_numel"]  # all values measured; those an FP8 cast held
         self._last_saturation = decision["n_saturated"] / cast_numel if cast_numel else 0.0
         if self._last_saturation > self.saturation_threshold:
             self._growth_tracker = 0
             self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
-        elif (numel and decision["no_headroom"] == 0 and decision["fp16_small"] and not decision["fp16_large"]
-              and not self._backed_off_recently()):  # fmt: skip
+        elif numel and underflows:
             # fp16 gradients underflow at this mu (reports.SMALL_FP16_AMAX): grow now, not after growth_interval, by
             # 2**4 (their amaxes stay under 2**-4, far from fp16's 65504)
             self._growth_tracker = 0

@@ -77,6 +77,7 @@ class _ScalerState:
         self._optimizer_index = weakref.WeakKeyDictionary()
         self._unscaled, self._unscale_counts = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
         self._nonfinite_grad_flags = weakref.WeakKeyDictionary()
+        self.__dict__.setdefault("_fp16_full", False)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (loads with ``torch.load(weights_only=True)``). ``nonfinite_runs`` are the optimizers'
@@ -95,6 +96,7 @@ class _ScalerState:
             "steps": self._steps,
             "last_saturation": self._last_saturation,
             "history": [dict(entry) for entry in self._history],
+            "fp16_full": self._fp16_full,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -120,6 +122,7 @@ class _ScalerState:
         in either order (:mod:`lightning_fp8.load_pairing`).
         """
         scale, counters, saturation, history, runs = self._checked_state(state_dict)
+        fp16_full = state_dict.get("fp16_full", False)  # checked by _checked_state; absent: saved before it was
         saved_scale = scale
         if not self.min_scale <= scale <= self.max_scale:  # saved under other bounds: this scaler's apply
             bounded = min(max(scale, self.min_scale), self.max_scale)
@@ -147,6 +150,7 @@ class _ScalerState:
         self._steps = counters["steps"]
         self._last_saturation = saturation
         self._history = collections.deque(history, maxlen=_HISTORY_LEN)
+        self._fp16_full = fp16_full
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
@@ -163,7 +167,7 @@ class _ScalerState:
                 f"FP8GradScaler.load_state_dict: got {type(state_dict).__name__}, expected the dict that "
                 "FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
             )
-        missing = sorted(set(self.state_dict()) - set(state_dict) - {"nonfinite_runs"})
+        missing = sorted(set(self.state_dict()) - set(state_dict) - {"nonfinite_runs", "fp16_full"})
         if missing:
             raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
         scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
@@ -181,6 +185,12 @@ class _ScalerState:
                 )
             runs = [_checked_entry("nonfinite_runs", run, numbers.Integral, "an int >= 0", lambda n: n >= 0)
                     for run in runs]  # fmt: skip
+        if not isinstance(state_dict.get("fp16_full", False), bool):
+            raise TypeError(
+                f"FP8GradScaler.load_state_dict: entry 'fp16_full' is {repr(state_dict['fp16_full'])[:200]}, expected "
+                "True or False; load the dict that FP8GradScaler.state_dict() returned (the checkpoint may be "
+                "corrupt). Nothing was loaded."
+            )
         return scale, counters, saturation, _checked_history(state_dict["history"]), runs
 
 

@@ -178,8 +178,8 @@ class FP8ScaleMonitor(_LoggingCallback):
     - ``fp8/optimizer/{key}/{min,max}`` over the parameters, for each scale the first optimizer keeps per
       parameter (FP8AdamW at O2: ``exp_avg_scale``, ``exp_avg_sq_scale``, ``master_scale``);
     - ``fp8/alerts/scale_drops`` and ``fp8/alerts/scale_rises``: layers whose scale moved by at least
-      ``jump_factor`` since the previous log (a ``grad_output`` scale times mu, which moves it without any amax
-      moving). A drop means the amax jumped (overflow is near); a rise means it collapsed (values underflow).
+      ``jump_factor`` since the previous log (a ``grad_output`` scale's move net of mu's, which moves it without
+      any amax moving). A drop means the amax jumped (overflow is near); a rise means it collapsed (values underflow).
       Every alert is kept in ``.alerts``; the first drop and the first rise are also warned, once, on rank zero
       (later ones only counted, so a long run does not warn every log).
 
@@ -229,6 +229,7 @@ class FP8ScaleMonitor(_LoggingCallback):
         self._warned_kinds: set[str] = set()
         self.alerts: list[dict[str, Any]] = []
         self._previous_scales: dict[tuple[str, str], float] = {}
+        self._previous_mu: float | None = None  # the gradient scale mu at the last log
 
     @override
     def on_train_batch_end(
@@ -278,20 +279,23 @@ class FP8ScaleMonitor(_LoggingCallback):
         self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None
     ) -> tuple[int, int]:
         # A grad_output scale is compared times mu: a change of mu (16x while fp16 gradients underflow, halvings on
-        # skipped steps) moves it by 1 / the change without any amax moving.
+        # skipped steps) moves it by 1 / the change without any amax moving. (Not where either mu is unknown: a
+        # checkpoint written before mu was saved beside the scales, a run without a gradient scaler.)
+        mu_change = mu / self._previous_mu if mu and self._previous_mu else 1.0
+        self._previous_mu = float(mu) if mu else None
         drops = rises = 0
         for layer, roles in layers.items():
             for role in ROLES:
                 if role not in roles:
                     continue
-                scale = roles[role]["scale"] * (mu if role == "grad_output" and mu else 1.0)
+                scale = roles[role]["scale"]
                 if not math.isfinite(scale) or scale <= 0:  # no ratio to take, now or at the next log
                     continue
                 previous = self._previous_scales.get((layer, role))
                 self._previous_scales[(layer, role)] = scale
                 if previous is None or step < self.alert_after_steps:
                     continue
-                ratio = scale / previous
+                ratio = scale / previous * (mu_change if role == "grad_output" else 1.0)
                 if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
                     kind = "drop" if ratio < 1 else "rise"
                     drops, rises = drops + (kind == "drop"), rises + (kind == "rise")
@@ -317,10 +321,10 @@ class FP8ScaleMonitor(_LoggingCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The alerts and the scales of the last log, which the first log after a resume compares against; plain
-        lists, strings and numbers (``torch.load(weights_only=True)`` reads them)."""
+        """The alerts and the scales and mu of the last log, which the first log after a resume compares against;
+        plain lists, strings and numbers (``torch.load(weights_only=True)`` reads them)."""
         previous = [[layer, role, scale] for (layer, role), scale in self._previous_scales.items()]
-        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous}
+        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous, "previous_mu": self._previous_mu}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -333,9 +337,10 @@ class FP8ScaleMonitor(_LoggingCallback):
             ValueError: for an entry it does not hold, or a value out of range (an unknown role or alert kind, a
                 scale that is not a finite positive number).
         """
-        alerts, previous = _checked_scale_state(state_dict)
+        alerts, previous, previous_mu = _checked_scale_state(state_dict)
         self.alerts = alerts
         self._previous_scales = previous
+        self._previous_mu = previous_mu
 
 
 # The fields of an alert in FP8ScaleMonitor.alerts (_alert writes them) and the kinds of jump.
@@ -382,14 +387,19 @@ def _checked_alert(index: int, alert: Any) -> dict[str, Any]:
             "to": _checked_scale(alert["to"], f"the 'to' scale of {where}")}  # fmt: skip
 
 
-def _checked_scale_state(state: Any) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float]]:
+def _checked_scale_state(state: Any) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float], float | None]:
     """The alerts and previous scales of an :meth:`FP8ScaleMonitor.state_dict`, checked and converted; raises as
     :meth:`FP8ScaleMonitor.load_state_dict` documents."""
     if not isinstance(state, dict):
         raise _scale_state_error(TypeError, f"got {type(state).__name__}, expected a dict")
-    unknown = sorted(set(state) - {"alerts", "previous_scales"}, key=repr)
+    unknown = sorted(set(state) - {"alerts", "previous_scales", "previous_mu"}, key=repr)
     if unknown:
-        raise _scale_state_error(ValueError, f"unknown entries {unknown}, expected 'alerts' and 'previous_scales'")
+        raise _scale_state_error(
+            ValueError, f"unknown entries {unknown}, expected 'alerts', 'previous_scales' and 'previous_mu'"
+        )
+    # 'previous_mu' may be absent or None (checkpoints written before it was saved; no gradient scaler).
+    previous_mu = state.get("previous_mu")
+    previous_mu = None if previous_mu is None else _checked_scale(previous_mu, "'previous_mu'")
     # Both may be absent: 'previous_scales' from checkpoints written before it was saved (the first comparison after
     # resuming is then skipped).
     alerts, previous = state.get("alerts", []), state.get("previous_scales", [])
@@ -403,4 +413,4 @@ def _checked_scale_state(state: Any) -> tuple[list[dict[str, Any]], dict[tuple[s
             raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale]")
         layer, role, scale = entry
         checked[(layer, _checked_role(role, where))] = _checked_scale(scale, f"the scale of {where}")
-    return [_checked_alert(i, alert) for i, alert in enumerate(alerts)], checked
+    return [_checked_alert(i, alert) for i, alert in enumerate(alerts)], checked, previous_mu

@@ -293,9 +293,17 @@ def test_scale_jumps_are_flagged_both_ways():
         ("fc", "grad_output", "rise"),
     ]
     assert monitor._metrics(stats(4.0, 2.0**16), 3)["fp8/alerts/scale_drops"] == 0  # 2x moves are ordinary
-    # mu grown 16x (fp16 gradients underflowing) moves every grad_output scale by 1/16: no amax moved, no alert
-    grown = {**stats(4.0, 2.0**12), "grad_scaler": {"scale": 16.0}}
-    assert monitor._metrics(grown, 4)["fp8/alerts/scale_drops"] == 0 and len(monitor.alerts) == 2
+    # mu grown 16x (fp16 gradients underflowing) moves every grad_output scale by 1/16: no amax moved, no alert.
+    # Through a save and load (mu is kept beside the scales), and the alerts keep the layers' own scales.
+    assert monitor._metrics({**stats(4.0, 2.0**16), "grad_scaler": {"scale": 1.0}}, 4)["fp8/alerts/scale_drops"] == 0
+    resumed = FP8ScaleMonitor(jump_factor=16, alert_after_steps=0)
+    resumed.load_state_dict(copy.deepcopy(monitor.state_dict()))
+    for each in (monitor, resumed):
+        grown = each._metrics({**stats(4.0, 2.0**12), "grad_scaler": {"scale": 16.0}}, 5)
+        assert grown["fp8/alerts/scale_drops"] == 0 and len(each.alerts) == 2
+        shrunk = each._metrics({**stats(4.0, 2.0**4), "grad_scaler": {"scale": 16.0}}, 6)  # the amax jumped 256x
+        assert shrunk["fp8/alerts/scale_drops"] == 1 and each.alerts[-1]["from"] == 2.0**12
+        assert each.alerts[-1]["to"] == 2.0**4
     with pytest.raises(ValueError, match="jump_factor"):
         FP8ScaleMonitor(jump_factor=1)
     for bad in (-1, 2.5, True):
@@ -659,7 +667,7 @@ def test_scale_monitor_loads_its_own_state_and_the_older_ones():
     for older in (state, {"alerts": state["alerts"]}, {}):  # before 'previous_scales' was saved; a default Callback's
         monitor = FP8ScaleMonitor()
         monitor.load_state_dict(copy.deepcopy(older))
-        assert monitor.state_dict() == {"alerts": older.get("alerts", []),
+        assert monitor.state_dict() == {"alerts": older.get("alerts", []), "previous_mu": None,
                                         "previous_scales": older.get("previous_scales", [])}  # fmt: skip
 
 
@@ -686,6 +694,8 @@ def _alerted(**fields) -> dict:
         ({"previous_scales": [["fc", "input", -4.0]]}, ValueError, "is -4.0, expected a finite positive scale"),
         ({"previous_scales": [["fc", "input", 0]]}, ValueError, "is 0, expected a finite positive scale"),
         ({"previous_scales": [["fc", "amax", 8.0]]}, ValueError, "has role 'amax'"),
+        ({"previous_mu": "16"}, TypeError, "'previous_mu' is '16', expected a number"),
+        ({"previous_mu": -2.0}, ValueError, "'previous_mu' is -2.0, expected a finite positive scale"),
     ],
 )
 def test_scale_monitor_refuses_a_corrupt_state_and_keeps_its_own(state, error, match):
