@@ -28,7 +28,7 @@ from lightning_fp8.kernels import launch
 from lightning_fp8.kernels.cast_kernels import _amax_kernel, _cast_flat_kernel, _cast_transpose_kernel
 from triton.runtime.jit import JITFunction
 
-from lightning_fp8.cast_checks import check_cast_arguments
+from lightning_fp8.cast_checks import check_cast_arguments, check_castable
 
 try:  # triton >= 3.3: host-side tensor descriptors (TMA on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -366,16 +366,23 @@ def _amax_op(x: torch.Tensor) -> torch.Tensor:
     return _amax_impl(x, eager=False)
 
 
+def _check_kernel_dtype(x: torch.Tensor, caller: str) -> None:
+    """Refuse float64, which cast_checks.check_castable lets through: the kernels read 16- and 32-bit floats only, and
+    the reference path (lightning_fp8.ops) is the one that takes float64."""
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{caller} expects a float32, bfloat16 or float16 tensor, got {x.dtype}; cast it first")
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max(|x|)`` as a 0-dim fp32 tensor, NaN counted as inf, 0 for an empty tensor.
 
     Same signature and result as :func:`lightning_fp8.kernels.reference.amax_ref`.
 
     Raises:
-        TypeError: if ``x`` is not a floating-point tensor.
+        TypeError: if ``x`` is not a dense float32, bfloat16 or float16 tensor.
     """
-    if not x.is_floating_point() or x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"amax expects a float32, bfloat16 or float16 tensor, got {x.dtype}; cast it first")
+    check_castable(x, "amax")
+    _check_kernel_dtype(x, "amax")
     x = x.detach().contiguous()
     return _amax_op(x) if torch.compiler.is_compiling() else _amax_impl(x, eager=True)
 
@@ -402,8 +409,7 @@ def cast_to_fp8(
             that is not 2-D.
     """
     check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")
-    if x.dtype not in _INPUT_DTYPES:  # float64: the reference path casts it (lightning_fp8.ops)
-        raise TypeError(f"cast_to_fp8 expects a float32, bfloat16 or float16 tensor, got {x.dtype}; cast it first")
+    _check_kernel_dtype(x, "cast_to_fp8")
     x, scale = x.detach().contiguous(), scale.reshape(())
     if torch.compiler.is_compiling():
         return _cast_to_fp8_op(x, scale, fp8_dtype, transpose)

@@ -33,13 +33,8 @@ Usage, like ``torch.amp.GradScaler``::
     scaler.update()
 
 Several optimizers share one scaler as with ``torch.amp.GradScaler``: ``scaler.step(opt1); scaler.step(opt2);
-scaler.update()``. Each step decides on that optimizer's gradients alone (one all-reduce each), and the update
-halves mu if any of them was skipped. Where each optimizer's ``step()`` updates (``FP8AdamW(grad_scaler=...)``,
-the Lightning and Accelerate integrations), mu is updated after each optimizer's step, judged on the gradients of
-that optimizer (and of the communication hooks): ``growth_interval`` then counts optimizer steps. Either way
-``fallback_after`` counts each optimizer's own consecutive non-finite steps, and the gradients are unscaled by the mu
-they were scaled with (the one of the last :meth:`~FP8GradScaler.scale_loss`), even where another optimizer's update
-has changed mu since. An optimizer is stepped at most once between updates (a second step raises, as in torch.amp).
+scaler.update()``; each step decides on its own optimizer's gradients, and an optimizer is stepped at most once between
+updates (docs/concepts/gradient-scaling.md, "Several optimizers").
 
 This module holds the scaler's public surface and its step; its bases, one concern each, live beside it:
 :mod:`~lightning_fp8.grad_scaling.reports` (what the casts and checks report, agreed across ranks),
@@ -444,21 +439,14 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """Halve or grow mu as specified, run the fallback if due, and reset the per-step counters.
 
         Judges every optimizer stepped since the last update (mu halves if any was skipped) and what the
-        communication hooks reported; with no step since, everything reported. A finite step without saturation
-        multiplies mu by 16 at once, not after ``growth_interval`` steps, when there were fp16 gradients (in
-        ``param.grad``, or reported by an FP8 cast with ``source_dtype=torch.float16``: O2's FP8 weights, whose
-        gradient the GEMM writes in the fp16 storage) and the mu-scaled amax of every one of them was under ``2**-8``
-        (``reports.SMALL_FP16_AMAX``; an all-zero gradient counts for neither side: flushed whole and gated off look
-        the same): fp16 keeps nothing under 2**-24, so their values more than 16 binades under their amax were lost,
-        and mu = 1 with a loss times 2**-14 flushed most of them to zero. It waits where the last update that judged
-        fp16 gradients (another optimizer's, where each optimizer's ``step()`` updates) found a larger one or no
-        headroom, and within ``growth_interval`` updates of a halving (a skipped step, saturation), as the usual
-        growth does. With gradient accumulation it judges the accumulated gradient. An optimizer whose gradients
-        :meth:`unscale_` checked and that was not stepped counts as ``torch.amp.GradScaler`` counts it: non-finite
-        there (a loop that skips its step on it), mu halves and the optimizer counts as skipped (its run of non-finite
-        steps, the fallback); finite, as a step. A call with nothing recorded, unscaled or stepped since the last
-        update does nothing (so calling both ``optimizer.step()``, which updates, and ``update()`` is harmless). The
-        counters are reset also when the fallback raises (the error propagates).
+        communication hooks reported; with no step since, everything reported. mu is multiplied by 16 at once while
+        every fp16 gradient's mu-scaled amax is positive and under ``2**-8`` (O2's FP8 weights get their gradient in
+        fp16 first; the rule and when it waits: docs/concepts/gradient-scaling.md). With gradient accumulation it
+        judges the accumulated gradient. An optimizer whose gradients :meth:`unscale_` checked and that was not
+        stepped counts as ``torch.amp.GradScaler`` counts it: non-finite, mu halves and it counts as skipped; finite,
+        as a step. A call with nothing recorded, unscaled or stepped since the last update does nothing (so calling
+        both ``optimizer.step()``, which updates, and ``update()`` is harmless). The counters are reset also when the
+        fallback raises (the error propagates).
         """
         self._update(judge_unstepped=True)
 

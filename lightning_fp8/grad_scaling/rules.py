@@ -89,20 +89,30 @@ class _ScaleRules:
         runs = self._nonfinite_runs
         return max((*runs.values(), self._consecutive_nonfinite, 0 if runs else self._restored_run))
 
+    @staticmethod
+    def _fp16_judged_full(decision: dict[str, float]) -> bool:
+        """Whether this update's fp16 gradients leave no room to grow mu: one is large, or one has no headroom."""
+        return bool(decision["fp16_large"] or decision["no_headroom"])
+
     def _fp16_underflows(self, decision: dict[str, float]) -> bool:
         """Whether mu grows 16x at this finite update: there were fp16 gradients with a positive amax, every one
         under ``SMALL_FP16_AMAX``; the last update that judged fp16 gradients (another optimizer's, where each
         optimizer's step() updates) did not find a larger one or a gradient without headroom; and mu was not halved
-        within ``growth_interval`` updates. Notes this update's verdict for the next."""
-        full = bool(decision["fp16_large"] or decision["no_headroom"])  # no headroom anywhere: no room to grow
-        grows = bool(decision["fp16_small"]) and not full and not self._fp16_full and not self._backed_off_recently()
-        if decision["fp16_small"] or full:  # an update without fp16 gradients keeps the verdict it found
+        within ``growth_interval`` updates."""
+        small, full = bool(decision["fp16_small"]), self._fp16_judged_full(decision)
+        return small and not full and not self._fp16_full and not self._backed_off_recently()
+
+    def _note_fp16_verdict(self, decision: dict[str, float]) -> None:
+        """Keep this update's fp16 verdict for the next one (``_fp16_full``); an update without fp16 gradients keeps
+        the verdict it found."""
+        full = self._fp16_judged_full(decision)
+        if decision["fp16_small"] or full:
             self._fp16_full = full
-        return grows
 
     def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
         self._count_nonfinite_runs(nonfinite=False)
         underflows = self._fp16_underflows(decision)
+        self._note_fp16_verdict(decision)
         numel, cast_numel = decision["numel"], decision["cast_numel"]  # all values measured; those an FP8 cast held
         self._last_saturation = decision["n_saturated"] / cast_numel if cast_numel else 0.0
         if self._last_saturation > self.saturation_threshold:

@@ -265,6 +265,12 @@ def test_bad_arguments_are_named():
         cast.cast_to_fp8(x.reshape(2, 2, 16), one, torch.float8_e4m3fn, transpose=True)
     with pytest.raises(TypeError, match="int32"):
         cast.amax(x.int())
+    with pytest.raises(TypeError, match="expects a tensor"):
+        cast.amax(x.tolist())
+    with pytest.raises(TypeError, match="cast already"):
+        cast.amax(x.to(torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="float64"):
+        cast.amax(x.double())
 
 
 def _linear_step(seed, monkeypatch, kernels):
