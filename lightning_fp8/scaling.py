@@ -320,7 +320,8 @@ class ScalingState(nn.Module):
 
         Raises:
             TypeError: for ``x`` that is not a dense (strided) tensor of float16, bfloat16, float32 or float64, or
-                an ``unscale`` that is not a one-element float32 tensor (nothing is changed).
+                an ``unscale`` that is not a one-element float32 tensor, or a flag (``transpose``, ``current``,
+                ``column_sum``, ``keep_input``) that is not a bool (``current`` may be None) (nothing is changed).
             ValueError: for ``x`` or ``unscale`` on another device than the state, ``column_sum`` or ``transpose``
                 of a tensor that is not 2-D (nothing is changed); for
                 ``unscale`` with a cast that does not compute its own scale (``current=False``, or ``None`` on a
@@ -328,6 +329,10 @@ class ScalingState(nn.Module):
         """
         if not torch.compiler.is_compiling():  # traced, x comes from a checked layer (a backward may not read layout)
             check_castable(x, "ScalingState.quantize")
+            for name, flag in (("transpose", transpose), ("column_sum", column_sum), ("keep_input", keep_input)):
+                check_flag("ScalingState.quantize", name, flag)
+            if current is not None:
+                check_flag("ScalingState.quantize", "current", current)
             if x.device != self._buffers["scale"].device:
                 raise ValueError(
                     f"ScalingState.quantize: x is on {x.device} but the scaling state on "

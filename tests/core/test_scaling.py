@@ -399,6 +399,18 @@ def test_quantize_refuses_what_it_cannot_cast_and_changes_nothing(x, match):
     assert all(torch.equal(v, s.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"), [("transpose", "no"), ("column_sum", 1), ("keep_input", np.bool_(False)), ("current", "False")]
+)
+def test_quantize_refuses_a_flag_that_is_not_a_bool_and_changes_nothing(flag, value):
+    # A truthy string (transpose="no", current="False") switched the feature on against what was meant.
+    s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=True)
+    before = {k: v.clone() for k, v in s.state_dict().items()}
+    with pytest.raises(TypeError, match=rf"ScalingState.quantize\({flag}=.*\): must be True or False"):
+        s.quantize(torch.randn(4, 16), **{flag: value})
+    assert all(torch.equal(v, s.state_dict()[k]) for k, v in before.items())
+
+
 def test_quantize_casts_float64_as_the_reference_does():
     s = ScalingState(E4M3, history_len=4, margin=0, algo="max", delayed=False)
     x = torch.randn(8, 16, dtype=torch.float64) * 3
