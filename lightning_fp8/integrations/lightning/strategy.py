@@ -166,8 +166,9 @@ class _FP8FSDPStrategyLogic:
                 f"strategy='{STRATEGY_NAME}' loads full (single-file) checkpoints; {str(path)!r} is not one"
             )
         # None (Lightning's default) loads with weights_only=True, as torch>=2.6 does; an explicit False is kept.
+        weights_only = True if weights_only is None else weights_only
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
         except (EOFError, RuntimeError) as error:  # torch's reader on a truncated or corrupt file (empty: EOFError)
             raise ValueError(
                 f"the checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}): it is truncated or "
