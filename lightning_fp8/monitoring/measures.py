@@ -1,5 +1,6 @@
 """What :class:`~lightning_fp8.health.HealthMonitor` is given to watch, measured: the global L2 norm of gradients or
-parameters (:func:`global_norm`, also what gradient clipping uses) and memory use (:func:`memory_gib`).
+parameters (:func:`global_norm`, also what gradient clipping uses), memory use (:func:`memory_gib`) and the samples
+and tokens of a batch (:func:`count_batch`, :func:`count_tokens`).
 
 The norm reads an O2 master weight of FP8AdamW unscaled, and reduces sharded tensors (DTensors, FSDP1's flat
 parameters) over their ranks.
@@ -97,3 +98,30 @@ def memory_gib(device: torch.device | str) -> dict[str, float]:
     # ru_maxrss is in KiB on Linux and bytes on macOS.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"peak": peak / 2.0**30}
+
+
+def _first_tensor(batch: Any, keep: Any) -> torch.Tensor | None:
+    """The first tensor of ``batch`` (a tensor, or nested lists, tuples and dict values) for which ``keep`` holds."""
+    if isinstance(batch, torch.Tensor):
+        return batch if keep(batch) else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = _first_tensor(value, keep)
+        if found is not None:
+            return found
+    return None
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Tokens in ``batch``: the size of its first integer tensor of rank >= 2, the (batch, sequence) token ids of a
+    language model (``None`` if there is none)."""
+    tokens = _first_tensor(batch, lambda t: t.dim() >= 2 and not t.is_floating_point())
+    return None if tokens is None else tokens.numel()
+
+
+def count_batch(batch: Any) -> tuple[int | None, int | None]:
+    """``(samples, tokens)`` of ``batch``: the first dimension of its first tensor (1 for a 0-dim one; ``None``
+    without a tensor) and :func:`count_tokens`."""
+    first = _first_tensor(batch, lambda t: True)
+    samples = None if first is None else (first.shape[0] if first.dim() else 1)
+    return samples, count_tokens(batch)

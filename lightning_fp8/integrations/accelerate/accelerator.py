@@ -43,6 +43,7 @@ from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_lau
 from lightning_fp8.integrations.accelerate.gradients import GradientsMixin
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
+from lightning_fp8.integrations.accelerate.step_work import StepWork
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
@@ -115,6 +116,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
+        self._fp8_param_norm: torch.Tensor | None = None  # of the step's weights, before it (GradientsMixin)
+        self._fp8_work = StepWork()  # samples, tokens and time of the training forwards (health throughput)
         self._fp8_clipping = False  # in Accelerate's clip_grad_norm_ (its unscale_gradients call is not the script's)
         if self.fp8_lm_config is None:
             if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
@@ -212,7 +215,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                 "fully_shard, on the sharded parameters (an FP8AdamW built before sharding holds the unsharded ones)"
             )
         device_placement = self.device_placement if device_placement is None else device_placement
-        prepared = FP8AcceleratedOptimizer(optimizer, device_placement, self._fp8_scaler(), self._fp8_on_step)
+        prepared = FP8AcceleratedOptimizer(
+            optimizer, device_placement, self._fp8_scaler(), self._fp8_on_step, before_step=self._fp8_before_step
+        )
         prepared.sharded_states = self._fp8_tp_enabled
         for old, new in self._fp8_swaps:
             if new is optimizer:  # schedulers built on the old one, prepared or not, drive the FP8AdamW
@@ -372,6 +377,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         if id(model) in self._fp8_wrapped:
             return
         self._fp8_wrapped.add(id(model))
+        self._fp8_work.attach(model)  # the object the script calls: its hooks run outside a compiled region
         if isinstance(model, nn.parallel.DistributedDataParallel):
             self._fp8_ddp_weights |= {id(m.weight) for m in model.module.modules() if isinstance(m, FP8Linear)}
             comm_hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
@@ -410,6 +416,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_conversions = []
         self.fp8_report = self._fp8_initial_report()  # what the next prepare does (no optimizer swap, comm hook, ...)
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
+        self._fp8_param_norm = None
+        self._fp8_work.detach()
         if self.fp8_lm_config is not None:
             self.fp8_health = HealthMonitor()
         return result

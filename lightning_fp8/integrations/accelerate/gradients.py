@@ -5,7 +5,7 @@ FP8 attributes: the scaler, the prepared optimizer, the health monitor and the s
 gradients carry the gradient scale mu until the optimizer step unscales them inside FP8AdamW's kernel: ``backward``
 multiplies the loss by mu, ``clip_grad_norm_`` / ``clip_grad_value_`` clip the true (unscaled) gradients,
 ``unscale_gradients`` divides them by mu in place for a script's own clipping, and the prepared optimizer calls
-``_fp8_on_step`` after each step (skipped or not) to feed the health monitor.
+``_fp8_before_step`` before and ``_fp8_on_step`` after each step (skipped or not) to feed the health monitor.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from accelerate.utils import DistributedType
 from typing_extensions import override
 
-from lightning_fp8.health import scaler_fallbacks, skipped_step_action
+from lightning_fp8.health import global_norm, memory_gib, scaler_fallbacks, skipped_step_action
 from lightning_fp8.integrations.accelerate import parallel, refusals
 from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
 
@@ -112,13 +112,24 @@ class GradientsMixin:
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         clip_grad_value_keeping_overflow_(parameters, clip_value * self._fp8_grad_factor(parameters))
 
+    def _fp8_before_step(self) -> None:
+        # As TrainingHealthMonitor's health/param_norm and health/grad_norm: the norm of the weights this step's loss
+        # came from (O2 masters count unscaled, DTensor shards reduce over their mesh) and, where the script did not
+        # clip, the norm clip_grad_norm_ would have returned (the true gradients, held FP8 ones included).
+        params = [p for model in self._fp8_models for p in model.parameters()]
+        self._fp8_param_norm = global_norm(params, device=self.device)
+        if self._fp8_grad_norm is None and self._fp8_optimizer is not None:
+            trained = [p for group in self._fp8_optimizer.optimizer.param_groups for p in group["params"]]
+            self._fp8_grad_norm = parallel.grad_norm_fp32(trained, self._fp8_grad_factor(trained))
+
     def _fp8_on_step(self, stepped: bool) -> None:
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.
         step = self._fp8_steps
         self._fp8_steps += 1
         # This step's records, taken and cleared first: an error below cannot leave them to the later steps.
-        losses, grad_norm = self._fp8_loss, self._fp8_grad_norm
-        self._fp8_loss, self._fp8_grad_norm = [], None
+        losses, grad_norm, param_norm = self._fp8_loss, self._fp8_grad_norm, self._fp8_param_norm
+        self._fp8_loss, self._fp8_grad_norm, self._fp8_param_norm = [], None, None
+        samples, tokens, seconds = self._fp8_work.take()
         loss = torch.stack(losses).mean() if losses else None
         events = []
         if not stepped:  # the event says what the scaler did: skipped, mu lowered, and a fallback it ran then
@@ -130,7 +141,10 @@ class GradientsMixin:
             events.append(self.fp8_health.record_nonfinite(step, "grad", skipped_step_action(fallbacks)))
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
-        events += self.fp8_health.observe(step, loss=loss, grad_norm=grad_norm if stepped else None)
+        events += self.fp8_health.observe(
+            step, loss=loss, grad_norm=grad_norm if stepped else None, param_norm=param_norm, samples=samples,
+            tokens=tokens, seconds=seconds, memory_gib=memory_gib(self.device)["peak"],
+        )  # fmt: skip
         for event in events:
             if self.is_main_process:
                 logger.warning(f"lightning_fp8 health: {event.message} (action: {event.action})")

@@ -2,7 +2,8 @@
 
 The names are those the Lightning callbacks (``FP8ScaleMonitor``, ``TrainingHealthMonitor``) log. The values come
 from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optimizer-state scales; mu) and
-:class:`lightning_fp8.health.HealthMonitor` (last loss and gradient norm, event counts):
+:class:`lightning_fp8.health.HealthMonitor` (the ``health/*`` values ``TrainingHealthMonitor`` logs:
+:mod:`lightning_fp8.monitoring.report`):
 
 =====================================  ==========================================================================
 ``fp8/<role>/<stat>``                  role ``input``/``weight``/``grad_output``; stat ``scale_min``,
@@ -12,8 +13,11 @@ from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optim
 ``fp8/optimizer/<key>/min|max``        scales of the FP8AdamW states (``exp_avg_scale``...) over all parameters
 ``fp8/grad_scaler/<stat>``             ``scale`` (mu), ``skipped_steps``, ``last_saturation``,
                                        ``nonfinite_events``
-``health/<series>``                    ``loss``, ``grad_norm`` (unscaled) of the last optimizer step (a key is
-                                       absent where that step had none)
+``health/<series>``                    ``loss``, ``grad_norm`` (unscaled), ``param_norm`` (before the step),
+                                       ``memory_gib`` (peak) of the last optimizer step (a key is absent where
+                                       that step had none); ``loss_smooth``, ``samples_per_sec``,
+                                       ``tokens_per_sec``: running means over 20 steps (this process's work: the
+                                       training forwards of the first prepared model, :mod:`.step_work`)
 ``health/events/<kind>``               counts of ``grad_norm_spike``, ``loss_plateau``, ``nonfinite_loss``,
                                        ``nonfinite_grad``
 =====================================  ==========================================================================
@@ -27,7 +31,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_fp8.monitoring.report import health_log_values
 from lightning_fp8.stats import fp8_stats
+
+# The steps of the running means (health/loss_smooth, health/*_per_sec): TrainingHealthMonitor's default.
+SMOOTHING_WINDOW = 20
 
 _LAYER_STATS = ("scale", "amax", "saturation")
 
@@ -48,9 +56,10 @@ def fp8_log_values(
     layers: bool = False,
     health_step: int | None = None,
 ) -> dict[str, float | int]:
-    """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); ``health/{loss,
-    grad_norm}`` only where ``health`` has a value at ``health_step`` (the last optimizer step: a step that was not
-    clipped or was skipped has no gradient norm, and the one of an earlier step is not logged as its own)."""
+    """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); the ``health/*``
+    values of :func:`lightning_fp8.monitoring.report.health_log_values` at ``health_step`` (the last optimizer step:
+    a step that was not clipped or was skipped has no gradient norm, and the one of an earlier step is not logged
+    as its own)."""
     values: dict[str, float | int] = {}
     for i, model in enumerate(models):
         prefix = "fp8" if len(models) == 1 else f"fp8/model{i}"
@@ -67,10 +76,7 @@ def fp8_log_values(
             if _number(value) is not None:
                 values[f"{prefix}/grad_scaler/{key}"] = _number(value)
     if health is not None:
-        summary = health.summary()
-        values.update({f"health/{name}": points[-1][1] for name, points in health.series.items()
-                       if points and points[-1][0] == health_step})  # fmt: skip
-        values.update({f"health/events/{k}": v for k, v in summary["events"].items()})
+        values.update(health_log_values(health, health_step, SMOOTHING_WINDOW))
     return values
 
 

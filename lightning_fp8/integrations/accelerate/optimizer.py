@@ -42,6 +42,7 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         device_placement: as ``AcceleratedOptimizer``.
         grad_scaler: the :class:`~lightning_fp8.FP8GradScaler` of this accelerator.
         on_step: called with True after a step, False after a skipped one (statistics, health).
+        before_step: called before a step that syncs gradients (the health monitor's parameter norm).
     """
 
     def __init__(
@@ -50,10 +51,12 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         device_placement: bool,
         grad_scaler: Any,
         on_step: Callable[[bool], None],
+        before_step: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(optimizer, device_placement=device_placement, scaler=None)
         self.grad_scaler = grad_scaler
         self._on_step = on_step
+        self._before_step = before_step
         # Tensor parallelism: the states are DTensor shards, saved by the accelerator's checkpoint hooks with
         # torch.distributed.checkpoint; Accelerate's own optimizer file then holds a placeholder.
         self.sharded_states = False
@@ -168,6 +171,8 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         self.scale_back()  # the step unscales by mu itself (and checks the gradients as they then are)
         if not self.gradient_state.sync_gradients:
             return
+        if self._before_step is not None:
+            self._before_step()
         stepped = bool(self.grad_scaler.step(self.optimizer))
         self.grad_scaler._update(judge_unstepped=False)  # this step's: another optimizer's unscale_ stays its own
         # What the LR schedulers watch (torch's wrapper of optimizer.step sets it), also when the scaler skipped the

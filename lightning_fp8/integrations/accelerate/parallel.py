@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_fp8.convert import fp8_modules
 from lightning_fp8.integrations.clipping import with_held_norms
+from lightning_fp8.monitoring.measures import global_norm
 from lightning_fp8.optim import fp8_grads
 from lightning_fp8.recipe import FP8Recipe
 
@@ -64,6 +65,18 @@ def broadcast_parameters(model: nn.Module, src: int = 0, *, buffers: bool = Fals
                     dist.broadcast(data, src)
                     if data is not buffer:
                         buffer.copy_(data)
+
+
+def grad_norm_fp32(parameters: list[torch.Tensor], grad_scale: float) -> torch.Tensor | None:
+    """The L2 norm of ``parameters``' gradients as if they did not carry ``grad_scale``, in fp32, without clipping:
+    what :func:`clip_grad_norm_fp32` (or Accelerate's clipping of DTensor gradients, which reduce over their mesh)
+    returns. The FP8 gradients an FP8AdamW holds count through their scales. ``None`` without any gradient."""
+    held = fp8_grads.held_fp8_grads(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads and not held:
+        return None
+    others = global_norm(grads, device=grads[0].device) if grads else None
+    return with_held_norms(others, fp8_grads.fp8_grad_norms(held, 2.0)) / grad_scale
 
 
 def clip_grad_norm_fp32(parameters: Any, max_norm: float, norm_type: float, grad_scale: float) -> torch.Tensor:

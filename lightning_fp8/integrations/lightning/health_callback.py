@@ -38,20 +38,10 @@ from lightning_fp8.integrations.lightning.callbacks import (
     reads_scaled_gradients,
 )
 from lightning_fp8.integrations.lightning.health_args import _checked_plot_path, _checked_tokens, plot_file_for
+from lightning_fp8.monitoring.measures import count_tokens
+from lightning_fp8.monitoring.report import health_log_values
 from lightning_fp8.recipe import check_flag
 from lightning_fp8.warnings import warn_once
-
-
-def _first_token_tensor(batch: Any) -> torch.Tensor | None:
-    # Heuristic for language models: the first integer tensor of rank >= 2 is (batch, sequence) token ids.
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.dim() >= 2 and not batch.is_floating_point() else None
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        found = _first_token_tensor(value)
-        if found is not None:
-            return found
-    return None
 
 
 def count_samples(batch: Any) -> int | None:
@@ -65,12 +55,6 @@ def count_samples(batch: Any) -> int | None:
     if isinstance(batch, (list, tuple)) and not any(isinstance(x, (list, tuple, dict)) for x in batch):
         return len(batch)
     return None
-
-
-def count_tokens(batch: Any) -> int | None:
-    """Tokens in ``batch``: the size of its first integer tensor of rank >= 2 (``None`` if there is none)."""
-    tokens = _first_token_tensor(batch)
-    return None if tokens is None else tokens.numel()
 
 
 def _grad_scalers(trainer: Trainer) -> list[Any]:
@@ -117,7 +101,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     the parameter norm, the training throughput and the memory in use; every ``log_every_n_steps`` such batches
     (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached:
 
-    - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, NaN and
+    - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, by
+      torchmetrics' ``MeanMetric``: :mod:`lightning_fp8.monitoring.report`; NaN and
       inf left out), ``health/grad_norm``, ``health/param_norm`` (both taken before the optimizer steps: the
       norm of the parameters the batch's loss was computed with; ``FP8ScaleMonitor``'s ``fp8/*`` are read after it);
     - ``health/samples_per_sec`` and, when batches carry token ids (or ``tokens_fn`` is given),
@@ -362,19 +347,7 @@ class TrainingHealthMonitor(_LoggingCallback):
         return actions
 
     def _metrics(self) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        series = self.monitor.series
-        for name in ("loss", "grad_norm", "param_norm", "memory_gib"):
-            points = series[name]
-            if points and points[-1][0] == self._last_step:
-                metrics[f"health/{name}"] = points[-1][1]
-        for name, source in (("loss_smooth", "loss"), ("samples_per_sec", None), ("tokens_per_sec", None)):
-            points = series[source or name]
-            if points:
-                metrics[f"health/{name}"] = _running_mean(points, self.smoothing_window)
-        for kind, count in self.monitor.summary()["events"].items():
-            metrics[f"health/events/{kind}"] = float(count)
-        return metrics
+        return health_log_values(self.monitor, self._last_step, self.smoothing_window)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -412,10 +385,3 @@ class TrainingHealthMonitor(_LoggingCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict["monitor"])
-
-
-def _running_mean(points: list[tuple[int, float]], window: int) -> float:
-    """Mean of the values of the last ``window`` points, non-finite ones left out (NaN if all are): one inf loss (a
-    step the scaler skips) must not hide the curve for a whole window."""
-    values = [value for _, value in points[-window:] if math.isfinite(value)]
-    return sum(values) / len(values) if values else math.nan
