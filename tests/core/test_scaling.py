@@ -186,17 +186,17 @@ def test_reset_parameters_starts_over_from_uninitialized_memory():
 # -- a non-finite or zero amax, as a cast records it (pinned against DESIGN.md / docs/concepts/formats.md) ----------
 
 
-def _state(history_len: int, algo: str = "max", delayed: bool = True) -> ScalingState:
-    s = ScalingState(E4M3, history_len=history_len, margin=0, algo=algo, delayed=delayed)
-    s.quantize(torch.full((4, 4), 100.0))  # first cast: its own amax; scale 2**floor(log2(448 / 100)) = 4
-    s.quantize(torch.full((4, 4), 1.0))
+def _state(history_len: int, algo: str = "max", delayed: bool = True, device: str = "cpu") -> ScalingState:
+    s = ScalingState(E4M3, history_len=history_len, margin=0, algo=algo, delayed=delayed, device=device)
+    s.quantize(torch.full((4, 4), 100.0, device=device))  # its own amax first: scale 2**floor(log2(448 / 100)) = 4
+    s.quantize(torch.full((4, 4), 1.0, device=device))
     return s
 
 
-def _bad(kind: str) -> torch.Tensor:
-    x = torch.ones(4, 4)
+def _bad(kind: str, device: str = "cpu") -> torch.Tensor:
+    x = torch.ones(4, 4, device=device)
     if kind == "zero":
-        return torch.zeros(4, 4)
+        return torch.zeros(4, 4, device=device)
     x[0, 0] = float(kind)
     return x
 
@@ -208,17 +208,18 @@ def test_bad_cast_keeps_the_previous_scale_and_history(monkeypatch, kernels, kin
     """DESIGN.md: an amax of 0 or a non-finite one keeps the previous scale. Window 2, "max", after the casts 100 and
     1: history [1, 100], scale 2**floor(log2(448 / 100)) = 4. Had the bad cast rolled the window (its slot 0), 100
     would have dropped out and the scale jumped to 256 right after an overflow. Counted in nonfinite_count only when
-    non-finite. The Triton cast (run by the interpreter on CPU) does its bookkeeping in its last program."""
+    non-finite. The Triton cast (on a GPU, else run by the interpreter) does its bookkeeping in its last program."""
     monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
-    s = _state(history_len, algo)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    s = _state(history_len, algo, device=device)
     history, scale = s.amax_history.clone(), s.scale.item()
     assert scale == (4.0 if algo == "max" and history_len > 1 else 256.0)
-    _, _, scale_inv = s.quantize(_bad(kind))
+    _, _, scale_inv = s.quantize(_bad(kind, device))
     assert scale_inv.item() == 1 / scale  # the cast itself used the previous scale
     assert torch.equal(s.amax_history, history) and s.scale.item() == scale
     assert s.nonfinite_count.item() == (0 if kind == "zero" else 1) and s.casts.item() == 3
     assert s.amax.item() == (0.0 if kind == "zero" else math.inf)  # the cast's own amax is still reported
-    s.quantize(torch.full((4, 4), 2.0))  # the next cast with data rolls the window as usual
+    s.quantize(torch.full((4, 4), 2.0, device=device))  # the next cast with data rolls the window as usual
     assert s.amax_history.tolist() == ([2.0] + history.tolist())[:history_len]
     expected = 448 / max(s.amax_history.tolist()) if algo == "max" else 448 / 2.0
     assert s.scale.item() == 2.0 ** math.floor(math.log2(expected))
