@@ -41,10 +41,11 @@ from lightning_fp8.integrations.accelerate import conversion, parallel, refusals
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.gradients import GradientsMixin
-from lightning_fp8.integrations.accelerate.metrics import LoggingMixin
+from lightning_fp8.integrations.accelerate.metrics import LoggingMixin, new_scale_jumps
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
 from lightning_fp8.integrations.accelerate.step_work import StepWork
 from lightning_fp8.linear import FP8Linear
+from lightning_fp8.monitoring.scale_jumps import ScaleJumps
 from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
@@ -102,6 +103,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None
         self.fp8_health: HealthMonitor | None = None
+        self.fp8_scale_jumps: ScaleJumps | None = None  # fp8/alerts/* (FP8ScaleMonitor's)
         self.fp8_report: dict[str, Any] = self._fp8_initial_report()
         self._fp8_user_filter = fp8_module_filter
         self._fp8_models: list[nn.Module] = []
@@ -127,7 +129,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                 )
             return
         refusals.check_supported(self.mixed_precision, self.distributed_type, self.is_fsdp2, self._fp8_tp_enabled)
-        self.fp8_health = HealthMonitor()
+        self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps()
         # load_state is overridden instead (CheckpointMixin): Accelerate's load hooks run after FSDP's model and
         # optimizer were loaded, and before its other files are, while lightning_fp8's state must be checked first
         # and loaded last.
@@ -419,5 +421,5 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_param_norm = None
         self._fp8_work.detach()
         if self.fp8_lm_config is not None:
-            self.fp8_health = HealthMonitor()
+            self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps()
         return result

@@ -7,7 +7,7 @@ Accelerate's files are written, one file per rank in ``<checkpoint>/lightning_fp
 - the FP8 scaling state of every prepared model (scales, amax histories, counters: non-persistent buffers, so
   they are not in the model's ``state_dict``); per rank, because delayed-scaling histories of activations and
   activation gradients are per rank;
-- the gradient scaler mu and its counters, and the health monitor's history;
+- the gradient scaler mu and its counters, the health monitor's history and the scale-jump alerts;
 - the names of the layers that ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``. A model
   prepared afresh has them in FP8 again: :func:`put_back` puts them back before any state is loaded into it (FP8
   scaling state, weights, optimizer states), as Lightning's plugin does in ``on_load_checkpoint``.
@@ -51,7 +51,13 @@ def rank_file(directory: str | os.PathLike, rank: int) -> Path:
 
 
 def build_state(
-    recipe: FP8Recipe, models: list[nn.Module], world_size: int, grad_scaler: Any | None, health: Any | None, steps: int
+    recipe: FP8Recipe,
+    models: list[nn.Module],
+    world_size: int,
+    grad_scaler: Any | None,
+    health: Any | None,
+    steps: int,
+    scale_jumps: Any | None = None,
 ) -> dict[str, Any]:
     """This rank's FP8 state; ``models`` are unwrapped (no DDP ``module.`` prefix)."""
     return {
@@ -62,6 +68,7 @@ def build_state(
         "fallen_back_layers": [recovery.fallen_back_layers(m) for m in models],
         "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
         "health": health.state_dict() if health is not None else None,
+        "scale_jumps": scale_jumps.state_dict() if scale_jumps is not None else None,
         "optimizer_steps": steps,
     }
 
@@ -205,6 +212,7 @@ def check(
     *,
     strict: bool = True,
     source: str = "the FP8 state",
+    scale_jumps: Any | None = None,
 ) -> None:
     """Raise what :func:`restore` would raise for ``state`` (from :func:`load`) once :func:`put_back` has run, changing
     nothing.
@@ -224,7 +232,7 @@ def check(
             :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict`` and
             ``HealthMonitor.load_state_dict`` raise for their parts.
     """
-    for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict):
+    for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps):
         try:
             check_part()
         except (KeyError, ValueError) as error:
@@ -258,6 +266,7 @@ def restore(
     health: Any | None,
     *,
     strict: bool = True,
+    scale_jumps: Any | None = None,
 ) -> None:
     """Load ``state`` (from :func:`load`) into the unwrapped ``models`` (their fallen-back layers put back), the scaler
     and the health monitor. Every part is checked before any is loaded: a bad entry anywhere in the file changes
@@ -266,7 +275,7 @@ def restore(
     Raises:
         KeyError, ValueError: as :func:`check`.
     """
-    parts = _parts(state, recipe, models, grad_scaler, health, strict)
+    parts = _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps)
     for check_part, _ in parts:
         check_part()
     saved = FP8Recipe.from_dict(state["recipe"])
@@ -289,8 +298,10 @@ def _parts(
     grad_scaler: Any | None,
     health: Any | None,
     strict: bool,
+    scale_jumps: Any | None = None,
 ) -> list[tuple[Callable[[], None], Callable[[], None]]]:
-    """``(check, load)`` of each part of ``state``: each model's scaling state, mu, the health history."""
+    """``(check, load)`` of each part of ``state``: each model's scaling state, mu, the health history, the scale-jump
+    alerts (absent from checkpoints written before they were saved: the first log after the load compares nothing)."""
     _check_entries(state, "the FP8 state")
     saved = FP8Recipe.from_dict(state["recipe"])
     if len(state["models"]) != len(models):
@@ -306,8 +317,8 @@ def _parts(
             leaving_out = [modules[n] for n in names]
             check_part = partial(check_fp8_state_dict, model, model_state, strict, leaving_out=leaving_out)
             parts.append((check_part, partial(load_fp8_state_dict, model, model_state, strict)))
-    for owner, key in ((grad_scaler, "grad_scaler"), (health, "health")):
-        if owner is not None and state[key] is not None:
+    for owner, key in ((grad_scaler, "grad_scaler"), (health, "health"), (scale_jumps, "scale_jumps")):
+        if owner is not None and state.get(key) is not None:
             parts.append((partial(owner.check_state_dict, state[key]), partial(owner.load_state_dict, state[key])))
     return parts
 

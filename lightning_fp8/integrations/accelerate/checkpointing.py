@@ -71,6 +71,7 @@ class CheckpointMixin:
             self.fp8_grad_scaler,
             self.fp8_health,
             self._fp8_steps,
+            self.fp8_scale_jumps,
         )
         self._fp8_on_every_process(
             "writing its FP8 state", lambda: checkpoint.save(directory, self.process_index, state)
@@ -164,8 +165,9 @@ class CheckpointMixin:
         if state is None:
             return
         checkpoint.restore(
-            state, self.fp8_lm_config.recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict
-        )
+            state, self.fp8_lm_config.recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict,
+            scale_jumps=self.fp8_scale_jumps,
+        )  # fmt: skip
         self._fp8_steps = int(state["optimizer_steps"])
         if self.fp8_grad_scaler is not None:  # fallbacks before the checkpoint were reported then
             self._fp8_fallback_seen = scaler_fallbacks(self.fp8_grad_scaler.history, -1)[1]
@@ -192,8 +194,9 @@ class CheckpointMixin:
         if state is not None:
             recipe, source = self.fp8_lm_config.recipe, str(checkpoint.state_file(directory, self.process_index))
             checkpoint.check(
-                state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict, source=source
-            )
+                state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict, source=source,
+                scale_jumps=self.fp8_scale_jumps,
+            )  # fmt: skip
         if self._fp8_tp_enabled:
             tensor_parallel.sharded_path(checkpoint.rank_file(directory, 0).parent)
         accelerate_files = self.distributed_type != DistributedType.FSDP  # FSDP's are DCP folders, not checked

@@ -20,6 +20,10 @@ from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optim
                                        training forwards of the first prepared model, :mod:`.step_work`)
 ``health/events/<kind>``               counts of ``grad_norm_spike``, ``loss_plateau``, ``nonfinite_loss``,
                                        ``nonfinite_grad``
+``fp8/alerts/scale_{drops,rises}``     layers whose scale moved 16x or more since the previous call (from step
+                                       100 on; :mod:`lightning_fp8.monitoring.scale_jumps`), each kept in
+                                       ``accelerator.fp8_scale_jumps.alerts`` (several models: layers named
+                                       ``model<i>.<layer>``)
 =====================================  ==========================================================================
 """
 
@@ -32,10 +36,17 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_fp8.monitoring.report import health_log_values
+from lightning_fp8.monitoring.scale_jumps import ScaleJumps
 from lightning_fp8.stats import fp8_stats
 
 # The steps of the running means (health/loss_smooth, health/*_per_sec): TrainingHealthMonitor's default.
 SMOOTHING_WINDOW = 20
+
+
+def new_scale_jumps() -> ScaleJumps:
+    """The accelerator's scale-jump alerts, with FP8ScaleMonitor's defaults (16x, none before step 100)."""
+    return ScaleJumps(16.0, 100, "accelerator.fp8_scale_jumps", "accelerator.fp8_scale_jumps.alerts")
+
 
 _LAYER_STATS = ("scale", "amax", "saturation")
 
@@ -55,15 +66,20 @@ def fp8_log_values(
     health: Any | None = None,
     layers: bool = False,
     health_step: int | None = None,
+    scale_jumps: ScaleJumps | None = None,
 ) -> dict[str, float | int]:
     """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); the ``health/*``
     values of :func:`lightning_fp8.monitoring.report.health_log_values` at ``health_step`` (the last optimizer step:
     a step that was not clipped or was skipped has no gradient norm, and the one of an earlier step is not logged
     as its own)."""
     values: dict[str, float | int] = {}
+    scales: dict[str, Any] = {}  # every model's layers, for the scale-jump alerts
+    mu = None
     for i, model in enumerate(models):
         prefix = "fp8" if len(models) == 1 else f"fp8/model{i}"
         stats = fp8_stats(model, optimizer if i == 0 else None, grad_scaler if i == 0 else None)
+        scales.update({(name if len(models) == 1 else f"model{i}.{name}"): r for name, r in stats["layers"].items()})
+        mu = stats.get("grad_scaler", {}).get("scale", mu)
         for role, summary in stats["summary"].items():
             values.update({f"{prefix}/{role}/{k}": v for k, v in summary.items()})
         if layers:
@@ -75,6 +91,14 @@ def fp8_log_values(
         for key, value in stats.get("grad_scaler", {}).items():
             if _number(value) is not None:
                 values[f"{prefix}/grad_scaler/{key}"] = _number(value)
+    if scale_jumps is not None:  # as FP8ScaleMonitor: at the number of steps taken, the jumps since the last log
+        seen = len(scale_jumps.alerts)
+        scale_jumps.flag(scales, (health_step or 0) + 1, mu)
+        for i in range(len(models)):  # each model's under its prefix, as its other statistics
+            prefix, named = ("fp8", "") if len(models) == 1 else (f"fp8/model{i}", f"model{i}.")
+            new = [a["kind"] for a in scale_jumps.alerts[seen:] if a["layer"].startswith(named)]
+            values.update({f"{prefix}/alerts/scale_drops": new.count("drop"), f"{prefix}/alerts/scale_rises":
+                           new.count("rise")})  # fmt: skip
     if health is not None:
         values.update(health_log_values(health, health_step, SMOOTHING_WINDOW))
     return values
@@ -91,7 +115,7 @@ class LoggingMixin:
         inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
         return fp8_log_values(
             self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers,
-            health_step=self._fp8_steps - 1,
+            health_step=self._fp8_steps - 1, scale_jumps=self.fp8_scale_jumps,
         )  # fmt: skip
 
     def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:

@@ -19,9 +19,9 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_fp8.monitoring.scale_jumps import ScaleJumps
 from lightning_fp8.recipe import as_count, check_flag
 from lightning_fp8.recovery import fallen_back_layers
-from lightning_fp8.scaling import ROLES
 from lightning_fp8.stats import fp8_stats
 from lightning_fp8.warnings import warn_once
 
@@ -226,10 +226,12 @@ class FP8ScaleMonitor(_LoggingCallback):
         self.all_layers = check_flag("FP8ScaleMonitor", "all_layers", all_layers, MonitorArgumentTypeError)
         self.jump_factor = float(jump_factor)
         self.alert_after_steps = alert_after_steps
-        self._warned_kinds: set[str] = set()
-        self.alerts: list[dict[str, Any]] = []
-        self._previous_scales: dict[tuple[str, str], float] = {}
-        self._previous_mu: float | None = None  # the gradient scale mu at the last log
+        self._jumps = ScaleJumps(self.jump_factor, alert_after_steps, "FP8ScaleMonitor", "FP8ScaleMonitor.alerts")
+
+    @property
+    def alerts(self) -> list[dict[str, Any]]:
+        """Every scale-jump alert so far: ``{"step", "layer", "role", "kind", "from", "to"}``."""
+        return self._jumps.alerts
 
     @override
     def on_train_batch_end(
@@ -270,49 +272,10 @@ class FP8ScaleMonitor(_LoggingCallback):
         for key, bounds in stats.get("optimizer", {}).get("summary", {}).items():
             metrics[f"fp8/optimizer/{key}/min"] = float(bounds["min"])
             metrics[f"fp8/optimizer/{key}/max"] = float(bounds["max"])
-        drops, rises = self._flag_jumps(stats["layers"], step, stats.get("grad_scaler", {}).get("scale"))
+        drops, rises = self._jumps.flag(stats["layers"], step, stats.get("grad_scaler", {}).get("scale"))
         metrics["fp8/alerts/scale_drops"] = float(drops)
         metrics["fp8/alerts/scale_rises"] = float(rises)
         return metrics
-
-    def _flag_jumps(
-        self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None
-    ) -> tuple[int, int]:
-        # A grad_output scale is compared times mu: a change of mu (16x while fp16 gradients underflow, halvings on
-        # skipped steps) moves it by 1 / the change without any amax moving. (Not where either mu is unknown: a
-        # checkpoint written before mu was saved beside the scales, a run without a gradient scaler.)
-        mu_change = mu / self._previous_mu if mu and self._previous_mu else 1.0
-        self._previous_mu = float(mu) if mu else None
-        drops = rises = 0
-        for layer, roles in layers.items():
-            for role in ROLES:
-                if role not in roles:
-                    continue
-                scale = roles[role]["scale"]
-                if not math.isfinite(scale) or scale <= 0:  # no ratio to take, now or at the next log
-                    continue
-                previous = self._previous_scales.get((layer, role))
-                self._previous_scales[(layer, role)] = scale
-                if previous is None or step < self.alert_after_steps:
-                    continue
-                ratio = scale / previous * (mu_change if role == "grad_output" else 1.0)
-                if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
-                    kind = "drop" if ratio < 1 else "rise"
-                    drops, rises = drops + (kind == "drop"), rises + (kind == "rise")
-                    self._alert(step, layer, role, kind, previous, scale)
-        return drops, rises
-
-    def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
-        meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"
-        self.alerts.append({"step": step, "layer": layer, "role": role, "kind": kind, "from": previous, "to": scale})
-        if kind in self._warned_kinds:  # warn_once keys on the text, which names the step: dedupe by kind here
-            return
-        self._warned_kinds.add(kind)
-        warn_once(
-            f"FP8ScaleMonitor: sudden scale {kind} in {layer} ({role}) at step {step}, {previous:g} -> "
-            f"{scale:g}; {meaning}. Later scale {kind}s are not warned: they are counted in "
-            f"fp8/alerts/scale_{kind}s and kept in FP8ScaleMonitor.alerts"
-        )
 
     @override
     def _settings(self) -> dict[str, tuple[Any, Any]]:
@@ -323,8 +286,7 @@ class FP8ScaleMonitor(_LoggingCallback):
     def state_dict(self) -> dict[str, Any]:
         """The alerts and the scales and mu of the last log, which the first log after a resume compares against;
         plain lists, strings and numbers (``torch.load(weights_only=True)`` reads them)."""
-        previous = [[layer, role, scale] for (layer, role), scale in self._previous_scales.items()]
-        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous, "previous_mu": self._previous_mu}
+        return self._jumps.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -337,80 +299,4 @@ class FP8ScaleMonitor(_LoggingCallback):
             ValueError: for an entry it does not hold, or a value out of range (an unknown role or alert kind, a
                 scale that is not a finite positive number).
         """
-        alerts, previous, previous_mu = _checked_scale_state(state_dict)
-        self.alerts = alerts
-        self._previous_scales = previous
-        self._previous_mu = previous_mu
-
-
-# The fields of an alert in FP8ScaleMonitor.alerts (_alert writes them) and the kinds of jump.
-_ALERT_FIELDS = ("step", "layer", "role", "kind", "from", "to")
-_ALERT_KINDS = ("drop", "rise")
-
-
-def _scale_state_error(kind: type[Exception], what: str) -> Exception:
-    return kind(
-        f"FP8ScaleMonitor.load_state_dict: {what}; load the dict that FP8ScaleMonitor.state_dict() returned (the "
-        "checkpoint may be corrupt). Nothing was loaded."
-    )
-
-
-def _checked_scale(value: Any, where: str) -> float:
-    """``value`` as a float, or raise naming ``where``: scales are finite positive numbers (powers of two)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _scale_state_error(TypeError, f"{where} is {repr(value)[:100]}, expected a number")
-    if not math.isfinite(value) or value <= 0:
-        raise _scale_state_error(ValueError, f"{where} is {value}, expected a finite positive scale")
-    return float(value)
-
-
-def _checked_role(role: Any, where: str) -> str:
-    if role not in ROLES:
-        raise _scale_state_error(ValueError, f"{where} has role {repr(role)[:100]}, expected one of {list(ROLES)}")
-    return role
-
-
-def _checked_alert(index: int, alert: Any) -> dict[str, Any]:
-    where = f"alert {index}"
-    if not isinstance(alert, dict) or set(alert) != set(_ALERT_FIELDS):
-        raise _scale_state_error(TypeError, f"{where} is {repr(alert)[:100]}, expected a dict with keys "
-                                 f"{list(_ALERT_FIELDS)}")  # fmt: skip
-    step, layer, kind = alert["step"], alert["layer"], alert["kind"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(layer, str):
-        raise _scale_state_error(TypeError, f"{where} has step {step!r} and layer {repr(layer)[:100]}, expected an "
-                                 "int >= 0 and a layer name")  # fmt: skip
-    if kind not in _ALERT_KINDS:
-        raise _scale_state_error(ValueError, f"{where} has kind {repr(kind)[:100]}, expected one of "
-                                 f"{list(_ALERT_KINDS)}")  # fmt: skip
-    return {"step": step, "layer": layer, "role": _checked_role(alert["role"], where), "kind": kind,
-            "from": _checked_scale(alert["from"], f"the 'from' scale of {where}"),
-            "to": _checked_scale(alert["to"], f"the 'to' scale of {where}")}  # fmt: skip
-
-
-def _checked_scale_state(state: Any) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float], float | None]:
-    """The alerts and previous scales of an :meth:`FP8ScaleMonitor.state_dict`, checked and converted; raises as
-    :meth:`FP8ScaleMonitor.load_state_dict` documents."""
-    if not isinstance(state, dict):
-        raise _scale_state_error(TypeError, f"got {type(state).__name__}, expected a dict")
-    unknown = sorted(set(state) - {"alerts", "previous_scales", "previous_mu"}, key=repr)
-    if unknown:
-        raise _scale_state_error(
-            ValueError, f"unknown entries {unknown}, expected 'alerts', 'previous_scales' and 'previous_mu'"
-        )
-    # 'previous_mu' may be absent or None (checkpoints written before it was saved; no gradient scaler).
-    previous_mu = state.get("previous_mu")
-    previous_mu = None if previous_mu is None else _checked_scale(previous_mu, "'previous_mu'")
-    # Both may be absent: 'previous_scales' from checkpoints written before it was saved (the first comparison after
-    # resuming is then skipped).
-    alerts, previous = state.get("alerts", []), state.get("previous_scales", [])
-    for key, value in (("alerts", alerts), ("previous_scales", previous)):
-        if not isinstance(value, (list, tuple)):
-            raise _scale_state_error(TypeError, f"'{key}' is {repr(value)[:100]}, expected a list")
-    checked = {}
-    for index, entry in enumerate(previous):
-        where = f"entry {index} of 'previous_scales'"
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
-            raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale]")
-        layer, role, scale = entry
-        checked[(layer, _checked_role(role, where))] = _checked_scale(scale, f"the scale of {where}")
-    return [_checked_alert(i, alert) for i, alert in enumerate(alerts)], checked, previous_mu
+        self._jumps.load_state_dict(state_dict)

@@ -118,3 +118,73 @@ def test_health_log_values_reports_the_step_logged_and_the_running_means():
     assert values["health/samples_per_sec"] == (4.0 + 8.0) / 2
     assert values["health/tokens_per_sec"] == 32.0  # step 1 had no token count
     assert values["health/events/nonfinite_loss"] == 0.0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x)))
+
+
+def _scaled_run(accelerator, model, optimizer, magnitudes):
+    for magnitude in magnitudes:
+        loss = model(torch.randn(8, 32) * magnitude).square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _prepared():
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm-current")
+    model = Net()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return accelerator, model, optimizer
+
+
+def test_scale_jumps_are_alerted_as_fp8_scale_monitor_alerts_them(tmp_path, recwarn):
+    accelerator, model, optimizer = _prepared()
+    accelerator.fp8_scale_jumps.alert_after_steps = 0  # FP8ScaleMonitor's warm-up (100 steps) is a setting
+    _scaled_run(accelerator, model, optimizer, [1.0, 1.0])
+    values = accelerator.fp8_log_values(layers=True)
+    assert values["fp8/alerts/scale_drops"] == 0 and values["fp8/alerts/scale_rises"] == 0  # nothing to compare yet
+    scale_before = values["fp8/layers/fc/input/scale"]
+    _scaled_run(accelerator, model, optimizer, [2.0**12])  # fc's input amax jumps 4096x: its scale drops as much
+    values = accelerator.fp8_log_values()
+    assert values["fp8/alerts/scale_drops"] >= 1
+    alert = next(a for a in accelerator.fp8_scale_jumps.alerts if a["layer"] == "fc" and a["role"] == "input")
+    assert (alert["step"], alert["kind"], alert["from"]) == (3, "drop", scale_before)
+    assert alert["from"] / alert["to"] >= 16
+    assert [w for w in recwarn if "accelerator.fp8_scale_jumps: sudden scale drop in" in str(w.message)]
+    assert accelerator.fp8_log_values()["fp8/alerts/scale_drops"] == 0  # counted once: since the previous log
+
+    # save_state / load_state carry the alerts and the scales the next comparison starts from
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    saved = accelerator.fp8_scale_jumps.state_dict()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, _, _ = _prepared()
+    resumed.load_state(str(tmp_path / "ckpt"))
+    assert resumed.fp8_scale_jumps.state_dict() == saved and saved["previous_scales"]
+
+
+def test_a_checkpoint_without_scale_jumps_loads_and_a_corrupt_one_is_refused(tmp_path):
+    accelerator, model, optimizer = _prepared()
+    _scaled_run(accelerator, model, optimizer, [1.0])
+    accelerator.fp8_log_values()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    path = tmp_path / "ckpt" / "lightning_fp8" / "rank0.pt"
+    state = torch.load(path, weights_only=True)
+    for corrupt in ({"alerts": "x"}, {"previous_scales": [["fc", "input", -1.0]]}):
+        torch.save({**state, "scale_jumps": corrupt}, path)
+        with pytest.raises((TypeError, ValueError), match="accelerator.fp8_scale_jumps.load_state_dict: .*Nothing"):
+            accelerator.load_state(str(tmp_path / "ckpt"))
+    del state["scale_jumps"]  # written before the alerts were saved
+    torch.save(state, path)
+    accelerator.fp8_scale_jumps.alerts.append({"step": 1, "layer": "fc", "role": "input", "kind": "drop",
+                                               "from": 2.0, "to": 1.0})  # fmt: skip
+    accelerator.load_state(str(tmp_path / "ckpt"))  # loads; the alerts are left as they were
+    assert len(accelerator.fp8_scale_jumps.alerts) == 1

@@ -60,10 +60,14 @@ def _check_fp8_run(log: str, metrics: dict[int, dict], processes: int) -> None:
 
 def _check_resumed(first: dict[int, dict], resumed: dict[int, dict]) -> None:
     # Same weights, FP8AdamW states, mu, FP8 scaling histories, data position: the same numbers, bit for bit.
+    # Not the machine's measures: memory and the rates of the wall clock differ from run to run.
+    measured = ("health/memory_gib", "health/samples_per_sec", "health/tokens_per_sec")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         for key, value in first[step].items():
-            assert resumed[step][key] == value, (step, key)
+            assert key in resumed[step], (step, key)
+            if key not in measured:
+                assert resumed[step][key] == value, (step, key)
 
 
 def test_one_process_lightning_fp8_launch_then_resume_with_plain_accelerate_launch(tmp_path):

@@ -1,0 +1,176 @@
+"""Sudden moves of the FP8 scales between two logs: what ``FP8ScaleMonitor`` (Lightning) and the Accelerate
+integration's ``accelerator.log`` count as ``fp8/alerts/scale_drops`` and ``fp8/alerts/scale_rises``.
+
+A scale that dropped by ``jump_factor`` or more since the previous log means its amax jumped (overflow is near); one
+that rose as much means its amax collapsed (values may underflow). A ``grad_output`` scale is compared net of the
+change of the gradient scale mu, which moves it without any amax moving. Scales normally move a lot while training
+starts, so nothing is alerted before step ``alert_after_steps``. Every alert is kept in :attr:`ScaleJumps.alerts`;
+the first drop and the first rise are also warned, once each. The state (the alerts, the scales and mu of the last
+log) is plain lists, strings and numbers (``torch.load(weights_only=True)`` reads it), checked entry by entry before
+any is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from lightning_fp8.scaling import ROLES
+from lightning_fp8.warnings import warn_once
+
+
+class ScaleJumps:
+    """The scale-jump alerts of one monitor (see the module docstring).
+
+    Args:
+        jump_factor: scale ratio between two logs that counts as sudden (> 1; checked by the owner).
+        alert_after_steps: the step before which nothing is alerted.
+        owner: the owner's name in warnings and errors (``"FP8ScaleMonitor"``).
+        alerts_name: where the owner's users find :attr:`alerts` (named in the warning).
+    """
+
+    def __init__(self, jump_factor: float, alert_after_steps: int, owner: str, alerts_name: str) -> None:
+        self.jump_factor = float(jump_factor)
+        self.alert_after_steps = alert_after_steps
+        self.owner, self.alerts_name = owner, alerts_name
+        self.alerts: list[dict[str, Any]] = []
+        self._warned_kinds: set[str] = set()
+        self._previous_scales: dict[tuple[str, str], float] = {}
+        self._previous_mu: float | None = None  # the gradient scale mu at the last log
+
+    def flag(self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None) -> tuple[int, int]:
+        """Compare ``layers``' scales (``fp8_stats(...)["layers"]``) with those of the previous call, alert the jumps
+        at ``step`` and return ``(drops, rises)``."""
+        # A grad_output scale is compared times mu: a change of mu (16x while fp16 gradients underflow, halvings on
+        # skipped steps) moves it by 1 / the change without any amax moving. (Not where either mu is unknown: a
+        # checkpoint written before mu was saved beside the scales, a run without a gradient scaler.)
+        mu_change = mu / self._previous_mu if mu and self._previous_mu else 1.0
+        self._previous_mu = float(mu) if mu else None
+        drops = rises = 0
+        for layer, roles in layers.items():
+            for role in ROLES:
+                if role not in roles:
+                    continue
+                scale = roles[role]["scale"]
+                if not math.isfinite(scale) or scale <= 0:  # no ratio to take, now or at the next log
+                    continue
+                previous = self._previous_scales.get((layer, role))
+                self._previous_scales[(layer, role)] = scale
+                if previous is None or step < self.alert_after_steps:
+                    continue
+                ratio = scale / previous * (mu_change if role == "grad_output" else 1.0)
+                if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
+                    kind = "drop" if ratio < 1 else "rise"
+                    drops, rises = drops + (kind == "drop"), rises + (kind == "rise")
+                    self._alert(step, layer, role, kind, previous, scale)
+        return drops, rises
+
+    def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
+        meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"
+        self.alerts.append({"step": step, "layer": layer, "role": role, "kind": kind, "from": previous, "to": scale})
+        if kind in self._warned_kinds:  # warn_once keys on the text, which names the step: dedupe by kind here
+            return
+        self._warned_kinds.add(kind)
+        warn_once(
+            f"{self.owner}: sudden scale {kind} in {layer} ({role}) at step {step}, {previous:g} -> "
+            f"{scale:g}; {meaning}. Later scale {kind}s are not warned: they are counted in "
+            f"fp8/alerts/scale_{kind}s and kept in {self.alerts_name}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The alerts and the scales and mu of the last log, which the first log after a resume compares against."""
+        previous = [[layer, role, scale] for (layer, role), scale in self._previous_scales.items()]
+        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous, "previous_mu": self._previous_mu}
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
+        _checked_scale_state(state_dict, self.owner)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Restore what :meth:`state_dict` saved; every entry is checked before any is loaded.
+
+        Raises:
+            TypeError: when ``state_dict`` is not a dict, or an entry has the wrong type (an alert that is not a dict
+                of the fields :attr:`alerts` holds, a previous scale that is not a ``[layer, role, scale]`` triple).
+            ValueError: for an entry it does not hold, or a value out of range (an unknown role or alert kind, a
+                scale that is not a finite positive number).
+        """
+        self.alerts, self._previous_scales, self._previous_mu = _checked_scale_state(state_dict, self.owner)
+
+
+# The fields of an alert in ScaleJumps.alerts (_alert writes them) and the kinds of jump.
+_ALERT_FIELDS = ("step", "layer", "role", "kind", "from", "to")
+_ALERT_KINDS = ("drop", "rise")
+
+
+def _scale_state_error(kind: type[Exception], what: str, owner: str) -> Exception:
+    return kind(
+        f"{owner}.load_state_dict: {what}; load the dict that {owner}.state_dict() returned (the checkpoint may be "
+        "corrupt). Nothing was loaded."
+    )
+
+
+def _checked_scale(value: Any, where: str, owner: str) -> float:
+    """``value`` as a float, or raise naming ``where``: scales are finite positive numbers (powers of two)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _scale_state_error(TypeError, f"{where} is {repr(value)[:100]}, expected a number", owner)
+    if not math.isfinite(value) or value <= 0:
+        raise _scale_state_error(ValueError, f"{where} is {value}, expected a finite positive scale", owner)
+    return float(value)
+
+
+def _checked_role(role: Any, where: str, owner: str) -> str:
+    if role not in ROLES:
+        raise _scale_state_error(
+            ValueError, f"{where} has role {repr(role)[:100]}, expected one of {list(ROLES)}", owner
+        )
+    return role
+
+
+def _checked_alert(index: int, alert: Any, owner: str) -> dict[str, Any]:
+    where = f"alert {index}"
+    if not isinstance(alert, dict) or set(alert) != set(_ALERT_FIELDS):
+        raise _scale_state_error(TypeError, f"{where} is {repr(alert)[:100]}, expected a dict with keys "
+                                 f"{list(_ALERT_FIELDS)}", owner)  # fmt: skip
+    step, layer, kind = alert["step"], alert["layer"], alert["kind"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(layer, str):
+        raise _scale_state_error(TypeError, f"{where} has step {step!r} and layer {repr(layer)[:100]}, expected an "
+                                 "int >= 0 and a layer name", owner)  # fmt: skip
+    if kind not in _ALERT_KINDS:
+        raise _scale_state_error(ValueError, f"{where} has kind {repr(kind)[:100]}, expected one of "
+                                 f"{list(_ALERT_KINDS)}", owner)  # fmt: skip
+    return {"step": step, "layer": layer, "role": _checked_role(alert["role"], where, owner), "kind": kind,
+            "from": _checked_scale(alert["from"], f"the 'from' scale of {where}", owner),
+            "to": _checked_scale(alert["to"], f"the 'to' scale of {where}", owner)}  # fmt: skip
+
+
+def _checked_scale_state(
+    state: Any, owner: str
+) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float], float | None]:
+    """The alerts and previous scales of a :meth:`ScaleJumps.state_dict`, checked and converted; raises as
+    :meth:`ScaleJumps.load_state_dict` documents."""
+    if not isinstance(state, dict):
+        raise _scale_state_error(TypeError, f"got {type(state).__name__}, expected a dict", owner)
+    unknown = sorted(set(state) - {"alerts", "previous_scales", "previous_mu"}, key=repr)
+    if unknown:
+        raise _scale_state_error(
+            ValueError, f"unknown entries {unknown}, expected 'alerts', 'previous_scales' and 'previous_mu'", owner
+        )
+    # 'previous_mu' may be absent or None (checkpoints written before it was saved; no gradient scaler).
+    previous_mu = state.get("previous_mu")
+    previous_mu = None if previous_mu is None else _checked_scale(previous_mu, "'previous_mu'", owner)
+    # Both may be absent: 'previous_scales' from checkpoints written before it was saved (the first comparison after
+    # resuming is then skipped).
+    alerts, previous = state.get("alerts", []), state.get("previous_scales", [])
+    for key, value in (("alerts", alerts), ("previous_scales", previous)):
+        if not isinstance(value, (list, tuple)):
+            raise _scale_state_error(TypeError, f"'{key}' is {repr(value)[:100]}, expected a list", owner)
+    checked = {}
+    for index, entry in enumerate(previous):
+        where = f"entry {index} of 'previous_scales'"
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
+            raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale]", owner)
+        layer, role, scale = entry
+        checked[(layer, _checked_role(role, where, owner))] = _checked_scale(scale, f"the scale of {where}", owner)
+    return [_checked_alert(i, alert, owner) for i, alert in enumerate(alerts)], checked, previous_mu
