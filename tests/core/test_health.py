@@ -345,6 +345,16 @@ def test_global_norm_matches_torch():
     assert global_norm([]).item() == 0.0
 
 
+def test_global_norm_of_every_float_dtype_matches_a_float64_reference():
+    # One fused norm per dtype: fp16 values whose squares pass fp16's range (60000**2) are summed in fp32, float64
+    # ones in float64 (a norm takes no narrowing), an empty tensor adds nothing.
+    tensors = [torch.randn(5, dtype=torch.float64) * 1e3, torch.randn(0), torch.full((3,), 6e4, dtype=torch.float16),
+               torch.randn(4, 3).bfloat16(), torch.randn(7), torch.randn(2, dtype=torch.float16)]  # fmt: skip
+    expected = math.sqrt(sum(t.double().square().sum().item() for t in tensors))
+    assert global_norm(tensors).item() == pytest.approx(expected, rel=1e-6)
+    assert global_norm(reversed(tensors)).item() == pytest.approx(expected, rel=1e-6)
+
+
 # The O2 master is fp16 (11-bit mantissa) and the reference is the same values exported to fp32: only the fp32
 # accumulation order differs, far below this.
 PARAM_NORM_RTOL = 1e-3
