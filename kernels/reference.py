@@ -193,9 +193,10 @@ def record_cast_ref(
     """Record one cast's statistics and, for delayed scaling, the scale of the next cast.
 
     In place: ``last_amax <- amax``, ``saturation <- n_saturated / numel``, ``nonfinite_count += amax is inf``,
-    ``casts += 1``; where ``amax`` is finite and > 0, ``amax_history`` rolls by one with ``amax`` in front and, with
-    ``delayed``, ``scale <- pow2_scale(max(history) if algo_max else history[0])``. An amax of 0 or a non-finite one
-    carries no information: the history and the scale stay as they were (DESIGN.md: "keep the previous scale").
+    ``casts += 1``; ``amax_history`` rolls by one with ``amax`` (0 if non-finite: no information) in front; with
+    ``delayed``, ``scale <- pow2_scale(max(history) if algo_max else history[0])`` where ``amax`` is finite and > 0.
+    A cast whose amax is 0 or non-finite keeps the previous scale (DESIGN.md); its window still rolls, so that the
+    histories of several ranks stay aligned for the amax sync's element-wise MAX.
 
     ``used_scale`` is the scale the cast used: a copy of ``scale``, never ``scale`` itself, because under
     ``torch.compile`` the backward may recompute the FP8 copy from it after ``scale`` was updated here.
@@ -210,9 +211,8 @@ def record_cast_ref(
     last_amax.copy_(amax)
     saturation.copy_(n_saturated.float() / max(numel, 1))
     informative = finite & (amax > 0)
-    rolled = torch.roll(amax_history, 1)
-    rolled[0] = amax
-    amax_history.copy_(torch.where(informative, rolled, amax_history))
+    amax_history.copy_(torch.roll(amax_history, 1))
+    amax_history[0] = torch.where(finite, amax, 0.0)
     if delayed:
         ref = amax_history.amax() if algo_max else amax_history[0]
         scale.copy_(torch.where(informative, pow2_scale_ref(ref, fmax, margin, scale), scale))
@@ -278,11 +278,10 @@ def quantize_ref(
     if unscale is not None:
         scale_inv = scale_inv / unscale
         last_amax.div_(unscale)
-        # An amax of 0 or inf kept the stored history and scale, which describe t already (divided or multiplied
-        # again, an all-zero weight's scale grew by 1 / unscale at every cast, to inf).
-        informative = (amax > 0) & (amax < math.inf)
-        amax_history.copy_(torch.where(informative, amax_history / unscale, amax_history))
-        scale.copy_(torch.where(informative, scale * unscale, scale))
+        amax_history.div_(unscale)
+        # An amax of 0 or inf kept the stored scale, which describes t already (multiplied again, an all-zero
+        # weight's scale grew by 1 / unscale at every cast, to inf).
+        scale.copy_(torch.where((amax > 0) & (amax < math.inf), scale * unscale, scale))
     if column_sum:
         return x_fp8, x_fp8_t, scale_inv, column_sum_ref(x)
     if keep_input:

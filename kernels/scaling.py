@@ -7,9 +7,9 @@ Math (numerics defined by :func:`~lightning_fp8.kernels.reference.current_scale_
     current:  scale <- pow2_scale(amax)
     record:   scale_inv_out <- 1 / scale;  last_amax <- amax;  saturation <- n_sat / numel
               nonfinite_count += (amax == inf);  casts += 1
-              where 0 < amax < inf (else history and scale stay as they were):
-                history <- [amax, history[:-1]]
-                delayed only:  scale <- pow2_scale(max(history) or history[0])
+              history <- [amax if finite else 0, history[:-1]]
+              delayed only, where 0 < amax < inf (else the scale is kept):
+                scale <- pow2_scale(max(history) or history[0])
 
 Eagerly, the torch version of ``record`` is ~20 launches of a few microseconds each, for every cast of every
 layer; fused into the cast (kernels/quantize.py ``quantize_``) it costs no launch at all.
@@ -60,19 +60,20 @@ def _record(
     tl.store(last_amax_ptr, a / unscale if UNSCALE else a)
     tl.store(saturation_ptr, n_sat.to(tl.float32) / numel)  # numel: a python int (may be specialized)
     # Roll: every load of the old history is issued before any store (one program, data dependency).
-    # An amax of 0 or inf carries no information: the history and the scale stay as they were.
+    # An amax of 0 or inf carries no information: it enters the history as 0 (the window rolls, as on every rank of
+    # an amax sync) and the scale is kept.
     informative = finite & (a > 0)
     offs = tl.arange(0, BLOCK_H)
     shifted = tl.load(hist_ptr + offs - 1, mask=(offs > 0) & (offs < H), other=0.0)
-    hist = tl.where(offs == 0, a, shifted)
-    stored = tl.where(informative, H, 0)  # entries written: none for an uninformative amax
-    tl.store(hist_ptr + offs, hist / unscale if UNSCALE else hist, mask=offs < stored)
+    a_info = tl.where(finite, a, 0.0)
+    hist = tl.where(offs == 0, a_info, shifted)
+    tl.store(hist_ptr + offs, hist / unscale if UNSCALE else hist, mask=offs < H)
     new_scale = used_scale
     if DELAYED:
         if ALGO_MAX:
             ref = tl.max(tl.where(offs < H, hist, 0.0), axis=0)
         else:
-            ref = a
+            ref = a_info
         new_scale = _pow2_scale(ref, used_scale, MAX_EXP, MAX_MANT, MARGIN)
     if UNSCALE:
         # The stored scale describes t already (the cast read x = t * unscale).

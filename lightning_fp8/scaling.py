@@ -6,11 +6,12 @@ the scale and by its inverse adds no rounding error. :func:`compute_scale` keeps
 of 0 or a non-finite amax.
 
 What a cast records (``kernels/reference.py: record_cast_ref``; the Triton kernels do the same): its amax (inf
-where it held inf or NaN), saturation and count, and, where the amax is finite and > 0, the amax in front of the
-history (the window rolls by one) and, for delayed scaling, the scale from the history (its max, or its newest entry
-with ``"most_recent"``). An amax of 0 (an all-zero or empty tensor) or a non-finite one carries no information: the
-history and the scale stay as they were (the previous scale is kept, as DESIGN.md says); a non-finite one is
-counted in ``nonfinite_count``, a zero one is not.
+where it held inf or NaN), saturation and count; the amax in front of the history (the window rolls by one at
+every cast); and, for delayed scaling, the scale from the history (its max, or its newest entry with
+``"most_recent"``). An amax of 0 (an all-zero or empty tensor) or a non-finite one carries no information: it enters
+the history as 0 and the cast keeps the previous scale (DESIGN.md); a non-finite one is counted in
+``nonfinite_count``, a zero one is not. The window rolls all the same, so that the histories of the ranks of an
+amax sync stay aligned (:mod:`lightning_fp8.distributed.amax_sync`).
 
 Delayed scaling casts with the scale computed from the amax history of earlier casts, then records this
 cast's amax: one pass over the data. Current scaling computes the tensor's amax first: two passes.
@@ -134,8 +135,8 @@ class ScalingState(nn.Module):
     :func:`lightning_fp8.fp8_state_dict` to save them):
 
     - ``scale``: the scale the next delayed cast uses (0-dim fp32, a power of two);
-    - ``amax_history``: the last ``amax_history_len`` finite amaxes above 0, most recent first (0 where unknown;
-      a cast whose amax was 0 or non-finite leaves it as it was: see the module docstring);
+    - ``amax_history``: the last ``amax_history_len`` amaxes, most recent first (0 where unknown, and for a cast
+      whose amax was 0 or non-finite: see the module docstring);
     - ``amax``: the amax of the last cast (inf where it held a NaN); ``saturation``: fraction of its values whose
       scaled magnitude reached the FP8 maximum (clamped to it; non-finite values become NaN and do not count);
     - ``nonfinite_count``: casts whose amax was inf or NaN; ``casts``: number of casts.
@@ -177,7 +178,7 @@ class ScalingState(nn.Module):
         self.delayed = delayed
         # Python flag, not a tensor: the first delayed cast has no history and uses the tensor's own amax. Set by the
         # first cast whose amax carries information, finite and > 0 (note_cast); a cast of an empty or all-zero tensor
-        # (amax 0) or of one with inf or NaN (not recorded in the history) leaves it unset. Set again when a saved
+        # (amax 0) or of one with inf or NaN (recorded in the history as 0) leaves it unset. Set again when a saved
         # state is loaded (lightning_fp8.state).
         self.initialized = False
         f32 = {"dtype": torch.float32, "device": device}
@@ -240,7 +241,7 @@ class ScalingState(nn.Module):
     def note_cast(self, numel: int, by_value: bool = True) -> None:
         """After a cast of ``numel`` elements that this state recorded: mark it :attr:`initialized` when the cast's
         amax (the ``amax`` buffer) is finite and > 0. An amax of 0 (an empty or all-zero tensor: a zero-initialized
-        layer's output at step 0) or a non-finite one carries no information and leaves the history as it was: a delayed
+        layer's output at step 0) or a non-finite one enters the history as 0 and carries no information: a delayed
         scale from a history of zeros would stay 1, and the next cast must still use its own amax.
 
         The amax read is the larger of the cast's and the history's (a history that an amax sync filled from other

@@ -388,7 +388,7 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
         what = "a power of two from 2**-126 to 2**127 (the scales casts produce)"
     elif buf_name == "saturation":
         bad, what = not ((v >= 0) & (v <= 1)).all(), "in [0, 1]"
-    elif buf_name == "amax_history":  # a cast never records a non-finite amax here (no information)
+    elif buf_name == "amax_history":  # a cast records a non-finite amax as 0 here (no information)
         bad, what = not ((v >= 0) & (v < float("inf"))).all(), "finite and non-negative"
     else:  # amax (inf is a recorded overflow), nonfinite_count, casts
         bad, what = not (v >= 0).all(), "non-negative"

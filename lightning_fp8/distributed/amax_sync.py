@@ -10,6 +10,7 @@ are recomputed from the reduced histories (:func:`lightning_fp8.scaling.compute_
 
     amax_history <- max over ranks of amax_history               # one all-reduce for the whole model
     scale        <- compute_scale(max(amax_history) or amax_history[0], fp8_dtype, margin, prev=scale)
+                    # kept where amax_history[0] is 0: no rank's last cast carried information
 
 The whole history, not only its newest entry: since the last sync a state may have cast more than once on one rank
 (a layer used twice, two forwards before one backward, an evaluation on that rank alone) and not at all on another
@@ -62,6 +63,15 @@ def localize_buffers(state: ScalingState) -> None:
                 state._buffers[name] = buf.to_local()
 
 
+
+def _scale_reference(history: torch.Tensor, algo: str) -> torch.Tensor:
+    """Per row of reduced amax histories (one per state), the amax its scale comes from: the max or the newest entry;
+    0 (the previous scale is kept: compute_scale) where the newest entry is 0, i.e. no rank's last cast carried
+    information, as a single cast whose amax is 0 or non-finite keeps the scale (kernels/reference.py:
+    record_cast_ref)."""
+    ref = history.amax(dim=1) if algo == "max" else history[:, 0]
+    return torch.where(history[:, 0] > 0, ref, torch.zeros_like(ref))
+
 class AmaxSync:
     """The delayed scaling states of a module, grouped for batched scale updates; built once, synced each step.
 
@@ -108,7 +118,7 @@ class AmaxSync:
             self._groups, flat.split([h.numel() for h in histories]), strict=True
         ):
             history = reduced.view(len(states), -1)
-            ref = history.amax(dim=1) if algo == "max" else history[:, 0]
+            ref = _scale_reference(history, algo)
             prev = torch.stack([s.scale for s in states])
             _copy_all([s.amax_history for s in states], list(history.unbind(0)))
             _copy_all([s.scale for s in states], list(compute_scale(ref, fp8_dtype, margin, prev).unbind(0)))
@@ -207,5 +217,5 @@ def claim_shared_scale(state: ScalingState, process_group: dist.ProcessGroup | N
         )
     with torch.no_grad():
         dist.all_reduce(state.amax_history, op=dist.ReduceOp.MAX, group=process_group)
-        ref = state.amax_history.amax() if state.algo == "max" else state.amax_history[0]
+        ref = _scale_reference(state.amax_history.unsqueeze(0), state.algo)[0]
         state.scale.copy_(compute_scale(ref, state.fp8_dtype, state.margin, state.scale))

@@ -39,15 +39,20 @@ class ScaleJumps:
         self._previous_scales: dict[tuple[str, str], float] = {}
         self._previous_mu: float | None = None  # the gradient scale mu at the last log
 
-    def flag(self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None) -> tuple[int, int]:
-        """Compare ``layers``' scales (``fp8_stats(...)["layers"]``) with those of the previous call, alert the jumps
-        at ``step`` and return ``(drops, rises)``."""
+    def flag(
+        self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None, record: bool = True
+    ) -> list[tuple[str, str]]:
+        """Compare ``layers``' scales (``fp8_stats(...)["layers"]``) with those of the last recorded call and return
+        the jumps as ``(layer, kind)`` pairs, ``kind`` ``"drop"`` or ``"rise"``. With ``record`` (a log) they are
+        alerted at ``step`` and these scales become the next call's baseline; without it (a look at the values)
+        nothing changes."""
         # A grad_output scale is compared times mu: a change of mu (16x while fp16 gradients underflow, halvings on
         # skipped steps) moves it by 1 / the change without any amax moving. (Not where either mu is unknown: a
         # checkpoint written before mu was saved beside the scales, a run without a gradient scaler.)
         mu_change = mu / self._previous_mu if mu and self._previous_mu else 1.0
-        self._previous_mu = float(mu) if mu else None
-        drops = rises = 0
+        if record:
+            self._previous_mu = float(mu) if mu else None
+        jumps = []
         for layer, roles in layers.items():
             for role in ROLES:
                 if role not in roles:
@@ -56,15 +61,17 @@ class ScaleJumps:
                 if not math.isfinite(scale) or scale <= 0:  # no ratio to take, now or at the next log
                     continue
                 previous = self._previous_scales.get((layer, role))
-                self._previous_scales[(layer, role)] = scale
+                if record:
+                    self._previous_scales[(layer, role)] = scale
                 if previous is None or step < self.alert_after_steps:
                     continue
                 ratio = scale / previous * (mu_change if role == "grad_output" else 1.0)
                 if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
                     kind = "drop" if ratio < 1 else "rise"
-                    drops, rises = drops + (kind == "drop"), rises + (kind == "rise")
-                    self._alert(step, layer, role, kind, previous, scale)
-        return drops, rises
+                    jumps.append((layer, kind))
+                    if record:
+                        self._alert(step, layer, role, kind, previous, scale)
+        return jumps
 
     def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
         meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"

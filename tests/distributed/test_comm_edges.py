@@ -152,6 +152,29 @@ def _amax_rank0_evaluation() -> list[dict[str, torch.Tensor]]:
     return seen[1:]  # the training forwards after an evaluation
 
 
+def _amax_rank_without_tokens() -> list[tuple[list[float], float, list[float], float]]:
+    """Rank 0 casts data once, then only empty batches' zeros (an MoE expert without tokens there); the others cast
+    100 then 1s, and at step 2 every rank casts zeros. After each sync: (history, scale) on this rank and those of one
+    process casting the others' data."""
+    from lightning_fp8.distributed.amax_sync import AmaxSync
+    from lightning_fp8.scaling import ScalingState
+
+    seen = []
+    for algo in ("max", "most_recent"):
+        module = nn.Module()
+        module.state = ScalingState(torch.float8_e4m3fn, 2, 0, algo, True)
+        single = ScalingState(torch.float8_e4m3fn, 2, 0, algo, True)
+        sync = AmaxSync(module)
+        for step, value in enumerate([100.0, 1.0, 0.0, 1.0, 1.0]):
+            x = torch.full((4, 4), value)
+            module.state.quantize(x if dist.get_rank() > 0 or step == 0 else torch.zeros(4, 4))
+            single.quantize(x)
+            sync.sync()
+            seen.append((module.state.amax_history.tolist(), module.state.scale.item(),
+                         single.amax_history.tolist(), single.scale.item()))  # fmt: skip
+    return seen
+
+
 # --------------------------------------------------------------------------------------------- DDP, fp16 gradients
 class _HalfModel(nn.Module):
     """A weight that goes through FP8 and a bias that does not, both fp16; their gradients are ``c``."""
@@ -196,6 +219,7 @@ def _three_rank_worker(rank: int, world: int) -> dict:
         "amax_two_forwards": _amax_two_forwards,
         "amax_skipped_layer": _amax_skipped_layer,
         "amax_rank0_evaluation": _amax_rank0_evaluation,
+        "amax_rank_without_tokens": _amax_rank_without_tokens,
         "ddp_amax_from_every_rank": _ddp_amax_from_every_rank,
         "ddp_fp16": _ddp_fp16_grads,
     }
@@ -240,6 +264,16 @@ def test_amax_sync_leaves_identical_histories_and_scales(three_ranks, part):
                 assert torch.equal(first[name], other[name]), (rank, name, first[name], other[name])
     for first in reports[0]:  # histories with older entries to compare
         assert any(int((h[1:] > 0).sum()) >= 2 for h in first.values())
+
+
+def test_amax_sync_with_a_rank_whose_casts_carry_no_information_matches_one_process(three_ranks):
+    """A cast whose amax is 0 keeps its scale, and its window still rolls: after the sync every rank holds the history
+    and scale of one process casting the data (a window that had stopped on rank 0 held 100 there for good; where no
+    rank's last cast carried information, the sync keeps the scale as that cast did)."""
+    for report in part_results(three_ranks, "amax_rank_without_tokens"):
+        for history, scale, single_history, single_scale in report:
+            assert (history, scale) == (single_history, single_scale)
+        assert report[-1][:2] == ([1.0, 1.0], 256.0)
 
 
 def test_ddp_default_buffer_broadcast_keeps_every_ranks_amax(three_ranks):

@@ -421,5 +421,5 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_param_norm = None
         self._fp8_work.detach()
         if self.fp8_lm_config is not None:
-            self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps()
+            self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps(self.fp8_scale_jumps)
         return result

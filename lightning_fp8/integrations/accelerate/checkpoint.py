@@ -228,14 +228,14 @@ def check(
 
     Raises:
         KeyError: when the state lacks an entry that :func:`build_state` writes.
-        ValueError: for a different number of models, fallen-back layers the models do not have, and what
-            :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict`` and
-            ``HealthMonitor.load_state_dict`` raise for their parts.
+        ValueError, TypeError: for a different number of models, fallen-back layers the models do not have, and
+            what :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict``,
+            ``HealthMonitor.load_state_dict`` and ``ScaleJumps.load_state_dict`` raise for their parts.
     """
     for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps):
         try:
             check_part()
-        except (KeyError, ValueError) as error:
+        except (KeyError, ValueError, TypeError) as error:
             message = error.args[0] if len(error.args) == 1 else str(error)  # KeyError's str() is a repr
             raise type(error)(f"{source}: {message}") from error
 
@@ -273,7 +273,7 @@ def restore(
     nothing.
 
     Raises:
-        KeyError, ValueError: as :func:`check`.
+        KeyError, ValueError, TypeError: as :func:`check`.
     """
     parts = _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps)
     for check_part, _ in parts:

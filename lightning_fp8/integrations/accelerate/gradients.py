@@ -69,6 +69,7 @@ class GradientsMixin:
         if prepared is not None:
             refusals.check_clippable(prepared.optimizer, "accelerator.unscale_gradients")
             prepared.unscale(self.fp8_grad_scaler.loss_scale)
+            self._fp8_note_grad_norm()  # before the script's own clipping
         return None
 
     def _fp8_grad_factor(self, parameters: list[torch.Tensor]) -> float:
@@ -109,18 +110,24 @@ class GradientsMixin:
         if self.fp8_grad_scaler is None or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
         refusals.check_clippable(self._fp8_prepared_optimizer(), "accelerator.clip_grad_value_")
+        self._fp8_note_grad_norm()
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         clip_grad_value_keeping_overflow_(parameters, clip_value * self._fp8_grad_factor(parameters))
 
-    def _fp8_before_step(self) -> None:
-        # As TrainingHealthMonitor's health/param_norm and health/grad_norm: the norm of the weights this step's loss
-        # came from (O2 masters count unscaled, DTensor shards reduce over their mesh) and, where the script did not
-        # clip, the norm clip_grad_norm_ would have returned (the true gradients, held FP8 ones included).
-        params = [p for model in self._fp8_models for p in model.parameters()]
-        self._fp8_param_norm = global_norm(params, device=self.device)
+    def _fp8_note_grad_norm(self) -> None:
+        # health/grad_norm, as TrainingHealthMonitor's: the norm of the true gradients (held FP8 ones included) before
+        # anything clips them, once per step: at the script's unscale_gradients or clip_grad_value_ (its own clipping
+        # follows), else before the step; accelerator.clip_grad_norm_ records the norm it returns instead.
         if self._fp8_grad_norm is None and self._fp8_optimizer is not None:
             trained = [p for group in self._fp8_optimizer.optimizer.param_groups for p in group["params"]]
             self._fp8_grad_norm = parallel.grad_norm_fp32(trained, self._fp8_grad_factor(trained))
+
+    def _fp8_before_step(self) -> None:
+        # health/param_norm, as TrainingHealthMonitor's: the norm of the weights this step's loss came from (O2 masters
+        # count unscaled, DTensor shards reduce over their mesh); and the gradient norm if nothing took it yet.
+        params = [p for model in self._fp8_models for p in model.parameters()]
+        self._fp8_param_norm = global_norm(params, device=self.device)
+        self._fp8_note_grad_norm()
 
     def _fp8_on_step(self, stepped: bool) -> None:
         # Called by the prepared optimizer after each (possibly skipped) step: feed the health monitor.

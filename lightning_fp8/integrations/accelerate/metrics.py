@@ -13,14 +13,15 @@ from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optim
 ``fp8/optimizer/<key>/min|max``        scales of the FP8AdamW states (``exp_avg_scale``...) over all parameters
 ``fp8/grad_scaler/<stat>``             ``scale`` (mu), ``skipped_steps``, ``last_saturation``,
                                        ``nonfinite_events``
-``health/<series>``                    ``loss``, ``grad_norm`` (unscaled), ``param_norm`` (before the step),
-                                       ``memory_gib`` (peak) of the last optimizer step (a key is absent where
-                                       that step had none); ``loss_smooth``, ``samples_per_sec``,
+``health/<series>``                    ``loss``, ``grad_norm`` (unscaled, before any clipping), ``param_norm``
+                                       (before the step), ``memory_gib`` (peak) of the last optimizer step (a key
+                                       is absent where that step had none); ``loss_smooth``, ``samples_per_sec``,
                                        ``tokens_per_sec``: running means over 20 steps (this process's work: the
-                                       training forwards of the first prepared model, :mod:`.step_work`)
+                                       training forwards of the first prepared model that runs one,
+                                       :mod:`.step_work`)
 ``health/events/<kind>``               counts of ``grad_norm_spike``, ``loss_plateau``, ``nonfinite_loss``,
                                        ``nonfinite_grad``
-``fp8/alerts/scale_{drops,rises}``     layers whose scale moved 16x or more since the previous call (from step
+``fp8/alerts/scale_{drops,rises}``     layers whose scale moved 16x or more since the previous log (from step
                                        100 on; :mod:`lightning_fp8.monitoring.scale_jumps`), each kept in
                                        ``accelerator.fp8_scale_jumps.alerts`` (several models: layers named
                                        ``model<i>.<layer>``)
@@ -43,9 +44,11 @@ from lightning_fp8.stats import fp8_stats
 SMOOTHING_WINDOW = 20
 
 
-def new_scale_jumps() -> ScaleJumps:
-    """The accelerator's scale-jump alerts, with FP8ScaleMonitor's defaults (16x, none before step 100)."""
-    return ScaleJumps(16.0, 100, "accelerator.fp8_scale_jumps", "accelerator.fp8_scale_jumps.alerts")
+def new_scale_jumps(settings_of: ScaleJumps | None = None) -> ScaleJumps:
+    """The accelerator's scale-jump alerts: with FP8ScaleMonitor's defaults (16x, none before step 100), or the
+    settings of ``settings_of`` (``free_memory``: a new training keeps the settings, not the alerts)."""
+    factor, after = (16.0, 100) if settings_of is None else (settings_of.jump_factor, settings_of.alert_after_steps)
+    return ScaleJumps(factor, after, "accelerator.fp8_scale_jumps", "accelerator.fp8_scale_jumps.alerts")
 
 
 _LAYER_STATS = ("scale", "amax", "saturation")
@@ -67,11 +70,13 @@ def fp8_log_values(
     layers: bool = False,
     health_step: int | None = None,
     scale_jumps: ScaleJumps | None = None,
+    record_jumps: bool = False,
 ) -> dict[str, float | int]:
     """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); the ``health/*``
     values of :func:`lightning_fp8.monitoring.report.health_log_values` at ``health_step`` (the last optimizer step:
     a step that was not clipped or was skipped has no gradient norm, and the one of an earlier step is not logged
-    as its own)."""
+    as its own); ``fp8/alerts/*`` counts the scale jumps since the last log (``record_jumps``: this is a log, whose
+    scales the next one compares against)."""
     values: dict[str, float | int] = {}
     scales: dict[str, Any] = {}  # every model's layers, for the scale-jump alerts
     mu = None
@@ -92,11 +97,10 @@ def fp8_log_values(
             if _number(value) is not None:
                 values[f"{prefix}/grad_scaler/{key}"] = _number(value)
     if scale_jumps is not None:  # as FP8ScaleMonitor: at the number of steps taken, the jumps since the last log
-        seen = len(scale_jumps.alerts)
-        scale_jumps.flag(scales, (health_step or 0) + 1, mu)
+        jumps = scale_jumps.flag(scales, (health_step or 0) + 1, mu, record=record_jumps)
         for i in range(len(models)):  # each model's under its prefix, as its other statistics
             prefix, named = ("fp8", "") if len(models) == 1 else (f"fp8/model{i}", f"model{i}.")
-            new = [a["kind"] for a in scale_jumps.alerts[seen:] if a["layer"].startswith(named)]
+            new = [kind for layer, kind in jumps if layer.startswith(named)]
             values.update({f"{prefix}/alerts/scale_drops": new.count("drop"), f"{prefix}/alerts/scale_rises":
                            new.count("rise")})  # fmt: skip
     if health is not None:
@@ -109,13 +113,17 @@ class LoggingMixin:
     (it uses the accelerator's FP8 attributes); not usable on its own."""
 
     def fp8_log_values(self, layers: bool = False) -> dict[str, float | int]:
-        """The FP8 and health statistics as flat ``{name: number}`` (names in :mod:`.metrics`); ``{}`` when off."""
+        """The FP8 and health statistics as flat ``{name: number}`` (names in :mod:`.metrics`); ``{}`` when off. A
+        look at the values: the scale jumps counted are those since the last log, which this call does not move."""
+        return self._fp8_values(layers, record_jumps=False)
+
+    def _fp8_values(self, layers: bool, record_jumps: bool) -> dict[str, float | int]:
         if self.fp8_lm_config is None or not self._fp8_models:
             return {}
         inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
         return fp8_log_values(
             self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers,
-            health_step=self._fp8_steps - 1, scale_jumps=self.fp8_scale_jumps,
+            health_step=self._fp8_steps - 1, scale_jumps=self.fp8_scale_jumps, record_jumps=record_jumps,
         )  # fmt: skip
 
     def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:
@@ -125,7 +133,7 @@ class LoggingMixin:
             step: the step to log at (as ``accelerator.log``).
             layers: also log per-layer scales, amaxes and saturation (many values for a large model).
         """
-        values = self.fp8_log_values(layers=layers)
+        values = self._fp8_values(layers, record_jumps=True)
         if values:
             super().log(values, step=step)
         return values
@@ -133,5 +141,5 @@ class LoggingMixin:
     @override
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
         if self.fp8_stats_in_log and self.is_main_process:
-            values = {**values, **self.fp8_log_values()}
+            values = {**values, **self._fp8_values(False, record_jumps=True)}
         super().log(values, step=step, log_kwargs=log_kwargs)

@@ -3,11 +3,14 @@ Accelerator's health monitor records (``health/samples_per_sec``, ``health/token
 ``TrainingHealthMonitor`` records it from its batches.
 
 Accelerate hands the accelerator no batch, so the batches are read where they meet the model: a forward pre-hook on
-the first model ``prepare`` returned (the object the script calls, outside a compiled region) counts the samples
-(the first dimension of the first tensor of its arguments) and tokens (the first integer tensor of rank >= 2: token
-ids) of each forward in training mode with autograd on. Forwards in evaluation mode or under ``torch.no_grad`` are
-not training: the clock stops at the first of them and restarts with the next training forward. A window runs from
-the previous step (the first: from the first training forward) to this one; this process's own work (per rank).
+each model ``prepare`` returns (the object the script calls, outside a compiled region) counts the samples (the
+first dimension of the first tensor of its arguments) and tokens (the first integer tensor of rank >= 2: token ids)
+of each forward in training mode with autograd on, of the first model that runs one (the student of a distillation,
+whose teacher runs in evaluation mode; a GAN's first network). That model's forwards in evaluation mode or under
+``torch.no_grad`` are not training: the clock stops at the first of them and restarts with the next training
+forward. A window runs from the previous step (the first: from the first training forward) to this one; this
+process's own work (per rank). A model compiled in place (``model.compile()``) runs its hooks inside the compiled
+region, where nothing is counted: no throughput is recorded for it.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from lightning_fp8.monitoring.measures import count_batch
 
 
 class StepWork:
-    """Counts the work of the training forwards of one model; :meth:`take` at each optimizer step."""
+    """Counts the work of the training forwards of one prepared model; :meth:`take` at each optimizer step."""
 
     def __init__(self) -> None:
-        self._handle: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
         self._reset()
 
     def _reset(self) -> None:
+        self._counted: int | None = None  # id of the model whose forwards count: the first to train
         self._samples: int | None = 0  # None once a forward of the window had no tensor to count
         self._tokens: int | None = 0  # None once a forward of the window had no token ids
         self._forwards = 0
@@ -37,20 +41,26 @@ class StepWork:
         self._paused_at: float | None = None
 
     def attach(self, model: nn.Module) -> None:
-        """Count the forwards of ``model`` (once; a later model, a GAN's second one, is not counted)."""
-        if self._handle is None:
-            self._handle = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        """Watch the forwards of ``model`` (the first model to run a training forward is the one counted)."""
+        self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
 
     def detach(self) -> None:
         """Stop counting (``free_memory``: a new prepare starts a new training)."""
-        if self._handle is not None:
-            self._handle.remove()
-        self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._reset()
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():  # a model compiled in place: its hooks are traced, nothing to count
+            return
+        training = module.training and torch.is_grad_enabled()
+        if self._counted is None and training:
+            self._counted = id(module)
+        if self._counted != id(module):  # another model (a teacher, a GAN's second network), or none trains yet
+            return
         now = time.perf_counter()
-        if not (module.training and torch.is_grad_enabled()):
+        if not training:
             if self._paused_at is None:
                 self._paused_at = now
             return

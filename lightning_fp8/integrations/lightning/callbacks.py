@@ -224,9 +224,25 @@ class FP8ScaleMonitor(_LoggingCallback):
         alert_after_steps = _check_count("FP8ScaleMonitor", "alert_after_steps", alert_after_steps, 0,
                                         " (the warm-up in optimizer steps before scale jumps are alerted)")  # fmt: skip
         self.all_layers = check_flag("FP8ScaleMonitor", "all_layers", all_layers, MonitorArgumentTypeError)
-        self.jump_factor = float(jump_factor)
-        self.alert_after_steps = alert_after_steps
-        self._jumps = ScaleJumps(self.jump_factor, alert_after_steps, "FP8ScaleMonitor", "FP8ScaleMonitor.alerts")
+        self._jumps = ScaleJumps(float(jump_factor), alert_after_steps, "FP8ScaleMonitor", "FP8ScaleMonitor.alerts")
+
+    @property
+    def jump_factor(self) -> float:
+        """The scale ratio between two logs that counts as sudden (its :class:`ScaleJumps`'s)."""
+        return self._jumps.jump_factor
+
+    @jump_factor.setter
+    def jump_factor(self, value: float) -> None:
+        self._jumps.jump_factor = float(value)
+
+    @property
+    def alert_after_steps(self) -> int:
+        """The warm-up in optimizer steps before scale jumps are alerted (its :class:`ScaleJumps`'s)."""
+        return self._jumps.alert_after_steps
+
+    @alert_after_steps.setter
+    def alert_after_steps(self, value: int) -> None:
+        self._jumps.alert_after_steps = value
 
     @property
     def alerts(self) -> list[dict[str, Any]]:
@@ -272,9 +288,9 @@ class FP8ScaleMonitor(_LoggingCallback):
         for key, bounds in stats.get("optimizer", {}).get("summary", {}).items():
             metrics[f"fp8/optimizer/{key}/min"] = float(bounds["min"])
             metrics[f"fp8/optimizer/{key}/max"] = float(bounds["max"])
-        drops, rises = self._jumps.flag(stats["layers"], step, stats.get("grad_scaler", {}).get("scale"))
-        metrics["fp8/alerts/scale_drops"] = float(drops)
-        metrics["fp8/alerts/scale_rises"] = float(rises)
+        kinds = [kind for _, kind in self._jumps.flag(stats["layers"], step, stats.get("grad_scaler", {}).get("scale"))]
+        metrics["fp8/alerts/scale_drops"] = float(kinds.count("drop"))
+        metrics["fp8/alerts/scale_rises"] = float(kinds.count("rise"))
         return metrics
 
     @override

@@ -169,7 +169,10 @@ class _FP8FSDPStrategyLogic:
         weights_only = True if weights_only is None else weights_only
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
-        except (EOFError, RuntimeError) as error:  # torch's reader on a truncated or corrupt file (empty: EOFError)
+        except (EOFError, RuntimeError, KeyError, IndexError) as error:
+            # torch's reader on a truncated or corrupt file: empty (EOFError), a broken zip (RuntimeError), other bytes
+            # read as a legacy pickle (KeyError, IndexError). weights_only's refusal of a class (UnpicklingError) keeps
+            # torch's message, which says what to allow.
             raise ValueError(
                 f"the checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}): it is truncated or "
                 "corrupt (a save that did not complete?). Nothing was loaded; resume from an earlier checkpoint"

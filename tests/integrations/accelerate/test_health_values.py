@@ -95,7 +95,7 @@ def test_evaluation_forwards_count_neither_samples_nor_time():
         assert tokens == pytest.approx(6 * samples, rel=1e-9)  # the 64-sample evaluation batch is not counted
         assert samples > 4 / 0.3  # the 0.3 s evaluation is not in the window: 4 samples took far less
     accelerator.free_memory()
-    assert accelerator._fp8_work._handle is None  # a new prepare starts counting again
+    assert accelerator._fp8_work._handles == []  # a new prepare starts counting again
 
 
 def test_running_mean_leaves_out_non_finite_values_and_keeps_the_window():
@@ -149,17 +149,19 @@ def test_scale_jumps_are_alerted_as_fp8_scale_monitor_alerts_them(tmp_path, recw
     accelerator, model, optimizer = _prepared()
     accelerator.fp8_scale_jumps.alert_after_steps = 0  # FP8ScaleMonitor's warm-up (100 steps) is a setting
     _scaled_run(accelerator, model, optimizer, [1.0, 1.0])
-    values = accelerator.fp8_log_values(layers=True)
+    values = accelerator.log_fp8_stats(layers=True)  # a log: the baseline of the next one
     assert values["fp8/alerts/scale_drops"] == 0 and values["fp8/alerts/scale_rises"] == 0  # nothing to compare yet
     scale_before = values["fp8/layers/fc/input/scale"]
     _scaled_run(accelerator, model, optimizer, [2.0**12])  # fc's input amax jumps 4096x: its scale drops as much
-    values = accelerator.fp8_log_values()
-    assert values["fp8/alerts/scale_drops"] >= 1
+    looked = accelerator.fp8_log_values()  # a look: counts the jumps since the last log, records nothing
+    assert looked["fp8/alerts/scale_drops"] >= 1 and accelerator.fp8_scale_jumps.alerts == []
+    values = accelerator.log_fp8_stats()
+    assert values["fp8/alerts/scale_drops"] == looked["fp8/alerts/scale_drops"]
     alert = next(a for a in accelerator.fp8_scale_jumps.alerts if a["layer"] == "fc" and a["role"] == "input")
     assert (alert["step"], alert["kind"], alert["from"]) == (3, "drop", scale_before)
     assert alert["from"] / alert["to"] >= 16
     assert [w for w in recwarn if "accelerator.fp8_scale_jumps: sudden scale drop in" in str(w.message)]
-    assert accelerator.fp8_log_values()["fp8/alerts/scale_drops"] == 0  # counted once: since the previous log
+    assert accelerator.log_fp8_stats()["fp8/alerts/scale_drops"] == 0  # counted once: since the previous log
 
     # save_state / load_state carry the alerts and the scales the next comparison starts from
     accelerator.save_state(str(tmp_path / "ckpt"))
@@ -174,7 +176,7 @@ def test_scale_jumps_are_alerted_as_fp8_scale_monitor_alerts_them(tmp_path, recw
 def test_a_checkpoint_without_scale_jumps_loads_and_a_corrupt_one_is_refused(tmp_path):
     accelerator, model, optimizer = _prepared()
     _scaled_run(accelerator, model, optimizer, [1.0])
-    accelerator.fp8_log_values()
+    accelerator.log_fp8_stats()
     accelerator.save_state(str(tmp_path / "ckpt"))
     path = tmp_path / "ckpt" / "lightning_fp8" / "rank0.pt"
     state = torch.load(path, weights_only=True)
@@ -188,3 +190,48 @@ def test_a_checkpoint_without_scale_jumps_loads_and_a_corrupt_one_is_refused(tmp
                                                "from": 2.0, "to": 1.0})  # fmt: skip
     accelerator.load_state(str(tmp_path / "ckpt"))  # loads; the alerts are left as they were
     assert len(accelerator.fp8_scale_jumps.alerts) == 1
+
+
+def test_throughput_counts_the_model_that_trains_not_a_teacher_prepared_first():
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    teacher, student = TokenNet(), TokenNet()
+    teacher = accelerator.prepare(teacher)
+    student, optimizer = accelerator.prepare(student, torch.optim.AdamW(student.parameters(), lr=1e-3))
+    teacher.eval()
+    for _ in range(3):
+        ids = torch.randint(0, 32, (4, 6))
+        with torch.no_grad():
+            target = teacher(input_ids=ids).softmax(-1)
+        accelerator.backward(nn.functional.cross_entropy(student(input_ids=ids).flatten(0, 1), target.flatten(0, 1)))
+        optimizer.step()
+        optimizer.zero_grad()
+    series = accelerator.fp8_health.series
+    assert len(series["samples_per_sec"]) == 3  # the teacher's evaluation forwards neither count nor stop the clock
+    for (_, samples), (_, tokens) in zip(series["samples_per_sec"], series["tokens_per_sec"], strict=True):
+        assert tokens == pytest.approx(6 * samples, rel=1e-9)
+
+
+def test_a_model_compiled_in_place_trains_with_fullgraph():
+    # Its hooks run inside the compiled region (time.perf_counter there failed fullgraph): nothing is counted.
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    model = Net()
+    model.compile(backend="eager", fullgraph=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _scaled_run(accelerator, model, optimizer, [1.0, 1.0])
+    assert len(accelerator.fp8_health.series["loss"]) == 2 and accelerator.fp8_health.series["samples_per_sec"] == []
+
+
+@pytest.mark.parametrize("own", ["clip_grad_norm", "clip_grad_value"])
+def test_grad_norm_is_taken_before_the_scripts_own_clipping(own):
+    accelerator, model, optimizer = _prepared()
+    for _ in range(2):
+        accelerator.backward(model(torch.randn(8, 32) * 10).square().mean())
+        accelerator.unscale_gradients()  # the true gradients, for the script's own clipping
+        expected = _norm([p.grad for p in model.parameters() if p.grad is not None])
+        if own == "clip_grad_norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+        else:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert accelerator.fp8_health.series["grad_norm"][-1][1] == pytest.approx(expected, rel=1e-5)

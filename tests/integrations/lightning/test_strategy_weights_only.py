@@ -48,11 +48,15 @@ def test_a_checkpoint_with_an_arbitrary_object_is_refused_by_default(tmp_path, m
         _strategy(monkeypatch).load_checkpoint(path)
 
 
-@pytest.mark.parametrize("keep", [0, 10, 0.5])
+@pytest.mark.parametrize("keep", [0, 10, 0.5, "text"])
 def test_a_truncated_checkpoint_is_refused_with_its_path(tmp_path, monkeypatch, keep):
     path = tmp_path / "model.ckpt"
     torch.save({"state_dict": {"w": torch.randn(256)}}, path)
     data = path.read_bytes()
-    path.write_bytes(data[: int(keep * len(data)) if isinstance(keep, float) else keep])
+    if keep == "text":
+        data = b"hello world\n"
+    else:
+        data = data[: int(keep * len(data)) if isinstance(keep, float) else keep]
+    path.write_bytes(data)
     with pytest.raises(ValueError, match=r"model\.ckpt' cannot be read .*truncated or corrupt.*Nothing was loaded"):
         _strategy(monkeypatch).load_checkpoint(path)
