@@ -12,8 +12,8 @@ from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.health import HealthMonitor
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.monitoring.report import health_log_values, running_mean
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from tests.integrations.lightning.test_callbacks import HEALTH_KEYS
 
 
@@ -28,17 +28,6 @@ class TokenNet(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.fc(self.embed(input_ids))))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _norm(tensors) -> float:
