@@ -3,8 +3,7 @@
 names and with the same meaning.
 
 - ``health/{loss,grad_norm,param_norm,memory_gib}``: the value recorded at the step logged (absent where that step
-  had none: a step that was skipped or not clipped has no gradient norm, and an earlier step's is not logged as its
-  own);
+  had none: a skipped step has no gradient norm, and an earlier step's is not logged as its own);
 - ``health/loss_smooth``, ``health/samples_per_sec``, ``health/tokens_per_sec``: running means over the last
   ``smoothing_window`` recorded steps (torchmetrics' ``MeanMetric``), non-finite values left out;
 - ``health/events/<kind>``: the count of each kind of event so far.

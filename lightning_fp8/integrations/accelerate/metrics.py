@@ -74,9 +74,9 @@ def fp8_log_values(
 ) -> dict[str, float | int]:
     """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); the ``health/*``
     values of :func:`lightning_fp8.monitoring.report.health_log_values` at ``health_step`` (the last optimizer step:
-    a step that was not clipped or was skipped has no gradient norm, and the one of an earlier step is not logged
-    as its own); ``fp8/alerts/*`` counts the scale jumps since the last log (``record_jumps``: this is a log, whose
-    scales the next one compares against)."""
+    a skipped step has no gradient norm, and the one of an earlier step is not logged as its own);
+    ``fp8/alerts/*`` counts the scale jumps since the last log (``record_jumps``: this is a log, whose scales the
+    next one compares against)."""
     values: dict[str, float | int] = {}
     scales: dict[str, Any] = {}  # every model's layers, for the scale-jump alerts
     mu = None
