@@ -34,30 +34,6 @@ def _magnitudes(t: torch.Tensor) -> torch.Tensor:
     return t.abs() if t.is_complex() else t
 
 
-def _sum_of_squares(plain: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
-    """The sum of the squared L2 norms of plain tensors, each divided by its master scale where it has one, fp32: one
-    fused norm per device and dtype (``torch._foreach_norm``, accumulating in fp32, as clipping takes them), not
-    several launches per tensor."""
-    norms: list[torch.Tensor | None] = [None] * len(plain)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (t, _) in enumerate(plain):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for (_, dtype), indices in groups.items():
-        wide = torch.promote_types(dtype, torch.float32)  # float64 stays float64: the norm takes no narrowing
-        found = torch._foreach_norm([plain[i][0] for i in indices], 2, dtype=wide)
-        for i, norm in zip(indices, found, strict=True):
-            norms[i] = norm
-    scaled = [i for i, (_, scale) in enumerate(plain) if scale is not None]
-    if scaled:
-        divided = torch._foreach_div(
-            [norms[i] for i in scaled], [plain[i][1].float().to(norms[i].device) for i in scaled]
-        )
-        for i, norm in zip(scaled, divided, strict=True):
-            norms[i] = norm
-    first = norms[0].device
-    return torch.stack([norm.to(first, torch.float32) for norm in norms]).square().sum()
-
-
 def global_norm(
     tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -94,8 +70,9 @@ def global_norm(
     if plain or distributed:
         device = (plain or distributed)[0][0].device
     sq = torch.zeros((), dtype=torch.float32, device=device if device is not None else "cpu")
-    if plain:
-        sq = sq + _sum_of_squares(plain).to(sq.device)
+    for t, scale in plain:
+        t_sq = t.float().square().sum()
+        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
     # Every rank joins the sum, also one without tensors (a rank whose shards of an optimizer's parameters got no
     # gradient): skipping it paired the others' all-reduce with the next collective.
     if sharded and dist.is_available() and dist.is_initialized():
