@@ -281,7 +281,8 @@ def emit_fp8_weight_ref(
     ``pow2_scale(a)`` for the FP8 maximum and ``margin``, with ``a = amax(src)`` (``bound=None``: the forward's
     own current scaling, so the copy equals its cast bit for bit) or the stored image of ``bound``, an upper bound
     of the weight's amax (one pass: the same rounding the storage applies, so ``a >= amax(src)``).
-    An amax of 0 or a non-finite one gives scale 1 (the forward would keep its previous scale).
+    An amax of 0 or a non-finite one gives scale 1 here; recorded into the layer's state, it keeps the state's previous
+    scale, as the forward's cast does (lightning_fp8.weight_cache.WeightCache.record_into).
     """
     fmax = _FP8_MAX[out.dtype]
     a = amax_ref(src) if bound is None else stored_amax_ref(bound, src.dtype, unscale)

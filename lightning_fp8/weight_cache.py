@@ -116,12 +116,13 @@ class WeightCache:
 
     def record_into(self, buffers: tuple[torch.Tensor, ...]) -> None:
         """Record the copy's statistics in a weight scaling state's ``(amax_history, scale, amax, saturation,
-        nonfinite_count, casts)``, as its cast would."""
+        nonfinite_count, casts)``, as its cast would: a copy whose amax is 0 or non-finite (its history entry is 0)
+        leaves the state's scale as it was, where the step's record carries scale 1."""
         amax_history, scale, amax, saturation, nonfinite_count, casts = buffers
         floats, counts = self.floats, self.counts
         with torch.no_grad():
-            torch._foreach_copy_([amax, scale, saturation, amax_history],
-                                 [floats[1], floats[2], floats[3], floats[4:5]])  # fmt: skip
+            scale.copy_(torch.where(floats[4] > 0, floats[2], scale))
+            torch._foreach_copy_([amax, saturation, amax_history], [floats[1], floats[3], floats[4:5]])
             torch._foreach_add_([nonfinite_count, casts], [counts[0], counts[1]])
 
 

@@ -411,3 +411,32 @@ def test_compiled_fp8mlp_uses_the_copies_bit_for_bit():
     assert torch.equal(losses, losses_e)
     for a, b in zip(model.parameters(), model_e.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O1"])
+@pytest.mark.parametrize("scale_update", ["two_pass", "one_pass"])
+def test_a_copy_of_an_all_zero_weight_keeps_the_previous_scale(opt_level, scale_update):
+    """A cast whose amax is 0 keeps the scale it had (DESIGN.md); the copy of a weight the step zeroed records the
+    same statistics as the forward's cast of it, scale included (the step's record carries scale 1)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
+    x = torch.randn(8, 32)
+    stats = {}
+    for emit in (False, True):
+        model = convert_to_fp8(copy.deepcopy(base))
+        scaler = FP8GradScaler(model=model)
+        opt = FP8AdamW(model.parameters(), lr=1.0, weight_decay=1.0, grad_scaler=scaler, opt_level=opt_level,
+                       scale_update=scale_update, emit_fp8_weights=emit)  # fmt: skip
+        scaler.scale_loss(model(x).sum() * 0).backward()  # zero gradients; the forward records each weight's scale
+        before = [m.fp8_scaling["weight"].scale.clone() for m in fp8_modules(model).values()]
+        opt.step()  # weight * (1 - lr * weight_decay): exactly 0
+        assert all(m.weight.count_nonzero() == 0 for m in fp8_modules(model).values())
+        assert _valid(model) == [emit, emit]
+        model(x)
+        stats[emit] = [
+            {k: getattr(m.fp8_scaling["weight"], k).clone() for k in STATS} for m in fp8_modules(model).values()
+        ]
+        assert [s["scale"] for s in stats[emit]] == before and all(b > 1 for b in before)
+    for cast, copied in zip(stats[False], stats[True], strict=True):
+        for key in STATS:
+            assert torch.equal(cast[key], copied[key]), key
