@@ -18,10 +18,10 @@ if TYPE_CHECKING:
     from lightning_fp8.scaling import ScalingState
 
 
-def check_castable(x: object, caller: str) -> None:
-    """Raise TypeError unless ``x`` is a dense tensor of a floating dtype a cast reads (float16 to float64): integer,
-    bool and complex values would be cast as numbers they are not, an FP8 tensor is cast already, and a sparse or
-    nested tensor has no dense rows for the kernels."""
+def check_castable(x: object, caller: str, wide: bool = True) -> None:
+    """Raise TypeError unless ``x`` is a dense tensor of a floating dtype a cast reads (float16 to float64; to float32
+    without ``wide``, as the Triton kernels): integer, bool and complex values would be cast as numbers they are not,
+    an FP8 tensor is cast already, and a sparse or nested tensor has no dense rows for the kernels."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{caller} expects a tensor, got {type(x).__name__}")
     # Traced (torch.compile), a backward may not read the layout, and a traced tensor is dense.
@@ -30,18 +30,19 @@ def check_castable(x: object, caller: str) -> None:
         raise TypeError(f"{caller} takes dense tensors, got {layout}: pass x.to_dense() (or the padded values)")
     if x.dtype in FP8_DTYPES:
         raise TypeError(f"{caller} got an FP8 tensor ({x.dtype}): it is cast already; use it with its scale_inv")
-    if not x.is_floating_point() or x.dtype.itemsize < 2:
-        raise TypeError(
-            f"{caller} casts float16, bfloat16, float32 or float64 values, got {x.dtype}: convert the tensor first "
-            "(e.g. x.float())"
-        )
+    if not x.is_floating_point() or x.dtype.itemsize < 2 or (not wide and x.dtype == torch.float64):
+        accepted = "float16, bfloat16, float32 or float64" if wide else "float16, bfloat16 or float32"
+        raise TypeError(f"{caller} casts {accepted} values, got {x.dtype}: convert the tensor first (e.g. x.float())")
 
 
-def check_cast_arguments(x: object, scale: object, fp8_dtype: object, transpose: object, caller: str) -> None:
+def check_cast_arguments(
+    x: object, scale: object, fp8_dtype: object, transpose: object, caller: str, wide: bool = True
+) -> None:
     """Raise for arguments of a plain cast (``ops.cast_to_fp8`` on the reference path) that the Triton cast refuses
     (kernels/cast.py): without these checks a complex input lost its imaginary part, a scale of shape (n,) scaled each
-    column apart, a non-FP8 ``fp8_dtype`` returned that dtype, and ``transpose`` of a 1-D tensor returned it as is."""
-    check_castable(x, caller)
+    column apart, a non-FP8 ``fp8_dtype`` returned that dtype, and ``transpose`` of a 1-D tensor returned it as is.
+    ``wide``: as :func:`check_castable`."""
+    check_castable(x, caller, wide)
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
