@@ -221,6 +221,11 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------- param handling
     @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (e.g. layers unfrozen during training), checked as the constructor's.
+
+        At O2 the group's FP8 weights become fp16 masters in their own storage here: no output of an earlier forward
+        may still be referenced (``del loss`` first), or RuntimeError is raised and nothing is added.
+        """
         if isinstance(param_group, dict):
             step_.check_supported_flags(param_group)
             # torch's AdamW honours a group's decoupled_weight_decay=False (Adam's L2 decay); without decay the two

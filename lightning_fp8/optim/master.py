@@ -181,11 +181,11 @@ def check_adoptable(param: torch.Tensor) -> None:
             f"FP8AdamW (O2) keeps the master weight of an FP8 layer in the weight's own storage, which changes the "
             f"dtype of the {tuple(param.shape)} weight from {param.dtype}; but its gradient accumulator is already "
             "held by another object, which would be left behind with the old dtype. Either an output of an earlier "
-            "forward is still referenced (a `loss` or `out` kept from a step run before the optimizer was created, "
-            "even after its backward): `del` it first; or DistributedDataParallel's reducer hooked it (the model was "
-            "wrapped before the optimizer was created), and DDP would stop averaging this weight's gradients: "
-            "Create FP8AdamW before wrapping the model in DDP. opt_level='O1' keeps the weights' dtype; nothing was "
-            "changed"
+            "forward is still referenced (a `loss` or `out` kept from a step run before the optimizer was created or "
+            "before add_param_group, even after its backward): `del` it first; or DistributedDataParallel's reducer "
+            "hooked it (the model was wrapped before the optimizer was created), and DDP would stop averaging this "
+            "weight's gradients: Create FP8AdamW before wrapping the model in DDP. opt_level='O1' keeps the weights' "
+            "dtype; nothing was changed"
         )
 
 

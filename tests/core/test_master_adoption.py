@@ -61,6 +61,25 @@ def test_an_earlier_forwards_output_still_referenced_is_named_and_deleting_it_le
     assert model[0].weight.dtype == torch.float16
 
 
+def test_add_param_group_with_an_earlier_output_referenced_adds_nothing_until_it_is_deleted():
+    # Unfreezing layers mid-training: the last step's `loss` still holds the new group's accumulators.
+    model = _model()
+    opt = FP8AdamW(model[0].parameters(), lr=1e-3)
+    loss = model(torch.randn(4, 32)).sum()
+    loss.backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="before add_param_group"):
+        opt.add_param_group({"params": list(model[2].parameters())})
+    assert len(opt.param_groups) == 1 and all(p.dtype == torch.float32 for p in model[2].parameters())
+    del loss
+    opt.add_param_group({"params": list(model[2].parameters())})
+    assert model[2].weight.dtype == torch.float16 and master.master_scale(model[2].weight) is not None
+    before = model[2].weight.detach().clone()
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, model[2].weight)  # the added group is stepped
+
+
 def test_o1_keeps_the_storage_under_hooks():
     model = _model()
     held = _hook_accumulator(model[0].weight, [])
