@@ -112,6 +112,19 @@ def test_quantize_matches_reference_and_the_reference_cast(fp8_dtype, dtype, gap
         assert torch.equal(q[dst : dst + n], want.view(torch.uint8))
 
 
+def test_a_headroom_per_segment_is_refused_by_the_kernels():
+    # The kernels read one shift for every segment: a tensor of several would be read as its first value.
+    x = _gradients(torch.float32, "cpu")
+    table, numel = _table("cpu")
+    amax, q, n_sat = torch.ones(6), torch.zeros(numel, dtype=torch.uint8), torch.tensor(0)
+    for headroom in (torch.tensor([0, 2, 0, 0, 0, 0]), torch.tensor(2.0)):
+        with pytest.raises(ValueError, match="one int64 value shared by every segment"):
+            TRITON.quantize(x, table, amax, E4M3, q, n_sat, headroom=headroom)
+        with pytest.raises(ValueError, match="one int64 value shared by every segment"):
+            TRITON.dequantize(q, table, amax, E4M3, torch.zeros(numel), headroom=headroom)
+    assert n_sat == 0 and q.count_nonzero() == 0  # nothing written
+
+
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("gap", [2, 16], ids=["unaligned", "aligned"])
