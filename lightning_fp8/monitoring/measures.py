@@ -71,16 +71,40 @@ def global_norm(
         device = (plain or distributed)[0][0].device
     sq = torch.zeros((), dtype=torch.float32, device=device if device is not None else "cpu")
     for t, scale in plain:
-        t_sq = t.float().square().sum()
-        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
+        sq = sq + _divided(t.float().square().sum(), scale).to(sq.device)
     # Every rank joins the sum, also one without tensors (a rank whose shards of an optimizer's parameters got no
     # gradient): skipping it paired the others' all-reduce with the next collective.
     if sharded and dist.is_available() and dist.is_initialized():
         dist.all_reduce(sq, group=group)
-    for t, scale in distributed:
-        t_sq = torch.linalg.vector_norm(t.float()).full_tensor().square()
-        sq = sq + (t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)).to(sq.device)
+    if distributed:
+        sq = sq + _dtensor_sum_of_squares(distributed).to(sq.device)
     return sq.sqrt()
+
+
+def _divided(t_sq: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)
+
+
+def _dtensor_sum_of_squares(distributed: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """The squared norms of DTensors summed, fp32: each rank sums the squares of its local shards per mesh and set of
+    sharded mesh dimensions, then one all-reduce per such group and dimension adds the ranks' sums (a replicated
+    dimension holds the same values on each rank and is not added), instead of one collective per tensor (an FSDP2
+    model's every parameter). A DTensor with a pending reduction (``Partial``) takes DTensor's own norm."""
+    groups: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
+    total: torch.Tensor | None = None
+    for t, scale in distributed:
+        if any(p.is_partial() for p in t.placements):
+            t_sq = _divided(torch.linalg.vector_norm(t.float()).full_tensor().square(), scale)
+            total = t_sq if total is None else total + t_sq.to(total.device)
+            continue
+        key = (t.device_mesh, tuple(d for d, p in enumerate(t.placements) if p.is_shard()))
+        t_sq = _divided(t.to_local().float().square().sum(), scale)
+        groups[key] = t_sq if key not in groups else groups[key] + t_sq.to(groups[key].device)
+    for (mesh, dims), t_sq in groups.items():  # the same order on every rank: the tensors' own
+        for d in dims:
+            dist.all_reduce(t_sq, group=mesh.get_group(d))
+        total = t_sq if total is None else total + t_sq.to(total.device)
+    return total
 
 
 def memory_gib(device: torch.device | str) -> dict[str, float]:
