@@ -1,4 +1,4 @@
-"""A small GPT (nanoGPT-style) and a byte-level text corpus that every machine has offline.
+"""A small GPT (nanoGPT-style), trained on bytes (the data is in corpus.py).
 
 Public names (other examples import them; keep them stable):
 
@@ -7,33 +7,21 @@ Public names (other examples import them; keep them stable):
 - ``GPT``: the model; ``model(idx, targets=None) -> (logits, loss)``.
 - ``fp8_module_filter``: ``fn(module, fqn) -> bool`` for ``convert_to_fp8`` / ``FP8LMPrecision``
   (and torchao's ``convert_to_float8_training``): keeps the output head in high precision.
-- ``load_corpus(path=None, max_bytes=None, val_fraction=0.05) -> Corpus``: bytes of a text corpus split
-  into ``train`` and ``val`` uint8 tensors. Default: the source files of Python's standard library.
-- ``ByteWindows(data, seq_len)``: a plain ``torch.utils.data.Dataset`` of ``(x, y)`` windows, ``y`` shifted by one.
-
-Byte-level modelling (vocabulary of 256) needs no tokenizer and no download; the stdlib's ~30 MB of
-Python source is plenty for models up to ~100M parameters and a few thousand steps.
+- ``evaluate(model, batches, max_batches)``: the mean loss over a few validation batches.
 """
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import math
-import os
-import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
-__all__ = [
-    "GPT", "ByteWindows", "Corpus", "GPTConfig", "check_batches", "float_at_least", "fp8_module_filter", "int_at_least",
-    "load_corpus", "stdlib_dir", "text_path",
-]  # fmt: skip
+__all__ = ["GPT", "GPTConfig", "evaluate", "fp8_module_filter"]
 
 _PRESETS: dict[str, dict[str, int]] = {
     # Runs in a couple of minutes on a laptop CPU (FP8 emulated).
@@ -195,182 +183,17 @@ def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
     return fqn.rpartition(".")[2] != "lm_head"
 
 
-@dataclass(frozen=True)
-class Corpus:
-    """A byte corpus split for training: ``train``/``val`` are 1-D uint8 tensors; ``source`` says where from."""
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], max_batches: int) -> torch.Tensor:
+    """Mean loss of ``model`` over the first ``max_batches`` ``(x, y)`` of ``batches``, in eval mode.
 
-    train: torch.Tensor
-    val: torch.Tensor
-    source: str
-    files: int
-
-
-def stdlib_dir() -> Path:
-    """The directory holding the Python standard library's source (present on every CPython install)."""
-    return Path(os.path.dirname(os.__file__))
-
-
-# The fewest bytes load_corpus accepts in either split: a few windows of the toy preset (seq_len 128).
-_MIN_SPLIT_BYTES = 1024
-
-
-def _text_files(root: Path, default: bool) -> list[Path]:
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"load_corpus(path={str(root)!r}): the path is neither a file nor a directory (does it exist?); give a "
-            "text file, a directory of text files, or path=None for the Python standard library's source"
-        )
-    skip = {"site-packages", "dist-packages", "__pycache__"}  # installed third-party code differs per machine
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
-        files += [Path(dirpath, f) for f in sorted(filenames) if (f.endswith(".py") or not default)]
-    return files
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    # torch.frombuffer refuses an empty buffer (an empty file): its split gets load_corpus's size error instead.
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def load_corpus(
-    path: str | os.PathLike | None = None, max_bytes: int | None = None, val_fraction: float = 0.05
-) -> Corpus:
-    """Read a text corpus as bytes and split it deterministically into train and validation.
-
-    Args:
-        path: a text file or a directory (every non-binary file below it, in sorted order). ``None``: the
-            ``.py`` files of Python's standard library.
-        max_bytes: stop reading once this many bytes are collected (``None``: everything).
-        val_fraction: share of files (whole files, chosen by a hash of their path, so the split does not
-            change when ``max_bytes`` does) held out for validation. A single file is split at its end: its
-            last ``val_fraction`` of bytes are the validation split.
-
-    Raises:
-        FileNotFoundError: if ``path`` is neither a file nor a directory.
-        ValueError: if no text file is found there, or if either split ends up with fewer than 1024 bytes: with a single
-            file, one under about ``1024 / min(val_fraction, 1 - val_fraction)`` bytes (20.5 KB at the default
-            0.05); give more text, or a ``val_fraction`` nearer 0.5.
+    Returns a 0-dim fp32 tensor on the model's device (no host sync: a distributed caller can average it over
+    ranks first). The model's train/eval mode is restored; run it under the autocast the training step uses.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"load_corpus(val_fraction={val_fraction!r}) must be in (0, 1)")
-    root = stdlib_dir() if path is None else Path(path)
-    files = _text_files(root, default=path is None)
-    train, val, n_files, total = [], [], 0, 0
-    for f in files:
-        data = f.read_bytes()
-        if b"\0" in data[:4096]:  # binary file
-            continue
-        rel = str(f.relative_to(root)) if f != root else f.name
-        held_out = zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000
-        (val if held_out else train).append(data)
-        n_files += 1
-        total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    if n_files == 1 or not val:  # one file (or an unlucky split): hold out its tail instead
-        joined = b"\n".join(train + val)
-        cut = int(len(joined) * (1 - val_fraction))
-        train, val = [joined[:cut]], [joined[cut:]]
-    if not n_files:
-        raise ValueError(f"load_corpus({str(root)!r}) found no text file there (binary files are skipped): give a "
-                         "text file or a directory holding some")  # fmt: skip
-    as_tensor = lambda parts: _bytes_tensor(b"\n".join(parts))
-    corpus = Corpus(as_tensor(train), as_tensor(val), str(root), n_files)
-    n_train, n_val = corpus.train.numel(), corpus.val.numel()
-    if min(n_train, n_val) < _MIN_SPLIT_BYTES:
-        short = [name for name, n in (("training", n_train), ("validation", n_val)) if n < _MIN_SPLIT_BYTES]
-        needed = math.ceil(_MIN_SPLIT_BYTES / min(val_fraction, 1 - val_fraction))
-        todo = f"give more text (about {needed} bytes at this val_fraction"
-        todo += ")" if max_bytes is None else ", and a max_bytes at least that large)"
-        if short == ["validation"]:
-            todo += " or raise val_fraction"
-        elif short == ["training"]:
-            todo += " or lower val_fraction"
-        raise ValueError(
-            f"load_corpus({str(root)!r}, max_bytes={max_bytes}, val_fraction={val_fraction}) split {n_files} "
-            f"file(s) into {n_train} training and {n_val} validation bytes, but each split needs at least "
-            f"{_MIN_SPLIT_BYTES} (too few: {' and '.join(short)}); {todo}"
-        )
-    return corpus
-
-
-def check_batches(
-    corpus: Corpus, seq_len: int, batch_size: int, splits: tuple[str, ...] = ("training", "validation")
-) -> None:
-    """Raise ``ValueError`` unless each of ``splits`` holds a full batch of ``seq_len`` windows (the loaders drop a
-    last partial batch: a split without one would train or validate on nothing)."""
-    for name in splits:
-        data = {"training": corpus.train, "validation": corpus.val}[name]
-        windows = (data.numel() - 1) // seq_len
-        if windows < batch_size:
-            raise ValueError(
-                f"the {name} split of {corpus.source} ({data.numel()} bytes) holds {windows} windows of --seq-len "
-                f"{seq_len}, fewer than one batch of --batch-size {batch_size}: give more text, or a smaller "
-                "--batch-size or --seq-len"
-            )
-
-
-def int_at_least(minimum: int, maximum: int | None = None) -> Any:
-    """An argparse ``type``: an integer >= ``minimum`` (and <= ``maximum``); anything else is a usage error, not a
-    traceback later."""
-
-    def parse(text: str) -> int:
-        value = int(text)  # a ValueError: argparse says "invalid int value"
-        if value < minimum or (maximum is not None and value > maximum):
-            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def float_at_least(minimum: float) -> Any:
-    """An argparse ``type``: a finite float >= ``minimum`` (a learning rate, a weight decay, a gradient norm)."""
-
-    def parse(text: str) -> float:
-        value = float(text)  # a ValueError: argparse says "invalid float value"
-        if not (math.isfinite(value) and value >= minimum):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum:g}, got {text}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
-
-
-def text_path(text: str) -> str:
-    """An argparse ``type`` for ``--data``: a path that is a file or a directory (``load_corpus`` reads it)."""
-    if not (Path(text).is_file() or Path(text).is_dir()):
-        reason = "no such file or directory" if not Path(text).exists() else "neither a file nor a directory"
-        raise argparse.ArgumentTypeError(f"{text!r}: {reason}; give a text file or a directory of text files")
-    return text
-
-
-class ByteWindows(Dataset):
-    """Non-overlapping windows of a byte tensor: item ``i`` is ``(x, y)``, ``y`` is ``x`` shifted by one byte.
-
-    Both are int64 of length ``seq_len``. Shuffle the DataLoader for training.
-
-    Raises:
-        ValueError: if ``seq_len`` is not an int >= 1, or ``data`` is not 1-D and longer than ``seq_len``.
-    """
-
-    def __init__(self, data: torch.Tensor, seq_len: int) -> None:
-        if isinstance(seq_len, bool) or not hasattr(seq_len, "__index__") or seq_len < 1:
-            raise ValueError(f"ByteWindows(seq_len={seq_len!r}) must be an int >= 1 (the window length in bytes)")
-        seq_len = int(seq_len)
-        if data.dim() != 1 or data.numel() <= seq_len:
-            raise ValueError(f"ByteWindows needs a 1-D tensor longer than seq_len={seq_len}, got {tuple(data.shape)}")
-        self.data, self.seq_len = data, seq_len
-
-    def __len__(self) -> int:
-        return (self.data.numel() - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"window {i} out of range for {len(self)} windows")
-        chunk = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1].long()
-        return chunk[:-1], chunk[1:]
+    was_training = model.training
+    model.eval()
+    losses = [model(x, y)[1].float() for x, y in itertools.islice(batches, max_batches)]
+    model.train(was_training)
+    if not losses:
+        raise ValueError(f"evaluate(max_batches={max_batches}) got no batch: the validation data holds none")
+    return torch.stack(losses).mean()

@@ -1,7 +1,7 @@
 """The lab: train the same GPT in BF16 and in FP8 and compare (loss, speed, memory, scales, health).
 
     python examples/lab.py                                        # CPU: toy size, a few minutes
-    python examples/lab.py --preset gpt125m --max-steps 2000 --out docs/lab/gpt125m    # an FP8 GPU
+    python examples/lab.py --preset gpt125m --max-steps 2000 --out runs/lab/gpt125m    # an FP8 GPU
 
 Every variant starts from the same initial weights and sees the same batches in the same order:
 
@@ -35,11 +35,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from gpt import float_at_least, fp8_module_filter, text_path
+from cli import float_at_least, int_at_least
+from corpus import add_data_arguments
+from gpt import fp8_module_filter
 from lab_report import write_report
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from train_gpt import LitGPT, build_trainer, gpt_config, int_at_least, make_loaders
+from train_gpt import LitGPT, build_trainer, data_loaders, gpt_config
 from typing_extensions import override
 
 from lightning_fp8 import fp8_modules, fp8_stats
@@ -63,7 +65,9 @@ CPU_DEFAULTS = {
     "val_every": 50,
 }
 # Settings recorded with each run (the report warns when runs in one directory differ in them).
-_CONFIG_KEYS = "batch_size max_steps lr warmup_steps val_every val_batches seed compile data max_bytes".split()
+_CONFIG_KEYS = (
+    "batch_size max_steps lr warmup_steps val_every val_batches seed compile data max_bytes val_fraction".split()
+)
 GPU_DEFAULTS = {"preset": "small", "batch_size": 32, "max_steps": 1000, "lr": 1e-3, "val_every": 100}
 
 
@@ -175,8 +179,11 @@ def run_variant(name: str, args: argparse.Namespace, loaders: tuple[Any, Any]) -
     recorder = LabRecorder(args.batch_size * cfg.seq_len, scale_every=max(1, args.max_steps // 100))
     health = TrainingHealthMonitor(plot_path=str(args.out / f"health_{name}.png"))
     run_args = argparse.Namespace(**{**vars(args), "precision": spec["precision"], "out": str(args.out / "lightning")})
-    # The CSV logs hold what the callbacks log (health/*, fp8/*) beside the report's own series.
-    trainer = build_trainer(run_args, [recorder, health], loggers=[CSVLogger(args.out / "logs", name=name)])
+    # The CSV logs hold what the callbacks log (health/*, fp8/*) beside the report's own series. Validation runs
+    # under no_grad, not inference_mode (Lightning's default), in every variant alike: torchao's float8 tensors
+    # fail under inference_mode with bf16 autocast ("attempting to run aten.to.dtype").
+    logger = CSVLogger(args.out / "logs", name=name)
+    trainer = build_trainer(run_args, [recorder, health], loggers=[logger], inference_mode=False)
     if torch.cuda.is_available():
         gc.collect()  # the previous variant's model and optimizer must not count towards this one's peak
         torch.cuda.empty_cache()
@@ -244,11 +251,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=count)
     p.add_argument("--warmup-steps", type=int_at_least(0))
     p.add_argument("--lr", type=float_at_least(0))
-    p.add_argument("--max-bytes", type=count, help="read at most this many bytes of the corpus")
     p.add_argument("--val-batches", type=count, default=20, help="batches per validation (the final one too)")
-    p.add_argument(
-        "--data", type=text_path, help="a text file or directory (default: Python's standard library source)"
-    )
+    add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's model")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
     p.add_argument("--out", type=Path, default=Path("runs/lab"))
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> Path:
     if not args.report_only:
         try:  # a model or data that cannot be: a usage error before anything is written, not a traceback
             cfg = gpt_config(args)
-            loaders = make_loaders(args, cfg.seq_len)
+            loaders = data_loaders(args, cfg.seq_len)
         except ValueError as err:
             make_parser().error(str(err))
         runs_dir = args.out / "runs"

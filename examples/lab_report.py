@@ -114,6 +114,23 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if not isinstance(value, (int, float)) or not math.isfinite(value) else format(value, spec)
 
 
+def _relative_loss(run: dict[str, Any], base: dict[str, Any] | None) -> float | str:
+    """``run``'s final validation loss relative to ``base``'s (0.01: 1% higher), or why there is none: "n/a"
+    without a BF16 run, "diverged" when either loss is not finite."""
+    if base is None:
+        return "n/a"
+    if not (math.isfinite(run["final_val_loss"]) and math.isfinite(base["final_val_loss"])):
+        return "diverged"
+    return run["final_val_loss"] / base["final_val_loss"] - 1
+
+
+def _fmt_vs(value: float | str, spec: str, suffix: str = "") -> str:
+    if isinstance(value, str):
+        return value
+    text = _fmt(value, spec)
+    return text if text == "-" else text + suffix
+
+
 def summary_table(runs: list[dict[str, Any]]) -> list[str]:
     base = next((r for r in runs if r["variant"] == BASELINE and r["status"] == "ok"), None)
     rows = [
@@ -125,14 +142,13 @@ def summary_table(runs: list[dict[str, Any]]) -> list[str]:
         if r["status"] != "ok":
             rows.append(f"| {r['label']} | {r['status']} |" + " - |" * 11)
             continue
-        rel_loss = rel_speed = None
-        if base is not None:
-            rel_loss = r["final_val_loss"] / base["final_val_loss"] - 1
-            rel_speed = r["tokens_per_sec"] / base["tokens_per_sec"]
+        rel_loss = _relative_loss(r, base)
+        speed_ratio = "n/a" if base is None else r["tokens_per_sec"] / base["tokens_per_sec"]
         events = ", ".join(f"{e['kind']}@{e['step']} ({e['action']})" for e in r["health_events"][:5]) or "none"
         rows.append(
-            f"| {r['label']} | ok | {_fmt(r['final_val_loss'], '.4f')} | {_fmt(rel_loss, '+.2%')} "
-            f"| {_fmt(r['final_train_loss'], '.4f')} | {_fmt(r['tokens_per_sec'], ',.0f')} | {_fmt(rel_speed, '.2f')}x "
+            f"| {r['label']} | ok | {_fmt(r['final_val_loss'], '.4f')} | {_fmt_vs(rel_loss, '+.2%')} "
+            f"| {_fmt(r['final_train_loss'], '.4f')} | {_fmt(r['tokens_per_sec'], ',.0f')} "
+            f"| {_fmt_vs(speed_ratio, '.2f', 'x')} "
             f"| {_fmt(r['peak_memory_gib'], '.2f')} | {_fmt(r['linear_bytes_per_param'], '.2f')} "
             f"| {_fmt(r['bytes_per_param'], '.2f')} "
             f"| {r['skipped_steps']} | {r['nonfinite_losses']} | {events} |"
@@ -148,7 +164,13 @@ def verdicts(runs: list[dict[str, Any]]) -> list[str]:
     for r in runs:
         if r["variant"] == BASELINE or r["status"] != "ok":
             continue
-        rel = r["final_val_loss"] / base["final_val_loss"] - 1
+        rel = _relative_loss(r, base)
+        if isinstance(rel, str):  # diverged: no ratio to compare
+            which = "its" if not math.isfinite(r["final_val_loss"]) else "BF16's"
+            lines.append(
+                f"- {r['label']}: diverged ({which} final validation loss is not finite): NOT within {TARGET:.0%}."
+            )
+            continue
         verdict = "within" if abs(rel) <= TARGET else "NOT within"
         lines.append(f"- {r['label']}: final validation loss {rel:+.2%} relative to BF16: {verdict} {TARGET:.0%}.")
     return lines

@@ -3,11 +3,12 @@
     python examples/train_gpt.py                       # FP8-LM; toy size on CPU, "small" on a GPU
     python examples/train_gpt.py --precision bf16-mixed
     python examples/train_gpt.py --preset gpt125m --max-steps 2000 --data my_texts/
+    python examples/train_gpt.py --max-steps 400 --resume runs/train_gpt/checkpoints/last.ckpt
 
-The default data is the source of Python's standard library read as bytes (no download, see gpt.py);
+The default data is the source of Python's standard library read as bytes (no download, see corpus.py);
 ``--data`` takes your own text file or directory. On a CPU the FP8 GEMMs are emulated (same scaling
 logic, fp32 matmuls); on an FP8 GPU (sm89+) they are real. Outputs under ``--out``: CSV (and TensorBoard)
-logs, checkpoints, and ``summary.json`` with the final train and validation loss.
+logs, checkpoints (``--resume`` continues from one), and ``summary.json`` with the final train and validation loss.
 """
 
 from __future__ import annotations
@@ -22,17 +23,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from gpt import (
-    GPT,
-    ByteWindows,
-    GPTConfig,
-    check_batches,
-    float_at_least,
-    fp8_module_filter,
-    int_at_least,
-    load_corpus,
-    text_path,
-)
+from cli import float_at_least, int_at_least
+from corpus import add_data_arguments, corpus_from_args, make_loaders
+from gpt import GPT, GPTConfig, fp8_module_filter
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
@@ -119,20 +112,11 @@ class LossHistory(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def make_loaders(args: argparse.Namespace, seq_len: int) -> tuple[DataLoader, DataLoader]:
+def data_loaders(args: argparse.Namespace, seq_len: int) -> tuple[DataLoader, DataLoader]:
     """Shuffled training windows and fixed validation windows of the corpus chosen by ``--data``."""
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
-    check_batches(corpus, seq_len, args.batch_size)
-    pin = torch.cuda.is_available()
-    train = DataLoader(
-        ByteWindows(corpus.train, seq_len), args.batch_size, shuffle=True, drop_last=True, pin_memory=pin
-    )
-    val = DataLoader(ByteWindows(corpus.val, seq_len), args.batch_size, shuffle=False, drop_last=True, pin_memory=pin)
-    print(
-        f"data: {corpus.source} ({corpus.files} files, {corpus.train.numel() / 1e6:.1f} MB train, "
-        f"{corpus.val.numel() / 1e6:.2f} MB validation)"
-    )
-    return train, val
+    corpus = corpus_from_args(args, seq_len)
+    print(corpus.describe())
+    return make_loaders(corpus, seq_len, args.batch_size)
 
 
 # --8<-- [start:precision]
@@ -179,15 +163,24 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int_at_least(0), help="default: 5%% of --max-steps")
     p.add_argument("--val-every", type=count, help="validate every N training steps")
     p.add_argument("--val-batches", type=count, default=20, help="validation batches per validation")
-    p.add_argument(
-        "--data", type=text_path, help="a text file or directory (default: Python's standard library source)"
-    )
-    p.add_argument("--max-bytes", type=count, help="read at most this many bytes of the corpus")
+    add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
     p.add_argument("--out", default="runs/train_gpt", help="directory for logs, checkpoints, summary.json")
+    p.add_argument(
+        "--resume",
+        type=checkpoint_file,
+        help="continue from a checkpoint this script wrote (e.g. OUT/checkpoints/last.ckpt)",
+    )
     p.add_argument("--no-progress-bar", action="store_true")
     return p
+
+
+def checkpoint_file(text: str) -> str:
+    """An argparse ``type`` for ``--resume``: an existing file."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file; give a .ckpt file written by this script")
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -205,8 +198,11 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
 
 
-def build_trainer(args: argparse.Namespace, callbacks: list[Callback], loggers: list[Any] | bool) -> L.Trainer:
-    """The Trainer both this script and lab.py use (lab passes its own callbacks and no loggers)."""
+def build_trainer(
+    args: argparse.Namespace, callbacks: list[Callback], loggers: list[Any] | bool, inference_mode: bool = True
+) -> L.Trainer:
+    """The Trainer both this script and lab.py use (lab passes its own callbacks and loggers, and
+    ``inference_mode=False``: validation under ``torch.no_grad()``, which torchao's float8 tensors need)."""
     return L.Trainer(
         max_steps=args.max_steps,
         val_check_interval=args.val_every,
@@ -220,6 +216,7 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Callback], loggers: 
         enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False,
         default_root_dir=args.out,
+        inference_mode=inference_mode,
         **precision_kwargs(args.precision),
     )
 
@@ -229,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(args.seed, verbose=False)
     try:  # a model or data that cannot be: a usage error before anything trains, not a traceback
         cfg = gpt_config(args)
-        train_loader, val_loader = make_loaders(args, cfg.seq_len)
+        train_loader, val_loader = data_loaders(args, cfg.seq_len)
     except ValueError as err:
         make_parser().error(str(err))
     lit = LitGPT(asdict(cfg), lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
@@ -255,7 +252,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer = build_trainer(args, callbacks, loggers)
     except ValueError as err:  # a precision Lightning does not know
         make_parser().error(f"--precision {args.precision!r}: {err}")
-    trainer.fit(lit, train_loader, val_loader)
+    except ModuleNotFoundError as err:  # a precision whose package is not installed
+        install = " (pip install transformer-engine)" if args.precision.startswith("transformer-engine") else ""
+        make_parser().error(
+            f"--precision {args.precision!r} needs a package that is not installed{install}: {err}; "
+            f"or choose one of {', '.join(FP8_PRECISIONS)}"
+        )
+    trainer.fit(lit, train_loader, val_loader, ckpt_path=args.resume)
 
     val_loss = trainer.validate(lit, val_loader, verbose=False)[0]["val_loss"]
     tail = history.losses[-20:]

@@ -16,17 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from gpt import (
-    GPT,
-    ByteWindows,
-    GPTConfig,
-    check_batches,
-    float_at_least,
-    fp8_module_filter,
-    int_at_least,
-    load_corpus,
-    text_path,
-)
+from cli import float_at_least, int_at_least
+from corpus import add_data_arguments, corpus_from_args, make_loaders
+from gpt import GPT, GPTConfig, evaluate, fp8_module_filter
 from torch.utils.data import DataLoader
 
 from lightning_fp8 import (
@@ -43,21 +35,13 @@ from lightning_fp8 import (
 def batches(loader: DataLoader, device: torch.device):
     """Endless (x, y) batches on ``device``, reshuffled every pass over the data."""
     while True:
-        for x, y in loader:
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        yield from on_device(loader, device)
 
 
-@torch.no_grad()
-def evaluate(model: GPT, loader: DataLoader, device: torch.device, n_batches: int) -> float:
-    model.eval()
-    losses = []
-    for i, (x, y) in enumerate(loader):
-        if i == n_batches:
-            break
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            losses.append(model(x.to(device), y.to(device))[1].item())
-    model.train()
-    return sum(losses) / len(losses)
+def on_device(loader: DataLoader, device: torch.device):
+    """The loader's (x, y) batches on ``device``."""
+    for x, y in loader:
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -74,9 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--lr", type=float_at_least(0), default=1e-3 if gpu else 2e-3)
     p.add_argument("--recipe", default="fp8-lm", choices=FP8Recipe.names(), help="an FP8 recipe name")
     p.add_argument("--val-batches", type=count, default=20)
-    p.add_argument(
-        "--data", type=text_path, help="a text file or directory (default: Python's standard library source)"
-    )
+    add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--out", type=Path, default=Path("runs/train_plain"))
     args = p.parse_args(argv)
     torch.manual_seed(1234)
@@ -84,12 +66,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     try:  # a model or data that cannot be: a usage error before anything trains, not a traceback
         cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
-        corpus = load_corpus(args.data)
-        check_batches(corpus, cfg.seq_len, args.batch_size)
+        corpus = corpus_from_args(args, cfg.seq_len)
     except ValueError as err:
         p.error(str(err))
-    train_loader = DataLoader(ByteWindows(corpus.train, cfg.seq_len), args.batch_size, shuffle=True, drop_last=True)
-    val_loader = DataLoader(ByteWindows(corpus.val, cfg.seq_len), args.batch_size, drop_last=True)
+    train_loader, val_loader = make_loaders(corpus, cfg.seq_len, args.batch_size)
 
     # --8<-- [start:setup]
     model = GPT(cfg).to(device)
@@ -155,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     scaler.load_state_dict(ckpt["grad_scaler"])
     # --8<-- [end:checkpoint]
 
-    val_loss = evaluate(model, val_loader, device, args.val_batches)
+    with torch.autocast(device.type, dtype=torch.bfloat16):  # as in training
+        val_loss = evaluate(model, on_device(val_loader, device), args.val_batches).item()
     final = {"final_train_loss": sum(losses[-20:]) / len(losses[-20:]), "final_val_loss": val_loss}
     print(f"final train loss {final['final_train_loss']:.4f} | final val loss {val_loss:.4f} | checkpoint {path}")
     return final

@@ -1,10 +1,12 @@
-"""The examples run, at toy size, and learn: train_gpt.py (Lightning, FP8-LM), lab.py (BF16 vs FP8), gpt.py's data.
+"""The examples run, at toy size, and learn: train_gpt.py (Lightning, FP8-LM), lab.py (BF16 vs FP8), the
+Accelerate loop's data and validation, corpus.py's data.
 
 The scripts run in subprocesses exactly as a user runs them; each test then checks what they wrote.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -19,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from gpt import GPT, ByteWindows, GPTConfig, fp8_module_filter, load_corpus  # noqa: E402
+from cli import text_path  # noqa: E402
+from corpus import ByteWindows, load_corpus  # noqa: E402
+from gpt import GPT, GPTConfig, fp8_module_filter  # noqa: E402
+from lab_report import summary_table, verdicts  # noqa: E402
 
 UNIFORM_LOSS = math.log(256)  # cross-entropy of a model that learned nothing about bytes
 # After a few dozen steps a byte-level GPT has learned at least the character frequencies of Python source
@@ -36,9 +41,9 @@ TOY = ["--width", "64", "--depth", "2", "--heads", "4", "--seq-len", "64", "--ba
 LAB_NO_RUN = ["--report-only", "--out", "/nonexistent/lab"]
 
 
-def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run(script: str, args: list[str], timeout: float, **env_vars: str) -> subprocess.CompletedProcess:
     """Run an example as a user does; ``timeout`` only guards against a hang."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_vars}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         cwd=ROOT,
@@ -119,6 +124,28 @@ def test_small_corpus_errors_say_which_split_is_short_and_what_to_do(tmp_path, s
     (tmp_path / "one.txt").write_bytes(b"z" * int(message.split("about ")[1].split(" bytes")[0]))
     c = load_corpus(tmp_path / "one.txt", val_fraction=val_fraction)
     assert min(c.train.numel(), c.val.numel()) >= 1024
+
+
+def test_max_bytes_is_an_upper_bound(tmp_path):
+    """max_bytes bounds what is read: files were read whole and the bound checked after (a 39.5 KB file with
+    max_bytes=5000 gave all of it; the stdlib with 100000 gave 328 KB)."""
+    text = "".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(1300)).encode()
+    (tmp_path / "big.txt").write_bytes(text)
+    c = load_corpus(tmp_path / "big.txt", max_bytes=5000, val_fraction=0.5)
+    assert c.train.numel() + c.val.numel() == 5000
+    assert bytes(c.train.tolist()) + bytes(c.val.tolist()) == text[:5000]  # the file's first 5000 bytes
+    small, large = load_corpus(max_bytes=100_000), load_corpus(max_bytes=1_000_000)
+    for c, max_bytes in ((small, 100_000), (large, 1_000_000)):  # many files: the joining newlines count too
+        assert max_bytes - 1000 < c.train.numel() + c.val.numel() <= max_bytes
+    # files are read in order, the last one cut: a smaller bound gives a prefix of a larger one's text
+    assert torch.equal(small.train[:50_000], large.train[:50_000])
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_data_path_is_refused(value):
+    """``--data "$UNSET"`` trained on the current directory (Path("") is "."): now a usage error."""
+    with pytest.raises(argparse.ArgumentTypeError, match="empty .*unset shell variable"):
+        text_path(value)
 
 
 def test_missing_path_error_names_the_argument(tmp_path):
@@ -274,6 +301,19 @@ def test_train_plain_toy(tmp_path):
         # --clip -1 turned clipping off silently (the help says 0 does)
         ("accelerate/train_gpt.py", ["--clip", "-1"], "argument --clip"),
         ("accelerate/train_gpt.py", ["--resume", "/nonexistent/checkpoint"], "--resume '/nonexistent/checkpoint'"),
+        ("train_gpt.py", ["--resume", "/nonexistent/last.ckpt"], "argument --resume: '/nonexistent/last.ckpt'"),
+        # --data "$UNSET" trained on the current directory
+        ("lab.py", ["--data", "", *LAB_NO_RUN], "argument --data: '' is empty"),
+        ("accelerate/train_gpt.py", ["--data", " "], "argument --data: ' ' is empty"),
+        ("accelerate/train_gpt.py", ["--data", "/nonexistent/corpus"], "argument --data: '/nonexistent/corpus'"),
+        # the flag that load_corpus's "raise/lower val_fraction" advice names, in every script taking --data
+        ("train_gpt.py", ["--val-fraction", "1"], "argument --val-fraction"),
+        ("train_plain.py", ["--val-fraction", "0"], "argument --val-fraction"),
+        ("lab.py", ["--val-fraction", "-0.1", *LAB_NO_RUN], "argument --val-fraction"),
+        ("accelerate/train_gpt.py", ["--val-fraction", "nan"], "argument --val-fraction"),
+        ("accelerate/train_gpt.py", ["--val-every", "0"], "argument --val-every"),
+        # a data error of the Accelerate loop: argparse's exit 2, as in the other scripts (was exit 1)
+        ("accelerate/train_gpt.py", ["--seq-len", "100000", "--max-bytes", "60000"], "fewer than one batch"),
     ],
 )
 def test_bad_arguments_are_usage_errors(script, args, flag):
@@ -283,6 +323,46 @@ def test_bad_arguments_are_usage_errors(script, args, flag):
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "error:" in proc.stderr and flag in proc.stderr
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformer_engine") is not None, reason="transformer-engine is installed"
+)
+def test_a_precision_whose_package_is_missing_is_a_usage_error_with_the_install_command():
+    """--precision transformer-engine without the package was a ModuleNotFoundError traceback from Lightning."""
+    args = ["--precision", "transformer-engine", "--max-bytes", "60000"]
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "--precision 'transformer-engine'" in proc.stderr and "pip install transformer-engine" in proc.stderr
+
+
+def test_val_fraction_reaches_the_split(tmp_path):
+    """The file of the too-short test below: with --val-fraction 0.5 its validation split holds batches."""
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i}: some text to train on\n" for i in range(800)))
+    args = [*TOY, "--data", str(text), "--val-fraction", "0.5", "--max-steps", "2", "--val-batches", "1"]
+    proc = _run("train_gpt.py", [*args, "--out", str(tmp_path / "run"), "--no-progress-bar"], timeout=600)
+    assert "0.01 MB validation" in proc.stdout  # half of ~25 KB
+
+
+def _lab_run(variant: str, final_val_loss: float) -> dict:
+    return {
+        "variant": variant, "label": variant.upper(), "status": "ok", "final_val_loss": final_val_loss,
+        "final_train_loss": 1.0, "tokens_per_sec": 1000.0, "peak_memory_gib": None, "linear_bytes_per_param": 5.0,
+        "bytes_per_param": 6.0, "skipped_steps": 0, "nonfinite_losses": 0, "health_events": [],
+    }  # fmt: skip
+
+
+def test_lab_report_says_diverged_and_n_a_not_nan_and_dash_x():
+    """A diverged run's verdict read "+nan%", a table without a BF16 run "-x"."""
+    diverged = [_lab_run("bf16", 1.0), _lab_run("fp8-lm", math.nan)]
+    table, lines = "\n".join(summary_table(diverged)), "\n".join(verdicts(diverged))
+    assert "nan" not in table + lines and "| FP8-LM | ok | - | diverged | 1.0000 | 1,000 | 1.00x |" in table
+    assert "FP8-LM: diverged (its final validation loss is not finite): NOT within 1%" in lines
+    alone = "\n".join(summary_table([_lab_run("fp8-lm", 1.0)]))
+    assert "x |" not in alone.replace("1.00x", "") and "| FP8-LM | ok | 1.0000 | n/a | 1.0000 | 1,000 | n/a |" in alone
 
 
 def test_lab_report_help_and_an_empty_directory(tmp_path):
@@ -346,3 +426,34 @@ def test_lab_one_step_records_bytes_per_param(tmp_path):
     assert run["status"] == "ok" and run["series"]["steps"] == [1]
     assert run["linear_bytes_per_param"] == pytest.approx(5.0, abs=0.01)
     assert run["bytes_per_param"] > run["linear_bytes_per_param"]  # embeddings and norms keep fp32 AdamW states
+
+
+def test_train_gpt_resumes_from_its_checkpoint(tmp_path):
+    """--resume continues a run from last.ckpt: 2 steps, then on to 4."""
+    out = tmp_path / "run"
+    args = [*TOY, "--max-bytes", "200000", "--val-every", "2", "--val-batches", "1", "--no-progress-bar"]
+    _run("train_gpt.py", [*args, "--max-steps", "2", "--out", str(out)], timeout=600)
+    ckpt = out / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+    _run("train_gpt.py", [*args, "--max-steps", "4", "--out", str(out), "--resume", str(ckpt)], timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and len(summary["train_losses"]) == 2  # steps 3 and 4 only
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 4
+
+
+def test_accelerate_toy_with_own_data_and_validation(tmp_path):
+    """The Accelerate loop takes --data, evaluates the held-out split every --val-every steps and at the end
+    (val/loss in metrics.jsonl, printed), with FP8-LM from the environment, in one process."""
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(3000)))
+    out = tmp_path / "run"
+    args = ["--depth", "2", "--width", "64", "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--warmup", "2"]
+    args += ["--data", str(text), "--steps", "5", "--log-every", "1", "--val-every", "2", "--val-batches", "2"]
+    env = {"LIGHTNING_FP8_RECIPE": "fp8-lm", "LIGHTNING_FP8_EXCLUDE": "lm_head", "OMP_NUM_THREADS": "1"}
+    proc = _run("accelerate/train_gpt.py", [*args, "--out", str(out)], timeout=600, **env)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = {row["step"]: row["val/loss"] for row in rows if "val/loss" in row}
+    assert sorted(val) == [2, 4, 5] and all(math.isfinite(v) and v < UNIFORM_LOSS + 0.5 for v in val.values())
+    assert sorted(row["step"] for row in rows if row["step"]) == [1, 2, 3, 4, 5]  # one row per step
+    assert f"data: {text} (1 files" in proc.stdout and f"final val loss {val[5]:.4f}" in proc.stdout
+    assert "optimizer: FP8AdamW" in proc.stdout

@@ -12,9 +12,11 @@ on, and with which recipe, is decided by how the script is launched (see docs/ac
     # plain accelerate launch, recipe from the environment
     LIGHTNING_FP8_RECIPE=fp8-lm LIGHTNING_FP8_EXCLUDE=lm_head accelerate launch --cpu examples/accelerate/train_gpt.py
 
-Outputs under ``--out``: ``metrics.jsonl`` (every ``accelerator.log`` call: the loss, and with FP8-LM the scales,
-mu and health statistics the accelerator adds) and checkpoints from ``accelerator.save_state`` (``--save-every``);
-``--resume DIR`` continues from one.
+The data is the source of Python's standard library read as bytes, or your own text with ``--data PATH``; the
+validation split is evaluated every ``--val-every`` steps and at the end. Outputs under ``--out``: ``metrics.jsonl``
+(every ``accelerator.log`` call: the training and validation loss, and with FP8-LM the scales, mu and health
+statistics the accelerator adds) and checkpoints from ``accelerator.save_state`` (``--save-every``); ``--resume DIR``
+continues from one.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ import torch
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py
-from gpt import GPT, ByteWindows, GPTConfig, check_batches, float_at_least, int_at_least, load_corpus  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py and corpus.py
+from cli import float_at_least, int_at_least  # noqa: E402
+from corpus import Corpus, add_data_arguments, corpus_from_args, make_loaders  # noqa: E402
+from gpt import GPT, GPTConfig, evaluate  # noqa: E402
 
 from lightning_fp8.accelerate import Accelerator  # noqa: E402  (was: from accelerate import Accelerator)
 
@@ -74,7 +79,7 @@ class TrainState:
         self.step, self.batches = int(state["step"]), int(state["batches"])
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     count, at_least_0 = int_at_least(1), int_at_least(0)  # sizes and step counts; 0 allowed
     p.add_argument("--preset", default="toy", choices=["toy", "small", "gpt125m"], help="GPTConfig preset")
@@ -90,30 +95,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=non_negative, default=0.1)
     p.add_argument("--warmup", type=at_least_0, default=20)
     p.add_argument("--clip", type=non_negative, default=1.0, help="max gradient norm (0: no clipping)")
-    p.add_argument("--max-bytes", type=count, default=2_000_000, help="corpus bytes to read (stdlib source)")
+    add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--log-every", type=count, default=10)
+    p.add_argument("--val-every", type=count, default=100, help="evaluate the validation split every N steps")
+    p.add_argument("--val-batches", type=count, default=20, help="batches per process per validation")
     p.add_argument("--save-every", type=at_least_0, default=0, help="save_state every N steps (0: only at the end)")
     p.add_argument("--out", type=Path, default=Path("runs/accelerate_gpt"))
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint folder written by save_state")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0)
+    p.add_argument("--no-progress-bar", action="store_true")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Corpus]:
+    """The arguments and the corpus they name: a model or data that cannot be is a usage error now."""
+    p = make_parser()
     args = p.parse_args(argv)
-    try:  # a model that cannot be: a usage error now, not a traceback later
-        model_config(args)
+    try:
+        corpus = corpus_from_args(args, model_config(args).seq_len)
     except ValueError as err:
         p.error(str(err))
     if args.resume is not None and not args.resume.is_dir():
         p.error(f"--resume {str(args.resume)!r}: no such directory; give a checkpoint folder written by save_state")
-    return args
+    return args, corpus
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig.preset(args.preset, depth=args.depth, width=args.width, heads=args.heads, seq_len=args.seq_len)
 
 
-def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, DataLoader, Any, torch.Generator]:
+def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, Any]:
     cfg = model_config(args)
-    corpus = load_corpus(max_bytes=args.max_bytes)
-    check_batches(corpus, cfg.seq_len, args.batch_size, splits=("training",))
     model = GPT(cfg)
     # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -131,21 +143,16 @@ def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, DataLoa
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    # The shuffle generator is re-seeded every epoch (seed + epoch): an epoch's order is the same whether the
-    # run was resumed or not.
-    generator = torch.Generator()
-    loader = DataLoader(
-        ByteWindows(corpus.train, cfg.seq_len),
-        batch_size=args.batch_size,
-        shuffle=True,
-        drop_last=True,
-        generator=generator,
-    )
-    return model, optimizer, loader, scheduler, generator
+    return model, optimizer, scheduler
+
+
+def validate(accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader, batches: int) -> float:
+    """Mean validation loss over ``batches`` batches of every process (each reads its own share of the split)."""
+    return accelerator.reduce(evaluate(model, loader, batches), reduction="mean").item()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, corpus = parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     set_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -155,11 +162,15 @@ def main(argv: list[str] | None = None) -> None:
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the process count
     )
     accelerator.init_trackers("train_gpt", config={k: str(v) for k, v in vars(args).items()})
-    try:
-        model, optimizer, loader, scheduler, generator = build(args)
-    except ValueError as err:  # data too short for one batch: say so, not a traceback
-        raise SystemExit(f"{Path(__file__).name}: error: {err}") from None
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.print(corpus.describe())
+    model, optimizer, scheduler = build(args)
+    # The shuffle generator is re-seeded every epoch (seed + epoch): an epoch's order is the same whether the
+    # run was resumed or not.
+    generator = torch.Generator()
+    loader, val_loader = make_loaders(corpus, model.cfg.seq_len, args.batch_size, generator=generator)
+    model, optimizer, loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, loader, val_loader, scheduler
+    )
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     if args.resume is not None:
@@ -168,7 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.print(f"optimizer: {type(optimizer.optimizer).__name__}, processes: {accelerator.num_processes}")
 
     model.train()
-    loss_sum, micro, mean_loss = torch.zeros((), device=accelerator.device), 0, float("nan")
+    loss_sum, micro, mean_loss, val_loss = torch.zeros((), device=accelerator.device), 0, float("nan"), float("nan")
+    bar = tqdm(
+        total=args.steps,
+        initial=state.step,
+        desc="steps",
+        disable=args.no_progress_bar or not accelerator.is_local_main_process,
+    )
     while state.step < args.steps:
         epoch, skip = divmod(state.batches, len(loader))
         generator.manual_seed(args.seed + epoch)
@@ -188,20 +205,29 @@ def main(argv: list[str] | None = None) -> None:
             if not accelerator.optimizer_step_was_skipped:
                 scheduler.step()
             state.step += 1
-            if state.step % args.log_every == 0 or state.step == args.steps:
+            bar.update()
+            last = state.step == args.steps
+            values: dict[str, float] = {}  # one accelerator.log call per step: one metrics row
+            if state.step % args.log_every == 0 or last:
                 mean_loss = accelerator.reduce(loss_sum / micro, reduction="mean").item()
                 values = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0]}
                 if grad_norm is not None:
                     values["train/grad_norm"] = float(grad_norm)
+            if state.step % args.val_every == 0 or last:
+                values["val/loss"] = val_loss = validate(accelerator, model, val_loader, args.val_batches)
+            if values:
                 accelerator.log(values, step=state.step)
-                accelerator.print(f"step {state.step} loss {mean_loss:.4f} lr {values['train/lr']:.2e}")
+                bar.set_postfix(loss=f"{mean_loss:.4f}", val_loss=f"{val_loss:.4f}", refresh=False)
+                if accelerator.is_local_main_process:  # above the bar, not through it
+                    bar.write(f"step {state.step} " + " ".join(f"{k} {v:.4g}" for k, v in values.items()))
             loss_sum, micro = torch.zeros((), device=accelerator.device), 0
             if args.save_every and state.step % args.save_every == 0:
                 accelerator.save_state(str(args.out / f"checkpoint_{state.step}"))
             if state.step >= args.steps:
                 break
+    bar.close()
     accelerator.save_state(str(args.out / "checkpoint_final"))
-    accelerator.print(f"done: {state.step} steps, final loss {mean_loss:.4f}")
+    accelerator.print(f"done: {state.step} steps, final loss {mean_loss:.4f}, final val loss {val_loss:.4f}")
     accelerator.wait_for_everyone()  # every rank done with its collectives before the process group goes
     accelerator.end_training()
 

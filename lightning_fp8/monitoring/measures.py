@@ -101,6 +101,8 @@ def _dtensor_sum_of_squares(distributed: list[tuple[torch.Tensor, torch.Tensor |
         t_sq = _divided(t.to_local().float().square().sum(), scale)
         groups[key] = t_sq if key not in groups else groups[key] + t_sq.to(groups[key].device)
     for (mesh, dims), t_sq in groups.items():  # the same order on every rank: the tensors' own
+        if dims and t_sq.device.type != mesh.device_type:  # CPU-offloaded shards on an NCCL mesh
+            t_sq = t_sq.to(mesh.device_type)
         for d in dims:
             dist.all_reduce(t_sq, group=mesh.get_group(d))
         total = t_sq if total is None else total + t_sq.to(total.device)
