@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -152,7 +153,12 @@ class _LoggingCallback(Callback):
             self.load_state_dict(copy.deepcopy(legacy))
 
     def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Keep ``metrics`` in ``trainer.callback_metrics`` on every rank (what ``EarlyStopping`` and
+        ``ModelCheckpoint(monitor=...)`` read, on each rank) and send them to the loggers on rank zero."""
         self.last_metrics = metrics
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
+        if not trainer.is_global_zero:
+            return
         if not trainer.loggers:
             warn_once(
                 f"{type(self).__name__}: the Trainer has no logger, so its metrics are only kept in "
@@ -168,7 +174,8 @@ class FP8ScaleMonitor(_LoggingCallback):
 
     Every ``log_every_n_steps`` training batches that stepped (default: the Trainer's; counted as Lightning counts
     its own logging: once per batch however many optimizers stepped in it), on global rank zero, it logs at the
-    ``global_step`` reached:
+    ``global_step`` reached (every rank also keeps them in ``trainer.callback_metrics``, so ``EarlyStopping`` and
+    ``ModelCheckpoint`` can monitor them):
 
     - ``fp8/{role}/{field}`` for role in ``input``, ``weight``, ``grad_output`` and field in ``scale_min``,
       ``scale_max``, ``amax_max``, ``saturation_max``, ``saturation_mean``, ``nonfinite_count``: the compact
@@ -253,7 +260,7 @@ class FP8ScaleMonitor(_LoggingCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._stepped(trainer) or not self._due(trainer) or not trainer.is_global_zero:
+        if not self._stepped(trainer) or not self._due(trainer):
             return
         optimizer = _unwrap_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         stats = fp8_stats(pl_module, optimizer=optimizer, grad_scaler=grad_scaler_of(trainer))

@@ -99,7 +99,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     a loss the user scaled with the optimizer's FP8GradScaler; those FP8AdamW holds in FP8 with ``fp8_grads``
     included, dequantized; none for a batch without any gradient, as ``training_step`` returning ``None`` makes it),
     the parameter norm, the training throughput and the memory in use; every ``log_every_n_steps`` such batches
-    (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached:
+    (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached (every
+    rank also keeps them in ``trainer.callback_metrics``: ``EarlyStopping(monitor="health/loss_smooth")`` works):
 
     - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, by
       torchmetrics' ``MeanMetric``: :mod:`lightning_fp8.monitoring.report`; NaN and
@@ -326,7 +327,7 @@ class TrainingHealthMonitor(_LoggingCallback):
             if trainer.is_global_zero:
                 rank_zero_warn(f"TrainingHealthMonitor: {event.message} (action: {event.action})")
         self._reset_window()
-        if self._due(trainer) and trainer.is_global_zero:
+        if self._due(trainer):
             self._log(trainer, self._metrics())
 
     def _scaler_events(self, step: int, scaler: Any) -> list[Any]:

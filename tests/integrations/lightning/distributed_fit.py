@@ -343,6 +343,7 @@ def main() -> None:
         "resumed_losses": resumed_losses,
         "health_loss_smooth": health.last_metrics.get("health/loss_smooth") if health else None,
         "health_losses": [v for _, v in health.monitor.series["loss"]] if health else None,
+        "callback_loss_smooth": trainer.callback_metrics["health/loss_smooth"].item() if health else None,
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:

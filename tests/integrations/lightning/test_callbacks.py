@@ -910,3 +910,20 @@ def test_health_monitor_counts_a_batch_of_strings_and_leaves_out_what_it_cannot_
     assert not health.monitor.series["samples_per_sec"] and len(health.monitor.series["loss"]) == 3
     rows = _rows(trainer)
     assert "health/samples_per_sec" not in rows[-1] and len(_column(rows, "health/loss")) == 3
+
+
+def test_logged_values_are_callback_metrics_that_early_stopping_and_checkpoints_can_monitor(tmp_path):
+    """EarlyStopping and ModelCheckpoint(monitor=...) read trainer.callback_metrics: the monitors' keys are there, with
+    the values the loggers got (a sweep found them only in the loggers: EarlyStopping raised "not available")."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    scale, health = FP8ScaleMonitor(), TrainingHealthMonitor(plot=False)
+    stop = EarlyStopping(monitor="health/loss_smooth", check_on_train_epoch_end=True, patience=100)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="fp8/grad_scaler/scale", mode="max")
+    trainer = _fit(GPTModule(), tmp_path, [scale, health, stop, best], max_steps=6, enable_checkpointing=True)
+    rows, metrics = _rows(trainer), trainer.callback_metrics
+    for key in SUMMARY_KEYS + SCALER_KEYS + ALERT_KEYS + HEALTH_KEYS:
+        assert key in metrics, key
+        assert metrics[key].item() == pytest.approx(_column(rows, key)[6], rel=1e-6, nan_ok=True), key
+    assert stop.best_score.item() == pytest.approx(_column(rows, "health/loss_smooth")[6], rel=1e-6)
+    assert best.best_model_path and best.best_model_score.item() == _column(rows, "fp8/grad_scaler/scale")[6]

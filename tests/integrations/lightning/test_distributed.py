@@ -111,12 +111,14 @@ def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
 
 
 def test_health_monitor_under_ddp_logs_on_rank_zero_without_waiting_for_the_others(tmp_path):
-    # Rank zero alone computes the running means it logs: a cross-rank sync in there would hang the run. The plot
-    # at the end of fit goes to Trainer.log_dir, a collective: every rank asks for it, rank zero alone writes.
+    # Each rank computes the running means of its own losses, without a cross-rank sync (one in there would hang the
+    # run); rank zero logs them, every rank keeps them in trainer.callback_metrics (EarlyStopping reads them on each
+    # rank). The plot at the end of fit goes to Trainer.log_dir, a collective: every rank asks, rank zero writes.
     ranks = _run("ddp", tmp_path, False, "--health", timeout=TIMEOUT_S / 2)
     for r in ranks:
         assert r["losses"] == pytest.approx(r["health_losses"], rel=1e-6)  # each rank observes its own losses
-    assert ranks[0]["health_loss_smooth"] == pytest.approx(sum(ranks[0]["losses"]) / STEPS, rel=1e-6)
+        assert r["health_loss_smooth"] == pytest.approx(sum(r["losses"]) / STEPS, rel=1e-6)
+        assert r["callback_loss_smooth"] == pytest.approx(r["health_loss_smooth"], rel=1e-6)
     assert (tmp_path / "health.png").is_file()
 
 
