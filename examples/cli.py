@@ -1,0 +1,68 @@
+"""Command-line argument types shared by the example scripts: a bad value is argparse's usage error naming the
+flag, not a traceback from deep inside the run.
+
+- ``int_at_least(minimum, maximum=None)``: sizes, step counts, seeds.
+- ``float_at_least(minimum)``: learning rates, weight decays, gradient norms.
+- ``fraction``: a share strictly between 0 and 1 (``--val-fraction``).
+- ``text_path``: ``--data``, a text file or a directory of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["float_at_least", "fraction", "int_at_least", "text_path"]
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Any:
+    """An argparse ``type``: an integer >= ``minimum`` (and <= ``maximum``)."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid int value"
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_at_least(minimum: float) -> Any:
+    """An argparse ``type``: a finite float >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError: argparse says "invalid float value"
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum:g}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number strictly between 0 and 1."""
+    value = float(text)  # a ValueError: argparse says "invalid fraction value"
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number strictly between 0 and 1, got {text}")
+    return value
+
+
+def text_path(text: str) -> str:
+    """An argparse ``type`` for ``--data``: a path that is a file or a directory (``load_corpus`` reads it).
+
+    An empty value is refused: ``--data "$UNSET"`` would otherwise mean the current directory.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty (an unset shell variable?); give a text file or a directory of text files, or leave "
+            "--data out for the Python standard library's source"
+        )
+    if not (Path(text).is_file() or Path(text).is_dir()):
+        reason = "no such file or directory" if not Path(text).exists() else "neither a file nor a directory"
+        raise argparse.ArgumentTypeError(f"{text!r}: {reason}; give a text file or a directory of text files")
+    return text
