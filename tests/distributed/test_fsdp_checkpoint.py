@@ -5,7 +5,8 @@ per row), so that torch.distributed.checkpoint and full state dicts reshard them
 shard gathers rows of two saved shards must re-express them with one scale: its loaded state is the saved value
 requantized (``checkpoint.quantize``), a rank whose rows all come from one saved shard gets the saved bits.
 
-Three spawns: training and saving on 2 ranks; loading on 3 ranks (uneven shards: 64 rows as 22 + 22 + 20) and on 1.
+Three spawns: training and saving on 2 ranks; loading on 3 ranks (uneven shards: 64 rows as 22 + 22 + 20) and on 1;
+and an unsharded run's full state dict loaded on the 3 ranks.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, 
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        if dist.is_initialized():
+            dist.all_reduce(total)
         losses.append(float(total) / world)
     return losses
 
@@ -131,7 +133,7 @@ def _compare(opt: torch.optim.Optimizer, model: nn.Module, expected: dict, saved
             want = mine(p, expected[(name, key)])
             saved_scale = saved_states[name][f"{key}_scale"]
             saved_scale = saved_scale.full_tensor() if hasattr(saved_scale, "full_tensor") else saved_scale
-            if mine(p, saved_scale).unique().numel() > 1:
+            if saved_scale.dim() and mine(p, saved_scale).unique().numel() > 1:  # (an unsharded run's: 0-dim)
                 mixed.append(f"{name}.{key}")
             got = checkpoint.dequantize(state, key)
             got = got.to_local() if hasattr(got, "to_local") else got
@@ -180,6 +182,31 @@ def _from_full(rank: int, world: int, directory: str, broadcast: bool) -> dict:
     return {**_compare(opt, model, saved["values"], saved_states), "resumed": _steps(model, opt, rank, world, STEPS, 2)}
 
 
+def _save_unsharded(directory: str) -> list[float]:
+    """In this process, no process group: the same model trained unsharded (one 0-dim scale per state), its full state
+    dict saved; returns the losses of its continuation."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, opt = _build("fp16", sharded=False)
+    _steps(model, opt, 0, 1, 0, STEPS)
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    torch.save({"values": _values(opt, model), "full": full}, os.path.join(directory, "unsharded.pt"))
+    return _steps(model, opt, 0, 1, STEPS, 2)
+
+
+def _from_unsharded_full(rank: int, world: int, directory: str) -> dict:
+    """An unsharded run's full state dict (0-dim scales) into the sharded model: each shard takes the one scale."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    saved = torch.load(os.path.join(directory, "unsharded.pt"), weights_only=True)
+    model, opt = _build("fp16")
+    model_sd, optim_sd = saved["full"]
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    saved_states = torch.load(os.path.join(directory, "unsharded.pt"), weights_only=True)["full"][1]["state"]
+    return {**_compare(opt, model, saved["values"], saved_states), "resumed": _steps(model, opt, rank, world, STEPS, 2)}
+
+
 def _per_rank_scales_refused(rank: int, world: int, directory: str) -> dict:
     """A full state dict with one scale per saved rank (the layout before per-row scales) at another world size:
     every rank raises the same ValueError (none is left waiting in a collective)."""
@@ -224,6 +251,7 @@ def _load(rank: int, world: int, directory: str) -> dict:
         out["plain"] = _guarded(_into_plain_model, rank, world, directory)
     else:
         out["per_rank_scales"] = _guarded(_per_rank_scales_refused, rank, world, directory)
+        out["from_unsharded"] = _guarded(_from_unsharded_full, rank, world, directory)
     return out
 
 
@@ -231,7 +259,8 @@ def _load(rank: int, world: int, directory: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("fsdp_reshard"))
     saved = run_workers(_save, SAVED_WORLD, directory)
-    return {"saved": saved, **{world: run_workers(_load, world, directory) for world in (3, 1)}}
+    unsharded = _save_unsharded(directory)
+    return {"saved": saved, "unsharded": unsharded, **{world: run_workers(_load, world, directory) for world in (3, 1)}}
 
 
 def _ok(report: dict) -> dict:
@@ -260,6 +289,14 @@ def test_full_state_dict_of_sharded_run_loads_into_unsharded_model(runs):
     states = _ok(runs[1][0]["plain"])["states"]
     assert states and all(v in ("exact", "requantized") for v in states.values()), states
     assert runs[1][0]["plain"]["resumed"] == pytest.approx(runs["saved"][0]["fp16_continued"], rel=0.05)
+
+
+def test_full_state_dict_of_unsharded_run_loads_into_sharded_model(runs):
+    """One process's checkpoint continued on 3 ranks (uneven shards): every state holds the saved bits."""
+    for rank, report in enumerate(runs[3]):
+        states = _ok(report["from_unsharded"])["states"]
+        assert states and all(v == "exact" for v in states.values()), (rank, states)
+        assert report["from_unsharded"]["resumed"] == pytest.approx(runs["unsharded"], rel=0.05), rank
 
 
 def test_per_rank_scales_at_another_world_size_fail_on_every_rank(runs):
