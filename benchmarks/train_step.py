@@ -235,7 +235,7 @@ TOY_DEFAULTS = {"sizes": "64x2", "seq": 64, "batch": 2, "vocab": 256, "steps": 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from gpt import int_at_least
+    from cli import int_at_least
 
     count, at_least_0 = int_at_least(1), int_at_least(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
