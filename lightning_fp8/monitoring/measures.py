@@ -47,7 +47,8 @@ def global_norm(
     Args:
         tensors: e.g. ``[p.grad for p in model.parameters() if p.grad is not None]`` or ``model.parameters()``
             (``None`` entries are skipped; a complex tensor counts by its magnitudes).
-            DTensors (FSDP2, tensor parallel) are reduced over their mesh by the DTensor norm itself.
+            DTensors (FSDP2, tensor parallel): each rank sums the squares of its shards, one all-reduce per mesh
+            and set of sharded mesh dimensions adds them (every rank must pass the same tensors in the same order).
         group: the process group plain-tensor shards live in (default: the world), used when ``sharded``.
         sharded: each rank holds a different shard of the plain tensors (FSDP1's flat parameters): sum the squares
             across ranks (a collective on every rank, also one that holds none of them). Replicated tensors (DDP,
@@ -97,7 +98,9 @@ def _dtensor_sum_of_squares(distributed: list[tuple[torch.Tensor, torch.Tensor |
             t_sq = _divided(torch.linalg.vector_norm(t.float()).full_tensor().square(), scale)
             total = t_sq if total is None else total + t_sq.to(total.device)
             continue
-        key = (t.device_mesh, tuple(d for d, p in enumerate(t.placements) if p.is_shard()))
+        # Every dimension that does not replicate shards (Shard, and FSDP2's _StridedShard over tensor parallelism,
+        # which is no Shard in recent torch): its ranks hold different elements, whose squares add up.
+        key = (t.device_mesh, tuple(d for d, p in enumerate(t.placements) if not p.is_replicate()))
         t_sq = _divided(t.to_local().float().square().sum(), scale)
         groups[key] = t_sq if key not in groups else groups[key] + t_sq.to(groups[key].device)
     for (mesh, dims), t_sq in groups.items():  # the same order on every rank: the tensors' own

@@ -469,34 +469,42 @@ def test_bool_steps_negative_norms_and_bad_nonfinite_values_are_refused_recordin
     assert [e.kind for e in monitor.events] == ["nonfinite_grad"]
 
 
-def _dtensor_norm_worker(rank: int, world: int) -> tuple[float, float, int, int]:
+def _dtensor_norm_worker(rank: int, world: int) -> tuple[list[tuple[float, float]], float, float, int, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh1, mesh2 = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2))
     gen = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(8, 6, generator=gen) * 10.0**i for i in range(7)] + [torch.randn(5, 3, generator=gen)]
     placed = [(mesh1, [Shard(0)]), (mesh1, [Shard(1)]), (mesh1, [Replicate()]), (mesh2, [Shard(0), Shard(1)]),
-              (mesh2, [Replicate(), Shard(0)]), (mesh2, [Shard(1), Replicate()]), (mesh1, [Shard(0)]),
-              (mesh1, [Shard(0)])]  # fmt: skip  (the last: 5 rows over 4 ranks, one rank without any)
+              (mesh2, [Replicate(), Shard(0)]), (mesh2, [Shard(1), Replicate()]),
+              # FSDP2 over a colwise tensor-parallel weight: _StridedShard on the data-parallel dimension (no Shard
+              # subclass in recent torch: taken for replicated, each data-parallel rank summed only its own rows)
+              (mesh2, [_StridedShard(0, split_factor=world // 2), Shard(0)])]  # fmt: skip
+    fulls = [torch.randn(8, 6, generator=gen) for _ in placed]
+    placed.append((mesh1, [Shard(0)]))  # 5 rows over 4 ranks: one rank without any
+    fulls.append(torch.randn(5, 3, generator=gen))
     tensors = [distribute_tensor(f, mesh, p) for f, (mesh, p) in zip(fulls, placed, strict=True)]
     partial = torch.randn(4, 4, generator=gen)  # each rank holds a quarter: a reduction pending
     tensors.append(DTensor.from_local(partial / world, mesh1, [Partial()]))
+    fulls.append(partial)
+    each = [(global_norm([t]).item(), f.double().norm().item()) for t, f in zip(tensors, fulls, strict=True)]
     layers = [torch.randn(12, 4, generator=gen) for _ in range(10)]  # an FSDP2 model's many parameters: one group
     tensors += [distribute_tensor(f, mesh1, [Shard(0)]) for f in layers]
-    expected = torch.cat([t.double().flatten() for t in [*fulls, partial, *layers]]).norm()
+    expected = torch.cat([t.double().flatten() for t in [*fulls, *layers]]).norm()
     with CommDebugMode() as comms:
         norm = global_norm(tensors)
-    return norm.item(), expected.item(), comms.get_total_counts(), len(tensors)
+    return each, norm.item(), expected.item(), comms.get_total_counts(), len(tensors)
 
 
 def test_global_norm_of_dtensors_sums_local_shards_with_one_collective_per_placement():
-    """DTensors sharded on one or two mesh dimensions, replicated, unevenly sharded and partial: the norm matches
-    float64 over the full tensors, with a handful of collectives (one per mesh and set of sharded dimensions, per
-    dimension, plus the partial tensor's reduction), not one or more per tensor."""
+    """DTensors sharded on one or two mesh dimensions (FSDP2's strided shard too), replicated, unevenly sharded and
+    partial: each norm, and the norm of all, match float64 over the full tensors, with a handful of collectives (one
+    per mesh and set of sharded dimensions, per dimension, plus the partial tensor's reduction), not one per tensor."""
     from tests.distributed.launch import run_workers
 
-    for norm, expected, collectives, n_tensors in run_workers(_dtensor_norm_worker, 4, timeout=120):
+    for each, norm, expected, collectives, n_tensors in run_workers(_dtensor_norm_worker, 4, timeout=120):
+        assert [got for got, _ in each] == pytest.approx([want for _, want in each], rel=1e-6)
         assert norm == pytest.approx(expected, rel=1e-6)
-        assert collectives <= 6 < n_tensors, collectives
+        assert collectives <= 8 < n_tensors, collectives
