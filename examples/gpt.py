@@ -7,7 +7,7 @@ Public names (other examples import them; keep them stable):
 - ``GPT``: the model; ``model(idx, targets=None) -> (logits, loss)``.
 - ``fp8_module_filter``: ``fn(module, fqn) -> bool`` for ``convert_to_fp8`` / ``FP8LMPrecision``
   (and torchao's ``convert_to_float8_training``): keeps the output head in high precision.
-- ``evaluate(model, batches, max_batches)``: the mean loss over a few validation batches.
+- ``evaluate(model, batches, max_batches=None)``: the mean loss over (a few) validation batches.
 """
 
 from __future__ import annotations
@@ -184,8 +184,11 @@ def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], max_batches: int) -> torch.Tensor:
-    """Mean loss of ``model`` over the first ``max_batches`` ``(x, y)`` of ``batches``, in eval mode.
+def evaluate(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], max_batches: int | None = None
+) -> torch.Tensor:
+    """Mean loss of ``model`` over the first ``max_batches`` ``(x, y)`` of ``batches`` (all of them: None), in eval
+    mode.
 
     Returns a 0-dim fp32 tensor on the model's device (no host sync: a distributed caller can average it over
     ranks first). The model's train/eval mode is restored; run it under the autocast the training step uses.

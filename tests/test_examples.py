@@ -457,3 +457,41 @@ def test_accelerate_toy_with_own_data_and_validation(tmp_path):
     assert sorted(row["step"] for row in rows if row["step"]) == [1, 2, 3, 4, 5]  # one row per step
     assert f"data: {text} (1 files" in proc.stdout and f"final val loss {val[5]:.4f}" in proc.stdout
     assert "optimizer: FP8AdamW" in proc.stdout
+
+
+def test_accelerate_validation_leaves_the_end_of_a_training_epoch_synchronized():
+    """A validation mid-epoch reads its whole (prepared) loader: one left half-read stayed the loader whose end
+    Accelerate's accumulate() watches, so the last micro-batches of the epoch were not synchronized (they spilled into
+    the next epoch, and only in epochs that held a validation: a resumed run diverged)."""
+    import importlib.util
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    spec = importlib.util.spec_from_file_location("accelerate_train_gpt", EXAMPLES / "accelerate" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = torch.nn.Linear(4, 4)
+    data = TensorDataset(torch.randn(10, 4), torch.randn(10, 4))
+    try:
+        accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
+        val = example.validation_loader(DataLoader(data, batch_size=1, drop_last=True), batches=2)
+        loader, val = accelerator.prepare(DataLoader(data, batch_size=1), val)
+
+        class WithLoss(torch.nn.Module):  # as the example's GPT: (output, loss)
+            def forward(self, x, y):
+                return None, torch.nn.functional.mse_loss(model(x), y)
+
+        mse = WithLoss()
+
+        synced = []
+        for i, (x, y) in enumerate(loader):
+            with accelerator.accumulate(model):
+                synced.append(accelerator.sync_gradients)
+            if i == 1:
+                assert len(val) == 2 and torch.isfinite(example.evaluate(mse, val))
+        assert synced == [False, False, False, True, False, False, False, True, False, True]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py and corpus.py
@@ -146,9 +146,27 @@ def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, Any]:
     return model, optimizer, scheduler
 
 
-def validate(accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader, batches: int) -> float:
-    """Mean validation loss over ``batches`` batches of every process (each reads its own share of the split)."""
-    return accelerator.reduce(evaluate(model, loader, batches), reduction="mean").item()
+def validation_loader(loader: DataLoader, batches: int) -> DataLoader:
+    """The first ``batches`` batches of ``loader`` (all processes together): each validation reads its loader to the
+    end, as Accelerate expects of a prepared loader (one left half-read stays the one whose end ``accumulate``
+    watches, and the last micro-batches of a training epoch would not be synchronized)."""
+    n = min(len(loader.dataset), batches * loader.batch_size)
+    return DataLoader(Subset(loader.dataset, range(n)), loader.batch_size, drop_last=True, pin_memory=loader.pin_memory)
+
+
+def validate(accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader) -> float:
+    """Mean validation loss over every process's batches (each reads its own share of the loader)."""
+    return accelerator.reduce(evaluate(model, loader), reduction="mean").item()
+
+
+def check_shares(accelerator: Accelerator, loaders: dict[str, DataLoader]) -> None:
+    """Every process needs a batch of each split (Accelerate shards them and drops an uneven last round)."""
+    for flag, loader in loaders.items():
+        if len(loader) == 0:
+            raise SystemExit(
+                f"the {flag} split leaves no batch of --batch-size for each of the {accelerator.num_processes} "
+                "processes: lower --batch-size or --seq-len, or give more text (--data, --max-bytes, --val-fraction)"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     # run was resumed or not.
     generator = torch.Generator()
     loader, val_loader = make_loaders(corpus, model.cfg.seq_len, args.batch_size, generator=generator)
+    val_loader = validation_loader(val_loader, args.val_batches * accelerator.num_processes)
     model, optimizer, loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, loader, val_loader, scheduler
     )
+    check_shares(accelerator, {"training": loader, "validation": val_loader})
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     if args.resume is not None:
@@ -214,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                 if grad_norm is not None:
                     values["train/grad_norm"] = float(grad_norm)
             if state.step % args.val_every == 0 or last:
-                values["val/loss"] = val_loss = validate(accelerator, model, val_loader, args.val_batches)
+                values["val/loss"] = val_loss = validate(accelerator, model, val_loader)
             if values:
                 accelerator.log(values, step=state.step)
                 bar.set_postfix(loss=f"{mean_loss:.4f}", val_loss=f"{val_loss:.4f}", refresh=False)
