@@ -152,11 +152,16 @@ class _LoggingCallback(Callback):
         if self.state_key not in states and legacy and not others:
             self.load_state_dict(copy.deepcopy(legacy))
 
-    def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """Keep ``metrics`` in ``trainer.callback_metrics`` on every rank (what ``EarlyStopping`` and
-        ``ModelCheckpoint(monitor=...)`` read, on each rank) and send them to the loggers on rank zero."""
-        self.last_metrics = metrics
+    @staticmethod
+    def _publish(trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Keep ``metrics`` in ``trainer.callback_metrics`` (what ``EarlyStopping`` and ``ModelCheckpoint(monitor=...)``
+        read, on each rank)."""
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
+
+    def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """:meth:`_publish` ``metrics`` on every rank and send them to the loggers on rank zero."""
+        self.last_metrics = metrics
+        self._publish(trainer, metrics)
         if not trainer.is_global_zero:
             return
         if not trainer.loggers:
@@ -174,8 +179,9 @@ class FP8ScaleMonitor(_LoggingCallback):
 
     Every ``log_every_n_steps`` training batches that stepped (default: the Trainer's; counted as Lightning counts
     its own logging: once per batch however many optimizers stepped in it), on global rank zero, it logs at the
-    ``global_step`` reached (every rank also keeps them in ``trainer.callback_metrics``, so ``EarlyStopping`` and
-    ``ModelCheckpoint`` can monitor them):
+    ``global_step`` reached (every rank also keeps them, its own values, in ``trainer.callback_metrics``, so
+    ``EarlyStopping`` and ``ModelCheckpoint`` can monitor them; refreshed at these steps only: monitor them with a
+    ``log_every_n_steps`` no longer than the interval of the checks):
 
     - ``fp8/{role}/{field}`` for role in ``input``, ``weight``, ``grad_output`` and field in ``scale_min``,
       ``scale_max``, ``amax_max``, ``saturation_max``, ``saturation_mean``, ``nonfinite_count``: the compact

@@ -100,7 +100,8 @@ class TrainingHealthMonitor(_LoggingCallback):
     included, dequantized; none for a batch without any gradient, as ``training_step`` returning ``None`` makes it),
     the parameter norm, the training throughput and the memory in use; every ``log_every_n_steps`` such batches
     (counted as Lightning counts its own logging) it logs, on global rank zero, at the ``global_step`` reached (every
-    rank also keeps them in ``trainer.callback_metrics``: ``EarlyStopping(monitor="health/loss_smooth")`` works):
+    rank also keeps them, its own values of every step, in ``trainer.callback_metrics``:
+    ``EarlyStopping(monitor="health/loss_smooth")`` works):
 
     - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, by
       torchmetrics' ``MeanMetric``: :mod:`lightning_fp8.monitoring.report`; NaN and
@@ -327,8 +328,11 @@ class TrainingHealthMonitor(_LoggingCallback):
             if trainer.is_global_zero:
                 rank_zero_warn(f"TrainingHealthMonitor: {event.message} (action: {event.action})")
         self._reset_window()
+        metrics = self._metrics()
         if self._due(trainer):
-            self._log(trainer, self._metrics())
+            self._log(trainer, metrics)
+        else:  # every step: a check between two logged steps reads this step's values
+            self._publish(trainer, metrics)
 
     def _scaler_events(self, step: int, scaler: Any) -> list[Any]:
         """One ``nonfinite_grad`` event per step the scaler skipped since the last observation; a fallback the

@@ -927,3 +927,31 @@ def test_logged_values_are_callback_metrics_that_early_stopping_and_checkpoints_
         assert metrics[key].item() == pytest.approx(_column(rows, key)[6], rel=1e-6, nan_ok=True), key
     assert stop.best_score.item() == pytest.approx(_column(rows, "health/loss_smooth")[6], rel=1e-6)
     assert best.best_model_path and best.best_model_score.item() == _column(rows, "fp8/grad_scaler/scale")[6]
+
+
+def test_health_callback_metrics_are_this_steps_between_logged_steps(tmp_path):
+    """A check between two logged steps (validation every 2 batches, logging every 50) reads the health values of the
+    step just taken: the monitor refreshes trainer.callback_metrics at every step, not only when it logs."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    class WithValidation(GPTModule):
+        def validation_step(self, batch, batch_idx):
+            return self.loss(batch)
+
+        def val_dataloader(self):
+            return loader(n=12)
+
+    health = TrainingHealthMonitor(log_every_n_steps=50, plot=False)
+    stop = EarlyStopping(monitor="health/loss", patience=100)
+    seen = []
+
+    class Record(Callback):
+        def on_validation_end(self, trainer, pl_module):
+            seen.append((trainer.global_step, trainer.callback_metrics["health/loss"].item()))
+
+    module = WithValidation()
+    trainer = _fit(module, tmp_path, [health, stop, Record()], max_steps=6, val_check_interval=2,
+                   limit_val_batches=1, num_sanity_val_steps=0)  # fmt: skip
+    losses = dict(health.monitor.series["loss"])
+    assert [step for step, _ in seen] == [2, 4, 6]
+    assert all(value == pytest.approx(losses[step]) for step, value in seen), (seen, losses)
