@@ -44,7 +44,7 @@ import functools
 import torch
 from lightning_fp8.kernels.cast import _FP8, _interpreted
 from lightning_fp8.kernels.comm_kernels import _dequantize_kernel, _quantize_kernel, _rows_kernel, _segment_amax_kernel
-from lightning_fp8.kernels.comm_table import ALIGN, BlockTable
+from lightning_fp8.kernels.comm_table import ALIGN, BlockTable, check_headroom
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
 
 
@@ -117,15 +117,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def _check_headroom(headroom: torch.Tensor | None, caller: str) -> None:
-    # The kernels read one value for all segments (the scale convention's shared headroom, see the module docstring).
-    if headroom is not None and (headroom.numel() != 1 or headroom.dtype != torch.int64):
-        raise ValueError(
-            f"{caller}: headroom must be one int64 value shared by every segment, got {headroom.dtype} of shape "
-            f"{tuple(headroom.shape)}; quantize segments with different headrooms in separate calls"
-        )
-
-
 def segment_amax(x: torch.Tensor, table: BlockTable, amax: torch.Tensor) -> None:
     """``amax[value] = max(amax[value], max |x[tile]|)`` over the table's tiles (NaN counts as inf); in place."""
     _launch(_segment_amax_kernel, "amax", table, (x,), (amax,))
@@ -144,7 +135,7 @@ def quantize(
 ) -> None:
     """FP8 bytes of ``x`` into ``out`` (uint8), each tile with the scale of ``amax[value]``; adds to ``n_sat``.
     ``headroom``: one int64 value (0-dim) for all segments."""
-    _check_headroom(headroom, "quantize")
+    check_headroom(headroom, "quantize")
     interpreted = _interpreted(_quantize_kernel)
     after = (amax, headroom if headroom is not None else n_sat, _bytes(out), n_sat)
     fmt = _format(fp8_dtype, margin, interpreted) | _rounding(fp8_dtype)
@@ -168,7 +159,7 @@ def dequantize(
     With ``counts`` (int64[2]), also adds the number of values that are non-finite or at the FP8 maximum (an FP8
     sum that overflowed) and the number of non-finite ones. ``headroom``: as :func:`quantize`.
     """
-    _check_headroom(headroom, "dequantize")
+    check_headroom(headroom, "dequantize")
     interpreted = _interpreted(_dequantize_kernel)
     fmt = _format(fp8_dtype, margin, interpreted)
     extra = headroom if headroom is not None else table.rows

@@ -91,3 +91,13 @@ def block_table(
 
 
 # ------------------------------------------------------------------------------------------------------------- helpers
+
+
+def check_headroom(headroom: torch.Tensor | None, caller: str) -> None:
+    """Raise ValueError unless ``headroom`` is None or one int64 value: the segment kernels (Triton and reference
+    alike) shift every segment's scale by the same one."""
+    if headroom is not None and (headroom.numel() != 1 or headroom.dtype != torch.int64):
+        raise ValueError(
+            f"{caller}: headroom must be one int64 value shared by every segment, got {headroom.dtype} of shape "
+            f"{tuple(headroom.shape)}; quantize segments with different headrooms in separate calls"
+        )

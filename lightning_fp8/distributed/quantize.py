@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from lightning_fp8.formats import fp8_max
-from lightning_fp8.kernels.comm_table import BlockTable
+from lightning_fp8.kernels.comm_table import BlockTable, check_headroom
 from lightning_fp8.scaling import compute_scale
 
 _NAMES = ("segment_amax", "quantize", "dequantize", "rows_amax", "rows_quantize", "rows_sum")
@@ -89,6 +89,7 @@ def segment_amax(x: torch.Tensor, table: BlockTable, amax: torch.Tensor) -> None
 
 
 def quantize(x, table, amax, fp8_dtype, out, n_sat, *, margin=0, headroom=None) -> None:
+    check_headroom(headroom, "quantize")
     src, dst, value, _ = _expand(table)
     x32 = x.reshape(-1)[src].float()
     q, n = _cast(x32 * _scale(amax, fp8_dtype, margin, headroom)[value], torch.isfinite(x32), fp8_dtype)
@@ -97,6 +98,7 @@ def quantize(x, table, amax, fp8_dtype, out, n_sat, *, margin=0, headroom=None) 
 
 
 def dequantize(q, table, amax, fp8_dtype, out, *, margin=0, headroom=None, inv_divisor=1.0, counts=None) -> None:
+    check_headroom(headroom, "dequantize")
     src, dst, value, _ = _expand(table)
     q32 = _decode(q.view(torch.uint8).reshape(-1)[src], fp8_dtype)
     if counts is not None:  # the decode of an FP8 sum: sums that overflowed (non-finite) or reached the maximum

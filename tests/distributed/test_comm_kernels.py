@@ -112,16 +112,18 @@ def test_quantize_matches_reference_and_the_reference_cast(fp8_dtype, dtype, gap
         assert torch.equal(q[dst : dst + n], want.view(torch.uint8))
 
 
-def test_a_headroom_per_segment_is_refused_by_the_kernels():
-    # The kernels read one shift for every segment: a tensor of several would be read as its first value.
+@pytest.mark.parametrize("kernels", [REF, TRITON], ids=["reference", "triton"])
+def test_a_headroom_per_segment_is_refused_by_the_kernels(kernels):
+    # The Triton kernels read one shift for every segment: a tensor of several would be read as its first value (the
+    # reference broadcast it per segment: the two disagreed).
     x = _gradients(torch.float32, "cpu")
     table, numel = _table("cpu")
     amax, q, n_sat = torch.ones(6), torch.zeros(numel, dtype=torch.uint8), torch.tensor(0)
     for headroom in (torch.tensor([0, 2, 0, 0, 0, 0]), torch.tensor(2.0)):
         with pytest.raises(ValueError, match="one int64 value shared by every segment"):
-            TRITON.quantize(x, table, amax, E4M3, q, n_sat, headroom=headroom)
+            kernels.quantize(x, table, amax, E4M3, q, n_sat, headroom=headroom)
         with pytest.raises(ValueError, match="one int64 value shared by every segment"):
-            TRITON.dequantize(q, table, amax, E4M3, torch.zeros(numel), headroom=headroom)
+            kernels.dequantize(q, table, amax, E4M3, torch.zeros(numel), headroom=headroom)
     assert n_sat == 0 and q.count_nonzero() == 0  # nothing written
 
 
