@@ -121,7 +121,7 @@ class WeightCache:
         amax_history, scale, amax, saturation, nonfinite_count, casts = buffers
         floats, counts = self.floats, self.counts
         with torch.no_grad():
-            scale.copy_(torch.where(floats[4] > 0, floats[2], scale))
+            torch.where(floats[4] > 0, floats[2], scale, out=scale)
             torch._foreach_copy_([amax, saturation, amax_history], [floats[1], floats[3], floats[4:5]])
             torch._foreach_add_([nonfinite_count, casts], [counts[0], counts[1]])
 
