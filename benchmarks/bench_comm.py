@@ -428,6 +428,9 @@ def main(argv=None) -> None:
         with open(path, "w") as f:
             f.write("\n".join(LOG) + "\n")
         print(f"log written to {path}")
+    # Every rank done with its collectives before the group goes (a gloo rank tearing it down while the other still
+    # wrote its log aborted once in CI: "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
