@@ -486,7 +486,7 @@ def test_accelerate_validation_leaves_the_end_of_a_training_epoch_synchronized()
         mse = WithLoss()
 
         synced = []
-        for i, (x, y) in enumerate(loader):
+        for i, _ in enumerate(loader):
             with accelerator.accumulate(model):
                 synced.append(accelerator.sync_gradients)
             if i == 1:

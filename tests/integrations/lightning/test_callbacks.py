@@ -950,8 +950,8 @@ def test_health_callback_metrics_are_this_steps_between_logged_steps(tmp_path):
             seen.append((trainer.global_step, trainer.callback_metrics["health/loss"].item()))
 
     module = WithValidation()
-    trainer = _fit(module, tmp_path, [health, stop, Record()], max_steps=6, val_check_interval=2,
-                   limit_val_batches=1, num_sanity_val_steps=0)  # fmt: skip
+    _fit(module, tmp_path, [health, stop, Record()], max_steps=6, val_check_interval=2,
+         limit_val_batches=1, num_sanity_val_steps=0)  # fmt: skip
     losses = dict(health.monitor.series["loss"])
     assert [step for step, _ in seen] == [2, 4, 6]
     assert all(value == pytest.approx(losses[step]) for step, value in seen), (seen, losses)
