@@ -169,10 +169,11 @@ def check_shares(accelerator: Accelerator, loaders: dict[str, DataLoader]) -> No
             )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args, corpus = parse_args(argv)
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    set_seed(args.seed)
+def setup(
+    args: argparse.Namespace, corpus: Corpus, generator: torch.Generator
+) -> tuple[Accelerator, Any, Any, DataLoader, DataLoader, Any]:
+    """The Accelerator and the prepared model, optimizer, loaders (training batches drawn with ``generator``) and
+    scheduler."""
     args.out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
@@ -182,15 +183,21 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.init_trackers("train_gpt", config={k: str(v) for k, v in vars(args).items()})
     accelerator.print(corpus.describe())
     model, optimizer, scheduler = build(args)
-    # The shuffle generator is re-seeded every epoch (seed + epoch): an epoch's order is the same whether the
-    # run was resumed or not.
-    generator = torch.Generator()
     loader, val_loader = make_loaders(corpus, model.cfg.seq_len, args.batch_size, generator=generator)
     val_loader = validation_loader(val_loader, args.val_batches * accelerator.num_processes)
-    model, optimizer, loader, val_loader, scheduler = accelerator.prepare(
-        model, optimizer, loader, val_loader, scheduler
-    )
-    check_shares(accelerator, {"training": loader, "validation": val_loader})
+    prepared = accelerator.prepare(model, optimizer, loader, val_loader, scheduler)
+    check_shares(accelerator, {"training": prepared[2], "validation": prepared[3]})
+    return accelerator, *prepared
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, corpus = parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    set_seed(args.seed)
+    # The shuffle generator is re-seeded every epoch (seed + epoch): an epoch's order is the same whether the run was
+    # resumed or not.
+    generator = torch.Generator()
+    accelerator, model, optimizer, loader, val_loader, scheduler = setup(args, corpus, generator)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     if args.resume is not None:
