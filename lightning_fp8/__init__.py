@@ -29,6 +29,7 @@ _LAZY = {
     "FP8GradScaler": "lightning_fp8.grad_scaler",
     "fp8_stats": "lightning_fp8.stats",
     "HealthMonitor": "lightning_fp8.health",
+    "HealthConfig": "lightning_fp8.health",
     "FP8LMPrecision": "lightning_fp8.integrations.lightning",
     "FP8FSDPStrategy": "lightning_fp8.integrations.lightning",
 }

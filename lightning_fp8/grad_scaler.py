@@ -54,7 +54,13 @@ import torch
 from torch import nn
 
 from lightning_fp8.formats import fp8_max
-from lightning_fp8.grad_scaling.arguments import Fallback, _check_arguments, check_model, warn_if_model_is_another
+from lightning_fp8.grad_scaling.arguments import (
+    Fallback,
+    _check_arguments,
+    check_model,
+    fallback_model,
+    warn_if_model_is_another,
+)
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports, fp16_amax_levels
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
@@ -79,8 +85,9 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         min_scale, max_scale: bounds of mu (powers of two).
         nonfinite_fallback: what ``fallback_after`` consecutive non-finite steps trigger: ``None`` (only skip and
             halve), ``"lower_lr"`` (multiply every group's learning rate by ``lr_factor``), ``"bf16"`` (put the
-            FP8 layers whose gradients were non-finite back to ``nn.Linear``; needs ``model``), an ``nn.Module``
-            (``"bf16"`` on that model), or a callable ``fn(scaler, optimizer) -> str`` returning what it did.
+            FP8 layers whose gradients were non-finite back to ``nn.Linear``, or, when none of them was, lower the
+            learning rate as ``"lower_lr"``; needs ``model``), an ``nn.Module`` (``"bf16"`` on that model, which is
+            then ``model``), or a callable ``fn(scaler, optimizer) -> str`` returning what it did.
         process_group: the data-parallel group the decisions are agreed in (default: the world, when
             ``torch.distributed`` is initialized).
         fallback_after: consecutive non-finite steps of one optimizer that trigger the fallback.
@@ -107,8 +114,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         lr_factor: float = 0.5,
         model: nn.Module | None = None,
     ) -> None:
-        if isinstance(nonfinite_fallback, nn.Module):
-            model, nonfinite_fallback = nonfinite_fallback, "bf16"
+        nonfinite_fallback, model = fallback_model(nonfinite_fallback, model)
         _check_arguments(init_scale, growth_interval, saturation_threshold, headroom, min_scale, max_scale,
                          nonfinite_fallback, fallback_after, lr_factor, model)  # fmt: skip
         self._scale = float(init_scale)

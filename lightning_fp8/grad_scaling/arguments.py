@@ -57,6 +57,19 @@ def warn_if_model_is_another(model: nn.Module | None, optimizer: torch.optim.Opt
         )
 
 
+def fallback_model(nonfinite_fallback: Fallback | nn.Module | None, model: nn.Module | None) -> tuple:
+    """``(nonfinite_fallback, model)`` with a module given as ``nonfinite_fallback`` turned into ``("bf16", module)``;
+    ValueError if ``model`` names another module (the scaler would rescale and fall back on the wrong one)."""
+    if not isinstance(nonfinite_fallback, nn.Module):
+        return nonfinite_fallback, model
+    if model is not None and model is not nonfinite_fallback:
+        raise ValueError(
+            f"FP8GradScaler(nonfinite_fallback=<{type(nonfinite_fallback).__name__}>, model=<{type(model).__name__}>): "
+            "two different models; give the model once, as FP8GradScaler(nonfinite_fallback='bf16', model=model)"
+        )
+    return "bf16", nonfinite_fallback
+
+
 def _check_arguments(
     init_scale: float,
     growth_interval: int,

@@ -855,3 +855,22 @@ def test_clip_grad_norm_after_unscale_clips_the_true_gradients():
     assert float(norm) == pytest.approx(24.0) and float(a.grad.norm()) == pytest.approx(1.0, rel=1e-5)
     norm = scaler.clip_grad_norm_([b], 1.0)  # still scaled: clipped in true units
     assert float(norm) == pytest.approx(24.0) and float(b.grad.norm()) == pytest.approx(2.0**6, rel=1e-5)
+
+
+def test_a_fallback_module_and_another_model_are_refused_the_same_one_is_taken():
+    """nonfinite_fallback=<module> is "bf16" on that module: a different model= was dropped without a word (mu's
+    rescaling and the fallback would then act on the first)."""
+    a, b = convert_to_fp8(nn.Sequential(nn.Linear(16, 16))), convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    with pytest.raises(ValueError, match="two different models; give the model once"):
+        FP8GradScaler(nonfinite_fallback=a, model=b)
+    for scaler in (FP8GradScaler(nonfinite_fallback=a, model=a), FP8GradScaler(nonfinite_fallback=a)):
+        assert scaler.model is a and scaler.nonfinite_fallback == "bf16"
+
+
+def test_health_config_is_exported_beside_health_monitor():
+    import lightning_fp8
+    from lightning_fp8 import health
+
+    assert lightning_fp8.HealthConfig is health.HealthConfig and "HealthConfig" in lightning_fp8.__all__
+    monitor = lightning_fp8.HealthMonitor(lightning_fp8.HealthConfig(window=5))
+    assert monitor.config.window == 5
