@@ -8,6 +8,8 @@ Public names (other examples import them; keep them stable):
 - ``fp8_module_filter``: ``fn(module, fqn) -> bool`` for ``convert_to_fp8`` / ``FP8LMPrecision``
   (and torchao's ``convert_to_float8_training``): keeps the output head in high precision.
 - ``evaluate(model, batches, max_batches=None)``: the mean loss over (a few) validation batches.
+- ``adamw_with_schedule(model, ...)``: the examples' AdamW (decay on matrices only) and its warm-up + cosine
+  schedule.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "evaluate", "fp8_module_filter"]
+__all__ = ["GPT", "GPTConfig", "adamw_with_schedule", "evaluate", "fp8_module_filter"]
 
 _PRESETS: dict[str, dict[str, int]] = {
     # Runs in a couple of minutes on a laptop CPU (FP8 emulated).
@@ -200,3 +202,28 @@ def evaluate(
     if not losses:
         raise ValueError(f"evaluate(max_batches={max_batches}) got no batch: the validation data holds none")
     return torch.stack(losses).mean()
+
+
+def adamw_with_schedule(
+    model: nn.Module, *, lr: float, weight_decay: float, warmup_steps: int, max_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """A plain AdamW over ``model`` and its per-step schedule: linear warm-up, then cosine decay to 10% of ``lr``.
+
+    Matrices (linear weights, embeddings) decay, as in GPT-2; biases and LayerNorm gains never do. With FP8-LM
+    (``precision="fp8-lm"``, the Accelerate launch flag) it becomes ``FP8AdamW`` with the same hyper-parameters.
+    """
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)

@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from cli import float_at_least, int_at_least
 from corpus import add_data_arguments, corpus_from_args, make_loaders
-from gpt import GPT, GPTConfig, fp8_module_filter
+from gpt import GPT, GPTConfig, adamw_with_schedule, fp8_module_filter
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
@@ -76,23 +76,9 @@ class LitGPT(L.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        # A plain AdamW: with precision="fp8-lm" it becomes FP8AdamW with the same hyper-parameters.
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=(0.9, 0.95),
+        optimizer, scheduler = adamw_with_schedule(
+            self.model, lr=hp.lr, weight_decay=hp.weight_decay, warmup_steps=hp.warmup_steps, max_steps=hp.max_steps
         )
-
-        def lr_factor(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py and corpus.py
 from cli import float_at_least, int_at_least  # noqa: E402
 from corpus import Corpus, add_data_arguments, corpus_from_args, make_loaders  # noqa: E402
-from gpt import GPT, GPTConfig, evaluate  # noqa: E402
+from gpt import GPT, GPTConfig, adamw_with_schedule, evaluate  # noqa: E402
 
 from lightning_fp8.accelerate import Accelerator  # noqa: E402  (was: from accelerate import Accelerator)
 
@@ -127,22 +126,9 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer, Any]:
     cfg = model_config(args)
     model = GPT(cfg)
-    # Decay matrices only (linear weights, embeddings), as in GPT-2; never biases or LayerNorm gains.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
+    optimizer, scheduler = adamw_with_schedule(
+        model, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup, max_steps=args.steps
     )
-
-    def lr_factor(step: int) -> float:  # linear warm-up, then cosine decay to 10%
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     return model, optimizer, scheduler
 
 
