@@ -21,6 +21,7 @@ from lightning_fp8.kernels.scaling import _pow2_scale
 # scale_inv, the element offset of the high-precision copy, the element count, the address of the grad's amax,
 # the element offset of the FP8 weight copy and the address of its statistics record.
 NCOL = 16
+GRAD_SATURATION: tl.constexpr = tl.constexpr(2.0**63)  # reference_adamw.GRAD_SATURATION
 
 
 @triton.jit
@@ -125,6 +126,12 @@ def _decay_progress(q, x, old_bits, beta1, FMAX: tl.constexpr):
 
 
 @triton.jit
+def _saturate_grad(g, LIMIT: tl.constexpr):
+    # reference_adamw.saturate_grad_ref: a finite g clamped to +-LIMIT, inf and NaN unchanged.
+    return tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -LIMIT), LIMIT), g)
+
+
+@triton.jit
 def _update(
     gq, wq, mq, vq, p_ptr, m_ptr, v_ptr, c_ptr, e_ptr, offs, mask, acc_p, acc_m, acc_v, acc_s,
     ginv, w_mul, m_mul, v_mul, wp_s, wp_inv, wm_s, wv_s, e_s, one_minus_beta1, one_minus_beta2, eps, step_size, beta1,
@@ -137,6 +144,8 @@ def _update(
 ):  # fmt: skip
     # One block: the AdamW update of loaded values (stored dtypes), the amaxes, the scaled stores, the FP8 copy.
     g = gq.to(tl.float32) * ginv
+    if SCALED_V:  # g * g of a finite |g| > ~1.8e19 would overflow and be stored NaN
+        g = _saturate_grad(g, GRAD_SATURATION)
     m = mq.to(tl.float32) * m_mul + g * one_minus_beta1
     v = vq.to(tl.float32) * v_mul + (g * g) * one_minus_beta2
     w = wq.to(tl.float32) * w_mul - tl.div_rn(m, tl.sqrt_rn(v) + eps) * step_size
@@ -185,6 +194,7 @@ def _scale_source(
             if j == 1:
                 source = a * beta1 + ga * one_minus_beta1
             else:
+                ga = tl.where(ga > GRAD_SATURATION, GRAD_SATURATION, ga)  # (reference_adamw.adamw_bound_ref)
                 source = a * beta2 + (ga * ga) * one_minus_beta2
     return source
 

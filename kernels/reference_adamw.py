@@ -34,6 +34,9 @@ SCALED_STATE_MAX = {torch.float16: 65504.0, **_FP8_MAX}
 # The one-pass bounds start from amaxes of values before their last rounding (to the storage format, or to the FP8
 # gradient): a stored value exceeds its amax by at most 2**-3 relative (E5M2), covered with margin by this factor.
 BOUND_SLACK = 1.25
+# Where the second moment is stored scaled, a finite gradient saturates at +-2**63 (its square, 2**126, and the
+# moment stay finite in fp32); see saturate_grad_ref.
+GRAD_SATURATION = 2.0**63
 
 
 class AdamWConstants:
@@ -71,7 +74,18 @@ def adamw_bound_ref(j: int, amax: torch.Tensor, grad_amax: torch.Tensor, c: Adam
         return a * abs(c.decay) + c.max_update
     if j == 1:
         return a * c.beta1 + grad_amax * c.one_minus_beta1
-    return a * c.beta2 + (grad_amax * grad_amax) * c.one_minus_beta2
+    ga = grad_amax.clamp(max=GRAD_SATURATION)  # (grad_amax >= 0; NaN stays NaN)
+    return a * c.beta2 + (ga * ga) * c.one_minus_beta2
+
+
+def saturate_grad_ref(g: torch.Tensor) -> torch.Tensor:
+    """A finite ``g`` clamped to ``+-GRAD_SATURATION``; ``inf`` and NaN unchanged.
+
+    For a second moment stored scaled: ``g * g`` of a finite ``|g| > ~1.8e19`` overflows fp32, and the scaled store
+    keeps the ``inf`` moment as NaN (the mark of a non-finite gradient), which the next step spreads into the weight.
+    Saturated before both moments take it, the step stays Adam's (``|m| <= K sqrt(v)``: the update is bounded) and
+    only a non-finite gradient makes the states NaN."""
+    return torch.where(torch.isfinite(g), g.clamp(-GRAD_SATURATION, GRAD_SATURATION), g)
 
 
 def _is_scaled(t: torch.Tensor, scales: object) -> bool:
@@ -101,13 +115,16 @@ def decay_progress_ref(dst: torch.Tensor, x_scaled: torch.Tensor, old: torch.Ten
     bits.copy_(torch.where(held, bits - 1, bits))  # sign and magnitude: one code less is one step toward zero
 
 
-def adamw_update_ref(g, w, m, v, factors, c: AdamWConstants):
+def adamw_update_ref(g, w, m, v, factors, c: AdamWConstants, scaled_v: bool = False):
     """One AdamW update in the operation order of the kernel; returns the new fp32 ``(w, m, v)``.
 
     ``g``: the unscaled fp32 gradient; ``w, m, v``: the stored states as fp32; ``factors``: their per-tensor fp32
-    factors ``(1 / scale) * (1 - lr * wd, beta1, beta2)`` (0-dim tensors or Python floats).
+    factors ``(1 / scale) * (1 - lr * wd, beta1, beta2)`` (0-dim tensors or Python floats); ``scaled_v``: the second
+    moment is stored scaled: the moments take the gradient saturated (:func:`saturate_grad_ref`).
     """
     w_mul, m_mul, v_mul = factors
+    if scaled_v:
+        g = saturate_grad_ref(g)
     m = m * m_mul + g * c.one_minus_beta1
     v = v * v_mul + (g * g) * c.one_minus_beta2
     # torch.sqrt of fp32 on CPU is not always correctly rounded; through fp64 it is (53 >= 2 * 24 + 2 bits).
@@ -191,7 +208,8 @@ def adamw_step_ref(
         state_scales = scales[i] if scales is not None else (None, None, None)
         factors = [_state_factor(t, s, f) for t, s, f in zip(states, state_scales, (c.decay, c.beta1, c.beta2),
                                                                  strict=True)]  # fmt: skip
-        new = adamw_update_ref(g.float() * ginv, *(t.float() for t in states), factors, c)
+        new = adamw_update_ref(g.float() * ginv, *(t.float() for t in states), factors, c,
+                               scaled_v=_is_scaled(v, state_scales[2]))  # fmt: skip
         fresh = [amax_ref(x) for x in new]
         if fp8_weights is not None and not two_pass:  # the one-pass bound of the master, before its amax is replaced
             g_amax = grad_amaxes[i].float() * abs(grad_unscale) * BOUND_SLACK if scales is not None else None

@@ -283,3 +283,27 @@ def test_weights_with_emitted_copies_save_and_load_with_weights_only(tmp_path):
     loaded = torch.load(tmp_path / "p.pt", weights_only=True)
     for name, p in params.items():
         assert torch.equal(loaded[name], p) and weight_cache._cache_of(loaded[name]) is None
+
+
+@pytest.mark.parametrize("scale_update", ["one_pass", "two_pass"])
+@pytest.mark.parametrize("how", ["fp8_params", "all_moments"])
+def test_finite_gradients_whose_squares_overflow_fp32_leave_the_weights_finite(how, scale_update):
+    """|g| ~ 1e19-1e30 is finite in fp32 but g * g is not: the scaled second moment was stored NaN and the weights
+    became NaN (5 of 32 at 1e19, every one at 1e20) while torch.optim.AdamW stays finite. Now they move against the
+    gradient's sign, by no more than Adam's bounded update, and stay finite."""
+    lr = 1e-2
+    for magnitude in (1e19, 3e19, 1e30):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(4, 8))
+        kwargs = {"fp8_params": [p]} if how == "fp8_params" else {"low_precision_moments": "all"}
+        opt = FP8AdamW([p], lr=lr, scale_update=scale_update, **kwargs)
+        for i in range(3):
+            before = p.detach().clone()
+            g = torch.randn(4, 8)
+            p.grad = g * magnitude
+            opt.step()
+            step = p.detach() - before
+            assert torch.isfinite(p).all(), (magnitude, int((~torch.isfinite(p)).sum()))
+            if i == 0:  # Adam's first step is -lr * sign(g) (up to eps and weight decay)
+                assert torch.equal(torch.sign(step), -torch.sign(g))
+            assert step.abs().max() <= 10 * lr * (1 + p.abs().max() * 2**-10), step.abs().max()  # fp16 master ulp
