@@ -165,11 +165,11 @@ def test_kernel_matches_reference_when_saturating_or_non_finite(case):
 @pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "one_pass"])
 @pytest.mark.parametrize("case", ["o2_e5m2_moment_fp32_grad", "moments_only"])
 def test_a_finite_gradient_whose_square_overflows_fp32_keeps_every_state_finite(case, two_pass):
-    """|g| > 1.8e19 (finite in fp32; an fp32 ``fp8_params`` gradient, an embedding's at ``low_precision_moments="all"``):
-    g * g overflowed to inf, the scaled store wrote the second moment as NaN (the mark of a non-finite input) and the
-    next step spread it into the weights. Now such a gradient saturates at +-2**63 before either moment takes it:
-    every state stays finite, the huge elements step against their gradient's sign, and the second moment's scale
-    drops to hold them."""
+    """|g| > 1.8e19 (finite in fp32: an fp32 ``fp8_params`` gradient, an embedding's at
+    ``low_precision_moments="all"``): g * g overflowed to inf, the scaled store wrote the second moment as NaN (the
+    mark of a non-finite input) and the next step spread it into the weights. Now such a gradient saturates at
+    +-2**63 before either moment takes it: every state stays finite, the huge elements step against their gradient's
+    sign, and the second moment's scale drops to hold them."""
     dtypes, scaled, fp8_grads, copies = CASES[case]
     tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
     huge = torch.tensor([1e20, -3e19, 2e19])
