@@ -200,6 +200,9 @@ class FP8Linear(nn.Linear):
 
         Raises:
             TypeError: if ``linear`` is not an ``nn.Linear``, or its weight is not float32, bfloat16 or float16.
+            TypeError: called on a subclass of FP8Linear that defines its own ``__init__``, which this constructor
+                would skip (buffers or attributes it sets would be missing): build the subclass itself and load the
+                linear's weights, or override ``from_linear``.
             ValueError: for an FP8Linear (already one: use it as it is), for a layer that
                 :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is (a reparametrized weight,
                 a subclass of ``nn.Linear``, a weight or bias that is not a parameter, parameters, buffers or
@@ -208,6 +211,12 @@ class FP8Linear(nn.Linear):
         """
         from lightning_fp8 import convert  # here: convert.py imports this module
 
+        if cls.__init__ is not FP8Linear.__init__:
+            raise TypeError(
+                f"{cls.__name__}.from_linear builds the layer without calling {cls.__name__}.__init__, which "
+                f"{cls.__name__} defines (what it registers would be missing): construct {cls.__name__}(...) and load "
+                "the linear's state_dict into it, or override from_linear"
+            )
         convert.check_wrappable(linear, "FP8Linear.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
@@ -321,14 +330,17 @@ class FP8Linear(nn.Linear):
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{owner} expects a tensor input, got {type(x).__name__}")
+        if weight.dtype not in _ACTIVATION_DTYPES:  # first: model.double() makes both float64, the weight is the cause
+            raise TypeError(
+                f"{owner} weight has dtype {weight.dtype}: use float32, bfloat16 or float16 parameters (a model cast "
+                "with .double() or .to(torch.float64): cast it back, e.g. model.float())"
+            )
         if x.dtype not in _ACTIVATION_DTYPES:
             raise TypeError(
                 f"{owner} received an input of dtype {x.dtype}: FP8 layers take floating-point activations "
                 f"in {[str(d) for d in _ACTIVATION_DTYPES]}; cast the input first (e.g. x.float() or x.bfloat16())"
             )
         check_castable(x, owner)  # a sparse or nested input
-        if weight.dtype not in _ACTIVATION_DTYPES:
-            raise TypeError(f"FP8Linear weight has dtype {weight.dtype}: use float32, bfloat16 or float16 parameters")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"{owner}(in_features={self.in_features}) received an input of shape {tuple(x.shape)}: "

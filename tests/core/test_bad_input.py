@@ -216,3 +216,32 @@ def test_recipe_margin_is_bounded():
     assert lf.FP8Recipe(margin=16).margin == 16
     with pytest.raises(ValueError, match="margin=17"):
         lf.FP8Recipe(margin=17)
+
+
+def test_a_model_cast_to_float64_names_the_weight_not_the_input():
+    """After model.double() the first error told the user to cast the input (x.float()), which then failed in the
+    next LayerNorm or again on the weight: the float64 weight is the cause and the error says so."""
+    model = _model().double()
+    for x in (torch.randn(4, 64, dtype=torch.float64), torch.randn(4, 64)):
+        with pytest.raises(TypeError, match=r"weight has dtype torch.float64.*model.float\(\)"):
+            model(x)
+    assert model.float()(torch.randn(4, 64)).dtype == torch.float32  # and cast back, it runs
+
+
+def test_from_linear_of_a_subclass_with_its_own_init_is_refused():
+    class Masked(FP8Linear):
+        def __init__(self, in_features, out_features):
+            super().__init__(in_features, out_features)
+            self.register_buffer("mask", torch.ones(out_features))
+
+        def forward(self, x):
+            return super().forward(x) * self.mask
+
+    with pytest.raises(TypeError, match="without calling Masked.__init__"):
+        Masked.from_linear(nn.Linear(32, 32))
+
+    class Tagged(FP8Linear):  # no __init__ of its own: nothing to skip
+        pass
+
+    layer = Tagged.from_linear(nn.Linear(32, 32))
+    assert type(layer) is Tagged and layer(torch.randn(2, 32)).shape == (2, 32)
