@@ -250,6 +250,7 @@ def fp8_stats(
         ValueError: if a scaling state of ``model`` is on the meta device (not materialized yet).
 
     Examples:
+        >>> from lightning_fp8 import convert_to_fp8
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
         >>> _ = model(torch.randn(4, 32))
         >>> sorted(fp8_stats(model)["layers"]["0"])

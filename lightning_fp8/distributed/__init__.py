@@ -4,7 +4,8 @@
   fp8_allreduce_hook)`` without the check that the state's group is DDP's).
 - FSDP1 (``FullyShardedDataParallel``): ``enable_fp8_fsdp1(model)`` registers :func:`fp8_reduce_scatter_hook`.
 - FSDP2 (``fully_shard``): ``enable_fp8_fsdp2(model)`` installs :class:`FP8ReduceScatter` (gradients) and
-  :class:`FP8WeightAllGather` (FP8Linear weights in E4M3).
+  :class:`FP8WeightAllGather` (FP8Linear weights in E4M3), and marks the sharded FP8Linear weights for FP8AdamW
+  (:func:`mark_fp8_weights` does only the marking, for a ``fully_shard`` model that keeps FSDP's own collectives).
 - The collectives themselves: :mod:`lightning_fp8.distributed.comm` (shared scales, reduce-scatter, all-gather)
   and :mod:`lightning_fp8.distributed.allreduce` (portable, native and gather FP8 all-reduces).
 
@@ -16,7 +17,7 @@ from lightning_fp8.distributed.comm import CastStats, all_gather_fp8, reduce_sca
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.ddp import enable_fp8_ddp, fp8_allreduce_hook
 from lightning_fp8.distributed.fsdp import enable_fp8_fsdp1, fp8_reduce_scatter_hook
-from lightning_fp8.distributed.fsdp2 import FP8ReduceScatter, FP8WeightAllGather, enable_fp8_fsdp2
+from lightning_fp8.distributed.fsdp2 import FP8ReduceScatter, FP8WeightAllGather, enable_fp8_fsdp2, mark_fp8_weights
 from lightning_fp8.distributed.layout import SegmentLayout
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "enable_fp8_fsdp2",
     "fp8_allreduce_hook",
     "fp8_reduce_scatter_hook",
+    "mark_fp8_weights",
     "reduce_scatter_fp8",
 ]

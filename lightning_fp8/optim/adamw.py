@@ -133,6 +133,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             float64 ones).
 
     Example:
+        >>> from torch import nn
+        >>> from lightning_fp8 import convert_to_fp8
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(64, 64)))
         >>> opt = FP8AdamW(model.parameters(), lr=1e-3)
     """
