@@ -279,22 +279,22 @@ def held_fp8_grads(params: Iterable[torch.Tensor]) -> list[_FP8Grad]:
     A parameter's gradient is the newest FP8AdamW's over it (a later one takes the gradients over, as its hooks do):
     what an older one still holds of it (its backward before the newer one was made, never stepped) is not counted.
     """
-    wanted = set(params)
-    newest: dict[torch.Tensor, _FP8Grads] = {}
+    wanted = list(dict.fromkeys(params))  # the caller's order, not a set's (a tensor hashes by id): the norms are
+    owner: dict[torch.Tensor, _FP8Grads] = {}  # summed in this order, and must sum alike in every process
     for optimizer in sorted(_OPTIMIZERS, key=lambda opt: opt._grad_owner_id):  # created later: a larger number
         held = {q for group in optimizer.param_groups for q in group["params"]}
-        newest.update((p, optimizer) for p in wanted & held)
-    entries = []
-    for optimizer in {id(opt): opt for opt in newest.values()}.values():
-        mine = [p for p, opt in newest.items() if opt is optimizer]
+        owner.update((p, optimizer) for p in wanted if p in held)
+    found: dict[torch.Tensor, _FP8Grad] = {}
+    for optimizer in {id(opt): opt for opt in owner.values()}.values():
+        mine = [p for p, opt in owner.items() if opt is optimizer]
         if any(p in optimizer._grad_casts for p in mine):
             optimizer._grad_casts.flush(optimizer)
         for p in [p for p in mine if p in optimizer._pending]:
             if p.grad is not None:  # a gradient in both places (a hook removed in between): one, as the step takes it
                 grad, p.grad = p.grad, None
                 optimizer.accumulate_fp8_grad(p, grad)
-            entries.append(optimizer._pending[p])
-    return entries
+            found[p] = optimizer._pending[p]
+    return [found[p] for p in wanted if p in found]
 
 
 def fp8_grad_norms(entries: list[_FP8Grad], norm_type: float = 2.0) -> list[torch.Tensor]:
