@@ -241,10 +241,19 @@ def _checked(
         missing = sorted(expected - set(state_dict) - settings - flags)
         unexpected = sorted(set(state_dict) - expected)
         if missing or unexpected:
+            fallback = (
+                " If the saved run's 'bf16' fallback (FP8GradScaler nonfinite_fallback) put layers back to nn.Linear, "
+                "save lightning_fp8.recovery.fallen_back_layers(model) with the checkpoint and call "
+                "put_back_to_high_precision(model, names, optimizer) on this model before loading (docs: "
+                "troubleshooting)."
+                if missing and not unexpected
+                else ""
+            )
             raise KeyError(
                 f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
                 "was the checkpoint written for a model converted with the same layers and recipe? (Names that differ "
-                "only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
+                f"only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
+                f"{fallback}"
             )
     meta = sorted(key for key, v in state_dict.items() if key in expected and isinstance(v, torch.Tensor) and v.is_meta)
     if meta:

@@ -90,6 +90,17 @@ def test_plain_pytorch_resume_after_fallback_continues_the_same_run():
     assert fallen_back_layers(resumed) == ["2"]
 
 
+def test_loading_a_fallen_back_checkpoint_without_putting_back_names_the_fallback():
+    torch.manual_seed(0)
+    full = _model()
+    scaler, optimizer = _training(full)
+    _train(full, scaler, optimizer, range(4))
+    ckpt = _checkpoint(full, scaler, optimizer)
+    resumed = _model()  # layer 2 is FP8 again: the checkpoint has no scaling state for it
+    with pytest.raises(KeyError, match=r"missing \['2\.fp8_scaling.*fallen_back_layers\(model\).*put_back_to_high"):
+        load_fp8_state_dict(resumed, ckpt["fp8"])
+
+
 def test_put_back_is_idempotent_and_checks_before_changing_anything():
     model = _model()
     _, optimizer = _training(model)  # O2: the FP8 weights' storage holds fp16 masters
