@@ -91,8 +91,9 @@ def test_o1_keeps_the_storage_under_hooks():
 # The same AdamW update computed in fp32 (FP8AdamW's step, torch.optim.AdamW), rounded once to fp16: at most one fp16
 # ulp apart where the two fp32 results straddle a rounding boundary (equal in practice).
 FP16_ROUNDING_RTOL = 2**-10
-# fp32 moments updated by the same formula in a different order of operations: a few fp32 ulps.
-FP32_STATE_RTOL = 1e-6
+# fp32 moments updated by the same formula in a different order of operations: torch's AdamW takes m.lerp_(g, 1 - b1),
+# m + (1 - b1) (g - m), whose difference cancels bits where g and m are close (2.3e-6 seen with torch 2.11).
+FP32_STATE_RTOL = 1e-5
 
 
 def test_half_after_adoption_keeps_the_masters_and_steps_the_rest_in_fp16_like_adamw():
