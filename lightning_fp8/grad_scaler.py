@@ -249,10 +249,12 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         (a GAN's critic stepping five times per generator step); otherwise by the order of first stepping."""
         self._optimizer_index = weakref.WeakKeyDictionary({opt: i for i, opt in enumerate(optimizers)})
 
+    @torch.compiler.disable  # its records would make a compiled caller recompile at every call (guards on them)
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * mu``: call ``.backward()`` on the result. The gradients are later unscaled by this mu, even when
         another optimizer's :meth:`update` has changed mu before their step; gradients summed over several backwards
-        are all unscaled by the last one's mu (see docs/concepts/gradient-scaling.md)."""
+        are all unscaled by the last one's mu (see docs/concepts/gradient-scaling.md). Inside a compiled function it
+        runs eagerly (a graph break), so a change of mu does not recompile the function."""
         scaled = self._scale_for_backward(loss)
         self._losses_scaled += 1
         if scaled.numel() == 1:  # a loss; a larger tensor (backward with a gradient) is not kept

@@ -304,11 +304,14 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------------ step
     @override
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW step. With a ``grad_scaler``: its ``step(self)`` (agree across ranks, skip on non-finite
         gradients), then its ``update()`` of mu. ``grad_scaler.step(self)`` itself runs the update through this
         method (so that LR schedulers and step hooks see it), unscaled by its mu.
+
+        ``torch.compile`` does not trace the update: ``torch.compile(optimizer.step)``, or a compiled function that
+        calls it, runs it eagerly (it already is one fused kernel per group of tensors on a GPU); the closure, if any,
+        runs first, as the caller's code.
 
         Returns:
             The closure's loss, when a closure is given.
@@ -317,6 +320,12 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_after_closure()
+        return loss
+
+    @torch.compiler.disable  # host-side bookkeeping and fused kernels: eager inside a compiled caller
+    @torch.no_grad()
+    def _step_after_closure(self) -> None:
         if self._fp8_unscale is not None:  # FP8GradScaler.step(self) decided to step: unscale by its mu
             self._fp8_step(self._fp8_unscale)
         elif self.grad_scaler is not None:
@@ -328,7 +337,6 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             self.grad_scaler._update(judge_unstepped=False)  # this step's update: others' unscale_ stay theirs
         else:
             self._fp8_step(1.0)
-        return loss
 
     @torch.no_grad()
     def _fp8_step(self, grad_unscale: float) -> None:

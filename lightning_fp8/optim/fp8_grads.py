@@ -116,6 +116,7 @@ class _FP8Grads:
         owner, owner_id = weakref.ref(self), self._grad_owner_id
         setattr(p, GRAD_OWNER_ATTR, owner_id)
 
+        @torch.compiler.disable  # a compiled function calling backward() would trace it (dtype-punned cast state)
         def hook(param: torch.Tensor) -> None:
             optimizer = owner()
             if optimizer is not None and getattr(param, GRAD_OWNER_ATTR, None) == owner_id and param.grad is not None:

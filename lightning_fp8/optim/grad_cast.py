@@ -73,6 +73,7 @@ def cast_state(states: dict[torch.Tensor, tuple], p: torch.Tensor) -> tuple[torc
     return state
 
 
+@torch.compiler.disable  # eager, as the gradient hooks (fp8_grads.py)
 def _end_of_backward(owner: weakref.ref) -> None:
     optimizer = owner()
     if optimizer is not None:
