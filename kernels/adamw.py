@@ -4,6 +4,7 @@ Math (per element, fp32 in registers, one IEEE rounding per operation; numerics 
 :func:`lightning_fp8.kernels.reference_adamw.adamw_step_ref`)::
 
     g = grad * grad_scale_inv                          FP8 gradient scale and 1/mu, powers of two
+    g = clamp(g, +-2**63) if finite and v is scaled    (g * g would overflow fp32: reference_adamw.saturate_grad_ref)
     m = m_stored * ((1 / m_scale) * b1) + g * (1 - b1)   dequantization folded into per-tensor factors
     v = v_stored * ((1 / v_scale) * b2) + (g * g) * (1 - b2)
     w = w_stored * ((1 / w_scale) * (1 - lr wd)) - (m / (sqrt(v) + eps_hat)) * step_size_hat

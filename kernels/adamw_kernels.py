@@ -194,7 +194,7 @@ def _scale_source(
             if j == 1:
                 source = a * beta1 + ga * one_minus_beta1
             else:
-                ga = tl.where(ga > GRAD_SATURATION, GRAD_SATURATION, ga)  # (reference_adamw.adamw_bound_ref)
+                ga = tl.where((ga > GRAD_SATURATION) & (ga < float("inf")), GRAD_SATURATION, ga)  # (adamw_bound_ref)
                 source = a * beta2 + (ga * ga) * one_minus_beta2
     return source
 

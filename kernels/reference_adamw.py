@@ -15,6 +15,7 @@ from lightning_fp8.kernels.reference import _FP8_MAX, amax_ref, cast_to_fp8_ref,
 # operation (no fused multiply-add), in this order:
 #
 #     g = grad * grad_scale_inv                    grad_scale_inv = (FP8 grad's scale_inv or 1) * grad_unscale (1/mu)
+#     g = clamp(g, +-GRAD_SATURATION)              where v is stored scaled and g is finite (saturate_grad_ref)
 #     m = m_stored * ((1 / m_scale) * beta1) + g * (1 - beta1)
 #     v = v_stored * ((1 / v_scale) * beta2) + (g * g) * (1 - beta2)
 #     w = w_stored * ((1 / w_scale) * (1 - lr * wd)) - (m / (sqrt(v) + eps_hat)) * step_size_hat
@@ -74,7 +75,8 @@ def adamw_bound_ref(j: int, amax: torch.Tensor, grad_amax: torch.Tensor, c: Adam
         return a * abs(c.decay) + c.max_update
     if j == 1:
         return a * c.beta1 + grad_amax * c.one_minus_beta1
-    ga = grad_amax.clamp(max=GRAD_SATURATION)  # (grad_amax >= 0; NaN stays NaN)
+    # As the moments take it (saturate_grad_ref): a finite amax saturates; inf stays inf (keeps the previous scale)
+    ga = torch.where(grad_amax < float("inf"), grad_amax.clamp(max=GRAD_SATURATION), grad_amax)  # NaN stays NaN
     return a * c.beta2 + (ga * ga) * c.one_minus_beta2
 
 

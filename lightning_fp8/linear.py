@@ -200,9 +200,10 @@ class FP8Linear(nn.Linear):
 
         Raises:
             TypeError: if ``linear`` is not an ``nn.Linear``, or its weight is not float32, bfloat16 or float16.
-            TypeError: called on a subclass of FP8Linear that defines its own ``__init__``, which this constructor
-                would skip (buffers or attributes it sets would be missing): build the subclass itself and load the
-                linear's weights, or override ``from_linear``.
+            TypeError: called on a subclass of FP8Linear that defines its own ``__init__`` but not its own
+                ``from_linear``: this constructor would skip that ``__init__`` (buffers or attributes it sets would be
+                missing). Build the subclass itself and load the linear's weights, or override ``from_linear``
+                (``super().from_linear(...)``, then what the ``__init__`` adds).
             ValueError: for an FP8Linear (already one: use it as it is), for a layer that
                 :func:`~lightning_fp8.convert_to_fp8` leaves in high precision for what it is (a reparametrized weight,
                 a subclass of ``nn.Linear``, a weight or bias that is not a parameter, parameters, buffers or
@@ -211,11 +212,12 @@ class FP8Linear(nn.Linear):
         """
         from lightning_fp8 import convert  # here: convert.py imports this module
 
-        if cls.__init__ is not FP8Linear.__init__:
+        if cls.__init__ is not FP8Linear.__init__ and cls.from_linear.__func__ is FP8Linear.from_linear.__func__:
             raise TypeError(
                 f"{cls.__name__}.from_linear builds the layer without calling {cls.__name__}.__init__, which "
                 f"{cls.__name__} defines (what it registers would be missing): construct {cls.__name__}(...) and load "
-                "the linear's state_dict into it, or override from_linear"
+                "the linear's state_dict into it, or override from_linear (super().from_linear(...), then set up "
+                "what __init__ adds)"
             )
         convert.check_wrappable(linear, "FP8Linear.from_linear")
         new = cls.__new__(cls)

@@ -252,7 +252,7 @@ def _checked(
             raise KeyError(
                 f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
                 "was the checkpoint written for a model converted with the same layers and recipe? (Names that differ "
-                f"only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
+                "only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
                 f"{fallback}"
             )
     meta = sorted(key for key, v in state_dict.items() if key in expected and isinstance(v, torch.Tensor) and v.is_meta)

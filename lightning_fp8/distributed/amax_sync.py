@@ -143,10 +143,11 @@ def sync_fp8_amax(module: nn.Module, process_group: dist.ProcessGroup | None = N
         module: the model whose :class:`~lightning_fp8.FP8Linear` layers (any :class:`ScalingState`) to sync.
         process_group: the ranks that must agree; default: the whole world (data x tensor parallel).
 
-    Example:
-        >>> loss = model(batch).sum(); loss.backward(); optimizer.step()
-        >>> sync_fp8_amax(model)   # or let enable_fp8_amax_sync(model) do it before every forward
-        >>> dcp.save({"model": ..., "fp8": fp8_state_dict(model)}, checkpoint_id=path)   # the same state on every rank
+    Example (in every process of the run)::
+
+        loss = model(batch).sum(); loss.backward(); optimizer.step()
+        sync_fp8_amax(model)   # or let enable_fp8_amax_sync(model) do it before every forward
+        dcp.save({"model": ..., "fp8": fp8_state_dict(model)}, checkpoint_id=path)   # the same state on every rank
     """
     AmaxSync(module, process_group).sync()
 

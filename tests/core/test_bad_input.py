@@ -240,6 +240,16 @@ def test_from_linear_of_a_subclass_with_its_own_init_is_refused():
     with pytest.raises(TypeError, match="without calling Masked.__init__"):
         Masked.from_linear(nn.Linear(32, 32))
 
+    class MaskedFromLinear(Masked):  # its own from_linear sets up what its __init__ adds
+        @classmethod
+        def from_linear(cls, linear, recipe=None):
+            new = super().from_linear(linear, recipe)
+            new.register_buffer("mask", torch.ones(linear.out_features))
+            return new
+
+    layer = MaskedFromLinear.from_linear(nn.Linear(32, 32))
+    assert type(layer) is MaskedFromLinear and layer(torch.randn(2, 32)).shape == (2, 32)
+
     class Tagged(FP8Linear):  # no __init__ of its own: nothing to skip
         pass
 

@@ -134,18 +134,19 @@ def test_a_weight_kept_apart_from_its_scaled_master_is_the_stored_master(step, t
 
 def _spoil(tensors, case):
     """Edge cases on top of _make's states: "saturating" (stored amaxes far too small, so the one-pass scales
-    overflow every state) or "non_finite" (inf, -inf and NaN gradients)."""
+    overflow every state), "non_finite" (inf, -inf and NaN gradients) or "infinite" (inf and -inf only)."""
     for d in tensors:
         if case == "saturating":
             d["amaxes"] = [a * 1e-6 for a in d["amaxes"]]
-        else:
-            d["g"].view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=d["g"].dtype)
+        else:  # "non_finite"; "infinite": no NaN, so the gradient's amax is inf, not NaN
+            bad = [float("inf"), -float("inf"), float("nan") if case == "non_finite" else 1.0]
+            d["g"].view(-1)[:3] = torch.tensor(bad, dtype=d["g"].dtype)
             d["gamax"] = d["g"].float().abs().amax()
     return tensors
 
 
 # The interpreter decodes E5M2 inf and NaN as finite numbers, so non-finite FP8 gradients are tested on a GPU only.
-EDGE_CASES = {"saturating": "o2_fp8_grad", "non_finite": "o2_fp16_grad"}
+EDGE_CASES = {"saturating": "o2_fp8_grad", "non_finite": "o2_fp16_grad", "infinite": "o2_fp16_grad"}
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy under the interpreter: 0 / 0
@@ -160,6 +161,8 @@ def test_kernel_matches_reference_when_saturating_or_non_finite(case):
         assert (expected[0]["m"].float().abs() == 448.0).any() and (expected[0]["v"].float() == 65504.0).any()
     else:
         assert expected[0]["p"].float().isnan().any() and expected[0]["amaxes"][0].isinf()
+        for before, after in zip(tensors, expected, strict=True):  # the second moment keeps its scale: the other
+            assert torch.equal(after["scales"][2], before["scales"][2])  # elements keep their values (not flushed)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -373,7 +376,7 @@ def test_a_first_moment_whose_gradient_vanished_decays_to_zero_on_gpu(m_dtype, b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["saturating", "non_finite"])
+@pytest.mark.parametrize("case", list(EDGE_CASES))
 def test_kernel_matches_reference_on_gpu_when_saturating_or_non_finite(case):
     # The GPU path differs from the interpreter's here: cvt.rn.satfinite saturates FP8 and writes NaN itself.
     dtypes, scaled, fp8_grads, copies = CASES["o2_fp8_grad"]
