@@ -53,11 +53,18 @@ def clean_name(name: str, strip_module: bool = True) -> str:
     return ".".join(parts[1:] if strip_module and parts[:1] == ["module"] else parts)
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile``'s ``OptimizedModule`` wrapper(s) of ``model`` hold (``_orig_mod``); ``model``
+    itself when it is not compiled that way."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def wraps_as_module(model: nn.Module) -> bool:
     """Whether ``model`` (through torch.compile's ``_orig_mod``) is a DDP/DataParallel/DeepSpeed wrapper, whose
     child ``module`` (the leading ``module.`` of the names) is the wrapped model."""
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
-        model = model._orig_mod
+    model = unwrap_compiled(model)
     child = model._modules.get("module")
     if child is None:
         return False

@@ -50,6 +50,7 @@ from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.optim.swap import is_replaceable as is_swappable
 from lightning_fp8.optim.swap import rebind_scheduler
 from lightning_fp8.recipe import FP8Recipe, check_flag
+from lightning_fp8.stats import unwrap_compiled
 from lightning_fp8.warnings import warn_once
 
 logger = logging.getLogger("lightning_fp8.accelerate")
@@ -317,7 +318,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         refusals.check_model_prepared(optimizer, self._fp8_models)
         name = type(optimizer).__name__
         if is_swappable(optimizer):
-            if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in self._models):
+            if any(isinstance(unwrap_compiled(m), nn.parallel.DistributedDataParallel) for m in self._models):
                 raise ValueError(
                     f"accelerator.prepare_optimizer({name}) after the model was prepared: FP8AdamW takes over the FP8 "
                     "weights' storage, which must happen before DDP wraps the model. Pass the model and the optimizer "
@@ -380,8 +381,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
             return
         self._fp8_wrapped.add(id(model))
         self._fp8_work.attach(model)  # the object the script calls: its hooks run outside a compiled region
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            self._fp8_ddp_weights |= {id(m.weight) for m in model.module.modules() if isinstance(m, FP8Linear)}
+        ddp = unwrap_compiled(model)  # Accelerate's dynamo_backend compiles last: OptimizedModule(DDP)
+        if isinstance(ddp, nn.parallel.DistributedDataParallel):
+            self._fp8_ddp_weights |= {id(m.weight) for m in ddp.module.modules() if isinstance(m, FP8Linear)}
             comm_hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
             if comm_hook != DDPCommunicationHookType.NO:
                 warn_once(
@@ -391,7 +393,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                 self.fp8_report["ddp_comm_hook"] = str(comm_hook)
             else:
                 self.fp8_report["ddp_comm_hook"] = parallel.install_ddp_hook(
-                    model, self.fp8_lm_config.recipe, self._fp8_scaler()
+                    ddp, self.fp8_lm_config.recipe, self._fp8_scaler()
                 )
             self._fp8_info(f"lightning_fp8: DDP gradient communication: {self.fp8_report['ddp_comm_hook']}")
         elif self.is_fsdp2:

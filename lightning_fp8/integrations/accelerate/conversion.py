@@ -13,6 +13,7 @@ from torch import nn
 from lightning_fp8 import ops
 from lightning_fp8.convert import convert_to_fp8, convertible_linears, fp8_modules
 from lightning_fp8.integrations.accelerate.config import FP8LaunchConfig
+from lightning_fp8.stats import unwrap_compiled
 from lightning_fp8.warnings import warn_once
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -74,23 +75,31 @@ def convert(
     Warns once when an exclude pattern matches no linear layer, when nothing was converted and when the GEMMs are
     emulated on ``device``.
     """
-    unmatched = config.unmatched_patterns(model)
+    # A model the script compiled before prepare(): its layers under their own names, not "_orig_mod."'s (the
+    # patterns, the user's filter and the report name them so); in place, unless the model is itself a linear layer.
+    target = unwrap_compiled(model)
+    if isinstance(target, nn.Linear):
+        target = model
+    unmatched = config.unmatched_patterns(target)
     if unmatched:
         warn_once(
             f"lightning_fp8: the exclude pattern(s) {unmatched} (LIGHTNING_FP8_EXCLUDE / --fp8-exclude / "
-            f"exclude_modules) match no linear layer of {type(model).__name__}, so they keep nothing in high "
+            f"exclude_modules) match no linear layer of {type(target).__name__}, so they keep nothing in high "
             "precision: a pattern matches a linear layer's qualified name (blocks.0.mlp.fc) or its last name "
             "component (fc), with fnmatch wildcards; check the spelling against model.named_modules()"
         )
-    keep_fp8 = module_filter(config, user_filter, linears_with_shared_weights(model))
-    model = convert_to_fp8(model, config.recipe, module_filter_fn=keep_fp8)
-    converted = sorted(fp8_modules(model))
-    kept = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear)
+    keep_fp8 = module_filter(config, user_filter, linears_with_shared_weights(target))
+    converted_target = convert_to_fp8(target, config.recipe, module_filter_fn=keep_fp8)
+    if target is model:
+        model = converted_target
+    converted = sorted(fp8_modules(converted_target))
+    kept = sorted(name for name, m in converted_target.named_modules() if type(m) is nn.Linear)
     if not converted:
         warn_once(
-            f"lightning_fp8: no linear layer of {type(model).__name__} was converted to FP8: convert_to_fp8's warnings "
-            "name the layers it left in high precision and why (feature sizes not multiples of 16, tied weights, "
-            "transformers' Conv1D, ...); LIGHTNING_FP8_EXCLUDE / fp8_module_filter must not exclude them either"
+            f"lightning_fp8: no linear layer of {type(target).__name__} was converted to FP8: convert_to_fp8's "
+            "warnings name the layers it left in high precision and why (feature sizes not multiples of 16, tied "
+            "weights, transformers' Conv1D, ...); LIGHTNING_FP8_EXCLUDE / fp8_module_filter must not exclude them "
+            "either"
         )
     reason = emulation_reason(device)
     if reason is not None:

@@ -1,6 +1,7 @@
 """Run by test_accelerator.py under torchrun with two CPU processes (DDP): an optimizer prepared in a later call than
 the model it trains is refused with what to do (the model and its optimizer in one prepare call), nothing changed;
-prepared together they train."""
+prepared together they train, gradients all-reduced in FP8. With argv[1] == "dynamo", under Accelerate's
+dynamo_backend (torch.compile around the DDP model, which hid the DDP wrapper: no FP8 all-reduce, no refusal)."""
 
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from tests.integrations.accelerate.test_load_state_atomic import Net, _batches  
 
 
 def main() -> None:
-    accelerator = Accelerator(fp8_lm_recipe="fp8-lm")
+    kwargs = {"dynamo_backend": "aot_eager"} if sys.argv[1:] == ["dynamo"] else {}
+    accelerator = Accelerator(fp8_lm_recipe="fp8-lm", **kwargs)
     torch.manual_seed(0)
     model = accelerator.prepare(Net())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -29,10 +31,11 @@ def main() -> None:
     for name, p in model.named_parameters():  # the weights kept their storage and dtype
         assert p.dtype == weights[name][0] and torch.equal(p.detach(), weights[name][1]), name
 
-    accelerator = Accelerator(fp8_lm_recipe="fp8-lm")
+    accelerator = Accelerator(fp8_lm_recipe="fp8-lm", **kwargs)
     torch.manual_seed(0)
     model = Net()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert str(accelerator.fp8_report["ddp_comm_hook"]).startswith("fp8_allreduce_hook"), accelerator.fp8_report
     for x, y in _batches(accelerator.process_index, 3):
         loss = torch.nn.functional.cross_entropy(model(x), y)
         accelerator.backward(loss)

@@ -315,6 +315,22 @@ def test_tied_output_head_stays_high_precision(recwarn):
     assert any("2 stays in high precision because its weight is shared" in str(w.message) for w in recwarn)
 
 
+def test_a_model_compiled_before_prepare_is_converted_under_its_own_layer_names(monkeypatch, recwarn):
+    """The patterns, a user's filter and the report saw torch.compile's "_orig_mod." names: a qualified pattern kept
+    nothing in high precision (and a warning suggested a typo)."""
+    monkeypatch.setenv(ENV_EXCLUDE, "net.fc1")
+    seen = []
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", fp8_module_filter=lambda m, fqn: not seen.append(fqn))
+    model = nn.Sequential()
+    model.add_module("net", Net())
+    compiled = torch.compile(model, backend="eager")
+    compiled, _ = accelerator.prepare(compiled, torch.optim.AdamW(compiled.parameters()))
+    assert type(model.net.fc1) is nn.Linear and isinstance(model.net.fc2, FP8Linear)
+    assert accelerator.fp8_report["high_precision_linears"] == ["net.fc1", "net.head"]  # head: 10 outputs
+    assert seen and all(name.startswith("net.") for name in seen), seen
+    assert not [w for w in recwarn if "match no linear layer" in str(w.message)]
+
+
 def test_an_exclude_pattern_that_matches_no_linear_layer_is_named_in_a_warning(monkeypatch, recwarn):
     monkeypatch.setenv(ENV_EXCLUDE, "fc1,norm,*.fc_2")  # fc1 matches; norm is no linear layer; fc_2 is misspelt
     accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
@@ -568,10 +584,13 @@ def test_unscale_of_a_prepared_optimizer_then_clip_steps_on_the_clipped_true_gra
 
 
 @pytest.mark.slow
-def test_an_optimizer_prepared_after_its_ddp_model_is_refused_with_the_fix(tmp_path):
+@pytest.mark.parametrize("compiled", ["eager", "dynamo"])
+def test_an_optimizer_prepared_after_its_ddp_model_is_refused_with_the_fix(tmp_path, compiled):
     """Found by a sweep: model = prepare(model); optimizer = prepare(optimizer) under DDP failed inside FP8AdamW with
-    advice for plain PyTorch (create FP8AdamW before wrapping in DDP), which an Accelerate script does not do."""
-    log = run_two_processes(Path(__file__).with_name("prepare_order_worker.py"), tmp_path)
+    advice for plain PyTorch (create FP8AdamW before wrapping in DDP), which an Accelerate script does not do. With
+    dynamo_backend the DDP model came back compiled (OptimizedModule(DDP)): neither that refusal nor the FP8
+    all-reduce hook saw the DDP wrapper (gradients went in fp32 without a word)."""
+    log = run_two_processes(Path(__file__).with_name("prepare_order_worker.py"), tmp_path, compiled)
     assert "rank 0: prepare order ok" in log and "rank 1: prepare order ok" in log, log[-3000:]
 
 
