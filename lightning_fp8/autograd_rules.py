@@ -70,8 +70,17 @@ def check_no_functorch(name: str) -> None:
     """Raise if a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ``jvp``...) is active: FP8 layers cast
     through autograd.Functions that update their scaling state in place, which functorch cannot transform (PyTorch's
     own error says nothing of FP8). ``name``: the layer, for the message. Eagerly only (a C call per forward);
-    torch.compile traces its own way."""
-    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+    torch.compile traces its own way. Also refuses torch.jit.trace (TorchScript), whose tracer fails inside the FP8
+    autograd.Functions with an error that says nothing of FP8."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._is_tracing():
+        raise RuntimeError(
+            f"{name} cannot be traced by torch.jit.trace (TorchScript does not support FP8 layers): export with "
+            "torch.export.export(model, args), or, for a TorchScript model in high precision, load "
+            "model.state_dict() into the unconverted model and trace that"
+        )
+    if not torch._C._are_functorch_transforms_active():
         return
     raise RuntimeError(
         f"{name} does not support torch.func transforms (torch.func.grad, vmap, jacrev, jvp, ...): its FP8 casts "

@@ -17,6 +17,7 @@ backward); what FP8 training sets on the weight Parameter, and how it survives a
 from __future__ import annotations
 
 import copy
+import numbers
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -141,6 +142,8 @@ class FP8Linear(nn.Linear):
         recipe: FP8Recipe | str | None = None,
     ) -> None:
         for name, size in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+                raise TypeError(f"FP8Linear({name}={size!r}): must be an int (a multiple of 16)")
             if size % 16:
                 raise ValueError(
                     f"FP8Linear({name}={size}): FP8 GEMMs need feature sizes that are multiples of 16; "
@@ -319,7 +322,7 @@ class FP8Linear(nn.Linear):
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
         x_2d = x if flat else tokens_2d(x)
         scaling = self.fp8_scaling
-        master_scale = master.forward_master_scale(weight, "FP8Linear")
+        master_scale = master.forward_master_scale(weight, "FP8Linear", self)
         key = weight_cache.compiled_key(weight, scaling["weight"])
         call = forward_call(scaling["input"])
         y = _FP8Matmul.apply(

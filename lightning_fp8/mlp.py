@@ -303,7 +303,10 @@ class FP8MLP(nn.Module):
         x_2d = x if x.dim() == 2 else tokens_2d(x)
         fc_states, proj_states = fc.fp8_scaling, proj.fp8_scaling
         current = (current_flags(fc_states), current_flags(proj_states))
-        scales = (master.forward_master_scale(w1, "FP8MLP fc"), master.forward_master_scale(w2, "FP8MLP proj"))
+        scales = (
+            master.forward_master_scale(w1, "FP8MLP fc", fc),
+            master.forward_master_scale(w2, "FP8MLP proj", proj),
+        )
         keys = (weight_cache.compiled_key(w1, fc_states["weight"]),
                 weight_cache.compiled_key(w2, proj_states["weight"]))  # fmt: skip
         call = forward_call(fc_states["input"])

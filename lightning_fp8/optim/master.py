@@ -29,6 +29,9 @@ MARKER = "_lightning_fp8_weight"  # set by FP8Linear on its weight
 SCALE_ATTR = "_lightning_fp8_master_scale"  # 0-dim fp32: the parameter's storage holds weight * scale
 AMAX_ATTR = "_lightning_fp8_master_amax"  # 0-dim fp32: max |weight| of the stored value
 DTYPE_ATTR = "_lightning_fp8_dtype"  # the dtype the weight had before the optimizer took its storage
+# The SCALE_ATTR tensor, also in the __dict__ of the FP8 layers that marked the weight: torch.export (non-strict)
+# traces the forward with stand-ins for the parameters, which carry no attributes; the layer's forward reads it there.
+LAYER_SCALE_ATTR = "_lightning_fp8_weight_master_scale"
 
 FP16_MAX = 65504.0
 
@@ -92,11 +95,15 @@ def master_scale(param: torch.Tensor) -> torch.Tensor | None:
     return getattr(param, SCALE_ATTR, None)
 
 
-def forward_master_scale(weight: torch.Tensor, owner: str) -> torch.Tensor | None:
+def forward_master_scale(weight: torch.Tensor, owner: str, layer: nn.Module | None = None) -> torch.Tensor | None:
     """:func:`master_scale` for an FP8 layer's forward: refuses a scale left on another device than its weight, which
     the module's ``to()``/``to_empty()`` after the FP8AdamW that adopted the weight leaves behind (the cast would read
-    it there, or fail deep inside)."""
+    it there, or fail deep inside). Under torch.export, whose stand-ins for the parameters carry no attributes, the
+    scale is ``layer``'s copy of the reference (:data:`LAYER_SCALE_ATTR`): the exported program computes with the
+    weight, not with its scaled fp16 storage."""
     scale = getattr(weight, SCALE_ATTR, None)
+    if scale is None and layer is not None and torch.compiler.is_exporting():
+        scale = layer.__dict__.get(LAYER_SCALE_ATTR)
     if scale is not None and scale.device != weight.device:
         raise RuntimeError(
             f"{owner}: the weight of shape {tuple(weight.shape)} is on {weight.device} but its fp16 master's scale "
@@ -143,7 +150,14 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     setattr(param, SCALE_ATTR, scale)
     setattr(param, AMAX_ATTR, amax)
     setattr(param, DTYPE_ATTR, original)
+    for layer in _marking_layers(param):
+        layer.__dict__[LAYER_SCALE_ATTR] = scale
     return scale, amax
+
+
+def _marking_layers(param: torch.Tensor) -> list[nn.Module]:
+    layers = getattr(getattr(param, MARKER, None), "layers", None)  # FP8Linear's mark; FSDP2 and TP mark with True
+    return layers() if callable(layers) else []
 
 
 _PROBE = "lightning_fp8_adoption_probe"
@@ -261,6 +275,8 @@ def release(param: nn.Parameter) -> None:
     for attr in (SCALE_ATTR, AMAX_ATTR, DTYPE_ATTR):
         if hasattr(param, attr):
             delattr(param, attr)
+    for layer in _marking_layers(param):
+        layer.__dict__.pop(LAYER_SCALE_ATTR, None)
 
 
 def export(param: torch.Tensor) -> torch.Tensor:
