@@ -116,7 +116,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
     ) -> None:
         nonfinite_fallback, model = fallback_model(nonfinite_fallback, model)
         _check_arguments(init_scale, growth_interval, saturation_threshold, headroom, min_scale, max_scale,
-                         nonfinite_fallback, fallback_after, lr_factor, model)  # fmt: skip
+                         nonfinite_fallback, fallback_after, lr_factor, model, process_group)  # fmt: skip
         self._scale = float(init_scale)
         self.growth_interval = int(growth_interval)
         self.saturation_threshold = float(saturation_threshold)
@@ -269,6 +269,11 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
                 f"FP8GradScaler.scale_loss takes the loss tensor (to call .backward() on the result), got "
                 f"{type(loss).__name__}; for several losses, scale each one (or their sum)"
             )
+        if not loss.is_floating_point():  # an int loss has no gradient; a complex one no .backward() without one
+            raise TypeError(
+                f"FP8GradScaler.scale_loss takes a real floating-point loss, got a {loss.dtype} tensor: compute the "
+                "loss in floating point (a complex loss: backward its real part, or abs())"
+            )
         self._loss_scale = self._scale
         return loss * self._scale
 
@@ -360,6 +365,11 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
                 ``torch.amp.GradScaler`` refuses them: unscaling them in fp16 would turn the small gradients mu made
                 representable back to zero. Raised before anything is changed.
         """
+        if not hasattr(optimizer, "param_groups"):
+            raise TypeError(
+                f"FP8GradScaler.step(optimizer) takes the optimizer to step (a torch.optim.Optimizer), got "
+                f"{type(optimizer).__name__}"
+            )
         if any(stepped is optimizer for stepped, _ in self._stepped):
             raise RuntimeError(
                 f"FP8GradScaler.step(optimizer): step() has already been called since the last update() for this "

@@ -6,9 +6,10 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.grad_scaling.state import _is_power_of_two
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     from lightning_fp8.grad_scaler import FP8GradScaler
 
 _FALLBACKS = ("lower_lr", "bf16")
+# The bounds of mu: the loss is multiplied by it in fp32, where 2**-149 and below are 0 (every gradient 0) and 2**128 is
+# inf. A normal fp32 number, as the FP8 scales.
+MIN_MU, MAX_MU = 2.0**-126, 2.0**127
 
 Fallback = str | nn.Module | Callable[["FP8GradScaler", torch.optim.Optimizer], str]
 
@@ -81,6 +85,7 @@ def _check_arguments(
     fallback_after: int,
     lr_factor: float,
     model: nn.Module | None,
+    process_group: Any = None,
 ) -> None:
     """Raise what ``FP8GradScaler(...)`` raises for its arguments (``nonfinite_fallback`` an ``nn.Module`` already
     turned into ``"bf16"`` with that ``model``)."""
@@ -89,6 +94,11 @@ def _check_arguments(
             raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
         if not _is_power_of_two(float(value)):
             raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
+        if not MIN_MU <= float(value) <= MAX_MU:
+            raise ValueError(
+                f"FP8GradScaler({name}={value!r}): must be from 2**-126 to 2**127 (a normal fp32 number; mu multiplies "
+                "the loss in fp32)"
+            )
     if not min_scale <= init_scale <= max_scale:
         raise ValueError(
             f"FP8GradScaler: need min_scale <= init_scale <= max_scale, got {min_scale}, {init_scale}, {max_scale}"
@@ -114,6 +124,11 @@ def _check_arguments(
             "an nn.Module, a callable fn(scaler, optimizer) -> str, or None"
         )
     check_model(model)
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"FP8GradScaler(process_group=...) got a {type(process_group).__name__}: pass a process group "
+            "(torch.distributed.new_group, or a DeviceMesh's get_group()), or None for the world"
+        )
     if nonfinite_fallback == "bf16" and model is None:
         raise ValueError("FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well")
     if nonfinite_fallback is not None and not isinstance(nonfinite_fallback, str) and not callable(nonfinite_fallback):

@@ -199,8 +199,12 @@ def _checked_entry(name: str, value: Any, kind: type, expected: str, valid: Call
     ``valid``; else a TypeError or ValueError that names the state dict entry ``name``."""
     error = TypeError if isinstance(value, bool) or not isinstance(value, kind) else None
     if error is None:
-        value = int(value) if kind is numbers.Integral else float(value)
-        error = None if valid(value) else ValueError
+        try:
+            value = int(value) if kind is numbers.Integral else float(value)
+        except OverflowError:  # an int beyond fp32's (and float64's) range, e.g. 2**2000
+            error = ValueError
+        else:
+            error = None if valid(value) else ValueError
     if error is not None:
         raise error(
             f"FP8GradScaler.load_state_dict: entry {name!r} is {repr(value)[:200]}, expected {expected}; load the dict "

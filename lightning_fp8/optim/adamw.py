@@ -41,7 +41,7 @@ from lightning_fp8.optim.adoption import _Adoption
 from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, _FP8Grad, _FP8Grads
 from lightning_fp8.optim.fp8_grads import GRAD_OWNER_ATTR as GRAD_OWNER_ATTR  # its import path before the split
 from lightning_fp8.optim.pickling import _Pickling
-from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 
 ScaleUpdate = Literal["one_pass", "two_pass"]
 LowPrecisionMoments = Literal["fp8_weights", "all"]
@@ -55,6 +55,20 @@ _ALLOWED = {
     # FP8-LM: an FP8 second moment diverged, so it is not offered.
     "exp_avg_sq_dtype": (_FP32, _BF16, _FP16),
 }
+
+
+def _fp8_param_ids(fp8_params: Any) -> set[int]:
+    """The ids of the ``fp8_params`` argument's tensors (none for ``None``); TypeError for anything else."""
+    if fp8_params is None:
+        return set()
+    params = list(fp8_params) if isinstance(fp8_params, Iterable) and not isinstance(fp8_params, torch.Tensor) else None
+    if params is None or not all(isinstance(p, torch.Tensor) for p in params):
+        raise TypeError(
+            f"FP8AdamW(fp8_params=...) takes an iterable of the weight tensors to store as FP8 linear weights (e.g. "
+            f"[m.weight for m in model.modules() if isinstance(m, FP8Linear)]), got {type(fp8_params).__name__}"
+            + ("" if params is None else " holding " + ", ".join(sorted({type(p).__name__ for p in params})))
+        )
+    return {id(p) for p in params}
 
 
 class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
@@ -166,12 +180,17 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        step_.check_supported_flags({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
+        step_.check_supported_flags(
+            {"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable, "maximize": maximize}
+        )
+        check_flag("FP8AdamW", "emit_fp8_weights", emit_fp8_weights)
+        if fp8_grads is not None:
+            check_flag("FP8AdamW", "fp8_grads", fp8_grads)
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         step_.check_grad_scaler(grad_scaler)
         self.recipe = resolve_recipe(recipe)
         self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
-        if self.opt_level not in _LEVEL_DTYPES:
+        if not isinstance(self.opt_level, str) or self.opt_level not in _LEVEL_DTYPES:
             raise ValueError(f"FP8AdamW(opt_level={self.opt_level!r}) is not supported: choose 'O1' or 'O2'")
         chosen = dict(zip(_ALLOWED, (master_dtype, exp_avg_dtype, exp_avg_sq_dtype), strict=True))
         for (name, dtype), default in zip(chosen.items(), _LEVEL_DTYPES[self.opt_level], strict=True):
@@ -188,11 +207,11 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
                 "moments of FP8 linear weights only) or 'all' (every parameter's)"
             )
         self.low_precision_moments = low_precision_moments
-        self.emit_fp8_weights = bool(emit_fp8_weights)
+        self.emit_fp8_weights = emit_fp8_weights
         self.grad_scaler = grad_scaler
         self.grad_dtype = self.recipe.backward_dtype
         self.fp8_grads = fp8_grads if fp8_grads is not None else not (dist.is_available() and dist.is_initialized())
-        self._extra_fp8_params = {id(p) for p in fp8_params} if fp8_params is not None else set()
+        self._extra_fp8_params = _fp8_param_ids(fp8_params)
         self._low_precision: set[torch.Tensor] = set()  # params with O2 states
         self._moments_only: set[torch.Tensor] = set()  # those of them whose master is high precision (the param)
         self._master_amax: dict[torch.Tensor, torch.Tensor] = {}  # their master's amax, which the kernel writes

@@ -16,6 +16,7 @@ import torch
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.kernels import reference_adamw
 from lightning_fp8.optim import master, shards
+from lightning_fp8.recipe import check_flag
 
 
 def launch_item(opt: Any, p: torch.Tensor, state: dict[str, Any], grad, grad_scale_inv, grad_amax) -> tuple:
@@ -135,6 +136,8 @@ def check_supported_flags(flags: dict[str, Any]) -> None:
     a parameter group or a saved group (a group would keep the flag and step without it)."""
     if flags.get("amsgrad"):
         raise ValueError(_NO_AMSGRAD)
+    if "maximize" in flags:  # a truthy string such as "no" would otherwise turn the step into gradient ascent
+        check_flag("FP8AdamW", "maximize", flags["maximize"])
     for name in ("capturable", "differentiable"):
         if flags.get(name):
             raise ValueError(

@@ -571,6 +571,9 @@ def test_check_state_dict_raises_what_load_raises_and_changes_nothing():
         ({"headroom": 0.5}, "headroom"),
         ({"nonfinite_fallback": "restart"}, "nonfinite_fallback"),
         ({"nonfinite_fallback": "bf16"}, "needs the model"),
+        # mu multiplies the loss in fp32: 2**-200 is 0 there (every gradient 0), 2**200 inf
+        ({"min_scale": 2.0**-200}, r"min_scale=.*from 2\*\*-126 to 2\*\*127"),
+        ({"max_scale": 2.0**200}, r"max_scale=.*from 2\*\*-126 to 2\*\*127"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -593,6 +596,34 @@ def test_bool_and_string_arguments_raise_type_errors_naming_the_field(kwargs, ma
     # True would pass the range checks as 1; a string would fail them with a bare comparison TypeError.
     with pytest.raises(TypeError, match=match):
         FP8GradScaler(**kwargs)
+
+
+def test_scale_bounds_at_the_fp32_normal_range_are_accepted():
+    scaler = FP8GradScaler(init_scale=1.0, min_scale=2.0**-126, max_scale=2.0**127)
+    assert (scaler.min_scale, scaler.max_scale) == (2.0**-126, 2.0**127)
+
+
+def test_a_process_group_that_is_not_one_is_refused():
+    # It was kept, and failed only inside the first collective (or, with one process, never).
+    with pytest.raises(TypeError, match=r"process_group=\.\.\.\) got a str: pass a process group"):
+        FP8GradScaler(process_group="world")
+
+
+def test_an_unconvertible_saved_scale_is_a_value_error_naming_the_entry():
+    scaler = FP8GradScaler(init_scale=4.0)
+    saved = scaler.state_dict()
+    with pytest.raises(ValueError, match="entry 'scale' is .*Nothing was loaded"):
+        scaler.load_state_dict({**saved, "scale": 2**2000})  # an int beyond float64: OverflowError before
+    assert scaler.get_scale() == 4.0
+
+
+def test_step_and_scale_loss_refuse_what_they_cannot_take():
+    scaler = FP8GradScaler()
+    with pytest.raises(TypeError, match=r"step\(optimizer\) takes the optimizer .* got NoneType"):
+        scaler.step(None)
+    for loss in (torch.tensor(3), torch.tensor(1.0 + 2.0j)):  # no backward through either
+        with pytest.raises(TypeError, match="takes a real floating-point loss"):
+            scaler.scale_loss(loss)
 
 
 @pytest.mark.parametrize("model", [42, "net", [nn.Linear(4, 4)]], ids=["int", "str", "list"])

@@ -1,5 +1,6 @@
 import copy
 
+import numpy as np
 import pytest
 import torch
 from lightning_fp8.kernels.reference import cast_to_fp8_ref, column_sum_ref
@@ -504,6 +505,10 @@ def test_feature_sizes_must_be_multiples_of_16():
         FP8Linear(20, 16)
     with pytest.raises(ValueError, match="multiples of 16"):
         FP8Linear.from_linear(nn.Linear(16, 10))
+    for size in ("16", 16.0, True):  # "16" % 16 was string formatting: "not all arguments converted"
+        with pytest.raises(TypeError, match=r"in_features=.*must be an int"):
+            FP8Linear(size, 16)
+    assert FP8Linear(np.int64(16), 32).in_features == 16  # a NumPy integer is an int
 
 
 def test_nonfinite_input_propagates_not_saturates():

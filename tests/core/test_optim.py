@@ -602,6 +602,47 @@ def test_bad_arguments_raise(kwargs, match):
         FP8AdamW([nn.Parameter(torch.randn(4))], **kwargs)
 
 
+@pytest.mark.parametrize("flag", ["maximize", "emit_fp8_weights", "fp8_grads"])
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_switches_take_true_or_false_only(flag, value):
+    """bool("no") is True: FP8AdamW(maximize="no") made the step ascend the loss. fp8_grads=None is its default (on
+    without torch.distributed), refused only for the other two."""
+    if flag == "fp8_grads" and value is None:
+        assert FP8AdamW([nn.Parameter(torch.randn(4))], fp8_grads=None).fp8_grads is True
+        return
+    with pytest.raises(TypeError, match=rf"FP8AdamW\({flag}={value!r}\): must be True or False"):
+        FP8AdamW([nn.Parameter(torch.randn(4))], **{flag: value})
+
+
+def test_a_groups_maximize_takes_true_or_false_only_and_a_refused_group_changes_nothing():
+    a, b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+    with pytest.raises(TypeError, match="maximize='yes'"):
+        FP8AdamW([{"params": [a]}, {"params": [b], "maximize": "yes"}])
+    opt = FP8AdamW([a])
+    with pytest.raises(TypeError, match="maximize='yes'"):
+        opt.add_param_group({"params": [b], "maximize": "yes"})
+    assert len(opt.param_groups) == 1
+    saved = opt.state_dict()
+    saved["param_groups"][0]["maximize"] = "no"
+    with pytest.raises(ValueError, match=r"parameter group 0 of the state dict: FP8AdamW\(maximize='no'\)"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["maximize"] is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"opt_level": ["O2"]}, r"opt_level=\['O2'\]\) is not supported"),
+        ({"fp8_params": 5}, r"fp8_params=\.\.\.\) takes an iterable of the weight tensors.*got int$"),
+        ({"fp8_params": [1]}, r"got list holding int$"),
+    ],
+)
+def test_arguments_of_another_type_are_refused_naming_them(kwargs, match):
+    # They failed with "unhashable type: 'list'" and "'int' object is not iterable".
+    with pytest.raises((TypeError, ValueError), match=match):
+        FP8AdamW([nn.Parameter(torch.randn(4))], **kwargs)
+
+
 def test_complex_param_and_sparse_grad_raise():
     with pytest.raises(TypeError, match="complex"):
         FP8AdamW([nn.Parameter(torch.randn(4, dtype=torch.complex64))])

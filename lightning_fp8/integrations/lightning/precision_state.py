@@ -67,6 +67,11 @@ class _PrecisionState:
         own = type(self).__qualname__
         key = next((key for key in (own, *_STATE_KEYS) if key in checkpoint), None)
         if key is None:
+            if "optimizer_states" in checkpoint:  # a training checkpoint (not save_weights_only) without the state
+                warn_once(
+                    "the checkpoint has no FP8-LM precision state (was it saved without precision='fp8-lm'?): mu and "
+                    "the FP8 scales start fresh, as in a new run"
+                )
             return
         state = checkpoint[key]
         _, names, _ = self._checked(state)  # before any layer is put back

@@ -2,9 +2,10 @@
 
 Lightning's ``FSDPStrategy`` only accepts its own ``FSDPPrecision`` plugin. This subclass accepts
 :class:`~lightning_fp8.FP8LMPrecision` instead and keeps everything else: sharding, wrapping policies,
-activation checkpointing, full and sharded checkpoints. The plugin does the FP8 work under it: FP8 layers
-(converted before wrapping, so FSDP shards them like ``nn.Linear``), FP8AdamW over the sharded parameters, the
-FP8 gradient reduce-scatter hook, and its scaling state in the checkpoint.
+activation checkpointing, full (single-file) checkpoints (``state_dict_type="sharded"`` is refused). The plugin
+does the FP8 work under it: FP8 layers (converted before wrapping, so FSDP shards them like ``nn.Linear``),
+FP8AdamW over the sharded parameters, the FP8 gradient reduce-scatter hook, and its scaling state in the
+checkpoint.
 
 ``use_orig_params=True`` is the default here: the optimizer then holds the original parameters (its states keep
 their names and FP8AdamW can tell FP8 weights from the rest), which is also what ``torch.compile`` wants.

@@ -308,6 +308,19 @@ def test_a_corrupt_optimizer_state_is_refused_before_the_plugin_state_loads(tmp_
     assert all(int(state.casts) == 0 for name, state in module.named_modules() if name.endswith("fp8_scaling.input"))
 
 
+def test_resuming_from_a_checkpoint_without_the_fp8_state_says_it_starts_fresh(tmp_path):
+    """A training checkpoint without the plugin's entry (saved under another precision, or the entry dropped): the fit
+    resumes with fresh mu and FP8 scales, as Accelerate's load_state says; it was silent."""
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    _fit(_module(), max_steps=2, callbacks=[every], enable_checkpointing=True, default_root_dir=tmp_path)
+    checkpoint = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)
+    del checkpoint["FP8LMPrecision"]
+    torch.save(checkpoint, tmp_path / "no_fp8.ckpt")
+    lightning_fp8.warnings._seen.clear()
+    with pytest.warns(UserWarning, match="no FP8-LM precision state .* mu and the FP8 scales start fresh"):
+        _trainer(max_steps=4, default_root_dir=tmp_path).fit(_module(), loader(), ckpt_path=tmp_path / "no_fp8.ckpt")
+
+
 class HeadPoisoned(StepIndexed):
     """At the steps in ``poisoned``, only the output head gets gradients, and they are non-finite: the scaler skips
     those steps, and with ``fallback_after=2`` its ``"bf16"`` fallback puts the head (only) back to nn.Linear."""
