@@ -82,7 +82,7 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         saturation_threshold: fraction of gradient values at the FP8 maximum above which mu halves
             (FP8-LM uses 0.001% = 1e-5).
         headroom: mu may double only while every gradient amax is at least this factor under the format maximum.
-        min_scale, max_scale: bounds of mu (powers of two).
+        min_scale, max_scale: bounds of mu (powers of two from 2**-126 to 2**127: mu multiplies the loss in fp32).
         nonfinite_fallback: what ``fallback_after`` consecutive non-finite steps trigger: ``None`` (only skip and
             halve), ``"lower_lr"`` (multiply every group's learning rate by ``lr_factor``), ``"bf16"`` (put the
             FP8 layers whose gradients were non-finite back to ``nn.Linear``, or, when none of them was, lower the
@@ -96,7 +96,10 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             exactly whenever mu changes (their delayed scales then stay right), and ``"bf16"`` can find layers.
 
     Raises:
-        ValueError: for a scale that is not a power of two, bounds out of order, or a bad threshold or interval.
+        ValueError: for a scale that is not a power of two from 2**-126 to 2**127, bounds out of order, or a bad
+            threshold or interval.
+        TypeError: for an argument of another type (a string or bool for a number, a ``process_group`` that is not a
+            ``torch.distributed.ProcessGroup``).
     """
 
     def __init__(

@@ -144,7 +144,9 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             ``differentiable=True`` (the same), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
             backward raises RuntimeError once it is initialized after the optimizer was created with them).
         TypeError: for complex or float64 parameters (the step computes in fp32: use ``torch.optim.AdamW`` for
-            float64 ones).
+            float64 ones); for ``maximize``, ``emit_fp8_weights`` or ``fp8_grads`` other than True or False (a
+            group's ``maximize`` too: ``"no"`` would switch it on), or ``fp8_params`` that is not an iterable of
+            tensors.
 
     Example:
         >>> from torch import nn
