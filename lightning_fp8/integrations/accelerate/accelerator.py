@@ -112,6 +112,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_optimizer: FP8AcceleratedOptimizer | None = None
         self._fp8_swaps: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []  # (script's AdamW, FP8AdamW)
         self._fp8_wrapped: set[int] = set()
+        self._fp8_wrap_lines: dict[str, dict[int, str]] = {}  # report key -> {model index: what the wrap installed}
         self._fp8_ddp_weights: set[int] = set()  # ids of the FP8 weights of the models prepare wrapped in DDP
         self._fp8_steps = 0
         self._fp8_saving: str | None = None  # the folder save_state is writing (CheckpointMixin)
@@ -390,16 +391,25 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                     f"lightning_fp8: DistributedDataParallelKwargs(comm_hook={comm_hook}) is in use, so gradients are "
                     "not communicated in FP8; drop that comm_hook to get the FP8 all-reduce"
                 )
-                self.fp8_report["ddp_comm_hook"] = str(comm_hook)
+                line = str(comm_hook)
             else:
-                self.fp8_report["ddp_comm_hook"] = parallel.install_ddp_hook(
-                    ddp, self.fp8_lm_config.recipe, self._fp8_scaler()
-                )
-            self._fp8_info(f"lightning_fp8: DDP gradient communication: {self.fp8_report['ddp_comm_hook']}")
+                line = parallel.install_ddp_hook(ddp, self.fp8_lm_config.recipe, self._fp8_scaler())
+            self._fp8_info(f"lightning_fp8: DDP gradient communication: {line}")
+            self._fp8_report_wrap("ddp_comm_hook", ddp.module, line)
         elif self.is_fsdp2:
-            recipe = self.fp8_lm_config.recipe
-            self.fp8_report["fsdp2_collectives"] = parallel.install_fsdp2_collectives(model, recipe, self._fp8_scaler())
-            self._fp8_info(f"lightning_fp8: {self.fp8_report['fsdp2_collectives']}")
+            line = parallel.install_fsdp2_collectives(model, self.fp8_lm_config.recipe, self._fp8_scaler())
+            self._fp8_info(f"lightning_fp8: {line}")
+            self._fp8_report_wrap("fsdp2_collectives", model, line)
+
+    def _fp8_report_wrap(self, key: str, model: nn.Module, line: str) -> None:
+        """``fp8_report[key]``: ``line`` with one prepared model; with several, each model's line named
+        ``model<i>`` (prepare order, as the report's layer names), so that one model's wrap does not hide another's."""
+        found = (i for i, m in enumerate(self._fp8_models) if model is m or model is unwrap_compiled(m))
+        index = next(found, len(self._fp8_models))
+        lines = self._fp8_wrap_lines.setdefault(key, {})
+        lines[index] = line
+        several = len(self._fp8_models) > 1 or len(lines) > 1
+        self.fp8_report[key] = "; ".join(f"model{i}: {lines[i]}" for i in sorted(lines)) if several else line
 
     def _fp8_info(self, message: str) -> None:
         if self.is_main_process:
@@ -416,7 +426,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
         self._fp8_models, self._fp8_swaps, self._fp8_wrapped, self._fp8_tp_mapping = [], [], set(), {}
-        self._fp8_ddp_weights = set()
+        self._fp8_ddp_weights, self._fp8_wrap_lines = set(), {}
         self._fp8_conversions = []
         self.fp8_report = self._fp8_initial_report()  # what the next prepare does (no optimizer swap, comm hook, ...)
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1

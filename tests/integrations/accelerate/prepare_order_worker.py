@@ -1,7 +1,8 @@
 """Run by test_accelerator.py under torchrun with two CPU processes (DDP): an optimizer prepared in a later call than
 the model it trains is refused with what to do (the model and its optimizer in one prepare call), nothing changed;
-prepared together they train, gradients all-reduced in FP8. With argv[1] == "dynamo", under Accelerate's
-dynamo_backend (torch.compile around the DDP model, which hid the DDP wrapper: no FP8 all-reduce, no refusal)."""
+prepared together they train, gradients all-reduced in FP8 (the report names each of two models' hooks). With
+argv[1] == "dynamo", under Accelerate's dynamo_backend (torch.compile around the DDP model, which hid the DDP
+wrapper: no FP8 all-reduce, no refusal)."""
 
 import sys
 from pathlib import Path
@@ -42,6 +43,15 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     assert torch.isfinite(loss)
+
+    # Two DDP models (found by a sweep: the report's ddp_comm_hook described the last one only).
+    accelerator = Accelerator(fp8_lm_recipe="fp8-lm", **kwargs)
+    first, second = Net(), Net()
+    params = [*first.parameters(), *second.parameters()]
+    first, second, _ = accelerator.prepare(first, second, torch.optim.AdamW(params, lr=1e-2))
+    lines = str(accelerator.fp8_report["ddp_comm_hook"]).split("; ")
+    assert [line.split(": ")[0] for line in lines] == ["model0", "model1"], accelerator.fp8_report
+    assert all(line.split(": ", 1)[1].startswith("fp8_allreduce_hook") for line in lines), accelerator.fp8_report
     print(f"rank {accelerator.process_index}: prepare order ok", flush=True)
 
 
