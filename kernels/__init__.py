@@ -4,4 +4,31 @@ Each Triton kernel module (``cast``, ``adamw``, ...) has a pure-PyTorch referenc
 :mod:`lightning_fp8.kernels.reference`. Nothing here chooses between them: the core does that at one
 dispatch point, :mod:`lightning_fp8.ops`. Triton modules are imported lazily, so this package imports
 without Triton.
+
+Nothing installs a top-level package named ``kernels``; but in a checkout's root (the current directory on
+``sys.path``: ``python -m pytest``, a notebook) ``import kernels`` finds this folder first, before an installed
+distribution of that name (Hugging Face's ``kernels``, which transformers imports). Imported that way, the folder
+steps aside for the installed package when there is one.
 """
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _step_aside() -> None:
+    """Put the installed ``kernels`` package in ``sys.modules`` in place of this folder, which the import system then
+    returns (it reads the module back from ``sys.modules`` after running this file)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != checkout]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:  # none installed (or only a namespace portion): stay
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)  # if it raises, the import system drops sys.modules["kernels"]: not half-set
+
+
+if __name__ == "kernels":
+    _step_aside()
