@@ -231,8 +231,25 @@ def _check_model_file(path: Path, saved: Any, model: nn.Module, strict: bool, sa
         raise ValueError(
             f"accelerator.load_state: {path} does not hold the prepared {type(model).__name__}'s weights: missing "
             f"{missing[:5]}, unexpected {unexpected[:5]}: the checkpoint was saved for another model; prepare the "
-            "model that saved it (or pass strict=False to load_state). Nothing was loaded"
+            f"model that saved it (or pass strict=False to load_state).{_compiled_hint(missing, unexpected)} Nothing "
+            "was loaded"
         )
+
+
+def _compiled_hint(missing: list[str], unexpected: list[str]) -> str:
+    """What to do when the keys differ only by torch.compile's ``_orig_mod.`` prefix (a model compiled in the script,
+    torch.compile(model), saved; loaded into one not compiled there, or the other way round)."""
+    prefix = "_orig_mod."
+    strip = {key.replace(prefix, "") for key in missing} == {key.replace(prefix, "") for key in unexpected}
+    if not strip or not any(prefix in key for key in missing + unexpected):
+        return ""
+    saved_compiled = any(prefix in key for key in unexpected)
+    return (
+        f" The keys differ only by torch.compile's {prefix!r} prefix: the checkpoint was saved from a model "
+        f"{'compiled' if saved_compiled else 'not compiled'} with torch.compile(model) in the script; "
+        f"{'compile' if saved_compiled else 'do not compile'} the model the same way before prepare() to load it "
+        "(or compile it with model.compile(), which keeps the keys)."
+    )
 
 
 def _extra_state_keys(model: nn.Module) -> tuple[set[str], set[str]]:

@@ -269,3 +269,27 @@ def test_a_checkpoint_bad_on_one_process_is_refused_by_every_process(tmp_path):
     # parts either, or the ranks would train on different weights. See load_state_worker.py.
     log = run_two_processes(WORKER, tmp_path, str(tmp_path / "ckpt"))
     assert "rank 0: refused ok" in log and "rank 1: refused ok" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("saved_compiled", [True, False], ids=["saved_compiled", "loaded_compiled"])
+def test_a_checkpoint_of_a_script_compiled_model_names_the_orig_mod_prefix(tmp_path, saved_compiled):
+    """torch.compile(model) in the script names the weights '_orig_mod.<name>' in Accelerate's model file: loaded into
+    a model not compiled that way (or the other way round) the refusal said only 'saved for another model'."""
+
+    def prepared(compiled: bool):
+        _fresh_state()
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+        model = Net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = torch.compile(model, backend="eager") if compiled else model
+        return accelerator, *accelerator.prepare(model, optimizer)
+
+    accelerator, model, _ = prepared(saved_compiled)
+    accelerator.save_state(tmp_path / "ckpt")
+    accelerator, model, _ = prepared(not saved_compiled)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    expected = "compile the model the same way" if saved_compiled else "do not compile the model"
+    with pytest.raises(ValueError, match=rf"differ only by torch.compile's '_orig_mod.' prefix.*{expected}"):
+        accelerator.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
