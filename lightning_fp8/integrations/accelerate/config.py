@@ -81,7 +81,8 @@ def _named_recipe(name: object, source: str) -> FP8Recipe:
 
 def _exclude_tuple(value: object, source: str) -> tuple[str, ...]:
     if isinstance(value, str):
-        value = _exclude_from_json(value) or value.split(",")
+        patterns = _exclude_from_json(value, source)
+        value = value.split(",") if patterns is None else patterns  # "[]": none
     if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
         raise ValueError(
             f"{source}={value!r} must be a list of module name patterns (or a comma-separated string), e.g. ['lm_head']"
@@ -89,18 +90,24 @@ def _exclude_tuple(value: object, source: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in value if p.strip())
 
 
-def _exclude_from_json(value: str) -> list[str] | None:
+def _exclude_from_json(value: str, source: str) -> list[str] | None:
     """The patterns of a JSON array of strings (how :meth:`FP8LaunchConfig.to_env` carries patterns with a comma,
-    such as ``blocks.[0,1].fc``); ``None`` for anything else, read as a comma-separated list."""
+    such as ``blocks.[0,1].fc``); ``None`` for anything else, read as a comma-separated list. ValueError for a JSON
+    array of other values (``[1, 2]`` would otherwise be the patterns ``[1`` and ``2]``, matching nothing)."""
     if not value.strip().startswith("["):
         return None
     try:
         patterns = json.loads(value)
     except json.JSONDecodeError:
         return None  # a plain pattern such as ``[ab]c``
-    if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
-        return patterns
-    return None
+    if not isinstance(patterns, list):
+        return None
+    if not all(isinstance(p, str) for p in patterns):
+        raise ValueError(
+            f"{source}={value!r} is a JSON array of {sorted({type(p).__name__ for p in patterns})}: give module name "
+            'patterns as strings, e.g. ["lm_head", "blocks.0.*"], or a comma-separated string'
+        )
+    return patterns
 
 
 def _matches(fqn: str, pattern: str) -> bool:

@@ -291,3 +291,18 @@ def test_accelerates_fp8_or_fp16_mixed_precision_fails_before_launching(tmp_path
     assert not launched
     assert cli.main(["launch", "--config_file", path, *flags, "--fp8-recipe", "none", script]) == 0
     assert len(launched) == 1
+
+
+def test_exclude_variable_as_a_json_array_takes_strings_only_and_may_be_empty():
+    """A JSON array carries patterns with commas (to_env writes one); '[1, 2]' became the patterns '[1' and '2]' and
+    '[]' the pattern '[]' (each matching nothing: conversion only warned)."""
+    env = {ENV_RECIPE: "fp8-lm"}
+    assert FP8LaunchConfig.from_env({**env, ENV_EXCLUDE: '["blocks.[0,1].fc", "lm_head"]'}).exclude_modules == (
+        "blocks.[0,1].fc",
+        "lm_head",
+    )
+    assert FP8LaunchConfig.from_env({**env, ENV_EXCLUDE: "[]"}).exclude_modules == ()
+    assert FP8LaunchConfig.from_env({**env, ENV_EXCLUDE: "[ab]c"}).exclude_modules == ("[ab]c",)  # not JSON
+    for value in ("[1, 2]", '["lm_head", 3]'):
+        with pytest.raises(ValueError, match=r"LIGHTNING_FP8_EXCLUDE=.* is a JSON array of .*int.*as strings"):
+            FP8LaunchConfig.from_env({**env, ENV_EXCLUDE: value})
