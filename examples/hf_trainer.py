@@ -28,31 +28,40 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from lightning_fp8 import FP8AdamW, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 
 RECIPE = "fp8-lm-o1"
-STATE_FILE = "lightning_fp8_state.pt"
+
+
+def state_file(process_index: int) -> str:
+    """Each process's own file (its activations' scales and histories are its own, as its RNG state is)."""
+    return f"lightning_fp8_state_rank{process_index}.pt"
 
 
 class FP8StateCallback(TrainerCallback):
-    """Saves ``fp8_state_dict(model)`` into each checkpoint folder the Trainer writes, and loads it from
-    ``resume_from`` (the folder given to ``trainer.train(resume_from_checkpoint=...)``) when training begins."""
+    """Saves ``fp8_state_dict(model)`` into each checkpoint folder the Trainer writes (a file per process), and loads
+    it from ``resume_from`` (the checkpoint folder given to ``trainer.train(resume_from_checkpoint=...)``: a path)
+    when training begins. Written for ``args.output_dir`` (not a hyperparameter search's trial folders)."""
 
     def __init__(self, model: torch.nn.Module, resume_from: str | os.PathLike | None = None) -> None:
+        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+            raise TypeError(f"FP8StateCallback(resume_from=...) takes a checkpoint folder, got {resume_from!r}")
         self.model = model
         self.resume_from = resume_from
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        partial = folder / (STATE_FILE + ".partial")
+        folder.mkdir(parents=True, exist_ok=True)  # the main process may not have made it yet
+        path = folder / state_file(args.process_index)
+        partial = path.with_name(path.name + ".partial")
         torch.save(fp8_state_dict(self.model), partial)
-        os.replace(partial, folder / STATE_FILE)  # whole or absent, never half-written
+        os.replace(partial, path)  # whole or absent, never half-written
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.resume_from is None:
             return
-        path = Path(self.resume_from) / STATE_FILE
+        path = Path(self.resume_from) / state_file(args.process_index)
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path} is missing: the checkpoint was saved without FP8StateCallback. Resume without resume_from "
-                "to start the FP8 scales fresh"
+                f"{path} is missing: the checkpoint was saved without FP8StateCallback (or by fewer processes). "
+                "Resume without resume_from to start the FP8 scales fresh"
             )
         load_fp8_state_dict(self.model, torch.load(path, weights_only=True))
 

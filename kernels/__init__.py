@@ -20,14 +20,21 @@ import sys
 def _step_aside() -> None:
     """Put the installed ``kernels`` package in ``sys.modules`` in place of this folder, which the import system then
     returns (it reads the module back from ``sys.modules`` after running this file)."""
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != checkout]
+    # Every sys.path entry holding a lightning_fp8 checkout (this one by any spelling, through a link, or another
+    # copy), whose kernels/ would step aside in turn: found again, they would recurse.
+    path = [entry for entry in sys.path if not _is_checkout(entry or os.curdir)]
     spec = importlib.machinery.PathFinder.find_spec("kernels", path)
     if spec is None or spec.loader is None:  # none installed (or only a namespace portion): stay
         return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)  # if it raises, the import system drops sys.modules["kernels"]: not half-set
+
+
+def _is_checkout(entry: str) -> bool:
+    return os.path.isfile(os.path.join(entry, "kernels", "reference_adamw.py")) and os.path.isdir(
+        os.path.join(entry, "lightning_fp8")
+    )
 
 
 if __name__ == "kernels":

@@ -76,7 +76,8 @@ def check_no_functorch(name: str) -> None:
         return
     if torch._C._is_tracing():
         raise RuntimeError(
-            f"{name} cannot be traced by torch.jit.trace (TorchScript does not support FP8 layers): export with "
+            f"{name} cannot be traced by torch.jit.trace (TorchScript, also torch.onnx.export(..., dynamo=False), does "
+            "not support FP8 layers): export with "
             "torch.export.export(model, args), or, for a TorchScript model in high precision, load "
             "model.state_dict() into the unconverted model and trace that"
         )

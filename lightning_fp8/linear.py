@@ -263,6 +263,8 @@ class FP8Linear(nn.Linear):
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         super().register_parameter(name, param)
+        if name == "weight":  # the master scale torch.export reads (master.LAYER_SCALE_ATTR): the new weight's
+            master.track_layer_scale(self, param)
         # torch's own parallel styles (ColwiseParallel's distribute_module) register the layer's weight again as a
         # DTensor, which without the mark an FP8AdamW would train as a plain parameter (fp32 states, no O2 master).
         # Only those: a plain Parameter assigned here may be another module's (weights tied after conversion, e.g.

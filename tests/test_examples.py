@@ -278,7 +278,7 @@ def test_hf_trainer_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path,
 
     full = hf_trainer.train(8, str(tmp_path / "full"), save_steps=4)
     checkpoint = tmp_path / "full" / "checkpoint-4"
-    assert (checkpoint / hf_trainer.STATE_FILE).is_file() and not list(checkpoint.glob("*.partial"))
+    assert (checkpoint / hf_trainer.state_file(0)).is_file() and not list(checkpoint.glob("*.partial"))
     resumed = hf_trainer.train(8, str(tmp_path / "resumed"), resume=str(checkpoint), save_steps=4)
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -286,7 +286,7 @@ def test_hf_trainer_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path,
     fresh_scales = hf_trainer.train(8, str(tmp_path / "fresh"), resume=str(checkpoint), save_steps=4)
     pairs = zip(full.parameters(), fresh_scales.parameters(), strict=True)
     assert any(not torch.equal(a, b) for a, b in pairs)  # not vacuous
-    (checkpoint / hf_trainer.STATE_FILE).unlink()
+    (checkpoint / hf_trainer.state_file(0)).unlink()
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="saved without FP8StateCallback"):
         hf_trainer.train(8, str(tmp_path / "missing"), resume=str(checkpoint), save_steps=4)

@@ -155,6 +155,16 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     return scale, amax
 
 
+def track_layer_scale(layer: nn.Module, weight: torch.Tensor | None) -> None:
+    """``layer``'s copy of the reference to its weight's master scale (:data:`LAYER_SCALE_ATTR`), for a weight
+    registered anew: the new weight's scale, or none (a stale one would unscale another weight under torch.export)."""
+    scale = None if weight is None else master_scale(weight)
+    if scale is None:
+        layer.__dict__.pop(LAYER_SCALE_ATTR, None)
+    else:
+        layer.__dict__[LAYER_SCALE_ATTR] = scale
+
+
 def _marking_layers(param: torch.Tensor) -> list[nn.Module]:
     layers = getattr(getattr(param, MARKER, None), "layers", None)  # FP8Linear's mark; FSDP2 and TP mark with True
     return layers() if callable(layers) else []

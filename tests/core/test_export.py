@@ -87,3 +87,16 @@ def test_torch_jit_trace_is_refused_saying_what_to_do(mlp):
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="cannot be traced by torch.jit.trace.*export"):
         warnings.simplefilter("ignore")
         torch.jit.trace(model, torch.randn(8, 32))
+
+
+def test_a_weight_assigned_after_training_exports_without_the_old_weights_scale():
+    """A new Parameter assigned as the weight of a layer whose former weight was an O2 master (Hugging Face's
+    tie_weights() after conversion does this): the exported program divided it by the former weight's scale."""
+    model, _ = _trained("O2", mlp=False)
+    model[0].weight = nn.Parameter(torch.randn(64, 32) * 0.1)
+    x = torch.randn(8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(copy.deepcopy(model), (x,)).module()
+    with torch.no_grad():
+        assert torch.equal(exported(x), copy.deepcopy(model)(x))

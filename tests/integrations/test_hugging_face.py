@@ -41,6 +41,19 @@ def test_import_kernels_in_the_checkout_root_gives_the_installed_distribution():
     assert out.stdout.strip() == str(ROOT / "kernels" / "__init__.py"), out
 
 
+def test_import_kernels_with_the_checkout_on_sys_path_twice(tmp_path):
+    """The checkout reached by two spellings (a link on PYTHONPATH, the current directory): the folder found itself
+    again under the other one and stepped aside for it, back and forth (RecursionError)."""
+    (tmp_path / "link").symlink_to(ROOT, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "link")}
+    code = "import kernels; print(kernels.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    installed = _installed_kernels()
+    if installed is not None:
+        assert out.stdout.strip() == installed
+
+
 def _llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -399,12 +399,12 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         elif self.is_fsdp2:
             line = parallel.install_fsdp2_collectives(model, self.fp8_lm_config.recipe, self._fp8_scaler())
             self._fp8_info(f"lightning_fp8: {line}")
-            self._fp8_report_wrap("fsdp2_collectives", model, line)
+            self._fp8_report_wrap("fsdp2_collectives", unwrap_compiled(model), line)
 
     def _fp8_report_wrap(self, key: str, model: nn.Module, line: str) -> None:
         """``fp8_report[key]``: ``line`` with one prepared model; with several, each model's line named
         ``model<i>`` (prepare order, as the report's layer names), so that one model's wrap does not hide another's."""
-        found = (i for i, m in enumerate(self._fp8_models) if model is m or model is unwrap_compiled(m))
+        found = (i for i, m in enumerate(self._fp8_models) if model in (m, unwrap_compiled(m)))
         index = next(found, len(self._fp8_models))
         lines = self._fp8_wrap_lines.setdefault(key, {})
         lines[index] = line
