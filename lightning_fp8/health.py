@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -200,6 +201,7 @@ class HealthMonitor:
                 events.append(self._nonfinite_event(step, name, values[name], "none"))
         grad_ok = "grad_norm" in values and math.isfinite(values["grad_norm"])
         loss_ok = "loss" in values and math.isfinite(values["loss"])
+        spike = None
         if grad_ok:
             spike = self._check_spike(step, values["grad_norm"])
             if spike is None:
@@ -213,7 +215,7 @@ class HealthMonitor:
                     self._grad_norms.clear()
                     self._grad_norms.extend(self._spike_run)
                     self._spike_run.clear()
-        if grad_ok and loss_ok:
+        if grad_ok and loss_ok and spike is None:  # a spike's step (a bad batch) stays out of the plateau test too
             self._plateau_loss.append(values["loss"])
             self._plateau_grad.append(values["grad_norm"])
             plateau = self._check_plateau(step)
@@ -277,8 +279,9 @@ class HealthMonitor:
             return None
         half = n // 2
         losses, grads = list(self._plateau_loss), list(self._plateau_grad)
-        loss_before, loss_after = sum(losses[:half]) / half, sum(losses[half:]) / (n - half)
-        grad_before, grad_after = sum(grads[:half]) / half, sum(grads[half:]) / (n - half)
+        # Medians: one bad batch (a loss outlier without a gradient-norm spike) does not make a falling loss look flat.
+        loss_before, loss_after = statistics.median(losses[:half]), statistics.median(losses[half:])
+        grad_before, grad_after = statistics.median(grads[:half]), statistics.median(grads[half:])
         improvement = (loss_before - loss_after) / max(abs(loss_before), 1e-12)
         grad_drop = (grad_before - grad_after) / max(abs(grad_before), 1e-12)
         if improvement >= cfg.plateau_min_improvement or grad_drop >= cfg.plateau_grad_norm_drop:
@@ -293,6 +296,9 @@ class HealthMonitor:
             message=(
                 f"step {step}: loss improved {improvement:.2%} over the last {n} steps while the gradient norm "
                 f"changed {-grad_drop:+.2%}: learning may have saturated (updates underflowing?)"
+                if improvement >= 0
+                else f"step {step}: loss rose {-improvement:.2%} over the last {n} steps while the gradient norm "
+                f"changed {-grad_drop:+.2%}: not learning (diverging? lower the learning rate)"
             ),
         )
 

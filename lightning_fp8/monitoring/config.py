@@ -32,7 +32,8 @@ class HealthConfig:
             ``spike_patience`` steps, an isolated spike once (it never enters the baseline). An ordinary
             (non-spike) gradient norm resets the count; steps without a finite gradient norm neither count nor
             reset it.
-        plateau_window: steps over which the loss must improve; the halves of the window are compared.
+        plateau_window: steps over which the loss must improve; the halves of the window are compared (their
+            medians: one bad batch does not flatten a falling loss). A step with a gradient-norm spike is left out.
         plateau_min_improvement: relative loss improvement between the halves below which the loss has plateaued.
         plateau_grad_norm_drop: a plateau is only reported if the gradient norm fell by less than this fraction
             between the halves (a falling gradient norm means convergence).

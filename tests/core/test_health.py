@@ -218,6 +218,30 @@ def test_plateau_needs_a_flat_loss_and_a_flat_grad_norm():
     assert not any(monitor.observe(s, loss=3.0 - 0.02 * s, grad_norm=1.0) for s in range(40))
 
 
+def test_one_bad_batch_in_a_falling_loss_is_a_spike_not_a_plateau():
+    """Found by a sweep (default HealthConfig): a 20x loss and gradient norm at one step raised grad_norm_spike and,
+    later, loss_plateau, as the outlier lifted the mean loss of the window's second half above the first's."""
+    monitor = HealthMonitor()
+    events = []
+    for step in range(400):
+        loss, norm = 3.0 * 0.9997**step, 1.0 + 0.01 * (step % 3)  # the loss falls ~3% between window halves
+        if step == 300:
+            loss, norm = loss * 20, norm * 20
+        events += monitor.observe(step, loss=loss, grad_norm=norm)
+    assert [(e.step, e.kind) for e in events] == [(300, "grad_norm_spike")]
+    # A loss outlier alone (the gradient norm as usual): the halves' medians still show the fall.
+    monitor = HealthMonitor()
+    losses = [3.0 * 0.9997**step * (20 if step == 300 else 1) for step in range(400)]
+    assert not any(monitor.observe(step, loss=loss, grad_norm=1.0) for step, loss in enumerate(losses))
+
+
+def test_a_rising_loss_is_reported_as_rising():
+    cfg = HealthConfig(window=10, warmup_steps=5, plateau_window=40)
+    monitor = HealthMonitor(cfg)
+    events = [e for s in range(40) for e in monitor.observe(s, loss=3.0 * 1.01**s, grad_norm=1.0)]
+    assert [e.kind for e in events] == ["loss_plateau"] and "loss rose" in events[0].message
+
+
 def test_nonfinite_values_and_recovery_actions():
     monitor = HealthMonitor()
     events = monitor.observe(3, loss=float("nan"), grad_norm=float("inf"))
