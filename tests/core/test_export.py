@@ -100,3 +100,16 @@ def test_a_weight_assigned_after_training_exports_without_the_old_weights_scale(
         exported = torch.export.export(copy.deepcopy(model), (x,)).module()
     with torch.no_grad():
         assert torch.equal(exported(x), copy.deepcopy(model)(x))
+
+
+def test_an_exported_program_saved_and_loaded_computes_the_same(tmp_path):
+    """torch.export.save / load of an O2-trained model's program (loading needs lightning_fp8 imported: it registers
+    the lightning_fp8 custom ops the program calls)."""
+    model, _ = _trained("O2", mlp=True)
+    x = torch.randn(8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(copy.deepcopy(model), (x,)), tmp_path / "model.pt2")
+        loaded = torch.export.load(tmp_path / "model.pt2").module()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), copy.deepcopy(model)(x))
