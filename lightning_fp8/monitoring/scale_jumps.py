@@ -4,7 +4,10 @@ integration's ``accelerator.log`` count as ``fp8/alerts/scale_drops`` and ``fp8/
 A scale that dropped by ``jump_factor`` or more since the previous log means its amax jumped (overflow is near); one
 that rose as much means its amax collapsed (values may underflow). A ``grad_output`` scale is compared net of the
 change of the gradient scale mu, which moves it without any amax moving. Scales normally move a lot while training
-starts, so nothing is alerted before step ``alert_after_steps``. Every alert is kept in :attr:`ScaleJumps.alerts`;
+starts, so nothing is alerted before step ``alert_after_steps``. A jump that undoes an alerted one (the scale back
+within 2x of its level before it: a one-step spike's amax leaving the delayed-scaling history ``amax_history_len``
+steps later) is its end, not a new event, and is not alerted. Every alert is kept in
+:attr:`ScaleJumps.alerts`;
 the first drop and the first rise are also warned, once each. The state (the alerts, the scales and mu of the last
 log) is plain lists, strings and numbers (``torch.load(weights_only=True)`` reads it), checked entry by entry before
 any is loaded.
@@ -38,6 +41,9 @@ class ScaleJumps:
         self._warned_kinds: set[str] = set()
         self._previous_scales: dict[tuple[str, str], float] = {}
         self._previous_mu: float | None = None  # the gradient scale mu at the last log
+        # (layer, role) -> (the scale before an alerted jump, net of mu as below; that jump's kind): a later jump of the
+        # other kind back to within 2x of it ends that one and is not alerted.
+        self._before_jump: dict[tuple[str, str], tuple[float, str]] = {}
 
     def flag(
         self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None, record: bool = True
@@ -68,10 +74,32 @@ class ScaleJumps:
                 ratio = scale / previous * (mu_change if role == "grad_output" else 1.0)
                 if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
                     kind = "drop" if ratio < 1 else "rise"
+                    net = scale * (mu if role == "grad_output" and mu else 1.0)
+                    if self._undoes(layer, role, kind, net, record):
+                        continue
                     jumps.append((layer, kind))
                     if record:
+                        before = previous * (self._previous_mu_at_compare(mu, mu_change) if role == "grad_output"
+                                             else 1.0)  # fmt: skip
+                        self._before_jump.setdefault((layer, role), (before, kind))
                         self._alert(step, layer, role, kind, previous, scale)
         return jumps
+
+    @staticmethod
+    def _previous_mu_at_compare(mu: float | None, mu_change: float) -> float:
+        # mu at the previous log (mu / mu_change), or 1 where mu is not known (the scales are then compared as they are)
+        return mu / mu_change if mu else 1.0
+
+    def _undoes(self, layer: str, role: str, kind: str, net: float, record: bool) -> bool:
+        """Whether this jump of ``kind`` to ``net`` (the scale, net of mu) brings ``(layer, role)`` back to within 2x
+        (a binade's drift) of its level before an alerted jump of the other kind (which it then ends, with
+        ``record``)."""
+        before = self._before_jump.get((layer, role))
+        if before is None or before[1] == kind or not 0.5 <= net / before[0] <= 2.0:
+            return False
+        if record:
+            del self._before_jump[(layer, role)]
+        return True
 
     def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
         meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"
@@ -88,7 +116,9 @@ class ScaleJumps:
     def state_dict(self) -> dict[str, Any]:
         """The alerts and the scales and mu of the last log, which the first log after a resume compares against."""
         previous = [[layer, role, scale] for (layer, role), scale in self._previous_scales.items()]
-        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous, "previous_mu": self._previous_mu}
+        before = [[layer, role, scale, kind] for (layer, role), (scale, kind) in self._before_jump.items()]
+        return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous, "previous_mu": self._previous_mu,
+                "before_jumps": before}  # fmt: skip
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
@@ -103,7 +133,9 @@ class ScaleJumps:
             ValueError: for an entry it does not hold, or a value out of range (an unknown role or alert kind, a
                 scale that is not a finite positive number).
         """
-        self.alerts, self._previous_scales, self._previous_mu = _checked_scale_state(state_dict, self.owner)
+        self.alerts, self._previous_scales, self._previous_mu, self._before_jump = _checked_scale_state(
+            state_dict, self.owner
+        )
 
 
 # The fields of an alert in ScaleJumps.alerts (_alert writes them) and the kinds of jump.
@@ -154,15 +186,17 @@ def _checked_alert(index: int, alert: Any, owner: str) -> dict[str, Any]:
 
 def _checked_scale_state(
     state: Any, owner: str
-) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float], float | None]:
-    """The alerts and previous scales of a :meth:`ScaleJumps.state_dict`, checked and converted; raises as
-    :meth:`ScaleJumps.load_state_dict` documents."""
+) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float], float | None, dict[tuple[str, str], tuple[float, str]]]:
+    """The alerts, previous scales, mu and scales before alerted jumps of a :meth:`ScaleJumps.state_dict`, checked
+    and converted; raises as :meth:`ScaleJumps.load_state_dict` documents."""
     if not isinstance(state, dict):
         raise _scale_state_error(TypeError, f"got {type(state).__name__}, expected a dict", owner)
-    unknown = sorted(set(state) - {"alerts", "previous_scales", "previous_mu"}, key=repr)
+    unknown = sorted(set(state) - {"alerts", "previous_scales", "previous_mu", "before_jumps"}, key=repr)
     if unknown:
         raise _scale_state_error(
-            ValueError, f"unknown entries {unknown}, expected 'alerts', 'previous_scales' and 'previous_mu'", owner
+            ValueError,
+            f"unknown entries {unknown}, expected 'alerts', 'previous_scales', 'previous_mu' and 'before_jumps'",
+            owner,
         )
     # 'previous_mu' may be absent or None (checkpoints written before it was saved; no gradient scaler).
     previous_mu = state.get("previous_mu")
@@ -180,4 +214,34 @@ def _checked_scale_state(
             raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale]", owner)
         layer, role, scale = entry
         checked[(layer, _checked_role(role, where, owner))] = _checked_scale(scale, f"the scale of {where}", owner)
-    return [_checked_alert(i, alert, owner) for i, alert in enumerate(alerts)], checked, previous_mu
+    return (
+        [_checked_alert(i, alert, owner) for i, alert in enumerate(alerts)],
+        checked,
+        previous_mu,
+        _checked_before(
+            state.get("before_jumps", []),
+            owner,  # absent from checkpoints written before it was saved
+        ),
+    )
+
+
+def _checked_before(entries: Any, owner: str) -> dict[tuple[str, str], tuple[float, str]]:
+    if not isinstance(entries, (list, tuple)):
+        raise _scale_state_error(TypeError, f"'before_jumps' is {repr(entries)[:100]}, expected a list", owner)
+    checked = {}
+    for index, entry in enumerate(entries):
+        where = f"entry {index} of 'before_jumps'"
+        if not isinstance(entry, (list, tuple)) or len(entry) != 4 or not isinstance(entry[0], str):
+            raise _scale_state_error(
+                TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale, kind]", owner
+            )
+        layer, role, scale, kind = entry
+        if kind not in _ALERT_KINDS:
+            raise _scale_state_error(
+                ValueError, f"{where} has kind {repr(kind)[:100]}, expected one of {list(_ALERT_KINDS)}", owner
+            )
+        checked[(layer, _checked_role(role, where, owner))] = (
+            _checked_scale(scale, f"the scale of {where}", owner),
+            kind,
+        )
+    return checked

@@ -668,7 +668,8 @@ def test_scale_monitor_loads_its_own_state_and_the_older_ones():
         monitor = FP8ScaleMonitor()
         monitor.load_state_dict(copy.deepcopy(older))
         assert monitor.state_dict() == {"alerts": older.get("alerts", []), "previous_mu": None,
-                                        "previous_scales": older.get("previous_scales", [])}  # fmt: skip
+                                        "previous_scales": older.get("previous_scales", []),
+                                        "before_jumps": older.get("before_jumps", [])}  # fmt: skip
 
 
 def _alerted(**fields) -> dict:

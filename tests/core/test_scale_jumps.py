@@ -1,0 +1,59 @@
+"""ScaleJumps (FP8ScaleMonitor's and the Accelerate integration's scale-jump alerts) on synthetic scale series: a
+one-step amax spike under delayed scaling drops the scale at once and raises it back when the spike leaves the amax
+history, ``amax_history_len`` steps later; that return was alerted as a second event ("amax collapsed")."""
+
+import pytest
+
+from lightning_fp8.monitoring.scale_jumps import ScaleJumps
+
+
+def _layers(scale: float, role: str = "input") -> dict:
+    return {"net.0": {role: {"scale": scale}}}
+
+
+def _run(jumps: ScaleJumps, scales: list[float], role: str = "input", mus: list[float] | None = None) -> None:
+    for step, scale in enumerate(scales):
+        jumps.flag(_layers(scale, role), step, mu=None if mus is None else mus[step])
+
+
+def _kinds(jumps: ScaleJumps) -> list[tuple[int, str]]:
+    return [(a["step"], a["kind"]) for a in jumps.alerts]
+
+
+def test_a_spike_leaving_the_history_is_not_a_second_alert():
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    _run(jumps, [64.0] * 9 + [0.125] * 16 + [64.0] * 10)
+    assert _kinds(jumps) == [(9, "drop")]
+
+
+def test_a_rise_past_the_former_level_and_a_new_drop_are_alerted():
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    with pytest.warns(UserWarning):
+        _run(jumps, [64.0] * 5 + [0.125] * 5 + [4096.0] * 5 + [8.0] * 5)
+    # 0.125 -> 4096 is not back to 64 (64x above it): a rise of its own; 4096 -> 8 a drop
+    assert _kinds(jumps) == [(5, "drop"), (10, "rise"), (15, "drop")]
+
+
+def test_a_grad_output_return_is_judged_net_of_mu():
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    # mu halves at step 12 (a skipped step), which halves the grad_output scale without any amax moving
+    mus = [1024.0] * 12 + [512.0] * 20
+    scales = [8.0] * 4 + [2.0**-6] * 8 + [2.0**-7] * 8 + [16.0] * 12  # back to 8 * 1024 = 16 * 512
+    _run(jumps, scales, role="grad_output", mus=mus)
+    assert _kinds(jumps) == [(4, "drop")]
+
+
+def test_the_level_before_a_jump_survives_a_state_dict_round_trip():
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    _run(jumps, [64.0] * 5 + [0.125] * 5)
+    resumed = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    resumed.load_state_dict(jumps.state_dict())
+    for step in range(10, 15):
+        resumed.flag(_layers(64.0), step)
+    assert _kinds(resumed) == [(5, "drop")]
+    old = jumps.state_dict()
+    del old["before_jumps"]  # a checkpoint written before it was saved: loads (a return is then alerted)
+    resumed.load_state_dict(old)
+    bad = {**jumps.state_dict(), "before_jumps": [["net.0", "input", 64.0, "up"]]}
+    with pytest.raises(ValueError, match="entry 0 of 'before_jumps' has kind 'up'"):
+        resumed.load_state_dict(bad)
