@@ -97,6 +97,7 @@ class _LoggingCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.last_metrics: dict[str, float] = {}
         self._last_step = -1
+        self._published: set[str] = set()  # the keys of the last _publish, replaced by the next one's
         # Batch counts (batches_stepped) of this and of the previous observed optimizer step; None before the first.
         self._batch: int | None = None
         self._previous_batch = 0
@@ -152,11 +153,15 @@ class _LoggingCallback(Callback):
         if self.state_key not in states and legacy and not others:
             self.load_state_dict(copy.deepcopy(legacy))
 
-    @staticmethod
-    def _publish(trainer: Trainer, metrics: dict[str, float]) -> None:
+    def _publish(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """Keep ``metrics`` in ``trainer.callback_metrics`` (what ``EarlyStopping`` and ``ModelCheckpoint(monitor=...)``
-        read, on each rank)."""
+        read, on each rank), in place of this callback's previous ones: a value this step does not have (the gradient
+        norm of a skipped step) is absent, not the last step's."""
+        for key in self._published:
+            if key not in metrics:
+                trainer.callback_metrics.pop(key, None)
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
+        self._published = set(metrics)
 
     def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """:meth:`_publish` ``metrics`` on every rank and send them to the loggers on rank zero."""

@@ -815,6 +815,25 @@ def test_a_skipped_batch_records_no_grad_norm(tmp_path, precision):
     assert 0.0 not in health.monitor._grad_norms
 
 
+class _MetricKeys(L.Callback):
+    """Records, after each batch (after the monitors, listed before it), which health values callback_metrics hold."""
+
+    def __init__(self) -> None:
+        self.keys: list[set[str]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.keys.append({k for k in trainer.callback_metrics if k in ("health/grad_norm", "health/loss")})
+
+
+def test_a_skipped_batch_leaves_no_previous_grad_norm_in_callback_metrics(tmp_path):
+    """Found by a sweep: the row logged for a step without a gradient norm had none, but callback_metrics (what
+    EarlyStopping and ModelCheckpoint(monitor=...) read) kept the previous step's value as if it were this one's."""
+    keys = _MetricKeys()
+    _fit(SkipsBatches(), tmp_path, [TrainingHealthMonitor(log_every_n_steps=1, plot=False), keys], max_steps=6)
+    expected = [set() if i in SkipsBatches.SKIP else {"health/grad_norm", "health/loss"} for i in range(6)]
+    assert keys.keys == expected
+
+
 @pytest.mark.parametrize("limits", [{"max_steps": 0}, {"max_steps": 4, "limit_train_batches": 0}])
 def test_a_fit_that_steps_nothing_ends_normally_without_a_plot(tmp_path, limits):
     health = TrainingHealthMonitor()  # plot=True
