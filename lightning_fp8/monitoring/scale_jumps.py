@@ -56,6 +56,9 @@ class ScaleJumps:
         # skipped steps) moves it by 1 / the change without any amax moving. (Not where either mu is unknown: a
         # checkpoint written before mu was saved beside the scales, a run without a gradient scaler.)
         mu_change = mu / self._previous_mu if mu and self._previous_mu else 1.0
+        # mu now and at the previous log (1 where unknown), to keep a grad_output scale before a jump net of mu
+        mu_now = mu if mu else 1.0
+        mu_before = mu_now / mu_change
         if record:
             self._previous_mu = float(mu) if mu else None
         jumps = []
@@ -74,21 +77,14 @@ class ScaleJumps:
                 ratio = scale / previous * (mu_change if role == "grad_output" else 1.0)
                 if ratio <= 1 / self.jump_factor or ratio >= self.jump_factor:
                     kind = "drop" if ratio < 1 else "rise"
-                    net = scale * (mu if role == "grad_output" and mu else 1.0)
-                    if self._undoes(layer, role, kind, net, record):
+                    grad = role == "grad_output"
+                    if self._undoes(layer, role, kind, scale * (mu_now if grad else 1.0), record):
                         continue
                     jumps.append((layer, kind))
                     if record:
-                        before = previous * (self._previous_mu_at_compare(mu, mu_change) if role == "grad_output"
-                                             else 1.0)  # fmt: skip
-                        self._before_jump.setdefault((layer, role), (before, kind))
+                        self._before_jump.setdefault((layer, role), (previous * (mu_before if grad else 1.0), kind))
                         self._alert(step, layer, role, kind, previous, scale)
         return jumps
-
-    @staticmethod
-    def _previous_mu_at_compare(mu: float | None, mu_change: float) -> float:
-        # mu at the previous log (mu / mu_change), or 1 where mu is not known (the scales are then compared as they are)
-        return mu / mu_change if mu else 1.0
 
     def _undoes(self, layer: str, role: str, kind: str, net: float, record: bool) -> bool:
         """Whether this jump of ``kind`` to ``net`` (the scale, net of mu) brings ``(layer, role)`` back to within 2x
@@ -203,45 +199,35 @@ def _checked_scale_state(
     previous_mu = None if previous_mu is None else _checked_scale(previous_mu, "'previous_mu'", owner)
     # Both may be absent: 'previous_scales' from checkpoints written before it was saved (the first comparison after
     # resuming is then skipped).
-    alerts, previous = state.get("alerts", []), state.get("previous_scales", [])
-    for key, value in (("alerts", alerts), ("previous_scales", previous)):
+    # 'before_jumps' too (absent from checkpoints written before it was saved).
+    alerts, previous, before = (state.get(key, []) for key in ("alerts", "previous_scales", "before_jumps"))
+    for key, value in (("alerts", alerts), ("previous_scales", previous), ("before_jumps", before)):
         if not isinstance(value, (list, tuple)):
             raise _scale_state_error(TypeError, f"'{key}' is {repr(value)[:100]}, expected a list", owner)
-    checked = {}
-    for index, entry in enumerate(previous):
-        where = f"entry {index} of 'previous_scales'"
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
-            raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale]", owner)
-        layer, role, scale = entry
-        checked[(layer, _checked_role(role, where, owner))] = _checked_scale(scale, f"the scale of {where}", owner)
+    checked = {key: scale for key, (scale, _) in _checked_scale_entries(previous, "previous_scales", owner).items()}
     return (
         [_checked_alert(i, alert, owner) for i, alert in enumerate(alerts)],
         checked,
         previous_mu,
-        _checked_before(
-            state.get("before_jumps", []),
-            owner,  # absent from checkpoints written before it was saved
-        ),
+        _checked_scale_entries(before, "before_jumps", owner),
     )
 
 
-def _checked_before(entries: Any, owner: str) -> dict[tuple[str, str], tuple[float, str]]:
-    if not isinstance(entries, (list, tuple)):
-        raise _scale_state_error(TypeError, f"'before_jumps' is {repr(entries)[:100]}, expected a list", owner)
+def _checked_scale_entries(entries: Any, key: str, owner: str) -> dict[tuple[str, str], tuple[float, str | None]]:
+    """``{(layer, role): (scale, kind)}`` of the entries of ``key``: ``[layer, role, scale]`` (``kind`` None) for
+    ``previous_scales``, ``[layer, role, scale, kind]`` for ``before_jumps``; raises naming the entry."""
+    with_kind = key == "before_jumps"
+    size, shape = (4, "[layer, role, scale, kind]") if with_kind else (3, "[layer, role, scale]")
     checked = {}
     for index, entry in enumerate(entries):
-        where = f"entry {index} of 'before_jumps'"
-        if not isinstance(entry, (list, tuple)) or len(entry) != 4 or not isinstance(entry[0], str):
-            raise _scale_state_error(
-                TypeError, f"{where} is {repr(entry)[:100]}, expected [layer, role, scale, kind]", owner
-            )
-        layer, role, scale, kind = entry
-        if kind not in _ALERT_KINDS:
+        where = f"entry {index} of '{key}'"
+        if not isinstance(entry, (list, tuple)) or len(entry) != size or not isinstance(entry[0], str):
+            raise _scale_state_error(TypeError, f"{where} is {repr(entry)[:100]}, expected {shape}", owner)
+        kind = entry[3] if with_kind else None
+        if with_kind and kind not in _ALERT_KINDS:
             raise _scale_state_error(
                 ValueError, f"{where} has kind {repr(kind)[:100]}, expected one of {list(_ALERT_KINDS)}", owner
             )
-        checked[(layer, _checked_role(role, where, owner))] = (
-            _checked_scale(scale, f"the scale of {where}", owner),
-            kind,
-        )
+        role = _checked_role(entry[1], where, owner)
+        checked[(entry[0], role)] = (_checked_scale(entry[2], f"the scale of {where}", owner), kind)
     return checked

@@ -41,13 +41,15 @@ def is_fp8_weight(param: torch.Tensor) -> bool:
     return bool(getattr(param, MARKER, False))
 
 
+def _marking_layers(param: torch.Tensor) -> list[nn.Module]:
+    """The live FP8Linear layers that marked ``param`` (FSDP2's and TP's marks, ``True``, name none)."""
+    layers = getattr(getattr(param, MARKER, None), "layers", None)
+    return layers() if callable(layers) else []
+
+
 def layer_recipes(params: Iterable[torch.Tensor]) -> list[Any]:
     """The recipes of the live FP8Linear layers that marked any of ``params`` (FSDP2's and TP's marks name none)."""
-    recipes = []
-    for param in params:
-        layers = getattr(getattr(param, MARKER, None), "layers", None)
-        recipes += [layer.recipe for layer in layers()] if callable(layers) else []
-    return recipes
+    return [layer.recipe for param in params for layer in _marking_layers(param)]
 
 
 def check_not_reparametrized(param: torch.Tensor, where: str) -> None:
@@ -56,10 +58,7 @@ def check_not_reparametrized(param: torch.Tensor, where: str) -> None:
     name (``parametrizations.weight.original``, ``weight_orig``) and the marker stays on it. FP8Linear's forward
     refuses such a layer; at O2 the optimizer would first make ``param``'s storage a scaled fp16 master, read by the
     reparametrization as the weight. ``where`` names ``param`` in the message."""
-    layers = getattr(getattr(param, MARKER, None), "layers", None)  # FP8Linear's mark; FSDP2 and TP mark with True
-    if layers is None:
-        return
-    for layer in layers():
+    for layer in _marking_layers(param):
         if layer._parameters.get("weight") is param:
             continue
         name = next((name for name, p in layer.named_parameters() if p is param), None)
@@ -151,7 +150,7 @@ def adopt(param: nn.Parameter, master_dtype: torch.dtype) -> tuple[torch.Tensor,
     setattr(param, AMAX_ATTR, amax)
     setattr(param, DTYPE_ATTR, original)
     for layer in _marking_layers(param):
-        layer.__dict__[LAYER_SCALE_ATTR] = scale
+        track_layer_scale(layer, param)
     return scale, amax
 
 
@@ -163,11 +162,6 @@ def track_layer_scale(layer: nn.Module, weight: torch.Tensor | None) -> None:
         layer.__dict__.pop(LAYER_SCALE_ATTR, None)
     else:
         layer.__dict__[LAYER_SCALE_ATTR] = scale
-
-
-def _marking_layers(param: torch.Tensor) -> list[nn.Module]:
-    layers = getattr(getattr(param, MARKER, None), "layers", None)  # FP8Linear's mark; FSDP2 and TP mark with True
-    return layers() if callable(layers) else []
 
 
 _PROBE = "lightning_fp8_adoption_probe"
@@ -286,7 +280,7 @@ def release(param: nn.Parameter) -> None:
         if hasattr(param, attr):
             delattr(param, attr)
     for layer in _marking_layers(param):
-        layer.__dict__.pop(LAYER_SCALE_ATTR, None)
+        track_layer_scale(layer, param)  # no scale now: dropped
 
 
 def export(param: torch.Tensor) -> torch.Tensor:
