@@ -70,7 +70,8 @@ class _PrecisionState:
             if "optimizer_states" in checkpoint:  # a training checkpoint (not save_weights_only) without the state
                 warn_once(
                     "the checkpoint has no FP8-LM precision state (was it saved without precision='fp8-lm'?): mu and "
-                    "the FP8 scales start fresh, as in a new run"
+                    "the FP8 scales start fresh, as in a new run (outside fit, where mu plays no part, the FP8 "
+                    "scales: the first casts measure their own amax)"
                 )
             return
         state = checkpoint[key]
