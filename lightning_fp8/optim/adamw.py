@@ -230,6 +230,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self._fp8_in_step = False  # step() is routing through self.grad_scaler (which then updates directly)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
+        self._admitted: set[torch.Tensor] = set()  # the parameters taken in by add_param_group (see _admit_unseen)
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
         adopting, self._adopting = self._adopting, None
@@ -266,31 +267,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         try:  # a rejected group is not kept (nor stepped)
             step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             step_.plain_hyper_parameters(group)
-            seen: set[int] = set()
-            for i, p in enumerate(group["params"]):
-                if id(p) in seen:
-                    raise ValueError(
-                        f"FP8AdamW: parameter {i} of parameter group {len(self.param_groups) - 1} appears in the group "
-                        "more than once (torch.optim deprecates this and steps it once per listing): list each "
-                        "parameter once (e.g. list(dict.fromkeys(params)))"
-                    )
-                seen.add(id(p))
-                if p.is_complex():
-                    raise TypeError(
-                        f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
-                        "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
-                    )
-                if p.dtype == torch.float64:
-                    raise TypeError(
-                        f"FP8AdamW got a float64 parameter of shape {tuple(p.shape)}: it steps in fp32 arithmetic, "
-                        "which would drop the updates float64 keeps; convert the model to float32 first "
-                        "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
-                    )
-                # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
-                where = f"parameter {i} of parameter group {len(self.param_groups) - 1}"
-                master.check_not_reparametrized(p, where)
-                master.check_shareable(p, where, self._settings(), self._storage_master_dtype(p))
-            self._check_grad_hooks_allowed(group["params"])
+            self._check_params(group["params"], len(self.param_groups) - 1)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -298,6 +275,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         adopting = getattr(self, "_adopting", None)  # a list while the constructor runs
         if adopting is not None:
             adopting.extend(wanted)
+            self._admitted.update(group["params"])
             return
         try:
             self._adopt_all(wanted)
@@ -306,6 +284,59 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
             raise
         self._register_o1_grad_hooks(group["params"])
         self._claim_grads(group["params"])
+        self._admitted.update(group["params"])
+
+    def _check_params(self, params: list[torch.Tensor], g: int) -> None:
+        """Raise TypeError or ValueError for a parameter of group ``g`` this optimizer cannot step (see the checks)."""
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if id(p) in seen:
+                raise ValueError(
+                    f"FP8AdamW: parameter {i} of parameter group {g} appears in the group more than once (torch.optim "
+                    "deprecates this and steps it once per listing): list each parameter once (e.g. "
+                    "list(dict.fromkeys(params)))"
+                )
+            seen.add(id(p))
+            if p.is_complex():
+                raise TypeError(
+                    f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
+                    "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
+                )
+            if p.dtype == torch.float64:
+                raise TypeError(
+                    f"FP8AdamW got a float64 parameter of shape {tuple(p.shape)}: it steps in fp32 arithmetic, "
+                    "which would drop the updates float64 keeps; convert the model to float32 first "
+                    "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
+                )
+            # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
+            where = f"parameter {i} of parameter group {g}"
+            master.check_not_reparametrized(p, where)
+            master.check_shareable(p, where, self._settings(), self._storage_master_dtype(p))
+        self._check_grad_hooks_allowed(params)
+
+    def _admit_unseen(self) -> None:
+        """Take in the parameters put into ``param_groups`` without :meth:`add_param_group` (``optimizer.param_groups =
+        groups``, as Lightning's ``BaseFinetuning`` does when a fit resumes), checked and adopted as it would: else
+        their FP8 weights would step with fp32 states (16 bytes per parameter, not 6) and a checkpoint's O2 states
+        would load into those. Runs before a load and a step (a few hundred set lookups). Where the weight's gradient
+        accumulator is held (a step's ``loss`` still referenced, DDP) its master is kept apart from its storage."""
+        unseen = [p for group in self.param_groups for p in group["params"] if p not in self._admitted]
+        if not unseen:
+            return
+        for g, group in enumerate(self.param_groups):
+            if any(p not in self._admitted for p in group["params"]):
+                step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                self._check_params(group["params"], g)
+        for p in unseen:
+            if p not in self._low_precision and self._wants_low_precision(p):
+                # An output of a forward still referenced (a step's loss) or DDP's reducer holds the gradient
+                # accumulator, which taking the storage would leave behind: the master is kept apart (as a frozen
+                # weight's is), with O2 states all the same.
+                self._adopt(p, take_storage=not master.accumulator_held(p))
+        self._register_o1_grad_hooks(unseen)
+        self._claim_grads(unseen)
+        self._admitted.update(unseen)
+        self._held = None
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -347,6 +378,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     @torch.compiler.disable  # host-side bookkeeping and fused kernels: eager inside a compiled caller
     @torch.no_grad()
     def _step_after_closure(self) -> None:
+        self._admit_unseen()
         if self._fp8_unscale is not None:  # FP8GradScaler.step(self) decided to step: unscale by its mu
             self._fp8_step(self._fp8_unscale)
         elif self.grad_scaler is not None:
@@ -433,6 +465,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
                 ``amsgrad=True``, a state with ``max_exp_avg_sq``), which FP8AdamW would continue without it.
         """
         state_dict = checkpoint.run_load_pre_hooks(self, state_dict)
+        self._admit_unseen()
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)
         self._mark_masters()  # the loaded masters, not what the parameters held, are where the next step starts

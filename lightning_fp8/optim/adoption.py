@@ -73,8 +73,9 @@ class _Adoption:
         for p in params:
             self._adopt(p)
 
-    def _adopt(self, p: torch.Tensor) -> None:
-        """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master."""
+    def _adopt(self, p: torch.Tensor, take_storage: bool = True) -> None:
+        """Give ``p`` O2 states; an FP8Linear weight also gives its storage to the master (unless not
+        ``take_storage``: its master is then kept apart, see :meth:`_init_state`)."""
         # No entry in self.state before the first step: torch.distributed.checkpoint creates the states of an
         # optimizer whose ``state`` is empty (a zero-gradient step); a non-empty one is taken as initialized, and
         # its state dict then lacks every other parameter (the load of a sharded checkpoint fails).
@@ -85,7 +86,7 @@ class _Adoption:
             self._moments_only.add(p)  # low_precision_moments="all": only the moments
             return
         grad = None
-        if self._takes_storage(p):
+        if take_storage and self._takes_storage(p):
             grad = p.grad  # of the old dtype: master.adopt drops it, kept below
             master.adopt(p, self.master_dtype)
         if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier

@@ -69,6 +69,7 @@ class _Pickling:
         self._extra_fp8_params = {id(p) for p in extra}
         self._grad_cast_states = {p: (packed, grad_cast_state_buffers(packed)) for p, packed in cast_states.items()}
         self._pending, self._stepped_fp8_grads, self._held = {}, [], None
+        self._admitted = {p for group in self.param_groups for p in group["params"]}
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
         self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
         _OPTIMIZERS.add(self)
