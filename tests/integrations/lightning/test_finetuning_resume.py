@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint  # noqa: E402
 
 import lightning_fp8  # noqa: E402, F401  (registers precision="fp8-lm")
-from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint  # noqa: E402
 
 UNFREEZE_AT = 1
 
