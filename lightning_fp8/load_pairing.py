@@ -89,3 +89,9 @@ def forget_loads(state: ScalingState) -> None:
     """mu changed and ``state`` was rescaled with it, or an FP8 state load filled only some of the buffers a change of
     mu rescales: no earlier load is still to be paired."""
     _PENDING_LOADS.pop(state, None)
+
+
+def load_pending(state: ScalingState) -> bool:
+    """Whether a checkpoint load (either kind) filled or rescaled ``state`` since its last cast."""
+    pending = _PENDING_LOADS.get(state)
+    return pending is not None and pending[1] == _cast_count(state)

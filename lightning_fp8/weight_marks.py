@@ -18,7 +18,7 @@ on the weight's device, as converting there would have.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -54,21 +54,29 @@ def put_back_marks(module: nn.Module, saved: tuple[torch.Tensor | None, dict[str
         weight._post_accumulate_grad_hooks = hooks
 
 
-def before_load(module: nn.Module, *args: Any) -> None:
-    """A load_state_dict pre-hook: save the weight's marks for :func:`after_load`."""
-    module.__dict__["_fp8_weight_marks"] = weight_marks(module)  # not an attribute nn.Module tracks; popped below
+def before_load(module: nn.Module, state_dict: Any = None, prefix: str = "", *args: Any) -> None:
+    """A load_state_dict pre-hook: save the weight's marks for :func:`after_load`, and whether the weight loads."""
+    # Not attributes nn.Module tracks; popped below.
+    module.__dict__["_fp8_weight_marks"] = weight_marks(module)
+    module.__dict__["_fp8_weight_loads"] = isinstance(state_dict, Mapping) and f"{prefix}weight" in state_dict
 
 
 def after_load(module: nn.Module, incompatible_keys: Any) -> None:
     """A load_state_dict post-hook: put the weight's marks back; scaling buffers left on meta by an ``assign=True``
-    load onto a real weight become fresh ones on its device."""
+    load onto a real weight become fresh ones on its device; a loaded weight makes the input and grad_output states
+    start fresh (:func:`lightning_fp8.state.start_fresh_for_new_weight`)."""
+    from lightning_fp8.state import start_fresh_for_new_weight  # (state imports the layers' modules)
+
     put_back_marks(module, module.__dict__.pop("_fp8_weight_marks", (None, {}, None)))
+    weight_loaded = module.__dict__.pop("_fp8_weight_loads", False)
     weight = module._parameters.get("weight")
     scaling = module._modules.get("fp8_scaling")
     if weight is None or scaling is None:
         return
     if not weight.is_meta and any(b.is_meta for b in scaling.buffers()):
         scaling.to_empty(device=weight.device)  # fresh states: ScalingState._apply resets them off the meta device
+    elif weight_loaded:
+        start_fresh_for_new_weight(module)
 
 
 class LayerMark:
