@@ -277,6 +277,10 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
     if recipe is None:
         return FP8LaunchConfig.from_env()
     if recipe == OFF:
+        launched = os.environ.get(ENV_RECIPE, "").strip()
+        if launched and launched != OFF:  # as for any other recipe from code: said, not silent
+            warn_once(f"Accelerator(fp8_lm_recipe={OFF!r}) turns off the FP8-LM training the launch's {ENV_RECIPE}="
+                      f"{launched!r} asked for")  # fmt: skip
         return None
     if not isinstance(recipe, (str, FP8Recipe)):
         raise TypeError(

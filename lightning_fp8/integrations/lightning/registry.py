@@ -147,7 +147,9 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
         close = difflib.get_close_matches(precision.lower().replace("_", "-"), precision_names(), n=1, cutoff=0)
         raise ValueError(
             f"Trainer(precision={precision!r}) is not a known precision: did you mean {close[0]!r}? The FP8 "
-            f"precisions are {list(precision_names())}"
+            f"precisions are {list(precision_names())}; a recipe of other settings (fp8_format, scaling, margin, "
+            "amax_history_len, amax_compute_algo, opt_level) goes in "
+            "plugins=[FP8LMPrecision(recipe=FP8Recipe(...))]"
         )
     requested = precision
     if isinstance(precision, str) and precision in precision_names():
@@ -171,9 +173,16 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
     return precision, (plugin_list or plugins)
 
 
+# Words of FP8 recipes (FP8Recipe's values and their usual misspellings) that none of Lightning's precision strings
+# holds: a precision string with one of them meant an FP8 one.
+_FP8_WORDS = ("fp8", "e4m3", "e5m2", "hybrid", "hybird", "delayed", "msamp", "ms-amp")
+
+
 def _near_fp8_name(precision: str) -> bool:
     # None of Lightning's precision strings starts with "fp8" (its FP8 one is "transformer-engine").
-    return precision.strip().lower().startswith("fp8")
+    name = precision.strip().lower()
+    close = difflib.get_close_matches(name.replace("_", "-"), precision_names(), n=1, cutoff=0.75)
+    return name.startswith("fp8") or any(word in name for word in _FP8_WORDS) or bool(close)
 
 
 def _plugins_module(namespace: str) -> str:

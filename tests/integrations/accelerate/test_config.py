@@ -105,6 +105,15 @@ def test_a_recipe_from_code_keeps_the_shell_exclude_even_without_a_launch_recipe
         assert resolve_launch_config("fp8-lm-o1").exclude_modules == ("lm_head", "*.proj")
 
 
+def test_none_from_code_turning_off_a_launch_recipe_says_so(monkeypatch):
+    # Every other recipe from code that differs from the launch's warns; "none" turned FP8 off without a word.
+    from lightning_fp8.integrations.accelerate.config import resolve_launch_config
+
+    monkeypatch.setenv(ENV_RECIPE, "fp8-lm-e4m3")
+    with pytest.warns(UserWarning, match=r"fp8_lm_recipe='none'\) turns off .* LIGHTNING_FP8_RECIPE='fp8-lm-e4m3'"):
+        assert resolve_launch_config("none") is None
+
+
 @pytest.mark.parametrize("code", ["none", "fp8-lm-o1"])
 def test_a_recipe_from_code_overrides_a_launch_recipe_that_does_not_parse(monkeypatch, code):
     # The environment was parsed first: a bad LIGHTNING_FP8_RECIPE in the shell failed Accelerator(fp8_lm_recipe=...).

@@ -91,6 +91,19 @@ def test_close_misses_of_fp8_precision_names_suggest_the_name(precision):
         L.Trainer(precision=precision, accelerator="cpu", logger=False)
 
 
+@pytest.mark.parametrize("precision", ["hybird", "e4m3", "fp-lm", "delayed"])
+def test_recipe_words_as_a_precision_name_the_fp8_precisions_and_the_recipe_plugin(precision):
+    # Lightning's own error listed only its precisions: one meant as an FP8 recipe was not told of ours.
+    with pytest.raises(ValueError, match=r"The FP8 precisions are \['fp8-lm'.*FP8LMPrecision\(recipe=FP8Recipe"):
+        L.Trainer(precision=precision, accelerator="cpu", logger=False)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixd", "16-mixd"])
+def test_typos_of_lightnings_own_precisions_get_lightnings_error(precision):
+    with pytest.raises(ValueError, match="Allowed precision values"):
+        L.Trainer(precision=precision, accelerator="cpu", logger=False)
+
+
 def test_fsdp_fp8_strategy_rejects_sharded_checkpoints_when_built():
     with pytest.raises(ValueError, match=r"full \(single-file\) checkpoints; got state_dict_type='sharded'"):
         FP8FSDPStrategy(state_dict_type="sharded")
