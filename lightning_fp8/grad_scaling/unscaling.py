@@ -20,21 +20,88 @@ from lightning_fp8.grad_scaling.reports import _Counts
 class _Unscaling:
     """Clipping and unscaling of gradients that carry mu (see the module docstring)."""
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` (L2) of gradients that carry this scaler's mu
-        (:attr:`loss_scale`), applied as if they did not: the plain-PyTorch spelling of unscale-then-clip, between
+    def clip_grad_norm_(
+        self,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)`` of gradients that carry this scaler's
+        mu (:attr:`loss_scale`), applied as if they did not: the plain-PyTorch spelling of unscale-then-clip, between
         the backward and the step. Each ``param.grad`` is multiplied by ``min(1, max_norm / (true norm + 1e-6))``;
         returns the true total norm (of the unscaled gradients), a 0-dim fp32 tensor. The norm is summed in fp32:
         ``torch.nn.utils.clip_grad_norm_(params, mu * max_norm)`` on O2's fp16 gradients computes each tensor's norm
         in fp16, which is inf once mu times it passes 65504, and then multiplies every gradient by 0. The gradients
         an ``FP8AdamW(fp8_grads=True)`` holds in FP8 for these parameters (``param.grad`` None) count and are clipped
         too, through their scales (their FP8 values stay as they are). Gradients that :meth:`unscale_` unscaled
-        already are clipped as they are (:meth:`grad_factor`)."""
-        from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_  # torch only (no Lightning import)
+        already are clipped as they are (:meth:`grad_factor`). A parameter listed twice counts once.
 
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        A non-finite norm (an overflow) leaves the gradients non-finite for :meth:`step` to skip, unless
+        ``error_if_nonfinite`` (raise RuntimeError, as torch). ``foreach`` is accepted for torch's signature: the
+        gradients are multiplied with ``torch._foreach_mul_`` per device either way. DTensor gradients (FSDP2, tensor
+        parallelism) take the L2 norm only.
+
+        Raises:
+            TypeError, ValueError: for a ``max_norm`` that is not a number >= 0 (negative flips the gradients' signs,
+                NaN makes them NaN), a ``norm_type`` that is not a number > 0.
+        """
+        from lightning_fp8.integrations.clipping import (  # torch only (no Lightning import)
+            check_clip_limit,
+            clip_grad_norm_fp32,
+            clip_scaled_grad_norm_,
+            unique,
+        )
+
+        check_clip_limit("FP8GradScaler.clip_grad_norm_", "max_norm", max_norm)
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not float(norm_type) > 0:
+            raise ValueError(f"FP8GradScaler.clip_grad_norm_(norm_type={norm_type!r}): expected a number > 0, or inf")
+        params = unique(parameters)
         mu = self.grad_factor(params)
-        return clip_scaled_grad_norm_(params, max_norm, mu).float() / mu
+
+        def check(total: torch.Tensor) -> None:  # before anything is clipped, as torch
+            if error_if_nonfinite and not bool(torch.isfinite(total)):
+                raise RuntimeError(
+                    f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                    "cannot be clipped. To skip the step instead (as mu's overflow handling does), pass "
+                    "error_if_nonfinite=False; nothing was clipped"
+                )
+
+        if float(norm_type) == 2.0:
+            return clip_scaled_grad_norm_(params, max_norm, mu, check).float() / mu
+        if any(type(p).__name__ == "DTensor" for p in params):
+            raise ValueError(
+                f"FP8GradScaler.clip_grad_norm_(norm_type={norm_type}): the gradients of sharded (DTensor) parameters "
+                "are clipped by their L2 norm only (norm_type=2); nothing was clipped"
+            )
+        return clip_grad_norm_fp32(params, max_norm, float(norm_type), mu, check)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_(parameters, clip_value)`` of gradients that carry this scaler's mu, as if
+        they did not: each element is clamped to ``clip_value`` in true units, and an infinite one stays infinite so
+        that :meth:`step` still skips the overflow (torch's clamp would turn it into a finite value and the step
+        would be taken). Gradients that :meth:`unscale_` unscaled already are clamped as they are.
+
+        Raises:
+            TypeError, ValueError: for a ``clip_value`` that is not a number >= 0; ValueError for gradients an
+                ``FP8AdamW(fp8_grads=True)`` holds in FP8 (not in ``param.grad``: a clamp cannot reach them): build
+                it with ``fp8_grads=False`` to clip by value, or clip by norm (:meth:`clip_grad_norm_`).
+        """
+        from lightning_fp8.integrations.clipping import check_clip_limit, clip_grad_value_keeping_overflow_, unique
+        from lightning_fp8.optim.fp8_grads import held_fp8_grads
+
+        check_clip_limit("FP8GradScaler.clip_grad_value_", "clip_value", clip_value)
+        params = unique(parameters)
+        held = held_fp8_grads([p for p in params if p.grad is None])
+        if held:
+            raise ValueError(
+                f"FP8GradScaler.clip_grad_value_: {len(held)} of these gradients are held in FP8 by an "
+                "FP8AdamW(fp8_grads=True) (not in param.grad), which a clamp of values cannot reach: build the "
+                "optimizer with fp8_grads=False to clip by value, or clip by norm (clip_grad_norm_, which clips them "
+                "too); nothing was clipped"
+            )
+        clip_grad_value_keeping_overflow_(params, float(clip_value) * self.grad_factor(params))
 
     def grad_factor(self, parameters: Any) -> float:
         """The factor the gradients of ``parameters`` (a tensor or an iterable of them) carry now: :attr:`loss_scale`

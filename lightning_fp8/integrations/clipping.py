@@ -5,6 +5,8 @@ for code that reads them without rounding away what mu keeps representable (:cla
 from __future__ import annotations
 
 import contextlib
+import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +14,26 @@ from torch import Tensor
 
 from lightning_fp8.health import global_norm
 from lightning_fp8.optim import fp8_grads
+
+
+def check_clip_limit(caller: str, name: str, value: Any) -> None:
+    """Raise for a clipping limit that is not a number from 0 to inf: a negative ``max_norm`` flipped every
+    gradient's sign (the step then climbed the loss) and a NaN one made every gradient NaN (the step skipped, mu
+    halved), silently, as in torch. 0 (clip to nothing) and inf (measure only) are limits."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (number or isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex()):
+        raise TypeError(f"{caller}({name}={value!r}): expected a number >= 0")
+    if not float(value) >= 0:  # NaN too
+        raise ValueError(
+            f"{caller}({name}={float(value)}): must be >= 0 (0 clips every gradient to zero, inf only measures); a "
+            "negative limit would flip the gradients' signs and NaN would make them NaN; nothing was clipped"
+        )
+
+
+def unique(parameters: Any) -> list[Tensor]:
+    """``parameters`` (a tensor or an iterable of them) as a list, each tensor once: listed twice, a gradient would
+    count twice in the norm and be multiplied twice (``torch.nn.utils.clip_grad_norm_`` does both)."""
+    return list(dict.fromkeys([parameters] if isinstance(parameters, Tensor) else parameters))
 
 
 def clip_grad_value_keeping_overflow_(parameters: Any, limit: float) -> None:
@@ -26,23 +48,55 @@ def clip_grad_value_keeping_overflow_(parameters: Any, limit: float) -> None:
             grad.copy_(torch.where(grad.isinf(), grad, grad.clamp(-cap, cap)))
 
 
-def clip_scaled_grad_norm_(parameters: Any, max_norm: float, mu: float = 1.0) -> Tensor:
+def clip_scaled_grad_norm_(
+    parameters: Any, max_norm: float, mu: float = 1.0, check: Callable[[Tensor], None] | None = None
+) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` (L2) of gradients that carry a factor ``mu``, as if they did not: each is
     multiplied by ``min(1, max_norm / (norm / mu + 1e-6))``, the norm summed in fp32 (their norm can be past fp16's
     range, which torch's fp16 norm would turn into inf and the factor into 0). Returns the norm of the gradients as
     they are. DTensor gradients (FSDP2) are reduced over their mesh. The gradients an FP8AdamW holds in FP8 for
     these parameters (``fp8_grads``: ``param.grad`` is None) count and are clipped too, through their scales
-    (:func:`~lightning_fp8.optim.fp8_grads.scale_fp8_grads_`: the FP8 values stay as they are)."""
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    (:func:`~lightning_fp8.optim.fp8_grads.scale_fp8_grads_`: the FP8 values stay as they are). ``check`` is called
+    with the norm before anything is clipped (it may raise)."""
+    params = unique(parameters)
     held = fp8_grads.held_fp8_grads(params)  # first: it folds a param.grad beside a held one into it
     grads = [p.grad for p in params if p.grad is not None]
     if not grads and not held:
         return torch.zeros(())
     total = with_held_norms(global_norm(grads) if grads else None, fp8_grads.fp8_grad_norms(held))
+    if check is not None:
+        check(total)
     factor = clip_factor(total, max_norm, mu)
     if grads:
         mul_grads_by_(grads, factor)
     fp8_grads.scale_fp8_grads_(held, factor)
+    return total
+
+
+def clip_grad_norm_fp32(
+    parameters: Any, max_norm: float, norm_type: float, grad_scale: float, check: Callable[[Tensor], None] | None = None
+) -> Tensor:
+    """Clip gradients that carry a factor ``grad_scale`` as if they did not; return the unscaled ``norm_type`` norm.
+
+    Replicated gradients (one process, DDP). Norms are computed in fp32 whatever the gradients' dtype; a
+    non-finite norm leaves non-finite gradients behind, which the gradient scaler then skips. The gradients an
+    FP8AdamW holds in FP8 for these parameters (``fp8_grads``) count and are clipped too, through their scales.
+    ``check`` is called with the unscaled norm before anything is clipped (it may raise).
+    """
+    parameters = unique(parameters)
+    held = fp8_grads.held_fp8_grads(parameters)  # first: it folds a param.grad beside a held one into it
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads and not held:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    others = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else None
+    total = with_held_norms(others, fp8_grads.fp8_grad_norms(held, norm_type), norm_type) / grad_scale
+    if check is not None:
+        check(total)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    fp8_grads.scale_fp8_grads_(held, coef)
     return total
 
 

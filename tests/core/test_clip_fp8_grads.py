@@ -101,8 +101,8 @@ def test_clipping_after_more_backwards_and_skips_keeps_the_held_gradients_right(
 
 
 def test_value_clipping_still_refuses_gradients_held_in_fp8():
-    """A value clip cannot go through a scale: it is refused, with what to do, by the integrations (the scaler has no
-    value clipping of its own)."""
+    """A value clip cannot go through a scale: it is refused, with what to do, by the integrations (and by the
+    scaler's clip_grad_value_: tests/core/test_scaler_clipping_args.py)."""
     from lightning_fp8.integrations.lightning import FP8LMPrecision
 
     model = _model()

@@ -19,7 +19,12 @@ from typing_extensions import override
 
 from lightning_fp8.health import global_norm, memory_gib, scaler_fallbacks, skipped_step_action
 from lightning_fp8.integrations.accelerate import parallel, refusals
-from lightning_fp8.integrations.clipping import clip_grad_value_keeping_overflow_
+from lightning_fp8.integrations.clipping import (
+    check_clip_limit,
+    clip_grad_norm_fp32,
+    clip_grad_value_keeping_overflow_,
+    unique,
+)
 
 logger = logging.getLogger("lightning_fp8.accelerate")
 
@@ -90,7 +95,8 @@ class GradientsMixin:
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        check_clip_limit("accelerator.clip_grad_norm_", "max_norm", max_norm)
+        parameters = unique(parameters)
         mu = self._fp8_grad_factor(parameters)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
             self._fp8_clipping = True  # its unscale_gradients call leaves mu as it is
@@ -101,7 +107,7 @@ class GradientsMixin:
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
             total = total / mu
         else:
-            total = parallel.clip_grad_norm_fp32(parameters, max_norm, norm_type, grad_scale=mu)
+            total = clip_grad_norm_fp32(parameters, max_norm, norm_type, grad_scale=mu)
         self._fp8_grad_norm = total.detach()
         return total
 
@@ -109,9 +115,10 @@ class GradientsMixin:
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.fp8_grad_scaler is None or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             return super().clip_grad_value_(parameters, clip_value)  # Accelerate refuses it under FSDP and DeepSpeed
+        check_clip_limit("accelerator.clip_grad_value_", "clip_value", clip_value)
         refusals.check_clippable(self._fp8_prepared_optimizer(), "accelerator.clip_grad_value_")
         self._fp8_note_grad_norm()
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        parameters = unique(parameters)
         clip_grad_value_keeping_overflow_(parameters, clip_value * self._fp8_grad_factor(parameters))
 
     def _fp8_note_grad_norm(self) -> None:

@@ -69,33 +69,12 @@ def broadcast_parameters(model: nn.Module, src: int = 0, *, buffers: bool = Fals
 
 def grad_norm_fp32(parameters: list[torch.Tensor], grad_scale: float) -> torch.Tensor | None:
     """The L2 norm of ``parameters``' gradients as if they did not carry ``grad_scale``, in fp32, without clipping:
-    what :func:`clip_grad_norm_fp32` (or Accelerate's clipping of DTensor gradients, which reduce over their mesh)
-    returns. The FP8 gradients an FP8AdamW holds count through their scales. ``None`` without any gradient."""
+    what :func:`~lightning_fp8.integrations.clipping.clip_grad_norm_fp32` (or Accelerate's clipping of DTensor
+    gradients, which reduce over their mesh) returns. The FP8 gradients an FP8AdamW holds count through their scales.
+    ``None`` without any gradient."""
     held = fp8_grads.held_fp8_grads(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads and not held:
         return None
     others = global_norm(grads, device=grads[0].device) if grads else None
     return with_held_norms(others, fp8_grads.fp8_grad_norms(held, 2.0)) / grad_scale
-
-
-def clip_grad_norm_fp32(parameters: Any, max_norm: float, norm_type: float, grad_scale: float) -> torch.Tensor:
-    """Clip gradients that carry a factor ``grad_scale`` as if they did not; return the unscaled norm.
-
-    Replicated gradients (one process, DDP). Norms are computed in fp32 whatever the gradients' dtype; a
-    non-finite norm leaves non-finite gradients behind, which the gradient scaler then skips. The gradients an
-    FP8AdamW holds in FP8 for these parameters (``fp8_grads``) count and are clipped too, through their scales.
-    """
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    held = fp8_grads.held_fp8_grads(parameters)  # first: it folds a param.grad beside a held one into it
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads and not held:
-        return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-    others = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else None
-    total = with_held_norms(others, fp8_grads.fp8_grad_norms(held, norm_type), norm_type) / grad_scale
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
-    fp8_grads.scale_fp8_grads_(held, coef)
-    return total

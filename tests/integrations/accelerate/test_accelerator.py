@@ -536,6 +536,18 @@ def test_clip_grad_value_leaves_an_overflow_for_the_scaler():
     assert all(torch.equal(model.state_dict()[n], v) for n, v in before.items() if "weight" in n or "bias" in n)
 
 
+@pytest.mark.parametrize("limit", [-1.0, float("nan")])
+@pytest.mark.parametrize("method", ["clip_grad_norm_", "clip_grad_value_"])
+def test_a_negative_or_nan_clipping_limit_is_refused_and_nothing_clipped(method, limit):
+    # A negative max_norm flipped every gradient's sign (the step climbed the loss), NaN made them NaN: silently.
+    accelerator, model, optimizer, _ = _setup()
+    accelerator.backward(_loss(model, _batch()))
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=rf"accelerator.{method}\(.*must be >= 0"):
+        getattr(accelerator, method)(model.parameters(), limit)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_free_memory_gives_the_model_its_weights_back():
     """After free_memory the FP8 weights hold the unscaled weights in the model's dtype (they held their fp16 masters
     times a scale, which a later optimizer or plain Accelerator trained as the weights)."""
