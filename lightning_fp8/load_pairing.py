@@ -91,7 +91,28 @@ def forget_loads(state: ScalingState) -> None:
     _PENDING_LOADS.pop(state, None)
 
 
-def load_pending(state: ScalingState) -> bool:
-    """Whether a checkpoint load (either kind) filled or rescaled ``state`` since its last cast."""
+# The states load_fp8_state_dict filled, with their cast count then: a load of their layer's weight before their next
+# cast (the same checkpoint's weights, loaded second) keeps what was loaded (lightning_fp8.state).
+_FILLED: weakref.WeakKeyDictionary[ScalingState, int] = weakref.WeakKeyDictionary()
+
+
+def fp8_state_filled(state: ScalingState) -> None:
+    """An FP8 state load filled some of ``state``'s buffers (any role)."""
+    casts = _cast_count(state)
+    if casts is not None:
+        _FILLED[state] = casts
+
+
+def loaded_since_last_cast(state: ScalingState) -> bool:
+    """Whether a checkpoint load (an FP8 state load; for a grad_output state also a scaler load) filled or rescaled
+    ``state`` since its last cast (and since it was last reset)."""
+    casts = _cast_count(state)
     pending = _PENDING_LOADS.get(state)
-    return pending is not None and pending[1] == _cast_count(state)
+    return casts is not None and (_FILLED.get(state) == casts or pending is not None and pending[1] == casts)
+
+
+def forget_state(state: ScalingState) -> None:
+    """``state`` was reset (its cast count back to 0): no load before is still to be paired or kept (the count
+    could climb back to a recorded one)."""
+    _PENDING_LOADS.pop(state, None)
+    _FILLED.pop(state, None)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_fp8 import compiled_casts, ops
+from lightning_fp8 import compiled_casts, load_pairing, ops
 from lightning_fp8.cast_checks import check_activation, check_castable, check_state_settings, check_unscale
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
@@ -435,6 +435,7 @@ class ScalingState(nn.Module):
             self.scale.fill_(1.0)
         self.initialized = False
         _SEEN_AMAX.pop(self, None)
+        load_pairing.forget_state(self)
 
     def reset_parameters(self) -> None:
         """:meth:`reset`, under the name that meta-device materialization calls on every module with buffers after

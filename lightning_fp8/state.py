@@ -7,7 +7,6 @@ these two functions put it into (and take it out of) a checkpoint beside the mod
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Collection, Mapping
 
 import torch
@@ -39,10 +38,6 @@ INITIALIZED = "initialized"
 MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
 
 
-# The scaling states load_fp8_state_dict filled, with their cast count then: a load of their layer's weight before
-# their next cast (the same checkpoint's weights, loaded second) keeps what was loaded (start_fresh_for_new_weight).
-_FILLED: weakref.WeakKeyDictionary[ScalingState, int] = weakref.WeakKeyDictionary()
-
 # The roles whose scales come from earlier casts (delayed scaling); a weight's cast always measures its own amax.
 _HISTORY_ROLES = ("input", "grad_output")
 
@@ -60,10 +55,8 @@ def start_fresh_for_new_weight(layer: nn.Module) -> None:
         casts = load_pairing._cast_count(state)
         if casts is None or (casts == 0 and not state.initialized):  # on meta, or nothing to forget
             continue
-        if _FILLED.get(state) == casts or load_pairing.load_pending(state):
-            continue
-        state.reset()
-        load_pairing.forget_loads(state)
+        if not load_pairing.loaded_since_last_cast(state):
+            state.reset()
 
 
 def _setting_values(state: ScalingState) -> dict[str, float]:
@@ -180,8 +173,7 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
     for state_name, flag in initialized.items():
         states[state_name].set_initialized(flag)
     for state_name in filled:
-        if (casts := load_pairing._cast_count(states[state_name])) is not None:
-            _FILLED[states[state_name]] = casts
+        load_pairing.fp8_state_filled(states[state_name])
     with torch.no_grad():  # after the inference above, which reads the saved values (as in the other order)
         for name, correction in corrections.items():
             if correction != 1.0:

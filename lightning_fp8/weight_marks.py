@@ -58,7 +58,11 @@ def before_load(module: nn.Module, state_dict: Any = None, prefix: str = "", *ar
     """A load_state_dict pre-hook: save the weight's marks for :func:`after_load`, and whether the weight loads."""
     # Not attributes nn.Module tracks; popped below.
     module.__dict__["_fp8_weight_marks"] = weight_marks(module)
-    module.__dict__["_fp8_weight_loads"] = isinstance(state_dict, Mapping) and f"{prefix}weight" in state_dict
+    value = state_dict.get(f"{prefix}weight") if isinstance(state_dict, Mapping) else None
+    weight = module._parameters.get("weight")
+    # A value torch will load (one of another shape fails the load, leaving the weight as it was).
+    loads = isinstance(value, torch.Tensor) and weight is not None and value.shape == weight.shape
+    module.__dict__["_fp8_weight_loads"] = loads
 
 
 def after_load(module: nn.Module, incompatible_keys: Any) -> None:

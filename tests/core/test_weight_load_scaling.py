@@ -97,3 +97,37 @@ def test_a_load_without_the_weight_keeps_the_state():
     model.load_state_dict({"0.bias": torch.zeros(64)}, strict=False)
     after = fp8_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_load_torch_refuses_for_a_shape_keeps_the_state():
+    model = convert_to_fp8(_model(0))
+    model(torch.randn(16, 32)).sum().backward()
+    before = fp8_state_dict(model)
+    bad = {**model.state_dict(), "2.weight": torch.zeros(3, 3)}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict(bad)
+    after = fp8_state_dict(model)
+    for key in (k for k in before if k.startswith("2.")):  # the layer whose weight did not load
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_a_state_reset_since_a_checkpoint_load_is_not_taken_for_the_loaded_one():
+    # A checkpoint's FP8 state loaded (cast counts 3), forwards, other weights (a reset), as many forwards as the
+    # loaded count: the checkpoint's weights loaded again then must start fresh, not keep the tiny inputs' history.
+    saved = convert_to_fp8(_model(1))
+    for _ in range(3):
+        saved(torch.randn(16, 32))
+    ckpt = copy.deepcopy({"model": saved.state_dict(), "fp8": fp8_state_dict(saved)})
+    model = convert_to_fp8(_model(0))
+    model.load_state_dict(ckpt["model"])
+    load_fp8_state_dict(model, ckpt["fp8"])
+    for _ in range(2):
+        model(torch.randn(16, 32))
+    model.load_state_dict(_model(2).state_dict())
+    for _ in range(3):
+        model(torch.randn(16, 32) * 1e-3)
+    model.load_state_dict(ckpt["model"])
+    state = model[0].fp8_scaling["input"]
+    assert int(state.casts) == 0 and not state.initialized
+    x = torch.randn(16, 32)
+    assert sqnr(model(x).double(), _float64(_model(1), x)) > 20
