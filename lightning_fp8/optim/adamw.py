@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2
-from lightning_fp8.optim import apart, checkpoint, grad_cast, master, shards
+from lightning_fp8.optim import apart, checkpoint, grad_cast, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.adoption import _Adoption
 from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, _FP8Grad, _FP8Grads
@@ -224,7 +224,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self._hooks: dict[torch.Tensor, Any] = {}
         self._grad_owner_id = next(_GRAD_OWNER_IDS)  # see GRAD_OWNER_ATTR
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
-        self._master_marks: dict[torch.Tensor, tuple[int, int] | None] = {}  # masters kept apart: optim/apart.py
+        self._master_marks: dict[torch.Tensor, apart.Mark | None] = {}  # masters kept apart: optim/apart.py
         self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
         self._fp8_unscale: float | None = None  # set while FP8GradScaler.step(self) runs the update through step()
         self._fp8_in_step = False  # step() is routing through self.grad_scaler (which then updates directly)
@@ -285,58 +285,6 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self._register_o1_grad_hooks(group["params"])
         self._claim_grads(group["params"])
         self._admitted.update(group["params"])
-
-    def _check_params(self, params: list[torch.Tensor], g: int) -> None:
-        """Raise TypeError or ValueError for a parameter of group ``g`` this optimizer cannot step (see the checks)."""
-        seen: set[int] = set()
-        for i, p in enumerate(params):
-            if id(p) in seen:
-                raise ValueError(
-                    f"FP8AdamW: parameter {i} of parameter group {g} appears in the group more than once (torch.optim "
-                    "deprecates this and steps it once per listing): list each parameter once (e.g. "
-                    "list(dict.fromkeys(params)))"
-                )
-            seen.add(id(p))
-            if p.is_complex():
-                raise TypeError(
-                    f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
-                    "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
-                )
-            if p.dtype == torch.float64:
-                raise TypeError(
-                    f"FP8AdamW got a float64 parameter of shape {tuple(p.shape)}: it steps in fp32 arithmetic, "
-                    "which would drop the updates float64 keeps; convert the model to float32 first "
-                    "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
-                )
-            # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
-            where = f"parameter {i} of parameter group {g}"
-            master.check_not_reparametrized(p, where)
-            master.check_shareable(p, where, self._settings(), self._storage_master_dtype(p))
-        self._check_grad_hooks_allowed(params)
-
-    def _admit_unseen(self) -> None:
-        """Take in the parameters put into ``param_groups`` without :meth:`add_param_group` (``optimizer.param_groups =
-        groups``, as Lightning's ``BaseFinetuning`` does when a fit resumes), checked and adopted as it would: else
-        their FP8 weights would step with fp32 states (16 bytes per parameter, not 6) and a checkpoint's O2 states
-        would load into those. Runs before a load and a step (a few hundred set lookups). Where the weight's gradient
-        accumulator is held (a step's ``loss`` still referenced, DDP) its master is kept apart from its storage."""
-        unseen = [p for group in self.param_groups for p in group["params"] if p not in self._admitted]
-        if not unseen:
-            return
-        for g, group in enumerate(self.param_groups):
-            if any(p not in self._admitted for p in group["params"]):
-                step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-                self._check_params(group["params"], g)
-        for p in unseen:
-            if p not in self._low_precision and self._wants_low_precision(p):
-                # An output of a forward still referenced (a step's loss) or DDP's reducer holds the gradient
-                # accumulator, which taking the storage would leave behind: the master is kept apart (as a frozen
-                # weight's is), with O2 states all the same.
-                self._adopt(p, take_storage=not master.accumulator_held(p))
-        self._register_o1_grad_hooks(unseen)
-        self._claim_grads(unseen)
-        self._admitted.update(unseen)
-        self._held = None
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -407,6 +355,11 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
                     self._init_state(p, state)
                 elif "master" in state:  # kept apart: what was written to p since the last step comes first
                     apart.take_writes(p, state, self._master_marks.get(p))
+                    self._master_back_in_param(p, state)
+                elif p.dtype != torch.float32 and self._is_own_master(p):
+                    # Cast to bf16 / fp16 since its last step (model.half()): an fp32 master from now on, as a
+                    # parameter of that dtype gets at its first step (else every update rounds into 16 bits).
+                    state["master"] = p.detach().float()
                 live.append([p, state, grad, grad_scale_inv, grad_amax])
             # The amaxes of high-precision gradients with low-precision states: a few launches for all of them.
             measured = [e for e in live if e[4] is None and e[0] in self._low_precision]
@@ -465,7 +418,9 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
                 ``amsgrad=True``, a state with ``max_exp_avg_sq``), which FP8AdamW would continue without it.
         """
         state_dict = checkpoint.run_load_pre_hooks(self, state_dict)
-        self._admit_unseen()
+        if self._unseen():  # checked before they are taken in (their weights' storage changes), and again after
+            checkpoint.check(self, state_dict)
+            self._admit_unseen()
         self._grad_casts.flush(self)
         checkpoint.load(self, state_dict)
         self._mark_masters()  # the loaded masters, not what the parameters held, are where the next step starts

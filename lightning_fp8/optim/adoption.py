@@ -5,7 +5,8 @@ At O2 an FP8 linear weight is *adopted*: its storage becomes the fp16 master, sc
 other parameter gets the low-precision moments only. :meth:`_Adoption.release` and
 :meth:`_Adoption.release_weights` undo it (the recovery "back to high precision", and handing the model to other code);
 :meth:`_Adoption._init_state` creates each parameter's states at its first step, and
-:meth:`_Adoption._check_storages` refuses a step whose weights' storages no longer hold this optimizer's masters.
+:meth:`_Adoption._check_storages` refuses a step whose weights' storages no longer hold this optimizer's masters;
+:meth:`_Adoption._admit_unseen` takes in parameters put into ``param_groups`` without ``add_param_group``.
 :class:`_Adoption` is a base of FP8AdamW and reads its settings.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_fp8.optim import apart, checkpoint, master, shards
+from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.grad_cast import FP8Grad as _FP8Grad
 
 _FP32 = torch.float32
@@ -43,6 +45,83 @@ class _Adoption:
                 "(FP8AdamW(..., recipe=recipe)) to match them, or recipe='fp8-lm' to keep the default and silence this",
                 stacklevel=3,
             )
+
+    def _check_params(self, params: list[torch.Tensor], g: int) -> None:
+        """Raise TypeError or ValueError for a parameter of group ``g`` this optimizer cannot step (see the checks)."""
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if id(p) in seen:
+                raise ValueError(
+                    f"FP8AdamW: parameter {i} of parameter group {g} appears in the group more than once (torch.optim "
+                    "deprecates this and steps it once per listing): list each parameter once (e.g. "
+                    "list(dict.fromkeys(params)))"
+                )
+            seen.add(id(p))
+            if p.is_complex():
+                raise TypeError(
+                    f"FP8AdamW got a complex parameter of shape {tuple(p.shape)}: FP8 training has no complex "
+                    "formats; optimize it with torch.optim.AdamW (e.g. a second optimizer)"
+                )
+            if p.dtype == torch.float64:
+                raise TypeError(
+                    f"FP8AdamW got a float64 parameter of shape {tuple(p.shape)}: it steps in fp32 arithmetic, "
+                    "which would drop the updates float64 keeps; convert the model to float32 first "
+                    "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
+                )
+            # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
+            where = f"parameter {i} of parameter group {g}"
+            master.check_not_reparametrized(p, where)
+            master.check_shareable(p, where, self._settings(), self._storage_master_dtype(p))
+        self._check_grad_hooks_allowed(params)
+
+    def _unseen(self) -> list[torch.Tensor]:
+        """The parameters of ``param_groups`` that :meth:`add_param_group` did not take in; their groups get the
+        defaults of the keys they lack, as ``add_param_group`` gives them."""
+        unseen = []
+        for group in self.param_groups:
+            new = [p for p in group["params"] if p not in self._admitted]
+            if new:
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                unseen += new
+        return unseen
+
+    def _admit_unseen(self) -> None:
+        """Take in the parameters put into ``param_groups`` without :meth:`add_param_group` (``optimizer.param_groups =
+        groups``, as Lightning's ``BaseFinetuning`` does when a fit resumes), checked and adopted as it would: else
+        their FP8 weights would step with fp32 states (16 bytes per parameter, not 6) and a checkpoint's O2 states
+        would load into those. Runs before a load and a step (a few hundred set lookups). Where the weight's gradient
+        accumulator is held (a step's ``loss`` still referenced, DDP) its master is kept apart from its storage."""
+        unseen = self._unseen()
+        if not unseen:
+            return
+        for g, group in enumerate(self.param_groups):
+            if any(p not in self._admitted for p in group["params"]):
+                step_.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                self._check_params(group["params"], g)
+        for p in unseen:
+            if p not in self._low_precision and self._wants_low_precision(p):
+                # An output of a forward still referenced (a step's loss) or DDP's reducer holds the gradient
+                # accumulator, which taking the storage would leave behind: the master is kept apart (as a frozen
+                # weight's is), with O2 states all the same.
+                self._adopt(p, take_storage=not master.accumulator_held(p))
+        self._register_o1_grad_hooks(unseen)
+        self._claim_grads(unseen)
+        self._admitted.update(unseen)
+        self._held = None
+
+    def _is_own_master(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is its own master while it is fp32 (a parameter with fp32 states, or with low-precision
+        moments only), not an FP8 weight whose fp16 master is in its storage or kept apart."""
+        return p not in self._low_precision or p in self._moments_only
+
+    def _master_back_in_param(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """An fp32 master kept apart for a parameter that is fp32 again (``model.float()`` after ``model.bfloat16()``):
+        the parameter takes the master's value and is its own master again, as a parameter fp32 from the start."""
+        if p.dtype == torch.float32 and "master_scale" not in state and self._is_own_master(p):
+            with torch.no_grad():
+                p.copy_(state.pop("master"))
+            self._master_marks.pop(p, None)
 
     def _wants_low_precision(self, p: torch.Tensor) -> bool:
         if master.is_fp8_weight(p) or id(p) in self._extra_fp8_params:

@@ -29,21 +29,29 @@ import torch
 
 from lightning_fp8.optim import checkpoint, shards
 
-
-def mark(p: torch.Tensor) -> tuple[int, int] | None:
-    """What changes when anything writes ``p`` in place (its version counter) or swaps its storage (``p.data = t``);
-    ``None`` for a DTensor (not tracked: a wrapper without storage of its own)."""
-    return None if shards.is_dtensor(p) else (p._version, p.data_ptr())
+Mark = tuple[int, int, torch.dtype]
 
 
-def take_writes(p: torch.Tensor, state: dict[str, Any], marked: tuple[int, int] | None) -> None:
+def mark(p: torch.Tensor) -> Mark | None:
+    """What changes when anything writes ``p`` in place (its version counter) or swaps its storage (``p.data = t``,
+    also a cast of the module: ``model.float()``), and the dtype the step wrote it in; ``None`` for a DTensor (not
+    tracked: a wrapper without storage of its own)."""
+    return None if shards.is_dtensor(p) else (p._version, p.data_ptr(), p.dtype)
+
+
+def take_writes(p: torch.Tensor, state: dict[str, Any], marked: Mark | None) -> None:
     """Put the values written to ``p`` since the step that ``marked`` it into its master kept apart, ``state["master"]``
-    (plain, or scaled with ``master_scale``). Reads the values only when ``p`` was written (a host sync then)."""
+    (plain, or scaled with ``master_scale``). Reads the values only when ``p`` was written (a host sync then).
+
+    A cast of ``p`` since (``model.float()`` after bf16 training, ``model.half()``) writes the same values in another
+    dtype: an element equal to the master rounded to either dtype is unchanged (a cast to fp32 compared in fp32 took
+    every bf16-rounded value for a write, and the master lost its precision)."""
     if marked is None or marked == mark(p):
         return
     kept = checkpoint.dequantize(state, "master")
     value = p.detach().to(kept.device)
-    changed = value != kept.to(value.dtype)
+    before = marked[2]
+    changed = (value != kept.to(value.dtype)) & (value.to(before) != kept.to(before))
     if not bool(changed.any()):
         return
     merged = torch.where(changed, value.float(), kept)

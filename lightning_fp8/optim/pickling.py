@@ -47,6 +47,8 @@ class _Pickling:
             "_grad_cast_states": {p: packed for p, (packed, _) in self._grad_cast_states.items()},
             "_grad_cast_bucket_bytes": self._grad_casts.bucket_bytes,
             "_hooked": list(self._hooks),
+            # Put into param_groups without add_param_group and not taken in yet (adoption._admit_unseen).
+            "_unadmitted": [p for group in self.param_groups for p in group["params"] if p not in self._admitted],
             "_masters": {p: tuple(getattr(p, attr) for attr in _MASTER_ATTRS) for p in adopted},
         }
 
@@ -58,7 +60,7 @@ class _Pickling:
                     group["decoupled_weight_decay"] = True
             return
         state = dict(state)
-        masters, hooked = state.pop("_masters"), state.pop("_hooked")
+        masters, hooked, unadmitted = state.pop("_masters"), state.pop("_hooked"), state.pop("_unadmitted", [])
         cast_states, extra = state.pop("_grad_cast_states"), state.pop("_extra_fp8_params")
         self._grad_casts = grad_cast.GradCastQueue(state.pop("_grad_cast_bucket_bytes"))
         super().__setstate__(state)
@@ -69,7 +71,8 @@ class _Pickling:
         self._extra_fp8_params = {id(p) for p in extra}
         self._grad_cast_states = {p: (packed, grad_cast_state_buffers(packed)) for p, packed in cast_states.items()}
         self._pending, self._stepped_fp8_grads, self._held = {}, [], None
-        self._admitted = {p for group in self.param_groups for p in group["params"]}
+        unadmitted_ids = {id(p) for p in unadmitted}
+        self._admitted = {p for group in self.param_groups for p in group["params"] if id(p) not in unadmitted_ids}
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
         self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
         _OPTIMIZERS.add(self)

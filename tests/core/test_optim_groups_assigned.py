@@ -123,3 +123,36 @@ def test_a_parameter_an_assigned_group_cannot_hold_is_refused_at_the_step():
     opt.param_groups = [*opt.param_groups, {**opt.param_groups[0], "params": [extra]}]
     with pytest.raises(TypeError, match="float64 parameter"):
         _step(model, opt, 0)
+
+
+def test_a_copy_made_before_the_assigned_groups_are_taken_in_takes_them_in():
+    model = _model()
+    groups, body = _groups(model)
+    opt = FP8AdamW(groups, lr=1e-2)
+    opt.param_groups = [*opt.param_groups, {**opt.param_groups[0], "params": body, "lr": 5e-3}]
+    model_copy, opt_copy = copy.deepcopy((model, opt))
+    _step(model_copy, opt_copy, 0)
+    weight = model_copy[0].weight
+    assert weight.dtype == torch.float16 and opt_copy.state[weight]["exp_avg"].dtype == torch.float8_e4m3fn
+
+
+def test_a_refused_load_into_assigned_groups_changes_no_weight():
+    model = _model()
+    groups, body = _groups(model)
+    opt = FP8AdamW(groups, lr=1e-2)
+    saved = copy.deepcopy(opt.state_dict())  # one group: the assigned layout below has two
+    opt.param_groups = [*opt.param_groups, {**opt.param_groups[0], "params": body, "lr": 5e-3}]
+    with pytest.raises(ValueError):
+        opt.load_state_dict(saved)
+    assert model[0].weight.dtype == torch.float32 and master.master_scale(model[0].weight) is None
+
+
+def test_an_assigned_group_without_the_default_keys_gets_them():
+    model = _model()
+    groups, body = _groups(model)
+    opt = FP8AdamW(groups, lr=1e-2, betas=(0.8, 0.9), weight_decay=0.0)
+    opt.param_groups.append({"params": body, "lr": 5e-3})
+    _step(model, opt, 0)
+    group = opt.param_groups[-1]
+    assert group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.0 and group["lr"] == 5e-3
+    assert model[0].weight.dtype == torch.float16
