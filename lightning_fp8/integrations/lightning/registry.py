@@ -144,9 +144,8 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
 
     if isinstance(precision, str) and precision not in precision_names() and _near_fp8_name(precision):
         # Lightning's own error would list only its precisions: say which of ours was meant.
-        close = difflib.get_close_matches(precision.lower().replace("_", "-"), precision_names(), n=1, cutoff=0)
         raise ValueError(
-            f"Trainer(precision={precision!r}) is not a known precision: did you mean {close[0]!r}? The FP8 "
+            f"Trainer(precision={precision!r}) is not a known precision: did you mean {_meant(precision)!r}? The FP8 "
             f"precisions are {list(precision_names())}; a recipe of other settings (fp8_format, scaling, margin, "
             "amax_history_len, amax_compute_algo, opt_level) goes in "
             "plugins=[FP8LMPrecision(recipe=FP8Recipe(...))]"
@@ -174,15 +173,30 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
 
 
 # Words of FP8 recipes (FP8Recipe's values and their usual misspellings) that none of Lightning's precision strings
-# holds: a precision string with one of them meant an FP8 one.
-_FP8_WORDS = ("fp8", "e4m3", "e5m2", "hybrid", "hybird", "delayed", "msamp", "ms-amp")
+# holds: a precision string with one of them meant an FP8 one; by the word, the named recipe that has it.
+_FP8_WORDS = {"e4m3": "fp8-lm-e4m3", "current": "fp8-lm-current", "o1": "fp8-lm-o1", "e5m2": "fp8-lm",
+              "hybrid": "fp8-lm", "hybird": "fp8-lm", "delayed": "fp8-lm", "o2": "fp8-lm", "msamp": "fp8-lm",
+              "ms-amp": "fp8-lm", "fp8": "fp8-lm"}  # fmt: skip
+
+
+def _meant(precision: str) -> str:
+    """The FP8 precision string ``precision`` most likely meant: the recipe of a word it holds (in the order above),
+    else a name it misspells, else ``fp8-lm`` (any other "fp8" string), else the closest name."""
+    name = precision.strip().lower().replace("_", "-")
+    word = next((word for word in _FP8_WORDS if word in name and word != "fp8"), None)  # (fp8: below)
+    if word is not None and _FP8_WORDS[word] in precision_names():
+        return _FP8_WORDS[word]
+    close = difflib.get_close_matches(name, precision_names(), n=1, cutoff=0.8)  # a misspelt name
+    if close or "fp8" not in name:
+        return (close or difflib.get_close_matches(name, precision_names(), n=1, cutoff=0))[0]
+    return "fp8-lm"
 
 
 def _near_fp8_name(precision: str) -> bool:
     # None of Lightning's precision strings starts with "fp8" (its FP8 one is "transformer-engine").
     name = precision.strip().lower()
     close = difflib.get_close_matches(name.replace("_", "-"), precision_names(), n=1, cutoff=0.75)
-    return name.startswith("fp8") or any(word in name for word in _FP8_WORDS) or bool(close)
+    return name.startswith("fp8") or any(word in name for word in _FP8_WORDS if len(word) > 2) or bool(close)
 
 
 def _plugins_module(namespace: str) -> str:

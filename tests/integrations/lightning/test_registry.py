@@ -91,10 +91,15 @@ def test_close_misses_of_fp8_precision_names_suggest_the_name(precision):
         L.Trainer(precision=precision, accelerator="cpu", logger=False)
 
 
-@pytest.mark.parametrize("precision", ["hybird", "e4m3", "fp-lm", "delayed"])
-def test_recipe_words_as_a_precision_name_the_fp8_precisions_and_the_recipe_plugin(precision):
+@pytest.mark.parametrize(
+    ("precision", "meant"),
+    [("hybird", "fp8-lm"), ("e4m3", "fp8-lm-e4m3"), ("fp-lm", "fp8-lm"), ("delayed", "fp8-lm"),
+     ("fp8-lm-o2", "fp8-lm"), ("current", "fp8-lm-current"), ("fp8-lm-curent", "fp8-lm-current")],
+)  # fmt: skip
+def test_recipe_words_as_a_precision_name_the_fp8_precisions_and_the_recipe_plugin(precision, meant):
     # Lightning's own error listed only its precisions: one meant as an FP8 recipe was not told of ours.
-    with pytest.raises(ValueError, match=r"The FP8 precisions are \['fp8-lm'.*FP8LMPrecision\(recipe=FP8Recipe"):
+    with pytest.raises(ValueError, match=rf"did you mean '{meant}'\? The FP8 precisions are \['fp8-lm'.*"
+                                         r"FP8LMPrecision\(recipe=FP8Recipe"):  # fmt: skip
         L.Trainer(precision=precision, accelerator="cpu", logger=False)
 
 
