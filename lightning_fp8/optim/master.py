@@ -262,12 +262,19 @@ def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dty
     """
     for p in params:
         if master_scale(p) is not None and p.dtype != master_dtype:
+            coarser = p.is_floating_point() and torch.finfo(p.dtype).eps > torch.finfo(master_dtype).eps
+            rounded = (
+                f". The cast rounded the masters to {p.dtype}'s fewer mantissa bits, which a cast back to "
+                f"{master_dtype} does not undo: load the last checkpoint to go on"
+                if coarser
+                else f". A cast back to {master_dtype} gives the masters back exactly"
+            )
             raise RuntimeError(
                 f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "
                 f"{master_dtype} master there, with a per-tensor scale: the model was cast to {p.dtype} (e.g. "
                 f"model.float(), .bfloat16(), .to(dtype)) after FP8AdamW took its weights. Those weights must stay "
                 f"{master_dtype} (a cast to {master_dtype} is accepted); cast the model before creating the "
-                "optimizer; nothing was stepped"
+                f"optimizer{rounded}; nothing was stepped"
             )
 
 
