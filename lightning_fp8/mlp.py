@@ -227,7 +227,12 @@ class FP8MLP(nn.Module):
         """An FP8MLP computing ``proj(gelu(fc(x)))`` with these layers: ``nn.Linear`` layers are wrapped by
         :meth:`FP8Linear.from_linear` (sharing their parameters: optimizers that hold them keep working), FP8Linear
         layers are taken as they are (with their recipe and scaling state; ``recipe`` applies to the wrapped ones).
-        ``fp8_hidden`` as in the constructor.
+        ``fp8_hidden`` as in the constructor. One layer passed as both is wrapped once; each layer keeps its
+        train / eval mode.
+
+        The activation is always the exact (erf) GELU: this sees only the two layers, not what the MLP computed
+        between them. Do not use it for an MLP with another activation (ReLU, SwiGLU: its outputs would change
+        silently); a tanh-approximated GELU (GPT-2) changes by less than FP8's rounding.
 
         Forward and backward hooks of a wrapped layer carry over to its FP8Linear (the module then calls the layers one
         after another, so that they run).
@@ -255,9 +260,12 @@ class FP8MLP(nn.Module):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.fc = fc if isinstance(fc, FP8Linear) else FP8Linear.from_linear(fc, recipe)
-        new.proj = proj if isinstance(proj, FP8Linear) else FP8Linear.from_linear(proj, recipe)
+        wrapped = proj if isinstance(proj, FP8Linear) else None if proj is fc else FP8Linear.from_linear(proj, recipe)
+        new.proj = new.fc if proj is fc else wrapped
         new.fp8_hidden = fp8_hidden
-        new.train(fc.training)
+        new.training = fc.training  # (the module's own flag; its layers keep theirs)
+        new.fc.train(fc.training)
+        new.proj.train(proj.training)
         return new
 
     @property

@@ -164,9 +164,9 @@ class FP8Recipe:
         """Whether the scaling states of ``other``'s layers (a recipe or a recipe name) mean what this recipe's do
         (format, scaling, amax history and algorithm, margin): a checkpoint's scales and amax histories carry over
         only then."""
-        other = resolve_recipe(other) if other is not None else other
-        if not isinstance(other, FP8Recipe):
-            raise TypeError(f"FP8Recipe.same_scaling takes a recipe or a recipe name, got {type(other).__name__}")
+        if not isinstance(other, (FP8Recipe, str)):
+            raise TypeError(f"FP8Recipe.same_scaling takes a recipe or a recipe name, got {other!r}")
+        other = resolve_recipe(other)
         fields = ("fp8_format", "scaling", "amax_history_len", "amax_compute_algo", "margin")
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 

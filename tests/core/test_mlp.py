@@ -652,3 +652,19 @@ def test_zero_in_features_with_a_token_dimension(fp8_hidden):
     # fp8_hidden: the backward sees the GELU's input rounded to FP8 (the class docstring), the unfused layers do not
     bound = BACKWARD_SQNR_DB if fp8_hidden else SAME_CASTS_SQNR_DB
     assert all(sqnr(grads[n], grads_ref[n]) > bound for n in ("fc.bias", "proj.weight", "proj.bias"))
+
+
+def test_from_modules_wraps_a_layer_passed_as_both_once_and_keeps_each_layers_mode():
+    # One nn.Linear as fc and proj became two FP8Linear wrappers of one weight, each with its own scaling state; and
+    # proj's wrapper took fc's train/eval mode.
+    torch.manual_seed(0)
+    square = nn.Linear(32, 32)
+    mlp = FP8MLP.from_modules(square, square)
+    assert mlp.fc is mlp.proj and len(list(mlp.parameters())) == 2
+    x = torch.randn(8, 32)
+    ref = square(F.gelu(square(x)))
+    assert sqnr(mlp(x), ref) > FORWARD_SQNR_DB - 6  # two FP8 GEMMs in a row
+    fc, proj = nn.Linear(32, 64), nn.Linear(64, 32)
+    fc.eval()
+    mlp = FP8MLP.from_modules(fc, proj)
+    assert (mlp.training, mlp.fc.training, mlp.proj.training) == (False, False, True)

@@ -135,5 +135,11 @@ def test_same_scaling_compares_the_scaling_fields_of_recipes_and_names():
     assert not FP8Recipe().same_scaling("fp8-lm-current") and not FP8Recipe().same_scaling(FP8Recipe(margin=1))
     with pytest.raises(ValueError, match="fp8-lmm"):
         FP8Recipe().same_scaling("fp8-lmm")
-    with pytest.raises(TypeError, match="same_scaling takes a recipe or a recipe name, got NoneType"):
+    with pytest.raises(TypeError, match="same_scaling takes a recipe or a recipe name, got None"):
         FP8Recipe().same_scaling(None)
+
+
+@pytest.mark.parametrize("other", [3, None, {"margin": 1}])
+def test_same_scaling_of_something_else_names_what_it_got(other):
+    with pytest.raises(TypeError, match=r"same_scaling takes a recipe or a recipe name, got"):
+        FP8Recipe().same_scaling(other)
