@@ -89,6 +89,7 @@ def convert(
             "component (fc), with fnmatch wildcards; check the spelling against model.named_modules()"
         )
     keep_fp8 = module_filter(config, user_filter, linears_with_shared_weights(target))
+    _check_converted_layers(target, config, keep_fp8)
     converted_target = convert_to_fp8(target, config.recipe, module_filter_fn=keep_fp8)
     if target is model:
         model = converted_target
@@ -109,6 +110,32 @@ def convert(
             "dequantizing to fp32 (same numerics, no speed-up)"
         )
     return model, {"converted_layers": len(converted), "high_precision_linears": kept, "emulated_gemm": bool(reason)}
+
+
+def _check_converted_layers(model: nn.Module, config: FP8LaunchConfig, keep_fp8: ModuleFilter) -> None:
+    """Raise ValueError, before anything changes, for FP8 layers the script converted itself that this launch would
+    not make FP8 as they are: excluded (``LIGHTNING_FP8_EXCLUDE`` / ``--fp8-exclude`` / ``exclude_modules`` /
+    ``fp8_module_filter``: conversion leaves FP8 layers as they are, so they silently trained in FP8 and the report
+    named nothing in high precision), or converted with other scaling settings than the launch's recipe."""
+    layers = fp8_modules(model)
+    excluded = sorted(name for name, layer in layers.items() if not keep_fp8(layer, name))
+    if excluded:
+        raise ValueError(
+            f"lightning_fp8: the model passed to prepare() already has FP8 layers that this launch keeps in high "
+            f"precision (LIGHTNING_FP8_EXCLUDE / --fp8-exclude / exclude_modules / fp8_module_filter): {excluded}. "
+            "prepare() converts the model itself: pass it unconverted, or leave those layers out of your own "
+            "convert_to_fp8 (module_filter_fn); nothing was changed"
+        )
+    other = {name: layer.recipe for name, layer in layers.items() if not layer.recipe.same_scaling(config.recipe)}
+    if other:
+        name, recipe = next(iter(other.items()))
+        raise ValueError(
+            f"lightning_fp8: the model passed to prepare() was already converted, its layer {name!r} with {recipe} "
+            f"({len(other)} layer(s) so), but this Accelerator's recipe (fp8_lm_recipe= / LIGHTNING_FP8_RECIPE / "
+            f"--fp8-recipe / the config's lightning_fp8 section) is {config.recipe}, whose scaling differs. "
+            "prepare() converts the model itself: pass it unconverted, or launch with the recipe you converted "
+            "with; nothing was changed"
+        )
 
 
 def combined_report(reports: list[dict[str, Any]]) -> dict[str, Any]:

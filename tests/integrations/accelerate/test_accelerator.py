@@ -639,3 +639,29 @@ def test_a_run_without_fp8_refuses_an_fp8_checkpoints_scaled_moments_until_conve
     for index, state in adamw_form["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(loaded[index][key], state[key], **EXACT)
+
+
+@pytest.mark.parametrize("how", ["env", "filter"])
+def test_a_model_converted_before_prepare_with_a_layer_the_launch_excludes_is_refused(monkeypatch, how):
+    # convert_to_fp8 leaves FP8 layers as they are: the excluded layer trained in FP8, silently, and fp8_report named
+    # nothing in high precision.
+    kwargs = {}
+    if how == "env":
+        monkeypatch.setenv(ENV_EXCLUDE, "fc2")
+    else:
+        kwargs["fp8_module_filter"] = lambda module, fqn: fqn != "fc2"
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", **kwargs)
+    model = convert_to_fp8(Net(), "fp8-lm")
+    with pytest.raises(ValueError, match=r"already has FP8 layers that this launch keeps in high precision.*\['fc2'\]"):
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert model.fc2.weight.dtype == torch.float32  # nothing changed: no optimizer took the weights
+
+
+def test_a_model_converted_before_prepare_with_another_recipe_says_where_the_recipes_come_from():
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
+    model = convert_to_fp8(Net(), "fp8-lm-current")
+    with pytest.raises(ValueError, match=r"already converted, its layer 'fc1'.*fp8_lm_recipe= / LIGHTNING_FP8_RECIPE"):
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    same = convert_to_fp8(Net(), "fp8-lm")  # the launch's recipe: taken as it is
+    same, _ = accelerator.prepare(same, torch.optim.AdamW(same.parameters(), lr=1e-3))
+    assert isinstance(same.fc1, FP8Linear)
