@@ -429,13 +429,17 @@ class ScalingState(nn.Module):
 
     def reset(self) -> None:
         """Forget every cast: scale 1, empty history, zero statistics; the next cast uses its own amax."""
+        # The checkpoint loads recorded for this state go with the casts (its count could climb back to a recorded
+        # one); a state that never cast keeps them (a fresh model moved to its device between two loads).
+        held_casts = not self.casts.is_meta and bool(self.casts)
         with torch.no_grad():
             for name in ("amax_history", "amax", "saturation", "nonfinite_count", "casts"):
                 getattr(self, name).zero_()
             self.scale.fill_(1.0)
         self.initialized = False
         _SEEN_AMAX.pop(self, None)
-        load_pairing.forget_state(self)
+        if held_casts:
+            load_pairing.forget_state(self)
 
     def reset_parameters(self) -> None:
         """:meth:`reset`, under the name that meta-device materialization calls on every module with buffers after

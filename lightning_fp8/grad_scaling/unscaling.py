@@ -10,6 +10,7 @@ its state.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -55,8 +56,13 @@ class _Unscaling:
         )
 
         check_clip_limit("FP8GradScaler.clip_grad_norm_", "max_norm", max_norm)
+        if norm_type == "inf":  # as torch accepts it
+            norm_type = math.inf
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not float(norm_type) > 0:
-            raise ValueError(f"FP8GradScaler.clip_grad_norm_(norm_type={norm_type!r}): expected a number > 0, or inf")
+            raise ValueError(
+                f"FP8GradScaler.clip_grad_norm_(norm_type={norm_type!r}): expected a number > 0, or inf (math.inf or "
+                "'inf')"
+            )
         params = unique(parameters)
         mu = self.grad_factor(params)
 

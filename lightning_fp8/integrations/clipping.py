@@ -88,8 +88,8 @@ def clip_grad_norm_fp32(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads and not held:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-    others = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else None
+    norms = [fp8_grads.p_norm(g, norm_type) for g in grads]
+    others = fp8_grads.p_norm(torch.stack(norms), norm_type) if norms else None
     total = with_held_norms(others, fp8_grads.fp8_grad_norms(held, norm_type), norm_type) / grad_scale
     if check is not None:
         check(total)
@@ -107,7 +107,7 @@ def with_held_norms(total: Tensor | None, held: list[Tensor], norm_type: float =
         return total
     parts = ([] if total is None else [total.float().reshape(())]) + [n.reshape(()) for n in held]
     device = parts[0].device
-    return torch.linalg.vector_norm(torch.stack([t.to(device) for t in parts]), norm_type)
+    return fp8_grads.p_norm(torch.stack([t.to(device) for t in parts]), norm_type)
 
 
 def clip_factor(total: Tensor, max_norm: float, mu: float) -> Tensor:

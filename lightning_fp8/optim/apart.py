@@ -44,14 +44,15 @@ def take_writes(p: torch.Tensor, state: dict[str, Any], marked: Mark | None) -> 
     (plain, or scaled with ``master_scale``). Reads the values only when ``p`` was written (a host sync then).
 
     A cast of ``p`` since (``model.float()`` after bf16 training, ``model.half()``) writes the same values in another
-    dtype: an element equal to the master rounded to either dtype is unchanged (a cast to fp32 compared in fp32 took
-    every bf16-rounded value for a write, and the master lost its precision)."""
+    dtype: an element equal to the master rounded to the old dtype and then to the new one is unchanged (a cast to
+    fp32 compared with the master rounded to fp32 took every bf16-rounded value for a write, and the master lost its
+    precision); any other value in the new dtype was written."""
     if marked is None or marked == mark(p):
         return
     kept = checkpoint.dequantize(state, "master")
     value = p.detach().to(kept.device)
     before = marked[2]
-    changed = (value != kept.to(value.dtype)) & (value.to(before) != kept.to(before))
+    changed = (value != kept.to(value.dtype)) & (value != kept.to(before).to(value.dtype))
     if not bool(changed.any()):
         return
     merged = torch.where(changed, value.float(), kept)

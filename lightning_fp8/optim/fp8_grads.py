@@ -11,6 +11,7 @@ FP8AdamW and reads its settings.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -300,7 +301,19 @@ def held_fp8_grads(params: Iterable[torch.Tensor]) -> list[_FP8Grad]:
 
 def fp8_grad_norms(entries: list[_FP8Grad], norm_type: float = 2.0) -> list[torch.Tensor]:
     """The ``norm_type`` norm (0-dim fp32) of each FP8 gradient of ``entries``, dequantized."""
-    return [torch.linalg.vector_norm(e.data.float(), norm_type) * e.scale_inv.float() for e in entries]
+    return [p_norm(e.data.float(), norm_type) * e.scale_inv.float() for e in entries]
+
+
+def p_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``torch.linalg.vector_norm(t, norm_type)`` in fp32, where ``|t| ** norm_type`` may pass fp32's range (a norm of
+    order 8 of gradients that carry mu = 2**16): ``t`` is divided by its largest magnitude first. Orders 1, 2 and inf
+    are torch's as they are (their sums do not overflow where the norm itself fits)."""
+    t = t.float()
+    if float(norm_type) in (1.0, 2.0, math.inf) or t.numel() == 0:
+        return torch.linalg.vector_norm(t, norm_type)
+    amax = t.abs().amax()
+    unit = torch.where((amax > 0) & amax.isfinite(), amax, torch.ones_like(amax))  # inf and NaN stay what they are
+    return torch.linalg.vector_norm(t / unit, norm_type) * unit
 
 
 def scale_fp8_grads_(entries: list[_FP8Grad], factor: torch.Tensor) -> None:

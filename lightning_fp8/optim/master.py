@@ -262,12 +262,10 @@ def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dty
     """
     for p in params:
         if master_scale(p) is not None and p.dtype != master_dtype:
-            coarser = p.is_floating_point() and torch.finfo(p.dtype).eps > torch.finfo(master_dtype).eps
             rounded = (
-                f". The cast rounded the masters to {p.dtype}'s fewer mantissa bits, which a cast back to "
-                f"{master_dtype} does not undo: load the last checkpoint to go on"
-                if coarser
-                else f". A cast back to {master_dtype} gives the masters back exactly"
+                f". A cast back to {master_dtype} gives the masters back exactly where every cast since went to a "
+                "dtype with at least its mantissa bits (float32); one to fewer (bfloat16) rounded them, which no cast "
+                "undoes: load the last checkpoint then"
             )
             raise RuntimeError(
                 f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "

@@ -108,3 +108,23 @@ def test_clip_grad_value_refuses_gradients_held_in_fp8():
     assert model[0].weight.grad is None
     with pytest.raises(ValueError, match="fp8_grads=False"):
         scaler.clip_grad_value_(model.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("norm_type", [8.0, "inf"])
+def test_a_high_order_norm_of_gradients_carrying_a_large_mu_does_not_overflow(norm_type):
+    # |g| ** 8 of gradients times mu = 2**16 passed fp32's range: the norm came back inf and every gradient was zeroed.
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+    scaler = FP8GradScaler(init_scale=2.0**16)
+    opt = FP8AdamW(model.parameters(), lr=1e-2, grad_scaler=scaler, fp8_grads=True, opt_level="O1")
+    scaler.scale_loss(((model(torch.randn(24, 32) * 30) - torch.randn(24, 16)) ** 2).mean()).backward()
+    opt._grad_casts.flush(opt)
+    grads = []
+    for p in model.parameters():
+        entry = opt._pending.get(p)
+        grads.append((p.grad.double() if entry is None else entry.data.double() * entry.scale_inv.double()) / 2.0**16)
+    order = math.inf if norm_type == "inf" else norm_type
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, order) for g in grads]), order)
+    total = scaler.clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)
+    torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=0)
+    assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())  # not zeroed
