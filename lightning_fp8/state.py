@@ -38,27 +38,6 @@ INITIALIZED = "initialized"
 MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
 
 
-# The roles whose scales come from earlier casts (delayed scaling); a weight's cast always measures its own amax.
-_HISTORY_ROLES = ("input", "grad_output")
-
-
-def start_fresh_for_new_weight(layer: nn.Module) -> None:
-    """Forget the input and grad_output casts of an FP8 layer whose weight ``load_state_dict`` just replaced: their
-    amax histories are of the old weight's activations and gradients, and the delayed scales from them saturated the
-    first casts after pretrained weights of another range were loaded into a model that had already run (95% error in
-    one test, for as many forwards as the model has layers). The next casts compute their own scales, as in a fresh
-    model. A state a checkpoint's FP8 state filled since its last cast (:func:`load_fp8_state_dict`, or a gradient
-    scaler load for a grad_output state) is kept: the same checkpoint's weights, loaded second."""
-    scaling = layer._modules.get("fp8_scaling")
-    for role in _HISTORY_ROLES if scaling is not None else ():
-        state = scaling[role]
-        casts = load_pairing._cast_count(state)
-        if casts is None or (casts == 0 and not state.initialized):  # on meta, or nothing to forget
-            continue
-        if not load_pairing.loaded_since_last_cast(state):
-            state.reset()
-
-
 def _setting_values(state: ScalingState) -> dict[str, float]:
     # As Python numbers, so that comparing them needs no tensor data (a model on the meta device has none).
     return {

@@ -12,7 +12,8 @@ FP8Linear._apply (:func:`weight_marks`, :func:`put_back_marks`) and the load hoo
 :func:`after_load` put them back. (assign=True into an adopted O2 weight is refused before anything is loaded:
 master.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta device, the weight
 becomes real but the scaling buffers (not in the state_dict) would stay on meta: the post-hook makes them fresh ones
-on the weight's device, as converting there would have.
+on the weight's device, as converting there would have. A weight loaded into a layer that has run makes its input
+and grad_output scaling start fresh (:func:`start_fresh_for_new_weight`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fp8 import weight_cache
+from lightning_fp8 import load_pairing, weight_cache
 from lightning_fp8.optim import master
 from lightning_fp8.optim.adamw import GRAD_OWNER_ATTR
 
@@ -68,9 +69,7 @@ def before_load(module: nn.Module, state_dict: Any = None, prefix: str = "", *ar
 def after_load(module: nn.Module, incompatible_keys: Any) -> None:
     """A load_state_dict post-hook: put the weight's marks back; scaling buffers left on meta by an ``assign=True``
     load onto a real weight become fresh ones on its device; a loaded weight makes the input and grad_output states
-    start fresh (:func:`lightning_fp8.state.start_fresh_for_new_weight`)."""
-    from lightning_fp8.state import start_fresh_for_new_weight  # (state imports the layers' modules)
-
+    start fresh (:func:`start_fresh_for_new_weight`)."""
     put_back_marks(module, module.__dict__.pop("_fp8_weight_marks", (None, {}, None)))
     weight_loaded = module.__dict__.pop("_fp8_weight_loads", False)
     weight = module._parameters.get("weight")
@@ -81,6 +80,27 @@ def after_load(module: nn.Module, incompatible_keys: Any) -> None:
         scaling.to_empty(device=weight.device)  # fresh states: ScalingState._apply resets them off the meta device
     elif weight_loaded:
         start_fresh_for_new_weight(module)
+
+
+# The roles whose scales come from earlier casts (delayed scaling); a weight's cast always measures its own amax.
+_HISTORY_ROLES = ("input", "grad_output")
+
+
+def start_fresh_for_new_weight(layer: nn.Module) -> None:
+    """Forget the input and grad_output casts of an FP8 layer whose weight ``load_state_dict`` just replaced: their
+    amax histories are of the old weight's activations and gradients, and the delayed scales from them saturated the
+    first casts after pretrained weights of another range were loaded into a model that had already run (95% error in
+    one test, for as many forwards as the model has layers). The next casts compute their own scales, as in a fresh
+    model. A state a checkpoint's FP8 state filled since its last cast (:func:`load_fp8_state_dict`, or a gradient
+    scaler load for a grad_output state) is kept: the same checkpoint's weights, loaded second."""
+    scaling = layer._modules.get("fp8_scaling")
+    for role in _HISTORY_ROLES if scaling is not None else ():
+        state = scaling[role]
+        casts = load_pairing._cast_count(state)
+        if casts is None or (casts == 0 and not state.initialized):  # on meta, or nothing to forget
+            continue
+        if not load_pairing.loaded_since_last_cast(state):
+            state.reset()
 
 
 class LayerMark:
