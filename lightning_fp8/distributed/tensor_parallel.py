@@ -47,6 +47,7 @@ from lightning_fp8.distributed.tensor_parallel_plan import PLANS as PLANS  # re-
 from lightning_fp8.distributed.tensor_parallel_plan import check_arguments, find_blocks, resolve_plan
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
+from lightning_fp8.warnings import warn_once
 
 
 # -------------------------------------------------------------------------------------------- parallel styles
@@ -256,6 +257,22 @@ def _gather_sequence_after(block: nn.Module, mesh: DeviceMesh, seq_dim: int) -> 
     block.register_forward_hook(hook)
 
 
+def _warn_about_dropout(module: nn.Module, blocks: list[str]) -> None:
+    # The blocks compute on plain local tensors: ranks seeded alike draw the same dropout masks for different tokens
+    # (sequence shards) or heads (head-split attention), silently.
+    names = sorted({f"{block}.{name}".strip(".") for block in blocks
+                    for name, m in module.get_submodule(block).named_modules()
+                    if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})  # fmt: skip
+    if names:
+        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        warn_once(
+            f"apply_fp8_tensor_parallel: dropout in the blocks ({listed}) draws the same masks on every "
+            "tensor-parallel rank seeded alike: with sequence parallelism they repeat across the sequence shards, in "
+            "the head-split attention across heads. Use dropout 0 in the blocks (as large-model pretraining usually "
+            "does), or seed the sharded regions per rank yourself"
+        )
+
+
 def apply_fp8_tensor_parallel(
     module: nn.Module,
     tp_mesh: DeviceMesh,
@@ -314,6 +331,7 @@ def apply_fp8_tensor_parallel(
     check_arguments(module, tp_mesh, flags, seq_dim, amax_sync_group)
     roles = resolve_plan(plan)
     blocks = find_blocks(module, roles)
+    _warn_about_dropout(module, blocks)
     styles = {}
     for block in blocks:
         for name, role in roles.items():

@@ -297,3 +297,28 @@ def _two_rank_worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     return run_workers(_two_rank_worker, WORLD)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_dropout_in_the_blocks_is_warned_about(p):
+    """Ranks seeded alike drew the same dropout masks for their sequence shards (and heads), silently: the blocks get
+    plain local tensors. The check runs on the blocks apply_fp8_tensor_parallel finds, before anything is sharded."""
+    import warnings
+
+    from lightning_fp8.distributed.tensor_parallel import _warn_about_dropout
+    from lightning_fp8.distributed.tensor_parallel_plan import find_blocks, resolve_plan
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.proj, self.drop = nn.Linear(32, 64), nn.Linear(64, 32), nn.Dropout(p)
+
+    model = nn.Sequential(Block(), Block(), nn.Dropout(0.5))  # the dropout outside the blocks runs replicated
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_about_dropout(model, find_blocks(model, resolve_plan({"fc": "colwise", "proj": "rowwise"})))
+    messages = [str(w.message) for w in caught if "dropout in the blocks" in str(w.message)]
+    if p:
+        assert len(messages) == 1 and "(0.drop, 1.drop)" in messages[0], messages
+    else:
+        assert not messages
