@@ -81,7 +81,9 @@ def check_one_optimizer(args: tuple[Any, ...], prepared_before: torch.optim.Opti
     if len(fresh) > 1:
         raise ValueError(
             f"FP8-LM under Accelerate trains with one optimizer (one gradient scale mu), got {', '.join(fresh)}: "
-            "put all parameters in param groups of a single AdamW. Nothing was converted"
+            "put all parameters in param groups of a single AdamW (a GAN too: generator and discriminator as two "
+            "groups, optimizer.zero_grad() before each backward, the other model frozen with requires_grad_(False) "
+            "during each model's step). Nothing was converted"
         )
 
 
