@@ -332,7 +332,9 @@ def test_compiled_forward_casts_a_weight_changed_after_the_step(change):
     out.sum().backward()  # dx: model[2]'s dgrad from its copy's transpose (if valid), model[0]'s from its cast again
     # load_state_dict writes every weight; mul_ and .data change model[0]'s alone
     assert weight_cache.compiled_hits - hits == (0 if change is _change_by_load_state_dict else 1)
-    assert counter.frame_count == 1
+    # A load also makes the layers' input and grad_output scaling start fresh: their first casts again, which the
+    # compiled code guards on (one more compile; mul_ and .data do not restart it).
+    assert counter.frame_count == (2 if change is _change_by_load_state_dict else 1)
     load_fp8_state_dict(model, saved)
     x_ref = x.detach().clone().requires_grad_()
     ref = model(x_ref)  # eager: model[0] casts, model[2] uses its copy
