@@ -92,7 +92,7 @@ def forget_loads(state: ScalingState) -> None:
 
 
 # The states load_fp8_state_dict filled, with their cast count then: a load of their layer's weight before their next
-# cast (the same checkpoint's weights, loaded second) keeps what was loaded (lightning_fp8.state).
+# cast (the same checkpoint's weights, loaded second) keeps what was loaded (weight_marks.start_fresh_for_new_weight).
 _FILLED: weakref.WeakKeyDictionary[ScalingState, int] = weakref.WeakKeyDictionary()
 
 
