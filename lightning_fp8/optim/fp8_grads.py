@@ -308,9 +308,9 @@ def p_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     """``torch.linalg.vector_norm(t, norm_type)`` in fp32, where ``|t| ** norm_type`` may pass fp32's range (a norm of
     order 8 of gradients that carry mu = 2**16): ``t`` is divided by its largest magnitude first. Orders 1, 2 and inf
     are torch's as they are (their sums do not overflow where the norm itself fits)."""
-    t = t.float()
     if float(norm_type) in (1.0, 2.0, math.inf) or t.numel() == 0:
-        return torch.linalg.vector_norm(t, norm_type)
+        return torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)  # (no fp32 copy of an fp16 gradient)
+    t = t.float()
     amax = t.abs().amax()
     unit = torch.where((amax > 0) & amax.isfinite(), amax, torch.ones_like(amax))  # inf and NaN stay what they are
     return torch.linalg.vector_norm(t / unit, norm_type) * unit
