@@ -22,6 +22,16 @@ _FABRIC_PACKAGES = ("lightning.fabric.", "lightning_fabric.")
 _AVERAGING_CALLBACKS = ("StochasticWeightAveraging", "WeightAveraging")
 
 
+def fabric_unsupported(what_to_drop: str) -> str:
+    """The message of every Fabric refusal: the plugin needs a Trainer; ``what_to_drop`` says which argument."""
+    return (
+        "FP8LMPrecision is a plugin for the Lightning Trainer (Trainer(precision='fp8-lm') or "
+        "Trainer(plugins=[FP8LMPrecision()])); Lightning Fabric is not supported: its backward and step hooks need "
+        f"a Trainer. {what_to_drop} and use the plain-PyTorch API in your Fabric loop: "
+        "lightning_fp8.convert_to_fp8(model), FP8AdamW and FP8GradScaler (docs/guides/pytorch.md)"
+    )
+
+
 def _refuse_fabric() -> None:
     """Raise TypeError when Lightning Fabric, not a Trainer, calls the plugin (``fabric.setup`` converting the model).
 
@@ -36,12 +46,7 @@ def _refuse_fabric() -> None:
         if name.startswith(_TRAINER_PACKAGES):
             return
         if name.startswith(_FABRIC_PACKAGES):
-            raise TypeError(
-                "FP8LMPrecision is a plugin for the Lightning Trainer (Trainer(precision='fp8-lm') or "
-                "Trainer(plugins=[FP8LMPrecision()])); Lightning Fabric is not supported: its backward and step "
-                "hooks need a Trainer. Drop it from Fabric(plugins=...) and use the plain-PyTorch API in your Fabric "
-                "loop: lightning_fp8.convert_to_fp8(model), FP8AdamW and FP8GradScaler (docs/guides/pytorch.md)"
-            )
+            raise TypeError(fabric_unsupported("Drop it from Fabric(plugins=...)"))
         frame = frame.f_back
 
 

@@ -8,6 +8,9 @@ in is to translate our strings into a plugin before Lightning looks at them: :fu
 Everything else is passed through untouched. The same wrapper rejects strategies FP8 cannot run under, with
 a message saying what to use instead, and lets ``strategy="fsdp_fp8"`` imply ``precision="fp8-lm"``.
 
+Fabric's connector is wrapped the same way, only to refuse: the plugin needs a Trainer, so ``Fabric(precision=
+"fp8-lm")`` and ``Fabric(plugins=[FP8LMPrecision()])`` fail when Fabric is built, saying what to use instead.
+
 For ``LightningCLI`` (jsonargparse validates ``--trainer.precision`` against ``Trainer.__init__``'s annotation),
 the recipe names are added to that annotation; ``--trainer.plugins lightning_fp8.FP8LMPrecision`` works too.
 
@@ -93,6 +96,44 @@ def _register_namespace(namespace: str) -> None:
         connector._check_config_and_set_final_flags = _wrap_check_config(original, namespace)
     _register_strategy(namespace)
     _extend_trainer_annotation(namespace)
+    _refuse_in_fabric(namespace)
+
+
+# Fabric's connector, which reads Fabric(precision=..., plugins=...) as the Trainer's does.
+_FABRIC_CONNECTOR = {"lightning": "lightning.fabric.connector", "pytorch_lightning": "lightning_fabric.connector"}
+
+
+def _refuse_in_fabric(namespace: str) -> None:
+    """Make ``Fabric(precision="fp8-lm")`` and ``Fabric(plugins=[FP8LMPrecision()])`` fail when Fabric is built,
+    saying what to use instead (Lightning's own error listed only its precisions; the plugin failed in setup)."""
+    name = _FABRIC_CONNECTOR[namespace]
+    if not _is_installed(name.split(".")[0]):
+        return
+    connector = importlib.import_module(name)._Connector
+    original = connector._check_config_and_set_final_flags
+    if getattr(original, _MARK, False):
+        return
+    signature = inspect.signature(original)
+    missing = [arg for arg in ("precision", "plugins") if arg not in signature.parameters]
+    if missing:
+        raise TypeError(f"Fabric's _Connector._check_config_and_set_final_flags has no argument(s) {missing}")
+
+    @functools.wraps(original)
+    def _check_config_and_set_final_flags(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from lightning_fp8.integrations.lightning.precision import precision_class
+        from lightning_fp8.integrations.lightning.refusals import fabric_unsupported
+
+        flags = signature.bind(self, *args, **kwargs).arguments
+        precision = flags.get("precision")
+        if isinstance(precision, str) and (precision in precision_names() or _near_fp8_name(precision)):
+            raise ValueError(f"Fabric(precision={precision!r}): " + fabric_unsupported("Leave precision unset"))
+        ours = tuple(precision_class(ns) for ns in NAMESPACES if _is_installed(ns))
+        if any(isinstance(p, ours) for p in _as_list(flags.get("plugins"))):
+            raise TypeError(fabric_unsupported("Drop FP8LMPrecision from Fabric(plugins=...)"))
+        return original(self, *args, **kwargs)
+
+    setattr(_check_config_and_set_final_flags, _MARK, True)
+    connector._check_config_and_set_final_flags = _check_config_and_set_final_flags
 
 
 def _wrap_check_config(original: Any, namespace: str) -> Any:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 import lightning_fp8.warnings
-from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
+from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, FP8Recipe, convert_to_fp8
 from lightning_fp8.integrations.lightning import FP8LMPrecision
 from lightning_fp8.recovery import put_back_to_high_precision
 from lightning_fp8.state import fp8_state_dict
@@ -518,17 +518,38 @@ def test_bad_arguments_are_rejected():
 @pytest.mark.parametrize("namespace", ["lightning", "pytorch_lightning"])
 @pytest.mark.parametrize("setup", ["setup", "setup_module"])
 def test_fabric_is_refused_before_the_model_is_converted(namespace, setup):
-    """Fabric accepts the plugin: it converted the model in setup, then fabric.backward failed with AttributeError
-    'NoneType' object has no attribute 'trainer'. It is refused in setup now, saying what to use instead."""
+    """Fabric accepts a precision plugin: it converted the model in setup, then fabric.backward failed with
+    AttributeError 'NoneType' object has no attribute 'trainer'. Fabric is refused when it is built now (below); one
+    given the plugin inside a strategy instance (which the build does not look into) is refused in setup, saying what
+    to use instead."""
     from lightning_fp8.integrations.lightning.precision import precision_class
 
-    fabric_cls = L.Fabric if namespace == "lightning" else pytest.importorskip("lightning_fabric").Fabric
-    fabric = fabric_cls(accelerator="cpu", devices=1, plugins=[precision_class(namespace)()])
+    fabric_mod = L.fabric if namespace == "lightning" else pytest.importorskip("lightning_fabric")
+    strategy = fabric_mod.strategies.SingleDeviceStrategy(device="cpu", precision=precision_class(namespace)())
+    fabric = fabric_mod.Fabric(accelerator="cpu", devices=1, strategy=strategy)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
     args = (model, torch.optim.AdamW(model.parameters())) if setup == "setup" else (model,)
     with pytest.raises(TypeError, match=r"Trainer.*Fabric is not supported.*convert_to_fp8.*docs/guides/pytorch.md"):
         getattr(fabric, setup)(*args)
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("namespace", ["lightning", "pytorch_lightning"])
+def test_fabric_with_an_fp8_precision_is_refused_when_it_is_built(namespace):
+    """Fabric(precision="fp8-lm") failed with Lightning's list of its own precisions (nothing about lightning_fp8 or
+    Fabric), and Fabric(plugins=[FP8LMPrecision()]) only in setup: both fail at once now, saying what to use; the
+    precisions Fabric has still build."""
+    from lightning_fp8.integrations.lightning.precision import precision_class
+
+    fabric_cls = L.Fabric if namespace == "lightning" else pytest.importorskip("lightning_fabric").Fabric
+    for name in [*FP8Recipe.names(), "fp8-lmm", "e4m3"]:
+        with pytest.raises(ValueError, match=rf"Fabric\(precision='{name}'\).*Fabric is not supported.*convert_to_fp8"):
+            fabric_cls(accelerator="cpu", devices=1, precision=name)
+    for plugins in (precision_class(namespace)(), [precision_class(namespace)()]):
+        with pytest.raises(TypeError, match=r"Drop FP8LMPrecision from Fabric\(plugins=...\).*FP8GradScaler"):
+            fabric_cls(accelerator="cpu", devices=1, plugins=plugins)
+    for name in ("32-true", "bf16-mixed", "bf16-true", "64-true", None):
+        fabric_cls(accelerator="cpu", devices=1, precision=name)
 
 
 def test_a_model_without_convertible_linear_layers_warns(monkeypatch):
