@@ -329,7 +329,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self._admit_unseen()
         if self._fp8_unscale is not None:  # FP8GradScaler.step(self) decided to step: unscale by its mu
             self._fp8_step(self._fp8_unscale)
-        elif self.grad_scaler is not None:
+        elif self.grad_scaler is not None and not checkpoint.is_state_init_step(self):
             self._fp8_in_step = True  # the scaler updates directly (this call is the step schedulers and hooks see)
             try:
                 self.grad_scaler.step(self)

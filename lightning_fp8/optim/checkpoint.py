@@ -53,6 +53,21 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------------------------ saving
+def is_state_init_step(opt: FP8AdamW) -> bool:
+    """Whether this step is torch.distributed.checkpoint's, not training's: ``get_state_dict`` /
+    ``get_optimizer_state_dict`` (also inside Lightning's and Accelerate's sharded checkpointing) give an optimizer
+    without state one ``step()`` on zero gradients at lr 0, so that its states exist to save or load into. Its
+    gradients never came from a scaled loss: a ``grad_scaler`` refused it (leaving lr at 0, which torch restores only
+    after the step) or counted it as a step. Read only where no state exists yet (a sync per gradient, once)."""
+    if opt.state or opt._pending:
+        return False
+    groups = opt.param_groups
+    if not all("lr" in g and float(g["lr"]) == 0.0 for g in groups):
+        return False
+    grads = [shards.local(p.grad) for g in groups for p in g["params"] if p.grad is not None]
+    return bool(grads) and not any(bool(g.any()) for g in grads)
+
+
 def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Add ``"master"`` (the parameter's own storage) for adopted weights, without touching ``opt.state``."""
     packed = dict(state_dict["state"])

@@ -1,0 +1,102 @@
+"""torch.distributed.checkpoint's state-dict API gives an optimizer without state one ``step()`` on zero gradients at
+lr 0 (``_init_optim_state``), so that there are states to save or load into: the first thing the documented sharded
+resume does (``get_state_dict(model, optimizer)`` as the template of ``dcp.load``), and what Lightning's and
+Accelerate's sharded checkpointing call. An FP8AdamW with a ``grad_scaler`` handed that step to the scaler, which
+refused it (no loss was scaled) and left every group's lr at 0 and the gradients zero. It is a plain step now, which
+the scaler neither refuses nor counts. One process (DCP without a process group), unsharded: the step is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Recipe, convert_to_fp8
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+state_dict_api = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+
+LR = 1e-2
+
+
+def _build(recipe: str) -> tuple[nn.Module, FP8AdamW, FP8GradScaler]:
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)), FP8Recipe.from_name(recipe))
+    scaler = FP8GradScaler(model=model, init_scale=2.0**4, growth_interval=2)
+    return model, FP8AdamW(model.parameters(), lr=LR, grad_scaler=scaler), scaler
+
+
+def _steps(model: nn.Module, opt: FP8AdamW, scaler: FP8GradScaler, first: int, n: int) -> list[float]:
+    losses = []
+    for step in range(first, first + n):
+        gen = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 16, generator=gen)
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-o1"])
+def test_state_dict_template_of_a_fresh_optimizer_with_a_scaler(recipe):
+    model, opt, scaler = _build(recipe)
+    weights = copy.deepcopy(model.state_dict())
+    _, optim_sd = state_dict_api.get_state_dict(model, opt)
+    assert set(optim_sd["state"]) == {name for name, _ in model.named_parameters()}
+    assert [group["lr"] for group in opt.param_groups] == [LR]
+    assert all(p.grad is None for p in model.parameters())
+    # The scaler took no part: no step counted, mu and its history as built.
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.history) == (2.0**4, 0, ())
+    for name, value in model.state_dict().items():  # lr 0, zero gradients: nothing moved
+        assert torch.equal(value, weights[name]), name
+
+
+def test_a_loss_scaled_before_does_not_make_the_init_step_count():
+    """The scaler had scaled a loss (another optimizer of it stepped): the new optimizer's init step still leaves it
+    alone (it would have counted as a step with headroom)."""
+    model, opt, scaler = _build("fp8-lm")
+    _steps(model, opt, scaler, 0, 1)
+    other = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)))
+    new = FP8AdamW(other.parameters(), lr=LR, grad_scaler=scaler)
+    before = (scaler.get_scale(), scaler.skipped_steps, scaler.history, scaler.growth_tracker)
+    state_dict_api.get_state_dict(other, new)
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.history, scaler.growth_tracker) == before
+    assert [group["lr"] for group in new.param_groups] == [LR]
+
+
+def test_a_zero_gradient_training_step_at_lr_0_with_state_still_goes_to_the_scaler():
+    """Only an optimizer without state takes the plain step: later steps at lr 0 (a warm-up schedule) go through
+    the scaler as any other."""
+    model, opt, scaler = _build("fp8-lm")
+    _steps(model, opt, scaler, 0, 1)
+    opt.param_groups[0]["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="no loss was scaled"):  # a fresh scaler: refused, nothing changed
+        opt.grad_scaler = FP8GradScaler(model=model)
+        opt.step()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-o1"])
+def test_sharded_checkpoint_resume_with_a_scaler_continues_the_run(recipe, tmp_path):
+    """The documented resume: the fresh optimizer's state dict as the template, dcp.load, set_state_dict; the run
+    continues bit for bit as the uninterrupted one."""
+    model, opt, scaler = _build(recipe)
+    _steps(model, opt, scaler, 0, 3)
+    model_sd, optim_sd = state_dict_api.get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    scaler_sd = copy.deepcopy(scaler.state_dict())
+    expected = _steps(model, opt, scaler, 3, 3)
+
+    model, opt, scaler = _build(recipe)
+    model_sd, optim_sd = state_dict_api.get_state_dict(model, opt)  # the template DCP loads into
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    state_dict_api.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scaler.load_state_dict(scaler_sd)
+    assert _steps(model, opt, scaler, 3, 3) == expected
