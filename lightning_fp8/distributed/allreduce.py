@@ -12,7 +12,10 @@ NCCL runs them on its own stream while the kernels of other slices run on the cu
 
     amax(stage k+2) -> all-reduce of those amaxes | cast(k+1) -> collective(k+1) | decode(k-1)
 
-Scales stay per tensor and shared by every rank; slicing changes no value. In a layout of consecutive tensors
+Scales of the cast stay per tensor and shared by every rank. Slicing changes no value of the native path (and of
+the gather algorithm); the portable path's mean is requantized with one scale per piece, and pieces follow the
+slices, so there another ``slice_numel`` can round an element of a piece differently (a tiny value flushed to 0 in
+one and kept in the other). In a layout of consecutive tensors
 (DDP buckets) the amax pass is staged too: the amaxes of the tensors that reach into slice ``k`` are reduced
 (one small MAX all-reduce) right before slice ``k`` is cast, so only the first slice's amax and cast and the
 last slice's decode have no collective to hide behind. A non-finite value is then known on every rank before
