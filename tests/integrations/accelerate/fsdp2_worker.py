@@ -28,7 +28,8 @@ from tests.distributed.launch import exit_worker  # noqa: E402
 LR, WEIGHT_DECAY, STEPS = 1e-3, 0.05, 4
 
 
-def main() -> None:
+def fsdp2_accelerator() -> Accelerator:
+    """lightning_fp8's Accelerator with FP8-LM on FSDP2 (``fully_shard`` per Block), declared on CPU."""
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
     )
@@ -37,6 +38,11 @@ def main() -> None:
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     assert accelerator.is_fsdp2
+    return accelerator
+
+
+def main() -> None:
+    accelerator = fsdp2_accelerator()
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(depth=2, width=64, heads=2, seq_len=32))

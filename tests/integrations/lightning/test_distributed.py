@@ -95,7 +95,7 @@ def test_fsdp_fp8_trains_the_users_own_fp8adamw_with_o2_states(tmp_path, single_
     [("ddp", "ddp"), ("fsdp_fp8", "fsdp1"), ("model_parallel", "fsdp2")],
 )
 def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
-    ranks = _run(strategy, tmp_path, resume=strategy != "model_parallel")
+    ranks = _run(strategy, tmp_path, resume=True)
     for r in ranks:
         assert r["fp8_layers"] == 9 and r["optimizer"] == "FP8AdamW"
         # ModelParallelStrategy gave the FP8 weights fp32 moments before the plugin marked fully_shard's Parameters
@@ -105,9 +105,10 @@ def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the replicas (or the gathered shards) agree exactly
     mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     assert mean_losses == pytest.approx(single_process_losses, rel=DATA_PARALLEL_LOSS_RTOL)
-    if strategy != "model_parallel":  # saved after half the steps, resumed in a new Trainer: the same trajectory
-        for r in ranks:
-            assert r["resumed_losses"] == r["losses"][STEPS // 2 :]
+    # Saved after half the steps, resumed in a new Trainer: the same trajectory. ModelParallelStrategy's sharded
+    # checkpoint is read through torch's get_optimizer_state_dict, whose init step the FP8GradScaler once refused.
+    for r in ranks:
+        assert r["resumed_losses"] == r["losses"][STEPS // 2 :]
 
 
 def test_health_monitor_under_ddp_logs_on_rank_zero_without_waiting_for_the_others(tmp_path):
