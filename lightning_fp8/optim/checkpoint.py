@@ -54,16 +54,19 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------------------------ saving
 def is_state_init_step(opt: FP8AdamW) -> bool:
-    """Whether this step is torch.distributed.checkpoint's, not training's: ``get_state_dict`` /
-    ``get_optimizer_state_dict`` (also inside Lightning's and Accelerate's sharded checkpointing) give an optimizer
-    without state one ``step()`` on zero gradients at lr 0, so that its states exist to save or load into. Its
-    gradients never came from a scaled loss: a ``grad_scaler`` refused it (leaving lr at 0, which torch restores only
-    after the step) or counted it as a step. Read only where no state exists yet (a sync per gradient, once)."""
+    """Whether this step only creates the states, as torch steps an optimizer without state on zero gradients so that
+    it has states to save or load into: torch.distributed.checkpoint's ``get_state_dict`` /
+    ``get_optimizer_state_dict`` at lr 0 (also inside Lightning's and Accelerate's sharded checkpointing), and
+    ``_NamedOptimizer.init_state`` at the real lr, before any loss was scaled. Those gradients never came from a
+    scaled loss: a ``grad_scaler`` refused the step (DCP's left lr at 0, which torch restores only after the step) or
+    counted it as a training step. Read only where no state exists yet (a sync per gradient, once)."""
     if opt.state or opt._pending:
         return False
     groups = opt.param_groups
-    if not all("lr" in g and float(g["lr"]) == 0.0 for g in groups):
-        return False
+    scaler = opt.grad_scaler
+    if scaler is not None and scaler.loss_was_scaled:  # a training step's zero gradients, unless DCP's lr 0
+        if not all("lr" in g and float(g["lr"]) == 0.0 for g in groups):
+            return False
     grads = [shards.local(p.grad) for g in groups for p in g["params"] if p.grad is not None]
     return bool(grads) and not any(bool(g.any()) for g in grads)
 

@@ -100,3 +100,35 @@ def test_sharded_checkpoint_resume_with_a_scaler_continues_the_run(recipe, tmp_p
     state_dict_api.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scaler.load_state_dict(scaler_sd)
     assert _steps(model, opt, scaler, 3, 3) == expected
+
+
+def test_named_optimizer_init_state_with_a_scaler():
+    """torch's _NamedOptimizer.init_state (keyed optimizers) makes the states with a zero-gradient step at the real lr,
+    before any loss was scaled: a plain step too, the weights as torch's own AdamW leaves them (weight decay only)."""
+    named_optim = pytest.importorskip("torch.distributed.optim")._NamedOptimizer
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)), "fp8-lm-o1")
+    scaler = FP8GradScaler(model=model, init_scale=2.0**4)
+    reference = copy.deepcopy(model)
+    named = named_optim(dict(model.named_parameters()), FP8AdamW, lr=LR, grad_scaler=scaler, recipe="fp8-lm-o1")
+    named.init_state()
+    assert set(named.state_dict()["state"]) == {name for name, _ in model.named_parameters()}
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.history) == (2.0**4, 0, ())
+    torch_named = named_optim(dict(reference.named_parameters()), torch.optim.AdamW, lr=LR)
+    torch_named.init_state()
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=name)
+
+
+def test_zero_gradients_of_a_fresh_optimizer_after_a_scaled_loss_go_to_the_scaler():
+    """Only DCP's lr 0 makes a step with zero gradients a state-making one once the scaler has scaled a loss: a new
+    optimizer's first step on all-zero gradients at its lr is a training step the scaler counts."""
+    model, opt, scaler = _build("fp8-lm")
+    _steps(model, opt, scaler, 0, 1)
+    other = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)))
+    new = FP8AdamW(other.parameters(), lr=LR, grad_scaler=scaler)
+    for p in other.parameters():
+        p.grad = torch.zeros_like(p)
+    steps = len(scaler.history), scaler.growth_tracker
+    new.step()
+    assert (len(scaler.history), scaler.growth_tracker) != steps
