@@ -84,7 +84,9 @@ class _ScalerState:
         runs of consecutive non-finite steps, in the order the optimizers were first stepped: after a load, the first
         optimizer stepped continues the first run, and so on (a training loop steps its optimizers in the same order
         after a resume). ``consecutive_nonfinite`` is the longest of them (a state dict saved without
-        ``nonfinite_runs`` starts every optimizer's run there)."""
+        ``nonfinite_runs`` starts every optimizer's run there). ``history`` is a tuple: torch.distributed.checkpoint
+        keeps it one value (a list of dicts would be flattened into one key per entry, which a fresh scaler's empty
+        history cannot take)."""
         runs = self._runs_in_order()
         return {
             "scale": self._scale,
@@ -95,7 +97,7 @@ class _ScalerState:
             "nonfinite_runs": runs,
             "steps": self._steps,
             "last_saturation": self._last_saturation,
-            "history": [dict(entry) for entry in self._history],
+            "history": tuple(dict(entry) for entry in self._history),
             "fp16_full": self._fp16_full,
         }
 

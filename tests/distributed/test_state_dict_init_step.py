@@ -4,6 +4,9 @@ resume does (``get_state_dict(model, optimizer)`` as the template of ``dcp.load`
 Accelerate's sharded checkpointing call. An FP8AdamW with a ``grad_scaler`` handed that step to the scaler, which
 refused it (no loss was scaled) and left every group's lr at 0 and the gradients zero. It is a plain step now, which
 the scaler neither refuses nor counts. One process (DCP without a process group), unsharded: the step is the same.
+
+Also here: the FP8GradScaler in a DCP checkpoint (its history, a list of dicts, was flattened into one key per entry,
+which the fresh scaler's empty history could not take).
 """
 
 from __future__ import annotations
@@ -132,3 +135,22 @@ def test_zero_gradients_of_a_fresh_optimizer_after_a_scaled_loss_go_to_the_scale
     steps = len(scaler.history), scaler.growth_tracker
     new.step()
     assert (len(scaler.history), scaler.growth_tracker) != steps
+
+
+@pytest.mark.parametrize("as_object", [True, False], ids=["stateful", "state_dict"])
+def test_scaler_in_a_dcp_checkpoint_loads_into_a_fresh_scaler(as_object, tmp_path):
+    """After mu has changed (a history to save), the documented DCP resume with the scaler in the checkpoint: as the
+    object (DCP's Stateful protocol) or as its state dict. It raised "Missing key in checkpoint state_dict:
+    scaler.history"."""
+    model, opt, scaler = _build("fp8-lm")
+    _steps(model, opt, scaler, 0, 3)
+    assert scaler.history, "mu changed: the history to save"
+    saved = scaler.state_dict()
+    dcp.save({"scaler": scaler if as_object else scaler.state_dict()}, checkpoint_id=str(tmp_path))
+    fresh = FP8GradScaler(init_scale=2.0**4, growth_interval=2)
+    state = {"scaler": fresh if as_object else fresh.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    if not as_object:
+        fresh.load_state_dict(state["scaler"])
+    assert fresh.state_dict() == saved
+    assert fresh.get_scale() == scaler.get_scale() != 2.0**4
