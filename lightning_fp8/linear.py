@@ -336,6 +336,12 @@ class FP8Linear(nn.Linear):
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
         if not isinstance(x, torch.Tensor):
+            if isinstance(x, torch.fx.Proxy):  # torch.fx traces into modules outside torch.nn
+                raise TypeError(
+                    f"{owner} cannot be traced by torch.fx.symbolic_trace (its casts and scaling state are not "
+                    "symbolic): keep FP8 layers as leaves with a Tracer whose is_leaf_module(m, name) returns True "
+                    "for FP8Linear (and FP8MLP), or trace with torch.export / torch.compile"
+                )
             raise TypeError(f"{owner} expects a tensor input, got {type(x).__name__}")
         if weight.dtype not in _ACTIVATION_DTYPES:  # first: model.double() makes both float64, the weight is the cause
             raise TypeError(

@@ -270,7 +270,8 @@ def check_storage_dtypes(params: Iterable[torch.Tensor], master_dtype: torch.dty
             raise RuntimeError(
                 f"FP8AdamW: a weight of shape {tuple(p.shape)} is stored as {p.dtype}, but FP8AdamW keeps its "
                 f"{master_dtype} master there, with a per-tensor scale: the model was cast to {p.dtype} (e.g. "
-                f"model.float(), .bfloat16(), .to(dtype)) after FP8AdamW took its weights. Those weights must stay "
+                f"model.float(), .bfloat16(), .to(dtype)), or the weight's .data replaced by a {p.dtype} tensor "
+                f"(torch.nn.utils.vector_to_parameters does), after FP8AdamW took its weights. Those weights must stay "
                 f"{master_dtype} (a cast to {master_dtype} is accepted); cast the model before creating the "
                 f"optimizer{rounded}; nothing was stepped"
             )

@@ -49,6 +49,35 @@ def test_dtype_change_after_the_optimizer_took_the_weights_is_refused():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+def test_vector_to_parameters_after_the_optimizer_took_the_weights_names_itself():
+    """vector_to_parameters replaces each weight's .data by a slice of the (fp32) vector: the refusal named only
+    casts of the model, which the user never made."""
+    model = _model()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(params).float(), params)
+    (model(torch.randn(8, 64)) ** 2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"\.data replaced by a torch.float32 tensor \(torch.nn.utils.vector_to"):
+        opt.step()
+
+
+def test_fx_symbolic_trace_says_how_to_trace_fp8_layers():
+    """torch.fx traces into modules outside torch.nn, and the layer refused the Proxy as "expects a tensor input":
+    the error says to keep FP8 layers as leaves, which traces to the same outputs."""
+    model = _model()
+    with pytest.raises(TypeError, match="symbolic_trace.*is_leaf_module"):
+        torch.fx.symbolic_trace(model)
+
+    class LeafTracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, FP8Linear) or super().is_leaf_module(m, name)
+
+    traced = torch.fx.GraphModule(model, LeafTracer().trace(model))
+    x = torch.randn(8, 64)
+    reference = copy.deepcopy(model)
+    torch.testing.assert_close(traced(x), reference(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("group", "error"),
     [({"lr": -1.0}, ValueError), ({"lr": "0.1"}, TypeError), ({"eps": None}, TypeError),
