@@ -224,9 +224,9 @@ def _checked_history(history: Any) -> list[dict[str, Any]]:
     )
     if not shaped:
         raise TypeError(
-            f"FP8GradScaler.load_state_dict: entry 'history' is {repr(history)[:200]}, expected a list of dicts "
-            f"with keys {keys} (action and reason strings); load the dict that FP8GradScaler.state_dict() returned "
-            "(the checkpoint may be corrupt). Nothing was loaded."
+            f"FP8GradScaler.load_state_dict: entry 'history' is {repr(history)[:200]}, expected a tuple (or list) of "
+            f"dicts with keys {keys} (action and reason strings); load the dict that FP8GradScaler.state_dict() "
+            "returned (the checkpoint may be corrupt). Nothing was loaded."
         )
     return [
         {"step": _checked_entry("history step", e["step"], numbers.Integral, "an int >= 0", lambda n: n >= 0),

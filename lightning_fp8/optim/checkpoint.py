@@ -18,6 +18,7 @@ anything is loaded: a bad checkpoint raises and changes nothing.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "adamw_state_dict",
     "check",
     "dequantize",
+    "is_state_init_step",
     "load",
     "quantize",
     "run_load_pre_hooks",
@@ -52,25 +54,39 @@ __all__ = [
 ]
 
 
-# ------------------------------------------------------------------------------------------------------------ saving
-def is_state_init_step(opt: FP8AdamW) -> bool:
-    """Whether this step only creates the states, as torch steps an optimizer without state on zero gradients so that
-    it has states to save or load into: torch.distributed.checkpoint's ``get_state_dict`` /
-    ``get_optimizer_state_dict`` at lr 0 (also inside Lightning's and Accelerate's sharded checkpointing), and
-    ``_NamedOptimizer.init_state`` at the real lr, before any loss was scaled. Those gradients never came from a
-    scaled loss: a ``grad_scaler`` refused the step (DCP's left lr at 0, which torch restores only after the step) or
-    counted it as a training step. Read only where no state exists yet (a sync per gradient, once)."""
-    if opt.state or opt._pending:
+# ------------------------------------------------------------------------------------------------------ state init
+# torch's functions that step an optimizer without state on zero gradients, only so that it has states to save or
+# load into: torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict (lr set to 0; also inside
+# Lightning's and Accelerate's sharded checkpointing), and _NamedOptimizer.init_state (at the real lr).
+_STATE_INIT_CALLERS = {
+    ("torch.distributed.checkpoint.state_dict", "_init_optim_state"),
+    ("torch.distributed.optim.named_optimizer", "init_state"),
+}
+_CALLER_DEPTH = 16  # frames between them and this check: torch's step wrappers, Accelerate's, FP8AdamW.step
+
+
+def is_state_init_step(opt: torch.optim.Optimizer) -> bool:
+    """Whether this step is one of torch's state-making steps (``_STATE_INIT_CALLERS``), which a ``grad_scaler``
+    must not see: no loss was scaled for those zero gradients, so it refused the step (leaving DCP's lr at 0, which
+    torch restores only after the step) or counted it as a training step. Told by the caller, not by the values: the
+    same answer on every rank (a rank's zero gradient shards at a genuine first step at lr 0 must not take another
+    path than the others, whose scaler step is a collective) and no device read. An optimizer with state is in none
+    (torch steps only those without), nor one holding FP8 gradients (fp8_grads: they leave ``param.grad`` None, so
+    torch steps after a backward too; they came from a scaled loss, which the scaler unscales); the frames are walked
+    only otherwise."""
+    if opt.state or getattr(opt, "_pending", None):
         return False
-    groups = opt.param_groups
-    scaler = opt.grad_scaler
-    if scaler is not None and scaler.loss_was_scaled:  # a training step's zero gradients, unless DCP's lr 0
-        if not all("lr" in g and float(g["lr"]) == 0.0 for g in groups):
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_DEPTH):
+        if frame is None:
             return False
-    grads = [shards.local(p.grad) for g in groups for p in g["params"] if p.grad is not None]
-    return bool(grads) and not any(bool(g.any()) for g in grads)
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _STATE_INIT_CALLERS:
+            return True
+        frame = frame.f_back
+    return False
 
 
+# ------------------------------------------------------------------------------------------------------------ saving
 def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Add ``"master"`` (the parameter's own storage) for adopted weights, without touching ``opt.state``."""
     packed = dict(state_dict["state"])

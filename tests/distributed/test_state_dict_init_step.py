@@ -25,11 +25,11 @@ state_dict_api = pytest.importorskip("torch.distributed.checkpoint.state_dict")
 LR = 1e-2
 
 
-def _build(recipe: str) -> tuple[nn.Module, FP8AdamW, FP8GradScaler]:
+def _build(recipe: str, **kwargs) -> tuple[nn.Module, FP8AdamW, FP8GradScaler]:
     torch.manual_seed(0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)), FP8Recipe.from_name(recipe))
     scaler = FP8GradScaler(model=model, init_scale=2.0**4, growth_interval=2)
-    return model, FP8AdamW(model.parameters(), lr=LR, grad_scaler=scaler), scaler
+    return model, FP8AdamW(model.parameters(), lr=LR, grad_scaler=scaler, **kwargs), scaler
 
 
 def _steps(model: nn.Module, opt: FP8AdamW, scaler: FP8GradScaler, first: int, n: int) -> list[float]:
@@ -72,17 +72,41 @@ def test_a_loss_scaled_before_does_not_make_the_init_step_count():
     assert [group["lr"] for group in new.param_groups] == [LR]
 
 
-def test_a_zero_gradient_training_step_at_lr_0_with_state_still_goes_to_the_scaler():
-    """Only an optimizer without state takes the plain step: later steps at lr 0 (a warm-up schedule) go through
-    the scaler as any other."""
-    model, opt, scaler = _build("fp8-lm")
-    _steps(model, opt, scaler, 0, 1)
-    opt.param_groups[0]["lr"] = 0.0
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with pytest.raises(RuntimeError, match="no loss was scaled"):  # a fresh scaler: refused, nothing changed
-        opt.grad_scaler = FP8GradScaler(model=model)
+@pytest.mark.parametrize("fp8_grads", [False, True])
+def test_a_genuine_first_step_at_lr_0_with_zero_gradients_goes_to_the_scaler(fp8_grads):
+    """A training step is no state-making step whatever its values: the first step of a warm-up from lr 0 on a batch
+    whose loss has zero gradients is the scaler's, as any other (a rank deciding from its own gradient shards would
+    skip the scaler's collective while the others ran it). The same run without zero gradients is the reference for
+    what the scaler counts."""
+    trackers = []
+    for zero in (True, False):
+        model, opt, scaler = _build("fp8-lm-o1", fp8_grads=fp8_grads)
+        opt.param_groups[0]["lr"] = 0.0
+        out = model(torch.randn(4, 32))
+        scaler.scale_loss(out.sum() * 0.0 if zero else out.pow(2).mean()).backward()
         opt.step()
+        trackers.append((scaler.growth_tracker, len(scaler.history), scaler.get_scale()))
+    assert trackers[0] == trackers[1] == (1, 0, 2.0**4)
+
+
+def test_state_dict_template_while_fp8_gradients_are_held_is_no_plain_step():
+    """FP8-held gradients (fp8_grads) leave param.grad None, so torch's get_state_dict steps an optimizer without state
+    after a backward too: that step has gradients, scaled by mu, and goes to the scaler, which unscales them (a plain
+    step took them times mu into the first moment)."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 16, bias=False)),
+                           "fp8-lm-o1")  # fmt: skip
+    scaler = FP8GradScaler(model=model, init_scale=2.0**4)
+    opt = FP8AdamW(model.parameters(), lr=LR, grad_scaler=scaler, recipe="fp8-lm-o1")
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32)
+    scaler.scale_loss(model(x).pow(2).mean()).backward()
+    assert all(p.grad is None for p in model.parameters())  # held in FP8 by the optimizer (fp8_grads): torch steps
+    state_dict_api.get_state_dict(model, opt)
+    reference(x).pow(2).mean().backward()
+    want = (1 - opt.param_groups[0]["betas"][0]) * reference[0].weight.grad  # the first moment of one AdamW step
+    got = opt.state[model[0].weight]["exp_avg"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0.15 * float(want.abs().max()))  # E5M2 gradient, FP8 forward
 
 
 @pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-o1"])

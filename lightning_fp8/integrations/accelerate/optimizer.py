@@ -20,7 +20,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from typing_extensions import override
 
 from lightning_fp8.integrations.clipping import UnscaledGradients
-from lightning_fp8.optim import FP8AdamW, swap
+from lightning_fp8.optim import FP8AdamW, checkpoint, swap
 
 _OPT_OUT = "launch with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
 
@@ -168,6 +168,9 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
                 "FP8-LM optimizer steps take no closure: the loss is scaled by mu in accelerator.backward and the "
                 "step may be skipped on a non-finite gradient, which a closure re-evaluation cannot follow"
             )
+        if checkpoint.is_state_init_step(self.optimizer):  # torch's state-making step (DCP): no loss, no scaler
+            self.optimizer.step()
+            return
         self.scale_back()  # the step unscales by mu itself (and checks the gradients as they then are)
         if not self.gradient_state.sync_gradients:
             return

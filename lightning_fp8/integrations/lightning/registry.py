@@ -15,8 +15,8 @@ For ``LightningCLI`` (jsonargparse validates ``--trainer.precision`` against ``T
 the recipe names are added to that annotation; ``--trainer.plugins lightning_fp8.FP8LMPrecision`` works too.
 
 :func:`register` is idempotent and runs for both the ``lightning`` and ``pytorch_lightning`` namespaces that are
-installed. If Lightning's internals move, it warns once (``Trainer(plugins=[FP8LMPrecision()])`` keeps working)
-and ``tests/integrations/lightning/test_registry.py`` fails loudly.
+installed. If Lightning's internals move, it warns once (``Trainer(plugins=[FP8LMPrecision()])`` keeps working;
+Fabric's hook has its own warning) and ``tests/integrations/lightning/test_registry.py`` fails loudly.
 """
 
 from __future__ import annotations
@@ -72,6 +72,16 @@ def register() -> None:
                 f"use Trainer(plugins=[lightning_fp8.FP8LMPrecision()]) instead, and please report this "
                 f"{namespace} version"
             )
+            continue
+        try:
+            _refuse_in_fabric(namespace)
+        except (ImportError, AttributeError, TypeError) as err:
+            warn_once(
+                f"lightning_fp8 could not hook into {_FABRIC_CONNECTOR[namespace]} ({err}): the Trainer works, but "
+                "Fabric(precision='fp8-lm') fails with Lightning's own error (Fabric is not supported: use "
+                f"lightning_fp8.convert_to_fp8, FP8AdamW and FP8GradScaler in a Fabric loop); please report this "
+                f"{namespace} version"
+            )
 
 
 def is_registered(namespace: str = "lightning") -> bool:
@@ -96,7 +106,6 @@ def _register_namespace(namespace: str) -> None:
         connector._check_config_and_set_final_flags = _wrap_check_config(original, namespace)
     _register_strategy(namespace)
     _extend_trainer_annotation(namespace)
-    _refuse_in_fabric(namespace)
 
 
 # Fabric's connector, which reads Fabric(precision=..., plugins=...) as the Trainer's does.
@@ -123,14 +132,17 @@ def _refuse_in_fabric(namespace: str) -> None:
         from lightning_fp8.integrations.lightning.precision import precision_class
         from lightning_fp8.integrations.lightning.refusals import fabric_unsupported
 
-        flags = signature.bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs)
+        flags = bound.arguments
         precision = flags.get("precision")
         if isinstance(precision, str) and (precision in precision_names() or _near_fp8_name(precision)):
             raise ValueError(f"Fabric(precision={precision!r}): " + fabric_unsupported("Leave precision unset"))
-        ours = tuple(precision_class(ns) for ns in NAMESPACES if _is_installed(ns))
-        if any(isinstance(p, ours) for p in _as_list(flags.get("plugins"))):
-            raise TypeError(fabric_unsupported("Drop FP8LMPrecision from Fabric(plugins=...)"))
-        return original(self, *args, **kwargs)
+        if flags.get("plugins") is not None:  # read once: an iterator given as plugins goes on as the list it held
+            flags["plugins"] = plugin_list = _as_list(flags["plugins"])
+            ours = tuple(precision_class(ns) for ns in NAMESPACES if _is_installed(ns))
+            if any(isinstance(p, ours) for p in plugin_list):
+                raise TypeError(fabric_unsupported("Drop FP8LMPrecision from Fabric(plugins=...)"))
+        return original(*bound.args, **bound.kwargs)
 
     setattr(_check_config_and_set_final_flags, _MARK, True)
     connector._check_config_and_set_final_flags = _check_config_and_set_final_flags

@@ -208,6 +208,20 @@ def test_save_and_load_state_restore_scaling_state_and_mu(tmp_path):
     assert accelerator.fp8_health.summary()["last"]["loss"] == state["health"]["series"]["loss"][-1][1]
 
 
+def test_dcp_state_dict_of_the_prepared_optimizer_before_any_step():
+    """torch.distributed.checkpoint's get_state_dict steps an optimizer without state on zero gradients at lr 0 (its
+    template); through the prepared optimizer that step went to the FP8GradScaler, which refused it ("no loss was
+    scaled") and left lr at 0. The template now has every state; the lr and the scaler are as they were."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    accelerator, model, optimizer, scheduler = _setup()
+    _, optim_sd = get_state_dict(model, optimizer)
+    assert set(optim_sd["state"]) == {name for name, _ in model.named_parameters()}
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-2, 1e-2]
+    assert accelerator.fp8_grad_scaler.history == () and all(p.grad is None for p in model.parameters())
+
+
 def _fc2_poisoned_loss(model, batch):
     """A non-finite loss whose non-finite gradients reach fc2 (and the layers after it) but not fc1."""
     x, y = batch

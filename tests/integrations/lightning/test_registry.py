@@ -243,6 +243,41 @@ def test_moved_internals_warn_instead_of_breaking_the_import(monkeypatch):
     assert not getattr(Connector._check_config_and_set_final_flags, registry._MARK, False)
 
 
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_fabric_internals_are_where_the_registry_expects_them(namespace):
+    # If this fails, Lightning moved the Fabric code registry.py hooks into (to refuse FP8 precisions when Fabric is
+    # built): update registry.py for the new version.
+    connector = importlib.import_module(registry._FABRIC_CONNECTOR[namespace])._Connector
+    method = connector._check_config_and_set_final_flags
+    assert getattr(method, registry._MARK, False), "not hooked"
+    assert {"precision", "plugins"} <= set(inspect.signature(inspect.unwrap(method)).parameters)
+
+
+def test_moved_fabric_internals_warn_and_leave_the_trainer_registered(monkeypatch):
+    class Connector:  # a future Fabric whose connector no longer takes `plugins` here
+        def _check_config_and_set_final_flags(self, strategy, accelerator, precision):
+            pass
+
+    fake = type(sys)("fake_fabric_connector")
+    fake._Connector = Connector
+    real_import, fabric_modules = importlib.import_module, registry._FABRIC_CONNECTOR.values()
+    monkeypatch.setattr(registry.importlib, "import_module",
+                        lambda name: fake if name in fabric_modules else real_import(name))  # fmt: skip
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    with pytest.warns(UserWarning, match=r"could not hook into lightning.fabric.connector.*the Trainer works"):
+        registry.register()
+    assert not getattr(Connector._check_config_and_set_final_flags, registry._MARK, False)
+    assert registry.is_registered("lightning")
+
+
+def test_fabric_takes_its_plugins_as_an_iterator():
+    """The refusal's wrapper read Fabric(plugins=...) and handed Fabric the used-up iterator: its plugins were lost."""
+    from lightning.fabric.plugins import HalfPrecision
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=iter([HalfPrecision("bf16-true")]))
+    assert isinstance(fabric._precision, HalfPrecision)
+
+
 @pytest.mark.parametrize("name", ["FSDP_FP8", "Fsdp_Fp8"])
 def test_fsdp_fp8_strategy_name_is_case_insensitive_as_in_lightning(name):
     # Lightning lowercases strategy names: "FSDP_FP8" is fsdp_fp8 and implies the FP8 precision as well.
