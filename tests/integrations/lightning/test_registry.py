@@ -229,18 +229,29 @@ def test_pytorch_lightning_trainer_fits_in_fp8(monkeypatch):
     assert "fp8/input/scale_min" in scale.last_metrics and "health/grad_norm" in health.last_metrics  # callbacks too
 
 
-def test_moved_internals_warn_instead_of_breaking_the_import(monkeypatch):
-    class Connector:  # a future Lightning whose connector no longer takes `precision` here
-        def _check_config_and_set_final_flags(self, strategy, accelerator, plugins):
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [("trainer", r"could not register precision='fp8-lm'.*plugins=\[lightning_fp8"),
+     ("fabric", r"could not hook into lightning.fabric.connector.*the Trainer works")],
+)  # fmt: skip
+def test_moved_internals_warn_instead_of_breaking_the_import(monkeypatch, target, match):
+    class Connector:  # a future Lightning whose connectors no longer take `precision` and `plugins` here
+        def _check_config_and_set_final_flags(self, strategy, accelerator):
             pass
 
     fake = type(sys)("fake_connector")
-    fake._AcceleratorConnector = Connector
-    monkeypatch.setattr(registry, "_connector_module", lambda namespace: fake)
+    fake._AcceleratorConnector = fake._Connector = Connector
+    if target == "trainer":
+        monkeypatch.setattr(registry, "_connector_module", lambda namespace: fake)
+    else:  # Fabric's alone: the Trainer stays registered
+        real_import, fabric_modules = importlib.import_module, registry._FABRIC_CONNECTOR.values()
+        monkeypatch.setattr(registry.importlib, "import_module",
+                            lambda name: fake if name in fabric_modules else real_import(name))  # fmt: skip
     monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-    with pytest.warns(UserWarning, match=r"could not register precision='fp8-lm'.*plugins=\[lightning_fp8"):
+    with pytest.warns(UserWarning, match=match):
         registry.register()
     assert not getattr(Connector._check_config_and_set_final_flags, registry._MARK, False)
+    assert registry.is_registered("lightning") == (target == "fabric")
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
@@ -251,23 +262,6 @@ def test_fabric_internals_are_where_the_registry_expects_them(namespace):
     method = connector._check_config_and_set_final_flags
     assert getattr(method, registry._MARK, False), "not hooked"
     assert {"precision", "plugins"} <= set(inspect.signature(inspect.unwrap(method)).parameters)
-
-
-def test_moved_fabric_internals_warn_and_leave_the_trainer_registered(monkeypatch):
-    class Connector:  # a future Fabric whose connector no longer takes `plugins` here
-        def _check_config_and_set_final_flags(self, strategy, accelerator, precision):
-            pass
-
-    fake = type(sys)("fake_fabric_connector")
-    fake._Connector = Connector
-    real_import, fabric_modules = importlib.import_module, registry._FABRIC_CONNECTOR.values()
-    monkeypatch.setattr(registry.importlib, "import_module",
-                        lambda name: fake if name in fabric_modules else real_import(name))  # fmt: skip
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-    with pytest.warns(UserWarning, match=r"could not hook into lightning.fabric.connector.*the Trainer works"):
-        registry.register()
-    assert not getattr(Connector._check_config_and_set_final_flags, registry._MARK, False)
-    assert registry.is_registered("lightning")
 
 
 def test_fabric_takes_its_plugins_as_an_iterator():
