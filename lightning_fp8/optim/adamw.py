@@ -290,6 +290,9 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; also drops the FP8 gradients this optimizer holds, which
         ``model.zero_grad()`` cannot reach (their ``param.grad`` is ``None``, see ``fp8_grads``)."""
+        if self._pending and checkpoint.is_state_init_step(self):  # after torch's state-making step: only its zeros
+            super().zero_grad(set_to_none)
+            return
         if not set_to_none:  # as torch.optim: a parameter that had a gradient keeps a zero one (and is stepped)
             self._grad_casts.flush(self)
             for p in (*self._stepped_fp8_grads, *self._pending):
@@ -329,7 +332,10 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self._admit_unseen()
         if self._fp8_unscale is not None:  # FP8GradScaler.step(self) decided to step: unscale by its mu
             self._fp8_step(self._fp8_unscale)
-        elif self.grad_scaler is not None and not checkpoint.is_state_init_step(self):
+        elif checkpoint.is_state_init_step(self):  # torch's state-making step: its zero gradients, not the scaler's
+            if not self._pending:  # FP8-held gradients (param.grad None to torch): no step, as with gradients
+                self._fp8_step(1.0)
+        elif self.grad_scaler is not None:
             self._fp8_in_step = True  # the scaler updates directly (this call is the step schedulers and hooks see)
             try:
                 self.grad_scaler.step(self)

@@ -55,31 +55,28 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------------------ state init
-# torch's functions that step an optimizer without state on zero gradients, only so that it has states to save or
-# load into: torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict (lr set to 0; also inside
-# Lightning's and Accelerate's sharded checkpointing), and _NamedOptimizer.init_state (at the real lr).
+# torch's functions that step an optimizer on zero gradients only so that it has states to save or load into:
+# torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict (an optimizer without state or gradients,
+# lr set to 0; also inside Lightning's and Accelerate's sharded checkpointing), and _NamedOptimizer.init_state (at
+# the real lr).
 _STATE_INIT_CALLERS = {
     ("torch.distributed.checkpoint.state_dict", "_init_optim_state"),
     ("torch.distributed.optim.named_optimizer", "init_state"),
 }
-_CALLER_DEPTH = 16  # frames between them and this check: torch's step wrappers, Accelerate's, FP8AdamW.step
 
 
 def is_state_init_step(opt: torch.optim.Optimizer) -> bool:
-    """Whether this step is one of torch's state-making steps (``_STATE_INIT_CALLERS``), which a ``grad_scaler``
-    must not see: no loss was scaled for those zero gradients, so it refused the step (leaving DCP's lr at 0, which
-    torch restores only after the step) or counted it as a training step. Told by the caller, not by the values: the
-    same answer on every rank (a rank's zero gradient shards at a genuine first step at lr 0 must not take another
-    path than the others, whose scaler step is a collective) and no device read. An optimizer with state is in none
-    (torch steps only those without), nor one holding FP8 gradients (fp8_grads: they leave ``param.grad`` None, so
-    torch steps after a backward too; they came from a scaled loss, which the scaler unscales); the frames are walked
-    only otherwise."""
-    if opt.state or getattr(opt, "_pending", None):
+    """Whether this call (a step, or the ``zero_grad`` after it) comes from one of torch's state-making steps
+    (``_STATE_INIT_CALLERS``), which a ``grad_scaler`` must not see: no loss was scaled for those zero gradients, so it
+    refused the step (leaving DCP's lr at 0, which torch restores only after the step) or counted it as a training
+    step. Told by the caller, not by the values: the same answer on every rank (a rank's zero gradient shards at a
+    genuine first step at lr 0 must not take another path than the others, whose scaler step is a collective) and no
+    device read. Only an optimizer without state is taken for one (a second ``init_state`` steps as any step: the
+    scaler refuses it, as no loss was scaled); the stack is walked only then (once, at the first step)."""
+    if opt.state:
         return False
     frame = sys._getframe(1)
-    for _ in range(_CALLER_DEPTH):
-        if frame is None:
-            return False
+    while frame is not None:  # any depth: Lightning's, Accelerate's and torch's wrappers of step lie between
         if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _STATE_INIT_CALLERS:
             return True
         frame = frame.f_back

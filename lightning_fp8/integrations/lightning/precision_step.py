@@ -30,6 +30,7 @@ from lightning_fp8.integrations.clipping import (
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
 from lightning_fp8.integrations.lightning.callbacks import SCALED_GRADIENTS_MARK, _unwrap_optimizer
+from lightning_fp8.optim import checkpoint
 
 
 class _PrecisionStep:
@@ -48,6 +49,8 @@ class _PrecisionStep:
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("precision='fp8-lm' cannot step LBFGS (its closure re-evaluates the loss): use AdamW")
+        if checkpoint.is_state_init_step(optimizer):  # torch's state-making step (DCP): no loss, hooks or scaler
+            return optimizer.step()
         closure_result = closure()
         # training_step returned None in automatic optimization: no backward ran for this micro-batch. The earlier ones
         # of its accumulation window may have left gradients, which are stepped, as torch.optim steps them under

@@ -1149,3 +1149,41 @@ def test_model_pruning_of_converted_layers_is_refused_and_runs_on_layers_left_in
     assert module.model.lm_head is head and not isinstance(head, FP8Linear)
     assert isinstance(module.model.blocks[0].mlp[0], FP8Linear)
     assert (head.weight == 0).float().mean().item() == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("kind", ["fp8adamw", "sgd"])
+def test_dcp_state_dict_of_the_lightning_optimizer_before_the_first_step(kind):
+    """torch.distributed.checkpoint's get_optimizer_state_dict steps an optimizer without state on zero gradients at
+    lr 0; given the LightningOptimizer, that step runs through the plugin's optimizer_step, which sent an optimizer
+    that does not hold the scaler (SGD with momentum, replace_optimizers=False) to FP8GradScaler.step: refused ("no
+    loss was scaled"), lr left at 0, after on_before_optimizer_step hooks on the zeros. It is the optimizer's own
+    plain step now: the states exist, lr is back, the scaler and the hooks saw nothing."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    class Module(GPTModule):
+        before_step_calls = 0
+
+        def configure_optimizers(self):
+            if kind == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            return super().configure_optimizers()
+
+        def on_before_optimizer_step(self, optimizer):
+            self.before_step_calls += 1
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            raw = trainer.optimizers[0]
+            lrs = [group["lr"] for group in raw.param_groups]
+            state = get_optimizer_state_dict(pl_module, pl_module.optimizers())["state"]
+            self.result = (len(state), [group["lr"] for group in raw.param_groups] == lrs, pl_module.before_step_calls,
+                           trainer.precision_plugin.grad_scaler.history)  # fmt: skip
+            raise SystemExit
+
+    probe = Probe()
+    plugins = {"precision": None, "plugins": [FP8LMPrecision(replace_optimizers=False)]} if kind == "sgd" else {}
+    module = Module(optimizer="fp8adamw") if kind == "fp8adamw" else Module()
+    with contextlib.suppress(SystemExit):
+        _trainer(max_steps=1, callbacks=[probe], **plugins).fit(module, loader(n=8))
+    trainable = sum(1 for p in module.parameters() if p.requires_grad)  # a state each
+    assert probe.result == (trainable, True, 0, ())
