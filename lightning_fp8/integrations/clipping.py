@@ -79,7 +79,8 @@ def clip_grad_norm_fp32(
     """Clip gradients that carry a factor ``grad_scale`` as if they did not; return the unscaled ``norm_type`` norm.
 
     Replicated gradients (one process, DDP). Norms are computed in fp32 whatever the gradients' dtype; a
-    non-finite norm leaves non-finite gradients behind, which the gradient scaler then skips. The gradients an
+    non-finite norm leaves each gradient 0 or NaN (as torch's clip_grad_norm_: multiplied by ``max_norm / norm``), a
+    step the gradient scaler then skips. The gradients an
     FP8AdamW holds in FP8 for these parameters (``fp8_grads``) count and are clipped too, through their scales.
     ``check`` is called with the unscaled norm before anything is clipped (it may raise).
     """
