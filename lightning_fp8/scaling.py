@@ -181,6 +181,10 @@ class ScalingState(nn.Module):
         # (amax 0) or of one with inf or NaN (recorded in the history as 0) leaves it unset. Set again when a saved
         # state is loaded (lightning_fp8.state).
         self.initialized = False
+        # Graphs traced before any backward cast of this (grad_output) role that counted as its first
+        # (matmul._first_backward); a dynamo guard of those graphs.
+        self.first_backward_graphs = 0
+        _BY_ID[id(self)] = self
         f32 = {"dtype": torch.float32, "device": device}
         i64 = {"dtype": torch.int64, "device": device}
         # Ordinary tensors even when the layer is built under torch.inference_mode(): every forward updates them in
@@ -193,6 +197,11 @@ class ScalingState(nn.Module):
             self.register_buffer("saturation", torch.zeros((), **f32), persistent=False)
             self.register_buffer("nonfinite_count", torch.zeros((), **i64), persistent=False)
             self.register_buffer("casts", torch.zeros((), **i64), persistent=False)
+
+    def __setstate__(self, state: dict) -> None:  # deepcopy, pickle: a new object
+        super().__setstate__(state)
+        self.__dict__.setdefault("first_backward_graphs", 0)  # pickled before it existed
+        _BY_ID[id(self)] = self
 
     def extra_repr(self) -> str:
         kind = "delayed" if self.delayed else "current"
@@ -453,6 +462,15 @@ class ScalingState(nn.Module):
 # ScalingState -> (pinned host copy of an amax, the event after its copy): note_cast's reads on their way (kept off
 # the module, which is deep-copied and pickled).
 _SEEN_AMAX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# id -> ScalingState, for functions that dynamo runs at trace time on the real state (it passes them only constants).
+_BY_ID: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def state_by_id(key: int) -> ScalingState | None:
+    """The live ScalingState whose ``id()`` is ``key``, or None."""
+    return _BY_ID.get(key)
 
 
 @torch.compiler.assume_constant_result

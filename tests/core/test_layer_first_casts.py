@@ -104,21 +104,77 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().sum() * TINY
 
 
-@pytest.mark.parametrize("use", ["twice_in_one_graph", "micro_batches_then_one_backward"])
-def test_layer_forwarded_several_times_before_its_first_backward(use):
+def _several_uses(module: nn.Module, x: torch.Tensor, use: str) -> None:
+    if use == "twice_in_one_graph":
+        _loss(module(module(x))).backward()
+    elif use == "micro_batches_then_one_backward":
+        sum(_loss(module(chunk)) for chunk in x.chunk(4)).backward()
+    else:  # a forward whose graph is dropped (its backward never runs), then the step
+        module(x.clone().requires_grad_())
+        _loss(module(x)).backward()
+
+
+USES = ["twice_in_one_graph", "micro_batches_then_one_backward", "graph_without_backward"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("use", USES)
+def test_layer_forwarded_several_times_before_its_first_backward(use, compiled):
     """Weight sharing and micro-batches summed into one backward: the gradients are FP8-accurate against nn.Linear.
-    (With the first backward cast at scale 1 they were all zero, or most of them.)"""
+    (With the first backward cast at scale 1 they were all zero, or most of them; compiled, where the first traced
+    use marks the role before any backward ran, the later uses' casts got that scale until 2026-12-05.)"""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     layer = FP8Linear(32, 32, bias=False)
     ref = nn.Linear(32, 32, bias=False)
     ref.weight.data.copy_(layer.weight.data)
     x = torch.randn(64, 32)
-    for module in (layer, ref):
-        if use == "twice_in_one_graph":
-            _loss(module(module(x))).backward()
-        else:
-            sum(_loss(module(chunk)) for chunk in x.chunk(4)).backward()
+    fp8 = torch.compile(layer, backend="aot_eager") if compiled else layer
+    for module in (fp8, ref):
+        _several_uses(module, x, use)
     assert sqnr(layer.weight.grad, ref.weight.grad) > BACKWARD_SQNR_DB
+
+
+@pytest.mark.parametrize("use", USES)
+def test_compiled_first_step_graphs_serve_only_the_first_step(use):
+    """The graphs traced before the layer's first backward cast every output gradient with its own amax; from the
+    next step on, one graph with the delayed scale (from the first step's history) serves every call, and the steps
+    after the first are FP8-accurate against nn.Linear."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 32, bias=False)
+    ref = nn.Linear(32, 32, bias=False)
+    ref.weight.data.copy_(layer.weight.data)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter)
+    graphs = []
+    for step in range(3):
+        x = torch.randn(64, 32)
+        for module in (compiled, ref):
+            module.zero_grad()
+            _several_uses(module, x, use)
+        assert sqnr(layer.weight.grad, ref.weight.grad) > BACKWARD_SQNR_DB, step
+        graphs.append(counter.frame_count)
+    assert graphs[0] < graphs[1] == graphs[2]
+    assert not layer.fp8_scaling["grad_output"].needs_current_scale()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_mlp_applied_twice_before_its_first_backward(compiled):
+    """FP8MLP's two grad_output roles with the MLP applied twice in one graph: FP8-accurate against the fp32 MLP."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = FP8MLP(32, 64, bias=False)
+    hp = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False))
+    hp.load_state_dict({"0.weight": mlp.fc.weight, "2.weight": mlp.proj.weight})
+    x = torch.randn(48, 32)
+    fp8 = torch.compile(mlp, backend="aot_eager") if compiled else mlp
+    for module in (fp8, hp):
+        _loss(module(module(x))).backward()
+    assert sqnr(mlp.fc.weight.grad, hp[0].weight.grad) > BACKWARD_SQNR_DB
+    assert sqnr(mlp.proj.weight.grad, hp[2].weight.grad) > BACKWARD_SQNR_DB
 
 
 @pytest.mark.parametrize("before", ["no_grad_eval", "empty_batch"])
