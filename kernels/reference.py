@@ -119,7 +119,9 @@ def dequantize_ref(x_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor
 # error of at most amax / 14000). The cap keeps inputs down to -14 (E4M3's 448 / 32) unsaturated whatever that amax:
 # where every input is strongly negative the GELU output's amax is tiny, and -16 times it alone would saturate inputs
 # whose gelu' is about 0 to a point where it is not (gradients off by orders of magnitude); below -14 gelu and gelu'
-# are 0 in fp32.
+# are 0 in fp32. The cap bounds the precision too: the kept values are multiples of E4M3's smallest step at that scale,
+# 2**-14, so the bounds above hold where the GELU output's amax is about 1 or more; inputs under 2**-15 in magnitude
+# are kept as 0 whatever the amax (a model whose pre-activations are all that small loses its GELU gradients).
 PRE_ACTIVATION_HEADROOM = 4
 PRE_ACTIVATION_MAX_SCALE = 2.0**5
 
