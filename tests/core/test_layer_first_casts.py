@@ -135,23 +135,24 @@ def test_layer_forwarded_several_times_before_its_first_backward(use, compiled):
     assert sqnr(layer.weight.grad, ref.weight.grad) > BACKWARD_SQNR_DB
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("use", USES)
-def test_compiled_first_step_graphs_serve_only_the_first_step(use):
+def test_compiled_first_step_graphs_serve_only_the_first_step(use, device):
     """The graphs traced before the layer's first backward cast every output gradient with its own amax; from the
     next step on, one graph with the delayed scale (from the first step's history) serves every call, and the steps
-    after the first are FP8-accurate against nn.Linear."""
+    after the first are FP8-accurate against nn.Linear. On a GPU: inductor, the Triton casts, real FP8 GEMMs."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = FP8Linear(32, 32, bias=False)
-    ref = nn.Linear(32, 32, bias=False)
+    layer = FP8Linear(32, 32, bias=False, device=device)
+    ref = nn.Linear(32, 32, bias=False, device=device)
     ref.weight.data.copy_(layer.weight.data)
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("aot_eager" if device == "cpu" else "inductor")
     compiled = torch.compile(layer, backend=counter)
     graphs = []
     for step in range(3):
-        x = torch.randn(64, 32)
+        x = torch.randn(64, 32, device=device)
         for module in (compiled, ref):
             module.zero_grad()
             _several_uses(module, x, use)
