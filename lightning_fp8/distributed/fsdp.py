@@ -117,9 +117,9 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
             continue
         flat = handle.flat_param
         # _numels_with_padding: each parameter and each alignment gap, in flat order; the flat gradient the
-        # hook sees is then padded to a multiple of the world size.
+        # hook sees is then padded to a multiple of the world size where it is sharded (NO_SHARD: as it is).
         numels = list(getattr(flat, "_numels_with_padding", None) or [flat.numel()])
-        total = -(-sum(numels) // world) * world
+        total = -(-sum(numels) // world) * world if handle.uses_sharded_strategy else sum(numels)
         layout = SegmentLayout.per_tensor(numels).padded(total)
         layouts[total] = _refine(layouts[total], layout) if total in layouts else layout
     state._fsdp1_layouts = layouts

@@ -165,8 +165,55 @@ def _fsdp1(rank: int, world: int) -> dict:
     return res
 
 
+class _TwoScales(nn.Module):
+    """A flat parameter of 256 + 15 elements (no multiple of the world size): gradients of 1e4 and of 1e-6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(256))
+        self.b = nn.Parameter(torch.ones(15))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a * x[:256]).sum() * 1e4 + (self.b * x[256:]).sum() * 1e-6
+
+
+def _fsdp1_unpadded(rank: int, world: int) -> dict:
+    """NO_SHARD hands the hook the flat gradient as it is, not padded to a multiple of the world size: its layout is
+    still one scale per parameter, so the small gradient beside the large one survives (with one scale per block it
+    was flushed to zero)."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from lightning_fp8.distributed import enable_fp8_fsdp1
+
+    out = {}
+    for strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.FULL_SHARD):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = FSDP(_TwoScales(), device_id=torch.device("cpu"), use_orig_params=False,
+                         sharding_strategy=strategy)  # fmt: skip
+            enable_fp8_fsdp1(model)
+            x = torch.linspace(0.5, 1.5, 271, dtype=torch.float64) * (1 + rank)
+            model(x.float()).backward()
+        flat = model._handle.flat_param.grad.reshape(-1)  # this rank's shard of the flat gradient (NO_SHARD: all)
+        if strategy != ShardingStrategy.NO_SHARD:
+            shards = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(shards, flat)
+            flat = torch.cat(shards)
+        grad_b = flat[256:271].double()
+        mean = x[256:] / (1 + rank) * sum(1 + r for r in range(world)) / world * 1e-6  # float64 mean over ranks
+        out[strategy.name] = {
+            "rel_err": float((grad_b - mean).abs().max() / mean.abs().max()),
+            "fallback": any("no parameter boundaries" in str(w.message) for w in caught),
+        }
+    return out
+
+
 def _worker2(rank: int, world: int) -> dict:
     return {
+        "fsdp1_unpadded": _fsdp1_unpadded(rank, world),
         "fp32": _train_fsdp2(rank, fp8_comm=False),
         "fp8": _train_fsdp2(rank, fp8_comm=True),
         "fp8_nan": _train_fsdp2(rank, fp8_comm=True, nan_step=NAN_STEP, steps=NAN_STEP + 3),
@@ -246,3 +293,11 @@ def test_fsdp1_reduce_scatter_hook_matches_fp32(results2):
         assert full["step_ok"]
         # NO_SHARD runs the all-reduce path; rank 0 planted a NaN there: every rank must refuse the step.
         assert not r["fsdp1"]["NO_SHARD"]["step_ok"]
+
+
+def test_fsdp1_hook_keeps_one_scale_per_parameter_of_an_unpadded_flat_gradient(results2):
+    for r in results2:
+        for strategy, got in r["fsdp1_unpadded"].items():
+            assert not got["fallback"], strategy
+            # E5M2 rounds twice on the all-reduce path (each rank's cast, the mean's): 2 * 2**-3 relative at most.
+            assert got["rel_err"] < 0.25, (strategy, got)
