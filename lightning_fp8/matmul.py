@@ -19,7 +19,7 @@ from torch import nn
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.autograd_rules import once_differentiable
 from lightning_fp8.recompute import ForwardCall, backward_ran, cast_current, replay_scales, restore_buffers
-from lightning_fp8.scaling import _tracing, state_by_id
+from lightning_fp8.scaling import backward_cast_pending, note_traced_mark
 
 # Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
 # instead of a separate dy.sum(0) pass over dy. The cast walks GROUP_M row tiles of a column block, adds them in
@@ -175,33 +175,15 @@ def backward_gemms(
 
 def current_flags(scaling: nn.ModuleDict) -> tuple[bool, bool]:
     """Whether a layer's ``(input, grad_output)`` casts compute their tensor's own amax: current scaling, or no
-    history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced."""
+    history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced.
+
+    Traced, a grad_output role that a traced forward marked (:func:`note_casts`) before any backward cast of it
+    (scaling.backward_cast_pending: a layer applied again in the same graph, micro-batches whose losses are summed into
+    one backward, a graph whose backward never ran) still takes its own amax: the backward runs the uses in reverse
+    order, and the delayed scale of the empty history, 1, flushes gradients under 2**-16 to zero in E5M2."""
     grad_output = scaling["grad_output"]
-    return scaling["input"].needs_current_scale(), grad_output.needs_current_scale() or _first_backward(grad_output)
-
-
-def _first_backward(state: nn.Module) -> bool:
-    """Traced: whether a grad_output role that :func:`note_casts` marked already must still cast this use's gradient
-    with its own amax, because no backward has cast one yet. The backward runs the uses in reverse order, so the mark
-    of a layer's first use in a graph would otherwise give a later use (a layer applied twice, a second micro-batch
-    whose loss is summed with the first's, a graph whose backward never ran) a delayed scale from an empty history: 1,
-    which flushes gradients under 2**-16 to zero in E5M2. Such a graph serves only that step: the count it raises is a
-    guard, and the next step's trace finds the history."""
-    if not torch.compiler.is_compiling() or not _no_backward_cast_yet(id(state)):
-        return False
-    state.first_backward_graphs += 1
-    return True
-
-
-@torch.compiler.assume_constant_result
-def _no_backward_cast_yet(key: int) -> bool:
-    # Run on the real state when the forward is traced (dynamo does not trace it, and passes it only constants): its
-    # flag as the frame found it (a first use in this frame marks it only in the trace) and the buffers the backward's
-    # casts have written.
-    state = state_by_id(key)
-    if state is None or state.casts.is_meta or _tracing(state.casts):  # export's fake buffers: nothing to read
-        return False
-    return not state.initialized or not (bool(state.casts) or bool(state.amax_history.any()))
+    pending = torch.compiler.is_compiling() and backward_cast_pending()
+    return scaling["input"].needs_current_scale(), grad_output.needs_current_scale() or pending
 
 
 def grad_output_current(traced_flag: bool) -> bool | None:
@@ -229,4 +211,8 @@ def note_casts(
     scaling["input"].note_cast(n, by_value)
     scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
     if torch.compiler.is_compiling() and (y.requires_grad if backward is None else backward):  # grad_output_current
-        scaling["grad_output"].note_cast(n, by_value)
+        grad_output = scaling["grad_output"]
+        if not grad_output.initialized:  # marked before its backward has run: see current_flags
+            grad_output.marked_by_trace = True
+            note_traced_mark()
+        grad_output.note_cast(n, by_value)

@@ -181,10 +181,10 @@ class ScalingState(nn.Module):
         # (amax 0) or of one with inf or NaN (recorded in the history as 0) leaves it unset. Set again when a saved
         # state is loaded (lightning_fp8.state).
         self.initialized = False
-        # Graphs traced before any backward cast of this (grad_output) role that counted as its first
-        # (matmul._first_backward); a dynamo guard of those graphs.
-        self.first_backward_graphs = 0
-        _BY_ID[id(self)] = self
+        # Set (at run time) by a traced forward that marked this grad_output role initialized; cleared once a trace
+        # finds that a backward cast it (backward_cast_pending).
+        self.marked_by_trace = False
+        _STATES.add(self)
         f32 = {"dtype": torch.float32, "device": device}
         i64 = {"dtype": torch.int64, "device": device}
         # Ordinary tensors even when the layer is built under torch.inference_mode(): every forward updates them in
@@ -200,8 +200,8 @@ class ScalingState(nn.Module):
 
     def __setstate__(self, state: dict) -> None:  # deepcopy, pickle: a new object
         super().__setstate__(state)
-        self.__dict__.setdefault("first_backward_graphs", 0)  # pickled before it existed
-        _BY_ID[id(self)] = self
+        self.__dict__.setdefault("marked_by_trace", False)  # pickled before it existed
+        _STATES.add(self)
 
     def extra_repr(self) -> str:
         kind = "delayed" if self.delayed else "current"
@@ -446,6 +446,7 @@ class ScalingState(nn.Module):
                 getattr(self, name).zero_()
             self.scale.fill_(1.0)
         self.initialized = False
+        self.marked_by_trace = False
         _SEEN_AMAX.pop(self, None)
         if held_casts:
             load_pairing.forget_state(self)
@@ -464,13 +465,47 @@ class ScalingState(nn.Module):
 _SEEN_AMAX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# id -> ScalingState, for functions that dynamo runs at trace time on the real state (it passes them only constants).
-_BY_ID: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Every live ScalingState, for backward_cast_pending; and the trace (torch._guards.TracingContext) that last marked a
+# grad_output role (note_traced_mark), weakly.
+_STATES: weakref.WeakSet = weakref.WeakSet()
+_MARKING_TRACE: list = [None]
 
 
-def state_by_id(key: int) -> ScalingState | None:
-    """The live ScalingState whose ``id()`` is ``key``, or None."""
-    return _BY_ID.get(key)
+def _current_trace() -> object | None:
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get()
+
+
+@torch.compiler.assume_constant_result
+def note_traced_mark() -> bool:
+    """Called by a traced forward that marks a grad_output role initialized (matmul.note_casts): dynamo runs it at trace
+    time instead of tracing it, and it remembers that trace."""
+    trace = _current_trace()
+    _MARKING_TRACE[0] = None if trace is None else weakref.ref(trace)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def backward_cast_pending() -> bool:
+    """Run at trace time (dynamo runs it instead of tracing it, and it installs no guard): whether a traced forward
+    marked a grad_output role initialized before any backward cast of it, in this trace itself (its mark is only in
+    the trace yet) or in a graph that ran (``marked_by_trace``) with no gradient cast since (no cast counted, an
+    empty history). Such graphs cast every output gradient with its own amax (matmul.current_flags), and keep it when
+    called again."""
+    marking = _MARKING_TRACE[0]
+    if marking is not None and marking() is not None and marking() is _current_trace():
+        return True
+    pending = False
+    with _disable_current_modes():
+        for state in list(_STATES):
+            if not state.marked_by_trace or state.casts.is_meta or _tracing(state.casts):
+                continue
+            if bool(state.casts) or bool(state.amax_history.any()):
+                state.marked_by_trace = False  # a backward has cast it: no need to look again
+            else:
+                pending = True
+    return pending
 
 
 @torch.compiler.assume_constant_result
