@@ -173,16 +173,22 @@ def backward_gemms(
     return dx, dw
 
 
-def current_flags(scaling: nn.ModuleDict) -> tuple[bool, bool]:
+def current_flags(scaling: nn.ModuleDict, by_value: bool = True) -> tuple[bool, bool]:
     """Whether a layer's ``(input, grad_output)`` casts compute their tensor's own amax: current scaling, or no
     history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced.
 
     Traced, a grad_output role that a traced forward marked (:func:`note_casts`) before any backward cast of it
     (scaling.backward_cast_pending: a layer applied again in the same graph, micro-batches whose losses are summed into
     one backward, a graph whose backward never ran) still takes its own amax: the backward runs the uses in reverse
-    order, and the delayed scale of the empty history, 1, flushes gradients under 2**-16 to zero in E5M2."""
+    order, and the delayed scale of the empty history, 1, flushes gradients under 2**-16 to zero in E5M2. The role's
+    own ``marked_by_trace`` is a guard (a value, the same for every layer), so a graph traced without a mark is not
+    reused once one stands. ``by_value=False`` (tensor parallelism, whose casts with their own amax are collectives):
+    only the role's flag decides, the same on every rank (see :func:`note_casts`)."""
     grad_output = scaling["grad_output"]
-    pending = torch.compiler.is_compiling() and backward_cast_pending()
+    pending = False
+    if by_value and torch.compiler.is_compiling():
+        pending = backward_cast_pending()  # first: it clears the marks of roles cast since, before any is read
+        pending = grad_output.marked_by_trace and pending  # read either way: a guard
     return scaling["input"].needs_current_scale(), grad_output.needs_current_scale() or pending
 
 
@@ -212,7 +218,7 @@ def note_casts(
     scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
     if torch.compiler.is_compiling() and (y.requires_grad if backward is None else backward):  # grad_output_current
         grad_output = scaling["grad_output"]
-        if not grad_output.initialized:  # marked before its backward has run: see current_flags
+        if by_value and not grad_output.initialized:  # marked before its backward has run: see current_flags
             grad_output.marked_by_trace = True
             note_traced_mark()
         grad_output.note_cast(n, by_value)

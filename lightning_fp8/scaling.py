@@ -181,8 +181,8 @@ class ScalingState(nn.Module):
         # (amax 0) or of one with inf or NaN (recorded in the history as 0) leaves it unset. Set again when a saved
         # state is loaded (lightning_fp8.state).
         self.initialized = False
-        # Set (at run time) by a traced forward that marked this grad_output role initialized; cleared once a trace
-        # finds that a backward cast it (backward_cast_pending).
+        # Set (at run time) by a traced forward that marked this grad_output role initialized; cleared once a cast
+        # recorded an amax, found by the next trace (backward_cast_pending) or eager cast (_check_traced_mark).
         self.marked_by_trace = False
         _STATES.add(self)
         f32 = {"dtype": torch.float32, "device": device}
@@ -222,6 +222,8 @@ class ScalingState(nn.Module):
             _settle_seen_amaxes()
         elif not self.initialized:
             self._take_seen_amax()
+        elif self.marked_by_trace:
+            self._check_traced_mark()
         return not self.initialized
 
     def settle(self) -> bool:
@@ -229,7 +231,20 @@ class ScalingState(nn.Module):
         a checkpoint, which must save what the next cast will do)."""
         if not self.initialized:
             self._take_seen_amax(wait=True)
+        elif self.marked_by_trace:
+            self._check_traced_mark()
         return self.initialized
+
+    def _check_traced_mark(self) -> None:
+        # Eagerly: a traced forward marked this role (marked_by_trace); until a cast records an amax, the history says
+        # nothing and the role is not initialized (a compiled forward whose backward never ran, then eager steps or a
+        # checkpoint). Reads the history (a device sync on a GPU), only while the mark stands.
+        history = self._buffers["amax_history"]
+        if history.is_meta or _tracing(history) or _capturing(history):
+            return
+        self.marked_by_trace = False
+        if not bool(history.any()):
+            self.initialized = False
 
     def set_initialized(self, flag: bool) -> None:
         """Set :attr:`initialized` from outside the casts (a checkpoint's saved flag): an amax read of
@@ -491,8 +506,8 @@ def backward_cast_pending() -> bool:
     """Run at trace time (dynamo runs it instead of tracing it, and it installs no guard): whether a traced forward
     marked a grad_output role initialized before any backward cast of it, in this trace itself (its mark is only in
     the trace yet) or in a graph that ran (``marked_by_trace``) with no gradient cast since (no cast counted, an
-    empty history). Such graphs cast every output gradient with its own amax (matmul.current_flags), and keep it when
-    called again."""
+    history). Such graphs cast the output gradients of the marked roles with their own amax (matmul.current_flags),
+    and keep it when called again."""
     marking = _MARKING_TRACE[0]
     if marking is not None and marking() is not None and marking() is _current_trace():
         return True
@@ -501,8 +516,11 @@ def backward_cast_pending() -> bool:
         for state in list(_STATES):
             if not state.marked_by_trace or state.casts.is_meta or _tracing(state.casts):
                 continue
-            if bool(state.casts) or bool(state.amax_history.any()):
-                state.marked_by_trace = False  # a backward has cast it: no need to look again
+            # Pending also after casts of all-zero gradients (amax 0), which initialize nothing eagerly either. A mark
+            # whose cast recorded an amax is cleared here, before the trace reads any flag (current_flags calls this
+            # first), so that a restarted analysis of the frame (after a graph break) reads what the first one read.
+            if bool(state.amax_history.any()):
+                state.marked_by_trace = False
             else:
                 pending = True
     return pending

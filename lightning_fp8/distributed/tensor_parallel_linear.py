@@ -394,7 +394,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
         localize_buffers(state)
     x, dim, out_placement = _layouts(layer, x, kind)
     fp8 = layer.fp8_scaling
-    current = current_flags(fp8)
+    current = current_flags(fp8, by_value=False)
     fp8_comm = getattr(layer, "_fp8_tensor_parallel", _DEFAULT_SETTINGS).fp8_comm
     comm = Comm(kind, mesh.get_group(), dim, fp8_comm, layer.recipe.backward_dtype)
     out_dtype = output_dtype(x)

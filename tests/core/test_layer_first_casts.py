@@ -166,7 +166,7 @@ def test_compiled_steps_after_several_uses_before_the_first_backward(use, device
         _several_uses(_model_for(ref, use), x, use)
         assert sqnr(layer.weight.grad, ref.weight.grad) > BACKWARD_SQNR_DB, step
         graphs.append(counter.frame_count)
-    assert graphs[1] == graphs[-1] <= 3, graphs
+    assert graphs[1] == graphs[-1] <= 4, graphs
 
 
 def test_layers_compiled_one_by_one_share_their_graphs():
@@ -408,3 +408,68 @@ def test_stacked_layers_compile_with_dynamic_shapes_as_eager():
         for (name, p), (_, q) in zip(eager.named_parameters(), compiled_src.named_parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), name
     assert_same(fp8_state_dict(eager), fp8_state_dict(compiled_src))
+
+
+def _two_layers(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(FP8Linear(32, 32, bias=False), nn.ReLU(), FP8Linear(32, 32, bias=False))
+    ref = nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU(), nn.Linear(32, 32, bias=False))
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _compare_step(model: nn.Module, run: nn.Module, ref: nn.Module, x: torch.Tensor, micro_batches: int = 1) -> None:
+    for module in (model, ref):
+        module.zero_grad()
+    for module in (run, ref):
+        sum(_loss(module(chunk)) for chunk in x.chunk(micro_batches)).backward()
+    # The first layer's gradient comes through the second's FP8 dgrad too: two E5M2 roundings (16-18 dB seen; a
+    # flushed cast gave 0-8 dB).
+    assert sqnr(model[2].weight.grad, ref[2].weight.grad) > BACKWARD_SQNR_DB
+    assert sqnr(model[0].weight.grad, ref[0].weight.grad) > 12.0
+
+
+@pytest.mark.parametrize("after", ["new_weights", "compiled_forward_without_backward", "checkpoint_of_that"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_first_backward_after_a_mark_that_no_backward_followed(after, compiled):
+    """Roles a traced forward marked with no backward cast since: new weights loaded into a compiled model that trained
+    (its steady graphs must not be reused: micro-batches summed into one backward), a compiled forward whose graph was
+    dropped followed by eager or compiled steps, and a checkpoint of the FP8 state saved then: every later step is
+    FP8-accurate against nn.Linear (they flushed the gradients with the delayed scale of an empty history)."""
+    torch._dynamo.reset()
+    model, ref = _two_layers()
+    if after == "new_weights":
+        warm = torch.compile(model, backend="aot_eager")
+        for _ in range(3):
+            _loss(warm(torch.randn(16, 32))).backward()
+        new = {k: torch.randn_like(v) * 0.2 for k, v in model.state_dict().items()}
+        model.load_state_dict(new)  # the layers' input and grad_output states start afresh
+        ref.load_state_dict(new)
+        run = warm if compiled else model
+    else:
+        torch.compile(model, backend="aot_eager")(torch.randn(16, 32))  # gradients on, the graph dropped
+        if after == "checkpoint_of_that":
+            saved = fp8_state_dict(model)
+            model, ref = _two_layers()
+            load_fp8_state_dict(model, saved)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+    for _ in range(2):
+        _compare_step(model, run, ref, torch.randn(64, 32), micro_batches=4 if after == "new_weights" else 1)
+
+
+def test_compiled_step_after_an_all_zero_first_gradient():
+    """A zero-initialized last layer: the first step's gradient into the first layer is all zero, which initializes
+    nothing (eagerly too); the second compiled step casts it with its own amax."""
+    torch._dynamo.reset()
+    model, ref = _two_layers()
+    with torch.no_grad():
+        model[2].weight.zero_()
+        ref[2].weight.zero_()
+    run = torch.compile(model, backend="aot_eager")
+    for module in (run, ref):
+        _loss(module(torch.randn(16, 32))).backward()
+    with torch.no_grad():
+        w = torch.randn(32, 32) * 0.1
+        model[2].weight.copy_(w)
+        ref[2].weight.copy_(w)
+    _compare_step(model, run, ref, torch.randn(16, 32))
