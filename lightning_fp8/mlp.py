@@ -188,8 +188,8 @@ class FP8MLP(nn.Module):
     values and recomputes ``gelu(h)``'s transposed copy from them (a pass reading and writing a byte per element), so
     ``proj``'s weight gradient and ``fc``'s output gradient see ``h`` rounded to FP8 (the forward is unchanged, bit
     for bit). As DeepSeek-V3 keeps its SwiGLU inputs in FP8 to save activation memory. The scale's cap of ``2**5``
-    keeps ``h`` to steps of ``2**-14``: pre-activations all under about ``1e-3`` (an input scaled far down) lose most
-    of their precision in the backward, and values under ``2**-15`` are 0; keep ``fp8_hidden=False`` there.
+    keeps ``h`` to steps of ``2**-14``: pre-activations under about ``5e-4`` lose precision in the backward (most of
+    it near ``1e-4``; an input scaled far down), and values under ``2**-15`` are 0; keep ``fp8_hidden=False`` there.
 
     Args:
         in_features, hidden_features: as the two ``nn.Linear`` layers; every size must be a multiple of 16.
