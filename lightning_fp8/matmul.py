@@ -183,7 +183,7 @@ def current_flags(scaling: nn.ModuleDict, by_value: bool = True) -> tuple[bool, 
     order, and the delayed scale of the empty history, 1, flushes gradients under 2**-16 to zero in E5M2. The role's
     own ``marked_by_trace`` is a guard (a value, the same for every layer), so a graph traced without a mark is not
     reused once one stands. ``by_value=False`` (tensor parallelism, whose casts with their own amax are collectives):
-    only the role's flag decides, the same on every rank (see :func:`note_casts`)."""
+    only the role's ``initialized`` decides, the same on every rank (such roles are not marked: :func:`note_casts`)."""
     grad_output = scaling["grad_output"]
     pending = False
     if by_value and torch.compiler.is_compiling():

@@ -505,9 +505,9 @@ def note_traced_mark() -> bool:
 def backward_cast_pending() -> bool:
     """Run at trace time (dynamo runs it instead of tracing it, and it installs no guard): whether a traced forward
     marked a grad_output role initialized before any backward cast of it, in this trace itself (its mark is only in
-    the trace yet) or in a graph that ran (``marked_by_trace``) with no gradient cast since (no cast counted, an
-    history). Such graphs cast the output gradients of the marked roles with their own amax (matmul.current_flags),
-    and keep it when called again."""
+    the trace yet) or in a graph that ran (``marked_by_trace``) with no amax recorded since (an empty history). Such
+    graphs cast the output gradients of the marked roles with their own amax (matmul.current_flags), and keep it when
+    called again."""
     marking = _MARKING_TRACE[0]
     if marking is not None and marking() is not None and marking() is _current_trace():
         return True
