@@ -391,15 +391,20 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         alone restores it. For a sharded (DTensor) parameter, each 0-dim scale and amax (of this rank's shard) is
         exported as a DTensor sharded like the parameter with one element per row of its sharded dimension (shape
         ``(rows, 1)`` under FSDP2), so that torch.distributed.checkpoint keeps every rank's and reshards them on
-        another number of ranks (:mod:`~lightning_fp8.optim.checkpoint`). Loads with ``torch.load(weights_only=True)``.
+        another number of ranks (:mod:`~lightning_fp8.optim.checkpoint`). FSDP1's original parameters
+        (``use_orig_params=True``) have their states exported as fp32 values, without scales, amaxes and fp32
+        parameters' masters, so that torch's ``FSDP.optim_state_dict`` and ``get_state_dict`` gather and reshard them
+        (:func:`~lightning_fp8.optim.checkpoint.fsdp1_by_value`). Loads with ``torch.load(weights_only=True)``.
         """
         self._grad_casts.flush(self)
         return super().state_dict()  # with _export_states first among the post-hooks
 
     def _export_states(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         # The first state-dict post-hook (registered in __init__ as a plain function, called with the optimizer), so
-        # that the user's see the masters and the sharded scales as they are saved.
-        return checkpoint.shard_scalars(self, checkpoint.with_masters(self, state_dict))
+        # that the user's see the masters, the sharded scales and FSDP1's by-value states as they are saved.
+        return checkpoint.shard_scalars(
+            self, checkpoint.fsdp1_by_value(self, checkpoint.with_masters(self, state_dict))
+        )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

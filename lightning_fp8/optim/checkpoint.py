@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +33,7 @@ from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.adamw_export import adamw_state_dict, to_adamw
 from lightning_fp8.optim.shard_scales import shard_scalars
 from lightning_fp8.optim.state_checks import _check
-from lightning_fp8.optim.state_layout import _param_order, dequantize, quantize, store
+from lightning_fp8.optim.state_layout import _KEYS, _param_order, dequantize, quantize, store
 from lightning_fp8.optim.state_stats import stats
 
 if TYPE_CHECKING:
@@ -40,8 +42,10 @@ if TYPE_CHECKING:
 # What FP8AdamW, lightning_fp8.optim.apart and .adoption, and the tests use of this module.
 __all__ = [
     "adamw_state_dict",
+    "as_stored",
     "check",
     "dequantize",
+    "fsdp1_by_value",
     "is_state_init_step",
     "load",
     "quantize",
@@ -91,6 +95,51 @@ def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
         if index in packed and master.master_scale(p) is not None and p in opt._low_precision:
             packed[index] = {**packed[index], "master": p.detach()}
     return {**state_dict, "state": packed}
+
+
+def fsdp1_by_value(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The states of FSDP1's original parameters (``use_orig_params=True``) as fp32 values, without scales or amaxes.
+
+    torch's ``FSDP.optim_state_dict`` (full and sharded, and ``get_state_dict`` over it) gathers such a parameter's
+    states from the ranks' parts of its flat parameter and wants every non-0-dim state in one dtype and every 0-dim
+    state equal on all ranks: the E4M3 and fp16 states beside each other, with each rank's own scales, stop it with an
+    ``AssertionError``. By value they gather, reshard and load (:func:`load` stores them with fresh scales).
+
+    torch also wants the same states for every parameter of a flat parameter: a master kept apart from an fp32
+    parameter (an FP8 weight's fp16 master at O2) is left out, as ``torch.optim.AdamW``'s state has none. The step
+    writes such a parameter from the unrounded update, so it holds the master's values (to fp32 precision), and a
+    loaded state without a master takes its master from the parameter. A master more precise than its parameter (the
+    fp32 master of a bf16 parameter) is kept, in fp32. Skipped inside :func:`as_stored`.
+    """
+    if getattr(opt, _AS_STORED, False):
+        return state_dict
+    packed = dict(state_dict["state"])
+    for index, p in enumerate(_param_order(opt)):
+        saved = packed.get(index)
+        if saved is None or not shards.is_fsdp1_view(p) or not any(key in saved for key in _KEYS):
+            continue
+        dropped = {f"{key}_{part}" for key in _KEYS for part in ("scale", "amax")}
+        if p.dtype == torch.float32:
+            dropped.add("master")
+        packed[index] = {
+            key: dequantize(saved, key) if key in _KEYS else value for key, value in saved.items() if key not in dropped
+        }
+    return {**state_dict, "state": packed}
+
+
+_AS_STORED = "_lightning_fp8_as_stored"
+
+
+@contextmanager
+def as_stored(opt: Any) -> Iterator[None]:
+    """Within it, ``opt.state_dict()`` keeps FSDP1's original parameters' states as stored (scaled, this rank's scales;
+    see :func:`fsdp1_by_value`): for a state saved and loaded per rank, on the same ranks, which resumes bit for bit.
+    Any optimizer may be given (only FP8AdamW reads the flag)."""
+    setattr(opt, _AS_STORED, True)
+    try:
+        yield
+    finally:
+        delattr(opt, _AS_STORED)
 
 
 # ----------------------------------------------------------------------------------------------------------- loading

@@ -107,7 +107,7 @@ def _fsdp2_dcp_round_trip(rank: int, directory: str) -> dict:
     _steps(model, opt, rank, 3)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(directory, "sharded"))
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = StateDictOptions(full_state_dict=True)  # (cpu_offload crashes FSDP1 whose parameters are on the CPU)
     fmsd, fosd = get_state_dict(model, opt, options=full)
     if rank == 0:
         torch.save({"model": fmsd, "optim": fosd}, os.path.join(directory, "full.pt"))
@@ -261,6 +261,86 @@ def _fsdp1_orig_default(rank: int) -> dict:
     return out
 
 
+def _fsdp1_orig_torch_checkpoints(rank: int, directory: str) -> dict:
+    """FSDP1 (use_orig_params=True) at O2 through torch's checkpoint functions: full state dicts (get_state_dict,
+    torch.save, weights_only load, set_state_dict), sharded ones (DCP) and FSDP.optim_state_dict /
+    optim_state_dict_to_load. torch gathers each weight's states from the ranks' parts of the flat parameter and wants
+    one dtype for them and equal 0-dim values on every rank: FP8AdamW's E4M3/fp16 states with per-rank scales
+    stopped it with an AssertionError. They are exported as fp32 values; a resumed run continues as the saved one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    from lightning_fp8 import FP8AdamW, fp8_state_dict, load_fp8_state_dict
+    from lightning_fp8.distributed import enable_fp8_fsdp1
+    from lightning_fp8.optim.checkpoint import as_stored, dequantize
+
+    def build() -> tuple[nn.Module, FP8AdamW]:
+        model = _fsdp1(_model(), use_orig_params=True)
+        enable_fp8_fsdp1(model)
+        return model, FP8AdamW(model.parameters(), lr=3e-3, opt_level="O2")
+
+    def moments(opt: FP8AdamW) -> list[torch.Tensor]:
+        # (Not the FP8 weights' masters: a loaded state without one takes its master from the weight, as the model's
+        # state loads after or before it; the first step takes the weight's value if it was loaded after.)
+        states = [opt.state[p] for group in opt.param_groups for p in group["params"] if p in opt.state]
+        return [dequantize(s, k) for s in states for k in ("exp_avg", "exp_avg_sq")]
+
+    model, opt = build()
+    _steps(model, opt, rank, 3)
+    weight = next(p for p in _fp8_weights(model) if p.numel())
+    with as_stored(opt):
+        index = next(i for i, q in enumerate(q for g in opt.param_groups for q in g["params"]) if q is weight)
+        stored = opt.state_dict()["state"][index]
+    saved_moments = [v.clone() for v in moments(opt)]
+    fp8 = fp8_state_dict(model)
+    full = StateDictOptions(full_state_dict=True)  # (cpu_offload crashes FSDP1 whose parameters are on the CPU)
+    fmsd, fosd = get_state_dict(model, opt, options=full)
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"model": fmsd, "optim": fosd, "fp8": fp8}, os.path.join(directory, "full.pt"))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(directory, "sharded"))
+    sharded = (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig())
+    with FSDP.state_dict_type(model, *sharded):
+        legacy_model, legacy_optim = model.state_dict(), FSDP.optim_state_dict(model, opt)
+    dist.barrier()
+    continued = _steps(model, opt, rank, 3)
+
+    def resumed(load) -> tuple[list[float], bool]:
+        model, opt = build()
+        load(model, opt)
+        load_fp8_state_dict(model, fp8)
+        same = all(torch.equal(a, b) for a, b in zip(moments(opt), saved_moments, strict=True))
+        return _steps(model, opt, rank, 3), same
+
+    def from_full(model: nn.Module, opt: FP8AdamW) -> None:
+        loaded = torch.load(os.path.join(directory, "full.pt"), weights_only=True)
+        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=full)
+
+    def from_dcp(model: nn.Module, opt: FP8AdamW) -> None:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=os.path.join(directory, "sharded"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def from_legacy(model: nn.Module, opt: FP8AdamW) -> None:
+        with FSDP.state_dict_type(model, *sharded):
+            model.load_state_dict(legacy_model)
+            opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, legacy_optim))
+
+    full_weight = fosd["state"]["0.weight"]
+    return {
+        "continued": continued,
+        "resumed": {
+            name: resumed(load) for name, load in [("full", from_full), ("dcp", from_dcp), ("legacy", from_legacy)]
+        },
+        "full_weight_states": sorted((k, str(v.dtype), tuple(v.shape)) for k, v in full_weight.items() if v.dim()),
+        "stored_dtypes": sorted(str(v.dtype) for k, v in stored.items() if k in ("master", "exp_avg", "exp_avg_sq")),
+    }
+
+
 def _fsdp2_marked_without_fp8_params(rank: int) -> dict:
     """fully_shard replaces the parameters; enable_fp8_fsdp2 marks the FP8 weights again: no fp8_params needed."""
     from lightning_fp8 import FP8AdamW
@@ -338,6 +418,9 @@ def _worker(rank: int, world: int) -> dict:
             "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
             "fsdp1_orig_default": _guarded(_fsdp1_orig_default, rank),
+            "fsdp1_orig_torch_checkpoints": _guarded(
+                _fsdp1_orig_torch_checkpoints, rank, os.path.join(box[0], "fsdp1")
+            ),
             "fsdp2_marked": _guarded(_fsdp2_marked_without_fp8_params, rank),
             "fsdp2_full_into_shards": _guarded(_fsdp2_full_state_into_shards, rank),
         }
@@ -429,3 +512,18 @@ def test_fp8_adamw_o2_on_fsdp1_original_parameters(results):
     instead of putting the scaled fp16 master in their storage (which the layers then computed with: loss ~1e20)."""
     for r in results:
         _o2_trains_like_o1(_ok(r, "fsdp1_orig_o2"))
+
+
+def test_fp8_adamw_o2_fsdp1_orig_params_checkpoints_through_torch(results):
+    for r in results:
+        run = _ok(r, "fsdp1_orig_torch_checkpoints")
+        # The full state dict holds the whole weight's moments as fp32 values (no per-rank scale, no master: the
+        # fp32 weight holds its value); as_stored keeps this rank's E4M3 / fp16 states for per-rank saving.
+        assert run["full_weight_states"] == [
+            ("exp_avg", "torch.float32", (64, 32)),
+            ("exp_avg_sq", "torch.float32", (64, 32)),
+        ]
+        assert run["stored_dtypes"] == ["torch.float16", "torch.float16", "torch.float8_e4m3fn"]
+        for name, (losses, same_values) in run["resumed"].items():
+            assert same_values, name  # every moment has its saved value (stored again with a fresh scale)
+            assert losses == pytest.approx(run["continued"], rel=1e-6), name  # and the masters (from the weights)

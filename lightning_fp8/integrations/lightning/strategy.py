@@ -31,6 +31,7 @@ from lightning_fp8.integrations.lightning.strategy_args import (
     check_sharding_strategy,
     check_use_orig_params,
 )
+from lightning_fp8.optim.checkpoint import as_stored
 
 # The key of this strategy's optimizer states in its checkpoints: {"per_rank": [state of rank 0, of rank 1, ...]}.
 PER_RANK = "per_rank"
@@ -151,13 +152,16 @@ class _FP8FSDPStrategyLogic:
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Every rank's own optimizer state, gathered: ``{"per_rank": [state_0, state_1, ...]}``.
 
-        FSDP's ``optim_state_dict`` re-flattens states assuming ``torch.optim.Adam``'s layout (one dtype per key);
-        FP8AdamW keeps E4M3/fp16 states with a power-of-two scale per shard, so the shards are saved as they are.
+        FSDP's ``optim_state_dict`` would gather FP8AdamW's states by value, in fp32
+        (:func:`~lightning_fp8.optim.checkpoint.fsdp1_by_value`); here each rank's shard is saved as it is stored
+        (E4M3/fp16 with its power-of-two scales, and the fp16 masters), and the resumed run continues bit for bit.
         Resuming needs this strategy, the same number of processes and the same wrapping
         (:func:`check_optimizer_states` refuses the others).
         """
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {PER_RANK: all_gather_state(optimizer.state_dict())}
+        with as_stored(optimizer):
+            state = optimizer.state_dict()
+        return {PER_RANK: all_gather_state(state)}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

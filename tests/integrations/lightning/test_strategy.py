@@ -148,6 +148,18 @@ def test_fsdp_fp8_optimizer_shards_that_do_not_fit_are_refused_before_loading(tm
         _fit(_wrapped(), steps=3, ckpt_path=path)
 
 
+def test_fsdp_fp8_saves_each_rank_s_optimizer_states_as_stored(tmp_path):
+    """FP8AdamW.state_dict() gives FSDP1's original parameters' states as fp32 values (what torch's FSDP functions
+    gather); the strategy saves each rank's states as stored, E4M3/fp16 with their scales, which resume bit for bit."""
+    from lightning_fp8.integrations.lightning.strategy import PER_RANK
+
+    path = tmp_path / "fsdp.ckpt"
+    _fit(_wrapped(), steps=2).save_checkpoint(path)
+    states = torch.load(path, weights_only=True)["optimizer_states"][0][PER_RANK][0]["state"].values()
+    stored = [s for s in states if s["exp_avg"].dtype == torch.float8_e4m3fn]
+    assert stored and all(s["exp_avg_sq"].dtype == torch.float16 and "exp_avg_scale" in s for s in stored)
+
+
 def test_fallen_back_layers_resume_under_another_wrapping():
     """The layers the bf16 fallback put back to nn.Linear are saved under clean names, as the model's state_dict and
     the FP8 state are: a resume under another wrapping (here: checkpoint_wrapper on the saving side only) puts them
