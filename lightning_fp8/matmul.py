@@ -19,7 +19,7 @@ from torch import nn
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.autograd_rules import once_differentiable
 from lightning_fp8.recompute import ForwardCall, backward_ran, cast_current, replay_scales, restore_buffers
-from lightning_fp8.scaling import backward_cast_pending, note_traced_mark
+from lightning_fp8.trace_marks import backward_cast_pending, note_traced_mark
 
 # Take the bias gradient from the grad_output cast (its fused column sums, ScalingState.quantize(column_sum=True))
 # instead of a separate dy.sum(0) pass over dy. The cast walks GROUP_M row tiles of a column block, adds them in
@@ -178,8 +178,8 @@ def current_flags(scaling: nn.ModuleDict, by_value: bool = True) -> tuple[bool, 
     history yet (the very first cast of each role). Read outside the autograd.Function: a dynamo guard when traced.
 
     Traced, a grad_output role that a traced forward marked (:func:`note_casts`) before any backward cast of it
-    (scaling.backward_cast_pending: a layer applied again in the same graph, micro-batches whose losses are summed into
-    one backward, a graph whose backward never ran) still takes its own amax: the backward runs the uses in reverse
+    (:mod:`~lightning_fp8.trace_marks`: a layer applied again in the same graph, micro-batches whose losses are summed
+    into one backward, a graph whose backward never ran) still takes its own amax: the backward runs the uses in reverse
     order, and the delayed scale of the empty history, 1, flushes gradients under 2**-16 to zero in E5M2. The role's
     own ``marked_by_trace`` is a guard (a value, the same for every layer), so a graph traced without a mark is not
     reused once one stands. ``by_value=False`` (tensor parallelism, whose casts with their own amax are collectives):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 import weakref
 
 import torch
@@ -33,6 +32,7 @@ from lightning_fp8.cast_checks import check_activation, check_castable, check_st
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
 from lightning_fp8.recipe import MAX_MARGIN, as_count, check_flag
+from lightning_fp8.trace_marks import _STATES, _capturing, _tracing
 
 ROLES = ("input", "weight", "grad_output")
 # How a cast is traced under torch.compile (lightning_fp8/compiled_casts.py says what each does and why the defaults):
@@ -480,52 +480,6 @@ class ScalingState(nn.Module):
 _SEEN_AMAX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# Every live ScalingState, for backward_cast_pending; and the trace (torch._guards.TracingContext) that last marked a
-# grad_output role (note_traced_mark), weakly.
-_STATES: weakref.WeakSet = weakref.WeakSet()
-_MARKING_TRACE: list = [None]
-
-
-def _current_trace() -> object | None:
-    from torch._guards import TracingContext
-
-    return TracingContext.try_get()
-
-
-@torch.compiler.assume_constant_result
-def note_traced_mark() -> bool:
-    """Called by a traced forward that marks a grad_output role initialized (matmul.note_casts): dynamo runs it at trace
-    time instead of tracing it, and it remembers that trace."""
-    trace = _current_trace()
-    _MARKING_TRACE[0] = None if trace is None else weakref.ref(trace)
-    return True
-
-
-@torch.compiler.assume_constant_result
-def backward_cast_pending() -> bool:
-    """Run at trace time (dynamo runs it instead of tracing it, and it installs no guard): whether a traced forward
-    marked a grad_output role initialized before any backward cast of it, in this trace itself (its mark is only in
-    the trace yet) or in a graph that ran (``marked_by_trace``) with no amax recorded since (an empty history). Such
-    graphs cast the output gradients of the marked roles with their own amax (matmul.current_flags), and keep it when
-    called again."""
-    marking = _MARKING_TRACE[0]
-    if marking is not None and marking() is not None and marking() is _current_trace():
-        return True
-    pending = False
-    with _disable_current_modes():
-        for state in list(_STATES):
-            if not state.marked_by_trace or state.casts.is_meta or _tracing(state.casts):
-                continue
-            # Pending also after casts of all-zero gradients (amax 0), which initialize nothing eagerly either. A mark
-            # whose cast recorded an amax is cleared here, before the trace reads any flag (current_flags calls this
-            # first), so that a restarted analysis of the frame (after a graph break) reads what the first one read.
-            if bool(state.amax_history.any()):
-                state.marked_by_trace = False
-            else:
-                pending = True
-    return pending
-
-
 @torch.compiler.assume_constant_result
 def _settle_seen_amaxes() -> bool:
     # Called by a traced needs_current_scale: dynamo runs it at trace time instead of tracing it (its result is
@@ -534,18 +488,3 @@ def _settle_seen_amaxes() -> bool:
         for state in list(_SEEN_AMAX.keys()):
             state.settle()
     return True
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    # Inside CUDA graph capture no value can be read (nor a copy to the host waited for).
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _tracing(t: torch.Tensor) -> bool:
-    # Whether t's value cannot be read: a FakeTensor, or a fake, proxy or functional mode on (torch.compile's and
-    # make_fx's tracing runs the eager code under them; a result of t would be fake).
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    if fake is not None and isinstance(t, fake.FakeTensor):
-        return True
-    keys = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
