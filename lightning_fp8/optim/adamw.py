@@ -391,9 +391,9 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         alone restores it. For a sharded (DTensor) parameter, each 0-dim scale and amax (of this rank's shard) is
         exported as a DTensor sharded like the parameter with one element per row of its sharded dimension (shape
         ``(rows, 1)`` under FSDP2), so that torch.distributed.checkpoint keeps every rank's and reshards them on
-        another number of ranks (:mod:`~lightning_fp8.optim.checkpoint`). FSDP1's original parameters
-        (``use_orig_params=True``) have their states exported as fp32 values, without scales, amaxes and fp32
-        parameters' masters, so that torch's ``FSDP.optim_state_dict`` and ``get_state_dict`` gather and reshard them
+        another number of ranks (:mod:`~lightning_fp8.optim.checkpoint`). The parameters FSDP1 flattened (original
+        parameters, or flat ones) have their states exported as fp32 values (a scale of 1, no amax, no master of an
+        fp32 parameter), so that torch's ``FSDP.optim_state_dict`` and ``get_state_dict`` gather and reshard them
         (:func:`~lightning_fp8.optim.checkpoint.fsdp1_by_value`). Loads with ``torch.load(weights_only=True)``.
         """
         self._grad_casts.flush(self)

@@ -16,8 +16,7 @@ An in-place write through ``p.data`` (``p.data.clamp_(...)``) is not seen: ``.da
 of its own, in the same storage, so the mark does not change, and the next step overwrites the write. Comparing every
 watched parameter with its master at every step would see it, exactly, but in torch ops that is a pass of its own
 (round the master, compare, select: nearly the bytes of these parameters' step). The fused step kernel could do it
-with one more read of the parameter where the master is fp32; a scaled fp16 master is not the parameter's value
-rounded (the step writes the parameter from the unrounded update), so it would stay with the marks.
+with one more read of the parameter (which the step writes from the master as stored, unscaled).
 docs/concepts/optimizer.md documents the exception.
 """
 

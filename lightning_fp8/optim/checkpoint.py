@@ -98,20 +98,24 @@ def with_masters(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def fsdp1_by_value(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The states of FSDP1's original parameters (``use_orig_params=True``) as fp32 values, without scales or amaxes.
+    """The states of parameters that FSDP1 flattened (``use_orig_params=True``: the original parameters; ``False``:
+    the flat parameters themselves) as fp32 values, without amaxes, a scale of 1 for each scaled one.
 
-    torch's ``FSDP.optim_state_dict`` (full and sharded, and ``get_state_dict`` over it) gathers such a parameter's
-    states from the ranks' parts of its flat parameter and wants every non-0-dim state in one dtype and every 0-dim
-    state equal on all ranks: the E4M3 and fp16 states beside each other, with each rank's own scales, stop it with an
-    ``AssertionError``. By value they gather, reshard and load (:func:`load` stores them with fresh scales).
+    torch's ``FSDP.optim_state_dict`` (full and sharded, and ``get_state_dict`` over it) gathers an original
+    parameter's states from the ranks' parts of its flat parameter and wants every non-0-dim state in one dtype and
+    every 0-dim state equal on all ranks: the E4M3 and fp16 states beside each other, with each rank's own scales,
+    stop it with an ``AssertionError``; and a flat parameter's scaled states were gathered under one rank's scale. By
+    value they gather, reshard and load (:func:`load` stores them with fresh scales). The scales of 1 keep a
+    torch.distributed.checkpoint template honest: a checkpoint of scaled states read into these fp32 ones brings its
+    own scales, which the load refuses (they would otherwise be read as values).
 
-    torch also wants the same states for every parameter of a flat parameter: a master kept apart from an fp32
-    parameter (an FP8 weight's fp16 master at O2) is left out, as ``torch.optim.AdamW``'s state has none. The step
-    writes such a parameter from the unrounded update, so it holds the master's values (to fp32 precision), and a
-    loaded state without a master takes its master from the parameter. A master more precise than its parameter (the
-    fp32 master of a bf16 parameter) is kept, in fp32. Skipped inside :func:`as_stored`.
+    torch also wants the same states for every parameter of a flat parameter: the master kept apart from an fp32
+    parameter (an FP8 weight's fp16 master at O2) is left out, as ``torch.optim.AdamW``'s state has none. Each step
+    writes such a parameter from its master as stored, so the parameter holds the master's value, and a state loaded
+    without a master takes it from the parameter. The master of a parameter in another dtype (a bf16 model's fp32
+    masters) is kept, in fp32. Skipped inside :func:`as_stored`.
     """
-    if getattr(opt, _AS_STORED, False):
+    if getattr(opt, _AS_STORED, 0):
         return state_dict
     packed = dict(state_dict["state"])
     for index, p in enumerate(_param_order(opt)):
@@ -121,9 +125,12 @@ def fsdp1_by_value(opt: FP8AdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
         dropped = {f"{key}_{part}" for key in _KEYS for part in ("scale", "amax")}
         if p.dtype == torch.float32:
             dropped.add("master")
-        packed[index] = {
-            key: dequantize(saved, key) if key in _KEYS else value for key, value in saved.items() if key not in dropped
-        }
+        state = {key: dequantize(saved, key) if key in _KEYS else value for key, value in saved.items()}
+        state = {key: value for key, value in state.items() if key not in dropped}
+        for key in _KEYS:  # where the state is scaled: a state with torch.optim.AdamW's keys only keeps them only
+            if key in state and f"{key}_scale" in saved:
+                state[f"{key}_scale"] = torch.ones((), dtype=torch.float32, device=state[key].device)
+        packed[index] = state
     return {**state_dict, "state": packed}
 
 
@@ -132,14 +139,15 @@ _AS_STORED = "_lightning_fp8_as_stored"
 
 @contextmanager
 def as_stored(opt: Any) -> Iterator[None]:
-    """Within it, ``opt.state_dict()`` keeps FSDP1's original parameters' states as stored (scaled, this rank's scales;
-    see :func:`fsdp1_by_value`): for a state saved and loaded per rank, on the same ranks, which resumes bit for bit.
-    Any optimizer may be given (only FP8AdamW reads the flag)."""
-    setattr(opt, _AS_STORED, True)
+    """Within it, ``opt.state_dict()`` of an :class:`~lightning_fp8.FP8AdamW` (``opt`` itself, not a wrapper of it)
+    keeps the states of parameters FSDP1 flattened as stored: scaled, with this rank's scales and amaxes (see
+    :func:`fsdp1_by_value`). For a state saved and loaded per rank, on the same ranks, which resumes bit for bit.
+    Nests; other optimizers ignore it."""
+    setattr(opt, _AS_STORED, getattr(opt, _AS_STORED, 0) + 1)
     try:
         yield
     finally:
-        delattr(opt, _AS_STORED)
+        setattr(opt, _AS_STORED, getattr(opt, _AS_STORED) - 1)
 
 
 # ----------------------------------------------------------------------------------------------------------- loading

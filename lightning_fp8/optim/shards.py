@@ -14,8 +14,8 @@ def is_dtensor(t: object) -> bool:
 
 
 def is_fsdp1_view(p: torch.Tensor) -> bool:
-    """Whether ``p`` is an original parameter FSDP1 flattened (``use_orig_params=True``): a view of its flat
-    parameter, which every forward puts back in the flat parameter's dtype."""
+    """Whether FSDP1 flattened ``p``: an original parameter (``use_orig_params=True``), a view of its flat parameter,
+    which every forward puts back in the flat parameter's dtype; or a flat parameter itself (torch marks both)."""
     return bool(getattr(p, "_fsdp_flattened", False))
 
 

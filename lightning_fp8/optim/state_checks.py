@@ -289,7 +289,9 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
     if scale is not None and dtype not in SCALED_STATE_MAX and not bool((scale == 1).all()):
         raise ValueError(
             f"{where}'s '{key}_scale' is {scale.reshape(-1)[0].item()} for a {dtype} state, which FP8AdamW "
-            f"stores unscaled (scale 1): {_FIX}"
+            f"stores unscaled (scale 1): {_FIX}, or a checkpoint of scaled (FP8/fp16) states was read into this "
+            "optimizer's fp32 ones (torch.distributed.checkpoint reads into the optimizer's own dtypes, and under "
+            "FSDP1 those of original parameters are fp32 values): load it into the model wrapped as it was saved"
         )
     if amax is not None:  # per row for per-row amaxes, plus the storage's smallest normal (a subnormal's rounding)
         amax = _broadcast(amax, x)

@@ -86,6 +86,32 @@ def _load(rank: int, world: int, directory: str, dtype: torch.dtype) -> dict:
     return {"moments_equal": moments_equal, "weights_kept": weights_kept, "losses": _steps(model, opt, rank, dtype, 3)}
 
 
+def _unsharded_into_fsdp1(rank: int, world: int, directory: str) -> str:
+    """A DCP checkpoint of an unsharded O2 run (scaled states, their scales beside them) read into FSDP1's template:
+    DCP reads into the template's fp32 values and its scales (1) from the checkpoint's. Read as values, the first
+    moments would have been 2**17 times too large: refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from lightning_fp8 import FP8AdamW, convert_to_fp8
+
+    torch.manual_seed(0)
+    plain = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 16)))
+    plain_opt = FP8AdamW(plain.parameters(), lr=3e-3, opt_level="O2")
+    _steps(plain, plain_opt, rank, torch.float32, 3)
+    model_sd, optim_sd = get_state_dict(plain, plain_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(directory, "unsharded"))
+    model, opt = _build(torch.float32)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(directory, "unsharded"))
+    try:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("fsdp1_reshard"))
@@ -93,6 +119,7 @@ def runs(tmp_path_factory) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         out[dtype] = {"saved": run_workers(_save, 2, directory, dtype)}
         out[dtype].update({world: run_workers(_load, world, directory, dtype) for world in (3, 1)})
+    out["unsharded_into_fsdp1"] = run_workers(_unsharded_into_fsdp1, 1, directory)[0]
     return out
 
 
@@ -107,3 +134,7 @@ def test_fsdp1_o2_full_state_dict_loads_on_another_number_of_ranks(runs, dtype, 
         assert report["moments_equal"], report
         assert report["weights_kept"], report
         assert all(torch.isfinite(torch.tensor(report["losses"]))), report
+
+
+def test_scaled_checkpoint_read_into_fsdp1_fp32_template_is_refused(runs):
+    assert "was read into this optimizer's fp32 ones" in runs["unsharded_into_fsdp1"]

@@ -107,7 +107,7 @@ def _fsdp2_dcp_round_trip(rank: int, directory: str) -> dict:
     _steps(model, opt, rank, 3)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(directory, "sharded"))
-    full = StateDictOptions(full_state_dict=True)  # (cpu_offload crashes FSDP1 whose parameters are on the CPU)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     fmsd, fosd = get_state_dict(model, opt, options=full)
     if rank == 0:
         torch.save({"model": fmsd, "optim": fosd}, os.path.join(directory, "full.pt"))
@@ -291,6 +291,8 @@ def _fsdp1_orig_torch_checkpoints(rank: int, directory: str) -> dict:
     _steps(model, opt, rank, 3)
     weight = next(p for p in _fp8_weights(model) if p.numel())
     with as_stored(opt):
+        with as_stored(opt):  # nested: the outer one still holds after the inner one ends
+            pass
         index = next(i for i, q in enumerate(q for g in opt.param_groups for q in g["params"]) if q is weight)
         stored = opt.state_dict()["state"][index]
     saved_moments = [v.clone() for v in moments(opt)]
@@ -339,6 +341,32 @@ def _fsdp1_orig_torch_checkpoints(rank: int, directory: str) -> dict:
         "full_weight_states": sorted((k, str(v.dtype), tuple(v.shape)) for k, v in full_weight.items() if v.dim()),
         "stored_dtypes": sorted(str(v.dtype) for k, v in stored.items() if k in ("master", "exp_avg", "exp_avg_sq")),
     }
+
+
+def _fsdp1_flat_full_state(rank: int) -> dict:
+    """FSDP1 flat parameters (use_orig_params=False) given low-precision states (fp8_params): torch's full state dict
+    unflattens each rank's part of a flat parameter's states; exported as stored, rank 1's fp16 second moment was read
+    under rank 0's scale (values off by powers of two, no error). By value, the full states are every rank's values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from lightning_fp8 import FP8AdamW
+    from lightning_fp8.optim.checkpoint import dequantize
+
+    model = _fsdp1(_model(), use_orig_params=False)
+    opt = FP8AdamW(model.parameters(), lr=3e-3, opt_level="O2", fp8_params=list(model.parameters()))
+    _steps(model, opt, rank, 3)
+    (flat,) = list(model.parameters())
+    local = {key: dequantize(opt.state[flat], key) for key in ("exp_avg", "exp_avg_sq")}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    _, full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    names = [name for name, _ in _model().named_parameters()]
+    out = {"dtypes": sorted({str(opt.state[flat][key].dtype) for key in local})}
+    for key in local:
+        reference = torch.cat([part[key] for part in parts])  # the flat parameter's values, padded at the end
+        gathered = torch.cat([full["state"][name][key].reshape(-1) for name in names])
+        out[key] = torch.equal(gathered, reference[: gathered.numel()])
+    return out
 
 
 def _fsdp2_marked_without_fp8_params(rank: int) -> dict:
@@ -418,6 +446,7 @@ def _worker(rank: int, world: int) -> dict:
             "fsdp1_orig_o2": _guarded(_low_precision_run, rank, "fsdp1_orig"),
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
             "fsdp1_orig_default": _guarded(_fsdp1_orig_default, rank),
+            "fsdp1_flat_full_state": _guarded(_fsdp1_flat_full_state, rank),
             "fsdp1_orig_torch_checkpoints": _guarded(
                 _fsdp1_orig_torch_checkpoints, rank, os.path.join(box[0], "fsdp1")
             ),
@@ -527,3 +556,10 @@ def test_fp8_adamw_o2_fsdp1_orig_params_checkpoints_through_torch(results):
         for name, (losses, same_values) in run["resumed"].items():
             assert same_values, name  # every moment has its saved value (stored again with a fresh scale)
             assert losses == pytest.approx(run["continued"], rel=1e-6), name  # and the masters (from the weights)
+
+
+def test_fp8_adamw_o2_fsdp1_flat_parameters_full_state_dict_holds_every_rank_s_values(results):
+    for r in results:
+        run = _ok(r, "fsdp1_flat_full_state")
+        assert run["dtypes"] == ["torch.float16", "torch.float8_e4m3fn"]  # the flat parameter's states are scaled
+        assert run["exp_avg"] and run["exp_avg_sq"], run
