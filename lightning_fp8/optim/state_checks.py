@@ -30,22 +30,29 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
     """Each saved state as this rank's part (DTensors as their local shards) beside its parameter.
 
     With sharded (DTensor) parameters every rank checks its own shards, and the ranks agree (one all-reduce per
-    dimension of each mesh): when one refuses its part, all raise, and none loads its own.
+    dimension of each mesh): when one refuses its part, all raise, and none loads its own. Parameters that FSDP1
+    flattened agree the same way over the default process group (every rank loads its part of an FSDP1 state dict).
 
     Raises:
         ValueError: for anything the load could not take as it is (see :func:`_check_entry`).
     """
-    sharded = [p for p in _param_order(opt) if shards.is_dtensor(p)]
-    if not sharded:
+    params = _param_order(opt)
+    sharded = [p for p in params if shards.is_dtensor(p)]
+    flattened = not sharded and any(shards.is_fsdp1_view(p) for p in params) and _world_size() > 1
+    if not sharded and not flattened:
         return _check_here(opt, state_dict)
-    meshes = list({id(p.device_mesh): p.device_mesh for p in sharded}.values())
     try:
         entries, error = _check_here(opt, state_dict), None
     except Exception as caught:  # every rank goes on to the agreement below, or the others would wait for it
         entries, error = [], caught
-    local = shards.local(sharded[0]).device
-    device = local if local.type == meshes[0].device_type else torch.device(meshes[0].device_type)  # CPU offload
-    if shards.any_rank(meshes, error is not None, device) and error is None:
+    if sharded:
+        meshes = list({id(p.device_mesh): p.device_mesh for p in sharded}.values())
+        local = shards.local(sharded[0]).device
+        device = local if local.type == meshes[0].device_type else torch.device(meshes[0].device_type)  # CPU offload
+        refused = shards.any_rank(meshes, error is not None, device)
+    else:
+        refused = _any_rank_of_world(error is not None)
+    if refused and error is None:
         raise ValueError(
             "FP8AdamW.load_state_dict: another rank refused its part of the state dict (its error says why), so no "
             "rank loads its own: nothing was changed"
@@ -53,6 +60,24 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
     if error is not None:
         raise error
     return entries
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _any_rank_of_world(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of the default process group (a MAX all-reduce; every rank calls this)."""
+    import torch.distributed as dist
+
+    from lightning_fp8.distributed.exchange import cuda_backend_is_nccl
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda_backend_is_nccl(None) else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _check_here(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str, Any]]]:
@@ -297,11 +322,22 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
         amax = _broadcast(amax, x)
         scale = _broadcast(scale, x) if scale is not None and dtype in SCALED_STATE_MAX else 1.0
         if bool((x.abs() > amax * BOUND_SLACK + torch.finfo(dtype).smallest_normal / scale).any()):
+            why = (
+                f"The checkpoint is corrupt or was edited; to load its values anyway, delete '{key}_amax' from the "
+                "state: it is then measured from them"
+            )
+            own_scale = local.get(f"{key}_scale")
+            if own_scale is not None and bool((own_scale == 1).all()):
+                why = (
+                    "A state dict of fp32 values (what FP8AdamW exports for parameters FSDP1 flattened) copied into "
+                    "this optimizer's own states arrives so, beside their amaxes (and cut to their format where they "
+                    "are scaled): torch's set_state_dict(full_state_dict=True) does that for a model that is not "
+                    f"FSDP1's. Hand the full state dict to optimizer.load_state_dict instead, or {_FIX}"
+                )
             raise ValueError(
                 f"{where}'s '{key}_amax' is below the largest value of {key!r} ({x.abs().max().item()}, amax "
                 f"{amax.min().item()}): the next step would pick a scale too large from it and saturate the state. "
-                f"The checkpoint is corrupt or was edited; to load its values anyway, delete '{key}_amax' from the "
-                "state: it is then measured from them"
+                + why
             )
 
 

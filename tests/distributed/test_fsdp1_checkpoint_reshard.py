@@ -112,6 +112,42 @@ def _unsharded_into_fsdp1(rank: int, world: int, directory: str) -> str:
     return "loaded"
 
 
+def _into_plain_model(rank: int, world: int, directory: str) -> dict:
+    """The 2-rank fp32 full state dict into a model FSDP1 does not wrap. torch's set_state_dict copies each saved
+    tensor into this optimizer's own (E4M3/fp16) states, without their scales: refused, saying what loads it;
+    optimizer.load_state_dict does (the states' names map by position, as torch.optim's do)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from lightning_fp8 import FP8AdamW, convert_to_fp8
+    from lightning_fp8.optim.checkpoint import dequantize
+
+    saved = torch.load(os.path.join(directory, f"{torch.float32}.pt"), weights_only=True)
+
+    def build() -> tuple[nn.Module, FP8AdamW]:
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 16))
+        model = convert_to_fp8(layers)
+        return model, FP8AdamW(model.parameters(), lr=3e-3, opt_level="O2")
+
+    model, opt = build()
+    try:
+        options = StateDictOptions(full_state_dict=True)
+        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"], options=options)
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    names = [name for name, _ in model.named_parameters()]
+    moments_equal = all(
+        torch.equal(dequantize(opt.state[p], key), saved["optim"]["state"][name][key])
+        for name, p in zip(names, model.parameters(), strict=True)
+        for key in ("exp_avg", "exp_avg_sq")
+    )
+    return {"error": error, "moments_equal": moments_equal, "losses": _steps(model, opt, 0, torch.float32, 3)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("fsdp1_reshard"))
@@ -120,6 +156,7 @@ def runs(tmp_path_factory) -> dict:
         out[dtype] = {"saved": run_workers(_save, 2, directory, dtype)}
         out[dtype].update({world: run_workers(_load, world, directory, dtype) for world in (3, 1)})
     out["unsharded_into_fsdp1"] = run_workers(_unsharded_into_fsdp1, 1, directory)[0]
+    out["into_plain"] = run_workers(_into_plain_model, 1, directory)[0]
     return out
 
 
@@ -138,3 +175,9 @@ def test_fsdp1_o2_full_state_dict_loads_on_another_number_of_ranks(runs, dtype, 
 
 def test_scaled_checkpoint_read_into_fsdp1_fp32_template_is_refused(runs):
     assert "was read into this optimizer's fp32 ones" in runs["unsharded_into_fsdp1"]
+
+
+def test_fsdp1_full_state_dict_into_a_plain_model_loads_through_load_state_dict(runs):
+    report = runs["into_plain"]
+    assert "Hand the full state dict to optimizer.load_state_dict" in report["error"]
+    assert report["moments_equal"] and all(torch.isfinite(torch.tensor(report["losses"]))), report

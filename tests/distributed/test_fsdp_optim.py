@@ -369,6 +369,39 @@ def _fsdp1_flat_full_state(rank: int) -> dict:
     return out
 
 
+def _fsdp1_one_rank_refuses(rank: int) -> dict:
+    """FSDP1 (use_orig_params=True), O2: a full optimizer state dict with a NaN in a weight whose part only rank 1
+    holds. Rank 1 refused its part and rank 0 loaded its own (and the saved lr): the ranks' optimizers disagreed. Every
+    rank refuses, and nothing changes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
+
+    from lightning_fp8 import FP8AdamW
+    from lightning_fp8.distributed import enable_fp8_fsdp1
+
+    def build(lr: float) -> tuple[nn.Module, FP8AdamW]:
+        model = _fsdp1(_model(), use_orig_params=True)
+        enable_fp8_fsdp1(model)
+        return model, FP8AdamW(model.parameters(), lr=lr, opt_level="O2")
+
+    full = StateDictOptions(full_state_dict=True)
+    model, opt = build(3e-3)
+    _steps(model, opt, rank, 3)
+    _, saved = get_state_dict(model, opt, options=full)
+    model, opt = build(1e-3)
+    _steps(model, opt, rank, 2)
+    last = model.module[5].weight  # 16 x 48 at the end of the flat parameter: rank 1's part only
+    saved["state"]["5.weight"]["exp_avg"][0, 0] = float("nan")
+    before = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    try:
+        set_optimizer_state_dict(model, opt, optim_state_dict=saved, options=full)
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    after = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    unchanged = len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    return {"holds_last": last.numel() > 0, "error": error, "unchanged": unchanged, "lr": opt.param_groups[0]["lr"]}
+
+
 def _fsdp2_marked_without_fp8_params(rank: int) -> dict:
     """fully_shard replaces the parameters; enable_fp8_fsdp2 marks the FP8 weights again: no fp8_params needed."""
     from lightning_fp8 import FP8AdamW
@@ -447,6 +480,7 @@ def _worker(rank: int, world: int) -> dict:
             "fsdp2_o2": _guarded(_low_precision_run, rank, "fsdp2"),
             "fsdp1_orig_default": _guarded(_fsdp1_orig_default, rank),
             "fsdp1_flat_full_state": _guarded(_fsdp1_flat_full_state, rank),
+            "fsdp1_one_rank_refuses": _guarded(_fsdp1_one_rank_refuses, rank),
             "fsdp1_orig_torch_checkpoints": _guarded(
                 _fsdp1_orig_torch_checkpoints, rank, os.path.join(box[0], "fsdp1")
             ),
@@ -563,3 +597,12 @@ def test_fp8_adamw_o2_fsdp1_flat_parameters_full_state_dict_holds_every_rank_s_v
         run = _ok(r, "fsdp1_flat_full_state")
         assert run["dtypes"] == ["torch.float16", "torch.float8_e4m3fn"]  # the flat parameter's states are scaled
         assert run["exp_avg"] and run["exp_avg_sq"], run
+
+
+def test_fsdp1_state_dict_one_rank_refuses_is_refused_on_every_rank(results):
+    runs = [_ok(r, "fsdp1_one_rank_refuses") for r in results]
+    assert [run["holds_last"] for run in runs] == [False, True]
+    assert "holds inf or NaN" in runs[1]["error"]
+    assert "another rank refused its part" in runs[0]["error"]
+    for run in runs:
+        assert run["unchanged"] and run["lr"] == 1e-3, run
