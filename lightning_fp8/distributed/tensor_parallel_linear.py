@@ -57,7 +57,8 @@ from lightning_fp8.recompute import (
     replay_scales,
     restore_buffers,
 )
-from lightning_fp8.scaling import ScalingState, _capturing, _tracing, compute_scale
+from lightning_fp8.scaling import ScalingState, compute_scale
+from lightning_fp8.trace_marks import _capturing, _tracing
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # How a cast operand is spread over the group: identical everywhere, a different slice per rank, or a slice whose

@@ -31,7 +31,8 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
 
     With sharded (DTensor) parameters every rank checks its own shards, and the ranks agree (one all-reduce per
     dimension of each mesh): when one refuses its part, all raise, and none loads its own. Parameters that FSDP1
-    flattened agree the same way over the default process group (every rank loads its part of an FSDP1 state dict).
+    flattened agree the same way over the default process group (a collective: every rank of it loads its part of
+    an FSDP1 state dict, one optimizer after another in the same order).
 
     Raises:
         ValueError: for anything the load could not take as it is (see :func:`_check_entry`).
@@ -51,7 +52,7 @@ def _check(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict[str,
         device = local if local.type == meshes[0].device_type else torch.device(meshes[0].device_type)  # CPU offload
         refused = shards.any_rank(meshes, error is not None, device)
     else:
-        refused = _any_rank_of_world(error is not None)
+        refused = _any_rank_of_world(error is not None, [p for p in params if shards.is_fsdp1_view(p)])
     if refused and error is None:
         raise ValueError(
             "FP8AdamW.load_state_dict: another rank refused its part of the state dict (its error says why), so no "
@@ -68,13 +69,18 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _any_rank_of_world(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank of the default process group (a MAX all-reduce; every rank calls this)."""
+def _any_rank_of_world(flag: bool, params: list[torch.Tensor]) -> bool:
+    """Whether ``flag`` is true on any rank of the default process group (a MAX all-reduce; every rank calls this),
+    on NCCL on the device of the first of ``params`` on CUDA (FSDP1 runs with the model on ``cuda:rank`` and no
+    ``set_device``), else the current CUDA device (parameters offloaded to the CPU)."""
     import torch.distributed as dist
 
     from lightning_fp8.distributed.exchange import cuda_backend_is_nccl
 
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda_backend_is_nccl(None) else torch.device("cpu")
+    device = torch.device("cpu")
+    if cuda_backend_is_nccl(None):
+        cuda = [p.device for p in params if p.device.type == "cuda"]
+        device = cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
     value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
@@ -326,13 +332,11 @@ def _check_values(where: str, key: str, local: dict[str, Any]) -> None:
                 f"The checkpoint is corrupt or was edited; to load its values anyway, delete '{key}_amax' from the "
                 "state: it is then measured from them"
             )
-            own_scale = local.get(f"{key}_scale")
-            if own_scale is not None and bool((own_scale == 1).all()):
-                why = (
-                    "A state dict of fp32 values (what FP8AdamW exports for parameters FSDP1 flattened) copied into "
-                    "this optimizer's own states arrives so, beside their amaxes (and cut to their format where they "
-                    "are scaled): torch's set_state_dict(full_state_dict=True) does that for a model that is not "
-                    f"FSDP1's. Hand the full state dict to optimizer.load_state_dict instead, or {_FIX}"
+            if dtype == torch.float32 and f"{key}_scale" in local and bool((local[f"{key}_scale"] == 1).all()):
+                why += (
+                    ". Or it holds fp32 values (as FP8AdamW exports the states of parameters FSDP1 flattened) that "
+                    "torch's set_state_dict(full_state_dict=True) put beside this optimizer's own amaxes, as it does "
+                    "for a model FSDP1 does not wrap: hand such a full state dict to optimizer.load_state_dict instead"
                 )
             raise ValueError(
                 f"{where}'s '{key}_amax' is below the largest value of {key!r} ({x.abs().max().item()}, amax "

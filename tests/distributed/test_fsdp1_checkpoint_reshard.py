@@ -179,5 +179,5 @@ def test_scaled_checkpoint_read_into_fsdp1_fp32_template_is_refused(runs):
 
 def test_fsdp1_full_state_dict_into_a_plain_model_loads_through_load_state_dict(runs):
     report = runs["into_plain"]
-    assert "Hand the full state dict to optimizer.load_state_dict" in report["error"]
+    assert "hand such a full state dict to optimizer.load_state_dict" in report["error"]
     assert report["moments_equal"] and all(torch.isfinite(torch.tensor(report["losses"]))), report

@@ -345,8 +345,9 @@ def _fsdp1_orig_torch_checkpoints(rank: int, directory: str) -> dict:
 
 def _fsdp1_flat_full_state(rank: int) -> dict:
     """FSDP1 flat parameters (use_orig_params=False) given low-precision states (fp8_params): torch's full state dict
-    unflattens each rank's part of a flat parameter's states; exported as stored, rank 1's fp16 second moment was read
-    under rank 0's scale (values off by powers of two, no error). By value, the full states are every rank's values."""
+    gathers each rank's part of a flat parameter's states. Exported as stored, the E4M3 first moment failed on gloo
+    (no FP8 collectives), and fp16 moments were read under one rank's scale (values off by powers of two, no error).
+    By value, the full states are every rank's values."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from lightning_fp8 import FP8AdamW

@@ -208,8 +208,8 @@ class _FP8FSDPStrategyLogic:
             try:
                 if check is not None:
                     check(state[PER_RANK][self.global_rank])
-            except ValueError as e:
-                error = str(e)
+            except Exception as e:  # any error (a corrupt entry), or this rank would leave the others waiting below
+                error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
                 break
         if self.reduce_boolean_decision(error is None, all=True):
             return
