@@ -273,10 +273,16 @@ def convert_to_fp8(
         The converted module (the same object unless ``module`` is a bare ``nn.Linear``).
 
     Raises:
+        TypeError: if ``module`` is not an ``nn.Module`` or ``module_filter_fn`` is not callable.
         ValueError: if an FP8 layer of ``module`` was converted with another recipe (see above); nothing is changed.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_fp8 expects an nn.Module, got {type(module).__name__}")
+    if module_filter_fn is not None and not callable(module_filter_fn):  # as FP8LMPrecision(module_filter_fn=...)
+        raise TypeError(
+            f"convert_to_fp8(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, e.g. "
+            f"lambda module, fqn: fqn != {module_filter_fn!r} to keep that layer in high precision"
+        )
     recipe = resolve_recipe(recipe)
     _check_converted_recipes(module, recipe, module_filter_fn)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}

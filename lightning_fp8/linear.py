@@ -39,7 +39,7 @@ from lightning_fp8.matmul import backward_gemms as backward_gemms
 from lightning_fp8.matmul import forward_gemm as forward_gemm
 from lightning_fp8.matmul import grad_output_current as grad_output_current
 from lightning_fp8.optim import master
-from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 from lightning_fp8.recompute import forward_call
 from lightning_fp8.scaling import ScalingState
 from lightning_fp8.weight_marks import LayerMark, after_load, before_load, mark_weight, put_back_marks, weight_marks
@@ -97,7 +97,7 @@ class FP8Linear(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``. Both feature sizes must be
-            multiples of 16 (an FP8 GEMM requirement).
+            multiples of 16 (an FP8 GEMM requirement); ``bias`` must be True or False.
         recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name (default ``"fp8-lm"``).
 
     The output dtype is the autocast dtype when autocast is on, else the input's dtype (bf16, fp16, fp32).
@@ -144,11 +144,19 @@ class FP8Linear(nn.Linear):
         for name, size in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(size, bool) or not isinstance(size, numbers.Integral):
                 raise TypeError(f"FP8Linear({name}={size!r}): must be an int (a multiple of 16)")
+            if size < 0:  # -16 is a multiple of 16: else torch's "negative dimension" RuntimeError from the weight
+                raise ValueError(f"FP8Linear({name}={size}): a feature size must be >= 0 (a multiple of 16)")
             if size % 16:
                 raise ValueError(
                     f"FP8Linear({name}={size}): FP8 GEMMs need feature sizes that are multiples of 16; "
                     "keep this layer as nn.Linear (convert_to_fp8 does so automatically)"
                 )
+        check_flag("FP8Linear", "bias", bias)  # nn.Linear takes its truth value: bias="False" would make one
+        if dtype is not None and not isinstance(dtype, torch.dtype):  # else "keep a float32 layer" for "float32"
+            raise TypeError(
+                f"FP8Linear(dtype={dtype!r}): must be a torch.dtype (torch.float32, torch.bfloat16 or torch.float16), "
+                f"got {type(dtype).__name__}"
+            )
         if dtype is not None and dtype not in _ACTIVATION_DTYPES:  # as the first forward would refuse it, but now
             raise TypeError(
                 f"FP8Linear(dtype={dtype}): FP8 layers keep float32, bfloat16 or float16 parameters; keep a "

@@ -218,6 +218,10 @@ class FP8MLP(nn.Module):
     ) -> None:
         super().__init__()
         out = in_features if out_features is None else out_features
+        # Named here: FP8Linear's own error would name its out_features for hidden_features=20, say.
+        for name, size in (("in_features", in_features), ("hidden_features", hidden_features), ("out_features", out)):
+            if isinstance(size, int) and not isinstance(size, bool) and (size < 0 or size % 16):
+                raise ValueError(f"FP8MLP({name}={size}): FP8 GEMMs need sizes that are multiples of 16 (and >= 0)")
         self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
         self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)
         self.fp8_hidden = fp8_hidden

@@ -92,6 +92,11 @@ def compute_scale(
     if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
         kind = f"a {amax.dtype} tensor" if isinstance(amax, torch.Tensor) else type(amax).__name__
         raise TypeError(f"compute_scale(amax=...) takes a floating-point tensor or a number, got {kind}")
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16):
+        raise ValueError(
+            f"compute_scale(fp8_dtype={fp8_dtype!r}) is not a format it scales for: pass torch.float8_e4m3fn (E4M3), "
+            "torch.float8_e5m2 (E5M2) or torch.float16 (scaled fp16 storage)"
+        )
     fmax = _format_max(fp8_dtype)
     if amax.dtype == torch.float64:  # to fp32 rounding up: a smaller amax would get a scale too large for it
         a32 = amax.float()

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_fp8 import load_pairing
 from lightning_fp8.grad_scaling.rules import rescale_grad_output_state
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.scaling import ScalingState, _format_max
 from lightning_fp8.stats import clean_name, wraps_as_module
 
@@ -83,6 +84,7 @@ def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     whether the state's next delayed cast uses its history (:attr:`ScalingState.initialized`), which the buffers
     cannot always tell (a history rolled back to zeros by casts of all-zero tensors, a scale of 1).
     """
+    _check_module(module, "fp8_state_dict")
     out: dict[str, torch.Tensor] = {}
     for name, state in module.named_modules():
         if isinstance(state, ScalingState):
@@ -116,9 +118,10 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
 
     Raises:
         KeyError: with ``strict``, if buffer keys are missing or keys are unexpected (a different model).
-        TypeError: if ``state_dict`` is not a dict with string keys, a value is not a plain (strided, not sparse or
-            nested) tensor of the buffer's kind (floating point or integer; not bool), a setting is not one number,
-            or an ``initialized`` entry is not one integer (not bool).
+        TypeError: if ``module`` is not an ``nn.Module`` or ``strict`` not a bool, if ``state_dict`` is not a dict
+            with string keys, a value is not a plain (strided, not sparse or nested) tensor of the buffer's kind
+            (floating point or integer; not bool), a setting is not one number, or an ``initialized`` entry is not one
+            integer (not bool).
         ValueError: if a state was saved under other recipe settings (``fp8_format``, ``margin``, ``scaling``,
             ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
             cannot be a scaling state's: a scale that is not a power of two from 2**-126 to 2**127, a negative or NaN
@@ -211,6 +214,9 @@ def _checked(
     """Check ``state_dict`` against ``module``; return its scaling states by name, the ``(state name, buffer, value)``
     copies to make and the ``initialized`` flags saved, by state name. With ``warn``, warn when ``strict`` is off and
     no key of a non-empty ``state_dict`` names a state of the model's (the load would change nothing)."""
+    _check_module(module, "load_fp8_state_dict")
+    # A bool: strict="no" (truthy) would check every key, strict=None skip the checks, against what was meant.
+    check_flag("load_fp8_state_dict", "strict", strict)
     _check_mapping(state_dict)
     skipped = {id(m) for layer in leaving_out for m in layer.modules()}
     states = {n: m for n, m in module.named_modules() if isinstance(m, ScalingState) and id(m) not in skipped}
@@ -297,6 +303,14 @@ def _fields(state: ScalingState) -> list[str]:
     return [name for name, _ in state.named_buffers(recurse=False)] + list(SETTINGS) + [INITIALIZED]
 
 
+def _check_module(module: object, caller: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{caller} takes the model (an nn.Module holding FP8 layers) first, got {type(module).__name__}: call "
+            f"{caller}(model{', state_dict' if caller.startswith('load') else ''})"
+        )
+
+
 def _check_mapping(state_dict: object) -> None:
     fix = "pass the dict fp8_state_dict() returned (the checkpoint may be corrupt)"
     if not isinstance(state_dict, Mapping):
@@ -377,9 +391,11 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
     if not _is_number_tensor(value) or value.is_floating_point() != buf.is_floating_point():
         raise TypeError(f"FP8 scaling state {key!r} is {_kind(value)}, expected a {buf.dtype} tensor: {fix}")
     if buf.shape != value.shape:
+        # Only a history's length follows the recipe (amax_history_len); every other buffer is one number.
+        why = "amax_history_len differs?" if buf_name == "amax_history" else fix
         raise ValueError(
             f"FP8 scaling state {key!r} has shape {tuple(value.shape)} in the checkpoint but "
-            f"{tuple(buf.shape)} in the model (amax_history_len differs?)"
+            f"{tuple(buf.shape)} in the model ({why})"
         )
     # Checked as it will be stored: the buffer's dtype (a float64 2**200 is a power of two, and inf in fp32).
     saved = value.detach().cpu()

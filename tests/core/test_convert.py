@@ -525,3 +525,13 @@ def test_recipe_is_read_only_after_conversion():
         with pytest.raises(AttributeError, match="cannot be set"):
             copied.recipe = before
     assert copy.deepcopy(layer).recipe == before
+
+
+@pytest.mark.parametrize("not_callable", ["head", ["0"], True])
+def test_a_filter_that_is_not_callable_is_refused_before_any_change(not_callable):
+    # Found by a sweep: a layer name passed as the filter raised "'str' object is not callable" from inside the walk
+    # (FP8LMPrecision(module_filter_fn=...) says what to pass).
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    with pytest.raises(TypeError, match=r"convert_to_fp8\(module_filter_fn=.*\): must be a callable fn\(module, fqn\)"):
+        convert_to_fp8(model, module_filter_fn=not_callable)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]

@@ -509,6 +509,16 @@ def test_feature_sizes_must_be_multiples_of_16():
         with pytest.raises(TypeError, match=r"in_features=.*must be an int"):
             FP8Linear(size, 16)
     assert FP8Linear(np.int64(16), 32).in_features == 16  # a NumPy integer is an int
+    # Found by a sweep: -16 is a multiple of 16, and torch's "negative dimension" RuntimeError came from the weight.
+    with pytest.raises(ValueError, match=r"FP8Linear\(out_features=-16\): a feature size must be >= 0"):
+        FP8Linear(16, -16)
+    # Found by a sweep: bias was taken for its truth value, so bias="False" (a config read as text) made a bias.
+    for bias in ("False", None, 0):
+        with pytest.raises(TypeError, match=r"FP8Linear\(bias=.*\): must be True or False"):
+            FP8Linear(16, 16, bias=bias)
+    # Found by a sweep: dtype="float32" was told "FP8 layers keep float32 ...; keep a float32 layer as nn.Linear".
+    with pytest.raises(TypeError, match=r"FP8Linear\(dtype='float32'\): must be a torch.dtype .* got str"):
+        FP8Linear(16, 16, dtype="float32")
 
 
 def test_nonfinite_input_propagates_not_saturates():

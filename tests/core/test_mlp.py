@@ -204,8 +204,11 @@ def test_bad_input_is_named():
         mlp(torch.ones(4, 32, dtype=torch.int64))
     with pytest.raises(TypeError, match="FP8MLP takes dense tensors, got a torch.sparse_coo tensor"):
         mlp(torch.randn(4, 32).to_sparse())
-    with pytest.raises(ValueError, match="multiples of 16"):
+    # Found by a sweep: the error named FP8Linear(out_features=100), not the hidden_features the user passed.
+    with pytest.raises(ValueError, match=r"FP8MLP\(hidden_features=100\): .*multiples of 16"):
         FP8MLP(32, 100)
+    with pytest.raises(ValueError, match=r"FP8MLP\(out_features=-16\): .*multiples of 16"):
+        FP8MLP(32, 64, -16)
 
 
 def test_proj_of_another_size_is_refused_before_any_cast():

@@ -302,6 +302,14 @@ def test_compute_scale_refuses_a_bad_margin(margin, error):
         compute_scale(torch.tensor(1.0), E4M3, margin)
 
 
+@pytest.mark.parametrize("fp8_dtype", [torch.float32, torch.float8_e4m3fnuz, "e4m3"])
+def test_compute_scale_refuses_a_format_naming_every_one_it_takes(fp8_dtype):
+    # Found by a sweep: the error listed the two FP8 dtypes only, while torch.float16 (scaled fp16 storage) is taken.
+    with pytest.raises(ValueError, match=r"compute_scale\(fp8_dtype=.*torch.float8_e5m2 \(E5M2\) or torch.float16"):
+        compute_scale(torch.tensor(1.0), fp8_dtype)
+    assert compute_scale(torch.tensor(1.0), torch.float16).item() == _scale_by_definition(1.0, 65504.0, 0)
+
+
 def test_compute_scale_takes_margins_up_to_the_recipes_max():
     from lightning_fp8.recipe import MAX_MARGIN
 

@@ -167,3 +167,42 @@ def test_a_state_saved_through_a_wrapper_loads_into_the_plain_model_and_back():
             state.amax_history.zero_()
     load_fp8_state_dict(back, fp8_state_dict(model))
     assert_same(fp8_state_dict(back), saved)
+
+
+@pytest.mark.parametrize("strict", ["no", None, 0, 1])
+def test_a_strict_that_is_not_a_bool_is_refused_and_changes_nothing(strict):
+    # Found by a sweep: strict was taken for its truth value, so strict="no" checked every key and strict=None skipped
+    # the key checks, silently.
+    saved, model = fp8_state_dict(_model(0)), _model(1)
+    before = fp8_state_dict(model)
+    with pytest.raises(TypeError, match=rf"load_fp8_state_dict\(strict={strict!r}\): must be True or False"):
+        load_fp8_state_dict(model, saved, strict=strict)
+    with pytest.raises(TypeError, match="must be True or False"):
+        check_fp8_state_dict(model, saved, strict=strict)
+    assert _unchanged(model, before)
+
+
+def test_arguments_that_are_not_a_model_are_refused_clearly():
+    # Found by a sweep: a raw AttributeError ("'dict' object has no attribute 'named_modules'"), e.g. for the two
+    # arguments swapped.
+    model = _model(0)
+    saved, before = fp8_state_dict(model), fp8_state_dict(model)
+    with pytest.raises(TypeError, match=r"load_fp8_state_dict takes the model .* got dict: call load_fp8_state_dict"):
+        load_fp8_state_dict(saved, model)
+    with pytest.raises(TypeError, match=r"fp8_state_dict takes the model .* got str"):
+        fp8_state_dict("model")
+    assert _unchanged(model, before)
+
+
+def test_a_scale_of_another_shape_is_called_corrupt_not_another_history_length():
+    # Found by a sweep: every shape mismatch suggested "amax_history_len differs?", also for a scale of shape (1,).
+    model = _model(1)
+    saved, before = fp8_state_dict(_model(0)), fp8_state_dict(model)
+    saved["0.fp8_scaling.input.scale"] = saved["0.fp8_scaling.input.scale"].reshape(1)
+    with pytest.raises(ValueError, match=r"shape \(1,\) in the checkpoint but \(\) in the model \(the checkpoint is"):
+        load_fp8_state_dict(model, saved)
+    saved = fp8_state_dict(_model(0))
+    saved["0.fp8_scaling.input.amax_history"] = saved["0.fp8_scaling.input.amax_history"][:8]
+    with pytest.raises(ValueError, match=r"\(amax_history_len differs\?\)"):
+        load_fp8_state_dict(model, saved)
+    assert _unchanged(model, before)
