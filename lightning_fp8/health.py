@@ -166,7 +166,8 @@ class HealthMonitor:
             TypeError: if a value is not a number (a string, a bool; ``None`` leaves it out), ``memory_gib`` is
                 neither a number nor a mapping with a ``"peak"`` entry, or ``step`` is not an integer (a Python, NumPy
                 or 0-dim tensor integer, stored as a Python int). Nothing is recorded then.
-            ValueError: if ``samples``, ``tokens`` or ``seconds`` is negative or not finite, or a norm is negative.
+            ValueError: if ``samples``, ``tokens``, ``seconds`` or ``memory_gib`` is negative or not finite, or a norm
+                is negative.
                 Nothing is recorded then. (``seconds=0`` records no throughput: there is no rate to compute.)
         """
         step = _as_step(step, "observe")
@@ -180,6 +181,11 @@ class HealthMonitor:
                     f"HealthMonitor.observe({name}={given[name]!r}) must be a finite number >= 0 (work done and "
                     "wall time since the previous observation); nothing was recorded"
                 )
+        if memory_gib is not None and not 0 <= memory_gib < math.inf:  # an amount of memory: a mistake otherwise
+            raise ValueError(
+                f"HealthMonitor.observe(memory_gib={memory_gib!r}) must be a finite number of GiB >= 0; nothing was "
+                "recorded"
+            )
         for name in ("grad_norm", "param_norm"):  # a norm is never negative (inf and NaN are non-finite events)
             if converted[name] is not None and converted[name] < 0:
                 raise ValueError(

@@ -318,6 +318,10 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
 
         Returns:
             The closure's loss, when a closure is given.
+
+        Raises:
+            ValueError, TypeError: for a parameter group holding a value the constructor refuses (written since it was
+                checked, e.g. ``group["amsgrad"] = True`` or an lr of NaN), before anything is stepped.
         """
         loss = None
         if closure is not None:
@@ -349,6 +353,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
     def _fp8_step(self, grad_unscale: float) -> None:
         """The update itself, with every gradient multiplied by ``grad_unscale`` (1/mu; called by the scaler)."""
         self._check_storages()  # before anything is written
+        for index, group in enumerate(self.param_groups):  # (a group may have been written since it was checked)
+            step_.check_group_at_step(group, index)
         self._grad_casts.flush(self)
         for group in self.param_groups:
             live = []

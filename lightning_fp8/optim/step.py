@@ -170,6 +170,27 @@ def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> 
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs a finite weight_decay >= 0)")
 
 
+def check_group_at_step(group: dict[str, Any], index: int) -> None:
+    """Raise what the constructor raises for ``group``'s hyper-parameters and flags, as a step finds them: a scheduler
+    or the user's code may have written them since they were checked (``group["amsgrad"] = True`` would be stepped
+    without AMSGrad, ``maximize="no"`` as gradient ascent, ``betas=(1.0, ...)`` failed with ZeroDivisionError).
+    One-element tensors for ``eps`` and ``weight_decay``, which the step takes, are checked by value."""
+
+    def value(name: str) -> Any:
+        v = group.get(name)
+        return float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+
+    try:
+        check_supported_flags(group)
+        check_hyper_parameters(group.get("lr"), group.get("betas"), value("eps"), value("weight_decay"))
+    except (TypeError, ValueError) as error:
+        raise type(error)(
+            f"FP8AdamW.step: parameter group {index} holds a value it cannot step with, set since the group was "
+            f"checked (by an LR scheduler or your code): {error}. Set a valid value in "
+            f"optimizer.param_groups[{index}]; nothing was stepped"
+        ) from None
+
+
 def advance_steps(steps: list[torch.Tensor]) -> list[int]:
     """``step += 1`` for each 0-dim step tensor (one foreach call for CPU steps); returns the new counts."""
     if not steps:

@@ -648,6 +648,30 @@ def test_numpy_scales_are_taken_and_an_infinite_headroom_is_refused():
             FP8GradScaler(headroom=headroom)
 
 
+@pytest.mark.parametrize("recipe, model_given, warned", [("fp8-lm", False, 1), ("fp8-lm", True, 0),
+                                                         ("fp8-lm-current", False, 0)])  # fmt: skip
+def test_a_scaler_without_model_warns_once_where_delayed_grad_output_scales_would_lag_mu(recipe, model_given, warned):
+    """Found by the sweep of the optimizer side: FP8GradScaler() without model= (the usage in its module docstring and
+    in docs/concepts/gradient-scaling.md) left the FP8 layers' delayed grad_output scales at the old mu; after the
+    fp16 rule grew mu 16x, 78% of a small MLP's grad_output cast values saturated for several steps, without a word
+    (those casts report to no scaler). Warned once, at the first step; not with the model, nor for current scaling,
+    whose scales have no history to lag."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), recipe=recipe)
+    scaler = FP8GradScaler(model=model if model_given else None)
+    opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler, recipe=recipe)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            scaler.scale_loss(model(torch.randn(16, 32)).square().mean() * 1e-3).backward()
+            opt.step()
+            opt.zero_grad()
+    assert scaler.get_scale() > 1.0  # mu changed
+    messages = [str(w.message) for w in caught if "FP8GradScaler has no model" in str(w.message)]
+    assert len(messages) == warned
+    assert all("FP8GradScaler(model=model)" in m for m in messages)
+
+
 def test_a_scaler_whose_model_holds_none_of_the_optimizers_fp8_weights_warns_at_its_first_step(recwarn):
     # Found by a sweep: model= another model was taken silently; mu changes then rescaled that model's grad_output
     # states, and the trained model's delayed scales lagged mu (as if no model had been given).

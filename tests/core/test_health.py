@@ -151,7 +151,12 @@ def test_observe_takes_what_memory_gib_returns():
         monitor.observe(3, memory_gib=[1.0])
     with pytest.raises(TypeError, match="memory_gib.*str"):  # a numeric string is not a number of GiB
         monitor.observe(3, memory_gib="1")
+    # Found by the sweep of the optimizer side: a negative or non-finite amount of memory was recorded as it was.
+    for bad in (-3.0, {"peak": -1.0}, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"memory_gib=.* must be a finite number of GiB >= 0; nothing was"):
+            monitor.observe(4, loss=1.0, memory_gib=bad)
     assert len(monitor.series["memory_gib"]) == 2 and monitor._observations == 2  # a refused call records nothing
+    assert len(monitor.series["loss"]) == 1
 
 
 @pytest.mark.parametrize(
@@ -177,8 +182,9 @@ def test_observe_refuses_a_value_that_is_not_a_number_and_records_nothing(values
     assert monitor.series["samples_per_sec"] == [(1, 16.0)]
 
 
-@pytest.mark.parametrize(("name", "value"), [("seconds", -1.0), ("seconds", float("inf")), ("tokens", -8),
-                                           ("samples", float("nan"))])
+@pytest.mark.parametrize(
+    ("name", "value"), [("seconds", -1.0), ("seconds", float("inf")), ("tokens", -8), ("samples", float("nan"))]
+)
 def test_observe_refuses_negative_or_non_finite_work_and_records_nothing(name, value):
     # seconds=-1 dropped the throughput silently; a negative count gave a negative rate.
     monitor = HealthMonitor()

@@ -411,6 +411,39 @@ def test_an_exported_state_dict_keeps_the_scheduler_keys_of_its_groups(export):
     assert adamw.param_groups[0]["note"] == "kept"
 
 
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({}, r"expects a saved FP8AdamW state dict .*got a dict with keys \[\]"),
+        (None, r"got NoneType"),
+        ({"optimizer_states": [], "state_dict": {}}, r"a Lightning checkpoint: pass one of its"),
+        ("optimizer", r"an optimizer: pass optimizer.state_dict\(\)"),
+        ("state not a dict", r"the state of parameter 0 is a Tensor, not a dict"),
+        ("fp8 moment without its scale", r"parameter 0's 'exp_avg' is torch.float8_e4m3fn without its 'exp_avg_scale'"),
+    ],
+)
+def test_adamw_state_dict_refuses_what_is_not_a_saved_state_dict(bad, match):
+    """Found by the sweep of the optimizer side: ``adamw_state_dict`` of anything but a state dict failed with
+    KeyError 'state' or "'NoneType' object is not subscriptable", and an FP8 moment that had lost its scale was
+    exported as its stored values (the moment times 2**k) without a word."""
+    from lightning_fp8.optim import adamw_state_dict
+
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48)))
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    saved = opt.state_dict()
+    if bad == "optimizer":
+        bad = opt
+    elif bad == "state not a dict":
+        bad = {**saved, "state": {0: torch.zeros(3)}}
+    elif bad == "fp8 moment without its scale":
+        bad = copy.deepcopy(saved)
+        del bad["state"][0]["exp_avg_scale"]
+    with pytest.raises(ValueError, match=match):
+        adamw_state_dict(bad)
+
+
 def test_release_weights_gives_the_model_its_weights_and_keeps_the_optimizer():
     """Found by the twentieth session's sweep with Hugging Face models: after O2 training the FP8 weights held the fp16
     master times 2**18, which any later optimizer or precision trained as the weight (no update at all, or NaN from

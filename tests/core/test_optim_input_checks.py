@@ -144,3 +144,51 @@ def test_accumulate_fp8_grad_takes_any_one_element_scale_inv_and_refuses_what_it
         with pytest.raises(error, match=match):
             opt.accumulate_fp8_grad(weight, grad, scale_inv)
         assert weight not in opt._pending  # nothing was accumulated
+
+
+@pytest.mark.parametrize(
+    "key, value, error, match",
+    [
+        ("amsgrad", True, ValueError, r"amsgrad=True\) is not supported"),
+        ("capturable", True, ValueError, r"capturable=True\) is not supported"),
+        ("maximize", "no", TypeError, r"maximize='no'\): must be True or False"),
+        ("betas", (1.0, 0.999), ValueError, r"Invalid beta parameter at index 0: 1.0"),
+        ("lr", float("nan"), ValueError, r"Invalid learning rate: nan"),
+        ("lr", "1e-3", TypeError, r"lr must be a number, got str"),
+        ("lr", None, TypeError, r"lr must be a number, got NoneType"),
+        ("eps", -1.0, ValueError, r"Invalid epsilon value: -1.0"),
+        ("weight_decay", torch.tensor(float("inf")), ValueError, r"Invalid weight_decay value: inf"),
+    ],
+)
+@pytest.mark.parametrize("with_scaler", [False, True])
+def test_a_group_written_with_a_value_the_constructor_refuses_is_refused_by_the_step(
+    key, value, error, match, with_scaler
+):
+    """Found by the sweep of the optimizer side: the step did not look at a group's values again, so a group written
+    after the constructor checked it was stepped silently (``amsgrad=True`` without AMSGrad, ``capturable=True``,
+    ``maximize="no"`` as gradient ascent, an lr of ``"1e-3"``) or failed on its way (``betas=(1.0, ...)``:
+    ZeroDivisionError). Now the step raises the constructor's error, naming the group, before anything changes, and
+    steps as before once the value is set right."""
+    model = _fp8_layer(0)
+    scaler = FP8GradScaler() if with_scaler else None
+    opt = FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=scaler)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 32)).square().mean()
+        (scaler.scale_loss(loss) if scaler else loss).backward()
+        if _ == 1:
+            absent = key not in opt.param_groups[0]  # (amsgrad, capturable: FP8AdamW's groups have no such key)
+            good = opt.param_groups[0].get(key)
+            opt.param_groups[0][key] = value
+            before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            with pytest.raises(error, match=rf"FP8AdamW.step: parameter group 0 .*{match}.*nothing was stepped"):
+                opt.step()
+            after = (model.state_dict(), opt.state_dict())
+            assert_same(after[0], before[0])
+            assert_same(after[1]["state"], before[1]["state"])
+            if absent:
+                del opt.param_groups[0][key]
+            else:
+                opt.param_groups[0][key] = good
+        opt.step()  # the gradients left by the refused step, as they were
+    assert all(int(state["step"]) == 2 for state in opt.state.values())
