@@ -5,6 +5,7 @@ for code that reads them without rounding away what mu keeps representable (:cla
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,17 @@ def check_clip_limit(caller: str, name: str, value: Any) -> None:
             f"{caller}({name}={float(value)}): must be >= 0 (0 clips every gradient to zero, inf only measures); a "
             "negative limit would flip the gradients' signs and NaN would make them NaN; nothing was clipped"
         )
+
+
+def checked_norm_type(caller: str, norm_type: Any) -> float:
+    """``norm_type`` as a float, the string ``'inf'`` too (as torch's clip_grad_norm_ takes it); ValueError naming
+    ``caller`` for anything but a number > 0: order 0 (torch's count of nonzero elements) and negative orders do not
+    scale with the gradients, so mu cannot be divided out of them."""
+    if norm_type == "inf":
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not float(norm_type) > 0:
+        raise ValueError(f"{caller}(norm_type={norm_type!r}): expected a number > 0, or inf (math.inf or 'inf')")
+    return float(norm_type)
 
 
 def unique(parameters: Any) -> list[Tensor]:

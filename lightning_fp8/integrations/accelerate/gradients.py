@@ -21,6 +21,7 @@ from lightning_fp8.health import global_norm, memory_gib, scaler_fallbacks, skip
 from lightning_fp8.integrations.accelerate import parallel, refusals
 from lightning_fp8.integrations.clipping import (
     check_clip_limit,
+    checked_norm_type,
     clip_grad_norm_fp32,
     clip_grad_value_keeping_overflow_,
     unique,
@@ -96,6 +97,7 @@ class GradientsMixin:
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         check_clip_limit("accelerator.clip_grad_norm_", "max_norm", max_norm)
+        norm_type = checked_norm_type("accelerator.clip_grad_norm_", norm_type)
         parameters = unique(parameters)
         mu = self._fp8_grad_factor(parameters)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled

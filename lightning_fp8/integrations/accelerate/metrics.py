@@ -140,6 +140,6 @@ class LoggingMixin:
 
     @override
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        if self.fp8_stats_in_log and self.is_main_process:
-            values = {**values, **self._fp8_values(False, record_jumps=True)}
+        if self.fp8_stats_in_log and self.is_main_process:  # a value the script passes under a statistic's name wins
+            values = {**self._fp8_values(False, record_jumps=True), **values}
         super().log(values, step=step, log_kwargs=log_kwargs)

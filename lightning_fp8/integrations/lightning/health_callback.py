@@ -389,4 +389,24 @@ class TrainingHealthMonitor(_LoggingCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the monitor's entries are checked before any is loaded.
+
+        Raises:
+            TypeError, KeyError, ValueError: for anything but a dict of one ``"monitor"`` entry, or for an entry of
+                that one that :meth:`lightning_fp8.HealthMonitor.load_state_dict` refuses; nothing is loaded.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(_state_error(f"got {type(state_dict).__name__}, expected a dict"))
+        if "monitor" not in state_dict:
+            raise KeyError(_state_error(f"missing entry 'monitor' (got {sorted(state_dict, key=repr)})"))
+        if set(state_dict) != {"monitor"}:
+            unknown = sorted(set(state_dict) - {"monitor"}, key=repr)
+            raise ValueError(_state_error(f"unknown entries {unknown}, expected 'monitor' only"))
         self.monitor.load_state_dict(state_dict["monitor"])
+
+
+def _state_error(what: str) -> str:
+    return (
+        f"TrainingHealthMonitor.load_state_dict: {what}; load the dict that TrainingHealthMonitor.state_dict() "
+        "returned (the checkpoint may be corrupt). Nothing was loaded."
+    )

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Generator
 from typing import Any, Literal
 
@@ -278,6 +279,13 @@ def _make_grad_scaler(grad_scaler: Any) -> Any:
     if grad_scaler is None:
         return FP8GradScaler()
     if isinstance(grad_scaler, dict):
+        allowed = list(inspect.signature(FP8GradScaler).parameters)
+        unknown = [key for key in grad_scaler if key not in allowed]
+        if unknown:  # Python's own error names FP8GradScaler.__init__ and lists nothing to choose from
+            raise TypeError(
+                f"FP8LMPrecision(grad_scaler={grad_scaler!r}): unknown FP8GradScaler argument(s) {unknown}; the "
+                f"arguments are {allowed}"
+            )
         if grad_scaler.get("nonfinite_fallback") == "bf16" and grad_scaler.get("model") is None:
             # The scaler needs the model for this fallback; the plugin gives it the LightningModule when the fit
             # converts it (convert_module), which a dict written before the Trainer exists cannot name.

@@ -52,10 +52,28 @@ class _FP8FSDPStrategyLogic:
                 f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
                 "and the other ops run under bf16 autocast; drop the argument"
             )
-        check_device_mesh(kwargs.get("device_mesh"))
+        if kwargs.get("device_mesh") is not None:
+            kwargs["device_mesh"] = check_device_mesh(kwargs["device_mesh"])
         super().__init__(*args, **kwargs)
         self._check_state_dict_type()  # at construction, not at the first checkpoint
         check_sharding_strategy(self.sharding_strategy)  # also as a device_mesh made it
+
+    @override
+    def setup_environment(self) -> None:
+        # FSDPStrategy builds a device_mesh given as a tuple with init_device_mesh("cuda", ...), which fails on the CPU
+        # (accelerator="cpu", gloo: "torch._C has no attribute _cuda_setDevice"): build it on the CPU there.
+        mesh = self.kwargs.get("device_mesh")
+        if not isinstance(mesh, tuple) or self.root_device.type != "cpu":
+            return super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        del self.kwargs["device_mesh"]
+        try:
+            super().setup_environment()
+        finally:
+            self.kwargs["device_mesh"] = mesh
+        self.kwargs["device_mesh"] = init_device_mesh("cpu", mesh)
+        return None
 
     def _check_state_dict_type(self) -> None:
         if self._state_dict_type != "full":

@@ -54,16 +54,36 @@ def check_use_orig_params(value: Any) -> None:
         )
 
 
-def check_device_mesh(mesh: Any) -> None:
-    """Raise ValueError for a ``device_mesh`` that replicates over groups, ``(R, S)`` with R > 1 (a tuple or a 2-D
-    DeviceMesh): Lightning passes it to FSDP without making the strategy hybrid, and FSDP then shards over one mesh
-    dimension only, each group training apart (the FP8 hook reduces over the same group, so nothing says so)."""
+def check_device_mesh(mesh: Any) -> Any:
+    """``mesh`` as FSDP gets it (a list as the tuple Lightning builds a DeviceMesh from, which it did not convert), or
+    raise: TypeError for anything but a tuple or list of ints or a DeviceMesh, ValueError for a mesh with more than
+    one process along a dimension after the first. Without hybrid sharding FSDP1 takes the mesh's first dimension as
+    its process group (``device_mesh.get_group(mesh_dim=0)``), so under ``(1, N)`` every process sharded with itself
+    alone and trained apart, and under ``(R, S)`` the S groups of R did, each without a word (the FP8 hook reduces over
+    the same groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     if mesh is None:
-        return
-    shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else tuple(getattr(mesh, "shape", ()))
-    if len(shape) > 1 and any(size != 1 for size in shape[:-1]):
-        raise ValueError(
-            f"strategy='{STRATEGY_NAME}' shards over all processes, but device_mesh={shape} is (replication size, "
-            "sharding size) for hybrid sharding, which it does not support (see sharding_strategy): drop device_mesh "
-            "(or give (1, number of processes))"
+        return None
+    if isinstance(mesh, (tuple, list)):
+        if not mesh or not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in mesh):
+            raise TypeError(
+                f"strategy='{STRATEGY_NAME}': device_mesh={mesh!r} must be a tuple of process counts >= 1 (the "
+                "number of processes,) or a torch.distributed DeviceMesh"
+            )
+        shape = tuple(mesh)
+    elif isinstance(mesh, DeviceMesh):
+        shape = tuple(mesh.shape)
+    else:
+        raise TypeError(
+            f"strategy='{STRATEGY_NAME}': device_mesh={mesh!r} ({type(mesh).__name__}) must be a tuple, e.g. "
+            "(number of processes,), or a torch.distributed DeviceMesh"
         )
+    if any(size != 1 for size in shape[1:]):
+        raise ValueError(
+            f"strategy='{STRATEGY_NAME}' shards over all processes, but device_mesh={shape} has processes along a "
+            "dimension after the first: FSDP (without hybrid sharding, which it does not support, see "
+            "sharding_strategy) shards over the first dimension only, and the processes along the others would train "
+            "apart. Give a 1-D mesh (number of processes,) or drop device_mesh"
+        )
+    return shape if isinstance(mesh, list) else mesh

@@ -149,6 +149,33 @@ def test_clip_grad_norm_acts_on_unscaled_gradients():
     assert math.isclose(values["health/loss"], float(loss), rel_tol=1e-6)
 
 
+def test_clip_grad_norm_takes_the_norm_type_as_torch_does_a_string_too():
+    """torch's clip_grad_norm_ (so plain Accelerate's) takes norm_type='inf' (its docs: "Can be 'inf'"); under FP8-LM
+    it crashed in torch.linalg.vector_norm (must be Number, not str)."""
+    accelerator, model, _, _ = _setup()
+    accelerator.fp8_grad_scaler.load_state_dict({**accelerator.fp8_grad_scaler.state_dict(), "scale": 4.0})
+    accelerator.backward(_loss(model, _batch()))
+    true = [p.grad.float() / 4.0 for p in model.parameters()]
+    expected = torch.stack([g.abs().max() for g in true]).max()
+    norm = accelerator.clip_grad_norm_(model.parameters(), float(expected) / 2, norm_type="inf")
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0.0)
+    after = torch.stack([(p.grad.float() / 4.0).abs().max() for p in model.parameters()]).max()
+    torch.testing.assert_close(after, expected / 2, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("norm_type", [0, -2.0, True, "two"])
+def test_clip_grad_norm_refuses_a_norm_type_that_is_no_norm_and_clips_nothing(norm_type):
+    """Order 0 (torch's count of nonzero elements) came back as 394.7 (the count times the largest gradient, over mu)
+    and clipped by it; True passed for order 1. Refused as FP8GradScaler.clip_grad_norm_ refuses them."""
+    accelerator, model, _, _ = _setup()
+    accelerator.backward(_loss(model, _batch()))
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"accelerator\.clip_grad_norm_\(norm_type=.*expected a number > 0"):
+        accelerator.clip_grad_norm_(model.parameters(), 1e-3, norm_type=norm_type)
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(param.grad, grad)
+
+
 def test_nonfinite_gradient_skips_step_halves_mu_and_holds_the_scheduler(caplog):
     caplog.set_level(logging.WARNING, logger="lightning_fp8.accelerate")
     accelerator, model, optimizer, scheduler = _setup()
@@ -318,6 +345,37 @@ def test_log_adds_fp8_and_health_statistics_to_the_trackers():
     assert row1["fp8/grad_scaler/scale"] == 1.0 and row1["fp8/grad_scaler/skipped_steps"] == 0
     assert _is_power_of_two(row1["fp8/optimizer/exp_avg_scale/min"])
     assert "fp8/layers/fc1/input/scale" in logged and "health/events/grad_norm_spike" in row1
+
+
+def test_log_keeps_the_values_the_script_passed_under_a_statistic_s_name():
+    """A script logging its own health/loss (e.g. the loss averaged over the processes) had it replaced by the
+    accelerator's statistic of the same name, without a word: what the script passes is what it logs."""
+    from accelerate.tracking import GeneralTracker
+
+    class Memory(GeneralTracker):
+        name, requires_logging_directory = "memory", False
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        @property
+        def tracker(self):
+            return self.rows
+
+        def log(self, values, step=None, **kwargs):
+            self.rows.append(dict(values))
+
+    tracker = Memory()
+    accelerator, model, optimizer, _ = _setup(log_with=[tracker])
+    accelerator.init_trackers("t")
+    accelerator.backward(_loss(model, _batch()))
+    optimizer.step()
+    assert accelerator.fp8_log_values()["health/loss"] != 7.0
+    accelerator.log({"health/loss": 7.0, "fp8/grad_scaler/scale": 3.0}, step=1)
+    (row,) = tracker.rows
+    assert row["health/loss"] == 7.0 and row["fp8/grad_scaler/scale"] == 3.0
+    assert "health/grad_norm" in row  # the statistics the script did not name are added
 
 
 def test_tied_output_head_stays_high_precision(recwarn):

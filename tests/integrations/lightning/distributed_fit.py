@@ -59,6 +59,10 @@ class ShardedGPT(DataParallelGPT):
         fully_shard(self.model, mesh=mesh)
 
 
+# FP8FSDPStrategy(device_mesh=...) of a --device-mesh run (a tuple of process counts), else none.
+_DEVICE_MESH: tuple[int, ...] | None = None
+
+
 def _strategy(name: str):
     if name == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -67,6 +71,8 @@ def _strategy(name: str):
     if name == "fsdp_fp8":
         from lightning_fp8 import FP8FSDPStrategy
 
+        if _DEVICE_MESH is not None:
+            return FP8FSDPStrategy(auto_wrap_policy={Block}, device_mesh=_DEVICE_MESH)
         return FP8FSDPStrategy(auto_wrap_policy={Block})
     return name
 
@@ -288,7 +294,11 @@ def main() -> None:
     parser.add_argument("--own-fp8adamw", action="store_true", help="configure_optimizers returns an FP8AdamW")
     parser.add_argument("--manual-norm-clip", action="store_true", help="only: fsdp_fp8, manual clip by norm")
     parser.add_argument("--frozen", action="store_true", help="only: ddp, frozen weights and evaluation-only runs")
+    parser.add_argument("--device-mesh", help="fsdp_fp8: FP8FSDPStrategy(device_mesh=...), process counts as '2,1'")
     args = parser.parse_args()
+    if args.device_mesh:
+        global _DEVICE_MESH
+        _DEVICE_MESH = tuple(int(size) for size in args.device_mesh.split(","))
     if args.frozen:
         os.makedirs(args.out, exist_ok=True)
         _frozen_and_evaluation(args.out)

@@ -212,8 +212,11 @@ def test_scale_monitor_rejects_a_bad_jump_factor():
         (lambda: FP8ScaleMonitor(alert_after_steps=2.5), TypeError, "alert_after_steps=2.5.*got float"),
         (lambda: FP8ScaleMonitor(all_layers="no"), TypeError, r"all_layers='no'\): must be True or False"),
         (lambda: TrainingHealthMonitor(tokens_fn=5), TypeError, r"tokens_fn=5\) must be a function"),
-        (lambda: TrainingHealthMonitor(config={"window": 8}), TypeError,
-         r"TrainingHealthMonitor\(config=\.\.\.\) expects a HealthConfig, got dict: e.g. HealthConfig"),
+        (
+            lambda: TrainingHealthMonitor(config={"window": 8}),
+            TypeError,
+            r"TrainingHealthMonitor\(config=\.\.\.\) expects a HealthConfig, got dict: e.g. HealthConfig",
+        ),
         (lambda: TrainingHealthMonitor(plot_path=5), TypeError, r"plot_path=5\) must be a path"),
         (lambda: TrainingHealthMonitor(plot="no"), TypeError, r"plot='no'\): must be True or False"),
         (lambda: TrainingHealthMonitor(smoothing_window=2.0), TypeError, "smoothing_window=2.0.*got float"),
@@ -709,6 +712,24 @@ def test_scale_monitor_refuses_a_corrupt_state_and_keeps_its_own(state, error, m
         monitor.load_state_dict(copy.deepcopy(state))
     assert "Nothing was loaded" in str(raised.value)
     assert monitor.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([1, 2], TypeError, "got list, expected a dict"),
+        ({}, KeyError, r"missing entry 'monitor'"),
+        ({"series": {}}, KeyError, r"missing entry 'monitor'"),
+        ({"monitor": TrainingHealthMonitor().state_dict()["monitor"], "x": 1}, ValueError, r"unknown entries \['x'\]"),
+    ],
+)
+def test_health_monitor_refuses_a_state_without_its_monitor_entry_naming_what_to_load(state, error, match):
+    # A bare KeyError('monitor') (or "list indices must be integers"; an unknown entry was ignored), unlike the checked
+    # errors of the state inside it and FP8ScaleMonitor's.
+    health = TrainingHealthMonitor(plot=False)
+    with pytest.raises(error, match=match) as raised:
+        health.load_state_dict(state)
+    assert "TrainingHealthMonitor.load_state_dict" in str(raised.value) and "Nothing was loaded" in str(raised.value)
 
 
 def test_scale_monitor_does_not_compare_against_a_scale_it_cannot_divide_by():

@@ -111,6 +111,21 @@ def test_two_process_fit(strategy, comm, tmp_path, single_process_losses):
         assert r["resumed_losses"] == r["losses"][STEPS // 2 :]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["2", "2,1"])
+def test_fsdp_fp8_with_a_device_mesh_of_all_processes_trains_as_without_one(mesh, tmp_path, single_process_losses):
+    """A device_mesh given as a tuple failed on the CPU inside Lightning (init_device_mesh("cuda", ...): "torch._C has
+    no attribute _cuda_setDevice"); and (2, 1), which FSDP1 shards over (its first dimension), was refused while
+    (1, 2), under which each process trained apart (the two ranks' weights differed), was let through."""
+    ranks = _run("fsdp_fp8", tmp_path, False, "--device-mesh", mesh)
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+        assert r["finite"] and r["comm"] == "fsdp1" and len(r["losses"]) == STEPS
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # one model, not two trained apart
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    assert mean_losses == pytest.approx(single_process_losses, rel=DATA_PARALLEL_LOSS_RTOL)
+
+
 def test_health_monitor_under_ddp_logs_on_rank_zero_without_waiting_for_the_others(tmp_path):
     # Each rank computes the running means of its own losses, without a cross-rank sync (one in there would hang the
     # run); rank zero logs them, every rank keeps them in trainer.callback_metrics (EarlyStopping reads them on each

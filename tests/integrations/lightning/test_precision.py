@@ -3,6 +3,7 @@ clipping, manual optimization, checkpoint resume, autocast, the mocked Transform
 
 import contextlib
 import math
+import re
 import sys
 import types
 
@@ -513,6 +514,16 @@ def test_bad_arguments_are_rejected():
         FP8LMPrecision(module_filter_fn="net.4")
     with pytest.raises(TypeError, match=r"autocast='yes'\): must be True or False"):
         FP8LMPrecision(autocast="yes")
+
+
+@pytest.mark.parametrize("arguments", [{"growth": 2}, {"init_scale": 4.0, "growth_intervall": 10}, {1: 2.0}])
+def test_a_grad_scaler_dict_with_an_unknown_argument_is_refused_naming_it_and_the_allowed_ones(arguments):
+    """Python's own error named FP8GradScaler.__init__ (not the plugin's argument) and listed nothing to choose from."""
+    unknown = next(key for key in arguments if key not in ("init_scale",))
+    with pytest.raises(
+        TypeError, match=r"FP8LMPrecision\(grad_scaler=.*" + re.escape(repr(unknown)) + r".*growth_interval"
+    ):
+        FP8LMPrecision(grad_scaler=arguments)
 
 
 @pytest.mark.parametrize("namespace", ["lightning", "pytorch_lightning"])

@@ -114,9 +114,15 @@ def test_fsdp_fp8_strategy_rejects_sharded_checkpoints_when_built():
         FP8FSDPStrategy(state_dict_type="sharded")
 
 
-@pytest.mark.parametrize("kwargs", [{"sharding_strategy": "HYBRID_SHARD"}, {"sharding_strategy": "_HYBRID_SHARD_ZERO2"},
-                                    {"sharding_strategy": "hybrid_shard"},
-                                    {"sharding_strategy": torch.distributed.fsdp.ShardingStrategy.HYBRID_SHARD}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"sharding_strategy": "HYBRID_SHARD"},
+        {"sharding_strategy": "_HYBRID_SHARD_ZERO2"},
+        {"sharding_strategy": "hybrid_shard"},
+        {"sharding_strategy": torch.distributed.fsdp.ShardingStrategy.HYBRID_SHARD},
+    ],
+)
 def test_fsdp_fp8_strategy_refuses_hybrid_sharding_when_built(kwargs):
     # Accepted before: on CPUs torch fell back to NO_SHARD in one-process groups and every rank trained apart (the
     # FP8 hook reduced over the same group); on GPUs FSDP refused the hook with a bare AssertionError.
@@ -128,14 +134,23 @@ def test_fsdp_fp8_strategy_refuses_hybrid_sharding_when_built(kwargs):
         assert FP8FSDPStrategy(sharding_strategy=name).sharding_strategy.name == name.upper()
 
 
-def test_fsdp_fp8_strategy_refuses_a_replicating_device_mesh_and_a_sharding_strategy_of_another_type():
-    # Lightning passes device_mesh=(R, S) to FSDP with FULL_SHARD, which shards over one mesh dimension only: R
-    # groups trained apart without a word. An int sharding strategy failed in Lightning ("'int' object has no
-    # attribute 'name'").
-    for mesh in ((2, 4), [2, 1]):
-        with pytest.raises(ValueError, match=r"device_mesh=\(2, \d\) is \(replication size, sharding size\)"):
+def test_fsdp_fp8_strategy_refuses_a_device_mesh_that_trains_processes_apart_and_a_sharding_strategy_of_another_type():
+    # Lightning passes device_mesh to FSDP with FULL_SHARD, which (without hybrid sharding) takes the mesh's first
+    # dimension as its process group: under (1, 2) each process sharded with itself alone and trained apart (the two
+    # ranks' weights differed after a fit), and that was the mesh this check let through, while it refused (2, 1),
+    # which trains as without a mesh (test_distributed.py). An int mesh failed in Lightning at fit ("'int' object has
+    # no attribute 'get_group'"); a list reached FSDP unconverted (Lightning builds a DeviceMesh from a tuple only). An
+    # int sharding strategy failed in Lightning ("'int' object has no attribute 'name'").
+    for mesh in ((2, 4), (1, 2), [1, 2], (2, 1, 2)):
+        with pytest.raises(
+            ValueError, match=r"device_mesh=\([\d, ]+\) has processes along a dimension after the first"
+        ):
             FP8FSDPStrategy(device_mesh=mesh)
-    assert FP8FSDPStrategy(device_mesh=(1, 2)).kwargs["device_mesh"] == (1, 2)  # no replication: every process
+    assert FP8FSDPStrategy(device_mesh=(2, 1)).kwargs["device_mesh"] == (2, 1)
+    assert FP8FSDPStrategy(device_mesh=[2]).kwargs["device_mesh"] == (2,)
+    for mesh in (2, (2, 0), (True,), (), "2"):
+        with pytest.raises(TypeError, match=r"device_mesh=.* must be a"):
+            FP8FSDPStrategy(device_mesh=mesh)
     with pytest.raises(TypeError, match="sharding_strategy must be a name or a torch.distributed.fsdp.Sharding"):
         FP8FSDPStrategy(sharding_strategy=7)
 
@@ -284,10 +299,14 @@ def test_fsdp_fp8_strategy_name_is_case_insensitive_as_in_lightning(name):
     ("kwargs", "match"),
     [
         ({"precision": "fp8-lm-o1", "strategy": "deepspeed"}, r"^precision='fp8-lm-o1' does not support strategy="),
-        ({"plugins": [FP8LMPrecision("fp8-lm-e4m3")], "strategy": "fsdp"},
-         r"^FP8LMPrecision\(recipe='fp8-lm-e4m3'\) does not support strategy='fsdp'"),
-        ({"plugins": [FP8LMPrecision(FP8Recipe(margin=3))], "strategy": FSDPStrategy()},
-         r"^FP8LMPrecision\(\.\.\.\) does not support strategy=FSDPStrategy\(\.\.\.\)"),
+        (
+            {"plugins": [FP8LMPrecision("fp8-lm-e4m3")], "strategy": "fsdp"},
+            r"^FP8LMPrecision\(recipe='fp8-lm-e4m3'\) does not support strategy='fsdp'",
+        ),
+        (
+            {"plugins": [FP8LMPrecision(FP8Recipe(margin=3))], "strategy": FSDPStrategy()},
+            r"^FP8LMPrecision\(\.\.\.\) does not support strategy=FSDPStrategy\(\.\.\.\)",
+        ),
     ],
 )
 def test_unsupported_strategy_errors_name_the_precision_that_was_passed(kwargs, match):
