@@ -80,7 +80,9 @@ def check_flag(owner: str, name: str, value: Any, error: type[TypeError] = TypeE
     """``value`` if it is a bool, else raise ``error`` naming ``owner(name=value)``: a truthy string such as ``"no"``
     or a NumPy bool would otherwise switch a feature on (or off) against what was meant."""
     if not isinstance(value, bool):
-        raise error(f"{owner}({name}={value!r}): must be True or False, got {type(value).__name__}")
+        kind = type(value).__name__  # NumPy 2 names its bool "bool": say whose it is, or "got bool" reads as a riddle
+        kind = kind if type(value).__module__ == "builtins" else f"{type(value).__module__}.{kind}"
+        raise error(f"{owner}({name}={value!r}): must be True or False (a Python bool), got {kind}")
     return value
 
 

@@ -83,7 +83,8 @@ class ScaleJumps:
                     jumps.append((layer, kind))
                     if record:
                         self._before_jump.setdefault((layer, role), (previous * (mu_before if grad else 1.0), kind))
-                        self._alert(step, layer, role, kind, previous, scale)
+                        mus = (mu_before, mu_now) if grad and mu_change != 1.0 else None
+                        self._alert(step, layer, role, kind, previous, scale, mus)
         return jumps
 
     def _undoes(self, layer: str, role: str, kind: str, net: float, record: bool) -> bool:
@@ -97,15 +98,20 @@ class ScaleJumps:
             del self._before_jump[(layer, role)]
         return True
 
-    def _alert(self, step: int, layer: str, role: str, kind: str, previous: float, scale: float) -> None:
+    def _alert(
+        self, step: int, layer: str, role: str, kind: str, previous: float, scale: float, mus: tuple | None = None
+    ) -> None:
+        """Record the alert (the raw scales); warn once per kind. ``mus``: mu at the previous log and now, where it
+        changed for a ``grad_output`` scale, whose jump was judged net of it (the raw scales alone may not show one)."""
         meaning = "its amax jumped: overflow is near" if kind == "drop" else "its amax collapsed: values may underflow"
         self.alerts.append({"step": step, "layer": layer, "role": role, "kind": kind, "from": previous, "to": scale})
         if kind in self._warned_kinds:  # warn_once keys on the text, which names the step: dedupe by kind here
             return
         self._warned_kinds.add(kind)
         warn_once(
-            f"{self.owner}: sudden scale {kind} in {layer} ({role}) at step {step}, {previous:g} -> "
-            f"{scale:g}; {meaning}. Later scale {kind}s are not warned: they are counted in "
+            f"{self.owner}: sudden scale {kind} in {layer} ({role}) at step {step}, {previous:g} -> {scale:g}"
+            + ("" if mus is None else f" while the gradient scale mu went {mus[0]:g} -> {mus[1]:g} (judged net of mu)")
+            + f"; {meaning}. Later scale {kind}s are not warned: they are counted in "
             f"fp8/alerts/scale_{kind}s and kept in {self.alerts_name}"
         )
 

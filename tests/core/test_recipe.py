@@ -143,3 +143,12 @@ def test_same_scaling_compares_the_scaling_fields_of_recipes_and_names():
 def test_same_scaling_of_something_else_names_what_it_got(other):
     with pytest.raises(TypeError, match=r"same_scaling takes a recipe or a recipe name, got"):
         FP8Recipe().same_scaling(other)
+
+
+def test_a_numpy_bool_flag_is_refused_naming_numpy():
+    # NumPy 2 names its bool type "bool": the refusal said "got bool" for np.True_, a riddle (found by a sweep).
+    np = pytest.importorskip("numpy")
+    from lightning_fp8 import FP8Linear
+
+    with pytest.raises(TypeError, match=r"bias=.*must be True or False \(a Python bool\), got numpy\.bool"):
+        FP8Linear(16, 16, bias=np.bool_(True))

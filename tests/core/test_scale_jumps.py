@@ -57,3 +57,14 @@ def test_the_level_before_a_jump_survives_a_state_dict_round_trip():
     bad = {**jumps.state_dict(), "before_jumps": [["net.0", "input", 64.0, "up"]]}
     with pytest.raises(ValueError, match="entry 0 of 'before_jumps' has kind 'up'"):
         resumed.load_state_dict(bad)
+
+
+def test_a_grad_output_jump_net_of_mu_names_mu_in_its_warning():
+    # The raw scale did not move (65536 -> 65536) while mu grew 16x: a jump net of mu, whose warning showed the raw
+    # scales alone ("sudden scale rise ... 65536 -> 65536"; found by a sweep). The warning now says mu moved.
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test-mu", alerts_name="alerts")
+    said = r"65536 -> 65536 while the gradient scale mu went 1 -> 16 \(judged net of mu\)"
+    with pytest.warns(UserWarning, match=said):
+        _run(jumps, [65536.0] * 4, role="grad_output", mus=[1.0, 1.0, 16.0, 16.0])
+    assert _kinds(jumps) == [(2, "rise")]
+    assert (jumps.alerts[0]["from"], jumps.alerts[0]["to"]) == (65536.0, 65536.0)  # the alert keeps the raw scales

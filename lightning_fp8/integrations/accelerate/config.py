@@ -288,7 +288,10 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
             f"{OFF!r}) or None, got {type(recipe).__name__}"
             + (": e.g. FP8Recipe(**fields)" if isinstance(recipe, dict) else "")
         )
-    recipe = resolve_recipe(recipe)
+    try:
+        recipe = resolve_recipe(recipe)
+    except ValueError as error:  # the recipe's own error names neither the argument nor the way to turn FP8 off
+        raise ValueError(f"Accelerator(fp8_lm_recipe={recipe!r}): {error}, or {OFF!r} to train without FP8") from None
     # The launch's recipe is overridden, not used: one that does not parse is no error here.
     launched = os.environ.get(ENV_RECIPE, "").strip()
     try:

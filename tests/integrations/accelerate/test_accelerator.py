@@ -417,7 +417,11 @@ def test_an_exclude_pattern_that_matches_no_linear_layer_is_named_in_a_warning(m
     ("kwargs", "match"),
     [
         ({"mixed_precision": "fp16"}, r"mixed_precision='fp16' cannot be combined with FP8-LM.*'bf16'"),
-        ({"fp8_lm_recipe": "fp8-lm-o3"}, r"unknown FP8 recipe name 'fp8-lm-o3': choose one of"),
+        (
+            {"fp8_lm_recipe": "fp8-lm-o3"},
+            r"Accelerator\(fp8_lm_recipe='fp8-lm-o3'\): unknown FP8 recipe name 'fp8-lm-o3': choose one of .*'none'",
+        ),
+        ({"fp8_lm_recipe": ""}, r"Accelerator\(fp8_lm_recipe=''\): unknown FP8 recipe name"),  # named (a sweep)
     ],
 )
 def test_bad_configurations_are_errors(kwargs, match):
