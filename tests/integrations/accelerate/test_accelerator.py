@@ -312,7 +312,8 @@ def _is_power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 
 
-def test_log_adds_fp8_and_health_statistics_to_the_trackers():
+def _memory_tracker():
+    """An Accelerate tracker keeping each log call's (step, values) in ``.rows``."""
     from accelerate.tracking import GeneralTracker
 
     class Memory(GeneralTracker):
@@ -329,7 +330,11 @@ def test_log_adds_fp8_and_health_statistics_to_the_trackers():
         def log(self, values, step=None, **kwargs):
             self.rows.append((step, dict(values)))
 
-    tracker = Memory()
+    return Memory()
+
+
+def test_log_adds_fp8_and_health_statistics_to_the_trackers():
+    tracker = _memory_tracker()
     accelerator, model, optimizer, _ = _setup(log_with=[tracker])
     accelerator.init_trackers("t")
     accelerator.backward(_loss(model, _batch()))
@@ -350,30 +355,14 @@ def test_log_adds_fp8_and_health_statistics_to_the_trackers():
 def test_log_keeps_the_values_the_script_passed_under_a_statistic_s_name():
     """A script logging its own health/loss (e.g. the loss averaged over the processes) had it replaced by the
     accelerator's statistic of the same name, without a word: what the script passes is what it logs."""
-    from accelerate.tracking import GeneralTracker
-
-    class Memory(GeneralTracker):
-        name, requires_logging_directory = "memory", False
-
-        def __init__(self):
-            super().__init__()
-            self.rows = []
-
-        @property
-        def tracker(self):
-            return self.rows
-
-        def log(self, values, step=None, **kwargs):
-            self.rows.append(dict(values))
-
-    tracker = Memory()
+    tracker = _memory_tracker()
     accelerator, model, optimizer, _ = _setup(log_with=[tracker])
     accelerator.init_trackers("t")
     accelerator.backward(_loss(model, _batch()))
     optimizer.step()
     assert accelerator.fp8_log_values()["health/loss"] != 7.0
     accelerator.log({"health/loss": 7.0, "fp8/grad_scaler/scale": 3.0}, step=1)
-    (row,) = tracker.rows
+    ((_, row),) = tracker.rows
     assert row["health/loss"] == 7.0 and row["fp8/grad_scaler/scale"] == 3.0
     assert "health/grad_norm" in row  # the statistics the script did not name are added
 
