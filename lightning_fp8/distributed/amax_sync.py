@@ -83,6 +83,11 @@ class AmaxSync:
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"AmaxSync expects an nn.Module, got {type(module).__name__}")
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() gives the ranks it leaves out
+            raise ValueError(
+                f"AmaxSync(process_group=...): this rank ({dist.get_rank()}) is not a member of the group (new_group "
+                "gave it torch's NON_GROUP_MEMBER marker): sync the amaxes only on the ranks of the group"
+            )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"AmaxSync(process_group=...) got a {type(process_group).__name__}: pass a process group "

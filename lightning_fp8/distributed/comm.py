@@ -25,6 +25,8 @@ Collectives are looked up on ``torch.distributed`` at call time, so tests can co
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,40 @@ def check_dtypes(caller: str, fp8_dtype: torch.dtype, **dtypes: torch.dtype | No
                 f"({allowed}) and do the casts to and from {fp8_dtype} themselves: pass one of those dtypes (convert "
                 "an integer or FP8 tensor first, e.g. x.float())"
             )
+
+
+def check_call(caller: str, layout: object, group: object, slices: object = 1, divisor: object = 1.0) -> None:
+    """Raise before any collective runs (every rank gets the same answer) for a ``layout`` that is no SegmentLayout, a
+    ``group`` that is no process group, ``slices`` that is no int >= 1 or a ``divisor`` that is no finite number > 0
+    (0 used to raise ZeroDivisionError, a negative one or NaN to flip or poison every gradient without a word).
+
+    Raises:
+        TypeError: for an argument of the wrong type.
+        ValueError: for ``slices`` < 1, a ``divisor`` that is not finite and > 0, or a group without this rank.
+    """
+    if not isinstance(layout, SegmentLayout):
+        raise TypeError(
+            f"{caller}(layout=...) got a {type(layout).__name__}: pass a SegmentLayout, e.g. "
+            "SegmentLayout.per_tensor([t.numel() for t in tensors])"
+        )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{caller}(group=...): this rank ({dist.get_rank()}) is not a member of the group (new_group gave it "
+            "torch's NON_GROUP_MEMBER marker): call the collective only on the ranks of the group"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{caller}(group=...) got a {type(group).__name__}: pass a process group (torch.distributed.new_group), "
+            "or None for the world"
+        )
+    if isinstance(slices, bool) or not isinstance(slices, numbers.Integral):
+        raise TypeError(f"{caller}(slices={slices!r}): must be an int (pipeline slices)")
+    if slices < 1:
+        raise ValueError(f"{caller}(slices={slices}): must be >= 1 (pipeline slices; 1 for no pipelining)")
+    if isinstance(divisor, bool) or not isinstance(divisor, numbers.Real):
+        raise TypeError(f"{caller}(divisor={divisor!r}): must be a number (e.g. the world size, for a mean)")
+    if not 0 < divisor < math.inf:
+        raise ValueError(f"{caller}(divisor={divisor!r}): must be finite and > 0 (e.g. the world size, for a mean)")
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -175,6 +211,7 @@ def reduce_scatter_fp8(
     Raises:
         TypeError, ValueError: for dtypes :func:`check_dtypes` refuses, sizes that do not match; before any collective.
     """
+    check_call("reduce_scatter_fp8", layout, group, slices, divisor)
     check_dtypes("reduce_scatter_fp8", fp8_dtype, x=x.dtype, out=None if out is None else out.dtype)
     world, rank = _world(group)
     if layout.numel != x.numel() or x.numel() % world:
@@ -278,6 +315,7 @@ def all_gather_fp8(
     Raises:
         TypeError, ValueError: for dtypes :func:`check_dtypes` refuses, sizes that do not match; before any collective.
     """
+    check_call("all_gather_fp8", layout, group)
     check_dtypes("all_gather_fp8", fp8_dtype, chunk=chunk.dtype, out_dtype=out_dtype)
     world, rank = _world(group)
     if layout.numel != world * chunk.numel():

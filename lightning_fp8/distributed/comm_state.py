@@ -85,10 +85,12 @@ class FP8CommState:
         fp8_params: the parameters whose gradients travel in FP8; the others are reduced in their own dtype.
             ``None`` (the default): every gradient. The tensors themselves, not their names, taken from the model
             the hook serves: for FSDP2 after ``fully_shard``, which replaces every parameter by a sharded one.
+            DDP and FSDP2 only: the FSDP1 hook sends every gradient of a unit's flat gradient in FP8.
         margin: binades of headroom in the cast scales (0: the amax maps into the top binade; at most
             :data:`~lightning_fp8.recipe.MAX_MARGIN`).
         fused: run the segmented Triton kernels (``kernels/comm.py``) instead of their PyTorch references.
-            ``None`` (the default): on CUDA.
+            ``None`` (the default): on CUDA. ``True`` on CPU gradients needs Triton's interpreter
+            (``TRITON_INTERPRET=1``).
         slice_numel: a buffer is pipelined in slices of about this many elements (its cast and decode overlap
             the collectives of other slices); DDP buckets and FSDP units of usual sizes fit in one slice. The
             default, 2**28, cuts 1B elements into 4 slices: the fastest of 1, 4, 8 and 16 on 2 and 4 H200s
@@ -105,7 +107,8 @@ class FP8CommState:
     leaves DDP unusable (its reducer stays mid-step), so build the state after ``init_process_group``.
 
     Raises:
-        ValueError: for an unknown algorithm, a non-FP8 dtype, a margin outside 0 to ``MAX_MARGIN``, and, once
+        ValueError: for an unknown algorithm, a non-FP8 dtype, a margin outside 0 to ``MAX_MARGIN``, ``fused=True``
+            without CUDA and without Triton's interpreter, and, once
             ``torch.distributed`` is initialized, ``algorithm="native"`` on a backend other than NCCL or an
             ``amax_group`` of other ranks than ``process_group``, or a ``process_group`` or ``amax_group`` that this
             rank is not a member of (``new_group``'s marker for the ranks it leaves out).
@@ -179,6 +182,8 @@ class FP8CommState:
         self.grad_scaler = grad_scaler
         self.margin = margin
         self.fused = fused
+        if fused and not torch.cuda.is_available():  # the gradients will be on the CPU: raise now, not in a hook
+            self.use_fused(torch.device("cpu"))
         self.slice_numel = slice_numel
         self._fp8_param_ids = None if fp8_params is None else _param_ids(fp8_params)
         # DDP: whether some bucket of the first backward held one of fp8_params (see ddp._check_fp8_params).
@@ -254,8 +259,21 @@ class FP8CommState:
         return self._fp8_param_ids is not None and not self._fp8_param_ids and model_has_fp8_weights
 
     def use_fused(self, device: torch.device) -> bool:
-        """Whether the collectives on ``device`` run the Triton kernels."""
-        return device.type == "cuda" if self.fused is None else self.fused
+        """Whether the collectives on ``device`` run the Triton kernels.
+
+        Raises:
+            ValueError: for ``fused=True`` and gradients off CUDA without Triton's interpreter, where the first
+                kernel would fail with Triton's ``RuntimeError: 0 active drivers``.
+        """
+        if self.fused is None:
+            return device.type == "cuda"
+        if self.fused and device.type != "cuda" and not _triton_interpreted():
+            raise ValueError(
+                f"FP8CommState(fused=True): the gradients are on {device}, where the Triton kernels run only under "
+                "Triton's interpreter (TRITON_INTERPRET=1, set before lightning_fp8 is imported); pass fused=None "
+                "(Triton on CUDA, the PyTorch references elsewhere) or fused=False"
+            )
+        return self.fused
 
     def slices(self, numel: int) -> int:
         """Pipeline slices for a buffer of ``numel`` elements."""
@@ -404,6 +422,18 @@ def empty_fp8_params_message(where: str) -> str:
     )
 
 
+def refuse_layer_swaps(state: FP8CommState, where: str, wrapper: str) -> None:
+    """Raise now, not after ``fallback_after`` non-finite steps of training, when the state's grad scaler has the
+    ``"bf16"`` fallback: it replaces FP8Linear modules by ``nn.Linear``, which ``wrapper`` (what it holds of the
+    modules it wraps) cannot follow."""
+    if getattr(state.grad_scaler, "nonfinite_fallback", None) == "bf16":
+        raise ValueError(
+            f"{where}: FP8CommState(grad_scaler=...) has nonfinite_fallback='bf16', which puts layers back to "
+            f"nn.Linear by replacing the modules; {wrapper}, so it cannot do that here: use "
+            "nonfinite_fallback='lower_lr', a callable, or None"
+        )
+
+
 def check_state(state: object, where: str) -> None:
     """Raise TypeError unless ``state`` is an FP8CommState (a process group passed positionally is the usual mistake:
     FP8CommState's own first argument is the group)."""
@@ -412,6 +442,15 @@ def check_state(state: object, where: str) -> None:
             f"{where}(model, state=...) got a {type(state).__name__}: pass an FP8CommState (e.g. "
             "FP8CommState(process_group)), or leave state out for the default"
         )
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (CPU tensors), as ``TRITON_INTERPRET=1`` makes it."""
+    try:
+        from lightning_fp8.kernels import comm
+    except ImportError:  # no Triton: no kernel runs anywhere
+        return False
+    return comm._interpreted(comm._quantize_kernel)
 
 
 def _param_ids(fp8_params: Iterable[torch.Tensor]) -> set[int]:

@@ -11,7 +11,8 @@ A DDP bucket is one flat buffer holding several parameters' gradients back to ba
 scale group (boundaries from ``bucket.parameters()``); the amaxes of the whole bucket travel in one MAX
 all-reduce. Gradients of parameters outside ``FP8CommState(fp8_params=...)`` are averaged in their own dtype
 by one all-reduce per bucket; every rank then holds the same sum, so a local check of it sets the step's
-non-finite flag alike everywhere, without a collective of its own.
+non-finite flag alike everywhere, without a collective of its own. So are sparse gradients
+(``nn.Embedding(sparse=True)``), which have no flat buffer to cast: as torch's default hook averages them.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message, refuse_layer_swaps
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.optim import master
 from lightning_fp8.warnings import warn_once
@@ -54,7 +55,9 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     if not state._fp8_params_checked:
         _check_fp8_params(state, bucket)
     with state.side_stream(buffer.device):
-        if dist.get_world_size(state.process_group) == 1:
+        if buffer.is_sparse:
+            buffer = _reduce_sparse(state, buffer)
+        elif dist.get_world_size(state.process_group) == 1:
             state.record_reduced(buffer)  # one rank: nothing to send, but the step must know of a non-finite value
         else:
             _reduce_bucket(state, buffer, bucket.parameters())
@@ -81,7 +84,8 @@ def enable_fp8_ddp(model: torch.nn.Module, state: FP8CommState | None = None) ->
     Raises:
         TypeError: if ``model`` is not a DistributedDataParallel module, or ``state`` not an FP8CommState.
         ValueError: if ``state.process_group`` (the world when not given) has other ranks than
-            ``model.process_group``; raised before the hook is registered.
+            ``model.process_group``, or ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the
+            layers of a wrapped model; raised before the hook is registered.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -93,6 +97,7 @@ def enable_fp8_ddp(model: torch.nn.Module, state: FP8CommState | None = None) ->
     state = state if state is not None else FP8CommState(model.process_group)
     check_state(state, "enable_fp8_ddp")
     state.check_wrapper_group(model.process_group, "enable_fp8_ddp")
+    refuse_layer_swaps(state, "enable_fp8_ddp", "DistributedDataParallel hooked the parameters of the model it wraps")
     model.register_comm_hook(state, fp8_allreduce_hook)
     return state
 
@@ -151,6 +156,19 @@ def _reduce_bucket(state: FP8CommState, buffer: torch.Tensor, params: list) -> N
     dist.all_reduce(packed, group=state.process_group)
     state.record_reduced(packed)
     torch._foreach_copy_(other_views, list(packed.split([v.numel() for v in other_views])))
+
+
+def _reduce_sparse(state: FP8CommState, grad: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of a sparse gradient (``nn.Embedding(sparse=True)``; DDP gives it a bucket of its own)."""
+    # A sparse gradient has no flat buffer to cast to FP8: it is averaged in its own dtype as torch's default hook
+    # does (divided first, then summed), and checked where the sum is the same on every rank.
+    world = dist.get_world_size(state.process_group)
+    if world > 1:
+        work = dist.all_reduce(grad.div(world), group=state.process_group, async_op=True)
+        work.wait()
+        grad = work.result()[0]  # a sparse all-reduce returns its sum, not necessarily in place
+    state.record_reduced(grad.coalesce().values())
+    return grad
 
 
 def _reduce_fp8(state: FP8CommState, flat: torch.Tensor, layout: SegmentLayout) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8
 from lightning_fp8.distributed.comm import reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state, refuse_layer_swaps
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.warnings import warn_once
 
@@ -97,7 +97,8 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
     Raises:
         TypeError: if ``model`` is not an FSDP1 module, or ``state`` not an FP8CommState.
         ValueError: if ``state.process_group`` (the world when not given) has other ranks than
-            ``model.process_group``; raised before the hook is registered.
+            ``model.process_group``, or ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the
+            layers of a wrapped model; raised before the hook is registered.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -109,6 +110,9 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
     state = state if state is not None else FP8CommState(model.process_group)
     check_state(state, "enable_fp8_fsdp1")
     state.check_wrapper_group(model.process_group, "enable_fp8_fsdp1")
+    refuse_layer_swaps(
+        state, "enable_fp8_fsdp1", "FullyShardedDataParallel holds the parameters of the modules it wraps"
+    )
     world = torch.distributed.get_world_size(state.process_group)
     layouts: dict[int, SegmentLayout] = {}
     for unit in FSDP.fsdp_modules(model):

@@ -40,13 +40,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message, refuse_layer_swaps
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
 from lightning_fp8.kernels.comm_table import BlockTable, block_table
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.warnings import warn_once
 
 if TYPE_CHECKING:
@@ -365,7 +366,8 @@ def enable_fp8_fsdp2(
         The state: per step, read ``state.check_step()`` or let its grad scaler decide.
 
     Raises:
-        TypeError: if no module of ``model`` was wrapped by ``fully_shard``, or ``state`` is not an FP8CommState.
+        TypeError: if no module of ``model`` was wrapped by ``fully_shard``, ``state`` is not an FP8CommState, or
+            ``reduce_scatter`` or ``weight_all_gather`` is not a bool.
         ValueError: if ``state.fp8_params`` holds none of ``model``'s parameters (e.g. taken before ``fully_shard``),
             or if ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the layers of a sharded
             model.
@@ -373,6 +375,9 @@ def enable_fp8_fsdp2(
     """
     from torch.distributed.fsdp import FSDPModule
 
+    # A truthy string such as "no" would otherwise switch a collective to FP8.
+    check_flag("enable_fp8_fsdp2", "reduce_scatter", reduce_scatter)
+    check_flag("enable_fp8_fsdp2", "weight_all_gather", weight_all_gather)
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise TypeError(
@@ -434,12 +439,7 @@ def _check_state(model: nn.Module, state: FP8CommState) -> None:
             "the state after fully_shard: FP8CommState(fp8_params=[m.weight for m in model.modules() if "
             "isinstance(m, FP8Linear)])"
         )
-    if getattr(state.grad_scaler, "nonfinite_fallback", None) == "bf16":
-        raise ValueError(
-            "enable_fp8_fsdp2: FP8CommState(grad_scaler=...) has nonfinite_fallback='bf16', which puts layers back to "
-            "nn.Linear by replacing the modules; FSDP2 keeps references to the modules it shards, so it cannot do that "
-            "here: use nonfinite_fallback='lower_lr', a callable, or None"
-        )
+    refuse_layer_swaps(state, "enable_fp8_fsdp2", "FSDP2 keeps references to the modules it shards")
 
 
 def _install_reduce_scatter(module: nn.Module, param_group, state: FP8CommState) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,12 +58,13 @@ class SegmentLayout:
     @classmethod
     def per_tensor(cls, numels: Sequence[int]) -> SegmentLayout:
         """One segment and one scale group per tensor, in order."""
-        numels = tuple(int(n) for n in numels)
+        numels = tuple(_count(n, "SegmentLayout.per_tensor", "numels") for n in numels)
         return cls(numels, tuple(range(len(numels))), len(numels))
 
     @classmethod
     def blocks(cls, numel: int, block: int) -> SegmentLayout:
         """Fixed-size blocks with one scale each (used when tensor boundaries are unknown)."""
+        numel, block = _count(numel, "SegmentLayout.blocks", "numel"), _count(block, "SegmentLayout.blocks", "block")
         if block < 1:
             raise ValueError(f"SegmentLayout.blocks(block={block}): the block size must be >= 1")
         full, rest = divmod(numel, block)
@@ -75,7 +77,10 @@ class SegmentLayout:
 
         This is FSDP2's reduce-scatter buffer: row ``r`` holds every parameter's ``r``-th shard.
         """
-        columns = tuple(int(n) for n in columns)
+        world_size = _count(world_size, "SegmentLayout.rows", "world_size")
+        if world_size < 1:
+            raise ValueError(f"SegmentLayout.rows(world_size={world_size}): a group has at least one rank")
+        columns = tuple(_count(n, "SegmentLayout.rows", "columns") for n in columns)
         return cls(columns * world_size, tuple(range(len(columns))) * world_size, len(columns))
 
     @property
@@ -172,6 +177,20 @@ class SlicePlan:
     amax_offset: int = 0  # ... the byte offset of the piece amaxes in it (4-aligned)
     groups: tuple[int, int] = (0, 0)
     amax_through: int = -1
+
+
+def _count(value: object, where: str, name: str) -> int:
+    """``value`` as a non-negative int (a NumPy or 0-dim tensor integer too): int() would truncate 2.5 to 2, and a
+    negative element count would make a layout of another size (divmod(-1, 4) is (-1, 3))."""
+    try:
+        if isinstance(value, bool):  # operator.index would read True as 1
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}({name}=...): expected an int, got {type(value).__name__} {value!r:.40}") from None
+    if count < 0:
+        raise ValueError(f"{where}({name}=...): must be >= 0, got {count}")
+    return count
 
 
 def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
@@ -283,5 +302,5 @@ def reduce_scatter_plan(
         base = rank * chunk + c0
         mine = layout.parts(base, base + row)
         plans.append(SlicePlan(start=c0, end=c1, row=row, cast=_entries(cast, device, block),
-                               sum=_table(mine, base, base - c0, device, block)))
+                               sum=_table(mine, base, base - c0, device, block)))  # fmt: skip
     return amax, tuple(plans)

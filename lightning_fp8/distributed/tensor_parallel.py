@@ -47,6 +47,7 @@ from lightning_fp8.distributed.tensor_parallel_plan import PLANS as PLANS  # re-
 from lightning_fp8.distributed.tensor_parallel_plan import check_arguments, find_blocks, resolve_plan
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.optim import master
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.warnings import warn_once
 
 
@@ -101,7 +102,8 @@ class _FP8Style:
         fp8_comm: bool = True,
     ) -> None:
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
-        self.fp8_comm = fp8_comm
+        # A truthy string such as "no" would otherwise switch the FP8 collectives on.
+        self.fp8_comm = check_flag(type(self).__name__, "fp8_comm", fp8_comm)
 
 
 class FP8ColwiseParallel(_FP8Style, ColwiseParallel):

@@ -105,7 +105,7 @@ def find_blocks(module: nn.Module, roles: Mapping[str, str]) -> list[str]:
 def check_arguments(module: Any, tp_mesh: Any, flags: Mapping[str, Any], seq_dim: Any, amax_sync_group: Any) -> None:
     """Raise for an argument of ``apply_fp8_tensor_parallel`` other than the plan: a mesh that is no 1-D DeviceMesh
     (ValueError), a module that is no ``nn.Module``, a flag that is no bool, a ``seq_dim`` that is no int and an
-    ``amax_sync_group`` that is no process group (TypeError)."""
+    ``amax_sync_group`` that is no process group (TypeError), or one that this rank is not a member of (ValueError)."""
     if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
         raise ValueError(f"apply_fp8_tensor_parallel(tp_mesh={tp_mesh}): pass a 1-D DeviceMesh (e.g. mesh['tp'])")
     if not isinstance(module, nn.Module):
@@ -114,6 +114,12 @@ def check_arguments(module: Any, tp_mesh: Any, flags: Mapping[str, Any], seq_dim
         check_flag("apply_fp8_tensor_parallel", name, flag)
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, numbers.Integral):
         raise TypeError(f"apply_fp8_tensor_parallel(seq_dim={seq_dim!r}): must be an int (the sequence dimension)")
+    if amax_sync_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() gives the ranks it leaves out
+        raise ValueError(
+            f"apply_fp8_tensor_parallel(amax_sync_group=...): this rank ({dist.get_rank()}) is not a member of the "
+            "group (new_group gave it torch's NON_GROUP_MEMBER marker): every rank passes a group it belongs to (e.g. "
+            "mesh['dp'].get_group()), or None for the world"
+        )
     if amax_sync_group is not None and not isinstance(amax_sync_group, dist.ProcessGroup):
         raise TypeError(
             f"apply_fp8_tensor_parallel(amax_sync_group=...) got a {type(amax_sync_group).__name__}: pass a process "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed.launch import run_workers
 
@@ -35,6 +37,8 @@ def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
         all_reduce_fp8_native,
         reduce_scatter_fp8,
     )
+    from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
+    from lightning_fp8.distributed.tensor_parallel import apply_fp8_tensor_parallel
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     layout = SegmentLayout.per_tensor(TENSORS)
@@ -45,6 +49,10 @@ def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
     cases = {
         "FP8CommState(group of rank 0)": lambda: FP8CommState(only_rank0),
         "FP8CommState(amax_group of rank 0)": lambda: FP8CommState(amax_group=only_rank0),
+        "enable_fp8_amax_sync(group of rank 0)": lambda: enable_fp8_amax_sync(nn.Linear(2, 2), only_rank0),
+        "apply_fp8_tensor_parallel(amax_sync_group of rank 0)": lambda: apply_fp8_tensor_parallel(
+            nn.Sequential(), init_device_mesh("cpu", (world,)), plan={"fc": "colwise"}, amax_sync_group=only_rank0
+        ),
         "all_reduce_fp8(valid)": lambda: all_reduce_fp8(x, layout, None, e5m2),
         "all_reduce_fp8(int x)": lambda: all_reduce_fp8(ints, layout, None, e5m2),
         "all_reduce_fp8(fp8 x)": lambda: all_reduce_fp8(x.to(e4m3), layout, None, e5m2),
@@ -58,6 +66,17 @@ def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
             x, layout, None, e5m2, out=torch.empty(chunk.numel(), dtype=torch.int32)
         ),
         "reduce_scatter_fp8(int x)": lambda: reduce_scatter_fp8(ints, layout, None, e5m2),
+        # Found by a sweep: accepted (slices <= 0 ran unsliced; divisor -2 or NaN flipped or poisoned every value), or
+        # failing with AttributeError / ZeroDivisionError that named no argument.
+        "all_reduce_fp8(slices=0)": lambda: all_reduce_fp8(x, layout, None, e5m2, slices=0),
+        "all_reduce_fp8_gather(slices=-1)": lambda: all_reduce_fp8_gather(x, layout, None, e5m2, slices=-1),
+        "all_reduce_fp8_native(slices=2.0)": lambda: all_reduce_fp8_native(x, layout, None, e5m2, slices=2.0),
+        "all_reduce_fp8(layout=list)": lambda: all_reduce_fp8(x, list(TENSORS), None, e5m2),
+        "all_reduce_fp8(group=str)": lambda: all_reduce_fp8(x, layout, "world", e5m2),
+        "all_gather_fp8(layout=list)": lambda: all_gather_fp8(chunk, list(TENSORS), None, e4m3, torch.float32),
+        "reduce_scatter_fp8(divisor=0)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, divisor=0),
+        "reduce_scatter_fp8(divisor=-2)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, divisor=-2.0),
+        "reduce_scatter_fp8(divisor=nan)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, divisor=float("nan")),
     }
     called: list[str] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
@@ -113,6 +132,15 @@ def test_non_float_buffers_are_refused_before_any_collective(two_ranks, case):
         assert outcome.startswith("TypeError:") and "high-precision floating-point" in outcome, (rank, outcome)
 
 
+def test_an_amax_sync_group_without_this_rank_is_named_as_such(two_ranks):
+    """Found by a sweep: as FP8CommState did before, the amax sync said it "got a int" there."""
+    for case in ("enable_fp8_amax_sync(group of rank 0)", "apply_fp8_tensor_parallel(amax_sync_group of rank 0)"):
+        outcome, called = two_ranks[1][case]
+        assert outcome.startswith("ValueError:") and "rank (1) is not a member" in outcome, outcome
+        assert called == []
+    assert two_ranks[0]["enable_fp8_amax_sync(group of rank 0)"][0] == "ok"
+
+
 def test_a_group_without_this_rank_is_named_as_such(two_ranks):
     """Found by a sweep: on a rank that new_group() left out, FP8CommState said it "got a int" and to pass a group
     from torch.distributed.new_group, which the user had done."""
@@ -121,3 +149,25 @@ def test_a_group_without_this_rank_is_named_as_such(two_ranks):
         outcome, called = two_ranks[1][case]
         assert outcome.startswith("ValueError:") and "rank (1) is not a member" in outcome, outcome
         assert called == []
+
+
+BAD_ARGUMENTS = {
+    "all_reduce_fp8(slices=0)": ("ValueError", "all_reduce_fp8(slices=0): must be >= 1"),
+    "all_reduce_fp8_gather(slices=-1)": ("ValueError", "all_reduce_fp8_gather(slices=-1): must be >= 1"),
+    "all_reduce_fp8_native(slices=2.0)": ("TypeError", "all_reduce_fp8_native(slices=2.0): must be an int"),
+    "all_reduce_fp8(layout=list)": ("TypeError", "all_reduce_fp8(layout=...) got a list: pass a SegmentLayout"),
+    "all_reduce_fp8(group=str)": ("TypeError", "all_reduce_fp8(group=...) got a str: pass a process group"),
+    "all_gather_fp8(layout=list)": ("TypeError", "all_gather_fp8(layout=...) got a list: pass a SegmentLayout"),
+    "reduce_scatter_fp8(divisor=0)": ("ValueError", "reduce_scatter_fp8(divisor=0): must be finite and > 0"),
+    "reduce_scatter_fp8(divisor=-2)": ("ValueError", "reduce_scatter_fp8(divisor=-2.0): must be finite and > 0"),
+    "reduce_scatter_fp8(divisor=nan)": ("ValueError", "reduce_scatter_fp8(divisor=nan): must be finite and > 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_named_before_any_collective(two_ranks, case):
+    kind, message = BAD_ARGUMENTS[case]
+    for rank, results in enumerate(two_ranks):
+        outcome, called = results[case]
+        assert called == [], f"rank {rank}: {case} ran {called} before failing with {outcome}"
+        assert outcome.startswith(f"{kind}: {message}"), (rank, outcome)

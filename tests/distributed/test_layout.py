@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,24 @@ def test_blocks_layout_and_validation():
         SegmentLayout.per_tensor([5]).chunk_pieces(2)
     with pytest.raises(ValueError, match="block size"):
         SegmentLayout.blocks(10, 0)
+
+
+def test_element_counts_must_be_non_negative_ints():
+    # int() used to truncate 2.5 to 2, and divmod(-1, 4) == (-1, 3) made blocks(-1, 4) a layout of 3 elements.
+    with pytest.raises(TypeError, match=r"per_tensor\(numels=...\): expected an int, got float 2.5"):
+        SegmentLayout.per_tensor([3, 2.5])
+    with pytest.raises(TypeError, match="expected an int, got bool"):
+        SegmentLayout.per_tensor([True])
+    with pytest.raises(ValueError, match=r"blocks\(numel=...\): must be >= 0, got -1"):
+        SegmentLayout.blocks(-1, 4)
+    with pytest.raises(TypeError, match=r"blocks\(block=...\): expected an int"):
+        SegmentLayout.blocks(10, 3.0)
+    with pytest.raises(ValueError, match="at least one rank"):
+        SegmentLayout.rows(0, [3])
+    with pytest.raises(ValueError, match=r"rows\(columns=...\): must be >= 0"):
+        SegmentLayout.rows(2, [-1, 3])
+    # NumPy and 0-dim tensor integers are ints
+    assert SegmentLayout.per_tensor([torch.tensor(3), np.int64(2)]).lengths == (3, 2)
 
 
 def test_parts_cut_segments_at_a_range_and_skip_empty_ones():
@@ -126,3 +145,15 @@ def test_check_step_reads_and_clears_the_flag():
     assert bool(state.found_nonfinite)
     assert not state.check_step()
     assert state.check_step()
+
+
+@pytest.mark.parametrize("flag", ["reduce_scatter", "weight_all_gather"])
+def test_enable_fp8_fsdp2_flags_must_be_bools(flag):
+    # Found by a sweep: reduce_scatter="no" (a true string) installed the FP8 reduce-scatter. Checked before anything
+    # else, so no fully_shard is needed to see it.
+    from torch import nn
+
+    from lightning_fp8.distributed import enable_fp8_fsdp2
+
+    with pytest.raises(TypeError, match=rf"enable_fp8_fsdp2\({flag}='no'\): must be True or False"):
+        enable_fp8_fsdp2(nn.Linear(2, 2), **{flag: "no"})

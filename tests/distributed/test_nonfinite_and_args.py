@@ -126,6 +126,29 @@ def _sharded_model_refuses_bf16_fallback(rank: int) -> dict:
     }
 
 
+def _wrapped_model_refuses_bf16_fallback() -> dict:
+    """Found by a sweep: enable_fp8_ddp and enable_fp8_fsdp1 took such a scaler, which then failed mid-training, at
+    its first fallback (enable_fp8_fsdp2 refused it up front)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_fp8 import FP8GradScaler
+    from lightning_fp8.distributed import enable_fp8_ddp, enable_fp8_fsdp1, fp8_allreduce_hook
+
+    out, models = {}, {}
+    for name, enable, wrap in (
+        ("ddp", enable_fp8_ddp, DistributedDataParallel),
+        ("fsdp1", enable_fp8_fsdp1, lambda m: FullyShardedDataParallel(m, device_id=torch.device("cpu"))),
+    ):
+        model = models[name] = wrap(_fp8_model(shard=False))
+        scaler = FP8GradScaler(nonfinite_fallback="bf16", model=model)
+        out[name] = _error(lambda: enable(model, FP8CommState(grad_scaler=scaler)))  # noqa: B023
+    # Refused before the hook was registered: the model still takes one (torch allows a single registration).
+    out["fsdp1_no_hook"] = getattr(models["fsdp1"], "_comm_hook", None) is None
+    out["ddp_no_hook"] = _error(lambda: models["ddp"].register_comm_hook(FP8CommState(), fp8_allreduce_hook))
+    return out
+
+
 def _fp8_params_before_fully_shard() -> str:
     from torch.distributed.fsdp import fully_shard
 
@@ -175,6 +198,7 @@ def _worker1(rank: int, world: int) -> dict:
         "fp8_params_before_fully_shard": _fp8_params_before_fully_shard,
         "wrong_kinds": _wrong_kinds_of_state_and_group,
         "fallback": lambda: _sharded_model_refuses_bf16_fallback(rank),
+        "fallback_wrapped": _wrapped_model_refuses_bf16_fallback,
     })  # fmt: skip
 
 
@@ -515,3 +539,13 @@ def test_bf16_fallback_is_refused_for_a_sharded_model_before_changing_it(one):
                                            "nonfinite_fallback='bf16'")  # fmt: skip
     assert fallback["at_fallback"].startswith("ValueError: FP8GradScaler(nonfinite_fallback='bf16') cannot put '0'")
     assert fallback["unchanged"] and fallback["still_runs"]
+
+
+@pytest.mark.slow
+def test_bf16_fallback_is_refused_by_enable_fp8_ddp_and_fsdp1_up_front(one):
+    refused = part_results(one, "fallback_wrapped")[0]
+    for name, wrapper in (("ddp", "DistributedDataParallel"), ("fsdp1", "FullyShardedDataParallel")):
+        assert refused[name].startswith(f"ValueError: enable_fp8_{name}: FP8CommState(grad_scaler=...) has "
+                                        f"nonfinite_fallback='bf16'"), refused[name]  # fmt: skip
+        assert wrapper in refused[name] and "nonfinite_fallback='lower_lr'" in refused[name]
+    assert refused["fsdp1_no_hook"] and refused["ddp_no_hook"] == "no error"

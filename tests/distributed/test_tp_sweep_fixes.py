@@ -322,3 +322,15 @@ def test_dropout_in_the_blocks_is_warned_about(p):
         assert len(messages) == 1 and "(0.drop, 1.drop)" in messages[0], messages
     else:
         assert not messages
+
+
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_a_style_s_fp8_comm_must_be_a_bool(value):
+    """Found by a sweep: FP8ColwiseParallel(fp8_comm="no") was accepted and, a true string, switched the FP8
+    collectives on (apply_fp8_tensor_parallel checked its own flag, the styles did not)."""
+    from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel
+
+    for style in (FP8ColwiseParallel, FP8RowwiseParallel):
+        with pytest.raises(TypeError, match=rf"{style.__name__}\(fp8_comm=.*\): must be True or False"):
+            style(fp8_comm=value)
+        assert style(fp8_comm=False).fp8_comm is False
