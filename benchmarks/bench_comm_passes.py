@@ -166,9 +166,17 @@ def main() -> None:
     p.add_argument("--sweep", choices=["all", "none"], default="all")
     p.add_argument("--passes", nargs="+", default=None, help="passes to run (default: all)")
     args = p.parse_args()
+    # usage errors, not an IndexError from an empty buffer or a KeyError from an unknown pass
+    if args.tensors < 1 or not args.numel >= args.tensors:
+        p.error(f"--numel {args.numel:g} --tensors {args.tensors}: need 1 <= --tensors <= --numel")
+    if args.iters < 1 or args.warmup < 0:
+        p.error(f"--iters {args.iters} --warmup {args.warmup}: need --iters >= 1 and --warmup >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET=1, tiny sizes
     big = Buffers(int(args.numel), args.tensors, device, special=False)
     small = Buffers(min(1 << 24, int(args.numel)), 16, device, special=True)
+    unknown = [name for name in args.passes or [] if name not in passes(small, 8192)]
+    if unknown:
+        p.error(f"--passes: unknown {unknown}; choose from {', '.join(passes(small, 8192))}")
     copy_ms = timed(lambda: big.out.copy_(big.x), args.iters, args.warmup)
     copy_gbps = 4 * big.x.numel() / copy_ms / 1e6
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -7,6 +7,7 @@ Prints one line per (device, backend, step) with the largest difference of each 
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -46,6 +47,8 @@ def check(device: str, backend: str, steps: int = 3) -> bool:
 
 
 def main() -> None:
+    # no options; --help shows the docstring (the checks ran instead)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     results = [check(d, b) for d in devices for b in ("aot_eager", "inductor")]
     print("torch", torch.__version__, "all equal" if all(results) else "MISMATCH")

@@ -15,8 +15,8 @@ no padding to 16: steps 2 and 3's 16 rows); its gradient went to the extra outpu
 
 from __future__ import annotations
 
+import argparse
 import copy
-import sys
 
 import torch
 from torch import nn
@@ -54,7 +54,18 @@ def _row(variant: str, device: str) -> str:
     return f"{variant} " + " ".join(out)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The device, checked: ``--help`` and a device torch lacks were tracebacks from ``.to(device)``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("device", nargs="?", choices=["cuda", "cpu"], default=default, help=f"default: {default}")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("device 'cuda': torch.cuda.is_available() is False here; run with cpu")
+    return args
+
+
 if __name__ == "__main__":
-    device = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = parse_args().device
     for variant in VARIANTS:
         print(_row(variant, device), flush=True)

@@ -168,6 +168,10 @@ def main() -> None:
     args = p.parse_args()
     if args.toy:
         args.size, args.seq, args.batch, args.vocab = "64x2", 64, 2, 256
+    if not args.one:  # a usage error, not a ValueError from the first child (FP8Recipe(opt_level='BO') for "bogus")
+        from train_step import check_variants_and_sizes
+
+        check_variants_and_sizes(p, args.variants, args.size, flags=("--variants", "--size"))
     if args.one:
         print("ROW " + json.dumps(run_one(args)))
         return

@@ -135,6 +135,17 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="compile the GPT model (gpt only)")
     args = p.parse_args()
     what = args.what.split(",")
+    # an unknown kind profiled nothing without a word; a variant or no GPU failed after the other kinds had run
+    unknown = [w for w in what if w not in kinds.split(", ")]
+    if unknown:
+        p.error(f"--what: unknown {unknown}; choose from {kinds}")
+    if "gpt" in what:
+        from train_step import check_variants_and_sizes
+
+        size = f"{args.width}x{args.depth}"
+        check_variants_and_sizes(p, args.variants, size, flags=("--variants", "--width/--depth"))
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     if "linear" in what:
         report(f"FP8Linear {args.shape}", linear_case(*args.shape), rows=args.rows)
     if "linear_compile" in what:  # torch.compile: what the compiled step adds or removes

@@ -120,6 +120,10 @@ def main() -> None:
     args = p.parse_args()
     if args.toy:
         args.size, args.seq, args.batch, args.vocab, args.steps, args.compile_mode = "64x2", 64, 2, 256, 2, "eager"
+    from train_step import check_variants_and_sizes
+
+    # a usage error, not a ValueError from building the model (FP8Recipe(opt_level='BO') for "bogus")
+    check_variants_and_sizes(p, args.variants, args.size, flags=("--variants", "--size"))
     rows = []
     for variant in args.variants.split(","):
         r = phases(variant, args.size, args.seq, args.vocab, args.batch, args.steps, args.compile_mode)

@@ -265,13 +265,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.one:
         return args
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    bad = [s for s in args.sizes.split(",") if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", s)]
-    if bad:
-        p.error(f"--sizes: {bad} are not WIDTHxDEPTH (positive integers, e.g. 1024x12)")
+    check_variants_and_sizes(p, args.variants, args.sizes)
     return args
+
+
+def check_variants_and_sizes(p: argparse.ArgumentParser, variants: str, sizes: str, flags=("--variants", "--sizes")):
+    """Usage errors for a comma list of variants and one of WIDTHxDEPTH sizes (this script's and the scripts that
+    build its model: memory_breakdown.py, step_phases.py, kernel_trace.py), before any model is built."""
+    unknown = [v for v in variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"{flags[0]}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    bad = [s for s in sizes.split(",") if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", s)]
+    if bad:
+        p.error(f"{flags[1]}: {bad} are not WIDTHxDEPTH (positive integers, e.g. 1024x12)")
 
 
 def main(argv: list[str] | None = None) -> None:

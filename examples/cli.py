@@ -5,6 +5,7 @@ flag, not a traceback from deep inside the run.
 - ``float_at_least(minimum)``: learning rates, weight decays, gradient norms.
 - ``fraction``: a share strictly between 0 and 1 (``--val-fraction``).
 - ``text_path``: ``--data``, a text file or a directory of them.
+- ``output_dir``: ``--out``, a directory to write into (created if missing).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["float_at_least", "fraction", "int_at_least", "text_path"]
+__all__ = ["float_at_least", "fraction", "int_at_least", "output_dir", "text_path"]
 
 
 def int_at_least(minimum: int, maximum: int | None = None) -> Any:
@@ -66,3 +67,17 @@ def text_path(text: str) -> str:
         reason = "no such file or directory" if not Path(text).exists() else "neither a file nor a directory"
         raise argparse.ArgumentTypeError(f"{text!r}: {reason}; give a text file or a directory of text files")
     return text
+
+
+def output_dir(text: str) -> Path:
+    """An argparse ``type`` for ``--out``: a directory, or a path that is not there yet (the script creates it).
+
+    An existing file is refused now: the scripts create the folder only after loading the data and building the
+    model, where ``mkdir`` failed with a traceback. An empty value would write into the current directory.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty (an unset shell variable?); give a directory to write to")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory; give a directory to write to")
+    return path

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 import torch
+from cli import int_at_least, output_dir
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from lightning_fp8 import FP8AdamW, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
@@ -111,12 +112,23 @@ def train(steps: int, out: str, resume: str | None = None, save_steps: int = 20)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all (also when resuming)")
-    parser.add_argument("--save-steps", type=int, default=20)
-    parser.add_argument("--out", default="runs/hf_trainer")
+    # counts, checked here: transformers reads max_steps <= 0 as "train num_train_epochs epochs", so --steps 0 or -1
+    # trained for 3 epochs without a word
+    parser.add_argument("--steps", type=int_at_least(1), default=40, help="optimizer steps in all (also when resuming)")
+    parser.add_argument("--save-steps", type=int_at_least(1), default=20)
+    parser.add_argument("--out", type=output_dir, default="runs/hf_trainer")
     parser.add_argument("--resume", help="a checkpoint folder of an earlier run")
     args = parser.parse_args(argv)
-    train(args.steps, args.out, args.resume, args.save_steps)
+    if args.resume is not None:  # checked before the Trainer creates --out and builds the model
+        folder = Path(args.resume)
+        if not folder.is_dir():
+            parser.error(f"--resume {args.resume!r}: no such directory; give a checkpoint folder of an earlier run")
+        if not list(folder.glob("lightning_fp8_state_rank*.pt")):
+            parser.error(
+                f"--resume {args.resume!r} holds no {state_file(0)}: it is not a checkpoint folder this script wrote "
+                "(FP8StateCallback saves one into each); give one, e.g. --out/checkpoint-<step>"
+            )
+    train(args.steps, str(args.out), args.resume, args.save_steps)
 
 
 if __name__ == "__main__":

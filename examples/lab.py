@@ -35,7 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from cli import float_at_least, int_at_least
+from cli import float_at_least, int_at_least, output_dir
 from corpus import add_data_arguments
 from gpt import fp8_module_filter
 from lab_report import write_report
@@ -255,7 +255,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's model")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
-    p.add_argument("--out", type=Path, default=Path("runs/lab"))
+    p.add_argument("--out", type=output_dir, default=Path("runs/lab"))
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out/runs/*.json")
     p.add_argument("--progress-bar", action="store_true")
     return p

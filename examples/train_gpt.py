@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from cli import float_at_least, int_at_least
+from cli import float_at_least, int_at_least, output_dir
 from corpus import add_data_arguments, corpus_from_args, make_loaders
 from gpt import GPT, GPTConfig, adamw_with_schedule, fp8_module_filter
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -152,7 +152,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
-    p.add_argument("--out", default="runs/train_gpt", help="directory for logs, checkpoints, summary.json")
+    p.add_argument(
+        "--out", type=output_dir, default="runs/train_gpt", help="directory for logs, checkpoints, summary.json"
+    )
     p.add_argument(
         "--resume",
         type=checkpoint_file,
@@ -236,8 +238,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # --8<-- [end:callbacks]
     try:
         trainer = build_trainer(args, callbacks, loggers)
-    except ValueError as err:  # a precision Lightning does not know
-        make_parser().error(f"--precision {args.precision!r}: {err}")
+    except ValueError as err:  # a precision Lightning does not know: its list leaves out the FP8-LM names
+        make_parser().error(
+            f"--precision {args.precision!r}: {err}; or one of this package's {', '.join(FP8_PRECISIONS)}"
+        )
     except ModuleNotFoundError as err:  # a precision whose package is not installed
         install = " (pip install transformer-engine)" if args.precision.startswith("transformer-engine") else ""
         make_parser().error(

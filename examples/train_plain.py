@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from cli import float_at_least, int_at_least
+from cli import float_at_least, int_at_least, output_dir
 from corpus import add_data_arguments, corpus_from_args, make_loaders
 from gpt import GPT, GPTConfig, evaluate, fp8_module_filter
 from torch.utils.data import DataLoader
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--recipe", default="fp8-lm", choices=FP8Recipe.names(), help="an FP8 recipe name")
     p.add_argument("--val-batches", type=count, default=20)
     add_data_arguments(p)  # --data, --max-bytes, --val-fraction
-    p.add_argument("--out", type=Path, default=Path("runs/train_plain"))
+    p.add_argument("--out", type=output_dir, default=Path("runs/train_plain"))
     args = p.parse_args(argv)
     torch.manual_seed(1234)
     device = torch.device("cuda" if gpu else "cpu")

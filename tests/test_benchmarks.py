@@ -263,3 +263,57 @@ def test_bench_optim_toy_runs_and_says_memory_was_not_measured():
     memory = [line for line in proc.stdout.splitlines() if "after backward" in line or "peak during" in line]
     assert len(memory) == 6, proc.stdout
     assert all("not measured" in line and "0.00 B/param" not in line for line in memory), proc.stdout
+
+
+_NO_GPU = "GPU-only scripts are checked for their usage error without a GPU"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # a variant or size the model builder does not know: a ValueError from the first child process or model
+        # (FP8Recipe(opt_level='BO') for "bogus"), or an unpacking error, not a usage error naming the flag
+        ("memory_breakdown.py", ["--toy", "--variants", "bogus"], "--variants: unknown ['bogus']"),
+        ("step_phases.py", ["--toy", "--variants", "bf16,o3"], "--variants: unknown ['o3']"),
+        ("step_phases.py", ["--size", "12"], "--size: ['12'] are not WIDTHxDEPTH"),
+        ("kernel_trace.py", ["--size", "12"], "--size: ['12'] are not WIDTHxDEPTH"),
+        ("profile_step.py", ["--what", "gpt", "--variants", "o9"], "--variants: unknown ['o9']"),
+        # an unknown --what kind profiled nothing, with exit code 0
+        ("profile_step.py", ["--what", "bogus"], "--what: unknown ['bogus']"),
+        # an empty buffer (IndexError) or an unknown pass (KeyError)
+        ("bench_comm_passes.py", ["--numel", "0"], "need 1 <= --tensors <= --numel"),
+        ("bench_comm_passes.py", ["--iters", "0"], "need --iters >= 1"),
+        # no argparse: --help was a traceback from CUDA or NCCL, or (check_compile.py) ran the checks
+        ("compile_magnitude_check.py", ["gpu"], "argument device: invalid choice: 'gpu'"),
+        ("check_compile.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_benchmark_bad_arguments_are_usage_errors(script, args, message):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "error:" in proc.stderr and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["bench_transpose.py", "inductor_readback_race.py", "bench_comm_caps.py", "compile_magnitude_check.py",
+     "check_compile.py", "kernel_trace.py", "profile_step.py"],
+)  # fmt: skip
+def test_benchmark_help_shows_the_docstring(script):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout[-1000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason=_NO_GPU)
+@pytest.mark.parametrize(
+    "script", ["bench_transpose.py", "inductor_readback_race.py", "bench_comm_caps.py", "kernel_trace.py"]
+)
+def test_gpu_only_benchmarks_say_so_without_a_gpu(script):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

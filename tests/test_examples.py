@@ -306,6 +306,8 @@ def test_hf_trainer_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path,
         ("train_plain.py", ["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
         ("train_gpt.py", ["--width", "48", "--heads", "5"], "width must be a multiple of heads"),
         ("train_gpt.py", ["--precision", "bogus", "--max-bytes", "60000"], "--precision 'bogus'"),
+        # Lightning's list of precisions leaves out the FP8-LM ones this script is about
+        ("train_gpt.py", ["--precision", "fp8lm", "--max-bytes", "60000"], "or one of this package's fp8-lm,"),
         ("accelerate/train_gpt.py", ["--log-every", "0"], "--log-every"),
         ("accelerate/train_gpt.py", ["--grad-accum", "0"], "--grad-accum"),
         ("accelerate/train_gpt.py", ["--preset", "tiny"], "--preset"),
@@ -337,6 +339,22 @@ def test_hf_trainer_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path,
         ("accelerate/train_gpt.py", ["--val-every", "0"], "argument --val-every"),
         # a data error of the Accelerate loop: argparse's exit 2, as in the other scripts (was exit 1)
         ("accelerate/train_gpt.py", ["--seq-len", "100000", "--max-bytes", "60000"], "fewer than one batch"),
+        # an --out that is a file: mkdir's traceback after the data was loaded and the model built
+        ("train_gpt.py", ["--out", __file__], "argument --out"),
+        ("train_plain.py", ["--out", __file__], "argument --out"),
+        ("lab.py", ["--out", __file__], "argument --out"),
+        ("accelerate/train_gpt.py", ["--out", __file__], "argument --out"),
+        ("hf_trainer.py", ["--out", __file__], "argument --out"),
+        ("train_gpt.py", ["--out", ""], "argument --out: '' is empty"),
+        # a folder that is no save_state checkpoint: load_state's FileNotFoundError after metrics.jsonl was written
+        ("accelerate/train_gpt.py", ["--resume", str(EXAMPLES)], "is not a checkpoint folder written by save_state"),
+        # transformers reads max_steps <= 0 as "train 3 epochs": --steps 0 and -1 trained without a word
+        ("hf_trainer.py", ["--steps", "0"], "argument --steps"),
+        ("hf_trainer.py", ["--steps", "-1"], "argument --steps"),
+        ("hf_trainer.py", ["--save-steps", "0"], "argument --save-steps"),
+        # a missing or foreign --resume folder: transformers' ValueError / the callback's FileNotFoundError, late
+        ("hf_trainer.py", ["--resume", "/nonexistent/checkpoint-40"], "--resume '/nonexistent/checkpoint-40'"),
+        ("hf_trainer.py", ["--resume", str(EXAMPLES)], "holds no lightning_fp8_state_rank0.pt"),
     ],
 )
 def test_bad_arguments_are_usage_errors(script, args, flag):

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for gpt.py and corpus.py
-from cli import float_at_least, int_at_least  # noqa: E402
+from cli import float_at_least, int_at_least, output_dir  # noqa: E402
 from corpus import Corpus, add_data_arguments, corpus_from_args, make_loaders  # noqa: E402
 from gpt import GPT, GPTConfig, adamw_with_schedule, evaluate  # noqa: E402
 
@@ -99,7 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=count, default=100, help="evaluate the validation split every N steps")
     p.add_argument("--val-batches", type=count, default=20, help="batches per process per validation")
     p.add_argument("--save-every", type=at_least_0, default=0, help="save_state every N steps (0: only at the end)")
-    p.add_argument("--out", type=Path, default=Path("runs/accelerate_gpt"))
+    p.add_argument("--out", type=output_dir, default=Path("runs/accelerate_gpt"))
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint folder written by save_state")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0)
     p.add_argument("--no-progress-bar", action="store_true")
@@ -116,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Corpu
         p.error(str(err))
     if args.resume is not None and not args.resume.is_dir():
         p.error(f"--resume {str(args.resume)!r}: no such directory; give a checkpoint folder written by save_state")
+    # save_state always writes each process's RNG state: a folder without one is no checkpoint, and load_state
+    # would fail with a FileNotFoundError after --out and its metrics.jsonl were created
+    if args.resume is not None and not list(args.resume.glob("random_states_*.pkl")):
+        p.error(
+            f"--resume {str(args.resume)!r} is not a checkpoint folder written by save_state (no random_states_*.pkl "
+            "in it); give one this script wrote, e.g. --out/checkpoint_final"
+        )
     return args, corpus
 
 
