@@ -10,7 +10,6 @@ and whether its result is byte-identical to the uncapped default's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_comm import _nccl_group, gradients, timed  # noqa: E402
+from gpu_args import gpu_only_args  # noqa: E402
 from lightning_fp8.kernels import comm  # noqa: E402
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8_native  # noqa: E402
@@ -27,17 +27,8 @@ from lightning_fp8.distributed.allreduce import all_reduce_fp8_native  # noqa: E
 CAPS = (None, 66, 99, 132, 198, 264, 528)  # programs in all (132 multiprocessors on an H200)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--help`` shows the docstring; without a CUDA GPU (NCCL), a usage error (was: a traceback)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
-    return args
-
-
 def main() -> None:
-    parse_args()
+    gpu_only_args(__doc__)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)

@@ -5,24 +5,14 @@
 Checks byte equality, then times both (median, triton.testing.do_bench); bandwidth counts bytes read + written.
 """
 
-import argparse
-
 import torch
 import triton.testing
+from gpu_args import gpu_only_args
 from lightning_fp8.kernels.transpose import transpose_2d
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--help`` shows the docstring; without a CUDA GPU, a usage error (was: a traceback from the first CUDA call)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
-    return args
-
-
 def main() -> None:
-    parse_args()
+    gpu_only_args(__doc__)
     print(f"# bench_transpose  {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'shape':>12} {'torch us':>9} {'triton us':>9} {'triton GB/s':>11} {'copy GB/s':>9}")
     for m, n in [(4096, 4096), (4096, 16384), (8192, 8192)]:

@@ -15,10 +15,10 @@ buffer (by their size, a freed FP8 buffer's: ~3e34 as fp32), the FP8 cast of the
 history, and the next steps' scales collapsed to ~1e-32 (NaN).
 """
 
-import argparse
 from pathlib import Path
 
 import torch
+from gpu_args import gpu_only_args
 from torch._inductor.async_compile import AsyncCompile
 
 M, N = 16384, 2048
@@ -34,17 +34,8 @@ def launch_all(source: str) -> list:
     return list(kernel.launchers)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--help`` shows the docstring; without a CUDA GPU, a usage error (was: a traceback from the first CUDA call)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
-    return args
-
-
 def main() -> None:
-    parse_args()
+    gpu_only_args(__doc__)
     print(f"# inductor_readback_race  {torch.cuda.get_device_name()}  torch {torch.__version__}")
     assert READ_BACK in SOURCE
     torch.manual_seed(0)

@@ -74,11 +74,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the kernel list")
     args = p.parse_args()
+    from gpu_args import require_cuda
     from train_step import check_variants_and_sizes
 
     check_variants_and_sizes(p, args.variant, args.size, flags=("--variant", "--size"))
-    if not torch.cuda.is_available():  # was an AssertionError from torch.cuda.synchronize
-        p.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    require_cuda(p)  # was an AssertionError from torch.cuda.synchronize
     width, depth = map(int, args.size.split("x"))
     t0 = time.time()
     step = gpt_case(args.variant, width, depth, 2048, 8, compile=True)

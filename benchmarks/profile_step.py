@@ -144,8 +144,9 @@ def main() -> None:
 
         size = f"{args.width}x{args.depth}"
         check_variants_and_sizes(p, args.variants, size, flags=("--variants", "--width/--depth"))
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    from gpu_args import require_cuda
+
+    require_cuda(p)
     if "linear" in what:
         report(f"FP8Linear {args.shape}", linear_case(*args.shape), rows=args.rows)
     if "linear_compile" in what:  # torch.compile: what the compiled step adds or removes
