@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_fp8.distributed.comm import check_group
 from lightning_fp8.scaling import ScalingState, compute_scale
 from lightning_fp8.warnings import warn_once
 
@@ -63,7 +64,6 @@ def localize_buffers(state: ScalingState) -> None:
                 state._buffers[name] = buf.to_local()
 
 
-
 def _scale_reference(history: torch.Tensor, algo: str) -> torch.Tensor:
     """Per row of reduced amax histories (one per state), the amax its scale comes from: the max or the newest entry;
     0 (the previous scale is kept: compute_scale) where the newest entry is 0, i.e. no rank's last cast carried
@@ -71,6 +71,7 @@ def _scale_reference(history: torch.Tensor, algo: str) -> torch.Tensor:
     record_cast_ref)."""
     ref = history.amax(dim=1) if algo == "max" else history[:, 0]
     return torch.where(history[:, 0] > 0, ref, torch.zeros_like(ref))
+
 
 class AmaxSync:
     """The delayed scaling states of a module, grouped for batched scale updates; built once, synced each step.
@@ -83,16 +84,7 @@ class AmaxSync:
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"AmaxSync expects an nn.Module, got {type(module).__name__}")
-        if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() gives the ranks it leaves out
-            raise ValueError(
-                f"AmaxSync(process_group=...): this rank ({dist.get_rank()}) is not a member of the group (new_group "
-                "gave it torch's NON_GROUP_MEMBER marker): sync the amaxes only on the ranks of the group"
-            )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                f"AmaxSync(process_group=...) got a {type(process_group).__name__}: pass a process group "
-                "(torch.distributed.new_group, or a DeviceMesh's get_group()), or None for the world"
-            )
+        check_group(process_group, "AmaxSync(process_group=...)", "sync the amaxes only on the ranks of the group")
         self.process_group = process_group
         # modules() visits in registration order, identical on every rank of an identically built model.
         self.states = [m for m in module.modules() if isinstance(m, ScalingState) and m.delayed]

@@ -93,16 +93,7 @@ def check_call(caller: str, layout: object, group: object, slices: object = 1, d
             f"{caller}(layout=...) got a {type(layout).__name__}: pass a SegmentLayout, e.g. "
             "SegmentLayout.per_tensor([t.numel() for t in tensors])"
         )
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"{caller}(group=...): this rank ({dist.get_rank()}) is not a member of the group (new_group gave it "
-            "torch's NON_GROUP_MEMBER marker): call the collective only on the ranks of the group"
-        )
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{caller}(group=...) got a {type(group).__name__}: pass a process group (torch.distributed.new_group), "
-            "or None for the world"
-        )
+    check_group(group, f"{caller}(group=...)", "call the collective only on the ranks of the group")
     if isinstance(slices, bool) or not isinstance(slices, numbers.Integral):
         raise TypeError(f"{caller}(slices={slices!r}): must be an int (pipeline slices)")
     if slices < 1:
@@ -111,6 +102,22 @@ def check_call(caller: str, layout: object, group: object, slices: object = 1, d
         raise TypeError(f"{caller}(divisor={divisor!r}): must be a number (e.g. the world size, for a mean)")
     if not 0 < divisor < math.inf:
         raise ValueError(f"{caller}(divisor={divisor!r}): must be finite and > 0 (e.g. the world size, for a mean)")
+
+
+def check_group(group: object, where: str, not_member: str, passing: str = "or None for the world") -> None:
+    """Raise for a ``group`` argument that is neither None nor a process group of this rank's: ValueError for torch's
+    ``NON_GROUP_MEMBER`` marker (what ``new_group`` gives the ranks it leaves out; ``not_member`` says what to do),
+    TypeError for anything that is no process group (``passing`` ends the hint). ``where``: ``"caller(name=...)"``."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{where}: this rank ({dist.get_rank()}) is not a member of the group (new_group gave it torch's "
+            f"NON_GROUP_MEMBER marker): {not_member}"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{where} got a {type(group).__name__}: pass a process group (torch.distributed.new_group, or a "
+            f"DeviceMesh's get_group()), {passing}"
+        )
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.allreduce import check_amax_group
-from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax
+from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, check_group, local_amax
 from lightning_fp8.distributed.exchange import (
     CollectiveRows,
     SymmetricRows,
@@ -153,23 +153,9 @@ class FP8CommState:
                 f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
                 "(it needs record_gradient_cast and record_nonfinite)"
             )
-        for name, group in (("process_group", process_group), ("amax_group", amax_group)):
-            if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() gives the ranks it leaves out
-                raise ValueError(
-                    f"FP8CommState({name}=...): this rank ({dist.get_rank()}) is not a member of the group (new_group "
-                    "gave it torch's NON_GROUP_MEMBER marker): build the FP8CommState and register the hook only on "
-                    "the ranks of the group whose gradients it reduces"
-                )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                f"FP8CommState(process_group=...) got a {type(process_group).__name__}: pass a process group "
-                "(torch.distributed.new_group), or None for the world"
-            )
-        if amax_group is not None and not isinstance(amax_group, dist.ProcessGroup):
-            raise TypeError(
-                f"FP8CommState(amax_group=...) got a {type(amax_group).__name__}: pass a process group of the same "
-                "ranks (torch.distributed.new_group), or None"
-            )
+        not_member = "build the FP8CommState and register the hook only on the ranks of the group it reduces over"
+        check_group(process_group, "FP8CommState(process_group=...)", not_member)
+        check_group(amax_group, "FP8CommState(amax_group=...)", not_member, "one of the same ranks, or None")
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(
                 f"FP8CommState(fused={fused!r}): pass True (Triton kernels), False (PyTorch references) or None "

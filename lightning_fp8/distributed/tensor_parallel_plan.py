@@ -8,10 +8,10 @@ import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh
 
+from lightning_fp8.distributed.comm import check_group
 from lightning_fp8.recipe import check_flag
 
 Role = Literal["colwise", "rowwise", "norm"]
@@ -114,14 +114,8 @@ def check_arguments(module: Any, tp_mesh: Any, flags: Mapping[str, Any], seq_dim
         check_flag("apply_fp8_tensor_parallel", name, flag)
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, numbers.Integral):
         raise TypeError(f"apply_fp8_tensor_parallel(seq_dim={seq_dim!r}): must be an int (the sequence dimension)")
-    if amax_sync_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() gives the ranks it leaves out
-        raise ValueError(
-            f"apply_fp8_tensor_parallel(amax_sync_group=...): this rank ({dist.get_rank()}) is not a member of the "
-            "group (new_group gave it torch's NON_GROUP_MEMBER marker): every rank passes a group it belongs to (e.g. "
-            "mesh['dp'].get_group()), or None for the world"
-        )
-    if amax_sync_group is not None and not isinstance(amax_sync_group, dist.ProcessGroup):
-        raise TypeError(
-            f"apply_fp8_tensor_parallel(amax_sync_group=...) got a {type(amax_sync_group).__name__}: pass a process "
-            "group, or None for the world"
-        )
+    check_group(
+        amax_sync_group,
+        "apply_fp8_tensor_parallel(amax_sync_group=...)",
+        "every rank passes a group it belongs to (e.g. mesh['dp'].get_group()), or None for the world",
+    )
