@@ -10,7 +10,6 @@ its state.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -50,19 +49,14 @@ class _Unscaling:
         """
         from lightning_fp8.integrations.clipping import (  # torch only (no Lightning import)
             check_clip_limit,
+            checked_norm_type,
             clip_grad_norm_fp32,
             clip_scaled_grad_norm_,
             unique,
         )
 
         check_clip_limit("FP8GradScaler.clip_grad_norm_", "max_norm", max_norm)
-        if norm_type == "inf":  # as torch accepts it
-            norm_type = math.inf
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not float(norm_type) > 0:
-            raise ValueError(
-                f"FP8GradScaler.clip_grad_norm_(norm_type={norm_type!r}): expected a number > 0, or inf (math.inf or "
-                "'inf')"
-            )
+        norm_type = checked_norm_type("FP8GradScaler.clip_grad_norm_", norm_type)  # 'inf' too, as torch takes it
         params = unique(parameters)
         mu = self.grad_factor(params)
 
