@@ -233,20 +233,38 @@ class HealthMonitor:
     def record_nonfinite(self, step: int, source: str, action: str, value: float = math.nan) -> HealthEvent:
         """Record a non-finite ``source`` (``"loss"`` or ``"grad_norm"``/``"grad"``) and the recovery ``action``.
 
+        Args:
+            step: the global step.
+            source: ``"loss"`` (a ``nonfinite_loss`` event), or ``"grad"`` / ``"grad_norm"`` (``nonfinite_grad``).
+            action: what was done about it (``"none"`` for nothing).
+            value: the value seen: inf, -inf or NaN (NaN, the default, when it is not known).
+
         Raises:
             ValueError: for an unknown ``source`` or ``action`` (one of ``none``, ``skip_step``, ``lower_mu``,
-                ``lower_lr``, ``fallback_bf16``, or several joined by ``+``).
+                ``lower_lr``, ``fallback_bf16``, or several of the others joined by ``+``), or a finite ``value``.
         """
         if source not in _NONFINITE_SOURCES:
             raise ValueError(f"record_nonfinite(source={source!r}): must be one of {list(_NONFINITE_SOURCES)}")
         if not isinstance(action, str):
             raise ValueError(f"record_nonfinite(action={action!r}): pass a string, e.g. 'skip_step' or 'lower_mu'")
-        for part in action.split("+"):
+        parts = action.split("+")
+        for part in parts:
             if part not in ACTIONS:
                 raise ValueError(f"record_nonfinite(action={action!r}): each part must be one of {list(ACTIONS)}")
+        if "none" in parts and len(parts) > 1:  # "none+skip_step" says both that nothing and something was done
+            raise ValueError(
+                f"record_nonfinite(action={action!r}): 'none' (nothing was done) cannot be joined with other actions; "
+                "pass 'none' alone, or the actions taken"
+            )
         value = _as_value(value, "value", "a number", "record_nonfinite")  # the value seen (NaN when unknown)
         if value is None:
             raise TypeError("HealthMonitor.record_nonfinite(value=None): pass the value seen, or leave it out (NaN)")
+        if math.isfinite(value):  # the event would read "non-finite loss (1.5)"
+            raise ValueError(
+                f"HealthMonitor.record_nonfinite(value={value!r}) is finite: it records a non-finite {source}; pass "
+                "the inf or NaN seen, or leave value out (NaN: not known). A finite loss or gradient norm goes to "
+                "observe()"
+            )
         event = self._nonfinite_event(_as_step(step, "record_nonfinite"), source, value, action)
         self.events.append(event)
         return event

@@ -60,8 +60,13 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
 
     A scheduler that recomputes the lr from its own stored base values overrides this at its next step; use a
     callable fallback that also adjusts the scheduler in that case.
+
+    Raises:
+        TypeError: when ``optimizer`` is not an optimizer (a list of them: call it for each) or ``factor`` not a number.
+        ValueError: when ``factor`` is not in (0, 1).
     """
-    _check_factor("lower_lr(factor=...)", factor)
+    factor = _check_factor("lower_lr(factor=...)", factor)
+    _check_optimizer("lower_lr(optimizer=...)", optimizer)
     lowered: set[int] = set()  # tensors already multiplied: torch puts one lr tensor in every group it was given to
     for group in optimizer.param_groups:
         for key in ("lr", "initial_lr"):
@@ -75,13 +80,33 @@ def lower_lr(optimizer: torch.optim.Optimizer, factor: float) -> str:
     return f"lowered the learning rate by {factor}x"
 
 
-def _check_factor(where: str, factor: object) -> None:
-    """Raise unless ``factor`` lowers a learning rate: a real number in (0, 1). A factor of 5 or -1 multiplied it
-    by that and the history still said "lowered"; NaN made it NaN."""
+def _check_factor(where: str, factor: object) -> float:
+    """``factor`` as a Python float, or raise unless it lowers a learning rate: a real number in (0, 1). A factor of 5
+    or -1 multiplied it by that and the history still said "lowered"; NaN made it NaN. As a float: a NumPy factor
+    made every ``lr`` a NumPy number, and the optimizer's state dict then failed ``torch.load(weights_only=True)``."""
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
         raise TypeError(f"{where}: must be a number in (0, 1), got {type(factor).__name__}")
     if not 0.0 < factor < 1.0:
         raise ValueError(f"{where}: must be in (0, 1) (the learning rate is multiplied by it), got {factor!r}")
+    return float(factor)
+
+
+def _check_optimizer(where: str, optimizer: object) -> None:
+    """Raise unless ``optimizer`` has ``param_groups`` (a torch optimizer, or a wrapper of one such as Lightning's
+    or Accelerate's): a list of optimizers, or a string, failed deep inside with an AttributeError."""
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TypeError(
+            f"{where}: expected an optimizer (with param_groups, e.g. a torch.optim.AdamW), got "
+            f"{type(optimizer).__name__}"
+            + ("; pass one optimizer at a time" if isinstance(optimizer, (list, tuple)) else "")
+        )
+
+
+def _check_model(where: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{where}: expected the model (an nn.Module holding the FP8 layers), got {type(model).__name__}"
+        )
 
 
 def _offending_layers(
@@ -145,10 +170,13 @@ def fallback_to_high_precision(
     Raises:
         ValueError: before anything is changed, when an offending layer cannot be put back (see
             :func:`put_back_to_high_precision`): DTensor parameters, or DistributedDataParallel.
+        TypeError: when ``model`` is not an ``nn.Module``, or ``optimizer`` or ``skipped`` is not an optimizer, a
+            list of them or None.
     """
-    _check_factor("fallback_to_high_precision(lr_factor=...)", lr_factor)
-    optimizers = _as_list(optimizer)
-    skipped = optimizers if skipped is None else _as_list(skipped)
+    lr_factor = _check_factor("fallback_to_high_precision(lr_factor=...)", lr_factor)
+    _check_model("fallback_to_high_precision(model=...)", model)
+    optimizers = _as_list(optimizer, "fallback_to_high_precision(optimizer=...)")
+    skipped = optimizers if skipped is None else _as_list(skipped, "fallback_to_high_precision(skipped=...)")
     names = _offending_layers(model, skipped, nonfinite_grads or {})
     if not names:
         what = [lower_lr(opt, lr_factor) for opt in skipped][-1] if skipped else "nothing (no optimizer)"
@@ -186,7 +214,8 @@ def put_back_to_high_precision(
 
     Args:
         model: the model (or a module containing the layers); changed in place.
-        names: qualified names in ``model``, as :func:`fallen_back_layers` returns them.
+        names: qualified names in ``model``, as :func:`fallen_back_layers` returns them (those of the model under
+            another wrapper too: torch.compile's ``_orig_mod.``, a DDP wrapper's ``module.``).
         optimizer: the optimizer (or a list of them) over the layers' weights; needed where FP8AdamW (O2) keeps a
             weight's master in the weight's storage.
 
@@ -198,6 +227,8 @@ def put_back_to_high_precision(
             a layer of an FP8MLP that is ``model`` itself, cannot be replaced in place), a layer's parameters (or its
             FP8MLP's) are DTensors (FSDP2, tensor parallelism), a weight's storage holds an FP8AdamW master and no
             optimizer was given that holds it, or the model is wrapped by DistributedDataParallel.
+        TypeError: when ``model`` is not an ``nn.Module`` or ``optimizer`` is not an optimizer, a list of them or
+            None.
 
     Example (resuming a plain PyTorch run)::
 
@@ -213,8 +244,11 @@ def put_back_to_high_precision(
             f"put_back_to_high_precision(names={names!r}): expected a list of layer names, got one string (its "
             f"characters would be taken as names): pass [{names!r}]"
         )
-    optimizers = _as_list(optimizer)
+    _check_model("put_back_to_high_precision(model=...)", model)
+    optimizers = _as_list(optimizer, "put_back_to_high_precision(optimizer=...)")
     modules = dict(model.named_modules())
+    # Each name once (dict.fromkeys keeps the order): a name given twice was put back twice and returned twice.
+    names = list(dict.fromkeys(_as_layer_names(model, modules, names)))
     names = [name for name in names if not getattr(modules.get(name), FALLBACK_ATTR, False)]
     _check_can_put_back(modules, names, optimizers)
     for name in names:
@@ -222,12 +256,38 @@ def put_back_to_high_precision(
     return names
 
 
+def _as_layer_names(model: nn.Module, modules: dict[str, nn.Module], names: Iterable[str]) -> list[str]:
+    """``names`` as ``model`` names its layers. A name it does not have is matched by its clean name (without the path
+    components torch.compile, FSDP1 and activation checkpointing insert, and a DDP or DataParallel wrapper's leading
+    ``module.``), as :func:`~lightning_fp8.load_fp8_state_dict` matches the keys of the FP8 state saved beside it: a
+    run saved from a compiled model ("_orig_mod.2") resumes in a model compiled after the load ("2"), and back."""
+    own: dict[str, str] = {}
+    strip = wraps_as_module(model)
+    for key in modules:
+        own.setdefault(clean_name(key, strip_module=strip), key)
+    found = []
+    for name in names:
+        if isinstance(name, str) and name not in modules:
+            name = own.get(clean_name(name, strip_module=False), own.get(clean_name(name, strip_module=True), name))
+        found.append(name)
+    return found
+
+
 def _as_list(
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, where: str
 ) -> list[torch.optim.Optimizer]:
+    """``optimizer`` (one, a sequence of them, or None) as a list; raises naming ``where`` for anything else."""
     if optimizer is None:
         return []
-    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
+        return [optimizer]
+    if isinstance(optimizer, (str, bytes, Mapping)) or not isinstance(optimizer, Iterable):
+        # a string's characters, a dict's keys are no optimizers
+        raise TypeError(f"{where}: expected an optimizer, a list of optimizers or None, got {type(optimizer).__name__}")
+    optimizers = list(optimizer)
+    for opt in optimizers:
+        _check_optimizer(where, opt)
+    return optimizers
 
 
 def _mlps_holding(model: nn.Module, layer: nn.Module) -> list[FP8MLP]:

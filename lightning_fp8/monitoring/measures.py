@@ -9,7 +9,7 @@ parameters) over their ranks.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -113,9 +113,21 @@ def _dtensor_sum_of_squares(distributed: list[tuple[torch.Tensor, torch.Tensor |
 
 
 def memory_gib(device: torch.device | str) -> dict[str, float]:
-    """Memory in GiB: allocated, reserved and peak on a CUDA device; the process's peak RSS on CPU."""
+    """Memory in GiB: allocated, reserved and peak on a CUDA device; the process's peak RSS on CPU (and on another
+    device, whose own memory this does not read).
+
+    Raises:
+        RuntimeError: for a CUDA device when CUDA is not available (the process's RSS is not the GPU's memory).
+    """
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # Returned the process's peak RSS as if it were the GPU's, without a word.
+        raise RuntimeError(
+            f"memory_gib({str(device)!r}): CUDA is not available in this process, so there is no GPU memory to "
+            "read; pass the device the model is on (e.g. next(model.parameters()).device), 'cpu' for the process's "
+            "peak RSS"
+        )
+    if device.type == "cuda":
         gib = 2.0**30
         return {
             "allocated": torch.cuda.memory_allocated(device) / gib,
@@ -130,10 +142,13 @@ def memory_gib(device: torch.device | str) -> dict[str, float]:
 
 
 def _first_tensor(batch: Any, keep: Any) -> torch.Tensor | None:
-    """The first tensor of ``batch`` (a tensor, or nested lists, tuples and dict values) for which ``keep`` holds."""
+    """The first tensor of ``batch`` (a tensor, or nested lists, tuples and mappings' values) for which ``keep``
+    holds."""
     if isinstance(batch, torch.Tensor):
         return batch if keep(batch) else None
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    # Any mapping: transformers' BatchEncoding, what its collators return, is a UserDict, not a dict (its tensors
+    # were not found: no tokens counted).
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for value in values:
         found = _first_tensor(value, keep)
         if found is not None:
@@ -141,10 +156,17 @@ def _first_tensor(batch: Any, keep: Any) -> torch.Tensor | None:
     return None
 
 
+def _holds_token_ids(t: torch.Tensor) -> bool:
+    # Token ids are int64 or int32 (any signed or wide integer type): not a bool attention mask, a complex tensor
+    # (neither is floating point) or uint8 pixels (an image batch's (batch, channels, height, width) counted as tokens).
+    return t.dim() >= 2 and not (t.is_floating_point() or t.is_complex() or t.dtype in (torch.bool, torch.uint8))
+
+
 def count_tokens(batch: Any) -> int | None:
-    """Tokens in ``batch``: the size of its first integer tensor of rank >= 2, the (batch, sequence) token ids of a
-    language model (``None`` if there is none)."""
-    tokens = _first_tensor(batch, lambda t: t.dim() >= 2 and not t.is_floating_point())
+    """Tokens in ``batch``: the size of its first tensor of integer token ids of rank >= 2 (not ``bool`` nor
+    ``uint8``), the (batch, sequence) ids of a language model (``None`` if there is none). ``batch``: a tensor, or
+    nested lists, tuples and mappings (a dict, transformers' ``BatchEncoding``)."""
+    tokens = _first_tensor(batch, _holds_token_ids)
     return None if tokens is None else tokens.numel()
 
 

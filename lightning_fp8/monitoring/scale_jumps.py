@@ -41,9 +41,11 @@ class ScaleJumps:
         self._warned_kinds: set[str] = set()
         self._previous_scales: dict[tuple[str, str], float] = {}
         self._previous_mu: float | None = None  # the gradient scale mu at the last log
-        # (layer, role) -> (the scale before an alerted jump, net of mu as below; that jump's kind): a later jump of the
-        # other kind back to within 2x of it ends that one and is not alerted.
-        self._before_jump: dict[tuple[str, str], tuple[float, str]] = {}
+        # (layer, role) -> [(the scale before an alerted jump, net of mu as below; that jump's kind), ...] of the
+        # alerted jumps not ended yet, oldest first: a later jump of the other kind back to within 2x of one of those
+        # levels ends that jump (and those alerted after it) and is not alerted. Every one is kept, not only the first:
+        # after a lasting drop (a new level), a spike on top of it and its return are a drop and its end.
+        self._before_jump: dict[tuple[str, str], list[tuple[float, str]]] = {}
 
     def flag(
         self, layers: dict[str, dict[str, dict[str, Any]]], step: int, mu: float | None = None, record: bool = True
@@ -82,21 +84,26 @@ class ScaleJumps:
                         continue
                     jumps.append((layer, kind))
                     if record:
-                        self._before_jump.setdefault((layer, role), (previous * (mu_before if grad else 1.0), kind))
+                        level = previous * (mu_before if grad else 1.0)
+                        self._before_jump.setdefault((layer, role), []).append((level, kind))
                         mus = (mu_before, mu_now) if grad and mu_change != 1.0 else None
                         self._alert(step, layer, role, kind, previous, scale, mus)
         return jumps
 
     def _undoes(self, layer: str, role: str, kind: str, net: float, record: bool) -> bool:
         """Whether this jump of ``kind`` to ``net`` (the scale, net of mu) brings ``(layer, role)`` back to within 2x
-        (a binade's drift) of its level before an alerted jump of the other kind (which it then ends, with
-        ``record``)."""
-        before = self._before_jump.get((layer, role))
-        if before is None or before[1] == kind or not 0.5 <= net / before[0] <= 2.0:
-            return False
-        if record:
-            del self._before_jump[(layer, role)]
-        return True
+        (a binade's drift) of its level before an alerted jump of the other kind not ended yet, the latest such one
+        (which it then ends, with ``record``, together with the jumps alerted after it: it left them too)."""
+        pending = self._before_jump.get((layer, role), [])
+        for index in range(len(pending) - 1, -1, -1):
+            level, pending_kind = pending[index]
+            if pending_kind != kind and 0.5 <= net / level <= 2.0:
+                if record:
+                    del pending[index:]
+                    if not pending:
+                        del self._before_jump[(layer, role)]
+                return True
+        return False
 
     def _alert(
         self, step: int, layer: str, role: str, kind: str, previous: float, scale: float, mus: tuple | None = None
@@ -118,7 +125,8 @@ class ScaleJumps:
     def state_dict(self) -> dict[str, Any]:
         """The alerts and the scales and mu of the last log, which the first log after a resume compares against."""
         previous = [[layer, role, scale] for (layer, role), scale in self._previous_scales.items()]
-        before = [[layer, role, scale, kind] for (layer, role), (scale, kind) in self._before_jump.items()]
+        before = [[layer, role, scale, kind] for (layer, role), entries in self._before_jump.items()
+                  for scale, kind in entries]  # fmt: skip
         return {"alerts": [dict(a) for a in self.alerts], "previous_scales": previous, "previous_mu": self._previous_mu,
                 "before_jumps": before}  # fmt: skip
 
@@ -188,7 +196,9 @@ def _checked_alert(index: int, alert: Any, owner: str) -> dict[str, Any]:
 
 def _checked_scale_state(
     state: Any, owner: str
-) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float], float | None, dict[tuple[str, str], tuple[float, str]]]:
+) -> tuple[
+    list[dict[str, Any]], dict[tuple[str, str], float], float | None, dict[tuple[str, str], list[tuple[float, str]]]
+]:
     """The alerts, previous scales, mu and scales before alerted jumps of a :meth:`ScaleJumps.state_dict`, checked
     and converted; raises as :meth:`ScaleJumps.load_state_dict` documents."""
     if not isinstance(state, dict):
@@ -210,21 +220,20 @@ def _checked_scale_state(
     for key, value in (("alerts", alerts), ("previous_scales", previous), ("before_jumps", before)):
         if not isinstance(value, (list, tuple)):
             raise _scale_state_error(TypeError, f"'{key}' is {repr(value)[:100]}, expected a list", owner)
-    checked = {key: scale for key, (scale, _) in _checked_scale_entries(previous, "previous_scales", owner).items()}
-    return (
-        [_checked_alert(i, alert, owner) for i, alert in enumerate(alerts)],
-        checked,
-        previous_mu,
-        _checked_scale_entries(before, "before_jumps", owner),
-    )
+    checked = {key: scale for key, scale, _ in _checked_scale_entries(previous, "previous_scales", owner)}
+    # Several entries of one (layer, role) in 'before_jumps': the levels of its jumps not ended yet, oldest first.
+    before_jumps: dict[tuple[str, str], list[tuple[float, str]]] = {}
+    for key, scale, kind in _checked_scale_entries(before, "before_jumps", owner):
+        before_jumps.setdefault(key, []).append((scale, kind))
+    return [_checked_alert(i, alert, owner) for i, alert in enumerate(alerts)], checked, previous_mu, before_jumps
 
 
-def _checked_scale_entries(entries: Any, key: str, owner: str) -> dict[tuple[str, str], tuple[float, str | None]]:
-    """``{(layer, role): (scale, kind)}`` of the entries of ``key``: ``[layer, role, scale]`` (``kind`` None) for
-    ``previous_scales``, ``[layer, role, scale, kind]`` for ``before_jumps``; raises naming the entry."""
+def _checked_scale_entries(entries: Any, key: str, owner: str) -> list[tuple[tuple[str, str], float, str | None]]:
+    """``[((layer, role), scale, kind), ...]`` of the entries of ``key`` in order: ``[layer, role, scale]`` (``kind``
+    None) for ``previous_scales``, ``[layer, role, scale, kind]`` for ``before_jumps``; raises naming the entry."""
     with_kind = key == "before_jumps"
     size, shape = (4, "[layer, role, scale, kind]") if with_kind else (3, "[layer, role, scale]")
-    checked = {}
+    checked = []
     for index, entry in enumerate(entries):
         where = f"entry {index} of '{key}'"
         if not isinstance(entry, (list, tuple)) or len(entry) != size or not isinstance(entry[0], str):
@@ -235,5 +244,5 @@ def _checked_scale_entries(entries: Any, key: str, owner: str) -> dict[tuple[str
                 ValueError, f"{where} has kind {repr(kind)[:100]}, expected one of {list(_ALERT_KINDS)}", owner
             )
         role = _checked_role(entry[1], where, owner)
-        checked[(entry[0], role)] = (_checked_scale(entry[2], f"the scale of {where}", owner), kind)
+        checked.append(((entry[0], role), _checked_scale(entry[2], f"the scale of {where}", owner), kind))
     return checked

@@ -265,6 +265,7 @@ def test_nonfinite_values_and_recovery_actions():
     ("los", "skip_step", "source='los'"),  # was recorded as a non-finite gradient
     ("weights", "skip_step", "source='weights'"),
     ("grad", None, "action=None"),  # was an AttributeError from None.split
+    ("grad", "none+skip_step", "'none' (nothing was done) cannot be joined"),  # was recorded as that action
 ])  # fmt: skip
 def test_record_nonfinite_refuses_an_unknown_source_or_a_non_string_action(source, action, words):
     monitor = HealthMonitor()
@@ -497,6 +498,25 @@ def test_bool_steps_negative_norms_and_bad_nonfinite_values_are_refused_recordin
     assert not any(monitor.series.values()) and not monitor.events
     monitor.observe(1, grad_norm=float("nan"))  # non-finite norms are events, not refusals
     assert [e.kind for e in monitor.events] == ["nonfinite_grad"]
+
+
+@pytest.mark.parametrize("value", [1.5, 0.0, torch.tensor(2.0)])
+def test_record_nonfinite_refuses_a_finite_value_recording_nothing(value):
+    # A finite value was recorded as a non-finite event: "step 3: non-finite loss (1.5)".
+    monitor = HealthMonitor()
+    with pytest.raises(ValueError, match=r"record_nonfinite\(value=.*\) is finite: it records a non-finite loss"):
+        monitor.record_nonfinite(3, "loss", "skip_step", value=value)
+    assert not monitor.events
+    for seen in (math.inf, -math.inf, math.nan):
+        assert monitor.record_nonfinite(3, "loss", "skip_step", value=seen).kind == "nonfinite_loss"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a CUDA device without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_memory_gib_of_a_cuda_device_without_cuda_raises(device):
+    # It returned the process's peak RSS ({"peak": ...}) as that GPU's memory.
+    with pytest.raises(RuntimeError, match=r"memory_gib\('cuda.*CUDA is not available.*'cpu'"):
+        memory_gib(device)
 
 
 def _dtensor_norm_worker(rank: int, world: int) -> tuple[list[tuple[float, float]], float, float, int, int]:

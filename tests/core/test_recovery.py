@@ -4,9 +4,11 @@ refused: at O2 giving a weight back its own dtype unhooks DDP's gradient averagi
 differ between the ranks, then DDP fails), and at O1 removing every FP8 layer's buffers trips DDP's buffer broadcast
 (an internal assert in its next forward); as it is for an FP8MLP sharded by fully_shard."""
 
+import fractions
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -655,3 +657,72 @@ def test_put_back_given_one_name_as_a_string_says_to_pass_a_list():
         put_back_to_high_precision(model, "0")
     assert isinstance(model[0], FP8Linear)
     assert put_back_to_high_precision(model, ["0"]) == ["0"] and type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("factor", [np.float32(0.5), np.float64(0.5), fractions.Fraction(1, 2)])
+def test_a_numpy_factor_leaves_the_learning_rates_python_floats_that_load_weights_only(factor):
+    # The lr became factor's type: a NumPy number, which torch.load(weights_only=True) refuses in the optimizer's
+    # state dict (the checkpoint written after the fallback would not load); a Fraction times an int lr, a Fraction.
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    opt = torch.optim.SGD(model.parameters(), lr=1)
+    opt.param_groups[0]["initial_lr"] = 1
+    lower_lr(opt, factor)
+    fallback_to_high_precision(model, opt, lr_factor=factor)  # no non-finite gradient: lowers the lr
+    assert [type(opt.param_groups[0][key]) for key in ("lr", "initial_lr")] == [float, float]
+    assert opt.param_groups[0]["lr"] == 0.25
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True)["param_groups"][0]["lr"] == 0.25
+
+
+def test_recovery_refuses_what_is_not_a_model_or_an_optimizer_and_changes_nothing():
+    # Each failed deep inside with an AttributeError ("'list' object has no attribute 'param_groups'"), or, for
+    # put_back, claimed that an FP8AdamW holding the weight "was not passed".
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"lower_lr\(optimizer=\.\.\.\): expected an optimizer.*got list; pass one"):
+        lower_lr([opt], 0.5)
+    with pytest.raises(TypeError, match=r"fallback_to_high_precision\(model=\.\.\.\): expected the model.*NoneType"):
+        fallback_to_high_precision(None, opt)
+    with pytest.raises(TypeError, match=r"fallback_to_high_precision\(optimizer=\.\.\.\): expected an optimizer.*str"):
+        fallback_to_high_precision(model, "adamw")
+    with pytest.raises(TypeError, match=r"fallback_to_high_precision\(skipped=\.\.\.\): expected an optimizer.*int"):
+        fallback_to_high_precision(model, opt, skipped=[3])
+    with pytest.raises(TypeError, match=r"put_back_to_high_precision\(optimizer=\.\.\.\): expected an optimizer.*str"):
+        put_back_to_high_precision(model, ["0"], "adamw")
+    with pytest.raises(TypeError, match=r"put_back_to_high_precision\(model=\.\.\.\): expected the model.*list"):
+        put_back_to_high_precision([model], ["0"], opt)
+    assert opt.param_groups[0]["lr"] == 0.1 and isinstance(model[0], FP8Linear)
+    # One optimizer, a list or a tuple of them, or a generator, as before.
+    assert put_back_to_high_precision(model, ["0"], (o for o in [opt])) == ["0"]
+
+
+def test_put_back_given_a_name_twice_puts_the_layer_back_once():
+    # The layer was swapped twice (its nn.Linear replaced by another) and the name returned twice.
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    first = model[0]
+    assert put_back_to_high_precision(model, ["0", "0"], opt) == ["0"]
+    assert type(model[0]) is nn.Linear and model[0].weight is first.weight and fallen_back_layers(model) == ["0"]
+
+
+def test_names_saved_under_another_wrapper_put_the_same_layers_back():
+    # fallen_back_layers of a compiled model names "_orig_mod.1" (of a DataParallel one, "module.1"); putting those
+    # back in the model converted afresh, compiled only after the load (or the other way round), raised "'_orig_mod.1'
+    # is not an FP8Linear inside the model", while load_fp8_state_dict matched the FP8 state saved beside them.
+    def fresh() -> tuple[nn.Module, FP8AdamW]:
+        model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+        return model, FP8AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = fresh()
+    assert put_back_to_high_precision(model, ["_orig_mod.1"], opt) == ["1"] and type(model[1]) is nn.Linear
+    model, opt = fresh()
+    assert put_back_to_high_precision(model, ["module.1"], opt) == ["1"] and fallen_back_layers(model) == ["1"]
+    model, opt = fresh()
+    compiled = torch.compile(model)
+    assert put_back_to_high_precision(compiled, ["1"], opt) == ["_orig_mod.1"] and type(model[1]) is nn.Linear
+    with pytest.raises(
+        ValueError, match="'_orig_mod.2' is not an FP8Linear inside the model"
+    ):  # no such layer: as before
+        put_back_to_high_precision(fresh()[0], ["_orig_mod.2"])

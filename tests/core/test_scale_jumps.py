@@ -68,3 +68,29 @@ def test_a_grad_output_jump_net_of_mu_names_mu_in_its_warning():
         _run(jumps, [65536.0] * 4, role="grad_output", mus=[1.0, 1.0, 16.0, 16.0])
     assert _kinds(jumps) == [(2, "rise")]
     assert (jumps.alerts[0]["from"], jumps.alerts[0]["to"]) == (65536.0, 65536.0)  # the alert keeps the raw scales
+
+
+def test_a_spike_after_a_lasting_drop_ends_without_a_second_alert():
+    # A lasting drop (a new level, 64 -> 4) then a one-step spike on top of it (4 -> 0.25) leaving the history (back
+    # to 4): that return undoes the second drop, but was alerted as a rise ("values may underflow"), since only the
+    # first alerted jump's level (64) was kept. After any lasting change of level, every later spike's end was alerted.
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    _run(jumps, [64.0] * 3 + [4.0] * 3 + [0.25] * 3 + [4.0] * 3 + [0.25] * 3 + [4.0] * 3)
+    assert _kinds(jumps) == [(3, "drop"), (6, "drop"), (12, "drop")]
+    # A return to the level before the first drop still ends it (and the drop inside it), whatever came between.
+    _run(jumps, [4.0] * 18 + [64.0] * 3)
+    assert len(jumps.alerts) == 3 and not jumps.state_dict()["before_jumps"]
+
+
+def test_the_levels_before_nested_jumps_survive_a_state_dict_round_trip():
+    jumps = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    _run(jumps, [64.0] * 3 + [4.0] * 3 + [0.25] * 3)
+    state = jumps.state_dict()
+    assert state["before_jumps"] == [["net.0", "input", 64.0, "drop"], ["net.0", "input", 4.0, "drop"]]
+    resumed = ScaleJumps(jump_factor=8.0, alert_after_steps=0, owner="test", alerts_name="alerts")
+    resumed.load_state_dict(state)
+    for step in range(9, 12):  # back to 4: the end of the second drop
+        resumed.flag(_layers(4.0), step)
+    for step in range(12, 15):  # back to 64: the end of the first
+        resumed.flag(_layers(64.0), step)
+    assert _kinds(resumed) == [(3, "drop"), (6, "drop")] and not resumed.state_dict()["before_jumps"]
