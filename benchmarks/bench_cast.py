@@ -227,14 +227,16 @@ def sum_group_sweep(x, fp8_dtype, device, groups):
 
 
 def main():
+    from gpu_args import count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=int, nargs=2, default=(8192, 8192))
+    p.add_argument("--shape", type=count, nargs=2, default=(8192, 8192))
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--fp8", choices=FP8, default="e4m3")
     p.add_argument("--sweep", action="store_true", help="sweep launch configs, then time the best")
     p.add_argument("--save-configs", help="with --sweep: write the best launch configs to this JSON file")
     p.add_argument("--small", action="store_true", help="sweep MIN_ITEMS on current-scaled casts of small tensors")
-    p.add_argument("--sum-groups", type=int, nargs="+", help="time the fused bias gradient at these GROUP_Ms")
+    p.add_argument("--sum-groups", type=count, nargs="+", help="time the fused bias gradient at these GROUP_Ms")
     p.add_argument("--toy", action="store_true", help="tiny shape (CPU smoke test)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

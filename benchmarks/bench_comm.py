@@ -366,27 +366,31 @@ def print_table(rows: list[tuple]) -> None:
 
 
 def parse_args(argv=None):
+    from gpu_args import at_least_0, count, float_count
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--toy", action="store_true", help="CPU + gloo, small sizes")
-    p.add_argument("--numel", type=float, default=1e9, help="gradient elements of the reduction benchmark")
-    p.add_argument("--tensors", type=int, default=64, help="tensors (scale groups) the gradient is cut into")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--slices", type=int, nargs="+", default=[4, 8, 16], help="slices of the pipelined FP8 variants")
+    p.add_argument("--numel", type=float_count, default=1e9, help="gradient elements of the reduction benchmark")
+    p.add_argument("--tensors", type=count, default=64, help="tensors (scale groups) the gradient is cut into")
+    p.add_argument("--iters", type=count, default=10)
+    p.add_argument("--warmup", type=at_least_0, default=3)
+    p.add_argument("--slices", type=count, nargs="+", default=[4, 8, 16], help="slices of the pipelined FP8 variants")
     p.add_argument("--sweep", action="store_true", help="NCCL: FP8 native/portable over grids, slices, NCCL settings")
-    p.add_argument("--sweep-programs", type=int, nargs="+", default=[0, 2, 4, 8], help="programs per SM (0: per tile)")
-    p.add_argument("--sweep-slices", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument(
+        "--sweep-programs", type=at_least_0, nargs="+", default=[0, 2, 4, 8], help="programs per SM (0: per tile)"
+    )
+    p.add_argument("--sweep-slices", type=count, nargs="+", default=[4, 8, 16])
     p.add_argument("--eager", action="store_true", help="the PyTorch reference kernels instead of Triton")
     p.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=None, help="GPT steps (default: on GPU)")
     p.add_argument("--fp8-linear", action="store_true", help="GPT with FP8Linear layers (FP8 weight all-gather)")
-    p.add_argument("--d", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--gpt-iters", type=int, default=5)
-    p.add_argument("--bucket-mb", type=int, nargs="+", default=[25, 100], help="DDP bucket caps to run")
+    p.add_argument("--d", type=count, default=2048)
+    p.add_argument("--layers", type=count, default=16)
+    p.add_argument("--heads", type=count, default=16)
+    p.add_argument("--vocab", type=count, default=32768)
+    p.add_argument("--seq", type=count, default=1024)
+    p.add_argument("--batch", type=count, default=4)
+    p.add_argument("--gpt-iters", type=count, default=5)
+    p.add_argument("--bucket-mb", type=count, nargs="+", default=[25, 100], help="DDP bucket caps to run")
     p.add_argument("--log-file", default=None, help="log file (default: bench_comm_<backend>_<N>.log)")
     args = p.parse_args(argv)
     if args.toy:

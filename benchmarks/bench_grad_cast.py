@@ -83,15 +83,21 @@ def timed(fn, opt: FP8AdamW, iters: int, warmup: int, device: torch.device) -> t
     return statistics.median(host), statistics.median(gpu)
 
 
+# The defaults of the flags --toy changes (argparse's defaults are None: a flag given wins over either set).
+DEFAULTS, TOY_DEFAULTS = {"layers": 12, "iters": 20}, {"layers": 1, "iters": 1}
+
+
 def main() -> None:
+    from gpu_args import count, fill_defaults
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--toy", action="store_true", help="CPU, tiny sizes (interpreter)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--toy", action="store_true", help="CPU, tiny sizes (interpreter); flags given win")
+    for key in DEFAULTS:
+        parser.add_argument(f"--{key}", type=count, help=f"default: {DEFAULTS[key]} (--toy: {TOY_DEFAULTS[key]})")
+    args = fill_defaults(parser.parse_args(), DEFAULTS, TOY_DEFAULTS)
     device = torch.device("cpu" if args.toy else "cuda")
     shapes = [(m // 64, n // 64 + 3) for m, n in SHAPES] if args.toy else SHAPES  # toy: odd sizes
-    layers, iters, warmup = (1, 1, 1) if args.toy else (args.layers, args.iters, 3)
+    layers, iters, warmup = args.layers, args.iters, 1 if args.toy else 3
     torch.manual_seed(0)
     params = [torch.empty(s, dtype=torch.float16, device=device) for _ in range(layers) for s in shapes]
     grads = [(torch.randn(p.shape, device=device) * 2.0 ** (i % 7 - 10)).half() for i, p in enumerate(params)]

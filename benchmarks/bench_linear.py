@@ -200,15 +200,17 @@ def breakdown(fp8, x, dy, device):
 
 
 def main():
+    from gpu_args import at_least_0, count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--tokens", type=count, default=16384)
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--repeats", type=int, default=3, help="time nn.Linear and FP8Linear in turn this many times")
+    p.add_argument("--repeats", type=count, default=3, help="time nn.Linear and FP8Linear in turn this many times")
     p.add_argument("--compile", action="store_true", help="also time both layers under torch.compile")
     p.add_argument("--breakdown", action="store_true", help="time each cast and GEMM of FP8Linear (GPU)")
     p.add_argument("--graphs", action="store_true", help="also time both steps replayed as CUDA graphs (GPU time)")
     p.add_argument("--configs", help="launch configs for kernels/cast.py (JSON from bench_cast.py --save-configs)")
-    p.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES to run (default: all)")
+    p.add_argument("--shapes", type=at_least_0, nargs="+", help="indices into SHAPES to run (default: all)")
     p.add_argument("--toy", action="store_true", help="tiny shapes (CPU smoke test)")
     args = p.parse_args()
     args.breakdown_done = False

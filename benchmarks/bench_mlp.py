@@ -58,8 +58,10 @@ def peak_mib(step, device) -> float:
 
 
 def main() -> None:
+    from gpu_args import count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--tokens", type=count, default=16384)
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     p.add_argument("--compile", action="store_true", help="also time each variant under torch.compile")
     p.add_argument("--toy", action="store_true", help="tiny shapes on CPU")

@@ -465,20 +465,22 @@ def check_exact(device: torch.device, lines: list[str] | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from gpu_args import count
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy", action="store_true", help="tiny sizes on CPU")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per forward in the memory runs")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--layers", type=count, default=16)
+    parser.add_argument("--hidden", type=count, default=8192)
+    parser.add_argument("--tokens", type=count, default=64, help="tokens per forward in the memory runs")
+    parser.add_argument("--iters", type=count, default=10)
     parser.add_argument("--sweep", action="store_true", help="also time other launch configs and diagnostic kernels")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--out", help="also write the results to this file")
     parser.add_argument("--emit", action="store_true", help="only the FP8 weight copy (emit_fp8_weights) figures")
-    parser.add_argument("--emit-layers", type=int, default=4, help="FP8Linear layers of the --emit fwd+bwd")
-    parser.add_argument("--emit-hidden", type=int, default=4096)
-    parser.add_argument("--emit-tokens", type=int, default=16384)
+    parser.add_argument("--emit-layers", type=count, default=4, help="FP8Linear layers of the --emit fwd+bwd")
+    parser.add_argument("--emit-hidden", type=count, default=4096)
+    parser.add_argument("--emit-tokens", type=count, default=16384)
     args = parser.parse_args(argv)
     if args.toy:
         args.layers, args.hidden, args.tokens, args.iters = 2, 64, 16, 2

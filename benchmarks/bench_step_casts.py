@@ -91,20 +91,24 @@ def run_case(shape, dtype, fp8_dtype, kind, device, rep) -> tuple[float, float, 
             kernel_ms(lambda: compiled_fn(x), device))  # fmt: skip
 
 
+# The defaults of the flags --toy changes (argparse's defaults are None: a flag given wins over either set).
+DEFAULTS, TOY_DEFAULTS = {"width": 4096, "tokens": 16384}, {"width": 32, "tokens": 64}
+
+
 def main() -> None:
+    from gpu_args import count, fill_defaults
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=16384, help="batch x sequence (train_step.py: 8 x 2048)")
-    p.add_argument("--toy", action="store_true", help="width 32, 64 tokens, on CPU")
+    p.add_argument("--width", type=count, help="default: 4096 (--toy: 32)")
+    p.add_argument("--tokens", type=count, help="batch x sequence (train_step.py: 8 x 2048); default 16384 (--toy: 64)")
+    p.add_argument("--toy", action="store_true", help="width 32, 64 tokens, on CPU; flags given win")
     p.add_argument("--speculate", choices=("True", "eager", "False"), default="True",
                    help="kernels/quantize.py SPECULATIVE_CURRENT_SCALING (eager: compiled casts do not speculate)")
-    args = p.parse_args()
+    args = fill_defaults(p.parse_args(), DEFAULTS, TOY_DEFAULTS)
     from lightning_fp8.kernels import quantize
 
     quantize.SPECULATIVE_CURRENT_SCALING = {"True": True, "eager": "eager", "False": False}[args.speculate]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.toy:
-        args.width, args.tokens = 32, 64
     rep = 100 if device.type == "cuda" else 1
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
@@ -112,14 +116,14 @@ def main() -> None:
     print(f"{'cast':>40} {'shape':>13} {'in':>8} {'eager us':>9} {'compiled':>9} {'% copy':>7} {'compiled':>9} same"
           f" {'kernels: eager us':>17} {'compiled':>9}")  # fmt: skip
     totals = [0.0, 0.0]
-    for label, shape, dtype, fp8_dtype, kind, count in cases(args.width, args.tokens):
+    for label, shape, dtype, fp8_dtype, kind, per_step in cases(args.width, args.tokens):
         eager, compiled, copy, same, k_eager, k_compiled = run_case(shape, dtype, fp8_dtype, kind, device, rep)
         numel, size = shape[0] * shape[1], torch.empty((), dtype=dtype).element_size()
         moved = numel * (size + (2 if kind == "act" else 1))  # bytes the cast must move
         copied = 2 * numel * size
         pct = [100 * (moved / ms) / (copied / copy) for ms in (eager, compiled)]
-        totals[0] += count * k_eager
-        totals[1] += count * k_compiled
+        totals[0] += per_step * k_eager
+        totals[1] += per_step * k_compiled
         print(f"{label:>40} {'x'.join(map(str, shape)):>13} {str(dtype)[6:]:>8} {eager * 1e3:9.1f} "
               f"{compiled * 1e3:9.1f} {pct[0]:6.1f}% {pct[1]:8.1f}% {same!s:>4} {k_eager * 1e3:17.1f} "
               f"{k_compiled * 1e3:9.1f}")  # fmt: skip

@@ -195,13 +195,15 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
+    from gpu_args import at_least_0, count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--d", type=count, default=8192)
+    p.add_argument("--heads", type=count, default=64)
+    p.add_argument("--seq", type=count, default=8192)
+    p.add_argument("--batch", type=count, default=1)
+    p.add_argument("--iters", type=count, default=10)
+    p.add_argument("--warmup", type=at_least_0, default=3)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--toy", action="store_true", help="CPU, gloo, d=256, seq=64, batch 2 (a smoke test)")
     args = p.parse_args()

@@ -21,9 +21,11 @@ import lightning_fp8 as lf
 
 
 def main() -> None:
+    from gpu_args import count
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cprofile", action="store_true")
-    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--iters", type=count, default=300)
     args = p.parse_args()
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     rows = []

@@ -67,14 +67,15 @@ def summary(rows: list[tuple], steps: int, gap_us: float = 20.0) -> str:
 
 
 def main() -> None:
+    from gpu_args import count, require_cuda
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", default="o2m", help="a train_step.py variant")
     p.add_argument("--size", default="2048x16", help="WIDTHxDEPTH")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=count, default=3)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the kernel list")
     args = p.parse_args()
-    from gpu_args import require_cuda
     from train_step import check_variants_and_sizes
 
     check_variants_and_sizes(p, args.variant, args.size, flags=("--variant", "--size"))

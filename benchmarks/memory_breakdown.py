@@ -154,24 +154,33 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+# The defaults of the flags --toy changes (argparse's defaults are None: a flag given wins over either set).
+DEFAULTS = {"size": "2048x16", "seq": 2048, "batch": 8, "vocab": 50304}
+TOY_DEFAULTS = {"size": "64x2", "seq": 64, "batch": 2, "vocab": 256}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from gpu_args import count, fill_defaults
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="2048x16", help="WIDTHxDEPTH")
+    p.add_argument("--size", help=f"WIDTHxDEPTH; default: {DEFAULTS['size']} (--toy: {TOY_DEFAULTS['size']})")
     p.add_argument("--variants", default="bf16,o2")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--top", type=int, default=15, help="allocating lines listed at the peak")
-    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test)")
+    for key in ("seq", "batch", "vocab"):
+        p.add_argument(f"--{key}", type=count, help=f"default: {DEFAULTS[key]} (--toy: {TOY_DEFAULTS[key]})")
+    p.add_argument("--top", type=count, default=15, help="allocating lines listed at the peak")
+    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test); flags given win")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.toy:
-        args.size, args.seq, args.batch, args.vocab = "64x2", 64, 2, 256
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, TOY_DEFAULTS)
     if not args.one:  # a usage error, not a ValueError from the first child (FP8Recipe(opt_level='BO') for "bogus")
         from train_step import check_variants_and_sizes
 
         check_variants_and_sizes(p, args.variants, args.size, flags=("--variants", "--size"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.one:
         print("ROW " + json.dumps(run_one(args)))
         return

@@ -122,16 +122,18 @@ def gpt_case(variant: str, width: int, depth: int, seq: int, batch: int, compile
 
 
 def main() -> None:
+    from gpu_args import count, require_cuda
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     kinds = "linear, linear_fused, linear_unfused, linear_compile, linear_bf16, gpt"
     p.add_argument("--what", default="linear,gpt", help=f"comma list: {kinds}")
-    p.add_argument("--shape", type=int, nargs=3, default=(16384, 4096, 4096), metavar=("TOKENS", "IN", "OUT"))
+    p.add_argument("--shape", type=count, nargs=3, default=(16384, 4096, 4096), metavar=("TOKENS", "IN", "OUT"))
     p.add_argument("--variants", default="bf16,o2")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--width", type=count, default=1024)
+    p.add_argument("--depth", type=count, default=12)
+    p.add_argument("--seq", type=count, default=2048)
+    p.add_argument("--batch", type=count, default=8)
+    p.add_argument("--rows", type=count, default=18)
     p.add_argument("--compile", action="store_true", help="compile the GPT model (gpt only)")
     args = p.parse_args()
     what = args.what.split(",")
@@ -144,7 +146,6 @@ def main() -> None:
 
         size = f"{args.width}x{args.depth}"
         check_variants_and_sizes(p, args.variants, size, flags=("--variants", "--width/--depth"))
-    from gpu_args import require_cuda
 
     require_cuda(p)
     if "linear" in what:

@@ -107,23 +107,35 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+# The defaults of the flags --toy changes (argparse's defaults are None: a flag given wins over either set).
+DEFAULTS = {"size": "1024x12", "seq": 2048, "batch": 8, "vocab": 50304, "steps": 10, "compile_mode": "default"}
+TOY_DEFAULTS = {"size": "64x2", "seq": 64, "batch": 2, "vocab": 256, "steps": 2, "compile_mode": "eager"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from gpu_args import count, fill_defaults
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="1024x12", help="WIDTHxDEPTH")
+    p.add_argument("--size", help=f"WIDTHxDEPTH; default: {DEFAULTS['size']} (--toy: {TOY_DEFAULTS['size']})")
     p.add_argument("--variants", default="bf16,o2m", help="train_step.py variants")
-    p.add_argument("--compile-mode", default="default", choices=("eager", "default", "reduce-overhead"))
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test)")
-    args = p.parse_args()
-    if args.toy:
-        args.size, args.seq, args.batch, args.vocab, args.steps, args.compile_mode = "64x2", 64, 2, 256, 2, "eager"
+    p.add_argument(
+        "--compile-mode",
+        choices=("eager", "default", "reduce-overhead"),
+        help=f"default: {DEFAULTS['compile_mode']} (--toy: {TOY_DEFAULTS['compile_mode']})",
+    )
+    for key in ("seq", "batch", "vocab", "steps"):
+        p.add_argument(f"--{key}", type=count, help=f"default: {DEFAULTS[key]} (--toy: {TOY_DEFAULTS[key]})")
+    p.add_argument("--toy", action="store_true", help="tiny CPU-sized run (smoke test); flags given win")
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, TOY_DEFAULTS)
     from train_step import check_variants_and_sizes
 
     # a usage error, not a ValueError from building the model (FP8Recipe(opt_level='BO') for "bogus")
     check_variants_and_sizes(p, args.variants, args.size, flags=("--variants", "--size"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     rows = []
     for variant in args.variants.split(","):
         r = phases(variant, args.size, args.seq, args.vocab, args.batch, args.steps, args.compile_mode)

@@ -235,9 +235,8 @@ TOY_DEFAULTS = {"sizes": "64x2", "seq": 64, "batch": 2, "vocab": 256, "steps": 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from cli import int_at_least
+    from gpu_args import at_least_0, count, fill_defaults
 
-    count, at_least_0 = int_at_least(1), int_at_least(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     toy_sizes = TOY_DEFAULTS["sizes"]
     p.add_argument("--sizes", help=f"comma list of WIDTHxDEPTH; default: {DEFAULTS['sizes']} (--toy: {toy_sizes})")
@@ -259,10 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for key, value in (TOY_DEFAULTS if args.toy else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = fill_defaults(p.parse_args(argv), DEFAULTS, TOY_DEFAULTS)
     if args.one:
         return args
     check_variants_and_sizes(p, args.variants, args.sizes)

@@ -4,6 +4,7 @@ only), and the table of ratios is printed."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -93,6 +94,24 @@ def test_train_step_flags_given_win_over_toy_defaults():
     flags = ["--sizes", "32x1", "--seq", "16", "--batch", "3", "--steps", "4", "--warmup", "0", "--compile", "both"]
     # --toy replaced them all; now only the vocabulary, not given, is the toy's
     assert settings(["--toy", *flags]) == ("32x1", 16, 3, 256, 4, 0, "both")
+
+
+@pytest.mark.parametrize("script", ["memory_breakdown", "step_phases"])
+def test_toy_defaults_leave_the_flags_given(script):
+    # --toy used to overwrite --seq/--batch/--vocab (and step_phases' --steps/--compile-mode) after parsing
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    module = importlib.import_module(script)
+    toy = module.parse_args(["--toy"])
+    assert (toy.size, toy.seq, toy.batch, toy.vocab) == ("64x2", 64, 2, 256)
+    full = module.parse_args([])
+    assert (full.size, full.seq, full.batch, full.vocab) == ("2048x16" if script == "memory_breakdown" else "1024x12",
+                                                             2048, 8, 50304)  # fmt: skip
+    given = module.parse_args(["--toy", "--size", "32x1", "--seq", "16", "--batch", "3"])
+    assert (given.size, given.seq, given.batch, given.vocab) == ("32x1", 16, 3, 256)
+    if script == "step_phases":
+        assert (toy.steps, toy.compile_mode, full.steps, full.compile_mode) == (2, "eager", 10, "default")
+        given = module.parse_args(["--toy", "--steps", "5", "--compile-mode", "default"])
+        assert (given.steps, given.compile_mode) == (5, "default")
 
 
 def test_train_step_table_shows_a_toy_models_parameters():
@@ -286,6 +305,23 @@ _NO_GPU = "GPU-only scripts are checked for their usage error without a GPU"
         # no argparse: --help was a traceback from CUDA or NCCL, or (check_compile.py) ran the checks
         ("compile_magnitude_check.py", ["gpu"], "argument device: invalid choice: 'gpu'"),
         ("check_compile.py", ["--bogus"], "unrecognized arguments: --bogus"),
+        # counts below one: a ZeroDivisionError or an empty median after the model was built, a negative layer
+        # count building nothing, or (--sum-groups 0) a Triton launch error
+        ("bench_cast.py", ["--toy", "--sum-groups", "0"], "argument --sum-groups: must be an integer >= 1, got 0"),
+        ("bench_grad_cast.py", ["--toy", "--layers", "-1"], "argument --layers: must be an integer >= 1, got -1"),
+        ("bench_step_casts.py", ["--toy", "--width", "0"], "argument --width: must be an integer >= 1, got 0"),
+        ("memory_breakdown.py", ["--toy", "--seq", "0"], "argument --seq: must be an integer >= 1, got 0"),
+        ("step_phases.py", ["--toy", "--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+        ("bench_comm.py", ["--toy", "--iters", "0"], "argument --iters: must be an integer >= 1, got 0"),
+        ("bench_comm.py", ["--toy", "--numel", "2.5"], "argument --numel: must be a whole number >= 1"),
+        ("bench_comm.py", ["--toy", "--sweep-programs", "-1"], "argument --sweep-programs: must be an integer >= 0"),
+        ("bench_optim.py", ["--toy", "--iters", "0"], "argument --iters: must be an integer >= 1, got 0"),
+        ("bench_tp.py", ["--toy", "--warmup", "-1"], "argument --warmup: must be an integer >= 0, got -1"),
+        ("bench_linear.py", ["--toy", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+        ("bench_mlp.py", ["--toy", "--tokens", "0"], "argument --tokens: must be an integer >= 1, got 0"),
+        ("host_overhead.py", ["--iters", "0"], "argument --iters: must be an integer >= 1, got 0"),
+        ("kernel_trace.py", ["--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+        ("profile_step.py", ["--rows", "-3"], "argument --rows: must be an integer >= 1, got -3"),
     ],
 )
 def test_benchmark_bad_arguments_are_usage_errors(script, args, message):
