@@ -286,6 +286,11 @@ class ScalingState(nn.Module):
         amax = self._buffers["amax"]
         if not by_value or torch.compiler.is_compiling() or amax.is_meta or _tracing(amax) or _capturing(amax):
             self.initialized = True
+            if by_value and not torch.compiler.is_compiling() and _tracing(amax):
+                # Traced eagerly (make_fx, a FakeTensorMode forward of a real model): what the trace computes never
+                # reaches this state's history, so the first cast outside it checks once that a run recorded an amax
+                # (_check_traced_mark), instead of scaling by the empty history's 1.
+                self.marked_by_trace = True
             return
         with _disable_current_modes():  # bookkeeping: selective checkpointing's modes must not see (or cache) it
             seen = torch.maximum(amax, self._buffers["amax_history"].amax())  # NaN stays NaN
