@@ -24,6 +24,7 @@ recorded by step ``t``'s forward and backward are reduced before step ``t + 1`` 
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import defaultdict
 
@@ -97,6 +98,15 @@ class AmaxSync:
     def __len__(self) -> int:
         return len(self.states)
 
+    def __deepcopy__(self, memo: dict) -> AmaxSync:
+        # A deep copy of the model (torch.optim.swa_utils.AveragedModel, a teacher or EMA copy) copies the hook of
+        # enable_fp8_amax_sync with it: the copy syncs its own states (those of the copied model, through memo), over
+        # the same ranks (a process group is not copied).
+        new = copy.copy(self)
+        new.states = copy.deepcopy(self.states, memo)
+        new._groups = [(key, copy.deepcopy(states, memo)) for key, states in self._groups]
+        return new
+
     @torch.no_grad()
     def sync(self) -> None:
         """MAX-reduce the amax history of every state in one collective and recompute the scales."""
@@ -161,7 +171,8 @@ def enable_fp8_amax_sync(module: nn.Module, process_group: dist.ProcessGroup | N
     the ranks' scales drift apart. Every rank must run the same forwards: evaluate on all ranks, or remove the hook
     on the rank that evaluates alone (``handle.remove()``, then ``enable_fp8_amax_sync(module)`` again); the next sync
     reduces the whole histories, which makes them identical again. A forward on one rank alone with the hook on waits
-    for the other ranks forever.
+    for the other ranks forever. A deep copy of ``module`` (``torch.optim.swa_utils.AveragedModel``, a teacher) keeps a
+    hook of its own, which syncs the copy's states over the same ranks.
 
     Returns:
         The hook's handle (``handle.remove()`` turns the synchronization off).
@@ -171,12 +182,20 @@ def enable_fp8_amax_sync(module: nn.Module, process_group: dist.ProcessGroup | N
     if previous is not None:  # one sync per step, whoever enables it (a strategy and apply_fp8_tensor_parallel)
         previous.remove()
 
-    def hook(_module: nn.Module, _args: tuple) -> None:
-        sync.sync()
-
-    handle = module.register_forward_pre_hook(hook)
+    handle = module.register_forward_pre_hook(_SyncHook(sync))
     setattr(module, _HOOK_ATTR, handle)
     return handle
+
+
+class _SyncHook:
+    """enable_fp8_amax_sync's forward pre-hook: an object, not a closure, so that a deep copy of the model syncs the
+    copy's states (AmaxSync.__deepcopy__); a closure would be shared by the copy and sync the original's."""
+
+    def __init__(self, sync: AmaxSync) -> None:
+        self.sync = sync
+
+    def __call__(self, _module: nn.Module, _args: tuple) -> None:
+        self.sync.sync()
 
 
 def claim_shared_scale(state: ScalingState, process_group: dist.ProcessGroup | None) -> None:

@@ -152,6 +152,25 @@ def _amax_rank0_evaluation() -> list[dict[str, torch.Tensor]]:
     return seen[1:]  # the training forwards after an evaluation
 
 
+def _amax_deepcopied_model() -> dict:
+    """A deep copy of a model whose amax sync is on (an EMA or teacher copy, torch's AveragedModel): the copied hook
+    must sync the copy's states, not the original's (a closure hook was shared by the copy)."""
+    import copy
+
+    from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
+
+    rank = dist.get_rank()
+    model = _fp8_model()
+    enable_fp8_amax_sync(model)
+    model(_batch(rank, 0, 2.0**rank)).sum().backward()  # recorded, not synced yet (the next forward's hook would)
+    twin = copy.deepcopy(model)
+    before = _snapshot(model)
+    seen = _snapshot_training_forwards(twin)
+    for step in range(3):
+        twin(_batch(rank, step, 4.0**rank)).sum().backward()
+    return {"copy": seen[1:], "original_before": before, "original_after": _snapshot(model)}
+
+
 def _amax_rank_without_tokens() -> list[tuple[list[float], float, list[float], float]]:
     """Rank 0 casts data once, then only empty batches' zeros (an MoE expert without tokens there); the others cast
     100 then 1s, and at step 2 every rank casts zeros. After each sync: (history, scale) on this rank and those of one
@@ -220,6 +239,7 @@ def _three_rank_worker(rank: int, world: int) -> dict:
         "amax_skipped_layer": _amax_skipped_layer,
         "amax_rank0_evaluation": _amax_rank0_evaluation,
         "amax_rank_without_tokens": _amax_rank_without_tokens,
+        "amax_deepcopied_model": _amax_deepcopied_model,
         "ddp_amax_from_every_rank": _ddp_amax_from_every_rank,
         "ddp_fp16": _ddp_fp16_grads,
     }
@@ -264,6 +284,24 @@ def test_amax_sync_leaves_identical_histories_and_scales(three_ranks, part):
                 assert torch.equal(first[name], other[name]), (rank, name, first[name], other[name])
     for first in reports[0]:  # histories with older entries to compare
         assert any(int((h[1:] > 0).sum()) >= 2 for h in first.values())
+
+
+def test_amax_sync_of_a_deep_copy_syncs_the_copy(three_ranks):
+    """The copy's histories and scales agree across ranks at each training forward after the first; the original's
+    unsynced ones (each rank's own step) are left as they were."""
+    reports = part_results(three_ranks, "amax_deepcopied_model")
+    for rank, report in enumerate(reports):
+        for name, value in report["original_before"].items():
+            assert torch.equal(value, report["original_after"][name]), (rank, name)
+        assert len(report["copy"]) == 2
+        for first, other in zip(reports[0]["copy"], report["copy"], strict=True):
+            assert first.keys() == other.keys() and len(first) == 4
+            for name in first:
+                assert torch.equal(first[name], other[name]), (rank, name, first[name], other[name])
+    differ = [
+        n for n, v in reports[0]["original_before"].items() if not torch.equal(v, reports[1]["original_before"][n])
+    ]
+    assert differ  # each rank's own step: what a wrong sync would have changed
 
 
 def test_amax_sync_with_a_rank_whose_casts_carry_no_information_matches_one_process(three_ranks):
