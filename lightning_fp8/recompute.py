@@ -13,9 +13,11 @@ accumulation, nested checkpoints). When several are waiting (micro-batch losses 
 schedules, a layer called twice in a region), which one a recompute repeats is not known from here: it casts with the
 recomputed input's own amax (current scaling: no saturation, whatever the delayed scale did meanwhile) and records
 nothing, and a warning says so once (the gradients are FP8-accurate, their FP8 bytes may differ from the forward's).
-A forward waits for every backward that has not run through it while its graph is alive (a second backward through
-a retained graph repeats it again): a graph kept alive past its backward (an undetached loss kept for logging) makes
-later recomputes of the layer ambiguous. A forward inside a checkpointed region is recomputed even where it builds no
+A forward waits for every backward that has not run through it while its graph holds its saved tensors: a second
+backward through a graph retained with ``retain_graph=True`` repeats it again, and such a graph makes later recomputes
+of the layer ambiguous; a graph whose backward freed it waits for none, even while something still holds it (an
+undetached loss kept for logging, autograd's or a compiled region's references until the garbage collector runs). A
+forward inside a checkpointed region is recomputed even where it builds no
 graph of the layer (a frozen layer with an input that needs no gradient, a forward under no_grad, an output the region
 does not use): its call is also kept by the region, while the region's saved tensors live (torch >= 2.8, which shows
 the saved-tensor hooks; on older torch such a recompute finds no forward and takes the own-amax path). A
@@ -45,13 +47,30 @@ class ForwardCall:
     Attributes:
         scale_invs: the ``scale_inv`` of each input cast of the forward, in order.
         done: the ids of the backward passes (autograd graph tasks) that ran through it.
+        node: a weak reference to the autograd node whose backward ran through it (None before): once that backward
+            released the node's saved tensors (no ``retain_graph``), no later backward can run through it again.
     """
 
-    __slots__ = ("scale_invs", "done", "__weakref__")
+    __slots__ = ("scale_invs", "done", "node", "__weakref__")
 
     def __init__(self) -> None:
         self.scale_invs: tuple[torch.Tensor, ...] = ()
         self.done: set[int] = set()
+        self.node: weakref.ref | None = None
+
+    def released(self) -> bool:
+        """Whether a backward ran through this forward and freed its graph: it waits for no backward any more, even
+        while something still holds the node (and through it this call) after its backward."""
+        if self.node is None:
+            return False
+        node = self.node()
+        if node is None:
+            return True
+        try:
+            _ = node._raw_saved_tensors  # raises once the backward released them; never unpacks (no recompute)
+        except RuntimeError:
+            return True
+        return False
 
 
 # Per layer (keyed by its input scaling state): weak references to its ForwardCalls, oldest first; a call is gone once
@@ -127,7 +146,9 @@ def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None,
         )
         return _OWN_AMAX, True
     calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
-    pending = [c for c in calls if task not in c.done]  # forwards this backward has not run through (retain_graph)
+    # Forwards this backward has not run through (again, for a retained graph). A graph whose backward released it
+    # may still be held a while (by autograd's or a compiled region's references) and is not waiting.
+    pending = [c for c in calls if task not in c.done and not c.released()]
     if len(pending) == 1:
         return pending[0], True
     if pending:
@@ -205,6 +226,9 @@ def backward_ran(call: ForwardCall | None) -> None:
     """Note that the current backward ran through ``call``'s graph (its recompute, if any, is over)."""
     if call is not None:
         call.done.add(torch._C._current_graph_task_id())
+        node = torch._C._current_autograd_node()  # the layer's autograd.Function node (ctx), running this backward
+        if node is not None and call.node is None:
+            call.node = weakref.ref(node)
 
 
 def replay_scales(call: ForwardCall, states: tuple[ScalingState, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
