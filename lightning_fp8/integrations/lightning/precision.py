@@ -101,6 +101,11 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
                 f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, "
                 f"e.g. lambda module, fqn: fqn != {module_filter_fn!r}"
             )
+        if module_filter_fn is not None and not _takes_two_arguments(module_filter_fn):
+            raise TypeError(  # else the fit failed in convert_module with Python's bare arity error
+                f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}) is called as fn(module, fqn) for each linear "
+                "layer, which it cannot take: give it the two arguments, e.g. lambda module, fqn: 'lm_head' not in fqn"
+            )
         self.recipe = resolve_recipe(recipe)
         self.backend = backend
         self.autocast = autocast
@@ -109,6 +114,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         self.fp8_grads = fp8_grads
         self.module_filter_fn = module_filter_fn
         self.grad_scaler = _make_grad_scaler(grad_scaler)
+        self._grad_scaler_given = grad_scaler is not None  # then an FP8AdamW's other scaler must not replace it
         if backend == "te":
             from lightning_fp8.integrations.lightning import te
 
@@ -175,9 +181,12 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         self._wrapped_model = model
         self._device_type = _first_device_type(model)
         if self.replace_optimizers:
+            self._adopt_brought_scaler(optimizers)
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
         _refuse_bf16_fallback_in_data_parallel(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
-        if self._will_adopt_masters():
+        # The masters in the weights' storage are the plugin's at O2, or an FP8AdamW's of the user's whatever the
+        # plugin's recipe (kept as built: an O2 one under precision='fp8-lm-o1' or replace_optimizers=False)
+        if self._will_adopt_masters() or any(_holds_masters_in_storage(_unwrap_optimizer(o)) for o in optimizers):
             _refuse_weight_averaging(self._module)
         _refuse_pruning_of_converted_layers(self._module)
         if self.fp8_communication:
@@ -232,12 +241,38 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         if new is not optimizer:
             schedulers = [getattr(config, "scheduler", config) for config in lr_scheduler_configs]
             optimizer_swap.rebind_schedulers(schedulers, optimizer, new)
+            optimizer_swap.hand_over(optimizer, new)  # for schedulers Lightning was not given, and a kept reference
         elif getattr(new, "grad_scaler", None) is None:
             new.grad_scaler = self.grad_scaler  # the user's FP8AdamW: unscale by our mu, report its casts to it
-        else:
-            self.grad_scaler = new.grad_scaler  # the user's FP8AdamW brought its own scaler: scale by that mu
-            self._give_scaler_the_model()
         return new
+
+    def _adopt_brought_scaler(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Make the scaler that the user's FP8AdamWs bring the plugin's, before any optimizer is given one.
+
+        Every backward is scaled by one mu, so one scaler: with two, the loss was scaled by the last one's mu and the
+        first one's settings were ignored, as was a scaler given to the plugin itself."""
+        from lightning_fp8.optim import FP8AdamW
+
+        scalers = [o.grad_scaler for o in optimizers if isinstance(o, FP8AdamW) and o.grad_scaler is not None]
+        brought = {id(scaler): scaler for scaler in scalers}
+        if len(brought) > 1:
+            raise ValueError(
+                f"configure_optimizers returned FP8AdamWs with {len(brought)} different gradient scalers "
+                "(grad_scaler=...), but precision='fp8-lm' scales each backward by one mu: only one of them would "
+                "scale the loss and the others' settings would be ignored. Build them all with one FP8GradScaler, or "
+                "with none (they then use the plugin's: FP8LMPrecision(grad_scaler=...))"
+            )
+        if not brought:
+            return
+        [scaler] = brought.values()
+        if scaler is not self.grad_scaler and self._grad_scaler_given:
+            raise ValueError(
+                "FP8LMPrecision(grad_scaler=...) and the FP8AdamW from configure_optimizers (grad_scaler=...) bring "
+                "two gradient scalers, but each backward is scaled by one mu: the plugin's would be ignored. Pass the "
+                "same FP8GradScaler to both, or give it to only one of them"
+            )
+        self.grad_scaler = scaler  # the user's FP8AdamW brought its own scaler: scale by that mu
+        self._give_scaler_the_model()
 
     def _give_scaler_the_model(self) -> None:
         """Make the module this stage converted the scaler's ``model`` (:meth:`FP8GradScaler._take_model`), so that
@@ -271,6 +306,17 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
 def _holds_masters_in_storage(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (an FP8AdamW at O2) took any parameter's storage for its scaled fp16 master."""
     return any(master.master_scale(p) is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _takes_two_arguments(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called as ``fn(module, fqn)``, as ``convert_to_fp8`` calls a ``module_filter_fn``."""
+    try:
+        inspect.signature(fn).bind(None, "")
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): left to the call
+        return True
+    return True
 
 
 def _make_grad_scaler(grad_scaler: Any) -> Any:

@@ -102,8 +102,9 @@ def _refuse_weight_averaging(module: nn.Module | None) -> None:
             f"precision='fp8-lm' (O2) cannot run with {type(averaging[0]).__name__}: it averages the parameters' "
             "storage, which at O2 holds each FP8 weight's fp16 master times a scale that changes between steps, so "
             "the averaged weights would be wrong. Use the O1 recipe (FP8LMPrecision(recipe='fp8-lm-o1'): the "
-            "weights keep their own storage), or average the unscaled weights of model.state_dict() in a callback "
-            "of your own"
+            "weights keep their own storage; an FP8AdamW of your own from configure_optimizers needs "
+            "opt_level='O1' too, or recipe='fp8-lm-o1'), or average the unscaled weights of model.state_dict() in a "
+            "callback of your own"
         )
 
 

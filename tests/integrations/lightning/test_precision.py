@@ -516,6 +516,17 @@ def test_bad_arguments_are_rejected():
         FP8LMPrecision(autocast="yes")
 
 
+@pytest.mark.parametrize("fn", [lambda fqn: "lm_head" not in fqn, lambda module, fqn, extra: True, print])
+def test_a_module_filter_fn_that_cannot_take_module_and_fqn_is_refused_when_the_plugin_is_built(fn):
+    """Found by a sweep: a one-argument filter was accepted, and the fit failed in convert_module with Python's
+    "<lambda>() takes 1 positional argument but 2 were given", after the Trainer was set up."""
+    if fn is print:  # takes any arguments
+        FP8LMPrecision(module_filter_fn=fn)
+        return
+    with pytest.raises(TypeError, match=r"module_filter_fn=.*is called as fn\(module, fqn\).*lambda module, fqn"):
+        FP8LMPrecision(module_filter_fn=fn)
+
+
 @pytest.mark.parametrize("arguments", [{"growth": 2}, {"init_scale": 4.0, "growth_intervall": 10}, {1: 2.0}])
 def test_a_grad_scaler_dict_with_an_unknown_argument_is_refused_naming_it_and_the_allowed_ones(arguments):
     """Python's own error named FP8GradScaler.__init__ (not the plugin's argument) and listed nothing to choose from."""
