@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-# torch.optim.Adam(W) group keys that select an implementation, not the update rule: FP8AdamW has its own.
+# torch.optim.Adam(W) keys (of the defaults and each group) that select an implementation, not the update rule:
+# FP8AdamW has its own. (differentiable=True is refused before: autograd through the step, which FP8AdamW has not.)
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 _DROPPED_KEYS = (*_IMPLEMENTATION_KEYS, "amsgrad")
 
@@ -43,6 +44,11 @@ def check_replaceable(optimizer: torch.optim.Optimizer, *, source: str, opt_out:
         if group.get("amsgrad"):
             raise ValueError(
                 f"{name}(param_groups[{i}] amsgrad=True) has no FP8AdamW equivalent: set amsgrad=False, or {opt_out}"
+            )
+        if group.get("differentiable"):
+            raise ValueError(
+                f"{name}(param_groups[{i}] differentiable=True) lets autograd run through the step, which FP8AdamW "
+                f"cannot: set differentiable=False, or {opt_out}"
             )
         coupled_l2 = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
         if coupled_l2 and group.get("weight_decay", 0) != 0:
@@ -72,7 +78,10 @@ def to_fp8_adamw(
         return optimizer
     check_replaceable(optimizer, source=source, opt_out=opt_out)
     accepted = inspect.signature(FP8AdamW.__init__).parameters
-    kwargs = {k: v for k, v in {**optimizer.defaults, **fp8_kwargs}.items() if k in accepted and k != "params"}
+    # The implementation keys of the defaults go as the groups' do: FP8AdamW refuses capturable=True, which picks
+    # torch's CUDA-graph-safe implementation of the same update.
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _DROPPED_KEYS}
+    kwargs = {k: v for k, v in {**defaults, **fp8_kwargs}.items() if k in accepted and k != "params"}
     groups = [{k: v for k, v in group.items() if k not in _DROPPED_KEYS} for group in optimizer.param_groups]
     return FP8AdamW(groups, **kwargs)
 

@@ -228,6 +228,33 @@ def test_swapped_adamw_keeps_maximize_per_group():
     torch.testing.assert_close(b2, b, rtol=1e-5, atol=1e-6)
 
 
+def test_swapped_capturable_adamw_steps_as_torchs():
+    """AdamW(capturable=True) (torch's CUDA-graph-safe implementation of the same update) was dropped from the groups
+    but passed on from the defaults, where FP8AdamW refused it: "use torch.optim.AdamW" to a user who had."""
+    from lightning_fp8.optim.swap import to_fp8_adamw
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(16, 16))
+    a2 = torch.nn.Parameter(a.detach().clone())
+    ref = torch.optim.AdamW([a], lr=1e-2)
+    swapped = to_fp8_adamw(torch.optim.AdamW([a2], lr=1e-2, capturable=True), opt_level="O1", fp8_grads=False)
+    for _ in range(3):
+        g = torch.randn_like(a)
+        a.grad, a2.grad = g.clone(), g.clone()
+        ref.step()
+        swapped.step()
+    torch.testing.assert_close(a2, a, rtol=1e-5, atol=1e-6)
+
+
+def test_swap_refuses_a_differentiable_adamw():
+    """differentiable=True asks for autograd through the step: not an implementation choice to drop silently."""
+    from lightning_fp8.optim.swap import to_fp8_adamw
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4, 4))], lr=1e-2, differentiable=True)
+    with pytest.raises(ValueError, match=r"differentiable=True.*set differentiable=False, or keep it"):
+        to_fp8_adamw(opt)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_a_parameter_listed_twice_in_a_group_is_refused_and_the_other_groups_stay(opt_level):
     # torch.optim.AdamW warns (deprecated) and steps such a parameter twice; FP8AdamW advanced its one step counter
