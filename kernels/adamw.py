@@ -104,10 +104,14 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies, g
     for name, tensors in lists.items():
         if len(tensors) != len(params):
             raise ValueError(f"adamw_step: {name} has {len(tensors)} tensors but params has {len(params)}")
+    # The kernel reads every tensor by its address: one on another device (a CPU scale beside CUDA params) is read
+    # from an address of another memory (a crash, or an illegal memory access that ends the CUDA context).
+    device = params[0].device if params else None
     for name, tensors in {"params": params, **lists}.items():
         dtype = tensors[0].dtype if tensors else None
-        if not all([t.dtype == dtype and t.is_contiguous() for t in tensors]):
-            raise ValueError(f"adamw_step: the tensors of {name} must be contiguous and share one dtype")
+        if not all([t.dtype == dtype and t.is_contiguous() and t.device == device for t in tensors]):
+            raise ValueError(f"adamw_step: the tensors of {name} must be contiguous and share one dtype and "
+                             f"params[0]'s device ({device})")  # fmt: skip
     numels = [p.numel() for p in params]
     for tensors in lists.values():
         sizes = [t.numel() for t in tensors]
@@ -126,8 +130,9 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies, g
             raise ValueError(f"adamw_step: {name} has {len(tensors)} tensors but params has {len(params)}")
     scalars = [t for ts in (scales, amaxes) if ts is not None for triple in ts for t in triple]
     scalars += [t for ts in singles.values() if ts is not None for t in ts]
-    if not all([t.dtype == torch.float32 and t.numel() == 1 for t in scalars]):
-        raise ValueError("adamw_step: scales, amaxes, grad_scale_invs and grad_amaxes must be one-element fp32 tensors")
+    if not all([t.dtype == torch.float32 and t.numel() == 1 and t.device == device for t in scalars]):
+        raise ValueError("adamw_step: scales, amaxes, grad_scale_invs and grad_amaxes must be one-element fp32 tensors "
+                         f"on params[0]'s device ({device})")  # fmt: skip
     return numels
 
 
@@ -202,7 +207,7 @@ def adamw_step(
             one-pass step without its bounds (see the reference).
     """
     numels = _check(params, grads, exp_avgs, exp_avg_sqs, scales, amaxes, param_copies, grad_scale_invs, grad_amaxes)
-    check_fp8_weights(params, fp8_weights, fp8_weight_stats)
+    check_fp8_weights(params, fp8_weights, fp8_weight_stats, fp8_margin)
     c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
     if not two_pass and scales is not None and (grad_amaxes is None or c.max_update is None):
         raise ValueError("adamw_step(two_pass=False) needs grad_amaxes and beta1**2 < beta2 for its scale bounds")
@@ -263,8 +268,6 @@ def _emit_constants(fp8_weights, margin: int, param_dtype: torch.dtype) -> dict:
     if fp8_weights is None:
         return {"EMIT": False, "E_MAX": 1.0, "E_EXP": 0, "E_MANT": 0, "E_MBITS": 0, "E_MIN_EXP": 0, "E_MARGIN": 0,
                 "SRC_MAX": 1.0}  # fmt: skip
-    if margin < 0:
-        raise ValueError(f"adamw_step(fp8_margin={margin}): the margin must be >= 0 binades")
     dtype = fp8_weights[0].dtype
     fmax = _FP8_MAX[dtype]
     exp, mant = float32_exponent_mantissa(fmax)

@@ -14,6 +14,7 @@ The finalize launch then writes, per weight, the statistics the forward records 
 import triton
 import triton.language as tl
 from lightning_fp8.kernels.cast_kernels import _round_to_fp8_grid
+from lightning_fp8.kernels.comm_kernels import _decode_fp8
 from lightning_fp8.kernels.scaling import _pow2_scale
 
 # Table columns (int64 [T, NCOL] per launch; see kernels/adamw.py): element offsets of param, grad, exp_avg,
@@ -85,6 +86,19 @@ def _quantize(
 
 
 @triton.jit
+def _widen(q, EXACT_ROUND: tl.constexpr):
+    # A loaded tile as fp32. Under the interpreter an FP8 tile is decoded from its bytes: the interpreter's own
+    # conversion turns NaN and E5M2's infinities into numbers (480; 65536, 81920), so a NaN gradient or a moment stored
+    # NaN updated the weight as a large finite value where the reference (and a GPU) makes it NaN.
+    if EXACT_ROUND and q.dtype == tl.float8e4nv:
+        return _decode_fp8(q.to(tl.uint8, bitcast=True), True, True)
+    elif EXACT_ROUND and q.dtype == tl.float8e5:
+        return _decode_fp8(q.to(tl.uint8, bitcast=True), False, True)
+    else:
+        return q.to(tl.float32)
+
+
+@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -114,12 +128,13 @@ def _emit(
 
 
 @triton.jit
-def _decay_progress(q, x, old_bits, beta1, FMAX: tl.constexpr):
+def _decay_progress(q, x, old_bits, beta1, FMAX: tl.constexpr, EXACT_ROUND: tl.constexpr):
     # reference_adamw.decay_progress_ref, with the scale unchanged: q (FP8 exp_avg) rounded back to the stored code
-    # `old_bits` (not 0) while the exact `x` fell at least half the decay toward zero: one code toward zero.
+    # `old_bits` (not 0) while the exact `x` fell at least half the decay toward zero: one code toward zero. A NaN q
+    # (a NaN stored again) is never held: read as a number (the interpreter's 480), it became 448.
     x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
     bits = q.to(tl.uint8, bitcast=True)
-    q32 = q.to(tl.float32)
+    q32 = _widen(q, EXACT_ROUND)
     held = (bits == old_bits) & (q32 != 0.0) & (tl.abs(x) <= tl.abs(q32) * ((1.0 + beta1) * 0.5))
     bits = tl.where(held, bits - 1, bits)  # sign and magnitude: one code less is one step toward zero
     return bits.to(q.dtype, bitcast=True)
@@ -143,10 +158,10 @@ def _update(
     WRITE: tl.constexpr, ACCUM_AMAX: tl.constexpr, EXACT_ROUND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     # One block: the AdamW update of loaded values (stored dtypes), the amaxes, the scaled stores, the FP8 copy.
-    g = gq.to(tl.float32) * ginv
+    g = _widen(gq, EXACT_ROUND) * ginv
     if SCALED_V:  # g * g of a finite |g| > ~1.8e19 would overflow and be stored NaN
         g = _saturate_grad(g, GRAD_SATURATION)
-    m = mq.to(tl.float32) * m_mul + g * one_minus_beta1
+    m = _widen(mq, EXACT_ROUND) * m_mul + g * one_minus_beta1
     v = vq.to(tl.float32) * v_mul + (g * g) * one_minus_beta2
     w = wq.to(tl.float32) * w_mul - tl.div_rn(m, tl.sqrt_rn(v) + eps) * step_size
     if ACCUM_AMAX:
@@ -159,7 +174,7 @@ def _update(
         qm = _quantize(m, wm_s, m_ptr, SCALED_M, M_MAX, M_FP8, M_MBITS, M_MIN_EXP, EXACT_ROUND)
         if M_FP8 and SCALED_M:
             if wm_s == m_s:  # (a step that changes the scale moves every stored value)
-                qm = _decay_progress(qm, m * wm_s, mq.to(tl.uint8, bitcast=True), beta1, M_MAX)
+                qm = _decay_progress(qm, m * wm_s, mq.to(tl.uint8, bitcast=True), beta1, M_MAX, EXACT_ROUND)
         _store(m_ptr, offs, qm, mask, MASKED)
         _store(v_ptr, offs, _quantize(v, wv_s, v_ptr, SCALED_V, V_MAX, False, 0, 0, EXACT_ROUND), mask, MASKED)
         if HAS_COPY:  # the master as stored, unscaled (exact: a power-of-two scale), so the weight is the master

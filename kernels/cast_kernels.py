@@ -116,7 +116,8 @@ def _quantize_block(
 def _load_tile(ptr, offs, mask, dq, EVEN: tl.constexpr, LOAD_POLICY: tl.constexpr, FP8_IN: tl.constexpr,
                FP8_IN_E4M3: tl.constexpr, EXACT_ROUND: tl.constexpr):  # fmt: skip
     # A tile of a high-precision tensor as fp32, or (FP8_IN) of an FP8 one times its scale_inv dq (exact: a power of
-    # two). Masked lanes: 0. The interpreter converts an FP8 NaN to a number: its lanes are set from the bytes.
+    # two). Masked lanes: 0. The interpreter converts an FP8 NaN, and E5M2's infinities, to numbers (480; 65536, an
+    # inf input whose GELU came out finite): their lanes are set from the bytes.
     if EVEN:
         v = tl.load(ptr + offs, eviction_policy=LOAD_POLICY)
     else:
@@ -125,8 +126,12 @@ def _load_tile(ptr, offs, mask, dq, EVEN: tl.constexpr, LOAD_POLICY: tl.constexp
     if FP8_IN:
         x = x * dq
         if EXACT_ROUND:
-            b = v.to(tl.uint8, bitcast=True) & 0x7F
-            x = tl.where(b == 0x7F if FP8_IN_E4M3 else b > 0x7C, float("nan"), x)
+            b = v.to(tl.uint8, bitcast=True)
+            if FP8_IN_E4M3:
+                x = tl.where((b & 0x7F) == 0x7F, float("nan"), x)
+            else:
+                inf = tl.where(b > 0x7F, float("-inf"), float("inf"))
+                x = tl.where((b & 0x7F) > 0x7C, float("nan"), tl.where((b & 0x7F) == 0x7C, inf, x))
     return x
 
 

@@ -34,14 +34,13 @@ from lightning_fp8.kernels.adamw import _block_table
 from lightning_fp8.kernels.cast import _FP8, _interpreted
 from lightning_fp8.kernels.grad_cast_kernels import NCOL, _grad_amax_kernel, _grad_cast_kernel
 from lightning_fp8.kernels.reference import float32_exponent_mantissa
-from lightning_fp8.kernels.reference_grad_cast import STATE_SLOTS
+from lightning_fp8.kernels.reference_grad_cast import check_grad_cast
 
 # BLOCK elements per loop step (BLOCK / (32 NUM_WARPS) = 8 consecutive elements per thread: 16-byte fp16 loads, 8-byte
 # FP8 stores), ITERS loop steps per program (one chunk), NUM_WARPS per program: the AdamW kernels' config
 # (kernels/adamw.py), whose loads are of the same kind.
 CONFIG = {"BLOCK": 1024, "ITERS": 16, "NUM_WARPS": 4}
 _INTERPRETER_CONFIG = {"BLOCK": 64, "ITERS": 2, "NUM_WARPS": 1}
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ALIGN = 16  # bytes: one vector access
 
 
@@ -52,32 +51,6 @@ def _format(fp8_dtype: torch.dtype, margin: int, exact: bool) -> dict:
     return {"FP8_MAX": fmax, "IS_E4M3": fp8_dtype == torch.float8_e4m3fn, "MBITS": mbits, "MIN_NORMAL_EXP": min_exp,
             "SUBNORMAL_MAGIC": 2.0 ** (min_exp - mbits + 23), "MAX_EXP": max_exp, "MAX_MANT": max_mant,
             "MARGIN": margin, "EXACT_ROUND": exact}  # fmt: skip
-
-
-def _check(grads, states, fp8_dtype, pending_data, pending_scale_inv) -> None:
-    if fp8_dtype not in _FP8:
-        raise TypeError(f"grad_cast: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
-    if len(states) != len(grads):
-        raise ValueError(f"grad_cast: {len(states)} states for {len(grads)} gradients; pass one state per gradient")
-    if (pending_data is None) != (pending_scale_inv is None):
-        raise ValueError("grad_cast: pass pending_data and pending_scale_inv together (both or neither)")
-    dtype = grads[0].dtype
-    if dtype not in _INPUT_DTYPES or not all([g.dtype == dtype and g.is_contiguous() for g in grads]):
-        raise TypeError("grad_cast: the gradients must be contiguous and share one dtype (float32, bfloat16, float16)")
-    # The kernel reads and writes each state and pending gradient by its address: a smaller one would reach other
-    # memory.
-    if not all([s.dtype == torch.int64 and s.numel() == STATE_SLOTS and s.is_contiguous() for s in states]):
-        raise TypeError(f"grad_cast: each state must be a contiguous int64 tensor of {STATE_SLOTS} elements "
-                        "(reference_grad_cast.new_grad_cast_state)")  # fmt: skip
-    if pending_data is not None:
-        if len(pending_data) != len(grads) or len(pending_scale_inv) != len(grads):
-            raise ValueError(f"grad_cast: {len(pending_data)} pending gradients and {len(pending_scale_inv)} scale "
-                             f"inverses for {len(grads)} gradients; pass one of each per gradient")  # fmt: skip
-        p_dtype = pending_data[0].dtype
-        if p_dtype not in _FP8 or not all([d.dtype == p_dtype and d.is_contiguous() for d in pending_data]):
-            raise TypeError("grad_cast: the pending gradients must be contiguous and share one FP8 dtype")
-        if [d.numel() for d in pending_data] != [g.numel() for g in grads]:
-            raise ValueError("grad_cast: each pending gradient must have its gradient's number of elements")
 
 
 def _table(grads, states, pending_data, pending_scale_inv, numels):
@@ -146,7 +119,7 @@ def grad_cast(
         from lightning_fp8.kernels.reference_grad_cast import grad_cast_ref
 
         return grad_cast_ref(grads, states, fp8_dtype, count_big=count_big)
-    _check(grads, states, fp8_dtype, pending_data, pending_scale_inv)
+    check_grad_cast(grads, states, fp8_dtype, pending_data, pending_scale_inv)
     n = len(grads)
     numels = [g.numel() for g in grads]
     flat, out_offs, total, aligned = _table(grads, states, pending_data, pending_scale_inv, numels)

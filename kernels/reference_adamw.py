@@ -199,7 +199,7 @@ def adamw_step_ref(
     c = AdamWConstants(lr, beta1, beta2, eps, weight_decay, step)
     if not two_pass and scales is not None and (grad_amaxes is None or c.max_update is None):
         raise ValueError("adamw_step(two_pass=False) needs grad_amaxes and beta1**2 < beta2 for its scale bounds")
-    check_fp8_weights(params, fp8_weights, fp8_weight_stats)
+    check_fp8_weights(params, fp8_weights, fp8_weight_stats, fp8_margin)
     if fp8_weights is not None and not two_pass and amaxes is None:
         raise ValueError("adamw_step(two_pass=False) with fp8_weights needs the amaxes for the copies' scale bounds")
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
@@ -265,14 +265,21 @@ def fp8_weight_record_views(record: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return record[:3].view(torch.float32)[:5], record[3:5]
 
 
-def check_fp8_weights(params: list[torch.Tensor], fp8_weights: list | None, fp8_weight_stats: list | None) -> None:
-    """Validate the FP8 weight copies of an AdamW step (one format, contiguous, the params' sizes; int64 [5] records).
+def check_fp8_weights(
+    params: list[torch.Tensor], fp8_weights: list | None, fp8_weight_stats: list | None, margin: int = 0
+) -> None:
+    """Validate the FP8 weight copies of an AdamW step (one format, contiguous, the params' sizes and devices; int64
+    [5] records) and their scales' ``margin`` (an int >= 0).
 
     Raises:
-        ValueError: naming the first list or tensor that does not fit.
+        ValueError: naming the first list or tensor that does not fit, or the margin.
     """
     if fp8_weights is None and fp8_weight_stats is None:
         return
+    # Both paths check it (the reference scaled a copy past the FP8 maximum with a negative one, where the kernel
+    # refused it).
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"adamw_step(fp8_margin={margin!r}): the margin must be an int >= 0 binades")
     if fp8_weights is None or fp8_weight_stats is None:
         raise ValueError("adamw_step: pass fp8_weights and fp8_weight_stats together (both or neither)")
     if len(fp8_weights) != len(params) or len(fp8_weight_stats) != len(params):
@@ -280,11 +287,16 @@ def check_fp8_weights(params: list[torch.Tensor], fp8_weights: list | None, fp8_
                          f"{len(params)} params")  # fmt: skip
     for i, (p, w, r) in enumerate(zip(params, fp8_weights, fp8_weight_stats, strict=True)):
         same_format = w.dtype in _FP8_MAX and w.dtype == fp8_weights[0].dtype
-        if not same_format or not w.is_contiguous() or w.numel() != p.numel():
-            raise ValueError(f"adamw_step: fp8_weights[{i}] ({w.dtype}, {tuple(w.shape)}) must be contiguous, of one "
-                             f"FP8 format for all, with the {p.numel()} elements of its param")  # fmt: skip
-        if r.dtype != torch.int64 or r.numel() != 5 or not r.is_contiguous():
-            raise ValueError(f"adamw_step: fp8_weight_stats[{i}] must be a contiguous int64 tensor of 5 elements")
+        # On the param's device too: the kernel writes both by their addresses.
+        if not same_format or not w.is_contiguous() or w.numel() != p.numel() or w.device != p.device:
+            raise ValueError(f"adamw_step: fp8_weights[{i}] ({w.dtype}, {tuple(w.shape)}, {w.device}) must be "
+                             f"contiguous, of one FP8 format for all, with the {p.numel()} elements of its param, on "
+                             f"its device ({p.device})")  # fmt: skip
+        if r.dtype != torch.int64 or r.numel() != 5 or not r.is_contiguous() or r.device != p.device:
+            raise ValueError(
+                f"adamw_step: fp8_weight_stats[{i}] must be a contiguous int64 tensor of 5 elements on "
+                f"its param's device ({p.device}), got {r.dtype}, {r.numel()} elements on {r.device}"
+            )
 
 
 def emit_fp8_weight_ref(

@@ -20,6 +20,8 @@ from lightning_fp8.kernels.reference import _FP8_MAX, quantize_ref
 # tensor: bytes 0-15 fp32 [amax_history (one entry), scale, last_amax, saturation], then int64 [nonfinite_count,
 # casts] (elements 2 and 3). The kernels (kernels/grad_cast_kernels.py) read and write it at these offsets.
 STATE_SLOTS = 4
+# The gradients' dtypes a batched cast reads.
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def new_grad_cast_state(device: torch.device | str) -> torch.Tensor:
@@ -34,6 +36,57 @@ def grad_cast_state_buffers(state: torch.Tensor) -> list[torch.Tensor]:
     saturation, nonfinite_count, casts]`` (0-dim except the history); writes through them update ``state``."""
     f32 = state[:2].view(torch.float32)
     return [f32[0:1], f32[1], f32[2], f32[3], state[2], state[3]]
+
+
+def check_grad_cast(
+    grads: list[torch.Tensor],
+    states: list[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    pending_data: list[torch.Tensor] | None,
+    pending_scale_inv: list[torch.Tensor] | None,
+) -> None:
+    """Raise for arguments of a batched gradient cast (non-empty ``grads``) that the Triton kernel refuses: it reads
+    and writes every tensor by its address. ``lightning_fp8.ops.grad_cast`` runs these checks on the reference path
+    too, so that both paths accept the same calls.
+
+    Raises:
+        TypeError: for an unknown ``fp8_dtype``, gradients of mixed or unsupported dtypes or not contiguous, states that
+            are not contiguous int64 tensors of ``STATE_SLOTS`` elements, pending gradients that are not contiguous
+            FP8 of one dtype, or a ``pending_scale_inv`` that is not one float32 value.
+        ValueError: for a state count that is not the gradient count, ``pending_data`` without its scales (or the
+            reverse), pending gradients of another count or size, or a tensor on another device than ``grads[0]``.
+    """
+    if fp8_dtype not in _FP8_MAX:
+        raise TypeError(f"grad_cast: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    if len(states) != len(grads):
+        raise ValueError(f"grad_cast: {len(states)} states for {len(grads)} gradients; pass one state per gradient")
+    if (pending_data is None) != (pending_scale_inv is None):
+        raise ValueError("grad_cast: pass pending_data and pending_scale_inv together (both or neither)")
+    dtype = grads[0].dtype
+    if dtype not in INPUT_DTYPES or not all([g.dtype == dtype and g.is_contiguous() for g in grads]):
+        raise TypeError("grad_cast: the gradients must be contiguous and share one dtype (float32, bfloat16, float16)")
+    # The kernel reads and writes each state and pending gradient by its address: a smaller one would reach other
+    # memory.
+    if not all([s.dtype == torch.int64 and s.numel() == STATE_SLOTS and s.is_contiguous() for s in states]):
+        raise TypeError(f"grad_cast: each state must be a contiguous int64 tensor of {STATE_SLOTS} elements "
+                        "(reference_grad_cast.new_grad_cast_state)")  # fmt: skip
+    if pending_data is not None:
+        if len(pending_data) != len(grads) or len(pending_scale_inv) != len(grads):
+            raise ValueError(f"grad_cast: {len(pending_data)} pending gradients and {len(pending_scale_inv)} scale "
+                             f"inverses for {len(grads)} gradients; pass one of each per gradient")  # fmt: skip
+        p_dtype = pending_data[0].dtype
+        if p_dtype not in _FP8_MAX or not all([d.dtype == p_dtype and d.is_contiguous() for d in pending_data]):
+            raise TypeError("grad_cast: the pending gradients must be contiguous and share one FP8 dtype")
+        if [d.numel() for d in pending_data] != [g.numel() for g in grads]:
+            raise ValueError("grad_cast: each pending gradient must have its gradient's number of elements")
+        # Read by address as one fp32 value: a float64 or float16 scale_inv was read as other bits (wrong gradients).
+        if not all([s.dtype == torch.float32 and s.numel() == 1 for s in pending_scale_inv]):
+            got = [(str(s.dtype), tuple(s.shape)) for s in pending_scale_inv]
+            raise TypeError(f"grad_cast: each pending_scale_inv must be a one-element float32 tensor, got {got}")
+    device = grads[0].device
+    tensors = [*grads, *states, *(pending_data or ()), *(pending_scale_inv or ())]
+    if not all([t.device == device for t in tensors]):
+        raise ValueError(f"grad_cast: the gradients, states and pending gradients must all be on {device} (grads[0]'s)")
 
 
 def grad_cast_ref(
@@ -66,7 +119,8 @@ def grad_cast_ref(
     for i, (grad, state) in enumerate(zip(grads, states, strict=True)):
         g = grad
         if pending_data is not None:
-            g = pending_data[i].float() * pending_scale_inv[i] + grad.float()
+            # The pending gradient as the kernel reads it: its elements in the gradient's shape.
+            g = pending_data[i].float().reshape(grad.shape) * pending_scale_inv[i] + grad.float()
         buffers = grad_cast_state_buffers(state)
         g_fp8, _, scale_inv = quantize_ref(g.contiguous(), *buffers, fp8_dtype, margin, True, False, True, False)
         outs.append(g_fp8)

@@ -32,8 +32,9 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def check_fp8_dtype(dtype: torch.dtype) -> None:
-    if dtype not in FP8_MAX:
-        raise ValueError(f"expected an FP8 dtype (torch.float8_e4m3fn or torch.float8_e5m2), got {dtype}")
+    # Not `dtype not in FP8_MAX` alone: an unhashable value (a list) made that lookup a TypeError of its own.
+    if not isinstance(dtype, torch.dtype) or dtype not in FP8_MAX:
+        raise ValueError(f"expected an FP8 dtype (torch.float8_e4m3fn or torch.float8_e5m2), got {dtype!r}")
 
 
 def is_fp8(t: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import os
 import torch
 
 from lightning_fp8 import cast_checks
+from lightning_fp8.formats import FP8_DTYPES
 from lightning_fp8.kernels import reference, reference_grad_cast
 
 # Looked up once, at import: torch.compile traces use_triton, and dynamo (torch 2.11) refuses to trace find_spec.
@@ -73,11 +74,16 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type)
 
 
+_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what check_castable accepts
+
+
 def amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`amax` of each tensor (the same values), in a few launches per device instead of one or two per tensor."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
+        if t.dtype not in _AMAX_DTYPES:  # as amax: the norm took complex magnitudes, and named no fix for the rest
+            cast_checks.check_castable(t, f"amaxes (tensor {i})")
         if t.numel() == 0:  # an inf norm has no identity
             out[i] = torch.zeros((), dtype=torch.float32, device=t.device)
         else:
@@ -105,6 +111,8 @@ def cast_to_fp8(
 def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """The transposed FP8 copy of 2-D ``x`` cast with ``scale``, statistics dropped: ``cast_to_fp8(x, scale, fp8_dtype,
     transpose=True)[1]`` with less work on the host (no zeroed accumulators; replayed launches)."""
+    # The cast's checks on either path: the Triton launcher below checks nothing (a bool x was cast as 0/1).
+    cast_checks.check_cast_arguments(x, scale, fp8_dtype, True, "recast_transposed")
     if _triton_cast(x) and x.numel():
         from lightning_fp8.kernels import quantize as fused
 
@@ -118,12 +126,40 @@ def recast_activation_transposed(
     """The transposed FP8 copy of ``activation`` ("gelu") of the values FP8 2-D ``x_fp8`` stands for, cast with
     ``scale``, statistics dropped; see ``reference.recast_activation_ref``. Triton: one pass, reading a byte and
     writing a byte per element."""
+    _check_recast_activation(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
     if use_triton(x_fp8) and x_fp8.numel():
         from lightning_fp8.kernels import quantize as fused
 
         x_scale_inv, scale = x_scale_inv.reshape(()), scale.reshape(())
         return fused.recast_transposed(x_fp8.detach().contiguous(), scale, fp8_dtype, activation, x_scale_inv)
     return reference.recast_activation_ref(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
+
+
+def _check_recast_activation(
+    x_fp8: object, x_scale_inv: object, scale: object, fp8_dtype: object, activation: object
+) -> None:
+    """Raise for arguments of :func:`recast_activation_transposed` that its two paths would treat apart: the Triton
+    kernel cast ``x`` itself for an activation it does not know and read a high-precision ``x`` without its
+    ``x_scale_inv``, where the reference raised an AttributeError or multiplied by it."""
+    caller = "recast_activation_transposed"
+    if activation != "gelu":  # "gelu_backward" needs the gradient as well: ScalingState.quantize casts it
+        raise ValueError(f"{caller}(activation={activation!r}): only 'gelu' is recomputed from an FP8 input")
+    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype not in FP8_DTYPES:
+        got = x_fp8.dtype if isinstance(x_fp8, torch.Tensor) else type(x_fp8).__name__
+        raise TypeError(
+            f"{caller}: x_fp8 must be an FP8 tensor (the kept GELU input), got {got}: cast a high-precision input with "
+            "ScalingState.quantize(..., activation='gelu') instead"
+        )
+    if x_fp8.dim() != 2:
+        raise ValueError(f"{caller} needs a 2-D x_fp8, got shape {tuple(x_fp8.shape)}")
+    for name, value in (("x_scale_inv", x_scale_inv), ("scale", scale)):
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != 1:
+            got = f"{value.dtype}, shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+            raise TypeError(f"{caller}: {name} must be a one-element float32 tensor, got {got}")
+        if value.device != x_fp8.device:
+            raise ValueError(f"{caller}: {name} is on {value.device} but x_fp8 on {x_fp8.device}; move it to x_fp8's")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
 
 
 def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,7 +182,15 @@ def grad_cast(grads: list[torch.Tensor], *args, **kwargs) -> tuple:
         from lightning_fp8.kernels import grad_cast as batched
 
         return batched.grad_cast(grads, *args, **kwargs)
+    if grads:  # the Triton path's checks here too: the reference cast mixed dtypes, and failed on bad states or
+        # pending gradients with IndexErrors, KeyErrors or broadcasting errors
+        reference_grad_cast.check_grad_cast(grads, *_grad_cast_arguments(*args, **kwargs))
     return reference_grad_cast.grad_cast_ref(grads, *args, **kwargs)
+
+
+def _grad_cast_arguments(states, fp8_dtype, *, pending_data=None, pending_scale_inv=None, **_) -> tuple:
+    # The arguments of grad_cast that reference_grad_cast.check_grad_cast checks, by grad_cast_ref's signature.
+    return states, fp8_dtype, pending_data, pending_scale_inv
 
 
 def _fp8_gemm_capability(device_index: int) -> bool:
@@ -189,9 +233,19 @@ def scaled_mm(
     ``use_fast_accum=True`` lets Hopper's FP8 tensor cores accumulate in their faster, less precise
     mode (Transformer Engine does so for the forward GEMM only; gradients keep full fp32 accumulation).
     The emulation ignores it.
+
+    Raises:
+        TypeError: on the emulated path, for an operand that is not FP8 or an ``out_dtype`` that is not a floating
+            dtype (what ``torch._scaled_mm`` refuses on the real path).
     """
     if has_fp8_gemm(a_fp8.device):
         return _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum)
+    # What torch._scaled_mm refuses: the emulation multiplied high-precision operands and truncated to an integer dtype.
+    if a_fp8.dtype not in FP8_DTYPES or b_fp8.dtype not in FP8_DTYPES or not out_dtype.is_floating_point:
+        raise TypeError(
+            f"scaled_mm multiplies FP8 operands into a floating-point output, got {a_fp8.dtype} @ {b_fp8.dtype} -> "
+            f"{out_dtype}: cast the operands first (cast_to_fp8) and pass out_dtype=torch.float32, bfloat16 or float16"
+        )
     # Emulation: FP8 values and power-of-two scales are exact in fp32, so this is the exact product
     # up to fp32 accumulation order. Autocast must not downcast the fp32 matmul.
     with autocast_off(a_fp8.device):

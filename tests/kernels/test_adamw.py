@@ -139,14 +139,16 @@ def _spoil(tensors, case):
         if case == "saturating":
             d["amaxes"] = [a * 1e-6 for a in d["amaxes"]]
         else:  # "non_finite"; "infinite": no NaN, so the gradient's amax is inf, not NaN
-            bad = [float("inf"), -float("inf"), float("nan") if case == "non_finite" else 1.0]
+            bad = [float("inf"), -float("inf"), float("nan") if case.startswith("non_finite") else 1.0]
             d["g"].view(-1)[:3] = torch.tensor(bad, dtype=d["g"].dtype)
             d["gamax"] = d["g"].float().abs().amax()
     return tensors
 
 
-# The interpreter decodes E5M2 inf and NaN as finite numbers, so non-finite FP8 gradients are tested on a GPU only.
-EDGE_CASES = {"saturating": "o2_fp8_grad", "non_finite": "o2_fp16_grad", "infinite": "o2_fp16_grad"}
+# Non-finite FP8 gradients too: under the interpreter the kernel decodes FP8 bytes itself (adamw_kernels._widen; the
+# interpreter's conversion read NaN and inf as finite numbers, found by a sweep).
+EDGE_CASES = {"saturating": "o2_fp8_grad", "non_finite": "o2_fp16_grad", "infinite": "o2_fp16_grad",
+              "non_finite_fp8": "o2_fp8_grad", "infinite_fp8": "o2_fp8_grad"}  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy under the interpreter: 0 / 0
@@ -163,6 +165,25 @@ def test_kernel_matches_reference_when_saturating_or_non_finite(case):
         assert expected[0]["p"].float().isnan().any() and expected[0]["amaxes"][0].isinf()
         for before, after in zip(tensors, expected, strict=True):  # the second moment keeps its scale: the other
             assert torch.equal(after["scales"][2], before["scales"][2])  # elements keep their values (not flushed)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy under the interpreter: 0 / 0
+@pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize(("case", "byte"), [("o2_fp8_grad", 0x7F), ("o2_fp8_grad", 0xFF),
+                                            ("o2_e5m2_moment_fp32_grad", 0x7C), ("o2_e5m2_moment_fp32_grad", 0xFC),
+                                            ("o2_e5m2_moment_fp32_grad", 0x7E)])  # fmt: skip
+def test_a_first_moment_stored_non_finite_gives_the_references_step(case, byte, two_pass):
+    """An FP8 first moment holding NaN (E4M3 0x7F, 0xFF; E5M2 0x7E) or E5M2's inf (0x7C, 0xFC) bytes: the interpreter
+    decoded them as finite numbers (found by a sweep: the weights took a large finite step where the reference makes
+    them NaN)."""
+    dtypes, scaled, fp8_grads, copies = CASES[case]
+    tensors = _make("cpu", SHAPES, dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
+    for d in tensors:
+        d["m"].view(torch.uint8).view(-1)[1] = byte
+    kw = {"scaled": scaled, "fp8_grads": fp8_grads, "copies": copies, "two_pass": two_pass}
+    expected = _run(reference_adamw.adamw_step_ref, tensors, **kw)
+    _assert_same(expected, _run(adamw.adamw_step, tensors, **kw))
+    assert all(d["p"].float().view(-1)[1].isnan() for d in expected)  # the case does what it says
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -331,10 +352,15 @@ def test_kernel_rejects_mismatched_lists():
         adamw.adamw_step(p * 2, [p[0], p[0].half()], p * 2, p * 2, None, None, None, **HYPER)
 
 
-@pytest.mark.parametrize("bad", ["short_copy", "f64_scale", "two_scales", "short_gsi", "vector_amax"])
+@pytest.mark.parametrize(
+    "bad", ["short_copy", "f64_scale", "two_scales", "short_gsi", "vector_amax", "scale_elsewhere", "gsi_elsewhere",
+            "grad_elsewhere", "copy_elsewhere"],
+)  # fmt: skip
 def test_kernel_refuses_what_it_would_read_or_write_out_of_place(bad):
     """The kernel reads and writes every tensor by its address: a copy smaller than its param was written past its end,
-    a float64 scale read as fp32 bits (NaN weights); now each is refused before the launch, nothing written."""
+    a float64 scale read as fp32 bits (NaN weights), a scale or gradient scale_inv on another device (the meta device
+    here; a CPU scale beside CUDA params) read from an address of other memory (found by a sweep: a segmentation
+    fault); now each is refused before the launch, nothing written."""
     tensors = _make("cpu", [(8,)], (F16, E4M3, F16, E5M2), scaled=True, fp8_grads=True, copies=True)[0]
     scales, amaxes, gsi, copy = list(tensors["scales"]), list(tensors["amaxes"]), [tensors["gsi"]], tensors["copy"]
     if bad == "short_copy":
@@ -345,6 +371,14 @@ def test_kernel_refuses_what_it_would_read_or_write_out_of_place(bad):
         scales = scales[:2]
     elif bad == "short_gsi":
         gsi = []
+    elif bad == "scale_elsewhere":
+        scales[1] = scales[1].to("meta")
+    elif bad == "gsi_elsewhere":
+        gsi = [gsi[0].to("meta")]
+    elif bad == "grad_elsewhere":
+        tensors["g"] = tensors["g"].to("meta")
+    elif bad == "copy_elsewhere":
+        copy = copy.to("meta")
     else:
         amaxes[1] = amaxes[1].expand(2)
     before = [t.clone() for t in (tensors["p"], tensors["m"], tensors["v"], copy)]
@@ -353,7 +387,7 @@ def test_kernel_refuses_what_it_would_read_or_write_out_of_place(bad):
                          [tuple(amaxes)], gsi, **HYPER, grad_amaxes=[tensors["gamax"]],
                          param_copies=[copy])  # fmt: skip
     for t, b in zip((tensors["p"], tensors["m"], tensors["v"], copy), before, strict=True):
-        assert torch.equal(_bits(t), _bits(b))
+        assert t.is_meta or torch.equal(_bits(t), _bits(b))
 
 
 @pytest.mark.gpu

@@ -132,6 +132,14 @@ def test_bad_fp8_weight_lists_raise():
         "must be contiguous": {"fp8_weights": [torch.empty(d["p"].shape, dtype=BF16)], "fp8_weight_stats": [record]},
         "int64 tensor of 5": {"fp8_weights": [torch.empty(d["p"].shape, dtype=E4M3)],
                               "fp8_weight_stats": [torch.zeros(5, dtype=F32)]},
+        # On another device (a sweep: the kernel wrote them by their addresses, a segmentation fault for these)
+        "param, on its device": {"fp8_weights": [torch.empty(d["p"].shape, dtype=E4M3, device="meta")],
+                             "fp8_weight_stats": [record]},
+        "5 elements on its param's device": {"fp8_weights": [torch.empty(d["p"].shape, dtype=E4M3)],
+                                             "fp8_weight_stats": [record.to("meta")]},
+        # A negative margin: the kernel refused it, the reference scaled the copy past the FP8 maximum (a sweep)
+        "margin must be an int >= 0": {"fp8_weights": [torch.empty(d["p"].shape, dtype=E4M3)],
+                                       "fp8_weight_stats": [record], "fp8_margin": -1},
     }  # fmt: skip
     for fn in (reference_adamw.adamw_step_ref, adamw.adamw_step):
         for match, kwargs in bad.items():

@@ -816,6 +816,24 @@ def test_gelu_recast_from_fp8_matches_reference(fp8_dtype, shape):
     assert torch.isnan(got.float()).sum() == 1
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy under the interpreter: inf * 0
+def test_an_e5m2_input_holding_infinities_is_read_as_infinite():
+    """An FP8 input of the fused activations holding E5M2's inf bytes (0x7C, 0xFC): the GELU of +-inf, and the GELU
+    gradient at it, are NaN (non-finite), as in the reference. Found by a sweep: under the interpreter the kernel
+    read them as +-65536, so the GELU output saturated at 57344 (or gave -0)."""
+    every = torch.arange(256, dtype=torch.uint8).view(16, 16).view(torch.float8_e5m2).to(DEVICE)
+    scale_inv, scale = torch.tensor(0.5, device=DEVICE), torch.tensor(4.0, device=DEVICE)
+    ref = reference.recast_activation_ref(every, scale_inv, scale, torch.float8_e5m2, "gelu")
+    got = quantize.recast_transposed(every, scale, torch.float8_e5m2, "gelu", scale_inv)
+    assert_fp8_near(got, ref, ACTIVATION_TOLERATED)
+    assert _bytes_equal(got.t()[every.float().isinf()], ref.t()[every.float().isinf()])
+    grad = torch.ones(16, 16, device=DEVICE)
+    outs = [fn(grad, *_state(1, 1.0), torch.float8_e5m2, 0, True, False, True, True, None, False, "gelu_backward",
+               every, scale_inv) for fn in (quantize.quantize_, reference.quantize_ref)]  # fmt: skip
+    assert_fp8_near(outs[0][0], outs[1][0], ACTIVATION_TOLERATED)
+    assert torch.isnan(outs[0][0].float()[every.float().isinf()]).all()
+
+
 def test_traced_quantize_op_keeps_the_input():
     """The triton_op's fixed schema returns the kept input as its fourth output."""
     x = (torch.randn(67, 48, generator=torch.Generator().manual_seed(14)) * 3).to(torch.bfloat16).to(DEVICE)

@@ -171,3 +171,59 @@ def test_pending_gradients_of_another_size_or_count_are_refused():
         grad_cast.grad_cast(grads, states, E5M2, pending_data=[torch.zeros(2, dtype=E5M2)], pending_scale_inv=scale_inv)
     with pytest.raises(ValueError, match="one of each per gradient"):
         grad_cast.grad_cast(grads, states, E5M2, pending_data=[torch.zeros(4, dtype=E5M2)], pending_scale_inv=[])
+
+
+_BAD_GRAD_CASTS = {
+    # name: (grads, states, fp8_dtype, keywords) -> error, match
+    "mixed_dtypes": ((lambda: ([torch.randn(8, dtype=F16), torch.randn(8)], _states(2), E5M2, {})), TypeError,
+                     "share one dtype"),
+    "float64": ((lambda: ([torch.randn(8, dtype=torch.float64)], _states(1), E5M2, {})), TypeError, "share one dtype"),
+    "not_fp8": ((lambda: ([torch.randn(8)], _states(1), torch.float16, {})), TypeError, "fp8_dtype"),
+    "state_count": ((lambda: ([torch.randn(8)], _states(2), E5M2, {})), ValueError, "one state per gradient"),
+    "state_size": ((lambda: ([torch.randn(8)], [torch.zeros(3, dtype=torch.int64)], E5M2, {})), TypeError,
+                   "4 elements"),
+    "pending_alone": ((lambda: ([torch.randn(8)], _states(1), E5M2, {"pending_data": [torch.zeros(8, dtype=E5M2)]})),
+                      ValueError, "both or neither"),
+    "pending_size": ((lambda: ([torch.randn(8)], _states(1), E5M2, {"pending_data": [torch.zeros(2, dtype=E5M2)],
+                                                                   "pending_scale_inv": [torch.tensor(1.0)]})),
+                     ValueError, "number of elements"),
+    # The kernel read these by address as fp32: wrong gradients, silently.
+    "pending_scale_inv_float64": ((lambda: ([torch.randn(8)], _states(1), E5M2, {
+        "pending_data": [torch.zeros(8, dtype=E5M2)], "pending_scale_inv": [torch.tensor(0.5, dtype=torch.float64)]})),
+        TypeError, "pending_scale_inv must be a one-element float32"),
+    "pending_scale_inv_float16": ((lambda: ([torch.randn(8)], _states(1), E5M2, {
+        "pending_data": [torch.zeros(8, dtype=E5M2)], "pending_scale_inv": [torch.tensor(0.5, dtype=F16)]})),
+        TypeError, "pending_scale_inv must be a one-element float32"),
+    "state_on_meta": ((lambda: ([torch.randn(8)], [_states(1)[0].to("meta")], E5M2, {})), ValueError,
+                      "must all be on cpu"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(_BAD_GRAD_CASTS))
+def test_the_dispatch_refuses_on_both_paths_what_the_kernel_refuses(case, kernels, monkeypatch):
+    """ops.grad_cast: found by a sweep, the reference path (every CPU run) checked nothing: mixed or float64 gradients
+    were cast, and the rest failed with a KeyError, an IndexError, a TypeError about None or a zip() error. The Triton
+    path read a float64 or float16 pending_scale_inv as fp32 bits."""
+    from lightning_fp8 import ops
+
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
+    make, error, match = _BAD_GRAD_CASTS[case]
+    grads, states, fp8_dtype, keywords = make()
+    with pytest.raises(error, match=match):
+        ops.grad_cast(grads, states, fp8_dtype, **keywords)
+
+
+def test_a_pending_gradient_of_another_shape_is_read_by_its_elements_on_both_paths():
+    """The kernel reads a pending gradient by its elements (it checks their number); the reference broadcast its shape
+    against the gradient's (found by a sweep: a (2, 4) one for an (8,) gradient raised, a (1, 8) one gave (1, 8))."""
+    grads = [torch.randn(8)]
+    for shape in [(2, 4), (1, 8)]:
+        pending = [(torch.randn(8) * 100).to(E5M2).reshape(shape)]
+        scale_inv = [torch.tensor(0.25)]
+        want = grad_cast.grad_cast(grads, _states(1), E5M2, pending_data=pending, pending_scale_inv=scale_inv)
+        got = reference_grad_cast.grad_cast_ref(
+            grads, _states(1), E5M2, pending_data=pending, pending_scale_inv=scale_inv
+        )
+        _assert_same(got, want)
+        assert got[0][0].shape == want[0][0].shape == (8,)
