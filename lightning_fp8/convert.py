@@ -273,7 +273,8 @@ def convert_to_fp8(
         The converted module (the same object unless ``module`` is a bare ``nn.Linear``).
 
     Raises:
-        TypeError: if ``module`` is not an ``nn.Module`` or ``module_filter_fn`` is not callable.
+        TypeError: if ``module`` is not an ``nn.Module``, or ``module_filter_fn`` is not callable, returns a string,
+            or returns None for every linear layer (a function without ``return``); nothing is changed.
         ValueError: if an FP8 layer of ``module`` was converted with another recipe (see above); nothing is changed.
     """
     if not isinstance(module, nn.Module):
@@ -284,6 +285,7 @@ def convert_to_fp8(
             f"lambda module, fqn: fqn != {module_filter_fn!r} to keep that layer in high precision"
         )
     recipe = resolve_recipe(recipe)
+    module_filter_fn = _checked_filter(module_filter_fn)
     _check_converted_recipes(module, recipe, module_filter_fn)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
     shared = shared_parameter_ids(module)
@@ -294,6 +296,8 @@ def convert_to_fp8(
     # model as it was. named_modules() gives each module once, under the first name, as replace_children asks.
     reasons = {id(m): _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path)
                for fqn, m in module.named_modules()}  # fmt: skip
+    if module_filter_fn is not None:
+        module_filter_fn.check()
 
     def convert(child: nn.Module, fqn: str) -> nn.Module:
         if id(child) not in done:
@@ -345,13 +349,53 @@ def _why_left(
     return _reason_left(child, shared, fast_path)
 
 
+class _CheckedFilter:
+    """A ``module_filter_fn`` whose answers are read as torchao reads them (truthiness: a ``re.search`` match
+    converts, None keeps), with the two answers that say the function is wrong refused before any layer changes: a
+    string (``"no"`` was truthy: it converted), and None for every layer asked (a function without ``return``, which
+    kept the whole model in high precision without a word)."""
+
+    def __init__(self, fn: ModuleFilter) -> None:
+        self.fn = fn
+        self.asked = self.nones = 0
+
+    def __call__(self, layer: nn.Module, fqn: str) -> bool:
+        answer = self.fn(layer, fqn)
+        if isinstance(answer, (str, bytes)):
+            raise TypeError(
+                f"convert_to_fp8: module_filter_fn returned {answer!r} for {fqn or '<root>'!r}: it must return True "
+                "(convert the layer to FP8) or False (keep it in high precision), e.g. lambda module, fqn: 'lm_head' "
+                "not in fqn. Nothing was changed"
+            )
+        self.asked += 1
+        self.nones += answer is None
+        return bool(answer)
+
+    def check(self) -> None:
+        """Raise when the filter answered None for every layer it was asked about."""
+        if self.asked and self.nones == self.asked:
+            raise TypeError(
+                f"convert_to_fp8: module_filter_fn returned None for all {self.asked} linear layers: check that the "
+                "function has a return statement (return False to keep every layer in high precision). Nothing was "
+                "changed"
+            )
+
+
+def _checked_filter(module_filter_fn: ModuleFilter | None) -> _CheckedFilter | None:
+    return None if module_filter_fn is None else _CheckedFilter(module_filter_fn)
+
+
 def convertible_linears(module: nn.Module, module_filter_fn: ModuleFilter | None = None) -> dict[str, nn.Linear]:
     """The ``nn.Linear`` layers of ``module`` that :func:`convert_to_fp8` with this filter would convert, by name,
     without converting anything (a layer registered under several names: under its first)."""
     shared, keep_fp32 = shared_parameter_ids(module), _kept_in_fp32(module)
     fast_path = frozenset(_fast_path_children(module))
-    return {fqn: m for fqn, m in module.named_modules()
-            if _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path) is None}  # fmt: skip
+    module_filter_fn = _checked_filter(module_filter_fn)
+    found = {fqn: m for fqn, m in module.named_modules()
+             if _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path) is None}  # fmt: skip
+    if module_filter_fn is not None:
+        module_filter_fn.check()
+    return found
 
 
 def keep_scaling_states_per_rank(module: nn.Module) -> None:
@@ -429,5 +473,11 @@ def shared_parameter_ids(module: nn.Module) -> set[int]:
 
 
 def fp8_modules(module: nn.Module) -> dict[str, FP8Linear]:
-    """The FP8 layers of ``module`` by qualified name."""
+    """The FP8 layers of ``module`` by qualified name.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fp8_modules expects an nn.Module (the model), got {type(module).__name__}")
     return {name: m for name, m in module.named_modules() if isinstance(m, FP8Linear)}

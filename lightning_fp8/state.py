@@ -100,7 +100,7 @@ def fp8_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load what :func:`fp8_state_dict` saved. Every value is checked before any is loaded: a bad checkpoint changes
     nothing. With ``strict=False`` keys the model does not have are ignored and missing ones keep their values; when
-    no saved key names a state of the model's (nothing would load), a warning says so.
+    no key of a non-empty ``state_dict`` names a state of the model's (nothing would load), a warning says so.
 
     Names may differ by a wrapper's: a state saved from ``DDP(model)`` or ``DataParallel(model)`` loads into
     ``model`` and the other way round, also where the model has a child of its own named ``module``.
@@ -370,9 +370,10 @@ def _check_setting(key: str, value: object, mine: float) -> None:
     """Raise unless the saved setting ``value`` (``"<state>.<setting>"`` = ``key``) equals the model's, ``mine``."""
     state_name, _, name = key.rpartition(".")
     if not _is_number_tensor(value) or value.numel() != 1:
+        shape = f" of shape {_shape(value)}" if isinstance(value, torch.Tensor) else ""  # a number has none
         raise TypeError(
-            f"FP8 scaling state {key!r} is {_kind(value)} of shape {_shape(value)}, expected one number "
-            "(what fp8_state_dict() saves): the checkpoint is corrupt or not an fp8_state_dict()"
+            f"FP8 scaling state {key!r} is {_kind(value)}{shape}, expected a one-element tensor (what fp8_state_dict() "
+            "saves): the checkpoint is corrupt or not an fp8_state_dict()"
         )
     saved = float(value.detach().double().cpu().reshape(()))
     if saved != mine:

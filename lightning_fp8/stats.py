@@ -9,7 +9,7 @@ notebooks never reach into buffers themselves:
   non-finite casts), the compact view a logger wants every few steps;
 - per optimizer (when given): the scales of the low-precision optimizer states (``exp_avg``, ``exp_avg_sq``,
   master weight, whatever 0-dim ``*scale*`` entries the optimizer keeps per parameter) and their min/max;
-- per gradient scaler (when given): ``mu``, skipped steps, the last gradient saturation, non-finite events.
+- per gradient scaler (when given): ``scale`` (mu), ``skipped_steps``, ``last_saturation``, ``nonfinite_events``.
 
 Every value is a Python number (or list of numbers): the tensors are copied to the host in one transfer per
 dtype, so calling this every ``log_every_n_steps`` costs one synchronization, not one per buffer.

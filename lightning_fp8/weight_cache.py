@@ -135,7 +135,16 @@ def _cache_of(param: torch.Tensor) -> WeightCache | None:
 def drop(param: torch.Tensor) -> None:
     """Invalidate ``param``'s FP8 copy (its next forward casts): call it after writing the weight in place through
     ``param.data``, which no version counter records (module docstring). The copy object stays, to be written again
-    by the next emitting step (its key, which compiled code holds, stays the same)."""
+    by the next emitting step (its key, which compiled code holds, stays the same).
+
+    Raises:
+        TypeError: if ``param`` is not a tensor (a layer in place of its weight would leave the copy in use).
+    """
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(
+            f"weight_cache.drop takes the weight tensor whose FP8 copy to invalidate, e.g. drop(layer.weight), got "
+            f"{type(param).__name__}"
+        )
     cache = _cache_of(param)
     if cache is not None:
         cache.invalidate()

@@ -1,7 +1,9 @@
 import copy
 import functools
+import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,35 @@ def test_a_filter_that_raises_leaves_every_layer_as_it_was():
     assert [type(m) for m in convert_to_fp8(model, module_filter_fn=lambda m, fqn: fqn != "2")] == [
         FP8Linear, nn.ReLU, nn.Linear
     ]
+
+
+@pytest.mark.parametrize("answer", [None, "no", b""])
+def test_a_filter_answering_a_string_or_always_none_is_refused_and_changes_nothing(answer):
+    # Found by a sweep: a filter that forgot its `return` (None for every layer) silently kept every layer in high
+    # precision, and one answering "no" converted them.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    message = r"returned None for all 2 linear layers.*return statement" if answer is None else r"returned .* for '0'"
+    with pytest.raises(TypeError, match=message):
+        convert_to_fp8(model, module_filter_fn=lambda m, fqn: answer)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_a_filter_is_read_by_truthiness_as_torchaos():
+    # A NumPy bool, a re.search match (None where it does not match) and a one-element tensor answer as bool() reads
+    # them, as torchao's convert_to_float8_training does.
+    def by_regex(m, fqn):
+        return re.search(r"^0$", fqn)
+
+    for fn in (lambda m, fqn: np.bool_(fqn == "0"), by_regex, lambda m, fqn: torch.tensor(fqn == "0")):
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        convert_to_fp8(model, module_filter_fn=fn)
+        assert [type(m) for m in model] == [FP8Linear, nn.ReLU, nn.Linear]
+
+
+def test_fp8_modules_of_something_else_than_a_module_is_a_type_error():
+    # Found by a sweep: fp8_modules("model") raised AttributeError: 'str' object has no attribute 'named_modules'.
+    with pytest.raises(TypeError, match=r"fp8_modules expects an nn.Module \(the model\), got str"):
+        fp8_modules("model")
 
 
 def test_filter_fn_receives_fqn():

@@ -136,6 +136,13 @@ def test_a_setting_that_is_not_one_number_is_refused(value):
     _assert_same(fp8_state_dict(model), before)
 
 
+def test_a_setting_saved_as_a_python_number_is_refused_saying_a_tensor_is_expected():
+    # Found by a sweep: a margin of 0 (a Python int) was refused as "int of shape (), expected one number".
+    saved = {**fp8_state_dict(_trained()), "0.fp8_scaling.input.margin": 0}
+    with pytest.raises(TypeError, match=r"'0.fp8_scaling.input.margin' is int, expected a one-element tensor"):
+        load_fp8_state_dict(_model(seed=1), saved)
+
+
 def test_per_rank_gather_round_trips_settings(tmp_path):
     """The Lightning plugin gathers every rank's fp8_state_dict (comm.all_gather_state): one rank of gloo here."""
     import torch.distributed as dist

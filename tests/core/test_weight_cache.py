@@ -204,6 +204,16 @@ def test_a_write_through_param_data_takes_effect_after_drop(opt_level, weight_ca
     assert torch.equal(*outputs)
 
 
+@pytest.mark.parametrize("what", ["layer", "name"])
+def test_drop_of_something_else_than_the_weight_is_refused(what):
+    # Found by a sweep: weight_cache.drop(layer) (the layer for its weight) did nothing, silently, and the forward
+    # kept using the copy of the weight as it was before the write through .data.
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48)))
+    FP8AdamW(model.parameters(), emit_fp8_weights=True)
+    with pytest.raises(TypeError, match=r"weight_cache.drop takes the weight tensor.*drop\(layer.weight\)"):
+        weight_cache.drop(model[0] if what == "layer" else "0.weight")
+
+
 def test_skipped_step_keeps_the_weight_and_a_valid_copy(weight_casts):
     torch.manual_seed(0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)))
