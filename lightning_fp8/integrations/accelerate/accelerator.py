@@ -35,7 +35,7 @@ from accelerate.utils import DDPCommunicationHookType
 from torch import nn
 from typing_extensions import override
 
-from lightning_fp8.convert import fp8_modules
+from lightning_fp8.convert import fp8_modules, takes_module_and_name
 from lightning_fp8.health import HealthMonitor
 from lightning_fp8.integrations.accelerate import conversion, parallel, refusals, tensor_parallel
 from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
@@ -88,7 +88,9 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         **kwargs: Any,
     ) -> None:
         # Validate the launch first: a bad recipe name should fail before any process group is created.
-        if fp8_module_filter is not None and not callable(fp8_module_filter):
+        if fp8_module_filter is not None and not (
+            callable(fp8_module_filter) and takes_module_and_name(fp8_module_filter)
+        ):
             raise TypeError(
                 f"Accelerator(fp8_module_filter={fp8_module_filter!r}): must be a callable fn(module, fqn) -> bool "
                 "(True converts the layer), or None"

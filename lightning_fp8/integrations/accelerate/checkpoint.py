@@ -148,7 +148,8 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
 
     Raises:
         ValueError: for a folder a save did not complete (:func:`check_complete`), or whose FP8 state misses the
-            file of a rank that saved it; for a corrupt file or one of another format.
+            file of a rank that saved it; for a corrupt file (a process count that is not a whole number >= 1, say)
+            or one of another format.
     """
     check_complete(directory)
     path = state_file(directory, rank)
@@ -167,6 +168,7 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
             f"{FORMAT_VERSION}: load it with the lightning_fp8 version that wrote it"
         )
     _check_entries(state, str(path))
+    _check_count(state, "world_size", 1, str(path))
     if path != rank_file(directory, rank) and rank < state["world_size"]:  # a rank that saved, without its file
         _incomplete(directory, rank_file(directory, rank))
     if state["world_size"] != world_size:
@@ -228,16 +230,20 @@ def check(
 
     Raises:
         KeyError: when the state lacks an entry that :func:`build_state` writes.
-        ValueError, TypeError: for a different number of models, fallen-back layers the models do not have, and
-            what :func:`~lightning_fp8.load_fp8_state_dict`, ``FP8GradScaler.load_state_dict``,
-            ``HealthMonitor.load_state_dict`` and ``ScaleJumps.load_state_dict`` raise for their parts.
+        ValueError, TypeError: for an optimizer step count that is not a whole number >= 0, a different number of
+            models, fallen-back layers the models do not have, and what :func:`~lightning_fp8.load_fp8_state_dict`,
+            ``FP8GradScaler.load_state_dict``, ``HealthMonitor.load_state_dict`` and ``ScaleJumps.load_state_dict``
+            raise for their parts.
     """
-    for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps):
-        try:
+    # load_state sets its step count from the state last, after Accelerate loaded the weights: checked here first.
+    _check_entries(state, source, (*_ENTRIES, "optimizer_steps"))
+    _check_count(state, "optimizer_steps", 0, source)
+    try:  # the saved recipe, the model count and the fallen-back layers are checked by _parts itself
+        for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps):
             check_part()
-        except (KeyError, ValueError, TypeError) as error:
-            message = error.args[0] if len(error.args) == 1 else str(error)  # KeyError's str() is a repr
-            raise type(error)(f"{source}: {message}") from error
+    except (KeyError, ValueError, TypeError) as error:
+        message = error.args[0] if len(error.args) == 1 else str(error)  # KeyError's str() is a repr
+        raise type(error)(f"{source}: {message}") from error
 
 
 def put_back(state: dict[str, Any], models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -347,12 +353,29 @@ def _fallen_back(state: dict[str, Any], models: list[nn.Module]) -> list[list[st
     return saved
 
 
-def _check_entries(state: dict[str, Any], source: str) -> None:
-    """Raise a KeyError naming ``source`` (the file) when ``state`` lacks an entry that :func:`build_state` writes."""
-    missing = [key for key in ("recipe", "world_size", "models", "grad_scaler", "health") if key not in state]
+# The entries of build_state's that load() requires; check() requires "optimizer_steps" too (load_state restores it).
+_ENTRIES = ("recipe", "world_size", "models", "grad_scaler", "health")
+
+
+def _check_entries(state: dict[str, Any], source: str, required: tuple[str, ...] = _ENTRIES) -> None:
+    """Raise a KeyError naming ``source`` (the file) when ``state`` lacks one of the ``required`` entries that
+    :func:`build_state` writes."""
+    missing = [key for key in required if key not in state]
     if missing:
         raise KeyError(
             f"{source} lacks the entries {missing} (it holds {sorted(state)}): it was not written by lightning_fp8's "
             "Accelerator or is corrupt. Load an earlier checkpoint, or delete this folder's lightning_fp8/ files to "
             "start the FP8 scales and mu fresh"
+        )
+
+
+def _check_count(state: dict[str, Any], key: str, least: int, source: str) -> None:
+    """Raise a ValueError naming ``source`` when ``state[key]`` is not a whole number >= ``least`` (what
+    :func:`build_state` writes for the process and step counts; a bool, float or tensor there is a corrupt file)."""
+    value = state[key]
+    if type(value) is not int or value < least:
+        raise ValueError(
+            f"{source}: {key!r} is {value!r}, not a whole number >= {least}: the file is corrupt or was not written by "
+            "lightning_fp8's Accelerator. Nothing was loaded; load an earlier checkpoint, or delete this folder's "
+            "lightning_fp8/ files to start the FP8 scales and mu fresh"
         )

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_fp8.health import scaler_fallbacks
 from lightning_fp8.integrations.accelerate import checkpoint, load_checks, tensor_parallel
+from lightning_fp8.recipe import check_flag
 
 
 class CheckpointMixin:
@@ -137,6 +138,7 @@ class CheckpointMixin:
                 what to do. Nothing was loaded.
             RuntimeError: when another process found its part bad (its own error says why), or for another number
                 of custom checkpoints than registered objects. Nothing was loaded.
+            TypeError: for a ``strict`` that is not a bool. Nothing was loaded.
         """
         directory = self._fp8_input_dir(input_dir) if self.fp8_lm_config is not None else None
         if directory is None:  # FP8-LM off, or Accelerate's own error (no such folder)
@@ -144,7 +146,8 @@ class CheckpointMixin:
             if plain is not None:
                 load_checks.check_plain_run_files(plain, self._optimizers, load_kwargs)
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        strict = load_model_func_kwargs.get("strict", True)
+        # Checked here, not by the FP8 state's own load: its error would name the checkpoint file, as if it were bad.
+        strict = check_flag("accelerator.load_state", "strict", load_model_func_kwargs.get("strict", True))
         try:
             state = self._fp8_checked_state(directory, load_kwargs, strict)
         except Exception:

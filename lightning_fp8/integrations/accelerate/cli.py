@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "launch":
         return launch(rest)
     if command == "recipes":
+        if rest in (["-h"], ["--help"]):
+            print(USAGE)
+            return 0
+        if rest:  # `recipes fp8-lm` printed every recipe, as if the name had been read
+            print(f"lightning-fp8 recipes: takes no arguments, got {rest}\n\n{USAGE}", file=sys.stderr)
+            return 2
         for name in FP8Recipe.names():
             print(f"{name}: {json.dumps(FP8Recipe.from_name(name).to_dict())}")
         return 0

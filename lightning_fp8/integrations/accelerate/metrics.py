@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_fp8.monitoring.report import health_log_values
 from lightning_fp8.monitoring.scale_jumps import ScaleJumps
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.stats import fp8_stats
 
 # The steps of the running means (health/loss_smooth, health/*_per_sec): TrainingHealthMonitor's default.
@@ -115,6 +116,7 @@ class LoggingMixin:
     def fp8_log_values(self, layers: bool = False) -> dict[str, float | int]:
         """The FP8 and health statistics as flat ``{name: number}`` (names in :mod:`.metrics`); ``{}`` when off. A
         look at the values: the scale jumps counted are those since the last log, which this call does not move."""
+        check_flag("accelerator.fp8_log_values", "layers", layers)
         return self._fp8_values(layers, record_jumps=False)
 
     def _fp8_values(self, layers: bool, record_jumps: bool) -> dict[str, float | int]:
@@ -132,7 +134,11 @@ class LoggingMixin:
         Args:
             step: the step to log at (as ``accelerator.log``).
             layers: also log per-layer scales, amaxes and saturation (many values for a large model).
+
+        Raises:
+            TypeError: for a ``layers`` that is not a bool.
         """
+        check_flag("accelerator.log_fp8_stats", "layers", layers)  # a truthy "no" would log every layer
         values = self._fp8_values(layers, record_jumps=True)
         if values:
             super().log(values, step=step)

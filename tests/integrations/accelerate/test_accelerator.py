@@ -352,6 +352,20 @@ def test_log_adds_fp8_and_health_statistics_to_the_trackers():
     assert "fp8/layers/fc1/input/scale" in logged and "health/events/grad_norm_spike" in row1
 
 
+@pytest.mark.parametrize("layers", ["no", 0, None])
+def test_a_layers_flag_that_is_no_bool_is_refused_and_logs_nothing(layers):
+    # Accepted before: the truthy "no" logged every layer's statistics, None and 0 logged none, without a word.
+    tracker = _memory_tracker()
+    accelerator, model, optimizer, _ = _setup(log_with=[tracker])
+    accelerator.init_trackers("t")
+    accelerator.backward(_loss(model, _batch()))
+    optimizer.step()
+    for method in ("log_fp8_stats", "fp8_log_values"):
+        with pytest.raises(TypeError, match=rf"accelerator.{method}\(layers={layers!r}\): must be True or False"):
+            getattr(accelerator, method)(layers=layers)
+    assert tracker.rows == []
+
+
 def test_log_keeps_the_values_the_script_passed_under_a_statistic_s_name():
     """A script logging its own health/loss (e.g. the loss averaged over the processes) had it replaced by the
     accelerator's statistic of the same name, without a word: what the script passes is what it logs."""
@@ -422,6 +436,8 @@ def test_bad_configurations_are_errors(kwargs, match):
     ("kwargs", "match"),
     [
         ({"fp8_module_filter": 3}, r"fp8_module_filter=3\): must be a callable fn\(module, fqn\) -> bool"),
+        # prepare() failed with Python's "<lambda>() takes 1 positional argument but 2 were given", naming nothing
+        ({"fp8_module_filter": lambda module: True}, r"fp8_module_filter=<function .*: must be a callable fn\(module"),
         ({"fp8_stats_in_log": "no"}, r"fp8_stats_in_log='no'\): must be True or False"),  # "no" is truthy: logged
     ],
 )

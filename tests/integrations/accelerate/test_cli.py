@@ -31,6 +31,14 @@ def test_recipes_lists_every_name_with_its_fields(capsys):
     assert FP8Recipe.from_dict(json.loads(lines["fp8-lm-o1"])) == FP8Recipe.from_name("fp8-lm-o1")
 
 
+def test_recipes_refuses_arguments_it_would_ignore(capsys):
+    # `lightning-fp8 recipes fp8-lm` printed every recipe, the argument silently ignored.
+    assert cli.main(["recipes", "fp8-lm"]) == 2
+    assert "lightning-fp8 recipes: takes no arguments, got ['fp8-lm']" in capsys.readouterr().err
+    assert cli.main(["recipes", "--help"]) == 0
+    assert "usage: lightning-fp8 launch" in capsys.readouterr().out
+
+
 def test_unknown_command_and_usage(capsys):
     assert cli.main(["lanch"]) == 2
     assert "unknown command 'lanch'" in capsys.readouterr().err

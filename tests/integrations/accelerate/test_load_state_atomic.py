@@ -153,6 +153,28 @@ CORRUPTIONS = {
         lambda d: _edit(d / FP8_FILE, lambda s: s["health"].__setitem__("observations", -5)),
         ValueError, r"observations",
     ),
+    # The step count is the last thing load_state restores: a file without one, or with another value than a count,
+    # was refused only after Accelerate had loaded the weights and optimizer states.
+    "optimizer step count missing": (
+        lambda d: _edit(d / FP8_FILE, lambda s: s.pop("optimizer_steps")),
+        KeyError, r"rank0.pt lacks the entries \['optimizer_steps'\]",
+    ),
+    "optimizer step count not a count": (
+        lambda d: _edit(d / FP8_FILE, lambda s: s.__setitem__("optimizer_steps", 2.5)),
+        ValueError, r"rank0.pt: 'optimizer_steps' is 2.5, not a whole number >= 0",
+    ),
+    "negative optimizer step count": (
+        lambda d: _edit(d / FP8_FILE, lambda s: s.__setitem__("optimizer_steps", -3)),
+        ValueError, r"rank0.pt: 'optimizer_steps' is -3, not a whole number >= 0",
+    ),
+    "process count not a count": (
+        lambda d: _edit(d / FP8_FILE, lambda s: s.__setitem__("world_size", "1")),
+        ValueError, r"rank0.pt: 'world_size' is '1', not a whole number >= 1",
+    ),
+    "saved recipe of an unknown format": (  # was refused without naming the file
+        lambda d: _edit(d / FP8_FILE, lambda s: s["recipe"].__setitem__("fp8_format", "bogus")),
+        ValueError, r"rank0.pt: FP8Recipe\(fp8_format='bogus'\) is not supported",
+    ),
     "truncated lightning_fp8 file": (
         lambda d: _truncate(d / FP8_FILE),
         ValueError, r"rank0.pt cannot be read .*corrupt or was not completely written",
@@ -238,6 +260,17 @@ def test_a_corrupt_checkpoint_raises_and_leaves_the_live_run_as_it_was(tmp_path,
     with pytest.raises(error, match=match):
         accelerator.load_state(str(directory))
     _assert_same(before, _snapshot(accelerator, model, optimizer, scheduler))
+
+
+@pytest.mark.parametrize("strict", ["no", 0, None])
+def test_a_strict_flag_that_is_no_bool_is_named_as_load_states_and_nothing_loads(checkpoints, strict):
+    # It was refused by the FP8 scaling state's check, as "<checkpoint>/lightning_fp8/rank0.pt: load_fp8_state_dict(
+    # strict=...)": an error that blamed a good file and named a function the script never called.
+    run = _train(seed=7, steps=2)
+    before = _snapshot(*run)
+    with pytest.raises(TypeError, match=rf"^accelerator.load_state\(strict={strict!r}\): must be True or False"):
+        run[0].load_state(str(checkpoints[False]), strict=strict)
+    _assert_same(before, _snapshot(*run))
 
 
 @pytest.mark.parametrize("fallen_back", [False, True], ids=["no fallback", "fc2 fell back"])
