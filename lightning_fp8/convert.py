@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 
@@ -284,6 +285,11 @@ def convert_to_fp8(
             f"convert_to_fp8(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, e.g. "
             f"lambda module, fqn: fqn != {module_filter_fn!r} to keep that layer in high precision"
         )
+    if module_filter_fn is not None and not takes_module_and_name(module_filter_fn):
+        raise TypeError(
+            f"convert_to_fp8(module_filter_fn={module_filter_fn!r}) is called as fn(module, fqn) for each linear "
+            "layer, which it cannot take: give it the two arguments, e.g. lambda module, fqn: 'lm_head' not in fqn"
+        )
     recipe = resolve_recipe(recipe)
     module_filter_fn = _checked_filter(module_filter_fn)
     _check_converted_recipes(module, recipe, module_filter_fn)
@@ -347,6 +353,18 @@ def _why_left(
     if _is_kept_in_fp32(fqn, keep_fp32):
         return "keep_in_fp32"
     return _reason_left(child, shared, fast_path)
+
+
+def takes_module_and_name(fn: Callable[..., object]) -> bool:
+    """Whether ``fn`` can be called as a ``module_filter_fn``, ``fn(module, fqn)`` (else the conversion fails at its
+    first layer with Python's bare ``<lambda>() takes 1 positional argument but 2 were given``)."""
+    try:
+        inspect.signature(fn).bind(None, "")
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): the call will tell
+        return True
+    return True
 
 
 class _CheckedFilter:

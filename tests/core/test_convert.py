@@ -99,6 +99,14 @@ def test_a_filter_answering_a_string_or_always_none_is_refused_and_changes_nothi
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
 
 
+def test_a_filter_that_cannot_take_module_and_name_is_refused_before_any_layer():
+    # Python's bare "<lambda>() takes 1 positional argument but 2 were given" came from the first layer asked.
+    model = nn.Sequential(nn.Linear(16, 32))
+    with pytest.raises(TypeError, match=r"called as fn\(module, fqn\).*lambda module, fqn"):
+        convert_to_fp8(model, module_filter_fn=lambda fqn: True)
+    assert type(model[0]) is nn.Linear
+
+
 def test_a_filter_is_read_by_truthiness_as_torchaos():
     # A NumPy bool, a re.search match (None where it does not match) and a one-element tensor answer as bool() reads
     # them, as torchao's convert_to_float8_training does.

@@ -49,7 +49,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
-from lightning_fp8.convert import _check_converted_recipes, convert_to_fp8, fp8_modules
+from lightning_fp8.convert import _check_converted_recipes, convert_to_fp8, fp8_modules, takes_module_and_name
 from lightning_fp8.integrations.clipping import UnscaledGradients
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
@@ -101,7 +101,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
                 f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, "
                 f"e.g. lambda module, fqn: fqn != {module_filter_fn!r}"
             )
-        if module_filter_fn is not None and not _takes_two_arguments(module_filter_fn):
+        if module_filter_fn is not None and not takes_module_and_name(module_filter_fn):
             raise TypeError(  # else the fit failed in convert_module with Python's bare arity error
                 f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}) is called as fn(module, fqn) for each linear "
                 "layer, which it cannot take: give it the two arguments, e.g. lambda module, fqn: 'lm_head' not in fqn"
@@ -306,17 +306,6 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
 def _holds_masters_in_storage(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (an FP8AdamW at O2) took any parameter's storage for its scaled fp16 master."""
     return any(master.master_scale(p) is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _takes_two_arguments(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` can be called as ``fn(module, fqn)``, as ``convert_to_fp8`` calls a ``module_filter_fn``."""
-    try:
-        inspect.signature(fn).bind(None, "")
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read (some builtins): left to the call
-        return True
-    return True
 
 
 def _make_grad_scaler(grad_scaler: Any) -> Any:
