@@ -86,6 +86,35 @@ def to_fp8_adamw(
     return FP8AdamW(groups, **kwargs)
 
 
+def retire(old: torch.optim.Optimizer, new: torch.optim.Optimizer, where: str, how_to_step: str) -> None:
+    """Make ``old`` (the script's optimizer, which ``new`` replaced) a view of ``new`` for code that kept it.
+
+    ``old`` gets the very list of group dicts that ``new`` steps with, again whenever a ``load_state_dict`` gives
+    ``new`` new ones, so that what LR schedulers built on ``old`` read and write (``lr``, ``initial_lr``, OneCycleLR's
+    ``betas``, ReduceLROnPlateau's reductions) is ``new``'s. ``old.step`` raises a RuntimeError naming ``where`` the
+    swap happened and ``how_to_step``: a step of ``old`` would update the same weights a second time. (torch's check
+    that a scheduler did not step before its optimizer reads ``old._opt_called``: the integration sets it when
+    ``new`` steps.)"""
+    old.param_groups = new.param_groups
+
+    def share_param_groups(optimizer: torch.optim.Optimizer) -> None:
+        old.param_groups = optimizer.param_groups
+
+    new.register_load_state_dict_post_hook(share_param_groups)
+    name, new_name = type(old).__name__, type(new).__name__
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"this {name} was replaced by {new_name} {where} and no longer steps: {how_to_step}. LR schedulers built "
+            f"on the {name} need no change: they drive the {new_name}"
+        )
+
+    # torch's LR schedulers wrap an optimizer's step to watch it unless it carries this mark; without it they also
+    # warn that the step "has been overridden after learning rate scheduler initialization".
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    old.step = step  # type: ignore[method-assign]
+
+
 def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
     # torch's LRScheduler wraps optimizer.step to notice a scheduler stepping first; give the new optimizer the
     # same wrapper so a rebound scheduler behaves as if it had been built on it (and does not warn).

@@ -94,13 +94,8 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
         no longer step (its ``step`` raises: another update of the same weights).
         """
         self.replaced.append(replaced)
-        replaced.param_groups = self.optimizer.param_groups
-
-        def share_param_groups(optimizer: torch.optim.Optimizer) -> None:
-            replaced.param_groups = optimizer.param_groups
-
-        self.optimizer.register_load_state_dict_post_hook(share_param_groups)
-        replaced.step = _replaced_step(replaced, self.optimizer)  # type: ignore[method-assign]
+        swap.retire(replaced, self.optimizer, "in accelerator.prepare (FP8-LM)", "step the optimizer that prepare "
+                    "returned (`model, optimizer = accelerator.prepare(model, optimizer)`)")  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -184,20 +179,3 @@ class FP8AcceleratedOptimizer(AcceleratedOptimizer):
             optimizer._opt_called = True  # type: ignore[attr-defined]
         self._is_overflow = not stepped
         self._on_step(stepped)
-
-
-def _replaced_step(replaced: torch.optim.Optimizer, new: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The ``step`` of an optimizer that ``prepare`` replaced: an error that says which optimizer to step."""
-    name, new_name = type(replaced).__name__, type(new).__name__
-
-    def step(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            f"this {name} was replaced by {new_name} in accelerator.prepare (FP8-LM) and no longer steps: step the "
-            f"optimizer that prepare returned (`model, optimizer = accelerator.prepare(model, optimizer)`). LR "
-            f"schedulers built on the {name} need no change: they drive the {new_name}"
-        )
-
-    # torch's LR schedulers wrap an optimizer's step to watch it, unless it carries this mark; without it they also
-    # warn that the step "has been overridden after learning rate scheduler initialization".
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return step

@@ -54,38 +54,17 @@ def rebind_schedulers(schedulers: Iterable[Any], old: torch.optim.Optimizer, new
 
 
 def hand_over(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Make ``old`` (the optimizer ``configure_optimizers`` returned, which ``new`` replaced) drive ``new``.
-
-    Lightning rebinds only the LR schedulers it was given; a module may keep others (stepped by hand in manual
-    optimization) or the optimizer itself. ``old`` gets the very list of group dicts that ``new`` steps with (again
-    whenever a ``load_state_dict`` gives ``new`` new ones), so what they read and write (``lr``, ``initial_lr``,
-    OneCycleLR's ``betas``) is ``new``'s, and ``new``'s steps count as ``old``'s for torch's scheduler-order check.
-    ``old`` can no longer step: it would update the same weights a second time, on gradients scaled by mu.
-    """
-    old.param_groups = new.param_groups
-
-    def share_param_groups(optimizer: torch.optim.Optimizer) -> None:
-        old.param_groups = optimizer.param_groups
+    """Make ``old`` (the optimizer ``configure_optimizers`` returned, which ``new`` replaced) drive ``new``
+    (:func:`~lightning_fp8.optim.swap.retire`): Lightning rebinds only the LR schedulers it was given, a module may keep
+    others (stepped by hand in manual optimization) or the optimizer itself. ``new``'s steps count as ``old``'s for
+    torch's scheduler-order check."""
+    keep = f"keep the {type(old).__name__} with FP8LMPrecision(replace_optimizers=False)"
+    swap.retire(old, new, "from configure_optimizers (precision='fp8-lm')", f"step self.optimizers() ({keep})")
 
     def count_step(*_: Any) -> None:
         old._opt_called = True  # type: ignore[attr-defined]  # read by torch's LRScheduler.step
 
-    new.register_load_state_dict_post_hook(share_param_groups)
     new.register_step_post_hook(count_step)
-    name, new_name = type(old).__name__, type(new).__name__
-
-    def step(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            f"this {name} from configure_optimizers was replaced by {new_name} (precision='fp8-lm') and no longer "
-            f"steps: step self.optimizers() in training_step (or keep {name} with "
-            f"FP8LMPrecision(replace_optimizers=False)). LR schedulers built on the {name} need no change: they "
-            f"drive the {new_name}"
-        )
-
-    # torch's LR schedulers wrap an optimizer's step to watch it unless it carries this mark (else they warn that the
-    # step "has been overridden after learning rate scheduler initialization").
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    old.step = step  # type: ignore[method-assign]
 
 
 def adopt_masters_early(module: nn.Module, device: torch.device) -> list[nn.Parameter]:
