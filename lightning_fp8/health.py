@@ -94,7 +94,7 @@ def _as_value(value: Any, name: str, expected: str, caller: str = "observe") -> 
         ) from None
 
 
-_NUMBER = "a number (a Python or NumPy number, or a 0-dim tensor) or None"
+_NUMBER = "a number (a Python or NumPy number, or a one-element tensor) or None"
 
 
 def _memory_value(value: Any) -> float | None:
