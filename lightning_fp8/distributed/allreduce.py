@@ -185,7 +185,7 @@ def all_reduce_fp8(
     Raises:
         ValueError: for ``chunks`` made for a group of other ranks than ``group`` (:func:`check_rows_group`).
     """
-    check_call("all_reduce_fp8", layout, group, slices)
+    check_call("all_reduce_fp8", layout, group, slices, margin=margin)
     if chunks is not None:
         check_rows_group(group, chunks)
     flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fp8_dtype, fused, slices, False, amax_group)
@@ -242,7 +242,7 @@ def all_reduce_fp8_native(
     sums that overflowed (non-finite, or at the format maximum) are counted in ``n_saturated``; a non-finite
     sum marks ``found_nonfinite`` on every rank. Other arguments as :func:`all_reduce_fp8`.
     """
-    check_call("all_reduce_fp8_native", layout, group, slices)
+    check_call("all_reduce_fp8_native", layout, group, slices, margin=margin)
     flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fp8_dtype, fused, slices, True, amax_group)
     world, kernels = dist.get_world_size(group), shared.kernels
     counts = torch.zeros(2, dtype=torch.int64, device=flat.device)  # sums at/over the maximum, non-finite sums
@@ -298,7 +298,7 @@ def all_reduce_fp8_gather(
         ValueError: for ``rows`` made for a group of other ranks than ``group`` (:func:`check_rows_group`).
     """
     check_fp8_dtype(fp8_dtype)  # before the exchange's start-of-call barrier
-    check_call("all_reduce_fp8_gather", layout, group, slices)
+    check_call("all_reduce_fp8_gather", layout, group, slices, margin=margin)
     if rows is not None:
         check_rows_group(group, rows)
     flat, plans, shared, out, n_sat = _prepare(x, layout, group, out, fp8_dtype, fused, slices, True, amax_group)

@@ -37,6 +37,7 @@ from lightning_fp8.distributed.layout import SegmentLayout, reduce_scatter_plan
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import check_fp8_dtype
 from lightning_fp8.kernels.comm_table import ALIGN, BlockTable, block_table
+from lightning_fp8.recipe import MAX_MARGIN
 
 # What the collectives read and write: the high-precision values around the FP8 bytes on the wire (the decode
 # saturates at the output dtype's finite range, which only floating-point dtypes have).
@@ -79,14 +80,19 @@ def check_dtypes(caller: str, fp8_dtype: torch.dtype, **dtypes: torch.dtype | No
             )
 
 
-def check_call(caller: str, layout: object, group: object, slices: object = 1, divisor: object = 1.0) -> None:
+def check_call(
+    caller: str, layout: object, group: object, slices: object = 1, divisor: object = 1.0, margin: object = 0
+) -> None:
     """Raise before any collective runs (every rank gets the same answer) for a ``layout`` that is no SegmentLayout, a
-    ``group`` that is no process group, ``slices`` that is no int >= 1 or a ``divisor`` that is no finite number > 0
-    (0 used to raise ZeroDivisionError, a negative one or NaN to flip or poison every gradient without a word).
+    ``group`` that is no process group, ``slices`` that is no int >= 1, a ``divisor`` that is no finite number > 0
+    (0 used to raise ZeroDivisionError, a negative one or NaN to flip or poison every gradient without a word) or a
+    ``margin`` that is no int in ``[0, MAX_MARGIN]`` (it used to fail in the first cast, after the amax all-reduce,
+    naming ``compute_scale``).
 
     Raises:
         TypeError: for an argument of the wrong type.
-        ValueError: for ``slices`` < 1, a ``divisor`` that is not finite and > 0, or a group without this rank.
+        ValueError: for ``slices`` < 1, a ``divisor`` that is not finite and > 0, a ``margin`` out of range, or a
+            group without this rank.
     """
     if not isinstance(layout, SegmentLayout):
         raise TypeError(
@@ -102,6 +108,13 @@ def check_call(caller: str, layout: object, group: object, slices: object = 1, d
         raise TypeError(f"{caller}(divisor={divisor!r}): must be a number (e.g. the world size, for a mean)")
     if not 0 < divisor < math.inf:
         raise ValueError(f"{caller}(divisor={divisor!r}): must be finite and > 0 (e.g. the world size, for a mean)")
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Integral):
+        raise TypeError(f"{caller}(margin={margin!r}): must be an int (binades of headroom in the cast scales)")
+    if not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(
+            f"{caller}(margin={margin}): must be in [0, {MAX_MARGIN}] (binades of headroom in the cast scales; 0 maps "
+            "the amax into the top binade)"
+        )
 
 
 def check_group(group: object, where: str, not_member: str, passing: str = "or None for the world") -> None:
@@ -218,7 +231,7 @@ def reduce_scatter_fp8(
     Raises:
         TypeError, ValueError: for dtypes :func:`check_dtypes` refuses, sizes that do not match; before any collective.
     """
-    check_call("reduce_scatter_fp8", layout, group, slices, divisor)
+    check_call("reduce_scatter_fp8", layout, group, slices, divisor, margin)
     check_dtypes("reduce_scatter_fp8", fp8_dtype, x=x.dtype, out=None if out is None else out.dtype)
     world, rank = _world(group)
     if layout.numel != x.numel() or x.numel() % world:
@@ -322,7 +335,7 @@ def all_gather_fp8(
     Raises:
         TypeError, ValueError: for dtypes :func:`check_dtypes` refuses, sizes that do not match; before any collective.
     """
-    check_call("all_gather_fp8", layout, group)
+    check_call("all_gather_fp8", layout, group, margin=margin)
     check_dtypes("all_gather_fp8", fp8_dtype, chunk=chunk.dtype, out_dtype=out_dtype)
     world, rank = _world(group)
     if layout.numel != world * chunk.numel():

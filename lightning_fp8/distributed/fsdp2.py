@@ -88,12 +88,17 @@ class FP8ReduceScatter(ReduceScatter):
         replicate_group: HSDP only: the group FSDP all-reduces the reduced shards over afterwards, in their own
             dtype and outside this comm; the step's non-finite flag is MAX-reduced over it as well (one value),
             so that every rank of the mesh agrees.
+        fp8: False: every gradient in its own dtype (``enable_fp8_fsdp2(reduce_scatter=False)``), still checked
+            for non-finite values into ``state``.
     """
 
-    def __init__(self, state: FP8CommState, param_group, replicate_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, state: FP8CommState, param_group, replicate_group: dist.ProcessGroup | None = None, *, fp8: bool = True
+    ) -> None:
         self.state = state
         self.param_group = param_group
         self.replicate_group = replicate_group
+        self.fp8 = fp8
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -112,9 +117,11 @@ class FP8ReduceScatter(ReduceScatter):
         chunk = output_tensor.numel()
         params = [p for p in self.param_group.fsdp_params if p.sharded_param.requires_grad]
         columns = [_shard_numel(p) for p in params]
-        fp8 = [self.state.is_fp8(p.sharded_param) for p in params]
+        fp8 = [self.fp8 and self.state.is_fp8(p.sharded_param) for p in params]
         out = output_tensor.view(-1)
-        if sum(columns) != chunk:  # FSDP left out the gradients of parameters that got none: which, is not known
+        if not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head), or fp8=False
+            stats = _reduce_scatter_high_precision(out, input_tensor.view(-1), group, divide)
+        elif sum(columns) != chunk:  # FSDP left out the gradients of parameters that got none: which, is not known
             if all(fp8):  # every gradient of the module travels in FP8 anyway
                 self._warn_unplaced(chunk, f"sent through FP8 with one scale per block of {_FALLBACK_BLOCK} elements")
                 layout = SegmentLayout.blocks(world * chunk, _FALLBACK_BLOCK)
@@ -124,8 +131,6 @@ class FP8ReduceScatter(ReduceScatter):
                 stats = _reduce_scatter_high_precision(out, input_tensor.view(-1), group, divide)
         elif all(fp8):
             _, stats = self._fp8(input_tensor.view(-1), SegmentLayout.rows(world, columns), group, out, divide)
-        elif not any(fp8):  # e.g. the root unit of a transformer (embeddings, final norm, head): no FP8 weight
-            stats = _reduce_scatter_high_precision(out, input_tensor.view(-1), group, divide)
         else:
             stats = self._mixed(out, input_tensor.view(world, chunk), columns, fp8, group, divide)
         self._record(stats)
@@ -359,7 +364,9 @@ def enable_fp8_fsdp2(
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
         state: the communication state (default: a new :class:`FP8CommState`). Its ``process_group`` is not
             used here: FSDP passes its own.
-        reduce_scatter: replace the gradient reduce-scatter.
+        reduce_scatter: reduce-scatter the gradients through FP8. False: in their own dtype, still by
+            :class:`FP8ReduceScatter`, which checks them for non-finite values (one MAX all-reduce of one value per
+            FSDP module), so that ``state.check_step()`` and the state's grad scaler still see a NaN or inf gradient.
         weight_all_gather: replace the parameter all-gather (FP8Linear weights in E4M3).
 
     Returns:
@@ -404,9 +411,10 @@ def enable_fp8_fsdp2(
                 f"enable_fp8_fsdp2: {type(module).__name__} has {len(groups)} FSDP parameter groups (a per-parameter "
                 "mesh); FSDP's custom collectives need one group per module"
             )
-        if reduce_scatter:
-            _install_reduce_scatter(module, groups[0], state)
-            wider += _mesh_beyond_fsdp(groups[0])
+        # Installed also without FP8 gradients: FSDP's own reduce-scatter would leave state.check_step() blind to
+        # non-finite gradients (True on a step whose gradients are NaN on every rank).
+        _install_reduce_scatter(module, groups[0], state, fp8=reduce_scatter)
+        wider += _mesh_beyond_fsdp(groups[0])
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
             fused = state.use_fused(groups[0].fsdp_params[0].sharded_param.device)
             module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, fused))
@@ -442,7 +450,7 @@ def _check_state(model: nn.Module, state: FP8CommState) -> None:
     refuse_layer_swaps(state, "enable_fp8_fsdp2", "FSDP2 keeps references to the modules it shards")
 
 
-def _install_reduce_scatter(module: nn.Module, param_group, state: FP8CommState) -> None:
+def _install_reduce_scatter(module: nn.Module, param_group, state: FP8CommState, fp8: bool) -> None:
     mesh_info = param_group.mesh_info
     if getattr(mesh_info, "shard_mesh_size", 1) == 1:
         # FSDP skips the reduce-scatter of a one-rank shard group, so the comm below would never see a gradient.
@@ -450,6 +458,6 @@ def _install_reduce_scatter(module: nn.Module, param_group, state: FP8CommState)
         # a local check agrees everywhere.
         module.set_all_reduce_hook(state.record_reduced)
     replicate_group = getattr(mesh_info, "replicate_process_group", None)
-    module.set_custom_reduce_scatter(FP8ReduceScatter(state, param_group, replicate_group))
+    module.set_custom_reduce_scatter(FP8ReduceScatter(state, param_group, replicate_group, fp8=fp8))
     if hasattr(module, "set_force_sum_reduction_for_comms"):
         module.set_force_sum_reduction_for_comms(True)

@@ -77,6 +77,13 @@ def _calls(rank: int, world: int) -> dict[str, tuple[str, list[str]]]:
         "reduce_scatter_fp8(divisor=0)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, divisor=0),
         "reduce_scatter_fp8(divisor=-2)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, divisor=-2.0),
         "reduce_scatter_fp8(divisor=nan)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, divisor=float("nan")),
+        # Found by a sweep: a margin out of range or not an int failed in the first cast, after the amax all-reduce
+        # (a rank that passed it alone left the others waiting), with an error that named compute_scale.
+        "all_reduce_fp8(margin=-1)": lambda: all_reduce_fp8(x, layout, None, e5m2, margin=-1),
+        "all_reduce_fp8_gather(margin=40)": lambda: all_reduce_fp8_gather(x, layout, None, e5m2, margin=40),
+        "all_reduce_fp8_native(margin=1.5)": lambda: all_reduce_fp8_native(x, layout, None, e5m2, margin=1.5),
+        "reduce_scatter_fp8(margin=True)": lambda: reduce_scatter_fp8(x, layout, None, e5m2, margin=True),
+        "all_gather_fp8(margin=17)": lambda: all_gather_fp8(chunk, layout, None, e4m3, torch.float32, margin=17),
     }
     called: list[str] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
@@ -161,6 +168,11 @@ BAD_ARGUMENTS = {
     "reduce_scatter_fp8(divisor=0)": ("ValueError", "reduce_scatter_fp8(divisor=0): must be finite and > 0"),
     "reduce_scatter_fp8(divisor=-2)": ("ValueError", "reduce_scatter_fp8(divisor=-2.0): must be finite and > 0"),
     "reduce_scatter_fp8(divisor=nan)": ("ValueError", "reduce_scatter_fp8(divisor=nan): must be finite and > 0"),
+    "all_reduce_fp8(margin=-1)": ("ValueError", "all_reduce_fp8(margin=-1): must be in [0, 16]"),
+    "all_reduce_fp8_gather(margin=40)": ("ValueError", "all_reduce_fp8_gather(margin=40): must be in [0, 16]"),
+    "all_reduce_fp8_native(margin=1.5)": ("TypeError", "all_reduce_fp8_native(margin=1.5): must be an int"),
+    "reduce_scatter_fp8(margin=True)": ("TypeError", "reduce_scatter_fp8(margin=True): must be an int"),
+    "all_gather_fp8(margin=17)": ("ValueError", "all_gather_fp8(margin=17): must be in [0, 16]"),
 }
 
 
