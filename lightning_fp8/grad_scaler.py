@@ -46,6 +46,7 @@ This module holds the scaler's public surface and its step; its bases, one conce
 from __future__ import annotations
 
 import collections
+import numbers
 import warnings
 import weakref
 from typing import Any
@@ -328,7 +329,25 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             source_dtype: the dtype the gradient was stored in before the cast (``param.grad``'s). fp16 gradients
                 lose small values at a small mu: while every fp16 gradient's amax is under ``2**-8``, each update
                 multiplies mu by 16 (see :meth:`update`).
+
+        Raises:
+            TypeError: for an ``amax`` or ``n_saturated`` that is not a tensor, a ``numel`` that is not an int.
+            ValueError: for a negative ``numel``.
         """
+        # Cheap checks only (this runs per cast, without a host sync): a Python number failed with "'float' object has
+        # no attribute 'detach'", and a negative numel passed, making the saturated fraction negative or past 1.
+        for name, value in (("amax", amax), ("n_saturated", n_saturated)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"FP8GradScaler.record_gradient_cast({name}={value!r}): pass a tensor (0-dim for one cast, 1-D for "
+                    f"several), e.g. torch.as_tensor({name}); nothing was recorded"
+                )
+        if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 0:
+            error = ValueError if isinstance(numel, numbers.Integral) and not isinstance(numel, bool) else TypeError
+            raise error(
+                f"FP8GradScaler.record_gradient_cast(numel={numel!r}): pass the number of values cast, an int >= 0; "
+                "nothing was recorded"
+            )
         amax = amax.detach().float()
         scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
         found = (~torch.isfinite(amax)).float()
@@ -341,7 +360,17 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
 
     def record_nonfinite(self, found: torch.Tensor) -> None:
         """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen. Every optimizer
-        stepped before the next :meth:`update` skips on it."""
+        stepped before the next :meth:`update` skips on it.
+
+        Raises:
+            TypeError: for a ``found`` that is not a tensor (a Python bool failed with "'bool' object has no attribute
+                'detach'").
+        """
+        if not isinstance(found, torch.Tensor):
+            raise TypeError(
+                f"FP8GradScaler.record_nonfinite(found={found!r}): pass a 0-dim tensor, > 0 where a non-finite value "
+                "was seen (e.g. torch.as_tensor(found, dtype=torch.float32)); nothing was recorded"
+            )
         self._counts(None).add((found.detach().float() > 0).float())
 
     # -------------------------------------------------------------------------------------------- step and update

@@ -17,6 +17,31 @@ import torch
 from lightning_fp8.grad_scaling.reports import _Counts
 
 
+def _parameter_list(where: str, parameters: Any) -> list[torch.Tensor]:
+    """``parameters`` (a tensor or an iterable of tensors) as a list; TypeError naming what was passed otherwise. An
+    optimizer or a module passed in their place failed deep inside with "'FP8AdamW' object is not iterable" or
+    "'FP8Linear' object has no attribute 'grad'", which says neither what was wrong nor what to pass."""
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    hint = "e.g. model.parameters()"
+    if isinstance(parameters, torch.optim.Optimizer):
+        hint = "e.g. model.parameters(), or [p for group in optimizer.param_groups for p in group['params']]"
+    params = None
+    # A module is taken where it iterates over tensors (an nn.ParameterList, as torch takes it), not a Sequential.
+    if not isinstance(parameters, (torch.optim.Optimizer, str, bytes, dict)):
+        try:
+            params = list(parameters)
+        except TypeError:
+            params = None
+    if params is None or not all(isinstance(p, torch.Tensor) for p in params):
+        held = "" if params is None else " holding " + ", ".join(sorted({type(p).__name__ for p in params}))
+        raise TypeError(
+            f"{where} takes the parameters whose gradients to use (a tensor or an iterable of tensors, {hint}), got "
+            f"{type(parameters).__name__}{held}; nothing was changed"
+        )
+    return params
+
+
 class _Unscaling:
     """Clipping and unscaling of gradients that carry mu (see the module docstring)."""
 
@@ -45,7 +70,8 @@ class _Unscaling:
 
         Raises:
             TypeError, ValueError: for a ``max_norm`` that is not a number >= 0 (negative flips the gradients' signs,
-                NaN makes them NaN), a ``norm_type`` that is not a number > 0.
+                NaN makes them NaN), a ``norm_type`` that is not a number > 0; TypeError for ``parameters`` that are
+                not a tensor or an iterable of tensors (an optimizer or a module: pass ``model.parameters()``).
         """
         from lightning_fp8.integrations.clipping import (  # torch only (no Lightning import)
             check_clip_limit,
@@ -57,7 +83,7 @@ class _Unscaling:
 
         check_clip_limit("FP8GradScaler.clip_grad_norm_", "max_norm", max_norm)
         norm_type = checked_norm_type("FP8GradScaler.clip_grad_norm_", norm_type)  # 'inf' too, as torch takes it
-        params = unique(parameters)
+        params = unique(_parameter_list("FP8GradScaler.clip_grad_norm_", parameters))
         mu = self.grad_factor(params)
 
         def check(total: torch.Tensor) -> None:  # before anything is clipped, as torch
@@ -84,7 +110,8 @@ class _Unscaling:
         would be taken). Gradients that :meth:`unscale_` unscaled already are clamped as they are.
 
         Raises:
-            TypeError, ValueError: for a ``clip_value`` that is not a number >= 0; ValueError for gradients an
+            TypeError, ValueError: for a ``clip_value`` that is not a number >= 0; TypeError for ``parameters`` that
+                are not a tensor or an iterable of tensors; ValueError for gradients an
                 ``FP8AdamW(fp8_grads=True)`` holds in FP8 (not in ``param.grad``: a clamp cannot reach them): build
                 it with ``fp8_grads=False`` to clip by value, or clip by norm (:meth:`clip_grad_norm_`).
         """
@@ -92,7 +119,7 @@ class _Unscaling:
         from lightning_fp8.optim.fp8_grads import held_fp8_grads
 
         check_clip_limit("FP8GradScaler.clip_grad_value_", "clip_value", clip_value)
-        params = unique(parameters)
+        params = unique(_parameter_list("FP8GradScaler.clip_grad_value_", parameters))
         held = held_fp8_grads([p for p in params if p.grad is None])
         if held:
             raise ValueError(
@@ -113,7 +140,7 @@ class _Unscaling:
         """
         from lightning_fp8.optim.fp8_grads import held_fp8_grads
 
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = _parameter_list("FP8GradScaler.grad_factor", parameters)
         unscaled = {id(p) for opt in list(self._unscaled) for group in opt.param_groups for p in group["params"]}
         kinds = {id(p) in unscaled for p in params if p.grad is not None}
         if held_fp8_grads([p for p in params if p.grad is None]):

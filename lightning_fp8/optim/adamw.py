@@ -355,6 +355,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         self._check_storages()  # before anything is written
         for index, group in enumerate(self.param_groups):  # (a group may have been written since it was checked)
             step_.check_group_at_step(group, index)
+        step_.check_dense_grads(self.param_groups)
         self._grad_casts.flush(self)
         for group in self.param_groups:
             live = []

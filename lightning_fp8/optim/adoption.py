@@ -184,7 +184,23 @@ class _Adoption:
 
         At O1 (fp32 states already) it only stops holding ``p``'s gradient in FP8: the hook is removed and a pending
         FP8 gradient is handed back.
+
+        Raises:
+            TypeError: for a ``p`` that is not a tensor (one parameter per call).
+            ValueError: for a ``p`` in none of this optimizer's parameter groups (nothing of it to release).
         """
+        # Else a parameter of another optimizer (or None) was released without a word, and a list failed with
+        # "unhashable type: 'list'".
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"FP8AdamW.release takes one parameter (a tensor), got {type(p).__name__}: call it once per parameter"
+            )
+        if not self._holds(p):
+            raise ValueError(
+                f"FP8AdamW.release: the parameter of shape {tuple(p.shape)} is in none of this FP8AdamW's parameter "
+                "groups, so it holds nothing of it to release: call release on the optimizer that holds it; nothing "
+                "was released"
+            )
         if p not in self._low_precision:
             if not self._unhook(p):
                 return

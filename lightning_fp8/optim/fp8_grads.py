@@ -156,7 +156,10 @@ class _FP8Grads:
                 "or add the parameter first (optimizer.add_param_group({'params': [p]})); nothing was accumulated"
             )
         if grad.is_sparse:
-            raise RuntimeError("FP8AdamW does not support sparse gradients")
+            raise RuntimeError(
+                "accumulate_fp8_grad: FP8AdamW does not support sparse gradients; pass a dense one (grad.to_dense()); "
+                "nothing was accumulated"
+            )
         if grad.shape != p.shape:
             raise ValueError(f"accumulate_fp8_grad: gradient of shape {tuple(grad.shape)} for a {tuple(p.shape)} param")
         if is_fp8(grad):

@@ -149,14 +149,16 @@ def check_supported_flags(flags: dict[str, Any]) -> None:
 def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix); also refuses an lr, eps or
     weight_decay that is not finite (torch accepts inf, which makes every weight NaN or 0)."""
-    _check_number("lr", lr, tensor_ok=True)
-    _check_number("eps", eps)
-    _check_number("weight_decay", weight_decay)
+    # One-element tensors for eps and weight_decay too, as torch.optim.AdamW takes them (and the step does): refused
+    # here, a torch.optim.AdamW state dict with them, or FP8AdamW's own after such a group was stepped, did not load.
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        _check_number(name, value, tensor_ok=True)
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"FP8AdamW: a tensor {name} must have one element, got shape {tuple(value.shape)}")
     if isinstance(betas, (tuple, list)):
         for i, beta in enumerate(betas):
             _check_number(f"betas[{i}]", beta, tensor_ok=True)
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"FP8AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    eps, weight_decay = float(eps), float(weight_decay)
     if not 0.0 <= float(lr) < math.inf:
         raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs a finite lr >= 0)")
     if not 0.0 <= eps < math.inf:
@@ -189,6 +191,20 @@ def check_group_at_step(group: dict[str, Any], index: int) -> None:
             f"checked (by an LR scheduler or your code): {error}. Set a valid value in "
             f"optimizer.param_groups[{index}]; nothing was stepped"
         ) from None
+
+
+def check_dense_grads(param_groups: list[dict[str, Any]]) -> None:
+    """Raise RuntimeError for a sparse gradient (``nn.Embedding(sparse=True)``) before anything is stepped: found by
+    the step's loop, it came after the groups before it were stepped (a half-applied step)."""
+    for index, group in enumerate(param_groups):
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(
+                    f"FP8AdamW does not support sparse gradients: the parameter of shape {tuple(p.shape)} in parameter "
+                    f"group {index} has one (an nn.Embedding(sparse=True)?). Build the layer with sparse=False, or "
+                    "train its parameters with torch.optim.SparseAdam (a second optimizer); nothing was stepped"
+                )
 
 
 def advance_steps(steps: list[torch.Tensor]) -> list[int]:

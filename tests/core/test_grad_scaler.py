@@ -929,3 +929,28 @@ def test_health_config_is_exported_beside_health_monitor():
     assert lightning_fp8.HealthConfig is health.HealthConfig and "HealthConfig" in lightning_fp8.__all__
     monitor = lightning_fp8.HealthMonitor(lightning_fp8.HealthConfig(window=5))
     assert monitor.config.window == 5
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((1.0, torch.tensor(0), 10), TypeError, r"record_gradient_cast\(amax=1.0\): pass a tensor"),
+        ((torch.tensor(1.0), 0, 10), TypeError, r"record_gradient_cast\(n_saturated=0\): pass a tensor"),
+        ((torch.tensor(1.0), torch.tensor(0), -5), ValueError, r"record_gradient_cast\(numel=-5\): .*int >= 0"),
+        ((torch.tensor(1.0), torch.tensor(0), 10.0), TypeError, r"record_gradient_cast\(numel=10.0\): .*int >= 0"),
+    ],
+)
+def test_record_gradient_cast_refuses_what_is_not_a_report_and_records_nothing(args, error, match):
+    # A Python number failed with "'float' object has no attribute 'detach'"; a negative numel was recorded, and the
+    # saturated fraction the next update judged came out negative or past 1.
+    scaler = FP8GradScaler()
+    with pytest.raises(error, match=match + r".*nothing was recorded"):
+        scaler.record_gradient_cast(*args, E5M2)
+    with pytest.raises(TypeError, match=r"record_nonfinite\(found=True\): pass a 0-dim tensor"):
+        scaler.record_nonfinite(True)
+    param = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler.scale_loss(param.sum()).backward()
+    assert scaler.step(opt)
+    scaler.update()
+    assert scaler.last_saturation == 0.0 and scaler.skipped_steps == 0

@@ -192,3 +192,40 @@ def test_a_group_written_with_a_value_the_constructor_refuses_is_refused_by_the_
                 opt.param_groups[0][key] = good
         opt.step()  # the gradients left by the refused step, as they were
     assert all(int(state["step"]) == 2 for state in opt.state.values())
+
+
+def test_one_element_tensor_eps_and_weight_decay_are_taken_as_torch_takes_them():
+    # torch.optim.AdamW takes tensors for eps and weight_decay, and FP8AdamW's step did too, but the constructor,
+    # add_param_group and load_state_dict refused them: a torch.optim.AdamW state dict with them, and FP8AdamW's own
+    # after such a group was stepped, did not load.
+    import io
+
+    torch.manual_seed(0)
+    weights, grads = torch.randn(16, 16), [torch.randn(16, 16) for _ in range(3)]
+    results = []
+    for eps, weight_decay in ((1e-6, 0.25), (torch.tensor(1e-6), torch.tensor(0.25))):
+        p = nn.Parameter(weights.clone())
+        opt = FP8AdamW([p], lr=1e-2, eps=eps, weight_decay=weight_decay, fp8_params=[p])
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        results.append(p.detach().clone())
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        q = nn.Parameter(weights.clone())
+        FP8AdamW([q], fp8_params=[q]).load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(results[0], results[1])
+    p = nn.Parameter(weights.clone())
+    torch_opt = torch.optim.AdamW([p], eps=torch.tensor(1e-6), weight_decay=torch.tensor(0.25))
+    p.grad = grads[0].clone()
+    torch_opt.step()
+    opt = FP8AdamW([nn.Parameter(weights.clone())])
+    opt.load_state_dict(torch_opt.state_dict())
+    assert float(opt.param_groups[0]["eps"]) == pytest.approx(1e-6)
+    opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "weight_decay": torch.tensor(0.5)})
+    for name in ("eps", "weight_decay"):
+        with pytest.raises(ValueError, match=f"a tensor {name} must have one element, got shape \\(2,\\)"):
+            FP8AdamW([nn.Parameter(torch.randn(3))], **{name: torch.tensor([0.1, 0.2])})
+    with pytest.raises(ValueError, match="Invalid epsilon value: -1.0"):
+        FP8AdamW([nn.Parameter(torch.randn(3))], eps=torch.tensor(-1.0))

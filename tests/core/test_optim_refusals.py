@@ -309,3 +309,24 @@ def test_a_grad_scaler_that_is_no_fp8gradscaler_is_refused_when_built(scaler):
     with pytest.raises(TypeError, match=r"FP8AdamW\(grad_scaler=\.\.\.\) got .*: pass an FP8GradScaler instance"):
         FP8AdamW(model.parameters(), lr=1e-3, grad_scaler=given)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing adopted
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_sparse_gradient_is_refused_before_any_group_is_stepped(scaled):
+    # The step's loop found a sparse gradient (nn.Embedding(sparse=True)) only at its group, after the groups before it
+    # were stepped: a half-applied step, and an error that did not say what to do.
+    from lightning_fp8 import FP8GradScaler
+
+    torch.manual_seed(0)
+    model = _model()
+    emb = nn.Embedding(10, 32, sparse=True)
+    scaler = FP8GradScaler() if scaled else None
+    opt = FP8AdamW([{"params": model.parameters()}, {"params": emb.parameters()}], lr=1e-2, grad_scaler=scaler)
+    loss = model(emb(torch.tensor([1, 2, 3]))).square().mean()
+    (scaler.scale_loss(loss) if scaled else loss).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"sparse gradients.*group 1.*sparse=False.*SparseAdam.*nothing was stepped"):
+        opt.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not any("step" in state for state in opt.state.values())

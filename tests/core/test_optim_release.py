@@ -179,3 +179,21 @@ def test_released_weights_are_their_masters_and_a_resumed_run_continues_bit_for_
         for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
             assert_same(p.detach(), q.detach())
             assert all(torch.equal(opt.state[p][key], resumed_opt.state[q][key]) for key in opt.state[p])
+
+
+def test_release_of_a_parameter_it_does_not_hold_or_of_no_parameter_is_refused():
+    # A parameter of another optimizer (or None) was "released" without a word, the caller's weight left in FP8
+    # storage; a list failed with "unhashable type: 'list'".
+    model, other = _model(), _model()
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    other_opt = FP8AdamW(other.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"in none of this FP8AdamW's parameter groups.*nothing was released"):
+        opt.release(other[0].weight)
+    assert other[0].weight in other_opt._low_precision and master.master_scale(other[0].weight) is not None
+    for bad in (None, [model[0].weight]):
+        with pytest.raises(TypeError, match="FP8AdamW.release takes one parameter"):
+            opt.release(bad)
+    assert model[0].weight in opt._low_precision
+    opt.release(model[0].bias)  # held, with fp32 states already: nothing to do
+    opt.release(model[0].weight)
+    assert model[0].weight not in opt._low_precision

@@ -128,3 +128,34 @@ def test_a_high_order_norm_of_gradients_carrying_a_large_mu_does_not_overflow(no
     total = scaler.clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)
     torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=0)
     assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())  # not zeroed
+
+
+@pytest.mark.parametrize("what", ["optimizer", "module", "layer", "param_groups", "named_parameters", "none"])
+@pytest.mark.parametrize("method", ["clip_grad_norm_", "clip_grad_value_", "grad_factor"])
+def test_parameters_that_are_not_tensors_are_refused_with_what_to_pass(method, what):
+    # An optimizer or a module in place of its parameters failed with "'FP8AdamW' object is not iterable" or
+    # "'FP8Linear' object has no attribute 'grad'", which said neither what was wrong nor what to pass.
+    model, scaler, opt = _setup()
+    passed = {
+        "optimizer": opt,
+        "module": model,
+        "layer": model[0],
+        "param_groups": opt.param_groups,
+        "named_parameters": dict(model.named_parameters()),
+        "none": None,
+    }[what]
+    before = [p.grad.clone() for p in model.parameters()]
+    args = () if method == "grad_factor" else (1e-6,)
+    with pytest.raises(TypeError, match=r"takes the parameters .*model\.parameters\(\).*nothing was changed"):
+        getattr(scaler, method)(passed, *args)
+    for p, grad in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.grad, grad)
+
+
+def test_a_parameter_list_module_is_taken_as_torch_takes_it():
+    # An nn.ParameterList iterates over its parameters: torch.nn.utils.clip_grad_norm_ takes it, and so does the scaler.
+    params = nn.ParameterList([nn.Parameter(torch.full((3,), 1.0)), nn.Parameter(torch.full((4,), 1.0))])
+    scaler = FP8GradScaler(init_scale=MU)
+    scaler.scale_loss(sum(p.sum() for p in params)).backward()
+    total = scaler.clip_grad_norm_(params, 1.0)
+    torch.testing.assert_close(total, torch.tensor(math.sqrt(7.0)))
