@@ -46,7 +46,6 @@ This module holds the scaler's public surface and its step; its bases, one conce
 from __future__ import annotations
 
 import collections
-import numbers
 import warnings
 import weakref
 from typing import Any
@@ -54,7 +53,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fp8.formats import fp8_max
 from lightning_fp8.grad_scaling.arguments import (
     Fallback,
     _check_arguments,
@@ -62,7 +60,7 @@ from lightning_fp8.grad_scaling.arguments import (
     fallback_model,
     warn_if_model_is_another,
 )
-from lightning_fp8.grad_scaling.reports import _Counts, _GradReports, fp16_amax_levels
+from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
 from lightning_fp8.grad_scaling.unscaling import (
@@ -300,78 +298,6 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """
         return [(scaled, mu) for serial, scaled, mu in self._scaled_losses
                 if serial > since and (until is None or serial <= until)]  # fmt: skip
-
-    def record_gradient_cast(
-        self,
-        amax: torch.Tensor,
-        n_saturated: torch.Tensor,
-        numel: int,
-        fp8_dtype: torch.dtype,
-        scale: torch.Tensor | float | None = None,
-        *,
-        owner: Any = None,
-        source_dtype: torch.dtype | None = None,
-    ) -> None:
-        """Report one FP8 cast of a gradient that mu governs (no host synchronization); or several at once.
-
-        Args:
-            amax: 0-dim, ``max|g|`` of the mu-scaled gradient as it entered the cast (what ``ops.cast_to_fp8``
-                returns); non-finite marks the step non-finite. 1-D: the amaxes of several casts (FP8AdamW's
-                batched gradient casts), the same as one call per cast.
-            n_saturated: 0-dim count of values that reached the format maximum (1-D: one count per cast).
-            numel: number of values cast (all casts together).
-            fp8_dtype: the FP8 format of the cast (its maximum is the reference for saturation and headroom).
-            scale: the cast's own scale, when it used one besides mu (``amax * scale`` is then compared with the
-                format maximum); ``None`` means 1 (mu is the only scale).
-            owner: the optimizer that holds the cast gradient and checks it in its own :meth:`step` (FP8AdamW):
-                the cast then counts for that optimizer's step alone. ``None`` (the communication hooks): every
-                optimizer stepped before the next :meth:`update` skips on a non-finite amax.
-            source_dtype: the dtype the gradient was stored in before the cast (``param.grad``'s). fp16 gradients
-                lose small values at a small mu: while every fp16 gradient's amax is under ``2**-8``, each update
-                multiplies mu by 16 (see :meth:`update`).
-
-        Raises:
-            TypeError: for an ``amax`` or ``n_saturated`` that is not a tensor, a ``numel`` that is not an int.
-            ValueError: for a negative ``numel``.
-        """
-        # Cheap checks only (this runs per cast, without a host sync): a Python number failed with "'float' object has
-        # no attribute 'detach'", and a negative numel passed, making the saturated fraction negative or past 1.
-        for name, value in (("amax", amax), ("n_saturated", n_saturated)):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"FP8GradScaler.record_gradient_cast({name}={value!r}): pass a tensor (0-dim for one cast, 1-D for "
-                    f"several), e.g. torch.as_tensor({name}); nothing was recorded"
-                )
-        if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 0:
-            error = ValueError if isinstance(numel, numbers.Integral) and not isinstance(numel, bool) else TypeError
-            raise error(
-                f"FP8GradScaler.record_gradient_cast(numel={numel!r}): pass the number of values cast, an int >= 0; "
-                "nothing was recorded"
-            )
-        amax = amax.detach().float()
-        scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
-        found = (~torch.isfinite(amax)).float()
-        n_saturated = n_saturated.detach().to(amax.device)
-        no_headroom = scaled * self.headroom > fp8_max(fp8_dtype)
-        levels = fp16_amax_levels(amax, source_dtype)
-        if amax.dim():  # several casts: sums of 0/1 flags and integer counts, exact in any order
-            found, n_saturated, no_headroom = found.sum(), n_saturated.sum(), no_headroom.sum()
-        self._counts(owner).add(found, n_saturated, no_headroom, numel, cast=True, fp16_levels=levels)
-
-    def record_nonfinite(self, found: torch.Tensor) -> None:
-        """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen. Every optimizer
-        stepped before the next :meth:`update` skips on it.
-
-        Raises:
-            TypeError: for a ``found`` that is not a tensor (a Python bool failed with "'bool' object has no attribute
-                'detach'").
-        """
-        if not isinstance(found, torch.Tensor):
-            raise TypeError(
-                f"FP8GradScaler.record_nonfinite(found={found!r}): pass a 0-dim tensor, > 0 where a non-finite value "
-                "was seen (e.g. torch.as_tensor(found, dtype=torch.float32)); nothing was recorded"
-            )
-        self._counts(None).add((found.detach().float() > 0).float())
 
     # -------------------------------------------------------------------------------------------- step and update
     def step(self, optimizer: torch.optim.Optimizer) -> bool:

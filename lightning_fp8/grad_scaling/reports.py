@@ -10,6 +10,7 @@ the data-parallel ranks with one small all-reduce per decision (:meth:`_GradRepo
 from __future__ import annotations
 
 import collections
+import numbers
 import weakref
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8 import ops
+from lightning_fp8.formats import fp8_max
 
 
 def _narrower_than_fp32(dtype: torch.dtype) -> bool:
@@ -90,9 +92,82 @@ class _Counts:
 
 
 class _GradReports:
-    """The reports FP8GradScaler judges: kept per source (:meth:`_counts`), measured
+    """The reports FP8GradScaler judges: taken from the casts and checks (:meth:`record_gradient_cast`,
+    :meth:`record_nonfinite`, the public reporting API), kept per source (:meth:`_counts`), measured
     (:meth:`_record_high_precision_grads`) and agreed across ranks (:meth:`_agree`). The attributes are set by
     :meth:`_reset_step_counters` and ``FP8GradScaler.__init__``."""
+
+    def record_gradient_cast(
+        self,
+        amax: torch.Tensor,
+        n_saturated: torch.Tensor,
+        numel: int,
+        fp8_dtype: torch.dtype,
+        scale: torch.Tensor | float | None = None,
+        *,
+        owner: Any = None,
+        source_dtype: torch.dtype | None = None,
+    ) -> None:
+        """Report one FP8 cast of a gradient that mu governs (no host synchronization); or several at once.
+
+        Args:
+            amax: 0-dim, ``max|g|`` of the mu-scaled gradient as it entered the cast (what ``ops.cast_to_fp8``
+                returns); non-finite marks the step non-finite. 1-D: the amaxes of several casts (FP8AdamW's
+                batched gradient casts), the same as one call per cast.
+            n_saturated: 0-dim count of values that reached the format maximum (1-D: one count per cast).
+            numel: number of values cast (all casts together).
+            fp8_dtype: the FP8 format of the cast (its maximum is the reference for saturation and headroom).
+            scale: the cast's own scale, when it used one besides mu (``amax * scale`` is then compared with the
+                format maximum); ``None`` means 1 (mu is the only scale).
+            owner: the optimizer that holds the cast gradient and checks it in its own :meth:`step` (FP8AdamW):
+                the cast then counts for that optimizer's step alone. ``None`` (the communication hooks): every
+                optimizer stepped before the next :meth:`update` skips on a non-finite amax.
+            source_dtype: the dtype the gradient was stored in before the cast (``param.grad``'s). fp16 gradients
+                lose small values at a small mu: while every fp16 gradient's amax is under ``2**-8``, each update
+                multiplies mu by 16 (see :meth:`update`).
+
+        Raises:
+            TypeError: for an ``amax`` or ``n_saturated`` that is not a tensor, a ``numel`` that is not an int.
+            ValueError: for a negative ``numel``.
+        """
+        # Cheap checks only (this runs per cast, without a host sync): a Python number failed with "'float' object has
+        # no attribute 'detach'", and a negative numel passed, making the saturated fraction negative or past 1.
+        for name, value in (("amax", amax), ("n_saturated", n_saturated)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"FP8GradScaler.record_gradient_cast({name}={value!r}): pass a tensor (0-dim for one cast, 1-D for "
+                    f"several), e.g. torch.as_tensor({name}); nothing was recorded"
+                )
+        if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 0:
+            error = ValueError if isinstance(numel, numbers.Integral) and not isinstance(numel, bool) else TypeError
+            raise error(
+                f"FP8GradScaler.record_gradient_cast(numel={numel!r}): pass the number of values cast, an int >= 0; "
+                "nothing was recorded"
+            )
+        amax = amax.detach().float()
+        scaled = amax if scale is None else amax * torch.as_tensor(scale, dtype=torch.float32, device=amax.device)
+        found = (~torch.isfinite(amax)).float()
+        n_saturated = n_saturated.detach().to(amax.device)
+        no_headroom = scaled * self.headroom > fp8_max(fp8_dtype)
+        levels = fp16_amax_levels(amax, source_dtype)
+        if amax.dim():  # several casts: sums of 0/1 flags and integer counts, exact in any order
+            found, n_saturated, no_headroom = found.sum(), n_saturated.sum(), no_headroom.sum()
+        self._counts(owner).add(found, n_saturated, no_headroom, numel, cast=True, fp16_levels=levels)
+
+    def record_nonfinite(self, found: torch.Tensor) -> None:
+        """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen. Every optimizer
+        stepped before the next :meth:`update` skips on it.
+
+        Raises:
+            TypeError: for a ``found`` that is not a tensor (a Python bool failed with "'bool' object has no attribute
+                'detach'").
+        """
+        if not isinstance(found, torch.Tensor):
+            raise TypeError(
+                f"FP8GradScaler.record_nonfinite(found={found!r}): pass a 0-dim tensor, > 0 where a non-finite value "
+                "was seen (e.g. torch.as_tensor(found, dtype=torch.float32)); nothing was recorded"
+            )
+        self._counts(None).add((found.detach().float() > 0).float())
 
     def _counts(self, owner: Any) -> _Counts:
         """The counts a report of ``owner`` adds to (see :meth:`record_gradient_cast`); marks the step active."""
