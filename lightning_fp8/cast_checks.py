@@ -12,7 +12,7 @@ import torch
 
 from lightning_fp8.formats import FP8_DTYPES
 from lightning_fp8.kernels import reference
-from lightning_fp8.recipe import AmaxComputeAlgo, check_settings
+from lightning_fp8.recipe import AmaxComputeAlgo, check_flag, check_settings
 
 if TYPE_CHECKING:
     from lightning_fp8.scaling import ScalingState
@@ -40,9 +40,11 @@ def check_cast_arguments(
 ) -> None:
     """Raise for arguments of a plain cast (``ops.cast_to_fp8`` on the reference path) that the Triton cast refuses
     (kernels/cast.py): without these checks a complex input lost its imaginary part, a scale of shape (n,) scaled each
-    column apart, a non-FP8 ``fp8_dtype`` returned that dtype, and ``transpose`` of a 1-D tensor returned it as is.
-    ``wide``: as :func:`check_castable`."""
+    column apart, a non-FP8 ``fp8_dtype`` returned that dtype, ``transpose`` of a 1-D tensor returned it as is, and a
+    ``transpose`` that is not a bool was read by its truth (``"no"`` transposed). ``wide``: as
+    :func:`check_castable`."""
     check_castable(x, caller, wide)
+    check_flag(caller, "transpose", transpose)
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:

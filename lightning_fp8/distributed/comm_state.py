@@ -294,7 +294,69 @@ class FP8CommState:
         """Extra pre-scale binades of the native FP8 sum (0-dim int64 on ``device``), raised after overflows."""
         if self._extra_headroom is None:
             self._extra_headroom = torch.zeros((), dtype=torch.int64, device=device)
+        elif self._extra_headroom.device != device:  # loaded by load_state_dict onto the CPU: moved once
+            self._extra_headroom = self._extra_headroom.to(device)
         return self._extra_headroom
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, int]:
+        """What this state carries from step to step, as plain ints (``torch.load(weights_only=True)`` reads it):
+        ``"extra_headroom"``, the binades the native path added to its pre-scale after FP8 sums that overflowed
+        (0 to :data:`MAX_EXTRA_HEADROOM`; a fresh state starts at 0 and overflows again until it has grown back), and
+        ``"reductions"``, the collectives run so far. The arguments (group, dtype, algorithm, ...) are not in it:
+        build the resumed state with the same ones. Nor is the step flag: save after :meth:`check_step`. The value
+        is the same on every rank, so rank 0's suffices. Reads one device value (a host synchronization).
+        """
+        headroom = 0 if self._extra_headroom is None else int(self._extra_headroom)
+        return {"extra_headroom": headroom, "reductions": self.reductions}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved. Every entry is checked before any is loaded: on an error this
+        state is left as it was.
+
+        Raises:
+            TypeError: when ``state_dict`` is not a dict, or an entry is not an int.
+            KeyError: for a missing or an unknown entry (not an FP8CommState state dict).
+            ValueError: for an entry out of range (``extra_headroom`` outside 0 to ``MAX_EXTRA_HEADROOM``, a negative
+                ``reductions``).
+        """
+        headroom, reductions = self._checked_state(state_dict)
+        if self._extra_headroom is not None:
+            self._extra_headroom.fill_(headroom)
+        elif headroom:  # on the CPU until the first native sum says the device (extra_headroom)
+            self._extra_headroom = torch.full((), headroom, dtype=torch.int64)
+        self.reductions = reductions
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
+        several parts checks every part before it loads any."""
+        self._checked_state(state_dict)
+
+    def _checked_state(self, state_dict: Any) -> tuple[int, int]:
+        redo = (
+            "load the dict that FP8CommState.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded"
+        )
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"FP8CommState.load_state_dict: got a {type(state_dict).__name__}, not a dict; {redo}")
+        expected = {"extra_headroom", "reductions"}
+        if set(state_dict) != expected:
+            missing, unknown = sorted(expected - set(state_dict)), sorted(map(str, set(state_dict) - expected))
+            raise KeyError(
+                f"FP8CommState.load_state_dict: missing entries {missing}, unknown entries {unknown} (expected "
+                f"{sorted(expected)}); {redo}"
+            )
+        bounds = {"extra_headroom": (0, MAX_EXTRA_HEADROOM), "reductions": (0, None)}
+        values = []
+        for name, (low, high) in bounds.items():
+            value = as_count(state_dict[name])  # a NumPy integer as an int
+            if isinstance(value, bool) or not isinstance(value, int):
+                got = repr(value)[:100]
+                raise TypeError(f"FP8CommState.load_state_dict: entry {name!r} is {got}, not an int; {redo}")
+            if value < low or (high is not None and value > high):
+                allowed = f"an int from {low} to {high}" if high is not None else f"an int >= {low}"
+                raise ValueError(f"FP8CommState.load_state_dict: entry {name!r} is {value}, expected {allowed}; {redo}")
+            values.append(value)
+        return values[0], values[1]
 
     # ----------------------------------------------------------------------------------------------- step state
     @property

@@ -37,7 +37,10 @@ def _magnitudes(t: torch.Tensor) -> torch.Tensor:
 def global_norm(
     tensors: Iterable[torch.Tensor], group: Any | None = None, sharded: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
-    """L2 norm over all ``tensors`` as a 0-dim fp32 tensor (inf/NaN if any value is).
+    """L2 norm over all ``tensors`` as a 0-dim fp32 tensor, float64 when one of them is float64 or when ``sharded``
+    sums across ranks (inf/NaN if any value is). The squares are summed in that dtype, as
+    ``torch.nn.utils.get_total_norm`` returns float64 for float64 tensors: in fp32, a float64 gradient's norm lost its
+    precision, and one past about 1.8e19 (whose square passes fp32's range) read inf.
 
     A parameter whose storage is an O2 master of :class:`~lightning_fp8.FP8AdamW` (it holds ``weight * scale``,
     the power-of-two scale attached to the parameter, see :mod:`lightning_fp8.optim.master`) counts with its
@@ -70,15 +73,19 @@ def global_norm(
         (distributed if _is_dtensor(t) else plain).append((_magnitudes(t.detach()), _unscale_factor(t)))
     if plain or distributed:
         device = (plain or distributed)[0][0].device
-    sq = torch.zeros((), dtype=torch.float32, device=device if device is not None else "cpu")
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t, _ in plain + distributed) else torch.float32
+    sq = torch.zeros((), dtype=dtype, device=device if device is not None else "cpu")
     for t, scale in plain:
-        sq = sq + _divided(t.float().square().sum(), scale).to(sq.device)
+        sq = sq + _divided(t.to(dtype).square().sum(), scale).to(sq.device)
     # Every rank joins the sum, also one without tensors (a rank whose shards of an optimizer's parameters got no
     # gradient): skipping it paired the others' all-reduce with the next collective.
+    # The sum travels, and stays, in float64: a rank without float64 tensors (or without tensors at all) picked fp32
+    # above while another may hold float64 ones, and both the all-reduce and the result must agree across ranks.
     if sharded and dist.is_available() and dist.is_initialized():
+        dtype, sq = torch.float64, sq.double()
         dist.all_reduce(sq, group=group)
     if distributed:
-        sq = sq + _dtensor_sum_of_squares(distributed).to(sq.device)
+        sq = sq + _dtensor_sum_of_squares(distributed, dtype).to(sq.device)
     return sq.sqrt()
 
 
@@ -86,22 +93,24 @@ def _divided(t_sq: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return t_sq if scale is None else t_sq / scale.float().square().to(t_sq.device)
 
 
-def _dtensor_sum_of_squares(distributed: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
-    """The squared norms of DTensors summed, fp32: each rank sums the squares of its local shards per mesh and set of
-    sharded mesh dimensions, then one all-reduce per such group and dimension adds the ranks' sums (a replicated
+def _dtensor_sum_of_squares(
+    distributed: list[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch.dtype
+) -> torch.Tensor:
+    """The squared norms of DTensors summed, in ``dtype``: each rank sums the squares of its local shards per mesh and
+    set of sharded mesh dimensions, then one all-reduce per such group and dimension adds the ranks' sums (a replicated
     dimension holds the same values on each rank and is not added), instead of one collective per tensor (an FSDP2
     model's every parameter). A DTensor with a pending reduction (``Partial``) takes DTensor's own norm."""
     groups: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
     total: torch.Tensor | None = None
     for t, scale in distributed:
         if any(p.is_partial() for p in t.placements):
-            t_sq = _divided(torch.linalg.vector_norm(t.float()).full_tensor().square(), scale)
+            t_sq = _divided(torch.linalg.vector_norm(t.to(dtype)).full_tensor().square(), scale)
             total = t_sq if total is None else total + t_sq.to(total.device)
             continue
         # Every dimension that does not replicate shards (Shard, and FSDP2's _StridedShard over tensor parallelism,
         # which is no Shard in recent torch): its ranks hold different elements, whose squares add up.
         key = (t.device_mesh, tuple(d for d, p in enumerate(t.placements) if not p.is_replicate()))
-        t_sq = _divided(t.to_local().float().square().sum(), scale)
+        t_sq = _divided(t.to_local().to(dtype).square().sum(), scale)
         groups[key] = t_sq if key not in groups else groups[key] + t_sq.to(groups[key].device)
     for (mesh, dims), t_sq in groups.items():  # the same order on every rank: the tensors' own
         if dims and t_sq.device.type != mesh.device_type:  # CPU-offloaded shards on an NCCL mesh

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lightning_fp8.warnings import warn_once
+
 # torch.optim.Adam(W) keys (of the defaults and each group) that select an implementation, not the update rule:
 # FP8AdamW has its own. (differentiable=True is refused before: autograd through the step, which FP8AdamW has not.)
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
@@ -113,6 +115,29 @@ def retire(old: torch.optim.Optimizer, new: torch.optim.Optimizer, where: str, h
     # warn that the step "has been overridden after learning rate scheduler initialization".
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     old.step = step  # type: ignore[method-assign]
+
+
+def warn_if_level_differs(optimizer: Any, recipe: Any, *, where: str, run_recipe: str, launch_with: str) -> None:
+    """Warn when a user's own FP8AdamW steps at another opt level than the run's ``recipe``: both integrations keep
+    it as built, so its level wins, which was silent (a run asking for O1 trained with O2's fp16 masters).
+
+    Args:
+        optimizer: the user's FP8AdamW.
+        recipe: the run's FP8Recipe.
+        where: the call that keeps it, for the message (e.g. ``"accelerator.prepare"``).
+        run_recipe: how the user names the run's recipe in code (e.g. ``"accelerator.fp8_lm_recipe"``).
+        launch_with: how to run with the optimizer's level instead, with ``{level}`` for it.
+    """
+    if optimizer.opt_level == recipe.opt_level:
+        return
+    what = {"O1": "fp32 masters and moments", "O2": "fp16 masters, E4M3 and fp16 moments"}
+    warn_once(
+        f"{where}: your FP8AdamW steps at opt level {optimizer.opt_level} ({what[optimizer.opt_level]} for the FP8 "
+        f"weights), but the run's recipe has opt_level={recipe.opt_level!r}: the FP8AdamW's level is used. To follow "
+        f"the run, build it with opt_level={recipe.opt_level!r} (or recipe={run_recipe}) or use a "
+        f"torch.optim.AdamW, which is replaced; to keep {optimizer.opt_level}, "
+        f"{launch_with.format(level=optimizer.opt_level)}. Either silences this"
+    )
 
 
 def _track_step_called(optimizer: torch.optim.Optimizer) -> None:

@@ -335,17 +335,21 @@ def _sharded_norm_worker(rank: int, world: int) -> list[float]:
     # all on rank 0); the collective that follows must still pair with its own on every rank.
     mine = [torch.full((4,), 3.0)] if rank == 0 else []
     norm = global_norm(mine, sharded=True)
+    # Float64 tensors on rank 0 only (summed in float64 there, in fp32 on rank 1): the ranks' sums still meet.
+    wide = global_norm([torch.full((4,), 1e20, dtype=torch.float64)] if rank == 0 else [], sharded=True)
     after = torch.tensor([10.0 + rank])
     dist.all_reduce(after)
-    return [norm.item(), after.item()]
+    return [norm.item(), wide.item(), after.item()]
 
 
 def test_sharded_global_norm_is_a_collective_on_every_rank():
     """A rank without tensors skipped the all-reduce: the others' sum paired with the next collective."""
     from tests.distributed.launch import run_workers
 
-    for norm, after in run_workers(_sharded_norm_worker, 2, timeout=60):
+    results = run_workers(_sharded_norm_worker, 2, timeout=60)
+    for norm, _, after in results:
         assert norm == 6.0 and after == 21.0
+    assert [wide for _, wide, _ in results] == [pytest.approx(2e20, rel=1e-12)] * 2  # fp32 on rank 1 read inf
 
 
 def test_global_norm_of_complex_tensors_and_missing_gradients_matches_torch():
@@ -384,6 +388,21 @@ def test_global_norm_of_every_float_dtype_matches_a_float64_reference():
     expected = math.sqrt(sum(t.double().square().sum().item() for t in tensors))
     assert global_norm(tensors).item() == pytest.approx(expected, rel=1e-6)
     assert global_norm(reversed(tensors)).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_global_norm_of_float64_tensors_is_summed_in_float64_as_torch():
+    # The squares were summed in fp32: a float64 gradient of 1e20 (finite; its square passes fp32's range) had an
+    # infinite norm, and the norm of float64 values lost all but fp32's precision. torch.nn.utils.get_total_norm
+    # sums and returns in float64 there; fp32 and lower inputs alone still give fp32.
+    big = torch.tensor([1e20, -3e19], dtype=torch.float64)
+    fine = torch.full((1000,), 1.0 + 1e-9, dtype=torch.float64)
+    mixed = [big, torch.randn(4, 3), torch.randn(5).bfloat16(), torch.tensor([3e19 + 4e19j], dtype=torch.complex128)]
+    for tensors in ([big], [fine], mixed):
+        expected = torch.nn.utils.get_total_norm([t.abs() if t.is_complex() else t for t in tensors])
+        got = global_norm(tensors)
+        assert got.dtype == torch.float64 == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=0)
+    assert global_norm([torch.randn(3), torch.randn(2).half()]).dtype == torch.float32
 
 
 # The O2 master is fp16 (11-bit mantissa) and the reference is the same values exported to fp32: only the fp32

@@ -4,6 +4,7 @@ path does."""
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,22 @@ def test_reference_cast_refuses_what_the_triton_cast_refuses(args, error, match,
 
 E4M3 = torch.float8_e4m3fn
 _X = torch.randn(4, 8)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("transpose", ["no", 1, 0, None, torch.tensor(True), np.bool_(True)], ids=repr)
+def test_cast_transpose_must_be_a_bool(kernels, transpose, monkeypatch):
+    # transpose was read by its truth: "no" (or 1, a tensor) returned a transposed copy, None none, without a word.
+    from lightning_fp8.kernels import cast
+
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
+    match = r"cast_to_fp8\(transpose=.*\): must be True or False \(a Python bool\), got"
+    with pytest.raises(TypeError, match=match):
+        ops.cast_to_fp8(_X, torch.tensor(1.0), E4M3, transpose=transpose)
+    with pytest.raises(TypeError, match=match):
+        cast.cast_to_fp8(_X, torch.tensor(1.0), E4M3, transpose)
+    x_fp8, x_fp8_t, _, _ = ops.cast_to_fp8(_X, torch.tensor(1.0), E4M3, transpose=True)
+    assert torch.equal(x_fp8_t.view(torch.uint8), x_fp8.t().contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])

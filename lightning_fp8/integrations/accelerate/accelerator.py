@@ -42,7 +42,11 @@ from lightning_fp8.integrations.accelerate.checkpointing import CheckpointMixin
 from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, resolve_launch_config
 from lightning_fp8.integrations.accelerate.gradients import GradientsMixin
 from lightning_fp8.integrations.accelerate.metrics import LoggingMixin, new_scale_jumps
-from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, to_fp8_optimizer
+from lightning_fp8.integrations.accelerate.optimizer import (
+    FP8AcceleratedOptimizer,
+    to_fp8_optimizer,
+    warn_if_level_differs,
+)
 from lightning_fp8.integrations.accelerate.step_work import StepWork
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.monitoring.scale_jumps import ScaleJumps
@@ -341,6 +345,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
             refusals.check_built_after_conversion(optimizer)
             new = optimizer
             refusals.check_scaler((new,), self.fp8_grad_scaler)
+            warn_if_level_differs(new, self.fp8_lm_config.recipe)
             if new.grad_scaler is None:  # its gradient casts report to the accelerator's mu
                 new.grad_scaler = self._fp8_scaler()
             elif self.fp8_grad_scaler is None:  # the user's FP8AdamW brought its own scaler: scale by that mu

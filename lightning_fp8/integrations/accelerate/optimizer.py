@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_fp8.integrations.clipping import UnscaledGradients
 from lightning_fp8.optim import FP8AdamW, checkpoint, swap
+from lightning_fp8.recipe import FP8Recipe
 
 _OPT_OUT = "launch with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
 
@@ -28,6 +29,18 @@ _OPT_OUT = "launch with LIGHTNING_FP8_RECIPE=none to train without FP8-LM"
 def to_fp8_optimizer(optimizer: torch.optim.Optimizer, **fp8_kwargs: Any) -> torch.optim.Optimizer:
     """An :class:`~lightning_fp8.FP8AdamW` equivalent to a fresh ``torch.optim.AdamW``/``Adam`` passed to prepare."""
     return swap.to_fp8_adamw(optimizer, source="accelerator.prepare", opt_out=_OPT_OUT, **fp8_kwargs)
+
+
+def warn_if_level_differs(optimizer: FP8AdamW, recipe: FP8Recipe) -> None:
+    """:func:`swap.warn_if_level_differs` for ``accelerator.prepare``, which keeps a script's own FP8AdamW as built."""
+    swap.warn_if_level_differs(
+        optimizer,
+        recipe,
+        where="accelerator.prepare",
+        run_recipe="accelerator.fp8_lm_recipe",
+        launch_with="launch with opt_level='{level}' (the lightning_fp8 config section, "
+        "LIGHTNING_FP8_RECIPE='{{\"name\": \"...\", \"opt_level\": \"{level}\"}}' or Accelerator(fp8_lm_recipe=...))",
+    )
 
 
 class FP8AcceleratedOptimizer(AcceleratedOptimizer):

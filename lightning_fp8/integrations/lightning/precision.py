@@ -64,7 +64,7 @@ from lightning_fp8.integrations.lightning.refusals import (
     _refuse_pruning_of_converted_layers,
     _refuse_weight_averaging,
 )
-from lightning_fp8.optim import master
+from lightning_fp8.optim import master, swap
 from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 from lightning_fp8.warnings import warn_once
 
@@ -242,8 +242,17 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
             schedulers = [getattr(config, "scheduler", config) for config in lr_scheduler_configs]
             optimizer_swap.rebind_schedulers(schedulers, optimizer, new)
             optimizer_swap.hand_over(optimizer, new)  # for schedulers Lightning was not given, and a kept reference
-        elif getattr(new, "grad_scaler", None) is None:
-            new.grad_scaler = self.grad_scaler  # the user's FP8AdamW: unscale by our mu, report its casts to it
+        else:  # the user's FP8AdamW, kept as built
+            swap.warn_if_level_differs(
+                new,
+                self.recipe,
+                where="precision='fp8-lm'",
+                run_recipe="trainer.precision_plugin.recipe",
+                launch_with="train with a recipe of opt_level='{level}' (precision='fp8-lm' is O2, 'fp8-lm-o1' O1; or "
+                "FP8LMPrecision(recipe=...))",
+            )
+            if getattr(new, "grad_scaler", None) is None:
+                new.grad_scaler = self.grad_scaler  # unscale by our mu, report its casts to it
         return new
 
     def _adopt_brought_scaler(self, optimizers: list[torch.optim.Optimizer]) -> None:

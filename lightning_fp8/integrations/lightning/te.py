@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fp8.convert import replace_children, shared_parameter_ids
+from lightning_fp8.convert import _checked_filter, replace_children, shared_parameter_ids
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
@@ -73,9 +73,17 @@ def convert_to_te(
     """Replace ``module``'s ``nn.Linear`` layers by ``te.pytorch.Linear`` in place (weights copied).
 
     As :func:`~lightning_fp8.convert_to_fp8`: layers whose sizes are not multiples of 16, whose weight another module
-    also holds (tied weights), or that ``module_filter_fn`` rejects, stay ``nn.Linear``.
+    also holds (tied weights), or that ``module_filter_fn`` rejects, stay ``nn.Linear``. ``module_filter_fn``'s answers
+    are checked as there (a string, or None for every layer, raises a TypeError), and every layer is asked before the
+    first one changes: an error leaves the model as it was.
     """
     te = require_transformer_engine()
+    module_filter_fn = _checked_filter(module_filter_fn)
+    # named_modules() gives each layer once, under the name replace_children passes; the root is not replaced.
+    linears = [(fqn, m) for fqn, m in module.named_modules() if fqn and type(m) is nn.Linear]
+    chosen = {id(m) for fqn, m in linears if module_filter_fn is None or module_filter_fn(m, fqn)}
+    if module_filter_fn is not None:
+        module_filter_fn.check()
     # A TE layer gets a copy of the weight: a tied one (an output head sharing the token embedding) would be untied.
     shared = shared_parameter_ids(module)
     skipped: list[str] = []
@@ -88,7 +96,7 @@ def convert_to_te(
         return done[id(child)]
 
     def _convert_one(child: nn.Module, fqn: str) -> nn.Module:
-        if type(child) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
+        if id(child) not in chosen:
             return child
         if child.in_features % 16 or child.out_features % 16:
             skipped.append(fqn)

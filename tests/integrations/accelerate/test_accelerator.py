@@ -4,6 +4,7 @@ checkpoints do with FP8-LM on, checked against plain torch computations."""
 import copy
 import logging
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
+import lightning_fp8.warnings
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8, fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
@@ -600,6 +602,29 @@ def test_prepare_refuses_an_fp8adamw_built_before_the_conversion():
     model, optimizer = accelerator.prepare(model, FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=False))
     weights = [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
     assert weights and all(w.dtype == torch.float16 for w in weights)
+
+
+@pytest.mark.parametrize(("launch", "level"), [("fp8-lm-o1", "O2"), ("fp8-lm", "O1")])
+def test_prepare_warns_when_the_users_fp8adamw_has_another_opt_level_than_the_launch(launch, level, monkeypatch):
+    """The script's own FP8AdamW(opt_level=...) is kept as built, so its level wins over the launch recipe's: that
+    was silent (a launch asking for O1 trained the FP8 weights with O2's fp16 masters)."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    accelerator = Accelerator(cpu=True, fp8_lm_recipe=launch)
+    model = accelerator.prepare(Net())
+    with pytest.warns(UserWarning, match=rf"your FP8AdamW steps at opt level {level} .* but the run's recipe has "
+                      rf"opt_level='{accelerator.fp8_lm_recipe.opt_level}': the FP8AdamW's level is used.*"
+                      rf"build it with opt_level=.*to keep {level}, launch with opt_level='{level}'"):  # fmt: skip
+        optimizer = accelerator.prepare(FP8AdamW(model.parameters(), lr=1e-2, opt_level=level, fp8_grads=False))
+    assert optimizer.optimizer.opt_level == level
+    # The launch's level, given explicitly or through its recipe: nothing to say.
+    for kwargs in ({"opt_level": accelerator.fp8_lm_recipe.opt_level}, {"recipe": accelerator.fp8_lm_recipe}):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True, fp8_lm_recipe=launch)
+        model = accelerator.prepare(Net())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*your FP8AdamW steps at opt level")
+            accelerator.prepare(FP8AdamW(model.parameters(), lr=1e-2, fp8_grads=False, **kwargs))
 
 
 def test_clip_grad_value_leaves_an_overflow_for_the_scaler():

@@ -6,6 +6,7 @@ import math
 import re
 import sys
 import types
+import warnings
 
 import lightning as L
 import pytest
@@ -438,6 +439,29 @@ def test_checkpoint_without_fallen_back_layers_still_resumes(tmp_path):
     assert resumed.losses == full.losses[1:]  # the poisoned steps' losses are inf in both
 
 
+@pytest.mark.parametrize(("precision", "level"), [("fp8-lm-o1", "O2"), ("fp8-lm", "O1")])
+def test_a_user_fp8adamw_of_another_opt_level_than_the_plugins_is_kept_with_a_warning(precision, level, monkeypatch):
+    """The FP8AdamW from configure_optimizers is kept as built, so its level wins over the plugin recipe's: that was
+    silent (precision='fp8-lm-o1' trained the FP8 weights with O2's fp16 masters)."""
+
+    class Own(GPTModule):
+        def configure_optimizers(self):
+            return FP8AdamW(self.parameters(), lr=1e-3, opt_level=self.level)
+
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
+    module = _module(Own)
+    module.level = level
+    said = rf"your FP8AdamW steps at opt level {level} .*level is used.*to keep {level}, train with .*'{level}'"
+    with pytest.warns(UserWarning, match=said):
+        _, trainer = _fit(module, max_steps=1, precision=precision)
+    assert trainer.optimizers[0].opt_level == level
+    module = _module(Own)
+    module.level = trainer.precision_plugin.recipe.opt_level  # the plugin's own level: nothing to say
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*your FP8AdamW steps at opt level")
+        _fit(module, max_steps=1, precision=precision)
+
+
 def test_non_fp8_ops_run_under_bf16_autocast_unless_disabled():
     class Probe(GPTModule):
         def training_step(self, batch, batch_idx):
@@ -672,6 +696,43 @@ def test_transformer_engine_backend_keeps_tied_weights_tied(monkeypatch):
         FP8LMPrecision(backend="te").convert_module(model)
     assert type(model.head) is nn.Linear and model.head.weight is model.embedding.weight
     assert type(model.body) is sys.modules["transformer_engine.pytorch"].Linear and model.twice[0] is model.body
+
+
+def _no(module: nn.Module, fqn: str) -> str:
+    return "no"
+
+
+def _without_return(module: nn.Module, fqn: str) -> None:
+    if "head" in fqn:
+        pass
+
+
+def _raises_at_the_second(module: nn.Module, fqn: str) -> bool:
+    if fqn == "head":
+        raise RuntimeError("the filter failed")
+    return True
+
+
+@pytest.mark.parametrize(
+    ("module_filter_fn", "error", "match"),
+    [
+        (_no, TypeError, "module_filter_fn returned 'no' for 'body': it must return True .* or False"),
+        (_without_return, TypeError, "module_filter_fn returned None for all 2 linear layers: .* return statement"),
+        (_raises_at_the_second, RuntimeError, "the filter failed"),
+    ],
+)
+def test_transformer_engine_backend_checks_the_filters_answers(monkeypatch, module_filter_fn, error, match):
+    """backend='te' read the filter's answers by truthiness alone: a string ('no') converted the layer, and a filter
+    without return (None everywhere) left every layer in high precision, silently, where the native backend refuses
+    both; a filter that raised at a later layer left the earlier ones converted."""
+    for name, module in _fake_transformer_engine([]).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    model = nn.Sequential()
+    model.add_module("body", nn.Linear(48, 48))
+    model.add_module("head", nn.Linear(48, 32))
+    with pytest.raises(error, match=match):
+        FP8LMPrecision(backend="te", module_filter_fn=module_filter_fn).convert_module(model)
+    assert [type(layer) for layer in model] == [nn.Linear, nn.Linear]  # nothing was changed
 
 
 def test_transformer_engine_missing_says_how_to_install(monkeypatch):
