@@ -25,6 +25,8 @@ _HISTORY_LEN = 1000
 _SCALED_LOSSES_KEPT = 32
 # The state dict entries that count (ints >= 0).
 _COUNTERS = ("growth_tracker", "skipped_steps", "nonfinite_events", "consecutive_nonfinite", "steps")
+# The entries of torch.amp.GradScaler's state dict (an enabled one) that FP8GradScaler's lacks.
+_TORCH_AMP_KEYS = {"scale", "growth_factor", "backoff_factor", "_growth_tracker"}
 
 
 def _is_power_of_two(x: float) -> bool:
@@ -170,8 +172,21 @@ class _ScalerState:
                 "FP8GradScaler.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded."
             )
         missing = sorted(set(self.state_dict()) - set(state_dict) - {"nonfinite_runs", "fp16_full"})
+        if missing and _TORCH_AMP_KEYS <= set(state_dict):
+            # A run moving from fp16 AMP to FP8 resumes its checkpoint: torch's scaler has other entries and rules.
+            raise KeyError(
+                f"FP8GradScaler.load_state_dict: got torch.amp.GradScaler's state dict (scale {state_dict['scale']!r}, "
+                f"entries {sorted(state_dict)}), not an FP8GradScaler's: torch's loss scale follows other rules (fp16 "
+                "overflows) than mu (FP8 saturation and headroom). Leave it out and let FP8GradScaler start from its "
+                "init_scale, or pass a power of two near that scale as FP8GradScaler(init_scale=...). Nothing was "
+                "loaded."
+            )
         if missing:
-            raise KeyError(f"FP8GradScaler.load_state_dict: missing entries {missing}; is this a scaler state dict?")
+            raise KeyError(
+                f"FP8GradScaler.load_state_dict: missing entries {missing} (got {sorted(state_dict, key=repr)[:10]}): "
+                "load the dict that FP8GradScaler.state_dict() returned (the checkpoint may be corrupt, or this is "
+                "another object's state). Nothing was loaded."
+            )
         scale = _checked_entry("scale", state_dict["scale"], numbers.Real, "a positive power of two", _is_power_of_two)
         counters = {name: _checked_entry(name, state_dict[name], numbers.Integral, "an int >= 0", lambda n: n >= 0)
                     for name in _COUNTERS}  # fmt: skip

@@ -98,7 +98,9 @@ def _check_here(opt: FP8AdamW, state_dict: Any) -> list[tuple[torch.Tensor, dict
     _check_no_amsgrad(state_dict)
     _check_groups(state_dict["param_groups"])
     groups = state_dict["param_groups"]
-    saved = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None for g in groups]
+    # A tuple of indices too, as torch.optim.Optimizer.load_state_dict takes it.
+    saved = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
+             for g in groups]  # fmt: skip
     own = [len(group["params"]) for group in opt.param_groups]
     if saved != own:  # as torch.optim.Optimizer.load_state_dict would refuse them, said before anything changes
         raise ValueError(

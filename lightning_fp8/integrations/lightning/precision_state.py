@@ -35,14 +35,18 @@ class _PrecisionState:
 
     recipe: FP8Recipe
     grad_scaler: Any
+    comm_state: Any
     _module: nn.Module | None
     _optimizers: list[torch.optim.Optimizer]
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """mu, the FP8 scaling state and the layers put back to ``nn.Linear`` by the ``"bf16"`` fallback; plain
-        tensors, numbers and strings (``torch.load(weights_only=True)`` reads it)."""
+        """mu, the FP8 scaling state, the layers put back to ``nn.Linear`` by the ``"bf16"`` fallback and the FP8
+        communication hooks' state (the native path's extra headroom); plain tensors, numbers and strings
+        (``torch.load(weights_only=True)`` reads it)."""
         state: dict[str, Any] = {"recipe": self.recipe.to_dict(), "grad_scaler": self.grad_scaler.state_dict()}
+        if self.comm_state is not None:  # the same on every rank
+            state["comm"] = self.comm_state.state_dict()
         if self._module is not None:
             state["fallen_back_layers"] = [_clean_name(name) for name in recovery.fallen_back_layers(self._module)]
             state["fp8"] = {_clean_name(key): value for key, value in fp8_state_dict(self._module).items()}
@@ -95,6 +99,8 @@ class _PrecisionState:
         if names:
             self._put_back(names)  # raises, before changing anything, when a layer cannot be put back
         self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if "comm" in state_dict and self.comm_state is not None:  # without hooks in this run, it has no use
+            self.comm_state.load_state_dict(state_dict["comm"])
         if fp8_state is not None:
             load_fp8_state_dict(self._module, fp8_state)
         elif "fp8" in state_dict:
@@ -115,9 +121,19 @@ class _PrecisionState:
                 "not written by FP8LMPrecision.state_dict() or is corrupt. Resume from a checkpoint of a "
                 "precision='fp8-lm' run, or load only the model's weights (e.g. LightningModule.load_from_checkpoint)"
             )
-        saved = FP8Recipe.from_dict(state_dict["recipe"])
+        try:
+            saved = FP8Recipe.from_dict(state_dict["recipe"])
+        except (TypeError, ValueError) as error:
+            # FP8Recipe's own message names a field the user never wrote: say where the value came from.
+            raise type(error)(
+                f"FP8LMPrecision: the checkpoint's 'recipe' {repr(state_dict['recipe'])[:200]} is not an FP8Recipe's "
+                f"to_dict() ({error}): the checkpoint is corrupt. Resume from an earlier checkpoint, or load only the "
+                "model's weights (e.g. LightningModule.load_from_checkpoint). Nothing was changed"
+            ) from error
         names = self._checked_fallen_back(state_dict.get("fallen_back_layers", []))  # absent from older checkpoints
         self.grad_scaler.check_state_dict(state_dict["grad_scaler"])
+        if "comm" in state_dict and self.comm_state is not None:  # absent from older and single-process checkpoints
+            self.comm_state.check_state_dict(state_dict["comm"])
         per_rank = state_dict.get("fp8_per_rank")  # written by runs of several processes only
         well_formed = per_rank is None or (
             isinstance(per_rank, (list, tuple)) and len(per_rank) > 0 and all(isinstance(s, dict) for s in per_rank)

@@ -215,3 +215,49 @@ def test_a_fallen_back_layer_gets_the_checkpoints_weight_with_an_optimizer():
     assert fallen_back_layers(module) == ["2"] and type(module[2]) is nn.Linear
     assert torch.equal(module[2].weight, weights["2.weight"]) and torch.equal(module[2].bias, weights["2.bias"])
     assert module[2].weight in {p for group in optimizer.param_groups for p in group["params"]}
+
+
+def _with_comm_state(plugin: FP8LMPrecision, overflows: int) -> FP8LMPrecision:
+    """Give ``plugin`` the FP8CommState that connect() installs under DDP, after ``overflows`` native FP8 sums that
+    overflowed (each adds a binade of pre-scale headroom)."""
+    from lightning_fp8.distributed import FP8CommState
+    from lightning_fp8.distributed.comm import cast_stats
+
+    plugin.comm_state = FP8CommState()
+    plugin.comm_state.extra_headroom(torch.device("cpu"))
+    for _ in range(overflows):
+        stats = cast_stats(torch.ones(1), torch.zeros((), dtype=torch.int64), 8, found=torch.tensor(True))
+        plugin.comm_state.record(stats, native_overflow=True)
+    return plugin
+
+
+def test_the_comm_hooks_state_travels_in_the_checkpoint(tmp_path):
+    # The native FP8 all-reduce's extra headroom, grown after overflowing sums, restarted at 0 on resume: the resumed
+    # run overflowed (and skipped steps) again until it had grown back.
+    saver = _with_comm_state(_plugin()[0], overflows=3)
+    torch.save({"FP8LMPrecision": saver.state_dict()}, tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["FP8LMPrecision"]
+    assert state["comm"] == {"extra_headroom": 3, "reductions": 3}
+    loader = _with_comm_state(_plugin()[0], overflows=0)
+    loader.load_state_dict(state)
+    assert loader.comm_state.state_dict() == saver.comm_state.state_dict()
+    # Without hooks in the resumed run (one device) the entry has no use and is left; without it, the state is fresh.
+    _plugin()[0].load_state_dict(state)
+    fresh = _with_comm_state(_plugin()[0], overflows=1)
+    fresh.load_state_dict({key: value for key, value in state.items() if key != "comm"})
+    assert fresh.comm_state.state_dict()["extra_headroom"] == 1
+
+
+@pytest.mark.parametrize("hook", ["load_state_dict", "on_load_checkpoint"])
+def test_a_corrupt_comm_state_is_refused_before_anything_changes(hook):
+    state = {**_saved_state(), "comm": {"extra_headroom": 99, "reductions": 0}}
+    plugin, module, optimizer = _connected_plugin()
+    _with_comm_state(plugin, overflows=1)
+    before = _model_snapshot(plugin, module, optimizer)
+    with pytest.raises(ValueError, match="FP8CommState.load_state_dict: entry 'extra_headroom' is 99"):
+        if hook == "load_state_dict":
+            plugin.load_state_dict(state)
+        else:
+            plugin.on_load_checkpoint({"FP8LMPrecision": state, "state_dict": {}})
+    _assert_unchanged(before, _model_snapshot(plugin, module, optimizer))
+    assert plugin.comm_state.state_dict() == {"extra_headroom": 1, "reductions": 1}
