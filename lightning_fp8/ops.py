@@ -19,6 +19,7 @@ import torch
 from lightning_fp8 import cast_checks
 from lightning_fp8.formats import FP8_DTYPES
 from lightning_fp8.kernels import reference, reference_grad_cast
+from lightning_fp8.trace_marks import _tracing
 
 # Looked up once, at import: torch.compile traces use_triton, and dynamo (torch 2.11) refuses to trace find_spec.
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None
@@ -39,6 +40,11 @@ def use_triton(t: torch.Tensor) -> bool:
     """Whether kernels on tensor ``t`` run in Triton (CUDA + Triton, unless overridden by the environment)."""
     mode = _kernel_mode()
     if mode == "reference":
+        return False
+    if not torch.compiler.is_compiling() and _tracing(t):
+        # A FakeTensorMode forward or make_fx's trace runs the eager code on tensors without data: a Triton launch
+        # would read their fake addresses (an illegal memory access on a GPU). The reference's ops trace (dynamo's
+        # casts take their own ops: compiled_casts).
         return False
     if mode == "triton":
         return True

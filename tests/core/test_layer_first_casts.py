@@ -118,6 +118,14 @@ def test_first_step_casts_with_own_amax_whatever_ran_before(before, device):
     assert all(layer.fp8_scaling[role].settle() for role in ("input", "weight", "grad_output"))
 
 
+def test_a_fake_tensor_step_launches_no_triton_kernel(monkeypatch):
+    """The Triton casts (Triton's interpreter on a CPU) under FakeTensorMode: the eager casts launched their kernels
+    on the fake tensors, whose addresses are no memory (on an H100: an illegal memory access that ended every later
+    CUDA call of the process; here: a storage error). The traced casts take the reference's ops."""
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", "triton")
+    test_first_step_casts_with_own_amax_whatever_ran_before("fake_tensor_step", "cpu")
+
+
 def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().sum() * TINY
 
