@@ -46,15 +46,21 @@ class ForwardCall:
 
     Attributes:
         scale_invs: the ``scale_inv`` of each input cast of the forward, in order.
+        currents: whether each input cast of the forward used its tensor's own amax (``current``), in order; a
+            recompute's cast does the same (:func:`cast_current`).
+        replayed: how many input casts the running recompute has done (:func:`cast_current`, reset by
+            :func:`replay_scales`).
         done: the ids of the backward passes (autograd graph tasks) that ran through it.
         node: a weak reference to the autograd node whose backward ran through it (None before): once that backward
             released the node's saved tensors (no ``retain_graph``), no later backward can run through it again.
     """
 
-    __slots__ = ("scale_invs", "done", "node", "__weakref__")
+    __slots__ = ("scale_invs", "currents", "replayed", "done", "node", "__weakref__")
 
     def __init__(self) -> None:
         self.scale_invs: tuple[torch.Tensor, ...] = ()
+        self.currents: list[bool] = []
+        self.replayed = 0
         self.done: set[int] = set()
         self.node: weakref.ref | None = None
 
@@ -214,12 +220,24 @@ def _in_reentrant_recompute() -> bool:
 
 
 def cast_current(flag: bool, call: tuple[ForwardCall | None, bool]) -> bool:
-    """The ``current`` argument of an input cast in a forward given ``call`` (from :func:`forward_call`): ``flag``
-    outside a recompute; in a replay False (the kept scales); in a recompute that cannot be matched True."""
+    """The ``current`` argument of an input cast in a forward given ``call`` (from :func:`forward_call`), called once
+    per input cast in the forward's order: ``flag`` outside a recompute (kept in the call); in a replay what the
+    forward's cast did; in a recompute that cannot be matched True.
+
+    A replay of a cast that used its own amax (the first cast of delayed scaling, current scaling) takes the amax
+    again rather than the kept scale: the same input gives the same scale and bytes, and the recompute runs the
+    forward's ops in the forward's order, which selective checkpointing (``context_fn``) relies on to hand it the
+    outputs the forward saved (with the kept scale instead, a policy saving ``aten.amax`` gave wrong gradients, one
+    saving ``aten.mul`` failed inside the cast)."""
     record, replaying = call
     if not replaying:
+        if record is not None:
+            record.currents.append(flag)
         return flag
-    return record is _OWN_AMAX
+    if record is _OWN_AMAX:
+        return True
+    index, record.replayed = record.replayed, record.replayed + 1
+    return record.currents[index] if index < len(record.currents) else False
 
 
 def backward_ran(call: ForwardCall | None) -> None:
@@ -234,9 +252,11 @@ def backward_ran(call: ForwardCall | None) -> None:
 def replay_scales(call: ForwardCall, states: tuple[ScalingState, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Before the casts of a recompute of ``call``: the first ``len(call.scale_invs)`` of ``states`` (the input
     states, in the order of the forward's casts) take the scales ``call`` used, to be cast with them without current
-    scaling. Returns the buffers of every state with their values, for :func:`restore_buffers` after the casts: the
-    recompute's FP8 copies are the forward's bytes (a weight's current scaling gives them anyway) and no statistics
-    are recorded twice. Eager only (a recompute is never traced)."""
+    scaling (a cast that used its own amax takes it again: :func:`cast_current`). Returns the buffers of every state
+    with their values, for :func:`restore_buffers` after the casts: the recompute's FP8 copies are the forward's bytes
+    (a weight's current scaling gives them anyway) and no statistics are recorded twice. Eager only (a recompute is
+    never traced)."""
+    call.replayed = 0  # cast_current's count of this recompute's casts
     with _disable_current_modes():  # the forward made none of these ops: selective checkpointing must not see them
         saved = [(buf, buf.clone()) for state in states for buf in state.cast_buffers()]
         for state, scale_inv in zip(states, call.scale_invs, strict=False):
