@@ -1,4 +1,5 @@
-"""Argument checks of the casts: what :class:`~lightning_fp8.scaling.ScalingState` and its ``quantize`` accept.
+"""Argument checks of the casts: what :class:`~lightning_fp8.scaling.ScalingState` and its ``quantize`` accept (and the
+operands the emulated GEMM, :func:`~lightning_fp8.ops.scaled_mm`, takes).
 
 Each raises before a cast records anything, with a message that names the argument, what was passed and what to do:
 a bad value would otherwise fail only at the first cast (IndexError, KeyError) or silently cast something else.
@@ -115,6 +116,12 @@ def check_activation(
             f"ScalingState.quantize(keep_input=True) keeps a GELU's input: it needs activation='gelu' and no "
             f"column_sum, got activation={activation!r}, column_sum={column_sum}"
         )
+    if activation is None and (activation_input is not None or activation_scale_inv is not None):
+        # Without an activation the cast reads x alone: the GELU's input would be dropped without a word.
+        raise ValueError(
+            "ScalingState.quantize(activation=None) takes no activation_input or activation_scale_inv: they are the "
+            "GELU's input of activation='gelu_backward'; pass that activation too, or leave them out"
+        )
     if activation not in reference.ACTIVATIONS:
         raise ValueError(
             f"ScalingState.quantize(activation={activation!r}): choose one of {reference.ACTIVATIONS} or None"
@@ -148,3 +155,29 @@ def check_activation(
             f"{s.dtype} of shape {tuple(s.shape)} on {s.device}"
         )
     return activation_input.detach().contiguous()
+
+
+def check_gemm_operands(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> None:
+    """Raise ValueError for FP8 GEMM operands that ``torch._scaled_mm`` refuses: the emulation (a CPU, an older GPU)
+    would multiply them all the same, and the script would first fail on a GPU with FP8 tensor cores."""
+    if a_fp8.dim() != 2 or b_fp8.dim() != 2 or a_fp8.shape[1] != b_fp8.shape[0]:
+        raise ValueError(
+            f"scaled_mm multiplies a 2-D a_fp8 (M, K) by a 2-D b_fp8 (K, N), got shapes {tuple(a_fp8.shape)} and "
+            f"{tuple(b_fp8.shape)}: flatten the leading dimensions of a_fp8 (a_fp8.reshape(-1, K))"
+        )
+    # A dimension of size 1 has no meaningful stride: any layout of it is both row- and column-major.
+    if a_fp8.stride(1) != 1 and a_fp8.shape[1] > 1:
+        raise ValueError(
+            f"scaled_mm needs a row-major a_fp8, got strides {a_fp8.stride()} for shape {tuple(a_fp8.shape)}: pass "
+            "a_fp8.contiguous()"
+        )
+    if b_fp8.stride(0) != 1 and b_fp8.shape[0] > 1:
+        raise ValueError(
+            f"scaled_mm needs a column-major b_fp8, got strides {b_fp8.stride()} for shape {tuple(b_fp8.shape)}: pass "
+            "the transpose of a row-major tensor (w_fp8.t() for a row-major w_fp8 of shape (N, K))"
+        )
+    if a_fp8.dtype == b_fp8.dtype == torch.float8_e5m2:
+        raise ValueError(
+            "scaled_mm cannot multiply two torch.float8_e5m2 operands (FP8 tensor cores take E4M3 x E4M3, E4M3 x E5M2 "
+            "or E5M2 x E4M3): cast one of them to torch.float8_e4m3fn"
+        )

@@ -243,6 +243,8 @@ def scaled_mm(
     Raises:
         TypeError: on the emulated path, for an operand that is not FP8 or an ``out_dtype`` that is not a floating
             dtype (what ``torch._scaled_mm`` refuses on the real path).
+        ValueError: on the emulated path, for operands that are not 2-D with matching inner sizes, an ``a_fp8`` that
+            is not row-major or ``b_fp8`` not column-major, or two E5M2 operands (what the real path refuses too).
     """
     if has_fp8_gemm(a_fp8.device):
         return _scaled_mm_cuda(a_fp8, b_fp8, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum)
@@ -252,6 +254,8 @@ def scaled_mm(
             f"scaled_mm multiplies FP8 operands into a floating-point output, got {a_fp8.dtype} @ {b_fp8.dtype} -> "
             f"{out_dtype}: cast the operands first (cast_to_fp8) and pass out_dtype=torch.float32, bfloat16 or float16"
         )
+    if not torch.compiler.is_compiling():  # traced, the operands come from the FP8 layers' own casts
+        cast_checks.check_gemm_operands(a_fp8, b_fp8)
     # Emulation: FP8 values and power-of-two scales are exact in fp32, so this is the exact product
     # up to fp32 accumulation order. Autocast must not downcast the fp32 matmul.
     with autocast_off(a_fp8.device):

@@ -173,6 +173,7 @@ class FP8Recipe:
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def to_dict(self) -> dict[str, Any]:
+        """The recipe's fields as a plain dict (what :meth:`from_dict` reads back)."""
         return asdict(self)
 
     @classmethod
@@ -199,6 +200,18 @@ class FP8Recipe:
         return cls(**values)
 
     def replace(self, **changes: Any) -> FP8Recipe:
+        """A copy of this recipe with ``changes`` applied, validated as a new recipe.
+
+        Raises:
+            TypeError: for a keyword that is not a recipe field, or a value of the wrong type.
+            ValueError: for a value the recipe refuses.
+        """
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:  # dataclasses.replace would only say "unexpected keyword argument", not what is allowed
+            raise TypeError(
+                f"FP8Recipe.replace got unknown field(s) {sorted(unknown)}: allowed fields are {sorted(known)}"
+            )
         return replace(self, **changes)
 
 

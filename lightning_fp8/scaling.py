@@ -88,7 +88,11 @@ def compute_scale(
                 f"compute_scale(amax={amax!r}): amax is an absolute maximum (max |x|, >= 0), got a negative number; "
                 "pass the largest magnitude, e.g. x.abs().max()"
             )
-        amax = torch.tensor(float(amax), dtype=torch.float64)
+        try:
+            value = float(amax)
+        except OverflowError:  # an int beyond float64's range: beyond fp32's too, so inf (prev_scale), as documented
+            value = math.inf
+        amax = torch.tensor(value, dtype=torch.float64)
     if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
         kind = f"a {amax.dtype} tensor" if isinstance(amax, torch.Tensor) else type(amax).__name__
         raise TypeError(f"compute_scale(amax=...) takes a floating-point tensor or a number, got {kind}")
@@ -358,9 +362,9 @@ class ScalingState(nn.Module):
                 an ``unscale`` that is not a one-element float32 tensor, or a flag (``transpose``, ``current``,
                 ``column_sum``, ``keep_input``) that is not a bool (``current`` may be None) (nothing is changed).
             ValueError: for ``x`` or ``unscale`` on another device than the state, ``column_sum`` or ``transpose``
-                of a tensor that is not 2-D (nothing is changed); for
-                ``unscale`` with a cast that does not compute its own scale (``current=False``, or ``None`` on a
-                delayed-scaling state) or a history longer than 1.
+                of a tensor that is not 2-D, an ``activation_input`` or ``activation_scale_inv`` without the
+                ``activation`` that reads it (nothing is changed); for ``unscale`` with a cast that does not compute
+                its own scale (``current=False``, or ``None`` on a delayed-scaling state) or a history longer than 1.
         """
         if not torch.compiler.is_compiling():  # traced, x comes from a checked layer (a backward may not read layout)
             check_castable(x, "ScalingState.quantize")
@@ -381,7 +385,7 @@ class ScalingState(nn.Module):
                     f"ScalingState.quantize({name}=True) needs a 2-D tensor, got shape {tuple(x.shape)}: reshape it to "
                     "(rows, columns) first"
                 )
-        if activation is not None or keep_input:
+        if activation is not None or keep_input or activation_input is not None or activation_scale_inv is not None:
             activation_input = check_activation(
                 x, activation, activation_input, activation_scale_inv, keep_input, column_sum
             )

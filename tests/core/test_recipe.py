@@ -152,3 +152,12 @@ def test_a_numpy_bool_flag_is_refused_naming_numpy():
 
     with pytest.raises(TypeError, match=r"bias=.*must be True or False \(a Python bool\), got numpy\.bool"):
         FP8Linear(16, 16, bias=np.bool_(True))
+
+
+def test_replace_names_the_allowed_fields_for_an_unknown_one():
+    # dataclasses.replace only said "unexpected keyword argument 'marign'".
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['marign'\]: allowed fields are \['amax_compute_algo'"):
+        FP8Recipe().replace(marign=1)
+    assert FP8Recipe().replace(margin=2) == FP8Recipe(margin=2)
+    with pytest.raises(ValueError, match="margin=-1"):
+        FP8Recipe().replace(margin=-1)
