@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -173,9 +176,35 @@ def pow2_scale_ref(amax: torch.Tensor, fmax: float, margin: int, prev: torch.Ten
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def state_writes(buffer: torch.Tensor) -> AbstractContextManager:
+    """The context of a scaling state's in-place bookkeeping (``buffer``: one of its buffers).
+
+    Eagerly, out of sight of the dispatch modes that are on: selective activation checkpointing's mode
+    (``create_selective_checkpoint_contexts``) caches what a policy saves, and a saved ``copy_`` or ``add_`` of a
+    buffer that the next cast writes again failed the backward ("Tensor cached during selective activation checkpoint
+    has been mutated"); a recompute writes the buffers again, out of sight too (``lightning_fp8.recompute`` restores
+    them). Traced (torch.compile, make_fx, a FakeTensorMode: :func:`traced`) the writes stay in the trace, which must
+    record them.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() == 0 or traced(buffer):
+        return nullcontext()
+    return _disable_current_modes()
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t``'s value cannot be read: a FakeTensor, or a fake, proxy or functional mode on (torch.compile's and
+    make_fx's tracing runs the eager code under them; a result of ``t`` would be fake)."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    if fake is not None and isinstance(t, fake.FakeTensor):
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
 def current_scale_ref(amax: torch.Tensor, scale: torch.Tensor, fmax: float, margin: int) -> None:
     """In place: ``scale <- pow2_scale(amax)`` (current scaling), keeping ``scale`` where amax is 0 or non-finite."""
-    scale.copy_(pow2_scale_ref(amax, fmax, margin, scale))
+    with state_writes(scale):
+        scale.copy_(pow2_scale_ref(amax, fmax, margin, scale))
 
 
 def record_cast_ref(
@@ -209,17 +238,18 @@ def record_cast_ref(
         ``1 / used_scale``, 0-dim fp32.
     """
     scale_inv = used_scale.reciprocal()
-    finite = torch.isfinite(amax)
-    nonfinite_count.add_((~finite).to(nonfinite_count.dtype))
-    casts.add_(1)
-    last_amax.copy_(amax)
-    saturation.copy_(n_saturated.float() / max(numel, 1))
-    informative = finite & (amax > 0)
-    amax_history.copy_(torch.roll(amax_history, 1))
-    amax_history[0] = torch.where(finite, amax, 0.0)
-    if delayed:
-        ref = amax_history.amax() if algo_max else amax_history[0]
-        scale.copy_(torch.where(informative, pow2_scale_ref(ref, fmax, margin, scale), scale))
+    with state_writes(casts):
+        finite = torch.isfinite(amax)
+        nonfinite_count.add_((~finite).to(nonfinite_count.dtype))
+        casts.add_(1)
+        last_amax.copy_(amax)
+        saturation.copy_(n_saturated.float() / max(numel, 1))
+        informative = finite & (amax > 0)
+        amax_history.copy_(torch.roll(amax_history, 1))
+        amax_history[0] = torch.where(finite, amax, 0.0)
+        if delayed:
+            ref = amax_history.amax() if algo_max else amax_history[0]
+            scale.copy_(torch.where(informative, pow2_scale_ref(ref, fmax, margin, scale), scale))
     return scale_inv
 
 
@@ -281,11 +311,12 @@ def quantize_ref(
     )  # fmt: skip
     if unscale is not None:
         scale_inv = scale_inv / unscale
-        last_amax.div_(unscale)
-        amax_history.div_(unscale)
-        # An amax of 0 or inf kept the stored scale, which describes t already (multiplied again, an all-zero
-        # weight's scale grew by 1 / unscale at every cast, to inf).
-        scale.copy_(torch.where((amax > 0) & (amax < math.inf), scale * unscale, scale))
+        with state_writes(scale):
+            last_amax.div_(unscale)
+            amax_history.div_(unscale)
+            # An amax of 0 or inf kept the stored scale, which describes t already (multiplied again, an all-zero
+            # weight's scale grew by 1 / unscale at every cast, to inf).
+            scale.copy_(torch.where((amax > 0) & (amax < math.inf), scale * unscale, scale))
     if column_sum:
         return x_fp8, x_fp8_t, scale_inv, column_sum_ref(x)
     if keep_input:

@@ -9,11 +9,12 @@ compiled first-step rule"). :func:`_tracing` and :func:`_capturing` tell whether
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from lightning_fp8.kernels.reference import traced as _tracing
 
 # Every live ScalingState, for backward_cast_pending; and the trace (torch._guards.TracingContext) that last marked a
 # grad_output role (note_traced_mark), weakly.
@@ -64,13 +65,3 @@ def backward_cast_pending() -> bool:
 def _capturing(t: torch.Tensor) -> bool:
     # Inside CUDA graph capture no value can be read (nor a copy to the host waited for).
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _tracing(t: torch.Tensor) -> bool:
-    # Whether t's value cannot be read: a FakeTensor, or a fake, proxy or functional mode on (torch.compile's and
-    # make_fx's tracing runs the eager code under them; a result of t would be fake).
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    if fake is not None and isinstance(t, fake.FakeTensor):
-        return True
-    keys = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))

@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from lightning_fp8 import ops
-from lightning_fp8.kernels import reference_adamw
+from lightning_fp8.kernels import reference, reference_adamw
 from lightning_fp8.optim import master
 
 ATTR = "_lightning_fp8_weight_cache"  # the WeightCache of a parameter
@@ -111,7 +111,10 @@ class WeightCache:
     def transposed(self) -> torch.Tensor:
         """The copy's transpose (the dgrad operand), made by the first caller after the step and then kept."""
         if self.data_t is None:
-            self.data_t = _transpose(self.data)
+            # Out of sight of selective checkpointing (eagerly): the recompute finds it made, and must run the
+            # forward's other ops in the forward's order.
+            with reference.state_writes(self.data):
+                self.data_t = _transpose(self.data)
         return self.data_t
 
     def record_into(self, buffers: tuple[torch.Tensor, ...]) -> None:
@@ -120,7 +123,7 @@ class WeightCache:
         leaves the state's scale as it was, where the step's record carries scale 1."""
         amax_history, scale, amax, saturation, nonfinite_count, casts = buffers
         floats, counts = self.floats, self.counts
-        with torch.no_grad():
+        with torch.no_grad(), reference.state_writes(casts):  # as a cast's own record (reference.record_cast_ref)
             torch.where(floats[4] > 0, floats[2], scale, out=scale)
             torch._foreach_copy_([amax, saturation, amax_history], [floats[1], floats[3], floats[4:5]])
             torch._foreach_add_([nonfinite_count, casts], [counts[0], counts[1]])

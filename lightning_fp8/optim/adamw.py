@@ -84,9 +84,10 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
             (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale.
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler` (or None; anything else, ``torch.amp.GradScaler``
-            among them, is a TypeError). Gradients are unscaled by its mu, the FP8 gradient
-            casts report to it, and :meth:`step` routes through it (skip on non-finite, then ``update()``). Several
-            optimizers may share one: each step then decides, and updates mu, on that optimizer's own gradients.
+            among them, is a TypeError, and so is ``torch.amp.GradScaler.step(optimizer)``). Gradients are unscaled by
+            its mu, the FP8 gradient casts report to it, and :meth:`step` routes through it (skip on non-finite, then
+            ``update()``). Several optimizers may share one: each step then decides, and updates mu, on that
+            optimizer's own gradients.
         fp8_params: more parameters to treat as FP8 linear weights (besides the weights FP8Linear marks); their
             master is kept apart from the parameter.
         fp8_grads: cast gradients of FP8 weights to FP8 as soon as they are accumulated, freeing the fp16 copy
@@ -154,6 +155,10 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         >>> model = convert_to_fp8(nn.Sequential(nn.Linear(64, 64)))
         >>> opt = FP8AdamW(model.parameters(), lr=1e-3)
     """
+
+    # torch.amp.GradScaler.step(optimizer) then hands its scale to step() instead of unscaling param.grad, where the
+    # FP8 gradients the optimizer holds are not: step() refuses it (optim/step.py, refuse_torch_amp_step).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -322,7 +327,10 @@ class FP8AdamW(_Adoption, _FP8Grads, _Pickling, torch.optim.Optimizer):
         Raises:
             ValueError, TypeError: for a parameter group holding a value the constructor refuses (written since it was
                 checked, e.g. ``group["amsgrad"] = True`` or an lr of NaN), before anything is stepped.
+            TypeError: when ``torch.amp.GradScaler.step(optimizer)`` calls it (it cannot unscale the FP8 gradients:
+                use :class:`~lightning_fp8.FP8GradScaler`), before anything is stepped.
         """
+        step_.refuse_torch_amp_step(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -168,7 +168,9 @@ class _Adoption:
         if take_storage and self._takes_storage(p):
             grad = p.grad  # of the old dtype: master.adopt drops it, kept below
             master.adopt(p, self.master_dtype)
-        if master.master_scale(p) is not None and self.fp8_grads and p.requires_grad:  # adopted, now or earlier
+        # Adopted now or earlier, or kept apart where the weight already has the master's dtype (else fp8_grads was
+        # ignored there without a word: a model.half() weight's gradient stayed fp16, an fp32 master's fp32).
+        if self._gets_grad_hook(p):
             self._register_grad_hook(p)
         if grad is not None:  # a backward before the optimizer took the weight: its next step applies it
             if p in self._hooks:

@@ -65,12 +65,13 @@ class _FP8Grads:
 
     def _gets_grad_hook(self, p: torch.Tensor) -> bool:
         """Whether ``fp8_grads`` gives ``p`` the FP8 gradient hook: an FP8Linear weight that trains, not sharded, at
-        O1 (:meth:`_register_o1_grad_hooks`) or adopted at O2 (:meth:`_adopt`)."""
+        O1 (:meth:`_register_o1_grad_hooks`) or adopted at O2 (:meth:`_adopt`), its master in its storage or kept
+        apart (a weight already of the master's dtype: ``model.half()``, ``master_dtype=torch.float32``)."""
         if not (self.fp8_grads and master.is_fp8_weight(p) and p.requires_grad) or shards.is_dtensor(p):
             return False
         if self.opt_level == "O1":
             return True
-        return self._wants_low_precision(p) and (self._takes_storage(p) or master.master_scale(p) is not None)
+        return self._wants_low_precision(p) and not shards.is_fsdp1_view(p)
 
     def _check_grad_hooks_allowed(self, params: Iterable[torch.Tensor]) -> None:
         """Raise ValueError if ``fp8_grads`` would hook the gradients of some of ``params`` under torch.distributed

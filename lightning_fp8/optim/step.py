@@ -60,8 +60,9 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
     # lr 0 leaves the weights as they are, as in torch.optim.AdamW (the copy would be the rounded master;
     # torch.distributed.checkpoint creates the states of a resumed run with such a step).
     write_copies = copies[0] is not None and float(group["lr"]) != 0.0
+    eps = _eps_at_least_normal(group["eps"], beta2, step)
     kwargs = {
-        "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": group["eps"],
+        "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": eps,
         "weight_decay": group["weight_decay"], "step": step,
         "grad_unscale": -grad_unscale if group.get("maximize", False) else grad_unscale,
         "two_pass": two_pass, "grad_amaxes": None if two_pass else grad_amaxes,
@@ -85,6 +86,22 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
     if caches is not None:
         for p, cache in zip(owners, caches, strict=True):
             weight_cache.seal(p, cache)
+
+
+# fp32's smallest normal number, twice: the least bias-corrected eps the step uses (see _eps_at_least_normal).
+_EPS_HAT_MIN = 2.0**-125
+
+
+def _eps_at_least_normal(eps: Any, beta2: float, step: int) -> Any:
+    """``eps``, raised where needed so that the step's bias-corrected ``eps * sqrt(1 - beta2**step)`` is a normal fp32.
+
+    With ``eps`` 0 (torch.optim.AdamW takes it), an element whose stored moments both flushed to zero in their
+    per-tensor scaled formats (its gradient some 2**-20 below the tensor's largest), then got no gradient, stepped
+    0 / 0 = NaN into its weight, where torch's moments stay nonzero and its step is 0. A normal eps_hat (GPUs flush
+    subnormals) makes that step 0 and changes no other: the square root of any nonzero fp32 ``v`` exceeds it by 2**50.
+    """
+    least = _EPS_HAT_MIN / math.sqrt(1.0 - beta2**step)
+    return least if float(eps) < least else eps
 
 
 def _check_number(name: str, value: Any, tensor_ok: bool = False) -> None:
@@ -117,6 +134,9 @@ _NO_AMSGRAD = (
 )
 
 
+_NO_TORCH_AMP = "torch.amp.GradScaler cannot unscale FP8 gradients: FP8GradScaler replaces it"
+
+
 def check_grad_scaler(grad_scaler: Any) -> None:
     """Raise TypeError unless ``grad_scaler`` is an :class:`~lightning_fp8.FP8GradScaler` or None: anything else failed
     mid-backward (the FP8 gradient hook reports each cast to it, after taking the gradient out of ``param.grad``), or
@@ -126,9 +146,37 @@ def check_grad_scaler(grad_scaler: Any) -> None:
     if grad_scaler is not None and not isinstance(grad_scaler, FP8GradScaler):
         what = "the FP8GradScaler class itself" if grad_scaler is FP8GradScaler else f"a {type(grad_scaler).__name__}"
         raise TypeError(
-            f"FP8AdamW(grad_scaler=...) got {what}: pass an FP8GradScaler instance (torch.amp.GradScaler cannot "
-            "unscale FP8 gradients: FP8GradScaler replaces it), or None"
+            f"FP8AdamW(grad_scaler=...) got {what}: pass an FP8GradScaler instance ({_NO_TORCH_AMP}), or None"
         )
+
+
+def refuse_torch_amp_step(opt: Any) -> None:
+    """Raise TypeError, nothing stepped, when ``torch.amp.GradScaler.step(opt)`` calls ``opt.step()``.
+
+    FP8AdamW sets ``_step_supports_amp_scaling``, so torch.amp passes its loss scale and overflow flag as
+    ``opt.grad_scale`` and ``opt.found_inf`` instead of unscaling ``param.grad`` itself. Its own unscaling went wrong
+    silently: the FP8 weights' gradients (held by the optimizer, ``param.grad`` None) kept the loss scale, so their
+    update came out that many times too large, and torch's overflow check never saw them. Both attributes are
+    removed here: torch removes them only after a step that returned, and they would refuse every later step.
+    """
+    if "found_inf" not in vars(opt) and "grad_scale" not in vars(opt):
+        return
+    vars(opt).pop("found_inf", None)
+    # torch.amp sets grad_scale to None when its unscale_(optimizer) already ran (for clipping): that call divided
+    # the gradients left in param.grad in place, which a step with FP8GradScaler would divide again.
+    unscaled = "grad_scale" in vars(opt) and vars(opt).pop("grad_scale") is None
+    redo = (
+        " torch.amp.GradScaler.unscale_(optimizer) already divided the gradients left in param.grad (not those "
+        "FP8AdamW holds in FP8): call optimizer.zero_grad() and run the backward again."
+        if unscaled
+        else ""
+    )
+    raise TypeError(
+        f"FP8AdamW.step() was called by torch.amp.GradScaler.step(optimizer): {_NO_TORCH_AMP}. Create "
+        "scaler = lightning_fp8.FP8GradScaler(model=model), pass it as FP8AdamW(..., grad_scaler=scaler), then "
+        "scaler.scale_loss(loss).backward() and scaler.step(optimizer) (or optimizer.step()); clip with "
+        f"scaler.clip_grad_norm_(...). Nothing was stepped.{redo}"
+    )
 
 
 def check_supported_flags(flags: dict[str, Any]) -> None:

@@ -3,7 +3,9 @@
 matched by op and call count, so the recompute must run the forward's ops in the forward's order. A forward whose input
 cast used its own amax (the first step of delayed scaling, every step of current scaling) once had its recompute cast
 with the kept scale instead (fewer ops): a policy saving ``aten.amax`` gave silently wrong gradients, one saving
-``aten.mul`` or ``aten.abs`` crashed inside the cast."""
+``aten.mul`` or ``aten.abs`` crashed inside the cast. A policy saving an in-place op (``aten.copy_``, ``aten.add_``, or
+every op) failed the backward with "Tensor cached during selective activation checkpoint has been mutated": the policy
+saw the casts' bookkeeping, in-place writes of the scaling buffers that the next cast writes again."""
 
 import copy
 import functools
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_fp8 import FP8MLP, FP8Linear
+from lightning_fp8 import FP8MLP, FP8AdamW, FP8Linear
 
 
 def _model(kind: str, recipe: str) -> nn.Module:
@@ -24,10 +26,22 @@ def _model(kind: str, recipe: str) -> nn.Module:
 
 
 def _saving(op):
+    # op None: the policy saves every op.
     def policy(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if func == op else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op is None or func == op else CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+_OPS = {
+    "amax": torch.ops.aten.amax.default,
+    "mul": torch.ops.aten.mul.Tensor,
+    "abs": torch.ops.aten.abs.default,
+    "copy_": torch.ops.aten.copy_.default,
+    "add_": torch.ops.aten.add_.Tensor,
+    "every op": None,
+    "clone": torch.ops.aten.clone.default,
+}
 
 
 @pytest.mark.parametrize("op", ["amax", "mul", "abs"])
@@ -35,8 +49,55 @@ def _saving(op):
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_selective_checkpointing_of_own_amax_casts_equals_the_unchecked_run(kind, recipe, op):
     """From the first step (own-amax casts) on: gradients bit for bit those of the model without checkpointing."""
-    op = {"amax": torch.ops.aten.amax.default, "mul": torch.ops.aten.mul.Tensor, "abs": torch.ops.aten.abs.default}[op]
-    model = _model(kind, recipe)
+    _assert_same_as_unchecked(_model(kind, recipe), _OPS[op])
+
+
+@pytest.mark.parametrize("op", ["copy_", "add_", "every op"])
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-current"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_selective_checkpointing_saving_in_place_ops_equals_the_unchecked_run(kind, recipe, op):
+    """The casts' bookkeeping (the scaling buffers' in-place updates) is out of the policy's sight: it saved them and
+    then failed ("Tensor cached during selective activation checkpoint has been mutated")."""
+    _assert_same_as_unchecked(_model(kind, recipe), _OPS[op])
+
+
+@pytest.mark.parametrize("op", ["every op", "clone"])
+@pytest.mark.parametrize("emit", [False, True])
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-current"])
+def test_selective_checkpointing_of_every_op_with_fp8adamw_steps_equals_the_unchecked_run(recipe, emit, op):
+    # O2: the weights' casts read FP8AdamW's scaled masters (their unscale bookkeeping too), gradients held in FP8.
+    # emit_fp8_weights: the forward records the step's FP8 copy into the weight's state and makes the copy's
+    # transpose on first use (the recompute finds it made): both out of the policy's sight, or saving every op failed
+    # ("mutated"), and saving aten.clone handed the recompute's ops outputs of others.
+    model = _model("mlp", recipe)
+    ref = copy.deepcopy(model)
+    opts = [FP8AdamW(m.parameters(), lr=1e-2, recipe=recipe, emit_fp8_weights=emit) for m in (model, ref)]
+    for step in range(3):
+        x = torch.randn(24, 32)
+        checkpoint(model, x, use_reentrant=False, context_fn=_saving(_OPS[op])).square().mean().backward()
+        ref(x).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), (step, name)
+        for name, buf in model.named_buffers():
+            assert torch.equal(buf, ref.get_buffer(name)), (step, name)
+
+
+def test_a_make_fx_trace_still_records_the_casts_bookkeeping():
+    # Hidden from selective checkpointing's mode, the bookkeeping must stay in a trace (make_fx's proxy mode here).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 32)
+    x = torch.randn(16, 32)
+    layer(x)
+    traced = [str(node.target) for node in make_fx(layer)(x).graph.nodes if node.op == "call_function"]
+    assert traced.count("aten.add_.Tensor") == 4  # nonfinite_count and casts, of the input and the weight casts
+
+
+def _assert_same_as_unchecked(model: nn.Module, op) -> None:
     ref = copy.deepcopy(model)
     for step, magnitude in enumerate((1.0, 4.0, 0.25)):
         x = torch.randn(24, 32) * magnitude
