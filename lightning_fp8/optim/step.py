@@ -175,7 +175,8 @@ def refuse_torch_amp_step(opt: Any) -> None:
         f"FP8AdamW.step() was called by torch.amp.GradScaler.step(optimizer): {_NO_TORCH_AMP}. Create "
         "scaler = lightning_fp8.FP8GradScaler(model=model), pass it as FP8AdamW(..., grad_scaler=scaler), then "
         "scaler.scale_loss(loss).backward() and scaler.step(optimizer) (or optimizer.step()); clip with "
-        f"scaler.clip_grad_norm_(...). Nothing was stepped.{redo}"
+        "scaler.clip_grad_norm_(...). Under Lightning use Trainer(precision='fp8-lm') instead of '16-mixed', under "
+        f"Accelerate the FP8-LM launch config instead of mixed_precision='fp16'. Nothing was stepped.{redo}"
     )
 
 
