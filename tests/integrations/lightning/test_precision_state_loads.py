@@ -63,9 +63,15 @@ def test_a_bad_part_of_the_state_changes_nothing(corrupt, hook):
     # mu was loaded, and the fallen-back layers put back, before the FP8 scaling state was checked.
     state = _saved_state()
     corrupt(state)
+    assert_refused_unchanged(state, hook, ValueError, "must be a power of two|expected an int >= 0")
+
+
+def assert_refused_unchanged(state: dict, hook: str, error: type[Exception], match: str) -> None:
+    """Loading ``state`` through ``hook`` raises ``error`` matching ``match``, and the plugin and module keep mu, the
+    fallen-back layers and the FP8 state they had."""
     plugin, module = _plugin()
     before = _snapshot(plugin, module)
-    with pytest.raises(ValueError, match="must be a power of two|expected an int >= 0"):
+    with pytest.raises(error, match=match):
         if hook == "load_state_dict":
             plugin.load_state_dict(state)
         else:

@@ -2,9 +2,8 @@
 changes."""
 
 import pytest
-import torch
 
-from tests.integrations.lightning.test_precision_state_loads import _plugin, _saved_state, _snapshot
+from tests.integrations.lightning.test_precision_state_loads import _saved_state, assert_refused_unchanged
 
 
 @pytest.mark.parametrize(
@@ -22,13 +21,5 @@ def test_a_corrupt_saved_recipe_names_the_checkpoint_and_changes_nothing(recipe,
     # FP8Recipe's own message ("FP8Recipe(margin=-1) must be >= 0") named a setting the user never passed, and said
     # neither that it came from the checkpoint nor what to do.
     state = {**_saved_state(), "recipe": recipe}
-    plugin, module = _plugin()
-    before = _snapshot(plugin, module)
-    with pytest.raises(error, match=r"checkpoint's 'recipe' .* the checkpoint is corrupt\. Resume from an earlier"):
-        if hook == "load_state_dict":
-            plugin.load_state_dict(state)
-        else:
-            plugin.on_load_checkpoint({"FP8LMPrecision": state, "state_dict": {}})
-    after = _snapshot(plugin, module)
-    assert before[:2] == after[:2]
-    assert all(torch.equal(value, after[2][key]) for key, value in before[2].items())
+    match = r"checkpoint's 'recipe' .* the checkpoint is corrupt\. Resume from an earlier"
+    assert_refused_unchanged(state, hook, error, match)
