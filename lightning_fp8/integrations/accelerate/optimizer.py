@@ -39,7 +39,7 @@ def warn_if_level_differs(optimizer: FP8AdamW, recipe: FP8Recipe) -> None:
         where="accelerator.prepare",
         run_recipe="accelerator.fp8_lm_recipe",
         launch_with="launch with opt_level='{level}' (the lightning_fp8 config section, "
-        "LIGHTNING_FP8_RECIPE='{{\"name\": \"...\", \"opt_level\": \"{level}\"}}' or Accelerator(fp8_lm_recipe=...))",
+        'LIGHTNING_FP8_RECIPE=\'{{"name": "...", "opt_level": "{level}"}}\' or Accelerator(fp8_lm_recipe=...))',
     )
 
 
