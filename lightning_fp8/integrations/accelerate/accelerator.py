@@ -120,6 +120,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         self._fp8_wrapped: set[int] = set()
         self._fp8_wrap_lines: dict[str, dict[int, str]] = {}  # report key -> {model index: what the wrap installed}
         self._fp8_ddp_weights: set[int] = set()  # ids of the FP8 weights of the models prepare wrapped in DDP
+        self._fp8_comm_states: dict[int, Any] = {}  # model index -> its DDP hook's or FSDP2 collectives' FP8CommState
         self._fp8_steps = 0
         self._fp8_saving: str | None = None  # the folder save_state is writing (CheckpointMixin)
         self._fp8_fallback_seen = -1  # the scaler step of the last fallback reported to fp8_health
@@ -400,19 +401,25 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
                 )
                 line = str(comm_hook)
             else:
-                line = parallel.install_ddp_hook(ddp, self.fp8_lm_config.recipe, self._fp8_scaler())
+                line, state = parallel.install_ddp_hook(ddp, self.fp8_lm_config.recipe, self._fp8_scaler())
+                self._fp8_comm_states[self._fp8_model_index(ddp.module)] = state
             self._fp8_info(f"lightning_fp8: DDP gradient communication: {line}")
             self._fp8_report_wrap("ddp_comm_hook", ddp.module, line)
         elif self.is_fsdp2:
-            line = parallel.install_fsdp2_collectives(model, self.fp8_lm_config.recipe, self._fp8_scaler())
+            line, state = parallel.install_fsdp2_collectives(model, self.fp8_lm_config.recipe, self._fp8_scaler())
+            self._fp8_comm_states[self._fp8_model_index(unwrap_compiled(model))] = state
             self._fp8_info(f"lightning_fp8: {line}")
             self._fp8_report_wrap("fsdp2_collectives", unwrap_compiled(model), line)
+
+    def _fp8_model_index(self, model: nn.Module) -> int:
+        """The index of ``model`` (unwrapped) in ``_fp8_models`` (prepare order, as the report's layer names)."""
+        found = (i for i, m in enumerate(self._fp8_models) if model in (m, unwrap_compiled(m)))
+        return next(found, len(self._fp8_models))
 
     def _fp8_report_wrap(self, key: str, model: nn.Module, line: str) -> None:
         """``fp8_report[key]``: ``line`` with one prepared model; with several, each model's line named
         ``model<i>`` (prepare order, as the report's layer names), so that one model's wrap does not hide another's."""
-        found = (i for i, m in enumerate(self._fp8_models) if model in (m, unwrap_compiled(m)))
-        index = next(found, len(self._fp8_models))
+        index = self._fp8_model_index(model)
         lines = self._fp8_wrap_lines.setdefault(key, {})
         lines[index] = line
         several = len(self._fp8_models) > 1 or len(lines) > 1
@@ -433,7 +440,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, accelerate.Acce
         # Accelerate forgets its prepared objects; so does the FP8 side (a new prepare starts a new training).
         self.fp8_grad_scaler, self._fp8_optimizer = None, None
         self._fp8_models, self._fp8_swaps, self._fp8_wrapped, self._fp8_tp_mapping = [], [], set(), {}
-        self._fp8_ddp_weights, self._fp8_wrap_lines = set(), {}
+        self._fp8_ddp_weights, self._fp8_wrap_lines, self._fp8_comm_states = set(), {}, {}
         self._fp8_conversions = []
         self.fp8_report = self._fp8_initial_report()  # what the next prepare does (no optimizer swap, comm hook, ...)
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1

@@ -8,6 +8,8 @@ Accelerate's files are written, one file per rank in ``<checkpoint>/lightning_fp
   they are not in the model's ``state_dict``); per rank, because delayed-scaling histories of activations and
   activation gradients are per rank;
 - the gradient scaler mu and its counters, the health monitor's history and the scale-jump alerts;
+- the state of each model's FP8 gradient communication (the DDP hook's or FSDP2 collectives' ``FP8CommState``: the
+  native path's extra headroom and the collective count), where the run communicates in FP8;
 - the names of the layers that ``FP8GradScaler(nonfinite_fallback="bf16")`` put back to ``nn.Linear``. A model
   prepared afresh has them in FP8 again: :func:`put_back` puts them back before any state is loaded into it (FP8
   scaling state, weights, optimizer states), as Lightning's plugin does in ``on_load_checkpoint``.
@@ -58,8 +60,11 @@ def build_state(
     health: Any | None,
     steps: int,
     scale_jumps: Any | None = None,
+    comm_states: list[Any | None] | None = None,
 ) -> dict[str, Any]:
-    """This rank's FP8 state; ``models`` are unwrapped (no DDP ``module.`` prefix)."""
+    """This rank's FP8 state; ``models`` are unwrapped (no DDP ``module.`` prefix); ``comm_states``: each model's
+    ``FP8CommState`` (``None`` for a model without FP8 communication)."""
+    comm_states = comm_states if comm_states is not None else [None] * len(models)
     return {
         "format_version": FORMAT_VERSION,
         "recipe": recipe.to_dict(),
@@ -69,6 +74,7 @@ def build_state(
         "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
         "health": health.state_dict() if health is not None else None,
         "scale_jumps": scale_jumps.state_dict() if scale_jumps is not None else None,
+        "comm": [comm.state_dict() if comm is not None else None for comm in comm_states],
         "optimizer_steps": steps,
     }
 
@@ -215,6 +221,7 @@ def check(
     strict: bool = True,
     source: str = "the FP8 state",
     scale_jumps: Any | None = None,
+    comm_states: list[Any | None] | None = None,
 ) -> None:
     """Raise what :func:`restore` would raise for ``state`` (from :func:`load`) once :func:`put_back` has run, changing
     nothing.
@@ -232,14 +239,14 @@ def check(
         KeyError: when the state lacks an entry that :func:`build_state` writes.
         ValueError, TypeError: for an optimizer step count that is not a whole number >= 0, a different number of
             models, fallen-back layers the models do not have, and what :func:`~lightning_fp8.load_fp8_state_dict`,
-            ``FP8GradScaler.load_state_dict``, ``HealthMonitor.load_state_dict`` and ``ScaleJumps.load_state_dict``
-            raise for their parts.
+            ``FP8GradScaler.load_state_dict``, ``HealthMonitor.load_state_dict``, ``ScaleJumps.load_state_dict`` and
+            ``FP8CommState.load_state_dict`` raise for their parts.
     """
     # load_state sets its step count from the state last, after Accelerate loaded the weights: checked here first.
     _check_entries(state, source, (*_ENTRIES, "optimizer_steps"))
     _check_count(state, "optimizer_steps", 0, source)
     try:  # the saved recipe, the model count and the fallen-back layers are checked by _parts itself
-        for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps):
+        for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps, comm_states):
             check_part()
     except (KeyError, ValueError, TypeError) as error:
         message = error.args[0] if len(error.args) == 1 else str(error)  # KeyError's str() is a repr
@@ -273,6 +280,7 @@ def restore(
     *,
     strict: bool = True,
     scale_jumps: Any | None = None,
+    comm_states: list[Any | None] | None = None,
 ) -> None:
     """Load ``state`` (from :func:`load`) into the unwrapped ``models`` (their fallen-back layers put back), the scaler
     and the health monitor. Every part is checked before any is loaded: a bad entry anywhere in the file changes
@@ -281,7 +289,7 @@ def restore(
     Raises:
         KeyError, ValueError, TypeError: as :func:`check`.
     """
-    parts = _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps)
+    parts = _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps, comm_states)
     for check_part, _ in parts:
         check_part()
     saved = FP8Recipe.from_dict(state["recipe"])
@@ -305,9 +313,11 @@ def _parts(
     health: Any | None,
     strict: bool,
     scale_jumps: Any | None = None,
+    comm_states: list[Any | None] | None = None,
 ) -> list[tuple[Callable[[], None], Callable[[], None]]]:
     """``(check, load)`` of each part of ``state``: each model's scaling state, mu, the health history, the scale-jump
-    alerts (absent from checkpoints written before they were saved: the first log after the load compares nothing)."""
+    alerts (absent from checkpoints written before they were saved: the first log after the load compares nothing),
+    each model's FP8 communication state (``comm_states``, one per model, ``None`` for a model without one)."""
     _check_entries(state, "the FP8 state")
     saved = FP8Recipe.from_dict(state["recipe"])
     if len(state["models"]) != len(models):
@@ -326,7 +336,27 @@ def _parts(
     for owner, key in ((grad_scaler, "grad_scaler"), (health, "health"), (scale_jumps, "scale_jumps")):
         if owner is not None and state.get(key) is not None:
             parts.append((partial(owner.check_state_dict, state[key]), partial(owner.load_state_dict, state[key])))
+    for comm, saved_comm in zip(comm_states or [None] * len(models), _saved_comm(state, models), strict=True):
+        # Either side without FP8 communication (a checkpoint of one process resumed on several, or the reverse):
+        # nothing to carry over, the hooks start fresh.
+        if comm is not None and saved_comm is not None:
+            parts.append((partial(comm.check_state_dict, saved_comm), partial(comm.load_state_dict, saved_comm)))
     return parts
+
+
+def _saved_comm(state: dict[str, Any], models: list[nn.Module]) -> list[Any]:
+    """The saved FP8 communication state of each model (``None`` each in checkpoints written before it was saved),
+    checked to be one entry per model; each entry's own checks are ``FP8CommState.check_state_dict``'s."""
+    saved = state.get("comm")
+    if saved is None:
+        return [None] * len(models)
+    if not isinstance(saved, list) or len(saved) != len(models):
+        raise ValueError(
+            f"the FP8 state's 'comm' is {repr(saved)[:200]}, not one FP8 communication state (or None) per prepared "
+            f"model ({len(models)}): the file is corrupt. Load an earlier checkpoint, or delete this folder's "
+            "lightning_fp8/ files to start the FP8 scales and mu fresh"
+        )
+    return saved
 
 
 def _fallen_back(state: dict[str, Any], models: list[nn.Module]) -> list[list[str]]:

@@ -73,6 +73,7 @@ class CheckpointMixin:
             self.fp8_health,
             self._fp8_steps,
             self.fp8_scale_jumps,
+            self._fp8_comm_state_list(),
         )
         self._fp8_on_every_process(
             "writing its FP8 state", lambda: checkpoint.save(directory, self.process_index, state)
@@ -83,6 +84,10 @@ class CheckpointMixin:
             checkpoint.end_save(directory)
         self.wait_for_everyone()  # no process goes on (to load it, say) before the checkpoint is complete
         return location
+
+    def _fp8_comm_state_list(self) -> list[Any | None]:
+        """Each prepared model's FP8CommState (its DDP hook's or FSDP2 collectives'), ``None`` for one without."""
+        return [self._fp8_comm_states.get(index) for index in range(len(self._fp8_models))]
 
     def _fp8_on_every_process(self, action: str, write: Callable[[], Any]) -> Any:
         """``write()``, raising on every process when it raised on any (a barrier: a process does not wait forever
@@ -169,7 +174,7 @@ class CheckpointMixin:
             return
         checkpoint.restore(
             state, self.fp8_lm_config.recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict,
-            scale_jumps=self.fp8_scale_jumps,
+            scale_jumps=self.fp8_scale_jumps, comm_states=self._fp8_comm_state_list(),
         )  # fmt: skip
         self._fp8_steps = int(state["optimizer_steps"])
         if self.fp8_grad_scaler is not None:  # fallbacks before the checkpoint were reported then
@@ -198,7 +203,7 @@ class CheckpointMixin:
             recipe, source = self.fp8_lm_config.recipe, str(checkpoint.state_file(directory, self.process_index))
             checkpoint.check(
                 state, recipe, self._fp8_models, self.fp8_grad_scaler, self.fp8_health, strict=strict, source=source,
-                scale_jumps=self.fp8_scale_jumps,
+                scale_jumps=self.fp8_scale_jumps, comm_states=self._fp8_comm_state_list(),
             )  # fmt: skip
         if self._fp8_tp_enabled:
             tensor_parallel.sharded_path(checkpoint.rank_file(directory, 0).parent)

@@ -5,7 +5,7 @@ Thin calls into :mod:`lightning_fp8.distributed`; each returns what it set up, f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,9 +17,15 @@ from lightning_fp8.monitoring.measures import global_norm
 from lightning_fp8.optim import fp8_grads
 from lightning_fp8.recipe import FP8Recipe
 
+if TYPE_CHECKING:
+    from lightning_fp8.distributed import FP8CommState
 
-def install_ddp_hook(model: nn.parallel.DistributedDataParallel, recipe: FP8Recipe, grad_scaler: Any) -> str:
-    """Register the FP8 all-reduce comm hook on a DDP model.
+
+def install_ddp_hook(
+    model: nn.parallel.DistributedDataParallel, recipe: FP8Recipe, grad_scaler: Any
+) -> tuple[str, FP8CommState]:
+    """Register the FP8 all-reduce comm hook on a DDP model; returns the report's line and the hook's state (which
+    ``save_state`` keeps).
 
     The gradients of the FP8 layers' weights travel in the recipe's gradient format (as in FP8-LM, whose FP8
     gradients are those of its FP8 weights); the other gradients (embeddings, norms, biases) in their own dtype.
@@ -32,17 +38,19 @@ def install_ddp_hook(model: nn.parallel.DistributedDataParallel, recipe: FP8Reci
         model.process_group, fp8_dtype=recipe.backward_dtype, grad_scaler=grad_scaler, fp8_params=fp8_weights
     )
     model.register_comm_hook(state, fp8_allreduce_hook)
-    return f"fp8_allreduce_hook ({len(fp8_weights)} FP8 weight gradients in {recipe.backward_dtype})"
+    return f"fp8_allreduce_hook ({len(fp8_weights)} FP8 weight gradients in {recipe.backward_dtype})", state
 
 
-def install_fsdp2_collectives(model: nn.Module, recipe: FP8Recipe, grad_scaler: Any) -> str:
-    """FP8 gradient reduce-scatter and FP8 weight all-gather on every ``fully_shard`` module of ``model``."""
+def install_fsdp2_collectives(model: nn.Module, recipe: FP8Recipe, grad_scaler: Any) -> tuple[str, FP8CommState]:
+    """FP8 gradient reduce-scatter and FP8 weight all-gather on every ``fully_shard`` module of ``model``; returns the
+    report's line and the collectives' state (which ``save_state`` keeps)."""
     from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp2
 
     fp8_weights = [layer.weight for layer in fp8_modules(model).values()]
     state = FP8CommState(None, fp8_dtype=recipe.backward_dtype, grad_scaler=grad_scaler, fp8_params=fp8_weights)
     enable_fp8_fsdp2(model, state)
-    return f"FSDP2 FP8 reduce-scatter ({recipe.backward_dtype}) and FP8 weight all-gather ({len(fp8_weights)} weights)"
+    line = f"FSDP2 FP8 reduce-scatter ({recipe.backward_dtype}) and FP8 weight all-gather ({len(fp8_weights)} weights)"
+    return line, state
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0, *, buffers: bool = False) -> None:

@@ -302,6 +302,7 @@ def test_a_checkpoint_bad_on_one_process_is_refused_by_every_process(tmp_path):
     # parts either, or the ranks would train on different weights. See load_state_worker.py.
     log = run_two_processes(WORKER, tmp_path, str(tmp_path / "ckpt"))
     assert "rank 0: refused ok" in log and "rank 1: refused ok" in log, log[-3000:]
+    assert "rank 0: comm state loaded ok" in log and "rank 1: comm state loaded ok" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("saved_compiled", [True, False], ids=["saved_compiled", "loaded_compiled"])
