@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import check_amax_group
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, check_group, local_amax
+from lightning_fp8.distributed.comm_state_checks import MAX_EXTRA_HEADROOM, check_args, checked_saved_state, param_ids
 from lightning_fp8.distributed.exchange import (
     CollectiveRows,
     SymmetricRows,
@@ -35,15 +36,13 @@ from lightning_fp8.distributed.exchange import (
     symmetric_memory_reason,
 )
 from lightning_fp8.distributed.layout import SegmentLayout
-from lightning_fp8.formats import E5M2, check_fp8_dtype
-from lightning_fp8.recipe import MAX_MARGIN, as_count
+from lightning_fp8.formats import E5M2
 from lightning_fp8.warnings import warn_once
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 Algorithm = Literal["auto", "portable", "native", "gather"]
-_ALGORITHMS = ("auto", "portable", "native", "gather")
 
 # What "auto" runs per backend. The native FP8 all-reduce is chosen only where it was measured faster than the
 # portable path and accurate (benchmarks/bench_comm.py, figures in docs/benchmarks.md); gloo has no FP8 reduction.
@@ -59,9 +58,6 @@ _AUTO_GATHER_MAX_RANKS = {"nccl": 2}
 # The copy-engine transport's settings (exchange.SymmetricRows): its defaults (pushing on one high-priority copy
 # stream), the fastest in the sweeps on 2 H200s (docs/benchmarks.md, "Twenty-first session").
 _SYMMETRIC_ROWS: dict = {}
-
-# Binades the native path may add to its pre-scale headroom after overflows (each overflow adds one).
-MAX_EXTRA_HEADROOM = 8
 
 
 class FP8CommState:
@@ -129,38 +125,10 @@ class FP8CommState:
         slice_numel: int = 1 << 28,
         amax_group: dist.ProcessGroup | None = None,
     ) -> None:
-        check_fp8_dtype(fp8_dtype)
-        if algorithm not in _ALGORITHMS:
-            raise ValueError(f"FP8CommState(algorithm={algorithm!r}) is not supported: choose one of {_ALGORITHMS}")
-        margin, slice_numel = as_count(margin), as_count(slice_numel)  # a NumPy integer as an int
-        for name, value in (("margin", margin), ("slice_numel", slice_numel)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"FP8CommState({name}={value!r}) must be an int, got {type(value).__name__}")
-        if margin < 0:
-            raise ValueError(f"FP8CommState(margin={margin!r}): must be an int >= 0 (binades of headroom)")
-        if margin > MAX_MARGIN:
-            raise ValueError(
-                f"FP8CommState(margin={margin}) must be <= {MAX_MARGIN}: each unit halves the scale, and E4M3 spans "
-                "about 18 binades, 15 of them normal: from margin 15 every E4M3 value is subnormal, and past 16 few "
-                "subnormals are left (0 to 2 is usual)"
-            )
-        if slice_numel < 1:
-            raise ValueError(f"FP8CommState(slice_numel={slice_numel!r}): must be an int >= 1 (elements per slice)")
-        if grad_scaler is not None and not all(
-            callable(getattr(grad_scaler, name, None)) for name in ("record_gradient_cast", "record_nonfinite")
-        ):
-            raise TypeError(
-                f"FP8CommState(grad_scaler=...) got a {type(grad_scaler).__name__}: pass an FP8GradScaler "
-                "(it needs record_gradient_cast and record_nonfinite)"
-            )
+        margin, slice_numel = check_args(fp8_dtype, algorithm, grad_scaler, margin, fused, slice_numel)
         not_member = "build the FP8CommState and register the hook only on the ranks of the group it reduces over"
         check_group(process_group, "FP8CommState(process_group=...)", not_member)
         check_group(amax_group, "FP8CommState(amax_group=...)", not_member, "one of the same ranks, or None")
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(
-                f"FP8CommState(fused={fused!r}): pass True (Triton kernels), False (PyTorch references) or None "
-                "(Triton on CUDA tensors)"
-            )
         self.process_group = process_group
         self.amax_group = amax_group
         self.fp8_dtype = fp8_dtype
@@ -171,7 +139,7 @@ class FP8CommState:
         if fused and not torch.cuda.is_available():  # the gradients will be on the CPU: raise now, not in a hook
             self.use_fused(torch.device("cpu"))
         self.slice_numel = slice_numel
-        self._fp8_param_ids = None if fp8_params is None else _param_ids(fp8_params)
+        self._fp8_param_ids = None if fp8_params is None else param_ids(fp8_params)
         # DDP: whether some bucket of the first backward held one of fp8_params (see ddp._check_fp8_params).
         self._fp8_params_seen, self._fp8_params_checked = False, fp8_params is None
         self._fp8_weights_left_out = False  # fp8_params empty, and the model has FP8 weights (see empty_fp8_params)
@@ -320,7 +288,7 @@ class FP8CommState:
             ValueError: for an entry out of range (``extra_headroom`` outside 0 to ``MAX_EXTRA_HEADROOM``, a negative
                 ``reductions``).
         """
-        headroom, reductions = self._checked_state(state_dict)
+        headroom, reductions = checked_saved_state(state_dict)
         if self._extra_headroom is not None:
             self._extra_headroom.fill_(headroom)
         elif headroom:  # on the CPU until the first native sum says the device (extra_headroom)
@@ -330,33 +298,7 @@ class FP8CommState:
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing: so that a load of
         several parts checks every part before it loads any."""
-        self._checked_state(state_dict)
-
-    def _checked_state(self, state_dict: Any) -> tuple[int, int]:
-        redo = (
-            "load the dict that FP8CommState.state_dict() returned (the checkpoint may be corrupt). Nothing was loaded"
-        )
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"FP8CommState.load_state_dict: got a {type(state_dict).__name__}, not a dict; {redo}")
-        expected = {"extra_headroom", "reductions"}
-        if set(state_dict) != expected:
-            missing, unknown = sorted(expected - set(state_dict)), sorted(map(str, set(state_dict) - expected))
-            raise KeyError(
-                f"FP8CommState.load_state_dict: missing entries {missing}, unknown entries {unknown} (expected "
-                f"{sorted(expected)}); {redo}"
-            )
-        bounds = {"extra_headroom": (0, MAX_EXTRA_HEADROOM), "reductions": (0, None)}
-        values = []
-        for name, (low, high) in bounds.items():
-            value = as_count(state_dict[name])  # a NumPy integer as an int
-            if isinstance(value, bool) or not isinstance(value, int):
-                got = repr(value)[:100]
-                raise TypeError(f"FP8CommState.load_state_dict: entry {name!r} is {got}, not an int; {redo}")
-            if value < low or (high is not None and value > high):
-                allowed = f"an int from {low} to {high}" if high is not None else f"an int >= {low}"
-                raise ValueError(f"FP8CommState.load_state_dict: entry {name!r} is {value}, expected {allowed}; {redo}")
-            values.append(value)
-        return values[0], values[1]
+        checked_saved_state(state_dict)
 
     # ----------------------------------------------------------------------------------------------- step state
     @property
@@ -462,26 +404,6 @@ class FP8CommState:
             yield
 
 
-def empty_fp8_params_message(where: str) -> str:
-    return (
-        f"{where}: FP8CommState(fp8_params=...) is empty, but the model has FP8 layers: their gradients are reduced "
-        "in their own dtype, not in FP8. Build the list after convert_to_fp8 (and after fully_shard), e.g. "
-        "[m.weight for m in model.modules() if isinstance(m, FP8Linear)], or leave fp8_params out"
-    )
-
-
-def refuse_layer_swaps(state: FP8CommState, where: str, wrapper: str) -> None:
-    """Raise now, not after ``fallback_after`` non-finite steps of training, when the state's grad scaler has the
-    ``"bf16"`` fallback: it replaces FP8Linear modules by ``nn.Linear``, which ``wrapper`` (what it holds of the
-    modules it wraps) cannot follow."""
-    if getattr(state.grad_scaler, "nonfinite_fallback", None) == "bf16":
-        raise ValueError(
-            f"{where}: FP8CommState(grad_scaler=...) has nonfinite_fallback='bf16', which puts layers back to "
-            f"nn.Linear by replacing the modules; {wrapper}, so it cannot do that here: use "
-            "nonfinite_fallback='lower_lr', a callable, or None"
-        )
-
-
 def check_state(state: object, where: str) -> None:
     """Raise TypeError unless ``state`` is an FP8CommState (a process group passed positionally is the usual mistake:
     FP8CommState's own first argument is the group)."""
@@ -499,16 +421,3 @@ def _triton_interpreted() -> bool:
     except ImportError:  # no Triton: no kernel runs anywhere
         return False
     return comm._interpreted(comm._quantize_kernel)
-
-
-def _param_ids(fp8_params: Iterable[torch.Tensor]) -> set[int]:
-    hint = "pass the parameters themselves, e.g. [m.weight for m in model.modules() if isinstance(m, FP8Linear)]"
-    if isinstance(fp8_params, (torch.Tensor, nn.Module, str)) or not isinstance(fp8_params, Iterable):
-        raise TypeError(f"FP8CommState(fp8_params=...) got a {type(fp8_params).__name__}, not an iterable of tensors: "
-                        f"{hint}")  # fmt: skip
-    params = list(fp8_params)
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"FP8CommState(fp8_params=...) holds a {type(p).__name__} ({p!r:.60}) at index {i}, not a "
-                            f"tensor: {hint}")  # fmt: skip
-    return {id(p) for p in params}

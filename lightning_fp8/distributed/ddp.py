@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8, all_reduce_fp8_gather, all_reduce_fp8_native
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message, refuse_layer_swaps
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
+from lightning_fp8.distributed.comm_state_checks import empty_fp8_params_message, refuse_layer_swaps
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.optim import master
 from lightning_fp8.warnings import warn_once

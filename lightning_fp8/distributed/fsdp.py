@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_fp8.distributed.allreduce import all_reduce_fp8
 from lightning_fp8.distributed.comm import reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state, refuse_layer_swaps
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
+from lightning_fp8.distributed.comm_state_checks import refuse_layer_swaps
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.warnings import warn_once
 

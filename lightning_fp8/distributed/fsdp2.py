@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState, check_state, empty_fp8_params_message, refuse_layer_swaps
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
+from lightning_fp8.distributed.comm_state_checks import empty_fp8_params_message, refuse_layer_swaps
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
