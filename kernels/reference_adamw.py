@@ -110,7 +110,7 @@ def decay_progress_ref(dst: torch.Tensor, x_scaled: torch.Tensor, old: torch.Ten
     the gradient holds (a steady state within rounding) keeps its nearest rounding. A step that changes the scale
     moves every stored value anyway."""
     fmax = SCALED_STATE_MAX[dst.dtype]
-    half_decay = (1.0 + torch.tensor(beta1, dtype=torch.float32)) * 0.5
+    half_decay = (1.0 + torch.tensor(beta1, dtype=torch.float32, device=dst.device)) * 0.5
     bits, old_bits = dst.view(torch.uint8), old.view(torch.uint8)
     q = dst.float()
     held = (bits == old_bits) & (q != 0) & (x_scaled.clamp(-fmax, fmax).abs() <= q.abs() * half_decay)

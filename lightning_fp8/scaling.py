@@ -301,7 +301,7 @@ class ScalingState(nn.Module):
             if seen.device.type != "cuda":
                 self.initialized = 0.0 < float(seen) < math.inf
                 return
-            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            host = torch.empty((), dtype=torch.float32, device="cpu", pin_memory=True)  # whatever the default device
             host.copy_(seen, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(seen.device))

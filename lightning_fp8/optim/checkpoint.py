@@ -225,7 +225,7 @@ def _load_one(opt: FP8AdamW, p: torch.Tensor, saved: dict[str, Any]) -> None:
         state["master_scale"] = master.master_scale(p)
         state["master_amax"] = getattr(p, master.AMAX_ATTR)
     if "step" in saved:
-        state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().cpu().clone().reshape(())
+        state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32, device="cpu").detach().clone().reshape(())
     with torch.no_grad():
         if p not in opt._low_precision or p in opt._moments_only:  # the master is high precision
             for key, dtype in (("exp_avg", opt.exp_avg_dtype), ("exp_avg_sq", opt.exp_avg_sq_dtype)):

@@ -361,7 +361,7 @@ def _check_step(where: str, step: Any) -> None:
     """Raise ValueError unless ``step`` is a number of steps: an integer value from 0 to :data:`_MAX_STEP`, as a Python
     number or a one-element real tensor (torch.optim.AdamW saves a 0-dim float32 one). Not a bool: True loaded as 1."""
     try:
-        value = torch.as_tensor(step)
+        value = torch.as_tensor(step, device="cpu") if not isinstance(step, torch.Tensor) else step
         count = float(value) if value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool) else None
     except (TypeError, ValueError, RuntimeError):
         count = None

@@ -261,7 +261,7 @@ def advance_steps(steps: list[torch.Tensor]) -> list[int]:
     if not steps:
         return []
     if all(s.is_cpu for s in steps):  # as torch.optim.AdamW: a tensor scalar and alpha take foreach's fast path
-        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
+        torch._foreach_add_(steps, torch.ones((), device="cpu"), alpha=1.0)
     else:
         for s in steps:
             s += 1
