@@ -300,9 +300,8 @@ class _Adoption:
         master.check_storage_dtypes(self._low_precision, self.master_dtype)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
-        state["step"] = torch.zeros(
-            (), dtype=torch.float32, device="cpu"
-        )  # as torch.optim.AdamW, on any default device
+        # On the CPU as torch.optim.AdamW keeps it, whatever the default device (torch.set_default_device).
+        state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
         if p not in self._low_precision:
             state["exp_avg"] = torch.zeros_like(p, dtype=_FP32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=_FP32, memory_format=torch.preserve_format)
