@@ -283,7 +283,7 @@ def convert_to_fp8(
     if module_filter_fn is not None and not callable(module_filter_fn):  # as FP8LMPrecision(module_filter_fn=...)
         raise TypeError(
             f"convert_to_fp8(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, e.g. "
-            f"lambda module, fqn: fqn != {module_filter_fn!r} to keep that layer in high precision"
+            f"{filter_example(module_filter_fn)} to keep that layer in high precision"
         )
     if module_filter_fn is not None and not takes_module_and_name(module_filter_fn):
         raise TypeError(
@@ -353,6 +353,11 @@ def _why_left(
     if _is_kept_in_fp32(fqn, keep_fp32):
         return "keep_in_fp32"
     return _reason_left(child, shared, fast_path)
+
+
+def filter_example(value: object) -> str:
+    """A module_filter_fn for the error of a non-callable ``value``: keep the layer it names (a string), or lm_head."""
+    return f"lambda module, fqn: fqn != {value if isinstance(value, str) else 'lm_head'!r}"
 
 
 def takes_module_and_name(fn: Callable[..., object]) -> bool:

@@ -566,11 +566,13 @@ def test_recipe_is_read_only_after_conversion():
     assert copy.deepcopy(layer).recipe == before
 
 
-@pytest.mark.parametrize("not_callable", ["head", ["0"], True])
-def test_a_filter_that_is_not_callable_is_refused_before_any_change(not_callable):
+@pytest.mark.parametrize(("not_callable", "example"), [("head", "'head'"), (["0"], "'lm_head'"), (True, "'lm_head'")])
+def test_a_filter_that_is_not_callable_is_refused_before_any_change(not_callable, example):
     # Found by a sweep: a layer name passed as the filter raised "'str' object is not callable" from inside the walk
-    # (FP8LMPrecision(module_filter_fn=...) says what to pass).
+    # (FP8LMPrecision(module_filter_fn=...) says what to pass). The example keeps the layer a string names; for
+    # anything else it names lm_head (it once read "fqn != True").
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    with pytest.raises(TypeError, match=r"convert_to_fp8\(module_filter_fn=.*\): must be a callable fn\(module, fqn\)"):
+    match = rf"convert_to_fp8\(module_filter_fn=.*\): must be a callable .* e.g. lambda module, fqn: fqn != {example}"
+    with pytest.raises(TypeError, match=match):
         convert_to_fp8(model, module_filter_fn=not_callable)
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]

@@ -49,7 +49,13 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
-from lightning_fp8.convert import _check_converted_recipes, convert_to_fp8, fp8_modules, takes_module_and_name
+from lightning_fp8.convert import (
+    _check_converted_recipes,
+    convert_to_fp8,
+    filter_example,
+    fp8_modules,
+    takes_module_and_name,
+)
 from lightning_fp8.integrations.clipping import UnscaledGradients
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning import optimizers as optimizer_swap
@@ -99,7 +105,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState):
         if module_filter_fn is not None and not callable(module_filter_fn):
             raise TypeError(
                 f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}): must be a callable fn(module, fqn) -> bool, "
-                f"e.g. lambda module, fqn: fqn != {module_filter_fn!r}"
+                f"e.g. {filter_example(module_filter_fn)}"
             )
         if module_filter_fn is not None and not takes_module_and_name(module_filter_fn):
             raise TypeError(  # else the fit failed in convert_module with Python's bare arity error
