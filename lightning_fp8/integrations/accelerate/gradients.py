@@ -92,7 +92,9 @@ class GradientsMixin:
         The gradients carry the factor mu until the optimizer step (which unscales inside its fused kernel), so
         they are scaled by ``min(1, max_norm / (norm / mu))``: the true gradients' clipping, exact in the scale
         since mu is a power of two. The norm is accumulated in fp32 (FP8 weights' gradients are fp16 at O2, whose
-        range a norm over many values can exceed).
+        range a norm over many values can exceed). Under FSDP2 and tensor parallelism Accelerate's own clipping runs,
+        on the scaled gradients: torch's 1e-6 guard against a zero norm then counts in their units (a relative
+        difference of 1e-6 / (mu * norm) from the unscaled clipping, seen only for norms near 1e-6).
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
