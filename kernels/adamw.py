@@ -87,10 +87,11 @@ _ALIGN = 16  # bytes: one vector access
 
 @functools.lru_cache(maxsize=64)
 def _block_table(numels: tuple[int, ...], chunk: int, device: torch.device) -> torch.Tensor:
-    chunks = torch.tensor([triton.cdiv(n, chunk) for n in numels], dtype=torch.int64)
-    tensor_index = torch.repeat_interleave(torch.arange(len(numels)), chunks)
+    # Built on the host (whatever torch.set_default_device says), then copied over once.
+    chunks = torch.tensor([triton.cdiv(n, chunk) for n in numels], dtype=torch.int64, device="cpu")
+    tensor_index = torch.repeat_interleave(torch.arange(len(numels), device="cpu"), chunks)
     starts = torch.cumsum(chunks, 0) - chunks
-    chunk_index = torch.arange(int(chunks.sum())) - torch.repeat_interleave(starts, chunks)
+    chunk_index = torch.arange(int(chunks.sum()), device="cpu") - torch.repeat_interleave(starts, chunks)
     return torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32).to(device)
 
 

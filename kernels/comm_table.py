@@ -36,12 +36,13 @@ class BlockTable:
 
 
 def _tiles(runs: list[tuple[int, int, int, int, int]], block: int) -> torch.Tensor:
-    # Cut runs (src, dst, length, value, out) into tiles of at most `block` elements: (n, 5) int64.
-    cols = torch.tensor(runs, dtype=torch.int64).reshape(-1, 5).T
+    # Cut runs (src, dst, length, value, out) into tiles of at most `block` elements: (n, 5) int64, on the host
+    # (whatever torch.set_default_device says).
+    cols = torch.tensor(runs, dtype=torch.int64, device="cpu").reshape(-1, 5).T
     lengths = cols[2]
     tiles = (lengths + block - 1) // block
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), tiles)
-    offset = (torch.arange(seg.numel()) - (torch.cumsum(tiles, 0) - tiles)[seg]) * block
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device="cpu"), tiles)
+    offset = (torch.arange(seg.numel(), device="cpu") - (torch.cumsum(tiles, 0) - tiles)[seg]) * block
     return torch.stack(
         [cols[0][seg] + offset, cols[1][seg] + offset, torch.clamp(lengths[seg] - offset, max=block), cols[3][seg],
          cols[4][seg]], dim=1,
