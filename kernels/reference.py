@@ -197,6 +197,8 @@ def traced(t: torch.Tensor) -> bool:
     fake = sys.modules.get("torch._subclasses.fake_tensor")
     if fake is not None and isinstance(t, fake.FakeTensor):
         return True
+    if torch._C._len_torch_dispatch_stack() == 0:  # counts the fake, proxy and functional modes too: none is on
+        return False
     keys = torch._C._TorchDispatchModeKey
     return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
 
