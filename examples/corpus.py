@@ -69,7 +69,8 @@ def _text_files(root: Path, default: bool) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
-        files += [Path(dirpath, f) for f in sorted(filenames) if (f.endswith(".py") or not default)]
+        paths = [Path(dirpath, f) for f in sorted(filenames) if (f.endswith(".py") or not default)]
+        files += [p for p in paths if p.is_file()]  # not a broken link (no file to open) or a pipe (a read that waits)
     return files
 
 
@@ -90,7 +91,8 @@ def load_corpus(
             two splits together (with the newline that joins two files) hold this many bytes (``None``: everything).
         val_fraction: share of files (whole files, chosen by a hash of their path, so the split does not
             change when ``max_bytes`` does) held out for validation. A single file is split at its end: its
-            last ``val_fraction`` of bytes are the validation split.
+            last ``val_fraction`` of bytes are the validation split (so are a few files that all hashed into one
+            split).
 
     Raises:
         FileNotFoundError: if ``path`` is neither a file nor a directory.
@@ -117,7 +119,7 @@ def load_corpus(
         (val if held_out else train).append(data)
         n_files += 1
         total += separator + len(data)
-    if n_files == 1 or not val:  # one file (or an unlucky split): hold out its tail instead
+    if n_files == 1 or not val or not train:  # one file (or an unlucky split, either way): hold out the tail instead
         joined = b"\n".join(train + val)
         cut = int(len(joined) * (1 - val_fraction))
         train, val = [joined[:cut]], [joined[cut:]]

@@ -19,6 +19,7 @@ A tiny Llama built from its config (no download), trained on this file's bytes; 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -127,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(
                 f"--resume {args.resume!r} holds no {state_file(0)}: it is not a checkpoint folder this script wrote "
                 "(FP8StateCallback saves one into each); give one, e.g. --out/checkpoint-<step>"
+            )
+        # transformers checks max_steps only after a step: resumed at --steps already, it trained one step more
+        trainer_state = folder / "trainer_state.json"
+        done = json.loads(trainer_state.read_text()).get("global_step", 0) if trainer_state.is_file() else 0
+        if done >= args.steps:
+            parser.error(
+                f"--resume {args.resume!r} is at step {done} already: give a --steps above it (the run's steps in all)"
             )
     train(args.steps, str(args.out), args.resume, args.save_steps)
 

@@ -307,10 +307,15 @@ def main(argv: list[str] | None = None) -> Path:
                     result = {
                         "variant": name,
                         "label": VARIANTS[name]["label"],
-                        "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
+                        "status": f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}",
                     }
-            (runs_dir / f"{name}.json").write_text(json.dumps({**env, **result}, indent=1))
-    summary = write_report(args.out)
+            path = runs_dir / f"{name}.json"
+            path.with_suffix(".partial").write_text(json.dumps({**env, **result}, indent=1))
+            path.with_suffix(".partial").replace(path)  # whole or not at all: the report reads every runs/*.json
+    try:
+        summary = write_report(args.out)
+    except ValueError as err:  # a runs/*.json that does not parse
+        make_parser().error(str(err))
     print(summary.read_text())
     return summary
 

@@ -25,9 +25,16 @@ TARGET = 0.01  # FP8-LM's final validation loss should be within 1% of BF16's (i
 ROLES = ("input", "weight", "grad_output")
 
 
+def _load_run(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:  # a run killed while writing it (or a file edited by hand)
+        raise ValueError(f"{path} is not a lab run ({err}): run its variant again with lab.py, or delete it") from None
+
+
 def load_runs(out: Path) -> list[dict[str, Any]]:
     order = ["bf16", "fp8-lm", "fp8-lm-o1", "torchao"]
-    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    runs = [_load_run(p) for p in sorted((out / "runs").glob("*.json"))]
     return sorted(runs, key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
 
 
@@ -53,7 +60,8 @@ def plot_loss(runs: list[dict[str, Any]], path: Path) -> None:
     ax_val.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/byte)")
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no validation during the runs: no line to name (matplotlib warns)
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -239,4 +247,7 @@ if __name__ == "__main__":
     lab_dir = parser.parse_args().lab_dir
     if not any((lab_dir / "runs").glob("*.json")):
         parser.error(f"no runs in {lab_dir}: expected {lab_dir / 'runs'}/<variant>.json, as lab.py --out writes")
-    print(write_report(lab_dir).read_text())
+    try:
+        print(write_report(lab_dir).read_text())
+    except ValueError as err:
+        parser.error(str(err))

@@ -28,6 +28,7 @@ from corpus import add_data_arguments, corpus_from_args, make_loaders
 from gpt import GPT, GPTConfig, adamw_with_schedule, fp8_module_filter
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from resume import check_resume
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -158,7 +159,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         type=checkpoint_file,
-        help="continue from a checkpoint this script wrote (e.g. OUT/checkpoints/last.ckpt)",
+        help="continue from a checkpoint this script wrote (e.g. OUT/checkpoints/last.ckpt), to a larger --max-steps",
     )
     p.add_argument("--no-progress-bar", action="store_true")
     return p
@@ -173,6 +174,7 @@ def checkpoint_file(text: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = make_parser().parse_args(argv)
+    args.given = {key for key in ("lr", "warmup_steps") if getattr(args, key) is not None}  # see check_resume
     defaults = GPU_DEFAULTS if torch.cuda.is_available() and not args.toy else CPU_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(args.seed, verbose=False)
     try:  # a model or data that cannot be: a usage error before anything trains, not a traceback
         cfg = gpt_config(args)
+        if args.resume is not None:
+            check_resume(args, cfg, FP8_PRECISIONS)
         train_loader, val_loader = data_loaders(args, cfg.seq_len)
     except ValueError as err:
         make_parser().error(str(err))

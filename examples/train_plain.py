@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -109,16 +110,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if step % max(1, args.max_steps // 10) == 0 or step == args.max_steps:
             s = fp8_stats(model, grad_scaler=scaler)
             rate = step * tokens_per_step / (time.perf_counter() - start)
+            # No FP8 layer (feature sizes not multiples of 16 stay in high precision): no grad_output scales
+            g = s["summary"].get("grad_output")
+            scales = f"2^{math.log2(g['scale_min']):.0f}..2^{math.log2(g['scale_max']):.0f}" if g else "none"
             print(
                 f"step {step:5d} | loss {sum(losses[-10:]) / len(losses[-10:]):.4f} | {rate:,.0f} tok/s "
                 f"| mu {s['grad_scaler']['scale']:g} | skipped {s['grad_scaler']['skipped_steps']} "
-                f"| grad_output scales 2^{math.log2(s['summary']['grad_output']['scale_min']):.0f}.."
-                f"2^{math.log2(s['summary']['grad_output']['scale_max']):.0f}"
+                f"| grad_output scales {scales}"
             )
 
     # --8<-- [start:checkpoint]
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "checkpoint.pt"
+    path, partial = args.out / "checkpoint.pt", args.out / "checkpoint.pt.partial"
     torch.save(
         {
             "model": model.state_dict(),  # the same keys as the unconverted GPT
@@ -126,8 +129,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "optimizer": optimizer.state_dict(),
             "grad_scaler": scaler.state_dict(),
         },
-        path,
+        partial,
     )
+    os.replace(partial, path)  # whole or not at all: a save cut short leaves the earlier checkpoint as it was
     ckpt = torch.load(path, weights_only=True)  # plain tensors and numbers: no pickled classes
     model.load_state_dict(ckpt["model"])
     load_fp8_state_dict(model, ckpt["fp8"])

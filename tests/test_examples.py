@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,27 @@ def test_user_data_file(tmp_path):
     assert bytes(c.val.tolist()) == text[c.train.numel() :]  # one file: its tail is the validation split
     with pytest.raises(FileNotFoundError, match="neither a file nor a directory"):
         load_corpus(tmp_path / "missing")
+
+
+def test_a_directory_whose_files_all_hash_into_validation_splits_its_tail(tmp_path):
+    """An unlucky split of a directory leaves the tail to validation whichever split got no file: with every file held
+    out, 136 KB of text was refused as too short to train on ("0 training bytes: give about 2048 bytes")."""
+    names = [n for n in (f"f{i}.txt" for i in range(50)) if zlib.crc32(n.encode()) % 10_000 < 5_000][:3]
+    for name in names:
+        (tmp_path / name).write_text("".join(f"line {i} of {name}: some text\n" for i in range(1500)))
+    c = load_corpus(tmp_path, val_fraction=0.5)
+    assert c.files == 3 and c.train.numel() > 60_000 and c.val.numel() > 60_000
+
+
+def test_a_directory_with_a_broken_link_and_a_named_pipe_reads_its_files(tmp_path):
+    """os.walk lists links and pipes among the files: a broken link was a FileNotFoundError traceback, and a named pipe
+    blocked the read forever (a subprocess, so that such a hang fails the test instead of stopping the suite)."""
+    (tmp_path / "a.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(2000)))
+    (tmp_path / "broken.txt").symlink_to(tmp_path / "missing.txt")
+    os.mkfifo(tmp_path / "pipe")
+    code = f"from corpus import load_corpus; print(load_corpus({str(tmp_path)!r}, val_fraction=0.3).files)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLES, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr[-2000:]
 
 
 def test_a_directory_without_text_and_an_empty_file_get_load_corpus_own_errors(tmp_path):
@@ -269,6 +291,32 @@ def test_train_plain_toy(tmp_path):
     assert any(key.endswith("grad_output.amax_history") for key in ckpt["fp8"])
 
 
+def test_train_plain_without_fp8_layers_logs_no_scales(tmp_path):
+    """A width that is not a multiple of 16 is a valid GPT whose linear layers all stay in high precision (documented);
+    the log line read the grad_output scales of FP8 layers there were none of (a KeyError at the first log)."""
+    args = ["--width", "24", "--heads", "2", "--depth", "1", "--seq-len", "32", "--batch-size", "4", "--max-steps", "1"]
+    proc = _run("train_plain.py", [*args, "--max-bytes", "100000", "--val-batches", "1", "--out", str(tmp_path)], 300)
+    assert "| grad_output scales none" in proc.stdout and "final val loss" in proc.stdout
+
+
+def test_train_plain_a_save_cut_short_leaves_the_earlier_checkpoint(tmp_path, monkeypatch):
+    """torch.save wrote checkpoint.pt in place: a save that failed part-way (a full disk, a kill) left half a file
+    where the earlier run's checkpoint was."""
+    import train_plain
+
+    (tmp_path / "checkpoint.pt").write_bytes(b"the earlier checkpoint")
+
+    def save_half(obj, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_half)
+    args = ["--width", "32", "--heads", "2", "--depth", "1", "--seq-len", "32", "--batch-size", "4", "--max-steps", "1"]
+    with pytest.raises(OSError, match="No space left"):
+        train_plain.main([*args, "--max-bytes", "100000", "--val-batches", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"the earlier checkpoint"
+
+
 def test_hf_trainer_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path, monkeypatch):
     """examples/hf_trainer.py: transformers.Trainer's checkpoints lack the FP8 scaling state; its FP8StateCallback
     saves and loads it, so the resumed run's weights are the uninterrupted run's bit for bit (without the load they
@@ -290,6 +338,22 @@ def test_hf_trainer_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path,
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="saved without FP8StateCallback"):
         hf_trainer.train(8, str(tmp_path / "missing"), resume=str(checkpoint), save_steps=4)
+
+
+@pytest.mark.parametrize("steps", [2, 1])
+def test_hf_trainer_resume_at_or_past_steps_is_a_usage_error(tmp_path, capsys, steps):
+    """transformers checks max_steps after a step: resumed from checkpoint-2 with --steps 2 it trained step 3 and wrote
+    checkpoint-3, though --steps counts the run's steps in all."""
+    import hf_trainer
+
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / hf_trainer.state_file(0)).write_bytes(b"")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "max_steps": 2}))
+    with pytest.raises(SystemExit) as exit_info:
+        hf_trainer.main(["--steps", str(steps), "--out", str(tmp_path / "run"), "--resume", str(checkpoint)])
+    assert exit_info.value.code == 2 and "is at step 2 already: give a --steps above it" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -422,6 +486,34 @@ def test_lab_report_help_and_an_empty_directory(tmp_path):
     assert not out.exists()
 
 
+def test_lab_a_variant_failing_without_a_message_keeps_the_others(tmp_path, monkeypatch):
+    """A variant's exception without a message (a bare assert) failed the handler meant to keep the other variants'
+    results (IndexError: str(err).splitlines() is empty), and no report was written."""
+    import lab
+
+    def run_variant(name, args, loaders):
+        if name == "fp8-lm":
+            raise AssertionError  # what a bare `assert` raises outside pytest's rewritten modules
+        return {**_lab_run(name, 1.0), "series": {"steps": [1], "train_loss": [1.0], "val": [], "scale_steps": []}}
+
+    monkeypatch.setattr(lab, "run_variant", run_variant)
+    lab.main([*TOY, "--max-bytes", "100000", "--variants", "fp8-lm,bf16", "--out", str(tmp_path)])
+    failed = json.loads((tmp_path / "runs" / "fp8-lm.json").read_text())
+    assert failed["status"] == "failed: AssertionError: " and (tmp_path / "runs" / "bf16.json").is_file()
+    assert "| FP8-LM O2 | failed: AssertionError:  |" in (tmp_path / "summary.md").read_text()
+
+
+def test_lab_report_names_a_half_written_run_file(tmp_path):
+    """A runs/<variant>.json cut short (lab.py killed while writing it: it now writes a .partial and renames it) was
+    a JSONDecodeError traceback from every later report, naming no file."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "fp8-lm.json").write_text('{"variant": "fp8-lm", "status": "o')
+    for cmd in (["lab_report.py", str(tmp_path)], ["lab.py", "--report-only", "--out", str(tmp_path)]):
+        proc = subprocess.run([sys.executable, str(EXAMPLES / cmd[0]), *cmd[1:]], capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert "fp8-lm.json is not a lab run" in proc.stderr and "run its variant again" in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -482,6 +574,70 @@ def test_train_gpt_resumes_from_its_checkpoint(tmp_path):
     assert torch.load(ckpt, weights_only=True)["global_step"] == 4
 
 
+def _fake_train_gpt_checkpoint(path: Path, step: int = 2, width: int = 64, fp8_moments: bool = True) -> str:
+    """The entries of a train_gpt.py checkpoint that --resume checks, for the TOY model (no run needed)."""
+    from dataclasses import asdict
+
+    gpt = asdict(GPTConfig.preset("toy", width=width, depth=2, heads=4, seq_len=64))
+    moments = {"exp_avg": torch.zeros(2, dtype=torch.float8_e4m3fn), "exp_avg_scale": torch.tensor(64.0)}
+    state = {0: {"step": torch.tensor(2.0), **(moments if fp8_moments else {"exp_avg": torch.zeros(2)})}}
+    hparams = {"gpt": gpt, "lr": 2e-3, "warmup_steps": 10}
+    checkpoint = {"global_step": step, "hyper_parameters": hparams, "optimizer_states": [{"state": state}]}
+    torch.save(checkpoint, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "args", "message"),
+    [
+        # Lightning trained nothing, then the summary divided by zero (no loss since the resume)
+        ({}, ["--max-steps", "2"], "is at step 2 already: give a --max-steps above it"),
+        ({"step": 5}, ["--max-steps", "4"], "is at step 5 already"),
+        # a size-mismatch traceback from load_state_dict
+        ({"width": 128}, ["--max-steps", "4"], "resume with the run's --preset/--width"),
+        # torch's AdamW read FP8AdamW's stored m * scale as m, without a word
+        ({}, ["--max-steps", "4", "--precision", "bf16-mixed"], "holds FP8AdamW's moments"),
+        ({}, ["--max-steps", "4", "--precision", "32-true"], "adamw_state_dict"),
+        # Lightning restored the checkpoint's learning rate: --lr was recorded in the hyper-parameters, not trained with
+        ({}, ["--max-steps", "4", "--lr", "0.05"], "goes on with its own learning rate 0.002"),
+    ],
+)
+def test_train_gpt_resume_checkpoints_it_cannot_continue_are_usage_errors(tmp_path, capsys, checkpoint, args, message):
+    import train_gpt
+
+    ckpt = _fake_train_gpt_checkpoint(tmp_path / "last.ckpt", **checkpoint)
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt.main([*TOY, *args, "--resume", ckpt, "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_gpt_resume_takes_a_converted_or_bf16_checkpoint_and_refuses_a_file_that_is_none(tmp_path):
+    """What the docs say works: an FP8 checkpoint converted with adamw_state_dict resumes in bf16, a bf16 checkpoint
+    in FP8 (docs/guides/checkpoints.md). A file torch.load cannot read is a usage error (was the unpickler's
+    KeyError traceback)."""
+    import train_gpt
+
+    converted = _fake_train_gpt_checkpoint(tmp_path / "a.ckpt", fp8_moments=False)
+    for precision in ("bf16-mixed", "fp8-lm"):
+        args = train_gpt.parse_args([*TOY, "--max-steps", "4", "--precision", precision, "--resume", converted])
+        args.lr = 0.01  # another device's default, not given: the run trains with the checkpoint's, and records it
+        train_gpt.check_resume(args, train_gpt.gpt_config(args), train_gpt.FP8_PRECISIONS)
+        assert args.lr == 2e-3 and args.warmup_steps == 10  # not 5% of --max-steps (1)
+    args = train_gpt.parse_args(
+        [*TOY, "--max-steps", "4", "--lr", "0.002", "--warmup-steps", "3", "--resume", converted]
+    )
+    train_gpt.check_resume(
+        args, train_gpt.gpt_config(args), train_gpt.FP8_PRECISIONS
+    )  # its own lr given again; a new warm-up, which trains
+    assert args.warmup_steps == 3
+    junk = tmp_path / "junk.ckpt"
+    junk.write_text("not a checkpoint")
+    args = train_gpt.parse_args([*TOY, "--max-steps", "4", "--resume", str(junk)])
+    with pytest.raises(ValueError, match="does not load .*give a .ckpt file this script wrote"):
+        train_gpt.check_resume(args, train_gpt.gpt_config(args), train_gpt.FP8_PRECISIONS)
+
+
 def test_accelerate_toy_with_own_data_and_validation(tmp_path):
     """The Accelerate loop takes --data, evaluates the held-out split every --val-every steps and at the end
     (val/loss in metrics.jsonl, printed), with FP8-LM from the environment, in one process."""
@@ -498,6 +654,42 @@ def test_accelerate_toy_with_own_data_and_validation(tmp_path):
     assert sorted(row["step"] for row in rows if row["step"]) == [1, 2, 3, 4, 5]  # one row per step
     assert f"data: {text} (1 files" in proc.stdout and f"final val loss {val[5]:.4f}" in proc.stdout
     assert "optimizer: FP8AdamW" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "2"], "is at step 2 already: give a --steps above it"),
+        (["--steps", "1"], "is at step 2 already: give a --steps above it"),
+        # load_state restored the saved hyper-parameters: --lr 0.05 was logged in the config, training used 0.001
+        (["--steps", "3", "--lr", "0.05"], "goes on with its own --lr 0.001, not 0.05: leave --lr out"),
+        (["--steps", "3", "--weight-decay", "0"], "goes on with its own --weight-decay 0.2, not 0.0"),
+    ],
+)
+def test_accelerate_resume_it_cannot_continue_is_a_usage_error(tmp_path, capsys, args, message):
+    """Resumed at --steps already, the loop trained nothing, saved checkpoint_final again and printed "final loss nan,
+    final val loss nan"; a new --lr or --weight-decay was silently not trained with."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accelerate_train_gpt", EXAMPLES / "accelerate" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    checkpoint = tmp_path / "checkpoint_2"
+    checkpoint.mkdir()
+    (checkpoint / "random_states_0.pkl").write_bytes(b"")
+    torch.save({"step": 2, "batches": 2}, checkpoint / "custom_checkpoint_0.pkl")
+    torch.save({"base_lrs": [0.001, 0.001], "last_epoch": 2}, checkpoint / "scheduler.bin")
+    torch.save({"state": {}, "param_groups": [{"weight_decay": 0.2, "params": []}]}, checkpoint / "optimizer.bin")
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(2000)))
+    data = ["--seq-len", "32", "--batch-size", "4", "--data", str(text), "--resume", str(checkpoint)]
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args([*data, *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    resumed = example.parse_args([*data, "--steps", "3"])[0]
+    assert (resumed.lr, resumed.weight_decay) == (0.001, 0.2)  # the checkpoint's, not the defaults
+    fresh = example.parse_args([*data[:-2], "--steps", "3"])[0]
+    assert (fresh.lr, fresh.weight_decay) == (2e-3, 0.1)
 
 
 def test_accelerate_validation_leaves_the_end_of_a_training_epoch_synchronized():

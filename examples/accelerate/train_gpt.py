@@ -90,8 +90,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=count, default=200, help="optimizer steps")
     non_negative = float_at_least(0)  # learning rate, weight decay, gradient norm
-    p.add_argument("--lr", type=non_negative, default=2e-3)
-    p.add_argument("--weight-decay", type=non_negative, default=0.1)
+    p.add_argument("--lr", type=non_negative, help="default: 2e-3; a resumed run's is the checkpoint's")
+    p.add_argument("--weight-decay", type=non_negative, help="default: 0.1; a resumed run's is the checkpoint's")
     p.add_argument("--warmup", type=at_least_0, default=20)
     p.add_argument("--clip", type=non_negative, default=1.0, help="max gradient norm (0: no clipping)")
     add_data_arguments(p)  # --data, --max-bytes, --val-fraction
@@ -123,7 +123,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Corpu
             f"--resume {str(args.resume)!r} is not a checkpoint folder written by save_state (no random_states_*.pkl "
             "in it); give one this script wrote, e.g. --out/checkpoint_final"
         )
+    done, saved = saved_run(args.resume) if args.resume is not None else (0, {})
+    if done >= args.steps:  # the loop trained nothing, saved checkpoint_final again and printed a loss of nan
+        p.error(
+            f"--resume {str(args.resume)!r} is at step {done} already: give a --steps above it "
+            "(the run's optimizer steps in all, those before the resume too)"
+        )
+    # load_state restores the optimizer's and the schedule's hyper-parameters: new values would only be logged
+    for key, default in (("lr", 2e-3), ("weight_decay", 0.1)):
+        given, kept = getattr(args, key), saved.get(key)
+        if given is not None and kept is not None and given != kept:
+            flag = "--" + key.replace("_", "-")
+            p.error(f"--resume {str(args.resume)!r} goes on with its own {flag} {kept}, not {given}: leave {flag} out")
+        setattr(args, key, given if given is not None else kept if kept is not None else default)
     return args, corpus
+
+
+def saved_run(folder: Path) -> tuple[int, dict[str, float]]:
+    """A checkpoint folder's optimizer steps (its TrainState, the first object registered for checkpointing), learning
+    rate (the schedule's) and weight decay (the first param group's); 0 and none where the files do not say (load_state
+    then says what is wrong)."""
+
+    def read(name: str) -> dict:
+        path = folder / name
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path.is_file() else None
+        return state if isinstance(state, dict) else {}
+
+    saved = {"lr": (read("scheduler.bin").get("base_lrs") or [None])[0]}
+    saved["weight_decay"] = ((read("optimizer.bin").get("param_groups") or [{}])[0]).get("weight_decay")
+    return int(read("custom_checkpoint_0.pkl").get("step", 0)), saved
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:

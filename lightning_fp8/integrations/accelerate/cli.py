@@ -239,7 +239,12 @@ def _read_config(path: str) -> dict[str, Any]:
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise ValueError(f"config file {path} does not parse: {err}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} does not hold a mapping")
+        what = "is empty" if data is None else f"holds a {type(data).__name__}"
+        raise ValueError(
+            f"config file {path} does not hold a mapping (it {what}): write Accelerate's settings into it with "
+            f"`accelerate config --config_file {path}` (at least `distributed_type`), then add the `{CONFIG_KEY}:` "
+            "section; or leave --config_file out and pass --fp8-recipe / --fp8-exclude"
+        )
     return data
 
 

@@ -85,8 +85,12 @@ def _write(path, data):
         (None, ["--fp8-tp-plan", "row"], r"--fp8-tp-plan='row' is not a tensor-parallel plan: choose one of"),
         # Accelerate's own FP8 options: its parser takes them, lightning_fp8's Accelerator would ignore them
         # (options every Accelerate since 1.0 has: 1.16 dropped MS-AMP's --fp8_opt_level)
-        (None, ["--fp8_margin", "2", "--fp8-amax-history-len=8"], r"error: --fp8_amax_history_len, --fp8_margin: "
-         r"options of Accelerate's own FP8 backends .* Set FP8-LM's with --fp8-recipe"),
+        (
+            None,
+            ["--fp8_margin", "2", "--fp8-amax-history-len=8"],
+            r"error: --fp8_amax_history_len, --fp8_margin: "
+            r"options of Accelerate's own FP8 backends .* Set FP8-LM's with --fp8-recipe",
+        ),
     ],
 )
 def test_bad_settings_fail_before_launching(tmp_path, capsys, section, flags, expected):
@@ -168,8 +172,10 @@ def test_launch_passes_the_shell_exclude_on_with_a_recipe_flag(tmp_path):
         ({"distributed_type": "NO", "lightning_fp8": {"recipe": None}}, r"\.recipe is empty: write a recipe name"),
         ({"distributed_type": "NO", "lightning_fp8": False}, r"got False \(YAML reads off/no/false as False"),
         # Accelerate refuses the unknown key with a traceback that suggests upgrading it
-        ({"distributed_type": "NO", "lightning-fp8": {"recipe": "fp8-lm-o1"}},
-         r"error: config file .* has a section `lightning-fp8`: the FP8-LM section is named `lightning_fp8`"),
+        (
+            {"distributed_type": "NO", "lightning-fp8": {"recipe": "fp8-lm-o1"}},
+            r"error: config file .* has a section `lightning-fp8`: the FP8-LM section is named `lightning_fp8`",
+        ),
     ],
 )
 def test_config_file_edge_values_fail_before_launching_with_what_to_write(tmp_path, capsys, config, expected):
@@ -184,7 +190,9 @@ def test_config_file_edge_values_fail_before_launching_with_what_to_write(tmp_pa
     [
         ("bad.yaml", "distributed_type: NO\nlightning_fp8: {recipe: fp8\n", r"config file .*bad.yaml does not parse"),
         ("bad.json", '{"distributed_type": "NO",', r"config file .*bad.json does not parse"),
-        ("list.yaml", "- distributed_type\n", r"config file .*list.yaml does not hold a mapping"),
+        ("list.yaml", "- distributed_type\n", r"config file .*list.yaml does not hold a mapping \(it holds a list\)"),
+        # an empty file said only "does not hold a mapping", not what to write
+        ("empty.yaml", "", r"empty.yaml does not hold a mapping \(it is empty\): write .*accelerate config --config_f"),
         # Accelerate's own FP8 settings, which FP8-LM does not read (its --fp8_* options are refused alike)
         ("fp8.yaml", "distributed_type: 'NO'\nfp8_config:\n  backend: TE\n", r"has an `fp8_config` section"),
     ],
