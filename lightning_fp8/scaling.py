@@ -252,8 +252,9 @@ class ScalingState(nn.Module):
         if history.is_meta or _tracing(history) or _capturing(history):
             return
         self.marked_by_trace = False
-        if not bool(history.any()):
-            self.initialized = False
+        with _disable_current_modes():  # as _take_seen_amax's read
+            if not bool(history.any()):
+                self.initialized = False
 
     def set_initialized(self, flag: bool) -> None:
         """Set :attr:`initialized` from outside the casts (a checkpoint's saved flag): an amax read of
@@ -269,7 +270,8 @@ class ScalingState(nn.Module):
             pending[1].synchronize()
         if pending is not None and pending[1].query():
             del _SEEN_AMAX[self]
-            self.initialized = 0.0 < float(pending[0]) < math.inf  # False for NaN
+            with _disable_current_modes():  # a host read: selective checkpointing's recompute would meet it unsaved
+                self.initialized = 0.0 < float(pending[0]) < math.inf  # False for NaN
 
     def note_cast(self, numel: int, by_value: bool = True) -> None:
         """After a cast of ``numel`` elements that this state recorded: mark it :attr:`initialized` when the cast's

@@ -13,9 +13,10 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_fp8 import FP8MLP, FP8AdamW, FP8Linear
+from lightning_fp8 import FP8MLP, FP8AdamW, FP8Linear, ScalingState, scaling
 
 
 def _model(kind: str, recipe: str) -> nn.Module:
@@ -83,6 +84,34 @@ def test_selective_checkpointing_of_every_op_with_fp8adamw_steps_equals_the_unch
             assert torch.equal(p, q), (step, name)
         for name, buf in model.named_buffers():
             assert torch.equal(buf, ref.get_buffer(name)), (step, name)
+
+
+class _Arrived:
+    """A CUDA event whose copy has completed."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-current"])
+def test_the_gpus_amax_read_is_out_of_the_policys_sight(monkeypatch, recipe):
+    # On a GPU, note_cast copies the cast's amax to the host without waiting, and a later cast reads it once it
+    # arrived: the recompute of the first checkpointed step read it (aten._local_scalar_dense) where the forward had
+    # nothing to read, and the backward failed ("encountered during backward, but not found in storage"). Here that
+    # GPU path of note_cast on the CPU: the read goes to _SEEN_AMAX, already arrived.
+    def note_cast_as_on_a_gpu(self, numel, by_value=True):
+        if not by_value:
+            return original(self, numel, by_value)
+        with _disable_current_modes():
+            seen = torch.maximum(self._buffers["amax"], self._buffers["amax_history"].amax())
+            scaling._SEEN_AMAX[self] = (seen.clone(), _Arrived())
+
+    original = ScalingState.note_cast
+    monkeypatch.setattr(ScalingState, "note_cast", note_cast_as_on_a_gpu)
+    _assert_same_as_unchecked(_model("linear", recipe), None)
 
 
 def test_a_make_fx_trace_still_records_the_casts_bookkeeping():
