@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable
 
 from torch import nn
-from torch.nn.utils import parametrize
 
-from lightning_fp8.linear import _ACTIVATION_DTYPES, FP8Linear
+from lightning_fp8.eligibility import (
+    _LEFT_BECAUSE,
+    _NOT_ASKED,
+    _fast_path_children,
+    _kept_in_fp32,
+    _label,
+    _left_messages,
+    _why_left,
+    shared_parameter_ids,
+)
+from lightning_fp8.linear import FP8Linear
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.warnings import warn_once
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
-# Set on each nn.Linear that recovery.put_back_to_high_precision put in place of an FP8 layer (the "bf16" fallback):
-# convert_to_fp8 leaves it in high precision, so converting again does not undo the fallback.
-FALLBACK_ATTR = "_lightning_fp8_fallen_back"
 
 # nn.Module's forward and backward hook registries (OrderedDicts keyed by the id of the handle that registered the hook)
 # and the flag that register_full_backward_hook sets.
@@ -25,206 +30,6 @@ CALL_HOOKS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
 )  # fmt: skip
-# Its state_dict hook registries. FP8Linear registers hooks of its own there (the O2 master's export and import).
-STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                    "_load_state_dict_post_hooks")  # fmt: skip
-
-# Why a linear layer stays in high precision, and what to do to run it in FP8 (if anything): one warning per reason,
-# in this order, naming the layers.
-_LEFT_BECAUSE: dict[str, tuple[str, str]] = {
-    "tied": ("their weight is shared with another module (tied weights)", ""),
-    "sizes": ("their feature sizes are not multiples of 16", ""),
-    "dtype": (
-        "their parameters are not float32, bfloat16 or float16, the dtypes FP8 layers run with",
-        "to run them in FP8, convert the model first (model.float() or model.bfloat16())",
-    ),
-    "reparametrized": (
-        "their weight is computed from other parameters (weight_norm, spectral_norm, pruning or "
-        "torch.nn.utils.parametrize), which an FP8 layer does not do",
-        "to run them in FP8, remove the reparametrization first (torch.nn.utils.parametrize.remove_parametrizations, "
-        "torch.nn.utils.remove_weight_norm, ...)",
-    ),
-    "lazy": (
-        "they are nn.LazyLinear layers not initialized yet (their input size is known after their first forward)",
-        "to run them in FP8, run one forward first (they then become nn.Linear) and call convert_to_fp8 again",
-    ),
-    "subclass": (
-        "they are subclasses of nn.Linear (a LoRA layer, nn.MultiheadAttention's out_proj, ...), whose forward, added "
-        "parameters or own use of the weight (nn.MultiheadAttention reads out_proj's weight itself) an FP8 layer would "
-        "not keep",
-        "to run one in FP8, make it a plain nn.Linear (a LoRA layer's base layer, say, with the adapters beside it)",
-    ),
-    "not_parameters": (
-        "their weight or bias is not an nn.Parameter (a frozen weight registered as a buffer, say), which an FP8 layer "
-        "would drop from the state_dict and from .to()",
-        "to run them in FP8, make it a parameter that needs no gradient: nn.Parameter(tensor, requires_grad=False)",
-    ),
-    "added_state": (
-        "they hold parameters, buffers or submodules besides weight and bias (registered on the layer itself), which "
-        "an FP8 layer would drop from the state_dict, .to() and the optimizer",
-        "to run them in FP8, keep those in a module beside the layer",
-    ),
-    "fast_path": (
-        "they belong to an nn.TransformerEncoderLayer, whose inference fast path (eval under no_grad) reads their "
-        "weights itself, bypassing the layer (at O2 it would read FP8AdamW's scaled fp16 master)",
-        "to run them in FP8, build the block from its own nn.Linear layers",
-    ),
-    "state_dict_hooks": (
-        "they have state_dict hooks, an instance forward or were compiled in place (layer.compile()), which an FP8 "
-        "layer cannot take over (its own state_dict hooks export the O2 master weight; a compiled call runs the "
-        "nn.Linear)",
-        "to run them in FP8, register those (or call .compile()) after convert_to_fp8 (or FP8Linear.from_linear)",
-    ),
-    "keep_in_fp32": (
-        "the model keeps them in float32 (Hugging Face's _keep_in_fp32_modules, e.g. T5's wo): such models cast the "
-        "layer's input to its weight's dtype, which FP8AdamW's O2 master makes float16, where those activations "
-        "overflow",
-        "",
-    ),
-    "not_linear": (
-        "they are not nn.Linear but transformers' Conv1D (GPT-2's projections: a linear layer with its weight "
-        "transposed)",
-        "to run them in FP8, replace each by an nn.Linear(nx, nf) with weight conv.weight.t() and the same bias "
-        "before convert_to_fp8",
-    ),
-}
-
-
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    # transformers.pytorch_utils.Conv1D (GPT-2 and its kin): y = x @ weight + bias with weight (nx, nf).
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def _kept_in_fp32(module: nn.Module) -> re.Pattern[str] | None:
-    """What a Hugging Face model keeps in float32 (``_keep_in_fp32_modules`` and its ``_strict`` form, on any module
-    of ``module``), as a pattern of parameter names: an entry matches a run of whole name components ("wo",
-    "indexer.weights_proj", "gate.weight"; ``*`` any characters, as transformers reads it). None: nothing kept."""
-    names: set[str] = set()
-    for sub in module.modules():
-        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
-            names.update(getattr(sub, attr, None) or ())
-    if not names:
-        return None
-    entries = "|".join(re.escape(name).replace(r"\*", ".*") for name in sorted(names))
-    return re.compile(rf"(^|\.)({entries})(\.|$)")
-
-
-def _is_kept_in_fp32(fqn: str, keep_fp32: re.Pattern[str] | None) -> bool:
-    # The layer's parameter names, as transformers matches the entries against them.
-    prefix = f"{fqn}." if fqn else ""
-    return keep_fp32 is not None and any(keep_fp32.search(prefix + name) for name in ("weight", "bias"))
-
-
-def _is_linear_to_convert(module: nn.Module) -> bool:
-    # Every nn.Linear but the FP8 layers and the "bf16" fallback's layers; _reason_left then leaves some, named.
-    linear = isinstance(module, nn.Linear) and not isinstance(module, FP8Linear)
-    return linear and not getattr(module, FALLBACK_ATTR, False)
-
-
-def _holds_non_parameters(layer: nn.Module) -> bool:
-    # A weight (or a bias) that is a buffer or a plain tensor: an FP8Linear registers them as parameters, so it would
-    # drop them from the state_dict and leave them where .to() does not move them.
-    if not isinstance(layer._parameters.get("weight"), nn.Parameter):
-        return True
-    return not isinstance(layer._parameters.get("bias"), nn.Parameter) and getattr(layer, "bias", None) is not None
-
-
-def _fast_path_children(module: nn.Module) -> set[int]:
-    # torch's fused inference path of nn.TransformerEncoderLayer (torch._transformer_encoder_layer_fwd) takes
-    # linear1/linear2's weights as tensors: an FP8 layer there would be bypassed.
-    return {id(c) for m in module.modules() if isinstance(m, nn.TransformerEncoderLayer) for c in m.children()}
-
-
-def _reason_left(layer: nn.Module, shared: set[int], fast_path: frozenset[int] = frozenset()) -> str | None:
-    """The key of :data:`_LEFT_BECAUSE` for why the linear ``layer`` cannot become an FP8Linear, or None if it can."""
-    if id(layer) in fast_path:
-        return "fast_path"
-    return _reason_refused(layer) or _reason_in_model(layer, shared)
-
-
-def _reason_refused(layer: nn.Linear) -> str | None:
-    """The reasons that concern the layer alone, for which :meth:`FP8Linear.from_linear` raises too (it would drop the
-    real parameters, the subclass's forward or the hooks)."""
-    # First: reading the weight of a torch.nn.utils.parametrize layer (a ParametrizedLinear, computing its weight or
-    # bias on each access) would run the parametrization (a power iteration).
-    if parametrize.is_parametrized(layer):
-        return "reparametrized"
-    # Hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, prune) keep the nn.Linear type but replace
-    # the registered parameter by a tensor that a forward pre-hook recomputes from the real parameters.
-    if any(vars(layer).get(name) is not None for name in ("weight", "bias")):
-        return "reparametrized"
-    if isinstance(layer, nn.LazyLinear):  # once initialized it is an nn.Linear (LazyLinear.cls_to_become)
-        return "lazy"
-    if type(layer) is not nn.Linear:
-        return "subclass"
-    if _holds_non_parameters(layer):
-        return "not_parameters"
-    if set(layer._parameters) - {"weight", "bias"} or layer._buffers or layer._modules:
-        return "added_state"
-    # An instance forward, or nn.Module.compile()'s compiled call of the layer itself (which Module.__call__ would
-    # keep running: the nn.Linear's forward, not the FP8 one).
-    if any(getattr(layer, name) for name in STATE_DICT_HOOKS) or {"forward", "_compiled_call_impl"} & set(vars(layer)):
-        return "state_dict_hooks"
-    return None
-
-
-def _reason_in_model(layer: nn.Linear, shared: set[int]) -> str | None:
-    if layer.in_features % 16 or layer.out_features % 16:
-        return "sizes"
-    if any(p.dtype not in _ACTIVATION_DTYPES for p in layer.parameters(recurse=False)):
-        return "dtype"  # FP8Linear refuses float64 weights at every forward
-    if id(layer.weight) in shared:
-        # A tied weight (e.g. an output head sharing the token embedding) is read by another module too; the
-        # FP8 optimizer's O2 storage of FP8 weights would change what that module sees.
-        return "tied"
-    return None
-
-
-def check_wrappable(layer: nn.Module, caller: str) -> None:
-    """Raise for a linear layer that ``caller`` (``"FP8Linear.from_linear"``...) cannot make an FP8Linear of: one
-    that :func:`convert_to_fp8` leaves in high precision for what it is (see :func:`_reason_refused`).
-
-    Raises:
-        TypeError: if ``layer`` is not an ``nn.Linear``, or its weight has a dtype FP8 layers do not keep (float64:
-            every forward would refuse it).
-        ValueError: for such a layer, naming the reason and what to do, or for an FP8Linear (already one).
-    """
-    if not isinstance(layer, nn.Linear):
-        raise TypeError(f"{caller} takes an nn.Linear, got {type(layer).__name__}")
-    layer_repr = f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features})"
-    if isinstance(layer, FP8Linear):  # else refused as a subclass of nn.Linear, for a reason that does not apply
-        raise ValueError(
-            f"{caller}: {layer_repr} is already an FP8Linear; use it as it is (convert_to_fp8 leaves FP8 layers as "
-            "they are). For another recipe, convert the original nn.Linear, or build a new FP8Linear(..., recipe=...)"
-        )
-    if layer.weight.dtype not in _ACTIVATION_DTYPES:  # as every forward would refuse it (a bias is cast)
-        raise TypeError(
-            f"{caller}: {layer_repr} has a {layer.weight.dtype} weight; FP8 layers keep float32, bfloat16 or float16 "
-            "weights: cast the layer first (layer.float()) or keep it as nn.Linear (convert_to_fp8 leaves such "
-            "layers as they are)"
-        )
-    reason = _reason_refused(layer)
-    if reason is not None:
-        because, fix = _LEFT_BECAUSE[reason]
-        raise ValueError(
-            f"{caller}: {layer_repr} cannot become an FP8Linear; convert_to_fp8 leaves such layers in high precision "
-            f"because {because}" + (f"; {fix}" if fix else "")
-        )
-
-
-def _label(layer: nn.Module, fqn: str, reason: str) -> str:
-    name = fqn or "<root>"
-    if reason == "not_linear":  # transformers' Conv1D
-        return f"{name} ({layer.weight.shape[0]}->{layer.nf})"
-    if reason == "keep_in_fp32":
-        return fqn
-    if reason == "sizes":
-        return f"{name} ({layer.in_features}->{layer.out_features})"
-    if reason == "dtype":
-        return f"{name} ({layer.weight.dtype})"
-    if reason == "subclass":
-        return f"{name} ({type(layer).__name__})"
-    return name
 
 
 def share_hooks(source: nn.Module, target: nn.Module, registries: tuple[str, ...] = CALL_HOOKS) -> None:
@@ -328,31 +133,6 @@ def convert_to_fp8(
         warn_once(message)
     keep_scaling_states_per_rank(module)
     return module
-
-
-_NOT_ASKED = "not_asked"  # not a linear layer to convert, or the filter leaves it out: named in no warning
-
-
-def _why_left(
-    child: nn.Module,
-    fqn: str,
-    module_filter_fn: ModuleFilter | None,
-    keep_fp32: re.Pattern[str] | None,
-    shared: set[int],
-    fast_path: frozenset[int],
-) -> str | None:
-    """Why :func:`convert_to_fp8` leaves ``child`` as it is (:data:`_NOT_ASKED` or a key of :data:`_LEFT_BECAUSE`), or
-    None where it converts it."""
-    conv1d = _is_hf_conv1d(child)
-    if not (_is_linear_to_convert(child) or conv1d):
-        return _NOT_ASKED
-    if module_filter_fn is not None and not module_filter_fn(child, fqn):
-        return _NOT_ASKED
-    if conv1d:
-        return "not_linear"
-    if _is_kept_in_fp32(fqn, keep_fp32):
-        return "keep_in_fp32"
-    return _reason_left(child, shared, fast_path)
 
 
 def filter_example(value: object) -> str:
@@ -473,26 +253,6 @@ def replace_children(module: nn.Module, convert: Callable[[nn.Module, str], nn.M
             new = convert(child, first_name.get(id(child), f"{parent_name}.{name}" if parent_name else name))
             if new is not child:
                 setattr(parent, name, new)
-
-
-def _left_messages(left: dict[str, list[str]]) -> list[str]:
-    messages = []
-    for reason, (because, fix) in _LEFT_BECAUSE.items():
-        names = left[reason]
-        if names:
-            message = f"convert_to_fp8 left {len(names)} linear layer(s) in high precision because {because}: "
-            messages.append(message + ", ".join(names) + (f"; {fix}" if fix else ""))
-    return messages
-
-
-def shared_parameter_ids(module: nn.Module) -> set[int]:
-    """The ids of the parameters that two or more modules of ``module`` hold (tied weights), which a conversion
-    must leave alone (only ``module``'s own modules are seen)."""
-    owners: dict[int, int] = {}
-    for sub in module.modules():
-        for p in sub.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    return {pid for pid, count in owners.items() if count > 1}
 
 
 def fp8_modules(module: nn.Module) -> dict[str, FP8Linear]:

@@ -221,7 +221,7 @@ class FP8Linear(nn.Linear):
                 submodules besides weight and bias, state_dict hooks, an instance ``forward`` or a compiled call
                 (``layer.compile()``): the FP8 layer would drop them), or feature sizes that are not multiples of 16.
         """
-        from lightning_fp8 import convert  # here: convert.py imports this module
+        from lightning_fp8 import convert, eligibility  # here: they import this module
 
         if cls.__init__ is not FP8Linear.__init__ and cls.from_linear.__func__ is FP8Linear.from_linear.__func__:
             raise TypeError(
@@ -230,7 +230,7 @@ class FP8Linear(nn.Linear):
                 "the linear's state_dict into it, or override from_linear (super().from_linear(...), then set up "
                 "what __init__ adds)"
             )
-        convert.check_wrappable(linear, "FP8Linear.from_linear")
+        eligibility.check_wrappable(linear, "FP8Linear.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features

@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_fp8 import ops, weight_cache
 from lightning_fp8.autograd_rules import check_no_forward_ad, check_no_functorch, once_differentiable
-from lightning_fp8.convert import check_wrappable
+from lightning_fp8.eligibility import check_wrappable
 from lightning_fp8.kernels.reference import kept_input_scale_inv
 from lightning_fp8.linear import (
     _ACTIVATION_DTYPES,

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8.convert import CALL_HOOKS, FALLBACK_ATTR, STATE_DICT_HOOKS, share_hooks
+from lightning_fp8.convert import CALL_HOOKS, share_hooks
+from lightning_fp8.eligibility import FALLBACK_ATTR, STATE_DICT_HOOKS
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import master

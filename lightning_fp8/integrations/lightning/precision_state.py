@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_fp8 import recovery
-from lightning_fp8.convert import FALLBACK_ATTR, fp8_modules
+from lightning_fp8.convert import fp8_modules
+from lightning_fp8.eligibility import FALLBACK_ATTR
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
 from lightning_fp8.linear import FP8Linear

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fp8.convert import _checked_filter, replace_children, shared_parameter_ids
+from lightning_fp8.convert import _checked_filter, replace_children
+from lightning_fp8.eligibility import shared_parameter_ids
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
