@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import recovery
+from lightning_fp8.integrations.accelerate import state_entries
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.state import check_fp8_state_dict, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.warnings import warn_once
@@ -173,8 +174,8 @@ def load(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, 
             f"{path} has FP8 state format {state.get('format_version')!r}; this lightning_fp8 reads format "
             f"{FORMAT_VERSION}: load it with the lightning_fp8 version that wrote it"
         )
-    _check_entries(state, str(path))
-    _check_count(state, "world_size", 1, str(path))
+    state_entries.check_entries(state, str(path))
+    state_entries.check_count(state, "world_size", 1, str(path))
     if path != rank_file(directory, rank) and rank < state["world_size"]:  # a rank that saved, without its file
         _incomplete(directory, rank_file(directory, rank))
     if state["world_size"] != world_size:
@@ -243,8 +244,8 @@ def check(
             ``FP8CommState.load_state_dict`` raise for their parts.
     """
     # load_state sets its step count from the state last, after Accelerate loaded the weights: checked here first.
-    _check_entries(state, source, (*_ENTRIES, "optimizer_steps"))
-    _check_count(state, "optimizer_steps", 0, source)
+    state_entries.check_entries(state, source, (*state_entries.ENTRIES, "optimizer_steps"))
+    state_entries.check_count(state, "optimizer_steps", 0, source)
     try:  # the saved recipe, the model count and the fallen-back layers are checked by _parts itself
         for check_part, _ in _parts(state, recipe, models, grad_scaler, health, strict, scale_jumps, comm_states):
             check_part()
@@ -266,7 +267,7 @@ def put_back(state: dict[str, Any], models: list[nn.Module], optimizers: list[to
         ValueError: when a layer cannot be put back (see :func:`lightning_fp8.recovery.put_back_to_high_precision`:
             e.g. the model is wrapped by DistributedDataParallel), before anything is changed.
     """
-    for model, names in zip(models, _fallen_back(state, models), strict=True):
+    for model, names in zip(models, state_entries.fallen_back(state, models), strict=True):
         if names:
             recovery.put_back_to_high_precision(model, names, optimizers)
 
@@ -318,7 +319,7 @@ def _parts(
     """``(check, load)`` of each part of ``state``: each model's scaling state, mu, the health history, the scale-jump
     alerts (absent from checkpoints written before they were saved: the first log after the load compares nothing),
     each model's FP8 communication state (``comm_states``, one per model, ``None`` for a model without one)."""
-    _check_entries(state, "the FP8 state")
+    state_entries.check_entries(state, "the FP8 state")
     saved = FP8Recipe.from_dict(state["recipe"])
     if len(state["models"]) != len(models):
         raise ValueError(
@@ -327,7 +328,8 @@ def _parts(
         )
     parts = []
     if saved.same_scaling(recipe):
-        for model, model_state, names in zip(models, state["models"], _fallen_back(state, models), strict=True):
+        fallen_back = state_entries.fallen_back(state, models)
+        for model, model_state, names in zip(models, state["models"], fallen_back, strict=True):
             # Layers still to be put back have no scaling state in the checkpoint (once put back, they have none).
             modules = dict(model.named_modules())
             leaving_out = [modules[n] for n in names]
@@ -336,76 +338,10 @@ def _parts(
     for owner, key in ((grad_scaler, "grad_scaler"), (health, "health"), (scale_jumps, "scale_jumps")):
         if owner is not None and state.get(key) is not None:
             parts.append((partial(owner.check_state_dict, state[key]), partial(owner.load_state_dict, state[key])))
-    for comm, saved_comm in zip(comm_states or [None] * len(models), _saved_comm(state, models), strict=True):
+    saved_comms = state_entries.saved_comm(state, models)
+    for comm, saved_comm in zip(comm_states or [None] * len(models), saved_comms, strict=True):
         # Either side without FP8 communication (a checkpoint of one process resumed on several, or the reverse):
         # nothing to carry over, the hooks start fresh.
         if comm is not None and saved_comm is not None:
             parts.append((partial(comm.check_state_dict, saved_comm), partial(comm.load_state_dict, saved_comm)))
     return parts
-
-
-def _saved_comm(state: dict[str, Any], models: list[nn.Module]) -> list[Any]:
-    """The saved FP8 communication state of each model (``None`` each in checkpoints written before it was saved),
-    checked to be one entry per model; each entry's own checks are ``FP8CommState.check_state_dict``'s."""
-    saved = state.get("comm")
-    if saved is None:
-        return [None] * len(models)
-    if not isinstance(saved, list) or len(saved) != len(models):
-        raise ValueError(
-            f"the FP8 state's 'comm' is {repr(saved)[:200]}, not one FP8 communication state (or None) per prepared "
-            f"model ({len(models)}): the file is corrupt. Load an earlier checkpoint, or delete this folder's "
-            "lightning_fp8/ files to start the FP8 scales and mu fresh"
-        )
-    return saved
-
-
-def _fallen_back(state: dict[str, Any], models: list[nn.Module]) -> list[list[str]]:
-    """The names of each model's layers that fell back in the saved run (none in checkpoints written before the names
-    were saved), checked to name layers of ``models``."""
-    saved = state.get("fallen_back_layers") or [[] for _ in models]
-    well_formed = isinstance(saved, list) and len(saved) == len(models) and all(
-        isinstance(names, list) and all(isinstance(name, str) for name in names) for names in saved
-    )  # fmt: skip
-    if not well_formed:
-        raise ValueError(
-            f"the FP8 state's 'fallen_back_layers' is {repr(saved)[:200]}, not one list of layer names per prepared "
-            f"model ({len(models)}): the file is corrupt. Load an earlier checkpoint, or delete this folder's "
-            "lightning_fp8/ files to start the FP8 scales and mu fresh"
-        )
-    for model, names in zip(models, saved, strict=True):
-        unknown = [name for name in names if name not in dict(model.named_modules())]
-        if unknown:
-            raise ValueError(
-                f"the FP8 state names layers {unknown[:5]} that fell back to nn.Linear in the saved run, which the "
-                f"prepared {type(model).__name__} does not have: the checkpoint was written for another model. "
-                "Prepare the model that saved it"
-            )
-    return saved
-
-
-# The entries of build_state's that load() requires; check() requires "optimizer_steps" too (load_state restores it).
-_ENTRIES = ("recipe", "world_size", "models", "grad_scaler", "health")
-
-
-def _check_entries(state: dict[str, Any], source: str, required: tuple[str, ...] = _ENTRIES) -> None:
-    """Raise a KeyError naming ``source`` (the file) when ``state`` lacks one of the ``required`` entries that
-    :func:`build_state` writes."""
-    missing = [key for key in required if key not in state]
-    if missing:
-        raise KeyError(
-            f"{source} lacks the entries {missing} (it holds {sorted(state)}): it was not written by lightning_fp8's "
-            "Accelerator or is corrupt. Load an earlier checkpoint, or delete this folder's lightning_fp8/ files to "
-            "start the FP8 scales and mu fresh"
-        )
-
-
-def _check_count(state: dict[str, Any], key: str, least: int, source: str) -> None:
-    """Raise a ValueError naming ``source`` when ``state[key]`` is not a whole number >= ``least`` (what
-    :func:`build_state` writes for the process and step counts; a bool, float or tensor there is a corrupt file)."""
-    value = state[key]
-    if type(value) is not int or value < least:
-        raise ValueError(
-            f"{source}: {key!r} is {value!r}, not a whole number >= {least}: the file is corrupt or was not written by "
-            "lightning_fp8's Accelerator. Nothing was loaded; load an earlier checkpoint, or delete this folder's "
-            "lightning_fp8/ files to start the FP8 scales and mu fresh"
-        )
