@@ -15,6 +15,7 @@ import importlib.util
 import os
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_fp8 import cast_checks
 from lightning_fp8.formats import FP8_DTYPES
@@ -51,6 +52,18 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+def out_of_modes_sight() -> contextlib.AbstractContextManager:
+    """Around a Triton path (never taken under a tracing mode: :func:`use_triton`): the tensors its host code makes
+    (outputs, zeroed workspaces, launch tables) are made out of any dispatch mode's sight. Selective activation
+    checkpointing's caching mode saw them as ops: a policy saving every op (or ``aten.zeros``) kept them from the
+    forward and handed them to the recompute's kernels, which write them again (on the CPU under the interpreter
+    "Tensor cached during selective activation checkpoint has been mutated", on a GPU an illegal memory access). The
+    kernels themselves are no ops a mode sees: the recompute runs them again either way."""
+    if torch._C._len_torch_dispatch_stack() == 0:  # one C call: the eager cast path's usual case
+        return contextlib.nullcontext()
+    return _disable_current_modes()
+
+
 def _triton_cast(x: torch.Tensor) -> bool:
     """Whether a cast of ``x`` runs in Triton: its kernels read 16- and 32-bit floats; float64 (a finite value past
     fp32's range saturates, where fp32 would overflow to inf) takes the reference's ops, on any device."""
@@ -62,7 +75,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     if _triton_cast(x):
         from lightning_fp8.kernels import cast
 
-        return cast.amax(x)
+        with out_of_modes_sight():
+            return cast.amax(x)
     cast_checks.check_castable(x, "amax")  # the Triton path checks its own
     return reference.amax_ref(x)
 
@@ -109,7 +123,8 @@ def cast_to_fp8(
     if _triton_cast(x):
         from lightning_fp8.kernels import cast
 
-        return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
+        with out_of_modes_sight():
+            return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
     cast_checks.check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")  # the Triton path's checks
     return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
 
@@ -122,7 +137,8 @@ def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     if _triton_cast(x) and x.numel():
         from lightning_fp8.kernels import quantize as fused
 
-        return fused.recast_transposed(x.detach().contiguous(), scale.reshape(()), fp8_dtype)
+        with out_of_modes_sight():
+            return fused.recast_transposed(x.detach().contiguous(), scale.reshape(()), fp8_dtype)
     return cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]
 
 
@@ -137,7 +153,8 @@ def recast_activation_transposed(
         from lightning_fp8.kernels import quantize as fused
 
         x_scale_inv, scale = x_scale_inv.reshape(()), scale.reshape(())
-        return fused.recast_transposed(x_fp8.detach().contiguous(), scale, fp8_dtype, activation, x_scale_inv)
+        with out_of_modes_sight():
+            return fused.recast_transposed(x_fp8.detach().contiguous(), scale, fp8_dtype, activation, x_scale_inv)
     return reference.recast_activation_ref(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
 
 
@@ -177,7 +194,8 @@ def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     if _triton_cast(args[0]):
         from lightning_fp8.kernels import quantize as fused
 
-        return fused.quantize_(*args, **kwargs)
+        with out_of_modes_sight():
+            return fused.quantize_(*args, **kwargs)
     return reference.quantize_ref(*args, **kwargs)
 
 
@@ -187,7 +205,8 @@ def grad_cast(grads: list[torch.Tensor], *args, **kwargs) -> tuple:
     if grads and use_triton(grads[0]):
         from lightning_fp8.kernels import grad_cast as batched
 
-        return batched.grad_cast(grads, *args, **kwargs)
+        with out_of_modes_sight():
+            return batched.grad_cast(grads, *args, **kwargs)
     if grads:  # the Triton path's checks here too: the reference cast mixed dtypes, and failed on bad states or
         # pending gradients with IndexErrors, KeyErrors or broadcasting errors
         reference_grad_cast.check_grad_cast(grads, *_grad_cast_arguments(*args, **kwargs))

@@ -225,7 +225,8 @@ def _transpose(data: torch.Tensor) -> torch.Tensor:
     if ops.use_triton(data):
         from lightning_fp8.kernels.transpose import transpose_2d
 
-        return transpose_2d(data)
+        with ops.out_of_modes_sight():  # as the casts' Triton paths
+            return transpose_2d(data)
     return data.t().contiguous()
 
 

@@ -70,12 +70,26 @@ def test_selective_checkpointing_of_every_op_with_fp8adamw_steps_equals_the_unch
     # emit_fp8_weights: the forward records the step's FP8 copy into the weight's state and makes the copy's
     # transpose on first use (the recompute finds it made): both out of the policy's sight, or saving every op failed
     # ("mutated"), and saving aten.clone handed the recompute's ops outputs of others.
+    _assert_fp8adamw_steps_same_as_unchecked(recipe, emit, _OPS[op])
+
+
+@pytest.mark.parametrize("emit", [False, True])
+def test_selective_checkpointing_of_every_op_leaves_the_triton_paths_host_tensors_alone(monkeypatch, emit):
+    # The Triton paths (on a GPU; here under the interpreter) make their outputs, zeroed workspaces and launch tables
+    # on the host side: a policy saving every op kept them from the forward and handed them to the recompute's kernels,
+    # which wrote them again ("Tensor cached during selective activation checkpoint has been mutated" here, an illegal
+    # memory access on a GPU).
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", "triton")
+    _assert_fp8adamw_steps_same_as_unchecked("fp8-lm", emit, None)
+
+
+def _assert_fp8adamw_steps_same_as_unchecked(recipe: str, emit: bool, op) -> None:
     model = _model("mlp", recipe)
     ref = copy.deepcopy(model)
     opts = [FP8AdamW(m.parameters(), lr=1e-2, recipe=recipe, emit_fp8_weights=emit) for m in (model, ref)]
     for step in range(3):
         x = torch.randn(24, 32)
-        checkpoint(model, x, use_reentrant=False, context_fn=_saving(_OPS[op])).square().mean().backward()
+        checkpoint(model, x, use_reentrant=False, context_fn=_saving(op)).square().mean().backward()
         ref(x).square().mean().backward()
         for opt in opts:
             opt.step()
