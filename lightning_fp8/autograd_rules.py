@@ -36,12 +36,21 @@ def once_differentiable(backward):
                 "grad_outputs (vectorize=False), or keep the layer in high precision: convert_to_fp8(model, "
                 "module_filter_fn=...) returning False for it leaves it an nn.Linear"
             )
-        with torch.no_grad():
-            outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():  # create_graph=False: the engine runs backwards without grad mode
-            return outputs
+            with torch.no_grad():
+                return backward(ctx, *grads)
+        # create_graph=True. The error node below also takes, as they are, what the gradients depend on in the graph:
+        # the incoming gradients and the saved tensors that require grad (the weight, kept for the dgrad's cast). With
+        # the aliases alone it led nowhere but to them, so differentiating the gradients with respect to the input or
+        # the weight (torch.autograd.grad(penalty, x), backward(inputs=[...]), hessian, hvp, jvp) never reached it:
+        # zeros or "not used in the graph" instead of this error. The saved tensors are read once, here, and handed to
+        # the backward: non-reentrant checkpointing refuses a second read.
+        with torch.no_grad():
+            saved = ctx.saved_tensors
+            outputs = backward(_SavedRead(ctx, saved), *grads)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        error = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(outputs))
+        links = [t for t in (*grads, *saved) if isinstance(t, torch.Tensor) and t.requires_grad]
+        error = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(outputs) + len(links))
 
         def differentiable_alias(t):  # DelayedError needs an input that requires grad to give its outputs a grad_fn
             if t is None:
@@ -50,9 +59,19 @@ def once_differentiable(backward):
             t.requires_grad_(True)
             return t
 
-        return error(*[differentiable_alias(t) for t in outputs])
+        return error(*[differentiable_alias(t) for t in outputs], *links)[: len(outputs)]
 
     return wrapper
+
+
+class _SavedRead:
+    """A backward's ``ctx`` whose ``saved_tensors`` were read already: the rest is the ctx's own."""
+
+    def __init__(self, ctx: Any, saved: tuple) -> None:
+        self._ctx, self.saved_tensors = ctx, saved
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
 
 
 # torch's own vmap of a backward (is_grads_batched=True, vectorized jacobians) is not a torch.func transform: its
@@ -60,9 +79,10 @@ def once_differentiable(backward):
 _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
 _DOUBLE_BACKWARD = (
     b"trying to differentiate twice an FP8 layer's backward: its FP8 casts are not differentiable, so a double "
-    b"backward through FP8Linear / FP8MLP (create_graph=True and a gradient penalty or another second-order term) "
-    b"cannot be computed. Keep the layers the second-order term goes through in high precision: convert_to_fp8("
-    b"model, module_filter_fn=...) returning False for them leaves them nn.Linear"
+    b"backward through FP8Linear / FP8MLP (create_graph=True and a gradient penalty or another second-order term; "
+    b"torch.autograd.functional.hessian, hvp, vhp and jvp, which take one) cannot be computed. Keep the layers the "
+    b"second-order term goes through in high precision: convert_to_fp8(model, module_filter_fn=...) returning False "
+    b"for them leaves them nn.Linear"
 )
 
 

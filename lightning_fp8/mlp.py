@@ -178,7 +178,10 @@ class FP8MLP(nn.Module):
     not an FP8Linear: ``mlp.fc = nn.Linear(...)`` keeps it in high precision, one layer as both ``fc`` and ``proj``),
     the module computes
     ``proj(F.gelu(fc(x)))`` with the same layers (and ``fp8_hidden`` does not apply). First casts, double backward and
-    activation checkpointing behave as in :class:`~lightning_fp8.FP8Linear` (see there).
+    activation checkpointing behave as in :class:`~lightning_fp8.FP8Linear` (see there), with one gap: the fused
+    backward keeps no graph of the GELU's input, so a second-order term taken with respect to the input alone of a loss
+    linear in the MLP's output (``torch.autograd.functional.hessian(lambda t: mlp(t).sum(), x)``) comes out zero
+    instead of raising.
 
     ``fp8_hidden=True`` keeps less for the backward: the GELU's input ``h`` (tokens x hidden) in FP8 (the GELU output's
     format, its scale divided by ``2**4`` and at most ``2**5``: negative inputs down to -16 times that scale's amax, and

@@ -8,9 +8,10 @@ recording the same statistics in the layer's weight scaling state.
 A copy is valid only for the exact stored values it was made from. It remembers the parameter's autograd version
 counter, its storage and its master scale (object and version counter): any in-place change through PyTorch
 (``copy_``, ``load_state_dict``, an optimizer's foreach step) bumps a version counter, ``param.data = ...`` changes
-the storage, and the optimizer itself, whose Triton writes bump nothing, bumps the counter when it emits
-(:func:`seal`) and releases the copy when it writes without emitting (:func:`drop_all`). A valid copy keeps the
-storage it was made from alive, so that address cannot be reused by another storage while the copy claims it.
+the storage, and the optimizer itself bumps the counters of what its Triton step wrote (a Triton write bumps
+nothing by itself), once more when it emits (:func:`seal`), and releases the copy when it writes without emitting
+(:func:`drop_all`). A valid copy keeps the storage it was made from alive, so that address cannot be reused by
+another storage while the copy claims it.
 
 Not seen: an in-place write through ``param.data`` (``p.data.mul_(0.5)``, ``p.data.copy_(ema)``). ``.data`` is an
 alias with a version counter of its own, made afresh at each access, and the storage stays the same: PyTorch keeps no
@@ -182,7 +183,7 @@ def allocate(param: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> Weight
 
 
 def seal(param: torch.Tensor, cache: WeightCache) -> None:
-    """After the step wrote ``param`` and ``cache``: bump ``param``'s version (a Triton write does not) and make
+    """After the step wrote ``param`` and ``cache``: bump ``param``'s version (whatever wrote it) and make
     the copy valid for exactly the parameter's current values."""
     global _any_sealed
     _any_sealed = True

@@ -50,7 +50,7 @@ def launch_item(opt: Any, p: torch.Tensor, state: dict[str, Any], grad, grad_sca
 
 def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_unscale: float, emit: bool) -> None:
     """One multi-tensor step over ``items`` (from :func:`launch_item`, without the key), emitting FP8 copies when
-    ``emit``; FP8 weights written without emitting lose their old copy (a Triton write bumps no version)."""
+    ``emit``; FP8 weights written without emitting lose their old copy (its memory is freed)."""
     params, grads, exp_avgs, exp_avg_sqs, gsis, copies, scales, amaxes, grad_amaxes, owners = (
         list(x) for x in zip(*items, strict=True)
     )
@@ -81,6 +81,13 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
         from lightning_fp8.kernels import adamw as adamw_kernels
 
         adamw_kernels.adamw_step(*args, **kwargs)
+        # A Triton write bumps no version counter, where torch.optim.AdamW's in-place updates (and the reference
+        # below) do: a graph built before the step and backpropagated after it (a GAN's discriminator stepped
+        # between its two losses' backwards) computed its gradients silently from the new weights where torch raises
+        # "modified by an inplace operation". Before the seals below, which snapshot the versions.
+        torch.autograd.graph.increment_version(
+            [*params, *owners, *(copies if write_copies else ())]  # (a DTensor's local shard and the DTensor)
+        )
     else:
         reference_adamw.adamw_step_ref(*args, **kwargs)
     if caches is not None:

@@ -138,7 +138,7 @@ def _change_by_step_without_emit(model, opt):
     opt.step()
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])  # Triton writes bump no version counter
+@pytest.mark.parametrize("kernels", ["reference", "triton"])  # a Triton write bumps no version counter by itself
 @pytest.mark.parametrize(
     "change",
     [_change_by_load_state_dict, _change_by_copy, _change_by_data, _change_by_optimizer_load,
