@@ -6,6 +6,7 @@ flag, not a traceback from deep inside the run.
 - ``fraction``: a share strictly between 0 and 1 (``--val-fraction``).
 - ``text_path``: ``--data``, a text file or a directory of them.
 - ``output_dir``: ``--out``, a directory to write into (created if missing).
+- ``flags_given(parser, argv)``: the flags a command line gives, defaults left out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["float_at_least", "fraction", "int_at_least", "output_dir", "text_path"]
+__all__ = ["flags_given", "float_at_least", "fraction", "int_at_least", "output_dir", "text_path"]
 
 
 def int_at_least(minimum: int, maximum: int | None = None) -> Any:
@@ -81,3 +82,15 @@ def output_dir(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory; give a directory to write to")
     return path
+
+
+def flags_given(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> list[str]:
+    """The flags (``--max-steps``) that ``argv`` gives, in the parser's order, a default value given explicitly too.
+
+    argparse fills in a default only where the namespace has no value yet: a namespace whose every attribute is a
+    marker comes back with the marker wherever the command line gave nothing.
+    """
+    unset = object()
+    dests = vars(parser.parse_args(argv))
+    given = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(dests, unset))))
+    return ["--" + dest.replace("_", "-") for dest, value in given.items() if value is not unset]

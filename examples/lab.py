@@ -10,9 +10,9 @@ Every variant starts from the same initial weights and sees the same batches in 
     fp8-lm-o1   FP8-LM O1: FP8 GEMMs and gradients, fp32 optimizer states
     torchao     torchao float8 training (tensorwise), when torchao is installed
 
-Results go to ``--out``: ``runs/<variant>.json`` (raw series) and, from all runs found there, the report
-(``summary.md`` and PNG plots; see lab_report.py). Variants can be run one per call with the same ``--out``
-(``--variants bf16``, then ``--variants fp8-lm`` ...); the report always covers every run in the directory.
+Results go to ``--out``: ``runs/<variant>.json`` (raw series, recorded by lab_recorder.py) and, from all runs found
+there, the report (``summary.md`` and PNG plots; see lab_report.py). Variants can be run one per call with the same
+``--out`` (``--variants bf16``, then ``--variants fp8-lm`` ...); the report always covers every run in the directory.
 """
 
 from __future__ import annotations
@@ -35,16 +35,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from cli import float_at_least, int_at_least, output_dir
+from cli import flags_given, float_at_least, int_at_least, output_dir
 from corpus import add_data_arguments
 from gpt import fp8_module_filter
+from lab_recorder import LabRecorder, grad_scaler
 from lab_report import write_report
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from train_gpt import LitGPT, build_trainer, data_loaders, gpt_config
-from typing_extensions import override
 
-from lightning_fp8 import fp8_modules, fp8_stats
 from lightning_fp8.callbacks import TrainingHealthMonitor
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -69,95 +67,6 @@ _CONFIG_KEYS = (
     "batch_size max_steps lr warmup_steps val_every val_batches seed compile data max_bytes val_fraction".split()
 )
 GPU_DEFAULTS = {"preset": "small", "batch_size": 32, "max_steps": 1000, "lr": 1e-3, "val_every": 100}
-
-
-def _grad_scaler(trainer: L.Trainer) -> Any | None:
-    """The FP8 gradient scaler (mu) of an FP8-LM run; None for BF16 and torchao."""
-    return getattr(trainer.precision_plugin, "grad_scaler", None)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer, linear_only: bool) -> float:
-    """Bytes that persist across steps per parameter: the parameter's storage and its optimizer states.
-
-    Measured from the tensors, not modelled. Gradients are left out: they are transient, and where they live
-    between backward and step differs (``p.grad``, or FP8AdamW's FP8 copy). ``linear_only``: only the weights
-    of the transformer blocks' linear layers (those FP8 converts), as in DESIGN.md's bytes-per-parameter table.
-    """
-    total, count = 0, 0
-    for name, p in model.named_parameters():
-        if linear_only and not (name.startswith("blocks.") and p.dim() == 2):
-            continue
-        states = [t for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
-        total += sum(t.numel() * t.element_size() for t in [p, *states])
-        count += p.numel()
-    return total / count
-
-
-class LabRecorder(Callback):
-    """Records per-step loss and time, validation losses, per-layer FP8 scales, and the gradient scaler."""
-
-    def __init__(self, tokens_per_step: int, scale_every: int) -> None:
-        self.tokens_per_step, self.scale_every = tokens_per_step, scale_every
-        self.steps: list[int] = []
-        self.train_loss: list[float] = []
-        self.step_seconds: list[float] = []
-        self.val: list[tuple[int, float]] = []
-        self.scale_steps: list[int] = []
-        self.scales: dict[str, dict[str, list[float]]] = {}  # layer -> role -> log2(scale) per scale step
-        self.grad_scale: list[tuple[int, float]] = []
-        self.bytes_per_param = {"all": math.nan, "linear": math.nan}
-        self._t0 = 0.0
-
-    @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
-        _sync()
-        self._t0 = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        loss = float(outputs["loss"])  # waits for the step on a GPU
-        _sync()
-        step = trainer.global_step
-        self.steps.append(step)
-        self.step_seconds.append(time.perf_counter() - self._t0)
-        self.train_loss.append(loss)
-        if step >= 1 and math.isnan(self.bytes_per_param["all"]):  # the states exist after the first step
-            optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
-            for key, linear_only in (("all", False), ("linear", True)):
-                self.bytes_per_param[key] = _bytes_per_param(pl_module.model, optimizer, linear_only)
-        if step % self.scale_every == 0 or step == 1:
-            self._record_scales(trainer, pl_module, step)
-
-    def _record_scales(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        scaler = _grad_scaler(trainer)
-        if scaler is not None:
-            self.grad_scale.append((step, float(scaler.scale)))
-        if not fp8_modules(pl_module):
-            return
-        layers = fp8_stats(pl_module.model)["layers"]
-        self.scale_steps.append(step)
-        for layer, roles in layers.items():
-            for role, values in roles.items():
-                self.scales.setdefault(layer, {}).setdefault(role, []).append(math.log2(values["scale"]))
-
-    @override
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # During fit only: the final trainer.validate() after fit is reported separately.
-        if trainer.state.fn == "fit" and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
-            self.val.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
-
-    def tokens_per_second(self) -> float:
-        """Median over steps after a warm-up (compilation, allocator, first scales) of 10% of the run."""
-        skip = max(3, len(self.step_seconds) // 10)
-        times = self.step_seconds[skip:] or self.step_seconds
-        return self.tokens_per_step / statistics.median(times) if times else math.nan
 
 
 def _convert_torchao(model: torch.nn.Module) -> None:
@@ -192,7 +101,7 @@ def run_variant(name: str, args: argparse.Namespace, loaders: tuple[Any, Any]) -
     trainer.fit(lit, *loaders)
     wall = time.perf_counter() - start
     final_val = trainer.validate(lit, loaders[1], verbose=False)[0]["val_loss"]
-    scaler = _grad_scaler(trainer)
+    scaler = grad_scaler(trainer)
     return {
         "variant": name,
         "label": spec["label"],
@@ -256,7 +165,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile every variant's model")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=1234)
     p.add_argument("--out", type=output_dir, default=Path("runs/lab"))
-    p.add_argument("--report-only", action="store_true", help="rebuild the report from --out/runs/*.json")
+    p.add_argument(
+        "--report-only", action="store_true", help="rebuild the report from --out/runs/*.json (no other flag)"
+    )
     p.add_argument("--progress-bar", action="store_true")
     return p
 
@@ -264,6 +175,12 @@ def make_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = make_parser()
     args = p.parse_args(argv)
+    unused = sorted(set(flags_given(p, argv)) - {"--out", "--report-only"}) if args.report_only else []
+    if unused:  # the report reads --out's runs alone: these would be silently ignored
+        p.error(
+            f"--report-only rebuilds the report from {args.out}'s runs and trains nothing: it does not use "
+            f"{', '.join(unused)}; give --report-only with --out alone, or leave --report-only out to train"
+        )
     preset_given = args.preset is not None
     if args.lr is None and args.preset == "gpt125m":
         args.lr = 6e-4  # GPT-2 small's learning rate

@@ -211,6 +211,34 @@ def build_trainer(
     )
 
 
+def script_trainer(args: argparse.Namespace, out: Path, history: LossHistory) -> L.Trainer:
+    """This script's Trainer: CSV (and TensorBoard) logs and checkpoints under ``out``, ``history`` and, with an FP8
+    --precision, the FP8 and health callbacks. A --precision that cannot be is a usage error."""
+    loggers: list[Any] = [CSVLogger(out, name="csv")]
+    if importlib.util.find_spec("tensorboard") is not None:
+        loggers.append(TensorBoardLogger(out, name="tensorboard"))
+    callbacks: list[Callback] = [
+        history,
+        ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", save_last=True),
+    ]
+    # --8<-- [start:callbacks]
+    if args.precision in FP8_PRECISIONS:
+        callbacks += [FP8ScaleMonitor(), TrainingHealthMonitor()]  # fp8/* and health/* metrics, health.png
+    # --8<-- [end:callbacks]
+    try:
+        return build_trainer(args, callbacks, loggers)
+    except ValueError as err:  # a precision Lightning does not know: its list leaves out the FP8-LM names
+        make_parser().error(
+            f"--precision {args.precision!r}: {err}; or one of this package's {', '.join(FP8_PRECISIONS)}"
+        )
+    except ModuleNotFoundError as err:  # a precision whose package is not installed
+        install = " (pip install transformer-engine)" if args.precision.startswith("transformer-engine") else ""
+        make_parser().error(
+            f"--precision {args.precision!r} needs a package that is not installed{install}: {err}; "
+            f"or choose one of {', '.join(FP8_PRECISIONS)}"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
@@ -228,30 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"model: {cfg} | {lit.model.num_params() / 1e6:.1f}M parameters | precision {args.precision} | {device}")
 
     out = Path(args.out)
-    loggers: list[Any] = [CSVLogger(out, name="csv")]
-    if importlib.util.find_spec("tensorboard") is not None:
-        loggers.append(TensorBoardLogger(out, name="tensorboard"))
     history = LossHistory()
-    callbacks: list[Callback] = [
-        history,
-        ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", save_last=True),
-    ]
-    # --8<-- [start:callbacks]
-    if args.precision in FP8_PRECISIONS:
-        callbacks += [FP8ScaleMonitor(), TrainingHealthMonitor()]  # fp8/* and health/* metrics, health.png
-    # --8<-- [end:callbacks]
-    try:
-        trainer = build_trainer(args, callbacks, loggers)
-    except ValueError as err:  # a precision Lightning does not know: its list leaves out the FP8-LM names
-        make_parser().error(
-            f"--precision {args.precision!r}: {err}; or one of this package's {', '.join(FP8_PRECISIONS)}"
-        )
-    except ModuleNotFoundError as err:  # a precision whose package is not installed
-        install = " (pip install transformer-engine)" if args.precision.startswith("transformer-engine") else ""
-        make_parser().error(
-            f"--precision {args.precision!r} needs a package that is not installed{install}: {err}; "
-            f"or choose one of {', '.join(FP8_PRECISIONS)}"
-        )
+    trainer = script_trainer(args, out, history)
     trainer.fit(lit, train_loader, val_loader, ckpt_path=args.resume)
 
     val_loss = trainer.validate(lit, val_loader, verbose=False)[0]["val_loss"]

@@ -14,11 +14,12 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from cli import float_at_least, int_at_least, output_dir
-from corpus import add_data_arguments, corpus_from_args, make_loaders
+from corpus import Corpus, add_data_arguments, corpus_from_args, make_loaders
 from gpt import GPT, GPTConfig, evaluate, fp8_module_filter
 from torch.utils.data import DataLoader
 
@@ -45,7 +46,8 @@ def on_device(loader: DataLoader, device: torch.device):
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, GPTConfig, Corpus]:
+    """The arguments, and the model and data they name: a model or data that cannot be is a usage error now."""
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     count = int_at_least(1)  # sizes and step counts
@@ -62,36 +64,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     add_data_arguments(p)  # --data, --max-bytes, --val-fraction
     p.add_argument("--out", type=output_dir, default=Path("runs/train_plain"))
     args = p.parse_args(argv)
-    torch.manual_seed(1234)
-    device = torch.device("cuda" if gpu else "cpu")
-
     try:  # a model or data that cannot be: a usage error before anything trains, not a traceback
         cfg = GPTConfig.preset(args.preset, width=args.width, depth=args.depth, heads=args.heads, seq_len=args.seq_len)
         corpus = corpus_from_args(args, cfg.seq_len)
     except ValueError as err:
         p.error(str(err))
-    train_loader, val_loader = make_loaders(corpus, cfg.seq_len, args.batch_size)
+    return args, cfg, corpus
 
-    # --8<-- [start:setup]
-    model = GPT(cfg).to(device)
-    convert_to_fp8(model, args.recipe, module_filter_fn=fp8_module_filter)  # nn.Linear -> FP8Linear, in place
-    scaler = FP8GradScaler(model=model)  # mu; with the model it keeps delayed grad scales exact when mu changes
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = FP8AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        recipe=args.recipe,
-        grad_scaler=scaler,
-    )
-    # --8<-- [end:setup]
-    warmup = max(1, args.max_steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    print(f"{model.num_params() / 1e6:.1f}M parameters, recipe {args.recipe}, {device}")
 
-    data = batches(train_loader, device)
-    tokens_per_step = args.batch_size * cfg.seq_len
+def train(
+    model: GPT,
+    optimizer: FP8AdamW,
+    scaler: FP8GradScaler,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    data: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    args: argparse.Namespace,
+) -> list[float]:
+    """``--max-steps`` optimizer steps on ``data``'s batches, a log line every tenth of them; returns the losses."""
+    device = next(model.parameters()).device
+    tokens_per_step = args.batch_size * model.cfg.seq_len
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(1, args.max_steps + 1):
@@ -118,10 +109,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"| mu {s['grad_scaler']['scale']:g} | skipped {s['grad_scaler']['skipped_steps']} "
                 f"| grad_output scales {scales}"
             )
+    return losses
 
+
+def save_and_reload(model: GPT, optimizer: FP8AdamW, scaler: FP8GradScaler, out: Path) -> Path:
+    """Write ``out/checkpoint.pt`` and load it back into the model, optimizer and scaler (what a resume does)."""
     # --8<-- [start:checkpoint]
-    args.out.mkdir(parents=True, exist_ok=True)
-    path, partial = args.out / "checkpoint.pt", args.out / "checkpoint.pt.partial"
+    out.mkdir(parents=True, exist_ok=True)
+    path, partial = out / "checkpoint.pt", out / "checkpoint.pt.partial"
     torch.save(
         {
             "model": model.state_dict(),  # the same keys as the unconverted GPT
@@ -138,7 +133,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer.load_state_dict(ckpt["optimizer"])
     scaler.load_state_dict(ckpt["grad_scaler"])
     # --8<-- [end:checkpoint]
+    return path
 
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args, cfg, corpus = parse_args(argv)
+    torch.manual_seed(1234)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train_loader, val_loader = make_loaders(corpus, cfg.seq_len, args.batch_size)
+
+    # --8<-- [start:setup]
+    model = GPT(cfg).to(device)
+    convert_to_fp8(model, args.recipe, module_filter_fn=fp8_module_filter)  # nn.Linear -> FP8Linear, in place
+    scaler = FP8GradScaler(model=model)  # mu; with the model it keeps delayed grad scales exact when mu changes
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = FP8AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        recipe=args.recipe,
+        grad_scaler=scaler,
+    )
+    # --8<-- [end:setup]
+    warmup = max(1, args.max_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    print(f"{model.num_params() / 1e6:.1f}M parameters, recipe {args.recipe}, {device}")
+
+    losses = train(model, optimizer, scaler, schedule, batches(train_loader, device), args)
+    path = save_and_reload(model, optimizer, scaler, args.out)
     with torch.autocast(device.type, dtype=torch.bfloat16):  # as in training
         val_loss = evaluate(model, on_device(val_loader, device), args.val_batches).item()
     final = {"final_train_loss": sum(losses[-20:]) / len(losses[-20:]), "final_val_loss": val_loss}

@@ -486,6 +486,29 @@ def test_lab_report_help_and_an_empty_directory(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--width", "128"], "--width"),
+        (["--max-steps", "5", "--variants", "bf16", "--compile"], "--compile, --max-steps, --variants"),
+        (["--seed", "1234"], "--seed"),  # its default, given: still a flag the report would not use
+    ],
+)
+def test_lab_report_only_refuses_training_flags(tmp_path, capsys, flags, named):
+    """--report-only rebuilds the report from --out's runs and trains nothing: a training flag beside it was silently
+    ignored (the report of `--report-only --max-steps 5` was that of the runs as they were)."""
+    import lab
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "bf16.json").write_text(json.dumps(_lab_run("bf16", 1.0)))
+    assert lab.parse_args(["--report-only", "--out", str(tmp_path)]).report_only
+    with pytest.raises(SystemExit) as exit_info:
+        lab.parse_args([*flags, "--report-only", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--report-only rebuilds the report from {tmp_path}'s runs" in err
+    assert f"it does not use {named}; give --report-only with --out alone" in err
+
+
 def test_lab_a_variant_failing_without_a_message_keeps_the_others(tmp_path, monkeypatch):
     """A variant's exception without a message (a bare assert) failed the handler meant to keep the other variants'
     results (IndexError: str(err).splitlines() is empty), and no report was written."""
@@ -690,6 +713,47 @@ def test_accelerate_resume_it_cannot_continue_is_a_usage_error(tmp_path, capsys,
     assert (resumed.lr, resumed.weight_decay) == (0.001, 0.2)  # the checkpoint's, not the defaults
     fresh = example.parse_args([*data[:-2], "--steps", "3"])[0]
     assert (fresh.lr, fresh.weight_decay) == (2e-3, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-size", "8"], "goes on with its own --batch-size 4, not 8: leave --batch-size out"),
+        (["--grad-accum", "1"], "goes on with its own --grad-accum 2, not 1: leave --grad-accum out"),
+    ],
+)
+def test_accelerate_resume_with_another_batch_size_or_grad_accum_is_a_usage_error(tmp_path, capsys, args, message):
+    """The saved step and data position count micro-batches of the run's --batch-size and --grad-accum: resumed with
+    others, the run went on at another place in the data and schedule, silently. A checkpoint written before the sizes
+    were saved (no batch_size or grad_accum in its TrainState) still resumes, with the flags' sizes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accelerate_train_gpt", EXAMPLES / "accelerate" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(2000)))
+
+    def checkpoint(name: str, **train_state: int) -> list[str]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "random_states_0.pkl").write_bytes(b"")
+        torch.save({"step": 2, "batches": 4, **train_state}, folder / "custom_checkpoint_0.pkl")
+        return ["--seq-len", "32", "--data", str(text), "--steps", "3", "--resume", str(folder)]
+
+    saved = checkpoint("checkpoint_2", batch_size=4, grad_accum=2)
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args([*saved, *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    resumed = example.parse_args(saved)[0]
+    assert (resumed.batch_size, resumed.grad_accum) == (4, 2)  # the checkpoint's, not the defaults
+    example.parse_args([*saved, "--batch-size", "4", "--grad-accum", "2"])  # its own sizes given again: fine
+    older = example.parse_args([*checkpoint("older"), *args])[0]  # flags hold: nothing saved to check them against
+    assert (older.batch_size, older.grad_accum) == ((8, 1) if "--batch-size" in args else (16, 1))
+    state = example.TrainState(batch_size=4, grad_accum=2)
+    assert state.state_dict() == {"step": 0, "batches": 0, "batch_size": 4, "grad_accum": 2}
+    state.load_state_dict({"step": 2, "batches": 4})  # an older checkpoint's TrainState loads
+    assert (state.step, state.batches) == (2, 4)
 
 
 def test_accelerate_validation_leaves_the_end_of_a_training_epoch_synchronized():

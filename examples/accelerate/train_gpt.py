@@ -16,7 +16,7 @@ The data is the source of Python's standard library read as bytes, or your own t
 validation split is evaluated every ``--val-every`` steps and at the end. Outputs under ``--out``: ``metrics.jsonl``
 (every ``accelerator.log`` call: the training and validation loss, and with FP8-LM the scales, mu and health
 statistics the accelerator adds) and checkpoints from ``accelerator.save_state`` (``--save-every``); ``--resume DIR``
-continues from one.
+continues from one, with its run's --batch-size, --grad-accum, --lr and --weight-decay (others are a usage error).
 """
 
 from __future__ import annotations
@@ -65,14 +65,21 @@ class JsonlTracker(GeneralTracker):
 
 
 class TrainState:
-    """The loop's position (optimizer steps, micro-batches read), saved by ``accelerator.save_state``."""
+    """The loop's position (optimizer steps, micro-batches read), saved by ``accelerator.save_state`` with the
+    --batch-size and --grad-accum that give it its meaning (``parse_args`` holds a resumed run to them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_size: int, grad_accum: int) -> None:
         self.step = 0
         self.batches = 0
+        self.batch_size, self.grad_accum = batch_size, grad_accum
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "batches": self.batches}
+        return {
+            "step": self.step,
+            "batches": self.batches,
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.batches = int(state["step"]), int(state["batches"])
@@ -86,8 +93,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=count, default=None)
     p.add_argument("--heads", type=count, default=None)
     p.add_argument("--seq-len", type=count, default=None)
-    p.add_argument("--batch-size", type=count, default=16, help="per process")
-    p.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--batch-size", type=count, help="per process (default: 16; a resumed run's is the checkpoint's)")
+    p.add_argument(
+        "--grad-accum",
+        type=count,
+        help="micro-batches per optimizer step (default: 1; a resumed run's is the checkpoint's)",
+    )
     p.add_argument("--steps", type=count, default=200, help="optimizer steps")
     non_negative = float_at_least(0)  # learning rate, weight decay, gradient norm
     p.add_argument("--lr", type=non_negative, help="default: 2e-3; a resumed run's is the checkpoint's")
@@ -110,10 +121,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Corpu
     """The arguments and the corpus they name: a model or data that cannot be is a usage error now."""
     p = make_parser()
     args = p.parse_args(argv)
-    try:
-        corpus = corpus_from_args(args, model_config(args).seq_len)
-    except ValueError as err:
-        p.error(str(err))
     if args.resume is not None and not args.resume.is_dir():
         p.error(f"--resume {str(args.resume)!r}: no such directory; give a checkpoint folder written by save_state")
     # save_state always writes each process's RNG state: a folder without one is no checkpoint, and load_state
@@ -129,20 +136,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Corpu
             f"--resume {str(args.resume)!r} is at step {done} already: give a --steps above it "
             "(the run's optimizer steps in all, those before the resume too)"
         )
-    # load_state restores the optimizer's and the schedule's hyper-parameters: new values would only be logged
-    for key, default in (("lr", 2e-3), ("weight_decay", 0.1)):
+    # load_state restores the optimizer's and the schedule's hyper-parameters: new values would only be logged. The
+    # saved step and data position count micro-batches of the run's size: another size would go on at another place
+    # in the data and schedule. A checkpoint written before the sizes were saved is not checked: the flags hold.
+    defaults = {"lr": 2e-3, "weight_decay": 0.1, "batch_size": 16, "grad_accum": 1}
+    for key, default in defaults.items():
         given, kept = getattr(args, key), saved.get(key)
         if given is not None and kept is not None and given != kept:
             flag = "--" + key.replace("_", "-")
             p.error(f"--resume {str(args.resume)!r} goes on with its own {flag} {kept}, not {given}: leave {flag} out")
         setattr(args, key, given if given is not None else kept if kept is not None else default)
+    try:  # after the sizes are known: the corpus must hold a batch of --batch-size
+        corpus = corpus_from_args(args, model_config(args).seq_len)
+    except ValueError as err:
+        p.error(str(err))
     return args, corpus
 
 
 def saved_run(folder: Path) -> tuple[int, dict[str, float]]:
-    """A checkpoint folder's optimizer steps (its TrainState, the first object registered for checkpointing), learning
-    rate (the schedule's) and weight decay (the first param group's); 0 and none where the files do not say (load_state
-    then says what is wrong)."""
+    """A checkpoint folder's optimizer steps, batch size and gradient accumulation (its TrainState, the first object
+    registered for checkpointing), learning rate (the schedule's) and weight decay (the first param group's); 0 and
+    none where the files do not say (load_state then says what is wrong; an older TrainState holds no sizes)."""
 
     def read(name: str) -> dict:
         path = folder / name
@@ -151,7 +165,9 @@ def saved_run(folder: Path) -> tuple[int, dict[str, float]]:
 
     saved = {"lr": (read("scheduler.bin").get("base_lrs") or [None])[0]}
     saved["weight_decay"] = ((read("optimizer.bin").get("param_groups") or [{}])[0]).get("weight_decay")
-    return int(read("custom_checkpoint_0.pkl").get("step", 0)), saved
+    train_state = read("custom_checkpoint_0.pkl")
+    saved |= {key: train_state.get(key) for key in ("batch_size", "grad_accum")}
+    return int(train_state.get("step", 0)), saved
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -219,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     # resumed or not.
     generator = torch.Generator()
     accelerator, model, optimizer, loader, val_loader, scheduler = setup(args, corpus, generator)
-    state = TrainState()
+    state = TrainState(args.batch_size, args.grad_accum)
     accelerator.register_for_checkpointing(state)
     if args.resume is not None:
         accelerator.load_state(str(args.resume))
