@@ -117,10 +117,13 @@ class FP8Linear(nn.Linear):
     backward per forward or micro-batch, nested checkpoints), the recompute casts with the scales that forward used
     and records no statistics: the gradients are bit for bit those of the run without checkpointing, also where the
     layer's forward in the region builds no graph (frozen, no_grad) or its output is unused (torch >= 2.8). Where
-    several wait (micro-batch losses summed into one backward, pipeline orders, the layer twice in one region), it
-    warns and casts with the recomputed input's own amax, recording nothing: FP8-accurate, not bit for bit
-    (:mod:`lightning_fp8.recompute`). Reentrant checkpointing (``use_reentrant=True``, whose forward runs under
-    no_grad and keeps nothing) takes that path too, warning once. ``torch.compile`` does not trace a
+    several wait (micro-batch losses summed into one backward, pipeline orders, the layer twice in one region), a
+    region's recompute repeats the region's forwards of the layer in order: bit for bit too (torch >= 2.8). Where no
+    region tells them apart, it warns and casts with the recomputed input's own amax, recording nothing:
+    FP8-accurate, not bit for bit (:mod:`lightning_fp8.recompute`). Selective activation checkpointing
+    (``context_fn=create_selective_checkpoint_contexts(policy)``) gives the same gradients whatever the policy saves:
+    the casts' bookkeeping is out of its sight. Reentrant checkpointing (``use_reentrant=True``, whose forward runs
+    under no_grad and keeps nothing) takes the own-amax path, warning once. ``torch.compile`` does not trace a
     checkpointed region holding FP8 layers (their traced forwards have a Python side effect): it runs the region
     eagerly, with the rule above, also after a recompile (``fullgraph=True`` cannot cover such a region). Compile
     outside the checkpoint, not inside it (docs/concepts/gemms.md).

@@ -7,12 +7,14 @@ the output, and record its statistics twice. Each eager forward that records a g
 input casts used (:class:`ForwardCall`, held by the graph); a forward that torch.utils.checkpoint runs inside a backward
 is such a recompute (a forward of the layer called otherwise inside a backward, in a tensor hook or a custom
 autograd.Function's backward, is an ordinary forward: it casts and records as any other):
-when exactly one forward of the layer is waiting for its backward, it is the one repeated, and the recompute casts
-with its scales and records nothing (per-block checkpointing with one backward per forward, with gradient
-accumulation, nested checkpoints). When several are waiting (micro-batch losses summed into one backward, pipeline
-schedules, a layer called twice in a region), which one a recompute repeats is not known from here: it casts with the
-recomputed input's own amax (current scaling: no saturation, whatever the delayed scale did meanwhile) and records
-nothing, and a warning says so once (the gradients are FP8-accurate, their FP8 bytes may differ from the forward's).
+the recompute of a region repeats the region's forwards of the layer in their order (torch >= 2.8, whose saved-tensor
+hooks show the region: micro-batch losses summed into one backward, pipeline schedules, a layer called twice in a
+region), and elsewhere, when exactly one forward of the layer is waiting for its backward, it is the one repeated; the
+recompute casts with its scales and records nothing (per-block checkpointing with one backward per forward, with
+gradient accumulation, nested checkpoints). When several are waiting and no region tells them apart, which one a
+recompute repeats is not known from here: it casts with the recomputed input's own amax (current scaling: no
+saturation, whatever the delayed scale did meanwhile) and records nothing, and a warning says so once (the gradients
+are FP8-accurate, their FP8 bytes may differ from the forward's).
 A forward waits for every backward that has not run through it while its graph holds its saved tensors: a second
 backward through a graph retained with ``retain_graph=True`` repeats it again, and such a graph makes later recomputes
 of the layer ambiguous; a graph whose backward freed it waits for none, even while something still holds it (an
@@ -28,6 +30,7 @@ so does a reentrant recompute (``use_reentrant=True``), whose forward ran under 
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
@@ -53,9 +56,10 @@ class ForwardCall:
         done: the ids of the backward passes (autograd graph tasks) that ran through it.
         node: a weak reference to the autograd node whose backward ran through it (None before): once that backward
             released the node's saved tensors (no ``retain_graph``), no later backward can run through it again.
+        repeated: the ids of the backward passes in which a recompute of its checkpointed region repeated it.
     """
 
-    __slots__ = ("scale_invs", "currents", "replayed", "done", "node", "__weakref__")
+    __slots__ = ("scale_invs", "currents", "replayed", "done", "node", "repeated", "__weakref__")
 
     def __init__(self) -> None:
         self.scale_invs: tuple[torch.Tensor, ...] = ()
@@ -63,6 +67,7 @@ class ForwardCall:
         self.replayed = 0
         self.done: set[int] = set()
         self.node: weakref.ref | None = None
+        self.repeated: set[int] = set()
 
     def released(self) -> bool:
         """Whether a backward ran through this forward and freed its graph: it waits for no backward any more, even
@@ -86,6 +91,11 @@ _CALLS: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKe
 # region's saved tensors hold it, so a call lives while the region can still be recomputed, also where nothing of the
 # layer's own graph holds it (no graph built, or its output unused in the region: the recompute runs it anyway).
 _REGION_CALLS: weakref.WeakKeyDictionary[Callable, list[ForwardCall]] = weakref.WeakKeyDictionary()
+# The same calls by the region's torch.utils.checkpoint frame, in the region's forward order, each with its layer's
+# input scaling state (weakly): a recompute runs the region's forwards in that order, so the k-th recompute of a layer
+# in it repeats the layer's k-th forward there, also where other forwards of the layer wait (the layer twice in the
+# region, micro-batch losses summed into one backward, pipeline orders).
+_REGION_ORDER: weakref.WeakKeyDictionary[object, list[tuple[weakref.ref, ForwardCall]]] = weakref.WeakKeyDictionary()
 # A recompute that cannot be matched to its forward: no kept scales (replay_scales only saves the buffers), its input
 # casts use their own amax (cast_current).
 _OWN_AMAX = ForwardCall()
@@ -109,7 +119,7 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
         if getattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False):
             _untraced_under_skipped_side_effects()
         return None, False
-    region, unpack_hook = _checkpoint_region()
+    region, unpack_hook, frame = _checkpoint_region()
     grad = torch.is_grad_enabled()
     task = torch._C._current_graph_task_id()  # -1 outside a backward; torch.utils.checkpoint's recompute reads it too
     # torch.utils.checkpoint recomputes under enable_grad, but the region may turn grad off (a no_grad forward inside
@@ -118,7 +128,7 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     # hooks on top, torch < 2.8, the reentrant variant). Any other forward in a backward (the layer called in a tensor
     # hook or a custom autograd.Function's backward) is an ordinary one: it casts and records as outside a backward.
     if region == "recompute" or (task != -1 and _recomputing()):
-        return _recompute_call(state, task)
+        return _recompute_call(state, task, frame if region == "recompute" else None)
     if not grad and region != "forward":
         return None, False
     call = ForwardCall()
@@ -126,6 +136,8 @@ def forward_call(state: ScalingState) -> tuple[ForwardCall | None, bool]:
     _CALLS[state] = [*map(weakref.ref, calls), weakref.ref(call)]
     if region == "forward":
         _REGION_CALLS.setdefault(unpack_hook, []).append(call)
+        if frame is not None:
+            _REGION_ORDER.setdefault(frame, []).append((weakref.ref(state), call))
     return call, False
 
 
@@ -142,7 +154,7 @@ def _untraced_under_skipped_side_effects() -> None:
     )
 
 
-def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None, bool]:
+def _recompute_call(state: ScalingState, task: int, frame: object | None) -> tuple[ForwardCall | None, bool]:
     if _in_reentrant_recompute():
         warn_once(
             "activation checkpointing with use_reentrant=True: its forward ran under no_grad, so the recompute of an "
@@ -151,6 +163,13 @@ def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None,
             "run's; use_reentrant=False (Lightning's and FSDP's activation checkpointing use it) gives those."
         )
         return _OWN_AMAX, True
+    # The recompute of a region repeats the region's forwards in order (frame: the region it recomputes). Without it,
+    # selective checkpointing failed where several forwards of a layer waited: the own-amax cast below ran other ops
+    # than the forward ("... encountered during backward but not found in storage"), whatever the policy saved.
+    for ref, call in _REGION_ORDER.get(frame, ()) if frame is not None else ():
+        if ref() is state and task not in call.repeated and task not in call.done:
+            call.repeated.add(task)
+            return call, True
     calls = [c for c in (ref() for ref in _CALLS.get(state, ())) if c is not None]
     # Forwards this backward has not run through (again, for a retained graph). A graph whose backward released it
     # may still be held a while (by autograd's or a compiled region's references) and is not waiting.
@@ -175,25 +194,40 @@ def _recompute_call(state: ScalingState, task: int) -> tuple[ForwardCall | None,
     return _OWN_AMAX, True
 
 
-def _checkpoint_region() -> tuple[str | None, Callable | None]:
-    # ("forward", its unpack hook) inside the forward of a non-reentrant torch.utils.checkpoint region, ("recompute",
-    # None) inside its recompute, (None, None) under other saved-tensor hooks or none, ("unknown", None) where torch
-    # cannot show its hooks (< 2.8).
+def _checkpoint_region() -> tuple[str | None, Callable | None, object | None]:
+    # ("forward", its unpack hook, its frame) inside the forward of a non-reentrant torch.utils.checkpoint region,
+    # ("recompute", None, the frame it recomputes) inside its recompute, (None, None, None) under other saved-tensor
+    # hooks or none, ("unknown", None, None) where torch cannot show its hooks (< 2.8). The frame (torch's
+    # _CheckpointFrame, from the hooks' closures) is None where torch's internals moved.
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top_hooks is None:
-        return "unknown", None
+        return "unknown", None, None
     hooks = top_hooks(False)
     if hooks is None:
-        return None, None
+        return None, None, None
     pack_hook, unpack_hook = hooks
     if getattr(pack_hook, "__module__", None) != "torch.utils.checkpoint":
-        return None, None
+        return None, None, None
     qualname = getattr(pack_hook, "__qualname__", "")
     if qualname.startswith("_checkpoint_hook."):
-        return "forward", unpack_hook
+        return "forward", unpack_hook, _closure_value(pack_hook, "frame")
     if qualname.startswith("_recomputation_hook."):
-        return "recompute", None
-    return None, None
+        frame_ref = _closure_value(pack_hook, "target_frame_ref")
+        return "recompute", None, frame_ref() if isinstance(frame_ref, weakref.ref) else None
+    return None, None, None
+
+
+def _closure_value(fn: Callable, name: str) -> object | None:
+    # The value of the free variable ``name`` of the closure ``fn`` (under its decorators: the recompute's pack hook is
+    # torch._dynamo.disable'd), or None where it has none of that name.
+    fn = inspect.unwrap(fn)
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or closure is None or name not in code.co_freevars:
+        return None
+    try:
+        return closure[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _recomputing() -> bool:

@@ -159,7 +159,7 @@ def test_recompute_without_its_forward_casts_with_its_own_amax_and_records_nothi
     from lightning_fp8 import warnings as lf_warnings
 
     monkeypatch.setattr(lf_warnings, "_seen", set())
-    monkeypatch.setattr(recompute, "_checkpoint_region", lambda: ("unknown", None))
+    monkeypatch.setattr(recompute, "_checkpoint_region", lambda: ("unknown", None, None))
     torch.manual_seed(0)
     model = nn.Sequential(FP8Linear(32, 64), nn.GELU(), FP8Linear(64, 32))
     model[0].requires_grad_(False)
@@ -185,21 +185,14 @@ def _sqnr_db(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-30)))
 
 
-@pytest.mark.parametrize("order", ["summed", "forward_order", "layer_twice"])
-def test_several_pending_forwards_warn_and_stay_fp8_accurate(order, monkeypatch):
-    """Several forwards of a layer waiting for their backward (summed micro-batch losses, backwards in forward order
-    as pipeline schedules run them, a layer twice in one region): a recompute cannot tell which it repeats (it once
-    replayed another forward's scales). It casts with the recomputed input's own amax and records nothing: a warning,
-    the statistics of the run without checkpointing, and gradients as accurate against the fp32 layer as the
-    unchecked FP8 run's."""
-    from lightning_fp8 import warnings as lf_warnings
-
-    monkeypatch.setattr(lf_warnings, "_seen", set())  # warn_once: each case warns
+def _several_pending(order: str):
+    # A layer after a warm-up step (delayed scales for amaxes near 200 from now on), a copy of it, an fp32 reference,
+    # and run(layer, ckpt): forwards of the layer that wait together for their backward.
     torch.manual_seed(0)
     layer = FP8Linear(32, 32)
     ref = nn.Linear(32, 32)
     ref.load_state_dict(layer.state_dict())
-    layer(torch.randn(8, 32) * 64).sum().backward()  # one step first: delayed scales (for amaxes near 200) from now on
+    layer(torch.randn(8, 32) * 64).sum().backward()
     layer.zero_grad()
     plain = copy.deepcopy(layer)
     xs = [torch.randn(8, 32) * m for m in (8.0, 1.0)]  # cast with the warm-up's scale; their own amaxes differ
@@ -216,6 +209,38 @@ def test_several_pending_forwards_warn_and_stay_fp8_accurate(order, monkeypatch)
             for loss in losses:
                 loss.backward()
 
+    return layer, plain, ref, run
+
+
+@pytest.mark.parametrize("order", ["summed", "forward_order", "layer_twice"])
+def test_several_pending_forwards_of_checkpointed_regions_equal_the_unchecked_run(order):
+    """Several forwards of a layer waiting for their backward (summed micro-batch losses, backwards in forward order
+    as pipeline schedules run them, a layer twice in one region): the recompute of a region repeats the region's own
+    forwards in order, so each repeats its forward's casts. It once could not tell them apart and cast with the
+    recomputed input's own amax (other bytes, and other ops: selective checkpointing failed on them)."""
+    layer, plain, _, run = _several_pending(order)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "forwards wait for their backward" warning
+        run(layer, True)
+    run(plain, False)
+    assert torch.equal(layer.weight.grad, plain.weight.grad)
+    assert torch.equal(layer.bias.grad, plain.bias.grad)
+    for name, buf in layer.named_buffers():  # nothing recorded twice
+        assert torch.equal(buf, plain.get_buffer(name)), name
+
+
+@pytest.mark.parametrize("order", ["summed", "forward_order", "layer_twice"])
+def test_several_pending_forwards_without_the_regions_order_warn_and_stay_fp8_accurate(order, monkeypatch):
+    """Where torch.utils.checkpoint's frames cannot be found (its internals moved), several forwards of the layer
+    waiting leave a recompute unable to tell which it repeats (it once replayed another forward's scales). It casts
+    with the recomputed input's own amax and records nothing: a warning, the statistics of the run without
+    checkpointing, and gradients as accurate against the fp32 layer as the unchecked FP8 run's."""
+    from lightning_fp8 import recompute
+    from lightning_fp8 import warnings as lf_warnings
+
+    monkeypatch.setattr(lf_warnings, "_seen", set())  # warn_once: each case warns
+    monkeypatch.setattr(recompute, "_closure_value", lambda fn, name: None)
+    layer, plain, ref, run = _several_pending(order)
     with warnings.catch_warnings(record=True) as caught:  # (pytest.warns saw none from the backward: recorded here)
         warnings.simplefilter("always")
         run(layer, True)
