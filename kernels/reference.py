@@ -52,7 +52,8 @@ def cast_to_fp8_ref(
     """
     fp8_max = torch.finfo(fp8_dtype).max  # not _FP8_MAX[...]: dynamo failed on that lookup in dynamic-shape backwards
     x32 = x.detach().float()
-    y = x32 * scale
+    # 0-dim: a one-element scale of more dimensions than x (the Triton cast takes any) broadcast x_fp8 to its rank.
+    y = x32 * scale.reshape(())
     finite = torch.isfinite(x.detach())  # of x itself: a finite float64 past fp32's range saturates
     n_saturated = ((y.abs() >= fp8_max) & finite).sum()
     y = torch.where(finite, y.clamp(-fp8_max, fp8_max), torch.nan)
@@ -312,6 +313,8 @@ def quantize_ref(
         fmax, margin, algo_max, delayed,
     )  # fmt: skip
     if unscale is not None:
+        # 0-dim, as the kernels read it: a (1,) unscale failed the in-place divisions below once the state was written.
+        unscale = unscale.reshape(())
         scale_inv = scale_inv / unscale
         with state_writes(scale):
             last_amax.div_(unscale)

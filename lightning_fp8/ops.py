@@ -59,7 +59,9 @@ def out_of_modes_sight() -> contextlib.AbstractContextManager:
     forward and handed them to the recompute's kernels, which write them again (on the CPU under the interpreter
     "Tensor cached during selective activation checkpoint has been mutated", on a GPU an illegal memory access). The
     kernels themselves are no ops a mode sees: the recompute runs them again either way."""
-    if torch._C._len_torch_dispatch_stack() == 0:  # one C call: the eager cast path's usual case
+    # Traced by dynamo (a compiled backward's recast_transposed), the Triton paths are triton_ops of the graph, and the
+    # stack query cannot be traced ("torch.* op returned non-Tensor"): compiled FP8Linear backwards failed on that path.
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() == 0:  # the eager cast path's usual case
         return contextlib.nullcontext()
     return _disable_current_modes()
 

@@ -177,6 +177,8 @@ class _FP8Grads:
         with torch.no_grad():
             entry = self._pending.get(p)
             if is_fp8(grad) and entry is None:  # already FP8 (the caller reported its cast): keep it as it is
+                # Contiguous: the fused step reads it by address (a transposed view failed the Triton step).
+                grad = grad if grad.is_contiguous() else grad.contiguous()
                 self._pending[p] = _FP8Grad(grad, scale_inv, ops.amax(grad.float()) * scale_inv)
                 return
             g = grad.float() * scale_inv if is_fp8(grad) else grad

@@ -198,3 +198,17 @@ def test_amaxes_refuses_what_amax_refuses(bad):
         ops.amaxes([torch.randn(2), bad])
     with pytest.raises(TypeError):
         ops.amax(bad)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("x_shape", [(), (24,), (3, 5)], ids=["0d", "1d", "2d"])
+@pytest.mark.parametrize("scale_shape", [(1,), (1, 1), (1, 1, 1)], ids=["s1", "s11", "s111"])
+def test_cast_keeps_the_input_shape_with_any_one_element_scale(kernels, x_shape, scale_shape, monkeypatch):
+    # Found by running the Triton path against the reference: a one-element scale (which both paths accept) with more
+    # dimensions than x broadcast the reference's x_fp8 to (1, 24) for a (24,) x, where the Triton cast kept x's shape.
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
+    x = torch.randn(x_shape)
+    x_fp8, _, amax, saturated = ops.cast_to_fp8(x, torch.full(scale_shape, 4.0), E4M3)
+    assert x_fp8.shape == x.shape
+    assert torch.equal(x_fp8.float(), (x * 4.0).to(E4M3).float())
+    assert amax.shape == () and saturated.shape == ()
