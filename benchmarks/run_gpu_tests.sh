@@ -14,7 +14,7 @@ group() {
     (timeout "$T" python3 -m pytest -q -p no:randomly -m gpu "$@" > "$OUT/$name.log" 2>&1; echo "rc $?" >> "$OUT/$name.log") &
 }
 group a tests/core/test_compiled_function_outputs.py tests/core/test_linear.py tests/core/test_default_device.py \
-    tests/core/test_triton_paths.py
+    tests/core/test_triton_paths.py tests/core/test_pre_ada_gpus.py
 group b tests/core/test_layer_checkpointing.py tests/core/test_scaling.py tests/core/test_layer_first_casts.py
 group c tests/core/test_mlp.py tests/core/test_clip_fp8_grads.py tests/core/test_optim_release.py \
     tests/core/test_optim_o1_grads.py tests/core/test_grad_cast.py tests/core/test_weight_cache.py tests/kernels \

@@ -1,7 +1,8 @@
 """The one dispatch point between Triton kernels and their PyTorch references, and the FP8 GEMM.
 
-On a CUDA device with Triton, casts run the fused Triton kernels; elsewhere (CPU in CI, a laptop) the
-references in :mod:`lightning_fp8.kernels.reference` run the same numerics. GEMMs use
+On a CUDA device of compute capability 8.9+ with Triton, casts run the fused Triton kernels; elsewhere (CPU in CI,
+a laptop, GPUs without Triton's E4M3 type such as the A100) the references in :mod:`lightning_fp8.kernels.reference`
+run the same numerics. GEMMs use
 ``torch._scaled_mm`` on GPUs with FP8 tensor cores (sm89+) and an emulation (dequantize, fp32 matmul)
 elsewhere. ``LIGHTNING_FP8_KERNELS=reference`` forces the references (debugging); ``=triton`` forces
 Triton even on CPU tensors (tests under ``TRITON_INTERPRET=1``).
@@ -48,8 +49,16 @@ def use_triton(t: torch.Tensor) -> bool:
         # casts take their own ops: compiled_casts).
         return False
     if mode == "triton":
+        if t.is_cuda and not fp8_device(t.device):
+            raise RuntimeError(
+                f"LIGHTNING_FP8_KERNELS=triton: {_device_words(t.device)}, and the Triton kernels' E4M3 type "
+                "(fp8e4nv) needs 8.9+ (Ada, Hopper): unset LIGHTNING_FP8_KERNELS (or set it to 'auto' or "
+                "'reference') to cast with the PyTorch references on this GPU"
+            )
         return True
-    return t.is_cuda and triton_available()
+    # Below compute capability 8.9 (A100, V100) Triton has no E4M3 type: the PyTorch references cast there, as the
+    # GEMMs are emulated there (has_fp8_gemm).
+    return t.is_cuda and triton_available() and fp8_device(t.device)
 
 
 def out_of_modes_sight() -> contextlib.AbstractContextManager:
@@ -227,14 +236,25 @@ def _fp8_gemm_capability(device_index: int) -> bool:
 _device_has_fp8_gemm = functools.cache(_fp8_gemm_capability)  # eagerly: one query per device
 
 
-def has_fp8_gemm(device: torch.device) -> bool:
-    """True where ``torch._scaled_mm`` runs real FP8 GEMMs (CUDA devices of compute capability 8.9+)."""
-    if device.type != "cuda" or os.environ.get("LIGHTNING_FP8_EMULATE_GEMM") == "1":
+def fp8_device(device: torch.device) -> bool:
+    """True for CUDA devices of compute capability 8.9+ (Ada, Hopper and later): FP8 tensor cores, and Triton's
+    E4M3 type (``tl.float8e4nv``), which Triton refuses to compile for older GPUs."""
+    if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.compiler.is_compiling():  # Dynamo warns of a functools.cache-wrapped call it traces; the query traces
         return _fp8_gemm_capability(index)
     return _device_has_fp8_gemm(index)
+
+
+def has_fp8_gemm(device: torch.device) -> bool:
+    """True where ``torch._scaled_mm`` runs real FP8 GEMMs (CUDA devices of compute capability 8.9+)."""
+    return os.environ.get("LIGHTNING_FP8_EMULATE_GEMM") != "1" and fp8_device(device)
+
+
+def _device_words(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {major}.{minor}"
 
 
 def scaled_mm(

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fp8 import ops
 from lightning_fp8.distributed.allreduce import check_amax_group
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, check_group, local_amax
 from lightning_fp8.distributed.comm_state_checks import MAX_EXTRA_HEADROOM, check_args, checked_saved_state, param_ids
@@ -85,7 +86,8 @@ class FP8CommState:
         margin: binades of headroom in the cast scales (0: the amax maps into the top binade; at most
             :data:`~lightning_fp8.recipe.MAX_MARGIN`).
         fused: run the segmented Triton kernels (``kernels/comm.py``) instead of their PyTorch references.
-            ``None`` (the default): on CUDA. ``True`` on CPU gradients needs Triton's interpreter
+            ``None`` (the default): on CUDA devices of compute capability 8.9+ (Triton has no E4M3 type below).
+            ``True`` on CPU gradients needs Triton's interpreter
             (``TRITON_INTERPRET=1``).
         slice_numel: a buffer is pipelined in slices of about this many elements (its cast and decode overlap
             the collectives of other slices); DDP buckets and FSDP units of usual sizes fit in one slice. The
@@ -217,15 +219,23 @@ class FP8CommState:
 
         Raises:
             ValueError: for ``fused=True`` and gradients off CUDA without Triton's interpreter, where the first
-                kernel would fail with Triton's ``RuntimeError: 0 active drivers``.
+                kernel would fail with Triton's ``RuntimeError: 0 active drivers``, and on CUDA devices below compute
+                capability 8.9, for which Triton does not compile its E4M3 type.
         """
         if self.fused is None:
-            return device.type == "cuda"
+            return ops.fp8_device(device)
         if self.fused and device.type != "cuda" and not _triton_interpreted():
             raise ValueError(
                 f"FP8CommState(fused=True): the gradients are on {device}, where the Triton kernels run only under "
                 "Triton's interpreter (TRITON_INTERPRET=1, set before lightning_fp8 is imported); pass fused=None "
                 "(Triton on CUDA, the PyTorch references elsewhere) or fused=False"
+            )
+        if self.fused and device.type == "cuda" and not ops.fp8_device(device):
+            raise ValueError(
+                f"FP8CommState(fused=True): the gradients are on {device}, of compute capability "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}, for which Triton has no E4M3 type "
+                "(it needs 8.9+: Ada, Hopper); pass fused=None (Triton on such GPUs, the PyTorch references "
+                "elsewhere) or fused=False"
             )
         return self.fused
 

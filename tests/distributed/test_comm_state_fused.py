@@ -45,4 +45,4 @@ def test_fused_none_and_false_never_need_triton():
 
     assert FP8CommState(fused=False).use_fused(torch.device("cpu")) is False
     assert FP8CommState().use_fused(torch.device("cpu")) is False
-    assert FP8CommState().use_fused(torch.device("cuda")) is True
+    # CUDA: Triton on GPUs of compute capability 8.9+ only (tests/core/test_pre_ada_gpus.py)
