@@ -37,6 +37,8 @@ scaler.update()``; each step decides on its own optimizer's gradients, and an op
 updates (docs/concepts/gradient-scaling.md, "Several optimizers").
 
 This module holds the scaler's public surface and its step; its bases, one concern each, live beside it:
+:mod:`~lightning_fp8.grad_scaling.losses` (scaling the loss, and which mu the gradients carry),
+:mod:`~lightning_fp8.grad_scaling.model` (the FP8 model whose ``grad_output`` scales mu changes rescale),
 :mod:`~lightning_fp8.grad_scaling.reports` (what the casts and checks report, agreed across ranks),
 :mod:`~lightning_fp8.grad_scaling.rules` (how :meth:`~FP8GradScaler.update` moves mu and runs the fallback),
 :mod:`~lightning_fp8.grad_scaling.unscaling` (clipping and unscaling gradients outside FP8AdamW's fused step) and
@@ -56,10 +58,11 @@ from torch import nn
 from lightning_fp8.grad_scaling.arguments import (
     Fallback,
     _check_arguments,
-    check_model,
     fallback_model,
     warn_if_model_is_another,
 )
+from lightning_fp8.grad_scaling.losses import _LossScaling
+from lightning_fp8.grad_scaling.model import _ScalerModel
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
@@ -72,7 +75,7 @@ from lightning_fp8.grad_scaling.unscaling import (
 )
 
 
-class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
+class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _ScaleRules, _ScalerState):
     """Automatic power-of-two gradient scale mu with skip-on-overflow and recovery.
 
     Args:
@@ -186,18 +189,6 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """mu, a 0-dim fp32 tensor (a power of two)."""
         return torch.tensor(self._scale, dtype=torch.float32)
 
-    @property
-    def loss_scale(self) -> float:
-        """The mu the current gradients carry: that of the last :meth:`scale_loss` (another optimizer's
-        :meth:`update` may have changed :attr:`scale` since), else mu. What unscaling them divides by."""
-        return self._loss_scale if self._loss_scale is not None else self._scale
-
-    @property
-    def loss_was_scaled(self) -> bool:
-        """Whether :meth:`scale_loss` was called (since construction or the last :meth:`load_state_dict`): the
-        gradients then carry :attr:`loss_scale`; a loop that never scales its loss leaves them unscaled."""
-        return self._loss_scale is not None
-
     def get_scale(self) -> float:
         """mu as a Python float (``torch.amp.GradScaler.get_scale``'s spelling; the loss is scaled by
         :meth:`scale_loss`, since ``scale`` is this property)."""
@@ -226,78 +217,11 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
         """Actions taken, oldest first: ``{"step", "action", "reason", "scale"}`` (the last 1000)."""
         return tuple(dict(entry) for entry in self._history)
 
-    @property
-    def model(self) -> nn.Module | None:
-        """The FP8 model whose ``grad_output`` scaling states mu changes rescale, and where the ``"bf16"`` fallback
-        finds layers to put back (``model=``; the Lightning and Accelerate integrations give theirs where none
-        was given)."""
-        return self._model
-
-    @model.setter
-    def model(self, model: nn.Module | None) -> None:
-        check_model(model)
-        self._model = model
-        self._model_from_integration = False
-
-    def _take_model(self, model: nn.Module) -> None:
-        """Make ``model``, an integration's FP8 model, this scaler's :attr:`model` where it has none or one an
-        integration gave it (a Trainer fitting a second model, a later ``prepare``, a new training after
-        ``free_memory``): mu changes then rescale the model being trained. A model the user gave (``model=``, or
-        set since) is the user's and stays."""
-        if self._model is None or self._model_from_integration:
-            self._model = model
-            self._model_from_integration = True
-
     def _set_optimizer_order(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers an integration steps with this scaler, in its order (Lightning's ``trainer.optimizers``):
         each one's run of non-finite steps is saved at its index and resumed from there, however often each steps
         (a GAN's critic stepping five times per generator step); otherwise by the order of first stepping."""
         self._optimizer_index = weakref.WeakKeyDictionary({opt: i for i, opt in enumerate(optimizers)})
-
-    @torch.compiler.disable  # its records would make a compiled caller recompile at every call (guards on them)
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * mu``: call ``.backward()`` on the result. The gradients are later unscaled by this mu, even when
-        another optimizer's :meth:`update` has changed mu before their step; gradients summed over several backwards
-        are all unscaled by the last one's mu (see docs/concepts/gradient-scaling.md). Inside a compiled function it
-        runs eagerly (a graph break), so a change of mu does not recompile the function."""
-        scaled = self._scale_for_backward(loss)
-        self._losses_scaled += 1
-        if scaled.numel() == 1:  # a loss; a larger tensor (backward with a gradient) is not kept
-            self._scaled_losses.append((self._losses_scaled, scaled.detach(), self._scale))
-        return scaled
-
-    def _scale_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """:meth:`scale_loss` without the record :meth:`scaled_losses` reads: for the integrations, which scale the
-        loss in their own backward (the loss the user's code returned stays unscaled, nothing to recognise)."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"FP8GradScaler.scale_loss takes the loss tensor (to call .backward() on the result), got "
-                f"{type(loss).__name__}; for several losses, scale each one (or their sum)"
-            )
-        if not loss.is_floating_point():  # an int loss has no gradient; a complex one no .backward() without one
-            raise TypeError(
-                f"FP8GradScaler.scale_loss takes a real floating-point loss, got a {loss.dtype} tensor: compute the "
-                "loss in floating point (a complex loss: backward its real part, or abs())"
-            )
-        self._loss_scale = self._scale
-        return loss * self._scale
-
-    @property
-    def losses_scaled(self) -> int:
-        """How many times :meth:`scale_loss` was called: a mark to pass to :meth:`scaled_losses` later."""
-        return self._losses_scaled
-
-    def scaled_losses(self, since: int = 0, until: int | None = None) -> list[tuple[torch.Tensor, float]]:
-        """The one-value losses :meth:`scale_loss` returned after :attr:`losses_scaled` was ``since`` and until it was
-        ``until`` (None: until now; the last 32 at most), oldest first, each detached (its value: no graph is kept)
-        with the mu it was multiplied by.
-
-        How a reader handed a loss tells whether it carries mu, and which mu, whatever mu is by then: a
-        ``training_step`` that returns ``scaler.scale_loss(loss)`` hands Lightning's callbacks a copy of that value
-        (``TrainingHealthMonitor`` divides it by its mu), one that scales in ``backward`` hands them the loss unscaled.
-        """
-        return [(scaled, mu) for serial, scaled, mu in self._scaled_losses
-                if serial > since and (until is None or serial <= until)]  # fmt: skip
 
     # -------------------------------------------------------------------------------------------- step and update
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -363,26 +287,6 @@ class FP8GradScaler(_Unscaling, _GradReports, _ScaleRules, _ScalerState):
             if reported is not None:
                 self._owned[optimizer] = reported
             raise
-
-    def _warn_if_no_model(self, optimizer: torch.optim.Optimizer) -> None:
-        """Warn once when this scaler has no :attr:`model` and ``optimizer`` trains FP8 layers with delayed scaling:
-        their ``grad_output`` scales come from amaxes recorded at an earlier mu, so after mu grows 16x (the fp16 rule)
-        their casts saturate (measured: 78% of the values of a small MLP's) until the amax history rolls over, and
-        nothing tells (those casts report to no scaler). Checked at an optimizer's first step."""
-        from lightning_fp8.optim.master import is_fp8_weight, layer_recipes
-
-        if self._model is not None or getattr(self, "_warned_no_model", False):  # (absent from older pickles)
-            return
-        weights = [p for group in optimizer.param_groups for p in group["params"] if is_fp8_weight(p)]
-        if any(recipe.scaling == "delayed" for recipe in layer_recipes(weights)):
-            self._warned_no_model = True
-            warnings.warn(
-                f"FP8GradScaler has no model, and this {type(optimizer).__name__} trains FP8 layers with delayed "
-                "scaling: each change of mu leaves their grad_output scales off by its factor until their amax "
-                "history rolls over (after mu grows, those casts saturate). Give the model, FP8GradScaler(model=model) "
-                "or scaler.model = model, so that mu changes rescale them exactly",
-                stacklevel=3,
-            )
 
     def _warn_unbound(self, optimizer: torch.optim.Optimizer, fused: Any) -> None:
         """Warn once per FP8AdamW whose gradient casts report to no scaler or another one."""

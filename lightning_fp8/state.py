@@ -1,13 +1,14 @@
 """Saving and loading the FP8 scaling state of a model (scales, amax histories, counters).
 
 The state lives in non-persistent buffers so a converted model keeps ``nn.Linear``'s state_dict keys;
-these two functions put it into (and take it out of) a checkpoint beside the model's state_dict.
+these two functions put it into (and take it out of) a checkpoint beside the model's state_dict. What each saved
+value must be to load is checked in :mod:`lightning_fp8.state_values`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -16,6 +17,14 @@ from lightning_fp8 import load_pairing
 from lightning_fp8.grad_scaling.rules import rescale_grad_output_state
 from lightning_fp8.recipe import check_flag
 from lightning_fp8.scaling import ScalingState, _format_max
+from lightning_fp8.state_values import (
+    _check_initialized,
+    _check_mapping,
+    _check_value,
+    _is_number_tensor,
+    _kind,
+    _shape,
+)
 from lightning_fp8.stats import clean_name, wraps_as_module
 
 # The buffers of a grad_output state whose load pairs it with a scaler load (lightning_fp8.load_pairing).
@@ -32,11 +41,6 @@ _ALGOS = ("max", "most_recent")  # amax_compute_algo is saved as its index here
 # history back to zeros, and its scale may be 1, as a state that never cast has. Checkpoints written before this entry
 # existed lack it: it is then inferred (_inferred).
 INITIALIZED = "initialized"
-
-# The scales casts and FP8AdamW produce: pow2_scale_ref (kernels/reference.py) and the kernels clamp the exponent to
-# [-126, 127], so a scale is a normal fp32 number with a finite reciprocal. Below, it is subnormal, and from 2**-128
-# down its reciprocal is inf: the next cast, or the next optimizer step, writes NaN.
-MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**127
 
 
 def _setting_values(state: ScalingState) -> dict[str, float]:
@@ -311,59 +315,11 @@ def _check_module(module: object, caller: str) -> None:
         )
 
 
-def _check_mapping(state_dict: object) -> None:
-    fix = "pass the dict fp8_state_dict() returned (the checkpoint may be corrupt)"
-    if not isinstance(state_dict, Mapping):
-        kind = type(state_dict).__name__
-        raise TypeError(f"load_fp8_state_dict: the FP8 scaling state is a {kind}, not a dict: {fix}")
-    odd = [key for key in state_dict if not isinstance(key, str)]
-    if odd:
-        raise TypeError(f"load_fp8_state_dict: the FP8 scaling state has keys that are not strings {odd[:5]}: {fix}")
-
-
 def _inferred(state: ScalingState) -> bool:
     # For checkpoints without the flag: initialized once a cast carried information, an amax in the history or a scale
     # it left. A state whose casts were all of empty or all-zero tensors (amax 0) has neither, and its next cast must
     # still use its own amax (as the live state's: ScalingState.note_cast).
     return bool(state.casts) and bool(state.amax_history.any() or state.scale != 1)
-
-
-def _is_number_tensor(value: object) -> bool:
-    """Whether ``value`` is a plain (strided, not nested) tensor of real numbers: not bool, not complex."""
-    return (
-        isinstance(value, torch.Tensor)
-        and value.layout == torch.strided
-        and not value.is_nested
-        and value.dtype != torch.bool
-        and not value.is_complex()
-    )
-
-
-def _kind(value: object) -> str:
-    """What ``value`` is, for an error message."""
-    if not isinstance(value, torch.Tensor):
-        return type(value).__name__
-    layout = "nested " if value.is_nested else "" if value.layout == torch.strided else f"{value.layout} "
-    return f"a {layout}{value.dtype} tensor"
-
-
-def _shape(value: object) -> str:
-    """``value``'s shape, for an error message (a nested tensor has none)."""
-    if not isinstance(value, torch.Tensor):
-        return "()"
-    return "(nested)" if value.is_nested else str(tuple(value.shape))
-
-
-def _check_initialized(key: str, value: object) -> bool:
-    """The flag an ``initialized`` entry (``key``) holds; raise unless it is one integer, 0 or 1."""
-    fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
-    if not _is_number_tensor(value) or value.numel() != 1 or value.is_floating_point():
-        kind, shape = _kind(value), _shape(value)
-        raise TypeError(f"FP8 scaling state {key!r} is {kind} of shape {shape}, expected one integer, 1 or 0: {fix}")
-    flag = int(value.detach().cpu().reshape(()))
-    if flag not in (0, 1):
-        raise ValueError(f"FP8 scaling state {key!r} holds {flag}, but it must be 1 or 0: {fix}")
-    return bool(flag)
 
 
 def _check_setting(key: str, value: object, mine: float) -> None:
@@ -384,41 +340,3 @@ def _check_setting(key: str, value: object, mine: float) -> None:
             "model with the checkpoint's recipe to resume it, or do not load its FP8 state (the model's weights load "
             "without it; the first casts then compute their scales from the tensors themselves)"
         )
-
-
-def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> None:
-    """Raise if ``value`` cannot be loaded into the scaling-state buffer ``buf`` (named ``buf_name``)."""
-    fix = "the checkpoint is corrupt or not an fp8_state_dict(); save it again, or load the model without it"
-    if not _is_number_tensor(value) or value.is_floating_point() != buf.is_floating_point():
-        raise TypeError(f"FP8 scaling state {key!r} is {_kind(value)}, expected a {buf.dtype} tensor: {fix}")
-    if buf.shape != value.shape:
-        # Only a history's length follows the recipe (amax_history_len); every other buffer is one number.
-        why = "amax_history_len differs?" if buf_name == "amax_history" else fix
-        raise ValueError(
-            f"FP8 scaling state {key!r} has shape {tuple(value.shape)} in the checkpoint but "
-            f"{tuple(buf.shape)} in the model ({why})"
-        )
-    # Checked as it will be stored: the buffer's dtype (a float64 2**200 is a power of two, and inf in fp32).
-    saved = value.detach().cpu()
-    stored = saved.to(buf.dtype)
-    same = stored.to(saved.dtype) == saved
-    if saved.is_floating_point():
-        same = same | (torch.isnan(saved) & torch.isnan(stored))  # NaN: refused below, as what it is
-    if not same.all():
-        raise ValueError(
-            f"FP8 scaling state {key!r} holds {value.tolist()}, which a {buf.dtype} buffer cannot hold exactly (it "
-            f"would be {stored.tolist()}): {fix}"
-        )
-    v = stored.double()
-    if buf_name == "scale":
-        in_range = ((v >= MIN_SCALE) & (v <= MAX_SCALE)).all()  # False for NaN too
-        bad = not (in_range and (torch.frexp(v).mantissa == 0.5).all())
-        what = "a power of two from 2**-126 to 2**127 (the scales casts produce)"
-    elif buf_name == "saturation":
-        bad, what = not ((v >= 0) & (v <= 1)).all(), "in [0, 1]"
-    elif buf_name == "amax_history":  # a cast records a non-finite amax as 0 here (no information)
-        bad, what = not ((v >= 0) & (v < float("inf"))).all(), "finite and non-negative"
-    else:  # amax (inf is a recorded overflow), nonfinite_count, casts
-        bad, what = not (v >= 0).all(), "non-negative"
-    if bad:
-        raise ValueError(f"FP8 scaling state {key!r} holds {value.tolist()}, but it must be {what}: {fix}")

@@ -17,7 +17,8 @@ from lightning_fp8.distributed.comm import CastStats, all_gather_fp8, reduce_sca
 from lightning_fp8.distributed.comm_state import FP8CommState
 from lightning_fp8.distributed.ddp import enable_fp8_ddp, fp8_allreduce_hook
 from lightning_fp8.distributed.fsdp import enable_fp8_fsdp1, fp8_reduce_scatter_hook
-from lightning_fp8.distributed.fsdp2 import FP8ReduceScatter, FP8WeightAllGather, enable_fp8_fsdp2, mark_fp8_weights
+from lightning_fp8.distributed.fsdp2 import enable_fp8_fsdp2, mark_fp8_weights
+from lightning_fp8.distributed.fsdp2_comms import FP8ReduceScatter, FP8WeightAllGather
 from lightning_fp8.distributed.layout import SegmentLayout
 
 __all__ = [

@@ -16,6 +16,7 @@
 - :mod:`lightning_fp8.optim.adoption`: which parameters get low-precision states (adopted weights), their release
   back to high precision, and the creation of their states.
 - :mod:`lightning_fp8.optim.fp8_grads`: the gradient hooks and the FP8 gradients FP8AdamW holds for its step.
+- :mod:`lightning_fp8.optim.state_dict`: FP8AdamW's state-dict methods and the statistics of its states.
 - :mod:`lightning_fp8.optim.pickling`: what ``torch.save(optimizer)`` and ``copy.deepcopy`` keep.
 """
 

@@ -18,7 +18,7 @@ from lightning_fp8.optim import shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.shard_scales import _exported_shapes
 from lightning_fp8.optim.state_layout import _ADAMW_KEYS, _KEYS, _UNSCALED, _param_order, dequantize
-from lightning_fp8.state import MAX_SCALE, MIN_SCALE
+from lightning_fp8.state_values import MAX_SCALE, MIN_SCALE
 
 if TYPE_CHECKING:
     from lightning_fp8.optim.adamw import FP8AdamW
