@@ -25,8 +25,9 @@ case "$PARTS" in *" tp "*)
   timeout "${TP_T:-80}" torchrun --nproc-per-node "$N" benchmarks/bench_tp.py --iters 5 > "$OUT/tp_$N.txt" 2>&1
   echo "bench_tp exit $?" >> "$OUT/tp_$N.txt";;
 esac
-case "$PARTS" in *" kernel-tests "*)  # the compiled kernels against their references on one GPU
-  timeout 150 python3 -m pytest -q -m gpu tests/distributed/test_comm_kernels.py > "$OUT/kernel_tests.txt" 2>&1
+case "$PARTS" in *" kernel-tests "*)  # the compiled kernels against their references; a model on the second GPU
+  timeout 150 python3 -m pytest -q -m gpu tests/distributed/test_comm_kernels.py tests/core/test_second_gpu.py \
+    > "$OUT/kernel_tests.txt" 2>&1
   echo "kernel tests exit $?" >> "$OUT/kernel_tests.txt"; tail -2 "$OUT/kernel_tests.txt";;
 esac
 echo "=== $N GPUs"; cat "$OUT/env_$N.txt"

@@ -75,6 +75,16 @@ def out_of_modes_sight() -> contextlib.AbstractContextManager:
     return _disable_current_modes()
 
 
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Around a Triton path for CUDA tensor ``t``: ``t``'s device made the current one where it is not. Triton launches
+    on the current device, with its stream: a model on another GPU than the current one (``model.to("cuda:1")``
+    without ``torch.cuda.set_device(1)``) failed ("Pointer argument cannot be accessed from Triton"), where torch's
+    own ops follow their tensors. Under torch.compile the compiled code guards its device itself."""
+    if not t.is_cuda or torch.compiler.is_compiling() or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
 def _triton_cast(x: torch.Tensor) -> bool:
     """Whether a cast of ``x`` runs in Triton: its kernels read 16- and 32-bit floats; float64 (a finite value past
     fp32's range saturates, where fp32 would overflow to inf) takes the reference's ops, on any device."""
@@ -86,7 +96,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     if _triton_cast(x):
         from lightning_fp8.kernels import cast
 
-        with out_of_modes_sight():
+        with out_of_modes_sight(), on_device(x):
             return cast.amax(x)
     cast_checks.check_castable(x, "amax")  # the Triton path checks its own
     return reference.amax_ref(x)
@@ -134,7 +144,7 @@ def cast_to_fp8(
     if _triton_cast(x):
         from lightning_fp8.kernels import cast
 
-        with out_of_modes_sight():
+        with out_of_modes_sight(), on_device(x):
             return cast.cast_to_fp8(x, scale, fp8_dtype, transpose)
     cast_checks.check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8")  # the Triton path's checks
     return reference.cast_to_fp8_ref(x, scale, fp8_dtype, transpose)
@@ -148,7 +158,7 @@ def recast_transposed(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     if _triton_cast(x) and x.numel():
         from lightning_fp8.kernels import quantize as fused
 
-        with out_of_modes_sight():
+        with out_of_modes_sight(), on_device(x):
             return fused.recast_transposed(x.detach().contiguous(), scale.reshape(()), fp8_dtype)
     return cast_to_fp8(x, scale, fp8_dtype, transpose=True)[1]
 
@@ -164,7 +174,7 @@ def recast_activation_transposed(
         from lightning_fp8.kernels import quantize as fused
 
         x_scale_inv, scale = x_scale_inv.reshape(()), scale.reshape(())
-        with out_of_modes_sight():
+        with out_of_modes_sight(), on_device(x_fp8):
             return fused.recast_transposed(x_fp8.detach().contiguous(), scale, fp8_dtype, activation, x_scale_inv)
     return reference.recast_activation_ref(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
 
@@ -205,7 +215,7 @@ def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     if _triton_cast(args[0]):
         from lightning_fp8.kernels import quantize as fused
 
-        with out_of_modes_sight():
+        with out_of_modes_sight(), on_device(args[0]):
             return fused.quantize_(*args, **kwargs)
     return reference.quantize_ref(*args, **kwargs)
 
@@ -216,7 +226,7 @@ def grad_cast(grads: list[torch.Tensor], *args, **kwargs) -> tuple:
     if grads and use_triton(grads[0]):
         from lightning_fp8.kernels import grad_cast as batched
 
-        with out_of_modes_sight():
+        with out_of_modes_sight(), on_device(grads[0]):
             return batched.grad_cast(grads, *args, **kwargs)
     if grads:  # the Triton path's checks here too: the reference cast mixed dtypes, and failed on bad states or
         # pending gradients with IndexErrors, KeyErrors or broadcasting errors

@@ -226,7 +226,7 @@ def _transpose(data: torch.Tensor) -> torch.Tensor:
     if ops.use_triton(data):
         from lightning_fp8.kernels.transpose import transpose_2d
 
-        with ops.out_of_modes_sight():  # as the casts' Triton paths
+        with ops.out_of_modes_sight(), ops.on_device(data):  # as the casts' Triton paths
             return transpose_2d(data)
     return data.t().contiguous()
 

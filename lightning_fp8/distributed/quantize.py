@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from lightning_fp8 import ops
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels.comm_table import BlockTable, check_headroom
 from lightning_fp8.scaling import compute_scale
@@ -30,7 +31,17 @@ def segment_kernels(fused: bool) -> SimpleNamespace:
 def _triton_kernels() -> SimpleNamespace:
     from lightning_fp8.kernels import comm
 
-    return SimpleNamespace(**{name: getattr(comm, name) for name in _NAMES})
+    return SimpleNamespace(**{name: _on_its_device(getattr(comm, name)) for name in _NAMES})
+
+
+def _on_its_device(kernel):
+    # Each kernel launches on the device of the buffer it takes first, as torch's ops would (ops.on_device).
+    @functools.wraps(kernel)
+    def launch(t: torch.Tensor, *args, **kwargs):
+        with ops.on_device(t):
+            return kernel(t, *args, **kwargs)
+
+    return launch
 
 
 def _expand(table: BlockTable) -> tuple[torch.Tensor, ...]:

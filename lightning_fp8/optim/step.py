@@ -80,7 +80,8 @@ def launch(opt: Any, group: dict[str, Any], step: int, items: list[tuple], grad_
     if ops.use_triton(params[0]) and all(t.is_contiguous() for t in params + exp_avgs + exp_avg_sqs):
         from lightning_fp8.kernels import adamw as adamw_kernels
 
-        adamw_kernels.adamw_step(*args, **kwargs)
+        with ops.on_device(params[0]):  # the batch's device (adamw.py batches the step by device)
+            adamw_kernels.adamw_step(*args, **kwargs)
         # A Triton write bumps no version counter, where torch.optim.AdamW's in-place updates (and the reference
         # below) do: a graph built before the step and backpropagated after it (a GAN's discriminator stepped
         # between its two losses' backwards) computed its gradients silently from the new weights where torch raises
