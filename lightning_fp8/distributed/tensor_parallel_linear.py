@@ -23,7 +23,8 @@ identical once per step; with current scaling (and on the first step) the amax i
 the cast. Either way the scale is the one a single process computes on the whole tensor. Weight scales are per
 shard: a rank's GEMMs read only its shard, so the shard's own amax is exact and needs no communication.
 
-:func:`dtensor_forward` is ``FP8Linear.forward`` for a DTensor weight: it picks the layouts and runs the above.
+:func:`dtensor_forward` is ``FP8Linear.forward`` for a DTensor weight: it picks the layouts and runs the above. The
+collectives themselves (FP8 as its bytes on the wire) are in :mod:`~lightning_fp8.distributed.tensor_parallel_comms`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch.distributed.tensor.placement_types import Placement
 from lightning_fp8 import ops
 from lightning_fp8.autograd_rules import once_differentiable
 from lightning_fp8.distributed.amax_sync import claim_shared_scale, localize_buffers
+from lightning_fp8.distributed.tensor_parallel_comms import _all_gather, _reduce_scatter, _reduce_scatter_fp8
 from lightning_fp8.linear import (
     FP8Linear,
     current_flags,
@@ -60,66 +62,9 @@ from lightning_fp8.recompute import (
 from lightning_fp8.scaling import ScalingState, compute_scale
 from lightning_fp8.trace_marks import _capturing, _tracing
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # How a cast operand is spread over the group: identical everywhere, a different slice per rank, or a slice whose
 # FP8 bytes are gathered (its scale MUST be identical on every rank).
 Layout = Literal["replicated", "sharded", "gathered"]
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    # Collectives know nothing of FP8 dtypes (gloo refuses them): FP8 travels as its bytes.
-    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
-
-
-def _all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate the equal-sized shards ``t`` of every rank along ``dim``."""
-    world = dist.get_world_size(group)
-    wire = _wire(t).contiguous()
-    out = wire.new_empty(world * wire.numel())
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, wire.view(-1), group=group)
-    full = out.view(world, *t.shape).movedim(0, dim).flatten(dim, dim + 1)  # a copy unless dim == 0
-    return full.view(t.dtype)
-
-
-def _scatter_chunks(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
-    """``(world, *shard)`` contiguous: chunk ``r`` is the slice of ``t`` along ``dim`` that rank ``r`` receives."""
-    if t.shape[dim] % world:
-        raise ValueError(f"cannot split dimension {dim} of size {t.shape[dim]} evenly over {world} ranks")
-    return t.unflatten(dim, (world, t.shape[dim] // world)).movedim(dim, 0).contiguous()
-
-
-def _reduce_scatter(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``t`` over the ranks and keep this rank's slice along ``dim``, in ``t``'s dtype."""
-    chunks = _scatter_chunks(t, dim, dist.get_world_size(group))
-    out = chunks.new_empty(chunks[0].numel())
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, chunks.view(-1), group=group)
-    return out.view(chunks.shape[1:])
-
-
-def _reduce_scatter_fp8(
-    t: torch.Tensor, dim: int, group: dist.ProcessGroup, fp8_dtype: torch.dtype, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """:func:`_reduce_scatter` with FP8 on the wire: one shared scale, all-to-all of the FP8 chunks, fp32 sum.
-
-    The scale comes from the MAX-reduced amax of all ranks' ``t``, so no rank's chunk saturates; summing the
-    ``world`` dequantized chunks in fp32 cannot overflow either (DESIGN.md, FP8 gradient communication).
-    """
-    world = dist.get_world_size(group)
-    if world == 1:  # the sum over one rank is t itself: no cast (a single process's dx has no such rounding)
-        return t.to(out_dtype)
-    with torch.no_grad():
-        amax = ops.amax(t)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        scale = compute_scale(amax, fp8_dtype)
-        t_fp8 = ops.cast_to_fp8(t, scale, fp8_dtype)[0]
-        chunks = _scatter_chunks(t_fp8.view(torch.uint8), dim, world)
-        received = torch.empty_like(chunks)
-        dist.all_to_all_single(received, chunks, group=group)
-        received = received.view(fp8_dtype)
-        total = received[0].float()
-        for r in range(1, world):
-            total += received[r].float()
-        return (total * scale.reciprocal()).to(out_dtype)
 
 
 def _cast(

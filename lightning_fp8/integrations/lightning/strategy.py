@@ -31,6 +31,11 @@ from lightning_fp8.integrations.lightning.strategy_args import (
     check_sharding_strategy,
     check_use_orig_params,
 )
+from lightning_fp8.integrations.lightning.strategy_units import (
+    _check_manual_optimization_units,
+    _check_not_sharded_by_another,
+    _finish_manual_backward,
+)
 from lightning_fp8.optim.checkpoint import as_stored
 
 # The key of this strategy's optimizer states in its checkpoints: {"per_rank": [state of rank 0, of rank 1, ...]}.
@@ -250,63 +255,6 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
 
         trainer = L.Trainer(strategy=FP8FSDPStrategy(auto_wrap_policy={Block}), devices=8)
     """
-
-
-def _check_not_sharded_by_another(model: Any) -> None:
-    """Raise ValueError for a module whose FSDP units an earlier Trainer's fit made (a root wrapper gone with it): its
-    parameters outside those units are that fit's shard views of this rank, which no new wrapper can gather."""
-    units, outside = _units_and_outside(model)
-    if units and outside:
-        raise ValueError(
-            f"strategy='{STRATEGY_NAME}': this module was sharded by another Trainer's fit: its parameters outside "
-            f"the auto_wrap_policy units ({_names(outside)}) hold only this rank's "
-            "shard. Validate, test or predict with the Trainer that ran fit, or load the checkpoint into a new module "
-            "(trainer.test(NewModule(), ckpt_path=...) or LitModule.load_from_checkpoint(...))"
-        )
-
-
-def _check_manual_optimization_units(root: Any, module: Any) -> None:
-    """Raise ValueError for manual optimization with parameters in the root unit: manual_backward runs inside the
-    root's forward, where FSDP1 cannot run the backward of the root's own parameters (it failed in the first
-    manual_backward with "Expects BACKWARD_PRE or BACKWARD_POST state")."""
-    if getattr(module, "automatic_optimization", True) or getattr(root, "_handle", None) is None:
-        return
-    _, outside = _units_and_outside(module)
-    raise ValueError(
-        f"strategy='{STRATEGY_NAME}' with manual optimization needs every parameter inside an auto_wrap_policy unit: "
-        f"{_names(outside)} would stay in the root unit, whose backward FSDP1 cannot run inside its forward (where "
-        "training_step and manual_backward run). Add their modules to auto_wrap_policy, use automatic "
-        "optimization, or use ModelParallelStrategy (FSDP2)"
-    )
-
-
-def _units_and_outside(module: Any) -> tuple[list[Any], list[str]]:
-    """The FSDP1 units inside ``module`` and the names of its parameters outside all of them."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m is not module]
-    inside = {id(p) for unit in units for p in unit.parameters()}
-    return units, [name for name, p in module.named_parameters() if id(p) not in inside]
-
-
-def _names(names: list[str]) -> str:
-    return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
-
-
-def _finish_manual_backward(root: Any) -> None:
-    """What FSDP1's end-of-backward callback does, after a manual-optimization backward (``manual_backward``).
-
-    That backward runs inside the root's forward (training_step is called through it), where FSDP1 queues no
-    end-of-backward callback: each unit's reduced gradient shard stayed in its ``_saved_grad_shard``, so every later
-    backward added to it (the optimizer stepped on the sum of all gradients since the fit began whenever zero_grad came
-    after step), and the units stayed "after backward", which FSDP's state_dict refuses (every checkpoint failed)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp._runtime_utils import _post_backward_final_callback
-
-    if not isinstance(root, FullyShardedDataParallel) or getattr(root, "_post_backward_callback_queued", False):
-        return
-    if any(u._handle is not None and u._handle._training_state.name == "BACKWARD_POST" for u in root._all_fsdp_states):
-        _post_backward_final_callback(root, root)
 
 
 def check_optimizer_states(states: list[Any], strategy: Any, path: str | None = None) -> None:
