@@ -55,7 +55,9 @@ def use_triton(t: torch.Tensor) -> bool:
                 "(fp8e4nv) needs 8.9+ (Ada, Hopper): unset LIGHTNING_FP8_KERNELS (or set it to 'auto' or "
                 "'reference') to cast with the PyTorch references on this GPU"
             )
-        return True
+        # Forced, but not on the meta device: its tensors have no data to launch on (a model built there for shape
+        # propagation runs the references' ops, as under "auto").
+        return not t.is_meta
     # Below compute capability 8.9 (A100, V100) Triton has no E4M3 type: the PyTorch references cast there, as the
     # GEMMs are emulated there (has_fp8_gemm).
     return t.is_cuda and triton_available() and fp8_device(t.device)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_fp8 import compiled_casts, load_pairing, ops
+from lightning_fp8.autograd_rules import check_no_functorch
 from lightning_fp8.cast_checks import check_activation, check_castable, check_state_settings, check_unscale
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
@@ -367,8 +368,13 @@ class ScalingState(nn.Module):
                 of a tensor that is not 2-D, an ``activation_input`` or ``activation_scale_inv`` without the
                 ``activation`` that reads it (nothing is changed); for ``unscale`` with a cast that does not compute
                 its own scale (``current=False``, or ``None`` on a delayed-scaling state) or a history longer than 1.
+            RuntimeError: under a ``torch.func`` transform (``vmap``, ``grad``, ...) or ``torch.jit.trace``, as
+                :class:`~lightning_fp8.FP8Linear` (nothing is changed).
         """
         if not torch.compiler.is_compiling():  # traced, x comes from a checked layer (a backward may not read layout)
+            # As FP8Linear's: a cast updates this state in place, which functorch cannot transform (its own errors, or
+            # the Triton path's "Cannot access storage of BatchedTensorImpl", said nothing of FP8).
+            check_no_functorch("ScalingState.quantize")
             check_castable(x, "ScalingState.quantize")
             for name, flag in (("transpose", transpose), ("column_sum", column_sum), ("keep_input", keep_input)):
                 check_flag("ScalingState.quantize", name, flag)

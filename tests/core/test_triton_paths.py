@@ -85,3 +85,39 @@ def test_a_non_contiguous_fp8_gradient_handed_over_steps_on_the_triton_path(opt_
         results.append([p.detach().clone() for p in layer.parameters()])
     for i, (got, want) in enumerate(zip(results[1], results[0], strict=True)):
         assert torch.equal(got, want), i
+
+
+def test_a_meta_model_propagates_shapes_with_the_triton_kernels_forced(monkeypatch):
+    # Found by the sweep with LIGHTNING_FP8_KERNELS=triton: a model built on the meta device (a parameter count, a
+    # memory estimate) runs its forward and backward there, as nn.Linear does. Forced Triton launched the casts on
+    # tensors without data: "NotImplementedError: Cannot copy out of meta tensor; no data!" (on a GPU, the same
+    # forced mode read their addresses), where the default mode takes the references' ops.
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", "triton")
+    with torch.device("meta"):
+        layers = (FP8Linear(32, 16), FP8MLP(32, 64))
+        x = torch.randn(4, 32, requires_grad=True)
+    for layer in layers:
+        y = layer(x)
+        y.sum().backward()
+        assert y.is_meta and x.grad.shape == x.shape and all(p.grad.is_meta for p in layer.parameters())
+        x.grad = None
+    assert not ops.use_triton(torch.empty(2, device="meta"))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_cast_under_a_torch_func_transform_says_why_it_cannot_run(kernels, transform, monkeypatch):
+    # Found by probing the Triton paths: FP8Linear and FP8MLP refuse torch.func transforms with a message that says why,
+    # ScalingState.quantize did not. Its Triton path failed with "Cannot access storage of BatchedTensorImpl" (of
+    # TensorWrapper under grad), the reference path with functorch's in-place errors; neither said a word of FP8.
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", kernels)
+    state = ScalingState(torch.float8_e4m3fn, 4, 0, "max", True)
+    if transform == "vmap":
+        fn = torch.func.vmap(lambda t: state.quantize(t)[0].float())
+        x = torch.randn(3, 4, 32)
+    else:
+        fn = torch.func.grad(lambda t: state.quantize(t)[0].float().sum())
+        x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="ScalingState.quantize does not support torch.func transforms"):
+        fn(x)
+    assert int(state.casts) == 0 and not state.initialized
