@@ -142,7 +142,10 @@ def check_activation(
         )
     fp8_input = activation_input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if activation_input.dtype not in (torch.float32, torch.bfloat16, torch.float16) and not fp8_input:
-        raise TypeError(f"activation_input must be float32, bfloat16, float16 or FP8, got {activation_input.dtype}")
+        raise TypeError(
+            "ScalingState.quantize(activation='gelu_backward'): activation_input must be float32, bfloat16, float16 "
+            f"or FP8 (the kernels read those), got {activation_input.dtype}: pass it as float32"
+        )
     if fp8_input != (activation_scale_inv is not None):
         raise ValueError(
             "ScalingState.quantize: an FP8 activation_input needs its activation_scale_inv (and only an FP8 one takes "

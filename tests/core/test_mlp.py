@@ -237,6 +237,8 @@ def test_quantize_activation_arguments_are_checked():
         s.quantize(g, activation="gelu_backward", activation_input=torch.randn(16, 8))
     with pytest.raises(TypeError, match="activation_input must be"):
         s.quantize(g, activation="gelu_backward", activation_input=torch.ones(8, 16, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"ScalingState.quantize\(activation='gelu_backward'\).*pass it as float32"):
+        s.quantize(g, activation="gelu_backward", activation_input=torch.ones(8, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="takes no activation_input"):
         s.quantize(g, activation="gelu", activation_input=g)
     assert int(s.casts) == 0  # nothing was recorded by the refused calls
