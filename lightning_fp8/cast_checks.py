@@ -184,3 +184,30 @@ def check_gemm_operands(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> None:
             "scaled_mm cannot multiply two torch.float8_e5m2 operands (FP8 tensor cores take E4M3 x E4M3, E4M3 x E5M2 "
             "or E5M2 x E4M3): cast one of them to torch.float8_e4m3fn"
         )
+
+
+def check_recast_activation(
+    x_fp8: object, x_scale_inv: object, scale: object, fp8_dtype: object, activation: object
+) -> None:
+    """Raise for arguments of :func:`~lightning_fp8.ops.recast_activation_transposed` that its two paths would treat apart: the Triton
+    kernel cast ``x`` itself for an activation it does not know and read a high-precision ``x`` without its
+    ``x_scale_inv``, where the reference raised an AttributeError or multiplied by it."""
+    caller = "recast_activation_transposed"
+    if activation != "gelu":  # "gelu_backward" needs the gradient as well: ScalingState.quantize casts it
+        raise ValueError(f"{caller}(activation={activation!r}): only 'gelu' is recomputed from an FP8 input")
+    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype not in FP8_DTYPES:
+        got = x_fp8.dtype if isinstance(x_fp8, torch.Tensor) else type(x_fp8).__name__
+        raise TypeError(
+            f"{caller}: x_fp8 must be an FP8 tensor (the kept GELU input), got {got}: cast a high-precision input with "
+            "ScalingState.quantize(..., activation='gelu') instead"
+        )
+    if x_fp8.dim() != 2:
+        raise ValueError(f"{caller} needs a 2-D x_fp8, got shape {tuple(x_fp8.shape)}")
+    for name, value in (("x_scale_inv", x_scale_inv), ("scale", scale)):
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != 1:
+            got = f"{value.dtype}, shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+            raise TypeError(f"{caller}: {name} must be a one-element float32 tensor, got {got}")
+        if value.device != x_fp8.device:
+            raise ValueError(f"{caller}: {name} is on {value.device} but x_fp8 on {x_fp8.device}; move it to x_fp8's")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")

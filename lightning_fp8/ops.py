@@ -171,7 +171,7 @@ def recast_activation_transposed(
     """The transposed FP8 copy of ``activation`` ("gelu") of the values FP8 2-D ``x_fp8`` stands for, cast with
     ``scale``, statistics dropped; see ``reference.recast_activation_ref``. Triton: one pass, reading a byte and
     writing a byte per element."""
-    _check_recast_activation(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
+    cast_checks.check_recast_activation(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
     if use_triton(x_fp8) and x_fp8.numel():
         from lightning_fp8.kernels import quantize as fused
 
@@ -179,33 +179,6 @@ def recast_activation_transposed(
         with out_of_modes_sight(), on_device(x_fp8):
             return fused.recast_transposed(x_fp8.detach().contiguous(), scale, fp8_dtype, activation, x_scale_inv)
     return reference.recast_activation_ref(x_fp8, x_scale_inv, scale, fp8_dtype, activation)
-
-
-def _check_recast_activation(
-    x_fp8: object, x_scale_inv: object, scale: object, fp8_dtype: object, activation: object
-) -> None:
-    """Raise for arguments of :func:`recast_activation_transposed` that its two paths would treat apart: the Triton
-    kernel cast ``x`` itself for an activation it does not know and read a high-precision ``x`` without its
-    ``x_scale_inv``, where the reference raised an AttributeError or multiplied by it."""
-    caller = "recast_activation_transposed"
-    if activation != "gelu":  # "gelu_backward" needs the gradient as well: ScalingState.quantize casts it
-        raise ValueError(f"{caller}(activation={activation!r}): only 'gelu' is recomputed from an FP8 input")
-    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype not in FP8_DTYPES:
-        got = x_fp8.dtype if isinstance(x_fp8, torch.Tensor) else type(x_fp8).__name__
-        raise TypeError(
-            f"{caller}: x_fp8 must be an FP8 tensor (the kept GELU input), got {got}: cast a high-precision input with "
-            "ScalingState.quantize(..., activation='gelu') instead"
-        )
-    if x_fp8.dim() != 2:
-        raise ValueError(f"{caller} needs a 2-D x_fp8, got shape {tuple(x_fp8.shape)}")
-    for name, value in (("x_scale_inv", x_scale_inv), ("scale", scale)):
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != 1:
-            got = f"{value.dtype}, shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
-            raise TypeError(f"{caller}: {name} must be a one-element float32 tensor, got {got}")
-        if value.device != x_fp8.device:
-            raise ValueError(f"{caller}: {name} is on {value.device} but x_fp8 on {x_fp8.device}; move it to x_fp8's")
-    if fp8_dtype not in FP8_DTYPES:
-        raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
 
 
 def quantize(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
