@@ -189,9 +189,9 @@ def check_gemm_operands(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> None:
 def check_recast_activation(
     x_fp8: object, x_scale_inv: object, scale: object, fp8_dtype: object, activation: object
 ) -> None:
-    """Raise for arguments of :func:`~lightning_fp8.ops.recast_activation_transposed` that its two paths would treat apart: the Triton
-    kernel cast ``x`` itself for an activation it does not know and read a high-precision ``x`` without its
-    ``x_scale_inv``, where the reference raised an AttributeError or multiplied by it."""
+    """Raise for arguments of :func:`~lightning_fp8.ops.recast_activation_transposed` that its two paths would treat
+    apart: the Triton kernel cast ``x`` itself for an activation it does not know and read a high-precision ``x``
+    without its ``x_scale_inv``, where the reference raised an AttributeError or multiplied by it."""
     caller = "recast_activation_transposed"
     if activation != "gelu":  # "gelu_backward" needs the gradient as well: ScalingState.quantize casts it
         raise ValueError(f"{caller}(activation={activation!r}): only 'gelu' is recomputed from an FP8 input")
