@@ -51,9 +51,8 @@ def use_triton(t: torch.Tensor) -> bool:
     if mode == "triton":
         if t.is_cuda and not fp8_device(t.device):
             raise RuntimeError(
-                f"LIGHTNING_FP8_KERNELS=triton: {_device_words(t.device)}, and the Triton kernels' E4M3 type "
-                "(fp8e4nv) needs 8.9+ (Ada, Hopper): unset LIGHTNING_FP8_KERNELS (or set it to 'auto' or "
-                "'reference') to cast with the PyTorch references on this GPU"
+                f"LIGHTNING_FP8_KERNELS=triton, but {no_fp8_kernels(t.device)}: unset LIGHTNING_FP8_KERNELS (or "
+                "set it to 'auto' or 'reference') to cast with the PyTorch references on this GPU"
             )
         # Forced, but not on the meta device: its tensors have no data to launch on (a model built there for shape
         # propagation runs the references' ops, as under "auto").
@@ -215,7 +214,10 @@ def _grad_cast_arguments(states, fp8_dtype, *, pending_data=None, pending_scale_
 
 
 def _fp8_gemm_capability(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+    # A ROCm build reports AMD GPUs as "cuda" devices with their gfx version as the capability (MI300: 9.4), but
+    # MI300's FP8 formats are the fnuz ones (float8_e4m3fnuz: another bias, no -0, NaN at 0x80), not the E4M3/E5M2
+    # that the kernels write and torch._scaled_mm takes here: AMD GPUs take the references and the emulated GEMMs.
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 _device_has_fp8_gemm = functools.cache(_fp8_gemm_capability)  # eagerly: one query per device
@@ -223,7 +225,8 @@ _device_has_fp8_gemm = functools.cache(_fp8_gemm_capability)  # eagerly: one que
 
 def fp8_device(device: torch.device) -> bool:
     """True for CUDA devices of compute capability 8.9+ (Ada, Hopper and later): FP8 tensor cores, and Triton's
-    E4M3 type (``tl.float8e4nv``), which Triton refuses to compile for older GPUs."""
+    E4M3 type (``tl.float8e4nv``), which Triton refuses to compile for older GPUs. False for AMD GPUs (ROCm
+    builds), whose FP8 formats are the fnuz ones."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -237,9 +240,18 @@ def has_fp8_gemm(device: torch.device) -> bool:
     return os.environ.get("LIGHTNING_FP8_EMULATE_GEMM") != "1" and fp8_device(device)
 
 
-def _device_words(device: torch.device) -> str:
+def no_fp8_kernels(device: torch.device) -> str:
+    """Why CUDA ``device``, which :func:`fp8_device` refuses, runs no Triton FP8 kernel: words for an error."""
+    if torch.version.hip is not None:
+        return (
+            f"{device} is an AMD GPU (a ROCm build), whose FP8 formats are the fnuz ones, not the E4M3/E5M2 that the "
+            "Triton kernels write"
+        )
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {major}.{minor}"
+    return (
+        f"{device} has compute capability {major}.{minor}, for which Triton has no E4M3 type (fp8e4nv needs 8.9+: "
+        "Ada, Hopper)"
+    )
 
 
 def scaled_mm(

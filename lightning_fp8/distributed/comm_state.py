@@ -220,7 +220,7 @@ class FP8CommState:
         Raises:
             ValueError: for ``fused=True`` and gradients off CUDA without Triton's interpreter, where the first
                 kernel would fail with Triton's ``RuntimeError: 0 active drivers``, and on CUDA devices below compute
-                capability 8.9, for which Triton does not compile its E4M3 type.
+                capability 8.9, for which Triton does not compile its E4M3 type, and on AMD GPUs (fnuz FP8 formats).
         """
         if self.fused is None:
             return ops.fp8_device(device)
@@ -232,10 +232,9 @@ class FP8CommState:
             )
         if self.fused and device.type == "cuda" and not ops.fp8_device(device):
             raise ValueError(
-                f"FP8CommState(fused=True): the gradients are on {device}, of compute capability "
-                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}, for which Triton has no E4M3 type "
-                "(it needs 8.9+: Ada, Hopper); pass fused=None (Triton on such GPUs, the PyTorch references "
-                "elsewhere) or fused=False"
+                f"FP8CommState(fused=True): the gradients are on {device}, and {ops.no_fp8_kernels(device)}; pass "
+                "fused=None (Triton on GPUs of compute capability 8.9+, the PyTorch references elsewhere) or "
+                "fused=False"
             )
         return self.fused
 

@@ -36,6 +36,24 @@ def test_fp8_device_is_compute_capability_8_9_and_up(given, fp8, capability, mon
     assert ops.fp8_device(cuda) is fp8
 
 
+@pytest.mark.parametrize("given", [(9, 4), (9, 5)])  # MI300 (gfx942), MI350 (gfx950)
+def test_amd_gpus_run_the_references(given, capability, monkeypatch):
+    # A ROCm build calls AMD GPUs "cuda" with their gfx version as the capability: MI300's 9.4 passed the 8.9 test,
+    # so the OCP E4M3/E5M2 casts and GEMMs were taken on a GPU whose FP8 formats are the fnuz ones.
+    monkeypatch.delenv("LIGHTNING_FP8_EMULATE_GEMM", raising=False)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    capability(given)
+    cuda = torch.device("cuda", 0)
+    assert not ops.fp8_device(cuda)
+    assert not ops.has_fp8_gemm(cuda)
+    assert not FP8CommState().use_fused(cuda)
+    with pytest.raises(ValueError, match=r"cuda:0 is an AMD GPU .* fnuz.*fused=None"):
+        FP8CommState(fused=True).use_fused(cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
+    ops._device_has_fp8_gemm.cache_clear()
+    assert ops.fp8_device(cuda)  # the same capability from a CUDA build
+
+
 def test_fp8_comm_state_runs_the_references_below_8_9(capability):
     # Before: fused=None picked the Triton kernels on any CUDA device, which fail to compile on an A100.
     cuda = torch.device("cuda", 0)
@@ -44,7 +62,7 @@ def test_fp8_comm_state_runs_the_references_below_8_9(capability):
     capability((8, 0))
     assert not FP8CommState().use_fused(cuda)
     assert not FP8CommState(fused=False).use_fused(cuda)
-    with pytest.raises(ValueError, match=r"compute capability 8\.0.*fused=None"):
+    with pytest.raises(ValueError, match=r"cuda:0 has compute capability 8\.0, for which Triton has no E4M3"):
         FP8CommState(fused=True).use_fused(cuda)
 
 
@@ -83,7 +101,8 @@ def test_a_gpu_below_8_9_trains_on_the_references(capability, monkeypatch):
     got = _train("auto", monkeypatch)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), i
-    with pytest.raises(RuntimeError, match=r"LIGHTNING_FP8_KERNELS=triton: .* compute capability 8\.0.*needs 8\.9"):
+    refusal = r"LIGHTNING_FP8_KERNELS=triton, but cuda:\d has compute capability 8\.0.*needs 8\.9"
+    with pytest.raises(RuntimeError, match=refusal):
         _train("triton", monkeypatch)
 
 
