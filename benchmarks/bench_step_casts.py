@@ -111,7 +111,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rep = 100 if device.type == "cuda" else 1
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# {name}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+    print(f"# {name}, torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"width {args.width}, {args.tokens} tokens, speculative current scaling: {args.speculate}")  # fmt: skip
     print(f"{'cast':>40} {'shape':>13} {'in':>8} {'eager us':>9} {'compiled':>9} {'% copy':>7} {'compiled':>9} same"
           f" {'kernels: eager us':>17} {'compiled':>9}")  # fmt: skip
