@@ -10,7 +10,7 @@ from torch import nn
 from lightning_fp8.eligibility import (
     _LEFT_BECAUSE,
     _NOT_ASKED,
-    _fast_path_children,
+    _bypassed_layers,
     _kept_in_fp32,
     _label,
     _left_messages,
@@ -49,24 +49,28 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` by an :class:`FP8Linear` that shares its parameters.
 
-    Idempotent (FP8 layers, and layers the ``"bf16"`` fallback put back to ``nn.Linear``, are left as they are). An
-    FP8 layer keeps the recipe it was converted with: one whose scaling differs from ``recipe``'s (any field but
-    ``opt_level``, which layers do not use) is refused, unless ``module_filter_fn`` leaves it out.
-    A layer registered under several names (``self.b = self.a``, ``nn.Sequential(lin, act, lin)``) becomes one
-    FP8Linear under all of them. The FP8Linear takes over the layer's
-    forward and backward hooks (:func:`share_hooks`: the handles keep working). Some layers stay
-    ``nn.Linear`` and are named in one warning per reason: feature sizes that are not multiples of 16, parameters
-    that are not float32, bfloat16 or float16 (float64), a weight shared with another module of ``module`` (tied
-    weights: only ``module``'s own modules are seen, so convert the whole model, not the head alone, where the head's
-    weight is the embedding's), a weight computed by a reparametrization (``weight_norm``, ``spectral_norm``, pruning,
-    ``torch.nn.utils.parametrize``), state_dict hooks, an instance ``forward`` or a layer compiled in place
+    Idempotent (FP8 layers, and layers the ``"bf16"`` fallback put back to ``nn.Linear``, are left as they are). An FP8
+    layer keeps the recipe it was converted with: one whose scaling differs from ``recipe``'s (any field but
+    ``opt_level``, which layers do not use) is refused, unless ``module_filter_fn`` leaves it out. A layer registered
+    under several names (``self.b = self.a``, ``nn.Sequential(lin, act, lin)``) becomes one FP8Linear under all of them.
+    The FP8Linear takes over the layer's forward and backward hooks (:func:`share_hooks`: the handles keep working).
+    Some layers stay ``nn.Linear`` and are named in one warning per reason: feature sizes that are not multiples of 16,
+    parameters that are not float32, bfloat16 or float16 (float64), a weight shared with another module of ``module``
+    (tied weights: only ``module``'s own modules are seen, so convert the whole model, not the head alone, where the
+    head's weight is the embedding's), a weight computed by a reparametrization (``weight_norm``, ``spectral_norm``,
+    pruning, ``torch.nn.utils.parametrize``), state_dict hooks, an instance ``forward`` or a layer compiled in place
     (``layer.compile()``: compile after converting), ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
     inference path reads their weights itself), subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s
     ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer), parameters, buffers or submodules
-    registered on the layer besides weight and bias (plain attributes go with it), the layers a Hugging Face model
-    keeps in float32 (``_keep_in_fp32_modules``: T5's ``wo``). transformers' ``Conv1D`` projections (GPT-2) are not
-    ``nn.Linear`` and are named in a warning too. State dict keys do not change, so
-    checkpoints load into the model before or after conversion.
+    registered on the layer besides weight and bias (plain attributes go with it), the layers a Hugging Face model keeps
+    in float32 (``_keep_in_fp32_modules``: T5's ``wo``), layers whose input a module holding them casts to their
+    weight's dtype (LongT5's ``wo``: float16 at O2), layers whose weight the code of a module holding them computes with
+    itself (``self.dt_proj.weight @ x`` in Mamba's mixer: read from the source of the modules' ``forward`` and the
+    methods it calls), bypassing the layer. transformers' ``Conv1D`` projections (GPT-2), mixture-of-experts weights
+    (one 3-D parameter per projection, a module with ``num_experts``: Mixtral's ``experts``) and
+    ``nn.MultiheadAttention``'s input projections (``in_proj_weight``) are not ``nn.Linear`` and are named in a warning
+    too (the filter is asked about a ``Conv1D`` as about a linear layer, not about the others). State dict keys do not
+    change, so checkpoints load into the model before or after conversion.
 
     Args:
         module: the model; converted in place. If it is itself an ``nn.Linear``, a new layer is returned.
@@ -100,12 +104,12 @@ def convert_to_fp8(
     _check_converted_recipes(module, recipe, module_filter_fn)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}
     shared = shared_parameter_ids(module)
-    fast_path = frozenset(_fast_path_children(module))
+    bypassed = _bypassed_layers(module)
     keep_fp32 = _kept_in_fp32(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
     # Every layer's decision (the filter's answer too) before the first layer changes: a filter that raises leaves the
     # model as it was. named_modules() gives each module once, under the first name, as replace_children asks.
-    reasons = {id(m): _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path)
+    reasons = {id(m): _why_left(m, fqn, module_filter_fn, keep_fp32, shared, bypassed)
                for fqn, m in module.named_modules()}  # fmt: skip
     if module_filter_fn is not None:
         module_filter_fn.check()
@@ -192,10 +196,10 @@ def convertible_linears(module: nn.Module, module_filter_fn: ModuleFilter | None
     """The ``nn.Linear`` layers of ``module`` that :func:`convert_to_fp8` with this filter would convert, by name,
     without converting anything (a layer registered under several names: under its first)."""
     shared, keep_fp32 = shared_parameter_ids(module), _kept_in_fp32(module)
-    fast_path = frozenset(_fast_path_children(module))
+    bypassed = _bypassed_layers(module)
     module_filter_fn = _checked_filter(module_filter_fn)
     found = {fqn: m for fqn, m in module.named_modules()
-             if _why_left(m, fqn, module_filter_fn, keep_fp32, shared, fast_path) is None}  # fmt: skip
+             if _why_left(m, fqn, module_filter_fn, keep_fp32, shared, bypassed) is None}  # fmt: skip
     if module_filter_fn is not None:
         module_filter_fn.check()
     return found

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_fp8.linear import _ACTIVATION_DTYPES, FP8Linear
+from lightning_fp8.weight_reads import forward_weight_reads
 
 # Set on each nn.Linear that recovery.put_back_to_high_precision put in place of an FP8 layer (the "bf16" fallback):
 # convert_to_fp8 leaves it in high precision, so converting again does not undo the fallback.
@@ -60,6 +61,18 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "weights itself, bypassing the layer (at O2 it would read FP8AdamW's scaled fp16 master)",
         "to run them in FP8, build the block from its own nn.Linear layers",
     ),
+    "weight_read": (
+        "the module holding them reads their weight itself (as Mamba's dt_proj.weight @ x, DETR's conv2d over "
+        "k_proj.weight), bypassing the layer: at O2 it would read FP8AdamW's scaled fp16 master, a wrong value of "
+        "another dtype",
+        "",
+    ),
+    "dtype_cast": (
+        "the module holding them casts their input to their weight's dtype (as T5's feed-forward does: "
+        "hidden_states.to(self.wo.weight.dtype)), which FP8AdamW's O2 master makes float16, where such activations "
+        "overflow",
+        "",
+    ),
     "state_dict_hooks": (
         "they have state_dict hooks, an instance forward or were compiled in place (layer.compile()), which an FP8 "
         "layer cannot take over (its own state_dict hooks export the O2 master weight; a compiled call runs the "
@@ -76,7 +89,20 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "they are not nn.Linear but transformers' Conv1D (GPT-2's projections: a linear layer with its weight "
         "transposed)",
         "to run them in FP8, replace each by an nn.Linear(nx, nf) with weight conv.weight.t() and the same bias "
-        "before convert_to_fp8",
+        "before convert_to_fp8 (the state_dict then holds those weights transposed: a GPT-2 model refuses such a "
+        "checkpoint, or loads a square one transposed; save from a model with Conv1D layers holding them transposed "
+        "back)",
+    ),
+    "attention_in_proj": (
+        "they are nn.MultiheadAttention's input projections (in_proj_weight, or q/k/v_proj_weight where kdim or vdim "
+        "differ), which its attention function multiplies with itself, not nn.Linear layers",
+        "to run them in FP8, build the attention from nn.Linear projections and "
+        "torch.nn.functional.scaled_dot_product_attention",
+    ),
+    "experts": (
+        "they are a mixture of experts' expert weights, one 3-D parameter (experts, out, in) per projection as "
+        "transformers' MoE models (Mixtral, Qwen-MoE, DeepSeek...) hold them, not nn.Linear layers",
+        "",
     ),
 }
 
@@ -84,6 +110,27 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
 def _is_hf_conv1d(module: nn.Module) -> bool:
     # transformers.pytorch_utils.Conv1D (GPT-2 and its kin): y = x @ weight + bias with weight (nx, nf).
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _projection_kind(module: nn.Module) -> str | None:
+    """The key of :data:`_LEFT_BECAUSE` for a module holding linear projections that are not ``nn.Linear`` layers
+    (named in a warning, as they stay in high precision), or None."""
+    if _is_hf_conv1d(module):
+        return "not_linear"
+    if _is_experts(module):
+        return "experts"
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention_in_proj"
+    return None
+
+
+def _is_experts(module: nn.Module) -> bool:
+    # transformers' MoE experts (MixtralExperts and the like, since transformers 5): each projection of all experts is
+    # one nn.Parameter (num_experts, out, in) that the forward indexes per expert; most of such a model's weights.
+    num_experts = vars(module).get("num_experts")
+    return isinstance(num_experts, int) and any(
+        p.dim() == 3 and p.shape[0] == num_experts for p in module._parameters.values() if p is not None
+    )
 
 
 def _kept_in_fp32(module: nn.Module) -> re.Pattern[str] | None:
@@ -120,17 +167,36 @@ def _holds_non_parameters(layer: nn.Module) -> bool:
     return not isinstance(layer._parameters.get("bias"), nn.Parameter) and getattr(layer, "bias", None) is not None
 
 
-def _fast_path_children(module: nn.Module) -> set[int]:
+def _bypassed_layers(module: nn.Module) -> dict[int, str]:
+    """The linear layers of ``module`` whose weight the code around them reads itself (by id): ``"fast_path"`` or
+    ``"weight_read"`` (their forward bypassed), ``"dtype_cast"`` (their input cast to the weight's dtype); keys of
+    :data:`_LEFT_BECAUSE`."""
+    bypassed = {}
+    for parent in module.modules():
+        for path, use in forward_weight_reads(type(parent)).items():
+            layer = _submodule(parent, path)
+            if isinstance(layer, nn.Linear) and bypassed.get(id(layer)) != "weight_read":
+                bypassed[id(layer)] = use
     # torch's fused inference path of nn.TransformerEncoderLayer (torch._transformer_encoder_layer_fwd) takes
     # linear1/linear2's weights as tensors: an FP8 layer there would be bypassed.
-    return {id(c) for m in module.modules() if isinstance(m, nn.TransformerEncoderLayer) for c in m.children()}
+    for m in module.modules():
+        if isinstance(m, nn.TransformerEncoderLayer):
+            bypassed.update({id(c): "fast_path" for c in m.children()})
+    return bypassed
 
 
-def _reason_left(layer: nn.Module, shared: set[int], fast_path: frozenset[int] = frozenset()) -> str | None:
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        module = module._modules.get(name) if isinstance(module, nn.Module) else None
+    return module
+
+
+def _reason_left(layer: nn.Module, shared: set[int], bypassed: dict[int, str] | None = None) -> str | None:
     """The key of :data:`_LEFT_BECAUSE` for why the linear ``layer`` cannot become an FP8Linear, or None if it can."""
-    if id(layer) in fast_path:
-        return "fast_path"
-    return _reason_refused(layer) or _reason_in_model(layer, shared)
+    bypass = (bypassed or {}).get(id(layer))
+    if bypass == "fast_path":
+        return bypass
+    return _reason_refused(layer) or _reason_in_model(layer, shared) or bypass
 
 
 def _reason_refused(layer: nn.Linear) -> str | None:
@@ -207,6 +273,10 @@ def _label(layer: nn.Module, fqn: str, reason: str) -> str:
     name = fqn or "<root>"
     if reason == "not_linear":  # transformers' Conv1D
         return f"{name} ({layer.weight.shape[0]}->{layer.nf})"
+    if reason == "experts":
+        return f"{name} ({layer.num_experts} experts)"
+    if reason == "attention_in_proj":
+        return f"{name} ({'in_proj_weight' if layer._qkv_same_embed_dim else 'q/k/v_proj_weight'})"
     if reason == "keep_in_fp32":
         return fqn
     if reason == "sizes":
@@ -227,20 +297,24 @@ def _why_left(
     module_filter_fn: Callable[[nn.Module, str], bool] | None,
     keep_fp32: re.Pattern[str] | None,
     shared: set[int],
-    fast_path: frozenset[int],
+    bypassed: dict[int, str],
 ) -> str | None:
     """Why :func:`convert_to_fp8` leaves ``child`` as it is (:data:`_NOT_ASKED` or a key of :data:`_LEFT_BECAUSE`), or
     None where it converts it."""
-    conv1d = _is_hf_conv1d(child)
-    if not (_is_linear_to_convert(child) or conv1d):
+    projection = _projection_kind(child)  # a linear projection that is not an nn.Linear
+    if not (_is_linear_to_convert(child) or projection):
         return _NOT_ASKED
+    if projection in ("experts", "attention_in_proj"):
+        # Named, never asked: the filter is asked about linear layers, and one written for them (m.in_features % 16)
+        # would fail on an attention or experts module. (GPT-2's Conv1D, a linear layer by another name, is asked.)
+        return projection
     if module_filter_fn is not None and not module_filter_fn(child, fqn):
         return _NOT_ASKED
-    if conv1d:
-        return "not_linear"
+    if projection:
+        return projection
     if _is_kept_in_fp32(fqn, keep_fp32):
         return "keep_in_fp32"
-    return _reason_left(child, shared, fast_path)
+    return _reason_left(child, shared, bypassed)
 
 
 def _left_messages(left: dict[str, list[str]]) -> list[str]:

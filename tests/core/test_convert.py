@@ -84,7 +84,9 @@ def test_a_filter_that_raises_leaves_every_layer_as_it_was():
         convert_to_fp8(model, module_filter_fn=lambda module: True)  # the wrong signature
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
     assert [type(m) for m in convert_to_fp8(model, module_filter_fn=lambda m, fqn: fqn != "2")] == [
-        FP8Linear, nn.ReLU, nn.Linear
+        FP8Linear,
+        nn.ReLU,
+        nn.Linear,
     ]
 
 
@@ -576,3 +578,67 @@ def test_a_filter_that_is_not_callable_is_refused_before_any_change(not_callable
     with pytest.raises(TypeError, match=match):
         convert_to_fp8(model, module_filter_fn=not_callable)
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+class _ReadsWeight(nn.Module):
+    """Computes with two layers' weights in its forward (one in a method the forward calls), casts a third one's input
+    to its weight's dtype, and reads two others' only for their shape, to initialize them, or outside the forward (a
+    LoRA layer's merge)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(32, 32)
+        self.proj = nn.Linear(32, 32)
+        self.adapted = nn.Linear(32, 32)
+        self.cast = nn.Linear(32, 32)
+        self.inner = nn.Module()
+        self.inner.out = nn.Linear(32, 32)
+        nn.init.zeros_(self.proj.weight)
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.adapted.weight + 1.0
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.gate.weight.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1, self.proj.weight.shape[1])
+        y = self.proj(self._gated(x)) + self.inner.out(x) @ self.inner.out.weight + self.adapted(x)
+        return y + self.cast(y.to(dtype=self.cast.weight.dtype))
+
+
+def test_a_linear_layer_whose_weight_its_parent_computes_with_is_left_and_named(fresh_warnings):
+    """Code that computes with a layer's weight itself (Mamba's ``self.dt_proj.weight @ x``, DETR's conv2d over
+    ``k_proj.weight``) bypassed the FP8 layer, and at O2 read FP8AdamW's scaled fp16 master: wrong values, or a dtype
+    error in the second step. Code that casts a layer's input to its weight's dtype (T5's feed-forward, without T5's
+    _keep_in_fp32_modules in LongT5, SwitchTransformers, Pix2Struct) cast it to float16 at O2, where it overflows.
+    Found by a sweep with tiny transformers models (tests/core/test_hf_models.py)."""
+    model = _ReadsWeight()
+    with pytest.warns(UserWarning) as record:
+        convert_to_fp8(model)
+    messages = [str(w.message) for w in record]
+    assert any(re.search(r"reads their weight itself.*: gate, inner\.out$", m) for m in messages), messages
+    assert any(re.search(r"casts their input to their weight's dtype.*: cast$", m) for m in messages), messages
+    assert type(model.gate) is nn.Linear and type(model.inner.out) is nn.Linear and type(model.cast) is nn.Linear
+    assert isinstance(model.proj, FP8Linear) and isinstance(model.adapted, FP8Linear)
+    assert model(torch.randn(4, 32)).shape == (4, 32)
+
+
+def test_multihead_attention_input_projections_are_named_in_a_warning(fresh_warnings):
+    """nn.MultiheadAttention's input projections (in_proj_weight: three quarters of its weights) are parameters its
+    attention function multiplies with itself: they stayed in high precision without a word, while the warning named
+    its out_proj alone."""
+    model = nn.ModuleDict(
+        {"self_attn": nn.MultiheadAttention(32, 2), "cross": nn.MultiheadAttention(32, 2, kdim=16, vdim=16)}
+    )
+    with pytest.warns(UserWarning, match="input projections") as record:
+        convert_to_fp8(model)
+    message = next(str(w.message) for w in record if "input projections" in str(w.message))
+    assert message.startswith("convert_to_fp8 left 2 linear layer(s) in high precision because")
+    assert "self_attn (in_proj_weight), cross (q/k/v_proj_weight); to run them in FP8" in message
+    # the filter is asked about linear layers only (out_proj): one that reads in_features does not meet the attention
+    lightning_fp8.warnings._seen.clear()
+    asked = []
+    with pytest.warns(UserWarning, match="input projections"):
+        convert_to_fp8(nn.MultiheadAttention(32, 2), module_filter_fn=lambda m, fqn: asked.append(fqn) or m.in_features)
+    assert asked == ["out_proj"]
