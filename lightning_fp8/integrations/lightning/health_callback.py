@@ -106,7 +106,9 @@ class TrainingHealthMonitor(_LoggingCallback):
     - ``health/loss``, ``health/loss_smooth`` (running mean over the last ``smoothing_window`` steps, by
       torchmetrics' ``MeanMetric``: :mod:`lightning_fp8.monitoring.report`; NaN and
       inf left out), ``health/grad_norm``, ``health/param_norm`` (both taken before the optimizer steps: the
-      norm of the parameters the batch's loss was computed with; ``FP8ScaleMonitor``'s ``fp8/*`` are read after it);
+      norm of the parameters the batch's loss was computed with; ``FP8ScaleMonitor``'s ``fp8/*`` are read after it;
+      a step the gradient scaler skipped logs its non-finite ``health/grad_norm``, so that ``EarlyStopping`` and
+      ``ModelCheckpoint`` watching it find a value as under ``"bf16-mixed"``, but leaves it out of the series);
     - ``health/samples_per_sec`` and, when batches carry token ids (or ``tokens_fn`` is given),
       ``health/tokens_per_sec`` (running means). Validation and checkpoint saving are not training: the clock
       stops when they start and restarts with the next training batch;
@@ -311,8 +313,9 @@ class TrainingHealthMonitor(_LoggingCallback):
         grad_norm = self._grad_norm()
         param_norm = self._param_norm.item() if self._param_norm is not None else None
         scaler = grad_scaler_of(trainer)
+        skipped_norm = None  # a step the scaler skipped: its non-finite norm
         if scaler is not None and grad_norm is not None and not math.isfinite(grad_norm):
-            grad_norm = None  # reported below as the scaler's skipped step, with its recovery action
+            skipped_norm, grad_norm = grad_norm, None  # reported below as the scaler's skipped step, with its action
         events = self.monitor.observe(
             step,
             loss=loss,
@@ -329,6 +332,10 @@ class TrainingHealthMonitor(_LoggingCallback):
                 rank_zero_warn(f"TrainingHealthMonitor: {event.message} (action: {event.action})")
         self._reset_window()
         metrics = self._metrics()
+        if skipped_norm is not None:
+            # Still this step's value, non-finite as its health/loss may be: absent, EarlyStopping and ModelCheckpoint
+            # watching health/grad_norm raised that the metric is not available, ending the fit at a routine skip.
+            metrics["health/grad_norm"] = skipped_norm
         if self._due(trainer):
             self._log(trainer, metrics)
         else:  # every step: a check between two logged steps reads this step's values

@@ -855,6 +855,52 @@ def test_a_skipped_batch_leaves_no_previous_grad_norm_in_callback_metrics(tmp_pa
     assert keys.keys == expected
 
 
+class _ValidatedFaulty(Faulty):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def val_dataloader(self):
+        return loader()
+
+
+class _GradNorms(L.Callback):
+    """Records, after each batch (after the monitors, listed before it), the health/grad_norm callback_metrics hold."""
+
+    def __init__(self) -> None:
+        self.values: list[float | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("health/grad_norm")
+        self.values.append(None if value is None else float(value))
+
+
+@pytest.mark.parametrize("watcher", ["early_stopping", "model_checkpoint"])
+def test_a_step_the_scaler_skips_publishes_its_non_finite_grad_norm_for_the_callbacks_watching_it(tmp_path, watcher):
+    """Found by a sweep: a step the scaler skipped (non-finite gradients, routine under FP8) had no health/grad_norm in
+    callback_metrics, so EarlyStopping(monitor="health/grad_norm") raised that the metric is not available (and
+    ModelCheckpoint did once a validation had run), ending the fit. The step's norm is non-finite, as its health/loss
+    is: published as it is, EarlyStopping stops on it as under precision="bf16-mixed" (check_finite) and
+    ModelCheckpoint ranks it last; the monitor's series and events still leave it to the scaler's skipped step."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    health, norms = TrainingHealthMonitor(log_every_n_steps=1, plot=False), _GradNorms()
+    if watcher == "early_stopping":
+        watching = EarlyStopping(monitor="health/grad_norm", patience=100, check_on_train_epoch_end=True)
+        data, limits = loader(), {"limit_train_batches": 4, "max_steps": 8}  # epoch 1 ends on the skipped step 4
+    else:
+        watching = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="health/grad_norm", every_n_train_steps=1)
+        data, limits = loader(), {"val_check_interval": 2, "limit_val_batches": 1, "max_steps": 6}
+        limits["enable_checkpointing"] = True  # ModelCheckpoint raises once a validation ran (_ValidatedFaulty)
+    module = (Faulty if watcher == "early_stopping" else _ValidatedFaulty)(spike_step=-1, nan_step=3)
+    trainer = _fit(module, tmp_path, [health, norms, watching], data=data, **limits)
+    assert trainer.precision_plugin.grad_scaler.skipped_steps == 1
+    assert math.isnan(norms.values[3]) and all(math.isfinite(v) for i, v in enumerate(norms.values) if i != 3)
+    assert 4 not in [step for step, _ in health.monitor.series["grad_norm"]]  # the series leaves the step out
+    assert [(e.kind, e.step) for e in health.monitor.events if e.kind == "nonfinite_grad"] == [("nonfinite_grad", 4)]
+    if watcher == "early_stopping":
+        assert trainer.global_step == 4 and trainer.should_stop  # stopped on the non-finite norm, not on an error
+
+
 @pytest.mark.parametrize("limits", [{"max_steps": 0}, {"max_steps": 4, "limit_train_batches": 0}])
 def test_a_fit_that_steps_nothing_ends_normally_without_a_plot(tmp_path, limits):
     health = TrainingHealthMonitor()  # plot=True

@@ -540,6 +540,17 @@ def test_bad_arguments_are_rejected():
         FP8LMPrecision(autocast="yes")
 
 
+@pytest.mark.parametrize("recipe", [{"fp8_format": "e4m3", "margin": 1}, 1, FP8Recipe])
+def test_a_recipe_of_the_wrong_type_is_refused_naming_the_plugin_and_what_to_pass(recipe):
+    """Found by a sweep: a dict of recipe fields (what LightningCLI's --trainer.plugins.recipe takes as JSON) was
+    refused by the core's bare "recipe must be an FP8Recipe, ..." that named neither the plugin nor the fix, where
+    Accelerator(fp8_lm_recipe=...) names both."""
+    match = r"FP8LMPrecision\(recipe=...\) must be an FP8Recipe, a recipe name \(\["
+    with pytest.raises(TypeError, match=match) as error:
+        FP8LMPrecision(recipe=recipe)
+    assert ("FP8Recipe(**fields)" in str(error.value)) == isinstance(recipe, dict)
+
+
 @pytest.mark.parametrize("fn", [lambda fqn: "lm_head" not in fqn, lambda module, fqn, extra: True, print])
 def test_a_module_filter_fn_that_cannot_take_module_and_fqn_is_refused_when_the_plugin_is_built(fn):
     """Found by a sweep: a one-argument filter was accepted, and the fit failed in convert_module with Python's
