@@ -79,6 +79,11 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
+def _joined_size(parts: list[bytes]) -> int:
+    # The size of b"\n".join(parts).
+    return sum(map(len, parts)) + max(len(parts) - 1, 0)
+
+
 def load_corpus(
     path: str | os.PathLike | None = None, max_bytes: int | None = None, val_fraction: float = 0.05
 ) -> Corpus:
@@ -91,8 +96,8 @@ def load_corpus(
             two splits together (with the newline that joins two files) hold this many bytes (``None``: everything).
         val_fraction: share of files (whole files, chosen by a hash of their path, so the split does not
             change when ``max_bytes`` does) held out for validation. A single file is split at its end: its
-            last ``val_fraction`` of bytes are the validation split (so are a few files that all hashed into one
-            split).
+            last ``val_fraction`` of bytes are the validation split (so are files whose hashed split leaves either
+            side under 1024 bytes).
 
     Raises:
         FileNotFoundError: if ``path`` is neither a file nor a directory.
@@ -119,7 +124,9 @@ def load_corpus(
         (val if held_out else train).append(data)
         n_files += 1
         total += separator + len(data)
-    if n_files == 1 or not val or not train:  # one file (or an unlucky split, either way): hold out the tail instead
+    if n_files == 1 or min(_joined_size(train), _joined_size(val)) < _MIN_SPLIT_BYTES:
+        # One file, or an unlucky split (no file held out, or only a small one: which files hash into validation
+        # depends on the directory, e.g. on the Python version's standard library): hold out the tail instead.
         joined = b"\n".join(train + val)
         cut = int(len(joined) * (1 - val_fraction))
         train, val = [joined[:cut]], [joined[cut:]]

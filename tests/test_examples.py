@@ -100,6 +100,21 @@ def test_a_directory_whose_files_all_hash_into_validation_splits_its_tail(tmp_pa
     assert c.files == 3 and c.train.numel() > 60_000 and c.val.numel() > 60_000
 
 
+def test_a_directory_whose_held_out_files_are_small_splits_its_tail(tmp_path):
+    """Which files hash into validation depends on the directory: on Python 3.10's standard library the default
+    examples' first 100 KB held out one 64-byte file, and every example refused to start ("64 validation bytes, but
+    each split needs at least 1024"). A split leaving either side under 1024 bytes takes the tail instead."""
+    train_names = [n for n in (f"t{i}.txt" for i in range(50)) if zlib.crc32(n.encode()) % 10_000 >= 500][:4]
+    val_name = next(n for n in (f"v{i}.txt" for i in range(500)) if zlib.crc32(n.encode()) % 10_000 < 500)
+    for name in train_names:
+        (tmp_path / name).write_text("".join(f"line {i} of {name}: some text\n" for i in range(500)))
+    (tmp_path / val_name).write_text("a short file\n")
+    c = load_corpus(tmp_path, val_fraction=0.05)
+    text = b"\n".join((tmp_path / name).read_bytes() for name in sorted([*train_names, val_name]))
+    assert c.files == 5 and c.train.numel() + c.val.numel() == len(text)
+    assert c.val.numel() >= 1024 and bytes(c.val.tolist()) == text[c.train.numel() :]
+
+
 def test_a_directory_with_a_broken_link_and_a_named_pipe_reads_its_files(tmp_path):
     """os.walk lists links and pipes among the files: a broken link was a FileNotFoundError traceback, and a named pipe
     blocked the read forever (a subprocess, so that such a hang fails the test instead of stopping the suite)."""
