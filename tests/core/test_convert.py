@@ -612,7 +612,7 @@ def test_a_linear_layer_whose_weight_its_parent_computes_with_is_left_and_named(
     ``k_proj.weight``) bypassed the FP8 layer, and at O2 read FP8AdamW's scaled fp16 master: wrong values, or a dtype
     error in the second step. Code that casts a layer's input to its weight's dtype (T5's feed-forward, without T5's
     _keep_in_fp32_modules in LongT5, SwitchTransformers, Pix2Struct) cast it to float16 at O2, where it overflows.
-    Found by a sweep with tiny transformers models (tests/core/test_hf_models.py)."""
+    Found by a sweep with tiny transformers models (tests/integrations/test_hugging_face.py)."""
     model = _ReadsWeight()
     with pytest.warns(UserWarning) as record:
         convert_to_fp8(model)
