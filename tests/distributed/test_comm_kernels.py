@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from lightning_fp8.kernels.comm_table import block_table
 from lightning_fp8.kernels.reference import cast_to_fp8_ref
 
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 REF, TRITON = segment_kernels(False), segment_kernels(True)
 LENGTHS = [37, 0, 200, 5, 64, 1, 90]  # uneven, an empty segment, one single element, one of exactly 4 tiles of 16
+
+
+def _old_interpreter() -> bool:
+    # Triton's interpreter before 3.8 (3.6 and 3.7.1 seen on Python 3.10, whose CUDA torch wheel pins 3.7.1) loses the
+    # sign of an FP8 zero; the compiled kernels keep it (the GPU runs of this file).
+    return tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -177,6 +184,8 @@ def test_rows_kernels_match_reference(fp8_dtype, world, device):
         out = torch.full((row + 64,), 3.0, dtype=torch.bfloat16, device=device)
         kernels.rows_sum(received, table, amax, fp8_dtype, out, inv_divisor=1 / world)
         sums.append(out)
+    if device == "cpu" and _old_interpreter():  # it reads FP8 -0 (0x80, planted above) as +0; compiled code does not
+        qs, sums = [(torch.where(q == 0x80, 0, q), n) for q, n in qs], [t + 0.0 for t in sums]  # -0 + 0 = +0
     assert _same(qs[0][0], qs[1][0]) and qs[0][1] == qs[1][1]
     assert _same(*sums)
     # The reference sum against an independent one: float64 sum of the decoded rows times 1 / (scale * world).
