@@ -186,9 +186,10 @@ def _bypassed_layers(module: nn.Module) -> dict[int, str]:
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
-    for name in path.split("."):
-        module = module._modules.get(name) if isinstance(module, nn.Module) else None
-    return module
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # a path the source names that is no submodule here (a plain attribute, another config)
+        return None
 
 
 def _reason_left(layer: nn.Module, shared: set[int], bypassed: dict[int, str] | None = None) -> str | None:
