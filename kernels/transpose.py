@@ -20,7 +20,11 @@ BLOCK = 64
 
 @triton.jit
 def _transpose_kernel(x_ptr, y_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    # One grid axis: CUDA caps the second and third at 65535 programs, which a (cdiv(M, 64), cdiv(N, 64)) grid
+    # passes beyond 4.19M columns. Row tiles vary fastest, the order the two-axis grid launched them in.
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % row_tiles, pid // row_tiles
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -40,7 +44,7 @@ def transpose_2d(x: torch.Tensor, traced: bool = False) -> torch.Tensor:
     m, n = x.shape
     y = torch.empty((n, m), dtype=x.dtype, device=x.device)
     if x.numel():
-        grid = (triton.cdiv(m, BLOCK), triton.cdiv(n, BLOCK))
+        grid = (triton.cdiv(m, BLOCK) * triton.cdiv(n, BLOCK),)
         kernel = _launchable(_transpose_kernel) if traced else _transpose_kernel
         kernel[grid](x.view(torch.uint8), y.view(torch.uint8), m, n, BLOCK_M=BLOCK, BLOCK_N=BLOCK)
     return y

@@ -19,3 +19,10 @@ def test_transpose_rejects_what_it_cannot_do():
         transpose_2d(torch.zeros(4, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"contiguous=False"):
         transpose_2d(torch.zeros(4, 6, dtype=torch.uint8).t())
+
+
+@pytest.mark.gpu
+def test_transpose_of_a_weight_wider_than_cudas_second_grid_axis():
+    """More than 65535 column tiles (4.19M input features): a launch over a second grid axis would fail there."""
+    x = torch.randint(0, 256, (3, 65536 * 64 + 77), dtype=torch.uint8, device="cuda")
+    assert torch.equal(transpose_2d(x.view(torch.float8_e4m3fn)).view(torch.uint8), x.t().contiguous())
