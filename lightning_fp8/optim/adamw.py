@@ -241,7 +241,13 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
         adopting, self._adopting = self._adopting, None
-        self._adopt_all(adopting)
+        # The constructor, add_param_group, load_state_dict, release and release_weights make training state (masters,
+        # moments, step counts, a gradient handed over as FP8, the weights' own storage), which the next step updates
+        # in place: made under torch.inference_mode() (an evaluation loop that builds the optimizer, rolls back to a
+        # checkpoint, unfreezes layers or releases the weights) it would be inference tensors, which torch refuses to
+        # update outside inference mode. So they make it with inference mode off.
+        with torch.inference_mode(False):
+            self._adopt_all(adopting)
         params = [p for group in self.param_groups for p in group["params"]]
         if recipe is None and opt_level is None:
             self._warn_if_layers_differ(params)
@@ -285,7 +291,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
             self._admitted.update(group["params"])
             return
         try:
-            self._adopt_all(wanted)
+            with torch.inference_mode(False):  # training state (see __init__)
+                self._adopt_all(wanted)
         except RuntimeError:
             self.param_groups.pop()
             raise

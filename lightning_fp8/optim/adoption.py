@@ -68,6 +68,16 @@ class _Adoption:
                     "which would drop the updates float64 keeps; convert the model to float32 first "
                     "(model.float()), or optimize float64 parameters with torch.optim.AdamW (a second optimizer)"
                 )
+            # A parameter made under torch.inference_mode() has no autograd history (no gradient accumulator to check
+            # at O2: an AttributeError deep inside), and torch refuses the in-place updates of its step. Frozen ones,
+            # never stepped, are left as torch.optim.AdamW leaves them.
+            if p.requires_grad and p.is_inference():
+                raise ValueError(
+                    f"FP8AdamW got parameter {i} of parameter group {g}, of shape {tuple(p.shape)}, created under "
+                    "torch.inference_mode(): an inference tensor cannot be trained (torch refuses to update it in "
+                    "place or save it for a backward). Build or materialize the model outside inference_mode (or "
+                    "freeze it: requires_grad_(False)); nothing was changed"
+                )
             # Before check_adoptable: a pruned layer's computed weight holds the accumulator (no DDP involved).
             where = f"parameter {i} of parameter group {g}"
             master.check_not_reparametrized(p, where)
@@ -179,6 +189,7 @@ class _Adoption:
                 with torch.no_grad():
                     p.grad = grad.to(p.dtype)  # in true units, as the layer's backward writes it (not the storage's)
 
+    @torch.inference_mode(False)  # training state, never inference tensors: see FP8AdamW.__init__'s adoption
     def release(self, p: torch.Tensor) -> None:
         """Turn ``p`` back into a plain parameter with fp32 states (the recovery "back to high precision"): fp32
         moments, and an fp32 master kept apart where ``p`` is not fp32, as for any parameter of that dtype. A gradient
@@ -254,6 +265,7 @@ class _Adoption:
                 grad = (entry.data.float() * entry.scale_inv).to(p.dtype)
                 p.grad = grad if p.grad is None else p.grad + grad
 
+    @torch.inference_mode(False)  # training state, never inference tensors: see FP8AdamW.__init__'s adoption
     def release_weights(self) -> None:
         """Give every FP8 weight whose storage holds this optimizer's fp16 master its own storage back: the unscaled
         weight, in the model's dtype. The masters move into the optimizer's state, kept apart from the parameters (as

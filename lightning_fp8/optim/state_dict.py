@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from lightning_fp8.optim import checkpoint
@@ -44,6 +45,7 @@ class _StateDict:
         )
 
     @override
+    @torch.inference_mode(False)  # training state, never inference tensors: see FP8AdamW.__init__'s adoption
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of FP8AdamW (any level, sharded or not) or of ``torch.optim.AdamW`` (converted: the master
         stays the parameter's current value, the moments are stored in this optimizer's dtypes with fresh scales; the
