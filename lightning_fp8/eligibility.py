@@ -174,9 +174,14 @@ def _bypassed_layers(module: nn.Module) -> dict[int, str]:
     bypassed = {}
     for parent in module.modules():
         for path, use in forward_weight_reads(type(parent)).items():
-            layer = _submodule(parent, path)
-            if isinstance(layer, nn.Linear) and bypassed.get(id(layer)) != "weight_read":
-                bypassed[id(layer)] = use
+            if path.endswith(".*"):  # any layer the container holds (self.lora_A[adapter].weight)
+                container = _submodule(parent, path[:-2])
+                layers = list(container.children()) if container is not None else []
+            else:
+                layers = [_submodule(parent, path)]
+            for layer in layers:
+                if isinstance(layer, nn.Linear) and bypassed.get(id(layer)) != "weight_read":
+                    bypassed[id(layer)] = use
     # torch's fused inference path of nn.TransformerEncoderLayer (torch._transformer_encoder_layer_fwd) takes
     # linear1/linear2's weights as tensors: an FP8 layer there would be bypassed.
     for m in module.modules():

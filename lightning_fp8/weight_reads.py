@@ -22,7 +22,9 @@ _WEIGHT_METADATA = frozenset(
 @functools.cache
 def forward_weight_reads(cls: type) -> Mapping[str, str]:
     """The paths ``p`` for which the forward of ``cls`` (its ``forward`` and the methods of ``cls`` it names, as
-    Mamba's calls ``self.cuda_kernels_forward``) reads ``self.<p>.weight`` itself, read from the source: ``p`` ->
+    Mamba's calls ``self.cuda_kernels_forward``) reads ``self.<p>.weight`` itself (directly or through a local name
+    bound to ``self.<p>``; ``p`` is ``"<container>.*"`` for ``self.<container>[k].weight``, any layer the container
+    holds, as PEFT's ``lora_A = self.lora_A[adapter]``), read from the source: ``p`` ->
     ``"weight_read"`` where it computes with it (``self.dt_proj.weight @ x``), ``"dtype_cast"`` where it casts a tensor
     to its dtype (``x.to(self.wo.weight.dtype)``); other metadata (``.shape``, ``isinstance``) aside. Other methods (a
     LoRA layer's ``merge``, initialization) run outside the training step. Empty where the source cannot be read."""
@@ -54,9 +56,10 @@ def forward_weight_reads(cls: type) -> Mapping[str, str]:
         except Exception:  # no source to read (a REPL, generated code): a best effort, never a failed conversion
             continue
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        aliases = _aliases(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.ctx, ast.Load):
-                path, parent = _self_path(node.value), parents.get(node)
+                path, parent = _self_path(node.value, aliases), parents.get(node)
                 if path is None or _is_type_check(parent):
                     continue
                 if isinstance(parent, ast.Attribute) and parent.attr == "dtype" and _is_cast_argument(parent, parents):
@@ -72,13 +75,15 @@ def _is_type_check(node: ast.AST | None) -> bool:
 
 
 def _is_cast_argument(node: ast.expr, parents: dict[ast.AST, ast.AST]) -> bool:
-    # node (self.wo.weight.dtype) is an argument of a tensor cast: x.to(node), x.to(dtype=node), x.type(node).
+    # node (self.wo.weight.dtype) is an argument of a tensor cast: x.to(node), x.to(dtype=node), x.type(node), or of a
+    # helper named for one (PEFT's self._cast_input_dtype(x, lora_A.weight.dtype)).
     parent = parents.get(node)
     if isinstance(parent, ast.keyword):
         parent = parents.get(parent)
-    return (
-        isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.attr in ("to", "type")
-    )
+    if not isinstance(parent, ast.Call):
+        return False
+    name = parent.func.attr if isinstance(parent.func, ast.Attribute) else getattr(parent.func, "id", "")
+    return name in ("to", "type") or "cast" in name.lower()
 
 
 def _names(code: types.CodeType) -> Iterator[str]:
@@ -89,10 +94,31 @@ def _names(code: types.CodeType) -> Iterator[str]:
             yield from _names(const)
 
 
-def _self_path(node: ast.expr) -> str | None:
-    # "a.b" for the expression self.a.b, else None.
+def _self_path(node: ast.expr, aliases: Mapping[str, str] = types.MappingProxyType({})) -> str | None:
+    # "a.b" for the expression self.a.b, "a.*" for self.a[k] (any layer held by the container self.a), the path of a
+    # local name bound to one of those (aliases); else None.
+    if isinstance(node, ast.Subscript):
+        container = _self_path(node.value)
+        return None if container is None or container.endswith("*") else f"{container}.*"
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
-    return ".".join(reversed(parts)) if isinstance(node, ast.Name) and node.id == "self" and parts else None
+    if not isinstance(node, ast.Name):
+        return None
+    base = "" if node.id == "self" else aliases.get(node.id)
+    if base is None or not (parts or base) or (parts and base.endswith("*")):
+        return None
+    return ".".join([base, *reversed(parts)] if base else reversed(parts))
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    # Local names bound to a sub-layer of self (lora_A = self.lora_A[adapter]; proj = self.proj): their path. A name
+    # bound twice to different paths is left out (which one a read meets is not known from the source).
+    aliases: dict[str, str | None] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, path = node.targets[0].id, _self_path(node.value)
+            if path is not None:
+                aliases[name] = path if aliases.get(name, path) == path else None
+    return {name: path for name, path in aliases.items() if path is not None}

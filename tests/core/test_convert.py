@@ -624,6 +624,62 @@ def test_a_linear_layer_whose_weight_its_parent_computes_with_is_left_and_named(
     assert model(torch.randn(4, 32)).shape == (4, 32)
 
 
+class _LoraLinear(nn.Module):
+    """A layer with adapters as peft 0.21's ``lora.Linear`` builds and runs them: ``lora_A``/``lora_B`` are ModuleDicts
+    of linear layers by adapter name, and its forward casts the adapter's input to ``lora_A.weight.dtype`` through a
+    helper, reading the layer from the container into a local first."""
+
+    def __init__(self, base: nn.Linear, rank: int = 16) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(rank, base.out_features, bias=False)})
+        nn.init.normal_(self.lora_B["default"].weight, std=0.02)
+
+    def _cast_input_dtype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x if x.dtype == dtype else x.to(dtype=dtype)
+
+    def merged(self) -> torch.Tensor:  # peft's get_delta_weight: outside the forward
+        return self.base_layer.weight + self.lora_B["default"].weight @ self.lora_A["default"].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        for adapter in self.lora_A:
+            lora_A = self.lora_A[adapter]
+            lora_B = self.lora_B[adapter]
+            x = self._cast_input_dtype(x, lora_A.weight.dtype)
+            result = result + lora_B(lora_A(x)) * 2.0
+        return result
+
+
+def test_peft_style_adapters_whose_input_is_cast_to_their_weight_dtype_are_left(fresh_warnings):
+    """A model with PEFT LoRA adapters of rank 16, converted: ``lora_A`` became an FP8 layer, and at O2 peft's forward
+    cast its input to its weight's dtype, FP8AdamW's float16 (activations beyond 65504 became inf). The source scan
+    missed the weight read through a local taken from the container (``lora_A = self.lora_A[adapter]``) and the cast
+    through a helper. ``lora_B``, whose input is ``lora_A``'s output, stays an FP8 layer: merging reads its true
+    weight after ``release_weights()`` (docs/guides/checkpoints.md). Found by a lifecycle sweep with peft."""
+    model = nn.Sequential(_LoraLinear(nn.Linear(32, 64)), nn.ReLU(), _LoraLinear(nn.Linear(64, 32)))
+    with pytest.warns(UserWarning, match="casts their input to their weight's dtype") as record:
+        convert_to_fp8(model)
+    message = next(str(w.message) for w in record if "weight's dtype" in str(w.message))
+    assert message.endswith(": 0.lora_A.default, 2.lora_A.default"), message
+    assert type(model[0].lora_A["default"]) is nn.Linear and type(model[2].lora_A["default"]) is nn.Linear
+    assert all(isinstance(m.base_layer, FP8Linear) and isinstance(m.lora_B["default"], FP8Linear) for m in model[::2])
+    model.requires_grad_(False)
+    adapters = [p for m in model[::2] for p in (m.lora_A["default"].weight, m.lora_B["default"].weight)]
+    for p in adapters:
+        p.requires_grad_(True)
+    opt = FP8AdamW(adapters, lr=1e-3, opt_level="O2")
+    x = torch.randn(4, 32) * 1e5  # an input float16 cannot hold, as the adapters' own
+    (model(x).sum() * 1e-4).backward()  # weight gradients that the O2 storage's float16 holds
+    opt.step()
+    assert torch.isfinite(model(x)).all()
+    true_b = [m.lora_B["default"].state_dict()["weight"] for m in model[::2]]
+    opt.release_weights()
+    for m, b in zip(model[::2], true_b, strict=True):
+        torch.testing.assert_close(m.merged(), m.base_layer.weight + b @ m.lora_A["default"].weight)
+
+
 def test_multihead_attention_input_projections_are_named_in_a_warning(fresh_warnings):
     """nn.MultiheadAttention's input projections (in_proj_weight: three quarters of its weights) are parameters its
     attention function multiplies with itself: they stayed in high precision without a word, while the warning named
