@@ -234,10 +234,16 @@ def reduce_scatter_fp8(
     check_call("reduce_scatter_fp8", layout, group, slices, divisor, margin)
     check_dtypes("reduce_scatter_fp8", fp8_dtype, x=x.dtype, out=None if out is None else out.dtype)
     world, rank = _world(group)
-    if layout.numel != x.numel() or x.numel() % world:
+    if layout.numel != x.numel():
         raise ValueError(
-            f"reduce_scatter_fp8: buffer of {x.numel()} elements, layout of {layout.numel}; both must match and "
-            f"split into {world} equal chunks"
+            f"reduce_scatter_fp8: a buffer of {x.numel()} elements with a layout of {layout.numel} elements: pass the "
+            "layout of this buffer (layout.numel == x.numel())"
+        )
+    if x.numel() % world:
+        padded = _round_up(x.numel(), world)
+        raise ValueError(
+            f"reduce_scatter_fp8: a buffer of {x.numel()} elements does not split into {world} equal chunks (one per "
+            f"rank): pad the buffer to {padded} elements and its layout with layout.padded({padded})"
         )
     flat = x.reshape(-1)
     chunk = flat.numel() // world
@@ -294,6 +300,19 @@ def _rows_table(rows: list[tuple[int, int, int, int]], device: torch.device) -> 
     return block_table(*(zip(*rows, strict=True) if rows else [()] * 4), device=device)
 
 
+def _gather_size_message(layout_numel: int, chunk_numel: int, world: int) -> str:
+    # The layout describes the whole gathered buffer, world chunks of equal size: say which side to pad.
+    given = f"all_gather_fp8: a chunk of {chunk_numel} elements on each of {world} ranks, a layout of {layout_numel}"
+    total = world * chunk_numel
+    if layout_numel < total:
+        return f"{given}: pad the layout to the gathered {total} elements, layout.padded({total})"
+    chunk = -(-layout_numel // world)
+    return (
+        f"{given}: give each rank a chunk of {chunk} elements (padded) and pad the layout to {world * chunk}, "
+        f"layout.padded({world * chunk})"
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _gather_plan(layout: SegmentLayout, world: int, rank: int, device: torch.device) -> _GatherPlan:
     # Not all_reduce_plan's portable tables: those round each rank's chunk up to ALIGN elements, while the chunks
@@ -339,7 +358,7 @@ def all_gather_fp8(
     check_dtypes("all_gather_fp8", fp8_dtype, chunk=chunk.dtype, out_dtype=out_dtype)
     world, rank = _world(group)
     if layout.numel != world * chunk.numel():
-        raise ValueError(f"all_gather_fp8: a chunk of {chunk.numel()} elements and a layout of {layout.numel}")
+        raise ValueError(_gather_size_message(layout.numel, chunk.numel(), world))
     kernels = segment_kernels(fused)
     plan = _gather_plan(layout, world, rank, chunk.device)
     send = torch.zeros(plan.row_bytes, dtype=torch.uint8, device=chunk.device)

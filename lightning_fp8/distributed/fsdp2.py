@@ -98,6 +98,9 @@ def enable_fp8_fsdp2(
     of 1), FSDP runs no reduce-scatter; the gradients are checked in FSDP's all-reduce hook instead
     (``set_all_reduce_hook``: do not set another one on these modules).
 
+    Calling it again on the same model replaces the collectives (as Lightning's plugin does for each stage): from then
+    on only the state of the last call sees the gradients, and an earlier state's ``check_step()`` stays True.
+
     Args:
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
         state: the communication state (default: a new :class:`FP8CommState`). Its ``process_group`` is not
