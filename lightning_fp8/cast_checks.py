@@ -27,8 +27,14 @@ def check_castable(x: object, caller: str, wide: bool = True) -> None:
         raise TypeError(f"{caller} expects a tensor, got {type(x).__name__}")
     # Traced (torch.compile), a backward may not read the layout, and a traced tensor is dense.
     if not torch.compiler.is_compiling() and (x.is_nested or x.layout != torch.strided):
-        layout = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
-        raise TypeError(f"{caller} takes dense tensors, got {layout}: pass x.to_dense() (or the padded values)")
+        if not x.is_nested:
+            raise TypeError(f"{caller} takes dense tensors, got a {x.layout} tensor: pass x.to_dense()")
+        # A nested tensor has no to_dense() (it raises for both layouts): name what does work.
+        raise TypeError(
+            f"{caller} takes dense tensors, got a nested tensor: pass its padded values, x.to_padded_tensor(0.0), or "
+            "for a jagged one (layout=torch.jagged) its rows without padding, x.values(), and rebuild the result with "
+            "torch.nested.nested_tensor_from_jagged(y, x.offsets())"
+        )
     if x.dtype in FP8_DTYPES:
         raise TypeError(f"{caller} got an FP8 tensor ({x.dtype}): it is cast already; use it with its scale_inv")
     if not x.is_floating_point() or x.dtype.itemsize < 2 or (not wide and x.dtype == torch.float64):

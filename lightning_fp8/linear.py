@@ -97,7 +97,8 @@ class FP8Linear(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``. Both feature sizes must be
-            multiples of 16 (an FP8 GEMM requirement); ``bias`` must be True or False.
+            multiples of 16 (an FP8 GEMM requirement); ``bias`` must be True or False; ``dtype`` float32,
+            bfloat16 or float16 (``None``: the default dtype, which must then be one of them).
         recipe: an :class:`~lightning_fp8.FP8Recipe` or recipe name (default ``"fp8-lm"``).
 
     The output dtype is the autocast dtype when autocast is on, else the input's dtype (bf16, fp16, fp32).
@@ -164,6 +165,12 @@ class FP8Linear(nn.Linear):
             raise TypeError(
                 f"FP8Linear(dtype={dtype}): FP8 layers keep float32, bfloat16 or float16 parameters; keep a "
                 f"{dtype} layer as nn.Linear (convert_to_fp8 leaves such layers as they are)"
+            )
+        if dtype is None and torch.get_default_dtype() not in _ACTIVATION_DTYPES:  # nn.Linear takes the default's
+            raise TypeError(
+                f"FP8Linear(dtype=None) would keep {torch.get_default_dtype()} parameters, the default dtype "
+                "(torch.set_default_dtype), which FP8 layers do not take: pass dtype=torch.float32 (or bfloat16, "
+                "float16), or build the layer with the default dtype set back (torch.set_default_dtype(torch.float32))"
             )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._recipe = resolve_recipe(recipe)

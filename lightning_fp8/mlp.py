@@ -24,6 +24,7 @@ FUSED_BIAS_GRAD, benchmark switches of FP8Linear, do not apply to it).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -221,9 +222,11 @@ class FP8MLP(nn.Module):
     ) -> None:
         super().__init__()
         out = in_features if out_features is None else out_features
-        # Named here: FP8Linear's own error would name its out_features for hidden_features=20, say.
+        # Named here, type and value: FP8Linear's own errors would name its out_features for hidden_features=20 or 64.0.
         for name, size in (("in_features", in_features), ("hidden_features", hidden_features), ("out_features", out)):
-            if isinstance(size, int) and not isinstance(size, bool) and (size < 0 or size % 16):
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+                raise TypeError(f"FP8MLP({name}={size!r}): must be an int (a multiple of 16)")
+            if size < 0 or size % 16:
                 raise ValueError(f"FP8MLP({name}={size}): FP8 GEMMs need sizes that are multiples of 16 (and >= 0)")
         self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
         self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)

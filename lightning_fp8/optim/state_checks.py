@@ -361,7 +361,10 @@ def _check_step(where: str, step: Any) -> None:
     """Raise ValueError unless ``step`` is a number of steps: an integer value from 0 to :data:`_MAX_STEP`, as a Python
     number or a one-element real tensor (torch.optim.AdamW saves a 0-dim float32 one). Not a bool: True loaded as 1."""
     try:
-        value = torch.as_tensor(step, device="cpu") if not isinstance(step, torch.Tensor) else step
+        # A Python float as float64, not the default dtype's: under torch.set_default_dtype(torch.float16) 70000.0 was
+        # inf (refused), under bfloat16 300.5 rounded to a whole 300 (accepted, and loaded as 300.5).
+        exact = torch.float64 if isinstance(step, float) else None
+        value = torch.as_tensor(step, dtype=exact, device="cpu") if not isinstance(step, torch.Tensor) else step
         count = float(value) if value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool) else None
     except (TypeError, ValueError, RuntimeError):
         count = None
