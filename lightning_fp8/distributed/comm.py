@@ -141,7 +141,7 @@ def cast_stats(
     amax: torch.Tensor, n_saturated: torch.Tensor, numel: int, found: torch.Tensor | None = None
 ) -> CastStats:
     """Statistics of a collective from its shared group amaxes (and an extra non-finite flag, e.g. an FP8 sum's)."""
-    top = amax.max() if amax.numel() else torch.zeros((), device=amax.device)
+    top = amax.max() if amax.numel() else torch.zeros((), dtype=amax.dtype, device=amax.device)
     nonfinite = ~torch.isfinite(top)
     return CastStats(top, n_saturated.to(torch.int64), numel, nonfinite if found is None else nonfinite | found)
 

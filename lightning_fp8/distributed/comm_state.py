@@ -347,7 +347,7 @@ class FP8CommState:
         found = self._found
         self._found = None
         if self._step_groups:
-            flag = torch.zeros((), device=self._step_device) if found is None else found.float()
+            flag = torch.zeros((), dtype=torch.float32, device=self._step_device) if found is None else found.float()
             for group in self._step_groups:
                 all_reduce_max(flag, group)
             found = flag > 0

@@ -272,7 +272,7 @@ def _unscale_in_place(
     ``torch.amp.GradScaler``. fp16 gradients never come here (:func:`_refuse_fp16_grads`): fp32 and bf16 values are
     unscaled exactly, and the sums of a sparse gradient's repeated values overflow only where its values nearly do
     (past 1.7e38), so they are left uncoalesced, as torch.amp leaves them."""
-    found = torch.zeros(())
+    found = torch.zeros((), dtype=torch.float32)  # not the default dtype: the ranks sum the same dtype
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     for p in params:
         values = p.grad._values() if p.grad.is_sparse else p.grad

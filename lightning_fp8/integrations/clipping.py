@@ -74,7 +74,7 @@ def clip_scaled_grad_norm_(
     held = fp8_grads.held_fp8_grads(params)  # first: it folds a param.grad beside a held one into it
     grads = [p.grad for p in params if p.grad is not None]
     if not grads and not held:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.float32)  # the 0-dim fp32 norm, whatever the default dtype
     total = with_held_norms(global_norm(grads) if grads else None, fp8_grads.fp8_grad_norms(held))
     if check is not None:
         check(total)
@@ -100,7 +100,7 @@ def clip_grad_norm_fp32(
     held = fp8_grads.held_fp8_grads(parameters)  # first: it folds a param.grad beside a held one into it
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads and not held:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.float32)  # the 0-dim fp32 norm, whatever the default dtype
     norms = [fp8_grads.p_norm(g, norm_type) for g in grads]
     others = fp8_grads.p_norm(torch.stack(norms), norm_type) if norms else None
     total = with_held_norms(others, fp8_grads.fp8_grad_norms(held, norm_type), norm_type) / grad_scale

@@ -247,7 +247,7 @@ class _FP8Grads:
             norms = torch._foreach_norm(grads, float("inf"))
             flags.append((~torch.isfinite(torch.stack([n.float() for n in norms]))).float())
         if not flags:
-            return torch.zeros(())
+            return torch.zeros((), dtype=torch.float32)
         device = flags[0].device
         return torch.cat([f.to(device) for f in flags]).sum()
 

@@ -137,3 +137,27 @@ def test_training_is_bit_identical_under_another_default_dtype(recipe):
         run, run_rng = _train(recipe, default)
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(run, reference, strict=True)), default
         assert torch.equal(run_rng, rng)
+
+
+@pytest.mark.parametrize("default", [torch.float16, torch.float64])
+def test_values_the_library_makes_are_float32_whatever_the_default_dtype(default):
+    """Values made from Python numbers took the default dtype: under float16 the Lightning monitors' callback_metrics
+    (what EarlyStopping and ModelCheckpoint read) held a scale of 2**20 as inf; the norm of no gradients is "a 0-dim
+    fp32 tensor" (its docstring). Found by the global-settings sweep."""
+    from types import SimpleNamespace
+
+    from lightning_fp8 import FP8GradScaler
+    from lightning_fp8.callbacks import FP8ScaleMonitor
+
+    trainer = SimpleNamespace(callback_metrics={})
+    torch.set_default_dtype(default)
+    try:
+        FP8ScaleMonitor()._publish(trainer, {"fp8/scale": 2.0**20, "fp8/amax": 0.1})
+        norm = FP8GradScaler().clip_grad_norm_([torch.nn.Parameter(torch.ones(3, dtype=torch.float32))], 1.0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert {k: (v.dtype, float(v)) for k, v in trainer.callback_metrics.items()} == {
+        "fp8/scale": (torch.float32, 2.0**20),
+        "fp8/amax": (torch.float32, float(torch.tensor(0.1))),
+    }
+    assert norm.dtype == torch.float32 and float(norm) == 0.0

@@ -160,7 +160,9 @@ class _LoggingCallback(Callback):
         for key in self._published:
             if key not in metrics:
                 trainer.callback_metrics.pop(key, None)
-        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
+        # float32 whatever the default dtype (an fp16 default made a scale of 2**20 inf), as Lightning's logged values
+        published = {key: torch.tensor(value, dtype=torch.float32) for key, value in metrics.items()}
+        trainer.callback_metrics.update(published)
         self._published = set(metrics)
 
     def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
