@@ -379,6 +379,7 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         try:
             self._steps += 1
             if decision["found"] > 0:
+                self._last_saturation = self._saturated_fraction(decision)  # this step's, not the last stepped one's
                 self._back_off()
             else:
                 self._judge_saturation_and_headroom(decision)

@@ -227,6 +227,19 @@ def _scaler_handles(grad_scaler: Any, batch: _HostBatch) -> tuple[dict[str, Any]
     return handles, plain
 
 
+def _not_an_optimizer_hint(value: Any) -> str:
+    # What to do instead, by what was passed: the second positional argument is the optimizer, so a scaler or the model
+    # there is an argument in the wrong place, not one optimizer too many.
+    if isinstance(value, (list, tuple)):
+        return "for several, call fp8_stats once per optimizer"
+    if hasattr(value, "scale_loss") or isinstance(value, torch.amp.GradScaler):
+        return "a gradient scaler goes in grad_scaler=..., e.g. fp8_stats(model, optimizer, grad_scaler=scaler)"
+    return (
+        "the arguments are fp8_stats(model, optimizer, grad_scaler), the optimizer being the one that trains model's "
+        "parameters (e.g. FP8AdamW), or None"
+    )
+
+
 def fp8_stats(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, grad_scaler: Any | None = None
 ) -> dict[str, Any]:
@@ -267,8 +280,8 @@ def fp8_stats(
         raise TypeError(f"fp8_stats(model=...) expects an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"fp8_stats(optimizer=...) expects one torch.optim.Optimizer, got {type(optimizer).__name__}: for several, "
-            "call fp8_stats once per optimizer"
+            f"fp8_stats(optimizer=...) expects one torch.optim.Optimizer, got {type(optimizer).__name__}: "
+            + _not_an_optimizer_hint(optimizer)
         )
     if grad_scaler is not None:
         _check_grad_scaler(grad_scaler)

@@ -109,12 +109,17 @@ class _ScaleRules:
         if decision["fp16_small"] or full:
             self._fp16_full = full
 
+    @staticmethod
+    def _saturated_fraction(decision: dict[str, float]) -> float:
+        """The fraction of the values the step's FP8 casts held that saturated (:attr:`last_saturation`)."""
+        return decision["n_saturated"] / decision["cast_numel"] if decision["cast_numel"] else 0.0
+
     def _judge_saturation_and_headroom(self, decision: dict[str, float]) -> None:
         self._count_nonfinite_runs(nonfinite=False)
         underflows = self._fp16_underflows(decision)
         self._note_fp16_verdict(decision)
-        numel, cast_numel = decision["numel"], decision["cast_numel"]  # all values measured; those an FP8 cast held
-        self._last_saturation = decision["n_saturated"] / cast_numel if cast_numel else 0.0
+        numel = decision["numel"]  # all values measured (cast_numel: those an FP8 cast held)
+        self._last_saturation = self._saturated_fraction(decision)
         if self._last_saturation > self.saturation_threshold:
             self._growth_tracker = 0
             self._set_scale(self._scale / 2, "halve", f"saturated fraction {self._last_saturation:.3g}")
