@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any, Literal, Union
 
-from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME
+from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME, check_ddp_comm_hook
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
@@ -219,9 +219,11 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
                 f"`precision='fp8-lm'` (or another of {list(precision_names())}) or leave `precision` unset"
             )
         plugin_list.append(precision_cls())
-    fp8 = [p for p in plugin_list if isinstance(p, precision_cls)]
+    fp8 = [p for p in plugin_list + user_precision if isinstance(p, precision_cls)]
     if fp8:
-        strategy_mod.check_supported_strategy(strategy, namespace, _precision_label(requested, fp8[0]))
+        label = _precision_label(requested, fp8[0])
+        strategy_mod.check_supported_strategy(strategy, namespace, label)
+        check_ddp_comm_hook(strategy, fp8[0].fp8_communication, label)
     return precision, (plugin_list or plugins)
 
 

@@ -13,8 +13,10 @@ their names and FP8AdamW can tell FP8 weights from the rest), which is also what
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,8 @@ from lightning_fp8.integrations.lightning.strategy_units import (
     _check_manual_optimization_units,
     _check_not_sharded_by_another,
     _finish_manual_backward,
+    _mark_own_units,
+    units_made_by_hand,
 )
 from lightning_fp8.optim.checkpoint import as_stored
 
@@ -122,8 +126,19 @@ class _FP8FSDPStrategyLogic:
         wrapped = super()._setup_model(model) if self.root_device.type != "cpu" else self._setup_model_on_cpu(model)
         if isinstance(wrapped, FullyShardedDataParallel):
             _check_manual_optimization_units(wrapped, model)
+            _mark_own_units(wrapped)
             self._fp8_root = wrapped
         return wrapped
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Lightning's enables wrap() in configure_model; this strategy wraps after the FP8 conversion itself, so a
+        # wrap() there is refused at the call, on every device (on the CPU FSDP1 failed in it for want of a GPU).
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        with enable_wrap(wrapper_cls=units_made_by_hand):
+            yield
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -141,6 +156,13 @@ class _FP8FSDPStrategyLogic:
             raise ValueError(
                 f"{type(self).__name__}(cpu_offload=True) moves GPU parameters to the CPU, and this run is on "
                 "the CPU already (accelerator='cpu'): drop cpu_offload, or train on GPUs"
+            )
+        if self.kwargs.get("sync_module_states"):
+            # FSDP1 broadcasts the module's states from GPU memory only: it failed asking for a device_id or a GPU.
+            raise ValueError(
+                f"{type(self).__name__}(sync_module_states=True) broadcasts rank 0's parameters from GPU memory, and "
+                "this run is on the CPU (accelerator='cpu'): drop sync_module_states (seed the module's "
+                "initialization alike on every rank, e.g. L.seed_everything), or train on GPUs"
             )
 
         fsdp_module = importlib.import_module(_fsdp_base(type(self)).__module__)
@@ -189,9 +211,13 @@ class _FP8FSDPStrategyLogic:
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        if not path.exists():  # what Lightning's other strategies raise (its CheckpointIO)
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if not path.is_file():
             raise ValueError(
-                f"strategy='{STRATEGY_NAME}' loads full (single-file) checkpoints; {str(path)!r} is not one"
+                f"strategy='{STRATEGY_NAME}' loads full (single-file) checkpoints; {str(path)!r} is a directory (a "
+                "sharded checkpoint of Lightning's FSDPStrategy or ModelParallelStrategy?): consolidate it into one "
+                f"file with `python -m lightning.pytorch.utilities.consolidate_checkpoint {path}` and pass that file"
             )
         # None (Lightning's default) loads with weights_only=True, as torch>=2.6 does; an explicit False is kept.
         weights_only = True if weights_only is None else weights_only
@@ -239,8 +265,9 @@ class _FP8FSDPStrategyLogic:
         raise ValueError(
             f"the optimizer state of the checkpoint {str(path)!r} does not fit this run's sharded parameters "
             f"({f'rank {self.global_rank}: {error}' if error else 'on another rank'}). strategy='{STRATEGY_NAME}' "
-            "saves each rank's shards of FSDP's flat parameters: resume with the same model, auto_wrap_policy and "
-            "number of processes. Nothing was loaded"
+            "saves each rank's shards of FSDP's flat parameters: resume with the same model, auto_wrap_policy, "
+            "number of processes and sharding (sharding_strategy='NO_SHARD' keeps whole flat parameters, "
+            "'FULL_SHARD' and 'SHARD_GRAD_OP' the same shards). Nothing was loaded"
         )
 
 
@@ -248,8 +275,9 @@ class FP8FSDPStrategy(_FP8FSDPStrategyLogic, FSDPStrategy):
     """FSDP with FP8-LM: ``Trainer(strategy="fsdp_fp8")`` (implies ``precision="fp8-lm"``).
 
     Takes the arguments of ``lightning.pytorch.strategies.FSDPStrategy`` (``auto_wrap_policy``,
-    ``sharding_strategy``, ``state_dict_type``, ``activation_checkpointing_policy``...), except
-    ``mixed_precision``; ``use_orig_params`` defaults to True.
+    ``sharding_strategy``, ``activation_checkpointing_policy``...), except ``mixed_precision``,
+    ``state_dict_type="sharded"`` and hybrid sharding; ``use_orig_params`` defaults to True. It wraps the module
+    itself, after the FP8 conversion: FSDP units made in ``configure_model`` are refused.
 
     Example::
 

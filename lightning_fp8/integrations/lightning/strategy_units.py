@@ -15,11 +15,41 @@ from typing import Any
 
 from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME
 
+_MADE_BY_HAND = (
+    f"strategy='{STRATEGY_NAME}' shards the module itself, after converting its linear layers to FP8: FSDP units made "
+    "by hand (wrap() or FullyShardedDataParallel(...) in configure_model) are not supported (the conversion would "
+    "replace the layers inside them, and the FP8 gradient communication needs the strategy's root wrapper). Remove "
+    "them and name the classes to wrap in FP8FSDPStrategy(auto_wrap_policy={...}), or use ModelParallelStrategy with "
+    "convert_to_fp8 and fully_shard in configure_model (FSDP2)"
+)
+
+# Set on the FSDP units FP8FSDPStrategy made (its auto_wrap_policy's and the root): any other unit was made by hand.
+_OWN_UNIT = "_lightning_fp8_unit"
+
+
+def _mark_own_units(root: Any) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in root.modules():
+        if isinstance(unit, FullyShardedDataParallel):
+            setattr(unit, _OWN_UNIT, True)
+
+
+def units_made_by_hand(module: Any, **fsdp_kwargs: Any) -> Any:
+    """Raise the ValueError of :func:`_check_not_sharded_by_another` for FSDP units made by hand: what ``wrap()``
+    calls in ``configure_model`` under ``strategy="fsdp_fp8"`` (``enable_wrap``'s ``wrapper_cls``)."""
+    raise ValueError(_MADE_BY_HAND)
+
 
 def _check_not_sharded_by_another(model: Any) -> None:
-    """Raise ValueError for a module whose FSDP units an earlier Trainer's fit made (a root wrapper gone with it): its
-    parameters outside those units are that fit's shard views of this rank, which no new wrapper can gather."""
+    """Raise ValueError for a module with FSDP units this strategy did not make (``wrap()`` in ``configure_model``:
+    on GPUs Lightning then left the module unwrapped, the conversion replaced the layers inside them, and the first
+    forward failed; converted by hand first, it trained without the FP8 gradient communication), or whose units an
+    earlier Trainer's fit made (a root wrapper gone with it): its parameters outside those units are that fit's shard
+    views of this rank, which no new wrapper can gather."""
     units, outside = _units_and_outside(model)
+    if any(not getattr(unit, _OWN_UNIT, False) for unit in units):
+        raise ValueError(_MADE_BY_HAND)
     if units and outside:
         raise ValueError(
             f"strategy='{STRATEGY_NAME}': this module was sharded by another Trainer's fit: its parameters outside "
