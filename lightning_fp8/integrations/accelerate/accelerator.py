@@ -76,7 +76,8 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
 
     Raises:
         ValueError: for a bad recipe name in the launch, ``mixed_precision`` ``"fp16"``/``"fp8"`` (FP8-LM brings
-            its own loss scale and FP8 path: use ``"bf16"`` or ``"no"``), or DeepSpeed, Megatron-LM, XLA or FSDP1.
+            its own loss scale and FP8 path: use ``"bf16"`` or ``"no"``), a ``GradScalerKwargs`` handler (the fp16
+            scaler's settings), or DeepSpeed, Megatron-LM, XLA or FSDP1.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
             # Accelerate's own order: the argument (third positional), else ACCELERATE_MIXED_PRECISION.
             mixed_precision = kwargs.get("mixed_precision", args[2] if len(args) > 2 else None)
             refusals.check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
+            refusals.check_kwargs_handlers(kwargs.get("kwargs_handlers"))
         super().__init__(*args, **kwargs)
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None

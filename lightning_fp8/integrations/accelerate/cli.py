@@ -250,19 +250,37 @@ def _read_config(path: str) -> dict[str, Any]:
 
 def _check_accelerate_keys(config: dict[str, Any], path: str) -> None:
     """Accelerate requires ``distributed_type`` in every config file (and fails with a traceback without it), and
-    refuses unknown keys (a mis-spelled ``lightning_fp8`` section with a traceback that suggests upgrading it): say
-    what to change before anything is launched."""
+    refuses unknown keys (a mis-spelled ``lightning_fp8`` section, or an Accelerator argument, with a traceback that
+    names the copy without our section and suggests upgrading Accelerate): say what to change before anything is
+    launched."""
     near = [key for key in config if isinstance(key, str) and key != CONFIG_KEY and _normalized(key) == CONFIG_KEY]
     if near:
         raise ValueError(f"config file {path} has a section `{near[0]}`: the FP8-LM section is named `{CONFIG_KEY}`")
-    if "distributed_type" in config:
-        return
-    raise ValueError(
-        f"config file {path} has no `distributed_type`, which Accelerate requires besides the `{CONFIG_KEY}` section: "
-        "add `distributed_type: 'NO'` for one process (MULTI_GPU or MULTI_CPU, with num_processes, for several), or "
-        f"write the Accelerate settings with `accelerate config --config_file {path}` and add the section back. "
-        "FP8 settings alone need no config file: pass --fp8-recipe / --fp8-exclude instead"
-    )
+    if "distributed_type" not in config:
+        raise ValueError(
+            f"config file {path} has no `distributed_type`, which Accelerate requires besides the `{CONFIG_KEY}` "
+            "section: add `distributed_type: 'NO'` for one process (MULTI_GPU or MULTI_CPU, with num_processes, for "
+            "several), or "
+            f"write the Accelerate settings with `accelerate config --config_file {path}` and add the section back. "
+            "FP8 settings alone need no config file: pass --fp8-recipe / --fp8-exclude instead"
+        )
+    # Accelerate refuses them too, but in the copy without our section: its traceback would name a temporary file
+    # that is gone by then (and suggest upgrading Accelerate).
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
+    from accelerate.utils import ComputeEnvironment
+
+    local = config.get("compute_environment", ComputeEnvironment.LOCAL_MACHINE) == ComputeEnvironment.LOCAL_MACHINE
+    kind = ClusterConfig if local else SageMakerConfig
+    known = kind.__dataclass_fields__
+    # As Accelerate reads the file: its process_config first turns old keys (fp16, dynamo_backend) into new ones.
+    processed = kind.process_config(dict(config)) if hasattr(kind, "process_config") else config
+    unknown = sorted((key for key in processed if key not in known), key=repr)
+    if unknown:
+        raise ValueError(
+            f"config file {path} has key(s) {unknown} that Accelerate's config file does not take (it takes "
+            f"{sorted(known)}, plus the `{CONFIG_KEY}` section): remove them, and set what the script's Accelerator "
+            "takes (gradient_accumulation_steps, ...) in the script"
+        )
 
 
 def _write_config(config: dict[str, Any], path: Path) -> str:

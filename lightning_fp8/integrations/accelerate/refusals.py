@@ -2,7 +2,8 @@
 says what to do instead.
 
 Each of them could only fail later, or train wrongly without a word: ``mixed_precision`` ``"fp16"``/``"fp8"`` and
-the distributed types FP8-LM does not support (DeepSpeed, Megatron-LM, XLA, FSDP1); a second optimizer or a second
+the distributed types FP8-LM does not support (DeepSpeed, Megatron-LM, XLA, FSDP1); a ``GradScalerKwargs`` handler
+(the fp16 scaler's settings, which mu would ignore); a second optimizer or a second
 gradient scaler (one gradient scale mu scales the loss and unscales the gradients); an optimizer prepared before
 the model, or an FP8AdamW (O2) that took the model's linear weights for ordinary parameters before they became FP8
 weights; an FP8AdamW (O2) prepared after DDP wrapped its model; the ``"bf16"`` fallback with a prepared model that is
@@ -39,6 +40,23 @@ def check_mixed_precision(mixed_precision: Any) -> None:
             f"mixed_precision={value!r} cannot be combined with FP8-LM: 'fp16' brings a second loss "
             "scaler and 'fp8' selects Accelerate's own FP8 backends. Use mixed_precision 'bf16' (the usual FP8-LM "
             f"setting) or 'no', with the recipe from {ENV_RECIPE} / `lightning-fp8 launch`"
+        )
+
+
+def check_kwargs_handlers(handlers: Any) -> None:
+    """Raise ValueError for a ``GradScalerKwargs`` among ``handlers`` (``Accelerator(kwargs_handlers=...)``): it
+    configures the ``torch.amp.GradScaler`` of ``mixed_precision="fp16"``, while FP8-LM scales the loss by its own
+    gradient scale mu, which would otherwise ignore the settings without a word."""
+    from accelerate.utils import GradScalerKwargs
+
+    given = [h for h in handlers or () if isinstance(h, GradScalerKwargs)]
+    if given:
+        raise ValueError(
+            f"Accelerator(kwargs_handlers=[{given[0]!r}]): GradScalerKwargs configures the fp16 GradScaler, which "
+            "FP8-LM replaces by its own gradient scale mu (FP8GradScaler), so its settings would be ignored. Drop it; "
+            "to set mu's init_scale or growth_interval, prepare an FP8AdamW built with "
+            "grad_scaler=FP8GradScaler(init_scale=..., growth_interval=...) (docs/accelerate.md, "
+            f"accelerator.fp8_grad_scaler), or train without FP8-LM ({ENV_RECIPE}=none)"
         )
 
 
