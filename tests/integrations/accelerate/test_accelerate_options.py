@@ -2,24 +2,12 @@
 refused with an error that says what to do, never ignored without a word."""
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradScalerKwargs
 from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate import cli
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state  # noqa: F401 (autouse fixture)
 
 
 def test_grad_scaler_kwargs_are_refused_with_fp8_lm_since_mu_would_ignore_them():
