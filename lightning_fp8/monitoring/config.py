@@ -21,10 +21,10 @@ class HealthConfig:
         window: steps of recent history the spike test compares against.
         warmup_steps: observations before any spike or plateau alert (early training is noisy by nature).
         spike_zscore: a gradient norm is a spike when it exceeds the window's mean by this many standard
-            deviations ...
+            deviations (a finite number >= 0) ...
         spike_ratio: ... and is also this many times the window's mean (a z-score alone fires when the norm
-            is nearly constant). While the window's mean is 0 (zero gradient norms only) there is no level to
-            compare against, and no norm is a spike.
+            is nearly constant; a finite number >= 1). While the window's mean is 0 (zero gradient norms only) there
+            is no level to compare against, and no norm is a spike.
         spike_patience: spikes in a row after which the gradient norm is taken to have settled at a new level.
             A spike stays out of the baseline; when ``spike_patience`` consecutive observed gradient norms are
             all spikes (each reported), the baseline window is replaced by those values, so the steps after
@@ -34,9 +34,13 @@ class HealthConfig:
             reset it.
         plateau_window: steps over which the loss must improve; the halves of the window are compared (their
             medians: one bad batch does not flatten a falling loss). A step with a gradient-norm spike is left out.
-        plateau_min_improvement: relative loss improvement between the halves below which the loss has plateaued.
+        plateau_min_improvement: relative loss improvement between the halves below which the loss has plateaued
+            (a fraction in [0, 1): 0.01 is 1%).
         plateau_grad_norm_drop: a plateau is only reported if the gradient norm fell by less than this fraction
-            between the halves (a falling gradient norm means convergence).
+            between the halves (a falling gradient norm means convergence; a fraction in [0, 1]).
+
+    Raises:
+        ValueError: for a value out of its range, a bool, or a count that is not an integer (a Python or NumPy int).
     """
 
     window: int = 50
@@ -53,10 +57,26 @@ class HealthConfig:
         for name, low in minimum.items():
             value = as_count(getattr(self, name))  # a NumPy integer (a config read with NumPy) as an int
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low}")
+                raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low} (a Python or NumPy integer)")
             object.__setattr__(self, name, value)
-        for name in ("spike_zscore", "spike_ratio", "plateau_min_improvement", "plateau_grad_norm_drop"):
+        # (low, high, high_included) of each threshold: a value outside its range cannot do what the field says.
+        ranges = {
+            "spike_zscore": (0.0, math.inf, False),
+            # A spike is already above the window's mean (spike_zscore >= 0): a ratio below 1 would test nothing.
+            "spike_ratio": (1.0, math.inf, False),
+            # A relative improvement of a positive loss is at most 1 (the loss fell to 0): a threshold of 1 or more
+            # would report every window as a plateau.
+            "plateau_min_improvement": (0.0, 1.0, False),
+            # A fraction of a gradient norm (never negative): it cannot fall by more than all of it.
+            "plateau_grad_norm_drop": (0.0, 1.0, True),
+        }
+        for name, (low, high, high_included) in ranges.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
-                raise ValueError(f"HealthConfig({name}={value!r}) must be a finite non-negative number")
+            number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            if not number or not (low <= value < high or (high_included and value == high)):
+                allowed = f"in [{low:g}, {high:g}{']' if high_included else ')'}" if high < math.inf else f">= {low:g}"
+                raise ValueError(
+                    f"HealthConfig({name}={value!r}) must be a finite number {allowed} (see HealthConfig's docstring "
+                    "for what it means)"
+                )
             object.__setattr__(self, name, float(value))

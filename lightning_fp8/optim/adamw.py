@@ -36,10 +36,10 @@ from typing_extensions import override
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import E4M3, E5M2
-from lightning_fp8.optim import apart, checkpoint, grad_cast, shards
+from lightning_fp8.optim import apart, checkpoint, grad_cast, master, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.adoption import _Adoption
-from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, _FP8Grad, _FP8Grads
+from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, _FP8Grad, _FP8Grads, hook_table
 from lightning_fp8.optim.fp8_grads import GRAD_OWNER_ATTR as GRAD_OWNER_ATTR  # its import path before the split
 from lightning_fp8.optim.pickling import _Pickling
 from lightning_fp8.optim.state_dict import _StateDict
@@ -228,7 +228,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         self._held: set[torch.Tensor] | None = None  # the parameters of all groups: see _holds
         self._stepped_fp8_grads: list[torch.Tensor] = []  # the params the last step took an FP8 gradient of
         self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
-        self._hooks: dict[torch.Tensor, Any] = {}
+        self._hooks = hook_table(self)  # {param: gradient hook handle}, removed when the optimizer is collected
         self._grad_owner_id = next(_GRAD_OWNER_IDS)  # see GRAD_OWNER_ATTR
         self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
         self._master_marks: dict[torch.Tensor, apart.Mark | None] = {}  # masters kept apart: optim/apart.py
@@ -238,6 +238,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
         self._admitted: set[torch.Tensor] = set()  # the parameters taken in by add_param_group (see _admit_unseen)
+        self._plain_at_admission: set[torch.Tensor] = set()  # those that were no FP8 weight then (see _admit)
+        self._conversions_seen: int | None = master.conversions  # see _check_not_converted_since
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
         adopting, self._adopting = self._adopting, None
@@ -288,7 +290,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         adopting = getattr(self, "_adopting", None)  # a list while the constructor runs
         if adopting is not None:
             adopting.extend(wanted)
-            self._admitted.update(group["params"])
+            self._admit(group["params"])
             return
         try:
             with torch.inference_mode(False):  # training state (see __init__)
@@ -298,7 +300,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
             raise
         self._register_o1_grad_hooks(group["params"])
         self._claim_grads(group["params"])
-        self._admitted.update(group["params"])
+        self._admit(group["params"])
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -338,6 +340,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
                 checked, e.g. ``group["amsgrad"] = True`` or an lr of NaN), before anything is stepped.
             TypeError: when ``torch.amp.GradScaler.step(optimizer)`` calls it (it cannot unscale the FP8 gradients:
                 use :class:`~lightning_fp8.FP8GradScaler`), before anything is stepped.
+            RuntimeError: when ``convert_to_fp8`` made FP8 weights of parameters this optimizer had taken in as plain
+                ones (it was built before the conversion: build it after), before anything is stepped.
         """
         step_.refuse_torch_amp_step(self)
         loss = None
@@ -351,6 +355,8 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
     @torch.no_grad()
     def _step_after_closure(self) -> None:
         self._admit_unseen()
+        if self._conversions_seen != master.conversions:  # convert_to_fp8 ran since the last step: one int per step
+            self._check_not_converted_since()
         if self._fp8_unscale is not None:  # FP8GradScaler.step(self) decided to step: unscale by its mu
             self._fp8_step(self._fp8_unscale)
         elif checkpoint.is_state_init_step(self):  # torch's state-making step: its zero gradients, not the scaler's

@@ -117,8 +117,35 @@ class _Adoption:
                 self._adopt(p, take_storage=not master.accumulator_held(p))
         self._register_o1_grad_hooks(unseen)
         self._claim_grads(unseen)
-        self._admitted.update(unseen)
+        self._admit(unseen)
         self._held = None
+
+    def _admit(self, params: list[torch.Tensor]) -> None:
+        """Note ``params`` as taken in, and those of them that are no FP8 weight now, which a later
+        ``convert_to_fp8`` could make one (see :meth:`_check_not_converted_since`)."""
+        self._admitted.update(params)
+        self._plain_at_admission.update(p for p in params if not master.is_fp8_weight(p))
+
+    def _check_not_converted_since(self) -> None:
+        """Raise RuntimeError, before anything is stepped, if ``convert_to_fp8`` made FP8 weights of parameters this
+        optimizer took in as plain ones and would treat otherwise as FP8 weights: O2 states (fp16 master in the
+        weight's storage, FP8 and fp16 moments) or, with ``fp8_grads``, the FP8 gradient hook. Their states were made
+        for plain parameters (fp32), and would train so without a word (16 bytes per parameter, not 6). Runs only
+        after a conversion (``master.conversions`` changed), over the parameters that were plain when taken in."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p not in self._plain_at_admission or not master.is_fp8_weight(p) or p in self._low_precision:
+                    continue
+                if p not in self._hooks and (self._wants_low_precision(p) or self._gets_grad_hook(p)):
+                    raise RuntimeError(
+                        f"FP8AdamW.step: parameter {i} of parameter group {g} (shape {tuple(p.shape)}) became an FP8 "
+                        f"layer's weight (convert_to_fp8) after this {self._settings()} was built, which took it for a "
+                        "plain parameter: it would train it with fp32 states and a high-precision gradient, not as an "
+                        "FP8 weight at this level. Convert the model first, then build the optimizer: model = "
+                        "convert_to_fp8(model, recipe); optimizer = FP8AdamW(model.parameters(), recipe=recipe). "
+                        "Nothing was stepped"
+                    )
+        self._conversions_seen = master.conversions
 
     def _is_own_master(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is its own master while it is fp32 (a parameter with fp32 states, or with low-precision

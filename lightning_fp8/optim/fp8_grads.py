@@ -15,6 +15,7 @@ import math
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,34 @@ _GRAD_OWNER_IDS = itertools.count(1)
 _FP8Grad = grad_cast.FP8Grad  # a gradient in FP8 waiting for the step
 # Every FP8AdamW (weak): where held_fp8_grads looks for the optimizer that holds a parameter's gradient.
 _OPTIMIZERS: weakref.WeakSet[_FP8Grads] = weakref.WeakSet()
+
+
+def hook_table(optimizer: _FP8Grads) -> dict[torch.Tensor, Any]:
+    """A fresh ``{param: gradient hook handle}`` table for ``optimizer``, whose hooks are removed when ``optimizer`` is
+    collected: a hook left behind does nothing (it holds the optimizer weakly), yet every backward would call it, and a
+    hyper-parameter search that builds an optimizer per trial over one model would pile them up on its weights."""
+    hooks: dict[torch.Tensor, Any] = {}
+    # The finalizer holds the table, not the optimizer. Not at exit: the weights die with the interpreter anyway.
+    weakref.finalize(optimizer, _remove_hooks, hooks).atexit = False
+    return hooks
+
+
+def _remove_hooks(hooks: dict[torch.Tensor, Any]) -> None:
+    for handle in hooks.values():
+        handle.remove()
+    hooks.clear()
+
+
+def _drop_older_hook(p: torch.Tensor, owner_id: int) -> None:
+    """Remove the gradient hook on ``p`` of the FP8AdamW that takes its gradients now (its ``GRAD_OWNER_ATTR``), if
+    that is not the optimizer numbered ``owner_id``, which takes them over: the older hook would do nothing from now
+    on (the mark no longer names it), yet run at every backward for as long as the older optimizer lives."""
+    older = getattr(p, GRAD_OWNER_ATTR, None)
+    if older is None or older == owner_id:
+        return
+    for optimizer in list(_OPTIMIZERS):  # (when an optimizer is built, not per step)
+        if optimizer._grad_owner_id == older:
+            optimizer._unhook(p)
 
 
 def _distributed_fp8_grads(weights: str) -> str:
@@ -100,6 +129,7 @@ class _FP8Grads:
         for this optimizer's step (and the scaler's ``clip_grad_norm_`` does not count them as held in FP8)."""
         for p in params:
             if p not in self._hooks and getattr(p, GRAD_OWNER_ATTR, None) is not None:
+                _drop_older_hook(p, self._grad_owner_id)
                 setattr(p, GRAD_OWNER_ATTR, None)
 
     def _unhook(self, p: torch.Tensor) -> bool:
@@ -116,6 +146,7 @@ class _FP8Grads:
 
     def _register_grad_hook(self, p: torch.Tensor) -> None:
         owner, owner_id = weakref.ref(self), self._grad_owner_id
+        _drop_older_hook(p, owner_id)
         setattr(p, GRAD_OWNER_ATTR, owner_id)
 
         @torch.compiler.disable  # a compiled function calling backward() would trace it (dtype-punned cast state)

@@ -35,6 +35,17 @@ LAYER_SCALE_ATTR = "_lightning_fp8_weight_master_scale"
 
 FP16_MAX = 65504.0
 
+# How many times convert_to_fp8 has made FP8 layers. FP8AdamW compares it with the count it last saw (one int per
+# step) and only when it changed looks for parameters that became FP8 weights after it took them in as plain ones
+# (adoption._Adoption._check_not_converted_since): states made for a plain parameter, trained without a word.
+conversions = 0
+
+
+def note_conversion() -> None:
+    """Count one :func:`~lightning_fp8.convert_to_fp8` that made FP8 layers (see :data:`conversions`)."""
+    global conversions
+    conversions += 1
+
 
 def is_fp8_weight(param: torch.Tensor) -> bool:
     """Whether ``param`` is the weight of an FP8Linear (marked by the layer)."""

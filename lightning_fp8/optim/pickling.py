@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_fp8.kernels.reference_grad_cast import grad_cast_state_buffers
 from lightning_fp8.optim import apart, grad_cast, master
-from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS
+from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, hook_table
 
 # The attributes an adopted weight carries besides its scaled storage (master.adopt).
 _MASTER_ATTRS = (master.SCALE_ATTR, master.AMAX_ATTR, master.DTYPE_ATTR)
@@ -49,6 +49,9 @@ class _Pickling:
             "_hooked": list(self._hooks),
             # Put into param_groups without add_param_group and not taken in yet (adoption._admit_unseen).
             "_unadmitted": [p for group in self.param_groups for p in group["params"] if p not in self._admitted],
+            "_plain_at_admission": [
+                p for group in self.param_groups for p in group["params"] if p in self._plain_at_admission
+            ],
             "_masters": {p: tuple(getattr(p, attr) for attr in _MASTER_ATTRS) for p in adopted},
         }
 
@@ -61,6 +64,7 @@ class _Pickling:
             return
         state = dict(state)
         masters, hooked, unadmitted = state.pop("_masters"), state.pop("_hooked"), state.pop("_unadmitted", [])
+        plain_ids = {id(p) for p in state.pop("_plain_at_admission", [])}
         cast_states, extra = state.pop("_grad_cast_states"), state.pop("_extra_fp8_params")
         self._grad_casts = grad_cast.GradCastQueue(state.pop("_grad_cast_bucket_bytes"))
         super().__setstate__(state)
@@ -73,8 +77,10 @@ class _Pickling:
         self._pending, self._stepped_fp8_grads, self._held = {}, [], None
         unadmitted_ids = {id(p) for p in unadmitted}
         self._admitted = {p for group in self.param_groups for p in group["params"] if id(p) not in unadmitted_ids}
+        self._plain_at_admission = {p for group in self.param_groups for p in group["params"] if id(p) in plain_ids}
+        self._conversions_seen = None  # the copy's first step checks them (see _Adoption._check_not_converted_since)
         self._fp8_unscale, self._fp8_in_step, self._adopting = None, False, None
-        self._hooks, self._grad_owner_id = {}, next(_GRAD_OWNER_IDS)
+        self._hooks, self._grad_owner_id = hook_table(self), next(_GRAD_OWNER_IDS)
         _OPTIMIZERS.add(self)
         self._mark_masters()
         for p in hooked:

@@ -110,8 +110,10 @@ class TrainingHealthMonitor(_LoggingCallback):
       a step the gradient scaler skipped logs its non-finite ``health/grad_norm``, so that ``EarlyStopping`` and
       ``ModelCheckpoint`` watching it find a value as under ``"bf16-mixed"``, but leaves it out of the series);
     - ``health/samples_per_sec`` and, when batches carry token ids (or ``tokens_fn`` is given),
-      ``health/tokens_per_sec`` (running means). Validation and checkpoint saving are not training: the clock
-      stops when they start and restarts with the next training batch;
+      ``health/tokens_per_sec`` (running means) of the batches that trained: one whose ``training_step`` returned
+      ``None`` (automatic optimization: Lightning skips its backward and step) counts no samples, its time all the
+      same. Validation and checkpoint saving are not training: the clock stops when they start and restarts with
+      the next training batch;
     - ``health/memory_gib`` (peak allocated on GPU, peak RSS on CPU);
     - ``health/events/{grad_norm_spike,loss_plateau,nonfinite_loss,nonfinite_grad}``: counts so far.
 
@@ -287,10 +289,17 @@ class TrainingHealthMonitor(_LoggingCallback):
                 f"TrainingHealthMonitor: cannot count the samples of a {type(batch).__name__} batch (it holds no "
                 "tensor and is not a flat list), so health/samples_per_sec is left out"
             )
-        self._samples = None if samples is None or self._samples is None else self._samples + samples
+        # A batch whose training_step returned None (automatic optimization: no backward, nothing trained) counts no
+        # samples or tokens, its time all the same: the rates are of the batches that trained.
+        trained = loss is not None or not pl_module.automatic_optimization  # (Lightning hands on {} for that batch)
+        if samples is None or self._samples is None:
+            self._samples = None
+        elif trained:
+            self._samples += samples
         tokens = self.tokens_fn(batch)
         if tokens is not None:
-            self._tokens = (self._tokens or 0) + _checked_tokens(tokens, self.tokens_fn)
+            tokens = _checked_tokens(tokens, self.tokens_fn)
+            self._tokens = (self._tokens or 0) + (tokens if trained else 0)
         if self._stepped(trainer):
             self._observe(trainer, pl_module)
 
