@@ -18,7 +18,6 @@ from lightning_fp8.eligibility import (
     shared_parameter_ids,
 )
 from lightning_fp8.linear import FP8Linear
-from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.warnings import warn_once
 
@@ -108,7 +107,6 @@ def convert_to_fp8(
     bypassed = _bypassed_layers(module)
     keep_fp32 = _kept_in_fp32(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
-    made: list[FP8Linear] = []  # the FP8 layers made now
     # Every layer's decision (the filter's answer too) before the first layer changes: a filter that raises leaves the
     # model as it was. named_modules() gives each module once, under the first name, as replace_children asks.
     reasons = {id(m): _why_left(m, fqn, module_filter_fn, keep_fp32, shared, bypassed)
@@ -128,17 +126,13 @@ def convert_to_fp8(
         if reason is not None:
             left[reason].append(_label(child, fqn, reason))
             return child
-        made.append(FP8Linear.from_linear(child, recipe))  # takes over the layer's forward and backward hooks
-        return made[-1]
+        return FP8Linear.from_linear(child, recipe)  # takes over the layer's forward and backward hooks
 
     root = convert(module, "")
     if root is not module:  # a bare nn.Linear: its new FP8Linear
-        master.note_conversion()  # an FP8AdamW built before over its weight refuses to step it
         keep_scaling_states_per_rank(root)
         return root
     replace_children(module, convert)
-    if made:
-        master.note_conversion()  # FP8AdamWs built before over these weights refuse to step them (one check)
     for message in _left_messages(left):
         warn_once(message)
     keep_scaling_states_per_rank(module)

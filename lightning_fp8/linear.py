@@ -255,6 +255,7 @@ class FP8Linear(nn.Linear):
         for name, value in vars(linear).items():  # the user's own plain attributes (a tag, a flag read elsewhere)
             if name not in _LINEAR_ATTRS and name not in vars(new):
                 new.__dict__[name] = value
+        master.note_conversion()  # an FP8AdamW built before over this weight refuses to step it (one int per step)
         return new
 
     def reset_parameters(self) -> None:

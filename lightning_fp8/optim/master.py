@@ -35,14 +35,15 @@ LAYER_SCALE_ATTR = "_lightning_fp8_weight_master_scale"
 
 FP16_MAX = 65504.0
 
-# How many times convert_to_fp8 has made FP8 layers. FP8AdamW compares it with the count it last saw (one int per
-# step) and only when it changed looks for parameters that became FP8 weights after it took them in as plain ones
-# (adoption._Adoption._check_not_converted_since): states made for a plain parameter, trained without a word.
+# How many FP8 layers FP8Linear.from_linear (so convert_to_fp8) has made of existing layers. FP8AdamW compares it with
+# the count it last saw (one int per step) and only when it changed looks for parameters that became FP8 weights after
+# it took them in as plain ones (adoption._Adoption._check_not_converted_since): states made for a plain parameter,
+# trained without a word.
 conversions = 0
 
 
 def note_conversion() -> None:
-    """Count one :func:`~lightning_fp8.convert_to_fp8` that made FP8 layers (see :data:`conversions`)."""
+    """Count one FP8 layer made of an existing ``nn.Linear`` (see :data:`conversions`)."""
     global conversions
     conversions += 1
 

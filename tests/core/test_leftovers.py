@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fp8 import FP8AdamW, FP8Recipe, HealthConfig, convert_to_fp8
+from lightning_fp8 import FP8AdamW, FP8Linear, FP8Recipe, HealthConfig, convert_to_fp8
 
 # --- HealthConfig ranges ---------------------------------------------------------------------------------------------
 
@@ -128,6 +128,18 @@ def test_a_step_refuses_weights_converted_after_the_optimizer_was_built(opt_leve
     opt = FP8AdamW(model.parameters(), recipe=recipe)
     _train(model, opt, steps=2)
     assert (model[0].weight.dtype == torch.float16) == (opt_level == "O2")
+
+
+def test_a_layer_made_with_from_linear_after_the_optimizer_is_refused_too():
+    # FP8Linear.from_linear, the conversion's building block, takes the layer's parameter objects as they are: an
+    # optimizer built before over them would step them as plain parameters (fp32 states), as after convert_to_fp8.
+    model = _plain_model()
+    opt = FP8AdamW(model.parameters())
+    model[1] = FP8Linear.from_linear(model[1], "fp8-lm")
+    opt.zero_grad()
+    (model(torch.randn(8, 32)) ** 2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"parameter 2 of parameter group 0 \(shape \(16, 48\)\) became an FP8"):
+        opt.step()
 
 
 def test_a_conversion_elsewhere_or_of_layers_left_out_does_not_stop_an_optimizer():
