@@ -125,6 +125,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
         self._fp8_tp_mapping: dict[int, nn.Parameter] = {}  # unsharded parameter id -> its tensor-parallel shard
         self._fp8_loss: list[torch.Tensor] = []
         self._fp8_grad_norm: torch.Tensor | None = None
+        self._fp8_skipped_grad_norm: tuple[int, float] | None = None  # (step, norm) of the last skipped step
         self._fp8_param_norm: torch.Tensor | None = None  # of the step's weights, before it (GradientsMixin)
         self._fp8_work = StepWork()  # samples, tokens and time of the training forwards (health throughput)
         self._fp8_clipping = False  # in Accelerate's clip_grad_norm_ (its unscale_gradients call is not the script's)
@@ -372,7 +373,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
         self._fp8_conversions = []
         self.fp8_report = self._fp8_initial_report()  # what the next prepare does (no optimizer swap, comm hook, ...)
         self._fp8_loss, self._fp8_grad_norm, self._fp8_steps, self._fp8_fallback_seen = [], None, 0, -1
-        self._fp8_param_norm = None
+        self._fp8_param_norm, self._fp8_skipped_grad_norm = None, None
         self._fp8_work.detach()
         if self.fp8_lm_config is not None:
             self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps(self.fp8_scale_jumps)

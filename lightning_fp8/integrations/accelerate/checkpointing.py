@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_fp8.health import scaler_fallbacks
 from lightning_fp8.integrations.accelerate import checkpoint, load_checks, tensor_parallel
 from lightning_fp8.recipe import check_flag
+from lightning_fp8.warnings import warn_once
 
 
 class CheckpointMixin:
@@ -177,8 +178,18 @@ class CheckpointMixin:
             scale_jumps=self.fp8_scale_jumps, comm_states=self._fp8_comm_state_list(),
         )  # fmt: skip
         self._fp8_steps = int(state["optimizer_steps"])
+        self._fp8_skipped_grad_norm = None  # a step of the run before the load
         if self.fp8_grad_scaler is not None:  # fallbacks before the checkpoint were reported then
             self._fp8_fallback_seen = scaler_fallbacks(self.fp8_grad_scaler.history, -1)[1]
+        elif state.get("grad_scaler") is not None:
+            # The scaler (mu) is made when the optimizer is prepared: a later prepare would start mu afresh, and
+            # Accelerate skips the optimizer file of an optimizer not prepared yet, both without a word.
+            warn_once(
+                f"accelerator.load_state({directory!r}): the checkpoint holds the gradient scale mu, but no optimizer "
+                "was prepared yet, so mu was not loaded (nor is a saved optimizer state: Accelerate loads only the "
+                "optimizers prepared before load_state). To resume training, prepare the optimizer before load_state "
+                "(model, optimizer = accelerator.prepare(model, optimizer)); to evaluate only, ignore this"
+            )
 
     def _fp8_input_dir(self, input_dir: str | None) -> str | None:
         """The folder Accelerate's ``load_state`` reads (Accelerate 1.15's rules: ``input_dir``, or the last of the

@@ -35,9 +35,14 @@ def linears_with_shared_weights(model: nn.Module) -> set[str]:
 def module_filter(config: FP8LaunchConfig, user_filter: ModuleFilter | None, tied: set[str]) -> ModuleFilter:
     """``convert_to_fp8``'s filter: the launch's exclusions, the user's filter, and no tied weights."""
 
-    def keep_fp8(module: nn.Module, fqn: str) -> bool:
-        if not config.module_filter(module, fqn) or (user_filter is not None and not user_filter(module, fqn)):
+    def keep_fp8(module: nn.Module, fqn: str) -> Any:
+        if not config.module_filter(module, fqn):
             return False
+        # The script's answer as it is: convert_to_fp8 reads it by truthiness and refuses a string ("no" would
+        # convert) and None for every layer (a filter without a return statement), both silent once made a bool.
+        answer = True if user_filter is None else user_filter(module, fqn)
+        if not answer:
+            return answer
         if fqn in tied:
             warn_once(
                 f"lightning_fp8: {fqn} stays in high precision because its weight is shared with another module "
@@ -45,7 +50,7 @@ def module_filter(config: FP8LaunchConfig, user_filter: ModuleFilter | None, tie
                 "Exclude it (LIGHTNING_FP8_EXCLUDE / exclude_modules) to silence this"
             )
             return False
-        return True
+        return answer
 
     return keep_fp8
 

@@ -159,6 +159,9 @@ class GradientsMixin:
             events.append(self.fp8_health.record_nonfinite(step, "grad", skipped_step_action(fallbacks)))
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
+        # A skipped step's norm (non-finite) stays out of the monitor's series and spike tests, but is still logged
+        # as this step's health/grad_norm, as TrainingHealthMonitor logs it under Lightning.
+        self._fp8_skipped_grad_norm = None if stepped or grad_norm is None else (step, float(grad_norm))
         events += self.fp8_health.observe(
             step, loss=loss, grad_norm=grad_norm if stepped else None, param_norm=param_norm, samples=samples,
             tokens=tokens, seconds=seconds, memory_gib=memory_gib(self.device)["peak"],

@@ -15,7 +15,8 @@ from :func:`lightning_fp8.fp8_stats` (scales, amaxes, saturation per role; optim
                                        ``nonfinite_events``
 ``health/<series>``                    ``loss``, ``grad_norm`` (unscaled, before any clipping), ``param_norm``
                                        (before the step), ``memory_gib`` (peak) of the last optimizer step (a key
-                                       is absent where that step had none); ``loss_smooth``, ``samples_per_sec``,
+                                       is absent where that step had none; a skipped step logs its non-finite
+                                       ``grad_norm``); ``loss_smooth``, ``samples_per_sec``,
                                        ``tokens_per_sec``: running means over 20 steps (this process's work: the
                                        training forwards of the first prepared model that runs one,
                                        :mod:`.step_work`)
@@ -75,7 +76,8 @@ def fp8_log_values(
 ) -> dict[str, float | int]:
     """The statistics above for ``models`` (one model: no prefix; several: ``fp8/model<i>/...``); the ``health/*``
     values of :func:`lightning_fp8.monitoring.report.health_log_values` at ``health_step`` (the last optimizer step:
-    a skipped step has no gradient norm, and the one of an earlier step is not logged as its own);
+    a skipped step's gradient norm is not in the health series, which ``LoggingMixin`` adds, and the one of an
+    earlier step is not logged as its own);
     ``fp8/alerts/*`` counts the scale jumps since the last log (``record_jumps``: this is a log, whose scales the
     next one compares against)."""
     values: dict[str, float | int] = {}
@@ -123,10 +125,16 @@ class LoggingMixin:
         if self.fp8_lm_config is None or not self._fp8_models:
             return {}
         inner = self._fp8_optimizer.optimizer if self._fp8_optimizer is not None else None
-        return fp8_log_values(
+        values = fp8_log_values(
             self._fp8_models, inner, self.fp8_grad_scaler, self.fp8_health, layers=layers,
             health_step=self._fp8_steps - 1, scale_jumps=self.fp8_scale_jumps, record_jumps=record_jumps,
         )  # fmt: skip
+        skipped = self._fp8_skipped_grad_norm
+        if skipped is not None and skipped[0] == self._fp8_steps - 1:
+            # The last step was skipped: its non-finite norm, left out of the health series, is still its value (as
+            # TrainingHealthMonitor logs it: a tracker or a check watching health/grad_norm finds this step's).
+            values["health/grad_norm"] = skipped[1]
+        return values
 
     def log_fp8_stats(self, step: int | None = None, layers: bool = False) -> dict[str, float | int]:
         """Log the FP8 and health statistics to the trackers (main process) and return them.
