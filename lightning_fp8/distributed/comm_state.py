@@ -86,8 +86,8 @@ class FP8CommState:
         margin: binades of headroom in the cast scales (0: the amax maps into the top binade; at most
             :data:`~lightning_fp8.recipe.MAX_MARGIN`).
         fused: run the segmented Triton kernels (``kernels/comm.py``) instead of their PyTorch references.
-            ``None`` (the default): on CUDA devices of compute capability 8.9+ (Triton has no E4M3 type below).
-            ``True`` on CPU gradients needs Triton's interpreter
+            ``None`` (the default): on CUDA devices of compute capability 8.9+ (Triton has no E4M3 type below)
+            where Triton is installed. ``True`` needs Triton, and on CPU gradients Triton's interpreter
             (``TRITON_INTERPRET=1``).
         slice_numel: a buffer is pipelined in slices of about this many elements (its cast and decode overlap
             the collectives of other slices); DDP buckets and FSDP units of usual sizes fit in one slice. The
@@ -106,7 +106,7 @@ class FP8CommState:
 
     Raises:
         ValueError: for an unknown algorithm, a non-FP8 dtype, a margin outside 0 to ``MAX_MARGIN``, ``fused=True``
-            without CUDA and without Triton's interpreter, and, once
+            without Triton, or without CUDA and without Triton's interpreter, and, once
             ``torch.distributed`` is initialized, ``algorithm="native"`` on a backend other than NCCL or an
             ``amax_group`` of other ranks than ``process_group``, or a ``process_group`` or ``amax_group`` that this
             rank is not a member of (``new_group``'s marker for the ranks it leaves out).
@@ -138,7 +138,7 @@ class FP8CommState:
         self.grad_scaler = grad_scaler
         self.margin = margin
         self.fused = fused
-        if fused and not torch.cuda.is_available():  # the gradients will be on the CPU: raise now, not in a hook
+        if fused and not (torch.cuda.is_available() and ops.triton_available()):  # raise now, not in a hook
             self.use_fused(torch.device("cpu"))
         self.slice_numel = slice_numel
         self._fp8_param_ids = None if fp8_params is None else param_ids(fp8_params)
@@ -218,12 +218,20 @@ class FP8CommState:
         """Whether the collectives on ``device`` run the Triton kernels.
 
         Raises:
-            ValueError: for ``fused=True`` and gradients off CUDA without Triton's interpreter, where the first
-                kernel would fail with Triton's ``RuntimeError: 0 active drivers``, and on CUDA devices below compute
-                capability 8.9, for which Triton does not compile its E4M3 type, and on AMD GPUs (fnuz FP8 formats).
+            ValueError: for ``fused=True`` without Triton installed, and for gradients off CUDA without Triton's
+                interpreter, where the first kernel would fail with Triton's ``RuntimeError: 0 active drivers``, and
+                on CUDA devices below compute capability 8.9, for which Triton does not compile its E4M3 type, and on
+                AMD GPUs (fnuz FP8 formats).
         """
         if self.fused is None:
-            return ops.fp8_device(device)
+            # As ops.use_triton: without Triton (not installed on Windows, or in a custom build) the references run,
+            # on any GPU; the kernels' import failed inside the hook.
+            return ops.triton_available() and ops.fp8_device(device)
+        if self.fused and not ops.triton_available():
+            raise ValueError(
+                "FP8CommState(fused=True): the Triton kernels need Triton, and Triton is not installed here; install "
+                "it, or pass fused=None (Triton where it runs, the PyTorch references elsewhere) or fused=False"
+            )
         if self.fused and device.type != "cuda" and not _triton_interpreted():
             raise ValueError(
                 f"FP8CommState(fused=True): the gradients are on {device}, where the Triton kernels run only under "

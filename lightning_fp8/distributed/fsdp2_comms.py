@@ -183,12 +183,18 @@ class FP8WeightAllGather(AllGather):
         fp8_weights: ``{id(sharded weight): margin}`` of the FP8Linear weights (the margin of the layer's weight
             role, so the gathered weight's scale is the one the layer's own weight cast computes).
         fused: run the Triton cast and decode kernels (``kernels/comm.py``) instead of their references.
+        state: decide ``fused`` by ``state.use_fused`` on the device of each gather instead (overrides ``fused``), as
+            :class:`FP8ReduceScatter` does: a model sharded on the meta device gathers on the device it is
+            materialized on later (``enable_fp8_fsdp2`` passes its state).
     """
 
-    def __init__(self, param_group, fp8_weights: dict[int, int], fused: bool = False) -> None:
+    def __init__(
+        self, param_group, fp8_weights: dict[int, int], fused: bool = False, *, state: FP8CommState | None = None
+    ) -> None:
         self.param_group = param_group
         self.fp8_weights = fp8_weights
         self.fused = fused
+        self.state = state
         self._plans: dict = {}
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -214,7 +220,7 @@ class FP8WeightAllGather(AllGather):
         # the scale of every rank's bytes: one launch casts all FP8 weights, one decodes all of them.
         world = group.size()
         plan = self._plan(numels, margins, world, shard)
-        kernels = segment_kernels(self.fused)
+        kernels = segment_kernels(self.state.use_fused(shard.device) if self.state is not None else self.fused)
         amax = torch.zeros(plan.num_fp8, dtype=torch.float32, device=shard.device)
         kernels.segment_amax(shard, plan.amax, amax)
         all_reduce_max(amax, group)

@@ -46,3 +46,20 @@ def test_fused_none_and_false_never_need_triton():
     assert FP8CommState(fused=False).use_fused(torch.device("cpu")) is False
     assert FP8CommState().use_fused(torch.device("cpu")) is False
     # CUDA: Triton on GPUs of compute capability 8.9+ only (tests/core/test_pre_ada_gpus.py)
+
+
+def test_fused_none_without_triton_takes_the_references_on_an_fp8_gpu(monkeypatch):
+    """Without Triton (not installed: on Windows, where pyproject.toml does not ask for it; custom builds), a GPU of
+    compute capability 8.9+ casts with the references (ops.use_triton), but ``fused=None`` picked the Triton kernels
+    there: the first collective failed inside the hook with ``ModuleNotFoundError: No module named 'triton'``.
+    ``fused=True`` says at construction that it needs Triton."""
+    from lightning_fp8 import ops
+    from lightning_fp8.distributed import FP8CommState
+
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    monkeypatch.setattr(ops, "fp8_device", lambda device: device.type == "cuda")  # an H100, seen from a CPU machine
+    gpu = torch.device("cuda", 0)
+    assert FP8CommState().use_fused(gpu) is False
+    assert FP8CommState(fused=False).use_fused(gpu) is False
+    with pytest.raises(ValueError, match=r"FP8CommState\(fused=True\).*Triton is not installed.*fused=None"):
+        FP8CommState(fused=True)
