@@ -49,6 +49,11 @@ def use_triton(t: torch.Tensor) -> bool:
         # casts take their own ops: compiled_casts).
         return False
     if mode == "triton":
+        if not _TRITON_FOUND:  # (the first kernel's import would fail with a bare ModuleNotFoundError)
+            raise RuntimeError(
+                "LIGHTNING_FP8_KERNELS=triton, but Triton is not installed: install it (pip install triton), or unset "
+                "LIGHTNING_FP8_KERNELS (or set it to 'auto' or 'reference') to cast with the PyTorch references"
+            )
         if t.is_cuda and not fp8_device(t.device):
             raise RuntimeError(
                 f"LIGHTNING_FP8_KERNELS=triton, but {no_fp8_kernels(t.device)}: unset LIGHTNING_FP8_KERNELS (or "

@@ -111,3 +111,13 @@ def _no_triton(name: str):
         raise AssertionError(f"{name} ran on a GPU below compute capability 8.9")
 
     return launch
+
+
+def test_forced_triton_without_triton_says_so(monkeypatch):
+    # A bare ModuleNotFoundError from the first kernel's import named neither the variable nor what to do.
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", "triton")
+    monkeypatch.setattr(ops, "_TRITON_FOUND", False)
+    with pytest.raises(RuntimeError, match=r"LIGHTNING_FP8_KERNELS=triton, but Triton is not installed.*unset"):
+        ops.use_triton(torch.ones(4))
+    monkeypatch.setenv("LIGHTNING_FP8_KERNELS", "auto")
+    assert ops.use_triton(torch.ones(4)) is False
