@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -383,8 +384,22 @@ def _four_ranks(rank: int, world: int, directory: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
     directory = str(tmp_path_factory.mktemp("world_sizes"))
-    three = run_workers(_three_ranks, 3, directory, timeout=300)
-    return {3: three, 4: run_workers(_four_ranks, 4, directory, timeout=300)}
+    three = _run_once_more_after_a_signal(_three_ranks, 3, directory)
+    return {3: three, 4: _run_once_more_after_a_signal(_four_ranks, 4, directory)}
+
+
+def _run_once_more_after_a_signal(fn, world: int, directory: str) -> list[dict]:
+    # A worker killed by a signal (one SIGSEGV inside gloo in ~5 whole-suite runs, 4 processes on CI's 2 cores, never
+    # when the file runs alone) is run again once; a Python error in a worker, a wrong result or a second crash fail.
+    try:
+        return run_workers(fn, world, directory, timeout=300)
+    except torch.multiprocessing.ProcessExitedException as error:
+        if error.signal_name is None:
+            raise
+        warnings.warn(
+            f"{fn.__name__} on {world} processes: a worker died of {error.signal_name}; running it again", stacklevel=2
+        )
+        return run_workers(fn, world, directory, timeout=300)
 
 
 # ------------------------------------------------------------------------------------------------------ the tests
