@@ -29,7 +29,13 @@ from torch import nn
 from lightning_fp8 import ops
 from lightning_fp8.distributed.allreduce import check_amax_group
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, check_group, local_amax
-from lightning_fp8.distributed.comm_state_checks import MAX_EXTRA_HEADROOM, check_args, checked_saved_state, param_ids
+from lightning_fp8.distributed.comm_state_checks import (
+    MAX_EXTRA_HEADROOM,
+    check_args,
+    checked_saved_state,
+    param_ids,
+    resolve_fused,
+)
 from lightning_fp8.distributed.exchange import (
     CollectiveRows,
     SymmetricRows,
@@ -215,36 +221,8 @@ class FP8CommState:
         return self._fp8_param_ids is not None and not self._fp8_param_ids and model_has_fp8_weights
 
     def use_fused(self, device: torch.device) -> bool:
-        """Whether the collectives on ``device`` run the Triton kernels.
-
-        Raises:
-            ValueError: for ``fused=True`` without Triton installed, and for gradients off CUDA without Triton's
-                interpreter, where the first kernel would fail with Triton's ``RuntimeError: 0 active drivers``, and
-                on CUDA devices below compute capability 8.9, for which Triton does not compile its E4M3 type, and on
-                AMD GPUs (fnuz FP8 formats).
-        """
-        if self.fused is None:
-            # As ops.use_triton: without Triton (not installed on Windows, or in a custom build) the references run,
-            # on any GPU; the kernels' import failed inside the hook.
-            return ops.triton_available() and ops.fp8_device(device)
-        if self.fused and not ops.triton_available():
-            raise ValueError(
-                "FP8CommState(fused=True): the Triton kernels need Triton, and Triton is not installed here; install "
-                "it, or pass fused=None (Triton where it runs, the PyTorch references elsewhere) or fused=False"
-            )
-        if self.fused and device.type != "cuda" and not _triton_interpreted():
-            raise ValueError(
-                f"FP8CommState(fused=True): the gradients are on {device}, where the Triton kernels run only under "
-                "Triton's interpreter (TRITON_INTERPRET=1, set before lightning_fp8 is imported); pass fused=None "
-                "(Triton on CUDA, the PyTorch references elsewhere) or fused=False"
-            )
-        if self.fused and device.type == "cuda" and not ops.fp8_device(device):
-            raise ValueError(
-                f"FP8CommState(fused=True): the gradients are on {device}, and {ops.no_fp8_kernels(device)}; pass "
-                "fused=None (Triton on GPUs of compute capability 8.9+, the PyTorch references elsewhere) or "
-                "fused=False"
-            )
-        return self.fused
+        """Whether the collectives on ``device`` run the Triton kernels (:func:`resolve_fused` of ``fused``)."""
+        return resolve_fused(self.fused, device)
 
     def slices(self, numel: int) -> int:
         """Pipeline slices for a buffer of ``numel`` elements."""
@@ -429,12 +407,3 @@ def check_state(state: object, where: str) -> None:
             f"{where}(model, state=...) got a {type(state).__name__}: pass an FP8CommState (e.g. "
             "FP8CommState(process_group)), or leave state out for the default"
         )
-
-
-def _triton_interpreted() -> bool:
-    """Whether Triton runs its kernels in its interpreter (CPU tensors), as ``TRITON_INTERPRET=1`` makes it."""
-    try:
-        from lightning_fp8.kernels import comm
-    except ImportError:  # no Triton: no kernel runs anywhere
-        return False
-    return comm._interpreted(comm._quantize_kernel)

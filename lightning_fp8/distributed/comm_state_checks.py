@@ -1,5 +1,6 @@
 """The checks of :class:`~lightning_fp8.distributed.FP8CommState`'s inputs: its constructor's arguments, its
-``fp8_params``, a saved state before it loads, and the wrappers' refusals of states they cannot serve.
+``fp8_params``, a saved state before it loads, and the wrappers' refusals of states they cannot serve; and
+:func:`resolve_fused`, which a ``fused`` setting (the state's, or ``FP8WeightAllGather``'s) picks on a device.
 
 Each raises before anything changes, with what was passed and what to pass instead.
 """
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fp8 import ops
 from lightning_fp8.formats import check_fp8_dtype
 from lightning_fp8.recipe import MAX_MARGIN, as_count
 
@@ -116,3 +118,47 @@ def refuse_layer_swaps(state: Any, where: str, wrapper: str) -> None:
             f"nn.Linear by replacing the modules; {wrapper}, so it cannot do that here: use "
             "nonfinite_fallback='lower_lr', a callable, or None"
         )
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (CPU tensors), as ``TRITON_INTERPRET=1`` makes it."""
+    try:
+        from lightning_fp8.kernels import comm
+    except ImportError:  # no Triton: no kernel runs anywhere
+        return False
+    return comm._interpreted(comm._quantize_kernel)
+
+
+def resolve_fused(
+    fused: bool | None, device: torch.device, who: str = "FP8CommState", what: str = "the gradients"
+) -> bool:
+    """Whether collectives on ``device`` run the Triton kernels for the setting ``fused`` of ``who``: ``None`` picks
+    them where they run (Triton installed, a CUDA GPU of compute capability 8.9+), the PyTorch references elsewhere.
+
+    Raises:
+        ValueError: for ``fused=True`` without Triton installed, and for tensors off CUDA without Triton's
+            interpreter, where the first kernel would fail with Triton's ``RuntimeError: 0 active drivers``, and on
+            CUDA devices below compute capability 8.9, for which Triton does not compile its E4M3 type, and on AMD
+            GPUs (fnuz FP8 formats).
+    """
+    if fused is None:
+        # As ops.use_triton: without Triton (not installed on Windows, or in a custom build) the references run,
+        # on any GPU; the kernels' import failed inside the hook.
+        return ops.triton_available() and ops.fp8_device(device)
+    if fused and not ops.triton_available():
+        raise ValueError(
+            f"{who}(fused=True): the Triton kernels need Triton, and Triton is not installed here; install it, or pass "
+            "fused=None (Triton where it runs, the PyTorch references elsewhere) or fused=False"
+        )
+    if fused and device.type != "cuda" and not _triton_interpreted():
+        raise ValueError(
+            f"{who}(fused=True): {what} are on {device}, where the Triton kernels run only under Triton's interpreter "
+            "(TRITON_INTERPRET=1, set before lightning_fp8 is imported); pass fused=None (Triton on CUDA, the PyTorch "
+            "references elsewhere) or fused=False"
+        )
+    if fused and device.type == "cuda" and not ops.fp8_device(device):
+        raise ValueError(
+            f"{who}(fused=True): {what} are on {device}, and {ops.no_fp8_kernels(device)}; pass fused=None (Triton "
+            "on GPUs of compute capability 8.9+, the PyTorch references elsewhere) or fused=False"
+        )
+    return fused

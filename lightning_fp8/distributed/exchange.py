@@ -181,7 +181,7 @@ class _SymmetricBuffer:
         if self.handle is not None:  # no peer still reads the old buffer: it goes back to the pool
             self.handle.barrier(channel=0)
             torch.cuda.current_stream(self.device).synchronize()
-        numel = _round_up(numel, 1 << 20)
+        numel = _round_up(max(numel, 1), 1 << 20)  # an empty first call too gets a buffer to hand off signals with
         self.buffer = symm_mem.empty(numel, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group)
         self.allocations += 1
@@ -201,7 +201,8 @@ class _SymmetricBuffer:
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         cuts = [n * i // len(self.streams) // ALIGN * ALIGN for i in range(len(self.streams))] + [n]
-        return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+        # An empty copy is still one piece: its stream carries the signals that the peers wait for.
+        return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a] or [(0, n)]
 
     def _push(self, sources: dict[int, torch.Tensor], offset: int, channel: int) -> torch.cuda.Event:
         """Once the current stream's work is done, copy ``sources[r]`` into rank ``r``'s buffer at byte ``offset``

@@ -157,9 +157,9 @@ def enable_fp8_fsdp2(
         _install_reduce_scatter(module, groups[0], state, fp8=reduce_scatter)
         wider += _mesh_beyond_fsdp(groups[0])
         if weight_all_gather and any(id(p.sharded_param) in weights for p in groups[0].fsdp_params):
-            # Kernels picked per gather (state.use_fused on the shard's device), not here: a model sharded on the meta
-            # device took the references on the GPU it was materialized on (fused=None), or raised (fused=True).
-            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, state=state))
+            # Kernels picked per gather (on the shard's device), not here: a model sharded on the meta device took the
+            # references on the GPU it was materialized on (fused=None), or raised (fused=True).
+            module.set_custom_all_gather(FP8WeightAllGather(groups[0], weights, fused=state.fused))
     # Over the widest mesh, or (a state used before on a tensor-parallel model) back to the hooks' groups alone
     state._agree_over_mesh(max(wider, key=lambda mesh: mesh.size()) if wider else None)
     return state

@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from lightning_fp8 import ops
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
 from lightning_fp8.distributed.comm_state import FP8CommState
+from lightning_fp8.distributed.comm_state_checks import resolve_fused
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
@@ -182,19 +184,21 @@ class FP8WeightAllGather(AllGather):
         param_group: the FSDP parameter group this comm gathers.
         fp8_weights: ``{id(sharded weight): margin}`` of the FP8Linear weights (the margin of the layer's weight
             role, so the gathered weight's scale is the one the layer's own weight cast computes).
-        fused: run the Triton cast and decode kernels (``kernels/comm.py``) instead of their references.
-        state: decide ``fused`` by ``state.use_fused`` on the device of each gather instead (overrides ``fused``), as
-            :class:`FP8ReduceScatter` does: a model sharded on the meta device gathers on the device it is
-            materialized on later (``enable_fp8_fsdp2`` passes its state).
+        fused: the Triton cast and decode kernels (``kernels/comm.py``) or their PyTorch references, with
+            :class:`FP8CommState`'s meaning: ``None`` picks the kernels where they run, and does so on the device of
+            each gather (a model sharded on the meta device gathers on the device it is materialized on later);
+            ``True`` without Triton is refused here, on a device the kernels do not run on at the gather.
+            ``enable_fp8_fsdp2`` passes its state's setting.
     """
 
-    def __init__(
-        self, param_group, fp8_weights: dict[int, int], fused: bool = False, *, state: FP8CommState | None = None
-    ) -> None:
+    def __init__(self, param_group, fp8_weights: dict[int, int], fused: bool | None = None) -> None:
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"FP8WeightAllGather(fused={fused!r}): pass None, True or False")
+        if fused and not ops.triton_available():  # raise now, not inside FSDP's all-gather
+            resolve_fused(fused, torch.device("cpu"), "FP8WeightAllGather", "the weights")
         self.param_group = param_group
         self.fp8_weights = fp8_weights
         self.fused = fused
-        self.state = state
         self._plans: dict = {}
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -220,7 +224,7 @@ class FP8WeightAllGather(AllGather):
         # the scale of every rank's bytes: one launch casts all FP8 weights, one decodes all of them.
         world = group.size()
         plan = self._plan(numels, margins, world, shard)
-        kernels = segment_kernels(self.state.use_fused(shard.device) if self.state is not None else self.fused)
+        kernels = segment_kernels(resolve_fused(self.fused, shard.device, "FP8WeightAllGather", "the weights"))
         amax = torch.zeros(plan.num_fp8, dtype=torch.float32, device=shard.device)
         kernels.segment_amax(shard, plan.amax, amax)
         all_reduce_max(amax, group)

@@ -6,7 +6,7 @@ gathered with the PyTorch references (a silent fallback) once the model lived on
 per gather from the shard's device, as the reduce-scatter picks them.
 
 A GPU is simulated on the CPU: the Triton kernels run under the interpreter, ``ops.fp8_device`` counts the CPU as an FP8
-GPU, and for ``fused=True`` ``comm_state`` sees CUDA and no interpreter while the hooks are installed.
+GPU, and for ``fused=True`` ``comm_state_checks`` sees CUDA and no interpreter while the hooks are installed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _meta_init_worker(rank: int, world: int, fused: bool | None) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_fp8 import convert_to_fp8, ops
-    from lightning_fp8.distributed import FP8CommState, comm_state, enable_fp8_fsdp2, fsdp2_comms
+    from lightning_fp8.distributed import FP8CommState, comm_state_checks, enable_fp8_fsdp2, fsdp2_comms
 
     picked: list[bool] = []
     kernels = fsdp2_comms.segment_kernels
@@ -39,15 +39,15 @@ def _meta_init_worker(rank: int, world: int, fused: bool | None) -> dict:
         model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
     fully_shard(model, mesh=cpu_mesh())
     state = FP8CommState(fused=fused)
-    interpreted, cuda = comm_state._triton_interpreted, torch.cuda.is_available
+    interpreted, cuda = comm_state_checks._triton_interpreted, torch.cuda.is_available
     if fused:  # a GPU machine, as enable_fp8_fsdp2 sees it: CUDA, no interpreter
-        comm_state._triton_interpreted, torch.cuda.is_available = (lambda: False), (lambda: True)
+        comm_state_checks._triton_interpreted, torch.cuda.is_available = (lambda: False), (lambda: True)
     try:
         enable_fp8_fsdp2(model, state)
     except ValueError as error:
         return {"error": str(error)}
     finally:
-        comm_state._triton_interpreted, torch.cuda.is_available = interpreted, cuda
+        comm_state_checks._triton_interpreted, torch.cuda.is_available = interpreted, cuda
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     for module in model.modules():
