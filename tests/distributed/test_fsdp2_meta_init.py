@@ -20,6 +20,11 @@ from tests.distributed.launch import cpu_mesh, run_workers
 pytestmark = pytest.mark.slow
 
 
+# Triton 3.6's interpreter (the GPU machine's) reads a program id used as a loop bound with int() of a 1-element array,
+# which NumPy 2.4 refuses; later interpreters squeeze it first. There the interpreted kernels cannot run on CPU at all.
+_OLD_INTERPRETER = "only 0-dimensional arrays can be converted to Python scalars"
+
+
 def _meta_init_worker(rank: int, world: int, fused: bool | None) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -53,12 +58,21 @@ def _meta_init_worker(rank: int, world: int, fused: bool | None) -> dict:
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.reset_parameters()
-    model(torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    try:
+        model(torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    except Exception as error:  # only the interpreter's own fault is let through, below
+        if _OLD_INTERPRETER not in str(error):
+            raise
+        return {"error": None, "interpreter": _OLD_INTERPRETER}
     return {"error": None, "picked": picked}
 
 
 @pytest.mark.parametrize("fused", [None, True], ids=["default", "fused"])
 def test_the_weight_all_gather_picks_its_kernels_on_the_materialized_device(fused):
-    for report in run_workers(_meta_init_worker, 2, fused):
+    reports = run_workers(_meta_init_worker, 2, fused)
+    if any("interpreter" in report for report in reports):
+        pytest.skip("this Triton's interpreter cannot run the kernels on CPU (Triton 3.6 with NumPy 2.4+); compiled on "
+                    "a GPU they run in tests/distributed/test_comm_kernels.py")  # fmt: skip
+    for report in reports:
         assert report["error"] is None, report["error"]
         assert report["picked"] and all(report["picked"]), report["picked"]  # the Triton kernels, every gather
