@@ -7,6 +7,8 @@ a bad value would otherwise fail only at the first cast (IndexError, KeyError) o
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING, get_args
 
 import torch
@@ -217,3 +219,33 @@ def check_recast_activation(
             raise ValueError(f"{caller}: {name} is on {value.device} but x_fp8 on {x_fp8.device}; move it to x_fp8's")
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"{caller}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+
+
+def checked_prev_scale(prev_scale: object) -> object:
+    """``compute_scale``'s ``prev_scale`` (not None) as it is, or as a tensor where it is an array or a sequence.
+
+    Raises:
+        ValueError: for a number (a Python or NumPy bool too) that is no positive power of two: a number is checked
+            here, a tensor's values are not read (no device sync); it is returned as the scale.
+        TypeError: for what holds no real scales: torch.as_tensor took a bool tensor as 1.0 and a complex one as its
+            real part, silently, and a string failed inside torch.
+    """
+    if type(prev_scale).__name__ in ("bool", "bool_") or (  # a Python or NumPy bool (NumPy's is no Real)
+        isinstance(prev_scale, numbers.Real) and not (0 < prev_scale < math.inf and math.frexp(prev_scale)[0] == 0.5)
+    ):
+        raise ValueError(f"compute_scale(prev_scale={prev_scale!r}): must be a positive power of two, or a tensor")
+    if isinstance(prev_scale, numbers.Real):
+        return prev_scale
+    kind = type(prev_scale).__name__
+    if not isinstance(prev_scale, (torch.Tensor, str)):
+        try:  # a NumPy array or a list of numbers is a tensor of scales, as torch.as_tensor reads it
+            prev_scale = torch.as_tensor(prev_scale)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if not isinstance(prev_scale, torch.Tensor) or prev_scale.dtype == torch.bool or prev_scale.is_complex():
+        kind = f"a {prev_scale.dtype} tensor" if isinstance(prev_scale, torch.Tensor) else kind
+        raise TypeError(
+            f"compute_scale(prev_scale=...) takes a real (floating-point) tensor of scales, a positive power of two or "
+            f"None, got {kind}"
+        )
+    return prev_scale

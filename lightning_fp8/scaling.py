@@ -27,7 +27,13 @@ from torch import nn
 
 from lightning_fp8 import compiled_casts, load_pairing, ops
 from lightning_fp8.autograd_rules import check_no_functorch
-from lightning_fp8.cast_checks import check_activation, check_castable, check_state_settings, check_unscale
+from lightning_fp8.cast_checks import (
+    check_activation,
+    check_castable,
+    check_state_settings,
+    check_unscale,
+    checked_prev_scale,
+)
 from lightning_fp8.first_casts import _SEEN_AMAX, _FirstCasts
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels import reference
@@ -66,14 +72,16 @@ def compute_scale(
         amax: a 0-dim (or any-shape, elementwise) floating-point tensor of absolute maxima, or a Python number.
         fp8_dtype: the format the scale targets (an FP8 dtype, or ``torch.float16`` for scaled fp16 storage).
         margin: binades of headroom: an int from 0 to :data:`lightning_fp8.recipe.MAX_MARGIN`.
-        prev_scale: the scale to keep where ``amax`` carries no information (taken as fp32; 0-dim or of ``amax``'s
-            shape).
+        prev_scale: the scale to keep where ``amax`` carries no information: a real tensor (taken as fp32; 0-dim or
+            of ``amax``'s shape), a number (a positive power of two) or None.
 
     Raises:
-        TypeError: if ``amax`` is neither a floating-point tensor nor a number, or ``margin`` is not an int.
+        TypeError: if ``amax`` is neither a floating-point tensor nor a number, ``margin`` is not an int, or
+            ``prev_scale`` is neither a real (not bool, not complex) tensor nor a number.
         ValueError: if ``amax`` is a negative number (a tensor's values are not checked: that would synchronize with
-            the device), ``margin`` is outside ``[0, MAX_MARGIN]``, ``fp8_dtype`` is not a supported format, or
-            ``prev_scale`` does not broadcast to ``amax``'s shape.
+            the device), ``margin`` is outside ``[0, MAX_MARGIN]``, ``fp8_dtype`` is not a supported format,
+            ``prev_scale`` is a number (or a bool) that is no positive power of two, or does not broadcast to
+            ``amax``'s shape.
     """
     margin = as_count(margin)  # a NumPy integer as FP8Recipe and ScalingState take it
     if isinstance(margin, bool) or not isinstance(margin, int):
@@ -107,10 +115,8 @@ def compute_scale(
         amax = torch.where(a32.double() < amax, torch.nextafter(a32, torch.full_like(a32, torch.inf)), a32)
     if prev_scale is None:
         prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
-    elif isinstance(prev_scale, bool) or (
-        isinstance(prev_scale, numbers.Real) and not (0 < prev_scale < math.inf and math.frexp(prev_scale)[0] == 0.5)
-    ):  # a number is checked here (a tensor's value is not read: no device sync); it is returned as the scale
-        raise ValueError(f"compute_scale(prev_scale={prev_scale!r}): must be a positive power of two, or a tensor")
+    else:
+        prev_scale = checked_prev_scale(prev_scale)
     prev_scale = torch.as_tensor(prev_scale, dtype=torch.float32, device=amax.device)
     try:
         fits = torch.broadcast_shapes(prev_scale.shape, amax.shape) == amax.shape
