@@ -1,5 +1,7 @@
 """Numerics helpers for tests: SQNR and the named tolerances, each with its reason (STYLE.md habit 7)."""
 
+import math
+
 import torch
 
 
@@ -37,3 +39,14 @@ FORWARD_SQNR_DB = 25.0
 BACKWARD_SQNR_DB = 20.0
 # All-E4M3 recipe: gradients get 3 mantissa bits too, so backward SQNR rises to the forward level.
 BACKWARD_E4M3_SQNR_DB = 25.0
+
+
+def pow2_scale(amax: float, fmax: float) -> float:
+    """The largest power of two ``2**k`` with ``amax * 2**k <= fmax`` (DESIGN.md's scale at margin 0), found in
+    float64 by stepping from a rounded ``log2``, not with the library's bit-pattern rule."""
+    k = math.floor(math.log2(fmax / amax))
+    while amax * 2.0 ** (k + 1) <= fmax:
+        k += 1
+    while amax * 2.0**k > fmax:
+        k -= 1
+    return 2.0**k

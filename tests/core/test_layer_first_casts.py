@@ -7,7 +7,6 @@ step by definition (every operand cast with its own power-of-two scale, float64 
 layers."""
 
 import copy
-import math
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 
 from lightning_fp8 import FP8MLP, FP8Linear, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.formats import E4M3, E5M2, fp8_max
-from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, assert_same, sqnr
+from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, assert_same, pow2_scale, sqnr
 
 # Output gradients far below E5M2's smallest subnormal (2**-16): a cast with the initial scale 1 flushes them all to
 # zero, a cast with their own amax keeps them.
@@ -33,13 +32,7 @@ def assert_gemm_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def own_scale(t: torch.Tensor, fmt: torch.dtype) -> float:
     """The largest power of two ``2**k`` with ``max|t| * 2**k <= fp8_max`` (DESIGN.md's scale), found in float64."""
-    amax, fmax = t.abs().max().item(), fp8_max(fmt)
-    k = math.floor(math.log2(fmax / amax))
-    while amax * 2.0 ** (k + 1) <= fmax:
-        k += 1
-    while amax * 2.0**k > fmax:
-        k -= 1
-    return 2.0**k
+    return pow2_scale(t.abs().max().item(), fp8_max(fmt))
 
 
 def fp8_round(t: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:

@@ -4,23 +4,12 @@ lightning_fp8/scaling.py's docstrings and DESIGN.md's scale convention, with the
 (it enters the history as 0, the scale is kept and the next cast still uses its own amax); ``scale_inv`` is
 ``1 / scale``, so ``x_fp8 * scale_inv`` gives back ``x``."""
 
-import math
-
 import pytest
 import torch
 
 from lightning_fp8.formats import E4M3, E5M2, fp8_max
 from lightning_fp8.scaling import ScalingState
-
-
-def _pow2_scale(amax: float, fmax: float) -> float:
-    """The largest power of two 2**k with amax * 2**k <= fmax (margin 0), in float64."""
-    k = math.floor(math.log2(fmax / amax))
-    while amax * 2.0 ** (k + 1) <= fmax:
-        k += 1
-    while amax * 2.0**k > fmax:
-        k -= 1
-    return 2.0**k
+from tests.numerics import pow2_scale
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -35,7 +24,7 @@ def test_an_empty_cast_records_amax_zero_and_leaves_the_first_cast_to_the_next_t
     torch.manual_seed(0)
     x = torch.randn(8, 16) * 3.0
     _, _, scale_inv = state.quantize(x)
-    assert 1.0 / scale_inv.item() == _pow2_scale(x.abs().max().item(), fp8_max(dtype))
+    assert 1.0 / scale_inv.item() == pow2_scale(x.abs().max().item(), fp8_max(dtype))
     assert state.initialized
 
 
@@ -44,7 +33,7 @@ def test_scale_inv_is_the_inverse_of_the_scale_and_dequantizes_the_cast():
     x = torch.randn(16, 32) * 1e-3  # amax ~3e-3: scale 2**17 for E4M3, far from 1
     state = ScalingState(E4M3, history_len=1, margin=0, algo="max", delayed=False)
     x_fp8, _, scale_inv = state.quantize(x)
-    expected = _pow2_scale(x.abs().max().item(), 448.0)
+    expected = pow2_scale(x.abs().max().item(), 448.0)
     assert expected > 2.0**10 and state.scale.item() == expected
     assert state.scale_inv.item() == 1.0 / expected == scale_inv.item()
     back = x_fp8.double() * state.scale_inv.item()

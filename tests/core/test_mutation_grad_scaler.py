@@ -8,13 +8,7 @@ from torch import nn
 from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8
 from lightning_fp8.formats import E4M3, E5M2
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny tensor ops on one thread
 
 
 # Steps whose loss is made infinite: a skip in the middle of a run of clean steps, and two in a row.

@@ -15,12 +15,7 @@ from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8
 EXP_AVG_RTOL, EXP_AVG_SQ_RTOL = 0.1, 0.2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny tensor ops on one thread
 
 
 def _rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
