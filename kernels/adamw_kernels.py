@@ -371,7 +371,11 @@ def _emit_scale(
     a = _scale_source(table_ptr, amax_out_ptr, t, 0, grad_unscale, 0.0, 0.0, 0.0, 0.0, decay, max_update, FRESH,
                       SLACK)  # fmt: skip
     a_s = _emitted_amax(a, ms, p0, c0, SCALED_P, HAS_COPY, SRC_MAX, EXACT_ROUND)
-    return _pow2_scale(a_s, 1.0, E_EXP, E_MANT, E_MARGIN)
+    # An amax of 0 or inf: scale 1 for the weight, i.e. 1 / ms for scaled storage (reference.emit_fp8_weight_ref).
+    prev = 1.0
+    if SCALED_P and not HAS_COPY:
+        prev = tl.div_rn(1.0, ms)
+    return _pow2_scale(a_s, prev, E_EXP, E_MANT, E_MARGIN)
 
 
 @triton.jit

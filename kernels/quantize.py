@@ -226,6 +226,9 @@ def _quantize_impl(
     speculate = current and (
         SPECULATIVE_CURRENT_SCALING is True or (eager and SPECULATIVE_CURRENT_SCALING == "eager") or bool(activation)
     )
+    # A cast of t * unscale always speculates: the amax launch of the two-pass path keeps t's scale for an amax of 0 or
+    # inf, which the cast would apply to x itself (reference.quantize_ref casts x with scale / unscale there).
+    speculate = speculate or (current and unscale is not None)
     if current and not speculate:
         cfg = CONFIGS["amax"]
         blocks = _cdiv(x.numel(), cfg["BLOCK"])

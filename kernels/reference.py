@@ -304,6 +304,11 @@ def quantize_ref(
     if current:
         current_scale_ref(amax_ref(x), scale, fmax, margin)
     used_scale = scale.clone()
+    if current and unscale is not None:
+        # x holds t * unscale and the stored scale is t's: where x's amax carries no information (0, inf, NaN) the
+        # kept scale casts x as scale / unscale, the cast of t with it (with scale itself, x's finite values saturated).
+        a = amax_ref(x)
+        used_scale = torch.where((a > 0) & (a < math.inf), used_scale, used_scale / unscale.reshape(()))
     x_fp8, x_fp8_t, amax, n_saturated = cast_to_fp8_ref(x, used_scale, fp8_dtype, transpose)
     if keep_input:
         kept_scale = torch.clamp(used_scale * 2.0**-PRE_ACTIVATION_HEADROOM, max=PRE_ACTIVATION_MAX_SCALE)

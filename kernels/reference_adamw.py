@@ -313,15 +313,17 @@ def emit_fp8_weight_ref(
     ``pow2_scale(a)`` for the FP8 maximum and ``margin``, with ``a = amax(src)`` (``bound=None``: the forward's
     own current scaling, so the copy equals its cast bit for bit) or the stored image of ``bound``, an upper bound
     of the weight's amax (one pass: the same rounding the storage applies, so ``a >= amax(src)``).
-    An amax of 0 or a non-finite one gives scale 1 here; recorded into the layer's state, it keeps the state's previous
-    scale, as the forward's cast does (lightning_fp8.weight_cache.WeightCache.record_into).
+    An amax of 0 or a non-finite one gives the weight (``src / unscale``) scale 1 here, i.e. ``src`` the scale
+    ``1 / unscale`` (with ``src``'s scale 1, the finite values of a scaled master holding a NaN saturated); recorded
+    into the layer's state, it keeps the state's previous scale, as the forward's cast does
+    (lightning_fp8.weight_cache.WeightCache.record_into).
     """
     fmax = _FP8_MAX[out.dtype]
     a = amax_ref(src) if bound is None else stored_amax_ref(bound, src.dtype, unscale)
-    scale = pow2_scale_ref(a, fmax, margin, torch.ones((), dtype=torch.float32, device=src.device))
+    u = unscale.float().reshape(()) if unscale is not None else torch.ones((), dtype=torch.float32, device=src.device)
+    scale = pow2_scale_ref(a, fmax, margin, u.reciprocal())
     x_fp8, _, amax, n_saturated = cast_to_fp8_ref(src, scale, out.dtype)
     out.copy_(x_fp8.view(out.shape))
-    u = unscale.float() if unscale is not None else torch.ones((), dtype=torch.float32, device=src.device)
     floats, counts = fp8_weight_record_views(record)
     finite = torch.isfinite(amax)
     floats.copy_(torch.stack([scale.reciprocal() / u, amax / u, scale * u, n_saturated.float() / max(src.numel(), 1),

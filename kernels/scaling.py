@@ -152,8 +152,12 @@ def _finish(
             if last:
                 keep = True
                 if SPECULATE == 1:
-                    # pow2_scale(amax) kept the stored scale for an amax of 0 or inf, as the amax launch does.
-                    fresh = _pow2_scale(total_amax, tl.load(scale_ptr), MAX_EXP, MAX_MANT, MARGIN)
+                    # pow2_scale(amax) keeps the stored scale for an amax of 0 or inf; with UNSCALE that is t's, which
+                    # casts x = t * unscale as scale / unscale: the guess (_guess_scale) holds then.
+                    prev = tl.load(scale_ptr)
+                    if UNSCALE:
+                        prev = prev / tl.load(unscale_ptr)
+                    fresh = _pow2_scale(total_amax, prev, MAX_EXP, MAX_MANT, MARGIN)
                     keep = fresh == scale
                     tl.store(ws_ptr + 3, tl.where(keep, 0, 1).to(tl.int64))  # written either way: never stale
                     if not keep:

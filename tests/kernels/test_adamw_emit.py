@@ -122,6 +122,31 @@ def test_non_finite_weight_is_recorded_and_nan_in_the_copy():
     assert expected[0]["fp8"].float().view(-1)[5].isnan()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("two_pass", [True, False], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize("case", ["o2_fp8_grad", "o2_fp16_grad", "o2_master_apart"])
+def test_a_copy_without_amax_information_keeps_the_finite_values(case, two_pass, device):
+    """A weight holding a NaN (or all zeros) has no amax to scale by: its copy takes scale 1 for the weight, so the
+    finite values dequantize to the weight within FP8 rounding. Before, scale 1 applied to the scaled master
+    (``weight * 2**k``) saturated them (the copy read +-448 * 2**-k)."""
+    dtypes, scaled, fp8_grads, copies = CASES[case]
+    tensors = _make(device, SHAPES[:2], dtypes, scaled=scaled, fp8_grads=fp8_grads, copies=copies)
+    tensors[0]["g"].view(-1)[5] = float("nan")
+    tensors[1]["p"].zero_()
+    tensors[1]["g"].zero_()
+    expected = _run(reference_adamw.adamw_step_ref, tensors, case, two_pass=two_pass)
+    _assert_same(expected, _run(adamw.adamw_step, tensors, case, two_pass=two_pass))
+    for d in expected:
+        w = d["copy"].double() if copies else d["p"].double() / d["scales"][0].double()
+        floats, _ = reference_adamw.fp8_weight_record_views(d["record"])
+        deq = d["fp8"].double().view(w.shape) * floats[0].double()
+        finite = torch.isfinite(w)
+        small = w.abs() < 2.0**-6  # the copy's subnormals (scale 1): an absolute error instead
+        close = ((deq - w).abs() <= 2.0**-4 * w.abs()) | (small & ((deq - w).abs() <= 2.0**-10))
+        assert torch.all(close[finite]), (deq[finite & ~close], w[finite & ~close])
+        assert torch.equal(torch.isnan(deq), ~finite) and floats[3] == 0  # nothing saturated
+
+
 def test_bad_fp8_weight_lists_raise():
     tensors = _make("cpu", SHAPES[:1], (F16, E4M3, F16, F16), scaled=True, fp8_grads=False, copies=False)
     d = tensors[0]
