@@ -130,8 +130,9 @@ def load_fp8_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], 
             ``amax_compute_algo``), a saved tensor's shape differs (e.g. another ``amax_history_len``), or a value
             cannot be a scaling state's: a scale that is not a power of two from 2**-126 to 2**127, a negative or NaN
             amax, a saturation outside [0, 1], a negative count, an ``initialized`` other than 0 or 1, or a value the
-            buffer's dtype (fp32, int64) cannot hold exactly (a float64 scale of 2**200 would be inf in fp32); or
-            if the model's scaling state or a saved value is on the ``meta`` device (it holds no data).
+            buffer's dtype (fp32, int64) cannot hold exactly (a float64 scale of 2**200 would be inf in fp32); if
+            the model's scaling state or a saved value is on the ``meta`` device (it holds no data); or if a delayed
+            state's ``initialized`` is 1 without its ``amax_history`` and ``scale`` in the dict (``strict=False``).
     """
     states, loads, initialized = _checked(module, state_dict, strict, (), warn=True)
     filled: dict[str, set[int]] = {}
@@ -288,10 +289,11 @@ def _checked(
         _check_value(key, buf_name, value, buf)
         loads.append((state_name, buf, value))
     # A flag of 1 says the state's next delayed cast uses its history: loaded without that history (strict=False,
-    # a hand-made dict), a fresh state would cast with scale 1 and saturate.
+    # a hand-made dict), a fresh state would cast with scale 1 and saturate. A current-scaled state (weights, or
+    # scaling="current") computes every scale from its tensor: the flag changes no cast there.
     loaded = {(state_name, buf_name) for state_name, buf_name in (key.rpartition(".")[::2] for key in state_dict)}
-    orphans = sorted(name for name, flag in initialized.items()
-                     if flag and not {(name, "amax_history"), (name, "scale")} <= loaded)  # fmt: skip
+    given = lambda name: {(name, "amax_history"), (name, "scale")} <= loaded  # noqa: E731
+    orphans = sorted(name for name, flag in initialized.items() if flag and states[name].delayed and not given(name))
     if orphans:
         raise ValueError(
             f"FP8 scaling state {orphans[0]!r}{f' (and {len(orphans) - 1} more)' if len(orphans) > 1 else ''} has "
