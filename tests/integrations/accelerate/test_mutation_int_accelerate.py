@@ -20,6 +20,8 @@ from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
+from tests.integrations.accelerate.test_accelerator import _memory_tracker
+from tests.integrations.accelerate.test_health_values import TokenNet
 
 MU = 2.0**6
 
@@ -73,27 +75,6 @@ def test_clip_grad_norm_under_max_norm_leaves_the_gradients_as_they_are(norm_typ
         assert torch.equal(p.grad, old)
 
 
-def _memory_tracker():
-    from accelerate.tracking import GeneralTracker
-
-    class Memory(GeneralTracker):
-        name = "memory"
-        requires_logging_directory = False
-
-        def __init__(self):
-            super().__init__()
-            self.rows = []
-
-        @property
-        def tracker(self):
-            return self.rows
-
-        def log(self, values, step=None, **kwargs):
-            self.rows.append((step, dict(values)))
-
-    return Memory()
-
-
 @pytest.mark.parametrize("in_log", [True, False])
 def test_fp8_stats_in_log_false_logs_only_the_scripts_values(in_log):
     """docs/accelerate.md: ``log`` adds the FP8 and health statistics, turned off with fp8_stats_in_log=False."""
@@ -114,19 +95,6 @@ def test_fp8_stats_in_log_false_logs_only_the_scripts_values(in_log):
         assert row == {"loss": 1.5}
 
 
-class _TokenNet(nn.Module):
-    """(batch, sequence) token ids in, per-token logits out: each forward's tokens are 6 per sample."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 48)
-        self.fc = nn.Linear(48, 64)
-        self.head = nn.Linear(64, 32)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc(self.embed(input_ids))))
-
-
 def test_throughput_counts_every_training_forward_of_a_step_and_not_an_evaluation_between_them():
     """Two training forwards (4 samples of 6 tokens each) per optimizer step, with an evaluation forward and 1 s
     between them: the window counts 8 samples and 48 tokens (docs/accelerate.md: the training forwards between two
@@ -135,7 +103,7 @@ def test_throughput_counts_every_training_forward_of_a_step_and_not_an_evaluatio
     first window is left out of the rate check (first-call costs on a loaded machine)."""
     accelerator = Accelerator(cpu=True, fp8_lm_recipe="fp8-lm")
     torch.manual_seed(0)
-    net = _TokenNet()
+    net = TokenNet()
     model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     for _ in range(3):
         for micro in range(2):
