@@ -19,22 +19,10 @@ from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
-from tests.integrations.accelerate.test_accelerator import _memory_tracker
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state, _memory_tracker  # noqa: F401 (autouse fixture)
 from tests.integrations.accelerate.test_health_values import TokenNet
 
 MU = 2.0**6
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _scaled_backward(seed: int = 0):
