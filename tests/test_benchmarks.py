@@ -96,6 +96,22 @@ def test_train_step_flags_given_win_over_toy_defaults():
     assert settings(["--toy", *flags]) == ("32x1", 16, 3, 256, 4, 0, "both")
 
 
+def test_the_small_layer_variant_keeps_what_torchaos_tensorwise_filter_keeps():
+    """``o2ma`` at d=1024: of each block's four linear layers only the MLP's down projection (4096 -> 1024) is FP8, as
+    torchao's tensorwise auto filter decides from (out, in) (<= 4096 and <= 1024: kept); the head stays high precision
+    as in every variant; at d=2048 every block's layer is FP8."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_step
+
+    import lightning_fp8 as lf
+
+    for width, want in ((1024, ["blocks.0.mlp.proj"]), (2048, ["blocks.0.attn.proj", "blocks.0.attn.qkv",
+                                                                "blocks.0.mlp.fc", "blocks.0.mlp.proj"])):  # fmt: skip
+        model, _ = train_step.build("o2ma", width, 1, 16, 64, "cpu")
+        fp8 = sorted(name for name, m in model.named_modules() if isinstance(m, lf.FP8Linear))
+        assert fp8 == want, (width, fp8)
+
+
 @pytest.mark.parametrize("script", ["memory_breakdown", "step_phases"])
 def test_toy_defaults_leave_the_flags_given(script):
     # --toy used to overwrite --seq/--batch/--vocab (and step_phases' --steps/--compile-mode) after parsing
