@@ -43,12 +43,28 @@ def check_mixed_precision(mixed_precision: Any) -> None:
         )
 
 
+# Accelerate's recipes of its own FP8 backends (those its version has): with FP8-LM they would configure a backend that
+# does not run. Accelerate refuses them without mixed_precision="fp8" except under FSDP and DeepSpeed.
+_FP8_BACKEND_HANDLERS = ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs")
+
+
 def check_kwargs_handlers(handlers: Any) -> None:
     """Raise ValueError for a ``GradScalerKwargs`` among ``handlers`` (``Accelerator(kwargs_handlers=...)``): it
     configures the ``torch.amp.GradScaler`` of ``mixed_precision="fp16"``, while FP8-LM scales the loss by its own
-    gradient scale mu, which would otherwise ignore the settings without a word."""
+    gradient scale mu, which would otherwise ignore the settings without a word. Also for a recipe of Accelerate's own
+    FP8 backends (``AORecipeKwargs``, ``TERecipeKwargs``, ...), which FP8-LM replaces."""
+    import accelerate.utils as utils
     from accelerate.utils import GradScalerKwargs
 
+    backends = tuple(getattr(utils, name) for name in _FP8_BACKEND_HANDLERS if hasattr(utils, name))
+    recipes = [h for h in handlers or () if isinstance(h, backends)]
+    if recipes:
+        raise ValueError(
+            f"Accelerator(kwargs_handlers=[{recipes[0]!r}]): {type(recipes[0]).__name__} configures one of "
+            "Accelerate's own FP8 backends (mixed_precision='fp8'), which FP8-LM replaces: its settings would be "
+            f"ignored. Drop it and set the FP8-LM recipe (fp8_lm_recipe=..., {ENV_RECIPE}), or train with "
+            f"Accelerate's backend ({ENV_RECIPE}=none and mixed_precision='fp8')"
+        )
     given = [h for h in handlers or () if isinstance(h, GradScalerKwargs)]
     if given:
         raise ValueError(
