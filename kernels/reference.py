@@ -302,12 +302,12 @@ def quantize_ref(
     pre = x
     x = activation_ref(x, activation, activation_input, activation_scale_inv)
     if current:
-        current_scale_ref(amax_ref(x), scale, fmax, margin)
+        a = amax_ref(x)  # read once: the scale's and, with an unscale, the no-information test's
+        current_scale_ref(a, scale, fmax, margin)
     used_scale = scale.clone()
     if current and unscale is not None:
         # x holds t * unscale and the stored scale is t's: where x's amax carries no information (0, inf, NaN) the
         # kept scale casts x as scale / unscale, the cast of t with it (with scale itself, x's finite values saturated).
-        a = amax_ref(x)
         used_scale = torch.where((a > 0) & (a < math.inf), used_scale, used_scale / unscale.reshape(()))
     x_fp8, x_fp8_t, amax, n_saturated = cast_to_fp8_ref(x, used_scale, fp8_dtype, transpose)
     if keep_input:
