@@ -157,7 +157,9 @@ def _amax_deepcopied_model() -> dict:
     must sync the copy's states, not the original's (a closure hook was shared by the copy)."""
     import copy
 
+    from lightning_fp8.distributed import amax_sync
     from lightning_fp8.distributed.amax_sync import enable_fp8_amax_sync
+    from lightning_fp8.scaling import ScalingState
 
     rank = dist.get_rank()
     model = _fp8_model()
@@ -168,7 +170,11 @@ def _amax_deepcopied_model() -> dict:
     seen = _snapshot_training_forwards(twin)
     for step in range(3):
         twin(_batch(rank, step, 4.0**rank)).sum().backward()
-    return {"copy": seen[1:], "original_before": before, "original_after": _snapshot(model)}
+    # The copy's sync marks the copy's states as agreed across ranks (the token tensor-parallel gathers consume:
+    # claim_shared_scale); marking the original's instead costs each copied layer a collective of its own there.
+    twin_states = [m for m in twin.modules() if isinstance(m, ScalingState) and m.delayed]
+    marked = [amax_sync._synced.get(s, "unmarked") for s in twin_states]
+    return {"copy": seen[1:], "original_before": before, "original_after": _snapshot(model), "copy_marked": marked}
 
 
 def _amax_rank_without_tokens() -> list[tuple[list[float], float, list[float], float]]:
@@ -294,6 +300,7 @@ def test_amax_sync_of_a_deep_copy_syncs_the_copy(three_ranks):
         for name, value in report["original_before"].items():
             assert torch.equal(value, report["original_after"][name]), (rank, name)
         assert len(report["copy"]) == 2
+        assert report["copy_marked"] == [None] * 4, report["copy_marked"]  # synced over the whole world
         for first, other in zip(reports[0]["copy"], report["copy"], strict=True):
             assert first.keys() == other.keys() and len(first) == 4
             for name in first:
