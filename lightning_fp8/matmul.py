@@ -202,7 +202,12 @@ def grad_output_current(traced_flag: bool) -> bool | None:
 
 
 def note_casts(
-    scaling: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor, by_value: bool = True, backward: bool | None = None
+    scaling: nn.ModuleDict,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    by_value: bool = True,
+    backward: bool | None = None,
+    numel: int | None = None,
 ) -> None:
     """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized where the cast's amax was
     finite and > 0 (:meth:`ScalingState.note_cast`; ``by_value=False``: any cast of a non-empty tensor, the same on
@@ -210,8 +215,10 @@ def note_casts(
     change. ``backward``: whether a backward will cast this layer's output gradient (default: ``y`` needs a
     gradient; an FP8MLP's fc has none where neither its input nor its parameters need one). A cast of an empty or
     all-zero tensor (amax 0: no information; an MoE expert without tokens, the output
-    of a zero-initialized layer) or of a non-finite one marks nothing: the next cast still uses its own amax."""
-    n = x.numel()
+    of a zero-initialized layer) or of a non-finite one marks nothing: the next cast still uses its own amax.
+    ``numel``: the size of the input the layer cast, where ``x`` is not that input (an FP8MLP's proj: the GELU of its
+    fc's output, not empty when ``x`` is empty but has tokens)."""
+    n = x.numel() if numel is None else numel
     if n == 0:
         return
     scaling["input"].note_cast(n, by_value)

@@ -334,9 +334,10 @@ class FP8MLP(nn.Module):
             x_2d, w1, fc.bias, w2, proj.bias, fc_states, proj_states, out_dtype, *current, *scales, *keys, call,
             self.fp8_hidden, torch.is_grad_enabled(),
         )  # fmt: skip
-        # proj's input (the GELU's output) is empty when x is. fc's output gradient is cast only where its input or
-        # parameters need gradients (_FP8GeluMLP's need_h): else a traced forward must not use up its first cast.
+        # proj's input is the GELU of fc's output: tokens x hidden (not empty where x is empty for in_features=0,
+        # gelu(fc.bias) on every token). fc's output gradient is cast only where its input or parameters need
+        # gradients (_FP8GeluMLP's need_h): else a traced forward must not use up its first cast.
         fc_backward = x_2d.requires_grad or w1.requires_grad or (fc.bias is not None and fc.bias.requires_grad)
         note_casts(fc_states, x_2d, y, backward=y.requires_grad and fc_backward)
-        note_casts(proj_states, x_2d, y)
+        note_casts(proj_states, x_2d, y, numel=x_2d.shape[0] * proj.in_features)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], proj.out_features)
