@@ -202,8 +202,9 @@ def variant_module(name: str, edits: list[tuple[str, str]]):
             raise ValueError(f"variant {name!r}: {old!r} is not in kernels/adamw_kernels.py any more")
         kernels = kernels.replace(old, new)
     launcher = inspect.getsource(adamw_kernels)
+    # The variant's main kernel replaces the imported one; the finalize kernel (kernels/adamw_finalize.py) is shared.
     for line in ("from __future__ import annotations\n", "from lightning_fp8.kernels.adamw_kernels import NCOL, "
-                 "_adamw_kernel, _finalize_kernel\n"):  # fmt: skip
+                 "_adamw_kernel\n"):  # fmt: skip
         launcher = launcher.replace(line, "")
     path = os.path.join(tempfile.mkdtemp(), "adamw_variant.py")
     with open(path, "w") as f:

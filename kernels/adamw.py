@@ -69,7 +69,8 @@ import operator
 
 import torch
 import triton
-from lightning_fp8.kernels.adamw_kernels import NCOL, _adamw_kernel, _finalize_kernel
+from lightning_fp8.kernels.adamw_finalize import _finalize_kernel
+from lightning_fp8.kernels.adamw_kernels import NCOL, _adamw_kernel
 from lightning_fp8.kernels.cast import _interpreted
 from lightning_fp8.kernels.reference import _FP8_MAX, float32_exponent_mantissa
 from lightning_fp8.kernels.reference_adamw import BOUND_SLACK, SCALED_STATE_MAX, AdamWConstants, check_fp8_weights

@@ -8,13 +8,14 @@ maximum and the recipe's margin, where ``a_stored`` is the amax of the stored va
 is monotonic, so ``a_stored`` is the stored image of the fp32 amax: exact from the fresh amax (two passes: the copy
 is the forward's cast bit for bit), or from the one-pass bound (a valid copy, its scale possibly lower). A
 high-precision copy holds the stored master unscaled, rounded to its dtype: its amax is that image again.
-The finalize launch then writes, per weight, the statistics the forward records into the layer's scaling state.
+The finalize launch (kernels/adamw_finalize.py) then writes, per weight, the statistics the forward records into the
+layer's scaling state.
 """
 
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.cast_kernels import _round_to_fp8_grid
 from lightning_fp8.kernels.comm_kernels import _decode_fp8
+from lightning_fp8.kernels.fp8_encoding import _round_to_fp8_grid
 from lightning_fp8.kernels.scaling import _pow2_scale
 
 # Table columns (int64 [T, NCOL] per launch; see kernels/adamw.py): element offsets of param, grad, exp_avg,
@@ -376,77 +377,3 @@ def _emit_scale(
     if SCALED_P and not HAS_COPY:
         prev = tl.div_rn(1.0, ms)
     return _pow2_scale(a_s, prev, E_EXP, E_MANT, E_MARGIN)
-
-
-@triton.jit
-def _finalize_one(
-    table_ptr, amax_out_ptr, t, j: tl.constexpr, SCALED: tl.constexpr,
-    grad_unscale, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, max_update,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, FRESH: tl.constexpr, SLACK: tl.constexpr,
-):  # fmt: skip
-    if SCALED:  # after the main passes: nothing reads the old scale any more
-        scale_addr = _addr(table_ptr, t, 4 + j, amax_out_ptr)
-        prev = tl.load(scale_addr)
-        new = _write_scale(table_ptr, amax_out_ptr, t, j, prev, grad_unscale, beta1, one_minus_beta1, beta2,
-                           one_minus_beta2, decay, max_update, MAX_EXP, MAX_MANT, FRESH, SLACK)  # fmt: skip
-        tl.store(scale_addr, new)
-    tl.store(_addr(table_ptr, t, 7 + j, amax_out_ptr), tl.load(amax_out_ptr + t * 4 + j))
-
-
-@triton.jit
-def _finalize_emit(
-    table_ptr, amax_out_ptr, t, p0, c0, grad_unscale, decay, max_update,
-    SCALED_P: tl.constexpr, HAS_COPY: tl.constexpr, P_EXP: tl.constexpr, P_MANT: tl.constexpr, SRC_MAX: tl.constexpr,
-    E_EXP: tl.constexpr, E_MANT: tl.constexpr, E_MARGIN: tl.constexpr, FRESH: tl.constexpr, SLACK: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
-):  # fmt: skip
-    # The record of the FP8 copy, as the forward's cast would record it for the unscaled weight (reference.
-    # emit_fp8_weight_ref): fp32 [scale_inv, amax, scale, saturation, history], then int64 [nonfinite, 1] at byte 24.
-    # Runs before the master's scale and amax are overwritten: it recomputes the scales the main pass used.
-    ms = 1.0
-    if SCALED_P:
-        ms = _write_scale(table_ptr, amax_out_ptr, t, 0, tl.load(_addr(table_ptr, t, 4, amax_out_ptr)), grad_unscale,
-                          0.0, 0.0, 0.0, 0.0, decay, max_update, P_EXP, P_MANT, FRESH, SLACK)  # fmt: skip
-    e_s = _emit_scale(table_ptr, amax_out_ptr, t, ms, p0, c0, grad_unscale, decay, max_update, SCALED_P, HAS_COPY,
-                      SRC_MAX, E_EXP, E_MANT, E_MARGIN, FRESH, SLACK, EXACT_ROUND)  # fmt: skip
-    a_s = _emitted_amax(tl.load(amax_out_ptr + t * 4), ms, p0, c0, SCALED_P, HAS_COPY, SRC_MAX, EXACT_ROUND)
-    if HAS_COPY:  # the copy is cast unscaled
-        ms = 1.0
-    inv_ms = tl.div_rn(1.0, ms)  # exact: powers of two
-    n = tl.load(table_ptr + t * 16 + 12).to(tl.float32)
-    rec = _addr(table_ptr, t, 15, amax_out_ptr)
-    tl.store(rec, tl.div_rn(1.0, e_s) * inv_ms)
-    tl.store(rec + 1, a_s * inv_ms)
-    tl.store(rec + 2, e_s * ms)
-    tl.store(rec + 3, tl.div_rn(tl.load(amax_out_ptr + t * 4 + 3), n))
-    tl.store(rec + 4, tl.where(a_s < float("inf"), a_s, 0.0) * inv_ms)
-    counts = _addr(table_ptr, t, 15, table_ptr) + 3
-    tl.store(counts, (a_s == float("inf")).to(tl.int64))
-    tl.store(counts + 1, tl.full([], 1, tl.int64))
-
-
-@triton.jit
-def _finalize_kernel(
-    table_ptr,  # int64 [T, NCOL], as above
-    amax_out_ptr,  # fp32 [T, 4]: the new amaxes, the copy's saturated count
-    p0, c0,  # the first param and copy: their types are the stored formats of the weights
-    grad_unscale, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, max_update,  # fp32 scalars
-    SCALED_P: tl.constexpr, SCALED_M: tl.constexpr, SCALED_V: tl.constexpr,
-    P_EXP: tl.constexpr, P_MANT: tl.constexpr, M_EXP: tl.constexpr,
-    M_MANT: tl.constexpr, V_EXP: tl.constexpr, V_MANT: tl.constexpr,
-    HAS_AMAXES: tl.constexpr,  # amaxes (and scales) of the states to write
-    HAS_COPY: tl.constexpr, EMIT: tl.constexpr, SRC_MAX: tl.constexpr,  # as _adamw_kernel
-    E_EXP: tl.constexpr, E_MANT: tl.constexpr, E_MARGIN: tl.constexpr,
-    FRESH: tl.constexpr, SLACK: tl.constexpr, EXACT_ROUND: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    if EMIT:
-        _finalize_emit(table_ptr, amax_out_ptr, t, p0, c0, grad_unscale, decay, max_update, SCALED_P, HAS_COPY,
-                       P_EXP, P_MANT, SRC_MAX, E_EXP, E_MANT, E_MARGIN, FRESH, SLACK, EXACT_ROUND)  # fmt: skip
-    if HAS_AMAXES:
-        _finalize_one(table_ptr, amax_out_ptr, t, 0, SCALED_P, grad_unscale, beta1, one_minus_beta1, beta2,
-                      one_minus_beta2, decay, max_update, P_EXP, P_MANT, FRESH, SLACK)  # fmt: skip
-        _finalize_one(table_ptr, amax_out_ptr, t, 1, SCALED_M, grad_unscale, beta1, one_minus_beta1, beta2,
-                      one_minus_beta2, decay, max_update, M_EXP, M_MANT, FRESH, SLACK)  # fmt: skip
-        _finalize_one(table_ptr, amax_out_ptr, t, 2, SCALED_V, grad_unscale, beta1, one_minus_beta1, beta2,
-                      one_minus_beta2, decay, max_update, V_EXP, V_MANT, FRESH, SLACK)  # fmt: skip

@@ -45,7 +45,7 @@ _FP8 = {
 # session's sweep, benchmarks/results/h100_s6.txt). PROGRAMS_PER_SM bounds the persistent grid (2**20: one work item
 # per program; 32 beat 16 and every value between, although fewer programs than that fit on an SM at once); NUM_STAGES
 # pipelines the tile loop (2 and 3: no faster); TRANSPOSE_VIA: the transpose path (see _cast_transpose_kernel); STATS:
-# running statistics per "element", "row" or "tile" (see cast_kernels._quantize_block; per row, reduced within the
+# running statistics per "element", "row" or "tile" (see fp8_encoding._quantize_block; per row, reduced within the
 # threads that hold a row, saved the transposed cast the two barriers per tile of "tile": 81.8% of copy against 80.5%);
 # LOAD_POLICY: the loads' eviction policy; STORE_POLICY: the FP8 stores' cache modifier (.cs and .cg: no faster);
 # MAXNREG: registers per thread (None: the compiler's choice; 96 and 128 were slower); TMA: the transposed cast moves

@@ -10,7 +10,7 @@ persistent). Counters and amaxes run in registers, first reduced within each thr
 
 import triton
 import triton.language as tl
-from lightning_fp8.kernels.cast_kernels import _fp8_bytes, _round_to_fp8_grid
+from lightning_fp8.kernels.fp8_encoding import _fp8_bytes, _round_to_fp8_grid
 from lightning_fp8.kernels.scaling import _pow2_scale
 
 # Running statistics keep one value per LANE consecutive elements of a block: a thread holds 8 (or 16) consecutive

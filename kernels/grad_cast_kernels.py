@@ -17,8 +17,8 @@ in registers until the end of the chunk.
 import triton
 import triton.language as tl
 from lightning_fp8.kernels.adamw_kernels import _fold_amax
-from lightning_fp8.kernels.cast_kernels import _fp8_bytes, _round_to_fp8_grid
 from lightning_fp8.kernels.comm_kernels import _decode_fp8
+from lightning_fp8.kernels.fp8_encoding import _fp8_bytes, _round_to_fp8_grid
 from lightning_fp8.kernels.scaling import _pow2_scale, _record
 
 # Table columns (int64 [T, NCOL] per launch): element offsets of the gradient and of its FP8 output (from the first
