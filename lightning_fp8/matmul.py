@@ -208,6 +208,7 @@ def note_casts(
     by_value: bool = True,
     backward: bool | None = None,
     numel: int | None = None,
+    grad_numel: int | None = None,
 ) -> None:
     """Mark the roles that the forward of input ``x`` (output ``y``) cast as initialized where the cast's amax was
     finite and > 0 (:meth:`ScalingState.note_cast`; ``by_value=False``: any cast of a non-empty tensor, the same on
@@ -217,15 +218,18 @@ def note_casts(
     all-zero tensor (amax 0: no information; an MoE expert without tokens, the output
     of a zero-initialized layer) or of a non-finite one marks nothing: the next cast still uses its own amax.
     ``numel``: the size of the input the layer cast, where ``x`` is not that input (an FP8MLP's proj: the GELU of its
-    fc's output, not empty when ``x`` is empty but has tokens)."""
+    fc's output, not empty when ``x`` is empty but has tokens). ``grad_numel``: the size of the output gradient the
+    backward casts, where ``y`` is not this layer's output (an FP8MLP's fc); not empty where ``x`` is empty but has
+    tokens (``in_features=0``: the output is the bias on every token)."""
     n = x.numel() if numel is None else numel
-    if n == 0:
-        return
-    scaling["input"].note_cast(n, by_value)
-    scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
-    if torch.compiler.is_compiling() and (y.requires_grad if backward is None else backward):  # grad_output_current
+    if n:
+        scaling["input"].note_cast(n, by_value)
+        scaling["weight"].note_cast(n, by_value=False)  # the weight's casts take its own amax every time (current)
+    n_grad = y.numel() if grad_numel is None else grad_numel
+    backward = y.requires_grad if backward is None else backward
+    if n_grad and backward and torch.compiler.is_compiling():  # grad_output_current
         grad_output = scaling["grad_output"]
         if by_value and not grad_output.initialized:  # marked before its backward has run: see current_flags
             grad_output.marked_by_trace = True
             note_traced_mark()
-        grad_output.note_cast(n, by_value)
+        grad_output.note_cast(n_grad, by_value)

@@ -338,6 +338,7 @@ class FP8MLP(nn.Module):
         # gelu(fc.bias) on every token). fc's output gradient is cast only where its input or parameters need
         # gradients (_FP8GeluMLP's need_h): else a traced forward must not use up its first cast.
         fc_backward = x_2d.requires_grad or w1.requires_grad or (fc.bias is not None and fc.bias.requires_grad)
-        note_casts(fc_states, x_2d, y, backward=y.requires_grad and fc_backward)
+        fc_grad = x_2d.shape[0] * fc.out_features
+        note_casts(fc_states, x_2d, y, backward=y.requires_grad and fc_backward, grad_numel=fc_grad)
         note_casts(proj_states, x_2d, y, numel=x_2d.shape[0] * proj.in_features)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], proj.out_features)
