@@ -16,10 +16,6 @@ FP8_DTYPES = (E4M3, E5M2)
 # Largest finite value of each format. E4M3FN has no infinity: 448 = 1.75 * 2**8.
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 
-# Number of explicit mantissa bits and smallest normal exponent, used to round to the FP8 grid.
-FP8_MANTISSA_BITS = {E4M3: 3, E5M2: 2}
-FP8_MIN_NORMAL_EXP = {E4M3: -6, E5M2: -14}
-
 
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value representable in ``dtype`` (an FP8 dtype).

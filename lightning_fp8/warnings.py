@@ -9,9 +9,12 @@ _seen: set[str] = set()
 
 
 def _rank() -> int:
+    # The first of the launchers' variables that holds an integer: a warning must not raise where a variable holds
+    # something else (an empty RANK exported by a shell script).
     for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var])
+        value = os.environ.get(var, "").strip()
+        if value.lstrip("-").isdigit():
+            return int(value)
     try:
         import torch.distributed as dist
 
