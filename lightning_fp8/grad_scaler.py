@@ -135,6 +135,10 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         self.lr_factor = float(lr_factor)
         self._model = model
         self._model_from_integration = False  # set by _take_model, cleared by setting model
+        self._init_running_state()
+
+    def _init_running_state(self) -> None:
+        """What a fresh scaler starts with: no step counted, no optimizer seen, no loss scaled, no report."""
         self._growth_tracker = 0
         self._skipped_steps = 0
         self._nonfinite_events = 0

@@ -109,6 +109,29 @@ def _memory_value(value: Any) -> float | None:
     return _as_value(value, "memory_gib", "a number of GiB or the dict memory_gib(device) returns")
 
 
+def _checked_observation(given: dict[str, Any], memory_gib: Any) -> tuple[dict[str, float | None], float | None]:
+    """observe's ``given`` values and ``memory_gib`` as floats (or ``None``), checked before anything is recorded."""
+    converted = {name: _as_value(value, name, _NUMBER) for name, value in given.items()}
+    memory_gib = _memory_value(memory_gib)
+    for name in ("samples", "tokens", "seconds"):  # work and time: a negative or non-finite one is a mistake
+        if converted[name] is not None and not 0 <= converted[name] < math.inf:
+            raise ValueError(
+                f"HealthMonitor.observe({name}={given[name]!r}) must be a finite number >= 0 (work done and "
+                "wall time since the previous observation); nothing was recorded"
+            )
+    if memory_gib is not None and not 0 <= memory_gib < math.inf:  # an amount of memory: a mistake otherwise
+        raise ValueError(
+            f"HealthMonitor.observe(memory_gib={memory_gib!r}) must be a finite number of GiB >= 0; nothing was "
+            "recorded"
+        )
+    for name in ("grad_norm", "param_norm"):  # a norm is never negative (inf and NaN are non-finite events)
+        if converted[name] is not None and converted[name] < 0:
+            raise ValueError(
+                f"HealthMonitor.observe({name}={given[name]!r}) must be >= 0 (a norm); nothing was recorded"
+            )
+    return converted, memory_gib
+
+
 def _mean_std(values: Iterable[float]) -> tuple[float, float]:
     vals = list(values)
     mean = sum(vals) / len(vals)
@@ -173,26 +196,31 @@ class HealthMonitor:
         step = _as_step(step, "observe")
         given = {"loss": loss, "grad_norm": grad_norm, "param_norm": param_norm, "samples": samples, "tokens": tokens,
                  "seconds": seconds}  # fmt: skip
-        converted = {name: _as_value(value, name, _NUMBER) for name, value in given.items()}
-        memory_gib = _memory_value(memory_gib)
-        for name in ("samples", "tokens", "seconds"):  # work and time: a negative or non-finite one is a mistake
-            if converted[name] is not None and not 0 <= converted[name] < math.inf:
-                raise ValueError(
-                    f"HealthMonitor.observe({name}={given[name]!r}) must be a finite number >= 0 (work done and "
-                    "wall time since the previous observation); nothing was recorded"
-                )
-        if memory_gib is not None and not 0 <= memory_gib < math.inf:  # an amount of memory: a mistake otherwise
-            raise ValueError(
-                f"HealthMonitor.observe(memory_gib={memory_gib!r}) must be a finite number of GiB >= 0; nothing was "
-                "recorded"
-            )
-        for name in ("grad_norm", "param_norm"):  # a norm is never negative (inf and NaN are non-finite events)
-            if converted[name] is not None and converted[name] < 0:
-                raise ValueError(
-                    f"HealthMonitor.observe({name}={given[name]!r}) must be >= 0 (a norm); nothing was recorded"
-                )
+        converted, memory_gib = _checked_observation(given, memory_gib)
         self._observations += 1
         events: list[HealthEvent] = []
+        values = self._record_series(step, converted, memory_gib)
+        for name in ("loss", "grad_norm"):
+            if name in values and not math.isfinite(values[name]):
+                events.append(self._nonfinite_event(step, name, values[name], "none"))
+        grad_ok = "grad_norm" in values and math.isfinite(values["grad_norm"])
+        loss_ok = "loss" in values and math.isfinite(values["loss"])
+        spike = self._judge_grad_norm(step, values["grad_norm"]) if grad_ok else None
+        if spike is not None:
+            events.append(spike)
+        if grad_ok and loss_ok and spike is None:  # a spike's step (a bad batch) stays out of the plateau test too
+            self._plateau_loss.append(values["loss"])
+            self._plateau_grad.append(values["grad_norm"])
+            plateau = self._check_plateau(step)
+            if plateau is not None:
+                events.append(plateau)
+        self.events.extend(events)
+        return events
+
+    def _record_series(
+        self, step: int, converted: dict[str, float | None], memory_gib: float | None
+    ) -> dict[str, float]:
+        """Append the given values, and the throughput where ``seconds`` allows it, to :attr:`series`; return them."""
         values = {name: converted[name] for name in ("loss", "grad_norm", "param_norm")}
         values["memory_gib"] = memory_gib
         seconds, samples, tokens = converted["seconds"], converted["samples"], converted["tokens"]
@@ -202,33 +230,22 @@ class HealthMonitor:
         values = {k: v for k, v in values.items() if v is not None}
         for name, value in values.items():
             self.series[name].append((step, value))
-        for name in ("loss", "grad_norm"):
-            if name in values and not math.isfinite(values[name]):
-                events.append(self._nonfinite_event(step, name, values[name], "none"))
-        grad_ok = "grad_norm" in values and math.isfinite(values["grad_norm"])
-        loss_ok = "loss" in values and math.isfinite(values["loss"])
-        spike = None
-        if grad_ok:
-            spike = self._check_spike(step, values["grad_norm"])
-            if spike is None:
+        return values
+
+    def _judge_grad_norm(self, step: int, grad_norm: float) -> HealthEvent | None:
+        """The spike event of a finite ``grad_norm``, if it is one; updates the baseline spikes are judged against."""
+        spike = self._check_spike(step, grad_norm)
+        if spike is None:
+            self._spike_run.clear()
+            self._grad_norms.append(grad_norm)
+        else:  # a spike does not enter the baseline it is judged against ...
+            self._spike_run.append(grad_norm)
+            if len(self._spike_run) >= self.config.spike_patience:
+                # ... unless spike_patience of them in a row: the norm has settled at a new level.
+                self._grad_norms.clear()
+                self._grad_norms.extend(self._spike_run)
                 self._spike_run.clear()
-                self._grad_norms.append(values["grad_norm"])
-            else:  # a spike does not enter the baseline it is judged against ...
-                events.append(spike)
-                self._spike_run.append(values["grad_norm"])
-                if len(self._spike_run) >= self.config.spike_patience:
-                    # ... unless spike_patience of them in a row: the norm has settled at a new level.
-                    self._grad_norms.clear()
-                    self._grad_norms.extend(self._spike_run)
-                    self._spike_run.clear()
-        if grad_ok and loss_ok and spike is None:  # a spike's step (a bad batch) stays out of the plateau test too
-            self._plateau_loss.append(values["loss"])
-            self._plateau_grad.append(values["grad_norm"])
-            plateau = self._check_plateau(step)
-            if plateau is not None:
-                events.append(plateau)
-        self.events.extend(events)
-        return events
+        return spike
 
     def record_nonfinite(self, step: int, source: str, action: str, value: float = math.nan) -> HealthEvent:
         """Record a non-finite ``source`` (``"loss"`` or ``"grad_norm"``/``"grad"``) and the recovery ``action``.

@@ -233,41 +233,68 @@ def _checked(
         )
     expected = {f"{name}.{field}" for name, state in states.items() for field in _fields(state)}
     state_dict = _in_model_names(module, state_dict, expected)
-    if warn and not strict and state_dict and not expected:
+    if warn and not strict:
+        _warn_if_nothing_matches(state_dict, expected)
+    settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
+    flags = {key for key in expected if key.rpartition(".")[2] == INITIALIZED}
+    if strict:
+        _check_keys_match(state_dict, expected, optional=settings | flags)
+    loads, initialized = _checked_loads(states, state_dict, expected, settings, flags)
+    _check_flags_have_history(states, state_dict, initialized)
+    return states, loads, initialized
+
+
+def _warn_if_nothing_matches(state_dict: dict[str, torch.Tensor], expected: set[str]) -> None:
+    """Warn when no key of a non-empty ``state_dict`` names one of the model's states (``expected``): a load with
+    ``strict=False`` would change nothing, silently."""
+    if state_dict and not expected:
         warnings.warn(
             f"load_fp8_state_dict(strict=False): this model has no FP8 scaling state (no FP8 layer), so none of the "
             f"{len(state_dict)} saved keys (e.g. {next(iter(state_dict))!r}) was loaded. Convert the model first "
             "(convert_to_fp8, with the recipe and module filter it was trained with), then load its FP8 state",
-            stacklevel=3,
+            stacklevel=4,
         )
-    elif warn and not strict and state_dict and not set(state_dict) & expected:
+    elif state_dict and not set(state_dict) & expected:
         warnings.warn(
             f"load_fp8_state_dict(strict=False): none of the {len(state_dict)} saved keys (e.g. "
             f"{next(iter(state_dict))!r}) names an FP8 scaling state of this model (e.g. {min(expected)!r}), so "
             "nothing was loaded. Load the fp8_state_dict() of this model (or of it wrapped in DDP/DataParallel), or "
             "pass strict=True to see the missing and unexpected keys",
-            stacklevel=3,
+            stacklevel=4,
         )
-    settings = {key for key in expected if key.rpartition(".")[2] in SETTINGS}
-    flags = {key for key in expected if key.rpartition(".")[2] == INITIALIZED}
-    if strict:
-        missing = sorted(expected - set(state_dict) - settings - flags)
-        unexpected = sorted(set(state_dict) - expected)
-        if missing or unexpected:
-            fallback = (
-                " If the saved run's 'bf16' fallback (FP8GradScaler nonfinite_fallback) put layers back to nn.Linear, "
-                "save lightning_fp8.recovery.fallen_back_layers(model) with the checkpoint and call "
-                "put_back_to_high_precision(model, names, optimizer) on this model before loading (docs: "
-                "troubleshooting)."
-                if missing and not unexpected
-                else ""
-            )
-            raise KeyError(
-                f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-                "was the checkpoint written for a model converted with the same layers and recipe? (Names that differ "
-                "only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
-                f"{fallback}"
-            )
+
+
+def _check_keys_match(state_dict: dict[str, torch.Tensor], expected: set[str], optional: set[str]) -> None:
+    """``strict``: raise KeyError unless the keys of ``state_dict`` are the model's (``expected``), of which those in
+    ``optional`` (settings and flags, which older checkpoints lack) may be missing."""
+    missing = sorted(expected - set(state_dict) - optional)
+    unexpected = sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        fallback = (
+            " If the saved run's 'bf16' fallback (FP8GradScaler nonfinite_fallback) put layers back to nn.Linear, "
+            "save lightning_fp8.recovery.fallen_back_layers(model) with the checkpoint and call "
+            "put_back_to_high_precision(model, names, optimizer) on this model before loading (docs: "
+            "troubleshooting)."
+            if missing and not unexpected
+            else ""
+        )
+        raise KeyError(
+            f"FP8 scaling state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            "was the checkpoint written for a model converted with the same layers and recipe? (Names that differ "
+            "only by a wrapper's prefix, DDP's 'module.' or torch.compile's '_orig_mod.', are matched already.)"
+            f"{fallback}"
+        )
+
+
+def _checked_loads(
+    states: dict[str, ScalingState],
+    state_dict: dict[str, torch.Tensor],
+    expected: set[str],
+    settings: set[str],
+    flags: set[str],
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, bool]]:
+    """Check each saved value of the model's states (``expected``; the ``settings`` first, then buffers and
+    ``flags``); return the ``(state name, buffer, value)`` copies to make and the ``initialized`` flags by state."""
     meta = sorted(key for key, v in state_dict.items() if key in expected and isinstance(v, torch.Tensor) and v.is_meta)
     if meta:
         raise ValueError(
@@ -288,6 +315,13 @@ def _checked(
         buf = getattr(states[state_name], buf_name)
         _check_value(key, buf_name, value, buf)
         loads.append((state_name, buf, value))
+    return loads, initialized
+
+
+def _check_flags_have_history(
+    states: dict[str, ScalingState], state_dict: dict[str, torch.Tensor], initialized: dict[str, bool]
+) -> None:
+    """Raise ValueError for a delayed state's ``initialized`` flag of 1 loaded without its history."""
     # A flag of 1 says the state's next delayed cast uses its history: loaded without that history (strict=False,
     # a hand-made dict), a fresh state would cast with scale 1 and saturate. A current-scaled state (weights, or
     # scaling="current") computes every scale from its tensor: the flag changes no cast there.
@@ -301,7 +335,6 @@ def _checked(
             "uses that history, which this load would not give it. Load the whole state fp8_state_dict() saved, or "
             "leave the flag out"
         )
-    return states, loads, initialized
 
 
 def _fields(state: ScalingState) -> list[str]:

@@ -21,7 +21,8 @@ This module holds the optimizer's settings, parameter groups and step; its bases
 :mod:`~lightning_fp8.optim.adoption` (which parameters get low-precision states, and their release),
 :mod:`~lightning_fp8.optim.fp8_grads` (the gradient hooks and the FP8 gradients held for the step),
 :mod:`~lightning_fp8.optim.state_dict` (the state dicts and the statistics of the states) and
-:mod:`~lightning_fp8.optim.pickling` (``torch.save`` and ``copy.deepcopy`` of the optimizer).
+:mod:`~lightning_fp8.optim.pickling` (``torch.save`` and ``copy.deepcopy`` of the optimizer); the levels' state
+dtypes and the checks of the constructor's arguments are in :mod:`~lightning_fp8.optim.settings`.
 """
 
 from __future__ import annotations
@@ -35,42 +36,18 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_fp8 import ops
-from lightning_fp8.formats import E4M3, E5M2
 from lightning_fp8.optim import apart, checkpoint, grad_cast, master, shards
 from lightning_fp8.optim import step as step_
 from lightning_fp8.optim.adoption import _Adoption
 from lightning_fp8.optim.fp8_grads import _GRAD_OWNER_IDS, _OPTIMIZERS, _FP8Grad, _FP8Grads, hook_table
 from lightning_fp8.optim.fp8_grads import GRAD_OWNER_ATTR as GRAD_OWNER_ATTR  # its import path before the split
 from lightning_fp8.optim.pickling import _Pickling
+from lightning_fp8.optim.settings import fp8_param_ids, resolved_settings
 from lightning_fp8.optim.state_dict import _StateDict
-from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
+from lightning_fp8.recipe import FP8Recipe, check_flag
 
 ScaleUpdate = Literal["one_pass", "two_pass"]
 LowPrecisionMoments = Literal["fp8_weights", "all"]
-
-_FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
-# (master, exp_avg, exp_avg_sq) of FP8 linear weights per optimization level.
-_LEVEL_DTYPES = {"O1": (_FP32, _FP32, _FP32), "O2": (_FP16, E4M3, _FP16)}
-_ALLOWED = {
-    "master_dtype": (_FP32, _FP16, _BF16),
-    "exp_avg_dtype": (_FP32, _BF16, _FP16, E4M3, E5M2),
-    # FP8-LM: an FP8 second moment diverged, so it is not offered.
-    "exp_avg_sq_dtype": (_FP32, _BF16, _FP16),
-}
-
-
-def _fp8_param_ids(fp8_params: Any) -> set[int]:
-    """The ids of the ``fp8_params`` argument's tensors (none for ``None``); TypeError for anything else."""
-    if fp8_params is None:
-        return set()
-    params = list(fp8_params) if isinstance(fp8_params, Iterable) and not isinstance(fp8_params, torch.Tensor) else None
-    if params is None or not all(isinstance(p, torch.Tensor) for p in params):
-        raise TypeError(
-            f"FP8AdamW(fp8_params=...) takes an iterable of the weight tensors to store as FP8 linear weights (e.g. "
-            f"[m.weight for m in model.modules() if isinstance(m, FP8Linear)]), got {type(fp8_params).__name__}"
-            + ("" if params is None else " holding " + ", ".join(sorted({type(p).__name__ for p in params})))
-        )
-    return {id(p) for p in params}
 
 
 class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimizer):
@@ -197,49 +174,19 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
             check_flag("FP8AdamW", "fp8_grads", fp8_grads)
         step_.check_hyper_parameters(lr, betas, eps, weight_decay)
         step_.check_grad_scaler(grad_scaler)
-        self.recipe = resolve_recipe(recipe)
-        self.opt_level = opt_level if opt_level is not None else self.recipe.opt_level
-        if not isinstance(self.opt_level, str) or self.opt_level not in _LEVEL_DTYPES:
-            raise ValueError(f"FP8AdamW(opt_level={self.opt_level!r}) is not supported: choose 'O1' or 'O2'")
-        chosen = dict(zip(_ALLOWED, (master_dtype, exp_avg_dtype, exp_avg_sq_dtype), strict=True))
-        for (name, dtype), default in zip(chosen.items(), _LEVEL_DTYPES[self.opt_level], strict=True):
-            chosen[name] = default if dtype is None else dtype
-            if chosen[name] not in _ALLOWED[name]:
-                raise ValueError(f"FP8AdamW({name}={dtype}) is not supported: choose one of {list(_ALLOWED[name])}")
-        self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype = chosen.values()
-        if scale_update not in ("one_pass", "two_pass"):
-            raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'one_pass' or 'two_pass'")
+        self.recipe, self.opt_level, dtypes = resolved_settings(
+            recipe, opt_level, (master_dtype, exp_avg_dtype, exp_avg_sq_dtype), scale_update, low_precision_moments
+        )
+        self.master_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype = dtypes
         self.scale_update = scale_update
-        if low_precision_moments not in ("fp8_weights", "all"):
-            raise ValueError(
-                f"FP8AdamW(low_precision_moments={low_precision_moments!r}) is not supported: use 'fp8_weights' (the "
-                "moments of FP8 linear weights only) or 'all' (every parameter's)"
-            )
         self.low_precision_moments = low_precision_moments
         self.emit_fp8_weights = emit_fp8_weights
         self.grad_scaler = grad_scaler
         self.grad_dtype = self.recipe.backward_dtype
         self.fp8_grads = fp8_grads if fp8_grads is not None else not (dist.is_available() and dist.is_initialized())
-        self._extra_fp8_params = _fp8_param_ids(fp8_params)
-        self._low_precision: set[torch.Tensor] = set()  # params with O2 states
-        self._moments_only: set[torch.Tensor] = set()  # those of them whose master is high precision (the param)
-        self._master_amax: dict[torch.Tensor, torch.Tensor] = {}  # their master's amax, which the kernel writes
-        self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
-        self._held: set[torch.Tensor] | None = None  # the parameters of all groups: see _holds
-        self._stepped_fp8_grads: list[torch.Tensor] = []  # the params the last step took an FP8 gradient of
-        self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
-        self._hooks = hook_table(self)  # {param: gradient hook handle}, removed when the optimizer is collected
-        self._grad_owner_id = next(_GRAD_OWNER_IDS)  # see GRAD_OWNER_ATTR
-        self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
-        self._master_marks: dict[torch.Tensor, apart.Mark | None] = {}  # masters kept apart: optim/apart.py
-        self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
-        self._fp8_unscale: float | None = None  # set while FP8GradScaler.step(self) runs the update through step()
-        self._fp8_in_step = False  # step() is routing through self.grad_scaler (which then updates directly)
+        self._extra_fp8_params = fp8_param_ids(fp8_params)
+        self._init_bookkeeping(grad_cast_bucket_mb)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
-        self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
-        self._admitted: set[torch.Tensor] = set()  # the parameters taken in by add_param_group (see _admit_unseen)
-        self._plain_at_admission: set[torch.Tensor] = set()  # those that were no FP8 weight then (see _admit)
-        self._conversions_seen: int | None = master.conversions  # see _check_not_converted_since
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(FP8AdamW._export_states, prepend=True)
         adopting, self._adopting = self._adopting, None
@@ -256,6 +203,27 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         self._register_o1_grad_hooks(params)
         self._claim_grads(params)
         _OPTIMIZERS.add(self)  # (see held_fp8_grads)
+
+    def _init_bookkeeping(self, grad_cast_bucket_mb: float) -> None:
+        """The optimizer's records of its parameters, gradients and hooks, empty: before any group is added."""
+        self._low_precision: set[torch.Tensor] = set()  # params with O2 states
+        self._moments_only: set[torch.Tensor] = set()  # those of them whose master is high precision (the param)
+        self._master_amax: dict[torch.Tensor, torch.Tensor] = {}  # their master's amax, which the kernel writes
+        self._pending: dict[torch.Tensor, _FP8Grad] = {}  # FP8 gradients waiting for the step
+        self._held: set[torch.Tensor] | None = None  # the parameters of all groups: see _holds
+        self._stepped_fp8_grads: list[torch.Tensor] = []  # the params the last step took an FP8 gradient of
+        self._grad_casts = grad_cast.GradCastQueue(grad_cast.bucket_bytes(grad_cast_bucket_mb))  # fp16, to cast
+        self._hooks = hook_table(self)  # {param: gradient hook handle}, removed when the optimizer is collected
+        self._grad_owner_id = next(_GRAD_OWNER_IDS)  # see GRAD_OWNER_ATTR
+        self._grad_cast_states: dict[torch.Tensor, tuple] = {}  # see _grad_cast_state
+        self._master_marks: dict[torch.Tensor, apart.Mark | None] = {}  # masters kept apart: optim/apart.py
+        self.skipped_grad_amax: dict[torch.Tensor, torch.Tensor] = {}  # gradient amaxes of the last skipped step
+        self._fp8_unscale: float | None = None  # set while FP8GradScaler.step(self) runs the update through step()
+        self._fp8_in_step = False  # step() is routing through self.grad_scaler (which then updates directly)
+        self._adopting: list[torch.Tensor] | None = []  # the constructor's groups adopt together, after all are checked
+        self._admitted: set[torch.Tensor] = set()  # the parameters taken in by add_param_group (see _admit_unseen)
+        self._plain_at_admission: set[torch.Tensor] = set()  # those that were no FP8 weight then (see _admit)
+        self._conversions_seen: int | None = master.conversions  # see _check_not_converted_since
 
     # -------------------------------------------------------------------------------------------- param handling
     @override
