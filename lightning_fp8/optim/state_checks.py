@@ -181,12 +181,7 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
     amax of a shape that fits neither one number nor one per row (column) of its state, a scale outside 2**-126 to
     2**127, an amax that is not finite and >= 0; bad values (:func:`_check_values`); a step that is not a whole number
     from 0 to 2**24 (:func:`_check_step`). Returns the state with DTensors as local shards."""
-    if not isinstance(saved, dict):
-        raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
-    present = [key for key in _ADAMW_KEYS if key in saved]
-    if present and len(present) != len(_ADAMW_KEYS):
-        missing = [key for key in _ADAMW_KEYS if key not in saved]
-        raise ValueError(f"{where}'s state has {present} without {missing}: {_FIX}")
+    _check_keys(where, saved)
     # torch.optim.AdamW's state (its keys only) keeps the moments in the parameter's dtype, fp16 for an fp16 model,
     # without a scale: they hold the values themselves. A state of FP8AdamW has more keys (master, scales, amaxes).
     adamw = set(saved) <= set(_ADAMW_KEYS)
@@ -197,47 +192,69 @@ def _check_entry(where: str, p: torch.Tensor, saved: Any) -> dict[str, Any]:
             f"{where}'s {meta[:3]} are on the meta device (they hold no data): load the checkpoint with "
             "torch.load(..., map_location='cpu') or the device of the model"
         )
-    shard_shape = tuple(shards.local(p).shape)
     for key in _KEYS:
-        if key not in saved:
-            continue
-        what = f"{where}'s {key!r}"
-        _check_tensor(what, saved[key], p)
-        # Whatever its shape: a rank whose shard has the whole parameter's shape (fewer rows than ranks) must refuse
-        # as the others do, or it would load and run on while they raise.
-        if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
-            raise ValueError(
-                f"{what} is a plain tensor of shape {tuple(local[key].shape)} and its parameter is sharded (a DTensor, "
-                f"this rank's shard {shard_shape}): a full (unsharded) state dict loads into sharded parameters "
-                "through torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(..., "
-                "options=StateDictOptions(full_state_dict=True))"
-            )
-        if tuple(local[key].shape) != shard_shape:
-            raise ValueError(f"{what} has shape {tuple(local[key].shape)}, its parameter {shard_shape}: {_FIX}")
-        dtype = local[key].dtype
-        if dtype not in SCALED_STATE_MAX and dtype not in _UNSCALED:
-            raise ValueError(
-                f"{what} is {dtype}, which FP8AdamW does not store (it stores {list(_UNSCALED)} as they are, "
-                f"{list(SCALED_STATE_MAX)} as value * '{key}_scale') and so cannot read. Convert it in the state dict "
-                f"to fp32 values (stored / scale in the format's own convention) and delete '{key}_scale' and "
-                f"'{key}_amax', or {_FIX}"
-            )
-        # FP8AdamW writes no scaled state without its scale: read without one, it would be the value times the scale.
-        if dtype in SCALED_STATE_MAX and f"{key}_scale" not in saved and not (dtype == torch.float16 and adamw):
-            whose = "torch.optim.AdamW keeps no FP8 moments"
-            if not adamw:
-                keys = sorted(map(str, saved))
-                whose = f"the state has {keys}: FP8AdamW's, not torch.optim.AdamW's (fp16 moments as values)"
-            raise ValueError(
-                f"{what} is {dtype} without its '{key}_scale' (FP8AdamW stores it as value * scale; {whose}): {_FIX}"
-            )
-        for name in (f"{key}_scale", f"{key}_amax"):
-            if name in saved:
-                _check_scalar(f"{where}'s {name!r}", saved[name], local[name], local[key], p, name.endswith("scale"))
-        _check_values(where, key, local)
+        if key in saved:
+            _check_state(where, key, p, saved, local, adamw)
     if "step" in saved:
         _check_step(where, saved["step"])
     return local
+
+
+def _check_keys(where: str, saved: Any) -> None:
+    """Raise ValueError for a state that is not a dict, or has some of AdamW's step and moments without the others."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}'s state is a {type(saved).__name__}, not a dict: {_FIX}")
+    present = [key for key in _ADAMW_KEYS if key in saved]
+    if present and len(present) != len(_ADAMW_KEYS):
+        missing = [key for key in _ADAMW_KEYS if key not in saved]
+        raise ValueError(f"{where}'s state has {present} without {missing}: {_FIX}")
+
+
+def _check_state(
+    where: str, key: str, p: torch.Tensor, saved: dict[str, Any], local: dict[str, Any], adamw: bool
+) -> None:
+    """Raise ValueError for state ``key`` (a moment or the master) that ``p`` cannot take: the tensor, its sharding and
+    shape, the dtype it is stored in, its scale and amax, its values. ``local``: the state with DTensors as local
+    shards; ``adamw``: whether it has torch.optim.AdamW's keys only."""
+    what, shard_shape = f"{where}'s {key!r}", tuple(shards.local(p).shape)
+    _check_tensor(what, saved[key], p)
+    # Whatever its shape: a rank whose shard has the whole parameter's shape (fewer rows than ranks) must refuse
+    # as the others do, or it would load and run on while they raise.
+    if shards.is_dtensor(p) and not shards.is_dtensor(saved[key]):
+        raise ValueError(
+            f"{what} is a plain tensor of shape {tuple(local[key].shape)} and its parameter is sharded (a DTensor, "
+            f"this rank's shard {shard_shape}): a full (unsharded) state dict loads into sharded parameters "
+            "through torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(..., "
+            "options=StateDictOptions(full_state_dict=True))"
+        )
+    if tuple(local[key].shape) != shard_shape:
+        raise ValueError(f"{what} has shape {tuple(local[key].shape)}, its parameter {shard_shape}: {_FIX}")
+    _check_dtype(what, key, local[key].dtype, saved, adamw)
+    for name in (f"{key}_scale", f"{key}_amax"):
+        if name in saved:
+            _check_scalar(f"{where}'s {name!r}", saved[name], local[name], local[key], p, name.endswith("scale"))
+    _check_values(where, key, local)
+
+
+def _check_dtype(what: str, key: str, dtype: torch.dtype, saved: dict[str, Any], adamw: bool) -> None:
+    """Raise ValueError for state ``key`` of a dtype FP8AdamW does not store, or of a scaled one (FP8, fp16) without
+    its scale (except the fp16 moments of torch.optim.AdamW's state, ``adamw``, which hold their values)."""
+    if dtype not in SCALED_STATE_MAX and dtype not in _UNSCALED:
+        raise ValueError(
+            f"{what} is {dtype}, which FP8AdamW does not store (it stores {list(_UNSCALED)} as they are, "
+            f"{list(SCALED_STATE_MAX)} as value * '{key}_scale') and so cannot read. Convert it in the state dict "
+            f"to fp32 values (stored / scale in the format's own convention) and delete '{key}_scale' and "
+            f"'{key}_amax', or {_FIX}"
+        )
+    # FP8AdamW writes no scaled state without its scale: read without one, it would be the value times the scale.
+    if dtype in SCALED_STATE_MAX and f"{key}_scale" not in saved and not (dtype == torch.float16 and adamw):
+        whose = "torch.optim.AdamW keeps no FP8 moments"
+        if not adamw:
+            keys = sorted(map(str, saved))
+            whose = f"the state has {keys}: FP8AdamW's, not torch.optim.AdamW's (fp16 moments as values)"
+        raise ValueError(
+            f"{what} is {dtype} without its '{key}_scale' (FP8AdamW stores it as value * scale; {whose}): {_FIX}"
+        )
 
 
 def _check_tensor(what: str, value: Any, p: torch.Tensor) -> None:

@@ -105,6 +105,23 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
             refusals.check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
             refusals.check_kwargs_handlers(kwargs.get("kwargs_handlers"))
         super().__init__(*args, **kwargs)
+        self._fp8_init_attributes(fp8_stats_in_log, fp8_module_filter)
+        if self.fp8_lm_config is None:
+            if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
+                warn_once(
+                    "lightning_fp8.accelerate.Accelerator: FP8-LM is off because the launch chose no recipe. Turn it "
+                    f"on with `lightning-fp8 launch ...` or {ENV_RECIPE}=fp8-lm (set {ENV_RECIPE}=none to silence this)"
+                )
+            return
+        refusals.check_supported(self.mixed_precision, self.distributed_type, self.is_fsdp2, self._fp8_tp_enabled)
+        self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps()
+        # load_state is overridden instead (CheckpointMixin): Accelerate's load hooks run after FSDP's model and
+        # optimizer were loaded, and before its other files are, while lightning_fp8's state must be checked first
+        # and loaded last.
+        self.register_save_state_pre_hook(self._fp8_save_hook)
+
+    def _fp8_init_attributes(self, fp8_stats_in_log: bool, fp8_module_filter: conversion.ModuleFilter | None) -> None:
+        """The FP8 side's attributes before any prepare: nothing converted, swapped, wrapped or stepped yet."""
         self.fp8_stats_in_log = fp8_stats_in_log
         self.fp8_grad_scaler: Any | None = None
         self.fp8_health: HealthMonitor | None = None
@@ -129,19 +146,6 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
         self._fp8_param_norm: torch.Tensor | None = None  # of the step's weights, before it (GradientsMixin)
         self._fp8_work = StepWork()  # samples, tokens and time of the training forwards (health throughput)
         self._fp8_clipping = False  # in Accelerate's clip_grad_norm_ (its unscale_gradients call is not the script's)
-        if self.fp8_lm_config is None:
-            if fp8_lm_recipe is None and os.environ.get(ENV_RECIPE, "").strip() != "none":
-                warn_once(
-                    "lightning_fp8.accelerate.Accelerator: FP8-LM is off because the launch chose no recipe. Turn it "
-                    f"on with `lightning-fp8 launch ...` or {ENV_RECIPE}=fp8-lm (set {ENV_RECIPE}=none to silence this)"
-                )
-            return
-        refusals.check_supported(self.mixed_precision, self.distributed_type, self.is_fsdp2, self._fp8_tp_enabled)
-        self.fp8_health, self.fp8_scale_jumps = HealthMonitor(), new_scale_jumps()
-        # load_state is overridden instead (CheckpointMixin): Accelerate's load hooks run after FSDP's model and
-        # optimizer were loaded, and before its other files are, while lightning_fp8's state must be checked first
-        # and loaded last.
-        self.register_save_state_pre_hook(self._fp8_save_hook)
 
     @property
     def fp8_lm_enabled(self) -> bool:

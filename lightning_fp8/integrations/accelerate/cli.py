@@ -153,7 +153,6 @@ def _check_no_accelerate_fp8_options(parser: argparse.ArgumentParser, argv: list
 def launch(argv: list[str]) -> int:
     """``lightning-fp8 launch``: resolve the FP8 settings, then run ``accelerate launch`` in this process."""
     from accelerate.commands.config.config_args import default_config_file
-    from accelerate.commands.launch import launch_command
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -168,14 +167,10 @@ def launch(argv: list[str]) -> int:
     read = bool(config_path and os.path.isfile(config_path))
     try:
         config = _read_config(config_path) if read else {}
-    except ValueError as err:
-        print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
-        return 2
-    has_section = CONFIG_KEY in config
-    section = config.pop(CONFIG_KEY, None)
-    if has_section and section is None:  # `lightning_fp8:` with nothing under it: every key at its default
-        section = {}
-    try:
+        has_section = CONFIG_KEY in config
+        section = config.pop(CONFIG_KEY, None)
+        if has_section and section is None:  # `lightning_fp8:` with nothing under it: every key at its default
+            section = {}
         _check_no_accelerate_fp8_options(parser, argv, args.training_script)
         if read:
             _check_accelerate_keys(config, config_path)
@@ -194,9 +189,19 @@ def launch(argv: list[str]) -> int:
         print(f"lightning-fp8 launch: error: {err}", file=sys.stderr)
         return 2
     _use_parallelism_config_if_sized(args)
+    return _launch_accelerate(args, config, config_path, has_section, settings)
+
+
+def _launch_accelerate(
+    args: argparse.Namespace, config: dict[str, Any], path: str | None, has_section: bool, settings: dict[str, str]
+) -> int:
+    """Export ``settings`` and run ``accelerate launch`` in this process (with the config file ``path`` copied without
+    our section when it ``has_section``); its exit status."""
+    from accelerate.commands.launch import launch_command
+
     with tempfile.TemporaryDirectory(prefix="lightning_fp8_") as tmp:
         if has_section:  # Accelerate rejects unknown keys: it gets the file without our section
-            args.config_file = _write_config(config, Path(tmp) / Path(config_path).name)
+            args.config_file = _write_config(config, Path(tmp) / Path(path).name)
         os.environ.update(settings)
         if _launch_cpu_processes_with_torchrun(args, config) and args.config_file is None:
             # With --cpu off, Accelerate would read its default config file, which --cpu kept out (unfiltered: our
