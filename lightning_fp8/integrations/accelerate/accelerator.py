@@ -25,6 +25,7 @@ step's health records in :mod:`.gradients`, the checkpoints in :mod:`.checkpoint
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any
@@ -59,6 +60,15 @@ logger = logging.getLogger("lightning_fp8.accelerate")
 def _same_device(a: torch.device, b: torch.device) -> bool:
     # Accelerate's CPU device is "cpu:0", a CPU tensor's "cpu".
     return a.type == b.type and (a.type == "cpu" or a.index == b.index)
+
+
+def _accelerate_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``accelerate.Accelerator``'s arguments by name, however they were passed (positionally too); arguments it
+    would refuse give none here, and its own error when it is built."""
+    try:
+        return inspect.signature(accelerate.Accelerator.__init__).bind_partial(None, *args, **kwargs).arguments
+    except TypeError:
+        return {}
 
 
 class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMixin, accelerate.Accelerator):
@@ -98,12 +108,13 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
             )
         check_flag("Accelerator", "fp8_stats_in_log", fp8_stats_in_log)
         self.fp8_lm_config = resolve_launch_config(fp8_lm_recipe)
-        tensor_parallel.check_launch(kwargs.get("parallelism_config"))
+        passed = _accelerate_arguments(args, kwargs)
+        tensor_parallel.check_launch(passed.get("parallelism_config"))
         if self.fp8_lm_config is not None:  # before Accelerate sets up its process-wide state with it
-            # Accelerate's own order: the argument (third positional), else ACCELERATE_MIXED_PRECISION.
-            mixed_precision = kwargs.get("mixed_precision", args[2] if len(args) > 2 else None)
+            # Accelerate's own order: the argument, else ACCELERATE_MIXED_PRECISION.
+            mixed_precision = passed.get("mixed_precision")
             refusals.check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
-            refusals.check_kwargs_handlers(kwargs.get("kwargs_handlers"))
+            refusals.check_kwargs_handlers(passed.get("kwargs_handlers"))
         super().__init__(*args, **kwargs)
         self._fp8_init_attributes(fp8_stats_in_log, fp8_module_filter)
         if self.fp8_lm_config is None:
