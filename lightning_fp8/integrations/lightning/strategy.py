@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -54,15 +55,21 @@ class _FP8FSDPStrategyLogic:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("use_orig_params", True)
         check_use_orig_params(kwargs["use_orig_params"])
-        if "sharding_strategy" in kwargs:  # Lightning resolves one left out to FULL_SHARD
-            check_sharding_strategy(kwargs["sharding_strategy"])
-        if kwargs.get("mixed_precision") is not None:
+        try:  # FSDPStrategy's arguments by name, however they were passed (positionally too)
+            bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+        except TypeError:  # FSDPStrategy's own error, below
+            bound = inspect.BoundArguments(inspect.Signature(), {})
+        passed = bound.arguments
+        if "sharding_strategy" in passed:  # Lightning resolves one left out to FULL_SHARD
+            check_sharding_strategy(passed["sharding_strategy"])
+        if passed.get("mixed_precision") is not None:
             raise ValueError(
                 f"{type(self).__name__}(mixed_precision=...) is not supported: FP8 layers choose their own precision "
                 "and the other ops run under bf16 autocast; drop the argument"
             )
-        if kwargs.get("device_mesh") is not None:
-            kwargs["device_mesh"] = check_device_mesh(kwargs["device_mesh"])
+        if passed.get("device_mesh") is not None:
+            passed["device_mesh"] = check_device_mesh(passed["device_mesh"])
+            args, kwargs = bound.args, bound.kwargs
         super().__init__(*args, **kwargs)
         self._check_state_dict_type()  # at construction, not at the first checkpoint
         check_sharding_strategy(self.sharding_strategy)  # also as a device_mesh made it
