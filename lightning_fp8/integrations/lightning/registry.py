@@ -182,16 +182,17 @@ def _precision_label(precision: Any, plugin: Any) -> str:
 def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any) -> tuple[Any, Any]:
     """``(precision, plugins)`` as Lightning should see them: our precision strings become a plugin instance."""
     from lightning_fp8.integrations.lightning import precision as precision_mod
-    from lightning_fp8.integrations.lightning import strategy as strategy_mod
+    from lightning_fp8.integrations.lightning import strategy_support
 
     precision_cls = precision_mod.precision_class(namespace)
     plugin_list = _as_list(plugins)
+    _check_flavours(namespace, plugin_list, strategy)
     base_precision = importlib.import_module(_plugins_module(namespace)).Precision
     user_precision = [p for p in plugin_list if isinstance(p, base_precision)]
-    # Lightning lowercases strategy names (strategy="FSDP_FP8" is ours too), as check_supported_strategy does.
-    wants_fp8_strategy = (isinstance(strategy, str) and strategy.lower() == STRATEGY_NAME) or isinstance(
-        strategy, strategy_mod.strategy_class(namespace)
-    )
+    # Lightning lowercases strategy names (strategy="FSDP_FP8" is ours too), as strategy_support does.
+    # A name registered for the FP8 strategy's class (StrategyRegistry.register("fsdp_fp8_offload", FP8FSDPStrategy,
+    # cpu_offload=True)) is ours as much as "fsdp_fp8".
+    wants_fp8_strategy = strategy_support.is_fp8_strategy(strategy, namespace)
     if getattr(strategy, "_precision_plugin", None) is not None:  # a strategy instance that brings its own plugin
         user_precision.append(strategy._precision_plugin)
 
@@ -222,9 +223,33 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
     fp8 = [p for p in plugin_list + user_precision if isinstance(p, precision_cls)]
     if fp8:
         label = _precision_label(requested, fp8[0])
-        strategy_mod.check_supported_strategy(strategy, namespace, label)
+        strategy_support.check_supported_strategy(strategy, namespace, label)
         check_ddp_comm_hook(strategy, fp8[0].fp8_communication, label)
     return precision, (plugin_list or plugins)
+
+
+def _check_flavours(namespace: str, plugins: list[Any], strategy: Any) -> None:
+    """Raise TypeError for an FP8 plugin or strategy built on the other Lightning package's classes (``lightning``
+    vs ``pytorch_lightning``): Lightning called it an invalid type, which it is not for the other Trainer."""
+    from lightning_fp8.integrations.lightning import precision as precision_mod
+    from lightning_fp8.integrations.lightning import strategy as strategy_mod
+
+    precision_cls = precision_mod.precision_class(namespace)
+    given = [(plugin, precision_mod._FP8LMPrecisionLogic, precision_cls, "plugins") for plugin in plugins]
+    given.append((strategy, strategy_mod._FP8FSDPStrategyLogic, strategy_mod.strategy_class(namespace), "strategy"))
+    for obj, logic, expected, argument in given:
+        if isinstance(obj, logic) and not isinstance(obj, expected):
+            package, other = (
+                ("pytorch_lightning", "lightning")
+                if namespace == "pytorch_lightning"
+                else (namespace, "pytorch_lightning")
+            )
+            raise TypeError(
+                f"Trainer({argument}=...): {type(obj).__name__} is built on {other}'s classes, but this Trainer is "
+                f"{package}'s. Build {expected.__name__}(...) instead (the same arguments; "
+                f"`from {expected.__module__} import {expected.__name__}`), or use the registered strings "
+                f"(precision='fp8-lm', strategy='{STRATEGY_NAME}'), which pick the right one"
+            )
 
 
 # Words of FP8 recipes (FP8Recipe's values and their usual misspellings) that none of Lightning's precision strings

@@ -34,6 +34,9 @@ from lightning_fp8.integrations.lightning.strategy_args import (
     check_sharding_strategy,
     check_use_orig_params,
 )
+from lightning_fp8.integrations.lightning.strategy_support import (  # its import path before the split
+    check_supported_strategy as check_supported_strategy,
+)
 from lightning_fp8.integrations.lightning.strategy_units import (
     _check_manual_optimization_units,
     _check_not_sharded_by_another,
@@ -347,48 +350,3 @@ def __getattr__(name: str) -> Any:
     if name == "FP8FSDPStrategyPL":
         return strategy_class("pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _strategy_types(namespace: str) -> dict[str, tuple[type, ...]]:
-    root = "lightning.pytorch" if namespace == "lightning" else namespace
-    strategies = importlib.import_module(f"{root}.strategies")
-    return {
-        "fsdp": (strategies.FSDPStrategy,),
-        "deepspeed": (strategies.DeepSpeedStrategy,),
-        "xla": (strategies.XLAStrategy, strategies.SingleDeviceXLAStrategy),
-    }
-
-
-_UNSUPPORTED = {
-    "fsdp": (
-        "Lightning's FSDPStrategy only runs its own FSDPPrecision plugin: use strategy='fsdp_fp8' "
-        "(lightning_fp8.FP8FSDPStrategy, same arguments) for FSDP, or ModelParallelStrategy for FSDP2"
-    ),
-    "deepspeed": (
-        "DeepSpeed owns precision and optimizer itself: use strategy='ddp', 'fsdp_fp8' or ModelParallelStrategy"
-    ),
-    "xla": "FP8 GEMMs need CUDA (sm89+) or the CPU emulation, not XLA: use strategy='ddp', 'fsdp_fp8' or 'auto'",
-}
-
-
-def check_supported_strategy(
-    strategy: Any, namespace: str = "lightning", precision: str = "the FP8-LM precision"
-) -> None:
-    """Raise a ``ValueError`` naming the alternative if FP8-LM cannot run under ``strategy`` (a name or instance).
-
-    Supported: ``"auto"``, single device, the DDP family, ``"fsdp_fp8"`` and ``ModelParallelStrategy``.
-    ``precision`` names what the user passed in the message (``"precision='fp8-lm-o1'"``).
-    """
-    if isinstance(strategy, str):
-        name = strategy.lower()
-        for family, message in _UNSUPPORTED.items():
-            if family in name and name != STRATEGY_NAME:
-                raise ValueError(f"{precision} does not support strategy={strategy!r}: {message}")
-        return
-    if isinstance(strategy, strategy_class(namespace)):
-        return
-    for family, types in _strategy_types(namespace).items():
-        if isinstance(strategy, types):
-            raise ValueError(
-                f"{precision} does not support strategy={type(strategy).__name__}(...): {_UNSUPPORTED[family]}"
-            )

@@ -1,0 +1,82 @@
+"""Which Lightning strategies FP8-LM trains under: the DDP family, single device, ``"fsdp_fp8"`` (and names
+registered for its class) and ModelParallelStrategy; Lightning's FSDP, DeepSpeed and XLA strategies are refused with
+the alternative named."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME
+
+
+def is_fp8_strategy(strategy: Any, namespace: str) -> bool:
+    """Whether ``strategy`` (a name or an instance) is this package's FP8 FSDP strategy for ``namespace``: the
+    instance, ``"fsdp_fp8"``, or another name registered in Lightning's StrategyRegistry for its class."""
+    from lightning_fp8.integrations.lightning.strategy import strategy_class  # (it imports this module)
+
+    if isinstance(strategy, str):
+        registered = _registered_class(strategy.lower(), namespace)
+        return registered is not None and issubclass(registered, strategy_class(namespace))
+    return isinstance(strategy, strategy_class(namespace))
+
+
+def _registered_class(name: str, namespace: str) -> type | None:
+    """The class Lightning's StrategyRegistry builds for ``name`` (lowercase, as Lightning looks it up), or None."""
+    root = "lightning.pytorch" if namespace == "lightning" else namespace
+    registry = importlib.import_module(f"{root}.strategies").StrategyRegistry
+    # (its get() builds the strategy: read the entry instead)
+    entry = dict.get(registry, name)
+    strategy = entry.get("strategy") if isinstance(entry, dict) else None
+    return strategy if isinstance(strategy, type) else None
+
+
+def _strategy_types(namespace: str) -> dict[str, tuple[type, ...]]:
+    root = "lightning.pytorch" if namespace == "lightning" else namespace
+    strategies = importlib.import_module(f"{root}.strategies")
+    return {
+        "fsdp": (strategies.FSDPStrategy,),
+        "deepspeed": (strategies.DeepSpeedStrategy,),
+        "xla": (strategies.XLAStrategy, strategies.SingleDeviceXLAStrategy),
+    }
+
+
+_UNSUPPORTED = {
+    "fsdp": (
+        "Lightning's FSDPStrategy only runs its own FSDPPrecision plugin: use strategy='fsdp_fp8' "
+        "(lightning_fp8.FP8FSDPStrategy, same arguments) for FSDP, or ModelParallelStrategy for FSDP2"
+    ),
+    "deepspeed": (
+        "DeepSpeed owns precision and optimizer itself: use strategy='ddp', 'fsdp_fp8' or ModelParallelStrategy"
+    ),
+    "xla": "FP8 GEMMs need CUDA (sm89+) or the CPU emulation, not XLA: use strategy='ddp', 'fsdp_fp8' or 'auto'",
+}
+
+
+def check_supported_strategy(
+    strategy: Any, namespace: str = "lightning", precision: str = "the FP8-LM precision"
+) -> None:
+    """Raise a ``ValueError`` naming the alternative if FP8-LM cannot run under ``strategy`` (a name or instance).
+
+    Supported: ``"auto"``, single device, the DDP family, ``"fsdp_fp8"`` and ``ModelParallelStrategy``.
+    ``precision`` names what the user passed in the message (``"precision='fp8-lm-o1'"``).
+    """
+    if is_fp8_strategy(strategy, namespace):
+        return
+    if isinstance(strategy, str):
+        name = strategy.lower()
+        registered = _registered_class(name, namespace)
+        if registered is not None:  # judged by the class its name builds
+            for family, types in _strategy_types(namespace).items():
+                if issubclass(registered, types):
+                    raise ValueError(f"{precision} does not support strategy={strategy!r}: {_UNSUPPORTED[family]}")
+            return
+        for family, message in _UNSUPPORTED.items():
+            if family in name and name != STRATEGY_NAME:
+                raise ValueError(f"{precision} does not support strategy={strategy!r}: {message}")
+        return
+    for family, types in _strategy_types(namespace).items():
+        if isinstance(strategy, types):
+            raise ValueError(
+                f"{precision} does not support strategy={type(strategy).__name__}(...): {_UNSUPPORTED[family]}"
+            )
