@@ -258,7 +258,14 @@ def _recipe_from_json(value: str) -> FP8Recipe:
     base = FP8Recipe.from_name(name)
     unknown = sorted(set(data) - set(_RECIPE_FIELDS))
     if unknown:
-        raise ValueError(f"{ENV_RECIPE} has unknown FP8Recipe field(s) {unknown}: allowed are {list(_RECIPE_FIELDS)}")
+        # The config file's section names its base recipe `recipe:` and holds the layers to exclude and the TP plan;
+        # here those are "name" and variables of their own.
+        elsewhere = {"recipe": '"name" (the base recipe)', "exclude_modules": ENV_EXCLUDE, "tp_plan": ENV_TP_PLAN}
+        hints = [f"{key!r} goes in {elsewhere[key]}" for key in unknown if key in elsewhere]
+        raise ValueError(
+            f'{ENV_RECIPE} has unknown FP8Recipe field(s) {unknown}: allowed are {list(_RECIPE_FIELDS)} and "name" '
+            f"(the base recipe, one of {FP8Recipe.names()})" + (f"; {', '.join(hints)}" if hints else "")
+        )
     try:
         return base.replace(**data)
     except ValueError as err:

@@ -60,6 +60,10 @@ def test_bad_sections_say_what_is_allowed(section, match):
         ("{bad json", r"is not valid JSON"),
         ('{"name": "fp8-lm", "marign": 1}', r"unknown FP8Recipe field\(s\) \['marign'\]"),
         ('{"margin": -1}', r"margin=-1"),
+        # The config section's keys, which the variable spells otherwise or holds in variables of their own:
+        ('{"recipe": "fp8-lm-o1"}', r"\['recipe'\]: allowed are .* and \"name\" .*'recipe' goes in \"name\""),
+        ('{"exclude_modules": ["lm_head"]}', r"'exclude_modules' goes in LIGHTNING_FP8_EXCLUDE$"),
+        ('{"tp_plan": "llama"}', r"'tp_plan' goes in LIGHTNING_FP8_TP_PLAN$"),
     ],
 )
 def test_bad_environment_values(value, match):
