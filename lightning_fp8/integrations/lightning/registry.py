@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any, Literal, Union
 
-from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME, check_ddp_comm_hook
+from lightning_fp8.integrations.lightning.strategy_args import STRATEGY_NAME
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.warnings import warn_once
 
@@ -224,7 +224,7 @@ def _translate_flags(namespace: str, strategy: Any, precision: Any, plugins: Any
     if fp8:
         label = _precision_label(requested, fp8[0])
         strategy_support.check_supported_strategy(strategy, namespace, label)
-        check_ddp_comm_hook(strategy, fp8[0].fp8_communication, label)
+        strategy_support.check_ddp_comm_hook(strategy, fp8[0].fp8_communication, label, namespace)
     return precision, (plugin_list or plugins)
 
 

@@ -88,22 +88,3 @@ def check_device_mesh(mesh: Any) -> Any:
             "apart. Give a 1-D mesh (number of processes,) or drop device_mesh"
         )
     return shape if isinstance(mesh, list) else mesh
-
-
-def check_ddp_comm_hook(strategy: Any, fp8_communication: bool, precision: str) -> None:
-    """Raise ValueError for ``DDPStrategy(ddp_comm_hook=...)`` when the FP8 plugin installs its own communication hook.
-
-    DDP takes one communication hook: Lightning registers the user's when it wraps the model (on GPUs; on the CPU it
-    ignores it), and the plugin's ``register_comm_hook`` of the FP8 all-reduce then failed in the first fit with
-    torch's "register_comm_hook or register_builtin_comm_hook can only be called once", which says neither which hook
-    nor what to do. ``precision`` names what the user passed (``"precision='fp8-lm'"``)."""
-    hook = getattr(strategy, "_ddp_comm_hook", None)
-    if hook is None or not fp8_communication or not any(c.__name__ == "DDPStrategy" for c in type(strategy).__mro__):
-        return
-    name = getattr(hook, "__qualname__", None) or repr(hook)
-    raise ValueError(
-        f"{precision} installs its FP8 gradient all-reduce as DDP's communication hook, and DDP takes one: "
-        f"DDPStrategy(ddp_comm_hook={name}) would be a second. Drop ddp_comm_hook (and ddp_comm_state, "
-        "ddp_comm_wrapper) to communicate gradients in FP8, or keep your hook with "
-        "plugins=[FP8LMPrecision(fp8_communication=False)]"
-    )

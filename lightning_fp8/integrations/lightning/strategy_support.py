@@ -23,12 +23,16 @@ def is_fp8_strategy(strategy: Any, namespace: str) -> bool:
 
 def _registered_class(name: str, namespace: str) -> type | None:
     """The class Lightning's StrategyRegistry builds for ``name`` (lowercase, as Lightning looks it up), or None."""
+    strategy = (_registered_entry(name, namespace) or {}).get("strategy")
+    return strategy if isinstance(strategy, type) else None
+
+
+def _registered_entry(name: str, namespace: str) -> dict[str, Any] | None:
+    """Lightning's StrategyRegistry entry of ``name`` (``strategy``: the class, ``init_params``), or None."""
     root = "lightning.pytorch" if namespace == "lightning" else namespace
     registry = importlib.import_module(f"{root}.strategies").StrategyRegistry
-    # (its get() builds the strategy: read the entry instead)
-    entry = dict.get(registry, name)
-    strategy = entry.get("strategy") if isinstance(entry, dict) else None
-    return strategy if isinstance(strategy, type) else None
+    entry = dict.get(registry, name)  # (its get() builds the strategy)
+    return entry if isinstance(entry, dict) else None
 
 
 def _strategy_types(namespace: str) -> dict[str, tuple[type, ...]]:
@@ -80,3 +84,32 @@ def check_supported_strategy(
             raise ValueError(
                 f"{precision} does not support strategy={type(strategy).__name__}(...): {_UNSUPPORTED[family]}"
             )
+
+
+def check_ddp_comm_hook(strategy: Any, fp8_communication: bool, precision: str, namespace: str = "lightning") -> None:
+    """Raise ValueError for ``DDPStrategy(ddp_comm_hook=...)`` (or a name registered for one) when the FP8 plugin
+    installs its own communication hook.
+
+    DDP takes one communication hook: Lightning registers the user's when it wraps the model (on GPUs; on the CPU it
+    ignores it), and the plugin's ``register_comm_hook`` of the FP8 all-reduce then failed in the first fit with
+    torch's "register_comm_hook or register_builtin_comm_hook can only be called once", which says neither which hook
+    nor what to do. ``precision`` names what the user passed (``"precision='fp8-lm'"``)."""
+    if isinstance(strategy, str):  # a registered name: the class and the arguments it builds with
+        entry = _registered_entry(strategy.lower(), namespace) or {}
+        cls, hook = entry.get("strategy"), (entry.get("init_params") or {}).get("ddp_comm_hook")
+        given = f"strategy={strategy!r}, registered as DDPStrategy(ddp_comm_hook={_name(hook)}),"
+    else:
+        cls, hook = type(strategy), getattr(strategy, "_ddp_comm_hook", None)
+        given = f"DDPStrategy(ddp_comm_hook={_name(hook)})"
+    is_ddp = isinstance(cls, type) and any(c.__name__ == "DDPStrategy" for c in cls.__mro__)
+    if hook is None or not fp8_communication or not is_ddp:
+        return
+    raise ValueError(
+        f"{precision} installs its FP8 gradient all-reduce as DDP's communication hook, and DDP takes one: "
+        f"{given} would be a second. Drop ddp_comm_hook (and ddp_comm_state, ddp_comm_wrapper) to communicate "
+        "gradients in FP8, or keep your hook with plugins=[FP8LMPrecision(fp8_communication=False)]"
+    )
+
+
+def _name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or repr(hook)

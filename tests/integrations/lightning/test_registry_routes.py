@@ -77,3 +77,21 @@ def test_an_fp8_object_of_the_other_package_is_refused_naming_the_class_to_build
     # What the message says to build works, with the same arguments.
     trainer = trainer_cls(plugins=[precision_class(namespace)(recipe=FP8Recipe(margin=1))], **TRAINER)
     assert trainer.precision_plugin.recipe.margin == 1
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_a_name_registered_with_a_ddp_comm_hook_is_refused_as_the_strategy_object_is(namespace, registered):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    ddp = _strategies(namespace).DDPStrategy
+    registered(namespace, "ddp_fp16_hook", ddp, ddp_comm_hook=fp16_compress_hook)
+    trainer_cls = _package(namespace).Trainer
+    for strategy in (ddp(ddp_comm_hook=fp16_compress_hook), "ddp_fp16_hook"):
+        with pytest.raises(ValueError, match=r"DDP takes one: .*ddp_comm_hook=fp16_compress_hook.*fp8_communication"):
+            trainer_cls(strategy=strategy, precision="fp8-lm", devices=1, **TRAINER)
+    # Without the FP8 all-reduce the user's hook is theirs to keep, by either route.
+    for strategy in (ddp(ddp_comm_hook=fp16_compress_hook), "ddp_fp16_hook"):
+        plugin = precision_class(namespace)(fp8_communication=False)
+        assert trainer_cls(strategy=strategy, plugins=[plugin], devices=1, **TRAINER).strategy._ddp_comm_hook
+    registered(namespace, "ddp_no_hook", ddp)
+    assert trainer_cls(strategy="ddp_no_hook", precision="fp8-lm", devices=1, **TRAINER).precision_plugin
