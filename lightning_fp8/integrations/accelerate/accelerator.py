@@ -338,13 +338,20 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
         if isinstance(ddp, nn.parallel.DistributedDataParallel):
             self._fp8_ddp_weights |= {id(m.weight) for m in ddp.module.modules() if isinstance(m, FP8Linear)}
             comm_hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
-            if comm_hook != DDPCommunicationHookType.NO:
+            # What DDP runs decides, not the handler's value: Accelerate registers a hook only for a
+            # DDPCommunicationHookType member other than NO (a string such as "bf16" registers none, silently).
+            if getattr(ddp, "_comm_hooks", None):
                 warn_once(
                     f"lightning_fp8: DistributedDataParallelKwargs(comm_hook={comm_hook}) is in use, so gradients are "
                     "not communicated in FP8; drop that comm_hook to get the FP8 all-reduce"
                 )
                 line = str(comm_hook)
             else:
+                if str(getattr(comm_hook, "value", comm_hook)).lower() not in ("no", "none"):
+                    warn_once(
+                        f"lightning_fp8: DistributedDataParallelKwargs(comm_hook={comm_hook!r}) registered no hook "
+                        "(Accelerate takes a DDPCommunicationHookType member), so gradients are communicated in FP8"
+                    )
                 line, state = parallel.install_ddp_hook(ddp, self.fp8_lm_config.recipe, self._fp8_scaler())
                 self._fp8_comm_states[self._fp8_model_index(ddp.module)] = state
             self._fp8_info(f"lightning_fp8: DDP gradient communication: {line}")
