@@ -14,6 +14,7 @@ from lightning_fp8.kernels import adamw, reference_adamw
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 N = 1000
 LR, B1, B2, WD, STEP = 1e-3, 0.9, 0.999, 0.01, 3
@@ -38,6 +39,10 @@ def _o2_states(w, m, v, scales):
     return stored, [torch.tensor(float(s)) for s in scales], [x.abs().max().float() for x in (w, m, v)]
 
 
+def _to_device(*lists):
+    return ([x.to(DEVICE) for x in xs] for xs in lists)
+
+
 def _step(stored, scales, amaxes, g, **kw):
     p, m, v = stored
     adamw.adamw_step([p], [g], [m], [v], [tuple(scales)], [tuple(amaxes)], None, lr=LR, beta1=B1, beta2=B2,
@@ -55,13 +60,14 @@ def test_a_ragged_tensor_stepped_with_eps_zero_gets_its_elements_amax_and_scale(
     g = torch.randn(N, generator=gen) * 1e-2
     stored, scales, amaxes = _o2_states(w, m, v, [2.0**8, 2.0**14, 2.0**20])  # scales far from the fresh ones
     w_in, m_in, v_in = stored[0].double() / 2.0**8, stored[1].double() / 2.0**14, stored[2].double() / 2.0**20
-    _step(stored, scales, amaxes, g, eps=0.0, two_pass=True)
+    stored, scales, amaxes = _to_device(stored, scales, amaxes)
+    _step(stored, scales, amaxes, g.to(DEVICE), eps=0.0, two_pass=True)
     w64, m64, v64 = _adamw64(w_in, m_in, v_in, g, eps=0.0)
     for got, want in zip(amaxes, (w64, m64, v64), strict=True):
         assert math.isfinite(got.item())
         assert got.item() == pytest.approx(want.abs().max().item(), rel=1e-5)
     assert scales[0].item() == _pow2_scale(w64.abs().max().item(), 65504.0)
-    torch.testing.assert_close(stored[0].double() / scales[0].double(), w64, rtol=2**-10, atol=0)
+    torch.testing.assert_close((stored[0].double() / scales[0].double()).cpu(), w64, rtol=2**-10, atol=0)
 
 
 def test_the_emitted_copy_counts_a_weight_landing_on_the_fp8_max_as_saturated():
@@ -71,10 +77,13 @@ def test_the_emitted_copy_counts_a_weight_landing_on_the_fp8_max_as_saturated():
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(N, generator=gen) * 0.05
     w[[10, 500, 999]] = torch.tensor([0.21875, -0.21875, 0.21875])  # 1.75 * 2**-3, the last in the masked chunk
-    p, m, v = w.clone(), torch.zeros(N), torch.full((N,), 1e-4)
-    fp8, record = torch.full((N,), float("nan"), dtype=E4M3), torch.zeros(5, dtype=torch.int64)
-    adamw.adamw_step([p], [torch.randn(N, generator=gen)], [m], [v], None, None, None, lr=0.0, beta1=B1, beta2=B2,
-                     eps=1e-8, weight_decay=0.0, step=STEP, fp8_weights=[fp8], fp8_weight_stats=[record])  # fmt: skip
+    p, m, v = w.clone().to(DEVICE), torch.zeros(N).to(DEVICE), torch.full((N,), 1e-4).to(DEVICE)
+    fp8 = torch.full((N,), float("nan"), dtype=E4M3).to(DEVICE)
+    record = torch.zeros(5, dtype=torch.int64).to(DEVICE)
+    adamw.adamw_step([p], [torch.randn(N, generator=gen).to(DEVICE)], [m], [v], None, None, None, lr=0.0, beta1=B1,
+                     beta2=B2, eps=1e-8, weight_decay=0.0, step=STEP, fp8_weights=[fp8],
+                     fp8_weight_stats=[record])  # fmt: skip
+    p, fp8, record = p.cpu(), fp8.cpu(), record.cpu()
     assert torch.equal(p, w)
     scale = _pow2_scale(0.21875, 448.0)
     want = (w.double() * scale).clamp(-448, 448).to(E4M3)
@@ -101,7 +110,9 @@ def test_a_first_moment_whose_scale_changes_is_stored_to_nearest():
     w, v = torch.full((n,), 0.01), torch.full((n,), 1e-2)
     stored, scales, amaxes = _o2_states(w, m_old, v, [2.0**16, 2.0**12, 2.0**12])
     assert torch.equal(stored[1].float() / 2.0**12, m_old)
-    _step(stored, scales, amaxes, g, eps=1e-8, two_pass=True)
+    stored, scales, amaxes = _to_device(stored, scales, amaxes)
+    _step(stored, scales, amaxes, g.to(DEVICE), eps=1e-8, two_pass=True)
+    stored = [x.cpu() for x in stored]
     m64 = B1 * m_old.double() + (1 - B1) * g.double()
     assert scales[1].item() == _pow2_scale(m64.abs().max().item(), 448.0) == 2.0**11
     want = (m64 * 2.0**11).to(E4M3)
@@ -116,10 +127,12 @@ def test_the_emitted_copy_of_a_weight_holding_inf_counts_only_finite_values_as_s
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(N, generator=gen) * 300.0
     w[997] = float("inf")
-    p, m, v = w.clone(), torch.zeros(N), torch.full((N,), 1e-4)
-    fp8, record = torch.zeros(N, dtype=E4M3), torch.zeros(5, dtype=torch.int64)
-    adamw.adamw_step([p], [torch.randn(N, generator=gen)], [m], [v], None, None, None, lr=0.0, beta1=B1, beta2=B2,
-                     eps=1e-8, weight_decay=0.0, step=STEP, fp8_weights=[fp8], fp8_weight_stats=[record])  # fmt: skip
+    p, m, v = w.clone().to(DEVICE), torch.zeros(N).to(DEVICE), torch.full((N,), 1e-4).to(DEVICE)
+    fp8, record = torch.zeros(N, dtype=E4M3).to(DEVICE), torch.zeros(5, dtype=torch.int64).to(DEVICE)
+    adamw.adamw_step([p], [torch.randn(N, generator=gen).to(DEVICE)], [m], [v], None, None, None, lr=0.0, beta1=B1,
+                     beta2=B2, eps=1e-8, weight_decay=0.0, step=STEP, fp8_weights=[fp8],
+                     fp8_weight_stats=[record])  # fmt: skip
+    fp8, record = fp8.cpu(), record.cpu()
     finite = w.isfinite()
     want = w.double().clamp(-448, 448).to(E4M3)
     assert torch.equal(fp8.view(torch.uint8)[finite], want.view(torch.uint8)[finite]) and fp8[997].float().isnan()
@@ -174,12 +187,12 @@ def test_fp16_states_without_scales_step_as_plain_fp16():
     gen = torch.Generator().manual_seed(6)
     w, m = (torch.randn(N, generator=gen) * 0.05).half(), (torch.randn(N, generator=gen) * 1e-2).half()
     v, g = (torch.rand(N, generator=gen) * 1e-3 + 1e-4).half(), torch.randn(N, generator=gen) * 1e-2
-    p, m1, v1 = w.clone(), m.clone(), v.clone()
-    adamw.adamw_step([p], [g], [m1], [v1], None, None, None, lr=LR, beta1=B1, beta2=B2, eps=1e-8, weight_decay=WD,
-                     step=STEP)  # fmt: skip
+    p, m1, v1 = w.clone().to(DEVICE), m.clone().to(DEVICE), v.clone().to(DEVICE)
+    adamw.adamw_step([p], [g.to(DEVICE)], [m1], [v1], None, None, None, lr=LR, beta1=B1, beta2=B2, eps=1e-8,
+                     weight_decay=WD, step=STEP)  # fmt: skip
     w64, m64, v64 = _adamw64(w, m, v, g, eps=1e-8)
     for got, want in ((p, w64), (m1, m64), (v1, v64)):
-        torch.testing.assert_close(got.double(), want, rtol=2**-10, atol=2**-24)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2**-10, atol=2**-24)
 
 
 @pytest.mark.parametrize("which", ["params", "grads", "exp_avgs", "exp_avg_sqs"])

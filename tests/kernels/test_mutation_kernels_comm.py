@@ -14,6 +14,7 @@ from lightning_fp8.kernels.comm_table import block_table
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
 LENGTHS = [37, 21]
@@ -25,7 +26,7 @@ def _scale(amax: float, fp8_dtype: torch.dtype, margin: int = 0) -> float:
 
 def _table():
     starts = [0, LENGTHS[0]]
-    return block_table(starts, starts, LENGTHS, [0, 1], block=16)
+    return block_table(starts, starts, LENGTHS, [0, 1], device=DEVICE, block=16)
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
@@ -40,8 +41,9 @@ def test_quantize_counts_only_values_past_the_fp8_max_as_saturated(fp8_dtype):
     parts[1][[0, 20]] = torch.tensor([-1.0, 1.0]) * amax[1]
     parts[0][5], parts[1][19] = amax[0] * 1.5, -amax[1] * 3.0  # past it
     x = torch.cat(parts)
-    out, n_sat = torch.zeros(x.numel(), dtype=torch.uint8), torch.zeros((), dtype=torch.int64)
-    comm.quantize(x, _table(), amax, fp8_dtype, out, n_sat)
+    out, n_sat = torch.zeros(x.numel(), dtype=torch.uint8).to(DEVICE), torch.zeros((), dtype=torch.int64).to(DEVICE)
+    comm.quantize(x.to(DEVICE), _table(), amax.to(DEVICE), fp8_dtype, out, n_sat)
+    out = out.cpu()
     s = torch.cat([torch.full((n,), _scale(a, fp8_dtype)) for n, a in zip(LENGTHS, amax.tolist(), strict=True)])
     y = x.double() * s.double()
     assert torch.equal(out, y.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8))
@@ -55,8 +57,9 @@ def test_dequantize_with_the_largest_scale_decodes_by_its_exact_inverse(fp8_dtyp
     gen = torch.Generator().manual_seed(2)
     q = (torch.randn(sum(LENGTHS), generator=gen) * 50).to(fp8_dtype)
     amax = torch.tensor([1e-37, 1.0])
-    out = torch.full((q.numel(),), float("nan"))
-    comm.dequantize(q.view(torch.uint8), _table(), amax, fp8_dtype, out, inv_divisor=0.5)
+    out = torch.full((q.numel(),), float("nan")).to(DEVICE)
+    comm.dequantize(q.view(torch.uint8).to(DEVICE), _table(), amax.to(DEVICE), fp8_dtype, out, inv_divisor=0.5)
+    out = out.cpu()
     s = torch.cat([torch.full((n,), _scale(a, fp8_dtype)) for n, a in zip(LENGTHS, amax.tolist(), strict=True)])
     assert s[0].item() == 2.0**127
     want = (q.double() / s.double() * 0.5).float()
@@ -78,14 +81,16 @@ def test_rows_quantize_scales_each_piece_with_the_margin(fp8_dtype):
     world, margin, inv = 3, 2, 0.25
     rows = (torch.randn(world, sum(LENGTHS), generator=gen) * 20).to(fp8_dtype).view(torch.uint8)
     amax = [0.75, 300.0]
-    piece_amax = torch.zeros(2)
-    comm.rows_amax(rows, _table(), torch.tensor(amax), piece_amax, fp8_dtype, margin=margin, inv_divisor=inv)
+    piece_amax = torch.zeros(2).to(DEVICE)
+    comm.rows_amax(rows.to(DEVICE), _table(), torch.tensor(amax).to(DEVICE), piece_amax, fp8_dtype, margin=margin,
+                   inv_divisor=inv)  # fmt: skip
     mean = _rows_mean64(rows, fp8_dtype, amax, margin, inv)
     want_amax = [mean[: LENGTHS[0]].abs().max().item(), mean[LENGTHS[0] :].abs().max().item()]
     assert piece_amax.tolist() == want_amax
-    out, n_sat = torch.zeros(sum(LENGTHS), dtype=torch.uint8), torch.zeros((), dtype=torch.int64)
-    comm.rows_quantize(rows, _table(), torch.tensor(amax), piece_amax, fp8_dtype, out, n_sat, margin=margin,
-                       inv_divisor=inv)  # fmt: skip
+    out, n_sat = torch.zeros(sum(LENGTHS), dtype=torch.uint8).to(DEVICE), torch.zeros((), dtype=torch.int64).to(DEVICE)
+    comm.rows_quantize(rows.to(DEVICE), _table(), torch.tensor(amax).to(DEVICE), piece_amax, fp8_dtype, out, n_sat,
+                       margin=margin, inv_divisor=inv)  # fmt: skip
+    out = out.cpu()
     ps = torch.cat([torch.full((n,), _scale(a, fp8_dtype, margin)) for n, a in zip(LENGTHS, want_amax, strict=True)])
     y = mean * ps.double()
     assert torch.equal(out, y.clamp(-FMAX[fp8_dtype], FMAX[fp8_dtype]).to(fp8_dtype).view(torch.uint8))
@@ -103,8 +108,8 @@ def test_rows_amax_of_a_mean_past_fp32s_range_is_fp32s_maximum():
     rows = rows.view(torch.uint8)
     amax = [3e38, 1.0]
     assert _scale(3e38, fp8_dtype) == 2.0**-120
-    piece_amax = torch.zeros(2)
-    comm.rows_amax(rows, _table(), torch.tensor(amax), piece_amax, fp8_dtype)
+    piece_amax = torch.zeros(2).to(DEVICE)
+    comm.rows_amax(rows.to(DEVICE), _table(), torch.tensor(amax).to(DEVICE), piece_amax, fp8_dtype)
     mean = _rows_mean64(rows, fp8_dtype, amax, 0, 1.0)
     assert mean[3].item() > torch.finfo(torch.float32).max
     assert piece_amax.tolist() == [torch.finfo(torch.float32).max, mean[LENGTHS[0] :].abs().max().item()]
@@ -118,6 +123,7 @@ def test_rows_sum_decodes_with_the_segments_margin(margin):
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(4, sum(LENGTHS), generator=gen) * 100).to(fp8_dtype).view(torch.uint8)
     amax = [3.0, 5e-3]
-    out = torch.full((sum(LENGTHS),), float("nan"))
-    comm.rows_sum(rows, _table(), torch.tensor(amax), fp8_dtype, out, margin=margin, inv_divisor=0.25)
-    assert torch.equal(out.double(), _rows_mean64(rows, fp8_dtype, amax, margin, 0.25))
+    out = torch.full((sum(LENGTHS),), float("nan")).to(DEVICE)
+    comm.rows_sum(rows.to(DEVICE), _table(), torch.tensor(amax).to(DEVICE), fp8_dtype, out, margin=margin,
+                  inv_divisor=0.25)  # fmt: skip
+    assert torch.equal(out.cpu().double(), _rows_mean64(rows, fp8_dtype, amax, margin, 0.25))

@@ -13,6 +13,7 @@ from lightning_fp8.kernels import grad_cast, reference_grad_cast
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -21,10 +22,11 @@ def test_outputs_start_16_byte_aligned_and_hold_their_own_casts(fp8_dtype):
     gen = torch.Generator().manual_seed(12)
     shapes = [(3, 5), (17,), (1,), (7, 3), (33,)]  # sizes that are not multiples of 16
     grads = [torch.randn(shape, generator=gen) * 2.0 ** (i - 2) for i, shape in enumerate(shapes)]
-    states = [reference_grad_cast.new_grad_cast_state("cpu") for _ in grads]
-    g_fp8, scale_inv, amax, _ = grad_cast.grad_cast(grads, states, fp8_dtype)
+    states = [reference_grad_cast.new_grad_cast_state(DEVICE) for _ in grads]
+    g_fp8, scale_inv, amax, _ = grad_cast.grad_cast([g.to(DEVICE) for g in grads], states, fp8_dtype)
     for g, out, s_inv, a in zip(grads, g_fp8, scale_inv, amax, strict=True):
         assert out.data_ptr() % 16 == 0, [o.data_ptr() % 16 for o in g_fp8]
+        out = out.cpu()
         assert out.shape == g.shape and out.dtype == fp8_dtype
         want_amax = g.abs().max().item()
         scale = 2.0 ** math.floor(math.log2(FMAX[fp8_dtype] / want_amax))
@@ -43,8 +45,8 @@ def test_a_gradient_at_the_format_max_saturates_once(fp8_dtype):
     g = (torch.rand(37, generator=gen) * 0.5 + 0.1) * fmax * 2.0**3
     g[36] = -fmax * 2.0**4  # the amax: |g * scale| == fmax with scale 2**-4
     g[5] = torch.nextafter(torch.tensor(fmax), torch.tensor(0.0)) * 2.0**4  # just below: not saturated
-    state = reference_grad_cast.new_grad_cast_state("cpu")
-    g_fp8, scale_inv, _, _ = grad_cast.grad_cast([g], [state], fp8_dtype)
+    state = reference_grad_cast.new_grad_cast_state(DEVICE)
+    g_fp8, scale_inv, _, _ = grad_cast.grad_cast([g.to(DEVICE)], [state], fp8_dtype)
     assert scale_inv.item() == 2.0**4
     saturated = int(((g.double() * 2.0**-4).abs() >= fmax).sum())
     assert saturated == 1
