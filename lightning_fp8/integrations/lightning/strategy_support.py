@@ -17,7 +17,8 @@ def is_fp8_strategy(strategy: Any, namespace: str) -> bool:
 
     if isinstance(strategy, str):
         registered = _registered_class(strategy.lower(), namespace)
-        return registered is not None and issubclass(registered, strategy_class(namespace))
+        ours = registered is not None and issubclass(registered, strategy_class(namespace))
+        return ours or strategy.lower() == STRATEGY_NAME
     return isinstance(strategy, strategy_class(namespace))
 
 
