@@ -130,7 +130,11 @@ def _check_arguments(
             "(torch.distributed.new_group, or a DeviceMesh's get_group()), or None for the world"
         )
     if nonfinite_fallback == "bf16" and model is None:
-        raise ValueError("FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well")
+        raise ValueError(
+            "FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well (under Lightning, where "
+            "the model is converted inside the fit, pass the arguments as a dict instead, "
+            "FP8LMPrecision(grad_scaler={'nonfinite_fallback': 'bf16'}): the plugin gives the scaler its module)"
+        )
     if nonfinite_fallback is not None and not isinstance(nonfinite_fallback, str) and not callable(nonfinite_fallback):
         raise TypeError(
             f"FP8GradScaler(nonfinite_fallback=...) got a {type(nonfinite_fallback).__name__}: expected a string, "

@@ -571,6 +571,8 @@ def test_check_state_dict_raises_what_load_raises_and_changes_nothing():
         ({"headroom": 0.5}, "headroom"),
         ({"nonfinite_fallback": "restart"}, "nonfinite_fallback"),
         ({"nonfinite_fallback": "bf16"}, "needs the model"),
+        # ... and names Lightning's way, where the model is converted inside the fit (test_precision.py runs it)
+        ({"nonfinite_fallback": "bf16"}, r"FP8LMPrecision\(grad_scaler=\{'nonfinite_fallback': 'bf16'\}\)"),
         # mu multiplies the loss in fp32: 2**-200 is 0 there (every gradient 0), 2**200 inf
         ({"min_scale": 2.0**-200}, r"min_scale=.*from 2\*\*-126 to 2\*\*127"),
         ({"max_scale": 2.0**200}, r"max_scale=.*from 2\*\*-126 to 2\*\*127"),
