@@ -41,28 +41,37 @@ def states(mlp):
     return {(layer, role): s for layer in ("fc", "proj") for role, s in getattr(mlp, layer).fp8_scaling.items()}
 
 
+def assert_like_unfused(mlp, ref, result, result_ref, casts=3):
+    """``result`` (output, input gradient, parameter gradients) of ``mlp`` against ``result_ref`` of its unfused copy
+    ``ref`` (the same casts: SAME_CASTS_SQNR_DB), and each scaling state's cast count and scale against the copy's;
+    the pairs of states ``(state, the copy's)`` for more checks."""
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = result, result_ref
+    assert sqnr(y, y_ref) > SAME_CASTS_SQNR_DB
+    assert sqnr(dx, dx_ref) > SAME_CASTS_SQNR_DB
+    assert grads.keys() == grads_ref.keys()
+    for name, g in grads.items():
+        assert sqnr(g, grads_ref[name]) > SAME_CASTS_SQNR_DB, name
+    ref_states, pairs = states(ref), []
+    for key, s in states(mlp).items():
+        r = ref_states[key]
+        assert int(s.casts) == int(r.casts) == casts, key
+        assert torch.equal(s.scale, r.scale), key
+        pairs.append((s, r))
+    return pairs
+
+
 @pytest.mark.parametrize("recipe", ["fp8-lm", "current"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_equals_unfused_layers(recipe, bias):
     mlp = FP8MLP(32, 128, bias=bias, recipe=FP8Recipe(scaling="current") if recipe == "current" else None)
     ref = copy.deepcopy(mlp)
     x = torch.randn(3, 20, 32, requires_grad=True) * 2
-    y, dx, grads = run(lambda m, v: m(v), mlp, x)
-    y_ref, dx_ref, grads_ref = run(unfused, ref, x)
-    assert y.shape == (3, 20, 32) and y.dtype == torch.float32
-    assert sqnr(y, y_ref) > SAME_CASTS_SQNR_DB
-    assert sqnr(dx, dx_ref) > SAME_CASTS_SQNR_DB
-    assert grads.keys() == grads_ref.keys()
-    for name, g in grads.items():
-        assert sqnr(g, grads_ref[name]) > SAME_CASTS_SQNR_DB, name
+    result = run(lambda m, v: m(v), mlp, x)
+    assert result[0].shape == (3, 20, 32) and result[0].dtype == torch.float32
     # The scaling states saw the same tensors: proj's input is the GELU's output, fc's output gradient the GELU's
     # input gradient.
-    ref_states = states(ref)
-    for key, s in states(mlp).items():
-        r = ref_states[key]
-        assert int(s.casts) == int(r.casts) == 3, key
+    for s, r in assert_like_unfused(mlp, ref, result, run(unfused, ref, x)):
         torch.testing.assert_close(s.amax_history, r.amax_history, rtol=1e-5, atol=0)
-        assert torch.equal(s.scale, r.scale), key
 
 
 def test_autocast_bf16_against_high_precision():

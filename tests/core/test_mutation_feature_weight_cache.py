@@ -17,6 +17,7 @@ from torch import nn
 from lightning_fp8 import FP8AdamW, FP8Recipe, convert_to_fp8, fp8_modules, weight_cache
 from lightning_fp8.optim import master
 from lightning_fp8.scaling import ScalingState
+from tests.core.test_weight_cache import cast_and_copy_runs
 
 
 def _model(recipe=None):
@@ -107,12 +108,9 @@ def test_the_copy_of_a_non_finite_weight_records_what_its_cast_records():
     # A NaN loss makes every weight NaN in the step. The forward's record of such a weight (cast or copy): amax inf, a
     # history entry of 0 (no information: module docstring of record_into, DESIGN.md), a non-finite count, the scale
     # kept. The copy's record is the cast's, buffer for buffer.
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
-    x = torch.randn(8, 32)
+    x, runs = cast_and_copy_runs()
     stats = {}
-    for emit in (False, True):
-        model = convert_to_fp8(copy.deepcopy(base))
+    for emit, model in runs:
         opt = FP8AdamW(model.parameters(), lr=1e-2, scale_update="two_pass", emit_fp8_weights=emit)
         (model(x).sum() * float("nan")).backward()
         opt.step()

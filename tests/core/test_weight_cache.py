@@ -425,17 +425,23 @@ def test_compiled_fp8mlp_uses_the_copies_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def cast_and_copy_runs():
+    """For a weight's record by the forward's cast (``emit`` False) against its record by FP8AdamW's emitted copy
+    (True): an input and ``[(emit, model)]``, two FP8 copies of one small model (seed 0)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
+    x = torch.randn(8, 32)
+    return x, [(emit, convert_to_fp8(copy.deepcopy(base))) for emit in (False, True)]
+
+
 @pytest.mark.parametrize("opt_level", ["O2", "O1"])
 @pytest.mark.parametrize("scale_update", ["two_pass", "one_pass"])
 def test_a_copy_of_an_all_zero_weight_keeps_the_previous_scale(opt_level, scale_update):
     """A cast whose amax is 0 keeps the scale it had (DESIGN.md); the copy of a weight the step zeroed records the
     same statistics as the forward's cast of it, scale included (the step's record carries scale 1)."""
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
-    x = torch.randn(8, 32)
+    x, runs = cast_and_copy_runs()
     stats = {}
-    for emit in (False, True):
-        model = convert_to_fp8(copy.deepcopy(base))
+    for emit, model in runs:
         scaler = FP8GradScaler(model=model)
         opt = FP8AdamW(model.parameters(), lr=1.0, weight_decay=1.0, grad_scaler=scaler, opt_level=opt_level,
                        scale_update=scale_update, emit_fp8_weights=emit)  # fmt: skip
