@@ -154,7 +154,7 @@ def float32_exponent_mantissa(value: float) -> tuple[int, int]:
 def pow2_scale_ref(amax: torch.Tensor, fmax: float, margin: int, prev: torch.Tensor) -> torch.Tensor:
     """``2 ** (floor(log2(fmax / amax)) - margin)`` from the fp32 bit patterns; ``prev`` where amax is 0 or non-finite.
 
-    The same function as ``lightning_fp8.scaling.compute_scale`` (kernels import no core module), for any format max.
+    The same function as ``lightning_fp8.scale_rule.compute_scale`` (kernels import no core module), for any format max.
     """
     max_exp, max_mant = float32_exponent_mantissa(fmax)
     a = amax.float()

@@ -18,7 +18,8 @@ from lightning_fp8.formats import E4M3, E5M2, fp8_max
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.recipe import FP8Recipe
-from lightning_fp8.scaling import ScalingState, compute_scale
+from lightning_fp8.scale_rule import compute_scale
+from lightning_fp8.scaling import ScalingState
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 
 __version__ = "0.1.0"

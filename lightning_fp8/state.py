@@ -16,7 +16,8 @@ from torch import nn
 from lightning_fp8 import load_pairing
 from lightning_fp8.grad_scaling.rules import rescale_grad_output_state
 from lightning_fp8.recipe import check_flag
-from lightning_fp8.scaling import ScalingState, _format_max
+from lightning_fp8.scale_rule import _format_max
+from lightning_fp8.scaling import ScalingState
 from lightning_fp8.state_values import (
     _check_initialized,
     _check_mapping,

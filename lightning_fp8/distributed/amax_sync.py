@@ -6,7 +6,7 @@ rank layout, and one rank can saturate alone), and in tensor/sequence parallelis
 several ranks would mix scales. So once per step the amax histories of every delayed scaling state (the
 ``input`` and ``grad_output`` roles of each :class:`~lightning_fp8.FP8Linear`) are reduced with MAX across the
 data- and tensor-parallel ranks, in ONE collective (all of them stacked into one fp32 vector), and the scales
-are recomputed from the reduced histories (:func:`lightning_fp8.scaling.compute_scale`)::
+are recomputed from the reduced histories (:func:`lightning_fp8.scale_rule.compute_scale`)::
 
     amax_history <- max over ranks of amax_history               # one all-reduce for the whole model
     scale        <- compute_scale(max(amax_history) or amax_history[0], fp8_dtype, margin, prev=scale)
@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_fp8.distributed.comm import check_group
-from lightning_fp8.scaling import ScalingState, compute_scale
+from lightning_fp8.scale_rule import compute_scale
+from lightning_fp8.scaling import ScalingState
 from lightning_fp8.warnings import warn_once
 
 # Scaling states synchronized since their last cast -> the global ranks that now agree on their scale (None: every

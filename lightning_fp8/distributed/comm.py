@@ -5,7 +5,7 @@ underflows if each ``g_i`` is divided first (DESIGN.md "FP8 gradient communicati
 
 1. **Shared scales.** Every rank computes the amax of each tensor (scale group) of the buffer; one MAX
    all-reduce of those few floats gives every rank the same amaxes, hence the same power-of-two scales
-   ``s = 2 ** floor(log2(fp8_max / amax))`` (:func:`lightning_fp8.scaling.compute_scale`). A non-finite value
+   ``s = 2 ** floor(log2(fp8_max / amax))`` (:func:`lightning_fp8.scale_rule.compute_scale`). A non-finite value
    on any rank makes its amax non-finite everywhere: every rank knows before the tensor's bytes are sent.
 2. **Portable reduce-scatter** (gloo and NCCL, :func:`reduce_scatter_fp8`): ``x_fp8 = saturate(x * s)`` as
    bytes, an all-to-all of the chunks, and a local fp32 sum ``sum_i x_fp8_i * s^-1``. The scales are shared,

@@ -17,7 +17,7 @@ import torch
 from lightning_fp8 import ops
 from lightning_fp8.formats import fp8_max
 from lightning_fp8.kernels.comm_table import BlockTable, check_headroom
-from lightning_fp8.scaling import compute_scale
+from lightning_fp8.scale_rule import compute_scale
 
 _NAMES = ("segment_amax", "quantize", "dequantize", "rows_amax", "rows_quantize", "rows_sum")
 

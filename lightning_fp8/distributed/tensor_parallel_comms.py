@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8 import ops
-from lightning_fp8.scaling import compute_scale
+from lightning_fp8.scale_rule import compute_scale
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

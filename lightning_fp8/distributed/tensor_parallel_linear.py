@@ -59,7 +59,8 @@ from lightning_fp8.recompute import (
     replay_scales,
     restore_buffers,
 )
-from lightning_fp8.scaling import ScalingState, compute_scale
+from lightning_fp8.scale_rule import compute_scale
+from lightning_fp8.scaling import ScalingState
 from lightning_fp8.trace_marks import _capturing, _tracing
 
 # How a cast operand is spread over the group: identical everywhere, a different slice per rank, or a slice whose

@@ -23,7 +23,7 @@ from torch.nn.utils import prune
 
 from lightning_fp8 import ops
 from lightning_fp8.formats import FP8_DTYPES
-from lightning_fp8.scaling import compute_scale
+from lightning_fp8.scale_rule import compute_scale
 
 MARKER = "_lightning_fp8_weight"  # set by FP8Linear on its weight
 SCALE_ATTR = "_lightning_fp8_master_scale"  # 0-dim fp32: the parameter's storage holds weight * scale

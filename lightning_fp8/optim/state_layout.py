@@ -22,7 +22,7 @@ import torch
 from lightning_fp8 import ops
 from lightning_fp8.kernels.reference_adamw import SCALED_STATE_MAX
 from lightning_fp8.optim import shards
-from lightning_fp8.scaling import compute_scale
+from lightning_fp8.scale_rule import compute_scale
 
 if TYPE_CHECKING:
     from lightning_fp8.optim.adamw import FP8AdamW
