@@ -9,7 +9,8 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_fp8.linear import _ACTIVATION_DTYPES, FP8Linear
+from lightning_fp8.linear import FP8Linear
+from lightning_fp8.linear_checks import _ACTIVATION_DTYPES
 from lightning_fp8.weight_reads import forward_weight_reads
 
 # Set on each nn.Linear that recovery.put_back_to_high_precision put in place of an FP8 layer (the "bf16" fallback):

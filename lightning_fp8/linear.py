@@ -24,13 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils.prune import BasePruningMethod
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_fp8 import ops, weight_cache
-from lightning_fp8.autograd_rules import check_no_forward_ad, check_no_functorch
-from lightning_fp8.cast_checks import check_castable
+from lightning_fp8.autograd_rules import check_no_functorch
+from lightning_fp8.linear_checks import _ACTIVATION_DTYPES, check_input, check_not_reparametrized
 from lightning_fp8.matmul import _FP8Matmul, current_flags, note_casts
 
 # Re-exported: mlp.py (forward_gemm, backward_gemms) and distributed/tensor_parallel_linear.py (grad_output_current)
@@ -44,7 +41,6 @@ from lightning_fp8.recompute import forward_call
 from lightning_fp8.scaling import ScalingState
 from lightning_fp8.weight_marks import LayerMark, after_load, before_load, mark_weight, put_back_marks, weight_marks
 
-_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What every nn.Linear holds in its __dict__; FP8Linear.from_linear carries any other plain attribute over.
 _LINEAR_ATTRS = frozenset(vars(nn.Linear(16, 16, device="meta")))
 
@@ -58,28 +54,6 @@ def tokens_2d(x: torch.Tensor) -> torch.Tensor:
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of an FP8 layer's output for input ``x``: autocast's where autocast is on, else ``x``'s."""
     return ops.autocast_dtype(x.device) or x.dtype
-
-
-# The forward pre-hooks of the hook-based reparametrizations (nn.utils.weight_norm, spectral_norm, nn.utils.prune): each
-# recomputes the weight from other parameters before the forward.
-_REPARAMETRIZING_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
-
-
-def check_not_reparametrized(layer: FP8Linear) -> None:
-    """Raise if ``layer`` was reparametrized after the conversion (``torch.nn.utils.parametrize``,
-    ``parametrizations.weight_norm``, the hook-based ``weight_norm``, ``spectral_norm``, pruning). The FP8-weight
-    marker stays on the parameter the weight is now computed from: at O2 FP8AdamW keeps a scaled fp16 master there,
-    and the computed weight is garbage (or the forward fails on its dtype)."""
-    parametrized = layer._modules.get("parametrizations") is not None  # parametrize.is_parametrized, without getattr
-    pre_hooks = layer._forward_pre_hooks
-    if parametrized or (pre_hooks and any(isinstance(h, _REPARAMETRIZING_HOOKS) for h in pre_hooks.values())):
-        raise RuntimeError(
-            f"FP8Linear(in_features={layer.in_features}, out_features={layer.out_features}) was reparametrized after "
-            "the conversion (torch.nn.utils.parametrize, weight_norm, spectral_norm or pruning): FP8 layers do not "
-            "support a weight computed from other parameters. Remove the reparametrization, or keep the layer in high "
-            "precision: reparametrize the nn.Linear before convert_to_fp8, which leaves such layers as they are (or "
-            "leave it out with module_filter_fn)"
-        )
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -338,7 +312,7 @@ class FP8Linear(nn.Linear):
             from lightning_fp8.distributed.tensor_parallel_linear import dtensor_forward
 
             return dtensor_forward(self, x)
-        self._check_input(x, weight)
+        check_input(self, x, weight)
         out_dtype = output_dtype(x)
         flat = x.dim() == 2  # already (tokens, in_features): no reshapes (each is an op and a backward node)
         x_2d = x if flat else tokens_2d(x)
@@ -352,57 +326,3 @@ class FP8Linear(nn.Linear):
         )  # fmt: skip
         note_casts(scaling, x_2d, y)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
-
-    def _check_input(self, x: torch.Tensor, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
-        if not isinstance(x, torch.Tensor):
-            if isinstance(x, torch.fx.Proxy):  # torch.fx traces into modules outside torch.nn
-                raise TypeError(
-                    f"{owner} cannot be traced by torch.fx.symbolic_trace (its casts and scaling state are not "
-                    "symbolic): keep FP8 layers as leaves with a Tracer whose is_leaf_module(m, name) returns True "
-                    "for FP8Linear (and FP8MLP), or trace with torch.export / torch.compile"
-                )
-            raise TypeError(f"{owner} expects a tensor input, got {type(x).__name__}")
-        if weight.dtype not in _ACTIVATION_DTYPES:  # first: model.double() makes both float64, the weight is the cause
-            raise TypeError(
-                f"{owner} weight has dtype {weight.dtype}: use float32, bfloat16 or float16 parameters (a model cast "
-                "with .double() or .to(torch.float64): cast it back, e.g. model.float())"
-            )
-        if x.dtype not in _ACTIVATION_DTYPES:
-            raise TypeError(
-                f"{owner} received an input of dtype {x.dtype}: FP8 layers take floating-point activations "
-                f"in {[str(d) for d in _ACTIVATION_DTYPES]}; cast the input first (e.g. x.float() or x.bfloat16())"
-            )
-        check_castable(x, owner)  # a sparse or nested input
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{owner}(in_features={self.in_features}) received an input of shape {tuple(x.shape)}: "
-                f"its last dimension must be {self.in_features}"
-            )
-        if x.device != weight.device:
-            raise ValueError(
-                f"{owner} input is on {x.device} but the layer's weight is on {weight.device}: "
-                "move the input or the model to the same device"
-            )
-        check_no_forward_ad(owner, x, weight, self.bias)
-        self._check_shapes(weight, owner)
-
-    def _check_shapes(self, weight: torch.Tensor, owner: str = "FP8Linear") -> None:
-        """Raise ValueError if ``weight`` (this layer's) or the bias is not of the layer's shape, or the scaling state
-        is not on the weight's device: checked before the casts record anything."""
-        bias = self.bias
-        state_device = self.fp8_scaling["input"]._buffers["scale"].device
-        if state_device != weight.device:
-            raise ValueError(
-                f"{owner}: the weight is on {weight.device} but the FP8 scaling state on {state_device}: the "
-                "parameters were replaced without moving the module. Move the whole module (module.to(device); a "
-                "module built on the meta device: module.to_empty(device=...), then its reset_parameters())"
-            )
-        if weight.shape != (self.out_features, self.in_features) or (
-            bias is not None and bias.shape != (self.out_features,)
-        ):
-            got = f"weight {tuple(weight.shape)}" + ("" if bias is None else f" and bias {tuple(bias.shape)}")
-            raise ValueError(
-                f"FP8Linear(in_features={self.in_features}, out_features={self.out_features}) holds a {got}: a "
-                f"parameter was replaced by one of another shape. Give it weight ({self.out_features}, "
-                f"{self.in_features}) and bias ({self.out_features},), or build a new FP8Linear of the new size"
-            )

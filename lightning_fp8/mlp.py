@@ -36,11 +36,9 @@ from lightning_fp8.autograd_rules import check_no_forward_ad, check_no_functorch
 from lightning_fp8.eligibility import check_wrappable
 from lightning_fp8.kernels.reference import kept_input_scale_inv
 from lightning_fp8.linear import (
-    _ACTIVATION_DTYPES,
     FP8Linear,
     _is_dtensor,
     backward_gemms,
-    check_not_reparametrized,
     current_flags,
     forward_gemm,
     grad_output_current,
@@ -48,6 +46,7 @@ from lightning_fp8.linear import (
     output_dtype,
     tokens_2d,
 )
+from lightning_fp8.linear_checks import _ACTIVATION_DTYPES, check_input, check_not_reparametrized, check_shapes
 from lightning_fp8.optim import master
 from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 from lightning_fp8.recompute import (
@@ -306,9 +305,9 @@ class FP8MLP(nn.Module):
         w1, w2 = fc.weight, proj.weight
         if _is_dtensor(w1) or _is_dtensor(w2) or _has_hooks(fc) or _has_hooks(proj):
             return proj(F.gelu(fc(x)))
-        fc._check_input(x, w1, "FP8MLP")
+        check_input(fc, x, w1, "FP8MLP")
         check_no_forward_ad("FP8MLP", w2, proj.bias)
-        proj._check_shapes(w2, "FP8MLP")
+        check_shapes(proj, w2, "FP8MLP")
         if fc.out_features != proj.in_features:  # a layer replaced by one of another size (checked before any cast)
             raise ValueError(
                 f"FP8MLP: fc gives {fc.out_features} features but proj takes {proj.in_features} (a layer was replaced "

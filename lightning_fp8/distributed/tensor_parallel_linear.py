@@ -50,6 +50,7 @@ from lightning_fp8.linear import (
     note_casts,
     output_dtype,
 )
+from lightning_fp8.linear_checks import check_input
 from lightning_fp8.optim import master
 from lightning_fp8.recompute import (
     ForwardCall,
@@ -336,7 +337,7 @@ def dtensor_forward(layer: FP8Linear, x: torch.Tensor) -> DTensor:
     kind, mesh = _kind(weight), weight.device_mesh
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate() if kind == "colwise" else Shard(-1)], run_check=False)
-    layer._check_input(x, weight)  # global shape, dtype and device
+    check_input(layer, x, weight)  # global shape, dtype and device
     for state in layer.fp8_scaling.values():  # torch's own styles (distribute_module) made them DTensors
         localize_buffers(state)
     x, dim, out_placement = _layouts(layer, x, kind)
