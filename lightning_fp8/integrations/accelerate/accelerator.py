@@ -184,6 +184,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
         # parameters, so the optimizer built on them stays valid.
         if device_placement is not None and len(device_placement) != len(args):
             return super().prepare(*args, device_placement=device_placement)  # Accelerate's error for it
+        refusals.check_fsdp_set_up(self.distributed_type, self.is_fsdp2, self.device)
         refusals.check_one_optimizer(args, self._fp8_prepared_optimizer())
         refusals.check_scaler(args, self.fp8_grad_scaler)
         self._fp8_check_before_optimizer([obj for obj in args if isinstance(obj, nn.Module)])
@@ -216,6 +217,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
     ) -> nn.Module:
         if self.fp8_lm_config is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        refusals.check_fsdp_set_up(self.distributed_type, self.is_fsdp2, self.device)
         self._fp8_check_before_optimizer([model])
         model = self._fp8_convert(model, device_placement)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

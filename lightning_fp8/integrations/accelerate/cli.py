@@ -174,6 +174,7 @@ def launch(argv: list[str]) -> int:
         _check_no_accelerate_fp8_options(parser, argv, args.training_script)
         if read:
             _check_accelerate_keys(config, config_path)
+        _check_no_fsdp_on_cpu(args, config)
         settings = _resolve(section, recipe_flag, exclude_flag, config_path, tp_plan_flag)
         if settings.get(ENV_RECIPE) != OFF:  # Accelerate's launcher would fail on fp8 first, with a traceback
             from lightning_fp8.integrations.accelerate import refusals
@@ -354,6 +355,20 @@ def _set_from_flag_or_environment(section: dict[str, Any], key: str, flag: str |
     if key == "tp_plan":
         check_tp_plan(value, variable)  # the error names the variable, not the section
     section[key] = value
+
+
+def _check_no_fsdp_on_cpu(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Raise ValueError for FSDP on a multi-process CPU launch: Accelerate runs FSDP on CUDA devices only, and the
+    torchrun launch below would have trained the model unsharded under DDP, without a word."""
+    fsdp = args.use_fsdp or config.get("distributed_type") == "FSDP"
+    num_processes = args.num_processes if args.num_processes is not None else config.get("num_processes", 1)
+    cpu = args.cpu or config.get("use_cpu", False)
+    if fsdp and cpu and (num_processes or 1) > 1:
+        raise ValueError(
+            "FSDP on the CPU (--cpu or use_cpu: true): Accelerate runs FSDP on CUDA devices only, so the model would "
+            "train unsharded under DDP. Launch on GPUs, or drop the FSDP settings (distributed_type: MULTI_CPU) to "
+            "train with DDP on the CPU"
+        )
 
 
 def _launch_cpu_processes_with_torchrun(args: argparse.Namespace, config: dict[str, Any]) -> bool:

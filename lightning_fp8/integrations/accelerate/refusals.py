@@ -2,7 +2,8 @@
 says what to do instead.
 
 Each of them could only fail later, or train wrongly without a word: ``mixed_precision`` ``"fp16"``/``"fp8"`` and
-the distributed types FP8-LM does not support (DeepSpeed, Megatron-LM, XLA, FSDP1); a ``GradScalerKwargs`` handler
+the distributed types FP8-LM does not support (DeepSpeed, Megatron-LM, XLA, FSDP1), and FSDP asked for where
+Accelerate set up something else (the CPU); a ``GradScalerKwargs`` handler
 (the fp16 scaler's settings, which mu would ignore); a second optimizer or a second
 gradient scaler (one gradient scale mu scales the loss and unscales the gradients); an optimizer prepared before
 the model, or an FP8AdamW (O2) that took the model's linear weights for ordinary parameters before they became FP8
@@ -14,6 +15,7 @@ itself an FP8 layer; and clipping that would miss gradients held in FP8.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -91,6 +93,25 @@ def check_supported(mixed_precision: Any, distributed_type: DistributedType, is_
         raise ValueError("FP8-LM under Accelerate supports FSDP2 only: set `fsdp_version: 2` in the fsdp_config")
     if tp_enabled:
         tensor_parallel.check_fsdp2_combination(is_fsdp2)
+
+
+def check_fsdp_set_up(distributed_type: DistributedType, is_fsdp2: bool, device: torch.device) -> None:
+    """Raise ValueError if the launch asked for FSDP (an ``fsdp_plugin``, or ``distributed_type: FSDP`` in the config
+    file: ``ACCELERATE_USE_FSDP``) on several processes and Accelerate set up something else. Accelerate runs FSDP on
+    CUDA devices only and otherwise goes on without a word: on the CPU the model trained unsharded under DDP, or (a
+    GPU config launched where there is no GPU) each process trained on its own. Called from ``prepare``, so that a
+    process state switched to FSDP after the Accelerator was built (the CPU tests) counts."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if not asked or is_fsdp2 or distributed_type == DistributedType.FSDP or processes < 2:
+        return
+    raise ValueError(
+        f"the launch asked for FSDP (fsdp_plugin=..., or distributed_type: FSDP in the Accelerate config), but "
+        f"Accelerate set up {distributed_type.value} on {device.type} ({processes} processes): it runs FSDP on CUDA "
+        "devices only, so the model would not be sharded. Launch on GPUs, or drop the FSDP settings to train with "
+        "DDP on the CPU (distributed_type: MULTI_CPU, or `lightning-fp8 launch --cpu --num_processes N`). "
+        "Nothing was converted"
+    )
 
 
 def check_model_prepared(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> None:
