@@ -94,6 +94,13 @@ def as_count(value: Any) -> Any:
     return value
 
 
+def as_choice(value: Any) -> Any:
+    """``value`` as a plain ``str`` if it is a ``str`` subclass (a NumPy string, a ``StrEnum`` member); else
+    unchanged. Kept as it was, it would reach checkpoints through :meth:`FP8Recipe.to_dict` as a pickled class,
+    which ``torch.load(weights_only=True)`` refuses."""
+    return str.__str__(value) if isinstance(value, str) else value
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8Recipe:
     """How FP8 training casts, scales and stores tensors.
@@ -127,6 +134,8 @@ class FP8Recipe:
     def __post_init__(self) -> None:
         for name in ("amax_history_len", "margin"):
             object.__setattr__(self, name, as_count(getattr(self, name)))
+        for name in _ALLOWED:
+            object.__setattr__(self, name, as_choice(getattr(self, name)))
         check_settings(
             "FP8Recipe",
             {name: (getattr(self, name), allowed) for name, allowed in _ALLOWED.items()},
