@@ -99,7 +99,7 @@ def convert_to_fp8(
             f"convert_to_fp8(module_filter_fn={module_filter_fn!r}) is called as fn(module, fqn) for each linear "
             "layer, which it cannot take: give it the two arguments, e.g. lambda module, fqn: 'lm_head' not in fqn"
         )
-    recipe = resolve_recipe(recipe)
+    recipe = resolve_recipe(recipe, "convert_to_fp8(recipe=...)")
     module_filter_fn = _checked_filter(module_filter_fn)
     _check_converted_recipes(module, recipe, module_filter_fn)
     left: dict[str, list[str]] = {reason: [] for reason in _LEFT_BECAUSE}

@@ -147,7 +147,7 @@ class FP8Linear(nn.Linear):
                 "float16), or build the layer with the default dtype set back (torch.set_default_dtype(torch.float32))"
             )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._recipe = resolve_recipe(recipe)
+        self._recipe = resolve_recipe(recipe, "FP8Linear(recipe=...)")
         self._init_scaling(self.weight.device)
 
     @property
@@ -222,7 +222,7 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16")
         new.register_parameter("weight", linear.weight)
         new.register_parameter("bias", linear.bias)  # registered when None too, as nn.Linear(bias=False) does
-        new._recipe = resolve_recipe(recipe)
+        new._recipe = resolve_recipe(recipe, "FP8Linear.from_linear(recipe=...)")
         new._init_scaling(linear.weight.device)
         new.train(linear.training)  # after the scaling states exist: they take the layer's mode too
         convert.share_hooks(linear, new)

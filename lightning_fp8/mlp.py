@@ -259,7 +259,8 @@ class FP8MLP(nn.Module):
         for name, layer in (("fc", fc), ("proj", proj)):
             if not isinstance(layer, nn.Linear):
                 raise TypeError(f"FP8MLP.from_modules: {name} must be an nn.Linear (or FP8Linear), got {type(layer)}")
-        recipe = resolve_recipe(recipe)  # a bad recipe is refused even where both layers are FP8Linear already
+        # A bad recipe is refused even where both layers are FP8Linear already.
+        recipe = resolve_recipe(recipe, "FP8MLP.from_modules(recipe=...)")
         if fc.out_features != proj.in_features:
             raise ValueError(
                 f"FP8MLP.from_modules: fc gives {fc.out_features} features but proj takes {proj.in_features}; "

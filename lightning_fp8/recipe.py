@@ -203,8 +203,11 @@ class FP8Recipe:
             )
         unknown = set(values) - known
         if unknown:  # key=repr: keys of other types than str do not compare with each other
+            # A base recipe's name (as LIGHTNING_FP8_RECIPE's JSON and the config section take it) is no field here.
+            base = next((values[k] for k in ("name", "recipe") if k in unknown and isinstance(values[k], str)), None)
+            hint = "" if base is None else f"; a named recipe with changes: FP8Recipe.from_name({base!r}).replace(...)"
             raise ValueError(
-                f"unknown FP8Recipe field(s) {sorted(unknown, key=repr)}: allowed fields are {sorted(known)}"
+                f"unknown FP8Recipe field(s) {sorted(unknown, key=repr)}: allowed fields are {sorted(known)}{hint}"
             )
         return cls(**values)
 
@@ -235,12 +238,16 @@ _NAMED: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_recipe(recipe: FP8Recipe | str | None) -> FP8Recipe:
-    """Accept a recipe, a recipe name, or ``None`` (the ``"fp8-lm"`` default)."""
+def resolve_recipe(recipe: FP8Recipe | str | None, where: str = "recipe") -> FP8Recipe:
+    """Accept a recipe, a recipe name, or ``None`` (the ``"fp8-lm"`` default); ``where`` names the argument in the
+    error for anything else (e.g. ``"FP8Linear(recipe=...)"``)."""
     if recipe is None:
         return FP8Recipe()
     if isinstance(recipe, str):
         return FP8Recipe.from_name(recipe)
     if not isinstance(recipe, FP8Recipe):
-        raise TypeError(f"recipe must be an FP8Recipe, a recipe name or None, got {type(recipe).__name__}")
+        raise TypeError(
+            f"{where} must be an FP8Recipe, a recipe name ({FP8Recipe.names()}) or None, got {type(recipe).__name__}"
+            + (": e.g. FP8Recipe(**fields), or FP8Recipe.from_dict(fields)" if isinstance(recipe, Mapping) else "")
+        )
     return recipe

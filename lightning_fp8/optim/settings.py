@@ -45,7 +45,7 @@ def resolved_settings(
 ) -> tuple[FP8Recipe, str, tuple[torch.dtype, torch.dtype, torch.dtype]]:
     """Check FP8AdamW's ``opt_level``, state ``dtypes`` (master, exp_avg, exp_avg_sq), ``scale_update`` and
     ``low_precision_moments``; return the recipe, the level (the recipe's by default) and the dtypes (the level's)."""
-    recipe = resolve_recipe(recipe)
+    recipe = resolve_recipe(recipe, "FP8AdamW(recipe=...)")
     opt_level = opt_level if opt_level is not None else recipe.opt_level
     if not isinstance(opt_level, str) or opt_level not in _LEVEL_DTYPES:
         raise ValueError(f"FP8AdamW(opt_level={opt_level!r}) is not supported: choose 'O1' or 'O2'")

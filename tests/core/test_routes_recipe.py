@@ -3,6 +3,7 @@
 
 import enum
 import io
+import re
 
 import numpy as np
 import pytest
@@ -84,3 +85,30 @@ def test_a_named_recipe_is_the_same_by_name_and_by_its_fields(name):
     }
     assert all(recipe == FP8Recipe(**fields) for recipe in by_name.values()), by_name
     assert FP8AdamW([nn.Parameter(torch.randn(4))], recipe=name).opt_level == fields["opt_level"]
+
+
+@pytest.mark.parametrize(
+    ("where", "call"),
+    [
+        ("FP8Linear(recipe=...)", lambda r: FP8Linear(16, 16, recipe=r)),
+        ("FP8Linear.from_linear(recipe=...)", lambda r: FP8Linear.from_linear(nn.Linear(16, 16), recipe=r)),
+        ("convert_to_fp8(recipe=...)", lambda r: convert_to_fp8(nn.Sequential(nn.Linear(16, 16)), r)),
+        ("FP8AdamW(recipe=...)", lambda r: FP8AdamW([nn.Parameter(torch.zeros(4))], recipe=r)),
+    ],
+)
+def test_a_dict_given_as_a_recipe_is_refused_naming_the_call_and_the_fix(where, call):
+    # It said "recipe must be an FP8Recipe, a recipe name or None, got dict": no call, no names, no way to a recipe.
+    fields = {"scaling": "current", "margin": 1}
+    with pytest.raises(TypeError, match=rf"^{re.escape(where)} must be an FP8Recipe, .*'fp8-lm'.*got dict.*from_dict"):
+        call(fields)
+    call(FP8Recipe.from_dict(fields))  # the named fix is accepted
+
+
+def test_from_dict_with_a_base_recipe_name_names_from_name_and_replace():
+    # LIGHTNING_FP8_RECIPE's JSON names its base recipe "name", the config section "recipe"; from_dict has no such
+    # field and said only "unknown field".
+    for key in ("name", "recipe"):
+        with pytest.raises(ValueError, match=r"FP8Recipe\.from_name\('fp8-lm-current'\)\.replace\(\.\.\.\)"):
+            FP8Recipe.from_dict({key: "fp8-lm-current", "margin": 1})
+    fixed = FP8Recipe.from_name("fp8-lm-current").replace(margin=1)  # the named fix
+    assert fixed == FP8Recipe(scaling="current", margin=1)

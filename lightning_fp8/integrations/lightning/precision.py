@@ -115,12 +115,7 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState, _PrecisionOptimizers
                 f"FP8LMPrecision(module_filter_fn={module_filter_fn!r}) is called as fn(module, fqn) for each linear "
                 "layer, which it cannot take: give it the two arguments, e.g. lambda module, fqn: 'lm_head' not in fqn"
             )
-        if recipe is not None and not isinstance(recipe, (str, FP8Recipe)):
-            raise TypeError(  # else the core's bare message, naming neither this call nor the fix
-                f"FP8LMPrecision(recipe=...) must be an FP8Recipe, a recipe name ({FP8Recipe.names()}) or None, got "
-                f"{type(recipe).__name__}" + (": e.g. FP8Recipe(**fields)" if isinstance(recipe, dict) else "")
-            )
-        self.recipe = resolve_recipe(recipe)
+        self.recipe = resolve_recipe(recipe, "FP8LMPrecision(recipe=...)")
         self.backend = backend
         self.autocast = autocast
         self.replace_optimizers = replace_optimizers
