@@ -61,7 +61,9 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         opt_level: ``"O1"`` (fp32 master and moments everywhere; the FP8Linear weights' gradients in FP8, see
             ``fp8_grads``) or ``"O2"`` (low-precision states for FP8 linear weights); overrides the recipe's.
         master_dtype, exp_avg_dtype, exp_avg_sq_dtype: the states of FP8 linear weights; defaults per level
-            (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale.
+            (O2: fp16, E4M3, fp16; O1: fp32). fp16 and FP8 states carry a per-tensor scale. The choices: master fp32,
+            fp16 or bf16; ``exp_avg`` fp32, bf16, fp16, E4M3 or E5M2; ``exp_avg_sq`` fp32, bf16 or fp16 (an FP8 second
+            moment diverged in FP8-LM's experiments: not offered).
         grad_scaler: an :class:`~lightning_fp8.FP8GradScaler` (or None; anything else, ``torch.amp.GradScaler``
             among them, is a TypeError, and so is ``torch.amp.GradScaler.step(optimizer)``). Gradients are unscaled by
             its mu, the FP8 gradient casts report to it, and :meth:`step` routes through it (skip on non-finite, then

@@ -49,7 +49,10 @@ def test_every_dtype_the_refusal_offers_is_taken_as_that_state(argument):
 @pytest.mark.parametrize(
     ("argument", "dtype"),
     [("master_dtype", torch.float32), ("exp_avg_dtype", torch.float16), ("exp_avg_dtype", E5M2),
-     ("exp_avg_sq_dtype", torch.float32)],
+     ("exp_avg_sq_dtype", torch.float32),
+     # FP8AdamW's docstring lists the rest: bf16 for each state, fp16 masters and second moments
+     ("master_dtype", torch.bfloat16), ("exp_avg_dtype", torch.bfloat16), ("exp_avg_sq_dtype", torch.bfloat16),
+     ("master_dtype", torch.float16), ("exp_avg_sq_dtype", torch.float16)],
 )  # fmt: skip
 def test_the_documented_choices_are_offered(argument, dtype):
     assert dtype in _offered(argument)
