@@ -104,9 +104,17 @@ class _LoggingCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A new training (another Trainer starting below the steps this callback observed, no checkpoint resumed):
+        # the previous one's series, alerts and last scales are not this one's to continue.
+        if trainer.global_step < self._last_step and trainer.ckpt_path is None:
+            self._start_afresh()
         # The step count fit starts from (0, or a resumed run's): no optimizer step has happened at it yet.
         self._last_step = trainer.global_step
         self._batch = None
+
+    def _start_afresh(self) -> None:
+        """Forget what the previous training observed; the settings stay."""
+        self.last_metrics = {}
 
     def _stepped(self, trainer: Trainer) -> bool:
         """True once per batch whose optimizers stepped (not per accumulated micro-batch); call it from
@@ -312,6 +320,11 @@ class FP8ScaleMonitor(_LoggingCallback):
         metrics["fp8/alerts/scale_drops"] = float(kinds.count("drop"))
         metrics["fp8/alerts/scale_rises"] = float(kinds.count("rise"))
         return metrics
+
+    @override
+    def _start_afresh(self) -> None:
+        super()._start_afresh()
+        self._jumps = ScaleJumps(self.jump_factor, self.alert_after_steps, "FP8ScaleMonitor", "FP8ScaleMonitor.alerts")
 
     @override
     def _settings(self) -> dict[str, tuple[Any, Any]]:

@@ -138,6 +138,12 @@ class TrainingHealthMonitor(_LoggingCallback):
         # Each scaler's losses_scaled when the batch started and at its last backward (None: none yet)
         self._scaling_marks: list[tuple[Any, int, int | None]] = []
 
+    @override
+    def _start_afresh(self) -> None:
+        super()._start_afresh()
+        self.monitor = HealthMonitor(self.monitor.config)
+        self.plot_file = None
+
     def _reset_window(self) -> None:
         self._losses: list[torch.Tensor] = []
         self._samples: int | None = 0  # None once a batch of the window had no size to count
