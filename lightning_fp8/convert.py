@@ -17,7 +17,7 @@ from lightning_fp8.eligibility import (
     _why_left,
     shared_parameter_ids,
 )
-from lightning_fp8.linear import FP8Linear
+from lightning_fp8.linear import FP8Linear, _is_dtensor
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.warnings import warn_once
 
@@ -70,7 +70,9 @@ def convert_to_fp8(
     (one 3-D parameter per projection, a module with ``num_experts``: Mixtral's ``experts``) and
     ``nn.MultiheadAttention``'s input projections (``in_proj_weight``) are not ``nn.Linear`` and are named in a warning
     too (the filter is asked about a ``Conv1D`` as about a linear layer, not about the others). State dict keys do not
-    change, so checkpoints load into the model before or after conversion.
+    change, so checkpoints load into the model before or after conversion. A layer whose weight is sharded already
+    (tensor parallelism applied first) is converted and named in a warning: it keeps the parallel style it was given
+    as ``nn.Linear``, which moves its activations in high precision (convert first for FP8 activation communication).
 
     Args:
         module: the model; converted in place. If it is itself an ``nn.Linear``, a new layer is returned.
@@ -107,6 +109,7 @@ def convert_to_fp8(
     bypassed = _bypassed_layers(module)
     keep_fp32 = _kept_in_fp32(module)
     done: dict[int, nn.Module] = {}  # a layer registered under several names becomes one FP8Linear (as decided first)
+    sharded: list[str] = []  # converted layers whose weight was a DTensor already (parallelized before the conversion)
     # Every layer's decision (the filter's answer too) before the first layer changes: a filter that raises leaves the
     # model as it was. named_modules() gives each module once, under the first name, as replace_children asks.
     reasons = {id(m): _why_left(m, fqn, module_filter_fn, keep_fp32, shared, bypassed)
@@ -126,17 +129,35 @@ def convert_to_fp8(
         if reason is not None:
             left[reason].append(_label(child, fqn, reason))
             return child
+        if _is_dtensor(child.weight):
+            sharded.append(fqn or "<root>")
         return FP8Linear.from_linear(child, recipe)  # takes over the layer's forward and backward hooks
 
     root = convert(module, "")
     if root is not module:  # a bare nn.Linear: its new FP8Linear
+        _warn_sharded(sharded)
         keep_scaling_states_per_rank(root)
         return root
     replace_children(module, convert)
     for message in _left_messages(left):
         warn_once(message)
+    _warn_sharded(sharded)
     keep_scaling_states_per_rank(module)
     return module
+
+
+def _warn_sharded(names: list[str]) -> None:
+    """Say that layers parallelized before the conversion keep the parallel style they had: the FP8 GEMMs run on
+    their shards, but a style made for nn.Linear (torch's, or an FP8 style applied to the nn.Linear) moves their
+    activations in high precision, without the FP8 activation communication of sequence parallelism."""
+    if names:
+        warn_once(
+            f"convert_to_fp8 converted {len(names)} linear layer(s) whose weight is sharded already (tensor "
+            f"parallelism applied before the conversion): {', '.join(names)}. They run FP8 GEMMs on their shards, "
+            "but keep the parallel style they were given as nn.Linear, whose activations travel in high precision (no "
+            "FP8 activation communication); for that, call convert_to_fp8 first, then apply_fp8_tensor_parallel (or "
+            "parallelize_module with FP8ColwiseParallel / FP8RowwiseParallel)"
+        )
 
 
 def filter_example(value: object) -> str:
