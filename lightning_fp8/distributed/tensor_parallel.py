@@ -105,6 +105,15 @@ class _FP8Style:
         # A truthy string such as "no" would otherwise switch the FP8 collectives on.
         self.fp8_comm = check_flag(type(self).__name__, "fp8_comm", fp8_comm)
 
+    def _check_mesh(self, device_mesh: DeviceMesh) -> None:
+        """Raise ValueError for a mesh of several dimensions, before the layer changes (torch's styles failed deep
+        inside, "placements must have the same length as device_mesh.ndim", through ``parallelize_module``)."""
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"{type(self).__name__}: tensor parallelism runs on a 1-D mesh, got the {device_mesh.ndim}-D mesh "
+                f"{device_mesh}: pass its tensor-parallel sub-mesh (e.g. mesh['tp'])"
+            )
+
 
 class FP8ColwiseParallel(_FP8Style, ColwiseParallel):
     """``ColwiseParallel`` for :class:`~lightning_fp8.FP8Linear`: weight ``Shard(0)``, FP8 GEMMs on the shard.
@@ -128,6 +137,7 @@ class FP8ColwiseParallel(_FP8Style, ColwiseParallel):
 
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._check_mesh(device_mesh)
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
         self.check(module, device_mesh.size())
@@ -167,6 +177,7 @@ class FP8RowwiseParallel(_FP8Style, RowwiseParallel):
 
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._check_mesh(device_mesh)
         if not isinstance(module, FP8Linear):
             return super()._apply(module, device_mesh)
         self.check(module, device_mesh.size())

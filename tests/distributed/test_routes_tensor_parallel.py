@@ -103,6 +103,23 @@ def _convert_after() -> dict:
     }
 
 
+def _two_dim_mesh() -> dict:
+    """The FP8 styles through parallelize_module on a 2-D mesh: the error, and whether any weight became a DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel
+
+    model = _gpt()
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    try:
+        parallelize_module(model, mesh, _styles_plan(model, FP8ColwiseParallel))
+        error = None
+    except Exception as e:  # the test checks its type and words
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "sharded": [n for n, p in model.named_parameters() if isinstance(p, DTensor)]}
+
+
 def _clip_norms() -> dict:
     from lightning_fp8 import FP8GradScaler
     from lightning_fp8.integrations.clipping import clip_scaled_grad_norm_
@@ -178,6 +195,7 @@ def _worker(rank: int, world: int) -> dict:
     parts = {route: partial(lambda r: _train(_parallel(r)), route) for route in ROUTES}
     parts |= {"one_fp8": lambda: _train(_gpt()), "one_fp32": lambda: _train(_gpt(convert=False), fp8=False)}
     parts |= {"convert_after": _convert_after, "clip": _clip_norms, "nan": _nan_on_one_rank}
+    parts["two_dim_mesh"] = _two_dim_mesh
     parts["weights_only"] = _weights_only_resume
     return run_parts(parts)
 
@@ -240,3 +258,12 @@ def test_fp8_adamw_state_of_dtensors_loads_with_weights_only_and_resumes_bit_for
         for key in ("exp_avg", "exp_avg_sq", "master"):  # sharded like the column-parallel weight (384, 96)
             assert report["shapes"][key] == ((384, 96), (Shard(0),)), report["shapes"]
         assert report["resumed"] == report["continued"]
+
+
+def test_the_fp8_styles_on_a_two_dimensional_mesh_are_refused_before_any_layer_changes(two_ranks):
+    # torch's own error came from deep inside ("placements must have the same length as device_mesh.ndim").
+    for report in part_results(two_ranks, "two_dim_mesh"):
+        assert report["error"] is not None and report["error"].startswith(
+            "ValueError: FP8ColwiseParallel: tensor parallelism runs on a 1-D mesh"
+        ), report
+        assert "mesh['tp']" in report["error"] and report["sharded"] == [], report
