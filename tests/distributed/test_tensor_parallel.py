@@ -845,7 +845,7 @@ def test_a_shard_not_a_multiple_of_16_features_is_refused_as_the_style_is_applie
     from lightning_fp8.distributed import tensor_parallel
 
     layer = FP8Linear(*shape)
-    mesh = SimpleNamespace(size=lambda: 2)  # the check runs before the mesh is used
+    mesh = SimpleNamespace(size=lambda: 2, ndim=1)  # the checks run before the mesh is used
     with pytest.raises(ValueError, match=rf"{style} over 2 ranks gives .* 24 {kind} features per rank.*multiple of 16"):
         getattr(tensor_parallel, style)()._apply(layer, mesh)
     assert not isinstance(layer.weight, DTensor)
