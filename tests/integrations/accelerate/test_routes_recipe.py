@@ -2,25 +2,13 @@
 plain strings: the run continues exactly as the uninterrupted one."""
 
 import numpy as np
-import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fp8 import FP8Recipe
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state  # noqa: F401 (autouse fixture)
 
 
 def _prepared(recipe: FP8Recipe, seed: int):

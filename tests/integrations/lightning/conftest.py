@@ -1,5 +1,6 @@
 """Lightning integration tests: toy shapes on CPU."""
 
+import importlib
 import os
 
 import pytest
@@ -25,3 +26,20 @@ def _environment_restored():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def registered():
+    """``register(namespace, name, cls, **init_params)``: a name in that Lightning namespace's StrategyRegistry for one
+    test, taken out again after it."""
+    added = []
+
+    def register(namespace, name, cls, **init_params):
+        root = "pytorch_lightning" if namespace == "pytorch_lightning" else "lightning.pytorch"
+        registry_ = importlib.import_module(f"{root}.strategies").StrategyRegistry
+        registry_.register(name, cls, description="a test's alias", **init_params)
+        added.append((registry_, name))
+
+    yield register
+    for registry_, name in added:
+        registry_.remove(name)

@@ -3,28 +3,14 @@ it unpinned. The references are Lightning's own: its StrategyRegistry (every nam
 builds), its case-insensitive strategy names (the connector lowercases them), and its base classes (a subclass of
 FSDPStrategy or DDPStrategy is refused as the base is; a subclass of FP8FSDPStrategy is ours as the base is)."""
 
-import importlib
-
 import pytest
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
 import lightning_fp8  # noqa: F401 (registers the strings)
-from lightning_fp8.integrations.lightning import registry
 from lightning_fp8.integrations.lightning.precision import precision_class
 from lightning_fp8.integrations.lightning.strategy import strategy_class
 from lightning_fp8.integrations.lightning.strategy_support import check_supported_strategy
-
-NAMESPACES = [ns for ns in registry.NAMESPACES if importlib.util.find_spec(ns) is not None]
-TRAINER = {"enable_progress_bar": False, "logger": False, "enable_checkpointing": False, "accelerator": "cpu"}
-
-
-def _package(namespace):
-    return importlib.import_module("pytorch_lightning" if namespace == "pytorch_lightning" else "lightning")
-
-
-def _strategies(namespace):
-    root = "pytorch_lightning" if namespace == "pytorch_lightning" else "lightning.pytorch"
-    return importlib.import_module(f"{root}.strategies")
+from tests.integrations.lightning.test_registry_routes import NAMESPACES, TRAINER, _package, _strategies
 
 
 def _refused_families(namespace):
@@ -38,21 +24,6 @@ def _refused_families(namespace):
 def _reason(error: pytest.ExceptionInfo) -> str:
     """The message after what was passed (``... does not support strategy=X: <reason>``)."""
     return str(error.value).split(": ", 1)[1]
-
-
-@pytest.fixture
-def registered():
-    """Register names in a namespace's StrategyRegistry for one test, and take them out again."""
-    added = []
-
-    def register(namespace, name, cls, **init_params):
-        registry_ = _strategies(namespace).StrategyRegistry
-        registry_.register(name, cls, description="a test's alias", **init_params)
-        added.append((registry_, name))
-
-    yield register
-    for registry_, name in added:
-        registry_.remove(name)
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)

@@ -25,21 +25,6 @@ def _strategies(namespace):
     return importlib.import_module(f"{root}.strategies")
 
 
-@pytest.fixture
-def registered(request):
-    """Register names in a namespace's StrategyRegistry for one test, and take them out again."""
-    added = []
-
-    def register(namespace, name, cls, **init_params):
-        registry_ = _strategies(namespace).StrategyRegistry
-        registry_.register(name, cls, description="a test's alias", **init_params)
-        added.append((registry_, name))
-
-    yield register
-    for registry_, name in added:
-        registry_.remove(name)
-
-
 @pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("name", ["fsdp_fp8_offload", "sharded_fp8"])
 @pytest.mark.parametrize("precision", ["fp8-lm-o1", None])
