@@ -126,7 +126,17 @@ def _parser() -> argparse.ArgumentParser:
     # Accelerate's help formatter lists only its own argument groups: ours go first, wherever -h/--help was given.
     accelerate_help = parser.format_help
     ours = f"{FP8_OPTIONS}\nAll other options are those of `accelerate launch`:\n\n"
-    parser.format_help = lambda: ours + accelerate_help()
+
+    def format_help() -> str:
+        # That formatter also filters the groups by sys.argv as `accelerate launch` would see it: under another program
+        # name (lightning-fp8) it hid most of them (--config_file, --cpu, ...). Formatted as `accelerate launch --help`.
+        argv, sys.argv = sys.argv, ["accelerate", "launch", "--help"]
+        try:
+            return ours + accelerate_help()
+        finally:
+            sys.argv = argv
+
+    parser.format_help = format_help
     return parser
 
 

@@ -233,6 +233,23 @@ def test_launch_help_lists_the_fp8_options_wherever_help_is_asked(capsys, argv):
     assert "--fp8-exclude PATTERNS" in out and "--fp8-tp-plan PLAN" in out and "--num_processes" in out
 
 
+def test_launch_help_under_its_own_program_name_lists_accelerates_options(capsys, monkeypatch):
+    # Accelerate's help formatter filters its groups by sys.argv: run as `lightning-fp8 launch --help`, it hid most of
+    # `accelerate launch --help`'s options, which the help says are all there. The reference: Accelerate's own help.
+    from accelerate.commands.launch import launch_command_parser
+
+    monkeypatch.setattr(sys, "argv", ["accelerate", "launch", "--help"])
+    reference = launch_command_parser().format_help()
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/lightning-fp8", "launch", "--help"])
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    out = capsys.readouterr().out
+    options = set(re.findall(r"--[a-z_]+", reference))
+    assert {"--config_file", "--cpu", "--main_process_port", "--num_processes"} <= options
+    assert options <= set(re.findall(r"--[a-z_]+", out)), sorted(options - set(re.findall(r"--[a-z_]+", out)))
+    assert sys.argv == ["/usr/bin/lightning-fp8", "launch", "--help"]  # put back
+
+
 def test_a_script_argument_named_like_an_accelerate_fp8_option_is_the_scripts(tmp_path, monkeypatch):
     """Only options before the training script are the launcher's: the script's own --fp8_margin passes through."""
     seen = {}
