@@ -13,6 +13,8 @@ import yaml
 from lightning_fp8 import FP8Recipe
 from lightning_fp8.integrations.accelerate import cli
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN, FP8LaunchConfig
+from lightning_fp8.integrations.accelerate.launch_config import read_config, write_config
+from lightning_fp8.integrations.accelerate.launch_config import resolve_environment as resolve
 
 
 @pytest.fixture(autouse=True)
@@ -47,21 +49,25 @@ def test_unknown_command_and_usage(capsys):
 
 def test_precedence_flags_then_section_then_environment_then_default(monkeypatch):
     section = {"recipe": "fp8-lm-o1", "exclude_modules": ["lm_head"], "tp_plan": "llama"}
-    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "", ENV_TP_PLAN: "gpt"}
+    assert resolve(None, None, None, None) == {
+        ENV_RECIPE: "fp8-lm",
+        ENV_EXCLUDE: "",
+        ENV_TP_PLAN: "gpt",
+    }
     monkeypatch.setenv(ENV_RECIPE, "fp8-lm-current")
     monkeypatch.setenv(ENV_TP_PLAN, "gpt-no-sp")
-    assert cli._resolve(None, None, None, None) == {
+    assert resolve(None, None, None, None) == {
         ENV_RECIPE: "fp8-lm-current",
         ENV_EXCLUDE: "",
         ENV_TP_PLAN: "gpt-no-sp",
     }
-    assert cli._resolve(None, None, None, None, "none")[ENV_TP_PLAN] == "none"
+    assert resolve(None, None, None, None, "none")[ENV_TP_PLAN] == "none"
     expected = {ENV_RECIPE: "fp8-lm-o1", ENV_EXCLUDE: "lm_head", ENV_TP_PLAN: "llama"}
-    assert cli._resolve(section, None, None, "c.yaml") == expected
+    assert resolve(section, None, None, "c.yaml") == expected
     expected = {ENV_RECIPE: "fp8-lm-e4m3", ENV_EXCLUDE: "a,b", ENV_TP_PLAN: "gpt"}
-    assert cli._resolve(section, "fp8-lm-e4m3", "a,b", "c.yaml", "gpt") == expected
-    assert cli._resolve(section, "none", None, "c.yaml")[ENV_RECIPE] == "none"
-    custom = cli._resolve({"recipe": "fp8-lm", "margin": 2}, None, None, "c.yaml")[ENV_RECIPE]
+    assert resolve(section, "fp8-lm-e4m3", "a,b", "c.yaml", "gpt") == expected
+    assert resolve(section, "none", None, "c.yaml")[ENV_RECIPE] == "none"
+    custom = resolve({"recipe": "fp8-lm", "margin": 2}, None, None, "c.yaml")[ENV_RECIPE]
     assert FP8Recipe.from_dict(json.loads(custom)) == FP8Recipe(margin=2)
 
 
@@ -112,9 +118,9 @@ def test_accelerate_rejects_our_section_so_launch_hands_it_a_copy_without_it(tmp
     # Why the section has to go (if Accelerate starts accepting unknown keys, this documents a change).
     with pytest.raises(ValueError, match=r"unknown keys \(\['lightning_fp8'\]\)"):
         load_config_from_file(path)
-    data = cli._read_config(path)
+    data = read_config(path)
     assert data.pop("lightning_fp8") == {"recipe": "fp8-lm-o1"}
-    loaded = load_config_from_file(cli._write_config(data, tmp_path / "clean.yaml"))
+    loaded = load_config_from_file(write_config(data, tmp_path / "clean.yaml"))
     assert (loaded.distributed_type.value, loaded.num_processes) == ("MULTI_CPU", 3)
 
 
@@ -138,16 +144,25 @@ def test_shell_exclude_and_plan_are_kept_whatever_chooses_the_recipe(monkeypatch
     monkeypatch.setenv(ENV_EXCLUDE, "lm_head")
     monkeypatch.setenv(ENV_TP_PLAN, "llama")
     kept = {ENV_EXCLUDE: "lm_head", ENV_TP_PLAN: "llama"}
-    assert cli._resolve(None, "fp8-lm-o1", None, None) == {ENV_RECIPE: "fp8-lm-o1", **kept}  # recipe by flag
-    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", **kept}  # the default recipe
-    assert cli._resolve({"recipe": "fp8-lm-e4m3"}, None, None, "c.yaml") == {ENV_RECIPE: "fp8-lm-e4m3", **kept}
+    assert resolve(None, "fp8-lm-o1", None, None) == {
+        ENV_RECIPE: "fp8-lm-o1",
+        **kept,
+    }  # recipe by flag
+    assert resolve(None, None, None, None) == {
+        ENV_RECIPE: "fp8-lm",
+        **kept,
+    }  # the default recipe
+    assert resolve({"recipe": "fp8-lm-e4m3"}, None, None, "c.yaml") == {
+        ENV_RECIPE: "fp8-lm-e4m3",
+        **kept,
+    }
     section = {"exclude_modules": ["head"], "tp_plan": "gpt"}  # the section's keys win over the shell's ...
     from_section = {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "head", ENV_TP_PLAN: "gpt"}
-    assert cli._resolve(section, None, None, "c.yaml") == from_section
-    assert cli._resolve(section, None, "fc", "c.yaml", "none")[ENV_EXCLUDE] == "fc"  # ... and the flags over both
+    assert resolve(section, None, None, "c.yaml") == from_section
+    assert resolve(section, None, "fc", "c.yaml", "none")[ENV_EXCLUDE] == "fc"  # ... and the flags over both
     monkeypatch.setenv(ENV_TP_PLAN, "rows")
     with pytest.raises(ValueError, match=r"LIGHTNING_FP8_TP_PLAN='rows' is not a tensor-parallel plan"):
-        cli._resolve(None, "fp8-lm", None, None)
+        resolve(None, "fp8-lm", None, None)
 
 
 def test_launch_passes_the_shell_exclude_on_with_a_recipe_flag(tmp_path):
@@ -215,7 +230,7 @@ def test_an_empty_section_means_the_defaults_and_is_removed_from_accelerates_cop
     seen = {}
 
     def launch_command(args):  # what accelerate launch would be given
-        seen["config"] = cli._read_config(args.config_file)
+        seen["config"] = read_config(args.config_file)
         seen["recipe"] = os.environ[ENV_RECIPE]
 
     monkeypatch.setattr("accelerate.commands.launch.launch_command", launch_command)
@@ -286,13 +301,17 @@ def test_a_cpu_launch_through_torchrun_keeps_accelerates_default_config_file_out
 def test_a_blank_shell_recipe_counts_as_unset_not_as_off(monkeypatch, blank):
     # Under the launcher an unset LIGHTNING_FP8_RECIPE means fp8-lm: a blank one must not turn FP8-LM off.
     monkeypatch.setenv(ENV_RECIPE, blank)
-    assert cli._resolve(None, None, None, None) == {ENV_RECIPE: "fp8-lm", ENV_EXCLUDE: "", ENV_TP_PLAN: "gpt"}
+    assert resolve(None, None, None, None) == {
+        ENV_RECIPE: "fp8-lm",
+        ENV_EXCLUDE: "",
+        ENV_TP_PLAN: "gpt",
+    }
 
 
 def test_a_section_pattern_with_a_comma_reaches_the_training_processes_whole(monkeypatch):
     monkeypatch.delenv(ENV_RECIPE, raising=False)
     monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    env = cli._resolve({"exclude_modules": ["blocks.[0,1].fc", "lm_head"]}, None, None, "c.yaml")
+    env = resolve({"exclude_modules": ["blocks.[0,1].fc", "lm_head"]}, None, None, "c.yaml")
     assert FP8LaunchConfig.from_env(env).exclude_modules == ("blocks.[0,1].fc", "lm_head")
 
 
