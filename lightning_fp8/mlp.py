@@ -227,6 +227,11 @@ class FP8MLP(nn.Module):
                 raise TypeError(f"FP8MLP({name}={size!r}): must be an int (a multiple of 16)")
             if size < 0 or size % 16:
                 raise ValueError(f"FP8MLP({name}={size}): FP8 GEMMs need sizes that are multiples of 16 (and >= 0)")
+        if dtype is not None and dtype not in _ACTIVATION_DTYPES:  # FP8Linear's own error would name FP8Linear
+            raise TypeError(
+                f"FP8MLP(dtype={dtype!r}): FP8 layers keep float32, bfloat16 or float16 parameters; pass one of them "
+                f"(for a float64 MLP keep nn.Linear layers: convert_to_fp8 leaves them as they are)"
+            )
         self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
         self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)
         self.fp8_hidden = fp8_hidden

@@ -141,7 +141,7 @@ def test_from_modules_shares_parameters_and_keys():
     # A bad recipe is refused where nothing would be wrapped with it, too (it was ignored there).
     with pytest.raises(ValueError, match="fp8-lmm"):
         FP8MLP.from_modules(FP8Linear(32, 128), FP8Linear(128, 32), recipe="fp8-lmm")
-    with pytest.raises(TypeError, match="recipe must be"):
+    with pytest.raises(TypeError, match=r"FP8MLP\.from_modules\(recipe=\.\.\.\) must be an FP8Recipe"):
         FP8MLP.from_modules(FP8Linear(32, 128), FP8Linear(128, 32), recipe={"scaling": "current"})
 
 
