@@ -120,11 +120,14 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
             moment whose gradient vanished decays to zero, as in fp32 (docs/concepts/optimizer.md).
 
     Raises:
-        ValueError: for a negative or non-finite lr, eps or weight_decay, betas outside [0, 1), an unknown level or
-            state dtype, a ``grad_cast_bucket_mb`` that is not a number >= 0, ``amsgrad=True`` (here or in a
-            parameter group, also one given to :meth:`add_param_group`), ``capturable=True`` or
-            ``differentiable=True`` (the same), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a
-            backward raises RuntimeError once it is initialized after the optimizer was created with them).
+        ValueError: for a negative or non-finite lr, eps or weight_decay, betas outside [0, 1), a tensor among them
+            of more than one element, an unknown level or state dtype, a ``grad_cast_bucket_mb`` that is not a number
+            >= 0, ``amsgrad=True`` (here or in a parameter group, also one given to :meth:`add_param_group`),
+            ``capturable=True`` or ``differentiable=True`` (the same), a parameter group with
+            ``decoupled_weight_decay=False`` and a weight decay (Adam's L2 decay, which ``torch.optim.AdamW``
+            honours), ``fp8_grads=True`` where ``torch.distributed`` is initialized (a backward raises RuntimeError
+            once it is initialized after the optimizer was created with them). :meth:`step` raises the same for a
+            group written to such values since.
         TypeError: for complex or float64 parameters (the step computes in fp32: use ``torch.optim.AdamW`` for
             float64 ones); for ``maximize``, ``emit_fp8_weights`` or ``fp8_grads`` other than True or False (a
             group's ``maximize`` too: ``"no"`` would switch it on), or ``fp8_params`` that is not an iterable of
@@ -237,16 +240,7 @@ class FP8AdamW(_Adoption, _FP8Grads, _StateDict, _Pickling, torch.optim.Optimize
         """
         if isinstance(param_group, dict):
             step_.check_supported_flags(param_group)
-            # torch's AdamW honours a group's decoupled_weight_decay=False (Adam's L2 decay); without decay the two
-            # are the same (a group copied from torch.optim.Adam(weight_decay=0)).
-            coupled = not param_group.get("decoupled_weight_decay", True)
-            if coupled and param_group.get("weight_decay", self.defaults.get("weight_decay", 0.0)):
-                raise ValueError(
-                    "FP8AdamW: a parameter group with decoupled_weight_decay=False and weight_decay "
-                    f"{param_group.get('weight_decay', self.defaults.get('weight_decay'))} (Adam's L2 weight decay, "
-                    "added to the gradient) is not supported: FP8AdamW decays the weights decoupled, as AdamW. Drop "
-                    "the flag (or the decay), or use torch.optim.Adam(weight_decay=...) for these parameters"
-                )
+            step_.check_decoupled_decay(param_group, self.defaults.get("weight_decay", 0.0))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:  # a rejected group is not kept (nor stepped)

@@ -203,18 +203,22 @@ def check_supported_flags(flags: dict[str, Any]) -> None:
             )
 
 
+def _check_one_element(name: str, value: Any) -> None:
+    _check_number(name, value, tensor_ok=True)
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"FP8AdamW: a tensor {name} must have one element, got shape {tuple(value.shape)}")
+
+
 def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     """AdamW's hyper-parameter checks, with torch.optim.AdamW's messages (and the fix); also refuses an lr, eps or
     weight_decay that is not finite (torch accepts inf, which makes every weight NaN or 0)."""
     # One-element tensors for eps and weight_decay too, as torch.optim.AdamW takes them (and the step does): refused
     # here, a torch.optim.AdamW state dict with them, or FP8AdamW's own after such a group was stepped, did not load.
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        _check_number(name, value, tensor_ok=True)
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"FP8AdamW: a tensor {name} must have one element, got shape {tuple(value.shape)}")
+        _check_one_element(name, value)
     if isinstance(betas, (tuple, list)):
-        for i, beta in enumerate(betas):
-            _check_number(f"betas[{i}]", beta, tensor_ok=True)
+        for i, beta in enumerate(betas):  # a beta of several elements failed in float() with torch's own words
+            _check_one_element(f"betas[{i}]", beta)
     eps, weight_decay = float(eps), float(weight_decay)
     if not 0.0 <= float(lr) < math.inf:
         raise ValueError(f"Invalid learning rate: {float(lr)} (FP8AdamW needs a finite lr >= 0)")
@@ -229,11 +233,27 @@ def check_hyper_parameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> 
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (FP8AdamW needs a finite weight_decay >= 0)")
 
 
+def check_decoupled_decay(group: dict[str, Any], weight_decay: Any) -> None:
+    """Raise ValueError for a group with ``decoupled_weight_decay=False`` and a weight decay (the group's, else
+    ``weight_decay``, the default): torch.optim.AdamW honours the flag (Adam's L2 decay, added to the gradient), where
+    FP8AdamW would decay the weights decoupled. Without decay the two are the same (a group copied from
+    ``torch.optim.Adam(weight_decay=0)``)."""
+    decay = group.get("weight_decay", weight_decay)
+    if not group.get("decoupled_weight_decay", True) and decay:
+        raise ValueError(
+            f"FP8AdamW: a parameter group with decoupled_weight_decay=False and weight_decay {decay} (Adam's L2 weight "
+            "decay, added to the gradient) is not supported: FP8AdamW decays the weights decoupled, as AdamW. Drop "
+            "the flag (or the decay), or use torch.optim.Adam(weight_decay=...) for these parameters"
+        )
+
+
 def check_group_at_step(group: dict[str, Any], index: int) -> None:
     """Raise what the constructor raises for ``group``'s hyper-parameters and flags, as a step finds them: a scheduler
     or the user's code may have written them since they were checked (``group["amsgrad"] = True`` would be stepped
-    without AMSGrad, ``maximize="no"`` as gradient ascent, ``betas=(1.0, ...)`` failed with ZeroDivisionError).
-    One-element tensors for ``eps`` and ``weight_decay``, which the step takes, are checked by value."""
+    without AMSGrad, ``maximize="no"`` as gradient ascent, ``betas=(1.0, ...)`` failed with ZeroDivisionError,
+    ``decoupled_weight_decay=False``, or a weight decay given to such a group, decayed decoupled where
+    torch.optim.AdamW adds Adam's L2 term to the gradient). One-element tensors for ``eps`` and ``weight_decay``,
+    which the step takes, are checked by value."""
 
     def value(name: str) -> Any:
         v = group.get(name)
@@ -242,6 +262,7 @@ def check_group_at_step(group: dict[str, Any], index: int) -> None:
     try:
         check_supported_flags(group)
         check_hyper_parameters(group.get("lr"), group.get("betas"), value("eps"), value("weight_decay"))
+        check_decoupled_decay(group, 0.0)
     except (TypeError, ValueError) as error:
         raise type(error)(
             f"FP8AdamW.step: parameter group {index} holds a value it cannot step with, set since the group was "
