@@ -63,7 +63,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 class FP8Linear(nn.Linear):
-    """``nn.Linear`` with FP8 GEMMs; same parameters and state_dict keys.
+    """``nn.Linear`` with FP8 GEMMs; same parameters, state_dict keys and call (``layer(x)``, ``layer(input=x)``).
 
     The FP8 scaling state (scales, amax histories, statistics) lives in ``self.fp8_scaling``, a
     ``ModuleDict`` of :class:`~lightning_fp8.scaling.ScalingState` per role (``input``, ``weight``,
@@ -304,7 +304,10 @@ class FP8Linear(nn.Linear):
         r = self.recipe
         return f"{super().extra_repr()}, fp8_format={r.fp8_format}, scaling={r.scaling}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Named as nn.Linear.forward's argument: layer(input=x) and functional_call(..., kwargs={"input": x}) are
+        # nn.Linear call forms too.
+        x = input
         check_not_reparametrized(self)
         check_no_functorch("FP8Linear")
         weight = self.weight  # a Module.__getattr__ each time: read once (this runs for every layer and step)
