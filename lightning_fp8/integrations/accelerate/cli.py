@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         "--fp8-recipe",
         "--fp8_recipe",
         dest="lightning_fp8_recipe",
-        default=None,
+        action="append",  # given twice: refused in launch() (see _FP8_FLAGS)
         help=f"FP8 recipe name: one of {FP8Recipe.names()}, or '{OFF}' to turn FP8-LM off. Overrides the "
         f"config file's `{CONFIG_KEY}.recipe`.",
     )
@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         "--fp8-exclude",
         "--fp8_exclude",
         dest="lightning_fp8_exclude",
-        default=None,
+        action="append",
         help="Comma-separated module name patterns kept in high precision (e.g. 'lm_head'). Overrides the config "
         f"file's `{CONFIG_KEY}.exclude_modules` (default: that, else ${ENV_EXCLUDE} from the environment).",
     )
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         "--fp8-tp-plan",
         "--fp8_tp_plan",
         dest="lightning_fp8_tp_plan",
-        default=None,
+        action="append",
         help=f"Tensor-parallel plan applied with --parallelism_config_tp_size > 1: one of {list(TP_PLANS)}. "
         f"Overrides the config file's `{CONFIG_KEY}.tp_plan`.",
     )
@@ -160,15 +160,30 @@ def _check_no_accelerate_fp8_options(parser: argparse.ArgumentParser, argv: list
         )
 
 
+# Our options and their argparse destinations (lists: each is parsed with action="append", to refuse a repeat).
+_FP8_FLAGS = {
+    "--fp8-recipe": "lightning_fp8_recipe",
+    "--fp8-exclude": "lightning_fp8_exclude",
+    "--fp8-tp-plan": "lightning_fp8_tp_plan",
+}
+
+
+def _given_once(flag: str, values: list[str] | None) -> str | None:
+    """The value of one of :data:`_FP8_FLAGS`; ValueError when it was given more than once, which argparse would
+    settle silently by the last (``--fp8-exclude a --fp8-exclude b`` trained ``a`` in FP8)."""
+    if values is None or len(values) == 1:
+        return None if values is None else values[0]
+    hint = f", with several patterns comma-separated ({flag} {','.join(values)})" if flag == "--fp8-exclude" else ""
+    raise ValueError(f"{flag} given {len(values)} times ({values}), the last would silently win: give it once{hint}")
+
+
 def launch(argv: list[str]) -> int:
     """``lightning-fp8 launch``: resolve the FP8 settings, then run ``accelerate launch`` in this process."""
     from accelerate.commands.config.config_args import default_config_file
 
     parser = _parser()
     args = parser.parse_args(argv)
-    recipe_flag = vars(args).pop("lightning_fp8_recipe")
-    exclude_flag = vars(args).pop("lightning_fp8_exclude")
-    tp_plan_flag = vars(args).pop("lightning_fp8_tp_plan")
+    given = {flag: vars(args).pop(dest) for flag, dest in _FP8_FLAGS.items()}
     # Accelerate reads its default config file unless --cpu is given; mirror that to find our section.
     config_path = args.config_file
     if config_path is None and os.path.isfile(default_config_file) and not args.cpu:
@@ -176,6 +191,7 @@ def launch(argv: list[str]) -> int:
     # A missing file is left to Accelerate, which says what to do about it.
     read = bool(config_path and os.path.isfile(config_path))
     try:
+        recipe_flag, exclude_flag, tp_plan_flag = (_given_once(flag, values) for flag, values in given.items())
         config = read_config(config_path) if read else {}
         has_section = CONFIG_KEY in config
         section = config.pop(CONFIG_KEY, None)
@@ -189,8 +205,12 @@ def launch(argv: list[str]) -> int:
         if settings.get(ENV_RECIPE) != OFF:  # Accelerate's launcher would fail on fp8 first, with a traceback
             from lightning_fp8.integrations.accelerate import refusals
 
-            mixed_precision = args.mixed_precision or (config.get("mixed_precision") if read else None)
-            refusals.check_mixed_precision(mixed_precision)
+            try:
+                refusals.check_mixed_precision(args.mixed_precision or _config_mixed_precision(config))
+            except ValueError as err:
+                key = "mixed_precision" if "mixed_precision" in config else "fp16: true"  # the old form of fp16
+                where = "--mixed_precision" if args.mixed_precision else f"`{key}` in the config file {config_path}"
+                raise ValueError(f"{err} (set by {where})") from None
             if read and "fp8_config" in config:  # as the command line's --fp8_* options, refused there
                 raise ValueError(
                     f"config file {config_path} has an `fp8_config` section: settings of Accelerate's own FP8 "
@@ -201,6 +221,14 @@ def launch(argv: list[str]) -> int:
         return 2
     _use_parallelism_config_if_sized(args)
     return _launch_accelerate(args, config, config_path, has_section, settings)
+
+
+def _config_mixed_precision(config: dict[str, Any]) -> Any:
+    """The config file's ``mixed_precision`` as Accelerate reads it: an old file's ``fp16: true`` (no
+    ``mixed_precision`` key) is ``fp16``."""
+    if "mixed_precision" in config:
+        return config["mixed_precision"]
+    return "fp16" if config.get("fp16") else None
 
 
 def _launch_accelerate(
@@ -214,9 +242,10 @@ def _launch_accelerate(
         if has_section:  # Accelerate rejects unknown keys: it gets the file without our section
             args.config_file = write_config(config, Path(tmp) / Path(path).name)
         os.environ.update(settings)
-        if _launch_cpu_processes_with_torchrun(args, config) and args.config_file is None:
+        if _launch_cpu_processes_with_torchrun(args, config) and path is None:
             # With --cpu off, Accelerate would read its default config file, which --cpu kept out (unfiltered: our
             # section fails it, its mixed_precision would leak in): it gets the command line's CPU launch instead.
+            # A config file the launch reads (``path``, the default one without --cpu too) stays Accelerate's.
             args.config_file = write_config(_cpu_launch_config(args), Path(tmp) / "cpu_launch.yaml")
         try:
             launch_command(args)

@@ -79,7 +79,9 @@ def _named_recipe(name: object, source: str) -> FP8Recipe:
     return FP8Recipe.from_name(name)
 
 
-def _exclude_tuple(value: object, source: str) -> tuple[str, ...]:
+def exclude_patterns(value: object, source: str) -> tuple[str, ...]:
+    """The module name patterns of ``value`` (a list, a comma-separated string or a JSON array of strings); a
+    ``ValueError`` naming ``source`` (the flag, variable or config key it came from) for anything else."""
     if isinstance(value, str):
         patterns = _exclude_from_json(value, source)
         value = value.split(",") if patterns is None else patterns  # "[]": none
@@ -135,7 +137,7 @@ class FP8LaunchConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, FP8Recipe):
             raise TypeError(f"FP8LaunchConfig(recipe=...) must be an FP8Recipe, got {type(self.recipe).__name__}")
-        object.__setattr__(self, "exclude_modules", _exclude_tuple(self.exclude_modules, "exclude_modules"))
+        object.__setattr__(self, "exclude_modules", exclude_patterns(self.exclude_modules, "exclude_modules"))
         check_tp_plan(self.tp_plan, "tp_plan")
 
     @property
@@ -196,7 +198,7 @@ class FP8LaunchConfig:
             recipe = recipe.replace(**overrides)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
-        exclude = _exclude_tuple(section.get("exclude_modules", ()), f"{source}.exclude_modules")
+        exclude = exclude_patterns(section.get("exclude_modules", ()), f"{source}.exclude_modules")
         tp_plan = section.get("tp_plan", "gpt")
         check_tp_plan(tp_plan, f"{source}.tp_plan")
         if name == OFF:
@@ -232,7 +234,7 @@ class FP8LaunchConfig:
             recipe = _recipe_from_json(value)
         else:
             recipe = _named_recipe(value, ENV_RECIPE)
-        exclude = _exclude_tuple(environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
+        exclude = exclude_patterns(environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
         return cls(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(environ))
 
 
@@ -307,5 +309,5 @@ def resolve_launch_config(recipe: FP8Recipe | str | None) -> FP8LaunchConfig | N
         launched_recipe = None
     if launched and launched != OFF and (launched_recipe is None or launched_recipe.recipe != recipe):
         warn_once(f"Accelerator(fp8_lm_recipe=...) overrides the launch's {ENV_RECIPE}={launched!r}")
-    exclude = _exclude_tuple(os.environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
+    exclude = exclude_patterns(os.environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
     return FP8LaunchConfig(recipe=recipe, exclude_modules=exclude, tp_plan=tp_plan_from_env(os.environ))

@@ -21,7 +21,10 @@ from lightning_fp8.integrations.accelerate.config import (
     FP8LaunchConfig,
     check_recipe_name,
     check_tp_plan,
+    exclude_patterns,
+    tp_plan_from_env,
 )
+from lightning_fp8.recipe import FP8Recipe
 
 
 def normalized_key(key: str) -> str:
@@ -105,22 +108,26 @@ def resolve_environment(
     ``LIGHTNING_FP8_RECIPE``, else ``fp8-lm``. The excluded modules and the tensor-parallel plan: ``--fp8-exclude`` /
     ``--fp8-tp-plan``, else the section's ``exclude_modules`` / ``tp_plan``, else ``LIGHTNING_FP8_EXCLUDE`` /
     ``LIGHTNING_FP8_TP_PLAN``, else none / ``gpt``: patterns exported in the shell are kept whichever way the
-    recipe was chosen.
+    recipe was chosen, the recipe ``none`` included (an ``Accelerator(fp8_lm_recipe=...)`` in the script that turns
+    FP8-LM on keeps them).
 
     Raises:
-        ValueError: on a bad recipe name, plan or section, naming where it came from and what is allowed.
+        ValueError: on a bad recipe name, plan, pattern list or section, naming where it came from and what is
+            allowed.
     """
     if recipe_flag is not None:
         check_recipe_name(recipe_flag, "--fp8-recipe")
     if tp_plan_flag is not None:
         check_tp_plan(tp_plan_flag, "--fp8-tp-plan")
+    # Checked where they came from: an error names the flag or the variable, not the config section.
+    exclude = None if exclude_flag is None else exclude_patterns(exclude_flag, "--fp8-exclude")
     if section is None and recipe_flag is None and os.environ.get(ENV_RECIPE, "").strip():
         # Set in the shell: validate it as the training processes will, then pass it on. A blank value counts as
         # unset, as it does for the training processes: the launcher's default fp8-lm, not FP8-LM off.
-        exclude = exclude_flag if exclude_flag is not None else os.environ.get(ENV_EXCLUDE, "")
-        tp_plan = tp_plan_flag if tp_plan_flag is not None else os.environ.get(ENV_TP_PLAN, "")
-        env = {ENV_RECIPE: os.environ[ENV_RECIPE], ENV_EXCLUDE: exclude, ENV_TP_PLAN: tp_plan}
-        settings = FP8LaunchConfig.from_env(env)
+        launched = FP8LaunchConfig.from_env({ENV_RECIPE: os.environ[ENV_RECIPE]})
+        recipe = None if launched is None else launched.recipe
+        exclude = exclude if exclude is not None else exclude_patterns(os.environ.get(ENV_EXCLUDE, ""), ENV_EXCLUDE)
+        tp_plan = tp_plan_flag if tp_plan_flag is not None else tp_plan_from_env(os.environ)
     else:
         source = f"{CONFIG_KEY} (in {path})" if section is not None else CONFIG_KEY
         if section is None:
@@ -131,20 +138,33 @@ def resolve_environment(
             section = dict(section)
             if recipe_flag is not None:
                 section["recipe"] = recipe_flag
-            _set_from_flag_or_environment(section, "exclude_modules", exclude_flag, ENV_EXCLUDE)
+            _set_from_flag_or_environment(section, "exclude_modules", exclude, ENV_EXCLUDE)
             _set_from_flag_or_environment(section, "tp_plan", tp_plan_flag, ENV_TP_PLAN)
         settings = FP8LaunchConfig.from_section(section, source)
-    return settings.to_env() if settings is not None else {ENV_RECIPE: OFF, ENV_EXCLUDE: ""}
+        if settings is not None:
+            return settings.to_env()
+        # The recipe none: from_section checked the section's patterns and plan.
+        recipe = None
+        exclude = exclude_patterns(section.get("exclude_modules", ()), f"{source}.exclude_modules")
+        tp_plan = section.get("tp_plan", "gpt")
+    # With FP8-LM off the patterns and the plan travel all the same: an Accelerator(fp8_lm_recipe=...) in the script
+    # that turns it on keeps them, as it keeps those of a plain launch's environment.
+    settings = FP8LaunchConfig(recipe=recipe or FP8Recipe(), exclude_modules=exclude, tp_plan=tp_plan)
+    return settings.to_env() if recipe is not None else {**settings.to_env(), ENV_RECIPE: OFF}
 
 
-def _set_from_flag_or_environment(section: dict[str, Any], key: str, flag: str | None, variable: str) -> None:
-    """``section[key]``: the flag when given, else the section's own value, else the shell's ``variable``."""
+def _set_from_flag_or_environment(section: dict[str, Any], key: str, flag: object, variable: str) -> None:
+    """``section[key]``: the flag when given (already checked), else the section's own value, else the shell's
+    ``variable``."""
     if flag is not None:
         section[key] = flag
         return
     value = os.environ.get(variable, "").strip()
     if key in section or not value:
         return
-    if key == "tp_plan":
-        check_tp_plan(value, variable)  # the error names the variable, not the section
+    # Checked here, so that an error names the variable, not the section.
+    if key == "exclude_modules":
+        value = list(exclude_patterns(value, variable))
+    else:
+        check_tp_plan(value, variable)
     section[key] = value
