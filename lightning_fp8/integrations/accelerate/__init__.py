@@ -4,6 +4,6 @@ Users import it as ``from lightning_fp8.accelerate import Accelerator``. See doc
 """
 
 from lightning_fp8.integrations.accelerate.accelerator import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, FP8LaunchConfig
+from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN, FP8LaunchConfig
 
-__all__ = ["ENV_EXCLUDE", "ENV_RECIPE", "Accelerator", "FP8LaunchConfig"]
+__all__ = ["ENV_EXCLUDE", "ENV_RECIPE", "ENV_TP_PLAN", "Accelerator", "FP8LaunchConfig"]

@@ -290,3 +290,14 @@ def test_a_default_config_file_with_a_bom_and_crlf_trains_as_the_plain_launch(tm
     assert a["recipe"] == b["recipe"] == FP8Recipe(scaling="current", margin=1).to_dict()
     assert a["report"]["high_precision_linears"] == b["report"]["high_precision_linears"] == ["2"]
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in b["weights"])
+
+
+def test_the_user_facing_module_names_the_three_variables_the_docs_table_lists():
+    """``lightning_fp8.accelerate`` re-exported the recipe and exclusion variables' names but not the plan's."""
+    import lightning_fp8.accelerate as public
+
+    table = (ROOT / "docs" / "accelerate.md").read_text()
+    for name in ("ENV_RECIPE", "ENV_EXCLUDE", "ENV_TP_PLAN"):
+        assert name in public.__all__
+        assert f"| `{getattr(public, name)}` |" in table
+    assert (public.ENV_RECIPE, public.ENV_EXCLUDE, public.ENV_TP_PLAN) == (ENV_RECIPE, ENV_EXCLUDE, ENV_TP_PLAN)
