@@ -67,6 +67,7 @@ from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
 from lightning_fp8.grad_scaling.unscaling import (
+    _inner_optimizer,
     _nonfinite_flags,
     _refuse_fp16_grads,
     _step_through_public_step,
@@ -236,6 +237,9 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         in ``torch.amp.GradScaler``. An :class:`~lightning_fp8.FP8AdamW` unscales inside its fused kernel; any other
         optimizer has its gradients unscaled (and checked) in place first. The step runs through
         ``optimizer.step()``, so LR schedulers and optimizer step hooks see it (not when skipped, as with torch.amp).
+        A wrapper holding the optimizer as ``.optimizer`` (Accelerate's, Lightning's) is stepped through its own
+        ``step()`` and counts as the optimizer inside, as in :meth:`unscale_`: ``unscale_(wrapper)`` then
+        ``step(wrapper)`` unscales the gradients once.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
@@ -259,6 +263,9 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
                 f"FP8GradScaler.step(optimizer) takes the optimizer to step (a torch.optim.Optimizer), got "
                 f"{type(optimizer).__name__}"
             )
+        # An optimizer wrapper (Accelerate's, Lightning's) is stepped through its step(), as torch.amp steps what it
+        # is given; the records are those of the optimizer inside, which unscale_(wrapper) keeps too.
+        wrapper, optimizer = optimizer, _inner_optimizer(optimizer)
         if any(stepped is optimizer for stepped, _ in self._stepped):
             raise RuntimeError(
                 f"FP8GradScaler.step(optimizer): step() has already been called since the last update() for this "
@@ -284,7 +291,7 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         skip = self._agree(step_found) > 0
         self._stepped.append((optimizer, skip))
         try:
-            return self._step_or_skip(optimizer, fused, skip, inv_scale)
+            return self._step_or_skip(wrapper, optimizer, fused, skip, inv_scale)
         except BaseException:  # not a step: as before it (the reports kept, the optimizer free to step again)
             self._stepped.pop()
             self._window, self._active = window, active
@@ -326,9 +333,12 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         own.add((found > 0).float())
         return reported, own
 
-    def _step_or_skip(self, optimizer: torch.optim.Optimizer, fused: Any, skip: bool, inv_scale: float) -> bool:
+    def _step_or_skip(
+        self, wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, fused: Any, skip: bool, inv_scale: float
+    ) -> bool:
         """Skip ``optimizer``'s step (dropping an FP8AdamW's pending FP8 gradients), or run it unscaled by
-        ``inv_scale``. Returns whether it stepped."""
+        ``inv_scale`` through ``wrapper.step()`` (``wrapper``: what ``step`` was given, ``optimizer`` or a wrapper of
+        it). Returns whether it stepped."""
         if skip:
             self._nonfinite_grad_flags[optimizer] = _nonfinite_flags(optimizer)
             skip_fn = getattr(optimizer, "_fp8_skip", None)
@@ -336,11 +346,11 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
                 skip_fn()
             return False
         if fused is not None and not getattr(optimizer, "_fp8_in_step", False):
-            _step_through_public_step(optimizer, inv_scale)
+            _step_through_public_step(wrapper, inv_scale, optimizer)
         elif fused is not None:  # called by optimizer.step() itself (FP8AdamW(grad_scaler=self))
             fused(inv_scale)
         else:
-            optimizer.step()
+            wrapper.step()
         return True
 
     def update(self) -> None:

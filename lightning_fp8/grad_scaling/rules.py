@@ -133,7 +133,8 @@ class _ScaleRules:
             if self._growth_tracker >= self.growth_interval:
                 self._growth_tracker = 0
                 self._set_scale(self._scale * 2, "double", f"headroom for {self.growth_interval} steps")
-        else:
+        elif numel or decision["no_headroom"]:  # a gradient without headroom; an update that measured none (an
+            # optimizer stepped without gradients, where each optimizer's step() updates) leaves the count as it was
             self._growth_tracker = 0
 
     def _backed_off_recently(self) -> bool:

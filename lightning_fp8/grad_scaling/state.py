@@ -115,7 +115,9 @@ class _ScalerState:
                 a saturation outside [0, 1]).
 
         A scale outside this scaler's ``[min_scale, max_scale]`` (saved under other bounds) is brought within them,
-        with a warning.
+        with a warning. The settings (``growth_interval``, the thresholds, the bounds, the fallback) are not saved:
+        this scaler's apply, and the loaded ``growth_tracker`` counts toward its ``growth_interval`` (unlike
+        ``torch.amp.GradScaler.load_state_dict``, which takes ``growth_interval`` and its factors from the state dict).
 
         With ``model``, the ``grad_output`` scaling states of its FP8 layers are rescaled from the old mu to the loaded
         one, as for every change of mu, so that the next backward casts with the right scale. The model's FP8 state

@@ -169,8 +169,7 @@ class _Unscaling:
                 fp16 gradients.
             RuntimeError: when called twice for one optimizer since the last :meth:`update`, or after its step.
         """
-        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer  # Accelerate's and Lightning's wrappers step the one inside
+        optimizer = _inner_optimizer(optimizer)
         if getattr(optimizer, "_fp8_step", None) is not None:
             raise ValueError(
                 f"FP8GradScaler.unscale_({type(optimizer).__name__}): FP8AdamW unscales each gradient in fp32 inside "
@@ -216,6 +215,16 @@ class _Unscaling:
         return counts
 
 
+def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer inside Accelerate's and Lightning's wrappers (``.optimizer``), which step the one inside: what
+    :meth:`_Unscaling.unscale_` and :meth:`FP8GradScaler.step <lightning_fp8.FP8GradScaler.step>` keep their records
+    of, so that ``unscale_(wrapper)`` then ``step(wrapper)`` unscales the gradients once (as ``torch.amp.GradScaler``,
+    which keys both by the object it is given)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (or the optimizer a Lightning or Accelerate wrapper holds) has any gradient to step on: a
     ``param.grad``, or one an FP8AdamW holds in FP8 (``fp8_grads``: those leave ``param.grad`` as backward produces
@@ -229,16 +238,20 @@ def holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return fp8_grad_norms is not None and bool(fp8_grad_norms())
 
 
-def _step_through_public_step(optimizer: torch.optim.Optimizer, inv_scale: float) -> None:
+def _step_through_public_step(
+    optimizer: torch.optim.Optimizer, inv_scale: float, fp8_adamw: torch.optim.Optimizer | None = None
+) -> None:
     """Run an FP8AdamW's update through its ``step()``, as torch.amp runs ``optimizer.step()``: an LR scheduler's
     wrapper then marks the optimizer as stepped (no "lr_scheduler.step() before optimizer.step()" warning), and
     optimizer step hooks and the profiler see the step. ``_fp8_unscale`` tells that step to unscale by
-    ``inv_scale`` and not to route through a gradient scaler again."""
-    optimizer._fp8_unscale = inv_scale  # type: ignore[attr-defined]
+    ``inv_scale`` and not to route through a gradient scaler again. ``fp8_adamw``: the FP8AdamW inside ``optimizer``,
+    a wrapper whose ``step()`` steps it (default: ``optimizer`` itself)."""
+    fp8_adamw = optimizer if fp8_adamw is None else fp8_adamw
+    fp8_adamw._fp8_unscale = inv_scale  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
-        optimizer._fp8_unscale = None  # type: ignore[attr-defined]
+        fp8_adamw._fp8_unscale = None  # type: ignore[attr-defined]
 
 
 def _refuse_fp16_grads(optimizer: torch.optim.Optimizer, caller: str = "step") -> None:
