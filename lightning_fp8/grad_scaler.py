@@ -58,6 +58,7 @@ from torch import nn
 from lightning_fp8.grad_scaling.arguments import (
     Fallback,
     _check_arguments,
+    check_new_scale,
     fallback_model,
     warn_if_model_is_another,
 )
@@ -229,7 +230,7 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         self._optimizer_index = weakref.WeakKeyDictionary({opt: i for i, opt in enumerate(optimizers)})
 
     # -------------------------------------------------------------------------------------------- step and update
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Step ``optimizer`` with gradients unscaled by 1/mu, unless a rank saw a non-finite gradient of it.
 
         The decision is this optimizer's: its own gradients (FP8AdamW's FP8 gradients and ``param.grad``), and what
@@ -257,7 +258,16 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
             ValueError: when ``optimizer`` is not an FP8AdamW and has fp16 gradients (fp16 parameters), as
                 ``torch.amp.GradScaler`` refuses them: unscaling them in fp16 would turn the small gradients mu made
                 representable back to zero. Raised before anything is changed.
+            TypeError: for arguments after the optimizer (a closure, which ``torch.amp.GradScaler`` refuses as a
+                keyword too): the step runs ``optimizer.step()`` on the gradients of the scaled backward made.
         """
+        if args or kwargs:
+            given = ", ".join([*(type(a).__name__ for a in args), *kwargs])
+            raise TypeError(
+                f"FP8GradScaler.step(optimizer) takes the optimizer alone, got also {given}: a closure is not "
+                "supported (as with torch.amp.GradScaler); compute the loss, scaler.scale_loss(loss).backward(), "
+                "then scaler.step(optimizer)"
+            )
         if not hasattr(optimizer, "param_groups"):
             raise TypeError(
                 f"FP8GradScaler.step(optimizer) takes the optimizer to step (a torch.optim.Optimizer), got "
@@ -353,8 +363,13 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
             wrapper.step()
         return True
 
-    def update(self) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Halve or grow mu as specified, run the fallback if due, and reset the per-step counters.
+
+        ``new_scale`` (``torch.amp.GradScaler.update(new_scale)``): mu is set to it once the update has run (skipped
+        steps counted, the fallback run if due), a power of two within ``[min_scale, max_scale]`` given as a number
+        or a one-element tensor, and recorded in :attr:`history` as ``"set"``; the count toward ``growth_interval``
+        stays as it was before this update, as in torch.amp. Every rank must pass the same value.
 
         Judges every optimizer stepped since the last update (mu halves if any was skipped) and what the
         communication hooks reported; with no step since, everything reported. mu is multiplied by 16 at once while
@@ -366,7 +381,18 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         both ``optimizer.step()``, which updates, and ``update()`` is harmless). The counters are reset also when the
         fallback raises (the error propagates).
         """
+        if new_scale is not None:
+            new_scale = check_new_scale(new_scale, self.min_scale, self.max_scale)  # before anything changes
+        tracker = self._growth_tracker
         self._update(judge_unstepped=True)
+        if new_scale is not None:
+            self._growth_tracker = tracker  # as torch.amp: an update setting mu leaves the growth count as it was
+            self._set_scale(new_scale, "set", "update(new_scale)")
+
+    def is_enabled(self) -> bool:
+        """True: ``torch.amp.GradScaler.is_enabled``'s spelling, for code written for it (an FP8GradScaler always
+        scales; to train without one, do not create it)."""
+        return True
 
     def _update(self, judge_unstepped: bool) -> None:
         """:meth:`update`; the update run right after one optimizer's step (``FP8AdamW(grad_scaler=...).step()``, the

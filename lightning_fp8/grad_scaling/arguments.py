@@ -74,6 +74,32 @@ def fallback_model(nonfinite_fallback: Fallback | nn.Module | None, model: nn.Mo
     return "bf16", nonfinite_fallback
 
 
+def check_new_scale(new_scale: object, min_scale: float, max_scale: float) -> float:
+    """``FP8GradScaler.update(new_scale)``'s value as a float; TypeError / ValueError, naming it, unless it is a number
+    or a one-element floating-point tensor, a power of two within ``[min_scale, max_scale]``."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or not new_scale.is_floating_point():
+            raise TypeError(
+                f"FP8GradScaler.update(new_scale=...): a tensor must have one floating-point element, got shape "
+                f"{tuple(new_scale.shape)} and dtype {new_scale.dtype}"
+            )
+        new_scale = new_scale.item()
+    if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
+        raise TypeError(f"FP8GradScaler.update(new_scale={new_scale!r}): must be a number, a positive power of two")
+    value = float(new_scale)
+    if not _is_power_of_two(value):
+        raise ValueError(
+            f"FP8GradScaler.update(new_scale={value!r}): mu must be a positive power of two (scaling by it is exact); "
+            f"the nearest is 2**{round(math.log2(value)) if math.isfinite(value) and value > 0 else '...'}"
+        )
+    if not min_scale <= value <= max_scale:
+        raise ValueError(
+            f"FP8GradScaler.update(new_scale={value!r}): outside this scaler's [min_scale, max_scale] = "
+            f"[{min_scale}, {max_scale}]"
+        )
+    return value
+
+
 def _check_arguments(
     init_scale: float,
     growth_interval: int,

@@ -330,3 +330,74 @@ def test_an_optimizer_stepped_without_gradients_does_not_restart_mus_growth():
         warnings.simplefilter("ignore")
         own, once, reference = run("own"), run("update once"), run("torch")
     assert own == once == reference == [4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
+
+
+def _train_with_new_scales(scaler, new_scales: dict[int, float], iterations: int = 10):
+    """:func:`_train`'s SGD loop (BAD's iterations spoiled), ``update(new_scales[i])`` at iteration ``i``."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, scales = _x(), []
+    for i in range(iterations):
+        _backward(scaler, model, x, BAD.get(i), 1)
+        scaler.step(opt)
+        new_scale = new_scales.get(i)
+        scaler.update(torch.tensor(new_scale) if i == 5 and new_scale is not None else new_scale)
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+def test_update_with_a_new_scale_sets_mu_as_torch_amp_does():
+    """``update(new_scale)`` (torch.amp's, a number or a one-element tensor): it raised Python's "takes 1 positional
+    argument"; set after a good step and after a skipped one, mu and the weights follow torch.amp's."""
+    new_scales = {1: 2.0**10, 3: 2.0**3, 5: 2.0**12}  # iteration 3 is a NaN step; 5 a tensor
+    scaler = FP8GradScaler(init_scale=MU0, growth_interval=3)
+    ours = _train_with_new_scales(scaler, new_scales)
+    theirs = _train_with_new_scales(torch.amp.GradScaler("cpu", init_scale=MU0, growth_interval=3), new_scales)
+    assert ours[0] == theirs[0]
+    assert ours[0][1] == 2.0**10 and ours[0][3] == 2.0**3
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        assert torch.equal(a, b)
+    assert [e["scale"] for e in scaler.history if e["action"] == "set"] == [2.0**10, 2.0**3, 2.0**12]
+    assert scaler.is_enabled() is True
+
+
+@pytest.mark.parametrize(
+    ("new_scale", "error", "match"),
+    [
+        (3.0, ValueError, r"power of two .*nearest is 2\*\*2"),
+        (-4.0, ValueError, "power of two"),
+        (math.inf, ValueError, "power of two"),
+        (2.0**30, ValueError, r"outside this scaler's \[min_scale, max_scale\]"),
+        ("8", TypeError, "must be a number"),
+        (torch.tensor([2.0, 4.0]), TypeError, "one floating-point element"),
+    ],
+)
+def test_update_with_a_bad_new_scale_is_refused_before_anything_changes(new_scale, error, match):
+    model = _model()
+    scaler = FP8GradScaler(init_scale=MU0, max_scale=2.0**20)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale_loss(model(_x()).square().mean()).backward()
+    scaler.step(opt)
+    with pytest.raises(error, match=match):
+        scaler.update(new_scale)
+    assert scaler.get_scale() == MU0 and scaler.history == ()
+    scaler.update()  # the step's update is still to make
+    assert scaler.history == () and scaler.get_scale() == MU0
+
+
+def test_step_with_a_closure_is_refused_as_torch_amp_refuses_it():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        return model(_x()).sum()
+
+    for scaler in (FP8GradScaler(init_scale=MU0), torch.amp.GradScaler("cpu", init_scale=MU0)):
+        _scale(scaler, model(_x()).sum()).backward()
+        with pytest.raises((TypeError, RuntimeError), match="[Cc]losure"):
+            scaler.step(opt, closure=closure)
+    with pytest.raises(TypeError, match="closure is not supported"):
+        FP8GradScaler(init_scale=MU0).step(opt, closure)  # positional too (torch.amp passes it on to the step)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
