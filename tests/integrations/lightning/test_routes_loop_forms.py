@@ -22,23 +22,13 @@ from torch.optim import lr_scheduler
 
 from lightning_fp8 import FP8AdamW, FP8GradScaler, convert_to_fp8
 from lightning_fp8.integrations.lightning import FP8LMPrecision
+from tests.integrations.accelerate.test_routes_loop_forms import Net  # the same net as Accelerate's loop forms
 
 LR = 1e-2
 LOSS_FACTOR = 30.0  # gradients large enough that AdamW's eps plays no part
 # Clipping by norm: the plugin sums the squared gradients in fp32, the reference in fp64; the clip factors differ by an
 # ulp, the weights by ~1e-8 (measured). A clip acting on gradients that still carry mu (2^10 here) would be 1000x off.
 CLIP_NORM_ATOL = 1e-6
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(48, 80)
-        self.fc2 = nn.Linear(80, 48)
-        self.head = nn.Linear(48, 10)  # 10 outputs: stays nn.Linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
 torch.manual_seed(0)
