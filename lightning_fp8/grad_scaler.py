@@ -37,6 +37,7 @@ scaler.update()``; each step decides on its own optimizer's gradients, and an op
 updates (docs/concepts/gradient-scaling.md, "Several optimizers").
 
 This module holds the scaler's public surface and its step; its bases, one concern each, live beside it:
+:mod:`~lightning_fp8.grad_scaling.readings` (mu and the counts, read-only),
 :mod:`~lightning_fp8.grad_scaling.losses` (scaling the loss, and which mu the gradients carry),
 :mod:`~lightning_fp8.grad_scaling.model` (the FP8 model whose ``grad_output`` scales mu changes rescale),
 :mod:`~lightning_fp8.grad_scaling.reports` (what the casts and checks report, agreed across ranks),
@@ -64,6 +65,7 @@ from lightning_fp8.grad_scaling.arguments import (
 )
 from lightning_fp8.grad_scaling.losses import _LossScaling
 from lightning_fp8.grad_scaling.model import _ScalerModel
+from lightning_fp8.grad_scaling.readings import _Readings
 from lightning_fp8.grad_scaling.reports import _Counts, _GradReports
 from lightning_fp8.grad_scaling.rules import _ScaleRules
 from lightning_fp8.grad_scaling.state import _HISTORY_LEN, _SCALED_LOSSES_KEPT, _ScalerState
@@ -77,7 +79,7 @@ from lightning_fp8.grad_scaling.unscaling import (
 )
 
 
-class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _ScaleRules, _ScalerState):
+class FP8GradScaler(_Readings, _LossScaling, _ScalerModel, _Unscaling, _GradReports, _ScaleRules, _ScalerState):
     """Automatic power-of-two gradient scale mu with skip-on-overflow and recovery.
 
     Args:
@@ -188,40 +190,6 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         )
         self._losses_scaled = 0
         self._reset_step_counters()
-
-    # ----------------------------------------------------------------------------------------------- read-only stats
-    @property
-    def scale(self) -> torch.Tensor:
-        """mu, a 0-dim fp32 tensor (a power of two)."""
-        return torch.tensor(self._scale, dtype=torch.float32)
-
-    def get_scale(self) -> float:
-        """mu as a Python float (``torch.amp.GradScaler.get_scale``'s spelling; the loss is scaled by
-        :meth:`scale_loss`, since ``scale`` is this property)."""
-        return self._scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self._skipped_steps
-
-    @property
-    def nonfinite_events(self) -> int:
-        return self._nonfinite_events
-
-    @property
-    def last_saturation(self) -> float:
-        """Fraction of gradient values at the FP8 maximum in the last step's casts (over all ranks)."""
-        return self._last_saturation
-
-    @property
-    def growth_tracker(self) -> int:
-        """Consecutive steps with headroom so far (mu doubles at ``growth_interval``)."""
-        return self._growth_tracker
-
-    @property
-    def history(self) -> tuple[dict[str, Any], ...]:
-        """Actions taken, oldest first: ``{"step", "action", "reason", "scale"}`` (the last 1000)."""
-        return tuple(dict(entry) for entry in self._history)
 
     def _set_optimizer_order(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers an integration steps with this scaler, in its order (Lightning's ``trainer.optimizers``):
@@ -388,11 +356,6 @@ class FP8GradScaler(_LossScaling, _ScalerModel, _Unscaling, _GradReports, _Scale
         if new_scale is not None:
             self._growth_tracker = tracker  # as torch.amp: an update setting mu leaves the growth count as it was
             self._set_scale(new_scale, "set", "update(new_scale)")
-
-    def is_enabled(self) -> bool:
-        """True: ``torch.amp.GradScaler.is_enabled``'s spelling, for code written for it (an FP8GradScaler always
-        scales; to train without one, do not create it)."""
-        return True
 
     def _update(self, judge_unstepped: bool) -> None:
         """:meth:`update`; the update run right after one optimizer's step (``FP8AdamW(grad_scaler=...).step()``, the

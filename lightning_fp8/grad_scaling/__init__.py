@@ -1,5 +1,6 @@
 """The bases of :class:`~lightning_fp8.FP8GradScaler` (:mod:`lightning_fp8.grad_scaler`), one concern each.
 
+- :mod:`~lightning_fp8.grad_scaling.readings`: mu and the counts, read-only for monitoring.
 - :mod:`~lightning_fp8.grad_scaling.losses`: scaling the loss by mu, and which mu the gradients then carry.
 - :mod:`~lightning_fp8.grad_scaling.model`: the FP8 model whose ``grad_output`` scales mu changes rescale.
 - :mod:`~lightning_fp8.grad_scaling.reports`: what the gradient casts and checks report per source, agreed across
