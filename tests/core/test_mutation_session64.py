@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8AdamW, FP8GradScaler
+from tests.core.test_routes_grad_scaler import _Wrapper  # an optimizer wrapper as Accelerate's and Lightning's
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,34 +33,6 @@ MU0 = 2.0**6
 
 def _param() -> nn.Parameter:
     return nn.Parameter(torch.randn(4, 4))
-
-
-def _scale(scaler, loss: torch.Tensor) -> torch.Tensor:
-    return scaler.scale(loss) if isinstance(scaler, torch.amp.GradScaler) else scaler.scale_loss(loss)
-
-
-class _Wrapper(torch.optim.Optimizer):
-    """As accelerate.optimizer.AcceleratedOptimizer and Lightning's LightningOptimizer: the optimizer inside as
-    ``.optimizer``, its param_groups and state, and a step() that steps it (counted)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self.steps = 0
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def step(self, closure=None):
-        self.steps += 1
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
 
 
 # --------------------------------------------------------------------------------------------- FP8AdamW's checks

@@ -14,41 +14,14 @@ Each test kills mutants the existing tests let survive:
 import os
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
 
 from lightning_fp8.integrations.accelerate import cli
 from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE, ENV_TP_PLAN, resolve_launch_config
-
-ACCELERATE_KEYS = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\n"
-
-
-@pytest.fixture(autouse=True)
-def _no_launch_settings(monkeypatch, tmp_path):
-    # A shell without LIGHTNING_FP8_* and without Accelerate's default config file; what launch() exports stays in
-    # this test's copy of the environment.
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    for name in (ENV_RECIPE, ENV_EXCLUDE, ENV_TP_PLAN):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("accelerate.commands.config.config_args.default_config_file", str(tmp_path / "no_default.yaml"))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def _launched(monkeypatch, argv: list[str]) -> dict[str, str]:
-    """The LIGHTNING_FP8_* variables `lightning-fp8 launch argv` hands the training processes (none is started)."""
-    seen = {}
-
-    def launch_command(args):
-        seen.update({k: v for k, v in os.environ.items() if k.startswith("LIGHTNING_FP8_")})
-
-    with monkeypatch.context() as m:
-        m.setattr(os, "environ", dict(os.environ))
-        m.setattr("accelerate.commands.launch.launch_command", launch_command)
-        assert cli.main(["launch", *argv]) == 0
-    return seen
+from tests.integrations.accelerate.test_routes_launch import (  # the launch routes' shell and launcher stand-in
+    ACCELERATE_KEYS,
+    _launched,
+    _no_launch_settings,  # noqa: F401 (an autouse fixture)
+)
 
 
 @pytest.mark.parametrize(
