@@ -259,6 +259,18 @@ def _clip_run(rank: int, world: int) -> dict:
     return out
 
 
+def _steps(rank: int, model: nn.Module, opt: torch.optim.Optimizer, first: int, n: int) -> list[float]:
+    """Steps ``first .. first + n - 1`` of this rank's batches (forward, backward, step); their losses."""
+    losses = []
+    for step in range(first, first + n):
+        loss = _loss(model, _batch(rank, step, torch.float32))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _resume_run(rank: int, world: int) -> dict:
     """A full state dict (model and FP8AdamW, fp16 moments; the layers' scaling states beside it) saved after step 1,
     through torch.save / torch.load(weights_only=True), loaded into a fresh FSDP2 model and optimizer: the next steps'
@@ -280,23 +292,13 @@ def _resume_run(rank: int, world: int) -> dict:
         # fp16 first moments: gloo has no FP8 collectives, which a full state dict gathers (test_fsdp_checkpoint.py)
         return model, _optimizer(model, exp_avg_dtype=torch.float16)
 
-    def steps(model, opt, first, n):
-        losses = []
-        for step in range(first, first + n):
-            loss = _loss(model, _batch(rank, step, torch.float32))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
     model, opt = build()
-    steps(model, opt, 0, 1)
+    _steps(rank, model, opt, 0, 1)
     options = StateDictOptions(full_state_dict=True)  # every rank's (cpu_offload: rank 0's only)
     msd, osd = get_state_dict(model, opt, options=options)
     buffer = io.BytesIO()
     torch.save({"model": msd, "optim": osd, "fp8": fp8_state_dict(model)}, buffer)  # scaling states: this rank's
-    continued = steps(model, opt, 1, 2)
+    continued = _steps(rank, model, opt, 1, 2)
     weights = _weights(model)  # before a forward without backward, which leaves the root's parameters unsharded
     batch = _batch(rank, 9, torch.float32)
     with torch.no_grad():
@@ -307,7 +309,7 @@ def _resume_run(rank: int, world: int) -> dict:
     set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
                    options=options)  # fmt: skip
     load_fp8_state_dict(fresh, loaded["fp8"])
-    resumed = steps(fresh, fresh_opt, 1, 2)
+    resumed = _steps(rank, fresh, fresh_opt, 1, 2)
     plain = _model()
     plain.load_state_dict(get_state_dict(fresh, fresh_opt, options=options)[0])
     load_fp8_state_dict(plain, fp8_state_dict(fresh))
@@ -336,31 +338,21 @@ def _sharded_resume_run(rank: int, world: int) -> dict:
         enable_fp8_fsdp2(model)
         return model, _optimizer(model, low_precision_moments="all")
 
-    def steps(model, opt, first, n):
-        losses = []
-        for step in range(first, first + n):
-            loss = _loss(model, _batch(rank, step, torch.float32))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
     directory = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(directory)
     model, opt = build()
-    steps(model, opt, 0, 1)
+    _steps(rank, model, opt, 0, 1)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory[0])
     scaling = fp8_state_dict(model)
-    continued = steps(model, opt, 1, 2)
+    continued = _steps(rank, model, opt, 1, 2)
     fresh, fresh_opt = build()
     msd, osd = get_state_dict(fresh, fresh_opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=directory[0])
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     load_fp8_state_dict(fresh, scaling)
-    resumed = steps(fresh, fresh_opt, 1, 2)
+    resumed = _steps(rank, fresh, fresh_opt, 1, 2)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory[0])
