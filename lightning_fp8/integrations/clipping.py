@@ -91,9 +91,9 @@ def clip_grad_norm_fp32(
     """Clip gradients that carry a factor ``grad_scale`` as if they did not; return the unscaled ``norm_type`` norm.
 
     Replicated gradients (one process, DDP). Norms are computed in fp32 whatever the gradients' dtype; a
-    non-finite norm leaves each gradient 0 or NaN (as torch's clip_grad_norm_: multiplied by ``max_norm / norm``), a
-    step the gradient scaler then skips. The gradients an
-    FP8AdamW holds in FP8 for these parameters (``fp8_grads``) count and are clipped too, through their scales.
+    non-finite norm leaves the gradients as they are (:func:`finite_or_one`; torch's clip_grad_norm_ makes each 0 or
+    NaN), a step the gradient scaler then skips. The gradients an FP8AdamW holds in FP8 for these parameters
+    (``fp8_grads``) count and are clipped too, through their scales.
     ``check`` is called with the unscaled norm before anything is clipped (it may raise).
     """
     parameters = unique(parameters)
@@ -106,7 +106,7 @@ def clip_grad_norm_fp32(
     total = with_held_norms(others, fp8_grads.fp8_grad_norms(held, norm_type), norm_type) / grad_scale
     if check is not None:
         check(total)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = finite_or_one(total, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     fp8_grads.scale_fp8_grads_(held, coef)
@@ -124,8 +124,17 @@ def with_held_norms(total: Tensor | None, held: list[Tensor], norm_type: float =
 
 
 def clip_factor(total: Tensor, max_norm: float, mu: float) -> Tensor:
-    # torch's clip_grad_norm_ factor of the true gradients (norm total / mu), its 1e-6 in their units.
-    return torch.clamp(max_norm * mu / (total.float() + 1e-6 * mu), max=1.0)
+    # torch's clip_grad_norm_ factor of the true gradients (norm total / mu), its 1e-6 in their units; 1 where the
+    # norm is not finite (finite_or_one).
+    return finite_or_one(total, torch.clamp(max_norm * mu / (total.float() + 1e-6 * mu), max=1.0))
+
+
+def finite_or_one(total: Tensor, factor: Tensor) -> Tensor:
+    """``factor``, or 1 where the norm ``total`` is not finite: gradients that carry mu are clipped before a step the
+    gradient scaler skips when any of them is not finite, and torch's ``max_norm / norm`` would make every gradient
+    NaN (or 0) there, so the scaler's ``"bf16"`` fallback would put back every FP8 layer, not the ones whose
+    gradients overflowed. No host sync: a ``torch.where`` on the device."""
+    return torch.where(torch.isfinite(total), factor, torch.ones_like(factor))
 
 
 def mul_grads_by_(grads: list[Tensor], factor: Tensor) -> None:
