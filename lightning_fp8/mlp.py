@@ -232,6 +232,8 @@ class FP8MLP(nn.Module):
                 f"FP8MLP(dtype={dtype!r}): FP8 layers keep float32, bfloat16 or float16 parameters; pass one of them "
                 f"(for a float64 MLP keep nn.Linear layers: convert_to_fp8 leaves them as they are)"
             )
+        check_flag("FP8MLP", "bias", bias)  # as the sizes: FP8Linear's checks would name FP8Linear(bias=...)
+        recipe = resolve_recipe(recipe, "FP8MLP(recipe=...)")
         self.fc = FP8Linear(in_features, hidden_features, bias, device, dtype, recipe=recipe)
         self.proj = FP8Linear(hidden_features, out, bias, device, dtype, recipe=recipe)
         self.fp8_hidden = fp8_hidden
