@@ -90,7 +90,8 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
 
     Args:
         model: the root ``torch.distributed.fsdp.FullyShardedDataParallel`` module.
-        state: the communication state (default: ``FP8CommState(model.process_group)``).
+        state: the communication state (default: ``FP8CommState(model.process_group)``). One state may serve several
+            FSDP1 models, each registered through this function: every model's units keep their boundaries.
 
     Returns:
         The state (read its ``found_nonfinite`` / call ``check_step`` per step, or give it a grad scaler).
@@ -115,7 +116,8 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
         state, "enable_fp8_fsdp1", "FullyShardedDataParallel holds the parameters of the modules it wraps"
     )
     world = torch.distributed.get_world_size(state.process_group)
-    layouts: dict[int, SegmentLayout] = {}
+    # Kept: the boundaries of another model's units registered on this state (one state may serve several models).
+    layouts = dict(state._fsdp1_layouts)
     for unit in FSDP.fsdp_modules(model):
         handle = getattr(unit, "_handle", None)
         if handle is None:

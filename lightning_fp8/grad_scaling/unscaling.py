@@ -10,6 +10,7 @@ its state.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,6 +43,35 @@ def _parameter_list(where: str, parameters: Any) -> list[torch.Tensor]:
     return params
 
 
+def _is_fsdp1(module: Any) -> bool:
+    """Whether ``module`` is an FSDP1 ``FullyShardedDataParallel`` module (its ``clip_grad_norm_`` takes the root)."""
+    if not isinstance(module, torch.nn.Module) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _refuse_fsdp1_shards(where: str, params: list[torch.Tensor]) -> None:
+    """ValueError for parameters flattened by FSDP1 (``FullyShardedDataParallel``) in a multi-process run, passed as
+    parameters: each rank holds a shard of their gradients, so a norm taken of them would be its shard's and every
+    rank would clip by another factor (as with ``torch.nn.utils.clip_grad_norm_``). The FSDP1 root itself is taken:
+    its ``clip_grad_norm_`` reduces the norm over the ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if any(getattr(p, "_fsdp_flattened", False) for p in params):  # FSDP1's mark on its flat and original params
+        raise ValueError(
+            f"{where}: these parameters are FSDP1's (FullyShardedDataParallel): each rank holds a shard of their "
+            "gradients, so each would clip by its own shard's norm. Pass the FSDP root module itself, "
+            "scaler.clip_grad_norm_(model, max_norm): its norm is reduced over the ranks; nothing was clipped"
+        )
+
+
+_WHERE_CLIP = "FP8GradScaler.clip_grad_norm_"
+
+
 class _Unscaling:
     """Clipping and unscaling of gradients that carry mu (see the module docstring)."""
 
@@ -66,24 +96,33 @@ class _Unscaling:
         A non-finite norm (an overflow) leaves the gradients non-finite for :meth:`step` to skip, unless
         ``error_if_nonfinite`` (raise RuntimeError, as torch). ``foreach`` is accepted for torch's signature: the
         gradients are multiplied with ``torch._foreach_mul_`` per device either way. DTensor gradients (FSDP2, tensor
-        parallelism) take the L2 norm only.
+        parallelism) take the L2 norm only. For FSDP1 pass the ``FullyShardedDataParallel`` root itself (its
+        ``clip_grad_norm_`` reduces the sharded gradients' norm over the ranks, here with a limit of inf, and they are
+        then multiplied by torch's factor); its parameters passed as parameters in a multi-process run are refused
+        (each rank would clip by its own shard's norm).
 
         Raises:
             TypeError, ValueError: for a ``max_norm`` that is not a number >= 0 (negative flips the gradients' signs,
                 NaN makes them NaN), a ``norm_type`` that is not a number > 0; TypeError for ``parameters`` that are
-                not a tensor or an iterable of tensors (an optimizer or a module: pass ``model.parameters()``).
+                not a tensor or an iterable of tensors (an optimizer or a module: pass ``model.parameters()``);
+                ValueError for FSDP1's parameters in a multi-process run (pass the FSDP1 root instead).
         """
         from lightning_fp8.integrations.clipping import (  # torch only (no Lightning import)
             check_clip_limit,
             checked_norm_type,
+            clip_factor,
             clip_grad_norm_fp32,
             clip_scaled_grad_norm_,
+            mul_grads_by_,
             unique,
         )
 
         check_clip_limit("FP8GradScaler.clip_grad_norm_", "max_norm", max_norm)
         norm_type = checked_norm_type("FP8GradScaler.clip_grad_norm_", norm_type)  # 'inf' too, as torch takes it
-        params = unique(_parameter_list("FP8GradScaler.clip_grad_norm_", parameters))
+        fsdp1 = _is_fsdp1(parameters)
+        params = unique(parameters.parameters() if fsdp1 else _parameter_list(_WHERE_CLIP, parameters))
+        if not fsdp1:
+            _refuse_fsdp1_shards(_WHERE_CLIP, params)
         mu = self.grad_factor(params)
 
         def check(total: torch.Tensor) -> None:  # before anything is clipped, as torch
@@ -94,6 +133,11 @@ class _Unscaling:
                     "error_if_nonfinite=False; nothing was clipped"
                 )
 
+        if fsdp1:  # FSDP1 reduces the shards' norm over the ranks (a limit of inf clips nothing); then torch's factor
+            total = parameters.clip_grad_norm_(math.inf, norm_type).float()
+            check(total / mu)
+            mul_grads_by_([p.grad for p in params if p.grad is not None], clip_factor(total, max_norm, mu))
+            return total / mu
         if float(norm_type) == 2.0:
             return clip_scaled_grad_norm_(params, max_norm, mu, check).float() / mu
         if any(type(p).__name__ == "DTensor" for p in params):
