@@ -21,6 +21,15 @@ def assert_same(a, b) -> None:
         assert a == b
 
 
+def same(a, b) -> bool:
+    """:func:`assert_same` as a truth value (for a record that a test asserts later)."""
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
 def sqnr(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||actual - ref||)."""
     ref = reference.detach().double()

@@ -34,6 +34,7 @@ from lightning_fp8.recovery import (
 )
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict
 from tests.distributed.launch import cpu_mesh, part_results, run_parts, run_workers
+from tests.numerics import same
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -55,17 +56,6 @@ def _nan_grad(param: torch.Tensor):
     """A NaN in ``param``'s gradient alone (the layer's input gradient stays finite): a tensor hook, removed after one
     backward by the caller."""
     return param.register_hook(lambda g: g * math.nan)
-
-
-def _same(a, b) -> bool:
-    """``a`` and ``b`` (nested dicts, lists, tensors, numbers) equal bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b, strict=True))
-    return a == b
 
 
 def _states(optimizer: torch.optim.Optimizer) -> dict:
@@ -123,7 +113,7 @@ def _counting_run(route: str, source: str) -> dict:
         rows.append({
             "mu": scaler.get_scale(),
             "weights kept": all(torch.equal(a, p) for a, p in zip(before_weights, model.parameters(), strict=True)),
-            "states kept": _same(before_states, _states(optimizer)),
+            "states kept": same(before_states, _states(optimizer)),
             "lr": optimizer.param_groups[0]["lr"],
             "initial_lr": optimizer.param_groups[0]["initial_lr"],
         })  # fmt: skip
@@ -373,10 +363,10 @@ def test_two_optimizers_one_failing_fall_back_its_layer_alone_and_resume_bit_for
     resumed_scaler.load_state_dict(ckpt["scaler"])
     load_fp8_state_dict(resumed, ckpt["fp8"])
     assert _train_two(resumed, resumed_scaler, resumed_optimizers, range(cut, 6)) == full[cut:]
-    assert _same(resumed.state_dict(), model.state_dict())
+    assert same(resumed.state_dict(), model.state_dict())
     assert resumed_scaler.state_dict() == scaler.state_dict()
     for mine, theirs in zip(resumed_optimizers, optimizers, strict=True):
-        assert _same(mine.state_dict(), theirs.state_dict())
+        assert same(mine.state_dict(), theirs.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

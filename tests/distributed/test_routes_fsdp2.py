@@ -24,6 +24,7 @@ One spawn per world size runs every route (process start-up dominates the runtim
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import shutil
@@ -33,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.distributed import routes
 from tests.distributed.launch import cpu_mesh, part_results, run_parts, run_workers
-from tests.numerics import sqnr
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +57,6 @@ GRAD_BF16_SQNR_DB = 12.0
 UPDATE_SQNR_DB = 6.0
 LOSS_RTOL = 0.02  # the first losses: forward casts differ by per-rank input amaxes only
 NORM_RTOL = 0.02  # a gradient norm over ~4000 values: the FP8 roundings average out
-SMALL_TENSOR_RTOL = 2.0**-2  # a tensor under MIN_SQNR_NUMEL values: elementwise, as test_routes_ddp
-MIN_SQNR_NUMEL = 32
 
 
 class Net(nn.Module):
@@ -89,18 +88,9 @@ def _model(dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module
     return model
 
 
-def _batch(rank: int, step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randint(0, 10, (ROWS,), generator=gen), torch.randn(ROWS, 32, generator=gen).to(dtype)
-
-
-def _global_batch(world: int, step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_batch(r, step, dtype) for r in range(world)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def _loss(model: nn.Module, batch) -> torch.Tensor:
-    return model(*batch).float().square().mean()
+_batch = functools.partial(routes.batch, rows=ROWS)
+_global_batch = functools.partial(routes.global_batch, rows=ROWS)
+_loss = routes.loss
 
 
 def _optimizer(model: nn.Module, **kwargs):
@@ -259,16 +249,7 @@ def _clip_run(rank: int, world: int) -> dict:
     return out
 
 
-def _steps(rank: int, model: nn.Module, opt: torch.optim.Optimizer, first: int, n: int) -> list[float]:
-    """Steps ``first .. first + n - 1`` of this rank's batches (forward, backward, step); their losses."""
-    losses = []
-    for step in range(first, first + n):
-        loss = _loss(model, _batch(rank, step, torch.float32))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+_steps = functools.partial(routes.steps, rows=ROWS)
 
 
 def _resume_run(rank: int, world: int) -> dict:
@@ -409,19 +390,7 @@ def runs() -> dict[int, list[dict]]:
     return {world: run_workers(_worker, world, timeout=600) for world in (2, 3)}
 
 
-def _close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], min_db: float) -> dict[str, object]:
-    """The names whose tensor is not within ``min_db`` of the reference (elementwise for small tensors)."""
-    bad = {}
-    assert got.keys() == ref.keys()
-    for name, r in ref.items():
-        g = got[name]
-        if r.numel() >= MIN_SQNR_NUMEL:
-            db = sqnr(g, r)
-            if not db >= min_db:
-                bad[name] = db
-        elif not bool(((g - r).abs() <= SMALL_TENSOR_RTOL * r.abs().max()).all()):
-            bad[name] = (g - r).abs().max().item()
-    return bad
+_close = routes.far_from
 
 
 def _result(runs: dict, world: int, name: str) -> list:

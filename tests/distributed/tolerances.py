@@ -6,6 +6,8 @@ SQNR is ``20 log10(||ref|| / ||fp8 - ref||)`` against the fp32 mean over ranks (
 # SQNR is a statistic over a tensor: below this many elements one unlucky rounding dominates it (a single value
 # can err by 2**-3 of itself in E5M2, 18 dB); smaller tensors are held to an elementwise rounding bound instead.
 MIN_SQNR_NUMEL = 32
+# Those small tensors' bound, elementwise relative to the tensor's largest value: two E5M2 roundings of 2**-3 each.
+SMALL_TENSOR_RTOL = 2.0**-2
 
 # One E5M2 rounding (2 mantissa bits, relative error <= 2**-3) gives ~25 dB on Gaussian data. The portable
 # all-reduce rounds twice (each rank's cast, then the requantized mean): ~23 dB on average, but a small tensor whose

@@ -20,20 +20,10 @@ from torch import nn
 
 from lightning_fp8 import FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
+from tests.integrations.accelerate.test_accelerator import _fresh_accelerate_state  # noqa: F401 (autouse)
+from tests.numerics import same
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 BAD = (1, 2)  # optimizer steps whose first micro-batch has a NaN in the head's weight gradient
@@ -77,20 +67,10 @@ def _train(accelerator, model, optimizer, scheduler, steps, accumulate: int) -> 
                 optimizer.zero_grad()
         rows.append({
             "mu": accelerator.fp8_grad_scaler.get_scale(),
-            "kept": _same(before, ([p.detach() for p in model.parameters()], optimizer.state_dict()["state"])),
+            "kept": same(before, ([p.detach() for p in model.parameters()], optimizer.state_dict()["state"])),
             "lr": optimizer.param_groups[0]["lr"], "initial_lr": optimizer.param_groups[0]["initial_lr"],
         })  # fmt: skip
     return rows
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b, strict=True))
-    return a == b
 
 
 ROUTES = ["swapped AdamW", "own FP8AdamW and scaler"]

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fp8 import FP8Linear
 from lightning_fp8.integrations.lightning import FP8LMPrecision
+from tests.numerics import same
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # fmt: skip
@@ -98,18 +99,8 @@ class _Record(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         module, states = pl_module.state_dict(), [o.state_dict()["state"] for o in trainer.optimizers]
-        self.rows.append((trainer.global_step, _same(self._before[0], module), _same(self._before[1], states),
+        self.rows.append((trainer.global_step, same(self._before[0], module), same(self._before[1], states),
                           trainer.optimizers[0].param_groups[0]["lr"]))  # fmt: skip
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b, strict=True))
-    return a == b
 
 
 DATA = DataLoader(torch.zeros(48, 1), batch_size=8)  # 6 batches an epoch; the module draws its own inputs
@@ -187,10 +178,10 @@ def test_bf16_fallback_puts_back_the_head_alone_and_resumes_from_its_checkpoints
         again, resumed_plugin = _fit(resumed, "bf16", ckpt_path=ckpt, **trainer_args)
         assert type(resumed.net[2]) is nn.Linear and isinstance(resumed.net[0], FP8Linear)
         assert resumed.losses == full.losses[ran:]
-        assert _same(resumed.state_dict(), full.state_dict())
+        assert same(resumed.state_dict(), full.state_dict())
         assert resumed_plugin.grad_scaler.state_dict() == scaler.state_dict()
         for mine, theirs in zip(again.optimizers, first.optimizers, strict=True):
-            assert _same(mine.state_dict(), theirs.state_dict())
+            assert same(mine.state_dict(), theirs.state_dict())
 
 
 def test_gradient_clip_val_leaves_the_bf16_fallback_its_offending_layer_alone():
