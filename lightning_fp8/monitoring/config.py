@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 from lightning_fp8.recipe import as_count
@@ -54,10 +55,14 @@ class HealthConfig:
 
     def __post_init__(self) -> None:
         minimum = {"window": 2, "warmup_steps": 0, "plateau_window": 2, "spike_patience": 1}
+        # The windows are the lengths of the monitor's deques, which hold at most sys.maxsize entries.
+        maximum = {"window": sys.maxsize, "plateau_window": sys.maxsize}
         for name, low in minimum.items():
             value = as_count(getattr(self, name))  # a NumPy integer (a config read with NumPy) as an int
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low} (a Python or NumPy integer)")
+            if value > maximum.get(name, value):
+                raise ValueError(f"HealthConfig({name}={value!r}) must be an int from {low} to sys.maxsize (a window)")
             object.__setattr__(self, name, value)
         # (low, high, high_included) of each threshold: a value outside its range cannot do what the field says.
         ranges = {
