@@ -42,6 +42,7 @@ from torch import nn
 from lightning_fp8 import FP8MLP, FP8AdamW, FP8GradScaler, FP8Linear, convert_to_fp8, fp8_stats
 from lightning_fp8.health import HealthConfig, HealthMonitor, global_norm
 from lightning_fp8.optim import master
+from tests.numerics import pow2_scale
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 HISTORY = 16  # FP8Recipe's default amax_history_len
@@ -51,16 +52,6 @@ FIELDS = ("scale", "amax", "amax_history", "saturation", "nonfinite_count", "cas
 
 
 # ----------------------------------------------------------------------------------------------- the reference
-def pow2_scale(amax: float, fmax: float) -> float:
-    """The largest power of two ``s`` with ``amax * s <= fmax`` (DESIGN.md: ``2 ** floor(log2(fmax / amax))``)."""
-    k = math.floor(math.log2(fmax / amax))
-    while amax * 2.0 ** (k + 1) <= fmax:
-        k += 1
-    while amax * 2.0**k > fmax:
-        k -= 1
-    return 2.0**k
-
-
 def expected_casts(
     xs: list[torch.Tensor], fmax: float, delayed: bool, history_len: int, rescales: dict[int, float] | None = None
 ) -> dict:
