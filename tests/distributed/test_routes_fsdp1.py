@@ -42,26 +42,20 @@ from torch import nn
 
 from tests.distributed import routes
 from tests.distributed.launch import part_results, run_parts, run_workers
-from tests.distributed.tolerances import SMALL_TENSOR_RTOL
+from tests.distributed.tolerances import (
+    GRAD_BF16_SQNR_DB,
+    GRAD_SQNR_DB,
+    LOSS_RTOL,
+    NORM_RTOL,
+    SMALL_TENSOR_RTOL,
+    UPDATE_SQNR_DB,
+)
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
 LR = 1e-2
 ROWS = 4  # each rank's batch
-# The first step's gradients against the unsharded model on the global batch. The reference's own FP8 casts err too
-# (its E4M3 input and E5M2 grad_output casts take the global batch's amax, each rank's its own), so the gap is that of
-# independent roundings (as test_routes_fsdp2.py); FP8 communication adds one E5M2 rounding (NO_SHARD: two). A wrong
-# mean (a sum, a double division) gives 6 dB or less.
-GRAD_SQNR_DB = 15.0
-# bf16 parameters (a bf16 model, or FSDP's bf16 param_dtype): bf16 rounding of every activation on top.
-GRAD_BF16_SQNR_DB = 12.0
-# Three AdamW steps of FP8-rounded gradients: updates near lr * sign(g), a flipped small gradient moves its weight by
-# 2 lr. The weights' change from their start is held to this SQNR against the reference's (no update, or updates of
-# random signs, give 0 dB or less).
-UPDATE_SQNR_DB = 6.0
-LOSS_RTOL = 0.02  # the first losses: forward casts differ by per-rank input amaxes only
-NORM_RTOL = 0.02  # a gradient norm over ~4000 values: the FP8 roundings average out
 MAX_NORM = 0.01
 
 

@@ -36,27 +36,13 @@ from torch import nn
 
 from tests.distributed import routes
 from tests.distributed.launch import cpu_mesh, part_results, run_parts, run_workers
+from tests.distributed.tolerances import GRAD_BF16_SQNR_DB, GRAD_SQNR_DB, LOSS_RTOL, NORM_RTOL, UPDATE_SQNR_DB
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
 LR = 1e-2
 ROWS = 8  # each rank's batch
-# The gradients of one step against the unsharded model on the global batch. The reference's own FP8 casts err too: its
-# E4M3 input and E5M2 grad_output casts take the global batch's amax, each rank's its own, so the gap is that of two
-# independent roundings, 3 dB under one (17 to 25 dB observed on 3 ranks, with or without FP8 communication; FP8
-# communication adds one E5M2 rounding on the reduce-scatter). A wrong mean (a sum, a double division) gives 6 dB or
-# less.
-GRAD_SQNR_DB = 15.0
-# bf16 parameters (a bf16 model, or FSDP's bf16 param_dtype): bf16 rounding of every activation on top (~14 dB seen).
-GRAD_BF16_SQNR_DB = 12.0
-# Three AdamW steps (lr 1e-2) of FP8-rounded gradients: the updates are near lr * sign(g), and a small gradient a
-# rounding flips moves its weight by 2 lr (the embedding's sparse rows: ~10 dB observed, the FP8 weights' 12 to 15 dB).
-# The weights' change from their start is held to this SQNR against the reference's: no update, or updates of random
-# signs, give 0 dB or less (Adam does not see a wrong gradient scale: the first step's gradients are checked for that).
-UPDATE_SQNR_DB = 6.0
-LOSS_RTOL = 0.02  # the first losses: forward casts differ by per-rank input amaxes only
-NORM_RTOL = 0.02  # a gradient norm over ~4000 values: the FP8 roundings average out
 
 
 class Net(nn.Module):
