@@ -98,8 +98,9 @@ class _Unscaling:
         gradients are multiplied with ``torch._foreach_mul_`` per device either way. DTensor gradients (FSDP2, tensor
         parallelism) take the L2 norm only. For FSDP1 pass the ``FullyShardedDataParallel`` root itself (its
         ``clip_grad_norm_`` reduces the sharded gradients' norm over the ranks, here with a limit of inf, and they are
-        then multiplied by torch's factor); its parameters passed as parameters in a multi-process run are refused
-        (each rank would clip by its own shard's norm).
+        then multiplied by torch's factor; a non-finite norm leaves them NaN there, FSDP1's own multiplication by
+        ``inf / norm``); its parameters passed as parameters in a multi-process run are refused (each rank would clip
+        by its own shard's norm).
 
         Raises:
             TypeError, ValueError: for a ``max_norm`` that is not a number >= 0 (negative flips the gradients' signs,
@@ -127,13 +128,16 @@ class _Unscaling:
 
         def check(total: torch.Tensor) -> None:  # before anything is clipped, as torch
             if error_if_nonfinite and not bool(torch.isfinite(total)):
+                # FSDP1's clip_grad_norm_ (which measures it) has multiplied the gradients by inf / norm already
+                done = "FSDP1's clip_grad_norm_ made the gradients NaN" if fsdp1 else "nothing was clipped"
                 raise RuntimeError(
                     f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
-                    "cannot be clipped. To skip the step instead (as mu's overflow handling does), pass "
-                    "error_if_nonfinite=False; nothing was clipped"
+                    f"cannot be clipped. To skip the step instead (as mu's overflow handling does), pass "
+                    f"error_if_nonfinite=False; {done}"
                 )
 
-        if fsdp1:  # FSDP1 reduces the shards' norm over the ranks (a limit of inf clips nothing); then torch's factor
+        if fsdp1:  # FSDP1 reduces the shards' norm over the ranks (a limit of inf clips nothing); then torch's factor.
+            # A non-finite norm leaves the gradients NaN there: FSDP1 multiplies them by inf / norm itself.
             total = parameters.clip_grad_norm_(math.inf, norm_type).float()
             check(total / mu)
             mul_grads_by_([p.grad for p in params if p.grad is not None], clip_factor(total, max_norm, mu))
