@@ -69,6 +69,24 @@ def _refuse_fsdp1_shards(where: str, params: list[torch.Tensor]) -> None:
         )
 
 
+def _fsdp1_norm(root: Any, params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The gradient norm FSDP1's ``clip_grad_norm_`` reduces over the ranks of ``root`` (an FSDP1 root), without its
+    multiplication of every gradient by ``inf / norm`` where that norm is not finite (NaN gradients, where the fit
+    skips the step anyway): whether any rank holds a NaN or an infinity is agreed first (one all-reduce of two flags;
+    the norm is then NaN, else inf, as torch's), and only a finite norm is measured by FSDP1 (a limit of inf: a factor
+    of 1, the gradients unchanged)."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(2, device=root.compute_device)
+    for grad in (p.grad for p in params if p.grad is not None):
+        flags = torch.maximum(flags, torch.stack([grad.isnan().any(), grad.isinf().any()]).to(flags))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=root.process_group)
+    has_nan, has_inf = flags.tolist()
+    if has_nan or has_inf:
+        return torch.tensor(math.nan if has_nan else math.inf, device=root.compute_device)
+    return root.clip_grad_norm_(math.inf, norm_type).float()
+
+
 _WHERE_CLIP = "FP8GradScaler.clip_grad_norm_"
 
 
@@ -98,9 +116,8 @@ class _Unscaling:
         gradients are multiplied with ``torch._foreach_mul_`` per device either way. DTensor gradients (FSDP2, tensor
         parallelism) take the L2 norm only. For FSDP1 pass the ``FullyShardedDataParallel`` root itself (its
         ``clip_grad_norm_`` reduces the sharded gradients' norm over the ranks, here with a limit of inf, and they are
-        then multiplied by torch's factor; a non-finite norm leaves them NaN there, FSDP1's own multiplication by
-        ``inf / norm``); its parameters passed as parameters in a multi-process run are refused (each rank would clip
-        by its own shard's norm).
+        then multiplied by torch's factor); its parameters passed as parameters in a multi-process run are refused
+        (each rank would clip by its own shard's norm).
 
         Raises:
             TypeError, ValueError: for a ``max_norm`` that is not a number >= 0 (negative flips the gradients' signs,
@@ -128,17 +145,14 @@ class _Unscaling:
 
         def check(total: torch.Tensor) -> None:  # before anything is clipped, as torch
             if error_if_nonfinite and not bool(torch.isfinite(total)):
-                # FSDP1's clip_grad_norm_ (which measures it) has multiplied the gradients by inf / norm already
-                done = "FSDP1's clip_grad_norm_ made the gradients NaN" if fsdp1 else "nothing was clipped"
                 raise RuntimeError(
                     f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
-                    f"cannot be clipped. To skip the step instead (as mu's overflow handling does), pass "
-                    f"error_if_nonfinite=False; {done}"
+                    "cannot be clipped. To skip the step instead (as mu's overflow handling does), pass "
+                    "error_if_nonfinite=False; nothing was clipped"
                 )
 
-        if fsdp1:  # FSDP1 reduces the shards' norm over the ranks (a limit of inf clips nothing); then torch's factor.
-            # A non-finite norm leaves the gradients NaN there: FSDP1 multiplies them by inf / norm itself.
-            total = parameters.clip_grad_norm_(math.inf, norm_type).float()
+        if fsdp1:  # FSDP1 reduces the shards' norm over the ranks; then torch's factor (1 where it is not finite)
+            total = _fsdp1_norm(parameters, params, norm_type)
             check(total / mu)
             mul_grads_by_([p.grad for p in params if p.grad is not None], clip_factor(total, max_norm, mu))
             return total / mu

@@ -20,10 +20,10 @@ limit and far above 1e-6):
   ``layouts[total] = layout`` (also killed by tests/distributed/test_mutation_dist_fsdp1_units.py for two units of
   one model; here for two models on one state, today's route: the first model's small gradients flushed to zero).
 
-An ``xfail(strict=True)`` test pins a bug this audit found: FP8GradScaler.clip_grad_norm_(fsdp1_root, ...) measures
-the norm with FSDP1's own ``clip_grad_norm_(math.inf)``, which for a non-finite norm multiplies every gradient by
-``inf / NaN`` = NaN (so the fallback of today's fix does not hold on that route; ``error_if_nonfinite=True`` says so
-in its message). The step is skipped either way, and the ``"bf16"`` fallback is refused under FSDP1.
+A bug this audit found, fixed with it: FP8GradScaler.clip_grad_norm_(fsdp1_root, ...) measured the norm with FSDP1's
+own ``clip_grad_norm_(math.inf)``, which for a non-finite norm multiplies every gradient by ``inf / NaN`` = NaN (so the
+"leave the gradients as they are" of today's clipping fix did not hold on that route, and ``error_if_nonfinite=True``
+raised "nothing was clipped" after every gradient was made NaN). The ranks now agree on NaN / inf first.
 """
 
 from __future__ import annotations
@@ -124,12 +124,6 @@ def test_fsdp1_root_with_error_if_nonfinite_raises_as_torch_and_otherwise_return
         assert not torch.isfinite(scaler.clip_grad_norm_(model, 0.05))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug found by this audit: the FSDP1 branch measures the norm with FSDP1's own "
-    "clip_grad_norm_(math.inf), which multiplies every gradient by inf / (NaN or inf) = NaN before the scaler sees "
-    "the norm (error_if_nonfinite's message says so)",
-)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("error_if_nonfinite", [True, False])
 def test_fsdp1_root_leaves_the_gradients_as_they_are_when_the_norm_is_not_finite(tmp_path, error_if_nonfinite, bad):
@@ -138,8 +132,12 @@ def test_fsdp1_root_leaves_the_gradients_as_they_are_when_the_norm_is_not_finite
     with _one_rank(tmp_path):
         model, scaler, grad = _nonfinite_gradient(bad)
         before = grad.clone()
-        with contextlib.suppress(RuntimeError):
-            scaler.clip_grad_norm_(model, 0.05, error_if_nonfinite=error_if_nonfinite)
+        if error_if_nonfinite:
+            with pytest.raises(RuntimeError, match="nothing was clipped"):
+                scaler.clip_grad_norm_(model, 0.05, error_if_nonfinite=True)
+        else:
+            norm = scaler.clip_grad_norm_(model, 0.05)
+            assert math.isnan(norm.item()) if math.isnan(bad) else norm.item() == math.inf
         assert torch.equal(grad.nan_to_num(), before.nan_to_num())
 
 

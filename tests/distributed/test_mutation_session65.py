@@ -11,8 +11,12 @@ by another factor. tests/distributed/test_routes_fsdp1.py passes ``model.paramet
   parameters only): with ``use_orig_params=True`` ``model.parameters()`` are the original parameters (views into
   each rank's shard), which were taken.
 
-Each part checks that the norm each rank would have clipped by (its own shard's and the head's) differs between the
-ranks, then that the call is refused naming the FSDP1 root's route, its gradients as they were. One spawn runs both.
+A NaN in one rank's shard, clipped through the FSDP1 root: every rank's norm is NaN, no gradient is multiplied (FSDP1's
+own clip_grad_norm_, which measured it, made them NaN on every rank).
+
+Each refusal part checks that the norm each rank would have clipped by (its own shard's and the head's) differs
+between the ranks, then that the call is refused naming the FSDP1 root's route, its gradients as they were. One spawn
+runs every part.
 """
 
 from __future__ import annotations
@@ -69,8 +73,24 @@ def _orig_params() -> dict:
     return _refusal(scaler, list(model.parameters()))
 
 
+def _nan_on_one_rank(orig: bool) -> dict:
+    """A NaN in rank 1's gradient shard only: clipped through the FSDP1 root (found by this audit: FSDP1's own
+    clip_grad_norm_ multiplied every rank's gradients by inf / NaN)."""
+    model, _, scaler = _setup(orig)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if torch.distributed.get_rank() == 1:
+        grads[0].view(-1)[0] = float("nan")
+    before = [g.clone() for g in grads]
+    norm = scaler.clip_grad_norm_(model, 1e-3).item()
+    untouched = all(torch.equal(g.nan_to_num(), b.nan_to_num()) for g, b in zip(grads, before, strict=True))
+    return {"norm_is_nan": norm != norm, "untouched": untouched}
+
+
 def _worker(rank: int, world: int) -> dict:
-    return run_parts({"mixed": _mixed, "orig_params": _orig_params})
+    return run_parts({
+        "mixed": _mixed, "orig_params": _orig_params,
+        "nan_flat": lambda: _nan_on_one_rank(False), "nan_orig": lambda: _nan_on_one_rank(True),
+    })  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +105,11 @@ def test_fsdp1_parameters_in_a_multi_process_run_are_refused_whatever_else_is_li
     for report in reports:
         assert "scaler.clip_grad_norm_(model, max_norm)" in (report["error"] or ""), report
         assert report["untouched"]
+
+
+@pytest.mark.parametrize("part", ["nan_flat", "nan_orig"])
+def test_a_nan_on_one_rank_gives_every_rank_a_nan_norm_and_leaves_the_gradients_as_they_are(runs, part):
+    """The ranks agree that the norm is NaN (the step every rank skips) and no rank's gradients are multiplied: rank
+    0's stay finite, as the other routes leave them since today's clipping fix."""
+    for report in part_results(runs, part):
+        assert report == {"norm_is_nan": True, "untouched": True}
