@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import lightning_fp8.warnings
 from lightning_fp8 import FP8MLP, FP8AdamW, FP8Linear, FP8Recipe, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from tests.numerics import assert_same, sqnr
 
@@ -524,10 +525,11 @@ def test_non_reentrant_checkpointing_is_the_run_without_it_bit_for_bit(fp8_hidde
     assert_same(dict(block.named_buffers()), dict(ref.named_buffers()))
 
 
-def test_reentrant_checkpointing_takes_the_own_amax_path_as_the_unfused_layers():
+def test_reentrant_checkpointing_takes_the_own_amax_path_as_the_unfused_layers(monkeypatch):
     """use_reentrant=True (its forward under no_grad keeps nothing to repeat): the recompute casts with its input's own
     amax, warning once, as the unfused layers under the same checkpoint do: the same results and scaling states as
     theirs, and FP8-accurate against float64."""
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())  # once per process: another test may have warned
     mlp = FP8MLP(*SIZES)
     ref = copy.deepcopy(mlp)
     with pytest.warns(UserWarning, match="use_reentrant=True"):
