@@ -37,6 +37,7 @@ scaler.update()``; each step decides on its own optimizer's gradients, and an op
 updates (docs/concepts/gradient-scaling.md, "Several optimizers").
 
 This module holds the scaler's public surface and its step; its bases, one concern each, live beside it:
+:mod:`~lightning_fp8.grad_scaling.arguments` (the arguments and the settings changed later, checked),
 :mod:`~lightning_fp8.grad_scaling.readings` (mu and the counts, read-only),
 :mod:`~lightning_fp8.grad_scaling.losses` (scaling the loss, and which mu the gradients carry),
 :mod:`~lightning_fp8.grad_scaling.model` (the FP8 model whose ``grad_output`` scales mu changes rescale),
@@ -49,7 +50,6 @@ This module holds the scaler's public surface and its step; its bases, one conce
 from __future__ import annotations
 
 import collections
-import warnings
 import weakref
 from typing import Any
 
@@ -59,6 +59,7 @@ from torch import nn
 from lightning_fp8.grad_scaling.arguments import (
     Fallback,
     _check_arguments,
+    _Settings,
     check_new_scale,
     fallback_model,
     warn_if_model_is_another,
@@ -79,7 +80,9 @@ from lightning_fp8.grad_scaling.unscaling import (
 )
 
 
-class FP8GradScaler(_Readings, _LossScaling, _ScalerModel, _Unscaling, _GradReports, _ScaleRules, _ScalerState):
+class FP8GradScaler(
+    _Settings, _Readings, _LossScaling, _ScalerModel, _Unscaling, _GradReports, _ScaleRules, _ScalerState
+):
     """Automatic power-of-two gradient scale mu with skip-on-overflow and recovery.
 
     Args:
@@ -253,6 +256,7 @@ class FP8GradScaler(_Readings, _LossScaling, _ScalerModel, _Unscaling, _GradRepo
         if fused is None:  # before anything changes
             _refuse_fp16_grads(optimizer)
         self._refuse_unscaled_loss(optimizer, "step")
+        self._refuse_fallback_without_model()
         if optimizer not in self._seen:
             warn_if_model_is_another(self._model, optimizer)
             self._warn_if_no_model(optimizer)
@@ -276,19 +280,6 @@ class FP8GradScaler(_Readings, _LossScaling, _ScalerModel, _Unscaling, _GradRepo
             if reported is not None:
                 self._owned[optimizer] = reported
             raise
-
-    def _warn_unbound(self, optimizer: torch.optim.Optimizer, fused: Any) -> None:
-        """Warn once per FP8AdamW whose gradient casts report to no scaler or another one."""
-        bound = getattr(optimizer, "grad_scaler", None)
-        if fused is not None and bound is not self and optimizer not in self._seen_unbound:
-            self._seen_unbound.add(optimizer)
-            warnings.warn(
-                f"FP8GradScaler.step: this {type(optimizer).__name__} reports its FP8 gradient casts to "
-                f"{'no scaler' if bound is None else 'another scaler'}, so mu does "
-                "not see how many of them saturate (it grows until a step overflows, then halves). Create it with "
-                "FP8AdamW(..., grad_scaler=scaler) for this scaler",
-                stacklevel=3,
-            )
 
     def _own_counts(
         self, optimizer: torch.optim.Optimizer, fused: Any, inv_scale: float

@@ -100,6 +100,19 @@ def check_new_scale(new_scale: object, min_scale: float, max_scale: float) -> fl
     return value
 
 
+def _check_scale(name: str, value: object) -> None:
+    """Raise unless ``value`` (``init_scale``, ``min_scale`` or ``max_scale``) is a power of two mu can take."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
+    if not _is_power_of_two(float(value)):
+        raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
+    if not MIN_MU <= float(value) <= MAX_MU:
+        raise ValueError(
+            f"FP8GradScaler({name}={value!r}): must be from 2**-126 to 2**127 (a normal fp32 number; mu multiplies "
+            "the loss in fp32)"
+        )
+
+
 def _check_arguments(
     init_scale: float,
     growth_interval: int,
@@ -112,19 +125,13 @@ def _check_arguments(
     lr_factor: float,
     model: nn.Module | None,
     process_group: Any = None,
+    need_model: bool = True,
 ) -> None:
     """Raise what ``FP8GradScaler(...)`` raises for its arguments (``nonfinite_fallback`` an ``nn.Module`` already
-    turned into ``"bf16"`` with that ``model``)."""
+    turned into ``"bf16"`` with that ``model``). ``need_model=False``: ``"bf16"`` without a model passes (a setting
+    changed later, where an integration may give the model before the first step, which checks it)."""
     for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"FP8GradScaler({name}={value!r}): must be a number, a positive power of two")
-        if not _is_power_of_two(float(value)):
-            raise ValueError(f"FP8GradScaler({name}={value!r}): must be a positive power of two (e.g. 1.0, 2**16)")
-        if not MIN_MU <= float(value) <= MAX_MU:
-            raise ValueError(
-                f"FP8GradScaler({name}={value!r}): must be from 2**-126 to 2**127 (a normal fp32 number; mu multiplies "
-                "the loss in fp32)"
-            )
+        _check_scale(name, value)
     if not min_scale <= init_scale <= max_scale:
         raise ValueError(
             f"FP8GradScaler: need min_scale <= init_scale <= max_scale, got {min_scale}, {init_scale}, {max_scale}"
@@ -155,7 +162,7 @@ def _check_arguments(
             f"FP8GradScaler(process_group=...) got a {type(process_group).__name__}: pass a process group "
             "(torch.distributed.new_group, or a DeviceMesh's get_group()), or None for the world"
         )
-    if nonfinite_fallback == "bf16" and model is None:
+    if need_model and nonfinite_fallback == "bf16" and model is None:
         raise ValueError(
             "FP8GradScaler(nonfinite_fallback='bf16') needs the model: pass model=... as well (under Lightning, where "
             "the model is converted inside the fit, pass the arguments as a dict instead, "
@@ -166,3 +173,50 @@ def _check_arguments(
             f"FP8GradScaler(nonfinite_fallback=...) got a {type(nonfinite_fallback).__name__}: expected a string, "
             "an nn.Module or a callable"
         )
+
+
+# The settings FP8GradScaler keeps as public attributes, with the type __init__ stores them as (None: as given).
+SETTINGS: dict[str, type | None] = {
+    "growth_interval": int, "saturation_threshold": float, "headroom": float, "min_scale": float, "max_scale": float,
+    "nonfinite_fallback": None, "fallback_after": int, "lr_factor": float, "process_group": None,
+}  # fmt: skip
+
+
+class _Settings:
+    """A setting assigned after construction (``scaler.fallback_after = 0``, ``scaler.nonfinite_fallback = "lower-lr"``)
+    is checked as ``FP8GradScaler(...)`` checks it: a bad value raises at once and the scaler keeps its old one, instead
+    of failing later, after a skipped step, with a message naming neither. A base of the scaler."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SETTINGS and "_history" in self.__dict__:  # constructed: __init__ checks its arguments together
+            value = checked_setting(self, name, value)
+        super().__setattr__(name, value)
+
+
+def checked_setting(scaler: FP8GradScaler, name: str, value: Any) -> Any:
+    """``value`` for ``scaler.<name> = value``, checked against the scaler's other settings and its mu and stored as
+    ``__init__`` stores it; an ``nn.Module`` given as ``nonfinite_fallback`` is ``"bf16"`` with that module as the
+    scaler's model (as in ``__init__``). TypeError / ValueError naming the assignment, the scaler unchanged."""
+    settings = {key: getattr(scaler, key) for key in SETTINGS}
+    model = scaler.model
+    try:
+        if name == "nonfinite_fallback" and isinstance(value, nn.Module):
+            value, model = fallback_model(value, None if scaler._model_from_integration else model)
+        if name in ("min_scale", "max_scale"):
+            _check_scale(name, value)
+            low, high = (value, settings["max_scale"]) if name == "min_scale" else (settings["min_scale"], value)
+            if not low <= scaler._scale <= high:
+                raise ValueError(
+                    f"mu is {scaler._scale}, outside [min_scale, max_scale] = [{low}, {high}]: bring mu within them "
+                    "first (scaler.update(new_scale=...)), or change the other bound first"
+                    if low <= high
+                    else f"need min_scale <= max_scale, got [{low}, {high}]"
+                )
+        settings[name] = value
+        _check_arguments(scaler._scale, **settings, model=model, need_model=False)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"FP8GradScaler.{name} = {value!r}: {err}") from None
+    if model is not scaler.model:
+        scaler.model = model  # the module given as nonfinite_fallback, now the user's model
+    kind = SETTINGS[name]
+    return value if kind is None else kind(value)

@@ -43,6 +43,17 @@ class _ScalerModel:
             self._model = model
             self._model_from_integration = True
 
+    def _refuse_fallback_without_model(self) -> None:
+        """Raise, before a step changes anything, when the ``"bf16"`` fallback has no model to put layers back in: it
+        was set after construction (``scaler.nonfinite_fallback = "bf16"``, which ``__init__`` refuses without one)
+        and no model was given since, by ``scaler.model = ...`` or an integration."""
+        if self.nonfinite_fallback == "bf16" and self._model is None:
+            raise ValueError(
+                "FP8GradScaler(nonfinite_fallback='bf16') has no model to put layers back in: give it, "
+                "scaler.model = model (the Lightning and Accelerate integrations give theirs), or choose another "
+                "fallback (scaler.nonfinite_fallback = 'lower_lr')"
+            )
+
     def _warn_if_no_model(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn once when this scaler has no :attr:`model` and ``optimizer`` trains FP8 layers with delayed scaling:
         their ``grad_output`` scales come from amaxes recorded at an earlier mu, so after mu grows 16x (the fp16 rule)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import numbers
+import warnings
 import weakref
 from typing import Any
 
@@ -153,6 +154,19 @@ class _GradReports:
         if amax.dim():  # several casts: sums of 0/1 flags and integer counts, exact in any order
             found, n_saturated, no_headroom = found.sum(), n_saturated.sum(), no_headroom.sum()
         self._counts(owner).add(found, n_saturated, no_headroom, numel, cast=True, fp16_levels=levels)
+
+    def _warn_unbound(self, optimizer: torch.optim.Optimizer, fused: Any) -> None:
+        """Warn once per FP8AdamW whose gradient casts report to no scaler or another one."""
+        bound = getattr(optimizer, "grad_scaler", None)
+        if fused is not None and bound is not self and optimizer not in self._seen_unbound:
+            self._seen_unbound.add(optimizer)
+            warnings.warn(
+                f"FP8GradScaler.step: this {type(optimizer).__name__} reports its FP8 gradient casts to "
+                f"{'no scaler' if bound is None else 'another scaler'}, so mu does "
+                "not see how many of them saturate (it grows until a step overflows, then halves). Create it with "
+                "FP8AdamW(..., grad_scaler=scaler) for this scaler",
+                stacklevel=3,
+            )
 
     def record_nonfinite(self, found: torch.Tensor) -> None:
         """Report a non-finite gradient check: a 0-dim tensor, > 0 when a non-finite value was seen. Every optimizer
