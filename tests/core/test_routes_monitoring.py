@@ -652,20 +652,27 @@ def test_health_events_match_the_documented_rules(name):
         assert _same([(*p, 0, 0) for p in monitor.series[series]], [(*p, 0, 0) for p in given])
 
 
+def _resumed(config: HealthConfig, steps: list[dict], split: int) -> HealthMonitor:
+    """A monitor that observed ``steps[:split]``, saved (torch.save, loaded with weights_only=True) into a new one,
+    which then observed the rest."""
+    first = HealthMonitor(config)
+    _observe(first, steps[:split])
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = HealthMonitor(config)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    _observe(resumed, steps, split)
+    return resumed
+
+
 @pytest.mark.parametrize("name", ["two_spikes_in_a_row", "level_change", "nonfinite", "plateau"])
 def test_a_monitor_saved_and_loaded_mid_sequence_continues_identically(name):
     steps = SEQUENCES[name]()
     whole = HealthMonitor(CONFIG)
     _observe(whole, steps)
     for split in (3, 21, 33):  # in warmup, inside a spike run or the level change, inside a plateau window
-        first = HealthMonitor(CONFIG)
-        _observe(first, steps[:split])
-        buffer = io.BytesIO()
-        torch.save(first.state_dict(), buffer)
-        buffer.seek(0)
-        resumed = HealthMonitor(CONFIG)
-        resumed.load_state_dict(torch.load(buffer, weights_only=True))
-        _observe(resumed, steps, split)
+        resumed = _resumed(CONFIG, steps, split)
         assert _same(_events(resumed), _events(whole)), split
         assert [e.message for e in resumed.events] == [e.message for e in whole.events]
         assert resumed.state_dict().keys() == whole.state_dict().keys()
@@ -717,14 +724,7 @@ def test_random_series_match_the_reference_and_resume_identically(seeds):
         _observe(whole, steps)
         assert _same(_events(whole), reference_events(cfg, steps)), seed
         split = seed % len(steps)
-        first = HealthMonitor(cfg)
-        _observe(first, steps[:split])
-        buffer = io.BytesIO()
-        torch.save(first.state_dict(), buffer)
-        buffer.seek(0)
-        resumed = HealthMonitor(cfg)
-        resumed.load_state_dict(torch.load(buffer, weights_only=True))
-        _observe(resumed, steps, split)
+        resumed = _resumed(cfg, steps, split)
         assert repr(resumed.state_dict()) == repr(whole.state_dict()), seed
 
 

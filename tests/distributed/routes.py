@@ -1,8 +1,11 @@
 """What the FSDP1 and FSDP2 route sweeps (test_routes_fsdp1.py, test_routes_fsdp2.py) share: each rank's batches and
-the global batch they make, the loss, a few plain training steps, and the comparison of named tensors with a reference
-(SQNR, elementwise for small tensors). Module-level functions: the spawned workers import them."""
+the global batch they make, the loss, a few plain training steps, the one-process reference run, and the comparison of
+named tensors with a reference (SQNR, elementwise for small tensors). Module-level functions: the spawned workers
+import them."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +40,38 @@ def steps(rank: int, model: nn.Module, opt: torch.optim.Optimizer, first: int, n
         opt.zero_grad()
         losses.append(value.item())
     return losses
+
+
+def reference(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    weights: Callable[[nn.Module], dict[str, torch.Tensor]],
+    world: int,
+    n: int,
+    rows: int,
+    dtype: torch.dtype = torch.float32,
+    accum: int = 1,
+    skip: tuple = (),
+) -> dict:
+    """``model`` (not sharded) trained ``n`` steps on the global batch, every rank's micro-batches (``accum`` per
+    step): the losses, the first step's gradients (fp32) and their norm, and ``weights(model)`` at the start and after
+    the last step (no optimizer step at the steps in ``skip``)."""
+    out: dict = {"losses": [], "start": weights(model)}
+    for step in range(n):
+        batches = [global_batch(world, step * accum + m, dtype, rows) for m in range(accum)]
+        value = sum(loss(model, b) for b in batches) / accum
+        value.backward()
+        out["losses"].append(value.item())
+        if step == 0:
+            out["grads"] = {
+                name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None
+            }
+            out["norm"] = torch.stack([g.norm() for g in out["grads"].values()]).norm().item()
+        if step not in skip:
+            opt.step()
+        opt.zero_grad()
+    out["weights"] = weights(model)
+    return out
 
 
 def far_from(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], min_db: float) -> dict[str, object]:

@@ -111,7 +111,6 @@ def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
 
 
 _batch = functools.partial(routes.batch, rows=ROWS)
-_global_batch = functools.partial(routes.global_batch, rows=ROWS)
 _loss = routes.loss
 
 
@@ -136,22 +135,7 @@ def _reference(world: int, dtype: torch.dtype = torch.float32, accum: int = 1, s
     model = _model(dtype)
     fp8_params = list(model.parameters()) if fp8_params_all else None
     opt = _optimizer(model.parameters(), kind, fp8_params)
-    out: dict = {"losses": [], "start": _plain_weights(model)}
-    for step in range(STEPS):
-        batches = [_global_batch(world, step * accum + m, dtype) for m in range(accum)]
-        loss = sum(_loss(model, b) for b in batches) / accum
-        loss.backward()
-        out["losses"].append(loss.item())
-        if step == 0:
-            out["grads"] = {
-                n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None
-            }
-            out["norm"] = torch.stack([g.norm() for g in out["grads"].values()]).norm().item()
-        if step not in skip:
-            opt.step()
-        opt.zero_grad()
-    out["weights"] = _plain_weights(model)
-    return out
+    return routes.reference(model, opt, _plain_weights, world, STEPS, ROWS, dtype, accum, skip)
 
 
 def _plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -75,7 +75,6 @@ def _model(dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module
 
 
 _batch = functools.partial(routes.batch, rows=ROWS)
-_global_batch = functools.partial(routes.global_batch, rows=ROWS)
 _loss = routes.loss
 
 
@@ -107,21 +106,7 @@ def _reference(world: int, dtype: torch.dtype = torch.float32, accum: int = 1, s
     """The model without FSDP on the global batch (every rank's micro-batches), FP8AdamW: the losses, the first step's
     gradients and norm, and the weights after STEPS (no step at the steps in ``skip``)."""
     model = _model(dtype)
-    opt = _optimizer(model, **opt_kwargs)
-    out: dict = {"losses": [], "start": _weights(model)}
-    for step in range(STEPS):
-        batches = [_global_batch(world, step * accum + m, dtype) for m in range(accum)]
-        loss = sum(_loss(model, b) for b in batches) / accum
-        loss.backward()
-        out["losses"].append(loss.item())
-        if step == 0:
-            out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-            out["norm"] = torch.stack([g.norm() for g in out["grads"].values()]).norm().item()
-        if step not in skip:
-            opt.step()
-        opt.zero_grad()
-    out["weights"] = _weights(model)
-    return out
+    return routes.reference(model, _optimizer(model, **opt_kwargs), _weights, world, STEPS, ROWS, dtype, accum, skip)
 
 
 # ------------------------------------------------------------------------------------------------- the FSDP2 runs
