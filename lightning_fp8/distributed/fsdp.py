@@ -100,7 +100,8 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
         TypeError: if ``model`` is not an FSDP1 module, or ``state`` not an FP8CommState.
         ValueError: if ``state.process_group`` (the world when not given) has other ranks than
             ``model.process_group``, or ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the
-            layers of a wrapped model; raised before the hook is registered.
+            layers of a wrapped model, or a unit shards with ``HYBRID_SHARD`` (FSDP1 takes no communication hook
+            for hybrid strategies); raised before the hook is registered.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -115,6 +116,7 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
     refuse_layer_swaps(
         state, "enable_fp8_fsdp1", "FullyShardedDataParallel holds the parameters of the modules it wraps"
     )
+    _refuse_hybrid_sharding(model)
     world = torch.distributed.get_world_size(state.process_group)
     # Kept: the boundaries of another model's units registered on this state (one state may serve several models).
     layouts = dict(state._fsdp1_layouts)
@@ -132,6 +134,23 @@ def enable_fp8_fsdp1(model: nn.Module, state: FP8CommState | None = None) -> FP8
     state._fsdp1_layouts = layouts
     model.register_comm_hook(state, fp8_reduce_scatter_hook)
     return state
+
+
+def _refuse_hybrid_sharding(model: nn.Module) -> None:
+    """Raise a ValueError, before anything is recorded on the state, where a unit of ``model`` shards hybrid: FSDP1
+    takes no communication hook for ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` (its ``register_comm_hook`` raises an
+    AssertionError), so those gradients cannot travel in FP8."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    hybrid = {
+        str(unit.sharding_strategy) for unit in FSDP.fsdp_modules(model) if "HYBRID" in unit.sharding_strategy.name
+    }
+    if hybrid:
+        raise ValueError(
+            f"enable_fp8_fsdp1: the model shards with {', '.join(sorted(hybrid))}, for which FSDP1 takes no "
+            "communication hook, so its gradients cannot be reduced in FP8. Use ShardingStrategy.FULL_SHARD or "
+            "SHARD_GRAD_OP, or FSDP2 (fully_shard over a 2-D DeviceMesh) with enable_fp8_fsdp2"
+        )
 
 
 def _refine(a: SegmentLayout, b: SegmentLayout) -> SegmentLayout:

@@ -1,27 +1,24 @@
 """FSDP1 (``FullyShardedDataParallel``) with the FP8 reduce-scatter hook, route by route (from a route sweep of FSDP1).
-
 Each route trains a few steps and is checked against independent references computed in the same processes: the same
-model without FSDP, in one process, on the concatenated global batch, with the same optimizer; the same FSDP1 route
-with FP8 communication off; and routes that must be bit-identical to each other. FP8 results are held to the SQNR of
-the FP8 roundings they add (the constants below, as in ``test_routes_fsdp2.py``).
-
-Routes: registration through ``enable_fp8_fsdp1`` (one scale per parameter) and ``register_comm_hook(FP8CommState(
-model.process_group), fp8_reduce_scatter_hook)`` (one per block of 65,536 elements, with its warning); one state for
-two models; a state over other ranks than the model's, refused by ``enable_fp8_fsdp1`` and, registered directly, at
-the first backward; a model over a ``new_group`` of two of three ranks; wrapping per block with ``ModuleWrapPolicy``
-(three levels: the root, a block, its linear layer) or by size, and the root only; ``use_orig_params`` True and False;
-``FULL_SHARD``, ``SHARD_GRAD_OP`` and ``NO_SHARD`` (the hook's all-reduce path); ``HYBRID_SHARD`` (torch refuses comm
-hooks for it); flat gradients that do not divide the world size, a unit of one element (fewer than the ranks), a
-frozen FP8 layer (its own unit, or inside the root unit with ``use_orig_params=True``), FP8Linear beside an embedding,
-a LayerNorm, a layer without bias and an unconverted head; 2 and 3 ranks; the state's slicing, Triton kernels (under
+model without FSDP, in one process, on the concatenated global batch, with the same optimizer; the same FSDP1 route with
+FP8 communication off; and routes that must be bit-identical to each other. FP8 results are held to the SQNR of the FP8
+roundings they add (the constants below, as in ``test_routes_fsdp2.py``). Routes: registration through
+``enable_fp8_fsdp1`` (one scale per parameter) and ``register_comm_hook(FP8CommState( model.process_group),
+fp8_reduce_scatter_hook)`` (one per block of 65,536 elements, with its warning); one state for two models; a state over
+other ranks than the model's, refused by ``enable_fp8_fsdp1`` and, registered directly, at the first backward; a model
+over a ``new_group`` of two of three ranks; wrapping per block with ``ModuleWrapPolicy`` (three levels: the root, a
+block, its linear layer) or by size, and the root only; ``use_orig_params`` True and False; ``FULL_SHARD``,
+``SHARD_GRAD_OP`` and ``NO_SHARD`` (the hook's all-reduce path); ``HYBRID_SHARD`` (refused: FSDP1 takes no comm hook for
+it); flat gradients that do not divide the world size, a unit of one element (fewer than the ranks), a frozen FP8 layer
+(its own unit, or inside the root unit with ``use_orig_params=True``), FP8Linear beside an embedding, a LayerNorm, a
+layer without bias and an unconverted head; 2 and 3 ranks; the state's slicing, Triton kernels (under
 ``TRITON_INTERPRET=1``), E4M3 and margin; ``MixedPrecision(param_dtype=bf16)`` with fp32 and bf16 reductions; a bf16
-model; FP8AdamW at O1 and O2 on flat parameters (``fp8_params``) and original ones, torch's AdamW with an
-FP8GradScaler; gradient accumulation under ``no_sync()`` and with every micro-batch reduced; FSDP's
-``clip_grad_norm_``; a NaN on one rank (through the hook, and in one rank's gradient after it); full and sharded state
-dicts saved mid-run (``torch.load(weights_only=True)``, DCP), with the FP8CommState's and the layers' scaling states,
-resumed bit for bit. FP8GradScaler's ``clip_grad_norm_`` refuses FSDP1's sharded parameters and clips through the
-FSDP1 root given instead. An ``xfail(strict=True)`` test pins what is wrong in torch: its accumulation of a unit
-smaller than the world size.
+model; FP8AdamW at O1 and O2 on flat parameters (``fp8_params``) and original ones, torch's AdamW with an FP8GradScaler;
+gradient accumulation under ``no_sync()`` and with every micro-batch reduced; FSDP's ``clip_grad_norm_``; a NaN on one
+rank (through the hook, and in one rank's gradient after it); full and sharded state dicts saved mid-run
+(``torch.load(weights_only=True)``, DCP), with the FP8CommState's and the layers' scaling states, resumed bit for bit.
+FP8GradScaler's ``clip_grad_norm_`` refuses FSDP1's sharded parameters and clips through the FSDP1 root given instead.
+An ``xfail(strict=True)`` test pins what is wrong in torch: its accumulation of a unit smaller than the world size.
 
 One spawn per world size runs every route (process start-up dominates the runtime).
 """
@@ -515,19 +512,21 @@ def _pair_run(rank: int, world: int) -> dict | None:
 
 
 def _hybrid_run(rank: int, world: int) -> dict:
-    """HYBRID_SHARD over (the world, each rank alone): torch refuses any comm hook for hybrid strategies."""
+    """HYBRID_SHARD over (the world, each rank alone): FSDP1 takes no comm hook for hybrid strategies, so
+    enable_fp8_fsdp1 refuses it before recording anything on the state (torch's own refusal is an AssertionError)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
-    from lightning_fp8.distributed import enable_fp8_fsdp1
+    from lightning_fp8.distributed import FP8CommState, enable_fp8_fsdp1
 
     singles = [dist.new_group([r]) for r in range(world)]
     model = FSDP(nn.Linear(16, 16), device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                  process_group=(dist.group.WORLD, singles[rank]))  # fmt: skip
+    state = FP8CommState()
     try:
-        enable_fp8_fsdp1(model)
-    except Exception as error:  # noqa: BLE001 - torch raises AssertionError
-        return {"error": f"{type(error).__name__}: {error}"}
+        enable_fp8_fsdp1(model, state)
+    except Exception as error:  # noqa: BLE001 - the type is part of the result
+        return {"error": f"{type(error).__name__}: {error}", "layouts": len(state._fsdp1_layouts)}
     return {"error": None}
 
 
@@ -719,9 +718,11 @@ def test_a_state_over_other_ranks_than_the_model_is_refused(runs):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_hybrid_shard_is_refused_by_torch(runs, world):
+def test_hybrid_shard_is_refused_before_the_state_records_it(runs, world):
     for run in _result(runs, world, "hybrid"):
-        assert "not supported for hybrid strategies" in run["error"], run
+        assert run["error"].startswith("ValueError: enable_fp8_fsdp1: the model shards with ShardingStrategy."
+                                       "HYBRID_SHARD"), run  # fmt: skip
+        assert "FULL_SHARD" in run["error"] and run["layouts"] == 0, run
 
 
 @pytest.mark.parametrize("world", [2, 3])
