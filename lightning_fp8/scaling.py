@@ -26,7 +26,7 @@ from lightning_fp8 import compiled_casts, load_pairing, ops
 from lightning_fp8.autograd_rules import check_no_functorch
 from lightning_fp8.cast_checks import check_activation, check_castable, check_state_settings, check_unscale
 from lightning_fp8.first_casts import _SEEN_AMAX, _FirstCasts
-from lightning_fp8.recipe import as_count, check_flag
+from lightning_fp8.recipe import as_choice, as_count, check_flag
 from lightning_fp8.scale_rule import _format_max, compute_scale  # noqa: F401  (compute_scale: its public name here)
 from lightning_fp8.trace_marks import _STATES
 
@@ -88,7 +88,7 @@ class ScalingState(_FirstCasts, nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        history_len, margin = as_count(history_len), as_count(margin)
+        history_len, margin, algo = as_count(history_len), as_count(margin), as_choice(algo)
         check_state_settings(fp8_dtype, history_len, margin, algo)
         if type(delayed).__name__ not in ("bool", "bool_"):  # a Python or NumPy bool
             raise TypeError(

@@ -75,7 +75,7 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
         raise TypeError(f"FP8 scaling state {key!r} is {_kind(value)}, expected a {buf.dtype} tensor: {fix}")
     if buf.shape != value.shape:
         # Only a history's length follows the recipe (amax_history_len); every other buffer is one number.
-        why = "amax_history_len differs?" if buf_name == "amax_history" else fix
+        why = "amax_history_len differs?" if buf_name == "amax_history" and value.dim() == buf.dim() == 1 else fix
         raise ValueError(
             f"FP8 scaling state {key!r} has shape {tuple(value.shape)} in the checkpoint but "
             f"{tuple(buf.shape)} in the model ({why})"
@@ -88,19 +88,28 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
         same = same | (torch.isnan(saved) & torch.isnan(stored))  # NaN: refused below, as what it is
     if not same.all():
         raise ValueError(
-            f"FP8 scaling state {key!r} holds {value.tolist()}, which a {buf.dtype} buffer cannot hold exactly (it "
-            f"would be {stored.tolist()}): {fix}"
+            f"FP8 scaling state {key!r} holds {_entry(saved, ~same)}, which a {buf.dtype} buffer cannot hold exactly "
+            f"(it would be {_entry(stored, ~same)}): {fix}"
         )
     v = stored.double()
-    if buf_name == "scale":
-        in_range = ((v >= MIN_SCALE) & (v <= MAX_SCALE)).all()  # False for NaN too
-        bad = not (in_range and (torch.frexp(v).mantissa == 0.5).all())
+    if buf_name == "scale":  # NaN fails every comparison: out of range
+        good = (v >= MIN_SCALE) & (v <= MAX_SCALE) & (torch.frexp(v).mantissa == 0.5)
         what = "a power of two from 2**-126 to 2**127 (the scales casts produce)"
     elif buf_name == "saturation":
-        bad, what = not ((v >= 0) & (v <= 1)).all(), "in [0, 1]"
+        good, what = (v >= 0) & (v <= 1), "in [0, 1]"
     elif buf_name == "amax_history":  # a cast records a non-finite amax as 0 here (no information)
-        bad, what = not ((v >= 0) & (v < float("inf"))).all(), "finite and non-negative"
+        good, what = (v >= 0) & (v < float("inf")), "finite and non-negative"
     else:  # amax (inf is a recorded overflow), nonfinite_count, casts
-        bad, what = not (v >= 0).all(), "non-negative"
-    if bad:
-        raise ValueError(f"FP8 scaling state {key!r} holds {value.tolist()}, but it must be {what}: {fix}")
+        good, what = v >= 0, "non-negative"
+    if not good.all():
+        raise ValueError(f"FP8 scaling state {key!r} holds {_entry(stored, ~good)}, but it must be {what}: {fix}")
+
+
+def _entry(value: torch.Tensor, bad: torch.Tensor) -> str:
+    """``value`` as an error shows it: the number itself where it is one, else its first entry where ``bad`` is True,
+    with its index and the size (an amax history can hold a thousand values)."""
+    if value.numel() == 1:
+        return repr(value.reshape(()).item())
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    where = index[0] if len(index) == 1 else index
+    return f"{value[index].item()!r} at index {where} (of {tuple(value.shape)})"
