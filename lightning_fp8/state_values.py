@@ -106,10 +106,9 @@ def _check_value(key: str, buf_name: str, value: object, buf: torch.Tensor) -> N
 
 
 def _entry(value: torch.Tensor, bad: torch.Tensor) -> str:
-    """``value`` as an error shows it: the number itself where it is one, else its first entry where ``bad`` is True,
-    with its index and the size (an amax history can hold a thousand values)."""
+    """``value`` as an error shows it: the number itself where it is one, else (an amax history, 1-D, up to thousands
+    of values) its first entry where ``bad`` is True, with its index and the size."""
     if value.numel() == 1:
         return repr(value.reshape(()).item())
-    index = tuple(int(i) for i in bad.nonzero()[0])
-    where = index[0] if len(index) == 1 else index
-    return f"{value[index].item()!r} at index {where} (of {tuple(value.shape)})"
+    index = int(bad.reshape(-1).nonzero()[0])
+    return f"{value.reshape(-1)[index].item()!r} at index {index} (of {tuple(value.shape)})"
