@@ -56,6 +56,18 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return ops.autocast_dtype(x.device) or x.dtype
 
 
+def _unparametrizing(layer: nn.Module) -> bool:
+    """Whether torch is registering ``layer``'s weight as it undoes a reparametrization (the weight is then the layer's
+    own, computed from the originals): ``parametrize.remove_parametrizations`` registers it while the layer still holds
+    its ``parametrizations``, the legacy ``remove_weight_norm`` while its ``WeightNorm`` pre-hook is still there."""
+    if "parametrizations" in layer._modules:
+        return True
+    return any(
+        type(hook).__name__ == "WeightNorm" and getattr(hook, "name", None) == "weight"
+        for hook in layer._forward_pre_hooks.values()
+    )
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     # Costs nothing without tensor parallelism: a DTensor exists only once torch.distributed.tensor is imported.
     dtensor = sys.modules.get("torch.distributed.tensor")
@@ -259,11 +271,12 @@ class FP8Linear(nn.Linear):
         if name == "weight":  # the master scale torch.export reads (master.LAYER_SCALE_ATTR): the new weight's
             master.track_layer_scale(self, param)
         # torch's own parallel styles (ColwiseParallel's distribute_module) register the layer's weight again as a
-        # DTensor, which without the mark an FP8AdamW would train as a plain parameter (fp32 states, no O2 master).
-        # Only those: a plain Parameter assigned here may be another module's (weights tied after conversion, e.g.
-        # Hugging Face's tie_weights()), whose storage an O2 master must not take (convert_to_fp8 leaves tied layers
-        # in high precision for that reason).
-        if name == "weight" and _is_dtensor(param) and "fp8_scaling" in self._modules:
+        # DTensor, and removing weight norm registers a new Parameter holding the computed weight: without the mark an
+        # FP8AdamW would train either as a plain parameter (fp32 states, no O2 master). Only those: a plain Parameter
+        # assigned here may be another module's (weights tied after conversion, e.g. Hugging Face's tie_weights()),
+        # whose storage an O2 master must not take (convert_to_fp8 leaves tied layers in high precision for that
+        # reason).
+        if name == "weight" and "fp8_scaling" in self._modules and (_is_dtensor(param) or _unparametrizing(self)):
             mark_weight(self)
 
     def _apply(self, fn, recurse: bool = True):
