@@ -11,7 +11,6 @@ tensor (the same configuration reached by another route): bit for bit, outputs, 
 
 import copy
 import io
-import pickle
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 import lightning_fp8.warnings
 from lightning_fp8 import FP8MLP, FP8Linear, convert_to_fp8
+from tests.copying import COPY_ROUTES, copy_by
 from tests.numerics import assert_same, pow2_scale, sqnr
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -318,20 +318,12 @@ def test_state_dict_round_trips_with_nn_linear(bias):
     assert torch.equal(other.weight, linear.weight)
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("how", COPY_ROUTES)
 def test_copies_of_a_trained_layer_continue_as_the_layer(how):
     """Delayed scaling: the copy carries the scaling state, so its next steps are bit for bit the original's."""
     layer = FP8Linear(32, 48)
     run(layer, torch.randn(6, 32), torch.randn(6, 48))
-    if how == "deepcopy":
-        copied = copy.deepcopy(layer)
-    elif how == "pickle":
-        copied = pickle.loads(pickle.dumps(layer))
-    else:
-        buffer = io.BytesIO()
-        torch.save(layer, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
+    copied = copy_by(layer, how)
     for _ in range(2):
         layer.zero_grad()
         copied.zero_grad()

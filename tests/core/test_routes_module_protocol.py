@@ -10,8 +10,6 @@ checkpointing (test_layer_checkpointing.py), double backward (test_autograd_idio
 """
 
 import copy
-import io
-import pickle
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 import lightning_fp8.warnings
 from lightning_fp8 import FP8MLP, FP8Linear, convert_to_fp8
 from lightning_fp8.optim import FP8AdamW, master
+from tests.copying import COPY_ROUTES, copy_by
 from tests.numerics import FORWARD_SQNR_DB, assert_same, same, sqnr
 
 IN, HIDDEN, OUT, TOKENS = 48, 80, 32, 6  # multiples of 16 (FP8 GEMMs), not powers of two
@@ -73,7 +72,7 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
 # Copies
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("how", COPY_ROUTES)
 @pytest.mark.parametrize("trained", [False, True])
 def test_a_copy_of_a_converted_model_shares_nothing_with_it(how, trained):
     """A copy (fresh, or mid-training at O2 with the delayed-scaling histories filled) is its own: training the
@@ -82,15 +81,7 @@ def test_a_copy_of_a_converted_model_shares_nothing_with_it(how, trained):
     model = _model()
     if trained:
         _train(model, FP8AdamW(model.parameters(), lr=1e-2), 2, seed=1)
-    if how == "deepcopy":
-        copied = copy.deepcopy(model)
-    elif how == "pickle":
-        copied = pickle.loads(pickle.dumps(model))
-    else:
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
+    copied = copy_by(model, how)
     reference = copy.deepcopy(model)  # the state both start from
     opt = FP8AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 2, seed=2)

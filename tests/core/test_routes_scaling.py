@@ -38,6 +38,7 @@ from lightning_fp8 import (
     ops,
 )
 from lightning_fp8.state import check_fp8_state_dict
+from tests.copying import COPY_ROUTES, copy_by
 
 ROLES = ("input", "weight", "grad_output")
 # format: (largest finite value, exponent bits, mantissa bits), docs/concepts/formats.md's table
@@ -495,7 +496,7 @@ def test_resume_mid_history_through_a_weights_only_checkpoint_continues_bit_for_
         _assert_states_equal(fp8_state_dict(resumed), fp8_state_dict(live))
 
 
-@pytest.mark.parametrize("route", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("route", COPY_ROUTES)
 def test_a_layer_copied_mid_history_continues_as_the_original(route):
     recipe = FP8Recipe(amax_history_len=5, margin=1)
     batches = _batches(8)
@@ -503,15 +504,7 @@ def test_a_layer_copied_mid_history_continues_as_the_original(route):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     for x, dy in batches[:3]:
         _train_step(model, optimizer, x, dy)
-    if route == "deepcopy":
-        twin = copy.deepcopy(model)
-    elif route == "pickle":
-        twin = pickle.loads(pickle.dumps(model))
-    else:
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        twin = torch.load(buffer, weights_only=False)
+    twin = copy_by(model, route)
     _assert_states_equal(fp8_state_dict(twin), fp8_state_dict(model))
     twin_opt = torch.optim.SGD(twin.parameters(), lr=1e-3)
     for step, (x, dy) in enumerate(batches[3:]):
