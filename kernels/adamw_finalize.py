@@ -48,7 +48,7 @@ def _finalize_emit(
     tl.store(rec, tl.div_rn(1.0, e_s) * inv_ms)
     tl.store(rec + 1, a_s * inv_ms)
     tl.store(rec + 2, e_s * ms)
-    tl.store(rec + 3, tl.div_rn(tl.load(amax_out_ptr + t * 4 + 3), n))
+    tl.store(rec + 3, tl.div_rn(tl.load(amax_out_ptr + t * 4 + 3), tl.maximum(n, 1.0)))  # an empty weight: 0, not NaN
     tl.store(rec + 4, tl.where(a_s < float("inf"), a_s, 0.0) * inv_ms)
     counts = _addr(table_ptr, t, 15, table_ptr) + 3
     tl.store(counts, (a_s == float("inf")).to(tl.int64))

@@ -395,9 +395,8 @@ def cast_to_fp8(
         ``(x_fp8, x_fp8_t, amax, n_saturated)``; ``x_fp8_t`` is empty unless ``transpose``.
 
     Raises:
-        TypeError: for an unsupported ``x`` dtype, ``fp8_dtype`` or ``scale`` dtype.
-        ValueError: for a ``scale`` that is not one element on ``x``'s device, or ``transpose`` of a tensor
-            that is not 2-D.
+        TypeError: for an unsupported ``x`` dtype or ``fp8_dtype``, or a ``scale`` that is not one float32 element.
+        ValueError: for a ``scale`` on another device than ``x``, or ``transpose`` of a tensor that is not 2-D.
     """
     check_cast_arguments(x, scale, fp8_dtype, transpose, "cast_to_fp8", wide=False)
     x, scale = x.detach().contiguous(), scale.reshape(())

@@ -53,7 +53,7 @@ def cast_to_fp8_ref(
     fp8_max = torch.finfo(fp8_dtype).max  # not _FP8_MAX[...]: dynamo failed on that lookup in dynamic-shape backwards
     x32 = x.detach().float()
     # 0-dim: a one-element scale of more dimensions than x (the Triton cast takes any) broadcast x_fp8 to its rank.
-    y = x32 * scale.reshape(())
+    y = x32 * scale.detach().reshape(())  # (a scale requiring grad: plain outputs, as the Triton cast's)
     finite = torch.isfinite(x.detach())  # of x itself: a finite float64 past fp32's range saturates
     n_saturated = ((y.abs() >= fp8_max) & finite).sum()
     y = torch.where(finite, y.clamp(-fp8_max, fp8_max), torch.nan)

@@ -135,6 +135,10 @@ def adamw_update_ref(g, w, m, v, factors, c: AdamWConstants, scaled_v: bool = Fa
     return w, m, v
 
 
+def _scalar(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.reshape(()) if t is not None else None
+
+
 def _state_factor(t: torch.Tensor, scale: torch.Tensor | None, factor: float) -> torch.Tensor | float:
     # The kernel's fp32 (1 / scale) * factor; 1 / scale is exact for a power of two.
     if scale is None or t.dtype not in SCALED_STATE_MAX:
@@ -206,8 +210,10 @@ def adamw_step_ref(
         states = (p, m, v)
         ginv = torch.tensor(grad_unscale, dtype=torch.float32, device=g.device)
         if grad_scale_invs is not None:
-            ginv = grad_scale_invs[i].float() * grad_unscale
-        state_scales = scales[i] if scales is not None else (None, None, None)
+            ginv = grad_scale_invs[i].float().reshape(()) * grad_unscale
+        # One-element scales and amaxes of any shape, as the kernel reads them: 0-dim views (copy_ writes through).
+        state_scales = tuple(_scalar(t) for t in scales[i]) if scales is not None else (None, None, None)
+        state_amaxes = tuple(_scalar(t) for t in amaxes[i]) if amaxes is not None else None
         factors = [_state_factor(t, s, f) for t, s, f in zip(states, state_scales, (c.decay, c.beta1, c.beta2),
                                                                  strict=True)]  # fmt: skip
         new = adamw_update_ref(g.float() * ginv, *(t.float() for t in states), factors, c,
@@ -215,14 +221,14 @@ def adamw_step_ref(
         fresh = [amax_ref(x) for x in new]
         if fp8_weights is not None and not two_pass:  # the one-pass bound of the master, before its amax is replaced
             g_amax = grad_amaxes[i].float() * abs(grad_unscale) * BOUND_SLACK if scales is not None else None
-            emit_bound = adamw_bound_ref(0, amaxes[i][0], g_amax, c)
+            emit_bound = adamw_bound_ref(0, state_amaxes[0], g_amax, c)
         for j, (x, dst) in enumerate(zip(new, states, strict=True)):
             if _is_scaled(dst, state_scales[j]):
                 if two_pass:
                     source = fresh[j]
                 else:
                     g_amax = grad_amaxes[i].float() * abs(grad_unscale) * BOUND_SLACK
-                    source = adamw_bound_ref(j, amaxes[i][j], g_amax, c)
+                    source = adamw_bound_ref(j, state_amaxes[j], g_amax, c)
                 write_scale = pow2_scale_ref(source, SCALED_STATE_MAX[dst.dtype], 0, state_scales[j].float())
                 same_scale = j == 1 and dst.dtype in _FP8_MAX and not dst.is_meta  # (meta: shapes only)
                 same_scale = same_scale and bool(write_scale == state_scales[j].float())
@@ -233,8 +239,8 @@ def adamw_step_ref(
                 state_scales[j].copy_(write_scale)
             else:
                 dst.copy_(x)
-            if amaxes is not None:
-                amaxes[i][j].copy_(fresh[j])
+            if state_amaxes is not None:
+                state_amaxes[j].copy_(fresh[j])
         p_scale = state_scales[0] if _is_scaled(p, state_scales[0]) else None  # the new one, after the store
         if param_copies is not None:  # the master as stored (rounded), unscaled: the weight is what the master holds
             param_copies[i].copy_(p.float() / p_scale if p_scale is not None else p.float())

@@ -120,7 +120,7 @@ def grad_cast_ref(
         g = grad
         if pending_data is not None:
             # The pending gradient as the kernel reads it: its elements in the gradient's shape.
-            g = pending_data[i].float().reshape(grad.shape) * pending_scale_inv[i] + grad.float()
+            g = pending_data[i].float().reshape(grad.shape) * pending_scale_inv[i].reshape(()) + grad.float()
         buffers = grad_cast_state_buffers(state)
         g_fp8, _, scale_inv = quantize_ref(g.contiguous(), *buffers, fp8_dtype, margin, True, False, True, False)
         outs.append(g_fp8)
