@@ -188,7 +188,18 @@ class _CheckedFilter:
         self.asked = self.nones = 0
 
     def __call__(self, layer: nn.Module, fqn: str) -> bool:
-        answer = self.fn(layer, fqn)
+        try:
+            answer = self.fn(layer, fqn)
+        except AttributeError as err:
+            if isinstance(layer, nn.Linear):
+                raise
+            # The one other layer asked: transformers' Conv1D (GPT-2), which has no in_features / out_features.
+            raise AttributeError(
+                f"convert_to_fp8: module_filter_fn raised AttributeError ({err}) for {fqn or '<root>'!r}, a "
+                f"{type(layer).__name__}: the filter is asked about transformers' Conv1D (GPT-2's linear layers, "
+                "whose sizes are nx / nf) too, which stays in high precision whatever it answers (False also silences "
+                "the warning naming it). Handle it, e.g. getattr(module, 'in_features', 0). Nothing was changed"
+            ) from err
         if isinstance(answer, (str, bytes)):
             raise TypeError(
                 f"convert_to_fp8: module_filter_fn returned {answer!r} for {fqn or '<root>'!r}: it must return True "
