@@ -59,11 +59,12 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 def _unparametrizing(layer: nn.Module) -> bool:
     """Whether torch is registering ``layer``'s weight as it undoes a reparametrization (the weight is then the layer's
     own, computed from the originals): ``parametrize.remove_parametrizations`` registers it while the layer still holds
-    its ``parametrizations``, the legacy ``remove_weight_norm`` while its ``WeightNorm`` pre-hook is still there."""
+    its ``parametrizations``, the legacy ``remove_weight_norm`` / ``remove_spectral_norm`` while their pre-hook is still
+    there."""
     if "parametrizations" in layer._modules:
         return True
     return any(
-        type(hook).__name__ == "WeightNorm" and getattr(hook, "name", None) == "weight"
+        type(hook).__name__ in ("WeightNorm", "SpectralNorm") and getattr(hook, "name", None) == "weight"
         for hook in layer._forward_pre_hooks.values()
     )
 
@@ -267,6 +268,9 @@ class FP8Linear(nn.Linear):
                 state.reset()
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        # Undoing a reparametrization, torch registers the weight where none is registered (it was the
+        # reparametrization's); an assignment replacing a registered weight may be a tie (below).
+        undoing = name == "weight" and self._parameters.get("weight") is None and _unparametrizing(self)
         super().register_parameter(name, param)
         if name == "weight":  # the master scale torch.export reads (master.LAYER_SCALE_ATTR): the new weight's
             master.track_layer_scale(self, param)
@@ -276,7 +280,7 @@ class FP8Linear(nn.Linear):
         # assigned here may be another module's (weights tied after conversion, e.g. Hugging Face's tie_weights()),
         # whose storage an O2 master must not take (convert_to_fp8 leaves tied layers in high precision for that
         # reason).
-        if name == "weight" and "fp8_scaling" in self._modules and (_is_dtensor(param) or _unparametrizing(self)):
+        if name == "weight" and "fp8_scaling" in self._modules and (_is_dtensor(param) or undoing):
             mark_weight(self)
 
     def _apply(self, fn, recurse: bool = True):

@@ -384,8 +384,8 @@ def test_weight_norm_removed_after_conversion_leaves_an_fp8_weight_for_fp8adamw(
     optimizer. Removing weight norm (``remove_parametrizations``, ``remove_weight_norm``) registers a new Parameter
     holding the computed weight; the layer is still an FP8Linear computing in FP8, so FP8AdamW should treat that
     weight as an FP8 weight (O2: E4M3 first moment, fp16 master in its storage), as it treats the weight of a layer
-    whose spectral norm or pruning was removed (same Parameter). Before the fix it trained it as a plain fp32
-    parameter, without a word (FP8Linear.register_parameter marked no new weight)."""
+    whose parametrizations.spectral_norm or pruning was removed (same Parameter). Before the fix it trained it as a
+    plain fp32 parameter, without a word (FP8Linear.register_parameter marked no new weight)."""
     torch.manual_seed(0)
     layer = FP8Linear(IN, HIDDEN)
     _weight_norm_removed(layer, how)
