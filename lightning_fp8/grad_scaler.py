@@ -106,6 +106,10 @@ class FP8GradScaler(
             Without it (and without an integration, which gives its own), the first step of an optimizer training
             FP8 layers with delayed scaling warns once: their scales lag every change of mu.
 
+    Every argument but ``init_scale`` is also an attribute that can be changed between steps
+    (``scaler.growth_interval = 500``, ``scaler.model = model``), checked as the argument is: a bad value raises at
+    once and the old one stays.
+
     Raises:
         ValueError: for a scale that is not a power of two from 2**-126 to 2**127, bounds out of order, or a bad
             threshold or interval.
