@@ -13,6 +13,8 @@ The batch only changes how many launches that takes; the numerics are those of :
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from lightning_fp8.kernels.reference import _FP8_MAX, quantize_ref
 
@@ -54,7 +56,8 @@ def check_grad_cast(
             are not contiguous int64 tensors of ``STATE_SLOTS`` elements, pending gradients that are not contiguous
             FP8 of one dtype, or a ``pending_scale_inv`` that is not one float32 value.
         ValueError: for a state count that is not the gradient count, ``pending_data`` without its scales (or the
-            reverse), pending gradients of another count or size, or a tensor on another device than ``grads[0]``.
+            reverse), pending gradients of another count or size, a tensor on another device than ``grads[0]``, or
+            states that overlap (one state passed for two gradients).
     """
     if fp8_dtype not in _FP8_MAX:
         raise TypeError(f"grad_cast: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
@@ -87,6 +90,12 @@ def check_grad_cast(
     tensors = [*grads, *states, *(pending_data or ()), *(pending_scale_inv or ())]
     if not all([t.device == device for t in tensors]):
         raise ValueError(f"grad_cast: the gradients, states and pending gradients must all be on {device} (grads[0]'s)")
+    # Each state's counters are updated in place by its own program: two gradients on one state would race on them
+    # (the reference would count both, in order).
+    starts = sorted(s.data_ptr() for s in states)
+    if any(b - a < STATE_SLOTS * 8 for a, b in itertools.pairwise(starts)):
+        raise ValueError("grad_cast: the states overlap (one state passed for two gradients?); pass one state per "
+                         "gradient, each its own tensor (reference_grad_cast.new_grad_cast_state)")  # fmt: skip
 
 
 def grad_cast_ref(

@@ -196,7 +196,29 @@ _BAD_GRAD_CASTS = {
         TypeError, "pending_scale_inv must be a one-element float32"),
     "state_on_meta": ((lambda: ([torch.randn(8)], [_states(1)[0].to("meta")], E5M2, {})), ValueError,
                       "must all be on cpu"),
+    # Two programs updating one state's counters race on a GPU; the reference counted both.
+    "state_twice": ((lambda: ([torch.randn(8), torch.randn(8)], _states(1) * 2, E5M2, {})), ValueError,
+                    "states overlap"),
+    "states_overlapping": ((lambda: ([torch.randn(8), torch.randn(8)], _overlapping_states(), E5M2, {})), ValueError,
+                           "states overlap"),
 }  # fmt: skip
+
+
+def _overlapping_states() -> list[torch.Tensor]:
+    buffer = torch.zeros(6, dtype=torch.int64)
+    return [buffer[0:4], buffer[2:6]]
+
+
+def test_states_that_are_adjacent_views_of_one_buffer_are_taken():
+    """The overlap check refuses shared counters only: states packed back to back in one buffer cast as separate
+    states do."""
+    grads = [torch.randn(8) * 3, torch.randn(5)]
+    buffer = torch.cat(_states(2))
+    got = grad_cast.grad_cast(grads, list(buffer.split(4)), E5M2)
+    separate = _states(2)
+    want = reference_grad_cast.grad_cast_ref(grads, separate, E5M2)
+    _assert_same(got, want)
+    _assert_same(list(buffer.split(4)), separate)
 
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
