@@ -59,14 +59,16 @@ def convert_to_fp8(
     (tied weights: only ``module``'s own modules are seen, so convert the whole model, not the head alone, where the
     head's weight is the embedding's), a weight computed by a reparametrization (``weight_norm``, ``spectral_norm``,
     pruning, ``torch.nn.utils.parametrize``), state_dict hooks, an instance ``forward`` or a layer compiled in place
-    (``layer.compile()``: compile after converting), ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused
-    inference path reads their weights itself), subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s
-    ``out_proj``), a weight or bias that is not an ``nn.Parameter`` (a buffer), parameters, buffers or submodules
-    registered on the layer besides weight and bias (plain attributes go with it), the layers a Hugging Face model keeps
-    in float32 (``_keep_in_fp32_modules``: T5's ``wo``), layers whose input a module holding them casts to their
-    weight's dtype (LongT5's ``wo``: float16 at O2), layers whose weight the code of a module holding them computes with
-    itself (``self.dt_proj.weight @ x`` in Mamba's mixer: read from the source of the modules' ``forward`` and the
-    methods it calls), bypassing the layer. transformers' ``Conv1D`` projections (GPT-2), mixture-of-experts weights
+    (``layer.compile()``, or a ``torch.compile(layer)`` the model holds: compile after converting),
+    ``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` (its fused inference path reads their weights itself),
+    subclasses of ``nn.Linear`` (a LoRA layer, ``nn.MultiheadAttention``'s ``out_proj``), a weight or bias that is not
+    an ``nn.Parameter`` (a buffer), parameters, buffers or submodules registered on the layer besides weight and bias
+    (plain attributes go with it), the layers a Hugging Face model keeps in float32 (``_keep_in_fp32_modules``: T5's
+    ``wo``), layers whose input a module holding them casts to their weight's dtype (LongT5's ``wo``: float16 at O2),
+    layers whose weight the code of a module holding them computes with itself (``self.dt_proj.weight @ x`` in Mamba's
+    mixer; ``proj.weight`` for a local ``proj`` bound to ``self.proj`` or to each layer of ``self.layers`` in a loop:
+    read from the source of the modules' ``forward``, the methods it calls and the bases' methods it calls through
+    ``super()``), bypassing the layer. transformers' ``Conv1D`` projections (GPT-2), mixture-of-experts weights
     (one 3-D parameter per projection, a module with ``num_experts``: Mixtral's ``experts``) and
     ``nn.MultiheadAttention``'s input projections (``in_proj_weight``) are not ``nn.Linear`` and are named in a warning
     too (the filter is asked about a ``Conv1D`` as about a linear layer, not about the others). State dict keys do not

@@ -4,6 +4,7 @@ others in high precision (one warning per reason, naming the layers and what to 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 
 from torch import nn
@@ -75,10 +76,11 @@ _LEFT_BECAUSE: dict[str, tuple[str, str]] = {
         "",
     ),
     "state_dict_hooks": (
-        "they have state_dict hooks, an instance forward or were compiled in place (layer.compile()), which an FP8 "
-        "layer cannot take over (its own state_dict hooks export the O2 master weight; a compiled call runs the "
-        "nn.Linear)",
-        "to run them in FP8, register those (or call .compile()) after convert_to_fp8 (or FP8Linear.from_linear)",
+        "they have state_dict hooks, an instance forward or were compiled in place (layer.compile()) or by "
+        "torch.compile(layer) registered in the model, which an FP8 layer cannot take over (its own state_dict hooks "
+        "export the O2 master weight; a compiled call runs the nn.Linear)",
+        "to run them in FP8, register those (or call .compile()) after convert_to_fp8 (or FP8Linear.from_linear), and "
+        "compile the converted layer (or the whole model)",
     ),
     "keep_in_fp32": (
         "the model keeps them in float32 (Hugging Face's _keep_in_fp32_modules, e.g. T5's wo): such models cast the "
@@ -188,6 +190,12 @@ def _bypassed_layers(module: nn.Module) -> dict[int, str]:
     for m in module.modules():
         if isinstance(m, nn.TransformerEncoderLayer):
             bypassed.update({id(c): "fast_path" for c in m.children()})
+    # torch.compile(layer) registered in the model: the wrapper's forward is the compiled call of the nn.Linear it was
+    # built from, which an FP8 layer put in its place as _orig_mod would not change.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    for m in module.modules() if eval_frame is not None else ():
+        if isinstance(m, eval_frame.OptimizedModule):
+            bypassed[id(m._orig_mod)] = "state_dict_hooks"
     return bypassed
 
 
@@ -201,7 +209,7 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
 def _reason_left(layer: nn.Module, shared: set[int], bypassed: dict[int, str] | None = None) -> str | None:
     """The key of :data:`_LEFT_BECAUSE` for why the linear ``layer`` cannot become an FP8Linear, or None if it can."""
     bypass = (bypassed or {}).get(id(layer))
-    if bypass == "fast_path":
+    if bypass in ("fast_path", "state_dict_hooks"):
         return bypass
     return _reason_refused(layer) or _reason_in_model(layer, shared) or bypass
 
@@ -232,8 +240,17 @@ def _reason_refused(layer: nn.Linear) -> str | None:
     return None
 
 
+def weight_features(layer: nn.Linear) -> tuple[int, int]:
+    """``(in_features, out_features)`` of ``layer`` as its forward uses them: its weight's sizes (``nn.Linear`` never
+    reads its attributes, which a weight replaced by hand, pruned rows say, leaves as they were)."""
+    weight = layer.weight
+    if weight is not None and weight.dim() == 2:
+        return weight.shape[1], weight.shape[0]
+    return layer.in_features, layer.out_features
+
+
 def _reason_in_model(layer: nn.Linear, shared: set[int]) -> str | None:
-    if layer.in_features % 16 or layer.out_features % 16:
+    if any(size % 16 for size in weight_features(layer)):
         return "sizes"
     if any(p.dtype not in _ACTIVATION_DTYPES for p in layer.parameters(recurse=False)):
         return "dtype"  # FP8Linear refuses float64 weights at every forward
@@ -287,7 +304,8 @@ def _label(layer: nn.Module, fqn: str, reason: str) -> str:
     if reason == "keep_in_fp32":
         return fqn
     if reason == "sizes":
-        return f"{name} ({layer.in_features}->{layer.out_features})"
+        in_features, out_features = weight_features(layer)
+        return f"{name} ({in_features}->{out_features})"
     if reason == "dtype":
         return f"{name} ({layer.weight.dtype})"
     if reason == "subclass":

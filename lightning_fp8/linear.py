@@ -230,7 +230,7 @@ class FP8Linear(nn.Linear):
         eligibility.check_wrappable(linear, "FP8Linear.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.in_features, new.out_features = eligibility.weight_features(linear)  # what the nn.Linear computed with
         if new.in_features % 16 or new.out_features % 16:
             raise ValueError(f"FP8Linear.from_linear({linear}): FP8 GEMMs need feature sizes that are multiples of 16")
         new.register_parameter("weight", linear.weight)

@@ -22,33 +22,15 @@ _WEIGHT_METADATA = frozenset(
 @functools.cache
 def forward_weight_reads(cls: type) -> Mapping[str, str]:
     """The paths ``p`` for which the forward of ``cls`` (its ``forward`` and the methods of ``cls`` it names, as
-    Mamba's calls ``self.cuda_kernels_forward``) reads ``self.<p>.weight`` itself (directly or through a local name
-    bound to ``self.<p>``; ``p`` is ``"<container>.*"`` for ``self.<container>[k].weight``, any layer the container
-    holds, as PEFT's ``lora_A = self.lora_A[adapter]``), read from the source: ``p`` ->
+    Mamba's calls ``self.cuda_kernels_forward``, and its bases' methods it calls through ``super()``) reads
+    ``self.<p>.weight`` itself (directly or through a local name bound to ``self.<p>``, :func:`_aliases`; ``p`` is
+    ``"<container>.*"`` for ``self.<container>[k].weight``, any layer the container holds, as PEFT's
+    ``lora_A = self.lora_A[adapter]`` or a loop over ``self.layers``), read from the source: ``p`` ->
     ``"weight_read"`` where it computes with it (``self.dt_proj.weight @ x``), ``"dtype_cast"`` where it casts a tensor
     to its dtype (``x.to(self.wo.weight.dtype)``); other metadata (``.shape``, ``isinstance``) aside. Other methods (a
     LoRA layer's ``merge``, initialization) run outside the training step. Empty where the source cannot be read."""
-    methods: dict[str, types.FunctionType] = {}
-    for klass in reversed(cls.__mro__):  # a subclass's method replaces its base's
-        if klass is nn.Module or klass is object:
-            continue
-        for name, attr in vars(klass).items():
-            fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-            try:
-                fn = inspect.unwrap(fn) if isinstance(fn, types.FunctionType) else None  # functools.wraps decorators
-            except ValueError:  # a __wrapped__ cycle
-                fn = None
-            if isinstance(fn, types.FunctionType):
-                methods[name] = fn
-    reached, todo = set(), ["forward"]
-    while todo:  # the methods the forward may call: those whose name its code (or theirs) uses
-        name = todo.pop()
-        if name in methods and name not in reached:
-            reached.add(name)
-            todo.extend(_names(methods[name].__code__))
     found: dict[str, str] = {}
-    for name in reached:
-        fn = methods[name]
+    for fn in _reached_methods(cls):
         if "weight" not in _names(fn.__code__):
             continue
         try:
@@ -67,6 +49,42 @@ def forward_weight_reads(cls: type) -> Mapping[str, str]:
                 elif not (isinstance(parent, ast.Attribute) and parent.attr in _WEIGHT_METADATA):
                     found[path] = "weight_read"
     return types.MappingProxyType(found)  # cached: read-only
+
+
+def _reached_methods(cls: type) -> list[types.FunctionType]:
+    # The functions the forward of cls may call: the methods whose name its code (or theirs) uses, each resolved by
+    # the MRO as self.<name> is, and through super() from the class defining the caller (a subclass's forward calling
+    # super().forward(x): its base's forward too).
+    mro = [klass for klass in cls.__mro__ if klass is not nn.Module and klass is not object]
+    reached: dict[types.FunctionType, int] = {}  # function -> the index in mro of the class defining it
+    todo = [_method(mro, "forward", 0)]
+    while todo:
+        found = todo.pop()
+        if found is None or found[0] in reached:
+            continue
+        fn, index = found
+        reached[fn] = index
+        names = set(_names(fn.__code__))
+        for name in names:
+            todo.append(_method(mro, name, 0))
+            if "super" in names:
+                todo.append(_method(mro, name, index + 1))
+    return list(reached)
+
+
+def _method(mro: list[type], name: str, start: int) -> tuple[types.FunctionType, int] | None:
+    # The function that attribute lookup finds for name from mro[start] on (unwrapped: functools.wraps decorators), and
+    # the index of its class; None for a name no class there defines, or defines as something other than a function.
+    for index in range(start, len(mro)):
+        if name in vars(mro[index]):
+            attr = vars(mro[index])[name]
+            fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            try:
+                fn = inspect.unwrap(fn) if isinstance(fn, types.FunctionType) else None
+            except ValueError:  # a __wrapped__ cycle
+                return None
+            return (fn, index) if isinstance(fn, types.FunctionType) else None
+    return None
 
 
 def _is_type_check(node: ast.AST | None) -> bool:
@@ -113,12 +131,56 @@ def _self_path(node: ast.expr, aliases: Mapping[str, str] = types.MappingProxyTy
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
-    # Local names bound to a sub-layer of self (lora_A = self.lora_A[adapter]; proj = self.proj): their path. A name
+    # Local names bound to a sub-layer of self (lora_A = self.lora_A[adapter]; proj = self.proj; proj: nn.Linear =
+    # self.proj; proj, scale = self.proj, 1.0; (proj := self.proj)) or to each layer a container holds (for layer in
+    # self.layers, in a loop or a comprehension; enumerate(self.layers), self.experts.values()): their path. A name
     # bound twice to different paths is left out (which one a read meets is not known from the source).
     aliases: dict[str, str | None] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            name, path = node.targets[0].id, _self_path(node.value)
-            if path is not None:
-                aliases[name] = path if aliases.get(name, path) == path else None
+    for target, path in _bindings(tree):
+        if isinstance(target, ast.Name) and path is not None:
+            aliases[target.id] = path if aliases.get(target.id, path) == path else None
     return {name: path for name, path in aliases.items() if path is not None}
+
+
+def _bindings(tree: ast.AST) -> Iterator[tuple[ast.expr, str | None]]:
+    # (target, path of the value bound to it) for the assignments and loop targets of tree; tuples pair up.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            yield from _pairs(node.targets[0], node.value)
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+            yield from _pairs(node.target, node.value)
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            yield from _loop_pairs(node.target, node.iter)
+
+
+def _pairs(target: ast.expr, value: ast.expr) -> Iterator[tuple[ast.expr, str | None]]:
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
+        if len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts, strict=True):
+                yield from _pairs(t, v)
+        return
+    yield target, _self_path(value)
+
+
+def _loop_pairs(target: ast.expr, iterable: ast.expr) -> Iterator[tuple[ast.expr, str | None]]:
+    # for layer in self.layers / self.layers[1:] / self.layers.values() / reversed(self.layers); for i, layer in
+    # enumerate(...); for name, layer in self.layers.items().
+    pair = isinstance(target, ast.Tuple) and len(target.elts) == 2
+    if isinstance(iterable, ast.Call) and not iterable.keywords and len(iterable.args) == 1:
+        name = getattr(iterable.func, "id", None)
+        if name == "enumerate" and pair:
+            yield from _loop_pairs(target.elts[1], iterable.args[0])
+            return
+        if name == "reversed":
+            yield from _loop_pairs(target, iterable.args[0])
+            return
+    if isinstance(iterable, ast.Call) and not iterable.args and isinstance(iterable.func, ast.Attribute):
+        if iterable.func.attr == "items" and pair:
+            yield from _loop_pairs(target.elts[1], iterable.func.value)
+            return
+        if iterable.func.attr in ("values", "children"):
+            iterable = iterable.func.value
+    if isinstance(iterable, ast.Subscript) and isinstance(iterable.slice, ast.Slice):  # a slice of a ModuleList
+        iterable = iterable.value
+    container = _self_path(iterable)
+    yield target, None if container is None or container.endswith("*") else f"{container}.*"
