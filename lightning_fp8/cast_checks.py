@@ -225,8 +225,8 @@ def checked_prev_scale(prev_scale: object) -> object:
     """``compute_scale``'s ``prev_scale`` (not None) as it is, or as a tensor where it is an array or a sequence.
 
     Raises:
-        ValueError: for a number (a Python or NumPy bool too) that is no positive power of two: a number is checked
-            here, a tensor's values are not read (no device sync); it is returned as the scale.
+        ValueError: for a number (a Python or NumPy bool too) that is no positive power of two in 2**-126 .. 2**127:
+            a number is checked here, a tensor's values are not read (no device sync); it is returned as the scale.
         TypeError: for what holds no real scales: torch.as_tensor took a bool tensor as 1.0 and a complex one as its
             real part, silently, and a string failed inside torch.
     """
@@ -234,6 +234,11 @@ def checked_prev_scale(prev_scale: object) -> object:
         isinstance(prev_scale, numbers.Real) and not (0 < prev_scale < math.inf and math.frexp(prev_scale)[0] == 0.5)
     ):
         raise ValueError(f"compute_scale(prev_scale={prev_scale!r}): must be a positive power of two, or a tensor")
+    if isinstance(prev_scale, numbers.Real) and not 2.0**-126 <= prev_scale <= 2.0**127:  # fp32: 0, subnormal, inf
+        raise ValueError(
+            f"compute_scale(prev_scale={prev_scale!r}): a scale must lie in 2**-126 .. 2**127 (fp32's normal powers of "
+            "two, the range of the scales compute_scale gives)"
+        )
     if isinstance(prev_scale, numbers.Real):
         return prev_scale
     kind = type(prev_scale).__name__

@@ -61,6 +61,7 @@ from lightning_fp8.grad_scaling.arguments import (
     _check_arguments,
     _Settings,
     check_new_scale,
+    check_optimizer,
     fallback_model,
     warn_if_model_is_another,
 )
@@ -243,11 +244,7 @@ class FP8GradScaler(
                 "supported (as with torch.amp.GradScaler); compute the loss, scaler.scale_loss(loss).backward(), "
                 "then scaler.step(optimizer)"
             )
-        if not hasattr(optimizer, "param_groups"):
-            raise TypeError(
-                f"FP8GradScaler.step(optimizer) takes the optimizer to step (a torch.optim.Optimizer), got "
-                f"{type(optimizer).__name__}"
-            )
+        check_optimizer("step", optimizer)
         # An optimizer wrapper (Accelerate's, Lightning's) is stepped through its step(), as torch.amp steps what it
         # is given; the records are those of the optimizer inside, which unscale_(wrapper) keeps too.
         wrapper, optimizer = optimizer, _inner_optimizer(optimizer)

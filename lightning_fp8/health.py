@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_fp8.monitoring.config import HealthConfig
+from lightning_fp8.monitoring.config import HealthConfig, MonitorArgumentTypeError
 from lightning_fp8.monitoring.events import (
     ACTIONS,
     EVENT_KINDS,
@@ -258,12 +258,17 @@ class HealthMonitor:
 
         Raises:
             ValueError: for an unknown ``source`` or ``action`` (one of ``none``, ``skip_step``, ``lower_mu``,
-                ``lower_lr``, ``fallback_bf16``, or several of the others joined by ``+``), or a finite ``value``.
+                ``lower_lr``, ``fallback_bf16``, or several of the others joined by ``+``), or a finite ``value``;
+                :class:`MonitorArgumentTypeError` (a ``TypeError`` and a ``ValueError``) for a ``source`` or an
+                ``action`` that is not a string.
         """
         if source not in _NONFINITE_SOURCES:
-            raise ValueError(f"record_nonfinite(source={source!r}): must be one of {list(_NONFINITE_SOURCES)}")
+            error = ValueError if isinstance(source, str) else MonitorArgumentTypeError
+            raise error(f"record_nonfinite(source={source!r}): must be one of {list(_NONFINITE_SOURCES)}")
         if not isinstance(action, str):
-            raise ValueError(f"record_nonfinite(action={action!r}): pass a string, e.g. 'skip_step' or 'lower_mu'")
+            raise MonitorArgumentTypeError(
+                f"record_nonfinite(action={action!r}): pass a string, e.g. 'skip_step' or 'lower_mu'"
+            )
         parts = action.split("+")
         for part in parts:
             if part not in ACTIONS:
@@ -371,7 +376,7 @@ class HealthMonitor:
             TypeError: when ``state`` is not a dict, or an entry has the wrong type (a series point that is not a
                 ``(step, value)`` pair of numbers, an event that is not a dict of :class:`HealthEvent`'s fields).
             ValueError: for an entry out of range (a negative observation count, an unknown series, event kind or
-                action, a non-finite value in the spike or plateau windows).
+                action, a non-finite value in the spike or plateau windows, a negative gradient norm there).
         """
         checked = _checked_state(state)
         self.series = {name: [] for name in SERIES}

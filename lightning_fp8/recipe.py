@@ -34,7 +34,12 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 
-class RecipeFieldTypeError(TypeError, ValueError):
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument (a setting) of the wrong type: a ``TypeError``, and a ``ValueError`` like every other bad value of
+    it (callers may catch either). A value of the right type out of range raises ``ValueError``."""
+
+
+class RecipeFieldTypeError(ArgumentTypeError):
     """An :class:`FP8Recipe` field of the wrong type: a ``TypeError``, and a ``ValueError`` like every other bad
     recipe value (callers may catch either)."""
 

@@ -48,8 +48,8 @@ def compute_scale(
             ``prev_scale`` is neither a real (not bool, not complex) tensor nor a number.
         ValueError: if ``amax`` is a negative number (a tensor's values are not checked: that would synchronize with
             the device), ``margin`` is outside ``[0, MAX_MARGIN]``, ``fp8_dtype`` is not a supported format,
-            ``prev_scale`` is a number (or a bool) that is no positive power of two, or does not broadcast to
-            ``amax``'s shape.
+            ``prev_scale`` is a number (or a bool) that is no positive power of two in ``2**-126 .. 2**127``, is a
+            meta tensor (for an ``amax`` with values), or does not broadcast to ``amax``'s shape.
     """
     margin = as_count(margin)  # a NumPy integer as FP8Recipe and ScalingState take it
     if isinstance(margin, bool) or not isinstance(margin, int):
@@ -85,6 +85,11 @@ def compute_scale(
         prev_scale = torch.ones((), dtype=torch.float32, device=amax.device)
     else:
         prev_scale = checked_prev_scale(prev_scale)
+    if isinstance(prev_scale, torch.Tensor) and prev_scale.is_meta and not amax.is_meta:  # no values to move
+        raise ValueError(
+            f"compute_scale(prev_scale=...) is on the meta device (no values) but amax on {amax.device}: pass a "
+            "prev_scale with values (on amax's device)"
+        )
     prev_scale = torch.as_tensor(prev_scale, dtype=torch.float32, device=amax.device)
     try:
         fits = torch.broadcast_shapes(prev_scale.shape, amax.shape) == amax.shape

@@ -166,7 +166,8 @@ class ScalingState(_FirstCasts, nn.Module):
                 ``scale_inv`` describe ``t``. Only for a cast that computes its own scale (``current=True``, or
                 ``None`` on a current-scaling state) of a state with a history of length 1, as weights' are: the
                 stored scale describes ``t``, so a later delayed cast of ``x`` would saturate, and each such cast
-                divides the whole history by ``unscale``.
+                divides the whole history by ``unscale``. Its value is not read here (a host sync per weight cast):
+                one that is no positive power of two gives that scale and those statistics, wrong.
             column_sum: also return the fp32 column sums of 2-D ``x`` (a linear layer's bias gradient), computed by
                 the cast from the values it reads (``kernels/reference.py: column_sum_ref`` fixes the order).
             activation: cast an activation of 2-D ``x`` instead of ``x``, computed in fp32 as the cast reads ``x``

@@ -67,10 +67,20 @@ def fp8_linear_weights(model: nn.Module) -> dict[int, int]:
     return {id(m.weight): int(m.fp8_scaling["weight"].margin) for m in model.modules() if isinstance(m, FP8Linear)}
 
 
+def _check_module(model: object, where: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where} expects the model (an nn.Module, after fully_shard), got {type(model).__name__}")
+
+
 def mark_fp8_weights(model: nn.Module) -> None:
     """Mark the weights of ``model``'s FP8Linear layers as FP8 weights (:data:`master.MARKER`): ``fully_shard`` put new
     (DTensor) Parameters in their place, without the mark, and an FP8AdamW created without it gives them fp32 states
-    (O1's 16 bytes per parameter instead of O2's 6). Call it before creating the optimizer."""
+    (O1's 16 bytes per parameter instead of O2's 6). Call it before creating the optimizer.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+    """
+    _check_module(model, "mark_fp8_weights")
     for module in model.modules():
         if isinstance(module, FP8Linear):
             setattr(module.weight, master.MARKER, True)
@@ -114,8 +124,8 @@ def enable_fp8_fsdp2(
         The state: per step, read ``state.check_step()`` or let its grad scaler decide.
 
     Raises:
-        TypeError: if no module of ``model`` was wrapped by ``fully_shard``, ``state`` is not an FP8CommState, or
-            ``reduce_scatter`` or ``weight_all_gather`` is not a bool.
+        TypeError: if ``model`` is not an ``nn.Module`` or none of its modules was wrapped by ``fully_shard``,
+            ``state`` is not an FP8CommState, or ``reduce_scatter`` or ``weight_all_gather`` is not a bool.
         ValueError: if ``state.fp8_params`` holds none of ``model``'s parameters (e.g. taken before ``fully_shard``),
             or if ``state.grad_scaler`` has ``nonfinite_fallback="bf16"``, which cannot swap the layers of a sharded
             model.
@@ -123,6 +133,7 @@ def enable_fp8_fsdp2(
     """
     from torch.distributed.fsdp import FSDPModule
 
+    _check_module(model, "enable_fp8_fsdp2")
     # A truthy string such as "no" would otherwise switch a collective to FP8.
     check_flag("enable_fp8_fsdp2", "reduce_scatter", reduce_scatter)
     check_flag("enable_fp8_fsdp2", "weight_all_gather", weight_all_gather)

@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from lightning_fp8 import ops
 from lightning_fp8.distributed.comm import CastStats, all_reduce_max, cast_stats, local_amax, reduce_scatter_fp8
-from lightning_fp8.distributed.comm_state import FP8CommState
+from lightning_fp8.distributed.comm_state import FP8CommState, check_state
 from lightning_fp8.distributed.comm_state_checks import resolve_fused
 from lightning_fp8.distributed.layout import SegmentLayout
 from lightning_fp8.distributed.quantize import segment_kernels
 from lightning_fp8.formats import E4M3
 from lightning_fp8.kernels.comm_table import BlockTable, block_table
+from lightning_fp8.recipe import check_flag
 from lightning_fp8.warnings import warn_once
 
 try:  # the Comm interfaces are importable from here in torch 2.8+ (not re-exported publicly)
@@ -57,6 +58,8 @@ class FP8ReduceScatter(ReduceScatter):
     def __init__(
         self, state: FP8CommState, param_group, replicate_group: dist.ProcessGroup | None = None, *, fp8: bool = True
     ) -> None:
+        check_state(state, "FP8ReduceScatter")  # raised here, not inside FSDP2's backward
+        check_flag("FP8ReduceScatter", "fp8", fp8)
         self.state = state
         self.param_group = param_group
         self.replicate_group = replicate_group

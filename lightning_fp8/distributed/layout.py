@@ -39,6 +39,12 @@ class SegmentLayout:
         groups: the scale group of each segment, in ``range(num_groups)``.
         num_groups: the number of scale groups (a group may own several segments, e.g. one parameter's
             column block in every row of an FSDP2 reduce-scatter buffer).
+
+    ``lengths`` and ``groups`` are kept as tuples of ints (any sequence of integers is taken).
+
+    Raises:
+        TypeError: for a length, group or ``num_groups`` that is no integer (a bool, a float).
+        ValueError: for negative counts, one group per segment missing, or a group outside ``range(num_groups)``.
     """
 
     lengths: tuple[int, ...]
@@ -46,6 +52,11 @@ class SegmentLayout:
     num_groups: int
 
     def __post_init__(self) -> None:
+        # Ints in tuples (lists, NumPy integers too): a float length made float offsets, a list an unhashable layout
+        # (the collectives cache their plans by layout).
+        object.__setattr__(self, "lengths", tuple(_count(n, "SegmentLayout", "lengths") for n in self.lengths))
+        object.__setattr__(self, "groups", tuple(_count(g, "SegmentLayout", "groups") for g in self.groups))
+        object.__setattr__(self, "num_groups", _count(self.num_groups, "SegmentLayout", "num_groups"))
         if len(self.lengths) != len(self.groups):
             raise ValueError(
                 f"SegmentLayout: {len(self.lengths)} lengths but {len(self.groups)} groups; give one group per segment"

@@ -74,6 +74,15 @@ def fallback_model(nonfinite_fallback: Fallback | nn.Module | None, model: nn.Mo
     return "bf16", nonfinite_fallback
 
 
+def check_optimizer(method: str, optimizer: object) -> None:
+    """TypeError for ``FP8GradScaler.<method>(optimizer)`` given what is no optimizer (no ``param_groups``)."""
+    if not hasattr(optimizer, "param_groups"):
+        raise TypeError(
+            f"FP8GradScaler.{method}(optimizer) takes the optimizer to {method.rstrip('_')} (a torch.optim.Optimizer), "
+            f"got {type(optimizer).__name__}"
+        )
+
+
 def check_new_scale(new_scale: object, min_scale: float, max_scale: float) -> float:
     """``FP8GradScaler.update(new_scale)``'s value as a float; TypeError / ValueError, naming it, unless it is a number
     or a one-element floating-point tensor, a power of two within ``[min_scale, max_scale]``."""
@@ -83,6 +92,9 @@ def check_new_scale(new_scale: object, min_scale: float, max_scale: float) -> fl
                 f"FP8GradScaler.update(new_scale=...): a tensor must have one floating-point element, got shape "
                 f"{tuple(new_scale.shape)} and dtype {new_scale.dtype}"
             )
+        if new_scale.is_meta:
+            raise ValueError("FP8GradScaler.update(new_scale=...) is a meta tensor (no value): pass a number or a "
+                             "tensor with its value")  # fmt: skip
         new_scale = new_scale.item()
     if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
         raise TypeError(f"FP8GradScaler.update(new_scale={new_scale!r}): must be a number, a positive power of two")

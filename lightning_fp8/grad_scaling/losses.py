@@ -48,10 +48,12 @@ class _LossScaling:
                 f"FP8GradScaler.scale_loss takes the loss tensor (to call .backward() on the result), got "
                 f"{type(loss).__name__}; for several losses, scale each one (or their sum)"
             )
-        if not loss.is_floating_point():  # an int loss has no gradient; a complex one no .backward() without one
+        if not loss.is_floating_point() or loss.element_size() == 1:  # an int loss has no gradient; a complex one no
+            # .backward() without one; an FP8 one no arithmetic
             raise TypeError(
-                f"FP8GradScaler.scale_loss takes a real floating-point loss, got a {loss.dtype} tensor: compute the "
-                "loss in floating point (a complex loss: backward its real part, or abs())"
+                f"FP8GradScaler.scale_loss takes a real floating-point loss (float32, bfloat16, float16, float64), got "
+                f"a {loss.dtype} tensor: compute the loss in high precision (a complex loss: backward its real part, "
+                "or abs())"
             )
         self._loss_scale = self._scale
         return loss * self._scale

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from lightning_fp8.grad_scaling.arguments import check_optimizer
 from lightning_fp8.grad_scaling.reports import _Counts
+from lightning_fp8.recipe import check_flag
 
 
 def _parameter_list(where: str, parameters: Any) -> list[torch.Tensor]:
@@ -122,7 +124,8 @@ class _Unscaling:
         Raises:
             TypeError, ValueError: for a ``max_norm`` that is not a number >= 0 (negative flips the gradients' signs,
                 NaN makes them NaN), a ``norm_type`` that is not a number > 0; TypeError for ``parameters`` that are
-                not a tensor or an iterable of tensors (an optimizer or a module: pass ``model.parameters()``);
+                not a tensor or an iterable of tensors (an optimizer or a module: pass ``model.parameters()``), or an
+                ``error_if_nonfinite`` that is not a bool;
                 ValueError for FSDP1's parameters in a multi-process run (pass the FSDP1 root instead).
         """
         from lightning_fp8.integrations.clipping import (  # torch only (no Lightning import)
@@ -136,6 +139,7 @@ class _Unscaling:
         )
 
         check_clip_limit("FP8GradScaler.clip_grad_norm_", "max_norm", max_norm)
+        check_flag("FP8GradScaler.clip_grad_norm_", "error_if_nonfinite", error_if_nonfinite)
         norm_type = checked_norm_type("FP8GradScaler.clip_grad_norm_", norm_type)  # 'inf' too, as torch takes it
         fsdp1 = _is_fsdp1(parameters)
         params = unique(parameters.parameters() if fsdp1 else _parameter_list(_WHERE_CLIP, parameters))
@@ -230,8 +234,10 @@ class _Unscaling:
                 clip with :meth:`clip_grad_norm_`, read true values as ``param.grad / scaler.loss_scale``. Also for
                 fp16 gradients.
             RuntimeError: when called twice for one optimizer since the last :meth:`update`, or after its step.
+            TypeError: for what is no optimizer (no ``param_groups``).
         """
         optimizer = _inner_optimizer(optimizer)
+        check_optimizer("unscale_", optimizer)
         if getattr(optimizer, "_fp8_step", None) is not None:
             raise ValueError(
                 f"FP8GradScaler.unscale_({type(optimizer).__name__}): FP8AdamW unscales each gradient in fp32 inside "

@@ -11,7 +11,12 @@ import numbers
 import sys
 from dataclasses import dataclass
 
-from lightning_fp8.recipe import as_count
+from lightning_fp8.recipe import ArgumentTypeError, as_count
+
+
+class MonitorArgumentTypeError(ArgumentTypeError):
+    """A monitor argument of the wrong type: a ``TypeError``, and a ``ValueError`` as the monitors raised for every bad
+    argument before (callers may catch either). A value of the right type out of range raises ``ValueError``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +46,9 @@ class HealthConfig:
             between the halves (a falling gradient norm means convergence; a fraction in [0, 1]).
 
     Raises:
-        ValueError: for a value out of its range, a bool, or a count that is not an integer (a Python or NumPy int).
+        ValueError: for a value out of its range; :class:`MonitorArgumentTypeError` (a ``TypeError`` and a
+            ``ValueError``) for a value of another type: a bool, a string, a count that is not an integer (a Python or
+            NumPy int).
     """
 
     window: int = 50
@@ -60,7 +67,9 @@ class HealthConfig:
         for name, low in minimum.items():
             value = as_count(getattr(self, name))  # a NumPy integer (a config read with NumPy) as an int
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"HealthConfig({name}={value!r}) must be an int >= {low} (a Python or NumPy integer)")
+                count = isinstance(value, int) and not isinstance(value, bool)
+                error = ValueError if count else MonitorArgumentTypeError
+                raise error(f"HealthConfig({name}={value!r}) must be an int >= {low} (a Python or NumPy integer)")
             if value > maximum.get(name, value):
                 raise ValueError(f"HealthConfig({name}={value!r}) must be an int from {low} to sys.maxsize (a window)")
             object.__setattr__(self, name, value)
@@ -80,7 +89,7 @@ class HealthConfig:
             number = not isinstance(value, bool) and isinstance(value, numbers.Real)
             if not number or not (low <= value < high or (high_included and value == high)):
                 allowed = f"in [{low:g}, {high:g}{']' if high_included else ')'}" if high < math.inf else f">= {low:g}"
-                raise ValueError(
+                raise (ValueError if number else MonitorArgumentTypeError)(
                     f"HealthConfig({name}={value!r}) must be a finite number {allowed} (see HealthConfig's docstring "
                     "for what it means)"
                 )

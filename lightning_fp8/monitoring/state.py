@@ -62,6 +62,9 @@ def _checked_state(state: Any) -> dict[str, Any]:
     for key in _WINDOWS:
         values = _as_list(state.get(key, []), repr(key))
         out[key] = [_number(v, f"an entry of {key!r}", finite=True) for v in values]
+        negative = next((v for v in out[key] if v < 0), None) if key != "plateau_loss" else None
+        if negative is not None:  # gradient norms, which observe() refuses below 0
+            raise _state_error(ValueError, f"an entry of {key!r} is {negative}, expected a gradient norm >= 0")
     if len(out["plateau_loss"]) != len(out["plateau_grad"]):  # one entry of each per step: the plateau test pairs them
         raise _state_error(
             ValueError,

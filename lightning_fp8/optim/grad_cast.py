@@ -29,6 +29,7 @@ import torch
 
 from lightning_fp8 import ops
 from lightning_fp8.kernels.reference_grad_cast import grad_cast_state_buffers, new_grad_cast_state
+from lightning_fp8.recipe import ArgumentTypeError
 
 if TYPE_CHECKING:
     from lightning_fp8.optim.adamw import FP8AdamW
@@ -51,11 +52,12 @@ def bucket_bytes(bucket_mb: Any) -> int:
     """The flush bound in bytes of ``FP8AdamW(grad_cast_bucket_mb=...)``.
 
     Raises:
-        ValueError: for anything but a finite number >= 0.
+        ValueError: for anything but a finite number >= 0 (:class:`~lightning_fp8.recipe.ArgumentTypeError`, a
+            ``TypeError`` too, for what is no number).
     """
     ok = isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool)
     if not ok or not math.isfinite(bucket_mb) or bucket_mb < 0:
-        raise ValueError(
+        raise (ValueError if ok else ArgumentTypeError)(
             f"FP8AdamW(grad_cast_bucket_mb={bucket_mb!r}) is not supported: use a number of megabytes >= 0 (e.g. 64), "
             "or 0 to cast each gradient in its own hook"
         )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lightning_fp8.formats import E4M3, E5M2
-from lightning_fp8.recipe import FP8Recipe, resolve_recipe
+from lightning_fp8.recipe import ArgumentTypeError, FP8Recipe, resolve_recipe
 
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 # (master, exp_avg, exp_avg_sq) of FP8 linear weights per optimization level.
@@ -48,16 +48,19 @@ def resolved_settings(
     recipe = resolve_recipe(recipe, "FP8AdamW(recipe=...)")
     opt_level = opt_level if opt_level is not None else recipe.opt_level
     if not isinstance(opt_level, str) or opt_level not in _LEVEL_DTYPES:
-        raise ValueError(f"FP8AdamW(opt_level={opt_level!r}) is not supported: choose 'O1' or 'O2'")
+        error = ValueError if isinstance(opt_level, str) else ArgumentTypeError
+        raise error(f"FP8AdamW(opt_level={opt_level!r}) is not supported: choose 'O1' or 'O2'")
     chosen = dict(zip(_ALLOWED, dtypes, strict=True))
     for (name, dtype), default in zip(chosen.items(), _LEVEL_DTYPES[opt_level], strict=True):
         chosen[name] = default if dtype is None else dtype
         if chosen[name] not in _ALLOWED[name]:
-            raise ValueError(f"FP8AdamW({name}={dtype}) is not supported: choose one of {list(_ALLOWED[name])}")
+            error = ValueError if isinstance(dtype, torch.dtype) else ArgumentTypeError
+            raise error(f"FP8AdamW({name}={dtype!r}) is not supported: choose one of {list(_ALLOWED[name])}")
     if scale_update not in ("one_pass", "two_pass"):
-        raise ValueError(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'one_pass' or 'two_pass'")
+        error = ValueError if isinstance(scale_update, str) else ArgumentTypeError
+        raise error(f"FP8AdamW(scale_update={scale_update!r}) is not supported: use 'one_pass' or 'two_pass'")
     if low_precision_moments not in ("fp8_weights", "all"):
-        raise ValueError(
+        raise (ValueError if isinstance(low_precision_moments, str) else ArgumentTypeError)(
             f"FP8AdamW(low_precision_moments={low_precision_moments!r}) is not supported: use 'fp8_weights' (the "
             "moments of FP8 linear weights only) or 'all' (every parameter's)"
         )

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_fp8.monitoring.config import MonitorArgumentTypeError
 from lightning_fp8.monitoring.scale_jumps import ScaleJumps
 from lightning_fp8.recipe import as_count, check_flag
 from lightning_fp8.recovery import fallen_back_layers
@@ -41,11 +42,6 @@ def reads_scaled_gradients(hook: Callable) -> Callable:
     overrides the hook is a reader again)."""
     setattr(hook, SCALED_GRADIENTS_MARK, True)
     return hook
-
-
-class MonitorArgumentTypeError(TypeError, ValueError):
-    """A monitor argument of the wrong type: a ``TypeError``, and a ``ValueError`` as the monitors raised for every bad
-    argument before (callers may catch either). A value of the right type out of range raises ``ValueError``."""
 
 
 def _check_count(owner: str, name: str, value: Any, low: int, meaning: str = "") -> int:
@@ -189,6 +185,24 @@ class _LoggingCallback(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
+def _checked_jump_factor(jump_factor: Any) -> float:
+    meaning = " (the scale ratio between two logs that counts as sudden)"
+    if isinstance(jump_factor, bool) or not isinstance(jump_factor, numbers.Real):
+        raise MonitorArgumentTypeError(
+            f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a number > 1{meaning}, got "
+            f"{type(jump_factor).__name__}"
+        )
+    too_big = isinstance(jump_factor, numbers.Integral) and jump_factor > sys.float_info.max  # float(): overflow
+    if too_big or not (math.isfinite(jump_factor) and jump_factor > 1):  # inf: no ratio reaches it, no alert
+        raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a finite number > 1{meaning}")
+    return float(jump_factor)
+
+
+def _checked_alert_after(alert_after_steps: Any) -> int:
+    return _check_count("FP8ScaleMonitor", "alert_after_steps", alert_after_steps, 0,
+                        " (the warm-up in optimizer steps before scale jumps are alerted)")  # fmt: skip
+
+
 class FP8ScaleMonitor(_LoggingCallback):
     """Logs FP8 scales, amaxes and saturation per role, mu, skipped steps and optimizer-state scales.
 
@@ -240,37 +254,29 @@ class FP8ScaleMonitor(_LoggingCallback):
         alert_after_steps: int = 100,
     ) -> None:
         super().__init__(log_every_n_steps)
-        meaning = " (the scale ratio between two logs that counts as sudden)"
-        if isinstance(jump_factor, bool) or not isinstance(jump_factor, numbers.Real):
-            raise MonitorArgumentTypeError(
-                f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a number > 1{meaning}, got "
-                f"{type(jump_factor).__name__}"
-            )
-        too_big = isinstance(jump_factor, numbers.Integral) and jump_factor > sys.float_info.max  # float(): overflow
-        if too_big or not (math.isfinite(jump_factor) and jump_factor > 1):  # inf: no ratio reaches it, no alert
-            raise ValueError(f"FP8ScaleMonitor(jump_factor={jump_factor!r}) must be a finite number > 1{meaning}")
-        alert_after_steps = _check_count("FP8ScaleMonitor", "alert_after_steps", alert_after_steps, 0,
-                                        " (the warm-up in optimizer steps before scale jumps are alerted)")  # fmt: skip
+        jump_factor, alert_after_steps = _checked_jump_factor(jump_factor), _checked_alert_after(alert_after_steps)
         self.all_layers = check_flag("FP8ScaleMonitor", "all_layers", all_layers, MonitorArgumentTypeError)
-        self._jumps = ScaleJumps(float(jump_factor), alert_after_steps, "FP8ScaleMonitor", "FP8ScaleMonitor.alerts")
+        self._jumps = ScaleJumps(jump_factor, alert_after_steps, "FP8ScaleMonitor", "FP8ScaleMonitor.alerts")
 
     @property
     def jump_factor(self) -> float:
-        """The scale ratio between two logs that counts as sudden (its :class:`ScaleJumps`'s)."""
+        """The scale ratio between two logs that counts as sudden (its :class:`ScaleJumps`'s); checked when assigned,
+        as the constructor's argument (the old value kept on an error)."""
         return self._jumps.jump_factor
 
     @jump_factor.setter
     def jump_factor(self, value: float) -> None:
-        self._jumps.jump_factor = float(value)
+        self._jumps.jump_factor = _checked_jump_factor(value)
 
     @property
     def alert_after_steps(self) -> int:
-        """The warm-up in optimizer steps before scale jumps are alerted (its :class:`ScaleJumps`'s)."""
+        """The warm-up in optimizer steps before scale jumps are alerted (its :class:`ScaleJumps`'s); checked when
+        assigned, as the constructor's argument."""
         return self._jumps.alert_after_steps
 
     @alert_after_steps.setter
     def alert_after_steps(self, value: int) -> None:
-        self._jumps.alert_after_steps = value
+        self._jumps.alert_after_steps = _checked_alert_after(value)
 
     @property
     def alerts(self) -> list[dict[str, Any]]:
