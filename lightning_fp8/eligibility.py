@@ -159,7 +159,13 @@ def _is_kept_in_fp32(fqn: str, keep_fp32: re.Pattern[str] | None) -> bool:
 def _is_linear_to_convert(module: nn.Module) -> bool:
     # Every nn.Linear but the FP8 layers and the "bf16" fallback's layers; _reason_left then leaves some, named.
     linear = isinstance(module, nn.Linear) and not isinstance(module, FP8Linear)
-    return linear and not getattr(module, FALLBACK_ATTR, False)
+    return linear and not is_fallen_back(module)
+
+
+def is_fallen_back(module: nn.Module | None) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` the ``"bf16"`` fallback put in place of an FP8 layer: its own mark, not
+    one a wrapper proxies (``torch.compile``'s wrapper reads unknown attributes from the module it holds)."""
+    return module is not None and vars(module).get(FALLBACK_ATTR, False) is True
 
 
 def _holds_non_parameters(layer: nn.Module) -> bool:
@@ -192,11 +198,15 @@ def _bypassed_layers(module: nn.Module) -> dict[int, str]:
             bypassed.update({id(c): "fast_path" for c in m.children()})
     # torch.compile(layer) registered in the model: the wrapper's forward is the compiled call of the nn.Linear it was
     # built from, which an FP8 layer put in its place as _orig_mod would not change.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
-    for m in module.modules() if eval_frame is not None else ():
-        if isinstance(m, eval_frame.OptimizedModule):
-            bypassed[id(m._orig_mod)] = "state_dict_hooks"
+    bypassed.update({id(m._orig_mod): "state_dict_hooks" for m in module.modules() if is_compiled_wrapper(m)})
     return bypassed
+
+
+def is_compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(m)`` returns (``OptimizedModule``), whose forward was bound to
+    ``m`` (its ``_orig_mod``) when it was built."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

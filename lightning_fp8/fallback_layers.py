@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8.convert import CALL_HOOKS, share_hooks
-from lightning_fp8.eligibility import FALLBACK_ATTR, STATE_DICT_HOOKS
+from lightning_fp8.eligibility import FALLBACK_ATTR, STATE_DICT_HOOKS, is_compiled_wrapper, is_fallen_back
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import master
@@ -70,7 +70,7 @@ def fallen_back_layers(model: nn.Module) -> list[str]:
     Save them with a checkpoint: a model converted afresh has those layers in FP8 again, and its FP8 scaling state
     and optimizer state would not match the checkpoint's.
     """
-    return [name for name, module in model.named_modules() if getattr(module, FALLBACK_ATTR, False)]
+    return [name for name, module in model.named_modules() if is_fallen_back(module)]
 
 
 def put_back_to_high_precision(
@@ -125,7 +125,7 @@ def put_back_to_high_precision(
     modules = dict(model.named_modules())
     # Each name once (dict.fromkeys keeps the order): a name given twice was put back twice and returned twice.
     names = list(dict.fromkeys(_as_layer_names(model, modules, names)))
-    names = [name for name in names if not getattr(modules.get(name), FALLBACK_ATTR, False)]
+    names = [name for name in names if not is_fallen_back(modules.get(name))]
     _check_can_put_back(modules, names, optimizers)
     for name in names:
         _swap(model, modules, name, optimizers)
@@ -274,3 +274,7 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
         for key, child in list(parent._modules.items()):
             if child is old:
                 setattr(parent, key, new)
+                if key == "_orig_mod" and is_compiled_wrapper(parent):  # torch.compile(old) held by the model: its
+                    # forward is the compiled call of the module it was built from; bind it to the new one, as its
+                    # constructor does (else the old FP8 layer kept running)
+                    parent._initialize()

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_fp8 import recovery
 from lightning_fp8.convert import fp8_modules
-from lightning_fp8.eligibility import FALLBACK_ATTR
+from lightning_fp8.eligibility import is_fallen_back
 from lightning_fp8.integrations.lightning import comm
 from lightning_fp8.integrations.lightning.callbacks import _unwrap_optimizer
 from lightning_fp8.linear import FP8Linear
@@ -246,7 +246,7 @@ def _first(names: list[str], count: int = 5) -> str:
 
 
 def _fp8_or_put_back(layer: nn.Module | None) -> bool:
-    return isinstance(layer, FP8Linear) or getattr(layer, FALLBACK_ATTR, False)
+    return isinstance(layer, FP8Linear) or is_fallen_back(layer)
 
 
 def _rank() -> int:
