@@ -68,6 +68,7 @@ from lightning_fp8.integrations.lightning.precision_state import _PrecisionState
 from lightning_fp8.integrations.lightning.precision_step import _PrecisionStep
 from lightning_fp8.integrations.lightning.refusals import (
     _is_ddp,
+    _refuse_averaging_with_weight_copies,
     _refuse_bf16_fallback_in_data_parallel,
     _refuse_fabric,
     _refuse_pruning_of_converted_layers,
@@ -192,15 +193,18 @@ class _FP8LMPrecisionLogic(_PrecisionStep, _PrecisionState, _PrecisionOptimizers
         if self.replace_optimizers:
             self._adopt_brought_scaler(optimizers)
             optimizers = [self._replace_optimizer(opt, lr_schedulers) for opt in optimizers]
+        # Before the refusals below: the teardown that follows one releases the masters these optimizers adopted
+        # (else the weights stayed fp16 masters times a scale, and a next fit of the module failed on them).
+        self._optimizers = list(optimizers)
         _refuse_bf16_fallback_in_data_parallel(self.grad_scaler, self._module)  # a user's FP8AdamW may bring its scaler
         # The masters in the weights' storage are the plugin's at O2, or an FP8AdamW's of the user's whatever the
         # plugin's recipe (kept as built: an O2 one under precision='fp8-lm-o1' or replace_optimizers=False)
         if self._will_adopt_masters() or any(_holds_masters_in_storage(_unwrap_optimizer(o)) for o in optimizers):
             _refuse_weight_averaging(self._module)
+        _refuse_averaging_with_weight_copies(self._module, [_unwrap_optimizer(o) for o in optimizers])
         _refuse_pruning_of_converted_layers(self._module)
         if self.fp8_communication:
             self.comm_hooks, self.comm_state = comm.install_comm_hooks(model, self.grad_scaler, self.recipe)
-        self._optimizers = list(optimizers)
         self.grad_scaler._set_optimizer_order(self._optimizers)  # each optimizer's saved run, by its index
         return model, optimizers, lr_schedulers
 

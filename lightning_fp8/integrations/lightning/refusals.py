@@ -108,6 +108,23 @@ def _refuse_weight_averaging(module: nn.Module | None) -> None:
         )
 
 
+def _refuse_averaging_with_weight_copies(module: nn.Module | None, optimizers: list[Any]) -> None:
+    """Raise ValueError if the Trainer has one of Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``)
+    while an FP8AdamW writes FP8 copies of the weights (``emit_fp8_weights=True``): the callback swaps the averaged
+    weights in through ``param.data``, which the copies' validity check cannot see (lightning_fp8/weight_cache.py), so
+    the evaluation forwards computed with the copies of the current weights, silently. (StochasticWeightAveraging
+    writes through the parameters, which the check sees.)"""
+    averaging = _callbacks_of(module, ("WeightAveraging",))
+    emitting = [o for o in optimizers if getattr(o, "emit_fp8_weights", False) is True]
+    if averaging and emitting:
+        raise ValueError(
+            f"precision='fp8-lm' cannot run {type(averaging[0]).__name__} with an FP8AdamW(emit_fp8_weights=True): "
+            "the callback swaps the averaged weights in through param.data, which the FP8 weight copies the optimizer "
+            "writes for the next forwards do not follow, so evaluation would use the current weights' copies. Create "
+            "the FP8AdamW with emit_fp8_weights=False (the default)"
+        )
+
+
 def _refuse_pruning_of_converted_layers(module: nn.Module | None) -> None:
     """Raise ValueError if Lightning's ModelPruning will prune a layer that the conversion replaced: it collects its
     modules in ``setup``, before the plugin converts them, so its masks would go to the replaced ``nn.Linear`` while
@@ -125,5 +142,6 @@ def _refuse_pruning_of_converted_layers(module: nn.Module | None) -> None:
                 f"precision='fp8-lm' cannot run {type(callback).__name__} on layers it converts to FP8Linear (here "
                 f"{gone[0]!r} and {len(gone) - 1} more): the callback collected them before the conversion, so its "
                 "masks would never reach the FP8 layers. Leave the layers to prune in high precision "
-                "(FP8LMPrecision(module_filter_fn=...) returning False for them), or prune before training"
+                "(FP8LMPrecision(module_filter_fn=...) returning False for them) in a module built afresh (this one's "
+                "layers are FP8 layers now), or prune before training"
             )
