@@ -41,13 +41,16 @@ def forward_weight_reads(cls: type) -> Mapping[str, str]:
         aliases = _aliases(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.ctx, ast.Load):
-                path, parent = _self_path(node.value, aliases), parents.get(node)
-                if path is None or _is_type_check(parent):
+                paths, parent = _self_paths(node.value, aliases), parents.get(node)
+                if _is_type_check(parent):
                     continue
-                if isinstance(parent, ast.Attribute) and parent.attr == "dtype" and _is_cast_argument(parent, parents):
-                    found.setdefault(path, "dtype_cast")
-                elif not (isinstance(parent, ast.Attribute) and parent.attr in _WEIGHT_METADATA):
-                    found[path] = "weight_read"
+                attr = parent.attr if isinstance(parent, ast.Attribute) else None
+                cast = attr == "dtype" and _is_cast_argument(parent, parents)
+                for path in paths:  # a local name bound to several layers: each may be the one read
+                    if cast:
+                        found.setdefault(path, "dtype_cast")
+                    elif attr not in _WEIGHT_METADATA:
+                        found[path] = "weight_read"
     return types.MappingProxyType(found)  # cached: read-only
 
 
@@ -112,34 +115,38 @@ def _names(code: types.CodeType) -> Iterator[str]:
             yield from _names(const)
 
 
-def _self_path(node: ast.expr, aliases: Mapping[str, str] = types.MappingProxyType({})) -> str | None:
-    # "a.b" for the expression self.a.b, "a.*" for self.a[k] (any layer held by the container self.a), the path of a
-    # local name bound to one of those (aliases); else None.
+def _self_path(node: ast.expr) -> str | None:
+    # "a.b" for the expression self.a.b, "a.*" for self.a[k] (any layer held by the container self.a); else None.
+    paths = _self_paths(node)
+    return paths[0] if paths else None
+
+
+def _self_paths(node: ast.expr, aliases: Mapping[str, tuple[str, ...]] = types.MappingProxyType({})) -> list[str]:
+    # The paths _self_path gives, or those of a local name bound to sub-layers of self (aliases: every path it is bound
+    # to somewhere in the function, as a read may meet any of them).
     if isinstance(node, ast.Subscript):
-        container = _self_path(node.value)
-        return None if container is None or container.endswith("*") else f"{container}.*"
+        return [f"{c}.*" for c in _self_paths(node.value) if not c.endswith("*")]
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
     if not isinstance(node, ast.Name):
-        return None
-    base = "" if node.id == "self" else aliases.get(node.id)
-    if base is None or not (parts or base) or (parts and base.endswith("*")):
-        return None
-    return ".".join([base, *reversed(parts)] if base else reversed(parts))
+        return []
+    bases = ("",) if node.id == "self" else aliases.get(node.id, ())
+    return [".".join([base, *reversed(parts)] if base else reversed(parts))
+            for base in bases if (parts or base) and not (parts and base.endswith("*"))]  # fmt: skip
 
 
-def _aliases(tree: ast.AST) -> dict[str, str]:
+def _aliases(tree: ast.AST) -> dict[str, tuple[str, ...]]:
     # Local names bound to a sub-layer of self (lora_A = self.lora_A[adapter]; proj = self.proj; proj: nn.Linear =
     # self.proj; proj, scale = self.proj, 1.0; (proj := self.proj)) or to each layer a container holds (for layer in
-    # self.layers, in a loop or a comprehension; enumerate(self.layers), self.experts.values()): their path. A name
-    # bound twice to different paths is left out (which one a read meets is not known from the source).
-    aliases: dict[str, str | None] = {}
+    # self.layers, in a loop or a comprehension; enumerate(self.layers), self.experts.values()): every path each is
+    # bound to (which one a read meets is not known from the source).
+    aliases: dict[str, tuple[str, ...]] = {}
     for target, path in _bindings(tree):
-        if isinstance(target, ast.Name) and path is not None:
-            aliases[target.id] = path if aliases.get(target.id, path) == path else None
-    return {name: path for name, path in aliases.items() if path is not None}
+        if isinstance(target, ast.Name) and path is not None and path not in aliases.get(target.id, ()):
+            aliases[target.id] = (*aliases.get(target.id, ()), path)
+    return aliases
 
 
 def _bindings(tree: ast.AST) -> Iterator[tuple[ast.expr, str | None]]:
@@ -155,8 +162,14 @@ def _bindings(tree: ast.AST) -> Iterator[tuple[ast.expr, str | None]]:
 
 def _pairs(target: ast.expr, value: ast.expr) -> Iterator[tuple[ast.expr, str | None]]:
     if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
-        if len(target.elts) == len(value.elts):
-            for t, v in zip(target.elts, value.elts, strict=True):
+        starred = [i for i, t in enumerate(target.elts) if isinstance(t, ast.Starred)]
+        head = starred[0] if starred else len(target.elts)  # a, *rest = ...: the names before and after the star
+        tail = len(target.elts) - head - 1 if starred else 0
+        if len(value.elts) == len(target.elts) or (starred and len(value.elts) >= head + tail):
+            for t, v in zip(target.elts[:head], value.elts[:head], strict=True):
+                yield from _pairs(t, v)
+            ends = zip(target.elts[len(target.elts) - tail :], value.elts[len(value.elts) - tail :], strict=True)
+            for t, v in ends if tail else ():
                 yield from _pairs(t, v)
         return
     yield target, _self_path(value)
@@ -166,12 +179,12 @@ def _loop_pairs(target: ast.expr, iterable: ast.expr) -> Iterator[tuple[ast.expr
     # for layer in self.layers / self.layers[1:] / self.layers.values() / reversed(self.layers); for i, layer in
     # enumerate(...); for name, layer in self.layers.items().
     pair = isinstance(target, ast.Tuple) and len(target.elts) == 2
-    if isinstance(iterable, ast.Call) and not iterable.keywords and len(iterable.args) == 1:
+    if isinstance(iterable, ast.Call) and iterable.args:
         name = getattr(iterable.func, "id", None)
-        if name == "enumerate" and pair:
+        if name == "enumerate" and pair:  # enumerate(self.layers, 1), enumerate(..., start=1) too
             yield from _loop_pairs(target.elts[1], iterable.args[0])
             return
-        if name == "reversed":
+        if name == "reversed" and len(iterable.args) == 1 and not iterable.keywords:
             yield from _loop_pairs(target, iterable.args[0])
             return
     if isinstance(iterable, ast.Call) and not iterable.args and isinstance(iterable.func, ast.Attribute):

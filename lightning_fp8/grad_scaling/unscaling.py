@@ -236,6 +236,8 @@ class _Unscaling:
             RuntimeError: when called twice for one optimizer since the last :meth:`update`, or after its step.
             TypeError: for what is no optimizer (no ``param_groups``).
         """
+        if not isinstance(optimizer, torch.optim.Optimizer):  # an LR scheduler has an .optimizer too: refused, as step
+            check_optimizer("unscale_", optimizer)
         optimizer = _inner_optimizer(optimizer)
         check_optimizer("unscale_", optimizer)
         if getattr(optimizer, "_fp8_step", None) is not None:
