@@ -33,3 +33,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """warn_once warns once per process: warn again in this test."""
+    import lightning_fp8.warnings
+
+    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())

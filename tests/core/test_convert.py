@@ -19,12 +19,6 @@ from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, sqnr
 TWO_GEMMS_SQNR_DB = 20.0
 
 
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """warn_once warns once per process: warn again in this test."""
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-
-
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -10,14 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_fp8.warnings
 from lightning_fp8 import FP8Linear, convert_to_fp8
-
-
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """warn_once warns once per process: warn again in this test."""
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
 
 
 def _messages(model: nn.Module) -> list[str]:

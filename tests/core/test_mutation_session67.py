@@ -101,7 +101,6 @@ import torch
 from lightning_fp8.kernels.reference_grad_cast import STATE_SLOTS, new_grad_cast_state
 from torch import nn
 
-import lightning_fp8.warnings
 from lightning_fp8 import (
     E4M3,
     E5M2,
@@ -121,12 +120,6 @@ from lightning_fp8.recovery import fallen_back_layers, put_back_to_high_precisio
 from tests.numerics import FORWARD_SQNR_DB, assert_same, sqnr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """warn_once warns once per process: warn again in the test."""
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
 
 
 # ------------------------------------------------------------------------------------------------ grad_cast states

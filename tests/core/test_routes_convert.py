@@ -39,7 +39,6 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
-import lightning_fp8.warnings
 from lightning_fp8 import FP8AdamW, FP8Linear, ScalingState, convert_to_fp8, fp8_modules
 from tests.numerics import BACKWARD_SQNR_DB, FORWARD_SQNR_DB, assert_same, sqnr
 
@@ -50,12 +49,6 @@ TWO_GEMMS_SQNR_DB = 20.0
 # test_routes_hugging_face.py): FP8 rounding of the GEMMs and gradients moves each step a little; measured below 0.4%
 # here, bf16 and fp16 models included.
 LOSS_RTOL = 0.02
-
-
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """warn_once warns once per process: warn again in this test."""
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
 
 
 def _mlp(seed: int = 0, **factory) -> nn.Sequential:

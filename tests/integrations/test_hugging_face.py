@@ -26,12 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_SQNR_DB = 20.0
 
 
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """warn_once warns once per process: warn again in the test."""
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-
-
 def _train(model: nn.Module, steps: int, lr: float = 1e-3, **batch: torch.Tensor) -> list[float]:
     """The losses of ``steps`` FP8AdamW steps of ``model`` on one batch (its ``labels`` included)."""
     optimizer = FP8AdamW(model.parameters(), lr=lr)

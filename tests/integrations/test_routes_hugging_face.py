@@ -136,12 +136,6 @@ ENCODER_DECODER = {"t5"}
 MASKED_LM = {"bert"}
 
 
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """warn_once warns once per process: warn again in the test."""
-    monkeypatch.setattr(lightning_fp8.warnings, "_seen", set())
-
-
 def _build(family: str, seed: int = 0) -> nn.Module:
     cls, config = FAMILIES[family][0]()
     torch.manual_seed(seed)
