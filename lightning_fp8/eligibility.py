@@ -288,18 +288,19 @@ def check_wrappable(layer: nn.Module, caller: str) -> None:
             f"{caller}: {layer_repr} is already an FP8Linear; use it as it is (convert_to_fp8 leaves FP8 layers as "
             "they are). For another recipe, convert the original nn.Linear, or build a new FP8Linear(..., recipe=...)"
         )
-    if layer.weight.dtype not in _ACTIVATION_DTYPES:  # as every forward would refuse it (a bias is cast)
-        raise TypeError(
-            f"{caller}: {layer_repr} has a {layer.weight.dtype} weight; FP8 layers keep float32, bfloat16 or float16 "
-            "weights: cast the layer first (layer.float()) or keep it as nn.Linear (convert_to_fp8 leaves such "
-            "layers as they are)"
-        )
+    # The reasons first: they never read the weight, which may be missing (deleted, None) or computed on access.
     reason = _reason_refused(layer)
     if reason is not None:
         because, fix = _LEFT_BECAUSE[reason]
         raise ValueError(
             f"{caller}: {layer_repr} cannot become an FP8Linear; convert_to_fp8 leaves such layers in high precision "
             f"because {because}" + (f"; {fix}" if fix else "")
+        )
+    if layer.weight.dtype not in _ACTIVATION_DTYPES:  # as every forward would refuse it (a bias is cast)
+        raise TypeError(
+            f"{caller}: {layer_repr} has a {layer.weight.dtype} weight; FP8 layers keep float32, bfloat16 or float16 "
+            "weights: cast the layer first (layer.float()) or keep it as nn.Linear (convert_to_fp8 leaves such "
+            "layers as they are)"
         )
 
 

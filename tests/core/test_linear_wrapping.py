@@ -36,6 +36,15 @@ def _buffer_weight() -> nn.Linear:
     return layer
 
 
+def _no_weight(deleted: bool) -> nn.Linear:
+    layer = nn.Linear(32, 32)
+    if deleted:
+        del layer.weight
+    else:
+        layer.weight = None
+    return layer
+
+
 def _hook_weight_norm(layer: nn.Linear) -> nn.Linear:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # nn.utils.weight_norm's deprecation
@@ -44,12 +53,18 @@ def _hook_weight_norm(layer: nn.Linear) -> nn.Linear:
 
 REFUSED = {  # kind: (build the layer, its type's name, the reason's words)
     "parametrizations.weight_norm": (
-        lambda: parametrizations.weight_norm(nn.Linear(32, 32)), "ParametrizedLinear", "computed from other parameters"
+        lambda: parametrizations.weight_norm(nn.Linear(32, 32)),
+        "ParametrizedLinear",
+        "computed from other parameters",
     ),
     "nn.utils.weight_norm": (lambda: _hook_weight_norm(nn.Linear(32, 32)), "Linear", "computed from other parameters"),
     "lora subclass": (lambda: LoRALinear(32, 32), "LoRALinear", "subclasses of nn.Linear"),
     "bare subclass": (lambda: TaggedLinear(32, 32), "TaggedLinear", "subclasses of nn.Linear"),
     "buffer weight": (_buffer_weight, "Linear", r"not an nn.Parameter.*nn.Parameter\(tensor, requires_grad=False\)"),
+    # Found by session 68's review of the sweeps' left-overs: both raised a raw AttributeError (the weight's dtype was
+    # read before the reasons); convert_to_fp8 left such layers already.
+    "weight None": (lambda: _no_weight(deleted=False), "Linear", "not an nn.Parameter"),
+    "weight deleted": (lambda: _no_weight(deleted=True), "Linear", "not an nn.Parameter"),
 }
 
 
@@ -172,3 +187,24 @@ def test_a_bias_less_layer_keeps_bias_registered_as_nn_linear_does(how):
             module.bias = torch.zeros(16)
     layer.bias = nn.Parameter(torch.ones(16))  # as on nn.Linear: a parameter, in the state dict
     assert "bias" in layer.state_dict() and any(p is layer.bias for p in layer.parameters())
+
+
+def test_from_linear_of_a_parametrized_layer_refuses_without_computing_its_weight():
+    # Reading a ParametrizedLinear's weight runs the parametrization; the refusal must not need it.
+    layer = parametrizations.weight_norm(nn.Linear(32, 32))
+    calls = []
+    parametrize.register_parametrization(layer, "weight", _Counted(calls))
+    calls.clear()  # registering ran it once, to check its output
+    with pytest.raises(ValueError, match="cannot become an FP8Linear"):
+        FP8Linear.from_linear(layer)
+    assert calls == []
+
+
+class _Counted(nn.Module):
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        self.calls.append(1)
+        return weight
