@@ -91,7 +91,8 @@ def put_back_to_high_precision(
     Args:
         model: the model (or a module containing the layers); changed in place.
         names: qualified names in ``model``, as :func:`fallen_back_layers` returns them (those of the model under
-            another wrapper too: torch.compile's ``_orig_mod.``, a DDP wrapper's ``module.``).
+            another wrapper too: torch.compile's ``_orig_mod.``, a DDP wrapper's ``module.``). The name of a
+            ``torch.compile`` wrapper held by the model stands for the layer it compiled.
         optimizer: the optimizer (or a list of them) over the layers' weights; needed where FP8AdamW (O2) keeps a
             weight's master in the weight's storage.
 
@@ -136,7 +137,8 @@ def _as_layer_names(model: nn.Module, modules: dict[str, nn.Module], names: Iter
     """``names`` as ``model`` names its layers. A name it does not have is matched by its clean name (without the path
     components torch.compile, FSDP1 and activation checkpointing insert, and a DDP or DataParallel wrapper's leading
     ``module.``), as :func:`~lightning_fp8.load_fp8_state_dict` matches the keys of the FP8 state saved beside it: a
-    run saved from a compiled model ("_orig_mod.2") resumes in a model compiled after the load ("2"), and back."""
+    run saved from a compiled model ("_orig_mod.2") resumes in a model compiled after the load ("2"), and back. The name
+    of a ``torch.compile`` wrapper held by the model stands for the layer it compiled ("2" for "2._orig_mod")."""
     own: dict[str, str] = {}
     strip = wraps_as_module(model)
     for key in modules:
@@ -145,6 +147,8 @@ def _as_layer_names(model: nn.Module, modules: dict[str, nn.Module], names: Iter
     for name in names:
         if isinstance(name, str) and name not in modules:
             name = own.get(clean_name(name, strip_module=False), own.get(clean_name(name, strip_module=True), name))
+        while name and is_compiled_wrapper(modules.get(name)):
+            name = f"{name}._orig_mod"
         found.append(name)
     return found
 

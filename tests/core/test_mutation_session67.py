@@ -70,11 +70,9 @@ Survived, not pinned (4):
 
 - ``_reason_left``: the compile bypass checked after the other reasons: the layer is left either way, and only which of
   two true reasons the warning names differs (the mutant's, e.g. the sizes, is as actionable).
-- put_back's filter through getattr: differs only for the name of torch.compile's wrapper whose layer was put back
-  already (the code refuses it as no FP8Linear, the mutant skips it as put back). Neither is documented, and the
-  Lightning plugin maps that name to the layer (an eagerly saved ``"0"`` resumes into ``model[0] =
-  torch.compile(model[0])``) while put_back_to_high_precision refuses ``"0"`` even before: an inconsistency to settle
-  before pinning either.
+- put_back's filter through getattr: differed only for the name of torch.compile's wrapper whose layer was put back
+  already (the code refused it as no FP8Linear, the mutant skipped it as put back). Settled in session 68: the
+  wrapper's name stands for the layer it compiled, as in the Lightning plugin (test_recovery.py), so both skip it.
 - ``weight_features`` giving ``(0, 0)`` for a weight that is not 2-D: only a 1-D weight runs in nn.Linear (a
   matrix-vector product); code and mutant both convert it and its first FP8 forward raises (the code names the weight's
   shape).

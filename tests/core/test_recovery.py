@@ -726,3 +726,19 @@ def test_names_saved_under_another_wrapper_put_the_same_layers_back():
         ValueError, match="'_orig_mod.2' is not an FP8Linear inside the model"
     ):  # no such layer: as before
         put_back_to_high_precision(fresh()[0], ["_orig_mod.2"])
+
+
+def test_the_name_of_a_compile_wrapper_puts_back_the_layer_it_compiled():
+    # Found by session 67's compile sweep, left then: put_back_to_high_precision(model, ["0"]) with model[0] a
+    # torch.compile wrapper of an FP8Linear raised "'0' is not an FP8Linear inside the model" (the layer is
+    # "0._orig_mod"), while the Lightning plugin's resume maps such a name to the layer.
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    opt = FP8AdamW(model.parameters(), lr=1e-2)
+    layer = model[0]
+    model[0] = torch.compile(model[0], backend="eager")
+    assert put_back_to_high_precision(model, ["0"], opt) == ["0._orig_mod"]
+    assert type(model[0]._orig_mod) is nn.Linear and model[0]._orig_mod.weight is layer.weight
+    assert fallen_back_layers(model) == ["0._orig_mod"]
+    assert put_back_to_high_precision(model, ["0"], opt) == []  # already put back
+    x = torch.randn(4, 16)
+    assert torch.equal(model[0](x), F.linear(x, layer.weight, layer.bias))
