@@ -182,7 +182,7 @@ def _bypassed_layers(module: nn.Module) -> dict[int, str]:
     :data:`_LEFT_BECAUSE`."""
     bypassed = {}
     for parent in module.modules():
-        for path, use in forward_weight_reads(type(parent)).items():
+        for path, use in forward_weight_reads(type(parent), vars(parent).get("forward"), parent).items():
             if path.endswith(".*"):  # any layer the container holds (self.lora_A[adapter].weight)
                 container = _submodule(parent, path[:-2])
                 layers = list(container.children()) if container is not None else []

@@ -9,7 +9,8 @@ import functools
 import inspect
 import textwrap
 import types
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 
 from torch import nn
 
@@ -19,8 +20,7 @@ _WEIGHT_METADATA = frozenset(
 )
 
 
-@functools.cache
-def forward_weight_reads(cls: type) -> Mapping[str, str]:
+def forward_weight_reads(cls: type, forward: Callable | None = None, module: object = None) -> Mapping[str, str]:
     """The paths ``p`` for which the forward of ``cls`` (its ``forward`` and the methods of ``cls`` it names, as
     Mamba's calls ``self.cuda_kernels_forward``, and its bases' methods it calls through ``super()``) reads
     ``self.<p>.weight`` itself (directly or through a local name bound to ``self.<p>``, :func:`_aliases`; ``p`` is
@@ -28,51 +28,130 @@ def forward_weight_reads(cls: type) -> Mapping[str, str]:
     ``lora_A = self.lora_A[adapter]`` or a loop over ``self.layers``), read from the source: ``p`` ->
     ``"weight_read"`` where it computes with it (``self.dt_proj.weight @ x``), ``"dtype_cast"`` where it casts a tensor
     to its dtype (``x.to(self.wo.weight.dtype)``); other metadata (``.shape``, ``isinstance``) aside. Other methods (a
-    LoRA layer's ``merge``, initialization) run outside the training step. Empty where the source cannot be read."""
+    LoRA layer's ``merge``, initialization) run outside the training step. Empty where the source cannot be read.
+
+    ``forward``: an instance's own forward (``model.forward = ...``, which ``nn.Module.__call__`` runs) of ``module``,
+    read as well (with what it calls): a method bound to ``module``, a ``functools.partial`` given ``module`` first, or
+    a function reaching ``module`` through its closure or a global name. Each function's reading is cached (by the function object): a
+    forward patched on the class later is read afresh."""
     found: dict[str, str] = {}
-    for fn in _reached_methods(cls):
-        if "weight" not in _names(fn.__code__):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-        except Exception:  # no source to read (a REPL, generated code): a best effort, never a failed conversion
-            continue
-        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        aliases = _aliases(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.ctx, ast.Load):
-                paths, parent = _self_paths(node.value, aliases), parents.get(node)
-                if _is_type_check(parent):
-                    continue
-                attr = parent.attr if isinstance(parent, ast.Attribute) else None
-                cast = attr == "dtype" and _is_cast_argument(parent, parents)
-                for path in paths:  # a local name bound to several layers: each may be the one read
-                    if cast:
-                        found.setdefault(path, "dtype_cast")
-                    elif attr not in _WEIGHT_METADATA:
-                        found[path] = "weight_read"
-    return types.MappingProxyType(found)  # cached: read-only
+    for fn, self_names in _reached_methods(cls, _own_forward(forward, module)):
+        for path, use in _function_reads(fn, self_names).items():
+            if use == "weight_read" or path not in found:  # a read anywhere outweighs a cast elsewhere
+                found[path] = use
+    return types.MappingProxyType(found)
 
 
-def _reached_methods(cls: type) -> list[types.FunctionType]:
-    # The functions the forward of cls may call: the methods whose name its code (or theirs) uses, each resolved by
-    # the MRO as self.<name> is, and through super() from the class defining the caller (a subclass's forward calling
-    # super().forward(x): its base's forward too).
+# Each function's reads, by the names standing for the module in it (weakly: functions defined and dropped in a loop).
+_READS: weakref.WeakKeyDictionary[types.FunctionType, dict[frozenset[str], Mapping[str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _function_reads(fn: types.FunctionType, self_names: frozenset[str]) -> Mapping[str, str]:
+    by_names = _READS.setdefault(fn, {})
+    if self_names not in by_names:
+        by_names[self_names] = types.MappingProxyType(_read_function(fn, self_names))
+    return by_names[self_names]
+
+
+def _read_function(fn: types.FunctionType, self_names: frozenset[str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    if "weight" not in _names(fn.__code__):
+        return found
+    try:
+        tree = _AsSelf(self_names).visit(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+    except Exception:  # no source to read (a REPL, generated code): a best effort, never a failed conversion
+        return found
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    aliases = _aliases(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.ctx, ast.Load):
+            paths, parent = _self_paths(node.value, aliases), parents.get(node)
+            if _is_type_check(parent):
+                continue
+            attr = parent.attr if isinstance(parent, ast.Attribute) else None
+            cast = attr == "dtype" and _is_cast_argument(parent, parents)
+            for path in paths:  # a local name bound to several layers: each may be the one read
+                if cast:
+                    found.setdefault(path, "dtype_cast")
+                elif attr not in _WEIGHT_METADATA:
+                    found[path] = "weight_read"
+    return found
+
+
+class _AsSelf(ast.NodeTransformer):
+    """Renames the names standing for the module to ``self`` (and a ``self`` that is something else away from it), so
+    that the reading below knows one name for the module."""
+
+    def __init__(self, self_names: frozenset[str]) -> None:
+        self.self_names = self_names
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        if node.id in self.self_names:
+            node.id = "self"
+        elif node.id == "self":
+            node.id = " not self"  # no identifier: matches no name
+        return node
+
+
+_SELF = frozenset({"self"})
+
+
+def _own_forward(forward: Callable | None, module: object) -> tuple[types.FunctionType, frozenset[str]] | None:
+    """The function of an instance's own ``forward`` and the names standing for ``module`` in it; None where it is
+    none of the forms :func:`forward_weight_reads` reads."""
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        fn, first = forward.__func__, True
+    elif isinstance(forward, functools.partial) and forward.args and forward.args[0] is module:
+        fn, first = forward.func, True  # Accelerate's hooks: partial(new_forward, module)
+    else:
+        fn, first = forward, False
+    if not isinstance(fn, types.FunctionType):
+        return None
+    code = fn.__code__
+    names = {code.co_varnames[0]} if first and code.co_argcount else set()
+    cells = zip(code.co_freevars, fn.__closure__ or (), strict=True)
+    names.update(name for name, cell in cells if _cell_value(cell) is module)
+    names.update(name for name in code.co_names if fn.__globals__.get(name) is module)  # a script's global model
+    return (fn, frozenset(names)) if names else None
+
+
+def _cell_value(cell: types.CellType) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _reached_methods(
+    cls: type, own: tuple[types.FunctionType, frozenset[str]] | None = None
+) -> list[tuple[types.FunctionType, frozenset[str]]]:
+    # The functions the forward of cls (and the instance's own forward, own) may call, with the names standing for the
+    # module in each: the methods whose name their code uses, each resolved by the MRO as self.<name> is, and through
+    # super() from the class defining the caller (a subclass's forward calling super().forward(x): its base's forward
+    # too).
     mro = [klass for klass in cls.__mro__ if klass is not nn.Module and klass is not object]
-    reached: dict[types.FunctionType, int] = {}  # function -> the index in mro of the class defining it
-    todo = [_method(mro, "forward", 0)]
+    reached: dict[tuple[types.FunctionType, frozenset[str]], int] = {}  # -> the index in mro of its defining class
+    todo = [_with_self(_method(mro, "forward", 0))]
+    if own is not None:
+        todo.append((own[0], len(mro), own[1]))  # no class of mro defines it: super() in it means nothing here
     while todo:
         found = todo.pop()
-        if found is None or found[0] in reached:
+        if found is None or (found[0], found[2]) in reached:
             continue
-        fn, index = found
-        reached[fn] = index
+        fn, index, names_of_self = found
+        reached[fn, names_of_self] = index
         names = set(_names(fn.__code__))
         for name in names:
-            todo.append(_method(mro, name, 0))
-            if "super" in names:
-                todo.append(_method(mro, name, index + 1))
+            todo.append(_with_self(_method(mro, name, 0)))
+            if "super" in names and index < len(mro):
+                todo.append(_with_self(_method(mro, name, index + 1)))
     return list(reached)
+
+
+def _with_self(found: tuple[types.FunctionType, int] | None) -> tuple[types.FunctionType, int, frozenset[str]] | None:
+    return None if found is None else (*found, _SELF)
 
 
 def _method(mro: list[type], name: str, start: int) -> tuple[types.FunctionType, int] | None:
