@@ -322,7 +322,9 @@ def state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
 def load_state_dict_pre_hook(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *args: Any, **kwargs: Any
 ) -> None:
-    """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale.
+    """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale. The weight's own
+    storage (``dict(model.named_parameters())``) loads as the no-op it is; another adopted weight (another O2 model's
+    parameter) loads as its unscaled value.
 
     Raises:
         RuntimeError: for ``load_state_dict(..., assign=True)`` into an adopted weight, before anything of this layer
@@ -346,6 +348,12 @@ def load_state_dict_pre_hook(
     incoming = state_dict[key]
     if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape or incoming.is_meta:
         return  # the default loader reports the mismatch (a meta tensor: it warns that the copy is a no-op)
+    if _is_stored_in(incoming, weight):
+        # The weight's own storage (model.load_state_dict(dict(model.named_parameters())); torch's distributed
+        # checkpoint set_model_state_dict fills the keys a partial dict lacks so): the scaled master, copied on itself.
+        return
+    if master_scale(incoming) is not None:  # another adopted weight (another O2 model's named_parameters()): scaled
+        incoming = export(incoming)
     if incoming.dtype in FP8_DTYPES:  # torch copies FP8 values into a wider parameter; isfinite has no FP8 kernel
         incoming = incoming.float()
     if weight.dtype == torch.float16 and incoming.is_floating_point() and not bool(torch.isfinite(incoming).all()):
@@ -363,3 +371,17 @@ def load_state_dict_pre_hook(
         master_scale(weight).copy_(scale)
         getattr(weight, AMAX_ATTR).copy_(amax)
     state_dict[key] = scaled
+
+
+def _is_stored_in(tensor: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``tensor`` is ``weight`` or a plain view of all of its values (``weight.detach()``, ``weight.data``)."""
+    if tensor is weight:
+        return True
+    plain = type(tensor) in (torch.Tensor, nn.Parameter) and type(weight) in (torch.Tensor, nn.Parameter)  # no DTensor
+    return (
+        plain
+        and tensor.device == weight.device
+        and tensor.dtype == weight.dtype
+        and tensor.data_ptr() == weight.data_ptr()
+        and tensor.stride() == weight.stride()
+    )

@@ -160,3 +160,32 @@ def test_fp8_and_meta_weights_load_into_an_fp16_master_as_torch_loads_them_into_
     with pytest.raises(RuntimeError, match="Cannot copy out of meta tensor"):
         model.load_state_dict(meta)
     assert torch.equal(model.state_dict()["0.weight"], before)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-lm", "fp8-lm-o1"])
+def test_the_models_own_parameters_load_as_a_no_op_and_another_models_as_their_true_weights(recipe):
+    # Found by session 68's Accelerate built-ins sweep: model.load_state_dict(dict(model.named_parameters())), a no-op
+    # in torch (and what torch.distributed.checkpoint's set_model_state_dict does for the keys a partial dict lacks, as
+    # Accelerate's sharded load_checkpoint_in_model), took the scaled fp16 master of O2 as a true weight and scaled it
+    # again: weights ~4e4 instead of ~0.1, the master scale 1. Another O2 model's parameters were taken so too.
+    torch.manual_seed(0)
+    model, other = convert_to_fp8(_plain(), recipe), convert_to_fp8(_plain(), recipe)
+    opts = [FP8AdamW(m.parameters(), lr=1e-2, recipe=recipe) for m in (model, other)]
+    for m, opt in zip((model, other), opts, strict=True):
+        m(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+    x = torch.randn(8, 32)
+    before, state, scale = model(x), model.state_dict(), master.master_scale(model[0].weight)
+    scale = None if scale is None else scale.clone()
+    for own in (dict(model.named_parameters()), {k: v.detach() for k, v in model.named_parameters()}):
+        model.load_state_dict(own)
+        assert torch.equal(model(x), before)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        if scale is not None:
+            assert torch.equal(master.master_scale(model[0].weight), scale)
+    model.load_state_dict(dict(other.named_parameters()))  # another O2 model: its true weights
+    for k, v in other.state_dict().items():
+        if k.endswith("bias"):
+            assert torch.equal(model.state_dict()[k], v)
+        else:  # stored again as a scaled fp16 master: within fp16 rounding
+            torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-3, atol=0)

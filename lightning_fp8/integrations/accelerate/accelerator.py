@@ -383,6 +383,12 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
             logger.info(message)
 
     @override
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        # A weight's storage that FP8AdamW (O2) holds as a scaled fp16 master: refused (LocalSGD at O2).
+        refusals.check_not_masters(tensor, self._fp8_prepared_optimizer(), "accelerator.reduce")
+        return super().reduce(tensor, reduction, scale)
+
+    @override
     def free_memory(self, *objects: Any) -> Any:
         # Training is over: the FP8 weights get their own storage back (unscaled, the model's dtype), as a later
         # optimizer, Accelerator or precision would otherwise train their fp16 masters times a scale.

@@ -94,13 +94,25 @@ class GradientsMixin:
         since mu is a power of two. The norm is accumulated in fp32 (FP8 weights' gradients are fp16 at O2, whose
         range a norm over many values can exceed). Under FSDP2 and tensor parallelism Accelerate's own clipping runs,
         on the scaled gradients: torch's 1e-6 guard against a zero norm then counts in their units (a relative
-        difference of 1e-6 / (mu * norm) from the unscaled clipping, seen only for norms near 1e-6).
+        difference of 1e-6 / (mu * norm) from the unscaled clipping, seen only for norms near 1e-6). After
+        :meth:`unscale_gradients` it clips the scaled values that call kept (fp16 gradients divided by mu lose bits,
+        or become 0), and leaves the gradients unscaled again, as it found them.
         """
         if self.fp8_grad_scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         check_clip_limit("accelerator.clip_grad_norm_", "max_norm", max_norm)
         norm_type = checked_norm_type("accelerator.clip_grad_norm_", norm_type)
         parameters = unique(parameters)
+        unscaled = self._fp8_optimizer.unscaled if self._fp8_optimizer is not None else None
+        if unscaled is not None:  # after unscale_gradients: clip the scaled values it kept, not the rounded quotients
+            self._fp8_optimizer.scale_back()
+        try:
+            return self._fp8_clip_grad_norm(parameters, max_norm, norm_type)
+        finally:
+            if unscaled is not None:  # the script reads unscaled gradients on, as before the call
+                self._fp8_optimizer.unscale(unscaled.mu)
+
+    def _fp8_clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         mu = self._fp8_grad_factor(parameters)
         if self.is_fsdp2 or self._fp8_tp_enabled:  # DTensor gradients: Accelerate's mesh-aware clipping, scaled
             self._fp8_clipping = True  # its unscale_gradients call leaves mu as it is

@@ -8,7 +8,8 @@ Accelerate set up something else (the CPU); a ``GradScalerKwargs`` handler
 gradient scaler (one gradient scale mu scales the loss and unscales the gradients); an optimizer prepared before
 the model, or an FP8AdamW (O2) that took the model's linear weights for ordinary parameters before they became FP8
 weights; an FP8AdamW (O2) prepared after DDP wrapped its model; the ``"bf16"`` fallback with a prepared model that is
-itself an FP8 layer; and clipping that would miss gradients held in FP8.
+itself an FP8 layer; clipping that would miss gradients held in FP8; and a collective over FP8AdamW's scaled fp16
+masters (LocalSGD's average of ``param.data``).
 :mod:`~lightning_fp8.integrations.accelerate.accelerator` calls them from ``__init__`` and ``prepare*``,
 :mod:`~lightning_fp8.integrations.accelerate.gradients` from ``backward`` and the clipping methods.
 """
@@ -27,6 +28,7 @@ from lightning_fp8.integrations.accelerate.config import ENV_RECIPE, FP8LaunchCo
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.mlp import FP8MLP
 from lightning_fp8.optim import FP8AdamW, master
+from lightning_fp8.optim.shards import is_dtensor
 
 
 def is_fresh_optimizer(obj: Any) -> bool:
@@ -264,4 +266,26 @@ def check_clippable(optimizer: torch.optim.Optimizer | None, caller: str) -> Non
             "FP8AdamW holds in FP8 (fp8_grads=True: they leave param.grad as soon as they are computed; "
             "accelerator.clip_grad_norm_ clips them too): create it with fp8_grads=False (or pass a torch AdamW, "
             "which prepare() swaps with fp8_grads=False)"
+        )
+
+
+def check_not_masters(tensors: Any, optimizer: torch.optim.Optimizer | None, caller: str) -> None:
+    """Raise if a tensor of ``tensors`` (nested as Accelerate's collectives take them) is the storage of a weight that
+    the prepared FP8AdamW (``optimizer``, O2) holds as a scaled fp16 master: its values are not the weight's (summed
+    over ranks they overflow fp16; each rank has its own scale). ``accelerate.local_sgd.LocalSGD`` averages
+    ``param.data`` so."""
+    if optimizer is None:
+        return
+    masters = {p.data_ptr(): p for group in optimizer.param_groups for p in group["params"]
+               if master.master_scale(p) is not None and not is_dtensor(p)}  # fmt: skip
+    if not masters:
+        return
+    leaves = [t for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor) and not is_dtensor(t)]
+    held = next((masters[t.data_ptr()] for t in leaves if not t.is_meta and t.data_ptr() in masters), None)
+    if held is not None:
+        raise ValueError(
+            f"{caller}: a tensor given is the storage of an FP8 weight of shape {tuple(held.shape)}, which FP8AdamW "
+            "(O2) holds as its fp16 master times a scale (not the weight's values; accelerate's LocalSGD averages "
+            "param.data so). Reduce the weights of accelerator.get_state_dict(model) instead, or train with the "
+            "fp8-lm-o1 recipe (O1 keeps the true weights in the parameters) to use LocalSGD. Nothing was reduced"
         )
