@@ -268,6 +268,8 @@ class FP8Linear(nn.Linear):
                 state.reset()
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        if name != "weight":  # pruning's weight_orig, weight_norm's weight_g, taking an O2 master
+            master.check_kept_weight(self, name, param)
         # Undoing a reparametrization, torch registers the weight where none is registered (it was the
         # reparametrization's); an assignment replacing a registered weight may be a tie (below).
         undoing = name == "weight" and self._parameters.get("weight") is None and _unparametrizing(self)
@@ -282,6 +284,11 @@ class FP8Linear(nn.Linear):
         # reason).
         if name == "weight" and "fp8_scaling" in self._modules and (_is_dtensor(param) or undoing):
             mark_weight(self)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "weight":  # parametrize and spectral_norm delete it first: refused for an O2 master
+            master.check_kept_weight(self, name)
+        super().__delattr__(name)
 
     def _apply(self, fn, recurse: bool = True):
         # to_empty() from the meta device gives the weight a new Parameter object, swap_module_params_on_conversion

@@ -14,6 +14,7 @@ read the scaled storage; :func:`~lightning_fp8.convert_to_fp8` keeps tied heads 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -172,8 +173,43 @@ def track_layer_scale(layer: nn.Module, weight: torch.Tensor | None) -> None:
     scale = None if weight is None else master_scale(weight)
     if scale is None:
         layer.__dict__.pop(LAYER_SCALE_ATTR, None)
+        _HELD.pop(layer, None)
     else:
         layer.__dict__[LAYER_SCALE_ATTR] = scale
+        _HELD[layer] = weight
+
+
+# Each FP8 layer's weight that holds a master, by layer (weakly: not in the layer's __dict__, which copies and pickles
+# would carry): what check_kept_weight puts back where a reparametrization deleted it behind the layer's back.
+_HELD: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def check_kept_weight(layer: nn.Module, name: str, param: torch.Tensor | None = None) -> None:
+    """Raise before a reparametrization takes ``layer``'s weight while FP8AdamW (O2) holds it as a scaled fp16 master:
+    ``torch.nn.utils.parametrize`` and ``spectral_norm`` delete the weight (``name`` "weight", from ``__delattr__``),
+    pruning registers it as ``weight_orig`` first, ``weight_norm`` registers ``weight_g`` after deleting it from the
+    parameters (put back here). They would compute from the scaled storage: weight norm's per-row norm overflows
+    fp16 (an inf weight once removed), spectral norm's power iteration gives NaN, and the state dict holds the storage.
+
+    Raises:
+        ValueError: naming ``optimizer.release_weights()``; the layer keeps its weight.
+    """
+    held = _HELD.get(layer)
+    if held is None or master_scale(held) is None:  # released (release_weights) or never held
+        return
+    current = layer._parameters.get("weight")
+    deleted = "weight" not in layer._parameters and name.startswith("weight_")
+    if not ((name == "weight" and current is held) or (name != "weight" and (param is held or deleted))):
+        return
+    if deleted:
+        layer._parameters["weight"] = held  # weight_norm deleted it from the parameters itself
+    raise ValueError(
+        f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features}): its weight "
+        "cannot be reparametrized (torch.nn.utils.parametrize, weight_norm, spectral_norm, pruning) or deleted while "
+        "FP8AdamW (O2) holds it as its fp16 master times a scale: the reparametrization would compute from the scaled "
+        "storage (weight norm overflows fp16, spectral norm gives NaN). Call optimizer.release_weights() first (the "
+        "weight gets its own storage back), or reparametrize before creating FP8AdamW. The layer keeps its weight"
+    )
 
 
 _PROBE = "lightning_fp8_adoption_probe"
@@ -324,7 +360,8 @@ def load_state_dict_pre_hook(
 ) -> None:
     """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale. The weight's own
     storage (``dict(model.named_parameters())``) loads as the no-op it is; another adopted weight (another O2 model's
-    parameter) loads as its unscaled value.
+    parameter, also saved and loaded: its master scale goes with it) loads as its unscaled value, into an adopted
+    weight or not.
 
     Raises:
         RuntimeError: for ``load_state_dict(..., assign=True)`` into an adopted weight, before anything of this layer
@@ -335,7 +372,12 @@ def load_state_dict_pre_hook(
     """
     key = prefix + "weight"
     weight = getattr(module, "weight", None)
-    if weight is None or key not in state_dict or master_scale(weight) is None:
+    if weight is None or key not in state_dict:
+        return
+    if master_scale(weight) is None:  # not adopted: takes true weights, so another O2 model's parameter exported
+        incoming = state_dict[key]
+        if isinstance(incoming, torch.Tensor) and not incoming.is_meta and master_scale(incoming) is not None:
+            state_dict[key] = export(incoming)
         return
     if local_metadata.get("assign_to_params_buffers", False):
         raise RuntimeError(

@@ -154,14 +154,19 @@ def test_forward_refuses_a_reparametrization_after_conversion(kind):
 def test_parametrized_after_conversion_at_o2_raises_instead_of_computing_garbage():
     """The FP8-weight marker stays on the parameter the weight is computed from: FP8AdamW (O2) kept its scaled fp16
     master there, and the layer computed its weight from the scaled storage (no error, garbage output). Now
-    FP8AdamW refuses such a layer, and a layer reparametrized after the optimizer adopted its weight refuses its
-    forward."""
+    FP8AdamW refuses such a layer, a reparametrization of a weight the optimizer holds as a master (O2) is refused
+    as it is put (session 68), and a layer reparametrized otherwise (at O1) refuses its forward."""
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
     parametrize.register_parametrization(model[0], "weight", _Half())
     with pytest.raises(ValueError, match="reparametrized after the conversion"):
         FP8AdamW(model.parameters(), lr=0.0)
     model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
     FP8AdamW(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match=r"cannot be reparametrized .*release_weights"):
+        parametrize.register_parametrization(model[0], "weight", _Half())
+    assert not parametrize.is_parametrized(model[0])
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)), "fp8-lm-o1")
+    FP8AdamW(model.parameters(), lr=0.0, recipe="fp8-lm-o1")
     parametrize.register_parametrization(model[0], "weight", _Half())
     with pytest.raises(RuntimeError, match=REPARAMETRIZED_AFTER), torch.no_grad():
         model(torch.randn(8, 32))
