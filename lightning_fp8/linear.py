@@ -35,7 +35,7 @@ from lightning_fp8.matmul import _FP8Matmul, current_flags, note_casts
 from lightning_fp8.matmul import backward_gemms as backward_gemms
 from lightning_fp8.matmul import forward_gemm as forward_gemm
 from lightning_fp8.matmul import grad_output_current as grad_output_current
-from lightning_fp8.optim import master
+from lightning_fp8.optim import master, master_layer
 from lightning_fp8.recipe import FP8Recipe, check_flag, resolve_recipe
 from lightning_fp8.recompute import forward_call
 from lightning_fp8.scaling import ScalingState
@@ -185,8 +185,8 @@ class FP8Linear(nn.Linear):
         # FP8AdamW (O2) recognises the weight by this marker and may keep its fp16 master in the weight's storage,
         # scaled: the hooks export and import the unscaled weight (lightning_fp8/optim/master.py).
         mark_weight(self)
-        self.register_state_dict_post_hook(master.state_dict_hook)
-        self.register_load_state_dict_pre_hook(master.load_state_dict_pre_hook)
+        self.register_state_dict_post_hook(master_layer.state_dict_hook)
+        self.register_load_state_dict_pre_hook(master_layer.load_state_dict_pre_hook)
         self.register_load_state_dict_pre_hook(before_load)
         self.register_load_state_dict_post_hook(after_load)
         self.fp8_scaling = nn.ModuleDict(
@@ -257,7 +257,8 @@ class FP8Linear(nn.Linear):
             init = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
             nn.Linear.reset_parameters(SimpleNamespace(weight=init, bias=self.bias))  # nn.Linear's init, into init
             incoming = {"weight": init}
-            master.load_state_dict_pre_hook(self, incoming, "", {})  # scales init, renews the master scale and amax
+            # scales init, renews the master scale and amax
+            master_layer.load_state_dict_pre_hook(self, incoming, "", {})
             with torch.no_grad():
                 weight.copy_(incoming["weight"])  # through the parameter: its FP8 copy is invalid from now on
         else:
@@ -269,7 +270,7 @@ class FP8Linear(nn.Linear):
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         if name != "weight":  # pruning's weight_orig, weight_norm's weight_g, taking an O2 master
-            master.check_kept_weight(self, name, param)
+            master_layer.check_kept_weight(self, name, param)
         # Undoing a reparametrization, torch registers the weight where none is registered (it was the
         # reparametrization's); an assignment replacing a registered weight may be a tie (below).
         undoing = name == "weight" and self._parameters.get("weight") is None and _unparametrizing(self)
@@ -287,7 +288,7 @@ class FP8Linear(nn.Linear):
 
     def __delattr__(self, name: str) -> None:
         if name == "weight":  # parametrize and spectral_norm delete it first: refused for an O2 master
-            master.check_kept_weight(self, name)
+            master_layer.check_kept_weight(self, name)
         super().__delattr__(name)
 
     def _apply(self, fn, recurse: bool = True):

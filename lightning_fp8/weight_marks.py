@@ -10,7 +10,7 @@ stay with the discarded tensor. What FP8 training set on the old object would be
 weight times (the forward would read the scaled fp16 storage), FP8AdamW's FP8 gradient hook and the FP8 weight copy.
 FP8Linear._apply (:func:`weight_marks`, :func:`put_back_marks`) and the load hooks :func:`before_load` and
 :func:`after_load` put them back. (assign=True into an adopted O2 weight is refused before anything is loaded:
-master.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta device, the weight
+master_layer.load_state_dict_pre_hook.) Loaded with assign=True into a layer converted on the meta device, the weight
 becomes real but the scaling buffers (not in the state_dict) would stay on meta: the post-hook makes them fresh ones
 on the weight's device, as converting there would have. A weight loaded into a layer that has run makes its input
 and grad_output scaling start fresh (:func:`start_fresh_for_new_weight`).

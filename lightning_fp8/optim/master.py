@@ -4,8 +4,8 @@ At O2 the optimizer owns the master weight, and the model's parameter would othe
 (fp32) copy. Instead the parameter's storage *becomes* the master: ``param.data`` holds ``w * scale`` in
 fp16, and the 0-dim fp32 ``scale`` hangs on the parameter (attribute :data:`SCALE_ATTR`). FP8Linear folds
 ``1 / scale`` into its weight cast (exact: a power of two), and its state_dict hooks (below) export and
-import the unscaled weight in the dtype the model had, so checkpoints and ``model.state_dict()`` never see
-the scaled storage.
+import the unscaled weight in the dtype the model had (:mod:`~lightning_fp8.optim.master_layer`), so checkpoints and
+``model.state_dict()`` never see the scaled storage.
 
 A parameter is an FP8 linear weight when :class:`~lightning_fp8.FP8Linear` marked it (:data:`MARKER`).
 Such a weight must be used only by its FP8 layer: a weight tied to another module (an embedding) would
@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn.utils import prune
 
 from lightning_fp8 import ops
-from lightning_fp8.formats import FP8_DTYPES
 from lightning_fp8.scale_rule import compute_scale
 
 MARKER = "_lightning_fp8_weight"  # set by FP8Linear on its weight
@@ -173,43 +172,16 @@ def track_layer_scale(layer: nn.Module, weight: torch.Tensor | None) -> None:
     scale = None if weight is None else master_scale(weight)
     if scale is None:
         layer.__dict__.pop(LAYER_SCALE_ATTR, None)
-        _HELD.pop(layer, None)
+        HELD_WEIGHTS.pop(layer, None)
     else:
         layer.__dict__[LAYER_SCALE_ATTR] = scale
-        _HELD[layer] = weight
+        HELD_WEIGHTS[layer] = weight
 
 
 # Each FP8 layer's weight that holds a master, by layer (weakly: not in the layer's __dict__, which copies and pickles
-# would carry): what check_kept_weight puts back where a reparametrization deleted it behind the layer's back.
-_HELD: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
-
-
-def check_kept_weight(layer: nn.Module, name: str, param: torch.Tensor | None = None) -> None:
-    """Raise before a reparametrization takes ``layer``'s weight while FP8AdamW (O2) holds it as a scaled fp16 master:
-    ``torch.nn.utils.parametrize`` and ``spectral_norm`` delete the weight (``name`` "weight", from ``__delattr__``),
-    pruning registers it as ``weight_orig`` first, ``weight_norm`` registers ``weight_g`` after deleting it from the
-    parameters (put back here). They would compute from the scaled storage: weight norm's per-row norm overflows
-    fp16 (an inf weight once removed), spectral norm's power iteration gives NaN, and the state dict holds the storage.
-
-    Raises:
-        ValueError: naming ``optimizer.release_weights()``; the layer keeps its weight.
-    """
-    held = _HELD.get(layer)
-    if held is None or master_scale(held) is None:  # released (release_weights) or never held
-        return
-    current = layer._parameters.get("weight")
-    deleted = "weight" not in layer._parameters and name.startswith("weight_")
-    if not ((name == "weight" and current is held) or (name != "weight" and (param is held or deleted))):
-        return
-    if deleted:
-        layer._parameters["weight"] = held  # weight_norm deleted it from the parameters itself
-    raise ValueError(
-        f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features}): its weight "
-        "cannot be reparametrized (torch.nn.utils.parametrize, weight_norm, spectral_norm, pruning) or deleted while "
-        "FP8AdamW (O2) holds it as its fp16 master times a scale: the reparametrization would compute from the scaled "
-        "storage (weight norm overflows fp16, spectral norm gives NaN). Call optimizer.release_weights() first (the "
-        "weight gets its own storage back), or reparametrize before creating FP8AdamW. The layer keeps its weight"
-    )
+# would carry): what master_layer.check_kept_weight puts back where a reparametrization deleted it behind the layer's
+# back.
+HELD_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 _PROBE = "lightning_fp8_adoption_probe"
@@ -344,86 +316,3 @@ def export(param: torch.Tensor) -> torch.Tensor:
         return param.detach()
     # The scale is an attribute, which a module's .to()/.cpu() does not move with the parameter.
     return (param.detach().float() / scale.to(param.device)).to(getattr(param, DTYPE_ATTR, torch.float32))
-
-
-# --------------------------------------------------------------------------------- FP8Linear state_dict hooks
-def state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """``module.state_dict()`` gives the unscaled weight, in the model's dtype, of an adopted weight."""
-    key = prefix + "weight"
-    weight = getattr(module, "weight", None)
-    if weight is not None and key in state_dict and master_scale(weight) is not None:
-        state_dict[key] = export(weight)
-
-
-def load_state_dict_pre_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *args: Any, **kwargs: Any
-) -> None:
-    """Loading an unscaled weight into an adopted parameter stores it scaled, with a fresh scale. The weight's own
-    storage (``dict(model.named_parameters())``) loads as the no-op it is; another adopted weight (another O2 model's
-    parameter, also saved and loaded: its master scale goes with it) loads as its unscaled value, into an adopted
-    weight or not.
-
-    Raises:
-        RuntimeError: for ``load_state_dict(..., assign=True)`` into an adopted weight, before anything of this layer
-            is loaded: the new Parameter would not be the one FP8AdamW steps (nor hold its scaled master).
-        ValueError: for a weight holding inf or NaN loaded into an fp16 master (O2), before anything of this layer is
-            loaded: the scaled fp16 storage would saturate inf to 65504 without a word. (fp32 and bf16 storage, O1,
-            takes the values as they are, as torch does.)
-    """
-    key = prefix + "weight"
-    weight = getattr(module, "weight", None)
-    if weight is None or key not in state_dict:
-        return
-    if master_scale(weight) is None:  # not adopted: takes true weights, so another O2 model's parameter exported
-        incoming = state_dict[key]
-        if isinstance(incoming, torch.Tensor) and not incoming.is_meta and master_scale(incoming) is not None:
-            state_dict[key] = export(incoming)
-        return
-    if local_metadata.get("assign_to_params_buffers", False):
-        raise RuntimeError(
-            f"load_state_dict(..., assign=True) would replace the weight Parameter {prefix + 'weight'!r} of shape "
-            f"{tuple(weight.shape)}, whose storage FP8AdamW (O2) holds as its scaled fp16 master: the optimizer would "
-            "go on stepping the old Parameter, which the model no longer uses. Load with assign=False (the default: "
-            "the values are copied into the existing Parameter, and the optimizer keeps working), or create the "
-            "optimizer after loading. This layer was not changed"
-        )
-    incoming = state_dict[key]
-    if not isinstance(incoming, torch.Tensor) or incoming.shape != weight.shape or incoming.is_meta:
-        return  # the default loader reports the mismatch (a meta tensor: it warns that the copy is a no-op)
-    if _is_stored_in(incoming, weight):
-        # The weight's own storage (model.load_state_dict(dict(model.named_parameters())); torch's distributed
-        # checkpoint set_model_state_dict fills the keys a partial dict lacks so): the scaled master, copied on itself.
-        return
-    if master_scale(incoming) is not None:  # another adopted weight (another O2 model's named_parameters()): scaled
-        incoming = export(incoming)
-    if incoming.dtype in FP8_DTYPES:  # torch copies FP8 values into a wider parameter; isfinite has no FP8 kernel
-        incoming = incoming.float()
-    if weight.dtype == torch.float16 and incoming.is_floating_point() and not bool(torch.isfinite(incoming).all()):
-        raise ValueError(
-            f"load_state_dict: the weight {key!r} of shape {tuple(weight.shape)} holds inf or NaN. FP8AdamW (O2) keeps "
-            "it as a scaled fp16 master, which cannot hold them (inf would become 65504, silently). Load a checkpoint "
-            "from before the values went non-finite. This layer was not changed"
-        )
-    with torch.no_grad():
-        incoming = incoming.to(weight.device)
-        if weight.dtype == torch.float16:
-            scaled, scale, amax = quantize_fp16(incoming)
-        else:
-            scaled, scale, amax = incoming.to(weight.dtype), torch.ones_like(master_scale(weight)), ops.amax(incoming)
-        master_scale(weight).copy_(scale)
-        getattr(weight, AMAX_ATTR).copy_(amax)
-    state_dict[key] = scaled
-
-
-def _is_stored_in(tensor: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``tensor`` is ``weight`` or a plain view of all of its values (``weight.detach()``, ``weight.data``)."""
-    if tensor is weight:
-        return True
-    plain = type(tensor) in (torch.Tensor, nn.Parameter) and type(weight) in (torch.Tensor, nn.Parameter)  # no DTensor
-    return (
-        plain
-        and tensor.device == weight.device
-        and tensor.dtype == weight.dtype
-        and tensor.data_ptr() == weight.data_ptr()
-        and tensor.stride() == weight.stride()
-    )

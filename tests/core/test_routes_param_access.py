@@ -664,10 +664,10 @@ def test_parameters_saved_by_hand_from_named_parameters_load_as_the_true_weights
     load_fp8_state_dict(fresh, fp8_state_dict(model))
     assert_same(torch.func.functional_call(fresh, loaded, (X,)), ref(X))
     # Found by this sweep: a converted model whose weight holds no master (no FP8AdamW over it yet: an inference or
-    # evaluation copy) loaded the stored w * scale (2**17 times the weight) as its weight, silently:
-    # master.load_state_dict_pre_hook returned at once where the target weight holds no master, before the check that
-    # unscales an incoming tensor carrying its own master scale (which torch.save and torch.load(weights_only=True)
-    # keep on a saved Parameter).
+    # evaluation copy) loaded the stored w * scale (2**17 times the weight) as its weight, silently: the load hook
+    # (master_layer.py) returned at once where the target weight holds no master, before the check that unscales an
+    # incoming tensor carrying its own master scale (which torch.save and torch.load(weights_only=True) keep on a saved
+    # Parameter).
     fresh.load_state_dict(loaded)
     _assert_fp16_close(_weight(fresh), _weight(model))
 
@@ -782,11 +782,11 @@ def test_reparametrizing_an_adopted_weight_is_refused_as_it_is_put_and_the_layer
     """Reparametrizing an FP8 layer whose weight FP8AdamW (O2) holds as a scaled fp16 master is refused as it is put,
     naming ``release_weights()``: the layer keeps its weight (the same parameter, the optimizer's), its state dict and
     its outputs, and trains on as a twin that was never touched."""
-    # Found by this sweep: torch computes these from the parameter's storage, the scaled fp16 master. Weight norm's
-    # g = ||w * scale|| per row overflowed fp16 and spectral norm's power iteration gave NaN, so the weight put back
-    # by their removal (which the forward's refusal asked for) was inf or NaN, silently; while any of them was on, the
-    # state dict held the scaled storage under the reparametrization's key (w * 2**17), silently. They were refused
-    # only at the next forward.
+    # Found by this sweep: torch computes these from the parameter's storage, the scaled fp16 master. Weight norm's g =
+    # ||w * scale|| per row overflowed fp16 and spectral norm's power iteration gave NaN, so the weight put back by
+    # their removal (which the forward's refusal asked for) was inf or NaN, silently; while any of them was on, the
+    # state dict held the scaled storage under the reparametrization's key (w * 2**17), silently. They were refused only
+    # at the next forward.
     model, opt, scaler = _trained()
     twin, twin_opt, twin_scaler = _trained()
     weight, state, out = model[0].weight, model.state_dict(), model(X)

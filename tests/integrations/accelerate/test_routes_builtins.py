@@ -327,7 +327,7 @@ def test_a_sharded_save_model_loads_into_a_model_prepared_with_its_optimizer(tmp
     # (2**17-2**18 here): get_state_dict and the forward read weights of ~4e4. Accelerate's load_checkpoint_in_model
     # loads each shard with torch.distributed.checkpoint's set_model_state_dict(full_state_dict=True), which fills the
     # keys the shard lacks with the model's own parameters (named_parameters(): at O2 the scaled fp16 master in the
-    # weight's storage) and loads them back with load_state_dict; master.load_state_dict_pre_hook took that storage for
+    # weight's storage) and loads them back with load_state_dict; the load hook (master_layer.py) took that storage for
     # an unscaled weight and stored it again with a fresh scale (about 1). It loads a weight's own storage as the no-op
     # it is now (tests/core/test_layer_init_and_load.py).
     directory, saved = _sharded_save(tmp_path, recipe, safe=True)
