@@ -32,8 +32,8 @@ def forward_weight_reads(cls: type, forward: Callable | None = None, module: obj
 
     ``forward``: an instance's own forward (``model.forward = ...``, which ``nn.Module.__call__`` runs) of ``module``,
     read as well (with what it calls): a method bound to ``module``, a ``functools.partial`` given ``module`` first, or
-    a function reaching ``module`` through its closure or a global name. Each function's reading is cached (by the function object): a
-    forward patched on the class later is read afresh."""
+    a function reaching ``module`` through its closure or a global name. Each function's reading is cached (by the
+    function object): a forward patched on the class later is read afresh."""
     found: dict[str, str] = {}
     for fn, self_names in _reached_methods(cls, _own_forward(forward, module)):
         for path, use in _function_reads(fn, self_names).items():
