@@ -111,9 +111,7 @@ class Accelerator(CheckpointMixin, LoggingMixin, GradientsMixin, OptimizerSwapMi
         passed = _accelerate_arguments(args, kwargs)
         tensor_parallel.check_launch(passed.get("parallelism_config"))
         if self.fp8_lm_config is not None:  # before Accelerate sets up its process-wide state with it
-            # Accelerate's own order: the argument, else ACCELERATE_MIXED_PRECISION.
-            mixed_precision = passed.get("mixed_precision")
-            refusals.check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
+            refusals.check_mixed_precision_argument(passed.get("mixed_precision"))
             refusals.check_kwargs_handlers(passed.get("kwargs_handlers"))
         super().__init__(*args, **kwargs)
         self._fp8_init_attributes(fp8_stats_in_log, fp8_module_filter)

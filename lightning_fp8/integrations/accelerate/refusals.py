@@ -47,6 +47,17 @@ def check_mixed_precision(mixed_precision: Any) -> None:
         )
 
 
+def check_mixed_precision_argument(mixed_precision: Any) -> None:
+    """:func:`check_mixed_precision` in Accelerate's own order: the argument, else ``ACCELERATE_MIXED_PRECISION`` (an
+    ``accelerate launch --mixed_precision``), named in the error."""
+    try:
+        check_mixed_precision(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    except ValueError as err:
+        if mixed_precision:
+            raise
+        raise ValueError(f"{err} (set by the environment variable ACCELERATE_MIXED_PRECISION)") from None
+
+
 # Accelerate's recipes of its own FP8 backends (those its version has): with FP8-LM they would configure a backend that
 # does not run. Accelerate refuses them without mixed_precision="fp8" except under FSDP and DeepSpeed.
 _FP8_BACKEND_HANDLERS = ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs")

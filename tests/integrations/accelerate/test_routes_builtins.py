@@ -797,9 +797,14 @@ def test_a_refused_mixed_precision_says_what_to_use_before_accelerate_starts(mon
     if environment is not None:
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", environment)
     kwargs = {} if argument is None else {"mixed_precision": argument}
-    with pytest.raises(ValueError, match=rf"mixed_precision='{named}' cannot be combined with FP8-LM.*'bf16'.*'no'"):
+    with pytest.raises(
+        ValueError, match=rf"mixed_precision='{named}' cannot be combined with FP8-LM.*'bf16'.*'no'"
+    ) as err:
         Accelerator(cpu=True, fp8_lm_recipe="fp8-lm", **kwargs)
     assert not AcceleratorState._shared_state
+    # The environment variable is named where it set the value (found by this sweep: the message named none).
+    named_env = "(set by the environment variable ACCELERATE_MIXED_PRECISION)" in str(err.value)
+    assert named_env == (argument is None)
 
 
 @pytest.mark.parametrize(
