@@ -138,7 +138,7 @@ def test_an_fp32_master_costs_two_bytes_more_per_parameter():
     # + 1 (FP8 gradient) = 8 bytes against 6.
     default, fp32_master = _bytes_per_param(lambda m: m), _bytes_per_param(lambda m: m, master_dtype=torch.float32)
     assert (default, fp32_master) == (6, 8)
-    assert fp32_master - default == 2  # the docs say 4
+    assert fp32_master - default == 2  # the page said 4
 
 
 @pytest.mark.parametrize(("lr", "documented"), [(1e-5, 0.97), (1e-4, 0.80)])
