@@ -24,14 +24,16 @@ import warnings
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fp8 import fp8_state_dict
 from lightning_fp8.accelerate import Accelerator
-from lightning_fp8.integrations.accelerate.config import ENV_EXCLUDE, ENV_RECIPE
 from lightning_fp8.optim import FP8AdamW
 from lightning_fp8.recipe import FP8Recipe
+from tests.integrations.accelerate.test_routes_loop_forms import (  # noqa: F401 (an autouse fixture)
+    _fresh_accelerate_state,
+    _reset,
+)
 
 
 class Net(nn.Module):
@@ -43,23 +45,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv(ENV_RECIPE, raising=False)
-    monkeypatch.delenv(ENV_EXCLUDE, raising=False)
-    warnings.simplefilter("ignore")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def _reset() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 torch.manual_seed(0)
